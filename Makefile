@@ -1,0 +1,52 @@
+# flashmetal — build the Swift library, install the Python package into .venv,
+# run every test. Fragments in mk/*.mk add their own targets and append test
+# targets to EXTRA_TESTS.
+SHELL := /bin/bash
+SWIFT ?= $(shell command -v swift 2>/dev/null || echo /opt/swift/usr/bin/swift)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UNAME := $(shell uname -s)
+LIBNAME := $(if $(filter Darwin,$(UNAME)),libflashmetal.dylib,libflashmetal.so)
+LIB := .build/release/$(LIBNAME)
+PKG := python/flashmetal
+HEADER := Sources/CFlashMetal/include/flashmetal.h
+PYTEST_ARGS ?=
+EXTRA_TESTS :=
+
+-include mk/*.mk
+
+.PHONY: all build python venv test swift-test pytest demo bench clean
+
+all: build python
+
+build:
+	$(SWIFT) build -c release --product flashmetal
+
+# The Python package loads the library and header from its own folder.
+python: build venv
+	cp $(LIB) $(PKG)/$(LIBNAME)
+	cp $(HEADER) $(PKG)/flashmetal.h
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e python
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: python/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	$(PY) -m pip install --quiet -r python/requirements.txt
+	touch $@
+
+swift-test:
+	$(SWIFT) test
+
+pytest: python
+	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+
+test: all swift-test pytest $(EXTRA_TESTS)
+
+demo: python
+	$(PY) -m flashmetal.demo
+
+clean:
+	rm -rf .build $(VENV) $(PKG)/$(LIBNAME) $(PKG)/flashmetal.h

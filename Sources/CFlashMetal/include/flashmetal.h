@@ -1,0 +1,169 @@
+/*
+ * flashmetal.h — the one definition of the kernel parameter structs and of
+ * the library's C ABI.
+ *
+ * Three compilers read this file:
+ *   - Swift (through the CFlashMetal module) for the dispatchers and @_cdecl
+ *     entry points,
+ *   - C/C++ (cpu kernels, simulator) and the Metal compiler for the structs,
+ *   - cffi (python/flashmetal/_loader.py), which reads the text between the
+ *     FM_CDEF markers with preprocessor lines removed. Keep that part free of
+ *     macros, attributes and expressions cffi cannot parse.
+ *
+ * Struct layouts follow the mlx-native seeds field for field; sizes and
+ * offsets are pinned by static asserts in layout_checks.c and by swift tests.
+ */
+#ifndef FLASHMETAL_H
+#define FLASHMETAL_H
+
+#ifndef __METAL_VERSION__
+#include <stddef.h>
+#include <stdint.h>
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* FM_CDEF_BEGIN */
+
+/* ---- kernel parameter structs (seeds 000-004) -------------------------- */
+
+/* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
+typedef struct AttnParams {
+    int32_t B;
+    int32_t H;
+    int32_t D;
+    int32_t qL;
+    int32_t kL;
+    int32_t gqa_factor;
+    float scale;
+    float softcapping; /* logit softcap c; 0 disables it */
+    int32_t NQ;
+    int32_t NK;
+    int32_t NQ_aligned;
+    int32_t NK_aligned;
+    int32_t qL_rem;
+    int32_t kL_rem;
+    int32_t qL_off;
+    int32_t _pad;
+    int64_t Q_strides[3];
+    int64_t K_strides[3];
+    int64_t V_strides[3];
+    int64_t O_strides[3];
+} AttnParams;
+
+/* Prefill: buffer(5), only with a mask. 24 bytes. (batch, head, qL) strides. */
+typedef struct AttnMaskParams {
+    int64_t M_strides[3];
+} AttnMaskParams;
+
+/* Tile-skip pre-pass: buffer(2). 16 bytes. */
+typedef struct BlkParams {
+    int32_t seq_len_q;
+    int32_t seq_len_k;
+    int32_t mask_row_stride; /* elements between mask rows */
+    int32_t _pad;
+} BlkParams;
+
+/* Decode: buffer(0). 40 bytes. mask_type 0 none, 1 causal, 2 sliding window. */
+typedef struct FlashAttnVecParams {
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t kv_seq_len;
+    uint32_t kv_capacity;
+    float scale;
+    uint32_t mask_type;
+    uint32_t sliding_window;
+    float softcap;
+    uint32_t nwg;
+} FlashAttnVecParams;
+
+/* Decode reduce (plain and FWHT-undo): buffer(0). 4 bytes. */
+typedef struct FlashAttnVecReduceParams {
+    uint32_t nrows;
+} FlashAttnVecReduceParams;
+
+/* Simple SDPA: buffer(4). 32 bytes. */
+typedef struct SdpaParams {
+    uint32_t n_heads;
+    uint32_t n_kv_heads;
+    uint32_t head_dim;
+    uint32_t seq_len;
+    uint32_t kv_seq_len;
+    float scale;
+    uint32_t kv_capacity;
+    uint32_t do_causal;
+} SdpaParams;
+
+/* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
+#ifndef __METAL_VERSION__
+
+/* Element types of borrowed tensors. */
+typedef enum FMDType {
+    FM_DTYPE_F32 = 0,
+    FM_DTYPE_F16 = 1,
+    FM_DTYPE_BF16 = 2,
+    FM_DTYPE_BOOL = 3,
+    FM_DTYPE_U8 = 4
+} FMDType;
+
+/* Every entry point returns one of these; the message goes to `err`. */
+typedef enum FMStatus {
+    FM_OK = 0,
+    FM_ERROR_VALUE = 1,    /* a bad shape, size, length or option */
+    FM_ERROR_TYPE = 2,     /* a bad dtype */
+    FM_ERROR_BACKEND = 3,  /* a backend could not be created or failed */
+    FM_ERROR_INTERNAL = 4  /* a bug: please report */
+} FMStatus;
+
+/* Prefill layouts: head-major [B, H, L, D] or seq-major [B, L, H, D]. */
+typedef enum FMLayout {
+    FM_LAYOUT_BHLD = 0,
+    FM_LAYOUT_BLHD = 1
+} FMLayout;
+
+/* A borrowed, C-contiguous host tensor. The library checks nbytes against
+ * the shape before it touches `data`. */
+typedef struct FMTensor {
+    void *data;
+    uint64_t nbytes;
+    int32_t dtype;
+    int32_t ndim;
+    int64_t shape[8];
+} FMTensor;
+
+typedef struct FMRegistry FMRegistry;
+
+typedef struct FMPrefillOptions {
+    float scale;      /* finite; 1/sqrt(D) is the usual choice */
+    float softcap;    /* 0 = off, else > 0 */
+    int32_t causal;   /* 0 or 1 */
+    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off) */
+    int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
+    int32_t layout;   /* FMLayout */
+} FMPrefillOptions;
+
+#if !defined(__swift__)
+/* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
+ * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
+ * receives a NUL-terminated message of at most errlen bytes. */
+int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
+int fm_destroy_registry(FMRegistry *registry);
+int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
+int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                        const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
+                        const FMTensor *out, const FMPrefillOptions *options,
+                        char *err, size_t errlen);
+const char *fm_version(void);
+#endif /* !__swift__ */
+#endif /* !__METAL_VERSION__ */
+
+/* FM_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHMETAL_H */

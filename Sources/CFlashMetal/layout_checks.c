@@ -1,0 +1,20 @@
+// Compile-time proof that the parameter structs have the seeds' layouts.
+#include "flashmetal.h"
+
+#define FM_AT(T, f, off) _Static_assert(offsetof(T, f) == (off), #T "." #f " offset")
+
+_Static_assert(sizeof(AttnParams) == 160, "AttnParams is 160 bytes");
+FM_AT(AttnParams, scale, 24);
+FM_AT(AttnParams, softcapping, 28);
+FM_AT(AttnParams, qL_off, 56);
+FM_AT(AttnParams, Q_strides, 64);
+FM_AT(AttnParams, K_strides, 88);
+FM_AT(AttnParams, V_strides, 112);
+FM_AT(AttnParams, O_strides, 136);
+_Static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams is 24 bytes");
+_Static_assert(sizeof(BlkParams) == 16, "BlkParams is 16 bytes");
+_Static_assert(sizeof(FlashAttnVecParams) == 40, "FlashAttnVecParams is 40 bytes");
+FM_AT(FlashAttnVecParams, nwg, 36);
+_Static_assert(sizeof(FlashAttnVecReduceParams) == 4, "FlashAttnVecReduceParams is 4 bytes");
+_Static_assert(sizeof(SdpaParams) == 32, "SdpaParams is 32 bytes");
+FM_AT(SdpaParams, do_causal, 28);

@@ -1,0 +1,44 @@
+import FlashMetalCPU
+import FlashMetalCore
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
+
+/// Names a backend: "auto" is metal on macOS, else cpu; FLASHMETAL_BACKEND
+/// overrides "auto".
+enum BackendFactory {
+    static var available: [String] {
+        var names = ["cpu"]
+        #if canImport(FlashMetalSimBackend)
+        names.append("sim")
+        #endif
+        return names
+    }
+
+    static func resolve(_ requested: String) -> String {
+        guard requested == "auto" else { return requested }
+        if let env = getenv("FLASHMETAL_BACKEND"), !String(cString: env).isEmpty {
+            return String(cString: env)
+        }
+        #if canImport(Metal)
+        return "metal"
+        #else
+        return "cpu"
+        #endif
+    }
+
+    static func make(_ requested: String) throws -> Backend {
+        let name = resolve(requested)
+        switch name {
+        case "cpu":
+            return CPUBackend()
+        default:
+            let via = name == requested ? "" : " (from FLASHMETAL_BACKEND for 'auto')"
+            throw FlashMetalError.backend(
+                "create_registry: unknown or unavailable backend '\(name)'\(via); available: auto, "
+                    + available.joined(separator: ", "))
+        }
+    }
+}

@@ -1,0 +1,22 @@
+import CFlashMetal
+import FlashMetalCore
+
+@_cdecl("fm_dispatch_prefill")
+public func fm_dispatch_prefill(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
+    _ v: UnsafePointer<FMTensor>?, _ mask: UnsafePointer<FMTensor>?, _ blk: UnsafePointer<FMTensor>?,
+    _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMPrefillOptions>?,
+    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+) -> Int32 {
+    guarded(err, errlen) {
+        let op = PrefillDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        let tensors = PrefillTensors(
+            q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
+            v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "out"),
+            mask: try optionalTensor(mask, op: op, name: "mask"),
+            blk: try optionalTensor(blk, op: op, name: "blk"))
+        try reg.run([PrefillDispatcher.makeDispatch(tensors, try PrefillOptions(options.pointee))])
+    }
+}

@@ -1,0 +1,47 @@
+import CFlashMetal
+import FlashMetalCore
+
+@_cdecl("fm_version")
+public func fm_version() -> UnsafePointer<CChar> {
+    return versionString
+}
+
+private let versionString: UnsafePointer<CChar> = {
+    let s = "0.1.0"
+    let p = UnsafeMutablePointer<CChar>.allocate(capacity: s.utf8.count + 1)
+    for (i, b) in s.utf8.enumerated() { p[i] = CChar(bitPattern: b) }
+    p[s.utf8.count] = 0
+    return UnsafePointer(p)
+}()
+
+@_cdecl("fm_create_registry")
+public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,
+                               _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
+    guarded(err, errlen) {
+        guard let out = out else { throw FlashMetalError.value("create_registry", "out is null") }
+        out.pointee = nil
+        let name = backend.map { String(cString: $0) } ?? "auto"
+        out.pointee = Handles.register(Registry(backend: try BackendFactory.make(name)))
+    }
+}
+
+@_cdecl("fm_destroy_registry")
+public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
+    guarded(nil, 0) {
+        if let r = registry { try Handles.destroy(r) }
+    }
+}
+
+@_cdecl("fm_registry_backend")
+public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?, _ len: Int) -> Int32 {
+    var status: Int32 = 0
+    status = guarded(name, len) {
+        let r = try Handles.registry(registry, op: "registry_backend")
+        writeMessage(r.backend.name, name, len)
+    }
+    if status == 0 {
+        // guarded() clears the buffer on success; write the name after it.
+        if let r = try? Handles.registry(registry, op: "registry_backend") { writeMessage(r.backend.name, name, len) }
+    }
+    return status
+}

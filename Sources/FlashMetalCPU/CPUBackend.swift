@@ -1,0 +1,26 @@
+import FlashMetalCore
+
+/// The native backend: resolves each kernel name and its function constants
+/// to a native kernel; the registry caches what it makes.
+public final class CPUBackend: Backend {
+    public let name = "cpu"
+    let pool = WorkerPool()
+
+    public init() {}
+
+    public func makePipeline(_ key: PipelineKey) throws -> AnyObject {
+        if PrefillDispatcher.allKernelNames.contains(key.kernel) {
+            return try PrefillKernel(key)
+        }
+        throw FlashMetalError.backend("cpu backend: unknown kernel '\(key.kernel)'")
+    }
+
+    public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
+        for (d, p) in zip(dispatches, pipelines) {
+            guard let k = p as? CPUKernel else {
+                throw FlashMetalError.internalError("cpu backend: pipeline for \(d.kernel) is not a cpu kernel")
+            }
+            try k.run(d, pool: pool)
+        }
+    }
+}

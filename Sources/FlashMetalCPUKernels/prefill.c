@@ -1,0 +1,132 @@
+/* Prefill on the cpu: one query tile at a time, online softmax over key
+ * tiles of the dispatch's BK, never more than O(BQ*D + BK*D) memory.
+ *
+ * Numerics (DESIGN §2): s = scale*q.k, softcap, then the mask; the running
+ * max starts at -FLT_MAX/2 so -inf scores give exp(-inf) = 0 and never NaN;
+ * a row with no visible key outputs exact zeros. Each row's arithmetic is
+ * independent of the other rows of its tile, and a key tile in which a row
+ * sees nothing contributes exactly nothing (factor exp(0) = 1, p = 0), so
+ * skipping such tiles (blk class 0, causal) leaves the output bit-identical
+ * and a resumed chunk matches the one-shot rows bit for bit. */
+#include <float.h>
+#include <math.h>
+#include "fm_cpu_kernels.h"
+#include "half_convert.h"
+
+#define FM_M_INIT (-FLT_MAX / 2)
+/* Independent partial sums keep the dot product deterministic and
+ * vectorisable without reassociation flags. */
+#define FM_LANES 16
+
+size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d) {
+    /* Qtile, Otile, K tile, V tile, scores, m, l */
+    return (size_t)bq * d * 2 + (size_t)bk * d * 2 + (size_t)bk + (size_t)bq * 2;
+}
+
+static float fm_dot(const float *a, const float *b, int32_t n) {
+    float acc[FM_LANES] = {0};
+    int32_t i = 0;
+    for (; i + FM_LANES <= n; i += FM_LANES)
+        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) acc[0] += a[i] * b[i];
+    float s = 0;
+    for (int j = 0; j < FM_LANES; j++) s += acc[j];
+    return s;
+}
+
+static float fm_load_mask(const FMPrefillArgs *a, const void *row, int64_t col) {
+    if (a->mask_kind == FM_MASK_BOOL) return ((const uint8_t *)row)[col] ? 0.0f : -INFINITY;
+    uint16_t h = ((const uint16_t *)row)[col];
+    return a->io_dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(h) : fm_f16_to_f32(h);
+}
+
+void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
+                         float *scratch) {
+    const AttnParams *p = &a->p;
+    const int32_t D = p->D, bq = a->bq, bk = a->bk;
+    const int64_t qL = p->qL, kL = p->kL;
+    const int64_t r0 = qtile * bq;
+    const int64_t nrows = (qL - r0) < bq ? (qL - r0) : bq;
+    const int64_t kvh = h / p->gqa_factor;
+    const int is_bf16 = a->io_dtype == FM_DTYPE_BF16;
+    const float softcap = p->softcapping;
+    const size_t esz = 2;
+
+    float *Qt = scratch;
+    float *Ot = Qt + (size_t)bq * D;
+    float *Kt = Ot + (size_t)bq * D;
+    float *Vt = Kt + (size_t)bk * D;
+    float *S = Vt + (size_t)bk * D;
+    float *M = S + bk;
+    float *L = M + bq;
+
+    const char *qbase = (const char *)a->q + esz * (b * p->Q_strides[0] + h * p->Q_strides[1]);
+    const char *kbase = (const char *)a->k + esz * (b * p->K_strides[0] + kvh * p->K_strides[1]);
+    const char *vbase = (const char *)a->v + esz * (b * p->V_strides[0] + kvh * p->V_strides[1]);
+    char *obase = (char *)a->o + esz * (b * p->O_strides[0] + h * p->O_strides[1]);
+    const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : 2;
+    const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
+        : (const char *)a->mask + msz * (b * a->mp.M_strides[0] + h * a->mp.M_strides[1]);
+
+    for (int64_t r = 0; r < nrows; r++) {
+        fm_load_row(Qt + r * D, (const uint16_t *)(qbase + esz * (r0 + r) * p->Q_strides[2]), D, is_bf16);
+        for (int32_t d = 0; d < D; d++) Ot[r * D + d] = 0.0f;
+        M[r] = FM_M_INIT;
+        L[r] = 0.0f;
+    }
+
+    /* Last key any row of this tile may see under the causal mask. */
+    const int64_t causal_last = p->qL_off + r0 + nrows - 1;
+    const int64_t nk = p->NK;
+    for (int64_t kt = 0; kt < nk; kt++) {
+        const int64_t c0 = kt * bk;
+        if (a->causal && c0 > causal_last) break;
+        int skip_mask = 0;
+        if (a->blk) {
+            uint8_t cls = a->blk[qtile * nk + kt];
+            if (cls == 0) continue;
+            skip_mask = cls == 2;
+        }
+        const int64_t kc = (kL - c0) < bk ? (kL - c0) : bk;
+        for (int64_t j = 0; j < kc; j++) {
+            fm_load_row(Kt + j * D, (const uint16_t *)(kbase + esz * (c0 + j) * p->K_strides[2]), D, is_bf16);
+            fm_load_row(Vt + j * D, (const uint16_t *)(vbase + esz * (c0 + j) * p->V_strides[2]), D, is_bf16);
+        }
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t qpos = p->qL_off + r0 + r;
+            const void *mrow = mbase ? mbase + msz * (r0 + r) * a->mp.M_strides[2] : NULL;
+            float mx = M[r];
+            for (int64_t j = 0; j < kc; j++) {
+                float s = p->scale * fm_dot(Qt + r * D, Kt + j * D, D);
+                if (softcap > 0) s = softcap * tanhf(s / softcap);
+                if (mrow && !skip_mask) s += fm_load_mask(a, mrow, c0 + j);
+                if (a->causal && c0 + j > qpos) s = -INFINITY;
+                S[j] = s;
+                if (s > mx) mx = s;
+            }
+            const float factor = expf(M[r] - mx);
+            float l = L[r] * factor;
+            float *o = Ot + r * D;
+            for (int32_t d = 0; d < D; d++) o[d] *= factor;
+            for (int64_t j = 0; j < kc; j++) {
+                const float pj = expf(S[j] - mx);
+                l += pj;
+                const float *vj = Vt + j * D;
+                for (int32_t d = 0; d < D; d++) o[d] += pj * vj[d];
+            }
+            M[r] = mx;
+            L[r] = l;
+        }
+    }
+
+    for (int64_t r = 0; r < nrows; r++) {
+        const float inv = L[r] == 0.0f ? 0.0f : 1.0f / L[r];
+        uint16_t *dst = (uint16_t *)(obase + esz * (r0 + r) * p->O_strides[2]);
+        const float *o = Ot + r * D;
+        if (is_bf16) {
+            for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_bf16(o[d] * inv);
+        } else {
+            for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_f16(o[d] * inv);
+        }
+    }
+}

@@ -1,0 +1,59 @@
+/// A 3-D size: grid of threadgroups or threads per threadgroup.
+public struct Size3: Hashable, Sendable, CustomStringConvertible {
+    public var x: Int, y: Int, z: Int
+    public init(_ x: Int, _ y: Int, _ z: Int) { self.x = x; self.y = y; self.z = z }
+    public var count: Int { x * y * z }
+    public var description: String { "(\(x), \(y), \(z))" }
+}
+
+/// What sits at one buffer index of a kernel.
+public enum Binding: @unchecked Sendable {
+    /// Caller memory, bound without a copy.
+    case buffer(TensorRef)
+    /// A parameter struct passed by value (Metal's setBytes).
+    case bytes([UInt8])
+}
+
+/// Everything a backend needs to run one kernel launch: produced once by a
+/// dispatcher, run by any backend.
+public struct Dispatch: @unchecked Sendable {
+    public let pipeline: PipelineKey
+    public let grid: Size3
+    public let threadgroup: Size3
+    public let bindings: [Int: Binding]
+    /// Threadgroup-memory lengths by index (setThreadgroupMemoryLength).
+    public let threadgroupMemory: [Int: Int]
+
+    public init(kernel: String, constants: FunctionConstants = FunctionConstants(),
+                grid: Size3, threadgroup: Size3, bindings: [Int: Binding],
+                threadgroupMemory: [Int: Int] = [:]) {
+        self.pipeline = PipelineKey(kernel: kernel, constants: constants)
+        self.grid = grid
+        self.threadgroup = threadgroup
+        self.bindings = bindings
+        self.threadgroupMemory = threadgroupMemory
+    }
+
+    public var kernel: String { pipeline.kernel }
+    public var constants: FunctionConstants { pipeline.constants }
+
+    public func buffer(_ index: Int) throws -> TensorRef {
+        guard case .buffer(let t)? = bindings[index] else {
+            throw FlashMetalError.internalError("\(kernel): no buffer at index \(index)")
+        }
+        return t
+    }
+
+    /// Reads a parameter struct bound with setBytes.
+    public func params<T>(_ index: Int, as: T.Type) throws -> T {
+        guard case .bytes(let b)? = bindings[index], b.count == MemoryLayout<T>.size else {
+            throw FlashMetalError.internalError("\(kernel): no \(T.self) at index \(index)")
+        }
+        return b.withUnsafeBytes { $0.loadUnaligned(as: T.self) }
+    }
+}
+
+/// Turns a parameter struct into the bytes of a `.bytes` binding.
+public func bytesOf<T>(_ value: T) -> [UInt8] {
+    withUnsafeBytes(of: value) { Array($0) }
+}

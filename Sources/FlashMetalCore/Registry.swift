@@ -1,0 +1,33 @@
+/// Owns a backend and its pipeline cache keyed by (kernel, constants).
+/// Safe to share between threads: the cache is behind a lock and pipelines
+/// are immutable once made.
+public final class Registry: @unchecked Sendable {
+    public let backend: Backend
+    private let lock = Lock()
+    private var cache: [PipelineKey: AnyObject] = [:]
+
+    public init(backend: Backend) {
+        self.backend = backend
+    }
+
+    /// The cached pipeline for a key, made on first use.
+    public func pipeline(_ key: PipelineKey) throws -> AnyObject {
+        if let p = lock.withLock({ cache[key] }) { return p }
+        // Made outside the lock so a slow compile does not stall other keys;
+        // a racing duplicate is dropped in favour of the first one stored.
+        let made = try backend.makePipeline(key)
+        return lock.withLock {
+            if let p = cache[key] { return p }
+            cache[key] = made
+            return made
+        }
+    }
+
+    public var cachedKeys: [PipelineKey] { lock.withLock { Array(cache.keys) } }
+
+    /// Runs a sequence of dispatches (e.g. decode, then its reduce).
+    public func run(_ dispatches: [Dispatch]) throws {
+        let pipelines = try dispatches.map { try pipeline($0.pipeline) }
+        try backend.run(dispatches, pipelines: pipelines)
+    }
+}

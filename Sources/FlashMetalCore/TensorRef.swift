@@ -1,0 +1,76 @@
+import CFlashMetal
+
+/// A borrowed, C-contiguous host tensor. The library never owns the memory;
+/// the dispatchers prove `byteCount` covers the shape before any kernel runs.
+public struct TensorRef: @unchecked Sendable {
+    public let data: UnsafeMutableRawPointer
+    public let byteCount: Int
+    public let dtype: DType
+    public let shape: [Int]
+
+    public init(data: UnsafeMutableRawPointer, byteCount: Int, dtype: DType, shape: [Int]) {
+        self.data = data
+        self.byteCount = byteCount
+        self.dtype = dtype
+        self.shape = shape
+    }
+
+    public var rank: Int { shape.count }
+
+    /// Reads an ABI tensor, rejecting what cannot describe host memory.
+    public init(_ t: UnsafePointer<FMTensor>?, op: String, name: String) throws {
+        guard let t = t?.pointee else { throw FlashMetalError.value(op, "\(name) is null") }
+        guard let dtype = DType(rawValue: t.dtype) else {
+            throw FlashMetalError.type(op, "\(name) has an unknown dtype code \(t.dtype)")
+        }
+        guard t.ndim >= 0 && t.ndim <= 8 else {
+            throw FlashMetalError.value(op, "\(name) has rank \(t.ndim); at most 8 is supported")
+        }
+        let shape = withUnsafeBytes(of: t.shape) { raw in
+            Array(raw.bindMemory(to: Int64.self).prefix(Int(t.ndim))).map { Int($0) }
+        }
+        if let bad = shape.first(where: { $0 < 0 }) {
+            throw FlashMetalError.value(op, "\(name) has a negative dimension \(bad) in shape \(shape)")
+        }
+        guard t.nbytes <= UInt64(Int.max) else {
+            throw FlashMetalError.value(op, "\(name) byte length \(t.nbytes) is out of range")
+        }
+        guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null") }
+        self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape)
+    }
+
+    /// Element count of the shape, or nil when it overflows.
+    public var elementCount: Int? {
+        var n = 1
+        for d in shape {
+            let (p, o) = n.multipliedReportingOverflow(by: d)
+            if o { return nil }
+            n = p
+        }
+        return n
+    }
+
+    /// Proves the buffer holds the shape's bytes.
+    public func requireBytes(op: String, name: String) throws {
+        guard let n = elementCount, case let (bytes, false) = n.multipliedReportingOverflow(by: dtype.byteSize)
+        else { throw FlashMetalError.value(op, "\(name) shape \(shape) is too large") }
+        if byteCount < bytes {
+            throw FlashMetalError.value(
+                op, "\(name) buffer too small: shape \(shape) of \(dtype.name) needs \(bytes) bytes, got \(byteCount)")
+        }
+    }
+
+    public func requireRank(_ ranks: [Int], op: String, name: String) throws {
+        if !ranks.contains(rank) {
+            let want = ranks.map(String.init).joined(separator: " or ")
+            throw FlashMetalError.value(op, "\(name) must have rank \(want), got shape \(shape)")
+        }
+    }
+
+    public func requireDType(_ allowed: [DType], op: String, name: String) throws {
+        if !allowed.contains(dtype) {
+            let want = allowed.map(\.name).joined(separator: " or ")
+            throw FlashMetalError.type(op, "\(name) must be \(want), got \(dtype.name)")
+        }
+    }
+}

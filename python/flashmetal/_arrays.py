@@ -1,0 +1,62 @@
+"""numpy arrays <-> borrowed FMTensor descriptors, without copies."""
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+BOOL = np.dtype(np.bool_)
+U8 = np.dtype(np.uint8)
+
+# FMDType codes of flashmetal.h
+DTYPE_CODES = {F32: 0, F16: 1, BF16: 2, BOOL: 3, U8: 4}
+MAX_RANK = 8
+
+
+def as_input(x: Any, op: str, name: str) -> np.ndarray:
+    """An input as a C-contiguous array: passed as is when it already is one,
+    otherwise copied once (the caller's array is never modified)."""
+    a = np.asarray(x)
+    if a.dtype not in DTYPE_CODES:
+        raise TypeError(f"{op}: {name} dtype {a.dtype} is not supported "
+                        "(use bfloat16, float16, float32, bool or uint8 as the op requires)")
+    if a.ndim > MAX_RANK:
+        raise ValueError(f"{op}: {name} has rank {a.ndim}; at most {MAX_RANK} is supported")
+    return np.ascontiguousarray(a)
+
+
+def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
+              inputs: list[np.ndarray]) -> np.ndarray:
+    """Validates a caller-provided output array: it is written in place."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{op}: out must be a numpy.ndarray, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{op}: out dtype {out.dtype} must be {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{op}: out shape {tuple(out.shape)} must be {tuple(shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{op}: out must be C-contiguous")
+    if not out.flags.writeable:
+        raise ValueError(f"{op}: out is read-only")
+    for a in inputs:
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"{op}: out must not overlap an input array")
+    return out
+
+
+def tensor(ffi: Any, a: np.ndarray | None) -> Any:
+    """A FMTensor* describing `a` (NULL for None). The caller keeps `a` alive."""
+    if a is None:
+        return ffi.NULL
+    t = ffi.new("FMTensor *")
+    t.data = ffi.cast("void *", a.ctypes.data)
+    t.nbytes = a.nbytes
+    t.dtype = DTYPE_CODES[a.dtype]
+    t.ndim = a.ndim
+    for i, d in enumerate(a.shape):
+        t.shape[i] = d
+    return t
