@@ -36,8 +36,8 @@ enum BackendFactory {
             return CPUBackend()
         default:
             let via = name == requested ? "" : " (from FLASHMETAL_BACKEND for 'auto')"
-            throw FlashMetalError.backend(
-                "create_registry: unknown or unavailable backend '\(name)'\(via); available: auto, "
+            throw FlashMetalError.value(
+                "create_registry", "unknown or unavailable backend '\(name)'\(via); available: auto, "
                     + available.joined(separator: ", "))
         }
     }

@@ -6,6 +6,10 @@ public struct PrefillGeometry: Equatable, Sendable {
     public let wm: Int
     public let wn: Int
 
+    public init(bq: Int, bk: Int, wm: Int, wn: Int) {
+        self.bq = bq; self.bk = bk; self.wm = wm; self.wn = wn
+    }
+
     /// The head dims that have a prefill kernel.
     public static let headDims = [64, 128, 256, 512]
 
@@ -30,6 +34,11 @@ public struct PrefillGeometry: Equatable, Sendable {
 
 public struct PrefillTiles: Equatable, Sendable {
     public let nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int
+
+    public init(nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int) {
+        self.nq = nq; self.nk = nk; self.nqAligned = nqAligned; self.nkAligned = nkAligned
+        self.qLRem = qLRem; self.kLRem = kLRem
+    }
 }
 
 /// Function-constant indices shared by the prefill and blk kernels (seeds 000, 001).

@@ -43,7 +43,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | Non
     g = H // hkv
     k = np.repeat(k, g, axis=1)
     v = np.repeat(v, g, axis=1)
-    s = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    s = scale * (q @ k.swapaxes(-1, -2))
     if softcap:
         s = softcap * np.tanh(s / softcap)
     if mask is not None:
@@ -55,7 +55,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | Non
     mx = np.where(np.isfinite(mx), mx, 0.0)
     p = np.exp(s - mx)
     denom = p.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhqk,bhkd->bhqd", p, v)
+    o = p @ v
     return np.where(denom > 0, o / np.where(denom > 0, denom, 1.0), 0.0)
 
 

@@ -1,0 +1,76 @@
+/*
+ * fmsim.h — the plain C interface of the flashmetal GPU simulator.
+ *
+ * The simulator runs kernels written in the portable dialect
+ * (Resources/shaders/dialect.h) on the CPU: every GPU thread of a threadgroup
+ * is a fiber, threadgroups are spread over OS worker threads. Kernels are
+ * registered by their Metal host name (INSTANTIATE_KERNEL).
+ *
+ * Nothing here traps: every failure (unknown kernel, unset function constant,
+ * divergent barrier, deadlock, threadgroup memory over 32 KiB, bad binding)
+ * returns a non-zero status and a NUL-terminated message in `err`.
+ */
+#ifndef FMSIM_H
+#define FMSIM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { FMSIM_MAX_BINDINGS = 31, FMSIM_MAX_CONSTANTS = 64, FMSIM_MAX_THREADS = 1024 };
+
+typedef enum FMSimStatus {
+    FMSIM_OK = 0,
+    FMSIM_ERROR_UNKNOWN_KERNEL = 1,
+    FMSIM_ERROR_INVALID = 2, /* bad dispatch: geometry, binding index, sizes */
+    FMSIM_ERROR_KERNEL = 3   /* the kernel failed at run time (see message) */
+} FMSimStatus;
+
+typedef struct FMSimConstant {
+    int32_t index;    /* [[function_constant(index)]] */
+    int32_t is_bool;  /* 1: bool constant, 0: int constant */
+    int32_t value;
+} FMSimConstant;
+
+typedef struct FMSimBinding {
+    int32_t index;    /* [[buffer(index)]] */
+    int32_t is_bytes; /* 1: setBytes (copied, aligned); 0: caller memory */
+    void *data;
+    uint64_t length;  /* bytes */
+} FMSimBinding;
+
+typedef struct FMSimTGMemory {
+    int32_t index;    /* [[threadgroup(index)]] (TG_BUFFER in the dialect) */
+    uint32_t length;  /* bytes */
+} FMSimTGMemory;
+
+typedef struct FMSimDispatch {
+    const char *kernel;              /* host name */
+    const FMSimConstant *constants;  int32_t n_constants;
+    const FMSimBinding *bindings;    int32_t n_bindings;
+    const FMSimTGMemory *tg_memory;  int32_t n_tg_memory;
+    uint32_t grid[3];                /* threadgroups per grid */
+    uint32_t threads[3];             /* threads per threadgroup */
+    int32_t workers;                 /* OS threads; <= 0: one per core */
+    int32_t scramble;                /* 1: scrambled schedule */
+    uint64_t seed;                   /* scramble seed (0: fixed default) */
+} FMSimDispatch;
+
+/* 1 when a kernel of that host name is compiled in. */
+int fmsim_has_kernel(const char *name);
+/* Number of registered kernels, and the i-th host name (NULL when out of range). */
+int fmsim_kernel_count(void);
+const char *fmsim_kernel_name(int i);
+/* Runs one dispatch to completion. Returns FMSIM_OK or an FMSimStatus.
+ * FLASHMETAL_SIM_SCRAMBLE=1 (or =<seed>) in the environment scrambles
+ * every dispatch; FLASHMETAL_SIM_WORKERS=<n> overrides `workers`. */
+int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FMSIM_H */

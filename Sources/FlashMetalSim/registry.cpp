@@ -1,0 +1,40 @@
+// registry.cpp — kernels registered by host name (INSTANTIATE_KERNEL).
+#include "simulator.h"
+#include "include/fmsim.h"
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+namespace fmsim {
+namespace {
+std::mutex &reg_mu() { static std::mutex m; return m; }
+std::vector<const KernelEntry *> &reg() { static std::vector<const KernelEntry *> v; return v; }
+} // namespace
+
+void register_kernel(const KernelEntry *e) {
+    std::lock_guard<std::mutex> g(reg_mu());
+    for (auto &x : reg())
+        if (strcmp(x->name, e->name) == 0) { x = e; return; }
+    reg().push_back(e);
+}
+
+const KernelEntry *find_kernel(const char *name) {
+    std::lock_guard<std::mutex> g(reg_mu());
+    for (auto *x : reg())
+        if (strcmp(x->name, name) == 0) return x;
+    return nullptr;
+}
+} // namespace fmsim
+
+extern "C" int fmsim_has_kernel(const char *name) { return name && fmsim::find_kernel(name) ? 1 : 0; }
+
+extern "C" int fmsim_kernel_count(void) {
+    std::lock_guard<std::mutex> g(fmsim::reg_mu());
+    return int(fmsim::reg().size());
+}
+
+extern "C" const char *fmsim_kernel_name(int i) {
+    std::lock_guard<std::mutex> g(fmsim::reg_mu());
+    if (i < 0 || size_t(i) >= fmsim::reg().size()) return nullptr;
+    return fmsim::reg()[size_t(i)]->name;
+}

@@ -1,0 +1,635 @@
+// simulator.cpp — the fiber simulator of the Apple GPU execution model.
+//
+// One threadgroup runs on one OS worker thread at a time: each GPU thread is
+// a fiber with its own stack. A fiber runs until it reaches a barrier or a
+// SIMD collective that is not yet complete, then yields to the scheduler
+// loop of its worker. The last thread to arrive completes the barrier or
+// collective and carries on. A scheduler pass that finds no runnable fiber
+// while some are not finished reports a deadlock census.
+#include "simulator.h"
+#include "simulator_internal.h"
+#include "include/fmsim.h"
+
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace fmsim {
+
+__thread const ThreadIds *tl_ids = nullptr;
+
+namespace {
+
+constexpr size_t kTGLimit = 32768;
+constexpr size_t kPage = 4096;
+
+struct SimError {
+    char msg[768];
+};
+
+enum class Wait : uint8_t { Run, Barrier, Simd, Done };
+
+struct Fiber {
+    void *sp = nullptr;
+    ThreadIds ids{};
+    Wait wait = Wait::Run;
+    Site site{};
+    const char *what = nullptr;
+};
+
+struct SimdSlot {
+    uint32_t live_mask = 0;
+    uint32_t arrived = 0;
+    uint32_t gen = 0;
+    CombineFn fn = nullptr;
+    const char *what = nullptr;
+    Site site{};
+    void *in[32];
+    void *out[32];
+};
+
+struct TGEntry {
+    const void *key;
+    void *ptr;
+};
+
+struct DispatchState;
+
+// Per OS worker: the fibers of the group it runs, their stacks (kept for the
+// worker's life), the scheduler context and threadgroup memory.
+struct Worker {
+    DispatchState *ds = nullptr;
+    std::vector<Fiber> fibers;
+    std::vector<SimdSlot> simd;
+    char *stacks = nullptr;
+    size_t stack_size = 0, stacks_n = 0, stacks_bytes = 0;
+    void *sched_sp = nullptr;
+    Fiber *cur = nullptr;
+    uint32_t live = 0;
+    uint32_t bar_count = 0;
+    Site bar_site{};
+    uint32_t tgid[3]{};
+    alignas(64) unsigned char tg_mem[kTGLimit];
+    size_t tg_used = 0;
+    TGEntry tg_tab[64];
+    int tg_n = 0;
+    void *tg_param[FMSIM_MAX_BINDINGS]{};
+    bool failed = false;
+    char err[768];
+    uint64_t rng = 0;
+    ~Worker() {
+        if (stacks) munmap(stacks, stacks_bytes);
+    }
+};
+
+__thread Worker *tl_worker = nullptr;
+
+struct DispatchState {
+    const KernelEntry *entry = nullptr;
+    BoundArgs args{};
+    int32_t const_value[FMSIM_MAX_CONSTANTS];
+    int32_t const_index[FMSIM_MAX_CONSTANTS];
+    uint8_t const_bool[FMSIM_MAX_CONSTANTS];
+    int n_const = 0;
+    uint32_t grid[3], threads[3];
+    uint32_t tg_len[FMSIM_MAX_BINDINGS]{};
+    bool scramble = false;
+    uint64_t seed = 0;
+    std::atomic<uint64_t> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex err_mu;
+    std::string err;
+};
+
+size_t stack_size_default() {
+    static size_t s = [] {
+        const char *e = getenv("FLASHMETAL_SIM_STACK_KB");
+        long kb = e ? atol(e) : 0;
+        if (kb < 64) kb = 512;
+        return size_t(kb) * 1024;
+    }();
+    return s;
+}
+
+void fmt_site(char *buf, size_t n, const Site &s) {
+    const char *f = s.file ? strrchr(s.file, '/') : nullptr;
+    snprintf(buf, n, "%s:%u", f ? f + 1 : (s.file ? s.file : "?"), s.line);
+}
+
+void yield_fiber() {
+    Worker *w = tl_worker;
+    ctx_switch(&w->cur->sp, w->sched_sp);
+}
+
+void complete_simd(Worker *w, SimdSlot &s, Fiber *self) {
+    void *in[32], *out[32];
+    for (int l = 0; l < 32; l++) {
+        bool on = (s.live_mask >> l) & 1;
+        in[l] = on ? s.in[l] : nullptr;
+        out[l] = on ? s.out[l] : nullptr;
+    }
+    CombineFn fn = s.fn;
+    uint32_t mask = s.live_mask;
+    uint32_t base = uint32_t(&s - w->simd.data()) * 32;
+    s.arrived = 0;
+    s.fn = nullptr;
+    s.gen++;
+    fn(in, out, mask);
+    for (int l = 0; l < 32; l++) {
+        if (!((mask >> l) & 1)) continue;
+        Fiber &f = w->fibers[base + l];
+        if (&f != self && f.wait == Wait::Simd) f.wait = Wait::Run;
+    }
+}
+
+void release_barrier(Worker *w) {
+    for (auto &f : w->fibers)
+        if (f.wait == Wait::Barrier) f.wait = Wait::Run;
+    w->bar_count = 0;
+}
+
+void fiber_finish(Worker *w, Fiber *f) {
+    f->wait = Wait::Done;
+    w->live--;
+    SimdSlot &s = w->simd[f->ids.simd];
+    s.live_mask &= ~(1u << f->ids.lane);
+    if (s.arrived && s.arrived == s.live_mask) complete_simd(w, s, f);
+    if (w->bar_count && w->bar_count == w->live) release_barrier(w);
+}
+
+void fiber_entry() {
+    Worker *w = tl_worker;
+    Fiber *f = w->cur;
+    try {
+        w->ds->entry->invoke(w->ds->args);
+    } catch (const SimError &e) {
+        if (!w->failed) {
+            w->failed = true;
+            snprintf(w->err, sizeof w->err, "thread (%u,%u,%u): %s", f->ids.tid[0], f->ids.tid[1],
+                     f->ids.tid[2], e.msg);
+        }
+    } catch (...) {
+        if (!w->failed) {
+            w->failed = true;
+            snprintf(w->err, sizeof w->err, "thread (%u,%u,%u): C++ exception in kernel",
+                     f->ids.tid[0], f->ids.tid[1], f->ids.tid[2]);
+        }
+    }
+    // tl_worker may not be re-read after a switch on another worker, but a
+    // fiber never migrates: its worker is fixed.
+    fiber_finish(w, f);
+    ctx_switch(&f->sp, w->sched_sp);
+    __builtin_trap(); // a finished fiber is never resumed
+}
+
+bool ensure_stacks(Worker *w, size_t n, char *err, size_t errlen) {
+    size_t ss = stack_size_default();
+    if (w->stacks && w->stacks_n >= n && w->stack_size == ss) return true;
+    if (w->stacks) munmap(w->stacks, w->stacks_bytes);
+    size_t bytes = n * ss;
+    void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        w->stacks = nullptr;
+        snprintf(err, errlen, "cannot map %zu fiber stacks of %zu KiB", n, ss / 1024);
+        return false;
+    }
+    w->stacks = static_cast<char *>(p);
+    w->stacks_n = n;
+    w->stack_size = ss;
+    w->stacks_bytes = bytes;
+    for (size_t i = 0; i < n; i++) mprotect(w->stacks + i * ss, kPage, PROT_NONE); // guard pages
+    return true;
+}
+
+uint64_t next_rand(uint64_t &s) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+}
+
+void census(Worker *w, char *buf, size_t n) {
+    struct Row { Wait k; Site s; const char *what; uint32_t count, first; };
+    Row rows[16];
+    int nr = 0;
+    uint32_t done = 0;
+    for (auto &f : w->fibers) {
+        if (f.wait == Wait::Done) { done++; continue; }
+        int i = 0;
+        for (; i < nr; i++)
+            if (rows[i].k == f.wait && rows[i].s == f.site) break;
+        if (i == nr) {
+            if (nr == 16) continue;
+            rows[nr++] = Row{f.wait, f.site, f.what, 0, f.ids.linear};
+        }
+        rows[i].count++;
+    }
+    size_t o = snprintf(buf, n, "deadlock: no thread can make progress;");
+    for (int i = 0; i < nr && o < n; i++) {
+        char sb[256];
+        fmt_site(sb, sizeof sb, rows[i].s);
+        o += snprintf(buf + o, n - o, " %u thread(s) (first %u) wait at %s %s;", rows[i].count, rows[i].first,
+                      rows[i].k == Wait::Barrier ? "threadgroup_barrier" : (rows[i].what ? rows[i].what : "?"), sb);
+    }
+    if (o < n) snprintf(buf + o, n - o, " %u finished", done);
+}
+
+// Runs one threadgroup to completion on the calling OS thread.
+bool run_group(Worker *w, DispatchState *ds, uint64_t gi) {
+    uint32_t gx = ds->grid[0], gy = ds->grid[1];
+    w->tgid[0] = uint32_t(gi % gx);
+    w->tgid[1] = uint32_t((gi / gx) % gy);
+    w->tgid[2] = uint32_t(gi / (uint64_t(gx) * gy));
+    uint32_t tx = ds->threads[0], ty = ds->threads[1], tz = ds->threads[2];
+    uint32_t n = tx * ty * tz;
+    uint32_t nsimd = (n + 31) / 32;
+    w->fibers.resize(n);
+    w->simd.assign(nsimd, SimdSlot{});
+    for (uint32_t s = 0; s < nsimd; s++) {
+        uint32_t lanes = (s + 1) * 32 <= n ? 32 : n - s * 32;
+        w->simd[s].live_mask = lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1);
+    }
+    // Threadgroup memory: dynamic buffers first, then TG_ARRAYs on demand;
+    // all of it poisoned with NaN bytes.
+    w->tg_used = 0;
+    w->tg_n = 0;
+    for (int i = 0; i < FMSIM_MAX_BINDINGS; i++) {
+        w->tg_param[i] = nullptr;
+        if (!ds->tg_len[i]) continue;
+        size_t len = (ds->tg_len[i] + 15) & ~size_t(15);
+        w->tg_param[i] = w->tg_mem + w->tg_used;
+        memset(w->tg_param[i], 0xff, len);
+        w->tg_used += len;
+    }
+    w->live = n;
+    w->bar_count = 0;
+    w->failed = false;
+    w->ds = ds;
+    for (uint32_t i = 0; i < n; i++) {
+        Fiber &f = w->fibers[i];
+        f.wait = Wait::Run;
+        f.what = nullptr;
+        ThreadIds &id = f.ids;
+        id.tid[0] = i % tx;
+        id.tid[1] = (i / tx) % ty;
+        id.tid[2] = i / (tx * ty);
+        for (int k = 0; k < 3; k++) {
+            id.tgid[k] = w->tgid[k];
+            id.tpg[k] = ds->threads[k];
+            id.ngroups[k] = ds->grid[k];
+        }
+        id.linear = i;
+        id.lane = i % 32;
+        id.simd = i / 32;
+        id.nsimd = nsimd;
+        f.sp = ctx_init(w->stacks + size_t(i) * w->stack_size, w->stack_size, fiber_entry);
+    }
+    std::vector<uint32_t> order(n);
+    for (uint32_t i = 0; i < n; i++) order[i] = i;
+    while (true) {
+        if (ds->scramble) {
+            for (uint32_t i = n; i > 1; i--) {
+                uint32_t j = uint32_t(next_rand(w->rng) % i);
+                std::swap(order[i - 1], order[j]);
+            }
+        }
+        bool progress = false;
+        for (uint32_t k = 0; k < n; k++) {
+            Fiber &f = w->fibers[order[k]];
+            if (f.wait != Wait::Run) continue;
+            progress = true;
+            w->cur = &f;
+            tl_ids = &f.ids;
+            ctx_switch(&w->sched_sp, f.sp);
+            if (w->failed) break;
+        }
+        tl_ids = nullptr;
+        if (w->failed) return false;
+        if (w->live == 0) return true;
+        if (!progress) {
+            census(w, w->err, sizeof w->err);
+            w->failed = true;
+            return false;
+        }
+    }
+}
+
+} // namespace
+
+// ---- runtime entry points used by the shim --------------------------------
+
+void fail(const char *fmt, ...) {
+    SimError e;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e.msg, sizeof e.msg, fmt, ap);
+    va_end(ap);
+    throw e;
+}
+
+void threadgroup_barrier(const Site &site) {
+    Worker *w = tl_worker;
+    Fiber *f = w->cur;
+    SimdSlot &s = w->simd[f->ids.simd];
+    if (s.arrived) {
+        char a[256], b[256];
+        fmt_site(a, sizeof a, site);
+        fmt_site(b, sizeof b, s.site);
+        fail("divergence: lane %u reached threadgroup_barrier at %s while other lanes of SIMD group %u wait at %s %s",
+             f->ids.lane, a, f->ids.simd, s.what, b);
+    }
+    if (w->bar_count == 0) {
+        w->bar_site = site;
+    } else if (!(w->bar_site == site)) {
+        char a[256], b[256];
+        fmt_site(a, sizeof a, site);
+        fmt_site(b, sizeof b, w->bar_site);
+        fail("divergent threadgroup_barrier: this thread is at %s, %u other thread(s) wait at %s", a, w->bar_count, b);
+    }
+    if (++w->bar_count == w->live) {
+        release_barrier(w);
+        return;
+    }
+    f->wait = Wait::Barrier;
+    f->site = site;
+    yield_fiber();
+}
+
+void collective(void *in, void *out, CombineFn fn, const char *what, const Site &site) {
+    Worker *w = tl_worker;
+    Fiber *f = w->cur;
+    SimdSlot &s = w->simd[f->ids.simd];
+    if (s.arrived == 0) {
+        s.fn = fn;
+        s.site = site;
+        s.what = what;
+    } else if (!(s.site == site) || s.fn != fn) {
+        char a[256], b[256];
+        fmt_site(a, sizeof a, site);
+        fmt_site(b, sizeof b, s.site);
+        fail("divergent SIMD collective: lane %u of SIMD group %u calls %s at %s while other lanes wait at %s %s",
+             f->ids.lane, f->ids.simd, what, a, s.what, b);
+    }
+    s.in[f->ids.lane] = in;
+    s.out[f->ids.lane] = out;
+    s.arrived |= 1u << f->ids.lane;
+    if (s.arrived == s.live_mask) {
+        complete_simd(w, s, f);
+        return;
+    }
+    f->wait = Wait::Simd;
+    f->site = site;
+    f->what = what;
+    yield_fiber();
+}
+
+static void noop_combine(void *const *, void *const *, uint32_t) {}
+
+void simdgroup_barrier(const Site &site) { collective(nullptr, nullptr, noop_combine, "simdgroup_barrier", site); }
+
+void *tg_array(const void *key, size_t bytes, size_t align, const char *name, const Site &site) {
+    Worker *w = tl_worker;
+    for (int i = 0; i < w->tg_n; i++)
+        if (w->tg_tab[i].key == key) return w->tg_tab[i].ptr;
+    if (align < 16) align = 16;
+    size_t off = (w->tg_used + align - 1) & ~(align - 1);
+    if (off + bytes > kTGLimit || w->tg_n == 64) {
+        char a[256];
+        fmt_site(a, sizeof a, site);
+        fail("threadgroup memory limit: TG_ARRAY %s (%zu bytes) at %s brings the total to %zu bytes, over 32 KiB "
+             "(32768)", name, bytes, a, off + bytes);
+    }
+    void *p = w->tg_mem + off;
+    memset(p, 0xff, bytes);
+    w->tg_used = off + bytes;
+    w->tg_tab[w->tg_n++] = TGEntry{key, p};
+    return p;
+}
+
+void *tg_buffer(int index) {
+    Worker *w = tl_worker;
+    if (index < 0 || index >= FMSIM_MAX_BINDINGS || !w->tg_param[index])
+        fail("threadgroup buffer %d has no length set in the dispatch", index);
+    return w->tg_param[index];
+}
+
+int32_t constant_value(int index, bool is_bool, const char *name) {
+    const DispatchState *ds = tl_worker->ds;
+    for (int i = 0; i < ds->n_const; i++) {
+        if (ds->const_index[i] != index) continue;
+        if (bool(ds->const_bool[i]) != is_bool)
+            fail("function constant %s (index %d) is declared %s but the dispatch sets an %s", name, index,
+                 is_bool ? "bool" : "int", ds->const_bool[i] ? "bool" : "int");
+        return ds->const_value[i];
+    }
+    fail("function constant %s (index %d) is not set by the dispatch", name, index);
+}
+
+bool constant_defined(int index) {
+    const DispatchState *ds = tl_worker->ds;
+    for (int i = 0; i < ds->n_const; i++)
+        if (ds->const_index[i] == index) return true;
+    return false;
+}
+
+const KernelEntry *find_kernel(const char *name);
+
+} // namespace fmsim
+
+using namespace fmsim;
+
+namespace {
+// Workers are kept for reuse (their fiber stacks especially).
+std::mutex g_pool_mu;
+std::vector<Worker *> g_pool;
+
+Worker *take_worker() {
+    std::lock_guard<std::mutex> g(g_pool_mu);
+    if (!g_pool.empty()) {
+        Worker *w = g_pool.back();
+        g_pool.pop_back();
+        return w;
+    }
+    return new (std::nothrow) Worker();
+}
+void give_worker(Worker *w) {
+    std::lock_guard<std::mutex> g(g_pool_mu);
+    g_pool.push_back(w);
+}
+
+int env_int(const char *name, long *out) {
+    const char *e = getenv(name);
+    if (!e || !*e) return 0;
+    *out = strtol(e, nullptr, 0);
+    return 1;
+}
+
+void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) {
+    tl_worker = w;
+    w->rng = (ds->seed ? ds->seed : 0x9e3779b97f4a7c15ull) + wid * 0x2545F4914F6CDD1Dull;
+    if (!w->rng) w->rng = 1;
+    while (!ds->failed.load(std::memory_order_relaxed)) {
+        uint64_t gi = ds->next.fetch_add(1);
+        if (gi >= total) break;
+        if (!run_group(w, ds, gi)) {
+            std::lock_guard<std::mutex> g(ds->err_mu);
+            if (!ds->failed.exchange(true)) {
+                char buf[1024];
+                snprintf(buf, sizeof buf, "%s: threadgroup (%u,%u,%u) %s", ds->entry->name, w->tgid[0], w->tgid[1],
+                         w->tgid[2], w->err);
+                ds->err = buf;
+            }
+        }
+    }
+    tl_worker = nullptr;
+}
+} // namespace
+
+extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
+    char dummy[8];
+    if (!err || errlen == 0) { err = dummy; errlen = sizeof dummy; }
+    err[0] = 0;
+    if (!d || !d->kernel) {
+        snprintf(err, errlen, "sim: null dispatch or kernel name");
+        return FMSIM_ERROR_INVALID;
+    }
+    const KernelEntry *e = find_kernel(d->kernel);
+    if (!e) {
+        snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->kernel);
+        return FMSIM_ERROR_UNKNOWN_KERNEL;
+    }
+    auto *ds = new (std::nothrow) DispatchState();
+    if (!ds) { snprintf(err, errlen, "sim: out of memory"); return FMSIM_ERROR_INVALID; }
+    std::unique_ptr<DispatchState> hold(ds);
+    ds->entry = e;
+    uint64_t ngroups = 1, nthreads = 1;
+    for (int k = 0; k < 3; k++) {
+        ds->grid[k] = d->grid[k];
+        ds->threads[k] = d->threads[k];
+        ngroups *= d->grid[k];
+        nthreads *= d->threads[k];
+    }
+    if (nthreads == 0 || nthreads > FMSIM_MAX_THREADS) {
+        snprintf(err, errlen, "%s: threads per threadgroup (%u,%u,%u) must number 1..%d", e->name, d->threads[0],
+                 d->threads[1], d->threads[2], FMSIM_MAX_THREADS);
+        return FMSIM_ERROR_INVALID;
+    }
+    if (d->n_constants < 0 || d->n_constants > FMSIM_MAX_CONSTANTS) {
+        snprintf(err, errlen, "%s: %d function constants (at most %d)", e->name, d->n_constants, FMSIM_MAX_CONSTANTS);
+        return FMSIM_ERROR_INVALID;
+    }
+    for (int i = 0; i < d->n_constants; i++) {
+        ds->const_index[i] = d->constants[i].index;
+        ds->const_bool[i] = d->constants[i].is_bool != 0;
+        ds->const_value[i] = d->constants[i].value;
+    }
+    ds->n_const = d->n_constants;
+    // Bindings: parameter position == buffer index.
+    std::vector<std::unique_ptr<unsigned char[]>> copies;
+    for (int i = 0; i < d->n_bindings; i++) {
+        const FMSimBinding &b = d->bindings[i];
+        if (b.index < 0 || b.index >= FMSIM_MAX_BINDINGS) {
+            snprintf(err, errlen, "%s: binding index %d is out of range 0..%d", e->name, b.index, FMSIM_MAX_BINDINGS - 1);
+            return FMSIM_ERROR_INVALID;
+        }
+        if (b.index >= e->n_params || e->kinds[b.index] == 2) {
+            snprintf(err, errlen, "%s: binding index %d has no buffer parameter (the kernel has %d parameter(s))",
+                     e->name, b.index, e->n_params);
+            return FMSIM_ERROR_INVALID;
+        }
+        if (e->kinds[b.index] == 1 && b.length < e->ref_sizes[b.index]) {
+            snprintf(err, errlen, "%s: buffer %d holds %llu bytes, the kernel reads a %u-byte struct", e->name,
+                     b.index, (unsigned long long)b.length, e->ref_sizes[b.index]);
+            return FMSIM_ERROR_INVALID;
+        }
+        void *p = b.data;
+        if (b.is_bytes) {
+            copies.emplace_back(new unsigned char[(b.length + 64)]);
+            unsigned char *c = copies.back().get();
+            c = reinterpret_cast<unsigned char *>((reinterpret_cast<uintptr_t>(c) + 15) & ~uintptr_t(15));
+            if (b.length) memcpy(c, b.data, b.length);
+            p = c;
+        }
+        ds->args.ptr[b.index] = p;
+    }
+    // Unbound struct references see zeros (the kernel must not read them).
+    alignas(64) static const unsigned char zeros[4096] = {};
+    for (int i = 0; i < e->n_params; i++) {
+        if (e->kinds[i] == 1 && !ds->args.ptr[i]) {
+            if (e->ref_sizes[i] > sizeof zeros) {
+                snprintf(err, errlen, "%s: struct buffer %d is not bound", e->name, i);
+                return FMSIM_ERROR_INVALID;
+            }
+            ds->args.ptr[i] = const_cast<unsigned char *>(zeros);
+        }
+    }
+    uint64_t tg_total = 0;
+    for (int i = 0; i < d->n_tg_memory; i++) {
+        const FMSimTGMemory &t = d->tg_memory[i];
+        if (t.index < 0 || t.index >= FMSIM_MAX_BINDINGS) {
+            snprintf(err, errlen, "%s: threadgroup memory index %d is out of range 0..%d", e->name, t.index,
+                     FMSIM_MAX_BINDINGS - 1);
+            return FMSIM_ERROR_INVALID;
+        }
+        ds->tg_len[t.index] = t.length;
+        tg_total += (uint64_t(t.length) + 15) & ~uint64_t(15);
+    }
+    if (tg_total > 32768) {
+        snprintf(err, errlen, "%s: threadgroup memory lengths total %llu bytes, over 32 KiB (32768)", e->name,
+                 (unsigned long long)tg_total);
+        return FMSIM_ERROR_INVALID;
+    }
+    long v;
+    ds->scramble = d->scramble != 0;
+    ds->seed = d->seed;
+    if (env_int("FLASHMETAL_SIM_SCRAMBLE", &v) && v != 0) {
+        ds->scramble = true;
+        if (v != 1) ds->seed = uint64_t(v);
+    }
+    long workers = d->workers;
+    if (env_int("FLASHMETAL_SIM_WORKERS", &v) && v > 0) workers = v;
+    if (workers <= 0) workers = long(std::thread::hardware_concurrency());
+    if (workers <= 0) workers = 1;
+    if (uint64_t(workers) > ngroups) workers = long(ngroups);
+    if (ngroups == 0) return FMSIM_OK;
+
+    std::vector<Worker *> ws;
+    for (long i = 0; i < workers; i++) {
+        Worker *w = take_worker();
+        if (!w || !ensure_stacks(w, nthreads, err, errlen)) {
+            if (w) give_worker(w);
+            for (Worker *x : ws) give_worker(x);
+            if (!w) snprintf(err, errlen, "sim: out of memory");
+            return FMSIM_ERROR_INVALID;
+        }
+        ws.push_back(w);
+    }
+    if (workers == 1) {
+        Worker *prev = tl_worker;
+        worker_loop(ds, ws[0], ngroups, 0);
+        tl_worker = prev;
+    } else {
+        std::vector<std::thread> th;
+        for (long i = 1; i < workers; i++) th.emplace_back(worker_loop, ds, ws[i], ngroups, uint64_t(i));
+        worker_loop(ds, ws[0], ngroups, 0);
+        for (auto &t : th) t.join();
+    }
+    for (Worker *w : ws) give_worker(w);
+    if (ds->failed.load()) {
+        snprintf(err, errlen, "%s", ds->err.c_str());
+        return FMSIM_ERROR_KERNEL;
+    }
+    return FMSIM_OK;
+}
+
+extern "C" const char *fmsim_context_switch_kind(void) { return ctx_kind(); }

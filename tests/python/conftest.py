@@ -1,0 +1,41 @@
+"""Every numeric test runs on every backend this machine has (DESIGN §6)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal
+
+
+def available_backends() -> list[str]:
+    names = []
+    for name in ("cpu", "sim", "metal"):
+        try:
+            flashmetal.Registry(name).close()
+        except ValueError:
+            continue
+        names.append(name)
+    return names
+
+
+BACKENDS = available_backends()
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def registry(request: pytest.FixtureRequest) -> flashmetal.Registry:
+    """One registry per available backend, shared by the session."""
+    r = flashmetal.Registry(request.param)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def cpu() -> flashmetal.Registry:
+    r = flashmetal.Registry("cpu")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)

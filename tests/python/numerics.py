@@ -1,0 +1,33 @@
+"""Shared test helpers: dtypes, random inputs, tolerances (DESIGN §6)."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from flashmetal.reference import close
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+# (atol, rtol) per output dtype
+TOLERANCE = {BF16: (5e-3, 2e-2), F16: (1e-3, 5e-3), F32: (1e-5, 1e-4)}
+
+
+def randn(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Standard normal values rounded to dtype."""
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: np.dtype, what: str = "") -> None:
+    atol, rtol = TOLERANCE[np.dtype(dtype)]
+    ok, ratio = close(actual, expected, atol, rtol)
+    assert ok, f"{what}: error exceeds tolerance by {ratio:.3g}x (atol={atol}, rtol={rtol})"
+
+
+def assert_bits_equal(a: np.ndarray, b: np.ndarray, what: str = "") -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    av = a.view(np.uint8)
+    bv = b.view(np.uint8)
+    n = int(np.count_nonzero(av != bv))
+    assert n == 0, f"{what}: {n} bytes differ"

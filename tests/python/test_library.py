@@ -1,0 +1,86 @@
+"""The built library: its exported C ABI and its guards against bad calls."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from flashmetal import _loader
+
+EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
+            "fm_dispatch_prefill", "fm_version"]
+
+
+def exported_symbols() -> set[str]:
+    path = _loader.library_path()
+    out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.strip()}
+
+
+def test_exports():
+    syms = exported_symbols()
+    missing = [s for s in EXPORTED if s not in syms]
+    assert not missing, f"missing exports: {missing}"
+
+
+def test_every_cdef_function_resolves():
+    ffi, lib = _loader.load()
+    for name in EXPORTED:
+        assert getattr(lib, name) is not None
+    assert ffi.string(lib.fm_version()).decode().count(".") == 2
+
+
+def test_null_and_stale_handles():
+    ffi, lib = _loader.load()
+    err = ffi.new("char[]", 256)
+    opts = ffi.new("FMPrefillOptions *")
+    st = lib.fm_dispatch_prefill(ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
+                                 opts, err, 256)
+    assert st == 1 and b"registry is null" in ffi.string(err)
+    h = ffi.new("FMRegistry **")
+    assert lib.fm_create_registry(b"cpu", h, err, 256) == 0
+    st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
+                                 opts, err, 256)
+    assert st == 1 and b"flash_attn_prefill: Q is null" in ffi.string(err)
+    assert lib.fm_destroy_registry(h[0]) == 0
+    assert lib.fm_destroy_registry(h[0]) == 1  # double destroy is an error, not a crash
+    st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
+                                 opts, err, 256)
+    assert st == 1 and b"not a live registry" in ffi.string(err)
+    assert lib.fm_create_registry(b"cpu", ffi.NULL, err, 256) == 1
+    assert lib.fm_destroy_registry(ffi.NULL) == 0
+
+
+def test_error_buffer_truncation():
+    ffi, lib = _loader.load()
+    small = ffi.new("char[]", 8)
+    h = ffi.new("FMRegistry **")
+    assert lib.fm_create_registry(b"no-such-backend", h, small, 8) == 1
+    assert len(ffi.string(small)) == 7
+    assert lib.fm_create_registry(b"no-such-backend", h, ffi.NULL, 0) == 1
+
+
+@pytest.mark.parametrize("nbytes", [0, 100])
+def test_undersized_buffer_is_refused(nbytes):
+    ffi, lib = _loader.load()
+    err = ffi.new("char[]", 256)
+    h = ffi.new("FMRegistry **")
+    assert lib.fm_create_registry(b"cpu", h, err, 256) == 0
+    buf = ffi.new("char[]", 4096)
+    ts = []
+    for shape in ([1, 1, 16, 64], [1, 1, 16, 64], [1, 1, 16, 64], [1, 1, 16, 64]):
+        t = ffi.new("FMTensor *")
+        t.data = buf
+        t.nbytes = 16 * 64 * 2
+        t.dtype = 2
+        t.ndim = 4
+        for i, d in enumerate(shape):
+            t.shape[i] = d
+        ts.append(t)
+    ts[1].nbytes = nbytes
+    opts = ffi.new("FMPrefillOptions *")
+    opts.scale = 0.125
+    st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err, 256)
+    assert st == 1 and b"K buffer too small" in ffi.string(err), ffi.string(err)
+    lib.fm_destroy_registry(h[0])

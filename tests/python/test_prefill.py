@@ -1,0 +1,145 @@
+"""Prefill numerics against the float64 reference, on every backend."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from numerics import BF16, F16, assert_bits_equal, assert_close, randn
+
+HEAD_DIMS = [64, 128, 256, 512]
+DTYPES = [BF16, F16]
+MASKS = ["none", "additive2", "additive4", "bool"]
+
+
+def make_qkv(rng, b, h, hkv, ql, kl, d, dtype):
+    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype),
+            randn(rng, (b, hkv, kl, d), dtype))
+
+
+def make_mask(rng, kind, b, h, ql, kl, dtype):
+    """A mask with some -inf / False cells and finite biases; every row keeps key 0."""
+    if kind == "none":
+        return None
+    shape = (ql, kl) if kind in ("additive2", "bool") else (b, h, ql, kl)
+    keep = rng.random(shape) < 0.7
+    keep[..., 0] = True
+    if kind == "bool":
+        return keep
+    bias = rng.uniform(-2, 1, shape)
+    return np.where(keep, bias, -np.inf).astype(dtype)
+
+
+def check(registry, rng, *, b=1, h=2, hkv=2, ql=50, kl=64, d=64, dtype=BF16, mask="none",
+          causal=False, scale=None, q_offset=None, softcap=0.0):
+    q, k, v = make_qkv(rng, b, h, hkv, ql, kl, d, dtype)
+    m = make_mask(rng, mask, b, h, ql, kl, dtype)
+    off = (kl - ql) if q_offset is None else q_offset
+    out = fm.flash_attn_prefill(q, k, v, mask=m, causal=causal, q_offset=off, scale=scale,
+                                softcap=softcap, registry=registry)
+    assert out.dtype == dtype and out.shape == q.shape
+    exp = reference.attention(q, k, v, scale=scale, causal=causal, q_offset=off, mask=m, softcap=softcap)
+    assert_close(out, exp, dtype, f"{registry.backend} d={d} {dtype} mask={mask} causal={causal}")
+    return out
+
+
+@pytest.mark.parametrize("d,dtype,mask,causal",
+                         list(itertools.product(HEAD_DIMS, DTYPES, MASKS, [False, True])))
+def test_matrix(registry, rng, d, dtype, mask, causal):
+    check(registry, rng, d=d, dtype=dtype, mask=mask, causal=causal)
+
+
+@pytest.mark.parametrize("ql,kl", [(50, 64), (32, 50), (64, 64), (1, 17), (33, 33)])
+@pytest.mark.parametrize("d", [128, 512])
+def test_aligned_and_unaligned(registry, rng, ql, kl, d):
+    check(registry, rng, ql=ql, kl=kl, d=d, causal=True)
+    check(registry, rng, ql=ql, kl=kl, d=d, causal=False, mask="additive2")
+
+
+def test_gqa_8_2_batch(registry, rng):
+    check(registry, rng, b=2, h=8, hkv=2, ql=40, kl=48, d=128, causal=True)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_scales(registry, rng, d):
+    check(registry, rng, d=d, scale=0.25)
+    check(registry, rng, d=d, scale=4.0 / np.sqrt(d), dtype=F16)
+
+
+def test_softcap(registry, rng):
+    check(registry, rng, d=128, softcap=5.0, scale=1.0, causal=True)
+
+
+def test_all_neg_inf_mask_gives_exact_zeros(registry, rng):
+    q, k, v = make_qkv(rng, 1, 2, 2, 20, 24, 64, BF16)
+    m = np.full((20, 24), -np.inf, dtype=BF16)
+    m[:10, 3] = 0  # rows 0..9 see one key, rows 10.. see nothing
+    out = fm.flash_attn_prefill(q, k, v, mask=m, registry=registry)
+    assert np.all(out[:, :, 10:].astype(np.float32) == 0)
+    assert not np.any(np.signbit(out[:, :, 10:].astype(np.float32)))
+    exp = reference.attention(q, k, v, mask=m)
+    assert_close(out, exp, BF16, "single visible key")
+    bool_out = fm.flash_attn_prefill(q, k, v, mask=np.zeros((20, 24), bool), registry=registry)
+    assert np.all(bool_out.astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("d", [128, 256, 512])
+def test_resume_matches_one_shot_bitwise(registry, rng, d):
+    """A chunk at q_offset over a slot with spare capacity equals those rows of the one-shot run."""
+    total, cap, split = 70, 96, 37
+    q, k, v = make_qkv(rng, 1, 4, 2, total, cap, d, BF16)
+    full = fm.flash_attn_prefill(q, k[:, :, :total], v[:, :, :total], causal=True, registry=registry)
+    chunk = fm.flash_attn_prefill(q[:, :, split:], k, v, causal=True, q_offset=split, kv_len=total,
+                                  registry=registry)
+    assert_bits_equal(chunk, full[:, :, split:], f"resume d={d}")
+    first = fm.flash_attn_prefill(q[:, :, :split], k, v, causal=True, q_offset=0, kv_len=split,
+                                  registry=registry)
+    assert_bits_equal(first, full[:, :, :split], f"first chunk d={d}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 512])
+def test_seq_major_equals_head_major(registry, rng, d):
+    q, k, v = make_qkv(rng, 2, 4, 2, 24, 40, d, F16)
+    bh = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=16, registry=registry)
+    t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    bl = fm.flash_attn_prefill(t(q), t(k), t(v), causal=True, q_offset=16, layout="blhd", registry=registry)
+    assert_bits_equal(t(bh), bl, f"layouts d={d}")
+
+
+def test_seq_major_with_capacity(registry, rng):
+    q, k, v = make_qkv(rng, 1, 4, 2, 8, 32, 64, BF16)
+    t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+    out = fm.flash_attn_prefill(t(q), t(k), t(v), causal=True, q_offset=12, kv_len=20, layout="blhd",
+                                registry=registry)
+    exp = reference.attention(q, k[:, :, :20], v[:, :, :20], causal=True, q_offset=12)
+    assert_close(t(out), exp, BF16, "seq-major capacity")
+
+
+def test_deterministic(registry, rng):
+    q, k, v = make_qkv(rng, 1, 4, 2, 45, 70, 128, BF16)
+    a = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=25, registry=registry)
+    b = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=25, registry=registry)
+    assert_bits_equal(a, b, "two runs")
+
+
+def test_out_is_filled_in_place_and_inputs_untouched(registry, rng):
+    q, k, v = make_qkv(rng, 1, 2, 2, 16, 16, 64, BF16)
+    copies = [x.copy() for x in (q, k, v)]
+    out = np.full(q.shape, 7, dtype=BF16)
+    res = fm.flash_attn_prefill(q, k, v, out=out, registry=registry)
+    assert res is out
+    assert_close(out, reference.attention(q, k, v), BF16, "out=")
+    for a, c in zip((q, k, v), copies):
+        assert_bits_equal(a, c, "input modified")
+
+
+def test_non_contiguous_inputs(registry, rng):
+    q4 = randn(rng, (1, 2, 64, 16), BF16).transpose(0, 1, 3, 2)  # [1, 2, 16, 64] strided
+    k4 = randn(rng, (1, 2, 64, 16), BF16).transpose(0, 1, 3, 2)
+    v4 = randn(rng, (1, 2, 16, 64), BF16)
+    assert not q4.flags.c_contiguous
+    out = fm.flash_attn_prefill(q4, k4, v4, registry=registry)
+    assert_close(out, reference.attention(q4, k4, v4), BF16, "strided inputs")

@@ -1,0 +1,190 @@
+import CFlashMetal
+import FlashMetalCore
+import XCTest
+
+/// Host memory for dispatcher tests; the dispatcher only reads shapes and sizes.
+final class HostTensor {
+    let data: UnsafeMutableRawPointer
+    let ref: TensorRef
+    init(_ shape: [Int], _ dtype: DType, bytes: Int? = nil) {
+        let n = bytes ?? shape.reduce(1, *) * dtype.byteSize
+        data = .allocate(byteCount: max(n, 1), alignment: 64)
+        ref = TensorRef(data: data, byteCount: n, dtype: dtype, shape: shape)
+    }
+    deinit { data.deallocate() }
+}
+
+final class PrefillDispatcherTests: XCTestCase {
+    struct Case {
+        var b = 1, h = 4, hkv = 2, qL = 50, kL = 64, d = 128
+        var dtype = DType.bf16
+    }
+
+    func tensors(_ c: Case, mask: HostTensor? = nil, blk: HostTensor? = nil) -> (PrefillTensors, [HostTensor]) {
+        let q = HostTensor([c.b, c.h, c.qL, c.d], c.dtype)
+        let k = HostTensor([c.b, c.hkv, c.kL, c.d], c.dtype)
+        let v = HostTensor([c.b, c.hkv, c.kL, c.d], c.dtype)
+        let o = HostTensor([c.b, c.h, c.qL, c.d], c.dtype)
+        let t = PrefillTensors(q: q.ref, k: k.ref, v: v.ref, out: o.ref, mask: mask?.ref, blk: blk?.ref)
+        return (t, [q, k, v, o])
+    }
+
+    func dispatch(_ c: Case, _ o: PrefillOptions? = nil, mask: HostTensor? = nil, blk: HostTensor? = nil) throws -> Dispatch {
+        let (t, keep) = tensors(c, mask: mask, blk: blk)
+        defer { withExtendedLifetime(keep) {} }
+        return try PrefillDispatcher.makeDispatch(t, o ?? PrefillOptions(scale: 0.125))
+    }
+
+    func expectError(_ c: Case, _ o: PrefillOptions? = nil, mask: HostTensor? = nil, blk: HostTensor? = nil,
+                     status: FMStatus = FM_ERROR_VALUE, contains: String, line: UInt = #line) {
+        do {
+            _ = try dispatch(c, o, mask: mask, blk: blk)
+            XCTFail("no error; expected '\(contains)'", line: line)
+        } catch let e as FlashMetalError {
+            XCTAssertEqual(e.status, status, e.message, line: line)
+            XCTAssertTrue(e.message.hasPrefix("flash_attn_prefill: "), e.message, line: line)
+            XCTAssertTrue(e.message.contains(contains), "\(e.message) lacks '\(contains)'", line: line)
+        } catch {
+            XCTFail("unexpected \(error)", line: line)
+        }
+    }
+
+    func testGeometryPerHeadDim() {
+        for d in [64, 128, 256] {
+            XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
+        }
+        XCTAssertEqual(PrefillGeometry.forHeadDim(512), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
+        for d in [0, 32, 96, 192, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+    }
+
+    func testTileCounts() {
+        let g = PrefillGeometry.forHeadDim(256)!
+        XCTAssertEqual(g.tiles(qL: 50, kL: 64),
+                       PrefillTiles(nq: 2, nk: 4, nqAligned: 1, nkAligned: 4, qLRem: 18, kLRem: 0))
+        XCTAssertEqual(g.tiles(qL: 32, kL: 50),
+                       PrefillTiles(nq: 1, nk: 4, nqAligned: 1, nkAligned: 3, qLRem: 0, kLRem: 2))
+        let g512 = PrefillGeometry.forHeadDim(512)!
+        XCTAssertEqual(g512.tiles(qL: 17, kL: 9),
+                       PrefillTiles(nq: 3, nk: 2, nqAligned: 2, nkAligned: 1, qLRem: 1, kLRem: 1))
+    }
+
+    func testParamsGridAndConstants() throws {
+        var o = PrefillOptions(scale: 0.25)
+        o.causal = true
+        o.qOffset = 10
+        o.softcap = 30
+        let d = try dispatch(Case(b: 2, h: 4, hkv: 2, qL: 50, kL: 64, d: 128), o)
+        let p = try d.params(4, as: AttnParams.self)
+        XCTAssertEqual([p.B, p.H, p.D, p.qL, p.kL, p.gqa_factor], [2, 4, 128, 50, 64, 2])
+        XCTAssertEqual([p.NQ, p.NK, p.NQ_aligned, p.NK_aligned, p.qL_rem, p.kL_rem, p.qL_off], [2, 4, 1, 4, 18, 0, 10])
+        XCTAssertEqual(p.scale, 0.25)
+        XCTAssertEqual(p.softcapping, 30)
+        XCTAssertEqual([p.Q_strides.0, p.Q_strides.1, p.Q_strides.2], [4 * 50 * 128, 50 * 128, 128])
+        XCTAssertEqual([p.K_strides.0, p.K_strides.1, p.K_strides.2], [2 * 64 * 128, 64 * 128, 128])
+        XCTAssertEqual(d.grid, Size3(2, 4, 2))
+        XCTAssertEqual(d.threadgroup, Size3(32, 4, 1))
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_bf16_d128")
+        XCTAssertEqual(d.constants, FunctionConstants([
+            (200, .bool(false)), (201, .bool(true)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
+        ]))
+        XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
+    }
+
+    func testSeqMajorStridesAndCapacity() throws {
+        var o = PrefillOptions(scale: 0.125)
+        o.layout = .seqMajor
+        o.kvLen = 40
+        let c = Case(b: 1, h: 4, hkv: 2, qL: 8, kL: 64, d: 64)
+        let q = HostTensor([1, 8, 4, 64], .f16), k = HostTensor([1, 64, 2, 64], .f16)
+        let v = HostTensor([1, 64, 2, 64], .f16), out = HostTensor([1, 8, 4, 64], .f16)
+        _ = c
+        let d = try PrefillDispatcher.makeDispatch(PrefillTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref), o)
+        let p = try d.params(4, as: AttnParams.self)
+        XCTAssertEqual([p.Q_strides.0, p.Q_strides.1, p.Q_strides.2], [8 * 4 * 64, 64, 4 * 64])
+        XCTAssertEqual([p.K_strides.0, p.K_strides.1, p.K_strides.2], [64 * 2 * 64, 64, 2 * 64])
+        XCTAssertEqual(p.kL, 40)
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_f16_d64")
+    }
+
+    func testMaskStridesAndBoolKernel() throws {
+        let c = Case(b: 2, h: 4, hkv: 2, qL: 16, kL: 24, d: 512)
+        let m2 = HostTensor([16, 24], .bool)
+        let d2 = try dispatch(c, mask: m2)
+        XCTAssertEqual(d2.kernel, "flash_attn_prefill_bf16_d512_boolmask")
+        let mp2 = try d2.params(5, as: AttnMaskParams.self)
+        XCTAssertEqual([mp2.M_strides.0, mp2.M_strides.1, mp2.M_strides.2], [0, 0, 24])
+        XCTAssertEqual(d2.constants.bool(300), true)
+        XCTAssertEqual(d2.threadgroup, Size3(32, 1, 1))
+        let m4 = HostTensor([2, 4, 16, 24], .bf16)
+        let d4 = try dispatch(c, mask: m4)
+        XCTAssertEqual(d4.kernel, "flash_attn_prefill_bf16_d512")
+        let mp4 = try d4.params(5, as: AttnMaskParams.self)
+        XCTAssertEqual([mp4.M_strides.0, mp4.M_strides.1, mp4.M_strides.2], [4 * 16 * 24, 16 * 24, 24])
+        let blk = HostTensor([32], .u8)
+        let db = try dispatch(c, mask: m2, blk: blk)
+        XCTAssertEqual(db.constants.bool(303), true)
+        XCTAssertEqual(Set(db.bindings.keys), [0, 1, 2, 3, 4, 5, 6, 7])
+    }
+
+    func testSeedValidationErrors() {
+        expectError(Case(h: 0), contains: "n_heads must be > 0")
+        expectError(Case(h: 4, hkv: 0), contains: "n_kv_heads must be > 0")
+        expectError(Case(h: 6, hkv: 4), contains: "n_heads (6) must be divisible by n_kv_heads (4)")
+        expectError(Case(qL: 0), contains: "seq_len_q must be > 0")
+        expectError(Case(kL: 0), contains: "seq_len_k must be > 0")
+        expectError(Case(b: 0), contains: "batch must be > 0")
+        expectError(Case(d: 96), contains: "head_dim must be 64, 128, 256 or 512, got 96")
+        expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "Q must be bfloat16 or float16, got float32")
+        var resume = PrefillOptions(scale: 0.1)
+        resume.qOffset = 20
+        expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + seq_len_q (50) > seq_len_k (64)")
+        var over = PrefillOptions(scale: 0.1)
+        over.kvLen = 65
+        expectError(Case(kL: 64), over, contains: "seq_len_k (65) > kv_capacity (64)")
+        let m = HostTensor([50, 64], .bf16)
+        let blk = HostTensor([32], .u8)
+        expectError(Case(), blk: blk, contains: "blk requires mask")
+        let m4 = HostTensor([1, 4, 50, 64], .bf16)
+        expectError(Case(), mask: m4, blk: blk, contains: "blk requires a rank-2")
+        let tiny = HostTensor([2], .u8)
+        expectError(Case(), mask: m, blk: tiny, contains: "blk buffer too small: expected at least 8 bytes")
+        expectError(Case(), mask: HostTensor([50, 63], .bf16), contains: "mask shape [50, 63] must be [50, 64]")
+        expectError(Case(), mask: HostTensor([50, 64], .f16), status: FM_ERROR_TYPE, contains: "mask must be bfloat16 or bool")
+        var nanScale = PrefillOptions(scale: .nan)
+        nanScale.causal = false
+        expectError(Case(), nanScale, contains: "scale must be finite")
+        var badCap = PrefillOptions(scale: 1)
+        badCap.softcap = -1
+        expectError(Case(), badCap, contains: "softcap must be 0 (off) or a finite value > 0")
+    }
+
+    func testUndersizedBuffersRejected() {
+        let c = Case()
+        let q = HostTensor([1, 4, 50, 128], .bf16, bytes: 100)
+        let k = HostTensor([1, 2, 64, 128], .bf16), v = HostTensor([1, 2, 64, 128], .bf16)
+        let o = HostTensor([1, 4, 50, 128], .bf16)
+        _ = c
+        XCTAssertThrowsError(try PrefillDispatcher.makeDispatch(
+            PrefillTensors(q: q.ref, k: k.ref, v: v.ref, out: o.ref), PrefillOptions(scale: 1))) { e in
+            XCTAssertTrue((e as! FlashMetalError).message.contains("Q buffer too small"), "\(e)")
+        }
+    }
+
+    func testKernelNames() {
+        let names = Set(PrefillDispatcher.allKernelNames)
+        XCTAssertEqual(names.count, 16)
+        for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask"] {
+            XCTAssertTrue(names.contains(seed), seed)
+        }
+    }
+
+    func testDistinctConstantsAreDistinctCacheKeys() {
+        let a = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .bool(true)), (301, .bool(false))]))
+        let b = PipelineKey(kernel: "k", constants: FunctionConstants([(301, .bool(false)), (200, .bool(true))]))
+        let c = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .bool(true)), (301, .bool(true))]))
+        let d = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .int(1)), (301, .bool(false))]))
+        XCTAssertEqual(a, b)
+        XCTAssertEqual(a.hashValue, b.hashValue)
+        XCTAssertEqual(Set([a, b, c, d]).count, 3)
+    }
+}
