@@ -22,11 +22,20 @@ let package = Package(
         // The cpu backend: kernel names and constants → native kernels.
         .target(name: "FlashMetalCPU", dependencies: ["FlashMetalCore", "FlashMetalCPUKernels"],
                 path: "Sources/FlashMetalCPU"),
+        // Build-time tool and plugin that embed Resources/shaders in the library.
+        .executableTarget(name: "ShaderEmbedder", path: "Sources/ShaderEmbedder"),
+        .plugin(name: "EmbedShaders", capability: .buildTool(), dependencies: ["ShaderEmbedder"],
+                path: "Plugins/EmbedShaders"),
+        .target(name: "FlashMetalShaders", path: "Sources/FlashMetalShaders",
+                plugins: ["EmbedShaders"]),
+        // The Metal backend; compiles to nothing where Metal is unavailable.
+        .target(name: "FlashMetalMetal", dependencies: ["FlashMetalCore", "FlashMetalShaders"],
+                path: "Sources/FlashMetalMetal"),
         // The @_cdecl entry points that make up libflashmetal.
-        .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU"],
+        .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalMetal"],
                 path: "Sources/FlashMetal"),
         .testTarget(name: "FlashMetalTests",
-                    dependencies: ["FlashMetalCore", "FlashMetalCPU", "CFlashMetal"],
+                    dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalShaders", "CFlashMetal"],
                     path: "tests/swift"),
     ],
     swiftLanguageModes: [.v5],

@@ -1,5 +1,8 @@
 import FlashMetalCPU
 import FlashMetalCore
+#if canImport(Metal)
+import FlashMetalMetal
+#endif
 #if canImport(Glibc)
 import Glibc
 #elseif canImport(Darwin)
@@ -11,6 +14,9 @@ import Darwin
 enum BackendFactory {
     static var available: [String] {
         var names = ["cpu"]
+        #if canImport(Metal)
+        names.append("metal")
+        #endif
         #if canImport(FlashMetalSimBackend)
         names.append("sim")
         #endif
@@ -34,6 +40,10 @@ enum BackendFactory {
         switch name {
         case "cpu":
             return CPUBackend()
+        #if canImport(Metal)
+        case "metal":
+            return try MetalBackend()
+        #endif
         default:
             let via = name == requested ? "" : " (from FLASHMETAL_BACKEND for 'auto')"
             throw FlashMetalError.value(

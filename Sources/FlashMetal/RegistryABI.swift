@@ -45,3 +45,13 @@ public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutabl
     }
     return status
 }
+
+@_cdecl("fm_begin_batch")
+public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
+    guarded(err, errlen) { try Handles.registry(registry, op: "begin_batch").beginBatch() }
+}
+
+@_cdecl("fm_end_batch")
+public func fm_end_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
+    guarded(err, errlen) { try Handles.registry(registry, op: "end_batch").endBatch() }
+}

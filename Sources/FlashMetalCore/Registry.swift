@@ -5,6 +5,7 @@ public final class Registry: @unchecked Sendable {
     public let backend: Backend
     private let lock = Lock()
     private var cache: [PipelineKey: AnyObject] = [:]
+    private var batchDepth = 0
 
     public init(backend: Backend) {
         self.backend = backend
@@ -29,5 +30,22 @@ public final class Registry: @unchecked Sendable {
     public func run(_ dispatches: [Dispatch]) throws {
         let pipelines = try dispatches.map { try pipeline($0.pipeline) }
         try backend.run(dispatches, pipelines: pipelines)
+    }
+
+    /// Opens a (nestable) batch scope on the backend.
+    public func beginBatch() throws {
+        try lock.withLock {
+            try backend.beginBatch()
+            batchDepth += 1
+        }
+    }
+
+    /// Closes the innermost batch scope; the outermost one flushes the work.
+    public func endBatch() throws {
+        try lock.withLock {
+            guard batchDepth > 0 else { throw FlashMetalError.value("end_batch", "no batch is open") }
+            batchDepth -= 1
+            try backend.endBatch()
+        }
     }
 }

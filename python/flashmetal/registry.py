@@ -1,7 +1,9 @@
 """Registry: one backend and its pipeline cache, shared by threads."""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import _loader
@@ -60,6 +62,16 @@ class Registry:
         err = self._ffi.new("char[]", _ERRLEN)
         status = getattr(self._lib, fn_name)(self._handle, *args, err, _ERRLEN)
         raise_for_status(status, self._ffi.string(err).decode(errors="replace"))
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator["Registry"]:
+        """A batch scope: the backend may defer work until the scope closes
+        (Metal: one command buffer). Read outputs after the ``with`` block."""
+        self._call("fm_begin_batch")
+        try:
+            yield self
+        finally:
+            self._call("fm_end_batch")
 
     def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
         """Same as flashmetal.flash_attn_prefill on this registry."""

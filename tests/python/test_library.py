@@ -8,7 +8,7 @@ import pytest
 from flashmetal import _loader
 
 EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
-            "fm_dispatch_prefill", "fm_version"]
+            "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch"]
 
 
 def exported_symbols() -> set[str]:
@@ -84,3 +84,17 @@ def test_undersized_buffer_is_refused(nbytes):
     st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err, 256)
     assert st == 1 and b"K buffer too small" in ffi.string(err), ffi.string(err)
     lib.fm_destroy_registry(h[0])
+
+
+def test_batch_scope(registry, rng):
+    import flashmetal as fm
+    from flashmetal import reference
+    from numerics import BF16, assert_close, randn
+
+    q, k, v = (randn(rng, (1, 2, 16, 64), BF16) for _ in range(3))
+    with registry.batch():
+        with registry.batch():
+            out = fm.flash_attn_prefill(q, k, v, registry=registry)
+    assert_close(out, reference.attention(q, k, v), BF16, "batched")
+    with pytest.raises(ValueError, match="end_batch: no batch is open"):
+        registry._call("fm_end_batch")

@@ -152,6 +152,10 @@ typedef struct FMPrefillOptions {
 int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
 int fm_destroy_registry(FMRegistry *registry);
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
+/* A batch scope: until fm_end_batch a backend may defer work (Metal commits
+ * one command buffer at the end); outputs are valid after fm_end_batch. */
+int fm_begin_batch(FMRegistry *registry, char *err, size_t errlen);
+int fm_end_batch(FMRegistry *registry, char *err, size_t errlen);
 int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
                         const FMTensor *out, const FMPrefillOptions *options,
