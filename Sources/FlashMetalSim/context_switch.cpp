@@ -135,3 +135,22 @@ void ctx_switch(void **save, void *next) {
 const char *ctx_kind() { return "swapcontext"; }
 } // namespace fmsim
 #endif
+
+// ---- micro-benchmark: one context switch, measured as a ping-pong ----------
+#include <chrono>
+namespace {
+void *g_main_sp, *g_fib_sp;
+long g_iters;
+void bench_entry() {
+    for (;;) fmsim::ctx_switch(&g_fib_sp, g_main_sp);
+}
+} // namespace
+extern "C" double fmsim_bench_switch_ns(long iters) {
+    static char stack[64 * 1024] __attribute__((aligned(64)));
+    g_iters = iters;
+    g_fib_sp = fmsim::ctx_init(stack, sizeof stack, bench_entry);
+    auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < iters; i++) fmsim::ctx_switch(&g_main_sp, g_fib_sp);
+    auto t1 = std::chrono::steady_clock::now();
+    return std::chrono::duration<double, std::nano>(t1 - t0).count() / double(2 * iters);
+}

@@ -499,13 +499,13 @@ extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) 
     char dummy[8];
     if (!err || errlen == 0) { err = dummy; errlen = sizeof dummy; }
     err[0] = 0;
-    if (!d || !d->kernel) {
+    if (!d || !d->name) {
         snprintf(err, errlen, "sim: null dispatch or kernel name");
         return FMSIM_ERROR_INVALID;
     }
-    const KernelEntry *e = find_kernel(d->kernel);
+    const KernelEntry *e = find_kernel(d->name);
     if (!e) {
-        snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->kernel);
+        snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->name);
         return FMSIM_ERROR_UNKNOWN_KERNEL;
     }
     auto *ds = new (std::nothrow) DispatchState();

@@ -48,7 +48,7 @@ typedef struct FMSimTGMemory {
 } FMSimTGMemory;
 
 typedef struct FMSimDispatch {
-    const char *kernel;              /* host name */
+    const char *name;                /* kernel host name */
     const FMSimConstant *constants;  int32_t n_constants;
     const FMSimBinding *bindings;    int32_t n_bindings;
     const FMSimTGMemory *tg_memory;  int32_t n_tg_memory;

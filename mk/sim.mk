@@ -1,0 +1,33 @@
+# mk/sim.mk — the simulator's conformance suite and the shader dialect lint.
+#   make sim-test    build build-sim/sim-conformance, run it in thread order
+#                    and again under the scrambled schedule
+#   make sim-lint    reject dialect violations in Resources/shaders/*.metal
+#   make sim-bench   print the simulator's costs
+SIM_CXX ?= /opt/swift/usr/bin/clang++
+SIM_CXXFLAGS := -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
+	-Werror=double-promotion -Wno-unknown-attributes -Wall -Wno-unused-function
+SIM_SRC_DIR := Sources/FlashMetalSim
+SIM_RUNTIME := $(SIM_SRC_DIR)/simulator.cpp $(SIM_SRC_DIR)/registry.cpp $(SIM_SRC_DIR)/context_switch.cpp
+SIM_KERNELS := $(wildcard $(SIM_SRC_DIR)/kernels/*.cpp)
+SIM_HEADERS := $(wildcard $(SIM_SRC_DIR)/*.h $(SIM_SRC_DIR)/include/*.h Resources/shaders/*.h \
+	Resources/shaders/*.metal tests/sim/*.h) Sources/CFlashMetal/include/flashmetal.h
+SIM_BIN := build-sim/sim-conformance
+
+.PHONY: sim-test sim-lint sim-bench
+
+$(SIM_BIN): $(SIM_RUNTIME) $(SIM_KERNELS) tests/sim/conformance.cpp $(SIM_HEADERS)
+	@mkdir -p build-sim
+	$(SIM_CXX) $(SIM_CXXFLAGS) -o $@ tests/sim/conformance.cpp $(SIM_RUNTIME) $(SIM_KERNELS)
+
+sim-test: $(SIM_BIN)
+	$(SIM_BIN)
+	FLASHMETAL_SIM_SCRAMBLE=7 $(SIM_BIN)
+
+sim-bench: $(SIM_BIN)
+	$(SIM_BIN) --bench
+
+sim-lint:
+	python3 tests/sim/lint_dialect.py Resources/shaders
+	python3 tests/sim/lint_dialect.py --self-test
+
+EXTRA_TESTS += sim-test sim-lint

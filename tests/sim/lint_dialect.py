@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""lint_dialect.py — reject dialect violations in Resources/shaders/*.metal.
+
+The shaders compile twice: by the Metal compiler and as C++20 for the
+simulator (DESIGN §5). Constructs that only one side understands, or that
+mean different things on the two sides, are rejected here:
+
+  raw-tg-array      threadgroup T x[n]           -> TG_ARRAY(T, x, n)
+  raw-builtin       [[thread_position_in_grid]]  -> BUILTIN(thread_position_in_grid)
+  raw-attribute     [[function_constant(i)]], [[threadgroup(i)]], [[host_name(..)]]
+                                                 -> FUNCTION_CONSTANT / TG_BUFFER / INSTANTIATE_KERNEL
+  half-literal      1.0H                         -> 1.0h
+  alias-vector-cast vec<float, 4>(x) or an alias of a vector type called as a
+                    constructor (a bitcast on the host) -> float4(x)
+  buffer-order      [[buffer(i)]] of a kernel must be 0, 1, 2, ... in parameter order
+  include           shaders include "dialect.h" only (never <metal_stdlib> or host files)
+
+Usage: lint_dialect.py DIR...   |   lint_dialect.py --self-test
+"""
+import os
+import re
+import sys
+
+BUILTINS = (
+    "thread_position_in_grid thread_position_in_threadgroup threadgroup_position_in_grid "
+    "threads_per_threadgroup threadgroups_per_grid threads_per_grid thread_index_in_threadgroup "
+    "thread_index_in_simdgroup simdgroup_index_in_threadgroup threads_per_simdgroup "
+    "simdgroups_per_threadgroup thread_execution_width quadgroup_index_in_threadgroup "
+    "thread_index_in_quadgroup dispatch_threads_per_threadgroup"
+).split()
+VEC_NAMES = r"(?:float|half|bfloat|int|uint|short|ushort|char|uchar|long|ulong|bool)[234]"
+
+RE_TG_ARRAY = re.compile(r"\bthreadgroup\s+(?:const\s+)?[A-Za-z_][\w:<>,\s]*?[\s*&]\s*([A-Za-z_]\w*)\s*\[(?!\[)")
+RE_BUILTIN = re.compile(r"\[\[\s*(" + "|".join(BUILTINS) + r")\s*\]\]")
+RE_RAW_ATTR = re.compile(r"\[\[\s*(function_constant|threadgroup|host_name)\s*\(")
+RE_HALF_H = re.compile(r"(?<![\w.])(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?H\b")
+RE_VEC_CALL = re.compile(r"\b(?:metal::)?vec\s*<[^<>;()]*>\s*\(")
+RE_ALIAS_USING = re.compile(r"\busing\s+([A-Za-z_]\w*)\s*=\s*(?:metal::)?(?:vec\s*<|" + VEC_NAMES + r"\b)")
+RE_ALIAS_TYPEDEF = re.compile(r"\btypedef\s+(?:metal::)?(?:vec\s*<[^;]*>|" + VEC_NAMES + r")\s+([A-Za-z_]\w*)\s*;")
+RE_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+RE_KERNEL = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
+RE_BUFFER = re.compile(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)")
+
+
+def strip_comments(src):
+    """Blank out comments and string literals, keeping line breaks."""
+    out, i, n = [], 0, len(src)
+    while i < n:
+        c = src[i]
+        if src.startswith("//", i):
+            j = src.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(re.sub(r"[^\n]", " ", src[i:j]))
+            i = j
+        elif c == '"':
+            j = i + 1
+            while j < n and src[j] != '"' and src[j] != "\n":
+                j += 2 if src[j] == "\\" else 1
+            out.append('"' + " " * (j - i - 1) + ('"' if j < n else ""))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def line_of(text, pos):
+    return text.count("\n", 0, pos) + 1
+
+
+def lint_text(text, name="<text>"):
+    errors = []
+    raw = text
+    code = strip_comments(text)
+
+    def err(pos, rule, msg):
+        errors.append("%s:%d: [%s] %s" % (name, line_of(code, pos), rule, msg))
+
+    for m in RE_INCLUDE.finditer(raw):
+        inc = m.group(2)
+        if m.group(1) == "<" or os.path.basename(inc) != "dialect.h":
+            if os.path.basename(inc) in ("flashmetal.h",):
+                continue  # the shared param structs (inlined by the embed step)
+            err(m.start(), "include", "shaders include \"dialect.h\" only, not %s" % inc)
+    for m in RE_TG_ARRAY.finditer(code):
+        err(m.start(), "raw-tg-array", "raw threadgroup array '%s': use TG_ARRAY(T, %s, n)" % (m.group(1), m.group(1)))
+    for m in RE_BUILTIN.finditer(code):
+        err(m.start(), "raw-builtin", "raw [[%s]]: use BUILTIN(%s)" % (m.group(1), m.group(1)))
+    for m in RE_RAW_ATTR.finditer(code):
+        repl = {"function_constant": "FUNCTION_CONSTANT", "threadgroup": "TG_BUFFER",
+                "host_name": "INSTANTIATE_KERNEL"}[m.group(1)]
+        err(m.start(), "raw-attribute", "raw [[%s(...)]]: use %s" % (m.group(1), repl))
+    for m in RE_HALF_H.finditer(code):
+        err(m.start(), "half-literal", "uppercase half literal '%s': write it with a lowercase h" % m.group(0))
+    for m in RE_VEC_CALL.finditer(code):
+        err(m.start(), "alias-vector-cast", "vec<...>(x) is a bitcast on the host: use the concrete name (float4(x))")
+    aliases = set(RE_ALIAS_USING.findall(code)) | set(RE_ALIAS_TYPEDEF.findall(code))
+    for a in sorted(aliases):
+        for m in re.finditer(r"(?<![\w.>:])" + re.escape(a) + r"\s*\(", code):
+            err(m.start(), "alias-vector-cast",
+                "'%s(...)' constructs through an alias of a vector type (a bitcast on the host): "
+                "use the concrete name" % a)
+    for m in RE_KERNEL.finditer(code):
+        depth, j = 1, m.end()
+        while j < len(code) and depth:
+            depth += {"(": 1, ")": -1}.get(code[j], 0)
+            j += 1
+        idx = [int(b) for b in RE_BUFFER.findall(code[m.end():j])]
+        if idx != list(range(len(idx))):
+            err(m.start(), "buffer-order",
+                "kernel %s binds buffers %s: parameter position must equal the buffer index (0, 1, 2, ...)"
+                % (m.group(1), idx))
+    return errors
+
+
+def lint_dirs(dirs):
+    errors, files = [], 0
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".metal"):
+                files += 1
+                p = os.path.join(d, f)
+                with open(p, encoding="utf-8") as fh:
+                    errors += lint_text(fh.read(), p)
+    for e in errors:
+        print(e)
+    print("dialect lint: %d file(s), %d violation(s)" % (files, len(errors)))
+    return 1 if errors else 0
+
+
+GOOD = r'''
+#include "dialect.h"
+using namespace metal;
+FUNCTION_CONSTANT(bool, has_mask, 300)
+// a comment with threadgroup float x[4]; and [[thread_position_in_grid]] and 1.0H
+template <typename T>
+kernel void good(const device T *a [[buffer(0)]], device float *o [[buffer(1)]],
+                 TG_BUFFER(float, scratch, 0), uint tid BUILTIN(thread_index_in_threadgroup)) {
+    TG_ARRAY(float, buf, 64);
+    threadgroup float *p = buf;
+    half h = 1.0h;
+    float4 v = float4(h);
+    buf[tid] = v.x + p[0];
+}
+INSTANTIATE_KERNEL("good", good, float)
+'''
+
+BAD = {
+    "raw-tg-array": "kernel void k(device float *o [[buffer(0)]]) {\n  threadgroup float tile[64];\n}\n",
+    "raw-builtin": "kernel void k(device float *o [[buffer(0)]], uint3 gid [[thread_position_in_grid]]) {}\n",
+    "half-literal": "kernel void k(device half *o [[buffer(0)]]) { o[0] = 1.0H; }\n",
+    "alias-vector-cast": "kernel void k(device float4 *o [[buffer(0)]]) { o[0] = vec<float, 4>(int4(1)); }\n",
+    "alias-vector-cast ": "using V4 = float4;\nkernel void k(device float4 *o [[buffer(0)]]) { o[0] = V4(int4(1)); }\n",
+    "raw-attribute": "constant bool m [[function_constant(3)]];\n",
+    "buffer-order": "kernel void k(device float *a [[buffer(1)]], device float *b [[buffer(0)]]) {}\n",
+    "include": "#include <metal_stdlib>\n",
+}
+
+
+def self_test():
+    ok = True
+    good = lint_text(GOOD, "good.metal")
+    if good:
+        ok = False
+        print("self-test: the good snippet was rejected:", *good, sep="\n  ")
+    for rule, snippet in BAD.items():
+        errs = lint_text(snippet, "bad.metal")
+        hit = any("[%s]" % rule.strip() in e for e in errs)
+        print("self-test %-18s %s" % (rule.strip(), "rejected" if hit else "NOT REJECTED"))
+        ok &= hit
+    print("dialect lint self-test:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--self-test"]:
+        sys.exit(self_test())
+    sys.exit(lint_dirs(sys.argv[1:] or ["Resources/shaders"]))
