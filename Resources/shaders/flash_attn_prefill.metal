@@ -1,0 +1,236 @@
+// flash_attn_prefill.metal — tiled flash attention with online softmax.
+//
+// One threadgroup computes BQ query rows of one (batch, head): WM simdgroups,
+// each owning 8 rows, walk the key range in tiles of BK keys. Per tile:
+//   S = Q K^T            (8x8 simdgroup MMAs over the head dim, f32)
+//   s = log2(e) * (softcap(scale * S) + mask),  causal / kL bounds -> -inf
+//   online softmax in the exp2 domain (running max starts at -FLT_MAX/2, so
+//   a -inf score gives exp2(-inf) = 0 and never NaN)
+//   O = O * exp2(m_old - m_new) + P V
+// and finally O / l, with l == 0 (a row that sees nothing) giving zeros.
+//
+// A key tile in which a row sees nothing leaves that row's m, l and O
+// unchanged bit for bit (factor exp2(0) = 1, P = 0), which is why skipping
+// such tiles (blk class 0, tiles past the causal diagonal) is exact.
+//
+// Buffers (seed 000): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
+// 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
+// 301 do_causal, 303 has_blk.
+#include "dialect.h"
+#include "flashmetal.h"
+using namespace metal;
+
+FUNCTION_CONSTANT(bool, align_Q, 200)
+FUNCTION_CONSTANT(bool, align_K, 201)
+FUNCTION_CONSTANT(bool, has_mask, 300)
+FUNCTION_CONSTANT(bool, do_causal, 301)
+FUNCTION_CONSTANT(bool, has_blk, 303)
+
+// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
+#define FA_ROW_MAX_INIT (-1.70141173e38f)
+#define FA_LOG2E 1.44269504088896341f
+
+// An additive mask value in natural units; a bool mask is true = attend.
+inline float mask_bias(bool attend) { return attend ? 0.0f : -INFINITY; }
+inline float mask_bias(half m) { return float(m); }
+inline float mask_bias(bfloat m) { return float(m); }
+
+// The (row, column) of a lane's first element in an 8x8 simdgroup fragment;
+// its second element is (row, column + 1).
+inline void frag_coord(uint lane, thread short &row, thread short &col) {
+    const short q = short(lane / 4);
+    row = short((q & 4) + short((lane / 2) % 4));
+    col = short((q & 2) * 2 + short(lane % 2) * 2);
+}
+
+// A[r][c] = src[(row0 + r) * ld + col0 + c]
+template <typename T>
+inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup T *src, int ld, int row0, int col0,
+                      short fr, short fc) {
+    const int i = (row0 + fr) * ld + col0 + fc;
+    f.thread_elements()[0] = float(src[i]);
+    f.thread_elements()[1] = float(src[i + 1]);
+}
+
+// A[r][c] = src[(row0 + c) * ld + col0 + r]: a transposed view (K^T).
+template <typename T>
+inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup T *src, int ld, int row0, int col0,
+                        short fr, short fc) {
+    f.thread_elements()[0] = float(src[(row0 + fc) * ld + col0 + fr]);
+    f.thread_elements()[1] = float(src[(row0 + fc + 1) * ld + col0 + fr]);
+}
+
+// Copies rows [row0, row0 + ROWS) of a [len, BD] slab (row stride `stride`)
+// into threadgroup memory with row pitch LD; rows past `len` become zeros.
+template <typename T, int ROWS, int BD, int LD, int THREADS>
+inline void load_tile(threadgroup T *dst, const device T *src, long stride, long row0, long len, bool aligned,
+                      uint tid) {
+    for (int i = int(tid); i < ROWS * BD; i += THREADS) {
+        const int r = i / BD;
+        const int d = i % BD;
+        const long row = row0 + r;
+        dst[r * LD + d] = (aligned || row < len) ? src[row * stride + d] : T(0.0f);
+    }
+}
+
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+kernel void flash_attn_prefill(
+    const device T *Q [[buffer(0)]],
+    const device T *K [[buffer(1)]],
+    const device T *V [[buffer(2)]],
+    device T *O [[buffer(3)]],
+    constant AttnParams &p [[buffer(4)]],
+    constant AttnMaskParams &mp [[buffer(5)]],
+    const device MaskT *mask [[buffer(6)]],
+    const device uchar *blk [[buffer(7)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup),
+    uint tid BUILTIN(thread_index_in_threadgroup)) {
+    constexpr int TK = BK / 8;  // score fragments per 8-row block
+    constexpr int TD = BD / 8;  // output fragments per 8-row block
+    constexpr int LD = BD + 8;  // padded row pitch of the tiles
+    constexpr int THREADS = 32 * WM * WN;
+    static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
+    static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
+    static_assert((BQ + BK) * LD * sizeof(T) <= 32768, "threadgroup memory over 32 KiB");
+    TG_ARRAY(T, Qs, BQ * LD);
+    TG_ARRAY(T, KVs, BK * LD);  // the K tile, then the V tile
+
+    const int qtile = int(tgid.x);
+    const long h = tgid.y;
+    const long b = tgid.z;
+    const long kvh = h / p.gqa_factor;
+    const long q_row0 = long(qtile) * BQ;
+    const device T *Qb = Q + b * p.Q_strides[0] + h * p.Q_strides[1];
+    const device T *Kb = K + b * p.K_strides[0] + kvh * p.K_strides[1];
+    const device T *Vb = V + b * p.V_strides[0] + kvh * p.V_strides[1];
+    device T *Ob = O + b * p.O_strides[0] + h * p.O_strides[1];
+
+    load_tile<T, BQ, BD, LD, THREADS>(Qs, Qb, p.Q_strides[2], q_row0, p.qL, align_Q, tid);
+
+    short fr, fc;
+    frag_coord(lane, fr, fc);
+    const int row0 = int(sg) * 8;
+    const long q_row = q_row0 + row0 + fr;
+    const bool row_exists = align_Q || q_row < p.qL;
+    const long q_pos = p.qL_off + q_row;
+    const device MaskT *mask_row = has_mask
+        ? mask + b * mp.M_strides[0] + h * mp.M_strides[1] + q_row * mp.M_strides[2]
+        : mask;
+
+    simdgroup_float8x8 acc[TD];
+    for (int d = 0; d < TD; d++) acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    float row_max = FA_ROW_MAX_INIT;
+    float row_sum = 0.0f;
+
+    // Past the causal diagonal of the tile's last row no key is visible.
+    int nk = p.NK;
+    if (do_causal) {
+        const long last_row = min(q_row0 + BQ, long(p.qL)) - 1;
+        nk = min(nk, int((p.qL_off + last_row) / BK) + 1);
+    }
+
+    for (int kt = 0; kt < nk; kt++) {
+        uchar tile_class = 1;
+        if (has_blk) {
+            tile_class = blk[long(qtile) * p.NK + kt];
+            if (tile_class == 0) continue;  // uniform over the threadgroup
+        }
+        const long k0 = long(kt) * BK;
+
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<T, BK, BD, LD, THREADS>(KVs, Kb + k0 * p.K_strides[2], p.K_strides[2], 0, p.kL - k0, align_K,
+                                          tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        simdgroup_float8x8 s[TK];
+        for (int j = 0; j < TK; j++) {
+            s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int d = 0; d < TD; d++) {
+                simdgroup_float8x8 qf;
+                simdgroup_float8x8 kf;
+                load_frag(qf, Qs, LD, row0, d * 8, fr, fc);
+                load_frag_t(kf, KVs, LD, j * 8, d * 8, fr, fc);
+                simdgroup_multiply_accumulate(s[j], qf, kf, s[j]);
+            }
+        }
+
+        float tile_max = row_max;
+        for (int j = 0; j < TK; j++) {
+            for (int e = 0; e < 2; e++) {
+                const long col = k0 + j * 8 + fc + e;
+                const bool col_exists = align_K || col < p.kL;
+                float x = s[j].thread_elements()[e] * p.scale;
+                if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
+                if (has_mask && tile_class != 2 && col_exists && row_exists) x += mask_bias(mask_row[col]);
+                x *= FA_LOG2E;
+                if ((do_causal && col > q_pos) || !col_exists) x = -INFINITY;
+                s[j].thread_elements()[e] = x;
+                tile_max = max(tile_max, x);
+            }
+        }
+        // The 4 lanes holding one row: lane ^ 1 and lane ^ 8.
+        tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
+        tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
+
+        const float factor = exp2(row_max - tile_max);
+        float tile_sum = 0.0f;
+        for (int j = 0; j < TK; j++) {
+            for (int e = 0; e < 2; e++) {
+                const float pe = exp2(s[j].thread_elements()[e] - tile_max);
+                s[j].thread_elements()[e] = pe;
+                tile_sum += pe;
+            }
+        }
+        tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
+        tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
+        row_sum = row_sum * factor + tile_sum;
+        row_max = tile_max;
+        for (int d = 0; d < TD; d++) {
+            acc[d].thread_elements()[0] *= factor;
+            acc[d].thread_elements()[1] *= factor;
+        }
+
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<T, BK, BD, LD, THREADS>(KVs, Vb + k0 * p.V_strides[2], p.V_strides[2], 0, p.kL - k0, align_K,
+                                          tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        for (int j = 0; j < TK; j++) {
+            for (int d = 0; d < TD; d++) {
+                simdgroup_float8x8 vf;
+                load_frag(vf, KVs, LD, j * 8, d * 8, fr, fc);
+                simdgroup_multiply_accumulate(acc[d], s[j], vf, acc[d]);
+            }
+        }
+    }
+
+    const float inv = row_sum == 0.0f ? 0.0f : 1.0f / row_sum;
+    if (row_exists) {
+        device T *out_row = Ob + q_row * p.O_strides[2];
+        for (int d = 0; d < TD; d++) {
+            out_row[d * 8 + fc] = T(acc[d].thread_elements()[0] * inv);
+            out_row[d * 8 + fc + 1] = T(acc[d].thread_elements()[1] * inv);
+        }
+    }
+}
+
+// Seed 000's entry points plus D=128: (T, MaskT, BQ, BK, BD, WM, WN). The
+// geometry must match PrefillGeometry in Sources/FlashMetalCore.
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, bfloat, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, bool, 8, 8, 512, 1, 1)
