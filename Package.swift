@@ -31,11 +31,23 @@ let package = Package(
         // The Metal backend; compiles to nothing where Metal is unavailable.
         .target(name: "FlashMetalMetal", dependencies: ["FlashMetalCore", "FlashMetalShaders"],
                 path: "Sources/FlashMetalMetal"),
+        // The GPU simulator (C++20): the shaders of Resources/shaders compiled
+        // for the host and run as fibers (DESIGN §5).
+        .target(name: "FlashMetalSim", dependencies: ["CFlashMetal"], path: "Sources/FlashMetalSim",
+                cxxSettings: [.unsafeFlags(["-Xclang", "-ffloat16-excess-precision=none",
+                                            "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",
+                                            "-fvisibility=hidden"])],
+                linkerSettings: [.linkedLibrary("stdc++", .when(platforms: [.linux]))]),
+        // The "sim" backend: Dispatch values → the simulator.
+        .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim"],
+                path: "Sources/FlashMetalSimBackend"),
         // The @_cdecl entry points that make up libflashmetal.
-        .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalMetal"],
+        .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalMetal",
+                                               "FlashMetalSimBackend"],
                 path: "Sources/FlashMetal"),
         .testTarget(name: "FlashMetalTests",
-                    dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalShaders", "CFlashMetal"],
+                    dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalShaders", "CFlashMetal",
+                                   "FlashMetalSimBackend"],
                     path: "tests/swift"),
     ],
     swiftLanguageModes: [.v5],

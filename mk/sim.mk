@@ -4,7 +4,7 @@
 #   make sim-lint    reject dialect violations in Resources/shaders/*.metal
 #   make sim-bench   print the simulator's costs
 SIM_CXX ?= /opt/swift/usr/bin/clang++
-SIM_CXXFLAGS := -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
+SIM_CXXFLAGS := -ISources/CFlashMetal/include -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
 	-Werror=double-promotion -Wno-unknown-attributes -Wall -Wno-unused-function
 SIM_SRC_DIR := Sources/FlashMetalSim
 SIM_RUNTIME := $(SIM_SRC_DIR)/simulator.cpp $(SIM_SRC_DIR)/registry.cpp $(SIM_SRC_DIR)/context_switch.cpp

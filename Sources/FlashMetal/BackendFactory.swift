@@ -3,6 +3,9 @@ import FlashMetalCore
 #if canImport(Metal)
 import FlashMetalMetal
 #endif
+#if canImport(FlashMetalSimBackend)
+import FlashMetalSimBackend
+#endif
 #if canImport(Glibc)
 import Glibc
 #elseif canImport(Darwin)
@@ -43,6 +46,10 @@ enum BackendFactory {
         #if canImport(Metal)
         case "metal":
             return try MetalBackend()
+        #endif
+        #if canImport(FlashMetalSimBackend)
+        case "sim":
+            return SimBackend()
         #endif
         default:
             let via = name == requested ? "" : " (from FLASHMETAL_BACKEND for 'auto')"

@@ -1,0 +1,124 @@
+import FlashMetalCore
+import FlashMetalSim
+
+/// The "sim" backend: runs Dispatch values on the GPU simulator, against the
+/// .metal kernels compiled as C++ into FlashMetalSim and registered by host
+/// name. Buffers bind by index, `.bytes` params are copied, threadgroup
+/// memory lengths come from the Dispatch. Every simulator failure (unknown
+/// kernel, unset constant, divergent barrier, deadlock, over 32 KiB of
+/// threadgroup memory, bad binding) comes back as FlashMetalError.backend.
+public final class SimBackend: Backend, @unchecked Sendable {
+    public let name = "sim"
+    /// OS worker threads per dispatch; 0 = one per core.
+    public let workers: Int
+    /// Scrambled schedule (FLASHMETAL_SIM_SCRAMBLE does this for every dispatch).
+    public let scramble: Bool
+    public let seed: UInt64
+
+    public init(workers: Int = 0, scramble: Bool = false, seed: UInt64 = 0) {
+        self.workers = workers
+        self.scramble = scramble
+        self.seed = seed
+    }
+
+    /// Host names of the kernels compiled into the simulator.
+    public static var kernelNames: [String] {
+        (0..<Int(fmsim_kernel_count())).compactMap { i in
+            fmsim_kernel_name(Int32(i)).map { String(cString: $0) }
+        }
+    }
+
+    final class Pipeline {
+        let key: PipelineKey
+        init(_ key: PipelineKey) { self.key = key }
+    }
+
+    public func makePipeline(_ key: PipelineKey) throws -> AnyObject {
+        guard fmsim_has_kernel(key.kernel) != 0 else {
+            throw FlashMetalError.backend("sim: no kernel named '\(key.kernel)' is compiled into the simulator")
+        }
+        return Pipeline(key)
+    }
+
+    public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
+        for d in dispatches { try run(d) }
+    }
+
+    private func u32(_ v: Int, _ what: String, _ d: Dispatch) throws -> UInt32 {
+        guard v >= 0, v <= Int(UInt32.max) else {
+            throw FlashMetalError.backend("sim: \(d.kernel): \(what) \(v) is out of range")
+        }
+        return UInt32(v)
+    }
+
+    private func run(_ d: Dispatch) throws {
+        var constants: [FMSimConstant] = []
+        for e in d.constants.entries {
+            switch e.value {
+            case .bool(let b): constants.append(FMSimConstant(index: Int32(e.index), is_bool: 1, value: b ? 1 : 0))
+            case .int(let i): constants.append(FMSimConstant(index: Int32(e.index), is_bool: 0, value: i))
+            }
+        }
+        // .bytes payloads are copied into memory that outlives the call.
+        var owned: [UnsafeMutableRawPointer] = []
+        defer { owned.forEach { $0.deallocate() } }
+        var bindings: [FMSimBinding] = []
+        for (index, b) in d.bindings.sorted(by: { $0.key < $1.key }) {
+            guard index >= 0, index < FMSIM_MAX_BINDINGS else {
+                throw FlashMetalError.backend(
+                    "sim: \(d.kernel): binding index \(index) is out of range 0..\(FMSIM_MAX_BINDINGS - 1)")
+            }
+            switch b {
+            case .buffer(let t):
+                bindings.append(FMSimBinding(index: Int32(index), is_bytes: 0, data: t.data,
+                                             length: UInt64(t.byteCount)))
+            case .bytes(let bytes):
+                let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes.count, 1), alignment: 16)
+                owned.append(p)
+                bytes.withUnsafeBytes { src in
+                    if let base = src.baseAddress { p.copyMemory(from: base, byteCount: bytes.count) }
+                }
+                bindings.append(FMSimBinding(index: Int32(index), is_bytes: 1, data: p, length: UInt64(bytes.count)))
+            }
+        }
+        var tg: [FMSimTGMemory] = []
+        for (index, len) in d.threadgroupMemory.sorted(by: { $0.key < $1.key }) {
+            guard index >= 0, index < FMSIM_MAX_BINDINGS else {
+                throw FlashMetalError.backend("sim: \(d.kernel): threadgroup memory index \(index) is out of range")
+            }
+            tg.append(FMSimTGMemory(index: Int32(index), length: try u32(len, "threadgroup memory length", d)))
+        }
+        let grid = (try u32(d.grid.x, "grid.x", d), try u32(d.grid.y, "grid.y", d), try u32(d.grid.z, "grid.z", d))
+        let threads = (try u32(d.threadgroup.x, "threads.x", d), try u32(d.threadgroup.y, "threads.y", d),
+                       try u32(d.threadgroup.z, "threads.z", d))
+        var err = [CChar](repeating: 0, count: 2048)
+        let status: Int32 = d.kernel.withCString { kname in
+            constants.withUnsafeBufferPointer { cp in
+                bindings.withUnsafeBufferPointer { bp in
+                    tg.withUnsafeBufferPointer { tp in
+                        var sd = FMSimDispatch()
+                        sd.name = kname
+                        sd.constants = cp.baseAddress
+                        sd.n_constants = Int32(cp.count)
+                        sd.bindings = bp.baseAddress
+                        sd.n_bindings = Int32(bp.count)
+                        sd.tg_memory = tp.baseAddress
+                        sd.n_tg_memory = Int32(tp.count)
+                        sd.grid = grid
+                        sd.threads = threads
+                        sd.workers = Int32(clamping: workers)
+                        sd.scramble = scramble ? 1 : 0
+                        sd.seed = seed
+                        return err.withUnsafeMutableBufferPointer { eb in
+                            fmsim_dispatch(&sd, eb.baseAddress, eb.count)
+                        }
+                    }
+                }
+            }
+        }
+        if status != 0 {
+            let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
+            throw FlashMetalError.backend(msg.hasPrefix("sim") ? msg : "sim: \(msg)")
+        }
+    }
+}
