@@ -33,8 +33,10 @@ let package = Package(
                 path: "Sources/FlashMetalMetal"),
         // The GPU simulator (C++20): the shaders of Resources/shaders compiled
         // for the host and run as fibers (DESIGN §5).
-        .target(name: "FlashMetalSim", dependencies: ["CFlashMetal"], path: "Sources/FlashMetalSim",
-                cxxSettings: [.unsafeFlags(["-Xclang", "-ffloat16-excess-precision=none",
+        .target(name: "FlashMetalSim", path: "Sources/FlashMetalSim",
+                // flashmetal.h is read textually (the shaders include it), not as a module.
+                cxxSettings: [.headerSearchPath("../CFlashMetal/include"),
+                              .unsafeFlags(["-Xclang", "-ffloat16-excess-precision=none",
                                             "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",
                                             "-fvisibility=hidden"])],
                 linkerSettings: [.linkedLibrary("stdc++", .when(platforms: [.linux]))]),
