@@ -3,6 +3,7 @@
 #                    and again under the scrambled schedule
 #   make sim-lint    reject dialect violations in Resources/shaders/*.metal
 #   make sim-bench   print the simulator's costs
+#   make sim-test-ucontext  the suite on the swapcontext fallback
 SIM_CXX ?= /opt/swift/usr/bin/clang++
 SIM_CXXFLAGS := -ISources/CFlashMetal/include -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
 	-Werror=double-promotion -Wno-unknown-attributes -Wall -Wno-unused-function
@@ -13,7 +14,7 @@ SIM_HEADERS := $(wildcard $(SIM_SRC_DIR)/*.h $(SIM_SRC_DIR)/include/*.h Resource
 	Resources/shaders/*.metal tests/sim/*.h) Sources/CFlashMetal/include/flashmetal.h
 SIM_BIN := build-sim/sim-conformance
 
-.PHONY: sim-test sim-lint sim-bench
+.PHONY: sim-test sim-lint sim-bench sim-test-ucontext
 
 $(SIM_BIN): $(SIM_RUNTIME) $(SIM_KERNELS) tests/sim/conformance.cpp $(SIM_HEADERS)
 	@mkdir -p build-sim
@@ -25,6 +26,13 @@ sim-test: $(SIM_BIN)
 
 sim-bench: $(SIM_BIN)
 	$(SIM_BIN) --bench
+
+# The swapcontext fallback (used where there is no hand-written switch).
+sim-test-ucontext: $(SIM_RUNTIME) $(SIM_KERNELS) tests/sim/conformance.cpp $(SIM_HEADERS)
+	@mkdir -p build-sim
+	$(SIM_CXX) $(SIM_CXXFLAGS) -DFMSIM_USE_UCONTEXT -o build-sim/sim-conformance-uc tests/sim/conformance.cpp \
+		$(SIM_RUNTIME) $(SIM_KERNELS)
+	build-sim/sim-conformance-uc
 
 sim-lint:
 	python3 tests/sim/lint_dialect.py Resources/shaders
