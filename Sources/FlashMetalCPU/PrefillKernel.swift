@@ -45,6 +45,11 @@ final class PrefillKernel: CPUKernel {
         a.bq = Int32(geo.bq)
         a.bk = Int32(geo.bk)
 
+        let isa = fm_cpu_isa()
+        if isa > Int32(FM_ISA_PORTABLE), fm_cpu_prefill_pack_bytes(&a, isa) > 0 {
+            runFast(&a, isa: isa, pool: pool)
+            return
+        }
         let nq = d.grid.x, heads = d.grid.y
         let floats = fm_cpu_prefill_scratch_floats(a.bq, a.bk, a.p.D)
         let workers = min(pool.threads, d.grid.count)
@@ -54,6 +59,47 @@ final class PrefillKernel: CPUKernel {
             pool.forEach(d.grid.count) { w, item in
                 let qt = item % nq, h = (item / nq) % heads, b = item / (nq * heads)
                 fm_cpu_prefill_tile(args, Int64(b), Int64(h), Int64(qt), scratch + w * floats)
+            }
+        }
+    }
+
+    /// Packs K/V panels once per (batch, kv head), then runs the q items of
+    /// the GQA heads sharing them. Groups are processed in chunks so the
+    /// packed panels stay under ~64 MiB.
+    private func runFast(_ a: inout FMPrefillArgs, isa: Int32, pool: WorkerPool) {
+        let packBytes = fm_cpu_prefill_pack_bytes(&a, isa)
+        let nkb = (Int(a.p.kL) + Int(FM_PF_KB) - 1) / Int(FM_PF_KB)
+        let nqi = (Int(a.p.qL) + Int(FM_PF_QI) - 1) / Int(FM_PF_QI)
+        let gqa = max(1, Int(a.p.gqa_factor))
+        let hkv = Int(a.p.H) / gqa
+        let groups = Int(a.p.B) * hkv
+        let perChunk = max(1, min(groups, (64 << 20) / max(packBytes, 1)))
+        let floats = fm_cpu_prefill_fast_scratch_floats(&a)
+        let workers = max(1, pool.threads)
+        let packed = UnsafeMutableRawPointer.allocate(byteCount: packBytes * perChunk, alignment: 64)
+        defer { packed.deallocate() }
+        let scratchRaw = UnsafeMutableRawPointer.allocate(byteCount: floats * workers * 4, alignment: 64)
+        defer { scratchRaw.deallocate() }
+        let scratch = scratchRaw.bindMemory(to: Float.self, capacity: floats * workers)
+        withUnsafePointer(to: &a) { args in
+            var g0 = 0
+            while g0 < groups {
+                let ng = min(perChunk, groups - g0)
+                pool.forEach(ng * nkb) { _, item in
+                    let g = g0 + item / nkb, kb = item % nkb
+                    fm_cpu_prefill_pack(args, isa, Int64(g / hkv), Int64(g % hkv), Int64(kb),
+                                        packed + (item / nkb) * packBytes)
+                }
+                // Heaviest items (last q rows under causal) first.
+                pool.forEach(ng * gqa * nqi) { w, item in
+                    let qi = nqi - 1 - item / (ng * gqa)
+                    let rest = item % (ng * gqa)
+                    let gl = rest / gqa, g = g0 + gl
+                    let b = g / hkv, h = (g % hkv) * gqa + rest % gqa
+                    fm_cpu_prefill_fast_item(args, isa, Int64(b), Int64(h), Int64(qi),
+                                             packed + gl * packBytes, scratch + w * floats)
+                }
+                g0 += ng
             }
         }
     }

@@ -1,4 +1,5 @@
 import Dispatch
+import FlashMetalCPUKernels
 #if canImport(Glibc)
 import Glibc
 #elseif canImport(Darwin)
@@ -7,6 +8,11 @@ import Darwin
 
 /// Spreads independent work items over the machine's cores.
 /// FLASHMETAL_NUM_THREADS overrides the core count.
+///
+/// Items are handed out dynamically (an atomic counter), so uneven items
+/// (causal prefill) balance; which worker runs an item never changes what
+/// the item computes. One item, or one thread, runs inline on the calling
+/// thread: no wake-up cost for tiny problems (decode with a short cache).
 final class WorkerPool: @unchecked Sendable {
     let threads: Int
 
@@ -20,17 +26,22 @@ final class WorkerPool: @unchecked Sendable {
 
     /// Calls `body(worker, item)` for every item in 0..<count; each worker
     /// index runs on one thread at a time, so per-worker scratch is safe.
-    func forEach(_ count: Int, _ body: (Int, Int) -> Void) {
-        let workers = min(threads, count)
+    /// `workers` caps the parallelism (e.g. 1 for a problem too small to
+    /// pay a thread wake-up).
+    func forEach(_ count: Int, workers maxWorkers: Int = Int.max, _ body: (Int, Int) -> Void) {
+        let workers = min(threads, count, max(1, maxWorkers))
         if workers <= 1 {
             for i in 0..<count { body(0, i) }
             return
         }
-        DispatchQueue.concurrentPerform(iterations: workers) { w in
-            var i = w
-            while i < count {
-                body(w, i)
-                i += workers
+        var next: Int64 = 0
+        withUnsafeMutablePointer(to: &next) { counter in
+            DispatchQueue.concurrentPerform(iterations: workers) { w in
+                while true {
+                    let i = Int(fm_atomic_fetch_add_i64(counter, 1))
+                    if i >= count { break }
+                    body(w, i)
+                }
             }
         }
     }

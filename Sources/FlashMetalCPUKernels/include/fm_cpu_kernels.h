@@ -38,6 +38,34 @@ size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d);
 void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
                          float *scratch);
 
+/* ---- run-time ISA selection (cpu_features.c) ---------------------------- */
+enum { FM_ISA_PORTABLE = 0, FM_ISA_AVX512 = 1, FM_ISA_AVX512BF16 = 2 };
+
+/* The ISA the fast kernels use: detected once, capped by FLASHMETAL_CPU_ISA
+ * (portable | avx512 | avx512bf16). */
+int fm_cpu_isa(void);
+const char *fm_cpu_isa_name(int isa);
+int64_t fm_atomic_fetch_add_i64(int64_t *p, int64_t v);
+
+/* ---- prefill fast path (prefill_x86.c), isa > FM_ISA_PORTABLE ----------- *
+ * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys
+ * (bf16 pairs for vdpbf16ps, or f32), shared by the GQA heads and q items.
+ * A work item is FM_PF_QI query rows of one head; rows are independent and
+ * key blocks start at absolute multiples of FM_PF_KB, so results do not
+ * depend on the item split, the thread count or the dispatch's q offset. */
+#define FM_PF_KB 64
+#define FM_PF_QI 32
+/* Bytes of packed K+V for one (b, kv head); 0 if the isa has no fast path. */
+size_t fm_cpu_prefill_pack_bytes(const FMPrefillArgs *a, int isa);
+/* Packs key block kb (FM_PF_KB keys) of (b, kvh) into `packed`. */
+void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t kb,
+                         void *packed);
+/* Floats of scratch one fast work item needs. */
+size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a);
+/* Rows [qi*FM_PF_QI, +FM_PF_QI) of head h of batch b. */
+void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,
+                              const void *packed, float *scratch);
+
 #ifdef __cplusplus
 }
 #endif
