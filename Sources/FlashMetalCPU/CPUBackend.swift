@@ -12,6 +12,11 @@ public final class CPUBackend: Backend {
         if PrefillDispatcher.allKernelNames.contains(key.kernel) {
             return try PrefillKernel(key)
         }
+        if BlkDispatcher.allKernelNames.contains(key.kernel) { return try BlkKernel(key) }
+        if MaskDispatcher.allKernelNames.contains(key.kernel) { return MaskKernel(key) }
+        if VecDispatcher.mainKernelNames.contains(key.kernel) { return VecKernel(key) }
+        if VecDispatcher.reduceKernelNames.contains(key.kernel) { return try VecReduceKernel(key) }
+        if SdpaDispatcher.allKernelNames.contains(key.kernel) { return SdpaKernel(key) }
         throw FlashMetalError.backend("cpu backend: unknown kernel '\(key.kernel)'")
     }
 

@@ -67,3 +67,65 @@ def close(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) ->
     bound = atol + rtol * np.abs(e)
     ratio = float(np.max(err / bound)) if err.size else 0.0
     return bool(np.all(err <= bound)), ratio
+
+
+def mask_additive(q_len: int, k_len: int, *, causal: bool, q_offset: int = 0,
+                  window: int | None = None) -> np.ndarray:
+    """[qL, kL] float64 additive mask: 0 where visible, -inf elsewhere."""
+    return np.where(visible(q_len, k_len, causal=causal, q_offset=q_offset, window=window), 0.0, -np.inf)
+
+
+def blk_classes(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
+    """[ceil(qL/bq), ceil(kL/bk)] uint8 tile classes of an additive mask:
+    0 when every cell of the tile is <= -1e30, 2 when every cell is exactly 0,
+    else 1; a tile that runs past the right edge (kL % bk != 0) is 1; the
+    last row tile covers only the rows that exist."""
+    m = _f64(mask)
+    ql, kl = m.shape
+    nq, nk = -(-ql // bq), -(-kl // bk)
+    out = np.empty((nq, nk), dtype=np.uint8)
+    for i in range(nq):
+        for j in range(nk):
+            if (j + 1) * bk > kl:
+                out[i, j] = 1
+                continue
+            t = m[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            out[i, j] = 0 if np.all(t <= -1e30) else (2 if np.all(t == 0) else 1)
+    return out
+
+
+def hadamard(d: int) -> np.ndarray:
+    """The natural-order (Sylvester) Hadamard matrix H_d, d a power of two."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    assert h.shape[0] == d, "d must be a power of two"
+    return h
+
+
+def sign_vector(bits: np.ndarray | None, d: int) -> np.ndarray:
+    """The ±1 signs of a bitmask: bit j = (bits[j >> 3] >> (j & 7)) & 1, 1 means -1."""
+    if bits is None:
+        return np.ones(d)
+    b = np.asarray(bits, dtype=np.uint8)
+    j = np.arange(d)
+    return np.where((b[j >> 3] >> (j & 7)) & 1, -1.0, 1.0)
+
+
+def fwht_undo(o: np.ndarray, bits: np.ndarray | None = None) -> np.ndarray:
+    """y = s ⊙ (H_D o) / sqrt(D) along the last axis."""
+    o = _f64(o)
+    d = o.shape[-1]
+    return sign_vector(bits, d) * (o @ hadamard(d).T) / math.sqrt(d)
+
+
+def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: float | None = None,
+           window: int | None = None, softcap: float = 0.0) -> np.ndarray:
+    """One query row per head at position kv_len - 1: q [(B,) H, D], k/v [(B,) Hkv, cap, D]."""
+    batched = np.ndim(q) == 3
+    q4 = _f64(q)[:, :, None, :] if batched else _f64(q)[None, :, None, :]
+    k4 = _f64(k) if batched else _f64(k)[None]
+    v4 = _f64(v) if batched else _f64(v)[None]
+    o = attention(q4, k4[:, :, :kv_len], v4[:, :, :kv_len], scale=scale, causal=True,
+                  q_offset=kv_len - 1, window=window, softcap=softcap)[:, :, 0, :]
+    return o if batched else o[0]

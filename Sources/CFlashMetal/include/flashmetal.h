@@ -97,6 +97,18 @@ typedef struct SdpaParams {
     uint32_t do_causal;
 } SdpaParams;
 
+/* Mask builder (flash_attn_prefill_mask_{bf16,f16}): buffer(1). 24 bytes.
+ * Cell (i, p) is 0 when visible, else -inf; t = q_offset + i; visible iff
+ * (!causal || p <= t) && (window == 0 || t - p < window). */
+typedef struct MaskParams {
+    int32_t seq_len_q;
+    int32_t seq_len_k;
+    int32_t q_offset;
+    int32_t window;   /* 0 = no window */
+    int32_t causal;   /* 0 or 1 */
+    int32_t _pad;
+} MaskParams;
+
 /* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
 #ifndef __METAL_VERSION__
 
@@ -145,6 +157,33 @@ typedef struct FMPrefillOptions {
     int32_t layout;   /* FMLayout */
 } FMPrefillOptions;
 
+/* fm_build_mask: see MaskParams. */
+typedef struct FMMaskOptions {
+    int32_t causal;   /* 0 or 1 */
+    int32_t window;   /* 0 = none, else > 0 */
+    int32_t q_offset; /* absolute position of query row 0, >= 0 */
+    int32_t _pad;
+} FMMaskOptions;
+
+/* fm_dispatch_vec (decode, one query row per head; the query sits at
+ * position kv_len - 1). */
+typedef struct FMVecOptions {
+    float scale;       /* finite */
+    float softcap;     /* 0 = off, else > 0 */
+    int32_t mask_type; /* 0 none, 1 causal, 2 sliding window */
+    int32_t window;    /* mask_type 2: keys p with (kv_len - 1) - p < window */
+    int32_t kv_len;    /* valid K/V length, 1..kv_capacity */
+    int32_t fwht;      /* 1: reduce fused with the FWHT sign undo */
+} FMVecOptions;
+
+/* fm_dispatch_sdpa. */
+typedef struct FMSdpaOptions {
+    float scale;      /* finite */
+    int32_t causal;   /* 0 or 1; bottom-right: query i at kv_len - qL + i */
+    int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
+    int32_t _pad;
+} FMSdpaOptions;
+
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
@@ -161,6 +200,37 @@ int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor 
                         const FMTensor *out, const FMPrefillOptions *options,
                         char *err, size_t errlen);
 const char *fm_version(void);
+/* blk tile-skip pre-pass (seed 001). (BQ, BK) come from the head dim of the
+ * prefill that will consume the blk. Byte length: ceil(qL/BQ)*ceil(kL/BK)
+ * rounded up to a multiple of 32, at least 32. */
+int fm_blk_byte_len(int64_t q_len, int64_t k_len, int32_t head_dim, size_t *out,
+                    char *err, size_t errlen);
+/* Fills *out with a zeroed, library-owned uint8 [NQ, NK] tensor of
+ * fm_blk_byte_len bytes; release it with fm_free_blk. */
+int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
+                 char *err, size_t errlen);
+/* Frees a tensor from fm_alloc_blk and clears its data pointer; a pointer
+ * the library did not allocate (or already freed) is an error. */
+int fm_free_blk(FMTensor *blk, char *err, size_t errlen);
+/* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8, >= NQ*NK bytes. */
+int fm_dispatch_blk(FMRegistry *registry, const FMTensor *mask, const FMTensor *blk_out,
+                    int32_t head_dim, char *err, size_t errlen);
+/* Fills out ([qL, kL] bfloat16 or float16) with 0 / -inf. */
+int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions *options,
+                  char *err, size_t errlen);
+/* Decode: q float32 [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
+ * float16 or bfloat16; out float32 like q. fwht_signs: NULL (all +1) or
+ * uint8 [D/8], used only with options->fwht. tmp: NULL (the library
+ * allocates it for the call) or float32 with >= B*H*32*(D+2)*4 bytes; pass
+ * your own inside a batch scope on a backend that defers work. */
+int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                    const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
+                    const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
+/* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32 or all
+ * bfloat16; D <= 512. */
+int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                     const FMTensor *v, const FMTensor *out, const FMSdpaOptions *options,
+                     char *err, size_t errlen);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 

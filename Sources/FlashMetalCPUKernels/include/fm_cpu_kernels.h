@@ -38,6 +38,7 @@ size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d);
 void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
                          float *scratch);
 
+
 /* ---- run-time ISA selection (cpu_features.c) ---------------------------- */
 enum { FM_ISA_PORTABLE = 0, FM_ISA_AVX512 = 1, FM_ISA_AVX512BF16 = 2 };
 
@@ -65,6 +66,33 @@ size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a);
 /* Rows [qi*FM_PF_QI, +FM_PF_QI) of head h of batch b. */
 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,
                               const void *packed, float *scratch);
+
+/* ---- blk pre-pass: one (q tile, k tile) of a [qL, kL] 16-bit additive mask.
+ * Writes blk[qt * nk + kt]: 0 all <= -1e30, 2 all == 0, else 1 (a partial
+ * right-edge K tile is 1, a tile wholly past kL is 0). */
+void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_bf16,
+                     uint8_t *blk, int32_t bq, int32_t bk, int64_t nk, int64_t qt, int64_t kt);
+
+/* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
+void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
+
+/* ---- decode (vec): one (row, workgroup) partial into tmp. kv_dtype is an
+ * FMDType (f32, f16, bf16). */
+void fm_cpu_vec_partial(const FlashAttnVecParams *p, const float *q, const void *k,
+                        const void *v, int32_t kv_dtype, float *tmp, int64_t row, int64_t wg,
+                        float *scratch);
+/* Floats of scratch one vec work item needs. */
+size_t fm_cpu_vec_scratch_floats(int32_t d);
+/* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
+ * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. */
+void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
+                           int64_t row, int32_t fwht, const uint8_t *signs);
+
+/* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32 or BF16. */
+void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const void *v, void *o,
+                      int32_t dtype, int64_t b, int64_t h, int64_t qtile, int32_t tile_q,
+                      float *scratch);
+size_t fm_cpu_sdpa_scratch_floats(int32_t d);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,15 @@
+import CFlashMetal
+import FlashMetalCore
+
+@_cdecl("fm_build_mask")
+public func fm_build_mask(_ registry: OpaquePointer?, _ out: UnsafePointer<FMTensor>?,
+                          _ options: UnsafePointer<FMMaskOptions>?,
+                          _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
+    guarded(err, errlen) {
+        let op = MaskDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        let o = try TensorRef(out, op: op, name: "out")
+        try reg.run([MaskDispatcher.makeDispatch(out: o, try MaskOptions(options.pointee))])
+    }
+}

@@ -1,0 +1,19 @@
+import CFlashMetal
+import FlashMetalCore
+
+@_cdecl("fm_dispatch_sdpa")
+public func fm_dispatch_sdpa(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
+    _ v: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMSdpaOptions>?,
+    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+) -> Int32 {
+    guarded(err, errlen) {
+        let op = SdpaDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        try reg.run([SdpaDispatcher.makeDispatch(
+            q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
+            v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "output"),
+            try SdpaOptions(options.pointee))])
+    }
+}

@@ -1,0 +1,37 @@
+import CFlashMetal
+import FlashMetalCore
+
+@_cdecl("fm_dispatch_vec")
+public func fm_dispatch_vec(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
+    _ v: UnsafePointer<FMTensor>?, _ signs: UnsafePointer<FMTensor>?, _ tmp: UnsafePointer<FMTensor>?,
+    _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMVecOptions>?,
+    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+) -> Int32 {
+    guarded(err, errlen) {
+        let op = VecDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        let o = try VecOptions(options.pointee)
+        let qt = try TensorRef(q, op: op, name: "q")
+        let kt = try TensorRef(k, op: op, name: "k")
+        let given = try optionalTensor(tmp, op: op, name: "tmp")
+        let sg = try optionalTensor(signs, op: op, name: "fwht_signs")
+        var owned: UnsafeMutableRawPointer? = nil
+        defer { owned?.deallocate() }
+        let tmpRef: TensorRef
+        if let given = given {
+            tmpRef = given
+        } else {
+            // Sized from validated shapes; the full validation runs in makeDispatches.
+            let s = try VecDispatcher.shapes(q: qt, k: kt)
+            let bytes = VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)
+            let p = UnsafeMutableRawPointer.allocate(byteCount: bytes, alignment: 64)
+            owned = p
+            tmpRef = TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4])
+        }
+        let t = VecTensors(q: qt, k: kt, v: try TensorRef(v, op: op, name: "v"),
+                           out: try TensorRef(out, op: op, name: "out"), tmp: tmpRef, signs: sg)
+        try reg.run(VecDispatcher.makeDispatches(t, o))
+    }
+}

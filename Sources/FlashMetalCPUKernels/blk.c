@@ -1,0 +1,25 @@
+/* Tile-skip pre-pass on the cpu (seed 001): classify one (BQ, BK) tile of an
+ * additive [qL, kL] mask. Comparisons are written so that a NaN cell makes
+ * the tile mixed (1), never skipped. Row offsets are 64-bit. */
+#include "fm_cpu_kernels.h"
+#include "half_convert.h"
+
+void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_bf16,
+                     uint8_t *blk, int32_t bq, int32_t bk, int64_t nk, int64_t qt, int64_t kt) {
+    const int64_t qL = p->seq_len_q, kL = p->seq_len_k, stride = p->mask_row_stride;
+    const int64_t r0 = qt * bq, c0 = kt * bk;
+    uint8_t *dst = blk + qt * nk + kt;
+    if (c0 >= kL || r0 >= qL) { *dst = 0; return; }  /* wholly past the mask */
+    if (c0 + bk > kL) { *dst = 1; return; }           /* partial right-edge K tile */
+    const int64_t r1 = (r0 + bq) < qL ? (r0 + bq) : qL; /* only rows that exist */
+    int all_masked = 1, all_zero = 1;
+    for (int64_t r = r0; r < r1 && (all_masked || all_zero); r++) {
+        const uint16_t *row = mask + r * stride + c0;
+        for (int64_t j = 0; j < bk; j++) {
+            const float x = mask_is_bf16 ? fm_bf16_to_f32(row[j]) : fm_f16_to_f32(row[j]);
+            if (!(x <= -1e30f)) all_masked = 0;
+            if (!(x == 0.0f)) all_zero = 0;
+        }
+    }
+    *dst = all_masked ? 0 : (all_zero ? 2 : 1);
+}

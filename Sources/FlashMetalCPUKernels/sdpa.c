@@ -1,0 +1,72 @@
+/* Simple SDPA on the cpu (seed 003): one (batch, head, 32-row q tile), online
+ * softmax per row in f32. Causal is bottom-right: query i sits at
+ * kv_len - qL + i and sees keys <= that position; a row with no visible key
+ * outputs zeros. bf16 I/O is rounded once on output. */
+#include <float.h>
+#include <math.h>
+#include "fm_cpu_kernels.h"
+#include "half_convert.h"
+
+#define FM_M_INIT (-FLT_MAX / 2)
+#define FM_LANES 16
+
+size_t fm_cpu_sdpa_scratch_floats(int32_t d) { return (size_t)d * 4; }
+
+static float sdpa_dot(const float *a, const float *b, int32_t n) {
+    float acc[FM_LANES] = {0};
+    int32_t i = 0;
+    for (; i + FM_LANES <= n; i += FM_LANES)
+        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) acc[0] += a[i] * b[i];
+    float s = 0;
+    for (int j = 0; j < FM_LANES; j++) s += acc[j];
+    return s;
+}
+
+static const float *row_f32(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
+    if (dtype == FM_DTYPE_F32) return (const float *)base + off;
+    fm_load_row(buf, (const uint16_t *)base + off, d, 1);
+    return buf;
+}
+
+void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const void *v, void *o,
+                      int32_t dtype, int64_t b, int64_t h, int64_t qtile, int32_t tile_q,
+                      float *scratch) {
+    const int32_t D = (int32_t)p->head_dim;
+    const int64_t H = p->n_heads, Hkv = p->n_kv_heads, qL = p->seq_len, kL = p->kv_seq_len;
+    const int64_t cap = p->kv_capacity ? p->kv_capacity : kL;
+    const int64_t kvh = h / (H / Hkv);
+    float *qbuf = scratch, *kbuf = scratch + D, *vbuf = scratch + 2 * (size_t)D, *acc = scratch + 3 * (size_t)D;
+    const int64_t r0 = qtile * tile_q;
+    const int64_t r1 = (r0 + tile_q) < qL ? (r0 + tile_q) : qL;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t qoff = ((b * H + h) * qL + r) * D;
+        const float *qr = row_f32(q, dtype, qoff, D, qbuf);
+        if (qr != qbuf) { for (int32_t i = 0; i < D; i++) qbuf[i] = qr[i]; }
+        int64_t last = kL - 1;
+        if (p->do_causal) {
+            const int64_t t = kL - qL + r;
+            if (t < last) last = t;
+        }
+        for (int32_t i = 0; i < D; i++) acc[i] = 0.0f;
+        float M = FM_M_INIT, S = 0.0f;
+        for (int64_t j = 0; j <= last; j++) {
+            const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
+            const float s = p->scale * sdpa_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
+            const float mx = s > M ? s : M;
+            const float f = expf(M - mx), pj = expf(s - mx);
+            const float *vr = row_f32(v, dtype, koff, D, vbuf);
+            for (int32_t i = 0; i < D; i++) acc[i] = acc[i] * f + pj * vr[i];
+            S = S * f + pj;
+            M = mx;
+        }
+        const float inv = S == 0.0f ? 0.0f : 1.0f / S;
+        if (dtype == FM_DTYPE_F32) {
+            float *dst = (float *)o + qoff;
+            for (int32_t i = 0; i < D; i++) dst[i] = acc[i] * inv;
+        } else {
+            uint16_t *dst = (uint16_t *)o + qoff;
+            for (int32_t i = 0; i < D; i++) dst[i] = fm_f32_to_bf16(acc[i] * inv);
+        }
+    }
+}

@@ -1,0 +1,61 @@
+import CFlashMetal
+
+/// Seed 001's host logic: the tile-skip pre-pass `flash_attn_prefill_blk_*`.
+/// Classifies each (BQ, BK) tile of a [qL, kL] additive mask: 0 = every cell
+/// <= -1e30 (skip the tile), 2 = every cell exactly 0 (skip the mask add),
+/// else 1. A partial right-edge K tile is always 1. (BQ, BK) are those of
+/// the prefill that consumes the blk (PrefillGeometry for its head dim).
+public enum BlkDispatcher {
+    public static let op = "flash_attn_prefill_blk"
+    public static let sizeOp = "blk_byte_len"
+
+    public static func kernelName(maskDType: DType) -> String {
+        maskDType == .f16 ? "flash_attn_prefill_blk_f16" : "flash_attn_prefill_blk_bf16"
+    }
+
+    public static let allKernelNames = ["flash_attn_prefill_blk_bf16", "flash_attn_prefill_blk_f16"]
+
+    /// Tile counts (NQ, NK) for a mask consumed by a prefill of `headDim`.
+    public static func tiles(qL: Int, kL: Int, headDim: Int, op: String = sizeOp) throws -> (nq: Int, nk: Int) {
+        if qL <= 0 { throw FlashMetalError.value(op, "seq_len_q must be > 0, got \(qL)") }
+        if kL <= 0 { throw FlashMetalError.value(op, "seq_len_k must be > 0, got \(kL)") }
+        if qL > Int(Int32.max) || kL > Int(Int32.max) {
+            throw FlashMetalError.value(op, "seq_len_q (\(qL)) and seq_len_k (\(kL)) must fit in int32")
+        }
+        guard let geo = PrefillGeometry.forHeadDim(headDim) else {
+            throw FlashMetalError.value(op, "head_dim must be 64, 128, 256 or 512, got \(headDim)")
+        }
+        return ((qL + geo.bq - 1) / geo.bq, (kL + geo.bk - 1) / geo.bk)
+    }
+
+    /// Bytes of a blk buffer: NQ*NK rounded up to a multiple of 32, at least 32.
+    public static func byteLength(qL: Int, kL: Int, headDim: Int) throws -> Int {
+        let (nq, nk) = try tiles(qL: qL, kL: kL, headDim: headDim)
+        let (raw, o) = nq.multipliedReportingOverflow(by: nk)
+        if o || raw > Int.max - 31 {
+            throw FlashMetalError.value(sizeOp, "nq (\(nq)) * nk (\(nk)) overflows")
+        }
+        return max((raw + 31) & ~31, 32)
+    }
+
+    public static func makeDispatch(mask: TensorRef, blk: TensorRef, headDim: Int) throws -> Dispatch {
+        try mask.requireRank([2], op: op, name: "mask")
+        try mask.requireDType([.bf16, .f16], op: op, name: "mask")
+        try blk.requireDType([.u8], op: op, name: "blk_out")
+        let (qL, kL) = (mask.shape[0], mask.shape[1])
+        let (nq, nk) = try tiles(qL: qL, kL: kL, headDim: headDim, op: op)
+        try mask.requireBytes(op: op, name: "mask")
+        let need = nq * nk
+        if blk.byteCount < need {
+            throw FlashMetalError.value(op, "blk_out buffer too small: expected at least \(need) bytes (NQ=\(nq), NK=\(nk)), got \(blk.byteCount)")
+        }
+        let geo = PrefillGeometry.forHeadDim(headDim)!
+        let params = BlkParams(seq_len_q: Int32(qL), seq_len_k: Int32(kL), mask_row_stride: Int32(kL), _pad: 0)
+        return Dispatch(
+            kernel: kernelName(maskDType: mask.dtype),
+            constants: FunctionConstants([(PrefillConstant.blkBQ, .int(Int32(geo.bq))),
+                                          (PrefillConstant.blkBK, .int(Int32(geo.bk)))]),
+            grid: Size3(nk, nq, 1), threadgroup: Size3(32, 1, 1),
+            bindings: [0: .buffer(mask), 1: .buffer(blk), 2: .bytes(bytesOf(params))])
+    }
+}

@@ -1,0 +1,74 @@
+import CFlashMetal
+
+public struct SdpaOptions: Sendable {
+    public var scale: Float
+    public var causal: Bool = true
+    /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
+    public var kvLen: Int? = nil
+
+    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil) {
+        self.scale = scale; self.causal = causal; self.kvLen = kvLen
+    }
+
+    public init(_ o: FMSdpaOptions) throws {
+        guard o.causal == 0 || o.causal == 1 else {
+            throw FlashMetalError.value(SdpaDispatcher.op, "causal must be 0 or 1, got \(o.causal)")
+        }
+        if o.kv_len < 0 { throw FlashMetalError.value(SdpaDispatcher.op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
+        self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len))
+    }
+}
+
+/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16`, one thread
+/// per query row, TILE_Q = 32 rows per threadgroup. Causal is bottom-right:
+/// query i sits at kv_len - qL + i.
+public enum SdpaDispatcher {
+    public static let op = "sdpa"
+    public static let tileQ = 32
+    public static let maxHeadDim = 512
+    public static let allKernelNames = ["sdpa", "sdpa_bf16"]
+
+    public static func kernelName(dtype: DType) -> String { dtype == .bf16 ? "sdpa_bf16" : "sdpa" }
+
+    public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef,
+                                    _ o: SdpaOptions) throws -> Dispatch {
+        for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
+            try x.requireRank([4], op: op, name: n)
+        }
+        try q.requireDType([.f32, .bf16], op: op, name: "Q")
+        for (x, n) in [(k, "K"), (v, "V"), (out, "output")] where x.dtype != q.dtype {
+            throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)")
+        }
+        let (b, h, qL, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
+        let (kb, hkv, cap, kd) = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
+        if v.shape != k.shape { throw FlashMetalError.value(op, "V shape \(v.shape) must equal K shape \(k.shape)") }
+        if out.shape != q.shape { throw FlashMetalError.value(op, "output shape \(out.shape) must equal Q shape \(q.shape)") }
+        if kb != b { throw FlashMetalError.value(op, "K batch (\(kb)) must equal Q batch (\(b))") }
+        if kd != d { throw FlashMetalError.value(op, "K head_dim (\(kd)) must equal Q head_dim (\(d))") }
+        if d == 0 { throw FlashMetalError.value(op, "head_dim must be > 0") }
+        if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)") }
+        if h == 0 { throw FlashMetalError.value(op, "n_heads must be > 0") }
+        if hkv == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0") }
+        if h % hkv != 0 { throw FlashMetalError.value(op, "n_heads (\(h)) must be divisible by n_kv_heads (\(hkv))") }
+        if qL == 0 { throw FlashMetalError.value(op, "seq_len must be > 0") }
+        if b == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
+        if cap == 0 { throw FlashMetalError.value(op, "kv_seq_len must be > 0") }
+        let kvLen = o.kvLen ?? cap
+        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_seq_len must be > 0, got \(kvLen)") }
+        if kvLen > cap { throw FlashMetalError.value(op, "kv_seq_len (\(kvLen)) must be <= kv_capacity (\(cap))") }
+        if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "seq_len"), (cap, "kv_capacity")] where v > Int(UInt32.max) {
+            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")
+        }
+        for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
+            try x.requireBytes(op: op, name: n)
+        }
+        let params = SdpaParams(n_heads: UInt32(h), n_kv_heads: UInt32(hkv), head_dim: UInt32(d),
+                                seq_len: UInt32(qL), kv_seq_len: UInt32(kvLen), scale: o.scale,
+                                kv_capacity: UInt32(cap), do_causal: o.causal ? 1 : 0)
+        return Dispatch(kernel: kernelName(dtype: q.dtype),
+                        grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),
+                        bindings: [0: .buffer(q), 1: .buffer(k), 2: .buffer(v), 3: .buffer(out),
+                                   4: .bytes(bytesOf(params))])
+    }
+}

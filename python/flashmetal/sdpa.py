@@ -1,0 +1,59 @@
+"""Simple fused SDPA (seed 003's op): float32 or bfloat16."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._arrays import as_input, check_out, tensor
+from .registry import Registry, default_registry
+
+_OP = "sdpa"
+
+
+def sdpa(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    kv_len: int | None = None,
+    out: np.ndarray | None = None,
+    registry: Registry | None = None,
+) -> np.ndarray:
+    """``softmax(scale * Q K^T) V`` with one thread per query row.
+
+    Args:
+        q: ``[B, H, qL, D]``, float32 or bfloat16; D <= 512.
+        k, v: ``[B, Hkv, cap, D]``, q's dtype (a mismatch is a TypeError
+            naming both dtypes); H must be a multiple of Hkv.
+        causal: bottom-right aligned: query i sits at ``kv_len - qL + i`` and
+            sees keys up to that position (rows before key 0 give zeros).
+        scale: score scale; default ``1/sqrt(D)``.
+        kv_len: valid K/V length (default all ``cap`` slots).
+        out: optional output array of q's shape and dtype.
+        registry: the backend to run on; default ``Registry("auto")``.
+    """
+    reg = registry or default_registry()
+    qa = as_input(q, _OP, "Q")
+    ka = as_input(k, _OP, "K")
+    va = as_input(v, _OP, "V")
+    if qa.ndim != 4:
+        raise ValueError(f"{_OP}: Q must have rank 4, got shape {qa.shape}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(qa.shape[3]) if qa.shape[3] > 0 else 1.0
+    if kv_len is not None and not 0 < int(kv_len) < 2**31:
+        raise ValueError(f"{_OP}: kv_len must be > 0 and fit in int32, got {kv_len}")
+    if out is None:
+        out = np.empty(qa.shape, dtype=qa.dtype)
+    else:
+        check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va])
+    ffi = reg._ffi
+    opts = ffi.new("FMSdpaOptions *")
+    opts.scale = float(scale)
+    opts.causal = 1 if causal else 0
+    opts.kv_len = 0 if kv_len is None else int(kv_len)
+    reg._call("fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, out), opts)
+    return out
