@@ -1,0 +1,150 @@
+"""The cpu backend's ISA paths (FLASHMETAL_CPU_ISA) and the fast prefill's
+bit-identity contract: blk vs no blk, thread count, every ISA path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from numerics import BF16, F16, assert_bits_equal, assert_close, randn
+
+HERE = Path(__file__).resolve().parent
+ISAS = ["portable", "avx512", "avx512bf16"]
+
+
+def lib_isa() -> int:
+    """fm_cpu_isa() of the loaded library (exported C symbol of the cpu kernels)."""
+    import cffi
+    f = cffi.FFI()
+    f.cdef("int fm_cpu_isa(void); const char *fm_cpu_isa_name(int);")
+    l2 = f.dlopen(str(Path(fm.__file__).parent / _libname()))
+    return l2.fm_cpu_isa(), f.string(l2.fm_cpu_isa_name(l2.fm_cpu_isa())).decode()
+
+
+def _libname() -> str:
+    return "libflashmetal.dylib" if sys.platform == "darwin" else "libflashmetal.so"
+
+
+def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                          cwd=str(HERE), timeout=600)
+
+
+def window_mask(ql, kl, w, off, dtype):
+    t = off + np.arange(ql)[:, None]
+    p = np.arange(kl)[None, :]
+    vis = (p <= t) & (t - p < w)
+    return np.where(vis, 0.0, -np.inf).astype(dtype)
+
+
+def blk_from_mask(m, bq, bk):
+    """Tile classes: 0 every cell -inf, 2 every cell 0, else 1."""
+    ql, kl = m.shape
+    nq, nk = -(-ql // bq), -(-kl // bk)
+    out = np.ones((nq, nk), np.uint8)
+    mf = m.astype(np.float32)
+    for i in range(nq):
+        for j in range(nk):
+            t = mf[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            if np.all(np.isneginf(t)):
+                out[i, j] = 0
+            elif np.all(t == 0):
+                out[i, j] = 2
+    return out
+
+
+def geometry(d):
+    return (8, 8) if d == 512 else (32, 16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_isa_env_caps_the_choice(isa):
+    r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=isa)
+    assert r.returncode == 0, r.stderr
+    got = r.stdout.strip()
+    native = lib_isa()[1]
+    order = {n: i for i, n in enumerate(ISAS)}
+    assert got == min(isa, native, key=order.get)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx512"])
+def test_prefill_suite_under_forced_isa(isa):
+    """The whole prefill suite (numerics, resume, determinism) on a capped ISA."""
+    if isa != "portable" and lib_isa()[0] < ISAS.index(isa):
+        pytest.skip(f"cpu has no {isa}")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        str(HERE / "test_prefill.py"), str(HERE / "test_cpu_isa.py"),
+                        "-k", "cpu and not forced_isa and not env_caps"],
+                       env=dict(os.environ, FLASHMETAL_CPU_ISA=isa), capture_output=True,
+                       text=True, cwd=str(HERE), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_blk_windowed_bit_identical(cpu, d, dtype):
+    rng = np.random.default_rng(7)
+    ql, kl, w = 150, 230, 57
+    off = kl - ql
+    hq, hkv = 4, 2
+    q = randn(rng, (1, hq, ql, d), dtype)
+    k = randn(rng, (1, hkv, kl, d), dtype)
+    v = randn(rng, (1, hkv, kl, d), dtype)
+    m = window_mask(ql, kl, w, off, dtype)
+    # a band of finite biases so that class-1 tiles add real values
+    m[:, 100:140] = np.where(np.isneginf(m[:, 100:140].astype(np.float32)), m[:, 100:140],
+                             rng.uniform(-1, 0.5, (ql, 40))).astype(dtype)
+    blk = blk_from_mask(m, *geometry(d))
+    assert (blk == 0).any() and (blk == 2).any() and (blk == 1).any()
+    a = fm.flash_attn_prefill(q, k, v, mask=m, registry=cpu)
+    b = fm.flash_attn_prefill(q, k, v, mask=m, blk=blk, registry=cpu)
+    assert_bits_equal(a, b, f"blk d={d}")
+    assert_close(a, reference.attention(q, k, v, mask=m), dtype, f"window d={d}")
+    c = fm.flash_attn_prefill(q, k, v, mask=m, blk=blk, causal=True, q_offset=off, registry=cpu)
+    assert_bits_equal(a, c, f"blk+causal d={d}")
+
+
+def test_results_do_not_depend_on_thread_count(tmp_path):
+    code = (
+        "import numpy as np, flashmetal as fm\n"
+        "from numerics import randn, BF16, F16\n"
+        "rng = np.random.default_rng(3)\n"
+        "outs = []\n"
+        "for d, dt in ((64, BF16), (128, F16), (256, BF16), (512, F16)):\n"
+        "    q = randn(rng, (1, 4, 97, d), dt); k = randn(rng, (1, 2, 161, d), dt)\n"
+        "    v = randn(rng, (1, 2, 161, d), dt)\n"
+        "    r = fm.Registry('cpu')\n"
+        "    outs.append(fm.flash_attn_prefill(q, k, v, causal=True, q_offset=64, registry=r)"
+        ".astype(np.float32))\n"
+        f"np.savez(r'{tmp_path}/' + __import__('os').environ['TAG'] + '.npz', *outs)\n")
+    for n in ("1", "2", "3"):
+        r = run_py(code, FLASHMETAL_NUM_THREADS=n, TAG=f"t{n}")
+        assert r.returncode == 0, r.stderr
+    base = np.load(tmp_path / "t1.npz")
+    for n in ("2", "3"):
+        other = np.load(tmp_path / f"t{n}.npz")
+        for key in base.files:
+            assert np.array_equal(base[key].view(np.uint32), other[key].view(np.uint32)), (n, key)
+
+
+def test_long_unaligned_resume_bitwise(cpu):
+    """Resume across several 64-key blocks and q items, unaligned everywhere."""
+    rng = np.random.default_rng(11)
+    total, cap, split = 301, 333, 131
+    for dtype in (BF16, F16):
+        q, k, v = (randn(rng, (1, 4, total, 128), dtype), randn(rng, (1, 2, cap, 128), dtype),
+                   randn(rng, (1, 2, cap, 128), dtype))
+        full = fm.flash_attn_prefill(q, k[:, :, :total], v[:, :, :total], causal=True, registry=cpu)
+        chunk = fm.flash_attn_prefill(q[:, :, split:], k, v, causal=True, q_offset=split,
+                                      kv_len=total, registry=cpu)
+        assert_bits_equal(chunk, full[:, :, split:], "resume")
+        assert_close(full, reference.attention(q, k[:, :, :total], v[:, :, :total], causal=True),
+                     dtype, "long causal")
