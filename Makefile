@@ -16,7 +16,7 @@ EXTRA_TESTS :=
 
 -include mk/*.mk
 
-.PHONY: all build python venv test swift-test pytest demo bench clean
+.PHONY: all build python venv test swift-test pytest pytest-sim-scrambled demo clean
 
 all: build python
 
@@ -43,7 +43,12 @@ swift-test:
 pytest: python
 	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
 
-test: all swift-test pytest $(EXTRA_TESTS)
+# The sim cases once more under a scrambled schedule: catches kernels that
+# lean on SIMD lockstep or on one order of threadgroups.
+pytest-sim-scrambled: python
+	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k sim $(PYTEST_ARGS)
+
+test: all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS)
 
 demo: python
 	$(PY) -m flashmetal.demo
