@@ -1,0 +1,141 @@
+"""scaled_dot_product_attention: each route, the same semantics whichever kernel runs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from kernel_support import require
+from numerics import BF16, F16, F32, assert_close, randn
+
+SDPA = fm.scaled_dot_product_attention
+
+
+@pytest.fixture
+def registry(registry):
+    """The session registry, skipped where some route's kernels do not exist yet."""
+    require(registry, "mask", "blk", "vec", "sdpa")
+    return registry
+
+
+def qkv(rng, dtype, b=1, h=4, hkv=2, ql=6, cap=40, d=64):
+    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, cap, d), dtype),
+            randn(rng, (b, hkv, cap, d), dtype))
+
+
+def expect(q, k, v, kl, *, causal, window=None, mask=None, softcap=0.0, scale=None):
+    ql = q.shape[2]
+    return reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=causal, q_offset=kl - ql, window=window,
+                               mask=mask, softcap=softcap, scale=scale)
+
+
+def tol(dtype, route):
+    return F16 if route == "flash_attn_vec" and dtype == F32 else dtype
+
+
+@pytest.mark.parametrize("dtype,ql,route", [
+    (BF16, 6, "flash_attn_prefill"), (F16, 6, "flash_attn_prefill"), (F32, 6, "sdpa"),
+    (F32, 1, "flash_attn_vec"), (BF16, 1, "flash_attn_vec"), (F16, 1, "flash_attn_vec"),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_routes(registry, rng, dtype, ql, route, causal):
+    q, k, v = qkv(rng, dtype, ql=ql)
+    out, ran = SDPA(q, k, v, is_causal=causal, return_kernel=True, registry=registry)
+    assert ran == route and ran in fm.attention.ROUTES
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_close(out, expect(q, k, v, 40, causal=causal), tol(dtype, route), f"{route} causal={causal}")
+    assert isinstance(SDPA(q, k, v, is_causal=causal, registry=registry), np.ndarray)
+
+
+@pytest.mark.parametrize("dtype,ql", [(BF16, 6), (F16, 40), (F32, 1), (BF16, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window(registry, rng, dtype, ql, causal):
+    q, k, v = qkv(rng, dtype, ql=ql, cap=70, d=128)
+    out, ran = SDPA(q, k, v, is_causal=causal, window=9, kv_len=60, return_kernel=True, registry=registry)
+    assert ran == ("flash_attn_vec" if ql == 1 else "flash_attn_prefill")
+    assert_close(out, expect(q, k, v, 60, causal=causal, window=9), tol(dtype, ran), ran)
+
+
+def test_same_semantics_across_routes(registry, rng):
+    """The one-row decode route and the prefill route agree for the same problem."""
+    q, k, v = qkv(rng, BF16, ql=3, cap=50, d=64)
+    full = SDPA(q, k, v, is_causal=True, window=7, kv_len=45, softcap=3.0, registry=registry)
+    last, ran = SDPA(q[:, :, 2:3], k, v, is_causal=True, window=7, kv_len=45, softcap=3.0,
+                     return_kernel=True, registry=registry)
+    assert ran == "flash_attn_vec"
+    exp = expect(q, k, v, 45, causal=True, window=7, softcap=3.0)
+    assert_close(full, exp, BF16, "prefill")
+    assert_close(last, exp[:, :, 2:3], BF16, "vec")
+
+
+@pytest.mark.parametrize("kind", ["additive2", "bool4"])
+def test_attn_mask_prefill(registry, rng, kind):
+    q, k, v = qkv(rng, BF16, ql=8, cap=24)
+    shape = (8, 24) if kind == "additive2" else (1, 4, 8, 24)
+    keep = rng.random(shape) < 0.6
+    keep[..., 0] = True
+    m = keep if kind == "bool4" else np.where(keep, rng.uniform(-1, 1, shape), -np.inf).astype(BF16)
+    for window in (None, 5):
+        out, ran = SDPA(q, k, v, attn_mask=m, window=window, return_kernel=True, registry=registry)
+        assert ran == "flash_attn_prefill"
+        assert_close(out, expect(q, k, v, 24, causal=False, window=window, mask=m), BF16, f"{kind} w={window}")
+
+
+def test_one_row_with_mask_takes_prefill(registry, rng):
+    q, k, v = qkv(rng, F16, ql=1, cap=24)
+    m = np.zeros((1, 24), F16)
+    m[0, 3:9] = -np.inf
+    out, ran = SDPA(q, k, v, attn_mask=m, return_kernel=True, registry=registry)
+    assert ran == "flash_attn_prefill"
+    assert_close(out, expect(q, k, v, 24, causal=False, mask=m), F16)
+
+
+def test_scale_softcap_prefill(registry, rng):
+    q, k, v = qkv(rng, BF16, ql=5, cap=30, d=128)
+    s = 4 / math.sqrt(128)
+    out = SDPA(q, k, v, is_causal=True, scale=s, softcap=2.0, registry=registry)
+    assert_close(out, expect(q, k, v, 30, causal=True, scale=s, softcap=2.0), BF16)
+
+
+def test_f32_non_vec_head_dim_one_row_takes_sdpa(registry, rng):
+    q, k, v = qkv(rng, F32, ql=1, cap=20, d=32)
+    out, ran = SDPA(q, k, v, is_causal=True, return_kernel=True, registry=registry)
+    assert ran == "sdpa"
+    assert_close(out, expect(q, k, v, 20, causal=True), F32)
+
+
+def Z(shape, dt=BF16):
+    return np.zeros(shape, dt)
+
+
+@pytest.mark.parametrize("args,kwargs,exc,msg", [
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64), F16), Z((1, 2, 8, 64))), {}, TypeError,
+     "k dtype float16 does not match q dtype bfloat16"),
+    ((Z((1, 2, 4, 64), np.int32), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, TypeError, "dtype int32 is not supported"),
+    ((Z((2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, ValueError, r"q must have rank 4"),
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(kv_len=9), ValueError, r"kv_len must be in 1..8"),
+    ((Z((1, 2, 9, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(is_causal=True), ValueError,
+     r"is_causal needs qL \(9\) <= kv_len \(8\)"),
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(window=0), ValueError, "window must be > 0"),
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(softcap=-1.0), ValueError, "softcap must be 0"),
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(attn_mask=Z((4, 7))), ValueError,
+     r"attn_mask shape \(4, 7\) must be \(4, 8\)"),
+    ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(attn_mask=Z((4, 8), F32)), TypeError,
+     "attn_mask must be bfloat16"),
+    ((Z((1, 2, 4, 64), F32), Z((1, 2, 8, 64), F32), Z((1, 2, 8, 64), F32)), dict(window=3), ValueError,
+     "window with float32 inputs"),
+    ((Z((1, 2, 4, 64), F32), Z((1, 2, 8, 64), F32), Z((1, 2, 8, 64), F32)), dict(attn_mask=Z((4, 8), F32)),
+     ValueError, "attn_mask with float32 inputs"),
+    ((Z((1, 2, 4, 64), F32), Z((1, 2, 8, 64), F32), Z((1, 2, 8, 64), F32)), dict(softcap=1.0), ValueError,
+     "softcap with float32 inputs"),
+    ((Z((1, 2, 9, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, ValueError, r"qL \(9\) > kv_len \(8\)"),
+    ((Z((1, 2, 4, 96)), Z((1, 2, 8, 96)), Z((1, 2, 8, 96))), {}, ValueError,
+     "flash_attn_prefill: head_dim must be 64, 128, 256 or 512, got 96"),
+])
+def test_errors(registry, args, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg) as e:
+        SDPA(*args, registry=registry, **kwargs)
+    assert "scaled_dot_product_attention" in str(e.value) or "flash_attn_prefill" in str(e.value)

@@ -1,0 +1,124 @@
+"""Simple SDPA (float32 / bfloat16) against the float64 reference, and its errors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from kernel_support import require
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+
+
+@pytest.fixture
+def registry(registry):
+    """The session registry, skipped where the sdpa kernels do not exist yet."""
+    require(registry, "sdpa")
+    return registry
+
+
+def run(registry, rng, *, b=1, h=2, hkv=2, ql=5, cap=40, kv_len=None, d=64, dtype=F32, causal=True,
+        scale=None):
+    q = randn(rng, (b, h, ql, d), dtype)
+    k = randn(rng, (b, hkv, cap, d), dtype)
+    v = randn(rng, (b, hkv, cap, d), dtype)
+    out = fm.sdpa(q, k, v, causal=causal, scale=scale, kv_len=kv_len, registry=registry)
+    assert out.dtype == dtype and out.shape == q.shape
+    kl = cap if kv_len is None else kv_len
+    exp = reference.attention(q, k[:, :, :kl], v[:, :, :kl], scale=scale, causal=causal, q_offset=kl - ql)
+    assert_close(out, exp, dtype, f"{registry.backend} {dtype} d={d} ql={ql} kl={kl} causal={causal}")
+    return q, k, v, out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [8, 64, 100, 512])
+def test_matrix(registry, rng, dtype, causal, d):
+    run(registry, rng, dtype=dtype, causal=causal, d=d)
+
+
+@pytest.mark.parametrize("ql,cap", [(1, 1), (1, 33), (7, 40), (33, 70), (40, 40), (64, 64)])
+def test_qL_lt_kL_causal_bottom_right(registry, rng, ql, cap):
+    run(registry, rng, ql=ql, cap=cap, causal=True)
+
+
+def test_qL_gt_kL_causal_rows_before_key0_are_zero(registry, rng):
+    q, k, v, out = run(registry, rng, ql=10, cap=6, causal=True)
+    assert np.all(out[:, :, :4] == 0)
+
+
+def test_gqa_and_batch(registry, rng):
+    run(registry, rng, b=2, h=8, hkv=2, ql=9, cap=30, dtype=BF16)
+
+
+def test_kv_capacity(registry, rng):
+    q, k, v, out = run(registry, rng, ql=4, cap=50, kv_len=20)
+    k2 = k.copy()
+    k2[:, :, 20:] = np.nan
+    assert_bits_equal(out, fm.sdpa(q, k2, v, kv_len=20, registry=registry), "slots past kv_len are never read")
+
+
+def test_scales(registry, rng):
+    run(registry, rng, d=64, scale=4 / math.sqrt(64))
+    run(registry, rng, d=64, scale=0.01, dtype=BF16)
+
+
+def test_determinism(registry, rng):
+    q, k, v, out = run(registry, rng, ql=40, cap=60)
+    assert_bits_equal(out, fm.sdpa(q, k, v, registry=registry), "two runs")
+
+
+def z(shape, dt=F32):
+    return np.zeros(shape, dt)
+
+
+@pytest.mark.parametrize("args,kwargs,exc,msg", [
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8), BF16), z((1, 2, 4, 8))), {}, TypeError,
+     "sdpa: dtype mismatch: Q=float32 != K=bfloat16"),
+    ((z((1, 2, 4, 8), BF16), z((1, 2, 4, 8), BF16), z((1, 2, 4, 8))), {}, TypeError,
+     "sdpa: dtype mismatch: Q=bfloat16 != V=float32"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(out=z((1, 2, 4, 8), BF16)), TypeError,
+     "sdpa: out dtype"),
+    ((z((1, 2, 4, 8), F16), z((1, 2, 4, 8), F16), z((1, 2, 4, 8), F16)), {}, TypeError,
+     "sdpa: Q must be float32 or bfloat16, got float16"),
+    ((z((1, 2, 4, 520)), z((1, 2, 4, 520)), z((1, 2, 4, 520))), {}, ValueError, "sdpa: head_dim must be <= 512, got 520"),
+    ((z((1, 2, 4, 0)), z((1, 2, 4, 0)), z((1, 2, 4, 0))), {}, ValueError, "sdpa: head_dim must be > 0"),
+    ((z((1, 3, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError,
+     r"sdpa: n_heads \(3\) must be divisible by n_kv_heads \(2\)"),
+    ((z((1, 2, 0, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError, "sdpa: seq_len must be > 0"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(kv_len=5), ValueError,
+     r"sdpa: kv_seq_len \(5\) must be <= kv_capacity \(4\)"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(kv_len=0), ValueError, "sdpa: kv_len must be > 0"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 3, 8))), {}, ValueError, "sdpa: V shape"),
+    ((z((1, 2, 4, 8)), z((2, 2, 4, 8)), z((2, 2, 4, 8))), {}, ValueError, r"sdpa: K batch \(2\) must equal Q batch \(1\)"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 4)), z((1, 2, 4, 4))), {}, ValueError, r"sdpa: K head_dim \(4\) must equal Q head_dim \(8\)"),
+    ((z((2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError, "sdpa: Q must have rank 4"),
+    ((z((1, 2, 4, 8)), z((2, 4, 8)), z((2, 4, 8))), {}, ValueError, "sdpa: K must have rank 4"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(scale=float("inf")), ValueError,
+     "sdpa: scale must be finite"),
+])
+def test_errors(registry, args, kwargs, exc, msg):
+    with pytest.raises(exc, match=msg):
+        fm.sdpa(*args, registry=registry, **kwargs)
+
+
+def test_abi_errors(cpu):
+    from flashmetal._arrays import tensor
+    ffi, lib = cpu._ffi, cpu._lib
+    err = ffi.new("char[]", 256)
+    a = z((1, 1, 4, 8))
+    t = tensor(ffi, a)
+    o = tensor(ffi, z((1, 1, 4, 8)))
+    opts = ffi.new("FMSdpaOptions *")
+    opts.scale, opts.causal = 1.0, 3
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, o, opts, err, 256) == 1
+    assert b"sdpa: causal must be 0 or 1, got 3" in ffi.string(err)
+    opts.causal, opts.kv_len = 1, -2
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, o, opts, err, 256) == 1
+    assert b"sdpa: kv_len must be >= 0" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, opts, err, 256) == 1
+    assert b"sdpa: output is null" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, o, opts, err, 256) == 1
+    assert b"sdpa: registry is null" in ffi.string(err)
