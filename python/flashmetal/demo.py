@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from . import reference
+from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry
 
@@ -40,16 +41,33 @@ def demo_prefill(reg: Registry, rng: np.random.Generator, length: int, runs: int
               f"max|err|={err:.2e}  {ms:8.2f} ms  {flops / ms / 1e6:7.1f} GFLOP/s")
 
 
+def demo_decode(reg: Registry, rng: np.random.Generator, kv_len: int, runs: int) -> None:
+    hq, hkv, d, cap = 16, 8, 256, kv_len + 64  # a cache with spare slots
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    for dtype in (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)):
+        k = rng.standard_normal((hkv, cap, d)).astype(dtype)
+        v = rng.standard_normal((hkv, cap, d)).astype(dtype)
+        out = flash_attn_decode(q, k, v, kv_len, registry=reg)
+        exp = reference.attention(q[None, :, None, :], k[None, :, :kv_len], v[None, :, :kv_len])[0, :, 0]
+        err = float(np.max(np.abs(out.astype(np.float64) - exp)))
+        ms = _median_ms(lambda: flash_attn_decode(q, k, v, kv_len, registry=reg), runs)
+        gbs = 2.0 * hkv * kv_len * d * dtype.itemsize / ms / 1e6
+        print(f"decode  {dtype.name:8} Hq={hq} Hkv={hkv} kv_len={kv_len} D={d}: "
+              f"max|err|={err:.2e}  {ms:8.2f} ms  {gbs:7.1f} GB/s of K/V")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--kv-len", type=int, default=32768)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args(argv)
     reg = Registry(args.backend)
     print(f"flashmetal demo on backend '{reg.backend}'")
     rng = np.random.default_rng(0)
     demo_prefill(reg, rng, args.length, args.runs)
+    demo_decode(reg, rng, args.kv_len, args.runs)
 
 
 if __name__ == "__main__":
