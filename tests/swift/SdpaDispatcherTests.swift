@@ -1,0 +1,59 @@
+import CFlashMetal
+import FlashMetalCore
+import XCTest
+
+final class SdpaDispatcherTests: XCTestCase {
+    func make(q: [Int], k: [Int], dtypes: [DType] = [.f32, .f32, .f32, .f32], _ o: SdpaOptions = SdpaOptions(scale: 1),
+              qBytes: Int? = nil) throws -> Dispatch {
+        let ts = [HostTensor(q, dtypes[0], bytes: qBytes), HostTensor(k, dtypes[1]), HostTensor(k, dtypes[2]),
+                  HostTensor(q, dtypes[3])]
+        return try withExtendedLifetime(ts) {
+            try SdpaDispatcher.makeDispatch(q: ts[0].ref, k: ts[1].ref, v: ts[2].ref, out: ts[3].ref, o)
+        }
+    }
+
+    func testDispatch() throws {
+        let d = try make(q: [2, 16, 70, 256], k: [2, 8, 128, 256], dtypes: [.bf16, .bf16, .bf16, .bf16],
+                         SdpaOptions(scale: 0.0625, causal: false, kvLen: 100))
+        XCTAssertEqual(d.kernel, "sdpa_bf16")
+        XCTAssertEqual(d.grid, Size3(2, 16, 3))
+        XCTAssertEqual(d.threadgroup, Size3(32, 1, 1))
+        XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
+        let p = try d.params(4, as: SdpaParams.self)
+        XCTAssertEqual([p.n_heads, p.n_kv_heads, p.head_dim, p.seq_len, p.kv_seq_len, p.kv_capacity, p.do_causal],
+                       [16, 8, 256, 70, 100, 128, 0])
+        XCTAssertEqual(p.scale, 0.0625)
+        let d2 = try make(q: [1, 2, 1, 512], k: [1, 2, 5, 512])
+        XCTAssertEqual(d2.kernel, "sdpa")
+        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).do_causal, 1)
+        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).kv_capacity, 5)
+        XCTAssertEqual(d2.grid, Size3(1, 2, 1))
+    }
+
+    func testValidation() {
+        let op = SdpaDispatcher.op
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=float32 != K=bfloat16") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.f32, .bf16, .f32, .f32])
+        }
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=bfloat16 != output=float32") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bf16, .bf16, .bf16, .f32])
+        }
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or bfloat16, got float16") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.f16, .f16, .f16, .f16])
+        }
+        expectFMError(op, contains: "head_dim must be <= 512, got 640") { _ = try make(q: [1, 2, 4, 640], k: [1, 2, 4, 640]) }
+        expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
+        expectFMError(op, contains: "n_heads (6) must be divisible by n_kv_heads (4)") { _ = try make(q: [1, 6, 4, 8], k: [1, 4, 4, 8]) }
+        expectFMError(op, contains: "n_kv_heads must be > 0") { _ = try make(q: [1, 6, 4, 8], k: [1, 0, 4, 8]) }
+        expectFMError(op, contains: "seq_len must be > 0") { _ = try make(q: [1, 2, 0, 8], k: [1, 2, 4, 8]) }
+        expectFMError(op, contains: "kv_seq_len must be > 0") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 0, 8]) }
+        expectFMError(op, contains: "kv_seq_len (9) must be <= kv_capacity (4)") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], SdpaOptions(scale: 1, kvLen: 9))
+        }
+        expectFMError(op, contains: "Q buffer too small") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], qBytes: 10) }
+        expectFMError(op, contains: "Q must have rank 4") { _ = try make(q: [2, 4, 8], k: [1, 2, 4, 8]) }
+        expectFMError(op, contains: "causal must be 0 or 1, got 2") {
+            _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 2, kv_len: 0, _pad: 0))
+        }
+    }
+}
