@@ -139,3 +139,17 @@ def test_errors(registry, args, kwargs, exc, msg):
     with pytest.raises(exc, match=msg) as e:
         SDPA(*args, registry=registry, **kwargs)
     assert "scaled_dot_product_attention" in str(e.value) or "flash_attn_prefill" in str(e.value)
+
+
+def test_exports():
+    import subprocess
+    from flashmetal import _loader
+    out = subprocess.run(["nm", "-D", "--defined-only", str(_loader.library_path())], capture_output=True,
+                         text=True, check=True).stdout
+    syms = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    mine = ["fm_blk_byte_len", "fm_alloc_blk", "fm_free_blk", "fm_dispatch_blk", "fm_build_mask",
+            "fm_dispatch_vec", "fm_dispatch_sdpa"]
+    assert not [s for s in mine if s not in syms]
+    ffi, lib = _loader.load()
+    for s in mine:
+        assert getattr(lib, s) is not None
