@@ -1,0 +1,251 @@
+// flash_attn_vec.metal — split-KV decode (seeds 002, 004): one query row per
+// head, the KV range split over NWG = 32 workgroups, then a reduce.
+//
+// Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
+// (row, workgroup). Workgroup wg takes the key chunks [c, c + 32) with
+// c = wg * 32, wg * 32 + NWG * 32, ... (the cpu kernel's split). Per chunk:
+//   lane j scores key c + j:  s = scale * q.k, softcap, then s * log2(e)
+//   online softmax in the exp2 domain; the running max starts at the finite
+//   -FLT_MAX / 2, so a masked key (-inf) gives exp2(-inf) = 0, never NaN
+//   the 32 probabilities go through threadgroup memory; lane l accumulates
+//   output dims l, l + 32, ... over the chunk's V rows.
+// Q is staged in half precision in threadgroup memory, as in the seeds (this
+// is why decode is held to the f16 tolerance). The query sits at position
+// kv_len - 1: causal (mask_type 1) sees every valid key; a sliding window w
+// (mask_type 2) sees keys p with (kv_len - 1) - p < w. No key at or past
+// kv_len is ever read.
+//
+// tmp (f32): partial outputs [rows, NWG, D] (unnormalised), then (S, M)
+// pairs [rows, NWG, 2] with M in natural-log units, exactly as the cpu
+// kernel writes them, so the two backends' tmp buffers mean the same thing.
+//
+// Buffers: 0 FlashAttnVecParams, 1 q (f32), 2 k, 3 v (f32, f16 or bf16),
+// 4 tmp. Threadgroup buffer 0: PK + SH + 2 * PV halfs (VecDispatcher); this
+// kernel uses Q (PK halfs) and the probabilities (32 floats in SH).
+//
+// Reduce, grid (rows, 1, 1), 32 * NWG threads: rescales partial w by
+// exp(M_w - M), normalises by the combined S (S == 0: a row that sees no key
+// outputs zeros). The fused variant then applies the inverse normalised
+// Walsh-Hadamard transform y = H_D x / sqrt(D) (Sylvester, natural order) in
+// threadgroup memory and flips the signs given by the bitmask at buffer 4
+// when function constant 500 (has_signs) is true. Buffers: 0
+// FlashAttnVecReduceParams, 1 tmp, 2 out (f32), 3 nwg (uint), 4 signs.
+#include "dialect.h"
+#include "flashmetal.h"
+using namespace metal;
+
+FUNCTION_CONSTANT(bool, vec_has_signs, 500)
+
+// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
+#define VEC_ROW_MAX_INIT (-1.70141173e38f)
+#define VEC_LOG2E 1.44269504088896341f
+#define VEC_LN2 0.693147180559945309f
+#define VEC_CHUNK 32
+
+// Threadgroup memory of the main kernel as VecDispatcher sizes it, in halfs.
+template <int D>
+constexpr int vec_tg_halfs() {
+    return ((D + 127) & ~127) * 3 + 4 * 32;
+}
+
+// q . k over D elements: Q from threadgroup memory (half), K from device.
+template <typename KV, int D>
+inline float vec_dot_qk(const threadgroup half *qs, const device KV *kr) {
+    float acc0 = 0.0f;
+    float acc1 = 0.0f;
+    float acc2 = 0.0f;
+    float acc3 = 0.0f;
+    for (int d = 0; d < D; d += 4) {
+        acc0 = fma(float(qs[d]), float(kr[d]), acc0);
+        acc1 = fma(float(qs[d + 1]), float(kr[d + 1]), acc1);
+        acc2 = fma(float(qs[d + 2]), float(kr[d + 2]), acc2);
+        acc3 = fma(float(qs[d + 3]), float(kr[d + 3]), acc3);
+    }
+    return (acc0 + acc1) + (acc2 + acc3);
+}
+
+template <typename KV, int D>
+kernel void flash_attn_vec(
+    constant FlashAttnVecParams &p [[buffer(0)]],
+    const device float *q [[buffer(1)]],
+    const device KV *k [[buffer(2)]],
+    const device KV *v [[buffer(3)]],
+    device float *tmp [[buffer(4)]],
+    TG_BUFFER(half, shmem, 0),
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint lane BUILTIN(thread_index_in_simdgroup)) {
+    constexpr int PK = (D + 127) & ~127;
+    constexpr int NE = D / 32;  // output dims per lane
+    static_assert(D % 32 == 0, "each lane owns D / 32 output dims");
+    static_assert((PK + 4 * 32) * 2 <= vec_tg_halfs<D>() * 2, "uses no more than the dispatcher binds");
+    static_assert(vec_tg_halfs<D>() * 2 <= 32768, "threadgroup memory over 32 KiB");
+
+    const long row = tgid.y;
+    const long wg = tgid.z;
+    const long nrows = p.n_heads;
+    const long nwg = p.nwg;
+    const long kv_len = p.kv_seq_len;
+    const long cap = p.kv_capacity;
+    const long kvrow = row / (long(p.n_heads) / long(p.n_kv_heads));
+    const device KV *kb = k + kvrow * cap * D;
+    const device KV *vb = v + kvrow * cap * D;
+
+    threadgroup half *qs = shmem;
+    threadgroup float *probs = (threadgroup float *)(shmem + PK);
+
+    for (int d = int(lane); d < D; d += 32) qs[d] = half(q[row * D + d]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Visible keys: [lo, kv_len).
+    long lo = 0;
+    if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), 0L);
+
+    float o[NE];
+    for (int i = 0; i < NE; i++) o[i] = 0.0f;
+    float m = VEC_ROW_MAX_INIT;  // log2 domain
+    float s_sum = 0.0f;
+
+    for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
+        if (c + VEC_CHUNK <= lo) continue;  // wholly before the window: uniform
+        const long pos = c + long(lane);
+        float s = -INFINITY;
+        if (pos < kv_len && pos >= lo) {
+            s = p.scale * vec_dot_qk<KV, D>(qs, kb + pos * D);
+            if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
+            s *= VEC_LOG2E;
+        }
+        const float m_new = max(m, simd_max(s));
+        const float factor = exp2(m - m_new);
+        const float pr = exp2(s - m_new);
+        s_sum = s_sum * factor + simd_sum(pr);
+        m = m_new;
+
+        probs[lane] = pr;
+        simdgroup_barrier(mem_flags::mem_threadgroup);
+        for (int i = 0; i < NE; i++) o[i] *= factor;
+        const long j0 = max(lo - c, 0L);
+        const long j1 = min(long(VEC_CHUNK), kv_len - c);
+        for (long j = j0; j < j1; j++) {
+            const float pj = probs[j];
+            const device KV *vr = vb + (c + j) * D;
+            for (int i = 0; i < NE; i++) o[i] = fma(pj, float(vr[int(lane) + 32 * i]), o[i]);
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk
+    }
+
+    device float *o_part = tmp + (row * nwg + wg) * D;
+    for (int i = 0; i < NE; i++) o_part[int(lane) + 32 * i] = o[i];
+    if (lane == 0) {
+        device float *sm = tmp + nrows * nwg * D + (row * nwg + wg) * 2;
+        sm[0] = s_sum;
+        sm[1] = m * VEC_LN2;  // natural-log units, like the cpu kernel
+    }
+}
+
+// Simdgroup 0 combines the (S, M) pairs of a row: weights[w] = exp(M_w - M)
+// and weights[32] = 1 / S (0 when S == 0: a row that sees no key outputs
+// zeros). Called by every thread; ends with the barrier that publishes them.
+template <int D>
+inline void vec_reduce_weights(const device float *tmp, long nrows, long row, uint nwg, uint sg, uint lane,
+                               threadgroup float *weights) {
+    if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
+        const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
+        const bool has = lane < nwg;
+        const float m_w = has ? sm[2 * lane + 1] : VEC_ROW_MAX_INIT;
+        const float m = simd_max(m_w);
+        const float f = has ? exp2((m_w - m) * VEC_LOG2E) : 0.0f;
+        const float s = simd_sum(has ? sm[2 * lane] * f : 0.0f);
+        weights[lane] = f;
+        if (lane == 0) weights[32] = s == 0.0f ? 0.0f : 1.0f / s;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Output dim d of a row: the weighted sum of the partials, normalised.
+template <int D>
+inline float vec_reduce_dim(const device float *tmp, long row, uint nwg, uint d, const threadgroup float *weights) {
+    float y = 0.0f;
+    for (uint w = 0; w < nwg; w++) y = fma(tmp[(row * long(nwg) + long(w)) * D + d], weights[w], y);
+    return y * weights[32];
+}
+
+template <int D>
+kernel void flash_attn_vec_reduce(
+    constant FlashAttnVecReduceParams &p [[buffer(0)]],
+    const device float *tmp [[buffer(1)]],
+    device float *out [[buffer(2)]],
+    constant uint &nwg [[buffer(3)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup)) {
+    TG_ARRAY(float, weights, 33);
+    const long row = tgid.x;
+    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights);
+    for (uint d = tid; d < uint(D); d += tpg.x) out[row * D + d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+}
+
+template <int D>
+kernel void flash_attn_vec_reduce_tq_hb_undo(
+    constant FlashAttnVecReduceParams &p [[buffer(0)]],
+    const device float *tmp [[buffer(1)]],
+    device float *out [[buffer(2)]],
+    constant uint &nwg [[buffer(3)]],
+    const device uchar *signs [[buffer(4)]],
+    TG_BUFFER(float, yb, 0),
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup)) {
+    static_assert((D & (D - 1)) == 0, "the Hadamard transform needs a power of two");
+    static_assert(D * 4 + 33 * 4 <= 32768, "threadgroup memory over 32 KiB");
+    TG_ARRAY(float, weights, 33);
+    const long row = tgid.x;
+    const uint nthreads = tpg.x;
+    threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
+    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights);
+    for (uint d = tid; d < uint(D); d += nthreads) ys[d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+
+    // In-place butterflies, natural (Sylvester) order: stage h pairs i, i + h.
+    for (uint h = 1; h < uint(D); h <<= 1) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint t = tid; t < uint(D) / 2; t += nthreads) {
+            const uint i = (t / h) * 2 * h + t % h;
+            const float a = ys[i];
+            const float b = ys[i + h];
+            ys[i] = a + b;
+            ys[i + h] = a - b;
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const float norm = 1.0f / sqrt(float(D));
+    for (uint d = tid; d < uint(D); d += nthreads) {
+        const float x = ys[d] * norm;
+        const bool neg = vec_has_signs && ((signs[d >> 3] >> (d & 7)) & 1) != 0;
+        out[row * D + d] = neg ? -x : x;
+    }
+}
+
+INSTANTIATE_KERNEL("flash_attn_vec_dk64", flash_attn_vec, float, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_dk128", flash_attn_vec, float, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_dk256", flash_attn_vec, float, 256)
+INSTANTIATE_KERNEL("flash_attn_vec_dk512", flash_attn_vec, float, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk64", flash_attn_vec, half, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk128", flash_attn_vec, half, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk256", flash_attn_vec, half, 256)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk512", flash_attn_vec, half, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk64", flash_attn_vec, bfloat, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk128", flash_attn_vec, bfloat, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk256", flash_attn_vec, bfloat, 256)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk512", flash_attn_vec, bfloat, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk64", flash_attn_vec_reduce, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk128", flash_attn_vec_reduce, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk256", flash_attn_vec_reduce, 256)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk512", flash_attn_vec_reduce, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk64", flash_attn_vec_reduce_tq_hb_undo, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk128", flash_attn_vec_reduce_tq_hb_undo, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk256", flash_attn_vec_reduce_tq_hb_undo, 256)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk512", flash_attn_vec_reduce_tq_hb_undo, 512)
