@@ -8,6 +8,7 @@
  * a sliding window w sees keys p with (kv_len - 1) - p < w. */
 #include <float.h>
 #include <math.h>
+#include <string.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
 
@@ -28,9 +29,31 @@ static float vec_dot(const float *a, const float *b, int32_t n) {
     return s;
 }
 
+/* Exact f16 -> f32 with integer ops and one multiply (vectorises; the
+ * _Float16 cast becomes a library call per element without F16C):
+ * normals and subnormals are rebiased by 2^112, inf/NaN keep all-ones. */
+static inline float f16_bits_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    uint32_t u = em << 13;
+    float f;
+    memcpy(&f, &u, 4);
+    f *= 0x1p112f;
+    memcpy(&u, &f, 4);
+    if (em >= 0x7c00u) u = (em << 13) | 0x7f800000u;
+    u |= sign;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static const float *load_kv(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
     if (dtype == FM_DTYPE_F32) return (const float *)base + off;
-    fm_load_row(buf, (const uint16_t *)base + off, d, dtype == FM_DTYPE_BF16);
+    const uint16_t *src = (const uint16_t *)base + off;
+    if (dtype == FM_DTYPE_F16) {
+        for (int32_t i = 0; i < d; i++) buf[i] = f16_bits_to_f32(src[i]);
+    } else {
+        fm_load_row(buf, src, d, 1);
+    }
     return buf;
 }
 

@@ -222,3 +222,19 @@ def test_abi_errors(cpu):
     tq.nbytes = 100
     st, msg = call(tq, T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts)
     assert st == 1 and "q buffer too small" in msg
+
+
+@pytest.mark.parametrize("kv", [F16, BF16])
+def test_kv_conversion_exact_for_every_finite_value(registry, kv):
+    """With one key the output is V itself: every finite 16-bit value converts exactly."""
+    vals = np.arange(65536, dtype=np.uint16).view(kv)
+    vals = vals[np.isfinite(vals.astype(np.float32))]
+    d = 512
+    n = -(-vals.size // d)
+    v = np.zeros(n * d, kv)
+    v[: vals.size] = vals
+    v = v.reshape(n, 1, d)
+    q = np.zeros((n, d), F32)
+    out = fm.flash_attn_decode(q, np.zeros_like(v), v, 1, registry=registry)
+    # value equality: -0.0 comes out as +0.0 (0 * factor + 1 * -0.0), as on any backend
+    assert np.array_equal(out, v[:, 0].astype(F32)), f"{kv} -> float32"
