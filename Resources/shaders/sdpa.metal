@@ -1,0 +1,98 @@
+// sdpa.metal — simple fused attention (seed 003): one thread per query row,
+// TILE_Q = 32 rows per threadgroup, grid (B, H, ceil(qL / 32)).
+//
+// Each thread runs an online softmax over its row's visible keys in the exp2
+// domain (scores scale * q.k, times log2(e); the running max starts at the
+// finite -FLT_MAX / 2). Causal is bottom-right: query i sits at
+// kv_len - qL + i and sees keys <= that position; a row that sees no key
+// outputs zeros (the S == 0 guard). GQA: head h reads kv head
+// h / (H / Hkv). K/V rows are kv_capacity apart; keys at or past kv_len are
+// never read. Accumulation in f32, the output rounded once.
+//
+// head_dim is a run-time value (<= 512) and there is no threadgroup memory
+// in the contract, so a thread keeps only SDPA_DB output dims in registers:
+// it walks the keys once per block of SDPA_DB dims, recomputing the same
+// scores (bit for bit), so every block sees the same running max and sum.
+//
+// Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32 or
+// bf16), 4 SdpaParams.
+#include "dialect.h"
+#include "flashmetal.h"
+using namespace metal;
+
+// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
+#define SDPA_ROW_MAX_INIT (-1.70141173e38f)
+#define SDPA_LOG2E 1.44269504088896341f
+#define SDPA_DB 64
+#define SDPA_TILE_Q 32
+
+template <typename T>
+inline float sdpa_dot(const device T *a, const device T *b, int n) {
+    float acc0 = 0.0f;
+    float acc1 = 0.0f;
+    int d = 0;
+    for (; d + 2 <= n; d += 2) {
+        acc0 = fma(float(a[d]), float(b[d]), acc0);
+        acc1 = fma(float(a[d + 1]), float(b[d + 1]), acc1);
+    }
+    if (d < n) acc0 = fma(float(a[d]), float(b[d]), acc0);
+    return acc0 + acc1;
+}
+
+template <typename T>
+kernel void sdpa(
+    const device T *Q [[buffer(0)]],
+    const device T *K [[buffer(1)]],
+    const device T *V [[buffer(2)]],
+    device T *O [[buffer(3)]],
+    constant SdpaParams &p [[buffer(4)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup)) {
+    const long D = p.head_dim;
+    const long q_len = p.seq_len;
+    const long kv_len = p.kv_seq_len;
+    const long cap = p.kv_capacity != 0 ? long(p.kv_capacity) : kv_len;
+    const long b = tgid.x;
+    const long h = tgid.y;
+    const long r = long(tgid.z) * SDPA_TILE_Q + long(tid);
+    if (r >= q_len) return;  // no barrier or collective below
+
+    const long heads = p.n_heads;
+    const long kvh = h / (heads / long(p.n_kv_heads));
+    const long q_off = ((b * heads + h) * q_len + r) * D;
+    const device T *qr = Q + q_off;
+    const device T *kb = K + (b * long(p.n_kv_heads) + kvh) * cap * D;
+    const device T *vb = V + (b * long(p.n_kv_heads) + kvh) * cap * D;
+    device T *orow = O + q_off;
+
+    // Visible keys: [0, end).
+    long end = kv_len;
+    if (p.do_causal != 0) end = min(end, kv_len - q_len + r + 1);
+
+    for (long d0 = 0; d0 < D; d0 += SDPA_DB) {
+        const int nb = int(min(long(SDPA_DB), D - d0));
+        float acc[SDPA_DB];
+        for (int i = 0; i < SDPA_DB; i++) acc[i] = 0.0f;
+        float m = SDPA_ROW_MAX_INIT;
+        float l = 0.0f;
+        for (long j = 0; j < end; j++) {
+            const float s = p.scale * sdpa_dot(qr, kb + j * D, int(D)) * SDPA_LOG2E;
+            const float m_new = max(m, s);
+            const float factor = exp2(m - m_new);
+            const float pj = exp2(s - m_new);
+            l = l * factor + pj;
+            m = m_new;
+            const device T *vr = vb + j * D + d0;
+            for (int i = 0; i < SDPA_DB; i++) {
+                if (i < nb) acc[i] = fma(pj, float(vr[i]), acc[i] * factor);
+            }
+        }
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+        for (int i = 0; i < SDPA_DB; i++) {
+            if (i < nb) orow[d0 + i] = T(acc[i] * inv);
+        }
+    }
+}
+
+INSTANTIATE_KERNEL("sdpa", sdpa, float)
+INSTANTIATE_KERNEL("sdpa_bf16", sdpa, bfloat)

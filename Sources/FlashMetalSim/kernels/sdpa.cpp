@@ -1,0 +1,2 @@
+// The sdpa shader compiled for the simulator.
+#include "../../../Resources/shaders/sdpa.metal"

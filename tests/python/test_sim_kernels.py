@@ -1,0 +1,190 @@
+"""The Metal kernels of blk, mask, decode (vec + reduce + FWHT undo) and sdpa
+under the simulator: the same inputs as the cpu backend (sim vs cpu), the
+decode tmp layout, and independence from the simulated schedule (a scrambled
+schedule gives the same bits)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from conftest import BACKENDS
+from flashmetal import reference
+from flashmetal._arrays import tensor
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+
+pytestmark = pytest.mark.skipif("sim" not in BACKENDS, reason="this build has no sim backend")
+
+GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
+
+
+@pytest.fixture(scope="module")
+def sim():
+    r = fm.Registry("sim")
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def scrambled(monkeypatch):
+    """Runs `f` once normally and once under a scrambled schedule; returns both."""
+    def run(f):
+        monkeypatch.delenv("FLASHMETAL_SIM_SCRAMBLE", raising=False)
+        a = f()
+        monkeypatch.setenv("FLASHMETAL_SIM_SCRAMBLE", "7")
+        b = f()
+        monkeypatch.delenv("FLASHMETAL_SIM_SCRAMBLE")
+        return a, b
+    return run
+
+
+# ---- mask and blk ------------------------------------------------------------
+
+@pytest.mark.parametrize("ql,kl,causal,window,q_offset", [(1, 1, True, None, 0), (37, 300, True, 16, 263),
+                                                         (64, 40, False, 7, 3), (5, 257, False, None, 0)])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_mask_sim_equals_cpu(cpu, sim, ql, kl, causal, window, q_offset, dtype):
+    kw = dict(causal=causal, window=window, q_offset=q_offset, dtype=dtype)
+    a = fm.build_mask(ql, kl, registry=cpu, **kw)
+    b = fm.build_mask(ql, kl, registry=sim, **kw)
+    assert_bits_equal(b, a, f"mask {ql}x{kl} {kw}")
+
+
+def test_mask_large_offset(sim):
+    # t = q_offset + i near INT32_MAX: positions are 64-bit in the kernel
+    q_off = 2**31 - 40
+    m = fm.build_mask(48, 33, q_offset=q_off, window=30, registry=sim)
+    t = q_off + np.arange(48)[:, None]
+    p = np.arange(33)[None, :]
+    want = np.where((p <= t) & (t - p < 30), 0.0, -np.inf)
+    assert np.array_equal(m.astype(np.float32), want)
+
+
+@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_blk_sim_equals_cpu_random_biases(cpu, sim, rng, d, dtype):
+    # Tiles of every class plus NaN, -0.0 and very negative finite cells, on
+    # an unaligned mask (partial last Q tile, partial right-edge K tile).
+    bq, bk = GEOMETRY[d]
+    ql, kl = 3 * bq + 5, 5 * bk + 3
+    m = np.zeros((ql, kl), np.float32)
+    for qt in range(4):
+        for kt in range(6):
+            kind = rng.integers(0, 4)
+            tile = m[qt * bq:(qt + 1) * bq, kt * bk:(kt + 1) * bk]
+            if kind == 0:
+                tile[:] = -np.inf
+            elif kind == 1:
+                tile[:] = -0.0
+            elif kind == 2:
+                tile[:] = rng.standard_normal(tile.shape)
+            else:
+                tile[:] = -3e38 if dtype == BF16 else -np.inf
+                tile[rng.integers(0, tile.shape[0]), 0] = np.nan
+    m = m.astype(dtype)
+    a = fm.build_blk(m, d, registry=cpu)
+    b = fm.build_blk(m, d, registry=sim)
+    assert np.array_equal(b, a), f"\n{b}\n!=\n{a}"
+    assert np.array_equal(b, reference.blk_classes(m, bq, bk))
+
+
+def test_blk_scrambled_same_bits(sim, scrambled):
+    m = fm.build_mask(70, 90, window=20, q_offset=20, registry=sim)
+    a, b = scrambled(lambda: fm.build_blk(m, 128, registry=sim))
+    assert np.array_equal(a, b)
+
+
+# ---- decode ----------------------------------------------------------------
+
+def decode_inputs(rng, h, hkv, cap, d, kv):
+    return randn(rng, (h, d), F32), randn(rng, (hkv, cap, d), kv), randn(rng, (hkv, cap, d), kv)
+
+
+@pytest.mark.parametrize("d,kv,kw", [(64, F32, dict(window=9)), (128, F16, dict(softcap=4.0)),
+                                     (256, BF16, dict(causal=False)), (512, F16, dict(fwht=True))])
+def test_decode_sim_matches_cpu(cpu, sim, rng, d, kv, kw):
+    q, k, v = decode_inputs(rng, 8, 2, 130, d, kv)
+    a = fm.flash_attn_decode(q, k, v, 123, registry=cpu, **kw)
+    b = fm.flash_attn_decode(q, k, v, 123, registry=sim, **kw)
+    assert_close(b, a, F16, f"sim vs cpu d={d} kv={kv} {kw}")
+
+
+def vec_with_tmp(reg, q, k, v, kvl, scale):
+    h, d = q.shape
+    tmp = np.full(h * 32 * (d + 2), np.nan, np.float32)
+    out = np.empty((h, d), np.float32)
+    ffi = reg._ffi
+    opts = ffi.new("FMVecOptions *")
+    opts.scale, opts.kv_len = scale, kvl
+    reg._call("fm_dispatch_vec", tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), ffi.NULL, tensor(ffi, tmp),
+              tensor(ffi, out), opts)
+    return tmp, out
+
+
+def test_decode_tmp_layout_matches_cpu(cpu, sim, rng):
+    """The sim's tmp means what the cpu's does: partial O (unnormalised), then
+    (S, M) with M in natural-log units; workgroups without keys hold zeros."""
+    q, k, v = decode_inputs(rng, 2, 1, 70, 64, F32)
+    ta, oa = vec_with_tmp(cpu, q, k, v, 70, 1 / 8)
+    tb, ob = vec_with_tmp(sim, q, k, v, 70, 1 / 8)
+    n = 2 * 32 * 64
+    pa, pb = ta[:n].reshape(2, 32, 64), tb[:n].reshape(2, 32, 64)
+    sa, sb = ta[n:].reshape(2, 32, 2), tb[n:].reshape(2, 32, 2)
+    assert np.all(pb[:, 3:] == 0) and np.all(sb[:, 3:, 0] == 0)
+    # Q is staged in half precision on the GPU: f16-level agreement
+    assert np.allclose(sb[:, :3, 1], sa[:, :3, 1], rtol=5e-3, atol=5e-3)
+    assert np.allclose(sb[:, :3, 0], sa[:, :3, 0], rtol=1e-2)
+    assert np.allclose(pb[:, :3], pa[:, :3], rtol=1e-2, atol=1e-2)
+    assert_close(ob, oa, F16, "sim vs cpu out")
+
+
+def test_decode_fully_masked_slices_and_one_key(sim, rng):
+    # window 1: only key kv_len - 1 is visible, in one workgroup of 32; the
+    # output is exactly that key's V row (up to Q's half staging, which
+    # cancels: one key gives probability 1).
+    q, k, v = decode_inputs(rng, 4, 2, 1100, 128, F32)
+    out = fm.flash_attn_decode(q, k, v, 1077, window=1, registry=sim)
+    want = np.repeat(v[:, 1076], 2, axis=0)
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("fwht", [False, True])
+def test_decode_scrambled_same_bits(sim, rng, scrambled, fwht):
+    q, k, v = decode_inputs(rng, 4, 2, 200, 256, BF16)
+    signs = rng.integers(0, 256, 32, dtype=np.uint8) if fwht else None
+    a, b = scrambled(lambda: fm.flash_attn_decode(q, k, v, 190, window=100, fwht_signs=signs, registry=sim))
+    assert_bits_equal(a, b, "scrambled schedule")
+
+
+# ---- sdpa ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,d,causal", [(F32, 8, True), (F32, 100, False), (BF16, 64, True),
+                                            (BF16, 130, True)])
+def test_sdpa_sim_matches_cpu(cpu, sim, rng, dtype, d, causal):
+    # qL = 40 spans two threadgroups (the second one mostly past qL); GQA 4/2;
+    # kv_len < capacity.
+    q = randn(rng, (2, 4, 40, d), dtype)
+    k = randn(rng, (2, 2, 60, d), dtype)
+    v = randn(rng, (2, 2, 60, d), dtype)
+    a = fm.sdpa(q, k, v, causal=causal, kv_len=52, registry=cpu)
+    b = fm.sdpa(q, k, v, causal=causal, kv_len=52, registry=sim)
+    assert_close(b, a, dtype, f"sim vs cpu {dtype} d={d} causal={causal}")
+
+
+def test_sdpa_rows_before_first_key_are_zero(sim, rng):
+    # causal bottom-right with qL > kv_len: the first qL - kv_len rows see nothing
+    q = randn(rng, (1, 2, 12, 64), F32)
+    k = randn(rng, (1, 1, 16, 64), F32)
+    out = fm.sdpa(q, k, k, causal=True, kv_len=5, registry=sim)
+    assert np.all(out[:, :, :7] == 0)
+    exp = reference.attention(q[:, :, 7:], k[:, :, :5], k[:, :, :5], causal=True, q_offset=0)
+    assert_close(out[:, :, 7:], exp, F32)
+
+
+def test_sdpa_scrambled_same_bits(sim, rng, scrambled):
+    q = randn(rng, (1, 2, 33, 96), BF16)
+    k = randn(rng, (1, 1, 40, 96), BF16)
+    a, b = scrambled(lambda: fm.sdpa(q, k, k, registry=sim))
+    assert_bits_equal(a, b, "scrambled schedule")
