@@ -1,0 +1,508 @@
+"""flashmetal cpu vs torch CPU SDPA vs numpy, side by side in one process.
+
+Run by `make bench`. Every case times its peers interleaved (one run of each
+peer per round, after a warm-up), and reports medians; the machine is shared
+and noisy, so compare ratios within one run only. Writes bench/RESULTS.md and
+bench/ratios.png.
+
+    python bench/bench.py [--runs N] [--quick] [--only prefill,window,decode,overhead]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _private_library_copy() -> None:
+    """Loads a private copy of libflashmetal: other jobs in the shared tree may
+    `make python` (overwriting the package's .so in place) during a long run."""
+    import importlib.util
+    import shutil
+    import tempfile
+    if os.environ.get("FLASHMETAL_LIB"):
+        return
+    spec = importlib.util.find_spec("flashmetal")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    name = "libflashmetal.dylib" if sys.platform == "darwin" else "libflashmetal.so"
+    if not (pkg / name).is_file():
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="flashmetal-bench-"))
+    shutil.copy2(pkg / name, tmp / name)
+    shutil.copy2(pkg / "flashmetal.h", tmp / "flashmetal.h")
+    os.environ["FLASHMETAL_LIB"] = str(tmp / name)
+    os.environ["FLASHMETAL_HEADER"] = str(tmp / "flashmetal.h")
+
+
+_private_library_copy()
+
+import flashmetal as fm  # noqa: E402
+from flashmetal import _loader  # noqa: E402
+from flashmetal._arrays import BF16, F16, F32  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+try:
+    import torch
+    TORCH = torch.__version__
+    torch.set_num_threads(os.cpu_count() or 1)
+except Exception:  # noqa: BLE001 - any import failure means "not installed"
+    torch = None
+    TORCH = None
+
+TORCH_DT = {}
+if torch is not None:
+    TORCH_DT = {BF16: torch.bfloat16, F16: torch.float16, F32: torch.float32}
+
+DTNAME = {BF16: "bf16", F16: "f16", F32: "f32"}
+
+
+def rand(rng, shape, dt):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dt)
+
+
+def to_torch(a, dt):
+    return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(TORCH_DT[dt])
+
+
+def timed(fns: dict, runs: int) -> dict:
+    """Median seconds per peer; peers run interleaved, one warm-up each."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ---- numpy peer: plain float32 attention --------------------------------------
+
+def np_softmax_rows(s):
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return s
+
+
+def np_prefill(q, k, v, *, causal=False, mask=None):
+    """q [B, H, L, D], k/v [B, Hkv, L, D] in any float dtype -> f32 [B, H, L, D]."""
+    qf, kf, vf = (x.astype(np.float32) for x in (q, k, v))
+    b, h, ql, d = qf.shape
+    hkv, kl = kf.shape[1], kf.shape[2]
+    g = h // hkv
+    qg = qf.reshape(b, hkv, g * ql, d)
+    s = (qg @ kf.transpose(0, 1, 3, 2)) * np.float32(1 / math.sqrt(d))
+    s = s.reshape(b, hkv, g, ql, kl)
+    if causal:
+        off = kl - ql
+        s += np.where(np.arange(kl)[None, :] <= off + np.arange(ql)[:, None], 0, -np.inf).astype(np.float32)
+    if mask is not None:
+        s += mask.astype(np.float32)
+    np_softmax_rows(s)
+    return (s.reshape(b, hkv, g * ql, kl) @ vf).reshape(b, h, ql, d)
+
+
+def np_decode(q, k, v):
+    """q [H, D] f32, k/v [Hkv, L, D] -> [H, D]."""
+    kf, vf = k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+    h, d = q.shape
+    hkv = kf.shape[0]
+    qg = q.reshape(hkv, h // hkv, d)
+    s = (qg @ kf.transpose(0, 2, 1)) * np.float32(1 / math.sqrt(d))
+    np_softmax_rows(s)
+    return (s @ vf).reshape(h, d)
+
+
+# ---- machine ceilings -------------------------------------------------------------
+
+def read_bandwidth(runs=5) -> float:
+    """GB/s of a read-only pass (sum) over 512 MiB, one numpy thread per core."""
+    n = os.cpu_count() or 1
+    a = np.ones(128 << 20, dtype=np.float32)
+    parts = np.array_split(a, n)
+
+    def one():
+        ths = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+    t = timed({"bw": one}, runs)["bw"]
+    return a.nbytes / t / 1e9
+
+
+# ---- cases --------------------------------------------------------------------------
+
+class Row:
+    def __init__(self, group, name, metric_name, work, secs, note=""):
+        self.group, self.name, self.metric_name = group, name, metric_name
+        self.work = work  # FLOPs (prefill) or bytes (decode)
+        self.secs = secs  # peer -> seconds or None
+        self.note = note
+
+    def metric(self, peer):
+        s = self.secs.get(peer)
+        return None if s is None else self.work / s / 1e9
+
+    def ratio(self, peer="torch"):
+        a, b = self.secs.get("flashmetal"), self.secs.get(peer)
+        return None if a is None or b is None else b / a
+
+
+def prefill_cases(reg, runs, quick):
+    rows = []
+    hq, hkv = 16, 8
+    ls = [512] if quick else [512, 2048]
+    for L in ls:
+        for D in (64, 128, 256):
+            for dt in (BF16, F16):
+                rng = np.random.default_rng(0)
+                q, k, v = rand(rng, (1, hq, L, D), dt), rand(rng, (1, hkv, L, D), dt), rand(rng, (1, hkv, L, D), dt)
+                out = np.empty_like(q)
+                tq, tk, tv = (to_torch(x, dt) for x in (q, k, v)) if torch else (None,) * 3
+                for causal in (False, True):
+                    fns = {"flashmetal": lambda: fm.flash_attn_prefill(q, k, v, causal=causal, q_offset=0,
+                                                                      out=out, registry=reg)}
+                    if torch:
+                        fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+                            tq, tk, tv, is_causal=causal, enable_gqa=True)
+                    fns["numpy"] = lambda: np_prefill(q, k, v, causal=causal)
+                    secs = timed(fns, runs)
+                    flops = 4 * hq * D * (L * (L + 1) / 2 if causal else L * L)
+                    r = Row("prefill", f"L={L} D={D} {DTNAME[dt]} {'causal' if causal else 'full'}",
+                            "GFLOP/s", flops, secs)
+                    rows.append(r)
+                    print_row(r, flush=True)
+                del q, k, v, out, tq, tk, tv
+                gc.collect()
+    return rows
+
+
+def window_cases(reg, runs, quick):
+    hq, hkv, D, W = 16, 8, 256, 512
+    L = 1024 if quick else 2048
+    dt = BF16
+    rng = np.random.default_rng(1)
+    q, k, v = rand(rng, (1, hq, L, D), dt), rand(rng, (1, hkv, L, D), dt), rand(rng, (1, hkv, L, D), dt)
+    if hasattr(fm, "build_mask"):
+        m = fm.build_mask(L, L, causal=True, window=W, dtype=dt, registry=reg)
+    else:
+        t = np.arange(L)[:, None]
+        p = np.arange(L)[None, :]
+        m = np.where((p <= t) & (t - p < W), 0.0, -np.inf).astype(dt)
+    blk = fm.build_blk(m, D, registry=reg) if hasattr(fm, "build_blk") else None
+    out = np.empty_like(q)
+    visible = int(np.sum(np.isfinite(m.astype(np.float32))))
+    flops = 4 * hq * D * visible
+    fns = {"flashmetal": lambda: fm.flash_attn_prefill(q, k, v, mask=m, out=out, registry=reg)}
+    if blk is not None:
+        fns["flashmetal+blk"] = lambda: fm.flash_attn_prefill(q, k, v, mask=m, blk=blk, out=out, registry=reg)
+    if torch:
+        tq, tk, tv = (to_torch(x, dt) for x in (q, k, v))
+        tm = torch.from_numpy(np.isfinite(m.astype(np.float32)))
+        fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=tm, enable_gqa=True)
+    fns["numpy"] = lambda: np_prefill(q, k, v, mask=m)
+    secs = timed(fns, runs)
+    rows = []
+    base = {p: s for p, s in secs.items() if p != "flashmetal+blk"}
+    r = Row("window", f"L={L} D={D} bf16 window={W} mask, no blk", "GFLOP/s", flops, base)
+    rows.append(r)
+    print_row(r)
+    if blk is not None:
+        b = dict(base, flashmetal=secs["flashmetal+blk"])
+        rb = Row("window", f"L={L} D={D} bf16 window={W} mask + blk", "GFLOP/s", flops, b,
+                 note=f"blk speed-up {secs['flashmetal'] / secs['flashmetal+blk']:.2f}x")
+        rows.append(rb)
+        print_row(rb)
+    return rows
+
+
+def decode_cases(reg, runs, quick):
+    rows = []
+    if not hasattr(fm, "flash_attn_decode"):
+        print("decode: flashmetal.flash_attn_decode not available in this build")
+        return rows
+    hq, hkv = 16, 8
+    for kvl in ((4096,) if quick else (4096, 32768)):
+        for D in (128, 256, 512):
+            for dt in (F32, F16, BF16):
+                rng = np.random.default_rng(2)
+                q = rand(rng, (hq, D), F32)
+                k, v = rand(rng, (hkv, kvl, D), dt), rand(rng, (hkv, kvl, D), dt)
+                out = np.empty_like(q)
+                fns = {"flashmetal": lambda: fm.flash_attn_decode(q, k, v, kvl, out=out, registry=reg)}
+                if torch:
+                    tk, tv = to_torch(k, dt), to_torch(v, dt)
+                    tq = torch.from_numpy(q).reshape(1, hq, 1, D)
+                    tdt = TORCH_DT[dt]
+                    fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(
+                        tq.to(tdt), tk.unsqueeze(0), tv.unsqueeze(0), enable_gqa=True).float()
+                fns["numpy"] = lambda: np_decode(q, k, v)
+                secs = timed(fns, runs)
+                nbytes = 2 * hkv * kvl * D * np.dtype(dt).itemsize
+                r = Row("decode", f"kv={kvl} D={D} K/V {DTNAME[dt]}", "GB/s", nbytes, secs)
+                rows.append(r)
+                print_row(r, flush=True)
+                del k, v
+                if torch:
+                    del tk, tv
+                gc.collect()
+    return rows
+
+
+# ---- per-call overhead ---------------------------------------------------------------
+
+OVERHEAD_CHILD = r"""
+import sys, time, statistics, json
+import numpy as np
+import flashmetal as fm
+from flashmetal import _arrays
+reg = fm.Registry("cpu")
+H, HKV, D = 16, 8, 128
+q = np.ones((H, D), np.float32); k = np.ones((HKV, 1, D), np.float32); v = np.ones((HKV, 1, D), np.float32)
+out = np.empty_like(q)
+ffi, lib = reg._ffi, reg._lib
+
+def per_call(f, n=2000, reps=7):
+    for _ in range(200): f()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n): f()
+        ts.append((time.perf_counter() - t0) / n)
+    return statistics.median(ts) * 1e6
+
+res = {}
+res["end_to_end"] = per_call(lambda: fm.flash_attn_decode(q, k, v, 1, out=out, registry=reg))
+res["end_to_end_default_registry"] = per_call(lambda: fm.flash_attn_decode(q, k, v, 1, out=out))
+# the C call alone, arguments prebuilt once
+qa, ka, va = (_arrays.as_input(x, "x", "x") for x in (q, k, v))
+tq, tk, tv, to = (_arrays.tensor(ffi, x) for x in (qa, ka, va, out))
+opts = ffi.new("FMVecOptions *"); opts.scale = 1 / D ** 0.5; opts.mask_type = 1; opts.kv_len = 1
+err = ffi.new("char[]", 1024)
+fn = lib.fm_dispatch_vec
+h = reg._handle
+res["c_call"] = per_call(lambda: fn(h, tq, tk, tv, ffi.NULL, ffi.NULL, to, opts, err, 1024))
+name = ffi.new("char[]", 64)
+res["cffi_trivial_call"] = per_call(lambda: lib.fm_registry_backend(h, name, 64))
+res["as_input_x3"] = per_call(lambda: [_arrays.as_input(x, "x", "x") for x in (q, k, v)])
+res["tensor_x4"] = per_call(lambda: [_arrays.tensor(ffi, x) for x in (qa, ka, va, out)])
+res["ffi_new_opts_err"] = per_call(lambda: (ffi.new("FMVecOptions *"), ffi.new("char[]", 1024)))
+res["check_out"] = per_call(lambda: _arrays.check_out(out, "x", q.shape, np.dtype(np.float32), [qa, ka, va]))
+res["default_registry_lookup"] = per_call(lambda: fm.default_registry())
+print(json.dumps(res))
+"""
+
+
+def overhead(quick):
+    import json
+    res = {}
+    for label, env in (("threads=default", {}), ("threads=1", {"FLASHMETAL_NUM_THREADS": "1"})):
+        r = subprocess.run([sys.executable, "-c", OVERHEAD_CHILD], capture_output=True, text=True,
+                           env=dict(os.environ, FLASHMETAL_BACKEND="cpu", **env), timeout=600)
+        if r.returncode != 0:
+            print("overhead child failed:", r.stderr[-2000:])
+            return None
+        res[label] = json.loads(r.stdout.strip().splitlines()[-1])
+    return res
+
+
+# ---- output -------------------------------------------------------------------------
+
+PEERS = ["flashmetal", "torch", "numpy"]
+
+
+def fmt_ms(s):
+    return "not installed" if s is None else f"{s * 1e3:.2f}"
+
+
+def fmt_num(x, nd=0):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def print_row(r: Row, flush=True):
+    parts = [f"{r.group:8s} {r.name:38s}"]
+    for p in PEERS:
+        s = r.secs.get(p)
+        parts.append(f"{p} {fmt_ms(s):>9s} ms {fmt_num(r.metric(p)):>5s} {r.metric_name}"
+                     if s is not None else f"{p} {'not installed' if p == 'torch' and torch is None else '—'}")
+    rt = r.ratio()
+    parts.append(f"x{rt:.2f}" if rt else "")
+    if r.note:
+        parts.append(r.note)
+    print(" | ".join(parts), flush=flush)
+
+
+def write_results(rows, bw, ov, args, elapsed):
+    lines = ["# flashmetal cpu benchmarks", ""]
+    isa = fm_isa()
+    lines += [f"Generated by `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+              f"{elapsed:.0f} s). Machine: {platform.machine()}, {os.cpu_count()} cores, "
+              f"`{cpu_model()}`; flashmetal cpu ISA path: **{isa}**; torch "
+              f"{TORCH or 'not installed'} ({torch.get_num_threads() if torch else '-'} threads); numpy {np.__version__}.",
+              "",
+              f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
+              "medians. The machine is shared with other jobs: medians move ~1.25x between runs, so "
+              "only ratios within one run are meaningful. Ratio = torch time / flashmetal time "
+              "(> 1: flashmetal faster). numpy = plain float32 attention (inputs converted to f32).",
+              "", f"Measured read bandwidth (numpy sum, one thread per core): **{bw:.1f} GB/s**.", ""]
+    groups = [("prefill", "Prefill (B=1, Hq=16, Hkv=8)"), ("window", "Sliding-window mask prefill"),
+              ("decode", "Decode (Q f32 [16, D], Hkv=8; GB/s = K+V bytes read / time)")]
+    for g, title in groups:
+        rs = [r for r in rows if r.group == g]
+        if not rs:
+            continue
+        mn = rs[0].metric_name
+        lines += [f"## {title}", "",
+                  f"| case | flashmetal ms | {mn} | torch ms | {mn} | numpy ms | {mn} | vs torch | vs numpy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in rs:
+            cells = [r.name + (f" ({r.note})" if r.note else "")]
+            for p in PEERS:
+                s = r.secs.get(p)
+                cells += [fmt_ms(s) if (s is not None or p != "torch") else "not installed",
+                          fmt_num(r.metric(p), 1 if g == "decode" else 0)]
+            rt, rn = r.ratio("torch"), r.ratio("numpy")
+            cells += [f"{rt:.2f}x" if rt else "—", f"{rn:.2f}x" if rn else "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if ov:
+        d, o = ov["threads=default"], ov["threads=1"]
+        lines += ["## Per-call overhead: decode with kv_len = 1 (H=16, Hkv=8, D=128, f32)", "",
+                  "µs per call, median of 7 x 2000 calls.", "",
+                  "| part | default threads | FLASHMETAL_NUM_THREADS=1 |", "|---|---:|---:|"]
+        names = [("end_to_end", "flash_attn_decode(..., registry=reg), end to end"),
+                 ("end_to_end_default_registry", "same, default registry (registry=None)"),
+                 ("c_call", "fm_dispatch_vec via cffi, args prebuilt (Swift validate + dispatch + kernel + pool)"),
+                 ("cffi_trivial_call", "a trivial cffi call (fm_registry_backend)"),
+                 ("as_input_x3", "as_input (np.asarray + ascontiguousarray) x3"),
+                 ("tensor_x4", "FMTensor building x4 (ffi.new + shape copy)"),
+                 ("ffi_new_opts_err", "ffi.new options + error buffer"),
+                 ("check_out", "check_out (incl. np.may_share_memory x3)"),
+                 ("default_registry_lookup", "default_registry() lookup (lock + dict)")]
+        for key, label in names:
+            lines.append(f"| {label} | {d[key]:.1f} | {o[key]:.1f} |")
+        py = d["end_to_end"] - d["c_call"]
+        lines += ["", f"Python wrapper share (end to end minus the C call): {py:.1f} µs; "
+                  f"thread-pool share (C call, default minus 1 thread): {d['c_call'] - o['c_call']:.1f} µs. "
+                  f"Target < 30 µs end to end: **{'met' if d['end_to_end'] < 30 else 'missed'}** "
+                  f"({d['end_to_end']:.1f} µs).", ""]
+    lines += targets_summary(rows, bw)
+    (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def targets_summary(rows, bw):
+    out = ["## Targets (this run)", ""]
+    pre = [r for r in rows if r.group == "prefill" and r.ratio() is not None]
+    if pre:
+        worst = min(pre, key=lambda r: r.ratio())
+        out.append(f"- prefill >= 1.0x torch in every case: **{'met' if worst.ratio() >= 1 else 'missed'}** "
+                   f"(worst {worst.ratio():.2f}x, {worst.name})")
+    win = [r for r in rows if r.group == "window"]
+    if len(win) == 2:
+        sp = win[0].secs["flashmetal"] / win[1].secs["flashmetal"]
+        out.append(f"- window-512 prefill with blk >= 2x without blk: **{'met' if sp >= 2 else 'missed'}** ({sp:.2f}x)")
+    dec = [r for r in rows if r.group == "decode"]
+    if dec:
+        bad = [r for r in dec if not ((r.ratio() or 0) >= 1.5 or r.metric("flashmetal") >= 0.8 * bw)]
+        out.append(f"- decode >= 1.5x torch or >= 80% of {bw:.1f} GB/s in every case: "
+                   f"**{'met' if not bad else 'missed'}**" +
+                   ("" if not bad else " (misses: " + "; ".join(
+                       f"{r.name}: {r.ratio() or 0:.2f}x, {r.metric('flashmetal'):.1f} GB/s" for r in bad) + ")"))
+    return out + [""]
+
+
+def plot(rows):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"plot: matplotlib not available ({e}); no PNG written")
+        return
+    rs = [r for r in rows if r.ratio() is not None]
+    if not rs:
+        return
+    fig, ax = plt.subplots(figsize=(10, max(4, 0.28 * len(rs))))
+    names = [f"{r.group}: {r.name}" for r in rs]
+    vals = [r.ratio() for r in rs]
+    colors = ["tab:green" if v >= (1.5 if r.group == "decode" else 1.0) else "tab:red" for v, r in zip(vals, rs)]
+    y = np.arange(len(rs))
+    ax.barh(y, vals, color=colors)
+    ax.set_yticks(y, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(1.5, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("torch time / flashmetal time (log; > 1 = flashmetal faster)")
+    ax.set_title("flashmetal cpu vs torch CPU SDPA")
+    fig.tight_layout()
+    fig.savefig(HERE / "ratios.png", dpi=110)
+    print(f"wrote {HERE / 'ratios.png'}")
+
+
+def fm_isa():
+    try:
+        import cffi
+        f = cffi.FFI()
+        f.cdef("int fm_cpu_isa(void); const char *fm_cpu_isa_name(int);")
+        lib = f.dlopen(str(_loader.library_path()))
+        return f.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def cpu_model():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
+    ap.add_argument("--only", default="prefill,window,decode,overhead")
+    args = ap.parse_args()
+    args.runs = max(args.runs, 5) if not args.quick else args.runs
+    only = set(args.only.split(","))
+    t0 = time.time()
+    reg = fm.Registry("cpu")
+    print(f"flashmetal cpu ({fm_isa()}), torch {TORCH or 'not installed'}, numpy {np.__version__}")
+    bw = read_bandwidth()
+    print(f"read bandwidth {bw:.1f} GB/s")
+    rows = []
+    if "prefill" in only:
+        rows += prefill_cases(reg, args.runs, args.quick)
+    if "window" in only:
+        rows += window_cases(reg, args.runs, args.quick)
+    if "decode" in only:
+        rows += decode_cases(reg, args.runs, args.quick)
+    ov = overhead(args.quick) if "overhead" in only else None
+    write_results(rows, bw, ov, args, time.time() - t0)
+    plot(rows)
+
+
+if __name__ == "__main__":
+    main()
