@@ -4,11 +4,14 @@
 // Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
 // (row, workgroup). Workgroup wg takes the key chunks [c, c + 32) with
 // c = wg * 32, wg * 32 + NWG * 32, ... (the cpu kernel's split). Per chunk:
-//   lane j scores key c + j:  s = scale * q.k, softcap, then s * log2(e)
-//   online softmax in the exp2 domain; the running max starts at the finite
-//   -FLT_MAX / 2, so a masked key (-inf) gives exp2(-inf) = 0, never NaN
-//   the 32 probabilities go through threadgroup memory; lane l accumulates
-//   output dims l, l + 32, ... over the chunk's V rows.
+//   every lane dots its dims (l, l + 32, ...) of q with each of the chunk's
+//   32 keys (coalesced K reads), then a butterfly reduce-scatter over the
+//   SIMD group (31 shuffles) leaves the full q.k of key c + j in lane j;
+//   lane j scores key c + j: s = scale * q.k, softcap, then s * log2(e);
+//   online softmax in the exp2 domain (the running max starts at the finite
+//   -FLT_MAX / 2, so a masked key (-inf) gives exp2(-inf) = 0, never NaN);
+//   the 32 probabilities go through threadgroup memory and lane l
+//   accumulates output dims l, l + 32, ... over the chunk's V rows.
 // Q is staged in half precision in threadgroup memory, as in the seeds (this
 // is why decode is held to the f16 tolerance). The query sits at position
 // kv_len - 1: causal (mask_type 1) sees every valid key; a sliding window w
@@ -48,20 +51,21 @@ constexpr int vec_tg_halfs() {
     return ((D + 127) & ~127) * 3 + 4 * 32;
 }
 
-// q . k over D elements: Q from threadgroup memory (half), K from device.
-template <typename KV, int D>
-inline float vec_dot_qk(const threadgroup half *qs, const device KV *kr) {
-    float acc0 = 0.0f;
-    float acc1 = 0.0f;
-    float acc2 = 0.0f;
-    float acc3 = 0.0f;
-    for (int d = 0; d < D; d += 4) {
-        acc0 = fma(float(qs[d]), float(kr[d]), acc0);
-        acc1 = fma(float(qs[d + 1]), float(kr[d + 1]), acc1);
-        acc2 = fma(float(qs[d + 2]), float(kr[d + 2]), acc2);
-        acc3 = fma(float(qs[d + 3]), float(kr[d + 3]), acc3);
+// The chunk's partial dots: part[j] over this lane's dims of key j. After
+// the reduce-scatter lane j holds sum over lanes of part[j]: at the stage of
+// distance h a lane keeps the half of its indices whose bit h equals its own
+// lane bit h and adds its partner's (lane ^ h) copy of them. Every lane of
+// the SIMD group calls this (the shuffles are collectives).
+inline float vec_reduce_scatter(thread float *part, uint lane) {
+    for (ushort h = 16; h >= 1; h >>= 1) {
+        const bool upper = (lane & h) != 0;
+        for (ushort i = 0; i < h; i++) {
+            const float send = upper ? part[i] : part[i + h];
+            const float keep = upper ? part[i + h] : part[i];
+            part[i] = keep + simd_shuffle_xor(send, h);
+        }
     }
-    return (acc0 + acc1) + (acc2 + acc3);
+    return part[0];
 }
 
 template <typename KV, int D>
@@ -95,6 +99,8 @@ kernel void flash_attn_vec(
 
     for (int d = int(lane); d < D; d += 32) qs[d] = half(q[row * D + d]);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    float qv[NE];  // this lane's dims of the half-staged Q
+    for (int i = 0; i < NE; i++) qv[i] = float(qs[int(lane) + 32 * i]);
 
     // Visible keys: [lo, kv_len).
     long lo = 0;
@@ -107,10 +113,19 @@ kernel void flash_attn_vec(
 
     for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
         if (c + VEC_CHUNK <= lo) continue;  // wholly before the window: uniform
+        float part[VEC_CHUNK];
+        for (int j = 0; j < VEC_CHUNK; j++) {
+            part[j] = 0.0f;
+            const long pj = c + j;
+            if (pj >= kv_len || pj < lo) continue;  // uniform over the SIMD group
+            const device KV *kr = kb + pj * D + lane;
+            for (int i = 0; i < NE; i++) part[j] = fma(qv[i], float(kr[32 * i]), part[j]);
+        }
+        const float dot = vec_reduce_scatter(part, lane);
         const long pos = c + long(lane);
         float s = -INFINITY;
         if (pos < kv_len && pos >= lo) {
-            s = p.scale * vec_dot_qk<KV, D>(qs, kb + pos * D);
+            s = p.scale * dot;
             if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
             s *= VEC_LOG2E;
         }
