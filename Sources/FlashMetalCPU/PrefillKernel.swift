@@ -9,6 +9,35 @@ final class PrefillKernel: CPUKernel {
     let causal: Bool
     let hasBlk: Bool
     let boolMask: Bool
+    /// One reusable buffer for packed panels + scratch (fresh pages cost a
+    /// page fault each); kept up to `maxCachedBytes`, taken by one call at a time.
+    private let cacheLock = Lock()
+    private var cached: UnsafeMutableRawPointer? = nil
+    private var cachedBytes = 0
+    private static let maxCachedBytes = 48 << 20
+
+    deinit { cached?.deallocate() }
+
+    private func takeBuffer(_ bytes: Int) -> (UnsafeMutableRawPointer, Int) {
+        let hit: (UnsafeMutableRawPointer, Int)? = cacheLock.withLock {
+            guard let c = cached, cachedBytes >= bytes else { return nil }
+            cached = nil
+            return (c, cachedBytes)
+        }
+        return hit ?? (UnsafeMutableRawPointer.allocate(byteCount: bytes, alignment: 64), bytes)
+    }
+
+    private func giveBack(_ buf: (UnsafeMutableRawPointer, Int)) {
+        guard buf.1 <= Self.maxCachedBytes else { buf.0.deallocate(); return }
+        let old: UnsafeMutableRawPointer? = cacheLock.withLock {
+            if let c = cached, cachedBytes >= buf.1 { return buf.0 }
+            let o = cached
+            cached = buf.0
+            cachedBytes = buf.1
+            return o
+        }
+        old?.deallocate()
+    }
 
     init(_ key: PipelineKey) throws {
         name = key.kernel
@@ -76,11 +105,11 @@ final class PrefillKernel: CPUKernel {
         let perChunk = max(1, min(groups, (64 << 20) / max(packBytes, 1)))
         let floats = fm_cpu_prefill_fast_scratch_floats(&a)
         let workers = max(1, pool.threads)
-        let packed = UnsafeMutableRawPointer.allocate(byteCount: packBytes * perChunk, alignment: 64)
-        defer { packed.deallocate() }
-        let scratchRaw = UnsafeMutableRawPointer.allocate(byteCount: floats * workers * 4, alignment: 64)
-        defer { scratchRaw.deallocate() }
-        let scratch = scratchRaw.bindMemory(to: Float.self, capacity: floats * workers)
+        let packedBytes = (packBytes * perChunk + 63) & ~63
+        let buf = takeBuffer(packedBytes + floats * workers * 4)
+        defer { giveBack(buf) }
+        let packed = buf.0
+        let scratch = (buf.0 + packedBytes).bindMemory(to: Float.self, capacity: floats * workers)
         withUnsafePointer(to: &a) { args in
             var g0 = 0
             while g0 < groups {

@@ -8,6 +8,8 @@
  * entirely on the calling thread. After a job, workers spin ~FM_POOL_SPIN_NS
  * before sleeping on a condition variable, so back-to-back calls (decode
  * loops, the two passes of a prefill) do not pay a futex wake-up each.
+ * A job of >= 16 items first times item 0 on the caller and runs inline when
+ * the whole job is projected to take < FM_POOL_INLINE_NS.
  * One job at a time: a caller that finds the pool busy (another thread, or a
  * nested call) runs its items inline. */
 #if !defined(_POSIX_C_SOURCE) && !defined(__APPLE__)
@@ -19,7 +21,10 @@
 #include <time.h>
 #include "fm_cpu_kernels.h"
 
-#define FM_POOL_SPIN_NS 200000LL
+#define FM_POOL_SPIN_NS 50000LL
+/* A job whose items are projected (from the first one, timed on the caller)
+ * to take less than this in total runs inline: waking a worker would cost more. */
+#define FM_POOL_INLINE_NS 15000LL
 
 struct FMPool {
     int nthreads; /* including the caller */
@@ -57,11 +62,18 @@ static int64_t fm_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* Guided self-scheduling: claim (remaining / 2 workers) items at a time, at
+ * least one, so many tiny items do not bounce the counter's cache line. */
 static void fm_pool_work(FMPool *p, int64_t w) {
+    const int64_t count = p->count, div = 2 * p->job_workers;
     for (;;) {
-        const int64_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_SEQ_CST);
-        if (i >= p->count) break;
-        p->fn(p->ctx, w, i);
+        int64_t cur = __atomic_load_n(&p->next, __ATOMIC_SEQ_CST);
+        if (cur >= count) break;
+        int64_t c = (count - cur) / div;
+        if (c < 1) c = 1;
+        if (!__atomic_compare_exchange_n(&p->next, &cur, cur + c, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+            continue;
+        for (int64_t i = cur; i < cur + c; i++) p->fn(p->ctx, w, i);
     }
 }
 
@@ -135,15 +147,27 @@ void fm_pool_destroy(FMPool *p) {
 
 void fm_pool_run(FMPool *p, int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx) {
     if (count <= 0) return;
-    if (!p || max_workers <= 1 || count == 1 || pthread_mutex_trylock(&p->job_mu) != 0) {
-        for (int64_t i = 0; i < count; i++) fn(ctx, 0, i);
+    int64_t first = 0;
+    if (p && max_workers > 1 && count >= 16) {
+        /* Probe: time item 0 here; a tiny job (decode of a short cache)
+         * finishes inline without touching the workers. */
+        const int64_t t0 = fm_now_ns();
+        fn(ctx, 0, 0);
+        first = 1;
+        if ((fm_now_ns() - t0) * (count - 1) < FM_POOL_INLINE_NS) {
+            for (int64_t i = 1; i < count; i++) fn(ctx, 0, i);
+            return;
+        }
+    }
+    if (!p || max_workers <= 1 || count - first <= 1 || pthread_mutex_trylock(&p->job_mu) != 0) {
+        for (int64_t i = first; i < count; i++) fn(ctx, 0, i);
         return;
     }
     p->fn = fn;
     p->ctx = ctx;
     p->count = count;
     p->job_workers = max_workers;
-    __atomic_store_n(&p->next, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&p->next, first, __ATOMIC_SEQ_CST);
     const uint64_t g = __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) + 1;
     __atomic_store_n(&p->job_gen, g, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->open, 1, __ATOMIC_SEQ_CST);
