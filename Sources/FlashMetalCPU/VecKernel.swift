@@ -2,8 +2,9 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `flash_attn_vec_*` on the cpu: one work item per (row, workgroup) of the
-/// grid (1, rows, NWG); each writes its partial (O, S, M) into tmp.
+/// `flash_attn_vec_*` on the cpu: one work item per (kv head, workgroup) of
+/// the grid (1, rows, NWG), covering the GQA group's rows so K/V are read
+/// once per group; each row's partial (O, S, M) goes into tmp.
 final class VecKernel: CPUKernel {
     let name: String
 
@@ -17,18 +18,20 @@ final class VecKernel: CPUKernel {
         let tmp = try d.buffer(4).data.assumingMemoryBound(to: Float.self)
         let kd = UnsafeRawPointer(k.data)
         let dtype = k.dtype.rawValue
-        let rows = d.grid.y, nwg = d.grid.z
+        let nwg = d.grid.z
         if Int(p.nwg) != nwg {
             throw FlashMetalError.internalError("\(name): params nwg \(p.nwg) != grid z \(nwg)")
         }
-        let floats = fm_cpu_vec_scratch_floats(Int32(p.head_dim))
-        let workers = max(min(pool.threads, rows * nwg), 1)
+        let kvRows = Int(p.n_kv_heads)
+        let gqa = Int32(p.n_heads / p.n_kv_heads)
+        let floats = fm_cpu_vec_scratch_floats(Int32(p.head_dim), gqa)
+        let workers = max(min(pool.threads, kvRows * nwg), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
         withUnsafePointer(to: &p) { pp in
-            pool.forEach(rows * nwg) { w, item in
-                fm_cpu_vec_partial(pp, q, kd, v, dtype, tmp, Int64(item / nwg), Int64(item % nwg),
-                                   scratch + w * floats)
+            pool.forEach(kvRows * nwg) { w, item in
+                fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(item / nwg), Int64(item % nwg),
+                                         scratch + w * floats)
             }
         }
     }

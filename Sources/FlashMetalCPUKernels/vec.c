@@ -16,7 +16,9 @@
 #define FM_C 32
 #define FM_LANES 16
 
-size_t fm_cpu_vec_scratch_floats(int32_t d) { return (size_t)d * 2; }
+size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
+    return (size_t)FM_C * d * 2 + (size_t)gqa * FM_C;
+}
 
 static float vec_dot(const float *a, const float *b, int32_t n) {
     float acc[FM_LANES] = {0};
@@ -46,57 +48,107 @@ static inline float f16_bits_to_f32(uint16_t h) {
     return f;
 }
 
-static const float *load_kv(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
+/* Converts rows [pos0, pos0 + n) of one K or V head to f32 (or points at
+ * them when they already are). */
+static const float *load_chunk(const void *base, int32_t dtype, int64_t off, int64_t n, int32_t d,
+                               float *buf) {
     if (dtype == FM_DTYPE_F32) return (const float *)base + off;
     const uint16_t *src = (const uint16_t *)base + off;
+    const int64_t count = n * d;
     if (dtype == FM_DTYPE_F16) {
-        for (int32_t i = 0; i < d; i++) buf[i] = f16_bits_to_f32(src[i]);
+        for (int64_t i = 0; i < count; i++) buf[i] = f16_bits_to_f32(src[i]);
     } else {
-        fm_load_row(buf, src, d, 1);
+        fm_load_row(buf, src, count, 1);
     }
     return buf;
 }
 
-void fm_cpu_vec_partial(const FlashAttnVecParams *p, const float *q, const void *k,
-                        const void *v, int32_t kv_dtype, float *tmp, int64_t row, int64_t wg,
-                        float *scratch) {
+/* One (kv head, workgroup) item: the gqa query rows that share a K/V head
+ * are processed together, so each 32-key chunk is read and converted once
+ * for all of them. A row's arithmetic does not depend on the others.
+ * Inlined into one wrapper per ISA, so the same source is vectorised for
+ * each (the portable build targets baseline x86-64 / arm64). */
+static inline __attribute__((always_inline)) void vec_partial_group(
+    const FlashAttnVecParams *p, const float *q, const void *k, const void *v, int32_t kv_dtype,
+    float *tmp, int64_t kvrow, int64_t wg, float *scratch) {
     const int32_t D = (int32_t)p->head_dim;
     const int64_t nrows = p->n_heads, nwg = p->nwg, kv_len = p->kv_seq_len;
     const int64_t gqa = (int64_t)p->n_heads / p->n_kv_heads;
-    const int64_t kvrow = row / gqa;
     const int64_t cap = p->kv_capacity;
-    const float *qrow = q + row * D;
-    float *o = tmp + (row * nwg + wg) * D;
-    float *sm = tmp + nrows * nwg * D + (row * nwg + wg) * 2;
-    float *kbuf = scratch, *vbuf = scratch + D;
+    float *kbuf = scratch, *vbuf = scratch + (size_t)FM_C * D, *scores = vbuf + (size_t)FM_C * D;
 
     /* Visible key range [lo, kv_len). */
     int64_t lo = 0;
     if (p->mask_type == 2) {
-        const int64_t t = kv_len - 1;
-        lo = t - (int64_t)p->sliding_window + 1;
+        lo = kv_len - (int64_t)p->sliding_window;
         if (lo < 0) lo = 0;
     }
-    for (int32_t i = 0; i < D; i++) o[i] = 0.0f;
-    float M = FM_M_INIT, S = 0.0f;
+    float M[gqa], S[gqa];
+    for (int64_t g = 0; g < gqa; g++) {
+        float *o = tmp + ((kvrow * gqa + g) * nwg + wg) * D;
+        for (int32_t i = 0; i < D; i++) o[i] = 0.0f;
+        M[g] = FM_M_INIT;
+        S[g] = 0.0f;
+    }
     for (int64_t c = wg * FM_C; c < kv_len; c += nwg * FM_C) {
+        const int64_t first = c > lo ? c : lo;
         const int64_t end = (c + FM_C) < kv_len ? (c + FM_C) : kv_len;
-        for (int64_t pos = c; pos < end; pos++) {
-            if (pos < lo) continue;
-            const int64_t off = (kvrow * cap + pos) * D;
-            float s = p->scale * vec_dot(qrow, load_kv(k, kv_dtype, off, D, kbuf), D);
-            if (p->softcap > 0) s = p->softcap * tanhf(s / p->softcap);
-            const float mx = s > M ? s : M;
-            const float factor = expf(M - mx);
-            const float pj = expf(s - mx);
-            const float *vr = load_kv(v, kv_dtype, off, D, vbuf);
-            for (int32_t i = 0; i < D; i++) o[i] = o[i] * factor + pj * vr[i];
-            S = S * factor + pj;
-            M = mx;
+        if (first >= end) continue;
+        const int64_t n = end - first;
+        const int64_t off = (kvrow * cap + first) * D;
+        const float *kc = load_chunk(k, kv_dtype, off, n, D, kbuf);
+        const float *vc = load_chunk(v, kv_dtype, off, n, D, vbuf);
+        for (int64_t g = 0; g < gqa; g++) {
+            const int64_t row = kvrow * gqa + g;
+            const float *qrow = q + row * D;
+            float *sc = scores + g * FM_C;
+            float mx = M[g];
+            for (int64_t j = 0; j < n; j++) {
+                float s = p->scale * vec_dot(qrow, kc + j * D, D);
+                if (p->softcap > 0) s = p->softcap * tanhf(s / p->softcap);
+                sc[j] = s;
+                if (s > mx) mx = s;
+            }
+            const float factor = expf(M[g] - mx);
+            float sum = S[g] * factor;
+            float *o = tmp + (row * nwg + wg) * D;
+            for (int32_t i = 0; i < D; i++) o[i] *= factor;
+            for (int64_t j = 0; j < n; j++) {
+                const float pj = expf(sc[j] - mx);
+                sum += pj;
+                const float *vr = vc + j * D;
+                for (int32_t i = 0; i < D; i++) o[i] += pj * vr[i];
+            }
+            S[g] = sum;
+            M[g] = mx;
         }
     }
-    sm[0] = S;
-    sm[1] = M;
+    for (int64_t g = 0; g < gqa; g++) {
+        float *sm = tmp + nrows * nwg * D + ((kvrow * gqa + g) * nwg + wg) * 2;
+        sm[0] = S[g];
+        sm[1] = M[g];
+    }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+static void vec_partial_group_avx512(const FlashAttnVecParams *p, const float *q, const void *k,
+                                     const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow,
+                                     int64_t wg, float *scratch) {
+    vec_partial_group(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch);
+}
+#endif
+
+void fm_cpu_vec_partial_group(const FlashAttnVecParams *p, const float *q, const void *k,
+                              const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow, int64_t wg,
+                              float *scratch) {
+#if defined(__x86_64__)
+    if (fm_cpu_isa() >= FM_ISA_AVX512) {
+        vec_partial_group_avx512(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch);
+        return;
+    }
+#endif
+    vec_partial_group(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch);
 }
 
 /* In-place natural-order (Sylvester) fast Walsh-Hadamard transform. */

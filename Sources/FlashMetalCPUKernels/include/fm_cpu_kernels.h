@@ -86,13 +86,14 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
 /* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
 void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
 
-/* ---- decode (vec): one (row, workgroup) partial into tmp. kv_dtype is an
- * FMDType (f32, f16, bf16). */
-void fm_cpu_vec_partial(const FlashAttnVecParams *p, const float *q, const void *k,
-                        const void *v, int32_t kv_dtype, float *tmp, int64_t row, int64_t wg,
-                        float *scratch);
+/* ---- decode (vec): the partials of one (kv head, workgroup) into tmp, for
+ * every query row of that kv head's GQA group. kv_dtype is an FMDType (f32,
+ * f16, bf16). */
+void fm_cpu_vec_partial_group(const FlashAttnVecParams *p, const float *q, const void *k,
+                              const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow, int64_t wg,
+                              float *scratch);
 /* Floats of scratch one vec work item needs. */
-size_t fm_cpu_vec_scratch_floats(int32_t d);
+size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
 /* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. */
 void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
