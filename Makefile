@@ -24,9 +24,11 @@ build:
 	$(SWIFT) build -c release --product flashmetal
 
 # The Python package loads the library and header from its own folder.
+# Copied then renamed: overwriting a library in place corrupts it for any
+# process that has it loaded.
 python: build venv
-	cp $(LIB) $(PKG)/$(LIBNAME)
-	cp $(HEADER) $(PKG)/flashmetal.h
+	cp $(LIB) $(PKG)/.$(LIBNAME).tmp && mv -f $(PKG)/.$(LIBNAME).tmp $(PKG)/$(LIBNAME)
+	cp $(HEADER) $(PKG)/.flashmetal.h.tmp && mv -f $(PKG)/.flashmetal.h.tmp $(PKG)/flashmetal.h
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e python
 
 venv: $(VENV)/.installed

@@ -17,21 +17,18 @@ public func fm_dispatch_vec(
         let kt = try TensorRef(k, op: op, name: "k")
         let given = try optionalTensor(tmp, op: op, name: "tmp")
         let sg = try optionalTensor(signs, op: op, name: "fwht_signs")
-        var owned: UnsafeMutableRawPointer? = nil
-        defer { owned?.deallocate() }
-        let tmpRef: TensorRef
+        let v = try TensorRef(v, op: op, name: "v")
+        let out = try TensorRef(out, op: op, name: "out")
         if let given = given {
-            tmpRef = given
-        } else {
-            // Sized from validated shapes; the full validation runs in makeDispatches.
-            let s = try VecDispatcher.shapes(q: qt, k: kt)
-            let bytes = VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)
-            let p = UnsafeMutableRawPointer.allocate(byteCount: bytes, alignment: 64)
-            owned = p
-            tmpRef = TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4])
+            try reg.run(VecDispatcher.makeDispatches(
+                VecTensors(q: qt, k: kt, v: v, out: out, tmp: given, signs: sg), o))
+            return
         }
-        let t = VecTensors(q: qt, k: kt, v: try TensorRef(v, op: op, name: "v"),
-                           out: try TensorRef(out, op: op, name: "out"), tmp: tmpRef, signs: sg)
-        try reg.run(VecDispatcher.makeDispatches(t, o))
+        // Sized from validated shapes; the full validation runs in makeDispatches.
+        let s = try VecDispatcher.shapes(q: qt, k: kt)
+        try reg.withScratch(bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
+            try reg.run(VecDispatcher.makeDispatches(
+                VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg), o))
+        }
     }
 }

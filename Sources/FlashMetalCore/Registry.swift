@@ -6,6 +6,8 @@ public final class Registry: @unchecked Sendable {
     private let lock = Lock()
     private var cache: [PipelineKey: AnyObject] = [:]
     private var batchDepth = 0
+    /// Library-owned scratch used inside the open batch: freed when it flushes.
+    private var batchScratch: [UnsafeMutableRawPointer] = []
 
     public init(backend: Backend) {
         self.backend = backend
@@ -45,7 +47,26 @@ public final class Registry: @unchecked Sendable {
         try lock.withLock {
             guard batchDepth > 0 else { throw FlashMetalError.value("end_batch", "no batch is open") }
             batchDepth -= 1
+            defer {
+                if batchDepth == 0 {
+                    for p in batchScratch { p.deallocate() }
+                    batchScratch = []
+                }
+            }
             try backend.endBatch()
         }
+    }
+
+    /// Runs `body` with library-owned f32 scratch memory that lives as long
+    /// as the work using it: to the end of the call, or to the end of the
+    /// open batch scope (a deferring backend runs the work only then).
+    public func withScratch(bytes: Int, _ body: (TensorRef) throws -> Void) throws {
+        let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes, 1), alignment: 64)
+        defer {
+            lock.withLock {
+                if batchDepth > 0 { batchScratch.append(p) } else { p.deallocate() }
+            }
+        }
+        try body(TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4]))
     }
 }

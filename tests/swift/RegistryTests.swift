@@ -29,3 +29,41 @@ final class RegistryTests: XCTestCase {
         }
     }
 }
+
+final class ScratchLifetimeTests: XCTestCase {
+    /// A backend that defers work inside a batch, as Metal does: it runs
+    /// dispatches only at endBatch, so scratch must live until then.
+    final class DeferringBackend: Backend {
+        let name = "deferring"
+        var pending: [() -> Void] = []
+        var depth = 0
+        func makePipeline(_ key: PipelineKey) throws -> AnyObject { NSNullish() }
+        func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
+            for d in dispatches {
+                let t = try d.buffer(0)
+                let work = { t.data.storeBytes(of: 42, as: Int32.self) }
+                if depth > 0 { pending.append(work) } else { work() }
+            }
+        }
+        func beginBatch() throws { depth += 1 }
+        func endBatch() throws {
+            depth -= 1
+            if depth == 0 { pending.forEach { $0() }; pending = [] }
+        }
+    }
+    final class NSNullish {}
+
+    func testScratchOutlivesTheBatchThatUsesIt() throws {
+        let backend = DeferringBackend()
+        let r = Registry(backend: backend)
+        try r.beginBatch()
+        try r.withScratch(bytes: 64) { tmp in
+            try r.run([Dispatch(kernel: "k", grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
+                                bindings: [0: .buffer(tmp)])])
+        }
+        XCTAssertEqual(backend.pending.count, 1)
+        try r.endBatch()  // writes into the scratch: must still be allocated (ASan would catch it)
+        XCTAssertTrue(backend.pending.isEmpty)
+        XCTAssertThrowsError(try r.endBatch())
+    }
+}

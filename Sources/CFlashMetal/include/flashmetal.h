@@ -221,8 +221,8 @@ int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions
 /* Decode: q float32 [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
  * float16 or bfloat16; out float32 like q. fwht_signs: NULL (all +1) or
  * uint8 [D/8], used only with options->fwht. tmp: NULL (the library
- * allocates it for the call) or float32 with >= B*H*32*(D+2)*4 bytes; pass
- * your own inside a batch scope on a backend that defers work. */
+ * allocates it and keeps it until the work ran: the call, or the open batch
+ * scope) or float32 with >= B*H*32*(D+2)*4 bytes. */
 int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
                     const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
