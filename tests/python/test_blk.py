@@ -7,17 +7,9 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
-from kernel_support import require
 from numerics import BF16, F16, assert_bits_equal, assert_close, randn
 
 GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
-
-
-@pytest.fixture
-def registry(registry):
-    """The session registry, skipped where this op's kernels do not exist yet."""
-    require(registry, "mask", "blk")
-    return registry
 
 
 @pytest.mark.parametrize("d", [128, 512])

@@ -10,19 +10,11 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
-from kernel_support import require
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 
 HEAD_DIMS = [64, 128, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
 MASKS = ["none", "causal", "window"]
-
-
-@pytest.fixture
-def registry(registry):
-    """The session registry, skipped where the vec kernels do not exist yet."""
-    require(registry, "vec", "vec_fwht")
-    return registry
 
 
 def run(registry, rng, *, b=None, h=4, hkv=2, cap=80, kv_len=70, d=128, kv=F16, mask="none", window=24,

@@ -8,18 +8,9 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from kernel_support import require
 from numerics import BF16, F16, F32, assert_close, randn
 
 SDPA = fm.scaled_dot_product_attention
-
-
-@pytest.fixture
-def registry(registry):
-    """The session registry, skipped where the mask/blk/vec kernels do not exist yet
-    (tests of the sdpa route also require the sdpa kernels)."""
-    require(registry, "mask", "blk", "vec")
-    return registry
 
 
 def qkv(rng, dtype, b=1, h=4, hkv=2, ql=6, cap=40, d=64):
@@ -43,8 +34,6 @@ def tol(dtype, route):
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_routes(registry, rng, dtype, ql, route, causal):
-    if route == "sdpa":
-        require(registry, "sdpa")
     q, k, v = qkv(rng, dtype, ql=ql)
     out, ran = SDPA(q, k, v, is_causal=causal, return_kernel=True, registry=registry)
     assert ran == route and ran in fm.attention.ROUTES
@@ -104,7 +93,6 @@ def test_scale_softcap_prefill(registry, rng):
 
 
 def test_f32_non_vec_head_dim_one_row_takes_sdpa(registry, rng):
-    require(registry, "sdpa")
     q, k, v = qkv(rng, F32, ql=1, cap=20, d=32)
     out, ran = SDPA(q, k, v, is_causal=True, return_kernel=True, registry=registry)
     assert ran == "sdpa"

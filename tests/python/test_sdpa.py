@@ -8,15 +8,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from kernel_support import require
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
-
-
-@pytest.fixture
-def registry(registry):
-    """The session registry, skipped where the sdpa kernels do not exist yet."""
-    require(registry, "sdpa")
-    return registry
 
 
 def run(registry, rng, *, b=1, h=2, hkv=2, ql=5, cap=40, kv_len=None, d=64, dtype=F32, causal=True,
