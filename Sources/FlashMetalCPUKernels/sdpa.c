@@ -6,22 +6,10 @@
 #include <math.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
+#include "kernel_math.h"
 
-#define FM_M_INIT (-FLT_MAX / 2)
-#define FM_LANES 16
 
 size_t fm_cpu_sdpa_scratch_floats(int32_t d) { return (size_t)d * 4; }
-
-static float sdpa_dot(const float *a, const float *b, int32_t n) {
-    float acc[FM_LANES] = {0};
-    int32_t i = 0;
-    for (; i + FM_LANES <= n; i += FM_LANES)
-        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    float s = 0;
-    for (int j = 0; j < FM_LANES; j++) s += acc[j];
-    return s;
-}
 
 static const float *row_f32(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
     if (dtype == FM_DTYPE_F32) return (const float *)base + off;
@@ -52,7 +40,7 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const v
         float M = FM_M_INIT, S = 0.0f;
         for (int64_t j = 0; j <= last; j++) {
             const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
-            const float s = p->scale * sdpa_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
+            const float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
             const float mx = s > M ? s : M;
             const float f = expf(M - mx), pj = expf(s - mx);
             const float *vr = row_f32(v, dtype, koff, D, vbuf);

@@ -11,24 +11,12 @@
 #include <string.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
+#include "kernel_math.h"
 
-#define FM_M_INIT (-FLT_MAX / 2)
 #define FM_C 32
-#define FM_LANES 16
 
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
     return (size_t)FM_C * d * 2 + (size_t)gqa * FM_C;
-}
-
-static float vec_dot(const float *a, const float *b, int32_t n) {
-    float acc[FM_LANES] = {0};
-    int32_t i = 0;
-    for (; i + FM_LANES <= n; i += FM_LANES)
-        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    float s = 0;
-    for (int j = 0; j < FM_LANES; j++) s += acc[j];
-    return s;
 }
 
 /* Exact f16 -> f32 with integer ops and one multiply (vectorises; the
@@ -104,7 +92,7 @@ static inline __attribute__((always_inline)) void vec_partial_group(
             float *sc = scores + g * FM_C;
             float mx = M[g];
             for (int64_t j = 0; j < n; j++) {
-                float s = p->scale * vec_dot(qrow, kc + j * D, D);
+                float s = p->scale * fm_dot(qrow, kc + j * D, D);
                 if (p->softcap > 0) s = p->softcap * tanhf(s / p->softcap);
                 sc[j] = s;
                 if (s > mx) mx = s;
