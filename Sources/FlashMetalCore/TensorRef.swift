@@ -37,6 +37,9 @@ public struct TensorRef: @unchecked Sendable {
         }
         guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null") }
         self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape)
+        // The buffer covers the shape before any dispatcher looks at the dims
+        // (a huge dim with a tiny buffer must not reach size arithmetic).
+        try requireBytes(op: op, name: name)
     }
 
     /// Element count of the shape, or nil when it overflows.

@@ -1,0 +1,545 @@
+"""C-ABI fuzz harness (used by test_fuzz.py and tests/fuzz/run_fuzz.py).
+
+One case = a valid call of one entry point (small random shapes, random
+values), then 0..3 mutations of its descriptors, options or scalar
+arguments (null pointers, bad dtype codes, ndim out of range, zero /
+negative / huge / overflowing dims, undersized or absurd nbytes, garbage
+options). Every buffer the library sees sits in the middle of a larger
+numpy buffer whose guard bytes hold a random pattern.
+
+Contract checked for every case:
+  - the call returns 0, 1 (value) or 2 (type) -- 3 only for "no kernel
+    named" on a backend that lacks an op; never crashes;
+  - an error message is "op: what" with a known op name;
+  - on error no byte of any buffer changed (validation precedes kernels);
+  - on success inputs are unchanged, nothing outside `out` (or tmp) was
+    written, and with finite inputs the output matches the float64
+    reference computed from the descriptors the library accepted;
+  - a case without mutations must succeed.
+The library never gets a descriptor whose nbytes exceeds its real buffer
+unless nbytes > INT64_MAX (which must be rejected before any access).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from flashmetal import _loader, reference
+
+G = 64  # guard bytes on each side
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8)}
+SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1}
+HEAD_DIMS = (64, 128, 256, 512)
+GEOM = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
+INT64_MAX = 2**63 - 1
+OPS = {
+    "prefill": ("flash_attn_prefill",),
+    "vec": ("flash_attn_vec", "flash_attn_vec_reduce_tq_hb_undo", "flash_attn_vec_reduce"),
+    "sdpa": ("sdpa",),
+    "mask": ("flash_attn_prefill_mask",),
+    "blk": ("flash_attn_prefill_blk",),
+    "blk_byte_len": ("blk_byte_len",),
+    "alloc_blk": ("alloc_blk", "free_blk", "blk_byte_len"),  # see test_alloc_blk_names_its_op
+}
+TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
+
+HUGE_DIMS = (2**31, 2**31 + 1, 2**32 + 1, 2**40, 2**62, INT64_MAX, 3037000500)
+BAD_DTYPES = (-1, 5, 6, 255, 2**31 - 1, -2**31)
+BAD_NDIMS = (-1, -2**31, 9, 64, 2**31 - 1)
+BAD_FLOATS = (math.nan, math.inf, -math.inf, -1.0, 0.0, 1e38, -0.0, 1e-45)
+BAD_INTS = (-1, -2**31, 2**31 - 1, 2, 3, 1000, 0, 2**16)
+
+
+class Buf:
+    """A byte buffer of `n` bytes between two random guard zones."""
+
+    def __init__(self, n: int, rng: np.random.Generator, payload: np.ndarray | None = None):
+        self.n = n
+        self.raw = rng.integers(0, 256, n + 2 * G, dtype=np.uint8)
+        if payload is not None:
+            b = payload.view(np.uint8).reshape(-1)[:n]
+            self.raw[G:G + len(b)] = b
+        self.snap = self.raw.copy()
+
+    @property
+    def addr(self) -> int:
+        return self.raw.ctypes.data + G
+
+    def mid(self) -> np.ndarray:
+        return self.raw[G:G + self.n]
+
+    def guards_ok(self) -> bool:
+        return (np.array_equal(self.raw[:G], self.snap[:G])
+                and np.array_equal(self.raw[G + self.n:], self.snap[G + self.n:]))
+
+    def unchanged(self) -> bool:
+        return np.array_equal(self.raw, self.snap)
+
+
+@dataclass
+class TSpec:
+    """An FMTensor description. data None = NULL data pointer."""
+    dtype: int
+    shape: list[int]
+    nbytes: int
+    buf: Buf | None
+    ndim: int | None = None  # overrides len(shape)
+    null: bool = False       # the FMTensor pointer itself is NULL
+    role: str = "in"         # "in", "out" (may be written), "tmp" (scratch, may be written)
+
+    def array(self) -> np.ndarray:
+        """The descriptor's view of its buffer (only for accepted descriptors)."""
+        n = int(np.prod(self.shape)) if self.shape else 1
+        return self.buf.mid()[: n * SIZE[self.dtype]].view(NP[self.dtype]).reshape(self.shape)
+
+
+@dataclass
+class Case:
+    op: str
+    backend: str
+    tensors: dict[str, TSpec]
+    opts: dict[str, Any] = field(default_factory=dict)  # option struct fields; None = NULL options
+    args: dict[str, Any] = field(default_factory=dict)  # scalar arguments
+    registry: str = "live"  # "live", "null", "dead", "garbage"
+    mutations: list[str] = field(default_factory=list)
+    finite: bool = True
+    status: int = -1
+
+
+def _tensor(rng: np.random.Generator, dtype: int, shape: list[int], *, role: str = "in",
+            values: np.ndarray | None = None, nonfinite: bool = False) -> TSpec:
+    n = int(np.prod(shape)) * SIZE[dtype]
+    if values is None:
+        if dtype in (3,):
+            values = rng.integers(0, 2, shape).astype(np.bool_)
+        elif dtype == 4:
+            values = rng.integers(0, 256, shape).astype(np.uint8)
+        else:
+            values = rng.standard_normal(shape).astype(np.float32)
+            if nonfinite and values.size:
+                idx = rng.integers(0, values.size, max(1, values.size // 50))
+                values.reshape(-1)[idx] = rng.choice([np.nan, np.inf, -np.inf], idx.size)
+            values = values.astype(NP[dtype])
+    payload = None if role != "in" else np.ascontiguousarray(values.astype(NP[dtype]))
+    return TSpec(dtype, list(shape), n, Buf(n, rng, payload), role=role)
+
+
+# ---------------------------------------------------------------- valid calls
+
+def gen_prefill(rng, backend):
+    small = backend != "cpu"
+    dt = int(rng.choice([1, 2]))
+    d = 64 if small else int(rng.choice(HEAD_DIMS, p=[0.55, 0.2, 0.15, 0.1]))
+    b = 1 if small else int(rng.integers(1, 3))
+    hkv = int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2]))
+    cap = int(rng.integers(1, 33 if small else 81))
+    kvl = int(rng.integers(1, cap + 1)) if rng.random() < 0.3 else 0
+    kl = kvl or cap
+    ql = int(rng.integers(1, min(kl, 16 if small else 40) + 1))
+    qoff = int(rng.integers(0, kl - ql + 1))
+    layout = int(rng.integers(0, 2))
+    nonfinite = rng.random() < 0.05
+    qs = [b, h, ql, d] if layout == 0 else [b, ql, h, d]
+    ks = [b, hkv, cap, d] if layout == 0 else [b, cap, hkv, d]
+    t = {"q": _tensor(rng, dt, qs, nonfinite=nonfinite), "k": _tensor(rng, dt, ks),
+         "v": _tensor(rng, dt, ks), "out": _tensor(rng, dt, qs, role="out")}
+    mk = rng.choice(["none", "add2", "bool2", "add4", "bool4"], p=[0.4, 0.25, 0.15, 0.1, 0.1])
+    if mk != "none":
+        ms = [ql, kl] if mk.endswith("2") else [b, h, ql, kl]
+        if mk.startswith("bool"):
+            t["mask"] = _tensor(rng, 3, ms)
+        else:
+            vals = np.where(rng.random(ms) < 0.3, -np.inf, rng.choice([0.0, 0.0, 0.5, -2.0], ms))
+            if rng.random() < 0.3:  # whole -inf blocks so blk has class-0 tiles
+                vals[: ql // 2] = -np.inf
+            t["mask"] = _tensor(rng, dt, ms, values=vals.astype(np.float32))
+        if mk.endswith("2") and rng.random() < 0.5:
+            m = t["mask"].array()
+            add = np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
+            cls = reference.blk_classes(add, *GEOM[d])
+            t["blk"] = _tensor(rng, 4, list(cls.shape), values=cls)
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.05, 4 / math.sqrt(d)])),
+                softcap=float(rng.choice([0.0, 0.0, 0.0, 5.0, 30.0])), causal=int(rng.integers(0, 2)),
+                q_offset=qoff, kv_len=kvl, layout=layout)
+    return Case("prefill", backend, t, opts, finite=not nonfinite)
+
+
+def gen_vec(rng, backend):
+    small = backend != "cpu"
+    d = int(rng.choice(HEAD_DIMS if not small else (64,)))
+    kv = int(rng.choice([0, 1, 2]))
+    batched = rng.random() < 0.5
+    b = int(rng.integers(1, 3)) if batched else 1
+    hkv = int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2, 4]))
+    cap = int(rng.integers(1, 40 if small else 300))
+    kvl = int(rng.integers(1, cap + 1))
+    qs = [b, h, d] if batched else [h, d]
+    ks = [b, hkv, cap, d] if batched else [hkv, cap, d]
+    nonfinite = rng.random() < 0.05
+    t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks), "v": _tensor(rng, kv, ks),
+         "out": _tensor(rng, 0, qs, role="out")}
+    fwht = int(rng.random() < 0.3)
+    if fwht and rng.random() < 0.6:
+        t["signs"] = _tensor(rng, 4, [d // 8])
+    if rng.random() < 0.3:
+        t["tmp"] = _tensor(rng, 0, [b * h * 32 * (d + 2)], role="tmp")
+    mt = int(rng.integers(0, 3))
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.1])), softcap=float(rng.choice([0.0, 0.0, 10.0])),
+                mask_type=mt, window=int(rng.integers(1, cap + 5)) if mt == 2 else 0, kv_len=kvl, fwht=fwht)
+    return Case("vec", backend, t, opts, finite=not nonfinite)
+
+
+def gen_sdpa(rng, backend):
+    dt = int(rng.choice([0, 2]))
+    d = int(rng.choice([1, 7, 8, 33, 64, 128, 512]))
+    b = int(rng.integers(1, 3))
+    hkv = int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2]))
+    cap = int(rng.integers(1, 48))
+    kvl = int(rng.integers(1, cap + 1)) if rng.random() < 0.3 else 0
+    ql = int(rng.integers(1, 40))
+    t = {"q": _tensor(rng, dt, [b, h, ql, d]), "k": _tensor(rng, dt, [b, hkv, cap, d]),
+         "v": _tensor(rng, dt, [b, hkv, cap, d]), "out": _tensor(rng, dt, [b, h, ql, d], role="out")}
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), causal=int(rng.integers(0, 2)), kv_len=kvl)
+    return Case("sdpa", backend, t, opts)
+
+
+def gen_mask(rng, backend):
+    dt = int(rng.choice([1, 2]))
+    ql, kl = int(rng.integers(1, 70)), int(rng.integers(1, 300))
+    w = int(rng.integers(1, kl + 3)) if rng.random() < 0.5 else 0
+    opts = dict(causal=int(rng.integers(0, 2)), window=w, q_offset=int(rng.integers(0, kl + 3)))
+    return Case("mask", backend, {"out": _tensor(rng, dt, [ql, kl], role="out")}, opts)
+
+
+def gen_blk(rng, backend):
+    dt = int(rng.choice([1, 2]))
+    d = int(rng.choice(HEAD_DIMS))
+    ql, kl = int(rng.integers(1, 100)), int(rng.integers(1, 100))
+    vals = rng.choice([0.0, 0.0, -np.inf, 1.0, -1e31], [ql, kl])
+    vals[rng.random([ql, kl]) < 0.5] = 0.0
+    bq, bk = GEOM[d]
+    n = -(-ql // bq) * -(-kl // bk)
+    t = {"mask": _tensor(rng, dt, [ql, kl], values=vals.astype(np.float32)),
+         "blk_out": _tensor(rng, 4, [n + int(rng.integers(0, 40))], role="out")}
+    return Case("blk", backend, t, args=dict(head_dim=d))
+
+
+def gen_ints(rng, backend, op):
+    ext = [0, 1, -1, 7, 64, 300, 2**31 - 1, 2**31, 2**40, -2**63, INT64_MAX]
+    ql = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
+    kl = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
+    hd = int(rng.choice(HEAD_DIMS)) if rng.random() < 0.8 else int(rng.choice([0, -1, 32, 65, 2**31 - 1, -2**31]))
+    return Case(op, backend, {}, args=dict(q_len=ql, k_len=kl, head_dim=hd))
+
+
+GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
+              "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
+              "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk")}
+
+# --------------------------------------------------------------- mutations
+
+
+def mutate(case: Case, rng: np.random.Generator) -> None:
+    kinds = ["tensor"] * 6 + ["opts"] * 2 + ["registry"]
+    if case.op in ("blk_byte_len", "alloc_blk"):
+        return  # already extreme scalars
+    if case.op == "blk":
+        kinds += ["arg"]
+    kind = rng.choice(kinds)
+    if kind == "registry":
+        case.registry = str(rng.choice(["null", "dead", "garbage"]))
+        case.mutations.append(f"registry={case.registry}")
+        return
+    if kind == "arg":
+        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 96, 1024)))
+        case.mutations.append(f"head_dim={case.args['head_dim']}")
+        return
+    if kind == "opts" and case.opts:
+        if rng.random() < 0.1:
+            case.opts = None
+            case.mutations.append("options=NULL")
+            return
+        key = str(rng.choice(sorted(case.opts)))
+        if isinstance(case.opts[key], float):
+            case.opts[key] = float(rng.choice(BAD_FLOATS))
+        else:
+            case.opts[key] = int(rng.choice(BAD_INTS + (case.opts[key] + 1, case.opts[key] - 1)))
+        case.mutations.append(f"opts.{key}={case.opts[key]}")
+        return
+    if not case.tensors:
+        return
+    name = str(rng.choice(sorted(case.tensors)))
+    t = case.tensors[name]
+    m = rng.choice(["null", "data", "dtype", "ndim", "dim", "dim", "dim", "nbytes", "nbytes", "swapdtype"])
+    if m == "null":
+        t.null = True
+        desc = "NULL"
+    elif m == "data":
+        t.buf_null = True
+        desc = "data=NULL"
+    elif m == "dtype":
+        t.dtype = int(rng.choice(BAD_DTYPES))
+        desc = f"dtype={t.dtype}"
+    elif m == "swapdtype":
+        t.dtype = int(rng.integers(0, 5))
+        desc = f"dtype={t.dtype}"
+    elif m == "ndim":
+        t.ndim = int(rng.choice(BAD_NDIMS + (len(t.shape) - 1, len(t.shape) + 1, 0)))
+        desc = f"ndim={t.ndim}"
+    elif m == "dim" and t.shape:
+        i = int(rng.integers(0, len(t.shape)))
+        t.shape[i] = min(int(rng.choice((0, -1, -2**63, t.shape[i] + 1, max(t.shape[i] - 1, 0), 2 * t.shape[i])
+                                        + HUGE_DIMS)), INT64_MAX)
+        desc = f"shape={t.shape}"
+    else:
+        real = t.buf.n  # never claim more than the real buffer unless the claim is > INT64_MAX
+        t.nbytes = int(rng.choice((0, max(real - 1, 0), real // 2, 2**63, 2**64 - 1, INT64_MAX + 2)))
+        desc = f"nbytes={t.nbytes}"
+    case.mutations.append(f"{name}.{desc}")
+
+
+# ------------------------------------------------------------------ running
+
+_FFI = None
+_LIB = None
+
+
+def lib():
+    global _FFI, _LIB
+    if _LIB is None:
+        _FFI, _LIB = _loader.load()
+    return _FFI, _LIB
+
+
+class Registries:
+    """One live registry per backend plus a destroyed handle, for the run."""
+
+    def __init__(self, backends):
+        ffi, L = lib()
+        self.live = {}
+        err = ffi.new("char[]", 256)
+        for b in backends:
+            h = ffi.new("FMRegistry **")
+            assert L.fm_create_registry(b.encode(), h, err, 256) == 0, ffi.string(err)
+            self.live[b] = h[0]
+        h = ffi.new("FMRegistry **")
+        assert L.fm_create_registry(b"cpu", h, err, 256) == 0
+        self.dead = h[0]
+        assert L.fm_destroy_registry(self.dead) == 0
+        self.garbage = ffi.cast("FMRegistry *", 0x12345678)
+
+    def get(self, case: Case):
+        ffi, _ = lib()
+        return {"live": lambda: self.live[case.backend], "null": lambda: ffi.NULL, "dead": lambda: self.dead,
+                "garbage": lambda: self.garbage}[case.registry]()
+
+    def close(self):
+        _, L = lib()
+        for h in self.live.values():
+            L.fm_destroy_registry(h)
+
+
+def _fm_tensor(t: TSpec | None, keep: list):
+    ffi, _ = lib()
+    if t is None or t.null:
+        return ffi.NULL
+    c = ffi.new("FMTensor *")
+    keep.append(c)
+    nb = t.nbytes
+    assert nb <= t.buf.n or nb > INT64_MAX, "harness bug: claimed nbytes beyond the real buffer"
+    c.data = ffi.NULL if getattr(t, "buf_null", False) else ffi.cast("void *", t.buf.addr)
+    c.nbytes = nb % 2**64
+    c.dtype = t.dtype
+    c.ndim = len(t.shape) if t.ndim is None else t.ndim
+    for i, d in enumerate(t.shape[:8]):
+        c.shape[i] = d
+    return c
+
+
+def _opts(ctype: str, fields: dict | None, keep: list):
+    ffi, _ = lib()
+    if fields is None:
+        return ffi.NULL
+    o = ffi.new(ctype)
+    keep.append(o)
+    for k, v in fields.items():
+        setattr(o, k, v)
+    return o
+
+
+def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
+    ffi, L = lib()
+    keep: list = []
+    err = ffi.new("char[]", 1024)
+    T = lambda n: _fm_tensor(case.tensors.get(n), keep)  # noqa: E731
+    extra = None
+    if case.op == "prefill":
+        s = L.fm_dispatch_prefill(regs.get(case), T("q"), T("k"), T("v"), T("mask"), T("blk"), T("out"),
+                                  _opts("FMPrefillOptions *", case.opts, keep), err, 1024)
+    elif case.op == "vec":
+        s = L.fm_dispatch_vec(regs.get(case), T("q"), T("k"), T("v"), T("signs"), T("tmp"), T("out"),
+                              _opts("FMVecOptions *", case.opts, keep), err, 1024)
+    elif case.op == "sdpa":
+        s = L.fm_dispatch_sdpa(regs.get(case), T("q"), T("k"), T("v"), T("out"),
+                               _opts("FMSdpaOptions *", case.opts, keep), err, 1024)
+    elif case.op == "mask":
+        s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err, 1024)
+    elif case.op == "blk":
+        s = L.fm_dispatch_blk(regs.get(case), T("mask"), T("blk_out"), case.args["head_dim"], err, 1024)
+    elif case.op == "blk_byte_len":
+        out = ffi.new("size_t *")
+        s = L.fm_blk_byte_len(case.args["q_len"], case.args["k_len"], case.args["head_dim"], out, err, 1024)
+        extra = int(out[0])
+    else:  # alloc_blk + free_blk
+        t = ffi.new("FMTensor *")
+        s = L.fm_alloc_blk(case.args["q_len"], case.args["k_len"], case.args["head_dim"], t, err, 1024)
+        if s == 0:
+            nb = int(t.nbytes)  # may be GiBs of untouched calloc pages: read at most 1 MiB
+            head = min(nb, 1 << 20)
+            extra = (nb, int(t.shape[0]), int(t.shape[1]), bytes(ffi.buffer(t.data, head)) == bytes(head))
+            s2 = L.fm_free_blk(t, err, 1024)
+            assert s2 == 0, ffi.string(err)
+            assert t.data == ffi.NULL
+            assert L.fm_free_blk(t, err, 1024) == 0  # data NULL: no-op
+    return s, ffi.string(err).decode(errors="replace"), extra
+
+
+# ---------------------------------------------------------------- reference
+
+def _blk_expect(ql, kl, d):
+    bq, bk = GEOM[d]
+    n = -(-ql // bq) * -(-kl // bk)
+    return n, max((n + 31) // 32 * 32, 32), -(-ql // bq), -(-kl // bk)
+
+
+def expected(case: Case, extra: Any):
+    """(array, written TSpec name, dtype code) of the expected output, or a
+    scalar check for the size ops. Raises if the accepted call is not one
+    the reference understands (a finding)."""
+    t, o = case.tensors, case.opts
+    if case.op == "prefill":
+        q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
+        if o["layout"] == 1:
+            q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        kl = o["kv_len"] or k.shape[2]
+        mask = None
+        if "mask" in t and not t["mask"].null:
+            mask = t["mask"].array()
+            if mask.dtype != np.bool_:
+                mask = mask.astype(np.float64)
+        e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], scale=o["scale"], causal=bool(o["causal"]),
+                                q_offset=o["q_offset"], mask=mask, softcap=o["softcap"])
+        if o["layout"] == 1:
+            e = e.transpose(0, 2, 1, 3)
+        return e, "out", t["q"].dtype
+    if case.op == "vec":
+        q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
+        w = o["window"] if o["mask_type"] == 2 else None
+        e = reference.decode(q, k, v, o["kv_len"], scale=o["scale"], window=w, softcap=o["softcap"])
+        if o["fwht"]:
+            sg = t["signs"].array() if "signs" in t and not t["signs"].null else None
+            e = reference.fwht_undo(e, sg)
+        return e, "out", 1  # decode is held to the f16 tolerance (DESIGN §6)
+    if case.op == "sdpa":
+        q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
+        kl = o["kv_len"] or k.shape[2]
+        e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], scale=o["scale"], causal=bool(o["causal"]),
+                                q_offset=kl - q.shape[2])
+        return e, "out", t["q"].dtype
+    if case.op == "mask":
+        ql, kl = t["out"].shape
+        w = o["window"] or None
+        e = reference.mask_additive(ql, kl, causal=bool(o["causal"]), q_offset=o["q_offset"], window=w)
+        return e, "out", -1  # exact
+    if case.op == "blk":
+        m = t["mask"].array().astype(np.float64)
+        e = reference.blk_classes(m, *GEOM[case.args["head_dim"]]).reshape(-1)
+        return e, "blk_out", -2
+    raise AssertionError(case.op)
+
+
+def check(case: Case, status: int, msg: str, extra: Any) -> None:
+    """Asserts the contract for one completed call."""
+    ctx = f"{case.backend} {case.op} mutations={case.mutations} status={status} msg={msg!r}"
+    assert status in (0, 1, 2) or (status == 3 and case.backend != "cpu" and "no kernel named" in msg), ctx
+    bufs = {n: t.buf for n, t in case.tensors.items()}
+    if status == 3:  # an op the simulator does not have yet: nothing may have been written
+        for n, b in bufs.items():
+            assert b.unchanged(), f"{n} modified by a failed call: {ctx}"
+        return
+    if status != 0:
+        ops = OPS[case.op] + ("create_registry",)
+        head = msg.split(":", 1)[0]
+        assert head in ops and len(msg) > len(head) + 2, f"message does not name the op: {ctx}"
+        for n, b in bufs.items():
+            assert b.unchanged(), f"{n} modified by a failed call: {ctx}"
+        return
+    assert status == 0
+    if case.op == "blk_byte_len":
+        ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in HEAD_DIMS, ctx
+        assert extra == _blk_expect(ql, kl, d)[1], ctx
+        return
+    if case.op == "alloc_blk":
+        ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
+        n, nb, nq, nk = _blk_expect(ql, kl, d)
+        assert extra == (nb, nq, nk, True), ctx
+        return
+    for n, ts in case.tensors.items():
+        b = ts.buf
+        if ts.role == "in":
+            assert b.unchanged(), f"input {n} modified: {ctx}"
+        else:
+            assert b.guards_ok(), f"write outside {n}: {ctx}"
+    e, outname, tol = expected(case, extra)
+    out = case.tensors[outname]
+    if tol == -2:  # blk: the classes, nothing past NQ*NK written
+        got = out.buf.mid()[: e.size]
+        assert np.array_equal(got, e), f"blk classes differ: {ctx}"
+        assert np.array_equal(out.buf.raw[G + e.size:], out.buf.snap[G + e.size:]), f"blk wrote past NQ*NK: {ctx}"
+        return
+    nbytes_shape = int(np.prod(out.shape)) * SIZE[out.dtype]
+    assert np.array_equal(out.buf.raw[G + nbytes_shape:], out.buf.snap[G + nbytes_shape:]), \
+        f"wrote past the out shape: {ctx}"
+    got = out.array()
+    if tol == -1:
+        assert np.array_equal(got.astype(np.float64), e), f"mask differs: {ctx}"
+        return
+    if not case.finite:
+        return
+    atol, rtol = TOL[tol]
+    ok, ratio = reference.close(got, e, atol, rtol)
+    assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
+
+
+BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the call
+
+
+def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
+    rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
+    if op is None:
+        op = str(rng.choice(list(GENERATORS), p=[0.3, 0.2, 0.15, 0.1, 0.1, 0.075, 0.075]))
+    case = GENERATORS[op](rng, backend)
+    if nmut is None:
+        nmut = int(rng.choice([0, 1, 1, 1, 2, 3]))
+    for _ in range(nmut):
+        mutate(case, rng)
+    if BEFORE_CALL is not None:
+        BEFORE_CALL(case, seed)
+    if case.opts and abs(case.opts.get("scale", 0.0)) > 1e4:
+        case.finite = False  # scores overflow float32: only the safety contract is checked
+    status, msg, extra = call(case, regs)
+    case.status = status
+    if not case.mutations and case.op not in ("blk_byte_len", "alloc_blk"):
+        assert status == 0 or (status == 3 and "no kernel named" in msg), \
+            f"a valid call failed: {case.backend} {case.op} {msg!r}"
+    check(case, status, msg, extra)
+    return case
