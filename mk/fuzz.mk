@@ -1,0 +1,32 @@
+# mk/fuzz.mk — fuzzing beyond the bounded run inside `make test` (issue 7).
+#   make fuzz        FUZZ_SCALE x the make-test fuzz counts (random seeds) on the
+#                    release library, then the fuzz + thread tests again on an
+#                    AddressSanitizer build of libflashmetal (C kernels, simulator
+#                    C++ and Swift all instrumented) loaded into python with the
+#                    ASan runtime preloaded.
+#   make fuzz-asan   only the ASan part.
+# The bounded fuzz run of `make test` is tests/python/test_fuzz.py (~30 s).
+FUZZ_SCALE ?= 5
+ASAN_SCRATCH := .build/asan
+ASAN_LIB := $(ASAN_SCRATCH)/release/$(LIBNAME)
+ASAN_CLANG := $(dir $(realpath $(SWIFT)))clang
+ASAN_RT = $(shell $(ASAN_CLANG) -print-file-name=libclang_rt.asan-x86_64.so)
+# Python itself leaks by design; ASan's own allocator aborts on a failed
+# huge allocation exactly as glibc's does for the library.
+ASAN_ENV = LD_PRELOAD=$(ASAN_RT) ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:halt_on_error=1 \
+	FLASHMETAL_LIB=$(CURDIR)/$(ASAN_LIB) FLASHMETAL_HEADER=$(CURDIR)/$(HEADER)
+
+.PHONY: fuzz fuzz-asan asan-lib
+
+asan-lib:
+	$(SWIFT) build -c release --product flashmetal --scratch-path $(ASAN_SCRATCH) --sanitize=address
+
+fuzz: python venv
+	FLASHMETAL_FUZZ_SCALE=$(FUZZ_SCALE) FLASHMETAL_FUZZ_RANDOM=1 FLASHMETAL_FUZZ_SEED=$$RANDOM$$RANDOM \
+		$(PY) -m pytest tests/python/test_fuzz.py -q $(PYTEST_ARGS)
+	$(MAKE) fuzz-asan
+
+fuzz-asan: asan-lib venv
+	$(ASAN_ENV) $(PY) tests/fuzz/asan_selftest.py
+	$(ASAN_ENV) FLASHMETAL_FUZZ_SCALE=$(FUZZ_SCALE) FLASHMETAL_FUZZ_SEED=$$RANDOM$$RANDOM \
+		$(PY) -m pytest tests/python/test_fuzz.py tests/python/test_threads.py tests/python/test_leaks.py -q -p no:cacheprovider $(PYTEST_ARGS)
