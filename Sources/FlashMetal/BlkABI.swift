@@ -30,8 +30,8 @@ public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: 
     guarded(err, errlen) {
         let op = "alloc_blk"
         guard let out = out else { throw FlashMetalError.value(op, "out is null") }
-        let bytes = try BlkDispatcher.byteLength(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim))
-        let (nq, nk) = try BlkDispatcher.tiles(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim))
+        let bytes = try BlkDispatcher.byteLength(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
+        let (nq, nk) = try BlkDispatcher.tiles(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
         guard let p = calloc(bytes, 1) else {
             throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes")
         }

@@ -26,7 +26,7 @@ public func fm_dispatch_vec(
         }
         // Sized from validated shapes; the full validation runs in makeDispatches.
         let s = try VecDispatcher.shapes(q: qt, k: kt)
-        try reg.withScratch(bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
+        try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
             try reg.run(VecDispatcher.makeDispatches(
                 VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg), o))
         }

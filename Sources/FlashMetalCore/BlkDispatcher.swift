@@ -29,11 +29,11 @@ public enum BlkDispatcher {
     }
 
     /// Bytes of a blk buffer: NQ*NK rounded up to a multiple of 32, at least 32.
-    public static func byteLength(qL: Int, kL: Int, headDim: Int) throws -> Int {
-        let (nq, nk) = try tiles(qL: qL, kL: kL, headDim: headDim)
+    public static func byteLength(qL: Int, kL: Int, headDim: Int, op: String = sizeOp) throws -> Int {
+        let (nq, nk) = try tiles(qL: qL, kL: kL, headDim: headDim, op: op)
         let (raw, o) = nq.multipliedReportingOverflow(by: nk)
         if o || raw > Int.max - 31 {
-            throw FlashMetalError.value(sizeOp, "nq (\(nq)) * nk (\(nk)) overflows")
+            throw FlashMetalError.value(op, "nq (\(nq)) * nk (\(nk)) overflows")
         }
         return max((raw + 31) & ~31, 32)
     }

@@ -1,3 +1,9 @@
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
+
 /// Owns a backend and its pipeline cache keyed by (kernel, constants).
 /// Safe to share between threads: the cache is behind a lock and pipelines
 /// are immutable once made.
@@ -49,7 +55,7 @@ public final class Registry: @unchecked Sendable {
             batchDepth -= 1
             defer {
                 if batchDepth == 0 {
-                    for p in batchScratch { p.deallocate() }
+                    for p in batchScratch { free(p) }
                     batchScratch = []
                 }
             }
@@ -60,11 +66,14 @@ public final class Registry: @unchecked Sendable {
     /// Runs `body` with library-owned f32 scratch memory that lives as long
     /// as the work using it: to the end of the call, or to the end of the
     /// open batch scope (a deferring backend runs the work only then).
-    public func withScratch(bytes: Int, _ body: (TensorRef) throws -> Void) throws {
-        let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes, 1), alignment: 64)
+    /// An allocation the machine cannot satisfy is an error, not an abort.
+    public func withScratch(op: String, bytes: Int, _ body: (TensorRef) throws -> Void) throws {
+        guard let p = malloc(max(bytes, 1)) else {
+            throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes of scratch memory")
+        }
         defer {
             lock.withLock {
-                if batchDepth > 0 { batchScratch.append(p) } else { p.deallocate() }
+                if batchDepth > 0 { batchScratch.append(p) } else { free(p) }
             }
         }
         try body(TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4]))

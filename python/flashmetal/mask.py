@@ -33,7 +33,7 @@ def build_mask(q_len: int, k_len: int, *, causal: bool = True, window: int | Non
     for name, val in (("q_len", q_len), ("k_len", k_len)):
         if int(val) <= 0:
             raise ValueError(f"{_OP}: {name} must be > 0, got {val}")
-    for name, val in (("q_offset", q_offset), ("window", window or 0)):
+    for name, val in (("q_len", q_len), ("k_len", k_len), ("q_offset", q_offset), ("window", window or 0)):
         if not -2**31 <= int(val) < 2**31:
             raise ValueError(f"{_OP}: {name} ({val}) is out of the int32 range")
     if window is not None and int(window) <= 0:

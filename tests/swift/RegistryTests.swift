@@ -57,7 +57,7 @@ final class ScratchLifetimeTests: XCTestCase {
         let backend = DeferringBackend()
         let r = Registry(backend: backend)
         try r.beginBatch()
-        try r.withScratch(bytes: 64) { tmp in
+        try r.withScratch(op: "test", bytes: 64) { tmp in
             try r.run([Dispatch(kernel: "k", grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
                                 bindings: [0: .buffer(tmp)])])
         }
@@ -65,5 +65,16 @@ final class ScratchLifetimeTests: XCTestCase {
         try r.endBatch()  // writes into the scratch: must still be allocated (ASan would catch it)
         XCTAssertTrue(backend.pending.isEmpty)
         XCTAssertThrowsError(try r.endBatch())
+    }
+}
+
+extension ScratchLifetimeTests {
+    func testUnsatisfiableScratchIsAnError() {
+        let r = Registry(backend: DeferringBackend())
+        XCTAssertThrowsError(try r.withScratch(op: "flash_attn_vec", bytes: Int.max / 2) { _ in
+            XCTFail("body must not run")
+        }) { e in
+            XCTAssertTrue("\(e)".hasPrefix("flash_attn_vec: cannot allocate"), "\(e)")
+        }
     }
 }
