@@ -21,7 +21,12 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+# Idle BLAS threads spin for a long time after each call (OpenBLAS: ~2^28
+# cycles by default) and would steal the cores from the next peer in the
+# interleaved rounds; this only shortens the idle spin, not numpy's compute.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import numpy as np  # noqa: E402
 
 
 def _private_library_copy() -> None:
@@ -84,6 +89,7 @@ def timed(fns: dict, runs: int) -> dict:
     times = {k: [] for k in fns}
     for _ in range(runs):
         for k, f in fns.items():
+            time.sleep(0.02)  # let the previous peer's spinning threads go idle
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
@@ -358,7 +364,8 @@ def write_results(rows, bw, ov, args, elapsed):
               f"{TORCH or 'not installed'} ({torch.get_num_threads() if torch else '-'} threads); numpy {np.__version__}.",
               "",
               f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
-              "medians. The machine is shared with other jobs: medians move ~1.25x between runs, so "
+              "medians; 20 ms pause before each timed call so the previous peer's idle "
+              "threads stop spinning. The machine is shared with other jobs: medians move ~1.25x between runs, so "
               "only ratios within one run are meaningful. Ratio = torch time / flashmetal time "
               "(> 1: flashmetal faster). numpy = plain float32 attention (inputs converted to f32).",
               "", f"Measured read bandwidth (numpy sum, one thread per core): **{bw:.1f} GB/s**.", ""]
@@ -459,12 +466,15 @@ def plot(rows):
 
 
 def fm_isa():
+    """The cpu ISA path, from the library flashmetal loaded (ctypes, same file)."""
     try:
-        import cffi
-        f = cffi.FFI()
-        f.cdef("int fm_cpu_isa(void); const char *fm_cpu_isa_name(int);")
-        lib = f.dlopen(str(_loader.library_path()))
-        return f.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+        import ctypes
+        _loader.load()
+        lib = ctypes.CDLL(str(_loader.library_path()))
+        lib.fm_cpu_isa.restype = ctypes.c_int
+        lib.fm_cpu_isa_name.restype = ctypes.c_char_p
+        lib.fm_cpu_isa_name.argtypes = [ctypes.c_int]
+        return lib.fm_cpu_isa_name(lib.fm_cpu_isa()).decode()
     except Exception:  # noqa: BLE001
         return "unknown"
 

@@ -18,17 +18,20 @@ HERE = Path(__file__).resolve().parent
 ISAS = ["portable", "avx512", "avx512bf16"]
 
 
-def lib_isa() -> int:
-    """fm_cpu_isa() of the loaded library (exported C symbol of the cpu kernels)."""
-    import cffi
-    f = cffi.FFI()
-    f.cdef("int fm_cpu_isa(void); const char *fm_cpu_isa_name(int);")
-    l2 = f.dlopen(str(Path(fm.__file__).parent / _libname()))
-    return l2.fm_cpu_isa(), f.string(l2.fm_cpu_isa_name(l2.fm_cpu_isa())).decode()
-
-
-def _libname() -> str:
-    return "libflashmetal.dylib" if sys.platform == "darwin" else "libflashmetal.so"
+def lib_isa() -> tuple[int, str]:
+    """fm_cpu_isa() of the loaded library (an exported C symbol of the cpu
+    kernels). Looked up in the very file flashmetal loaded, through ctypes
+    (which never unloads it): a second copy of the Swift library in the
+    process, unloaded later, would corrupt the Swift runtime's caches."""
+    import ctypes
+    from flashmetal import _loader
+    _loader.load()
+    lib = ctypes.CDLL(str(_loader.library_path()))
+    lib.fm_cpu_isa.restype = ctypes.c_int
+    lib.fm_cpu_isa_name.restype = ctypes.c_char_p
+    lib.fm_cpu_isa_name.argtypes = [ctypes.c_int]
+    isa = lib.fm_cpu_isa()
+    return isa, lib.fm_cpu_isa_name(isa).decode()
 
 
 def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -69,7 +72,11 @@ def test_isa_env_caps_the_choice(isa):
     r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=isa)
     assert r.returncode == 0, r.stderr
     got = r.stdout.strip()
-    native = lib_isa()[1]
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMETAL_CPU_ISA"}
+    n = subprocess.run([sys.executable, "-c", "import test_cpu_isa as t; print(t.lib_isa()[1])"], env=env,
+                       capture_output=True, text=True, cwd=str(HERE), timeout=600)
+    assert n.returncode == 0, n.stderr
+    native = n.stdout.strip()
     order = {n: i for i, n in enumerate(ISAS)}
     assert got == min(isa, native, key=order.get)
 
