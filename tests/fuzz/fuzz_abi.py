@@ -360,7 +360,7 @@ def _fm_tensor(t: TSpec | None, keep: list):
     c.dtype = t.dtype
     c.ndim = len(t.shape) if t.ndim is None else t.ndim
     for i, d in enumerate(t.shape[:8]):
-        c.shape[i] = d
+        c.shape[i] = (d + 2**63) % 2**64 - 2**63  # as a C caller's int64 would wrap
     return c
 
 
@@ -370,7 +370,10 @@ def _opts(ctype: str, fields: dict | None, keep: list):
         return ffi.NULL
     o = ffi.new(ctype)
     keep.append(o)
+    int32_fields = {name for name, f in ffi.typeof(o).item.fields if f.type.cname == "int32_t"}
     for k, v in fields.items():
+        if k in int32_fields and isinstance(v, int):
+            v = (v + 2**31) % 2**32 - 2**31  # an out-of-range option wraps as a C caller's int32 would
         setattr(o, k, v)
     return o
 

@@ -72,6 +72,8 @@ def test_abi_fuzz(backend, tmp_path):
         last = state.read_text() if state.exists() else "(no state)"
         pytest.fail(f"fuzz subprocess died with status {p.returncode} on:\n{last}\n"
                     f"stderr tail:\n{p.stderr[-3000:]}")
+    if not p.stdout.strip():
+        pytest.fail(f"fuzz subprocess printed no summary (status {p.returncode}); stderr tail:\n{p.stderr[-3000:]}")
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     print(summary)
     assert summary["failures"] == 0, "\n".join(summary["first_failures"])
