@@ -13,6 +13,8 @@ PKG := python/flashmetal
 HEADER := Sources/CFlashMetal/include/flashmetal.h
 PYTEST_ARGS ?=
 EXTRA_TESTS :=
+# Fragments below define rules of their own; `make` alone still means `all`.
+.DEFAULT_GOAL := all
 
 -include mk/*.mk
 

@@ -28,10 +28,20 @@ final class VecKernel: CPUKernel {
         let workers = max(min(pool.threads, kvRows * nwg), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
+        // Workgroup w starts at key CHUNK*w: those past kv_len see nothing and
+        // only write their empty partials, on this thread, so a short cache
+        // (e.g. kv_len = 1) wakes no worker for them.
+        let chunk = Int(FM_VEC_CHUNK)
+        let active = min(nwg, (Int(p.kv_seq_len) + chunk - 1) / chunk)
         withUnsafePointer(to: &p) { pp in
-            pool.forEach(kvRows * nwg) { w, item in
-                fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(item / nwg), Int64(item % nwg),
+            pool.forEach(kvRows * active) { w, item in
+                fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(item / active), Int64(item % active),
                                          scratch + w * floats)
+            }
+            for r in 0..<kvRows {
+                for wg in active..<nwg {
+                    fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(r), Int64(wg), scratch)
+                }
             }
         }
     }

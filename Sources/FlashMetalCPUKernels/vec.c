@@ -13,7 +13,7 @@
 #include "half_convert.h"
 #include "kernel_math.h"
 
-#define FM_C 32
+#define FM_C FM_VEC_CHUNK
 
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
     return (size_t)FM_C * d * 2 + (size_t)gqa * FM_C;
@@ -159,6 +159,9 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
     float *y = out + row * d;
     for (int32_t i = 0; i < d; i++) y[i] = 0.0f;
     for (int32_t w = 0; w < nwg; w++) {
+        /* A workgroup that saw no key (S = 0, O = 0) adds exactly nothing;
+         * skipping it also avoids expf's slow underflow path. */
+        if (sm[2 * w] == 0.0f) continue;
         const float f = expf(sm[2 * w + 1] - M);
         S += sm[2 * w] * f;
         const float *o = tmp + (row * nwg + w) * d;

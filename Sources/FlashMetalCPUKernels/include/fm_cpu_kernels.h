@@ -86,6 +86,10 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
 /* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
 void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
 
+/* Keys per chunk of the decode split: workgroup w takes chunks starting at
+ * 32*w, 32*(w + nwg), ... */
+#define FM_VEC_CHUNK 32
+
 /* ---- decode (vec): the partials of one (kv head, workgroup) into tmp, for
  * every query row of that kv head's GQA group. kv_dtype is an FMDType (f32,
  * f16, bf16). */
