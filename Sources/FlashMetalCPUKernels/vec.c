@@ -13,6 +13,10 @@
 #include "half_convert.h"
 #include "kernel_math.h"
 
+/* Fused multiply-adds where the ISA has them: the decode is memory bound
+ * and its results need no bit-identity across ISAs. */
+#pragma clang fp contract(fast)
+
 #define FM_C FM_VEC_CHUNK
 
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
