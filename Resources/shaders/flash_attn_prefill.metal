@@ -80,9 +80,10 @@ kernel void flash_attn_prefill(
     const device T *V [[buffer(2)]],
     device T *O [[buffer(3)]],
     constant AttnParams &p [[buffer(4)]],
-    constant AttnMaskParams &mp [[buffer(5)]],
-    const device MaskT *mask [[buffer(6)]],
-    const device uchar *blk [[buffer(7)]],
+    // Declared only when their constant is set, so Metal never asks for them unbound.
+    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
+    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
+    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint sg BUILTIN(simdgroup_index_in_threadgroup),
     uint lane BUILTIN(thread_index_in_simdgroup),
@@ -115,9 +116,8 @@ kernel void flash_attn_prefill(
     const long q_row = q_row0 + row0 + fr;
     const bool row_exists = align_Q || q_row < p.qL;
     const long q_pos = p.qL_off + q_row;
-    const device MaskT *mask_row = has_mask
-        ? mask + b * mp.M_strides[0] + h * mp.M_strides[1] + q_row * mp.M_strides[2]
-        : mask;
+    const device MaskT *mask_row = nullptr;  // only touched when has_mask
+    if (has_mask) mask_row = mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 
     simdgroup_float8x8 acc[TD];
     for (int d = 0; d < TD; d++) acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);

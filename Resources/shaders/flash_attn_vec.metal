@@ -207,7 +207,7 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     const device float *tmp [[buffer(1)]],
     device float *out [[buffer(2)]],
     constant uint &nwg [[buffer(3)]],
-    const device uchar *signs [[buffer(4)]],
+    const device uchar *signs [[buffer(4), function_constant(vec_has_signs)]],
     TG_BUFFER(float, yb, 0),
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
