@@ -12,26 +12,11 @@
 #include <math.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
-
-#define FM_M_INIT (-FLT_MAX / 2)
-/* Independent partial sums keep the dot product deterministic and
- * vectorisable without reassociation flags. */
-#define FM_LANES 16
+#include "kernel_math.h"
 
 size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d) {
     /* Qtile, Otile, K tile, V tile, scores, m, l */
     return (size_t)bq * d * 2 + (size_t)bk * d * 2 + (size_t)bk + (size_t)bq * 2;
-}
-
-static float fm_dot(const float *a, const float *b, int32_t n) {
-    float acc[FM_LANES] = {0};
-    int32_t i = 0;
-    for (; i + FM_LANES <= n; i += FM_LANES)
-        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    float s = 0;
-    for (int j = 0; j < FM_LANES; j++) s += acc[j];
-    return s;
 }
 
 static float fm_load_mask(const FMPrefillArgs *a, const void *row, int64_t col) {

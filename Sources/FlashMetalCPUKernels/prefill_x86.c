@@ -27,6 +27,7 @@
 #include <string.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
+#include "kernel_math.h"
 
 #define KB FM_PF_KB
 #define QI FM_PF_QI
@@ -387,7 +388,7 @@ FM_T_AVX512 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64
         mrow[r] = mbase ? mbase + msz * (r0 + rr) * a->mp.M_strides[2] : NULL;
         if (!bfp) fm_load_row_f32(Qf + (size_t)r * D, qrow[r], D, is_bf16);
         memset(O + (size_t)r * D, 0, sizeof(float) * D);
-        M[r] = -FLT_MAX / 2;
+        M[r] = FM_M_INIT;
         L[r] = 0.0f;
     }
 
