@@ -5,32 +5,54 @@
 // naming flashmetal.h or a sibling .h file are replaced by that file's text
 // (the Metal compiler cannot resolve quoted includes of a source-compiled
 // library). Kernel host names are read from INSTANTIATE_KERNEL("name", ...).
-import Foundation
+// Plain libc I/O: the project keeps Foundation out of everything but the
+// macOS Metal backend.
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 
 func fail(_ message: String) -> Never {
-    FileHandle.standardError.write(Data("ShaderEmbedder: \(message)\n".utf8))
+    fputs("ShaderEmbedder: \(message)\n", stderr)
     exit(1)
 }
 
-let args = CommandLine.arguments
-guard args.count >= 3 else { fail("usage: ShaderEmbedder OUTPUT HEADER FILE...") }
-let output = URL(fileURLWithPath: args[1])
-let header = URL(fileURLWithPath: args[2])
-let files = args.dropFirst(3).map { URL(fileURLWithPath: $0) }
-
-func read(_ url: URL) -> String {
-    guard let s = try? String(contentsOf: url, encoding: .utf8) else { fail("cannot read \(url.path)") }
-    return s
+func read(_ path: String) -> String {
+    guard let f = fopen(path, "rb") else { fail("cannot read \(path)") }
+    defer { fclose(f) }
+    var bytes: [UInt8] = []
+    var chunk = [UInt8](repeating: 0, count: 65536)
+    while true {
+        let n = fread(&chunk, 1, chunk.count, f)
+        if n > 0 { bytes += chunk[0..<n] }
+        if n < chunk.count { break }
+    }
+    return String(decoding: bytes, as: UTF8.self)
 }
 
-var includable: [String: URL] = ["flashmetal.h": header]
-for f in files where f.pathExtension == "h" { includable[f.lastPathComponent] = f }
+func write(_ text: String, to path: String) {
+    guard let f = fopen(path, "wb") else { fail("cannot write \(path)") }
+    defer { fclose(f) }
+    let bytes = Array(text.utf8)
+    if fwrite(bytes, 1, bytes.count, f) != bytes.count { fail("short write to \(path)") }
+}
+
+func fileName(_ path: String) -> String { String(path.split(separator: "/").last ?? Substring(path)) }
+
+let args = CommandLine.arguments
+guard args.count >= 3 else { fail("usage: ShaderEmbedder OUTPUT HEADER FILE...") }
+let output = args[1]
+let files = Array(args.dropFirst(3))
+
+var includable: [String: String] = ["flashmetal.h": args[2]]
+for f in files where f.hasSuffix(".h") { includable[fileName(f)] = f }
 
 /// Inlines quoted includes, each file once (as an include guard would).
-func inline(_ url: URL, seen: inout Set<String>) -> String {
+func inline(_ path: String, seen: inout Set<String>) -> String {
     var out: [String] = []
-    for line in read(url).split(separator: "\n", omittingEmptySubsequences: false) {
-        let t = line.trimmingCharacters(in: .whitespaces)
+    for line in read(path).split(separator: "\n", omittingEmptySubsequences: false) {
+        let t = line.drop { $0 == " " || $0 == "\t" }
         if t.hasPrefix("#include \""), let name = t.split(separator: "\"").dropFirst().first.map(String.init),
            let target = includable[name] {
             if seen.insert(name).inserted {
@@ -46,15 +68,12 @@ func inline(_ url: URL, seen: inout Set<String>) -> String {
 }
 
 func kernelNames(_ source: String) -> [String] {
-    var names: [String] = []
-    var rest = Substring(source)
-    while let r = rest.range(of: "INSTANTIATE_KERNEL(\"") {
-        let after = rest[r.upperBound...]
-        guard let end = after.firstIndex(of: "\"") else { break }
-        names.append(String(after[..<end]))
-        rest = after[end...]
+    let marker = "INSTANTIATE_KERNEL(\""
+    return source.split(separator: "\n").compactMap { line -> String? in
+        guard let r = line.firstRange(of: marker) else { return nil }
+        let after = line[r.upperBound...]
+        return after.firstIndex(of: "\"").map { String(after[..<$0]) }
     }
-    return names
 }
 
 /// A raw-string delimiter that does not occur in the text.
@@ -66,11 +85,10 @@ func literal(_ text: String) -> String {
 
 var sources: [(String, String)] = []
 var kernels: [(String, String)] = []
-for f in files where f.pathExtension == "metal" {
+for f in files where f.hasSuffix(".metal") {
     var seen = Set<String>()
-    let text = inline(f, seen: &seen)
-    let name = f.lastPathComponent
-    sources.append((name, text))
+    let name = fileName(f)
+    sources.append((name, inline(f, seen: &seen)))
     for k in kernelNames(read(f)) { kernels.append((k, name)) }
 }
 
@@ -86,9 +104,4 @@ swift += "    public static let kernelFiles: [String: String] = [\n"
 for (k, f) in kernels { swift += "        \"\(k)\": \"\(f)\",\n" }
 swift += kernels.isEmpty ? "        :\n" : ""
 swift += "    ]\n}\n"
-do {
-    try FileManager.default.createDirectory(at: output.deletingLastPathComponent(), withIntermediateDirectories: true)
-    try swift.write(to: output, atomically: true, encoding: .utf8)
-} catch {
-    fail("cannot write \(output.path): \(error)")
-}
+write(swift, to: output)
