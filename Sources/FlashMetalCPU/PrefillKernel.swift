@@ -30,7 +30,7 @@ final class PrefillKernel: CPUKernel {
     private func giveBack(_ buf: (UnsafeMutableRawPointer, Int)) {
         guard buf.1 <= Self.maxCachedBytes else { buf.0.deallocate(); return }
         let old: UnsafeMutableRawPointer? = cacheLock.withLock {
-            if let c = cached, cachedBytes >= buf.1 { return buf.0 }
+            if cached != nil, cachedBytes >= buf.1 { return buf.0 }
             let o = cached
             cached = buf.0
             cachedBytes = buf.1
