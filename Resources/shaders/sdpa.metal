@@ -15,10 +15,17 @@
 // scores (bit for bit), so every block sees the same running max and sum.
 //
 // Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32 or
-// bf16), 4 SdpaParams.
+// bf16), 4 SdpaParams; with a mask (ours, not in the seed): 5 AttnMaskParams
+// (batch, head, row strides), 6 an additive mask in T (constant 601) or
+// 7 a bool mask, true = attend (constant 600). The mask is added to the
+// scaled score before the exp2-domain scaling, as in prefill.
 #include "dialect.h"
 #include "flashmetal.h"
 using namespace metal;
+
+FUNCTION_CONSTANT(bool, sdpa_bool_mask, 600)
+FUNCTION_CONSTANT(bool, sdpa_additive_mask, 601)
+FUNCTION_CONSTANT_EXPR(bool, sdpa_has_mask, sdpa_bool_mask || sdpa_additive_mask)
 
 // -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
 #define SDPA_ROW_MAX_INIT (-1.70141173e38f)
@@ -46,6 +53,9 @@ kernel void sdpa(
     const device T *V [[buffer(2)]],
     device T *O [[buffer(3)]],
     constant SdpaParams &p [[buffer(4)]],
+    constant AttnMaskParams *mp [[buffer(5), function_constant(sdpa_has_mask)]],
+    const device T *amask [[buffer(6), function_constant(sdpa_additive_mask)]],
+    const device bool *bmask [[buffer(7), function_constant(sdpa_bool_mask)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup)) {
     const long D = p.head_dim;
@@ -65,6 +75,9 @@ kernel void sdpa(
     const device T *vb = V + (b * long(p.n_kv_heads) + kvh) * cap * D;
     device T *orow = O + q_off;
 
+    long mask_row = 0;  // element offset of this row in the mask
+    if (sdpa_has_mask) mask_row = b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2];
+
     // Visible keys: [0, end).
     long end = kv_len;
     if (p.do_causal != 0) end = min(end, kv_len - q_len + r + 1);
@@ -76,7 +89,10 @@ kernel void sdpa(
         float m = SDPA_ROW_MAX_INIT;
         float l = 0.0f;
         for (long j = 0; j < end; j++) {
-            const float s = p.scale * sdpa_dot(qr, kb + j * D, int(D)) * SDPA_LOG2E;
+            float x = p.scale * sdpa_dot(qr, kb + j * D, int(D));
+            if (sdpa_additive_mask) x += float(amask[mask_row + j]);
+            if (sdpa_bool_mask && !bmask[mask_row + j]) x = -INFINITY;
+            const float s = x * SDPA_LOG2E;
             const float m_new = max(m, s);
             const float factor = exp2(m - m_new);
             const float pj = exp2(s - m_new);

@@ -4,7 +4,8 @@ import FlashMetalCore
 @_cdecl("fm_dispatch_sdpa")
 public func fm_dispatch_sdpa(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
-    _ v: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMSdpaOptions>?,
+    _ v: UnsafePointer<FMTensor>?, _ mask: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?,
+    _ options: UnsafePointer<FMSdpaOptions>?,
     _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
 ) -> Int32 {
     guarded(err, errlen) {
@@ -13,7 +14,8 @@ public func fm_dispatch_sdpa(
         guard let options = options else { throw FlashMetalError.value(op, "options is null") }
         try reg.run([SdpaDispatcher.makeDispatch(
             q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
-            v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "output"),
+            v: try TensorRef(v, op: op, name: "V"), mask: try optionalTensor(mask, op: op, name: "mask"),
+            out: try TensorRef(out, op: op, name: "output"),
             try SdpaOptions(options.pointee))])
     }
 }

@@ -16,7 +16,7 @@ public final class CPUBackend: Backend {
         if MaskDispatcher.allKernelNames.contains(key.kernel) { return MaskKernel(key) }
         if VecDispatcher.mainKernelNames.contains(key.kernel) { return VecKernel(key) }
         if VecDispatcher.reduceKernelNames.contains(key.kernel) { return try VecReduceKernel(key) }
-        if SdpaDispatcher.allKernelNames.contains(key.kernel) { return SdpaKernel(key) }
+        if SdpaDispatcher.allKernelNames.contains(key.kernel) { return try SdpaKernel(key) }
         throw FlashMetalError.backend("cpu backend: unknown kernel '\(key.kernel)'")
     }
 

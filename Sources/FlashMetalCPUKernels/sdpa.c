@@ -1,7 +1,8 @@
 /* Simple SDPA on the cpu (seed 003): one (batch, head, 32-row q tile), online
  * softmax per row in f32. Causal is bottom-right: query i sits at
- * kv_len - qL + i and sees keys <= that position; a row with no visible key
- * outputs zeros. bf16 I/O is rounded once on output. */
+ * kv_len - qL + i and sees keys <= that position; an optional mask (ours)
+ * is added to the scaled score, -inf / false hiding a key; a row with no
+ * visible key outputs zeros. bf16 I/O is rounded once on output. */
 #include <float.h>
 #include <math.h>
 #include "fm_cpu_kernels.h"
@@ -17,9 +18,15 @@ static const float *row_f32(const void *base, int32_t dtype, int64_t off, int32_
     return buf;
 }
 
+static float mask_bias(const void *row, int32_t mask_kind, int32_t dtype, int64_t j) {
+    if (mask_kind == FM_MASK_BOOL) return ((const uint8_t *)row)[j] ? 0.0f : -INFINITY;
+    if (dtype == FM_DTYPE_F32) return ((const float *)row)[j];
+    return fm_bf16_to_f32(((const uint16_t *)row)[j]);
+}
+
 void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const void *v, void *o,
-                      int32_t dtype, int64_t b, int64_t h, int64_t qtile, int32_t tile_q,
-                      float *scratch) {
+                      int32_t dtype, const void *mask, const AttnMaskParams *mp, int32_t mask_kind,
+                      int64_t b, int64_t h, int64_t qtile, int32_t tile_q, float *scratch) {
     const int32_t D = (int32_t)p->head_dim;
     const int64_t H = p->n_heads, Hkv = p->n_kv_heads, qL = p->seq_len, kL = p->kv_seq_len;
     const int64_t cap = p->kv_capacity ? p->kv_capacity : kL;
@@ -36,11 +43,15 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const v
             const int64_t t = kL - qL + r;
             if (t < last) last = t;
         }
+        const size_t msz = mask_kind == FM_MASK_BOOL ? 1 : (dtype == FM_DTYPE_F32 ? 4 : 2);
+        const void *mrow = mask_kind == FM_MASK_NONE ? NULL
+            : (const char *)mask + msz * (b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2]);
         for (int32_t i = 0; i < D; i++) acc[i] = 0.0f;
         float M = FM_M_INIT, S = 0.0f;
         for (int64_t j = 0; j <= last; j++) {
             const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
-            const float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
+            float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
+            if (mrow) s += mask_bias(mrow, mask_kind, dtype, j);
             const float mx = s > M ? s : M;
             const float f = expf(M - mx), pj = expf(s - mx);
             const float *vr = row_f32(v, dtype, koff, D, vbuf);

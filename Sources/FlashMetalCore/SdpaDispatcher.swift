@@ -28,10 +28,16 @@ public enum SdpaDispatcher {
     public static let maxHeadDim = 512
     public static let allKernelNames = ["sdpa", "sdpa_bf16"]
 
+    /// Function constants of the optional mask (ours; the seed had no mask):
+    /// a bool mask binds at buffer 7, an additive one (Q's dtype) at buffer 6,
+    /// either with its AttnMaskParams strides at buffer 5.
+    public static let boolMaskConstant = 600
+    public static let additiveMaskConstant = 601
+
     public static func kernelName(dtype: DType) -> String { dtype == .bf16 ? "sdpa_bf16" : "sdpa" }
 
-    public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef,
-                                    _ o: SdpaOptions) throws -> Dispatch {
+    public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, mask: TensorRef? = nil,
+                                    out: TensorRef, _ o: SdpaOptions) throws -> Dispatch {
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireRank([4], op: op, name: n)
         }
@@ -63,12 +69,34 @@ public enum SdpaDispatcher {
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireBytes(op: op, name: n)
         }
+        var maskParams: AttnMaskParams? = nil
+        if let m = mask {
+            try m.requireDType([q.dtype, .bool], op: op, name: "mask")
+            try m.requireRank([2, 4], op: op, name: "mask")
+            let want = m.rank == 2 ? [qL, kvLen] : [b, h, qL, kvLen]
+            if m.shape != want {
+                throw FlashMetalError.value(op, "mask shape \(m.shape) must be \(want) (rank \(m.rank))")
+            }
+            try m.requireBytes(op: op, name: "mask")
+            let (ql64, kl64) = (Int64(qL), Int64(kvLen))
+            maskParams = AttnMaskParams(M_strides: m.rank == 2 ? (0, 0, kl64) : (Int64(h) * ql64 * kl64, ql64 * kl64, kl64))
+        }
         let params = SdpaParams(n_heads: UInt32(h), n_kv_heads: UInt32(hkv), head_dim: UInt32(d),
                                 seq_len: UInt32(qL), kv_seq_len: UInt32(kvLen), scale: o.scale,
                                 kv_capacity: UInt32(cap), do_causal: o.causal ? 1 : 0)
-        return Dispatch(kernel: kernelName(dtype: q.dtype),
+        var bindings: [Int: Binding] = [0: .buffer(q), 1: .buffer(k), 2: .buffer(v), 3: .buffer(out),
+                                        4: .bytes(bytesOf(params))]
+        let boolMask = mask?.dtype == .bool
+        if let m = mask, let mp = maskParams {
+            bindings[5] = .bytes(bytesOf(mp))
+            bindings[boolMask ? 7 : 6] = .buffer(m)
+        }
+        let constants = FunctionConstants([
+            (boolMaskConstant, .bool(mask != nil && boolMask)),
+            (additiveMaskConstant, .bool(mask != nil && !boolMask)),
+        ])
+        return Dispatch(kernel: kernelName(dtype: q.dtype), constants: constants,
                         grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),
-                        bindings: [0: .buffer(q), 1: .buffer(k), 2: .buffer(v), 3: .buffer(out),
-                                   4: .bytes(bytesOf(params))])
+                        bindings: bindings)
     }
 }

@@ -47,8 +47,8 @@ def scaled_dot_product_attention(
       result rounded once to q's dtype);
     - bfloat16 / float16 → ``flash_attn_prefill`` (with a window, the window
       mask and its blk tile classes are built here);
-    - float32 → ``sdpa`` (no ``attn_mask``, ``softcap`` or ``window``: these
-      raise ValueError unless the call takes the vec route).
+    - float32 → ``sdpa`` (``attn_mask`` and ``window`` go in as its mask;
+      ``softcap`` raises ValueError unless the call takes the vec route).
 
     Args:
         q: ``[B, H, qL, D]``.
@@ -123,11 +123,19 @@ def scaled_dot_product_attention(
                                  softcap=softcap, kv_len=kl, blk=blk, registry=reg)
         route = "flash_attn_prefill"
     else:
-        unsupported = [n for n, used in (("attn_mask", ma is not None), ("softcap", softcap != 0),
-                                         ("window", window is not None)) if used]
-        if unsupported:
-            raise ValueError(f"{_OP}: {', '.join(unsupported)} with float32 inputs and qL = {qL} is not "
-                             "supported by the sdpa kernel; use bfloat16/float16 inputs or one query row")
-        out = sdpa(qa, ka, va, causal=is_causal, scale=scale, kv_len=kl, registry=reg)
+        if softcap != 0:
+            raise ValueError(f"{_OP}: softcap with float32 inputs and qL = {qL} is not supported by the "
+                             "sdpa kernel; use bfloat16/float16 inputs or one query row")
+        if window is not None:
+            # The sliding window as a bool mask, combined with the caller's.
+            t = q_offset + np.arange(qL)[:, None]
+            in_window = (t - np.arange(kl)[None, :]) < int(window)
+            if ma is None:
+                ma = in_window
+            elif ma.dtype == BOOL:
+                ma = np.ascontiguousarray(ma & in_window)
+            else:
+                ma = np.ascontiguousarray(np.where(in_window, ma, np.float32(-np.inf)).astype(F32))
+        out = sdpa(qa, ka, va, mask=ma, causal=is_causal, scale=scale, kv_len=kl, registry=reg)
         route = "sdpa"
     return (out, route) if return_kernel else out

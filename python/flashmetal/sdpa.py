@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import as_input, check_out, tensor
+from ._arrays import BOOL, as_input, check_out, tensor
 from .registry import Registry, default_registry
 
 _OP = "sdpa"
@@ -17,6 +17,7 @@ def sdpa(
     k: Any,
     v: Any,
     *,
+    mask: Any = None,
     causal: bool = True,
     scale: float | None = None,
     kv_len: int | None = None,
@@ -29,6 +30,9 @@ def sdpa(
         q: ``[B, H, qL, D]``, float32 or bfloat16; D <= 512.
         k, v: ``[B, Hkv, cap, D]``, q's dtype (a mismatch is a TypeError
             naming both dtypes); H must be a multiple of Hkv.
+        mask: optional additive mask in q's dtype (0 attend, -inf hidden, any
+            finite bias) or bool (True = attend), ``[qL, kv_len]`` broadcast
+            or ``[B, H, qL, kv_len]``; added to the scaled scores.
         causal: bottom-right aligned: query i sits at ``kv_len - qL + i`` and
             sees keys up to that position (rows before key 0 give zeros).
         scale: score scale; default ``1/sqrt(D)``.
@@ -40,6 +44,9 @@ def sdpa(
     qa = as_input(q, _OP, "Q")
     ka = as_input(k, _OP, "K")
     va = as_input(v, _OP, "V")
+    ma = None if mask is None else as_input(mask, _OP, "mask")
+    if ma is not None and ma.dtype not in (qa.dtype, BOOL):
+        raise TypeError(f"{_OP}: mask must be {qa.dtype} (additive) or bool, got {ma.dtype}")
     if qa.ndim != 4:
         raise ValueError(f"{_OP}: Q must have rank 4, got shape {qa.shape}")
     if scale is None:
@@ -49,11 +56,12 @@ def sdpa(
     if out is None:
         out = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va])
+        check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma])
     ffi = reg._ffi
     opts = ffi.new("FMSdpaOptions *")
     opts.scale = float(scale)
     opts.causal = 1 if causal else 0
     opts.kv_len = 0 if kv_len is None else int(kv_len)
-    reg._call("fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, out), opts)
+    reg._call("fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, ma),
+              tensor(ffi, out), opts)
     return out

@@ -391,7 +391,7 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
         s = L.fm_dispatch_vec(regs.get(case), T("q"), T("k"), T("v"), T("signs"), T("tmp"), T("out"),
                               _opts("FMVecOptions *", case.opts, keep), err, 1024)
     elif case.op == "sdpa":
-        s = L.fm_dispatch_sdpa(regs.get(case), T("q"), T("k"), T("v"), T("out"),
+        s = L.fm_dispatch_sdpa(regs.get(case), T("q"), T("k"), T("v"), ffi.NULL, T("out"),
                                _opts("FMSdpaOptions *", case.opts, keep), err, 1024)
     elif case.op == "mask":
         s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err, 1024)

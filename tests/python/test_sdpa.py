@@ -105,12 +105,39 @@ def test_abi_errors(cpu):
     o = tensor(ffi, z((1, 1, 4, 8)))
     opts = ffi.new("FMSdpaOptions *")
     opts.scale, opts.causal = 1.0, 3
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, o, opts, err, 256) == 1
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
     assert b"sdpa: causal must be 0 or 1, got 3" in ffi.string(err)
     opts.causal, opts.kv_len = 1, -2
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, o, opts, err, 256) == 1
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
     assert b"sdpa: kv_len must be >= 0" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, opts, err, 256) == 1
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err, 256) == 1
     assert b"sdpa: output is null" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, o, opts, err, 256) == 1
+    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err, 256) == 1
     assert b"sdpa: registry is null" in ffi.string(err)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("kind", ["additive2", "additive4", "bool2", "bool4"])
+def test_mask(registry, rng, dtype, kind):
+    """An optional mask (ours; the seed had none), on a GQA batch with spare capacity."""
+    b, h, hkv, ql, cap, kl, d = 2, 4, 2, 37, 50, 45, 64
+    q, k, v = randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, cap, d), dtype), randn(rng, (b, hkv, cap, d), dtype)
+    shape = (ql, kl) if kind.endswith("2") else (b, h, ql, kl)
+    keep = rng.random(shape) < 0.6
+    keep[..., :3] = True
+    keep[..., 5, :] = False  # one row sees nothing: exact zeros
+    mask = keep if kind.startswith("bool") else np.where(keep, rng.uniform(-2, 1, shape), -np.inf).astype(dtype)
+    out = fm.sdpa(q, k, v, mask=mask, causal=True, kv_len=kl, registry=registry)
+    exp = reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=True, q_offset=kl - ql, mask=mask)
+    assert_close(out, exp, dtype, f"sdpa mask {kind}")
+    assert np.all(out[:, :, 5].astype(np.float32) == 0)
+
+
+def test_mask_errors(cpu, rng):
+    q = randn(rng, (1, 2, 4, 8), F32)
+    with pytest.raises(TypeError, match="^sdpa: mask must be float32 \\(additive\\) or bool, got float16"):
+        fm.sdpa(q, q, q, mask=np.zeros((4, 4), np.float16), registry=cpu)
+    with pytest.raises(ValueError, match="^sdpa: mask shape \\[4, 3\\] must be \\[4, 4\\]"):
+        fm.sdpa(q, q, q, mask=np.zeros((4, 3), np.float32), registry=cpu)
+    with pytest.raises(ValueError, match="^sdpa: mask must have rank 2 or 4"):
+        fm.sdpa(q, q, q, mask=np.zeros((4,), np.float32), registry=cpu)

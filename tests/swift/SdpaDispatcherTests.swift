@@ -56,4 +56,30 @@ final class SdpaDispatcherTests: XCTestCase {
             _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 2, kv_len: 0, _pad: 0))
         }
     }
+
+    func testMaskConstantsAndBindings() throws {
+        let q = HostTensor([2, 4, 5, 64], .f32), k = HostTensor([2, 2, 9, 64], .f32)
+        let v = HostTensor([2, 2, 9, 64], .f32), o = HostTensor([2, 4, 5, 64], .f32)
+        let opts = SdpaOptions(scale: 0.125, causal: true, kvLen: 7)
+        let none = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, out: o.ref, opts)
+        XCTAssertEqual(none.constants, FunctionConstants([(600, .bool(false)), (601, .bool(false))]))
+        XCTAssertEqual(Set(none.bindings.keys), [0, 1, 2, 3, 4])
+        let bmask = HostTensor([5, 7], .bool)
+        let b = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: bmask.ref, out: o.ref, opts)
+        XCTAssertEqual(b.constants, FunctionConstants([(600, .bool(true)), (601, .bool(false))]))
+        XCTAssertEqual(Set(b.bindings.keys), [0, 1, 2, 3, 4, 5, 7])
+        let mp = try b.params(5, as: AttnMaskParams.self)
+        XCTAssertEqual([mp.M_strides.0, mp.M_strides.1, mp.M_strides.2], [0, 0, 7])
+        let amask = HostTensor([2, 4, 5, 7], .f32)
+        let a = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: amask.ref, out: o.ref, opts)
+        XCTAssertEqual(a.constants, FunctionConstants([(600, .bool(false)), (601, .bool(true))]))
+        XCTAssertEqual(Set(a.bindings.keys), [0, 1, 2, 3, 4, 5, 6])
+        let mp4 = try a.params(5, as: AttnMaskParams.self)
+        XCTAssertEqual([mp4.M_strides.0, mp4.M_strides.1, mp4.M_strides.2], [4 * 5 * 7, 5 * 7, 7])
+        let wrong = HostTensor([5, 9], .f32)  // kv_len is 7, not the capacity
+        XCTAssertThrowsError(try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: wrong.ref,
+                                                             out: o.ref, opts)) { e in
+            XCTAssertTrue("\(e)".contains("sdpa: mask shape [5, 9] must be [5, 7]"), "\(e)")
+        }
+    }
 }

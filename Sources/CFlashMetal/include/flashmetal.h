@@ -227,10 +227,11 @@ int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
                     const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
 /* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32 or all
- * bfloat16; D <= 512. */
+ * bfloat16; D <= 512. mask: NULL, or additive (Q's dtype) or bool (true =
+ * attend), [qL, kv_len] broadcast or [B, H, qL, kv_len]. */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
-                     const FMTensor *v, const FMTensor *out, const FMSdpaOptions *options,
-                     char *err, size_t errlen);
+                     const FMTensor *v, const FMTensor *mask, const FMTensor *out,
+                     const FMSdpaOptions *options, char *err, size_t errlen);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 
