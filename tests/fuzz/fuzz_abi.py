@@ -450,7 +450,11 @@ def expected(case: Case, extra: Any):
         if o["fwht"]:
             sg = t["signs"].array() if "signs" in t and not t["signs"].null else None
             e = reference.fwht_undo(e, sg)
-        return e, "out", 1  # decode is held to the f16 tolerance (DESIGN §6)
+        # Decode is held to the f16 tolerance (DESIGN §6) because the GPU kernel
+        # stages Q in half precision; that rounding error grows with the score
+        # scale, so a scale above the usual 1/sqrt(D) widens it in proportion.
+        amp = max(1.0, abs(o["scale"]) * math.sqrt(q.shape[-1]))
+        return e, "out", ("f16", amp)
     if case.op == "sdpa":
         q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
         kl = o["kv_len"] or k.shape[2]
@@ -518,7 +522,10 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         return
     if not case.finite:
         return
-    atol, rtol = TOL[tol]
+    if isinstance(tol, tuple):
+        atol, rtol = (x * tol[1] for x in TOL[1])
+    else:
+        atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
     assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
 
