@@ -141,19 +141,8 @@ public enum PrefillDispatcher {
         }
 
         let tiles = geo.tiles(qL: qL, kL: kL)
-        var maskParams: AttnMaskParams? = nil
-        if let m = t.mask {
-            try m.requireDType([t.q.dtype, .bool], op: op, name: "mask")
-            try m.requireRank([2, 4], op: op, name: "mask")
-            let want = m.rank == 2 ? [qL, kL] : [batch, nHeads, qL, kL]
-            if m.shape != want {
-                throw FlashMetalError.value(op, "mask shape \(m.shape) must be \(want) (rank \(m.rank))")
-            }
-            try m.requireBytes(op: op, name: "mask")
-            let (ql64, kl64) = (Int64(qL), Int64(kL))
-            maskParams = AttnMaskParams(M_strides: m.rank == 2
-                ? (0, 0, kl64)
-                : (Int64(nHeads) * ql64 * kl64, ql64 * kl64, kl64))
+        let maskParams = try t.mask.map {
+            try AttentionMask.params($0, io: t.q.dtype, batch: batch, heads: nHeads, qL: qL, kL: kL, op: op)
         }
         if let b = t.blk {
             if t.mask == nil {

@@ -69,17 +69,8 @@ public enum SdpaDispatcher {
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireBytes(op: op, name: n)
         }
-        var maskParams: AttnMaskParams? = nil
-        if let m = mask {
-            try m.requireDType([q.dtype, .bool], op: op, name: "mask")
-            try m.requireRank([2, 4], op: op, name: "mask")
-            let want = m.rank == 2 ? [qL, kvLen] : [b, h, qL, kvLen]
-            if m.shape != want {
-                throw FlashMetalError.value(op, "mask shape \(m.shape) must be \(want) (rank \(m.rank))")
-            }
-            try m.requireBytes(op: op, name: "mask")
-            let (ql64, kl64) = (Int64(qL), Int64(kvLen))
-            maskParams = AttnMaskParams(M_strides: m.rank == 2 ? (0, 0, kl64) : (Int64(h) * ql64 * kl64, ql64 * kl64, kl64))
+        let maskParams = try mask.map {
+            try AttentionMask.params($0, io: q.dtype, batch: b, heads: h, qL: qL, kL: kvLen, op: op)
         }
         let params = SdpaParams(n_heads: UInt32(h), n_kv_heads: UInt32(hkv), head_dim: UInt32(d),
                                 seq_len: UInt32(qL), kv_seq_len: UInt32(kvLen), scale: o.scale,
