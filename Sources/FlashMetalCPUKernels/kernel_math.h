@@ -3,6 +3,7 @@
 #define FM_KERNEL_MATH_H
 #include <float.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The running row max starts at the finite -FLT_MAX/2 (DESIGN §2): a -inf
  * score then gives exp(-inf) = 0, never exp(-inf - -inf) = NaN. */
@@ -12,11 +13,20 @@
  * vectorisable without reassociation flags. */
 #define FM_LANES 16
 
+/* Lane j sums the products of elements i = j (mod 16), then the lanes are
+ * added in order. Written with a clang vector type because the vectoriser
+ * left the array form scalar (measured: decode was compute-bound on it). */
+typedef float fm_f32x16 __attribute__((ext_vector_type(FM_LANES)));
+
 static inline float fm_dot(const float *a, const float *b, int32_t n) {
-    float acc[FM_LANES] = {0};
+    fm_f32x16 acc = 0.0f;
     int32_t i = 0;
-    for (; i + FM_LANES <= n; i += FM_LANES)
-        for (int j = 0; j < FM_LANES; j++) acc[j] += a[i + j] * b[i + j];
+    for (; i + FM_LANES <= n; i += FM_LANES) {
+        fm_f32x16 va, vb;
+        memcpy(&va, a + i, sizeof va);
+        memcpy(&vb, b + i, sizeof vb);
+        acc += va * vb;
+    }
     for (; i < n; i++) acc[0] += a[i] * b[i];
     float s = 0;
     for (int j = 0; j < FM_LANES; j++) s += acc[j];

@@ -103,13 +103,23 @@ static inline __attribute__((always_inline)) void vec_partial_group(
             }
             const float factor = expf(M[g] - mx);
             float sum = S[g] * factor;
-            float *o = tmp + (row * nwg + wg) * D;
-            for (int32_t i = 0; i < D; i++) o[i] *= factor;
             for (int64_t j = 0; j < n; j++) {
-                const float pj = expf(sc[j] - mx);
-                sum += pj;
-                const float *vr = vc + j * D;
-                for (int32_t i = 0; i < D; i++) o[i] += pj * vr[i];
+                sc[j] = expf(sc[j] - mx);
+                sum += sc[j];
+            }
+            /* O = O * factor + P V, one block of FM_LANES outputs at a time so
+             * the block stays in registers over the chunk's keys (D is a
+             * multiple of 16 for every decode head dim). */
+            float *o = tmp + (row * nwg + wg) * D;
+            for (int32_t i0 = 0; i0 < D; i0 += FM_LANES) {
+                float acc[FM_LANES];
+                for (int t = 0; t < FM_LANES; t++) acc[t] = o[i0 + t] * factor;
+                for (int64_t j = 0; j < n; j++) {
+                    const float pj = sc[j];
+                    const float *vr = vc + j * D + i0;
+                    for (int t = 0; t < FM_LANES; t++) acc[t] += pj * vr[t];
+                }
+                for (int t = 0; t < FM_LANES; t++) o[i0 + t] = acc[t];
             }
             S[g] = sum;
             M[g] = mx;
