@@ -34,15 +34,11 @@ public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
 
 @_cdecl("fm_registry_backend")
 public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?, _ len: Int) -> Int32 {
-    var status: Int32 = 0
-    status = guarded(name, len) {
-        let r = try Handles.registry(registry, op: "registry_backend")
-        writeMessage(r.backend.name, name, len)
-    }
-    if status == 0 {
-        // guarded() clears the buffer on success; write the name after it.
-        if let r = try? Handles.registry(registry, op: "registry_backend") { writeMessage(r.backend.name, name, len) }
-    }
+    // The name buffer doubles as the error buffer, which guarded() clears on
+    // success: write the name once it has returned.
+    var backend = ""
+    let status = guarded(name, len) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
+    if status == Int32(FM_OK.rawValue) { writeMessage(backend, name, len) }
     return status
 }
 
