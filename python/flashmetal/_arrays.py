@@ -1,10 +1,13 @@
 """numpy arrays <-> borrowed FMTensor descriptors, without copies."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from . import _loader
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -12,8 +15,9 @@ F32 = np.dtype(np.float32)
 BOOL = np.dtype(np.bool_)
 U8 = np.dtype(np.uint8)
 
-# FMDType codes of flashmetal.h
-DTYPE_CODES = {F32: 0, F16: 1, BF16: 2, BOOL: 3, U8: 4}
+# The FMDType constant of flashmetal.h for each supported dtype.
+DTYPE_NAMES = {F32: "FM_DTYPE_F32", F16: "FM_DTYPE_F16", BF16: "FM_DTYPE_BF16", BOOL: "FM_DTYPE_BOOL",
+               U8: "FM_DTYPE_U8"}
 MAX_RANK = 8
 
 
@@ -21,7 +25,7 @@ def as_input(x: Any, op: str, name: str) -> np.ndarray:
     """An input as a C-contiguous array: passed as is when it already is one,
     otherwise copied once (the caller's array is never modified)."""
     a = np.asarray(x)
-    if a.dtype not in DTYPE_CODES:
+    if a.dtype not in DTYPE_NAMES:
         raise TypeError(f"{op}: {name} dtype {a.dtype} is not supported "
                         "(use bfloat16, float16, float32, bool or uint8 as the op requires)")
     if a.ndim > MAX_RANK:
@@ -48,6 +52,12 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
     return out
 
 
+@functools.cache
+def dtype_code(dtype: np.dtype) -> int:
+    """The library's FMDType code of a supported numpy dtype."""
+    return getattr(_loader.load()[1], DTYPE_NAMES[dtype])
+
+
 def tensor(ffi: Any, a: np.ndarray | None) -> Any:
     """A FMTensor* describing `a` (NULL for None). The caller keeps `a` alive."""
     if a is None:
@@ -56,7 +66,7 @@ def tensor(ffi: Any, a: np.ndarray | None) -> Any:
     # __array_interface__ is several times cheaper than a.ctypes (per-call overhead).
     t.data = ffi.cast("void *", a.__array_interface__["data"][0])
     t.nbytes = a.nbytes
-    t.dtype = DTYPE_CODES[a.dtype]
+    t.dtype = dtype_code(a.dtype)
     t.ndim = a.ndim
     t.shape[0:a.ndim] = a.shape
     return t

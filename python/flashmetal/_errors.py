@@ -1,11 +1,15 @@
-"""Maps the library's status codes to Python exceptions."""
+"""Maps the library's status codes (FMStatus of flashmetal.h) to Python exceptions."""
 from __future__ import annotations
 
-FM_OK = 0
-FM_ERROR_VALUE = 1
-FM_ERROR_TYPE = 2
-FM_ERROR_BACKEND = 3
-FM_ERROR_INTERNAL = 4
+import functools
+
+from . import _loader
+
+
+@functools.cache
+def _codes() -> tuple[int, int, int, int]:
+    lib = _loader.load()[1]
+    return lib.FM_OK, lib.FM_ERROR_VALUE, lib.FM_ERROR_TYPE, lib.FM_ERROR_BACKEND
 
 
 class BackendError(RuntimeError):
@@ -13,12 +17,13 @@ class BackendError(RuntimeError):
 
 
 def raise_for_status(status: int, message: str) -> None:
-    if status == FM_OK:
+    ok, value, type_, backend = _codes()
+    if status == ok:
         return
-    if status == FM_ERROR_VALUE:
+    if status == value:
         raise ValueError(message)
-    if status == FM_ERROR_TYPE:
+    if status == type_:
         raise TypeError(message)
-    if status == FM_ERROR_BACKEND:
+    if status == backend:
         raise BackendError(message)
     raise RuntimeError(message or f"flashmetal: status {status}")

@@ -10,7 +10,7 @@ from ._arrays import BF16, BOOL, F16, as_input, check_out, tensor
 from .registry import Registry, default_registry
 
 _OP = "flash_attn_prefill"
-_LAYOUTS = {"bhld": 0, "blhd": 1}
+_LAYOUTS = {"bhld": "FM_LAYOUT_BHLD", "blhd": "FM_LAYOUT_BLHD"}  # FMLayout of flashmetal.h
 
 
 def flash_attn_prefill(
@@ -85,7 +85,7 @@ def flash_attn_prefill(
     opts.causal = 1 if causal else 0
     opts.q_offset = int(q_offset)
     opts.kv_len = 0 if kv_len is None else int(kv_len)
-    opts.layout = _LAYOUTS[layout]
+    opts.layout = getattr(reg._lib, _LAYOUTS[layout])
     reg._call("fm_dispatch_prefill", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va),
               tensor(ffi, ma), tensor(ffi, ba), tensor(ffi, out), opts)
     return out
