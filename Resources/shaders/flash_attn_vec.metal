@@ -95,7 +95,7 @@ kernel void flash_attn_vec(
     const device KV *vb = v + kvrow * cap * D;
 
     threadgroup half *qs = shmem;
-    threadgroup float *probs = (threadgroup float *)(shmem + PK);
+    threadgroup float *probs = reinterpret_cast<threadgroup float *>(shmem + PK);
 
     for (int d = int(lane); d < D; d += 32) qs[d] = half(q[row * D + d]);
     threadgroup_barrier(mem_flags::mem_threadgroup);
