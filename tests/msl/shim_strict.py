@@ -10,9 +10,9 @@ line cannot pass for strictness.
 Usage: shim_strict.py CXX [extra flags...]
 """
 import os
-import subprocess
 import sys
-import tempfile
+
+from planted import run_planted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["-std=c++20", "-fsyntax-only", "-Xclang", "-ffloat16-excess-precision=none", "-Werror=double-promotion",
@@ -63,38 +63,11 @@ BAD = [
 ]
 
 
-def compiles(cxx, extra, src):
-    with tempfile.NamedTemporaryFile("w", suffix=".cpp", delete=False) as f:
-        f.write(src)
-    try:
-        r = subprocess.run([cxx] + FLAGS + extra + [f.name], capture_output=True, text=True)
-    finally:
-        os.unlink(f.name)
-    return r.returncode == 0, r.stderr
-
-
 def main(argv):
     if not argv:
         print(__doc__)
         return 2
-    cxx, extra = argv[0], argv[1:]
-    ok, err = compiles(cxx, extra, CONTROL)
-    print("shim strict: control kernel %s" % ("compiles" if ok else "DOES NOT COMPILE"))
-    if not ok:
-        print(err[-3000:])
-        return 1
-    failed = 0
-    for name, src, word in BAD:
-        ok, err = compiles(cxx, extra, src)
-        caught = not ok and word in err
-        print("shim strict: %-32s %s" % (name, "rejected" if caught else "NOT REJECTED" if ok else
-                                         "rejected without '%s' in the diagnostic" % word))
-        if not caught:
-            failed += 1
-            if not ok:
-                print(err[-1500:])
-    print("shim strict: %d planted error(s), %d not caught" % (len(BAD), failed))
-    return 1 if failed else 0
+    return 1 if run_planted("shim strict", argv + FLAGS, CONTROL, BAD) else 0
 
 
 if __name__ == "__main__":
