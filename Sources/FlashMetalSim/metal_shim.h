@@ -665,7 +665,7 @@ template <class T, int I> struct tg_buf {
     using elem = T;
     static constexpr int index = I;
     operator T *() const { return p; }
-    T &operator[](size_t i) const { return p[i]; }
+    template <class Ix, std::enable_if_t<std::is_integral_v<Ix>, int> = 0> T &operator[](Ix i) const { return p[i]; }
 };
 template <class P> struct is_tg_buf : std::false_type {};
 template <class T, int I> struct is_tg_buf<tg_buf<T, I>> : std::true_type {};
