@@ -3,15 +3,31 @@
 // One threadgroup computes BQ query rows of one (batch, head): WM simdgroups,
 // each owning 8 rows, walk the key range in tiles of BK keys. Per tile:
 //   S = Q K^T            (8x8 simdgroup MMAs over the head dim, f32)
-//   s = log2(e) * (softcap(scale * S) + mask),  causal / kL bounds -> -inf
+//   s = log2(e) * (softcap(scale * S) + mask), floored at the running max's
+//       start; masked (-inf / false), causal and past-kL cells -> -inf
 //   online softmax in the exp2 domain (running max starts at -FLT_MAX/2, so
 //   a -inf score gives exp2(-inf) = 0 and never NaN)
 //   O = O * exp2(m_old - m_new) + P V
 // and finally O / l, with l == 0 (a row that sees nothing) giving zeros.
 //
+// The floor: a cell that is not masked keeps weight however negative its
+// bias (finfo(bfloat16).min, or one whose score overflows to -inf in the
+// exp2 domain): its score is raised to -FLT_MAX/2, so a row whose every key
+// carries such a bias returns their uniform average, as the float64
+// reference and torch do. It is a compare-and-select, so NaN stays NaN.
+//
 // A key tile in which a row sees nothing leaves that row's m, l and O
 // unchanged bit for bit (factor exp2(0) = 1, P = 0), which is why skipping
-// such tiles (blk class 0, tiles past the causal diagonal) is exact.
+// such tiles (blk class 0: all -inf; tiles past the causal diagonal) is exact.
+//
+// Two kernels share the tile step. flash_attn_prefill (D <= 256) keeps the O
+// accumulator in registers (TD 8x8 fragments per simdgroup).
+// flash_attn_prefill_wide (D = 512) would need 64 fragments, 128 floats per
+// thread, in registers; it keeps O in threadgroup memory instead (as
+// llama.cpp's flash-attention kernel does), each lane reading and writing
+// only its own fragment elements (so O needs no barrier), and streams K and
+// V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
+// K/V 8x(128+8) in T, O 8x512 floats = 26,880 bytes for bf16/f16.
 //
 // Buffers (seed 000): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
@@ -29,6 +45,7 @@ FUNCTION_CONSTANT(bool, has_blk, 303)
 // -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
 #define FA_ROW_MAX_INIT (-1.70141173e38f)
 #define FA_LOG2E 1.44269504088896341f
+#define FA_UNROLL _Pragma("clang loop unroll(full)")
 
 // An additive mask value in natural units; a bool mask is true = attend.
 inline float mask_bias(bool attend) { return attend ? 0.0f : -INFINITY; }
@@ -71,6 +88,95 @@ inline void load_tile(threadgroup T *dst, const device T *src, long stride, long
         const long row = row0 + r;
         dst[r * LD + d] = (aligned || row < len) ? src[row * stride + d] : T(0.0f);
     }
+}
+
+// Key tiles a threadgroup visits: past the causal diagonal of its last row
+// no key is visible.
+template <int BQ, int BK>
+inline int prefill_key_tiles(constant AttnParams &p, long q_row0) {
+    int nk = p.NK;
+    if (do_causal) {
+        const long last_row = min(q_row0 + long(BQ), long(p.qL)) - 1;
+        nk = min(nk, int((p.qL_off + last_row) / BK) + 1);
+    }
+    return nk;
+}
+
+// Scores -> probabilities for one key tile, in place in s[TK] (this lane's
+// row, columns k0 + j * 8 + fc + e), and the online-softmax update of the
+// row's max and sum. Returns the factor exp2(m_old - m_new) by which the
+// caller rescales O. Called by all 32 lanes (the shuffles are collectives).
+template <int TK, typename MaskT>
+inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnParams &p,
+                                  const device MaskT *mask_row, long k0, short fc, bool row_exists, long q_pos,
+                                  uchar tile_class, thread float &row_max, thread float &row_sum) {
+    float tile_max = row_max;
+    FA_UNROLL
+    for (int j = 0; j < TK; j++) {
+        FA_UNROLL
+        for (int e = 0; e < 2; e++) {
+            const long col = k0 + j * 8 + fc + e;
+            const bool col_exists = align_K || col < p.kL;
+            float x = s[j].thread_elements()[e] * p.scale;
+            if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
+            bool masked = !col_exists || (do_causal && col > q_pos);
+            if (has_mask && tile_class != 2 && col_exists && row_exists) {
+                const float bias = mask_bias(mask_row[col]);
+                masked = masked || bias == -INFINITY;
+                x += bias;
+            }
+            x *= FA_LOG2E;
+            x = x < FA_ROW_MAX_INIT ? FA_ROW_MAX_INIT : x;  // the floor (NaN compares false: kept)
+            if (masked) x = -INFINITY;
+            s[j].thread_elements()[e] = x;
+            tile_max = max(tile_max, x);
+        }
+    }
+    // The 4 lanes holding one row: lane ^ 1 and lane ^ 8.
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
+    tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
+
+    const float factor = exp2(row_max - tile_max);
+    float tile_sum = 0.0f;
+    FA_UNROLL
+    for (int j = 0; j < TK; j++) {
+        FA_UNROLL
+        for (int e = 0; e < 2; e++) {
+            const float pe = exp2(s[j].thread_elements()[e] - tile_max);
+            s[j].thread_elements()[e] = pe;
+            tile_sum += pe;
+        }
+    }
+    tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
+    tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
+    row_sum = row_sum * factor + tile_sum;
+    row_max = tile_max;
+    return factor;
+}
+
+// S[j] += Q[rows, c0 .. c0 + 8 * TD) . K[keys j * 8 .., same columns]^T, with
+// Q at column offset c0 of its tile and the K tile holding just those columns.
+template <typename T, int TK, int TD>
+inline void prefill_qk(thread simdgroup_float8x8 *s, const threadgroup T *Qs, int ldq, int c0,
+                       const threadgroup T *Ks, int ldk, int row0, short fr, short fc) {
+    FA_UNROLL
+    for (int j = 0; j < TK; j++) {
+        FA_UNROLL
+        for (int d = 0; d < TD; d++) {
+            simdgroup_float8x8 qf;
+            simdgroup_float8x8 kf;
+            load_frag(qf, Qs, ldq, row0, c0 + d * 8, fr, fc);
+            load_frag_t(kf, Ks, ldk, j * 8, d * 8, fr, fc);
+            simdgroup_multiply_accumulate(s[j], qf, kf, s[j]);
+        }
+    }
+}
+
+template <typename MaskT>
+inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant AttnMaskParams *mp, long b, long h,
+                                            long q_row) {
+    if (!has_mask) return nullptr;  // only touched when has_mask
+    return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
@@ -116,20 +222,14 @@ kernel void flash_attn_prefill(
     const long q_row = q_row0 + row0 + fr;
     const bool row_exists = align_Q || q_row < p.qL;
     const long q_pos = p.qL_off + q_row;
-    const device MaskT *mask_row = nullptr;  // only touched when has_mask
-    if (has_mask) mask_row = mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
+    const device MaskT *mask_row = prefill_mask_row(mask, mp, b, h, q_row);
 
     simdgroup_float8x8 acc[TD];
+    FA_UNROLL
     for (int d = 0; d < TD; d++) acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     float row_max = FA_ROW_MAX_INIT;
     float row_sum = 0.0f;
-
-    // Past the causal diagonal of the tile's last row no key is visible.
-    int nk = p.NK;
-    if (do_causal) {
-        const long last_row = min(q_row0 + BQ, long(p.qL)) - 1;
-        nk = min(nk, int((p.qL_off + last_row) / BK) + 1);
-    }
+    const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
 
     for (int kt = 0; kt < nk; kt++) {
         uchar tile_class = 1;
@@ -145,48 +245,12 @@ kernel void flash_attn_prefill(
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         simdgroup_float8x8 s[TK];
-        for (int j = 0; j < TK; j++) {
-            s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-            for (int d = 0; d < TD; d++) {
-                simdgroup_float8x8 qf;
-                simdgroup_float8x8 kf;
-                load_frag(qf, Qs, LD, row0, d * 8, fr, fc);
-                load_frag_t(kf, KVs, LD, j * 8, d * 8, fr, fc);
-                simdgroup_multiply_accumulate(s[j], qf, kf, s[j]);
-            }
-        }
-
-        float tile_max = row_max;
-        for (int j = 0; j < TK; j++) {
-            for (int e = 0; e < 2; e++) {
-                const long col = k0 + j * 8 + fc + e;
-                const bool col_exists = align_K || col < p.kL;
-                float x = s[j].thread_elements()[e] * p.scale;
-                if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
-                if (has_mask && tile_class != 2 && col_exists && row_exists) x += mask_bias(mask_row[col]);
-                x *= FA_LOG2E;
-                if ((do_causal && col > q_pos) || !col_exists) x = -INFINITY;
-                s[j].thread_elements()[e] = x;
-                tile_max = max(tile_max, x);
-            }
-        }
-        // The 4 lanes holding one row: lane ^ 1 and lane ^ 8.
-        tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(1)));
-        tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(8)));
-
-        const float factor = exp2(row_max - tile_max);
-        float tile_sum = 0.0f;
-        for (int j = 0; j < TK; j++) {
-            for (int e = 0; e < 2; e++) {
-                const float pe = exp2(s[j].thread_elements()[e] - tile_max);
-                s[j].thread_elements()[e] = pe;
-                tile_sum += pe;
-            }
-        }
-        tile_sum += simd_shuffle_xor(tile_sum, ushort(1));
-        tile_sum += simd_shuffle_xor(tile_sum, ushort(8));
-        row_sum = row_sum * factor + tile_sum;
-        row_max = tile_max;
+        FA_UNROLL
+        for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        prefill_qk<T, TK, TD>(s, Qs, LD, 0, KVs, LD, row0, fr, fc);
+        const float factor =
+            prefill_softmax_step<TK>(s, p, mask_row, k0, fc, row_exists, q_pos, tile_class, row_max, row_sum);
+        FA_UNROLL
         for (int d = 0; d < TD; d++) {
             acc[d].thread_elements()[0] *= factor;
             acc[d].thread_elements()[1] *= factor;
@@ -197,7 +261,9 @@ kernel void flash_attn_prefill(
                                           tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
+        FA_UNROLL
         for (int j = 0; j < TK; j++) {
+            FA_UNROLL
             for (int d = 0; d < TD; d++) {
                 simdgroup_float8x8 vf;
                 load_frag(vf, KVs, LD, j * 8, d * 8, fr, fc);
@@ -209,9 +275,126 @@ kernel void flash_attn_prefill(
     const float inv = row_sum == 0.0f ? 0.0f : 1.0f / row_sum;
     if (row_exists) {
         device T *out_row = Ob + q_row * p.O_strides[2];
+        FA_UNROLL
         for (int d = 0; d < TD; d++) {
             out_row[d * 8 + fc] = T(acc[d].thread_elements()[0] * inv);
             out_row[d * 8 + fc + 1] = T(acc[d].thread_elements()[1] * inv);
+        }
+    }
+}
+
+// D = 512: O in threadgroup memory, K and V streamed in DC-column chunks
+// (see the header). Same buffers, constants and results as flash_attn_prefill.
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+kernel void flash_attn_prefill_wide(
+    const device T *Q [[buffer(0)]],
+    const device T *K [[buffer(1)]],
+    const device T *V [[buffer(2)]],
+    device T *O [[buffer(3)]],
+    constant AttnParams &p [[buffer(4)]],
+    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
+    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
+    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup),
+    uint tid BUILTIN(thread_index_in_threadgroup)) {
+    constexpr int DC = 128;      // K/V columns per chunk
+    constexpr int NC = BD / DC;  // chunks per tile
+    constexpr int TK = BK / 8;
+    constexpr int TC = DC / 8;   // output fragments per chunk
+    constexpr int LDQ = BD + 8;
+    constexpr int LDC = DC + 8;
+    constexpr int THREADS = 32 * WM * WN;
+    static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
+    static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
+    static_assert(BQ * LDQ * sizeof(T) + BK * LDC * sizeof(T) + BQ * BD * 4 < 32768,
+                  "threadgroup memory must stay under 32 KiB");
+    TG_ARRAY(T, Qs, BQ * LDQ);
+    TG_ARRAY(T, KVs, BK * LDC);    // a DC-column chunk of the K tile, then of the V tile
+    TG_ARRAY(float, Os, BQ * BD);  // the O accumulator, row pitch BD
+
+    const int qtile = int(tgid.x);
+    const long h = tgid.y;
+    const long b = tgid.z;
+    const long kvh = h / p.gqa_factor;
+    const long q_row0 = long(qtile) * BQ;
+    const device T *Qb = Q + b * p.Q_strides[0] + h * p.Q_strides[1];
+    const device T *Kb = K + b * p.K_strides[0] + kvh * p.K_strides[1];
+    const device T *Vb = V + b * p.V_strides[0] + kvh * p.V_strides[1];
+    device T *Ob = O + b * p.O_strides[0] + h * p.O_strides[1];
+
+    load_tile<T, BQ, BD, LDQ, THREADS>(Qs, Qb, p.Q_strides[2], q_row0, p.qL, align_Q, tid);
+
+    short fr, fc;
+    frag_coord(lane, fr, fc);
+    const int row0 = int(sg) * 8;
+    const long q_row = q_row0 + row0 + fr;
+    const bool row_exists = align_Q || q_row < p.qL;
+    const long q_pos = p.qL_off + q_row;
+    const device MaskT *mask_row = prefill_mask_row(mask, mp, b, h, q_row);
+    // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
+    threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
+    FA_UNROLL
+    for (int d = 0; d < BD / 8; d++) {
+        Orow[d * 8] = 0.0f;
+        Orow[d * 8 + 1] = 0.0f;
+    }
+    float row_max = FA_ROW_MAX_INIT;
+    float row_sum = 0.0f;
+    const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
+
+    for (int kt = 0; kt < nk; kt++) {
+        uchar tile_class = 1;
+        if (has_blk) {
+            tile_class = blk[long(qtile) * p.NK + kt];
+            if (tile_class == 0) continue;  // uniform over the threadgroup
+        }
+        const long k0 = long(kt) * BK;
+        const device T *Kt = Kb + k0 * p.K_strides[2];
+        const device T *Vt = Vb + k0 * p.V_strides[2];
+
+        simdgroup_float8x8 s[TK];
+        FA_UNROLL
+        for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        for (int c = 0; c < NC; c++) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            load_tile<T, BK, DC, LDC, THREADS>(KVs, Kt + c * DC, p.K_strides[2], 0, p.kL - k0, align_K, tid);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            prefill_qk<T, TK, TC>(s, Qs, LDQ, c * DC, KVs, LDC, row0, fr, fc);
+        }
+        const float factor =
+            prefill_softmax_step<TK>(s, p, mask_row, k0, fc, row_exists, q_pos, tile_class, row_max, row_sum);
+
+        for (int c = 0; c < NC; c++) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            load_tile<T, BK, DC, LDC, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, p.kL - k0, align_K, tid);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            FA_UNROLL
+            for (int d = 0; d < TC; d++) {
+                threadgroup float *o2 = Orow + c * DC + d * 8;
+                simdgroup_float8x8 acc;
+                acc.thread_elements()[0] = o2[0] * factor;
+                acc.thread_elements()[1] = o2[1] * factor;
+                FA_UNROLL
+                for (int j = 0; j < TK; j++) {
+                    simdgroup_float8x8 vf;
+                    load_frag(vf, KVs, LDC, j * 8, d * 8, fr, fc);
+                    simdgroup_multiply_accumulate(acc, s[j], vf, acc);
+                }
+                o2[0] = acc.thread_elements()[0];
+                o2[1] = acc.thread_elements()[1];
+            }
+        }
+    }
+
+    const float inv = row_sum == 0.0f ? 0.0f : 1.0f / row_sum;
+    if (row_exists) {
+        device T *out_row = Ob + q_row * p.O_strides[2];
+        FA_UNROLL
+        for (int d = 0; d < BD / 8; d++) {
+            out_row[d * 8 + fc] = T(Orow[d * 8] * inv);
+            out_row[d * 8 + fc + 1] = T(Orow[d * 8 + 1] * inv);
         }
     }
 }
@@ -224,13 +407,13 @@ INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, b
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill_wide, bfloat, bfloat, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill_wide, bfloat, bool, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill_wide, half, half, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill_wide, half, bool, 8, 8, 512, 1, 1)

@@ -2,13 +2,19 @@
 //
 // One SIMD group (32 threads) classifies one (BQ, BK) tile of an additive
 // [qL, kL] mask for the prefill that consumes it:
-//   0  every cell <= -1e30   (the prefill skips the tile)
+//   0  every cell -inf       (the prefill skips the tile)
 //   2  every cell exactly 0  (the prefill skips the mask add)
 //   1  anything else, and always a partial right-edge K tile.
-// The comparisons are written so that a NaN cell fails both tests and makes
-// the tile mixed: a NaN must reach the prefill, never be skipped. That is
-// also why the reduction is a vote (simd_all) and not simd_max / simd_min,
-// whose fmax semantics would drop a NaN.
+// Only -inf is masked: a finite bias, however negative (-1e30,
+// finfo(bfloat16).min), still gets weight in the prefill (its score is
+// floored at the running max's start), so a tile of them must be computed
+// or blk would change the result. The comparisons are written so that a NaN
+// cell fails both tests and makes the tile mixed: a NaN must reach the
+// prefill, never be skipped. That is also why the reduction is a vote
+// (simd_all) and not simd_max / simd_min, whose fmax semantics would drop a NaN.
+//
+// Indices are 32-bit in the loop (a tile has at most BQ * BK cells; the GPU
+// has no native 64-bit divide); only the row offset into the mask is 64-bit.
 //
 // Grid (NK, NQ, 1): threadgroup (kt, qt) writes blk[qt * NK + kt].
 // Buffers: 0 mask (bf16 or f16, row stride mask_row_stride elements),
@@ -20,8 +26,6 @@ using namespace metal;
 FUNCTION_CONSTANT(int, blk_bq, 400)
 FUNCTION_CONSTANT(int, blk_bk, 401)
 
-#define BLK_SKIP_BELOW (-1e30f)
-
 template <typename MaskT>
 kernel void flash_attn_prefill_blk(
     const device MaskT *mask [[buffer(0)]],
@@ -29,16 +33,16 @@ kernel void flash_attn_prefill_blk(
     constant BlkParams &p [[buffer(2)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
-    const int bq = blk_bq;
-    const int bk = blk_bk;
-    const long kt = tgid.x;
-    const long qt = tgid.y;
-    const long q_len = p.seq_len_q;
-    const long k_len = p.seq_len_k;
-    const long nk = (k_len + bk - 1) / bk;
-    const long r0 = qt * bq;
-    const long c0 = kt * bk;
-    device uchar *dst = blk + qt * nk + kt;
+    const uint bq = uint(blk_bq);
+    const uint bk = uint(blk_bk);
+    const uint kt = tgid.x;
+    const uint qt = tgid.y;
+    const uint q_len = uint(p.seq_len_q);
+    const uint k_len = uint(p.seq_len_k);
+    const uint nk = (k_len + bk - 1) / bk;
+    const uint r0 = qt * bq;
+    const uint c0 = kt * bk;
+    device uchar *dst = blk + long(qt) * long(nk) + kt;
 
     // Both exits are uniform over the SIMD group, so no lane is left behind
     // at the votes below.
@@ -52,15 +56,14 @@ kernel void flash_attn_prefill_blk(
     }
 
     // Only rows that exist: the last Q tile may be short.
-    const long rows = min(r0 + long(bq), q_len) - r0;
-    const long cells = rows * bk;
+    const uint cells = (min(r0 + bq, q_len) - r0) * bk;
+    const device MaskT *tile = mask + long(r0) * long(p.mask_row_stride) + c0;  // 64-bit offset
     bool all_masked = true;
     bool all_zero = true;
-    for (long i = long(lane); i < cells; i += 32) {
-        const long r = r0 + i / bk;
-        const long c = c0 + i % bk;
-        const float x = float(mask[r * long(p.mask_row_stride) + c]);  // 64-bit offset
-        all_masked = all_masked && (x <= BLK_SKIP_BELOW);
+    for (uint i = lane; i < cells; i += 32) {
+        const uint r = i / bk;
+        const float x = float(tile[long(r) * long(p.mask_row_stride) + (i - r * bk)]);
+        all_masked = all_masked && (x == -INFINITY);
         all_zero = all_zero && (x == 0.0f);
     }
     all_masked = simd_all(all_masked);

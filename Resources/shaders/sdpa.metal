@@ -33,6 +33,9 @@ FUNCTION_CONSTANT_EXPR(bool, sdpa_has_mask, sdpa_bool_mask || sdpa_additive_mask
 #define SDPA_DB 64
 #define SDPA_TILE_Q 32
 
+// max(x, lo) that keeps a NaN x (fmax would drop it).
+inline float max_or_nan(float x, float lo) { return x < lo ? lo : x; }
+
 template <typename T>
 inline float sdpa_dot(const device T *a, const device T *b, int n) {
     float acc0 = 0.0f;
@@ -92,7 +95,12 @@ kernel void sdpa(
             float x = p.scale * sdpa_dot(qr, kb + j * D, int(D));
             if (sdpa_additive_mask) x += float(amask[mask_row + j]);
             if (sdpa_bool_mask && !bmask[mask_row + j]) x = -INFINITY;
-            const float s = x * SDPA_LOG2E;
+            // Not masked: floored at the running max's start, so a huge
+            // negative finite bias keeps its (uniform) weight; NaN compares
+            // false and stays NaN. Masked (-inf / false): -inf.
+            const bool masked = (sdpa_additive_mask && float(amask[mask_row + j]) == -INFINITY) ||
+                                (sdpa_bool_mask && !bmask[mask_row + j]);
+            const float s = masked ? -INFINITY : max_or_nan(x * SDPA_LOG2E, SDPA_ROW_MAX_INIT);
             const float m_new = max(m, s);
             const float factor = exp2(m - m_new);
             const float pj = exp2(s - m_new);
