@@ -13,7 +13,7 @@ sim-strict:
 
 EXTRA_TESTS += sim-strict
 
-# Part of mac-check (mk/mac.mk runs every target in MAC_CHECKS), not of the
+# Part of mac-check (which runs every target in MAC_CHECKS), not of the
 # plain test list: run it alone with `make msl-check`.
 msl-check:
 	python3 tests/msl/msl_check.py $(SIM_CXX)
