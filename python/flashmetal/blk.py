@@ -39,7 +39,7 @@ def build_blk(mask: Any, head_dim: int, *, registry: Registry | None = None) -> 
         registry: the backend to run on; default ``Registry("auto")``.
 
     Returns:
-        uint8 ``[NQ, NK]``: 0 = every cell <= -1e30 (tile skipped), 2 = every
+        uint8 ``[NQ, NK]``: 0 = every cell -inf (tile skipped), 2 = every
         cell exactly 0 (mask add skipped), 1 = mixed (also every partial
         right-edge K tile). The array views a buffer of ``blk_byte_len`` bytes.
     """

@@ -77,8 +77,8 @@ def mask_additive(q_len: int, k_len: int, *, causal: bool, q_offset: int = 0,
 
 def blk_classes(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
     """[ceil(qL/bq), ceil(kL/bk)] uint8 tile classes of an additive mask:
-    0 when every cell of the tile is <= -1e30, 2 when every cell is exactly 0,
-    else 1; a tile that runs past the right edge (kL % bk != 0) is 1; the
+    0 when every cell of the tile is -inf (a finite bias, however negative,
+    still has weight), 2 when every cell is exactly 0, else 1 (NaN included); a tile that runs past the right edge (kL % bk != 0) is 1; the
     last row tile covers only the rows that exist."""
     m = _f64(mask)
     ql, kl = m.shape
@@ -90,7 +90,7 @@ def blk_classes(mask: np.ndarray, bq: int, bk: int) -> np.ndarray:
                 out[i, j] = 1
                 continue
             t = m[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-            out[i, j] = 0 if np.all(t <= -1e30) else (2 if np.all(t == 0) else 1)
+            out[i, j] = 0 if np.all(t == -np.inf) else (2 if np.all(t == 0) else 1)
     return out
 
 
