@@ -172,10 +172,10 @@ inline void prefill_qk(thread simdgroup_float8x8 *s, const threadgroup T *Qs, in
     }
 }
 
+// Call only when has_mask: otherwise Metal leaves mask and mp unbound.
 template <typename MaskT>
 inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant AttnMaskParams *mp, long b, long h,
                                             long q_row) {
-    if (!has_mask) return nullptr;  // only touched when has_mask
     return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
@@ -222,7 +222,8 @@ kernel void flash_attn_prefill(
     const long q_row = q_row0 + row0 + fr;
     const bool row_exists = align_Q || q_row < p.qL;
     const long q_pos = p.qL_off + q_row;
-    const device MaskT *mask_row = prefill_mask_row(mask, mp, b, h, q_row);
+    const device MaskT *mask_row = nullptr;  // only touched when has_mask
+    if (has_mask) mask_row = prefill_mask_row(mask, mp, b, h, q_row);
 
     simdgroup_float8x8 acc[TD];
     FA_UNROLL
@@ -332,7 +333,8 @@ kernel void flash_attn_prefill_wide(
     const long q_row = q_row0 + row0 + fr;
     const bool row_exists = align_Q || q_row < p.qL;
     const long q_pos = p.qL_off + q_row;
-    const device MaskT *mask_row = prefill_mask_row(mask, mp, b, h, q_row);
+    const device MaskT *mask_row = nullptr;  // only touched when has_mask
+    if (has_mask) mask_row = prefill_mask_row(mask, mp, b, h, q_row);
     // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
     threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
     FA_UNROLL
