@@ -1,0 +1,53 @@
+# mk/mac.mk — `make mac-check`: every check Linux can make of the macOS build
+# (issue 10, DESIGN §8). Part of `make test`. Each check is one target in
+# MAC_CHECKS; other fragments append theirs (mk/msl.mk adds msl-check).
+#   mac-libcxx           the simulator + its conformance suite built against
+#                        libc++ 19 (Apple's C++ library) and run
+#   mac-swift-typecheck  every Swift target type-checked for macOS at the
+#                        deployment target of Package.swift (stdlib interfaces
+#                        rebuilt for macOS, cached; stand-ins for Darwin and
+#                        Metal), then the planted-error self-test
+#   mac-aarch64-sim      the simulator runtime + conformance suite cross-built
+#                        for aarch64 and run under qemu (the only run the arm64
+#                        context switch gets off a Mac)
+# Each check prints its wall time.
+MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim
+
+LIBCXX_ROOT := /usr/lib/llvm-19
+LIBCXX_FLAGS := -stdlib=libc++ -nostdinc++ -isystem $(LIBCXX_ROOT)/include/c++/v1 \
+	-L$(LIBCXX_ROOT)/lib -Wl,-rpath,$(LIBCXX_ROOT)/lib
+AARCH64_SYSROOT := /usr/aarch64-linux-gnu
+AARCH64_FLAGS := --target=aarch64-linux-gnu -fuse-ld=lld
+# sim.mk is included after this fragment: expanded late (recipes, $$ prerequisites).
+SIM_SOURCES = tests/sim/conformance.cpp $(SIM_RUNTIME) $(SIM_KERNELS)
+MAC_TIME = /usr/bin/env TIMEFORMAT="$@: %R s" bash -c 'time "$$@"' --
+
+.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim
+
+.SECONDEXPANSION:
+mac-check: $$(MAC_CHECKS)
+	@echo "mac-check: passed ($(MAC_CHECKS))"
+
+build-sim/sim-conformance-libcxx: $$(SIM_SOURCES) $$(SIM_HEADERS) | libcxx-deps
+	@mkdir -p build-sim
+	$(SIM_CXX) $(SIM_CXXFLAGS) $(LIBCXX_FLAGS) -o $@ $(SIM_SOURCES)
+
+mac-libcxx: build-sim/sim-conformance-libcxx
+	@$(MAC_TIME) build-sim/sim-conformance-libcxx
+
+mac-swift-typecheck: build
+	@$(MAC_TIME) $(PYTHON) tests/mac/swift_typecheck.py --self-test
+
+build-sim/sim-conformance-aarch64: $$(SIM_SOURCES) $$(SIM_HEADERS) | aarch64-deps
+	@mkdir -p build-sim
+	$(SIM_CXX) $(AARCH64_FLAGS) $(SIM_CXXFLAGS) -o $@ $(SIM_SOURCES)
+
+# The binary must be arm64 and carry the hand-written arm64 switch (not the
+# swapcontext fallback): that switch is what Apple silicon runs.
+mac-aarch64-sim: build-sim/sim-conformance-aarch64
+	@file $< | grep -q "ARM aarch64" || { echo "$<: not an aarch64 binary"; exit 1; }
+	@grep -aq "arm64 asm" $< || { echo "$<: built without the arm64 context switch"; exit 1; }
+	@$(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
+	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
+
+EXTRA_TESTS += mac-check
