@@ -168,8 +168,14 @@ template <class T, class U> inline T as_type(const U &u) {
 }
 
 // ---- math --------------------------------------------------------------------
+// The float overloads are templates taking exactly float: libc++ (Apple's C++
+// library) also declares float overloads of the C math functions at global
+// scope, which kernels see beside `using namespace metal;`. Two non-template
+// float overloads would make every call ambiguous; a template loses the tie
+// to libc++'s (same function, same result) and beats libstdc++'s double one.
+template <class T> concept fm_f32 = std::is_same_v<T, float>;
 #define FMSIM_UNARY(name, fexpr)                                                     \
-    inline float name(float x) { return fexpr; }                                     \
+    template <fm_f32 F> inline F name(F x) { return fexpr; }                         \
     inline half name(half x) { return half(name(float(x))); }                        \
     inline bfloat name(bfloat x) { return bfloat(name(float(x))); }                  \
     template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V name(V v) { \
@@ -205,7 +211,7 @@ FMSIM_UNARY(fract, x - __builtin_floorf(x))
 #undef FMSIM_UNARY
 
 #define FMSIM_BINARY(name, fexpr)                                                          \
-    inline float name(float x, float y) { return fexpr; }                                  \
+    template <fm_f32 F> inline F name(F x, F y) { return fexpr; }                          \
     inline half name(half x, half y) { return half(name(float(x), float(y))); }             \
     inline bfloat name(bfloat x, bfloat y) { return bfloat(name(float(x), float(y))); }     \
     template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V name(V a, V b) { \
@@ -251,7 +257,7 @@ template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V min(V a, 
     return r;
 }
 template <class T> inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
-inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+template <fm_f32 F> inline F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
 inline half fma(half a, half b, half c) { return half(__builtin_fmaf(float(a), float(b), float(c))); }
 template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V fma(V a, V b, V c) {
     V r;
@@ -265,16 +271,16 @@ template <class V> inline vec_elem<V> dot(V a, V b) {
     return s;
 }
 template <class V> inline vec_elem<V> length(V a) { return sqrt(dot(a, a)); }
-inline bool isnan(float x) { return x != x; }
+template <fm_f32 F> inline bool isnan(F x) { return x != x; }
 inline bool isnan(half x) { return x != x; }
 inline bool isnan(bfloat x) { return float(x) != float(x); }
-inline bool isinf(float x) { return __builtin_isinf(x); }
+template <fm_f32 F> inline bool isinf(F x) { return __builtin_isinf(x); }
 inline bool isinf(half x) { return __builtin_isinf(float(x)); }
 inline bool isinf(bfloat x) { return __builtin_isinf(float(x)); }
-inline bool isfinite(float x) { return __builtin_isfinite(x); }
+template <fm_f32 F> inline bool isfinite(F x) { return __builtin_isfinite(x); }
 inline bool isfinite(half x) { return __builtin_isfinite(float(x)); }
 inline bool isfinite(bfloat x) { return __builtin_isfinite(float(x)); }
-inline bool signbit(float x) { return __builtin_signbit(x); }
+template <fm_f32 F> inline bool signbit(F x) { return __builtin_signbit(x); }
 
 namespace fast {
 using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::sqrt;
