@@ -11,7 +11,10 @@
 #                        for aarch64 and run under qemu (the only run the arm64
 #                        context switch gets off a Mac)
 # Each check prints its wall time.
-MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim
+#   mac-pipelines-sim    tests/mac/create_pipelines.py (the macOS job's pass
+#                        over every kernel x function-constant combination)
+#                        run on the sim backend, so the script is proven here
+MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-pipelines-sim
 
 LIBCXX_ROOT := /usr/lib/llvm-19
 LIBCXX_FLAGS := -stdlib=libc++ -nostdinc++ -isystem $(LIBCXX_ROOT)/include/c++/v1 \
@@ -22,7 +25,7 @@ AARCH64_FLAGS := --target=aarch64-linux-gnu -fuse-ld=lld
 SIM_SOURCES = tests/sim/conformance.cpp $(SIM_RUNTIME) $(SIM_KERNELS)
 MAC_TIME = /usr/bin/env TIMEFORMAT="$@: %R s" bash -c 'time "$$@"' --
 
-.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim
+.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-pipelines-sim
 
 .SECONDEXPANSION:
 mac-check: $$(MAC_CHECKS)
@@ -33,7 +36,9 @@ build-sim/sim-conformance-libcxx: $$(SIM_SOURCES) $$(SIM_HEADERS) | libcxx-deps
 	$(SIM_CXX) $(SIM_CXXFLAGS) $(LIBCXX_FLAGS) -o $@ $(SIM_SOURCES)
 
 mac-libcxx: build-sim/sim-conformance-libcxx
-	@$(MAC_TIME) build-sim/sim-conformance-libcxx
+	@ldd $< | grep -q "libc++.so" && ! ldd $< | grep -q "libstdc++" || { echo "$<: not linked against libc++ alone"; exit 1; }
+	@$(MAC_TIME) $<
+	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) $<
 
 mac-swift-typecheck: build
 	@$(MAC_TIME) $(PYTHON) tests/mac/swift_typecheck.py --self-test
@@ -50,4 +55,10 @@ mac-aarch64-sim: build-sim/sim-conformance-aarch64
 	@$(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
 	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
 
+mac-pipelines-sim: python
+	@$(MAC_TIME) $(PY) tests/mac/create_pipelines.py --backend sim
+
+# On a Mac the real toolchain, SDK and Metal compiler take over (CI's macOS job).
+ifneq ($(UNAME),Darwin)
 EXTRA_TESTS += mac-check
+endif
