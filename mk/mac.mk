@@ -11,10 +11,13 @@
 #                        for aarch64 and run under qemu (the only run the arm64
 #                        context switch gets off a Mac)
 # Each check prints its wall time.
+#   mac-embedder-lines   a planted #error in sdpa.metal, dialect.h and
+#                        flashmetal.h is located at its own file:line in the
+#                        embedded source (the #line directives Metal reports by)
 #   mac-pipelines-sim    tests/mac/create_pipelines.py (the macOS job's pass
 #                        over every kernel x function-constant combination)
 #                        run on the sim backend, so the script is proven here
-MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-pipelines-sim
+MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-embedder-lines mac-pipelines-sim
 
 LIBCXX_ROOT := /usr/lib/llvm-19
 LIBCXX_FLAGS := -stdlib=libc++ -nostdinc++ -isystem $(LIBCXX_ROOT)/include/c++/v1 \
@@ -25,7 +28,7 @@ AARCH64_FLAGS := --target=aarch64-linux-gnu -fuse-ld=lld
 SIM_SOURCES = tests/sim/conformance.cpp $(SIM_RUNTIME) $(SIM_KERNELS)
 MAC_TIME = /usr/bin/env TIMEFORMAT="$@: %R s" bash -c 'time "$$@"' --
 
-.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-pipelines-sim
+.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-embedder-lines mac-pipelines-sim
 
 .SECONDEXPANSION:
 mac-check: $$(MAC_CHECKS)
@@ -54,6 +57,9 @@ mac-aarch64-sim: build-sim/sim-conformance-aarch64
 	@grep -aq "arm64 asm" $< || { echo "$<: built without the arm64 context switch"; exit 1; }
 	@$(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
 	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
+
+mac-embedder-lines:
+	@$(MAC_TIME) $(PYTHON) tests/mac/embedder_lines_test.py $(SIM_CXX)
 
 mac-pipelines-sim: python
 	@$(MAC_TIME) $(PY) tests/mac/create_pipelines.py --backend sim
