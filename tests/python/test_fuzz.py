@@ -379,7 +379,7 @@ def test_decode_api(cpu, c, seed):
     e = reference.decode(q, k, v, c["kv_len"], window=c["window"], softcap=c["softcap"])
     if c["fwht"] or signs is not None:
         e = reference.fwht_undo(e, signs)
-    _close(res, e, F16, "decode")
+    _close(res, e, F32, "decode")  # q stays float32: the f32 tolerance, like every backend
 
 
 @FUZZ
