@@ -5,8 +5,10 @@
 #   make sim-bench   print the simulator's costs
 #   make sim-test-ucontext  the suite on the swapcontext fallback
 # The host compiler: clang++ >= 15 (DESIGN §5), looked for next to swift (the
-# toolchain's own clang), then on PATH, then through xcrun on a Mac.
-ifeq ($(origin SIM_CXX),undefined)
+# toolchain's own clang), then on PATH, then through xcrun on a Mac. Only a
+# user's choice (command line, environment) overrides it, not another
+# fragment's default.
+ifeq ($(filter command line environment environment override,$(origin SIM_CXX)),)
 SIM_CXX := $(shell for c in "$(dir $(realpath $(SWIFT)))clang++" "$$(command -v clang++)" \
 	"$$(xcrun -f clang++ 2>/dev/null)"; do \
 	v=$$("$$c" -dumpversion 2>/dev/null) && [ "$${v%%.*}" -ge 15 ] 2>/dev/null && { echo "$$c"; break; }; \
