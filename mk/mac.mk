@@ -11,13 +11,16 @@
 #                        for aarch64 and run under qemu (the only run the arm64
 #                        context switch gets off a Mac)
 # Each check prints its wall time.
+#   mac-metal-fake       the Metal backend's host logic run on Linux against a
+#                        fake device built on the Metal stand-in (buffers,
+#                        copies, barriers, encoder endings, batches, fallback)
 #   mac-embedder-lines   a planted #error in sdpa.metal, dialect.h and
 #                        flashmetal.h is located at its own file:line in the
 #                        embedded source (the #line directives Metal reports by)
 #   mac-pipelines-sim    tests/mac/create_pipelines.py (the macOS job's pass
 #                        over every kernel x function-constant combination)
 #                        run on the sim backend, so the script is proven here
-MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-embedder-lines mac-pipelines-sim
+MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-metal-fake mac-embedder-lines mac-pipelines-sim
 
 LIBCXX_ROOT := /usr/lib/llvm-19
 LIBCXX_FLAGS := -stdlib=libc++ -nostdinc++ -isystem $(LIBCXX_ROOT)/include/c++/v1 \
@@ -28,7 +31,7 @@ AARCH64_FLAGS := --target=aarch64-linux-gnu -fuse-ld=lld
 SIM_SOURCES = tests/sim/conformance.cpp $(SIM_RUNTIME) $(SIM_KERNELS)
 MAC_TIME = /usr/bin/env TIMEFORMAT="$@: %R s" bash -c 'time "$$@"' --
 
-.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-embedder-lines mac-pipelines-sim
+.PHONY: mac-check mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-metal-fake mac-embedder-lines mac-pipelines-sim
 
 .SECONDEXPANSION:
 mac-check: $$(MAC_CHECKS)
@@ -57,6 +60,9 @@ mac-aarch64-sim: build-sim/sim-conformance-aarch64
 	@grep -aq "arm64 asm" $< || { echo "$<: built without the arm64 context switch"; exit 1; }
 	@$(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
 	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
+
+mac-metal-fake: build
+	@$(MAC_TIME) tests/mac/metal_fake.sh
 
 mac-embedder-lines:
 	@$(MAC_TIME) $(PYTHON) tests/mac/embedder_lines_test.py $(SIM_CXX)

@@ -159,7 +159,14 @@ open class MTLFunctionConstantValues {
 }
 
 @available(macOS 10.11, *)
-public func MTLCreateSystemDefaultDevice() -> MTLDevice? { nil }
+public func MTLCreateSystemDefaultDevice() -> MTLDevice? { _StandIn.defaultDevice }
 
 @available(macOS 10.11, *)
-public func MTLCopyAllDevices() -> [MTLDevice] { [] }
+public func MTLCopyAllDevices() -> [MTLDevice] { _StandIn.allDevices }
+
+/// Not Metal API: what the two device functions return when the stand-in is
+/// linked into tests/mac/metal_fake (a fake device run on Linux).
+public enum _StandIn {
+    nonisolated(unsafe) public static var defaultDevice: MTLDevice?
+    nonisolated(unsafe) public static var allDevices: [MTLDevice] = []
+}
