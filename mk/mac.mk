@@ -56,7 +56,7 @@ build-sim/sim-conformance-aarch64: $$(SIM_SOURCES) $$(SIM_HEADERS) | aarch64-dep
 # The binary must be arm64 and carry the hand-written arm64 switch (not the
 # swapcontext fallback): that switch is what Apple silicon runs.
 mac-aarch64-sim: build-sim/sim-conformance-aarch64
-	@file $< | grep -q "ARM aarch64" || { echo "$<: not an aarch64 binary"; exit 1; }
+	@[ "$$(od -An -tx2 -j18 -N2 $<)" = " 00b7" ] || { echo "$<: not an aarch64 ELF (e_machine 0xb7)"; exit 1; }
 	@grep -aq "arm64 asm" $< || { echo "$<: built without the arm64 context switch"; exit 1; }
 	@$(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<
 	@FLASHMETAL_SIM_SCRAMBLE=7 $(MAC_TIME) qemu-aarch64 -L $(AARCH64_SYSROOT) $<

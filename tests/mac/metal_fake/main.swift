@@ -25,8 +25,7 @@ func check(_ ok: Bool, _ what: String, line: Int = #line) {
 
 final class FakeBuffer: MTLBuffer {
     let storage: UnsafeMutableRawPointer
-    let length: Int
-    init(_ storage: UnsafeMutableRawPointer, _ length: Int) { self.storage = storage; self.length = length }
+    init(_ storage: UnsafeMutableRawPointer) { self.storage = storage }
     func contents() -> UnsafeMutableRawPointer { storage }
 }
 
@@ -35,7 +34,6 @@ typealias FakeKernel = ([Int: UnsafeMutableRawPointer]) -> Void
 
 final class FakePipeline: MTLComputePipelineState {
     let maxTotalThreadsPerThreadgroup: Int
-    let threadExecutionWidth = 32
     let kernel: FakeKernel
     init(max: Int = 1024, _ kernel: @escaping FakeKernel = { _ in }) {
         maxTotalThreadsPerThreadgroup = max
@@ -80,7 +78,6 @@ final class FakeCommandBuffer: MTLCommandBuffer {
     var status: MTLCommandBufferStatus = .notEnqueued
     var error: Error? { nil }
     var encoders: [FakeEncoder] = []
-    func makeComputeCommandEncoder() -> MTLComputeCommandEncoder? { makeComputeCommandEncoder(dispatchType: .serial) }
     func makeComputeCommandEncoder(dispatchType: MTLDispatchType) -> MTLComputeCommandEncoder? {
         let e = FakeEncoder(dispatchType)
         encoders.append(e)
@@ -106,7 +103,6 @@ final class FakeQueue: MTLCommandQueue {
 }
 
 final class FakeDevice: MTLDevice {
-    let name = "fake"
     let noCopy: Bool
     let queue = FakeQueue()
     var copies = 0
@@ -116,11 +112,11 @@ final class FakeDevice: MTLDevice {
         copies += 1
         let p = UnsafeMutableRawPointer.allocate(byteCount: length, alignment: 16)
         p.copyMemory(from: pointer, byteCount: length)
-        return FakeBuffer(p, length)
+        return FakeBuffer(p)
     }
     func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
                     deallocator: ((UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer? {
-        noCopy ? FakeBuffer(pointer, length) : nil
+        noCopy ? FakeBuffer(pointer) : nil
     }
     func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary {
         throw FlashMetalError.backend("fake: no compiler")

@@ -15,7 +15,6 @@ public func exit(_ status: Int32) -> Never { fatalError() }
 // <unistd.h>: _SC_* are macros on Darwin, imported as Int32 constants.
 public func sysconf(_ name: Int32) -> Int { fatalError() }
 public var _SC_NPROCESSORS_ONLN: Int32 { 58 }
-public var _SC_PAGESIZE: Int32 { 29 }
 public func getpagesize() -> Int32 { fatalError() }
 
 // <pthread.h> (nullability-audited on Darwin).

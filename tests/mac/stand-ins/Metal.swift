@@ -17,8 +17,6 @@ public struct MTLResourceOptions: OptionSet, Sendable {
     public let rawValue: UInt
     public init(rawValue: UInt) { self.rawValue = rawValue }
     public static let storageModeShared = MTLResourceOptions([])
-    public static let storageModeManaged = MTLResourceOptions(rawValue: 1 << 4)
-    public static let storageModePrivate = MTLResourceOptions(rawValue: 2 << 4)
 }
 
 @available(macOS 10.14, *)
@@ -26,8 +24,6 @@ public struct MTLBarrierScope: OptionSet, Sendable {
     public let rawValue: UInt
     public init(rawValue: UInt) { self.rawValue = rawValue }
     public static let buffers = MTLBarrierScope(rawValue: 1 << 0)
-    public static let textures = MTLBarrierScope(rawValue: 1 << 1)
-    public static let renderTargets = MTLBarrierScope(rawValue: 1 << 2)
 }
 
 @available(macOS 10.14, *)
@@ -75,18 +71,14 @@ public protocol MTLResource: AnyObject {}
 
 @available(macOS 10.11, *)
 public protocol MTLBuffer: MTLResource {
-    var length: Int { get }
     func contents() -> UnsafeMutableRawPointer
 }
 
 @available(macOS 10.11, *)
-public protocol MTLFunction: AnyObject {
-    var name: String { get }
-}
+public protocol MTLFunction: AnyObject {}
 
 @available(macOS 10.11, *)
 public protocol MTLLibrary: AnyObject {
-    func makeFunction(name functionName: String) -> MTLFunction?
     @available(macOS 10.12, *)
     func makeFunction(name: String, constantValues: MTLFunctionConstantValues) throws -> MTLFunction
 }
@@ -94,7 +86,6 @@ public protocol MTLLibrary: AnyObject {
 @available(macOS 10.11, *)
 public protocol MTLComputePipelineState: AnyObject {
     var maxTotalThreadsPerThreadgroup: Int { get }
-    var threadExecutionWidth: Int { get }
 }
 
 @available(macOS 10.11, *)
@@ -104,8 +95,6 @@ public protocol MTLCommandEncoder: AnyObject {
 
 @available(macOS 10.11, *)
 public protocol MTLComputeCommandEncoder: MTLCommandEncoder {
-    @available(macOS 10.14, *)
-    var dispatchType: MTLDispatchType { get }
     func setComputePipelineState(_ state: MTLComputePipelineState)
     func setBytes(_ bytes: UnsafeRawPointer, length: Int, index: Int)
     func setBuffer(_ buffer: MTLBuffer?, offset: Int, index: Int)
@@ -119,7 +108,6 @@ public protocol MTLComputeCommandEncoder: MTLCommandEncoder {
 public protocol MTLCommandBuffer: AnyObject {
     var status: MTLCommandBufferStatus { get }
     var error: Error? { get }
-    func makeComputeCommandEncoder() -> MTLComputeCommandEncoder?
     @available(macOS 10.14, *)
     func makeComputeCommandEncoder(dispatchType: MTLDispatchType) -> MTLComputeCommandEncoder?
     func commit()
@@ -133,7 +121,6 @@ public protocol MTLCommandQueue: AnyObject {
 
 @available(macOS 10.11, *)
 public protocol MTLDevice: AnyObject {
-    var name: String { get }
     func makeCommandQueue() -> MTLCommandQueue?
     func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer?
     func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
