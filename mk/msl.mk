@@ -4,18 +4,18 @@
 #   make msl-check    every shader compiled as MSL would check it (C++14,
 #                     address spaces made real, a stand-in <metal_stdlib>),
 #                     after a self-test that planted errors are rejected
-SIM_CXX ?= /opt/swift/usr/bin/clang++
+# SIM_CXX: the clang++ >= 15 that mk/sim.mk finds.
 
 .PHONY: sim-strict msl-check
 
 sim-strict:
-	python3 tests/msl/shim_strict.py $(SIM_CXX)
+	$(PYTHON) tests/msl/shim_strict.py $(SIM_CXX)
 
 EXTRA_TESTS += sim-strict
 
 # Part of mac-check (which runs every target in MAC_CHECKS), not of the
 # plain test list: run it alone with `make msl-check`.
 msl-check:
-	python3 tests/msl/msl_check.py $(SIM_CXX)
+	@$(MAC_TIME) $(PYTHON) tests/msl/msl_check.py $(SIM_CXX)
 
 MAC_CHECKS += msl-check
