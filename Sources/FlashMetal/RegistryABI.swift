@@ -1,18 +1,38 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// The release (FM_VERSION of flashmetal.h), as a static C string.
 @_cdecl("fm_version")
 public func fm_version() -> UnsafePointer<CChar> {
     return versionString
 }
 
-private let versionString: UnsafePointer<CChar> = {
-    let s = "0.1.0"
+/// The C ABI version this library implements (FM_ABI_VERSION).
+@_cdecl("fm_abi_version")
+public func fm_abi_version() -> Int32 {
+    Int32(FM_ABI_VERSION)
+}
+
+/// A static name for a status code.
+@_cdecl("fm_status_string")
+public func fm_status_string(_ status: Int32) -> UnsafePointer<CChar> {
+    statusStrings[status] ?? unknownStatus
+}
+
+/// A static C string that lives for the process.
+private func staticCString(_ s: String) -> UnsafePointer<CChar> {
     let p = UnsafeMutablePointer<CChar>.allocate(capacity: s.utf8.count + 1)
     for (i, b) in s.utf8.enumerated() { p[i] = CChar(bitPattern: b) }
     p[s.utf8.count] = 0
     return UnsafePointer(p)
-}()
+}
+
+private let versionString = staticCString(FM_VERSION)
+private let unknownStatus = staticCString("unknown status")
+private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeysWithValues: [
+    (FM_OK, "FM_OK"), (FM_ERROR_VALUE, "FM_ERROR_VALUE"), (FM_ERROR_TYPE, "FM_ERROR_TYPE"),
+    (FM_ERROR_BACKEND, "FM_ERROR_BACKEND"), (FM_ERROR_INTERNAL, "FM_ERROR_INTERNAL"),
+].map { (Int32($0.0.rawValue), staticCString($0.1)) })
 
 @_cdecl("fm_create_registry")
 public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,

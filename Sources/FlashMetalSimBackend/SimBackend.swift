@@ -9,6 +9,8 @@ import FlashMetalSim
 /// threadgroup memory, bad binding) comes back as FlashMetalError.backend.
 public final class SimBackend: Backend, @unchecked Sendable {
     public let name = "sim"
+    /// Every dispatch has run when `run` returns.
+    public var defersWork: Bool { false }
     /// OS worker threads per dispatch; 0 = one per core.
     public let workers: Int
     /// Scrambled schedule (FLASHMETAL_SIM_SCRAMBLE does this for every dispatch).
