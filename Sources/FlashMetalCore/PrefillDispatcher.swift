@@ -10,7 +10,7 @@ public enum PrefillLayout: Int32, CaseIterable, Sendable {
 
 /// The options of one prefill call (FMPrefillOptions, read once).
 public struct PrefillOptions: Sendable {
-    /// Score scale; NaN means the default 1/sqrt(D).
+    /// Score scale, finite (callers usually pass 1/sqrt(D)).
     public var scale: Float
     /// Logit softcap c > 0 (`c * tanh(s / c)`); 0 disables it.
     public var softcap: Float = 0
@@ -24,7 +24,7 @@ public struct PrefillOptions: Sendable {
     public var layout: PrefillLayout = .headMajor
 
     /// Options with every default but the scale.
-    public init(scale: Float = .nan) { self.scale = scale }
+    public init(scale: Float) { self.scale = scale }
 
     /// Reads the C options, rejecting out-of-range enum values.
     public init(_ o: FMPrefillOptions) throws {
@@ -128,11 +128,12 @@ public enum PrefillDispatcher {
         if kL > capacity {
             throw FlashMetalError.value(op, "kv_len (\(kL)) must be <= the K/V capacity (\(capacity))")
         }
-        if o.qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(o.qOffset)") }
-        if o.qOffset + qL > kL {
-            throw FlashMetalError.value(op, "q_offset (\(o.qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))")
+        let qOffset = o.qOffset
+        if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)") }
+        if qOffset + qL > kL {
+            throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))")
         }
-        let scale = o.scale.isNaN ? defaultScale(headDim: headDim) : o.scale
+        let scale = o.scale
         if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
         if !(o.softcap.isFinite && o.softcap >= 0) {
             throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
@@ -173,7 +174,7 @@ public enum PrefillDispatcher {
             gqa_factor: Int32(nHeads / nKV), scale: scale, softcapping: o.softcap,
             NQ: Int32(tiles.nq), NK: Int32(tiles.nk), NQ_aligned: Int32(tiles.nqAligned),
             NK_aligned: Int32(tiles.nkAligned), qL_rem: Int32(tiles.qLRem), kL_rem: Int32(tiles.kLRem),
-            qL_off: Int32(o.qOffset), _pad: 0,
+            qL_off: Int32(qOffset), _pad: 0,
             Q_strides: (qs[0], qs[1], qs[2]), K_strides: (ks[0], ks[1], ks[2]),
             V_strides: (ks[0], ks[1], ks[2]), O_strides: (qs[0], qs[1], qs[2]))
 
@@ -200,8 +201,3 @@ public enum PrefillDispatcher {
     }
 }
 
-/// The default score scale 1/sqrt(D), used when an options struct carries NaN.
-func defaultScale(headDim: Int) -> Float {
-    // Computed in double and rounded once, as numpy/Python callers do.
-    headDim > 0 ? Float(1.0 / Double(headDim).squareRoot()) : 1
-}

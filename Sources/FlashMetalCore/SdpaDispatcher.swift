@@ -2,7 +2,7 @@ import CFlashMetal
 
 /// The options of one sdpa call (FMSdpaOptions, read once).
 public struct SdpaOptions: Sendable {
-    /// Score scale; NaN means the default 1/sqrt(D).
+    /// Score scale, finite.
     public var scale: Float
     /// Bottom-right causal: query i sits at kv_len - qL + i.
     public var causal: Bool = true
@@ -10,7 +10,7 @@ public struct SdpaOptions: Sendable {
     public var kvLen: Int? = nil
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(scale: Float = .nan, causal: Bool = true, kvLen: Int? = nil) {
+    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
     }
 
@@ -71,7 +71,7 @@ public enum SdpaDispatcher {
         let kvLen = o.kvLen ?? cap
         if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)") }
         if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))") }
-        let scale = o.scale.isNaN ? defaultScale(headDim: d) : o.scale
+        let scale = o.scale
         if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
         for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "q_len"), (cap, "K/V capacity")] where v > Int(UInt32.max) {
             throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")

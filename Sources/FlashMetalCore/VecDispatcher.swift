@@ -2,7 +2,7 @@ import CFlashMetal
 
 /// The options of one decode call (FMVecOptions, read once).
 public struct VecOptions: Sendable {
-    /// Score scale; NaN means the default 1/sqrt(D).
+    /// Score scale, finite.
     public var scale: Float
     /// Logit softcap c > 0; 0 disables it.
     public var softcap: Float = 0
@@ -17,7 +17,7 @@ public struct VecOptions: Sendable {
     public var fwht: Bool = false
 
     /// Options with every default but the scale.
-    public init(scale: Float = .nan) { self.scale = scale }
+    public init(scale: Float) { self.scale = scale }
 
     /// Reads the C options, rejecting out-of-range flags.
     public init(_ o: FMVecOptions) throws {
@@ -136,7 +136,7 @@ public enum VecDispatcher {
         if maskType == .window && (o.window <= 0 || o.window > Int(UInt32.max)) {
             throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)")
         }
-        let scale = o.scale.isNaN ? defaultScale(headDim: s.headDim) : o.scale
+        let scale = o.scale
         if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
         if !(o.softcap.isFinite && o.softcap >= 0) {
             throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")

@@ -33,7 +33,7 @@ final class MaskDispatcherTests: XCTestCase {
         expectFMError(op, contains: "q_offset must be in") {
             _ = try MaskDispatcher.makeDispatch(out: HostTensor([4, 4], .bf16).ref, MaskOptions(qOffset: -1))
         }
-        expectFMError(op, contains: "seq_len_k must be > 0") {
+        expectFMError(op, contains: "kv_len must be > 0") {
             _ = try MaskDispatcher.makeDispatch(out: HostTensor([4, 0], .bf16).ref, MaskOptions())
         }
         expectFMError(op, contains: "window must be 0 (none) or > 0, got -2") {

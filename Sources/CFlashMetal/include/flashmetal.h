@@ -236,10 +236,10 @@ typedef struct FMTensor {
 typedef struct FMRegistry FMRegistry;
 
 typedef struct FMPrefillOptions {
-    float scale;      /* finite; NaN = the default 1/sqrt(D) */
+    float scale;      /* finite; 1/sqrt(D) is the usual choice */
     float softcap;    /* 0 = off, else > 0 */
     int32_t causal;   /* 0 or 1 */
-    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off) */
+    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off), >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
 } FMPrefillOptions;
@@ -255,7 +255,7 @@ typedef struct FMMaskOptions {
 /* fm_dispatch_vec (decode, one query row per head; the query sits at
  * position kv_len - 1). */
 typedef struct FMVecOptions {
-    float scale;       /* finite; NaN = the default 1/sqrt(D) */
+    float scale;       /* finite */
     float softcap;     /* 0 = off, else > 0 */
     int32_t mask_type; /* FMVecMaskType */
     int32_t window;    /* mask_type 2: keys p with (kv_len - 1) - p < window */
@@ -265,7 +265,7 @@ typedef struct FMVecOptions {
 
 /* fm_dispatch_sdpa. */
 typedef struct FMSdpaOptions {
-    float scale;      /* finite; NaN = the default 1/sqrt(D) */
+    float scale;      /* finite */
     int32_t causal;   /* 0 or 1; bottom-right: query i at kv_len - qL + i */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t _pad;
