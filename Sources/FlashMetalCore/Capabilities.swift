@@ -21,7 +21,8 @@ public enum PrefillCapability {
     /// Q/K/V/out dtypes (an additive mask has the same dtype).
     public static let ioTypes: [DType] = [.bf16, .f16]
 
-    static var kernels: [KernelSpec] {
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] {
         ioTypes.flatMap { t in
             headDims.flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
         }
@@ -39,13 +40,15 @@ public enum PrefillCapability {
 /// The blk pre-pass (seed 001): any prefill head dim, these mask dtypes.
 public enum BlkCapability {
     public static let maskTypes: [DType] = [.bf16, .f16]
-    static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
 }
 
 /// The mask builder: these output dtypes.
 public enum MaskBuilderCapability {
     public static let outTypes: [DType] = [.bf16, .f16]
-    static var kernels: [KernelSpec] { outTypes.map { .maskBuilder(out: $0) } }
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { outTypes.map { .maskBuilder(out: $0) } }
 }
 
 /// Split-KV decode (seeds 002, 004).
@@ -57,7 +60,8 @@ public enum VecCapability {
     /// Workgroups each row's keys are split over.
     public static let nwg = Int(FM_VEC_NWG)
 
-    static var kernels: [KernelSpec] {
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] {
         kvTypes.flatMap { t in headDims.map { KernelSpec.vec(kv: t, headDim: $0) } }
             + [false, true].flatMap { f in headDims.map { KernelSpec.vecReduce(headDim: $0, fwht: f) } }
     }
@@ -73,7 +77,8 @@ public enum VecCapability {
 public enum SdpaCapability {
     public static let ioTypes: [DType] = [.f32, .bf16]
     public static let maxHeadDim = 512
-    static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
 }
 
 /// "64, 128, 256 or 512".

@@ -15,6 +15,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case vecReduce(headDim: Int, fwht: Bool)
     /// `sdpa` (float32) / `sdpa_{dtype}`: simple fused SDPA (seed 003).
     case sdpa(io: DType)
+    /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
+    /// kernel. No op dispatches it and only the sim backend runs it.
+    case simSelftest
 
     /// The kernel's name in the shaders, the simulator and the pipeline cache.
     public var name: String {
@@ -26,6 +29,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .vec(kv, d): return "flash_attn_vec_" + (kv == .f32 ? "" : "\(kv.kernelSuffix)kv_") + "dk\(d)"
         case let .vecReduce(d, fwht): return "flash_attn_vec_reduce_" + (fwht ? "tq_hb_undo_" : "") + "dk\(d)"
         case let .sdpa(io): return io == .f32 ? "sdpa" : "sdpa_\(io.kernelSuffix)"
+        case .simSelftest: return "fm_selftest_reduce"
         }
     }
 
@@ -53,6 +57,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .vecReduce(d, fwht):
             return (fwht ? "flash_attn_vec_reduce_tq_hb_undo" : "flash_attn_vec_reduce", ["\(d)"])
         case let .sdpa(io): return ("sdpa", [io.mslName])
+        case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }
 }

@@ -134,7 +134,7 @@ def head_dims(op: str) -> tuple[int, ...]:
     f = ffi()
     count = f.new("size_t *")
     out = f.new("int32_t[]", 64)
-    call_static("fm_supported_head_dims", op.encode(), out, 64, count, op=op)
+    call_static("fm_supported_head_dims", op.encode(), out, 64, count, op="supported_head_dims")
     return tuple(int(out[i]) for i in range(min(int(count[0]), 64)))
 
 

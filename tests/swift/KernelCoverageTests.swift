@@ -11,7 +11,7 @@ import XCTest
 /// types); the simulator and the cpu backend must run every one.
 final class KernelCoverageTests: XCTestCase {
     static let specs = KernelSpec.all
-    static let selfTests: Set<String> = ["fm_selftest_reduce"]
+    static let selfTests: Set<String> = [KernelSpec.simSelftest.name]
 
     /// `INSTANTIATE_KERNEL("name", function, args...)` lines of the embedded sources.
     static var instantiations: [String: (function: String, args: [String])] {
@@ -39,7 +39,7 @@ final class KernelCoverageTests: XCTestCase {
     func testEveryInstantiationMatchesTheCapabilityTables() {
         let inst = Self.instantiations
         XCTAssertFalse(inst.isEmpty, "no INSTANTIATE_KERNEL line found")
-        for spec in Self.specs {
+        for spec in Self.specs + [.simSelftest] {
             guard let got = inst[spec.name] else {
                 XCTFail("\(spec.name): in the capability tables but not instantiated in Resources/shaders")
                 continue

@@ -120,7 +120,7 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d4.kernel, "flash_attn_prefill_bf16_d512")
         let mp4 = try d4.params(5, as: AttnMaskParams.self)
         XCTAssertEqual([mp4.M_strides.0, mp4.M_strides.1, mp4.M_strides.2], [4 * 16 * 24, 16 * 24, 24])
-        let blk = HostTensor([32], .u8)
+        let blk = HostTensor([2, 3], .u8)
         let db = try dispatch(c, mask: m2, blk: blk)
         XCTAssertEqual(db.constants.bool(303), true)
         XCTAssertEqual(Set(db.bindings.keys), [0, 1, 2, 3, 4, 5, 6, 7])
@@ -149,7 +149,7 @@ final class PrefillDispatcherTests: XCTestCase {
         let tiny = HostTensor([2], .u8)
         expectError(Case(), mask: m, blk: tiny, contains: "blk shape [2] must be [NQ, NK] = [2, 4]")
         expectError(Case(), mask: HostTensor([50, 63], .bf16), contains: "mask shape [50, 63] must be [50, 64]")
-        expectError(Case(), mask: HostTensor([50, 64], .f16), status: FM_ERROR_TYPE, contains: "mask must be bfloat16 or bool")
+        expectError(Case(), mask: HostTensor([50, 64], .f16), status: FM_ERROR_TYPE, contains: "mask must be bfloat16 (additive) or bool")
         expectError(Case(), PrefillOptions(scale: .nan), contains: "scale must be finite")
         var badCap = PrefillOptions(scale: 1)
         badCap.softcap = -1

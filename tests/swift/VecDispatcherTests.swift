@@ -94,7 +94,7 @@ final class VecDispatcherTests: XCTestCase {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 256, nwg: 0,
                                                  fwht: true, signs: nil)
         }
-        expectFMError(VecDispatcher.reduceOp, contains: "unsupported head_dim 96") {
+        expectFMError(VecDispatcher.reduceOp, contains: "head_dim must be 64, 128, 256 or 512, got 96") {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 96, nwg: 32,
                                                  fwht: true, signs: nil)
         }
