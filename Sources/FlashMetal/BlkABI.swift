@@ -1,6 +1,7 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// fm_blk_byte_len of flashmetal.h: the byte length of a blk for a mask and head dim.
 @_cdecl("fm_blk_byte_len")
 public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<Int>?,
                             _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -10,6 +11,7 @@ public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ ou
     }
 }
 
+/// fm_alloc_blk of flashmetal.h: a zeroed, tagged, library-owned blk buffer.
 @_cdecl("fm_alloc_blk")
 public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<FMTensor>?,
                          _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -32,6 +34,7 @@ public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: 
     }
 }
 
+/// fm_free_blk of flashmetal.h: frees a live tagged blk; a stale copy is an error.
 @_cdecl("fm_free_blk")
 public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMutablePointer<CChar>?,
                         _ errlen: Int) -> Int32 {
@@ -46,6 +49,7 @@ public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMut
     }
 }
 
+/// fm_dispatch_blk of flashmetal.h: runs the blk pre-pass over an additive mask.
 @_cdecl("fm_dispatch_blk")
 public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FMTensor>?,
                             _ blkOut: UnsafePointer<FMTensor>?, _ headDim: Int32,

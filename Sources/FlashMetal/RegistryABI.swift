@@ -34,6 +34,7 @@ private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeys
     (FM_ERROR_BACKEND, "FM_ERROR_BACKEND"), (FM_ERROR_INTERNAL, "FM_ERROR_INTERNAL"),
 ].map { (Int32($0.0.rawValue), staticCString($0.1)) })
 
+/// fm_create_registry of flashmetal.h: a registry on a named backend, as a never-reused handle.
 @_cdecl("fm_create_registry")
 public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,
                                _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -45,6 +46,7 @@ public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMu
     }
 }
 
+/// fm_destroy_registry of flashmetal.h: ends open batches, then frees the registry.
 @_cdecl("fm_destroy_registry")
 public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
     guarded(nil, 0) {
@@ -52,6 +54,7 @@ public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
     }
 }
 
+/// fm_registry_backend of flashmetal.h: the backend name ("cpu", "sim", "metal").
 @_cdecl("fm_registry_backend")
 public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?, _ len: Int) -> Int32 {
     // The name buffer doubles as the error buffer, which guarded() clears on
@@ -62,11 +65,13 @@ public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutabl
     return status
 }
 
+/// fm_begin_batch of flashmetal.h: opens a (nestable) batch scope.
 @_cdecl("fm_begin_batch")
 public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
     guarded(err, errlen) { try Handles.registry(registry, op: "begin_batch").beginBatch() }
 }
 
+/// fm_end_batch of flashmetal.h: closes a batch scope; the outermost flushes.
 @_cdecl("fm_end_batch")
 public func fm_end_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
     guarded(err, errlen) { try Handles.registry(registry, op: "end_batch").endBatch() }

@@ -10,6 +10,7 @@ public final class CPUBackend: Backend {
     public var defersWork: Bool { false }
     let pool = WorkerPool()
 
+    /// A cpu backend on the shared worker pool.
     public init() {}
 
     /// The native kernel of `key.spec`, specialised by its constants.

@@ -39,6 +39,7 @@ public enum PrefillCapability {
 
 /// The blk pre-pass (seed 001): any prefill head dim, these mask dtypes.
 public enum BlkCapability {
+    /// Mask dtypes with a blk kernel.
     public static let maskTypes: [DType] = [.bf16, .f16]
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
@@ -46,6 +47,7 @@ public enum BlkCapability {
 
 /// The mask builder: these output dtypes.
 public enum MaskBuilderCapability {
+    /// Output dtypes with a mask-builder kernel.
     public static let outTypes: [DType] = [.bf16, .f16]
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { outTypes.map { .maskBuilder(out: $0) } }
@@ -75,7 +77,9 @@ public enum VecCapability {
 
 /// Simple SDPA (seed 003): any head dim up to `maxHeadDim`.
 public enum SdpaCapability {
+    /// Q/K/V/out dtypes with an sdpa kernel.
     public static let ioTypes: [DType] = [.f32, .bf16]
+    /// The largest head dim the kernel handles (its per-thread accumulators).
     public static let maxHeadDim = 512
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }

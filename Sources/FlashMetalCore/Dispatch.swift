@@ -2,9 +2,11 @@
 public struct Size3: Hashable, Sendable, CustomStringConvertible {
     /// The extents along each axis.
     public var x: Int, y: Int, z: Int
+    /// (x, y, z).
     public init(_ x: Int, _ y: Int, _ z: Int) { self.x = x; self.y = y; self.z = z }
     /// x * y * z.
     public var count: Int { x * y * z }
+    /// "(x, y, z)".
     public var description: String { "(\(x), \(y), \(z))" }
 }
 
@@ -30,6 +32,8 @@ public struct Dispatch: @unchecked Sendable {
     /// Threadgroup-memory lengths by index (setThreadgroupMemoryLength).
     public let threadgroupMemory: [Int: Int]
 
+    /// A launch of `kernel` specialised by `constants`: `grid` threadgroups of
+    /// `threadgroup` threads, with buffers and threadgroup memory by index.
     public init(kernel: KernelSpec, constants: FunctionConstants = FunctionConstants(),
                 grid: Size3, threadgroup: Size3, bindings: [Int: Binding],
                 threadgroupMemory: [Int: Int] = [:]) {
@@ -65,6 +69,6 @@ public struct Dispatch: @unchecked Sendable {
 }
 
 /// Turns a parameter struct into the bytes of a `.bytes` binding.
-public func bytesOf<T>(_ value: T) -> [UInt8] {
+package func bytesOf<T>(_ value: T) -> [UInt8] {
     withUnsafeBytes(of: value) { Array($0) }
 }

@@ -5,6 +5,7 @@ public enum ConstantValue: Hashable, Sendable, CustomStringConvertible {
     /// An `int` constant.
     case int(Int32)
 
+    /// "true"/"false" or the integer.
     public var description: String {
         switch self {
         case .bool(let b): return b ? "true" : "false"
@@ -40,10 +41,12 @@ public struct FunctionConstants: Hashable, Sendable, CustomStringConvertible {
         return nil
     }
 
+    /// Equal when the same indices hold the same values.
     public static func == (a: FunctionConstants, b: FunctionConstants) -> Bool {
         a.entries.elementsEqual(b.entries) { $0.index == $1.index && $0.value == $1.value }
     }
 
+    /// Hashes the sorted entries.
     public func hash(into h: inout Hasher) {
         for e in entries {
             h.combine(e.index)
@@ -51,6 +54,7 @@ public struct FunctionConstants: Hashable, Sendable, CustomStringConvertible {
         }
     }
 
+    /// "index=value,..." in index order.
     public var description: String {
         entries.map { "\($0.index)=\($0.value)" }.joined(separator: ",")
     }
@@ -64,6 +68,7 @@ public struct PipelineKey: Hashable, Sendable, CustomStringConvertible {
     /// The values the pipeline is specialised by.
     public let constants: FunctionConstants
 
+    /// The key of `spec` specialised by `constants`.
     public init(spec: KernelSpec, constants: FunctionConstants) {
         self.spec = spec
         self.constants = constants
@@ -72,5 +77,6 @@ public struct PipelineKey: Hashable, Sendable, CustomStringConvertible {
     /// The kernel's name (derived from `spec`).
     public var kernel: String { spec.name }
 
+    /// "name[index=value,...]".
     public var description: String { "\(kernel)[\(constants)]" }
 }

@@ -33,6 +33,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         }
     }
 
+    /// The kernel name.
     public var description: String { name }
 
     /// Every kernel the library dispatches, enumerated from the capability

@@ -6,10 +6,11 @@ import Darwin
 
 /// A pthread mutex: the Swift standard library has none and Foundation is
 /// kept out of the library.
-public final class Lock: @unchecked Sendable {
+package final class Lock: @unchecked Sendable {
     private let mutex: UnsafeMutablePointer<pthread_mutex_t>
 
-    public init() {
+    /// An unlocked mutex.
+    package init() {
         mutex = .allocate(capacity: 1)
         pthread_mutex_init(mutex, nil)
     }
@@ -19,7 +20,8 @@ public final class Lock: @unchecked Sendable {
         mutex.deallocate()
     }
 
-    public func withLock<R>(_ body: () throws -> R) rethrows -> R {
+    /// Runs `body` holding the mutex.
+    package func withLock<R>(_ body: () throws -> R) rethrows -> R {
         pthread_mutex_lock(mutex)
         defer { pthread_mutex_unlock(mutex) }
         return try body()

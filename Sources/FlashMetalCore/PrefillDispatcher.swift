@@ -52,6 +52,7 @@ public struct PrefillTensors {
     /// uint8 [NQ, NK] tile classes from the blk pre-pass (needs a rank-2 mask).
     public var blk: TensorRef? = nil
 
+    /// The tensors of a call; mask and blk are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef,
                 mask: TensorRef? = nil, blk: TensorRef? = nil) {
         self.q = q; self.k = k; self.v = v; self.out = out; self.mask = mask; self.blk = blk

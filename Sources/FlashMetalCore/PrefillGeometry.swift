@@ -1,11 +1,16 @@
 /// Tile geometry of a prefill kernel (seed 000): BQ query rows and BK key
 /// columns per tile, WM x WN simdgroups. The rows live in PrefillCapability.
 public struct PrefillGeometry: Equatable, Sendable {
+    /// Query rows per tile.
     public let bq: Int
+    /// Key columns per tile.
     public let bk: Int
+    /// Simdgroups along the query rows.
     public let wm: Int
+    /// Simdgroups along the keys.
     public let wn: Int
 
+    /// A tile geometry (rows of PrefillCapability.geometry).
     public init(bq: Int, bk: Int, wm: Int, wn: Int) {
         self.bq = bq; self.bk = bk; self.wm = wm; self.wn = wn
     }
@@ -32,6 +37,7 @@ public struct PrefillTiles: Equatable, Sendable {
     /// Query tiles (ceil), key tiles (ceil), whole tiles of each, remainders.
     public let nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int
 
+    /// Tile counts as AttnParams carries them.
     public init(nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int) {
         self.nq = nq; self.nk = nk; self.nqAligned = nqAligned; self.nkAligned = nkAligned
         self.qLRem = qLRem; self.kLRem = kLRem

@@ -17,6 +17,7 @@ public final class Registry: @unchecked Sendable {
     /// outermost batch scope ends (and the work ran).
     private var deferredScratch: [UnsafeMutableRawPointer] = []
 
+    /// A registry with an empty pipeline cache on `backend`.
     public init(backend: Backend) {
         self.backend = backend
     }

@@ -38,21 +38,29 @@ public enum FunctionConstantIndex {
 
 /// Buffer indices of the prefill kernels.
 public enum PrefillBuffer {
+    /// FM_PREFILL_BUF_Q.
     public static let q = Int(FM_PREFILL_BUF_Q.rawValue)
+    /// FM_PREFILL_BUF_K.
     public static let k = Int(FM_PREFILL_BUF_K.rawValue)
+    /// FM_PREFILL_BUF_V.
     public static let v = Int(FM_PREFILL_BUF_V.rawValue)
+    /// FM_PREFILL_BUF_O.
     public static let out = Int(FM_PREFILL_BUF_O.rawValue)
     /// AttnParams.
     public static let params = Int(FM_PREFILL_BUF_PARAMS.rawValue)
     /// AttnMaskParams (with a mask).
     public static let maskParams = Int(FM_PREFILL_BUF_MASK_PARAMS.rawValue)
+    /// FM_PREFILL_BUF_MASK.
     public static let mask = Int(FM_PREFILL_BUF_MASK.rawValue)
+    /// FM_PREFILL_BUF_BLK.
     public static let blk = Int(FM_PREFILL_BUF_BLK.rawValue)
 }
 
 /// Buffer indices of the blk pre-pass.
 public enum BlkBuffer {
+    /// FM_BLK_BUF_MASK.
     public static let mask = Int(FM_BLK_BUF_MASK.rawValue)
+    /// FM_BLK_BUF_OUT.
     public static let out = Int(FM_BLK_BUF_OUT.rawValue)
     /// BlkParams.
     public static let params = Int(FM_BLK_BUF_PARAMS.rawValue)
@@ -60,6 +68,7 @@ public enum BlkBuffer {
 
 /// Buffer indices of the mask builder.
 public enum MaskBuilderBuffer {
+    /// FM_MASKB_BUF_OUT.
     public static let out = Int(FM_MASKB_BUF_OUT.rawValue)
     /// MaskParams.
     public static let params = Int(FM_MASKB_BUF_PARAMS.rawValue)
@@ -69,9 +78,13 @@ public enum MaskBuilderBuffer {
 public enum VecBuffer {
     /// FlashAttnVecParams.
     public static let params = Int(FM_VEC_BUF_PARAMS.rawValue)
+    /// FM_VEC_BUF_Q.
     public static let q = Int(FM_VEC_BUF_Q.rawValue)
+    /// FM_VEC_BUF_K.
     public static let k = Int(FM_VEC_BUF_K.rawValue)
+    /// FM_VEC_BUF_V.
     public static let v = Int(FM_VEC_BUF_V.rawValue)
+    /// FM_VEC_BUF_TMP.
     public static let tmp = Int(FM_VEC_BUF_TMP.rawValue)
 }
 
@@ -79,7 +92,9 @@ public enum VecBuffer {
 public enum VecReduceBuffer {
     /// FlashAttnVecReduceParams.
     public static let params = Int(FM_VEC_REDUCE_BUF_PARAMS.rawValue)
+    /// FM_VEC_REDUCE_BUF_TMP.
     public static let tmp = Int(FM_VEC_REDUCE_BUF_TMP.rawValue)
+    /// FM_VEC_REDUCE_BUF_OUT.
     public static let out = Int(FM_VEC_REDUCE_BUF_OUT.rawValue)
     /// The workgroup count, a uint32.
     public static let nwg = Int(FM_VEC_REDUCE_BUF_NWG.rawValue)
@@ -89,15 +104,21 @@ public enum VecReduceBuffer {
 
 /// Buffer indices of the sdpa kernels.
 public enum SdpaBuffer {
+    /// FM_SDPA_BUF_Q.
     public static let q = Int(FM_SDPA_BUF_Q.rawValue)
+    /// FM_SDPA_BUF_K.
     public static let k = Int(FM_SDPA_BUF_K.rawValue)
+    /// FM_SDPA_BUF_V.
     public static let v = Int(FM_SDPA_BUF_V.rawValue)
+    /// FM_SDPA_BUF_O.
     public static let out = Int(FM_SDPA_BUF_O.rawValue)
     /// SdpaParams.
     public static let params = Int(FM_SDPA_BUF_PARAMS.rawValue)
     /// AttnMaskParams (with a mask).
     public static let maskParams = Int(FM_SDPA_BUF_MASK_PARAMS.rawValue)
+    /// FM_SDPA_BUF_ADDITIVE_MASK.
     public static let additiveMask = Int(FM_SDPA_BUF_ADDITIVE_MASK.rawValue)
+    /// FM_SDPA_BUF_BOOL_MASK.
     public static let boolMask = Int(FM_SDPA_BUF_BOOL_MASK.rawValue)
 }
 

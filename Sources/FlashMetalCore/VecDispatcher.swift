@@ -42,6 +42,7 @@ public struct VecTensors {
     /// uint8 [D/8] FWHT sign bitmask, or nil for all +1.
     public var signs: TensorRef? = nil
 
+    /// The tensors of a call; signs are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef, signs: TensorRef? = nil) {
         self.q = q; self.k = k; self.v = v; self.out = out; self.tmp = tmp; self.signs = signs
     }
