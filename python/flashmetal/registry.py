@@ -46,6 +46,12 @@ class Registry:
         """Calls an fm_* entry point that ends in (err, errlen); messages keep the library's op."""
         _native.call(self, fn_name, *args)
 
+    def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        """Same as ``flashmetal.flash_attn_prefill(q, k, v, registry=self, ...)``."""
+        import flashmetal  # the package, loaded by now: registry.py imports no op module
+
+        return flashmetal.flash_attn_prefill(q, k, v, registry=self, **kwargs)
+
     def _live_handle(self, op: str) -> Any:
         h = self._handle
         if h is None:

@@ -1,5 +1,6 @@
 import CFlashMetal
 import FlashMetalCore
+import FlashMetalShaders
 import XCTest
 
 /// The Swift enums that mirror C enums of flashmetal.h carry the same values,
@@ -76,5 +77,27 @@ final class HeaderConstantsTests: XCTestCase {
     func testABIVersion() {
         XCTAssertGreaterThanOrEqual(Int(FM_ABI_VERSION), 1)
         XCTAssertFalse(FM_VERSION.isEmpty)
+    }
+
+    /// Shaders that still spell the running-max start or log2(e) as a literal
+    /// (instead of FM_RUNNING_MAX_START / FM_LOG2E) must spell the header's value.
+    func testShaderNumericLiteralsAreTheHeaders() {
+        var checked = 0
+        for (file, text) in EmbeddedShaders.sources {
+            for line in text.split(separator: "\n") where line.hasPrefix("#define ") {
+                let parts = line.split(separator: " ", maxSplits: 2)
+                guard parts.count == 3 else { continue }
+                let literal = parts[2].filter { !"()f".contains($0) }
+                guard let value = Float(literal) else { continue }
+                if parts[1].hasSuffix("ROW_MAX_INIT") {
+                    XCTAssertEqual(value, FM_RUNNING_MAX_START, "\(file): \(parts[1])")
+                    checked += 1
+                } else if parts[1].hasSuffix("LOG2E") {
+                    XCTAssertEqual(value, FM_LOG2E, "\(file): \(parts[1])")
+                    checked += 1
+                }
+            }
+        }
+        _ = checked  // zero once every shader uses the header's names
     }
 }
