@@ -12,10 +12,11 @@ public protocol Backend: AnyObject {
     func makePipeline(_ key: PipelineKey) throws -> AnyObject
     /// Runs dispatches in order; each sees the writes of the ones before it.
     func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws
-    /// Opens a batch scope: until the matching endBatch, a backend may defer
-    /// its work. Outputs are valid only after endBatch.
+    /// Opens a batch scope: until endBatch, a backend may defer its work.
+    /// Outputs are valid only after endBatch. The registry calls it for the
+    /// outermost scope only (it counts the nesting), never twice in a row.
     func beginBatch() throws
-    /// Closes the innermost batch scope; the outermost one runs deferred work.
+    /// Closes the scope and runs the deferred work.
     func endBatch() throws
 }
 

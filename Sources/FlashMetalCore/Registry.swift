@@ -55,10 +55,11 @@ public final class Registry: @unchecked Sendable {
         try backend.run(dispatches, pipelines: pipelines)
     }
 
-    /// Opens a (nestable) batch scope on the backend.
+    /// Opens a (nestable) batch scope. The registry counts the nesting; the
+    /// backend sees only the outermost scope (one beginBatch, one endBatch).
     public func beginBatch() throws {
         try lock.withLock {
-            try backend.beginBatch()
+            if batchDepth == 0 { try backend.beginBatch() }
             batchDepth += 1
         }
     }
@@ -87,11 +88,10 @@ public final class Registry: @unchecked Sendable {
     /// Called with the lock held and batchDepth > 0.
     private func endOneBatch() throws {
         batchDepth -= 1
+        guard batchDepth == 0 else { return }
         defer {
-            if batchDepth == 0 {
-                deferredScratch.forEach { free($0) }
-                deferredScratch = []
-            }
+            deferredScratch.forEach { free($0) }
+            deferredScratch = []
         }
         try backend.endBatch()
     }

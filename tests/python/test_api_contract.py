@@ -143,3 +143,10 @@ def test_package_is_typed_and_acyclic():
         assert f"from .{mod} import" not in src and f"from . import {mod}" not in src
     for mod in ("prefill", "decode", "sdpa", "mask", "blk"):
         assert "._ffi" not in (pkg / f"{mod}.py").read_text() and "._lib" not in (pkg / f"{mod}.py").read_text()
+
+
+def test_pyproject_version_is_the_headers():
+    """pyproject.toml cannot read the header, so this pins it to FM_VERSION."""
+    pyproject = Path(__file__).resolve().parents[2] / "python" / "pyproject.toml"
+    m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+    assert m and m.group(1) == fm.__version__, f"pyproject.toml {m and m.group(1)} != FM_VERSION {fm.__version__}"

@@ -43,8 +43,10 @@ final class ScratchLifetimeTests: XCTestCase {
                 if depth > 0 { pending.append(work) } else { work() }
             }
         }
-        func beginBatch() throws { depth += 1 }
+        var begins = 0, ends = 0
+        func beginBatch() throws { depth += 1; begins += 1 }
         func endBatch() throws {
+            ends += 1
             depth -= 1
             if depth == 0 { pending.forEach { $0() }; pending = [] }
         }
@@ -74,6 +76,19 @@ final class ScratchLifetimeTests: XCTestCase {
         for _ in 0..<3 { try r.withScratch(op: "test", bytes: 1 << 20) { _ in } }
         XCTAssertEqual(r.deferredScratchCount, 0)
         try r.endBatch()
+    }
+
+    /// The registry alone counts nesting: the backend sees the outermost scope once.
+    func testBackendSeesOnlyTheOutermostScope() throws {
+        let backend = DeferringBackend()
+        let r = Registry(backend: backend)
+        for _ in 0..<3 { try r.beginBatch() }
+        XCTAssertEqual(r.openBatches, 3)
+        for _ in 0..<2 { try r.endBatch() }
+        XCTAssertEqual([backend.begins, backend.ends], [1, 0])
+        try r.endBatch()
+        XCTAssertEqual([backend.begins, backend.ends], [1, 1])
+        XCTAssertThrowsError(try r.endBatch())
     }
 
     /// close() inside an open batch runs the deferred work and frees its
