@@ -57,11 +57,11 @@ public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
 /// fm_registry_backend of flashmetal.h: the backend name ("cpu", "sim", "metal").
 @_cdecl("fm_registry_backend")
 public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?, _ len: Int) -> Int32 {
-    // The name buffer doubles as the error buffer, which guarded() clears on
-    // success: write the name once it has returned.
+    // No error buffer: on failure the name is "" (never a message that could
+    // be read as a backend name); fm_status_string describes the status.
     var backend = ""
-    let status = guarded(name, len) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
-    if status == Int32(FM_OK.rawValue) { writeMessage(backend, name, len) }
+    let status = guarded(nil, 0) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
+    writeMessage(backend, name, len)
     return status
 }
 

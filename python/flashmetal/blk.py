@@ -51,7 +51,7 @@ def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) 
     t = ffi.new("FMTensor *")
     _native.call_static("fm_alloc_blk", m.shape[0], m.shape[1], d, t, op=_OP)
     try:
-        _native.call(reg, "fm_dispatch_blk", tensor(ffi, m), t, d, op=_OP)
+        _native.call(reg, "fm_dispatch_blk", tensor(ffi, m), t, d, op=_OP, keep=(m,))
         nq, nk = int(t.shape[0]), int(t.shape[1])
         buf = np.frombuffer(ffi.buffer(t.data, int(t.nbytes)), dtype=U8).copy()
     finally:

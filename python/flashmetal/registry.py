@@ -30,7 +30,7 @@ class Registry:
         name = ffi.new("char[]", 64)
         status = _native.lib().fm_registry_backend(self._handle, name, 64)
         if status != _native.lib().FM_OK:
-            raise _native.error_for(status, ffi.string(name).decode(errors="replace"), "registry_backend")
+            raise _native.error_for(status, "the new registry is not live", "registry_backend")
         self.backend: str = ffi.string(name).decode()
 
     # Kept for tests and benchmarks that drive entry points directly.

@@ -36,6 +36,9 @@ def test_destroyed_registry_handle_is_never_another_registry():
     assert lib.fm_begin_batch(stale, err, 512) == lib.FM_ERROR_VALUE
     assert b"not a live registry" in ffi.string(err)
     assert lib.fm_destroy_registry(stale) == lib.FM_ERROR_VALUE  # double destroy
+    name = ffi.new("char[]", b"garbage")
+    assert lib.fm_registry_backend(stale, name, 8) == lib.FM_ERROR_VALUE
+    assert ffi.string(name) == b"", "an error must not leave a message where the name goes"
     for h in handles[1:] + [fresh[0]]:  # the live ones are untouched
         assert lib.fm_begin_batch(h, err, 512) == lib.FM_OK
         assert lib.fm_end_batch(h, err, 512) == lib.FM_OK

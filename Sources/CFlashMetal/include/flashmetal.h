@@ -282,6 +282,8 @@ int fm_abi_version(void);
 const char *fm_status_string(int status);
 int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
 int fm_destroy_registry(FMRegistry *registry);
+/* The backend's name ("cpu", "sim", "metal"); "" with an error status when
+ * the registry is not live. */
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
 /* A batch scope: until fm_end_batch a backend may defer work (Metal commits
  * one command buffer at the end); outputs are valid after fm_end_batch. */
