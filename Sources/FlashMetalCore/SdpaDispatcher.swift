@@ -37,7 +37,7 @@ public enum SdpaDispatcher {
     /// The op name errors carry.
     public static let op = "sdpa"
     /// Query rows per threadgroup, one thread each.
-    public static let tileQ = 32
+    public static let tileQ = Int(FM_SDPA_TILE_Q)
     /// The largest head dim the kernel takes.
     public static var maxHeadDim: Int { SdpaCapability.maxHeadDim }
 

@@ -89,7 +89,10 @@ final class HeaderConstantsTests: XCTestCase {
                 guard parts.count == 3 else { continue }
                 let literal = parts[2].filter { !"()f".contains($0) }
                 guard let value = Float(literal) else { continue }
-                if parts[1].hasSuffix("ROW_MAX_INIT") {
+                if parts[1] == "SDPA_TILE_Q" {
+                    XCTAssertEqual(Int(value), SdpaDispatcher.tileQ, "\(file): the dispatch's rows per threadgroup")
+                    checked += 1
+                } else if parts[1].hasSuffix("ROW_MAX_INIT") {
                     XCTAssertEqual(value, FM_RUNNING_MAX_START, "\(file): \(parts[1])")
                     checked += 1
                 } else if parts[1].hasSuffix("LOG2E") {

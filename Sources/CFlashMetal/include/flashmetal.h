@@ -111,6 +111,10 @@ typedef enum FMVecMaskType {
 /* Split-KV decode: the number of workgroups each row's keys are split over. */
 enum { FM_VEC_NWG = 32 };
 
+/* sdpa: query rows per threadgroup, one thread each (the kernel indexes rows
+ * by tgid.z * FM_SDPA_TILE_Q + tid). */
+enum { FM_SDPA_TILE_Q = 32 };
+
 /* ---- kernel parameter structs (seeds 000-004) -------------------------- */
 
 /* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
