@@ -8,13 +8,13 @@ import Darwin
 /// that is never handed out twice, so a stale copy of a freed descriptor is
 /// recognised even when malloc has reused its address; the record also
 /// remembers the geometry the blk is for, which prefill checks.
-package enum BlkAllocations {
+public enum BlkAllocations {
     /// What a tagged blk was allocated for.
-    package struct Record: Sendable {
+    public struct Record: Sendable {
         /// The buffer and its byte length.
-        package let address: UInt, bytes: Int
+        public let address: UInt, bytes: Int
         /// The head dim of the consuming prefill and the mask shape.
-        package let headDim: Int, qL: Int, kL: Int
+        public let headDim: Int, qL: Int, kL: Int
     }
 
     private static let lock = Lock()
@@ -22,7 +22,7 @@ package enum BlkAllocations {
     nonisolated(unsafe) private static var lastTag: UInt64 = 0
 
     /// A zeroed buffer of `bytes` for a [qL, kL] mask and `headDim`, and its new tag.
-    package static func allocate(bytes: Int, headDim: Int, qL: Int, kL: Int, op: String) throws
+    public static func allocate(bytes: Int, headDim: Int, qL: Int, kL: Int, op: String) throws
         -> (data: UnsafeMutableRawPointer, tag: UInt64)
     {
         guard let p = calloc(bytes, 1) else { throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes") }
@@ -36,7 +36,7 @@ package enum BlkAllocations {
 
     /// Frees the buffer of a live tag whose address matches; anything else
     /// (a freed tag, a forged one, a mismatched address) is an error.
-    package static func free(tag: UInt64, data: UnsafeMutableRawPointer, op: String) throws {
+    public static func free(tag: UInt64, data: UnsafeMutableRawPointer, op: String) throws {
         let found: Bool = lock.withLock {
             guard let r = live[tag], r.address == UInt(bitPattern: data) else { return false }
             live[tag] = nil
@@ -58,7 +58,7 @@ package enum BlkAllocations {
     }
 
     /// The record of a tagged tensor (nil for caller memory).
-    package static func provenance(_ t: TensorRef) -> Record? {
+    public static func provenance(_ t: TensorRef) -> Record? {
         t.tag == 0 ? nil : lock.withLock { live[t.tag] }
     }
 }

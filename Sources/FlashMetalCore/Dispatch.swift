@@ -31,17 +31,29 @@ public struct Dispatch: @unchecked Sendable {
     public let bindings: [Int: Binding]
     /// Threadgroup-memory lengths by index (setThreadgroupMemoryLength).
     public let threadgroupMemory: [Int: Int]
+    /// Buffer indices the kernel writes (a backend that copies memory in
+    /// copies back only these). Defaults to every `.buffer` binding.
+    public let writes: Set<Int>
+    /// The kernel is correct for any threadgroup width that is a multiple of
+    /// 32 up to `threadgroup.x`: a backend whose pipeline allows fewer threads
+    /// may launch the largest such width instead of failing.
+    public let threadgroupFlexible: Bool
 
     /// A launch of `kernel` specialised by `constants`: `grid` threadgroups of
     /// `threadgroup` threads, with buffers and threadgroup memory by index.
     public init(kernel: KernelSpec, constants: FunctionConstants = FunctionConstants(),
                 grid: Size3, threadgroup: Size3, bindings: [Int: Binding],
-                threadgroupMemory: [Int: Int] = [:]) {
+                threadgroupMemory: [Int: Int] = [:], writes: Set<Int>? = nil,
+                threadgroupFlexible: Bool = false) {
         self.pipeline = PipelineKey(spec: kernel, constants: constants)
         self.grid = grid
         self.threadgroup = threadgroup
         self.bindings = bindings
         self.threadgroupMemory = threadgroupMemory
+        self.writes = writes ?? Set(bindings.compactMap { i, b in
+            if case .buffer = b { return i } else { return nil }
+        })
+        self.threadgroupFlexible = threadgroupFlexible
     }
 
     /// The kernel's name.
@@ -69,6 +81,6 @@ public struct Dispatch: @unchecked Sendable {
 }
 
 /// Turns a parameter struct into the bytes of a `.bytes` binding.
-package func bytesOf<T>(_ value: T) -> [UInt8] {
+public func bytesOf<T>(_ value: T) -> [UInt8] {
     withUnsafeBytes(of: value) { Array($0) }
 }

@@ -6,11 +6,11 @@ import Darwin
 
 /// A pthread mutex: the Swift standard library has none and Foundation is
 /// kept out of the library.
-package final class Lock: @unchecked Sendable {
+public final class Lock: @unchecked Sendable {
     private let mutex: UnsafeMutablePointer<pthread_mutex_t>
 
     /// An unlocked mutex.
-    package init() {
+    public init() {
         mutex = .allocate(capacity: 1)
         pthread_mutex_init(mutex, nil)
     }
@@ -21,7 +21,7 @@ package final class Lock: @unchecked Sendable {
     }
 
     /// Runs `body` holding the mutex.
-    package func withLock<R>(_ body: () throws -> R) rethrows -> R {
+    public func withLock<R>(_ body: () throws -> R) rethrows -> R {
         pthread_mutex_lock(mutex)
         defer { pthread_mutex_unlock(mutex) }
         return try body()
