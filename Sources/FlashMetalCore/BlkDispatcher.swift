@@ -57,6 +57,7 @@ public enum BlkDispatcher {
                                           (FunctionConstantIndex.blkBK, .int(Int32(geo.bk)))]),
             grid: Size3(nk, nq, 1), threadgroup: Size3(32, 1, 1),
             bindings: [BlkBuffer.mask: .buffer(mask), BlkBuffer.out: .buffer(blk),
-                       BlkBuffer.params: .bytes(bytesOf(params))])
+                       BlkBuffer.params: .bytes(bytesOf(params))],
+            writes: [BlkBuffer.out])
     }
 }

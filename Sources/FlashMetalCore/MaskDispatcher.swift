@@ -61,6 +61,7 @@ public enum MaskDispatcher {
         return Dispatch(kernel: .maskBuilder(out: out.dtype),
                         grid: Size3((kL + threads - 1) / threads, qL, 1), threadgroup: Size3(threads, 1, 1),
                         bindings: [MaskBuilderBuffer.out: .buffer(out),
-                                   MaskBuilderBuffer.params: .bytes(bytesOf(params))])
+                                   MaskBuilderBuffer.params: .bytes(bytesOf(params))],
+                        writes: [MaskBuilderBuffer.out])
     }
 }

@@ -198,7 +198,7 @@ public enum PrefillDispatcher {
         let spec = KernelSpec.prefill(io: t.q.dtype, headDim: headDim, boolMask: t.mask?.dtype == .bool)
         return Dispatch(kernel: spec, constants: constants,
                         grid: Size3(tiles.nq, nHeads, batch), threadgroup: geo.threadsPerGroup,
-                        bindings: bindings)
+                        bindings: bindings, writes: [PrefillBuffer.out])
     }
 }
 

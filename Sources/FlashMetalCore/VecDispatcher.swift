@@ -168,7 +168,8 @@ public enum VecDispatcher {
             grid: Size3(1, s.rows, nwg), threadgroup: Size3(32, 1, 1),
             bindings: [VecBuffer.params: .bytes(bytesOf(params)), VecBuffer.q: .buffer(t.q),
                        VecBuffer.k: .buffer(t.k), VecBuffer.v: .buffer(t.v), VecBuffer.tmp: .buffer(t.tmp)],
-            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: s.headDim)])
+            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: s.headDim)],
+            writes: [VecBuffer.tmp])
         let reduce = try reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDim,
                                         nwg: nwg, fwht: o.fwht, signs: t.signs)
         return [main, reduce]
@@ -196,6 +197,8 @@ public enum VecDispatcher {
         }
         return Dispatch(kernel: .vecReduce(headDim: headDim, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),
-                        bindings: bindings, threadgroupMemory: tgMem)
+                        bindings: bindings, threadgroupMemory: tgMem,
+                        // Correct for any multiple of 32 threads: Metal may allow fewer than 1024.
+                        writes: [VecReduceBuffer.out], threadgroupFlexible: true)
     }
 }

@@ -48,6 +48,7 @@ final class BlkDispatcherTests: XCTestCase {
         let blk = HostTensor([1000], .u8)
         let d = try BlkDispatcher.makeDispatch(mask: mask.ref, blk: blk.ref, headDim: 512)
         XCTAssertEqual(d.kernel, "flash_attn_prefill_blk_bf16")
+        XCTAssertEqual(d.writes, [BlkBuffer.out])
         XCTAssertEqual(d.constants.int(400), 8)
         XCTAssertEqual(d.constants.int(401), 8)
         XCTAssertEqual(d.grid, Size3(9, 13, 1))

@@ -17,6 +17,7 @@ final class MaskDispatcherTests: XCTestCase {
         XCTAssertEqual(d.threadgroup, Size3(256, 1, 1))
         let p = try d.params(1, as: MaskParams.self)
         XCTAssertEqual([p.seq_len_q, p.seq_len_k, p.q_offset, p.window, p.causal], [5, 300, 295, 7, 1])
+        XCTAssertEqual(d.writes, [MaskBuilderBuffer.out])
         let d2 = try MaskDispatcher.makeDispatch(out: HostTensor([2, 2], .bf16).ref, MaskOptions(causal: false))
         XCTAssertEqual(d2.kernel, "flash_attn_prefill_mask_bf16")
         XCTAssertEqual(try d2.params(1, as: MaskParams.self).window, 0)

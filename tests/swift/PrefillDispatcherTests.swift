@@ -74,6 +74,7 @@ final class PrefillDispatcherTests: XCTestCase {
         o.qOffset = 10
         o.softcap = 30
         let d = try dispatch(Case(b: 2, h: 4, hkv: 2, qL: 50, kL: 64, d: 128), o)
+        XCTAssertEqual(d.writes, [PrefillBuffer.out])
         let p = try d.params(4, as: AttnParams.self)
         XCTAssertEqual([p.B, p.H, p.D, p.qL, p.kL, p.gqa_factor], [2, 4, 128, 50, 64, 2])
         XCTAssertEqual([p.NQ, p.NK, p.NQ_aligned, p.NK_aligned, p.qL_rem, p.kL_rem, p.qL_off], [2, 4, 1, 4, 18, 0, 10])

@@ -65,6 +65,11 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
         XCTAssertTrue(r.threadgroupMemory.isEmpty)
         XCTAssertNil(r.constants[FunctionConstantIndex.vecHasSigns])
+        // Metal copies back only what a kernel writes, and may narrow the reduce.
+        XCTAssertEqual(m.writes, [VecBuffer.tmp])
+        XCTAssertFalse(m.threadgroupFlexible)
+        XCTAssertEqual(r.writes, [VecReduceBuffer.out])
+        XCTAssertTrue(r.threadgroupFlexible)
     }
 
     func testBatchFoldsIntoHeads() throws {
