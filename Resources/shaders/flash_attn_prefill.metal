@@ -42,9 +42,6 @@ FUNCTION_CONSTANT(bool, has_mask, 300)
 FUNCTION_CONSTANT(bool, do_causal, 301)
 FUNCTION_CONSTANT(bool, has_blk, 303)
 
-// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
-#define FA_ROW_MAX_INIT (-1.70141173e38f)
-#define FA_LOG2E 1.44269504088896341f
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 
 // An additive mask value in natural units; a bool mask is true = attend.
@@ -125,8 +122,8 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
                 masked = masked || bias == -INFINITY;
                 x += bias;
             }
-            x *= FA_LOG2E;
-            x = x < FA_ROW_MAX_INIT ? FA_ROW_MAX_INIT : x;  // the floor (NaN compares false: kept)
+            x *= FM_LOG2E;
+            x = x < FM_RUNNING_MAX_START ? FM_RUNNING_MAX_START : x;  // the floor (NaN compares false: kept)
             if (masked) x = -INFINITY;
             s[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
@@ -228,7 +225,7 @@ kernel void flash_attn_prefill(
     simdgroup_float8x8 acc[TD];
     FA_UNROLL
     for (int d = 0; d < TD; d++) acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    float row_max = FA_ROW_MAX_INIT;
+    float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
     const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
 
@@ -342,7 +339,7 @@ kernel void flash_attn_prefill_wide(
         Orow[d * 8] = 0.0f;
         Orow[d * 8 + 1] = 0.0f;
     }
-    float row_max = FA_ROW_MAX_INIT;
+    float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
     const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
 

@@ -40,9 +40,6 @@ using namespace metal;
 
 FUNCTION_CONSTANT(bool, vec_has_signs, 500)
 
-// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
-#define VEC_ROW_MAX_INIT (-1.70141173e38f)
-#define VEC_LOG2E 1.44269504088896341f
 #define VEC_LN2 0.693147180559945309f
 #define VEC_CHUNK 32
 
@@ -103,7 +100,7 @@ kernel void flash_attn_vec(
 
     float o[NE];
     for (int i = 0; i < NE; i++) o[i] = 0.0f;
-    float m = VEC_ROW_MAX_INIT;  // log2 domain
+    float m = FM_RUNNING_MAX_START;  // log2 domain
     float s_sum = 0.0f;
 
     for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
@@ -122,7 +119,7 @@ kernel void flash_attn_vec(
         if (pos < kv_len && pos >= lo) {
             s = p.scale * dot;
             if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
-            s *= VEC_LOG2E;
+            s *= FM_LOG2E;
         }
         const float m_new = max(m, simd_max(s));
         const float factor = exp2(m - m_new);
@@ -161,9 +158,9 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
         const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
         const bool has = lane < nwg;
-        const float m_w = has ? sm[2 * lane + 1] : VEC_ROW_MAX_INIT;
+        const float m_w = has ? sm[2 * lane + 1] : FM_RUNNING_MAX_START;
         const float m = simd_max(m_w);
-        const float f = has ? exp2((m_w - m) * VEC_LOG2E) : 0.0f;
+        const float f = has ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
         const float s = simd_sum(has ? sm[2 * lane] * f : 0.0f);
         weights[lane] = f;
         if (lane == 0) weights[32] = s == 0.0f ? 0.0f : 1.0f / s;

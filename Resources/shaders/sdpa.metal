@@ -27,11 +27,7 @@ FUNCTION_CONSTANT(bool, sdpa_bool_mask, 600)
 FUNCTION_CONSTANT(bool, sdpa_additive_mask, 601)
 FUNCTION_CONSTANT_EXPR(bool, sdpa_has_mask, sdpa_bool_mask || sdpa_additive_mask)
 
-// -FLT_MAX / 2: finite, so max() absorbs -inf scores and m - m stays 0.
-#define SDPA_ROW_MAX_INIT (-1.70141173e38f)
-#define SDPA_LOG2E 1.44269504088896341f
 #define SDPA_DB 64
-#define SDPA_TILE_Q 32
 
 // max(x, lo) that keeps a NaN x (fmax would drop it).
 inline float max_or_nan(float x, float lo) { return x < lo ? lo : x; }
@@ -67,7 +63,7 @@ kernel void sdpa(
     const long cap = p.kv_capacity != 0 ? long(p.kv_capacity) : kv_len;
     const long b = tgid.x;
     const long h = tgid.y;
-    const long r = long(tgid.z) * SDPA_TILE_Q + long(tid);
+    const long r = long(tgid.z) * FM_SDPA_TILE_Q + long(tid);
     if (r >= q_len) return;  // no barrier or collective below
 
     const long heads = p.n_heads;
@@ -89,7 +85,7 @@ kernel void sdpa(
         const int nb = int(min(long(SDPA_DB), D - d0));
         float acc[SDPA_DB];
         for (int i = 0; i < SDPA_DB; i++) acc[i] = 0.0f;
-        float m = SDPA_ROW_MAX_INIT;
+        float m = FM_RUNNING_MAX_START;
         float l = 0.0f;
         for (long j = 0; j < end; j++) {
             float x = p.scale * sdpa_dot(qr, kb + j * D, int(D));
@@ -100,7 +96,7 @@ kernel void sdpa(
             // false and stays NaN. Masked (-inf / false): -inf.
             const bool masked = (sdpa_additive_mask && float(amask[mask_row + j]) == -INFINITY) ||
                                 (sdpa_bool_mask && !bmask[mask_row + j]);
-            const float s = masked ? -INFINITY : max_or_nan(x * SDPA_LOG2E, SDPA_ROW_MAX_INIT);
+            const float s = masked ? -INFINITY : max_or_nan(x * FM_LOG2E, FM_RUNNING_MAX_START);
             const float m_new = max(m, s);
             const float factor = exp2(m - m_new);
             const float pj = exp2(s - m_new);
