@@ -20,10 +20,10 @@
 // unchanged bit for bit (factor exp2(0) = 1, P = 0), which is why skipping
 // such tiles (blk class 0: all -inf; tiles past the causal diagonal) is exact.
 //
-// Two kernels share the tile step. flash_attn_prefill (D <= 256) keeps the O
-// accumulator in registers (TD 8x8 fragments per simdgroup).
-// flash_attn_prefill_wide (D = 512) would need 64 fragments, 128 floats per
-// thread, in registers; it keeps O in threadgroup memory instead (as
+// One kernel, two bodies sharing the tile step (PrefillTiles picks by head
+// dim). D <= 256 keeps the O accumulator in registers (TD 8x8 fragments per
+// simdgroup). D = 512 would need 64 fragments, 128 floats per thread, in
+// registers; its body keeps O in threadgroup memory instead (as
 // llama.cpp's flash-attention kernel does), each lane reading and writing
 // only its own fragment elements (so O needs no barrier), and streams K and
 // V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
@@ -176,30 +176,33 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
     return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
+// Threadgroup memory of one prefill threadgroup, by head dim. D <= 256: the
+// Q tile and a K/V tile, each row padded by 8 (Os is a 1-float stub). D > 256
+// ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
+template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
+    static constexpr bool wide = BD > 256;
+    static constexpr int DC = wide ? 128 : BD;  // K/V columns held at a time
+    static constexpr int LDQ = BD + 8;
+    static constexpr int LDC = DC + 8;
+    static constexpr int q_elems = BQ * LDQ;
+    static constexpr int kv_elems = BK * LDC;
+    static constexpr int o_floats = wide ? BQ * BD : 1;
+    static constexpr int bytes = (q_elems + kv_elems) * int(sizeof(T)) + o_floats * 4;
+};
+template <bool Wide> struct PrefillBody {};  // picks prefill_body's overload (C++14: no if constexpr)
+
+// D <= 256: the O accumulator in registers (Os unused).
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
-kernel void flash_attn_prefill(
-    const device T *Q [[buffer(0)]],
-    const device T *K [[buffer(1)]],
-    const device T *V [[buffer(2)]],
-    device T *O [[buffer(3)]],
-    constant AttnParams &p [[buffer(4)]],
-    // Declared only when their constant is set, so Metal never asks for them unbound.
-    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
-    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
-    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
-    uint3 tgid BUILTIN(threadgroup_position_in_grid),
-    uint sg BUILTIN(simdgroup_index_in_threadgroup),
-    uint lane BUILTIN(thread_index_in_simdgroup),
-    uint tid BUILTIN(thread_index_in_threadgroup)) {
+inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
+                         constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
+                         const device uchar *blk, threadgroup T *Qs, threadgroup T *KVs, threadgroup float *Os,
+                         uint3 tgid, uint sg, uint lane, uint tid) {
     constexpr int TK = BK / 8;  // score fragments per 8-row block
     constexpr int TD = BD / 8;  // output fragments per 8-row block
     constexpr int LD = BD + 8;  // padded row pitch of the tiles
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
-    static_assert((BQ + BK) * LD * sizeof(T) <= 32768, "threadgroup memory over 32 KiB");
-    TG_ARRAY(T, Qs, BQ * LD);
-    TG_ARRAY(T, KVs, BK * LD);  // the K tile, then the V tile
 
     const int qtile = int(tgid.x);
     const long h = tgid.y;
@@ -281,36 +284,23 @@ kernel void flash_attn_prefill(
     }
 }
 
-// D = 512: O in threadgroup memory, K and V streamed in DC-column chunks
-// (see the header). Same buffers, constants and results as flash_attn_prefill.
+// D = 512: O in threadgroup memory (Os, row pitch BD), K and V streamed in
+// DC-column chunks through KVs (see the header).
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
-kernel void flash_attn_prefill_wide(
-    const device T *Q [[buffer(0)]],
-    const device T *K [[buffer(1)]],
-    const device T *V [[buffer(2)]],
-    device T *O [[buffer(3)]],
-    constant AttnParams &p [[buffer(4)]],
-    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
-    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
-    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
-    uint3 tgid BUILTIN(threadgroup_position_in_grid),
-    uint sg BUILTIN(simdgroup_index_in_threadgroup),
-    uint lane BUILTIN(thread_index_in_simdgroup),
-    uint tid BUILTIN(thread_index_in_threadgroup)) {
-    constexpr int DC = 128;      // K/V columns per chunk
+inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
+                         constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
+                         const device uchar *blk, threadgroup T *Qs, threadgroup T *KVs, threadgroup float *Os,
+                         uint3 tgid, uint sg, uint lane, uint tid) {
+    typedef PrefillTiles<T, BQ, BK, BD> G;
+    constexpr int DC = G::DC;    // K/V columns per chunk
     constexpr int NC = BD / DC;  // chunks per tile
     constexpr int TK = BK / 8;
     constexpr int TC = DC / 8;   // output fragments per chunk
-    constexpr int LDQ = BD + 8;
-    constexpr int LDC = DC + 8;
+    constexpr int LDQ = G::LDQ;
+    constexpr int LDC = G::LDC;
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
-    static_assert(BQ * LDQ * sizeof(T) + BK * LDC * sizeof(T) + BQ * BD * 4 < 32768,
-                  "threadgroup memory must stay under 32 KiB");
-    TG_ARRAY(T, Qs, BQ * LDQ);
-    TG_ARRAY(T, KVs, BK * LDC);    // a DC-column chunk of the K tile, then of the V tile
-    TG_ARRAY(float, Os, BQ * BD);  // the O accumulator, row pitch BD
 
     const int qtile = int(tgid.x);
     const long h = tgid.y;
@@ -398,6 +388,30 @@ kernel void flash_attn_prefill_wide(
     }
 }
 
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+kernel void flash_attn_prefill(
+    const device T *Q [[buffer(0)]],
+    const device T *K [[buffer(1)]],
+    const device T *V [[buffer(2)]],
+    device T *O [[buffer(3)]],
+    constant AttnParams &p [[buffer(4)]],
+    // Declared only when their constant is set, so Metal never asks for them unbound.
+    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
+    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
+    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup),
+    uint tid BUILTIN(thread_index_in_threadgroup)) {
+    typedef PrefillTiles<T, BQ, BK, BD> G;
+    static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
+    TG_ARRAY(T, Qs, G::q_elems);
+    TG_ARRAY(T, KVs, G::kv_elems);  // the K tile (or chunk), then the V tile (or chunk)
+    TG_ARRAY(float, Os, G::o_floats);
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, mp, mask, blk, Qs, KVs, Os,
+                                              tgid, sg, lane, tid);
+}
+
 // Seed 000's entry points plus D=128: (T, MaskT, BQ, BK, BD, WM, WN). The
 // geometry must match PrefillGeometry in Sources/FlashMetalCore.
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
@@ -406,13 +420,13 @@ INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, b
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill_wide, bfloat, bfloat, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill_wide, bfloat, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill_wide, half, half, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill_wide, half, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, bool, 8, 8, 512, 1, 1)
