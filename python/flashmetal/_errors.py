@@ -26,4 +26,9 @@ def raise_for_status(status: int, message: str) -> None:
         raise TypeError(message)
     if status == backend:
         raise BackendError(message)
+    if status == _loader.load()[1].FM_ERROR_INTERRUPTED:
+        # A SIGINT cut the call short (outputs unspecified). Python's own
+        # handler normally raised KeyboardInterrupt as the call returned; a
+        # handler that does not raise still must not see a finished call.
+        raise KeyboardInterrupt(message)
     raise RuntimeError(message or f"flashmetal: status {status}")
