@@ -494,8 +494,6 @@ namespace {
 // workers instead of exhausting mappings.
 constexpr size_t kMapBudget = 16384; // a quarter of Linux's default limit
 constexpr int kMaxWorkers = 256;
-// Idle workers kept for reuse beyond this many are freed.
-constexpr size_t kIdleKeep = 16;
 
 struct WorkerPool {
     pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -505,7 +503,6 @@ struct WorkerPool {
     Worker *idle[kMaxWorkers];
     int n_idle = 0;
     size_t maps = 0; // held by all workers
-    int waiting = 0;
 };
 WorkerPool g_pool;
 
@@ -519,7 +516,6 @@ void pool_reset_in_child() {
     pthread_cond_init(&g_pool.cv, nullptr);
     for (int i = 0; i < g_pool.n_all; i++) g_pool.idle[i] = g_pool.all[i];
     g_pool.n_idle = g_pool.n_all;
-    g_pool.waiting = 0;
 }
 const int g_pool_atfork = pthread_atfork(pool_lock_for_fork, pool_unlock_after_fork, pool_reset_in_child);
 
@@ -579,9 +575,7 @@ int acquire_workers(size_t n, int want, Worker **out, char *err, size_t errlen) 
         const bool others_busy = g_pool.n_all > g_pool.n_idle + got;
         if (got > 0 || !others_busy) break;
         err[0] = 0; // a dispatch in flight gives workers back: wait for them
-        g_pool.waiting++;
         pthread_cond_wait(&g_pool.cv, &g_pool.mu);
-        g_pool.waiting--;
     }
     pthread_mutex_unlock(&g_pool.mu);
     if (got == 0 && !err[0])
@@ -592,10 +586,9 @@ int acquire_workers(size_t n, int want, Worker **out, char *err, size_t errlen) 
 
 void release_workers(Worker *const *ws, int n) {
     pthread_mutex_lock(&g_pool.mu);
-    for (int i = 0; i < n; i++) {
-        if (size_t(g_pool.n_idle) >= kIdleKeep && !g_pool.waiting) destroy_worker(ws[i]);
-        else g_pool.idle[g_pool.n_idle++] = ws[i];
-    }
+    // Kept for reuse (within the budget); a dispatch that needs room frees
+    // idle workers too small for it, fmsim_release_idle frees them all.
+    for (int i = 0; i < n; i++) g_pool.idle[g_pool.n_idle++] = ws[i];
     pthread_cond_broadcast(&g_pool.cv);
     pthread_mutex_unlock(&g_pool.mu);
 }
