@@ -27,6 +27,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
@@ -151,11 +152,17 @@ static FMPool *fm_pool_create(int32_t nthreads) {
     pthread_mutex_init(&p->job_mu, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    /* Workers block every signal (they inherit the mask): a SIGINT or
+     * SIGCHLD is then delivered to a thread of the application. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     int started = 0;
     for (int i = 1; i < nthreads; i++) {
         if (pthread_create(&p->tids[i], NULL, fm_pool_main, p) != 0) break;
         started++;
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     p->nthreads = 1 + started;
     return p;
 }

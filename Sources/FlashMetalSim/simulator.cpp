@@ -26,6 +26,7 @@
 #include <vector>
 #include <cerrno>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -762,8 +763,13 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
         tl_worker = prev;
     } else {
         // A thread the system refuses leaves its share to the others.
+        // Helper threads block every signal (they inherit the mask), so a
+        // SIGINT reaches an application thread.
         std::vector<std::thread> th;
         th.reserve(size_t(held.n));
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
         for (int i = 1; i < held.n; i++) {
             try {
                 th.emplace_back(worker_loop, ds.get(), held.w[i], ngroups, uint64_t(i));
@@ -771,6 +777,7 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
                 break;
             }
         }
+        pthread_sigmask(SIG_SETMASK, &old, nullptr);
         worker_loop(ds.get(), held.w[0], ngroups, 0);
         for (auto &t : th) t.join();
     }

@@ -58,8 +58,16 @@ def test_ignored_sigint_stays_ignored():
     p = run_python("""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     reg = fm.Registry("sim")
-    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
-    check_decode(reg, h=2, length=8192, d=64)
+    q, k, v = decode_case(2, 16384, 64)
+    sent = []
+    def interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.append(time.monotonic())
+    threading.Timer(0.05, interrupt).start()
+    fm.flash_attn_decode(q, k, v, 16384, registry=reg)
+    done = time.monotonic()
+    assert sent and sent[0] < done, "the SIGINT was not sent during the call"
+    check_decode(reg)
     print("completed")
     """, timeout=120)
     assert p.stdout.strip() == "completed"
