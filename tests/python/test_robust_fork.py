@@ -66,3 +66,23 @@ def test_fork_from_a_thread_while_the_pool_works():
     print("ok")
     """, timeout=60)
     assert p.stdout.strip() == "ok"
+
+
+def test_fork_while_a_package_lock_is_held():
+    """The package's Python locks, held by another thread at fork(), are new
+    in the child (a held lock would otherwise stay held there forever)."""
+    p = run_python("""
+    from flashmetal import _loader, registry
+    reg = fm.Registry("cpu")
+    check_decode(reg)
+    with _loader._lock, registry._defaults_lock:
+        pid = os.fork()
+        if pid == 0:
+            check_decode(reg)
+            check_decode(fm.default_registry("cpu"))
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    print("ok")
+    """, timeout=60)
+    assert p.stdout.strip() == "ok"
