@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
-#include "fm_env.h"
+#include "../CFlashMetal/fm_env.h"
 #include "fm_runtime.h"
 
 #define FM_POOL_MAX_THREADS 1024

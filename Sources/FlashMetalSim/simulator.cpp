@@ -12,7 +12,7 @@
 #include "simulator.h"
 #include "simulator_internal.h"
 #include "include/fmsim.h"
-#include "fm_env.h"
+#include "../CFlashMetal/fm_env.h"
 
 #include <atomic>
 #include <cstdarg>

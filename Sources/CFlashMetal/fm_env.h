@@ -5,7 +5,8 @@
  * variable, the value and the range (once per variable and process, so a
  * per-call reader does not flood the log). Nothing here can overflow or
  * trap, whatever the environment holds. Header-only so that the simulator's
- * standalone build (mk/sim.mk) and the library share it. */
+ * standalone build (mk/sim.mk) and the library share it; outside include/
+ * so that Swift never imports it (C files include it by relative path). */
 #ifndef FM_ENV_H
 #define FM_ENV_H
 
