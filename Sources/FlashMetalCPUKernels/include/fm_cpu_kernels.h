@@ -65,16 +65,6 @@ size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a);
 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,
                               const void *packed, float *scratch);
 
-/* ---- thread pool (pool.c): the caller works as worker 0 -------------------- */
-typedef struct FMPool FMPool;
-typedef void (*fm_pool_fn)(void *ctx, int64_t worker, int64_t item);
-/* NULL when nthreads < 2 (then fm_pool_run runs inline). */
-FMPool *fm_pool_create(int32_t nthreads);
-int32_t fm_pool_threads(const FMPool *p);
-void fm_pool_destroy(FMPool *p);
-/* fn(ctx, worker, item) for item in [0, count), worker < max_workers. */
-void fm_pool_run(FMPool *p, int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx);
-
 /* ---- blk pre-pass: one (q tile, k tile) of a [qL, kL] 16-bit additive mask.
  * Writes blk[qt * nk + kt]: 0 all <= -1e30, 2 all == 0, else 1 (a partial
  * right-edge K tile is 1, a tile wholly past kL is 0). */
