@@ -6,6 +6,7 @@ import FlashMetalCore
 final class SdpaKernel: CPUKernel {
     let name: String
     let maskKind: Int32
+    private let fastPath = SdpaFastPath()
 
     init(_ key: PipelineKey) throws {
         name = key.kernel
@@ -15,6 +16,7 @@ final class SdpaKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
+        if try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
         var p = try d.params(4, as: SdpaParams.self)
         let q = try d.buffer(0)
         let k = UnsafeRawPointer(try d.buffer(1).data)
