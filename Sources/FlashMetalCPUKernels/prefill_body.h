@@ -214,66 +214,77 @@ static fm_v FM_SFX(pf_mask_values)(const FMPrefillArgs *a, const char *mrow, int
     return fm_v_load(t);
 }
 
-/* Raw dot products of one row over one key block -> scores: scale, softcap,
- * mask (per blk class), the floor, then -inf for masked cells (mask -inf,
- * bool false, blk class 0, causal, past kL). */
-static void FM_SFX(pf_row_scores)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0,
-                                  int64_t kc, const char *mrow) {
+/* Scores of FM_VL keys [j0, j0 + FM_VL) of one row from their raw dot
+ * products: scale, softcap, mask (per blk class), the floor, then -inf for
+ * masked cells (mask -inf, bool false, blk class 0, causal, past kL). */
+static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row, int64_t c0, int j0,
+                                     int64_t kc, const char *mrow) {
     const AttnParams *p = &a->p;
     const float softcap = p->softcapping;
-    const int64_t qt = row / a->bq;
-    const int64_t lim = (int64_t)p->qL_off + row - c0; /* keys j > lim are in the future */
+    s *= p->scale;
+    if (softcap > 0) {
+        for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
+    }
     fm_vi iota;
     for (int i = 0; i < FM_VL; i++) iota[i] = i;
-    for (int c = 0; c < KB / FM_VL; c++) {
-        const int j0 = c * FM_VL;
-        fm_v s = fm_v_load(S + j0) * p->scale;
-        if (softcap > 0) {
-            for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
-        }
-        const fm_vi jj = iota + j0;
-        fm_vi kill = jj >= (int32_t)kc;
-        if (a->causal) kill |= lim < 0 ? (fm_vi)(-1) : lim >= KB ? (fm_vi)0 : jj > (int32_t)lim;
-        const int nvalid = kc - j0 >= FM_VL ? FM_VL : (kc - j0 > 0 ? (int)(kc - j0) : 0);
-        if (mrow && nvalid > 0) {
-            const int64_t k0 = c0 + j0;
-            fm_vi add = ~kill;
-            if (a->blk) {
-                for (int i = 0; i < FM_VL; i++) {
-                    if (i >= nvalid) continue;
-                    const uint8_t cls = a->blk[qt * p->NK + (k0 + i) / a->bk];
-                    if (cls == 0) kill[i] = -1;
-                    if (cls != 1) add[i] = 0;
-                }
-            }
-            if (a->mask_kind == FM_MASK_BOOL) {
-                uint8_t mb[FM_VL] = {0};
-                memcpy(mb, (const uint8_t *)mrow + k0, (size_t)nvalid);
-                for (int i = 0; i < FM_VL; i++) if (add[i] && mb[i] == 0) kill[i] = -1;
-            } else {
-                const fm_v mv = FM_SFX(pf_mask_values)(a, mrow, k0, nvalid);
-                kill |= add & (mv == -INFINITY);
-                s = fm_v_sel(add, s + mv, s);
-            }
-        }
-        s = fm_v_sel(s < FM_M_INIT, fm_v_splat(FM_M_INIT), s);
-        fm_v_store(S + j0, fm_v_sel(kill, fm_v_splat(-INFINITY), s));
+    const fm_vi jj = iota + j0;
+    fm_vi kill = jj >= (int32_t)kc;
+    if (a->causal) {
+        const int64_t lim = (int64_t)p->qL_off + row - c0; /* keys j > lim are in the future */
+        kill |= lim < 0 ? (fm_vi)(-1) : lim >= KB ? (fm_vi)0 : jj > (int32_t)lim;
     }
+    const int nvalid = kc - j0 >= FM_VL ? FM_VL : (kc - j0 > 0 ? (int)(kc - j0) : 0);
+    if (mrow && nvalid > 0) {
+        const int64_t k0 = c0 + j0;
+        fm_vi add = ~kill;
+        if (a->blk) {
+            const int64_t qt = row / a->bq;
+            for (int i = 0; i < nvalid; i++) {
+                const uint8_t cls = a->blk[qt * p->NK + (k0 + i) / a->bk];
+                if (cls == 0) kill[i] = -1;
+                if (cls != 1) add[i] = 0;
+            }
+        }
+        if (a->mask_kind == FM_MASK_BOOL) {
+            uint8_t mb[FM_VL] = {0};
+            memcpy(mb, (const uint8_t *)mrow + k0, (size_t)nvalid);
+            for (int i = 0; i < FM_VL; i++) if (add[i] && mb[i] == 0) kill[i] = -1;
+        } else {
+            const fm_v mv = FM_SFX(pf_mask_values)(a, mrow, k0, nvalid);
+            kill |= add & (mv == -INFINITY);
+            s = fm_v_sel(add, s + mv, s);
+        }
+    }
+    s = fm_v_sel(s < FM_M_INIT, fm_v_splat(FM_M_INIT), s);
+    return fm_v_sel(kill, fm_v_splat(-INFINITY), s);
 }
 
-/* Online softmax step of one row: S holds scores on entry and p on exit;
- * M, L are updated and F receives the factor for O. */
-static void FM_SFX(pf_row_softmax)(float *S, float *M, float *L, float *F, int round_bf16) {
+/* Online softmax step of one row over one key block: S holds the raw dot
+ * products on entry and p on exit; M, L are updated and F receives the
+ * factor for O. With round_bf16, p is rounded to bf16 and the row sum uses
+ * the rounded values. The running max ignores NaN (s > m is false). */
+static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
+                                   const char *mrow, float *M, float *L, float *F, int round_bf16) {
     fm_v s[KB / FM_VL];
     fm_v mv = fm_v_splat(*M);
-    for (int c = 0; c < KB / FM_VL; c++) {
-        s[c] = fm_v_load(S + c * FM_VL);
-        mv = fm_v_sel(s[c] > mv, s[c], mv);
+    /* The common block (every key present and in the past, no mask, no
+     * softcap) needs only the scale and the floor. */
+    const int plain = !mrow && a->p.softcapping == 0 && kc == KB &&
+                      (!a->causal || (int64_t)a->p.qL_off + row - c0 >= KB - 1);
+    if (plain) {
+        for (int c = 0; c < KB / FM_VL; c++) {
+            const fm_v x = fm_v_load(S + c * FM_VL) * a->p.scale;
+            s[c] = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
+            mv = fm_v_sel(s[c] > mv, s[c], mv);
+        }
+    } else {
+        for (int c = 0; c < KB / FM_VL; c++) {
+            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, mrow);
+            mv = fm_v_sel(s[c] > mv, s[c], mv);
+        }
     }
-    const float mold = *M;
-    float mx = mold;
-    for (int i = 0; i < FM_VL; i++) if (mv[i] > mx) mx = mv[i];
-    const float factor = expf(mold - mx);
+    const float mold = *M, mx = fm_v_max(mv);
+    const float factor = fm_v_exp(fm_v_splat(mold - mx))[0];
     fm_v sum = fm_v_splat(0.0f);
     for (int c = 0; c < KB / FM_VL; c++) {
         fm_v pv = fm_v_exp(s[c] - mx);
@@ -352,8 +363,8 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
                 FM_SFX(pf_qk_f32)(Qf + (size_t)ga * D, (const float *)Kb, D, Sg);
             for (int r = 0; r < R; r++) {
                 float *Sr = Sg + (size_t)r * KB;
-                FM_SFX(pf_row_scores)(a, Sr, rowid[ga + r], c0, kc, mrow[ga + r]);
-                FM_SFX(pf_row_softmax)(Sr, &M[ga + r], &L[ga + r], &F[ga + r], bfp);
+                FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, mrow[ga + r], &M[ga + r], &L[ga + r],
+                                       &F[ga + r], bfp);
 #if FM_PF_BF16DP
                 if (bfp) {
                     uint16_t *Pr = (uint16_t *)(P + (size_t)(ga + r) * KB);

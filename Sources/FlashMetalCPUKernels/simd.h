@@ -66,21 +66,37 @@ static inline fm_v fm_v_round_bf16(fm_v x) {
     return (fm_v)u;
 }
 
-/* Sums in a fixed lane order (deterministic, independent of the caller). */
+/* Sum over the lanes as a fixed tree (halves added pairwise): deterministic
+ * for a given ISA, and a short dependency chain. */
 static inline float fm_v_sum(fm_v v) {
-    float s = 0.0f;
-    for (int i = 0; i < FM_VL; i++) s += v[i];
-    return s;
+    float t[FM_VL];
+    memcpy(t, &v, sizeof v);
+    for (int w = FM_VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+/* Largest lane of a vector without NaN. */
+static inline float fm_v_max(fm_v v) {
+    float t[FM_VL];
+    memcpy(t, &v, sizeof v);
+    for (int w = FM_VL / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+    return t[0];
 }
 
 /* e^x for x <= 0 or NaN: e^-inf and anything below -87.3 give exactly 0,
  * e^0 gives exactly 1, NaN gives NaN (the clamp is a select, not a max, so
- * a NaN is never replaced). */
+ * a NaN is never replaced). n = round(x / ln 2) comes from adding 1.5 * 2^23
+ * (its low mantissa bits are then n), so no float -> int conversion is
+ * needed; x = r + n ln 2 with a 2-term ln 2 and a degree-6 polynomial for
+ * e^r on |r| <= ln 2 / 2 (relative error ~1e-7). */
 static inline fm_v fm_v_exp(fm_v x) {
     const fm_vi tiny = x < -87.3f;
     const fm_v xc = fm_v_sel(tiny, fm_v_splat(-87.3f), x);
-    fm_v n = __builtin_elementwise_roundeven(xc * 1.44269504088896341f);
-    n = fm_v_sel(n == n, n, fm_v_splat(0.0f)); /* float->int of NaN is undefined */
+    const fm_v magic = fm_v_splat(12582912.0f); /* 1.5 * 2^23 */
+    const fm_v t = fm_v_fma(xc, fm_v_splat(1.44269504088896341f), magic);
+    const fm_v n = t - magic;
     fm_v r = fm_v_fma(n, fm_v_splat(-0.693145751953125f), xc);
     r = fm_v_fma(n, fm_v_splat(-1.428606765330187045e-06f), r);
     fm_v y = fm_v_splat(1.0f / 720.0f);
@@ -90,10 +106,9 @@ static inline fm_v fm_v_exp(fm_v x) {
     y = fm_v_fma(y, r, fm_v_splat(0.5f));
     y = fm_v_fma(y, r, fm_v_splat(1.0f));
     y = fm_v_fma(y, r, fm_v_splat(1.0f));
-    /* n in [-126, 0] for the clamped range: 2^n is a normal float; a NaN
-     * lane has n = 0 and y = NaN. */
-    const fm_vi e = __builtin_convertvector(n, fm_vi);
-    const fm_v two_n = (fm_v)((e + 127) << 23);
+    /* n in [-126, 0] for the clamped range, in t's low mantissa bits:
+     * 2^n = (n + 127) << 23. A NaN lane keeps y = NaN. */
+    const fm_v two_n = (fm_v)(((fm_vu)t + (127u - 0x4B400000u)) << 23);
     return fm_v_sel(tiny, fm_v_splat(0.0f), y * two_n);
 }
 #endif
