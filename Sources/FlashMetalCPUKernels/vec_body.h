@@ -5,17 +5,36 @@
  * processed in blocks of up to 4 rows, so each key and value vector is
  * loaded and converted once (in registers) per block. Scores of a 32-key
  * chunk are exponentiated FM_VL keys per vector. A row's arithmetic does not
- * depend on the others. Scratch (heap, per worker): M, S [gqa], scores
- * [gqa, FM_VEC_CHUNK]; nothing sized by gqa lives on the stack. */
+ * depend on the others (each (row, key) dot product is one chain over D,
+ * whichever block computes it). Scratch (heap, per worker): M, S [gqa],
+ * scores [gqa, FM_VEC_CHUNK]; nothing sized by gqa lives on the stack. */
 #include <math.h>
 
 #define FM_C FM_VEC_CHUNK
 
-/* Scores of rows [g0, g0 + NR) for the n keys at kc. */
+/* Raw dot products of rows [0, NR) with the n keys at kc. KJ keys at a
+ * time, so NR * KJ accumulator chains hide the FMA latency (one key at a
+ * time, a 2-row group ran on 2 chains: latency-bound). */
 static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
-    const float *const qr[4], const void *kc, int32_t dtype, int64_t n, int32_t D, int NR,
-    float *sc) {
-    for (int64_t j = 0; j < n; j++) {
+    const float *const qr[4], const void *kc, int32_t dtype, int64_t n, int32_t D, int NR, float *sc) {
+    const int KJ = 8 / NR;
+    int64_t j = 0;
+    for (; j + KJ <= n; j += KJ) {
+        fm_v acc[4][8];
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < KJ; t++) acc[r][t] = fm_v_splat(0.0f);
+        for (int32_t d = 0; d < D; d += FM_VL) {
+            fm_v qv[4];
+            for (int r = 0; r < NR; r++) qv[r] = fm_v_load(qr[r] + d);
+            for (int t = 0; t < KJ; t++) {
+                const fm_v kv = fm_v_load_any(kc, (j + t) * D + d, dtype);
+                for (int r = 0; r < NR; r++) acc[r][t] = fm_v_fma(qv[r], kv, acc[r][t]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int t = 0; t < KJ; t++) sc[r * FM_C + j + t] = fm_v_sum(acc[r][t]);
+    }
+    for (; j < n; j++) {
         fm_v acc[4];
         for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
         for (int32_t d = 0; d < D; d += FM_VL) {
@@ -26,30 +45,26 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
 }
 
-/* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR), 2 vectors of
- * outputs at a time. */
+/* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR): NV vectors of
+ * outputs at a time, NR * NV chains (8). */
 static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     float *const o[4], const float *f, const float *p, const void *vc, int32_t dtype, int64_t n,
     int32_t D, int NR) {
-    for (int32_t d = 0; d < D; d += 2 * FM_VL) {
-        fm_v acc[4][2];
-        for (int r = 0; r < NR; r++) {
-            acc[r][0] = fm_v_load(o[r] + d) * f[r];
-            acc[r][1] = fm_v_load(o[r] + d + FM_VL) * f[r];
-        }
+    const int NV = NR >= 4 ? 2 : 4;
+    for (int32_t d = 0; d < D; d += NV * FM_VL) {
+        fm_v acc[4][4];
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < NV; i++) acc[r][i] = fm_v_load(o[r] + d + i * FM_VL) * f[r];
         for (int64_t j = 0; j < n; j++) {
-            const fm_v v0 = fm_v_load_any(vc, j * D + d, dtype);
-            const fm_v v1 = fm_v_load_any(vc, j * D + d + FM_VL, dtype);
+            fm_v vv[4];
+            for (int i = 0; i < NV; i++) vv[i] = fm_v_load_any(vc, j * D + d + i * FM_VL, dtype);
             for (int r = 0; r < NR; r++) {
                 const fm_v pj = fm_v_splat(p[r * FM_C + j]);
-                acc[r][0] = fm_v_fma(pj, v0, acc[r][0]);
-                acc[r][1] = fm_v_fma(pj, v1, acc[r][1]);
+                for (int i = 0; i < NV; i++) acc[r][i] = fm_v_fma(pj, vv[i], acc[r][i]);
             }
         }
-        for (int r = 0; r < NR; r++) {
-            fm_v_store(o[r] + d, acc[r][0]);
-            fm_v_store(o[r] + d + FM_VL, acc[r][1]);
-        }
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < NV; i++) fm_v_store(o[r] + d + i * FM_VL, acc[r][i]);
     }
 }
 
