@@ -94,11 +94,11 @@ final class SdpaFastPath {
     private let fast = FastPrefill()
 
     /// Runs `d` and returns true when the fast path covers it.
-    func run(_ d: Dispatch, maskKind: Int32, pool: WorkerPool) throws -> Bool {
-        let q = try d.buffer(0)
+    func run(_ d: Dispatch, maskKind: MaskKind, pool: WorkerPool) throws -> Bool {
+        let q = try d.buffer(SdpaBuffer.q)
         guard q.dtype == .f32 else { return false }
         let isa = fm_cpu_isa()
-        let sp = try d.params(4, as: SdpaParams.self)
+        let sp = try d.params(SdpaBuffer.params, as: SdpaParams.self)
         let (H, Hkv, D) = (Int64(sp.n_heads), Int64(sp.n_kv_heads), Int64(sp.head_dim))
         let (qL, kL) = (Int64(sp.seq_len), Int64(sp.kv_seq_len))
         guard Hkv > 0, H % Hkv == 0, qL > 0, kL > 0 else { return false }
@@ -122,15 +122,15 @@ final class SdpaFastPath {
         a.bk = 64
         a.io_dtype = DType.f32.rawValue
         a.causal = sp.do_causal != 0 ? 1 : 0
-        a.mask_kind = maskKind
+        a.mask_kind = maskKind.rawValue
         guard FastPrefill.covers(&a, isa: isa) else { return false }
         a.q = UnsafeRawPointer(q.data)
-        a.k = UnsafeRawPointer(try d.buffer(1).data)
-        a.v = UnsafeRawPointer(try d.buffer(2).data)
-        a.o = try d.buffer(3).data
-        if maskKind != Int32(FM_MASK_NONE) {
-            a.mp = try d.params(5, as: AttnMaskParams.self)
-            a.mask = UnsafeRawPointer(try d.buffer(maskKind == Int32(FM_MASK_BOOL) ? 7 : 6).data)
+        a.k = UnsafeRawPointer(try d.buffer(SdpaBuffer.k).data)
+        a.v = UnsafeRawPointer(try d.buffer(SdpaBuffer.v).data)
+        a.o = try d.buffer(SdpaBuffer.out).data
+        if maskKind != .none {
+            a.mp = try d.params(SdpaBuffer.maskParams, as: AttnMaskParams.self)
+            a.mask = UnsafeRawPointer(try d.buffer(maskKind == .bool ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask).data)
         }
         fast.run(&a, isa: isa, pool: pool)
         return true

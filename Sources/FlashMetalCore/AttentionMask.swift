@@ -7,7 +7,9 @@ public enum AttentionMask {
     /// (batch, head, row) element strides.
     public static func params(_ mask: TensorRef, io: DType, batch: Int, heads: Int, qL: Int, kL: Int,
                               op: String) throws -> AttnMaskParams {
-        try mask.requireDType([io, .bool], op: op, name: "mask")
+        if mask.dtype != io && mask.dtype != .bool {
+            throw FlashMetalError.type(op, "mask must be \(io.name) (additive) or bool, got \(mask.dtype.name)")
+        }
         try mask.requireRank([2, 4], op: op, name: "mask")
         let want = mask.rank == 2 ? [qL, kL] : [batch, heads, qL, kL]
         if mask.shape != want {
