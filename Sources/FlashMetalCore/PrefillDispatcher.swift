@@ -163,9 +163,7 @@ public enum PrefillDispatcher {
             if b.shape != [tiles.nq, tiles.nk] {
                 throw FlashMetalError.value(op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) and a [\(qL), \(kL)] mask (build it with that head dim and mask)")
             }
-            if let made = BlkAllocations.provenance(b), made.headDim != headDim || made.qL != qL || made.kL != kL {
-                throw FlashMetalError.value(op, "blk was built for head_dim \(made.headDim) and a [\(made.qL), \(made.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask")
-            }
+            try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)

@@ -21,6 +21,8 @@ class Registry:
     def __init__(self, backend: str = "auto") -> None:
         if not isinstance(backend, str):
             raise InvalidTypeError("create_registry", f"backend must be a str, got {type(backend).__name__}")
+        if "\0" in backend:  # C would read only the part before it
+            raise InvalidValueError("create_registry", f"backend name contains a NUL character: {backend!r}")
         ffi = _native.ffi()
         out = ffi.new("FMRegistry **")
         _native.call_static("fm_create_registry", backend.encode(), out, op="create_registry")
