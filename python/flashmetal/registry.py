@@ -132,10 +132,12 @@ os.register_at_fork(after_in_child=_new_defaults_lock_in_child)
 
 
 def default_registry(backend: str = "auto") -> Registry:
-    """A process-wide registry per backend name, created on first use."""
+    """A process-wide registry per backend name, created on first use (and
+    again after a caller closed it, which would otherwise poison every later
+    ``registry=`` name lookup)."""
     with _defaults_lock:
         r = _defaults.get(backend)
-        if r is None:
+        if r is None or r._handle is None:
             r = _defaults[backend] = Registry(backend)
         return r
 
