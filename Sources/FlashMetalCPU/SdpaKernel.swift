@@ -7,6 +7,7 @@ final class SdpaKernel: CPUKernel {
     let name: String
     let io: DType
     let maskKind: MaskKind
+    private let fastPath = SdpaFastPath()
 
     init(_ key: PipelineKey, io: DType) throws {
         name = key.kernel
@@ -17,6 +18,7 @@ final class SdpaKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
+        if try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
         var p = try d.params(SdpaBuffer.params, as: SdpaParams.self)
         let q = try d.buffer(SdpaBuffer.q)
         let k = UnsafeRawPointer(try d.buffer(SdpaBuffer.k).data)
