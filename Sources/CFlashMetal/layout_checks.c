@@ -18,3 +18,6 @@ FM_AT(FlashAttnVecParams, nwg, 36);
 _Static_assert(sizeof(FlashAttnVecReduceParams) == 4, "FlashAttnVecReduceParams is 4 bytes");
 _Static_assert(sizeof(SdpaParams) == 32, "SdpaParams is 32 bytes");
 FM_AT(SdpaParams, do_causal, 28);
+_Static_assert(sizeof(SdpaExtParams) == 16, "SdpaExtParams is 16 bytes");
+FM_AT(SdpaExtParams, q_offset, 4);
+FM_AT(SdpaExtParams, window, 8);

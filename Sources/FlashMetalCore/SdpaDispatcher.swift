@@ -5,43 +5,74 @@ public struct SdpaOptions: Sendable {
     public var causal: Bool = true
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
+    /// Absolute position of query row 0; nil is the seed's bottom-right
+    /// alignment (kv_len - qL). 0 is torch's top-left causal alignment.
+    public var qOffset: Int? = nil
+    /// Sliding window w (keys p with t - p < w); nil = none.
+    public var window: Int? = nil
+    /// Logit softcap c > 0 (c * tanh(s / c)); 0 = off.
+    public var softcap: Float = 0
 
-    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil) {
+    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil, qOffset: Int? = nil,
+                window: Int? = nil, softcap: Float = 0) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
+        self.qOffset = qOffset; self.window = window; self.softcap = softcap
     }
 
     public init(_ o: FMSdpaOptions) throws {
+        let op = SdpaDispatcher.op
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(SdpaDispatcher.op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
         }
-        if o.kv_len < 0 { throw FlashMetalError.value(SdpaDispatcher.op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
-        self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len))
+        guard o.has_q_offset == 0 || o.has_q_offset == 1 else {
+            throw FlashMetalError.value(op, "has_q_offset must be 0 or 1, got \(o.has_q_offset)")
+        }
+        if o.kv_len < 0 { throw FlashMetalError.value(op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)") }
+        self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len),
+                  qOffset: o.has_q_offset == 1 ? Int(o.q_offset) : nil,
+                  window: o.window == 0 ? nil : Int(o.window), softcap: o.softcap)
     }
+
+    /// Whether the call needs SdpaExtParams (buffer 8): anything beyond the seed.
+    var needsExt: Bool { qOffset != nil || window != nil || softcap != 0 }
 }
 
-/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16`, one thread
-/// per query row, TILE_Q = 32 rows per threadgroup. Causal is bottom-right:
-/// query i sits at kv_len - qL + i.
+/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16` (+ ours:
+/// `sdpa_f16`), one thread per query row, TILE_Q = 32 rows per threadgroup.
+/// Causal is bottom-right (query i at kv_len - qL + i) unless SdpaExtParams
+/// (buffer 8, constant 602) give an explicit q_offset; the same struct adds
+/// the window and the softcap (constant 603). Any head dim 1...512.
 public enum SdpaDispatcher {
     public static let op = "sdpa"
     public static let tileQ = 32
     public static let maxHeadDim = 512
-    public static let allKernelNames = ["sdpa", "sdpa_bf16"]
+    public static let allKernelNames = ["sdpa", "sdpa_bf16", "sdpa_f16"]
 
     /// Function constants of the optional mask (ours; the seed had no mask):
     /// a bool mask binds at buffer 7, an additive one (Q's dtype) at buffer 6,
     /// either with its AttnMaskParams strides at buffer 5.
     public static let boolMaskConstant = 600
     public static let additiveMaskConstant = 601
+    /// SdpaExtParams bound at buffer 8 (q_offset, window); and its softcap read.
+    public static let extConstant = 602
+    public static let softcapConstant = 603
+    public static let extBuffer = 8
 
-    public static func kernelName(dtype: DType) -> String { dtype == .bf16 ? "sdpa_bf16" : "sdpa" }
+    public static func kernelName(dtype: DType) -> String {
+        switch dtype {
+        case .bf16: return "sdpa_bf16"
+        case .f16: return "sdpa_f16"
+        default: return "sdpa"
+        }
+    }
 
     public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, mask: TensorRef? = nil,
                                     out: TensorRef, _ o: SdpaOptions) throws -> Dispatch {
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try q.requireDType([.f32, .bf16], op: op, name: "Q")
+        try q.requireDType([.f32, .f16, .bf16], op: op, name: "Q")
         for (x, n) in [(k, "K"), (v, "V"), (out, "output")] where x.dtype != q.dtype {
             throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)")
         }
@@ -63,6 +94,15 @@ public enum SdpaDispatcher {
         if kvLen <= 0 { throw FlashMetalError.value(op, "kv_seq_len must be > 0, got \(kvLen)") }
         if kvLen > cap { throw FlashMetalError.value(op, "kv_seq_len (\(kvLen)) must be <= kv_capacity (\(cap))") }
         if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        if !(o.softcap.isFinite && o.softcap >= 0) {
+            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
+        }
+        if let w = o.window, !(1...Int(Int32.max)).contains(w) {
+            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)")
+        }
+        if let off = o.qOffset, !(Int(Int32.min)...Int(Int32.max)).contains(off) {
+            throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range")
+        }
         for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "seq_len"), (cap, "kv_capacity")] where v > Int(UInt32.max) {
             throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")
         }
@@ -82,9 +122,19 @@ public enum SdpaDispatcher {
             bindings[5] = .bytes(bytesOf(mp))
             bindings[boolMask ? 7 : 6] = .buffer(m)
         }
+        if o.needsExt {
+            let qOffset = o.qOffset ?? (kvLen - qL)
+            guard let off32 = Int32(exactly: qOffset) else {
+                throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range")
+            }
+            let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0), _pad: 0)
+            bindings[extBuffer] = .bytes(bytesOf(ext))
+        }
         let constants = FunctionConstants([
             (boolMaskConstant, .bool(mask != nil && boolMask)),
             (additiveMaskConstant, .bool(mask != nil && !boolMask)),
+            (extConstant, .bool(o.needsExt)),
+            (softcapConstant, .bool(o.softcap != 0)),
         ])
         return Dispatch(kernel: kernelName(dtype: q.dtype), constants: constants,
                         grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),

@@ -5,7 +5,7 @@ Backends: "metal" (macOS), "sim" (the Metal kernels run by a simulator) and
 """
 from ._errors import BackendError
 from .prefill import flash_attn_prefill
-from .attention import scaled_dot_product_attention
+from .attention import Route, explain, last_route, scaled_dot_product_attention
 from .blk import blk_byte_len, build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask
@@ -13,6 +13,6 @@ from .sdpa import sdpa
 from .registry import Registry, default_registry
 
 __all__ = ["BackendError", "Registry", "default_registry", "flash_attn_prefill",
-           "scaled_dot_product_attention", "blk_byte_len", "build_blk", "flash_attn_decode",
+           "scaled_dot_product_attention", "Route", "explain", "last_route", "blk_byte_len", "build_blk", "flash_attn_decode",
            "build_mask", "sdpa"]
 __version__ = "0.1.0"
