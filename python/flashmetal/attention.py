@@ -22,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ._arrays import BF16, BOOL, F16, F32, as_input
@@ -107,7 +108,7 @@ def _saturating_cast(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if m.dtype == dtype:
         return m
     f = m.astype(np.float32)
-    lim = float(np.finfo(dtype).max)
+    lim = float(ml_dtypes.finfo(dtype).max)
     big = np.isfinite(f) & (np.abs(f) > lim)
     if big.any():
         f = np.where(big, np.sign(f) * lim, f)

@@ -38,8 +38,8 @@ final class SdpaDispatcherTests: XCTestCase {
         expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=bfloat16 != output=float32") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bf16, .bf16, .bf16, .f32])
         }
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or bfloat16, got float16") {
-            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.f16, .f16, .f16, .f16])
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or float16 or bfloat16, got bool") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bool, .bool, .bool, .bool])
         }
         expectFMError(op, contains: "head_dim must be <= 512, got 640") { _ = try make(q: [1, 2, 4, 640], k: [1, 2, 4, 640]) }
         expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
