@@ -4,6 +4,7 @@ conventions, any head dim, qL > kL, broadcast masks, and the general kernel's
 extension (float16, softcap, explicit q_offset, window) on every backend."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -254,3 +255,25 @@ def test_numpy_only_never_imports_torch():
             "fm.scaled_dot_product_attention(q, q, q, registry=fm.Registry('cpu'))\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- info() and the demo ------------------------------------------------------------------------
+
+def test_info_reads_the_loaded_library(registry):
+    about = fm.info(registry)
+    assert about["backend"] == registry.backend
+    assert about["cpu_isa"] in ("portable", "avx2", "avx512", "avx512bf16", "neon")
+    assert about["library_version"] and about["threads"] >= 1
+    from flashmetal import _loader
+    assert about["library"] == str(_loader.library_path())
+
+
+def test_demo_warns_on_the_portable_path_and_passes():
+    env = dict(os.environ, FLASHMETAL_CPU_ISA="portable", FLASHMETAL_BACKEND="cpu", FLASHMETAL_NUM_THREADS="3")
+    run = subprocess.run([sys.executable, "-m", "flashmetal.demo", "--length", "64", "--kv-len", "256",
+                          "--runs", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cpu_isa           portable" in run.stdout and "threads           3" in run.stdout
+    assert "WARNING: the cpu kernels run their portable C path" in run.stdout
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("prefill", "decode"))]
+    assert len(lines) == 5 and all(" PASS " in ln for ln in lines), run.stdout

@@ -1,0 +1,67 @@
+"""flashmetal.info(): what runs here — backend, device, the cpu kernels' ISA
+path, threads, library and ABI versions — read from the loaded library."""
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+from . import _loader
+from .registry import Registry
+
+# The cpu kernels' ISA query: exported by the library, outside the public C
+# ABI header, so declared here and resolved in the library already loaded.
+_ISA_CDEF = "int fm_cpu_isa(void); const char *fm_cpu_isa_name(int isa);"
+_PORTABLE = "portable"
+
+
+def cpu_isa() -> str:
+    """The ISA path the cpu kernels run: "portable" (plain C), "avx512",
+    "avx512bf16", ... (FLASHMETAL_CPU_ISA may cap it)."""
+    ffi, lib = _loader.load()
+    if getattr(lib, "fm_cpu_isa", None) is None:
+        ffi.cdef(_ISA_CDEF)
+    return ffi.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _threads() -> int:
+    """The cpu backend's worker count: FLASHMETAL_NUM_THREADS, else the online cores (as its pool)."""
+    env = os.environ.get("FLASHMETAL_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), 1024)
+    return max(1, os.sysconf("SC_NPROCESSORS_ONLN"))
+
+
+def info(registry: Registry | None = None) -> dict[str, Any]:
+    """Backend, device, cpu ISA path, threads, library and ABI versions.
+
+    ``registry``: the backend to describe; default ``Registry("auto")``.
+    """
+    from .registry import default_registry
+    reg = registry or default_registry()
+    ffi, lib = _loader.load()
+    devices = {"cpu": _cpu_model(), "sim": f"simulated Apple GPU on {_cpu_model()}", "metal": "Apple GPU (Metal)"}
+    abi_fn = getattr(lib, "fm_abi_version", None)
+    isa = cpu_isa()
+    return {
+        "backend": reg.backend,
+        "device": devices.get(reg.backend, reg.backend),
+        "cpu_isa": isa,
+        "cpu_isa_portable": isa == _PORTABLE,
+        "threads": _threads(),
+        "library": str(_loader.library_path()),
+        "library_version": ffi.string(lib.fm_version()).decode(),
+        "abi_version": None if abi_fn is None else int(abi_fn()),
+        "machine": platform.machine(),
+    }
