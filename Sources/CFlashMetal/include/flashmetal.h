@@ -25,6 +25,9 @@
 extern "C" {
 #endif
 
+/* The release of the library and of the Python package (one source). */
+#define FM_VERSION "0.1.0"
+
 /* FM_CDEF_BEGIN */
 
 /* ---- kernel parameter structs (seeds 000-004) -------------------------- */
