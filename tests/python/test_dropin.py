@@ -277,3 +277,35 @@ def test_demo_warns_on_the_portable_path_and_passes():
     assert "WARNING: the cpu kernels run their portable C path" in run.stdout
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("prefill", "decode"))]
     assert len(lines) == 5 and all(" PASS " in ln for ln in lines), run.stdout
+
+
+class _DLPackOnly:
+    """An array seen only through DLPack (as jax or cupy-on-host arrays are)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class _ArrayInterfaceOnly:
+    def __init__(self, a):
+        self.__array_interface__ = a.__array_interface__
+        self._keep = a
+
+
+def test_dlpack_and_array_interface_objects(cpu, rng):
+    q, k, v = qkv(rng, F16, ql=5, kl=9)
+    exp = reference.attention(q, k, v, causal=True)
+    for wrap in (_DLPackOnly, _ArrayInterfaceOnly):
+        out = SDPA(wrap(q), wrap(k), wrap(v), is_causal=True, registry=cpu)
+        assert isinstance(out, np.ndarray)
+        assert_close(out, exp, F16, wrap.__name__)
+    from flashmetal import _interop
+    assert np.shares_memory(_interop.to_numpy(_DLPackOnly(q), "t", "q"), q)
+    with pytest.raises(TypeError, match="^scaled_dot_product_attention: query dtype object is not supported"):
+        SDPA(object(), k, v, registry=cpu)
