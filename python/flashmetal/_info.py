@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 from typing import Any
 
 from . import _loader
@@ -15,12 +16,16 @@ _ISA_CDEF = "int fm_cpu_isa(void); const char *fm_cpu_isa_name(int isa);"
 _PORTABLE = "portable"
 
 
+_declare_lock = threading.Lock()
+
+
 def cpu_isa() -> str:
     """The ISA path the cpu kernels run: "portable" (plain C), "avx512",
     "avx512bf16", ... (FLASHMETAL_CPU_ISA may cap it)."""
     ffi, lib = _loader.load()
-    if getattr(lib, "fm_cpu_isa", None) is None:
-        ffi.cdef(_ISA_CDEF)
+    with _declare_lock:  # declare once, even when threads race here
+        if getattr(lib, "fm_cpu_isa", None) is None:
+            ffi.cdef(_ISA_CDEF)
     return ffi.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
 
 
