@@ -38,6 +38,11 @@ _OP = "scaled_dot_product_attention"
 _VEC_HEAD_DIMS = (64, 128, 256, 512)
 _PREFILL_HEAD_DIMS = (64, 128, 256, 512)
 _SDPA_MAX_HEAD_DIM = 512
+#: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
+#: zero-padded to the next one it has when there are at least this many query
+#: rows: the tiled kernel on the padded problem beats the one-thread-per-row
+#: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
+PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
 #: Above this many bytes a window mask for the prefill kernel is built in
 #: chunks of query rows (each chunk's q, mask and output copied), so memory
@@ -186,6 +191,7 @@ class _Call:
     q_offset: int
     kv_len: int
     route: Route
+    pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
     squeeze: bool  # rank-3 inputs: the batch axis was added here
 
 
@@ -225,32 +231,48 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
     causal = bool(is_causal)
-    route = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window)
-    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, squeeze)
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window)
+    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze)
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None) -> Route:
-    """The fastest kernel that computes exactly this problem."""
+            window: int | None) -> tuple[Route, int | None]:
+    """The fastest kernel that computes exactly this problem, and the head
+    dim to zero-pad q/k/v to for it (None: no padding)."""
     last_row = q_offset == kl - 1 or (not causal and window is None)
     if qL == 1 and mask is None and D in _VEC_HEAD_DIMS and last_row:
-        return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode")
+        return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
         why_not.append(f"{dtype} I/O (prefill takes bfloat16/float16)")
-    if D not in _PREFILL_HEAD_DIMS:
-        why_not.append(f"head dim {D} (prefill has 64, 128, 256, 512)")
     if causal and not 0 <= q_offset <= kl - qL:
         why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
+    pad_to = None
+    if D not in _PREFILL_HEAD_DIMS:
+        bigger = [d for d in _PREFILL_HEAD_DIMS if d > D]
+        if bigger and qL >= PAD_MIN_QUERY_ROWS:
+            pad_to = bigger[0]
+        else:
+            why_not.append(f"head dim {D} (prefill has 64, 128, 256, 512; padded only for >= "
+                           f"{PAD_MIN_QUERY_ROWS} query rows)" if bigger else f"head dim {D} (prefill has up to 512)")
     if not why_not:
         extra = ", the window as a mask with its blk tile classes" if window is not None else ""
-        return Route("flash_attn_prefill", f"tiled flash attention{extra}")
+        padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
+        return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
     if D > _SDPA_MAX_HEAD_DIM:
         raise ValueError(f"{_OP}: head dim {D} is above {_SDPA_MAX_HEAD_DIM}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
-    return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not))
+    return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
+
+
+def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
+    """`a` with its last axis zero-padded to d: q.k and p.V are unchanged (the
+    extra products are exact zeros) and the extra output columns are zeros."""
+    out = np.zeros(a.shape[:-1] + (d,), a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
 
 
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -286,7 +308,9 @@ def scaled_dot_product_attention(
     - ``flash_attn_vec`` (split-KV decode): one query row at the newest
       position, no ``attn_mask``, D in {64, 128, 256, 512};
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
-      {64, 128, 256, 512}, the causal rows inside the keys;
+      {64, 128, 256, 512} (other D below 512 zero-padded to the next one when
+      there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
+      the keys;
     - ``sdpa`` (the general kernel) for everything else: float32, any head dim
       up to 512 (80, 96, ...), qL > kL, softcap, window.
 
@@ -335,6 +359,13 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
         return o.astype(qa.dtype)[:, :, None, :]
+    if kernel == "flash_attn_prefill" and c.pad_to:
+        d = qa.shape[-1]
+        padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
+                       _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
+                       c.squeeze)
+        out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
+        return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
         # Without causal, the position only matters to the window mask (built here).
         q_offset = c.q_offset if c.causal else 0

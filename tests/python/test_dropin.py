@@ -139,13 +139,31 @@ def test_top_left_is_torch_tril(cpu, rng):
 
 @pytest.mark.parametrize("d", [32, 48, 80, 96, 128, 160, 192, 256, 512])
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
-def test_every_head_dim(registry, rng, d, dtype):
-    q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=9, kl=small(registry, 33, 17), d=d)
+@pytest.mark.parametrize("ql", [9, 40])
+def test_every_head_dim(registry, rng, d, dtype, ql):
+    q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
     out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
     route = fm.last_route()
-    prefill = dtype != F32 and d in (64, 128, 256, 512)
+    native = d in (64, 128, 256, 512)
+    padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS
+    prefill = dtype != F32 and (native or padded)
     assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
+    assert ("zero-padded" in route.reason) == (prefill and padded), route
+    assert out.shape == q.shape and out.flags.c_contiguous
     assert_close(out, reference.attention(q, k, v, causal=True), dtype, str(route))
+
+
+def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
+    """The zero-padded prefill keeps every other feature: mask, window, kv_len, scale, softcap."""
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=80)
+    keep = rng.random((1, 1, 36, 44)) < 0.8
+    keep[..., 0] = True
+    out = SDPA(q, k, v, keep, is_causal=True, enable_gqa=True, kv_len=44, align="bottom_right", window=9,
+               scale=0.2, softcap=4.0, registry=registry)
+    assert "zero-padded to 128" in fm.last_route().reason
+    exp = reference.attention(q, k[:, :, :44], v[:, :, :44], mask=keep, causal=True, q_offset=8, window=9,
+                              scale=0.2, softcap=4.0)
+    assert_close(out, exp, BF16)
 
 
 def test_more_queries_than_keys_bf16(registry, rng):
