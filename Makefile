@@ -3,7 +3,16 @@
 # targets to EXTRA_TESTS.
 SHELL := /bin/bash
 SWIFT ?= $(shell command -v swift 2>/dev/null || echo /opt/swift/usr/bin/swift)
-PYTHON ?= python3
+# Python >= 3.10: the newest python3.1x on PATH, else python3 if it is new
+# enough (a stock Mac's python3 is the Command Line Tools' 3.9).
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell for p in python3.13 python3.12 python3.11 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
+endif
+ifeq ($(PYTHON),)
+PYTHON = $(error flashmetal needs Python >= 3.10 (python3.13..python3.10 or python3 on PATH); install one or set PYTHON=/path/to/python3)
+endif
 VENV := .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)

@@ -5,6 +5,12 @@ import PackageDescription
 // that each backend depends only on the portable core.
 let package = Package(
     name: "flashmetal",
+    // macOS 14 is the floor because the kernels use `bfloat`, which needs
+    // MSL 3.1 (MTLLanguageVersion.version3_1, macOS 14+). An older target
+    // would have to guard the whole Metal backend with #available and still
+    // fail on the bf16 kernels, so the package says so up front. Checked on
+    // Linux by `make mac-check` (mk/mac.mk reads the version from here).
+    platforms: [.macOS(.v14)],
     products: [
         .library(name: "flashmetal", type: .dynamic, targets: ["FlashMetal"]),
     ],

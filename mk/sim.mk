@@ -4,7 +4,19 @@
 #   make sim-lint    reject dialect violations in Resources/shaders/*.metal
 #   make sim-bench   print the simulator's costs
 #   make sim-test-ucontext  the suite on the swapcontext fallback
-SIM_CXX ?= /opt/swift/usr/bin/clang++
+# The host compiler: clang++ >= 15 (DESIGN §5), looked for next to swift (the
+# toolchain's own clang), then on PATH, then through xcrun on a Mac. Only a
+# user's choice (command line, environment) overrides it, not another
+# fragment's default.
+ifeq ($(filter command line environment environment override,$(origin SIM_CXX)),)
+SIM_CXX := $(shell for c in "$(dir $(realpath $(SWIFT)))clang++" "$$(command -v clang++)" \
+	"$$(xcrun -f clang++ 2>/dev/null)"; do \
+	v=$$("$$c" -dumpversion 2>/dev/null) && [ "$${v%%.*}" -ge 15 ] 2>/dev/null && { echo "$$c"; break; }; \
+	done)
+endif
+ifeq ($(SIM_CXX),)
+SIM_CXX = $(error no clang++ >= 15 found (next to $(SWIFT), on PATH or via xcrun); set SIM_CXX=/path/to/clang++)
+endif
 SIM_CXXFLAGS := -ISources/CFlashMetal/include -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
 	-Werror=double-promotion -Wno-unknown-attributes -Wall -Wno-unused-function
 SIM_SRC_DIR := Sources/FlashMetalSim
@@ -35,7 +47,7 @@ sim-test-ucontext: $(SIM_RUNTIME) $(SIM_KERNELS) tests/sim/conformance.cpp $(SIM
 	build-sim/sim-conformance-uc
 
 sim-lint:
-	python3 tests/sim/lint_dialect.py Resources/shaders
-	python3 tests/sim/lint_dialect.py --self-test
+	$(PYTHON) tests/sim/lint_dialect.py Resources/shaders
+	$(PYTHON) tests/sim/lint_dialect.py --self-test
 
 EXTRA_TESTS += sim-test sim-lint

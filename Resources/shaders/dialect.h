@@ -24,13 +24,28 @@
 
 #include <metal_stdlib>
 
-#define TG_ARRAY(T, name, n) threadgroup T name[(n)]
-#define TG_BUFFER(T, name, idx) threadgroup T *name [[threadgroup(idx)]]
+// Hooks for the MSL check (tests/msl/metal_stdlib, a stand-in that makes the
+// address spaces clang address spaces): Apple's compiler sees the defaults.
+// The stand-in makes TG_ARRAY's storage `static` (clang has no automatic
+// variables in an address space) and the two attributes inert (clang cannot
+// place them there, and `threadgroup` is a macro there).
+#ifndef FM_TG_ARRAY_STORAGE
+#define FM_TG_ARRAY_STORAGE
+#endif
+#ifndef FM_TG_BUFFER_ATTRIBUTE
+#define FM_TG_BUFFER_ATTRIBUTE(idx) [[threadgroup(idx)]]
+#endif
+#ifndef FM_KERNEL_ATTRIBUTES
+#define FM_KERNEL_ATTRIBUTES(hname) [[host_name(hname)]] [[kernel]]
+#endif
+
+#define TG_ARRAY(T, name, n) FM_TG_ARRAY_STORAGE threadgroup T name[(n)]
+#define TG_BUFFER(T, name, idx) threadgroup T *name FM_TG_BUFFER_ATTRIBUTE(idx)
 #define BUILTIN(attr) [[attr]]
 #define FUNCTION_CONSTANT(T, name, idx) constant T name [[function_constant(idx)]];
 #define FUNCTION_CONSTANT_EXPR(T, name, expr) constant T name = (expr);
 #define INSTANTIATE_KERNEL(hname, f, ...) \
-    template [[host_name(hname)]] [[kernel]] decltype(f<__VA_ARGS__>) f<__VA_ARGS__>;
+    template FM_KERNEL_ATTRIBUTES(hname) decltype(f<__VA_ARGS__>) f<__VA_ARGS__>;
 
 #else
 

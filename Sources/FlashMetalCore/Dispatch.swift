@@ -23,15 +23,27 @@ public struct Dispatch: @unchecked Sendable {
     public let bindings: [Int: Binding]
     /// Threadgroup-memory lengths by index (setThreadgroupMemoryLength).
     public let threadgroupMemory: [Int: Int]
+    /// Buffer indices the kernel writes (a backend that copies memory in
+    /// copies back only these). Defaults to every `.buffer` binding.
+    public let writes: Set<Int>
+    /// The kernel is correct for any threadgroup width that is a multiple of
+    /// 32 up to `threadgroup.x`: a backend whose pipeline allows fewer threads
+    /// may launch the largest such width instead of failing.
+    public let threadgroupFlexible: Bool
 
     public init(kernel: String, constants: FunctionConstants = FunctionConstants(),
                 grid: Size3, threadgroup: Size3, bindings: [Int: Binding],
-                threadgroupMemory: [Int: Int] = [:]) {
+                threadgroupMemory: [Int: Int] = [:], writes: Set<Int>? = nil,
+                threadgroupFlexible: Bool = false) {
         self.pipeline = PipelineKey(kernel: kernel, constants: constants)
         self.grid = grid
         self.threadgroup = threadgroup
         self.bindings = bindings
         self.threadgroupMemory = threadgroupMemory
+        self.writes = writes ?? Set(bindings.compactMap { i, b in
+            if case .buffer = b { return i } else { return nil }
+        })
+        self.threadgroupFlexible = threadgroupFlexible
     }
 
     public var kernel: String { pipeline.kernel }

@@ -33,7 +33,11 @@ typedef _Float16 half;
 
 namespace metal {
 
-// bfloat: 16-bit storage, float arithmetic, round-to-nearest-even narrowing.
+// bfloat: 16-bit storage, round-to-nearest-even narrowing. As strict as MSL
+// 3.1 (which rejects `bfloat b = 1.0f;` and math functions on bfloat): every
+// conversion to or from another type is explicit, and arithmetic is only
+// bfloat with bfloat (computed in float, rounded once). Mixed expressions
+// must convert first: `float(b) * x`.
 struct bfloat {
     uint16_t bits;
     static constexpr uint16_t from_float(float f) {
@@ -44,32 +48,27 @@ struct bfloat {
     }
     static constexpr bfloat from_bits(uint16_t b) { bfloat r{}; r.bits = b; return r; }
     bfloat() = default;
-    constexpr bfloat(float f) : bits(from_float(f)) {}
-    constexpr bfloat(half h) : bits(from_float(float(h))) {}
-    template <class U, std::enable_if_t<std::is_integral_v<U> || std::is_same_v<U, double>, int> = 0>
-    constexpr bfloat(U u) : bits(from_float(float(u))) {}
-    constexpr operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
+    explicit constexpr bfloat(float f) : bits(from_float(f)) {}
+    explicit constexpr bfloat(half h) : bits(from_float(float(h))) {}
+    template <class U, std::enable_if_t<std::is_integral_v<U>, int> = 0>
+    explicit constexpr bfloat(U u) : bits(from_float(float(u))) {}
+    template <class U, std::enable_if_t<std::is_same_v<U, double>, int> = 0>
+    bfloat(U) = delete;  // MSL has no double
+    explicit constexpr operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
     explicit constexpr operator half() const { return half(float(*this)); }
     bfloat operator-() const { return from_bits(uint16_t(bits ^ 0x8000u)); }
     bfloat operator+() const { return *this; }
 };
-template <class U>
-concept fm_arith = std::is_arithmetic_v<U> || std::is_same_v<U, _Float16>;
 #define FMSIM_BF_OP(op)                                                                                  \
     inline bfloat operator op(bfloat a, bfloat b) { return bfloat(float(a) op float(b)); }               \
-    template <fm_arith U> inline auto operator op(bfloat a, U b) { return float(a) op b; }               \
-    template <fm_arith U> inline auto operator op(U a, bfloat b) { return a op float(b); }               \
-    inline bfloat &operator op##=(bfloat &a, bfloat b) { return a = bfloat(float(a) op float(b)); }       \
-    template <fm_arith U> inline bfloat &operator op##=(bfloat &a, U b) { return a = bfloat(float(a) op b); }
+    inline bfloat &operator op##=(bfloat &a, bfloat b) { return a = bfloat(float(a) op float(b)); }
 FMSIM_BF_OP(+)
 FMSIM_BF_OP(-)
 FMSIM_BF_OP(*)
 FMSIM_BF_OP(/)
 #undef FMSIM_BF_OP
-#define FMSIM_BF_CMP(op)                                                                        \
-    inline bool operator op(bfloat a, bfloat b) { return float(a) op float(b); }                \
-    template <fm_arith U> inline bool operator op(bfloat a, U b) { return float(a) op b; }      \
-    template <fm_arith U> inline bool operator op(U a, bfloat b) { return a op float(b); }
+#define FMSIM_BF_CMP(op) \
+    inline bool operator op(bfloat a, bfloat b) { return float(a) op float(b); }
 FMSIM_BF_CMP(<)
 FMSIM_BF_CMP(>)
 FMSIM_BF_CMP(<=)
@@ -168,10 +167,15 @@ template <class T, class U> inline T as_type(const U &u) {
 }
 
 // ---- math --------------------------------------------------------------------
+// The float overloads are templates taking exactly float: libc++ (Apple's C++
+// library) also declares float overloads of the C math functions at global
+// scope, which kernels see beside `using namespace metal;`. Two non-template
+// float overloads would make every call ambiguous; a template loses the tie
+// to libc++'s (same function, same result) and beats libstdc++'s double one.
+template <class T> concept fm_f32 = std::is_same_v<T, float>;
 #define FMSIM_UNARY(name, fexpr)                                                     \
-    inline float name(float x) { return fexpr; }                                     \
+    template <fm_f32 F> inline F name(F x) { return fexpr; }                         \
     inline half name(half x) { return half(name(float(x))); }                        \
-    inline bfloat name(bfloat x) { return bfloat(name(float(x))); }                  \
     template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V name(V v) { \
         V r;                                                                         \
         for (int i = 0; i < vec_n<V>; i++) r[i] = name(vec_elem<V>(v[i]));           \
@@ -205,9 +209,8 @@ FMSIM_UNARY(fract, x - __builtin_floorf(x))
 #undef FMSIM_UNARY
 
 #define FMSIM_BINARY(name, fexpr)                                                          \
-    inline float name(float x, float y) { return fexpr; }                                  \
+    template <fm_f32 F> inline F name(F x, F y) { return fexpr; }                          \
     inline half name(half x, half y) { return half(name(float(x), float(y))); }             \
-    inline bfloat name(bfloat x, bfloat y) { return bfloat(name(float(x), float(y))); }     \
     template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V name(V a, V b) { \
         V r;                                                                               \
         for (int i = 0; i < vec_n<V>; i++) r[i] = name(vec_elem<V>(a[i]), vec_elem<V>(b[i])); \
@@ -228,8 +231,6 @@ inline float max(float a, float b) { return __builtin_fmaxf(a, b); }
 inline float min(float a, float b) { return __builtin_fminf(a, b); }
 inline half max(half a, half b) { return half(__builtin_fmaxf(float(a), float(b))); }
 inline half min(half a, half b) { return half(__builtin_fminf(float(a), float(b))); }
-inline bfloat max(bfloat a, bfloat b) { return bfloat(__builtin_fmaxf(float(a), float(b))); }
-inline bfloat min(bfloat a, bfloat b) { return bfloat(__builtin_fminf(float(a), float(b))); }
 #define FMSIM_IMINMAX(T)                                  \
     inline T max(T a, T b) { return a > b ? a : b; }      \
     inline T min(T a, T b) { return a < b ? a : b; }
@@ -251,7 +252,7 @@ template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V min(V a, 
     return r;
 }
 template <class T> inline T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
-inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+template <fm_f32 F> inline F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
 inline half fma(half a, half b, half c) { return half(__builtin_fmaf(float(a), float(b), float(c))); }
 template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V fma(V a, V b, V c) {
     V r;
@@ -265,16 +266,13 @@ template <class V> inline vec_elem<V> dot(V a, V b) {
     return s;
 }
 template <class V> inline vec_elem<V> length(V a) { return sqrt(dot(a, a)); }
-inline bool isnan(float x) { return x != x; }
+template <fm_f32 F> inline bool isnan(F x) { return x != x; }
 inline bool isnan(half x) { return x != x; }
-inline bool isnan(bfloat x) { return float(x) != float(x); }
-inline bool isinf(float x) { return __builtin_isinf(x); }
+template <fm_f32 F> inline bool isinf(F x) { return __builtin_isinf(x); }
 inline bool isinf(half x) { return __builtin_isinf(float(x)); }
-inline bool isinf(bfloat x) { return __builtin_isinf(float(x)); }
-inline bool isfinite(float x) { return __builtin_isfinite(x); }
+template <fm_f32 F> inline bool isfinite(F x) { return __builtin_isfinite(x); }
 inline bool isfinite(half x) { return __builtin_isfinite(float(x)); }
-inline bool isfinite(bfloat x) { return __builtin_isfinite(float(x)); }
-inline bool signbit(float x) { return __builtin_signbit(x); }
+template <fm_f32 F> inline bool signbit(F x) { return __builtin_signbit(x); }
 
 namespace fast {
 using metal::exp; using metal::exp2; using metal::log; using metal::log2; using metal::sqrt;
@@ -383,24 +381,34 @@ inline void fm_ballot(void *const *in, void *const *out, uint32_t mask) {
 }
 #undef FMSIM_LIVE
 
+// The element types MSL's simd_* functions take: scalars or vectors of
+// float, half and the 8/16/32-bit integers (no bfloat, bool, long or double);
+// the bitwise reductions take the integers only. T is deduced from the
+// argument, so nothing converts silently.
+template <class T> inline constexpr bool fm_simd_int =
+    std::is_same_v<T, int> || std::is_same_v<T, uint> || std::is_same_v<T, short> || std::is_same_v<T, ushort> ||
+    std::is_same_v<T, char> || std::is_same_v<T, signed char> || std::is_same_v<T, uchar>;
+template <class T> inline constexpr bool fm_simd_num = fm_simd_int<T> || std::is_same_v<T, float> || std::is_same_v<T, half>;
+template <class T> concept fm_simd_t = fm_simd_num<vec_elem<T>>;
+template <class T> concept fm_simd_i = fm_simd_int<vec_elem<T>>;
 #define FMSIM_LOC std::source_location l = std::source_location::current()
-template <class T> inline T simd_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_sum<T>>, "simd_sum", l); }
-template <class T> inline T simd_product(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_prod<T>>, "simd_product", l); }
-template <class T> inline T simd_max(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_max<T>>, "simd_max", l); }
-template <class T> inline T simd_min(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_min<T>>, "simd_min", l); }
-template <class T> inline T simd_and(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_and<T>>, "simd_and", l); }
-template <class T> inline T simd_or(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_or<T>>, "simd_or", l); }
-template <class T> inline T simd_xor(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_xor<T>>, "simd_xor", l); }
-template <class T> inline T simd_prefix_inclusive_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_prefix_sum<T, true>, "simd_prefix_inclusive_sum", l); }
-template <class T> inline T simd_prefix_exclusive_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_prefix_sum<T, false>, "simd_prefix_exclusive_sum", l); }
-template <class T> inline T simd_shuffle(T x, ushort lane, FMSIM_LOC) { return fm_collective(x, lane, fm_shuffle<T, 0>, "simd_shuffle", l); }
-template <class T> inline T simd_broadcast(T x, ushort lane, FMSIM_LOC) { return fm_collective(x, lane, fm_shuffle<T, 0>, "simd_broadcast", l); }
-template <class T> inline T simd_shuffle_xor(T x, ushort m, FMSIM_LOC) { return fm_collective(x, m, fm_shuffle<T, 1>, "simd_shuffle_xor", l); }
-template <class T> inline T simd_shuffle_up(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 2>, "simd_shuffle_up", l); }
-template <class T> inline T simd_shuffle_down(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 3>, "simd_shuffle_down", l); }
-template <class T> inline T simd_shuffle_rotate_down(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 4>, "simd_shuffle_rotate_down", l); }
-template <class T> inline T simd_shuffle_rotate_up(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 5>, "simd_shuffle_rotate_up", l); }
-template <class T> inline T simd_broadcast_first(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_bcast_first<T>, "simd_broadcast_first", l); }
+template <fm_simd_t T> inline T simd_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_sum<T>>, "simd_sum", l); }
+template <fm_simd_t T> inline T simd_product(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_prod<T>>, "simd_product", l); }
+template <fm_simd_t T> inline T simd_max(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_max<T>>, "simd_max", l); }
+template <fm_simd_t T> inline T simd_min(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_min<T>>, "simd_min", l); }
+template <fm_simd_i T> inline T simd_and(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_and<T>>, "simd_and", l); }
+template <fm_simd_i T> inline T simd_or(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_or<T>>, "simd_or", l); }
+template <fm_simd_i T> inline T simd_xor(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_reduce<T, fm_op_xor<T>>, "simd_xor", l); }
+template <fm_simd_t T> inline T simd_prefix_inclusive_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_prefix_sum<T, true>, "simd_prefix_inclusive_sum", l); }
+template <fm_simd_t T> inline T simd_prefix_exclusive_sum(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_prefix_sum<T, false>, "simd_prefix_exclusive_sum", l); }
+template <fm_simd_t T> inline T simd_shuffle(T x, ushort lane, FMSIM_LOC) { return fm_collective(x, lane, fm_shuffle<T, 0>, "simd_shuffle", l); }
+template <fm_simd_t T> inline T simd_broadcast(T x, ushort lane, FMSIM_LOC) { return fm_collective(x, lane, fm_shuffle<T, 0>, "simd_broadcast", l); }
+template <fm_simd_t T> inline T simd_shuffle_xor(T x, ushort m, FMSIM_LOC) { return fm_collective(x, m, fm_shuffle<T, 1>, "simd_shuffle_xor", l); }
+template <fm_simd_t T> inline T simd_shuffle_up(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 2>, "simd_shuffle_up", l); }
+template <fm_simd_t T> inline T simd_shuffle_down(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 3>, "simd_shuffle_down", l); }
+template <fm_simd_t T> inline T simd_shuffle_rotate_down(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 4>, "simd_shuffle_rotate_down", l); }
+template <fm_simd_t T> inline T simd_shuffle_rotate_up(T x, ushort d, FMSIM_LOC) { return fm_collective(x, d, fm_shuffle<T, 5>, "simd_shuffle_rotate_up", l); }
+template <fm_simd_t T> inline T simd_broadcast_first(T x, FMSIM_LOC) { return fm_collective(x, 0, fm_bcast_first<T>, "simd_broadcast_first", l); }
 
 struct simd_vote {
     using vote_t = ulong;
@@ -440,6 +448,8 @@ inline uint fm_lane() { return ::fmsim::tl_ids->lane; }
 
 template <class T, int R, int C> struct simdgroup_matrix;
 template <class T> struct simdgroup_matrix<T, 8, 8> {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, half> || std::is_same_v<T, bfloat>,
+                  "simdgroup_matrix holds float, half or bfloat (MSL 3.1)");
     using storage = typename elem2<T>::type;
     storage e;
     simdgroup_matrix() : e{} {}
@@ -462,26 +472,27 @@ typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
-template <class T, class U>
-inline void simdgroup_load(simdgroup_matrix<T, 8, 8> &m, const U *src, ulong elements_per_row = 8,
+// As in MSL, the pointer's element type is the matrix's (no conversion).
+template <class T>
+inline void simdgroup_load(simdgroup_matrix<T, 8, 8> &m, const std::type_identity_t<T> *src, ulong elements_per_row = 8,
                            vec<ulong, 2> origin = vec<ulong, 2>{0, 0}, bool transpose = false) {
     int r, c;
     fm_frag_rc(fm_lane(), r, c);
     for (int k = 0; k < 2; k++) {
         ulong row = transpose ? origin.y + ulong(c + k) : origin.y + ulong(r);
         ulong col = transpose ? origin.x + ulong(r) : origin.x + ulong(c + k);
-        m.e[k] = fm_cvt<T>(src[row * elements_per_row + col]);
+        m.e[k] = src[row * elements_per_row + col];
     }
 }
-template <class T, class U>
-inline void simdgroup_store(const simdgroup_matrix<T, 8, 8> &m, U *dst, ulong elements_per_row = 8,
+template <class T>
+inline void simdgroup_store(const simdgroup_matrix<T, 8, 8> &m, std::type_identity_t<T> *dst, ulong elements_per_row = 8,
                             vec<ulong, 2> origin = vec<ulong, 2>{0, 0}, bool transpose = false) {
     int r, c;
     fm_frag_rc(fm_lane(), r, c);
     for (int k = 0; k < 2; k++) {
         ulong row = transpose ? origin.y + ulong(c + k) : origin.y + ulong(r);
         ulong col = transpose ? origin.x + ulong(r) : origin.x + ulong(c + k);
-        dst[row * elements_per_row + col] = fm_cvt<U>(T(m.e[k]));
+        dst[row * elements_per_row + col] = m.e[k];
     }
 }
 struct fm_mma_in { const void *a, *b, *c; };
@@ -510,21 +521,23 @@ void fm_mma(void *const *in, void *const *out, uint32_t mask) {
         }
     }
 }
-template <class TD, class TA, class TB, class TC>
-inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8> &d, const simdgroup_matrix<TA, 8, 8> &a,
-                                          const simdgroup_matrix<TB, 8, 8> &b, const simdgroup_matrix<TC, 8, 8> &c,
-                                          FMSIM_LOC) {
+// One element type for all four operands: the kernels never mix them, so
+// the simulator does not have to model how a mixed-type MMA rounds.
+template <class T>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8> &d, const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &a,
+                                          const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &b,
+                                          const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &c, FMSIM_LOC) {
     fm_lane_in<fm_mma_in> in{{&a, &b, &c}, 0};
-    simdgroup_matrix<TD, 8, 8> out;
-    ::fmsim::collective(&in, &out, fm_mma<TD, TA, TB, TC>, "simdgroup_multiply_accumulate", ::fmsim::Site::from(l));
+    simdgroup_matrix<T, 8, 8> out;
+    ::fmsim::collective(&in, &out, fm_mma<T, T, T, T>, "simdgroup_multiply_accumulate", ::fmsim::Site::from(l));
     d = out;
 }
-template <class TD, class TA, class TB>
-inline void simdgroup_multiply(simdgroup_matrix<TD, 8, 8> &d, const simdgroup_matrix<TA, 8, 8> &a,
-                               const simdgroup_matrix<TB, 8, 8> &b, FMSIM_LOC) {
+template <class T>
+inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8> &d, const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &a,
+                               const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &b, FMSIM_LOC) {
     fm_lane_in<fm_mma_in> in{{&a, &b, nullptr}, 0};
-    simdgroup_matrix<TD, 8, 8> out;
-    ::fmsim::collective(&in, &out, fm_mma<TD, TA, TB, TD>, "simdgroup_multiply", ::fmsim::Site::from(l));
+    simdgroup_matrix<T, 8, 8> out;
+    ::fmsim::collective(&in, &out, fm_mma<T, T, T, T>, "simdgroup_multiply", ::fmsim::Site::from(l));
     d = out;
 }
 #undef FMSIM_LOC
@@ -603,38 +616,43 @@ FMSIM_VEC(bool, bool)
 // ---- kernel plumbing: builtins, function constants, threadgroup memory -----------
 namespace fmsim {
 
-struct builtin_val {
+// A builtin converts only to the types MSL declares it with: uint or ushort,
+// and for the grid/threadgroup positions and sizes also their 2-/3-vectors.
+// Anything else (int, long, ulong, float...) stops at the static_assert.
+template <bool Vec> struct builtin_val {
     uint32_t x, y, z;
-    operator uint32_t() const { return x; }
-    operator int32_t() const { return int32_t(x); }
-    operator uint16_t() const { return uint16_t(x); }
-    operator uint64_t() const { return x; }
-    operator metal::vec<uint32_t, 2>() const { return metal::vec<uint32_t, 2>{x, y}; }
-    operator metal::vec<uint32_t, 3>() const { return metal::vec<uint32_t, 3>{x, y, z}; }
-    operator metal::vec<uint16_t, 2>() const { return metal::vec<uint16_t, 2>{uint16_t(x), uint16_t(y)}; }
-    operator metal::vec<uint16_t, 3>() const {
-        return metal::vec<uint16_t, 3>{uint16_t(x), uint16_t(y), uint16_t(z)};
+    template <class T> operator T() const {
+        using E = ::metal::vec_elem<T>;
+        constexpr bool elem_ok = std::is_same_v<E, uint32_t> || std::is_same_v<E, uint16_t>;
+        constexpr bool shape_ok = ::metal::vec_n<T> == 0 || (Vec && (::metal::vec_n<T> == 2 || ::metal::vec_n<T> == 3));
+        static_assert(elem_ok && shape_ok, "BUILTIN parameter: MSL declares this builtin as uint or ushort"
+                                           " (uint2/uint3/ushort2/ushort3 for positions and sizes)");
+        if constexpr (::metal::vec_n<T> == 0) return T(x);
+        else if constexpr (::metal::vec_n<T> == 2) return T{E(x), E(y)};
+        else return T{E(x), E(y), E(z)};
     }
 };
+using builtin_vec = builtin_val<true>;
+using builtin_scalar = builtin_val<false>;
 inline const ThreadIds &ids() { return *tl_ids; }
-inline builtin_val builtin_thread_position_in_threadgroup() { auto &i = ids(); return {i.tid[0], i.tid[1], i.tid[2]}; }
-inline builtin_val builtin_threadgroup_position_in_grid() { auto &i = ids(); return {i.tgid[0], i.tgid[1], i.tgid[2]}; }
-inline builtin_val builtin_threads_per_threadgroup() { auto &i = ids(); return {i.tpg[0], i.tpg[1], i.tpg[2]}; }
-inline builtin_val builtin_threadgroups_per_grid() { auto &i = ids(); return {i.ngroups[0], i.ngroups[1], i.ngroups[2]}; }
-inline builtin_val builtin_thread_position_in_grid() {
+inline builtin_vec builtin_thread_position_in_threadgroup() { auto &i = ids(); return {i.tid[0], i.tid[1], i.tid[2]}; }
+inline builtin_vec builtin_threadgroup_position_in_grid() { auto &i = ids(); return {i.tgid[0], i.tgid[1], i.tgid[2]}; }
+inline builtin_vec builtin_threads_per_threadgroup() { auto &i = ids(); return {i.tpg[0], i.tpg[1], i.tpg[2]}; }
+inline builtin_vec builtin_threadgroups_per_grid() { auto &i = ids(); return {i.ngroups[0], i.ngroups[1], i.ngroups[2]}; }
+inline builtin_vec builtin_thread_position_in_grid() {
     auto &i = ids();
     return {i.tgid[0] * i.tpg[0] + i.tid[0], i.tgid[1] * i.tpg[1] + i.tid[1], i.tgid[2] * i.tpg[2] + i.tid[2]};
 }
-inline builtin_val builtin_threads_per_grid() {
+inline builtin_vec builtin_threads_per_grid() {
     auto &i = ids();
     return {i.ngroups[0] * i.tpg[0], i.ngroups[1] * i.tpg[1], i.ngroups[2] * i.tpg[2]};
 }
-inline builtin_val builtin_thread_index_in_threadgroup() { return {ids().linear, 0, 0}; }
-inline builtin_val builtin_thread_index_in_simdgroup() { return {ids().lane, 0, 0}; }
-inline builtin_val builtin_simdgroup_index_in_threadgroup() { return {ids().simd, 0, 0}; }
-inline builtin_val builtin_threads_per_simdgroup() { return {32, 0, 0}; }
-inline builtin_val builtin_simdgroups_per_threadgroup() { return {ids().nsimd, 0, 0}; }
-inline builtin_val builtin_thread_execution_width() { return {32, 0, 0}; }
+inline builtin_scalar builtin_thread_index_in_threadgroup() { return {ids().linear, 0, 0}; }
+inline builtin_scalar builtin_thread_index_in_simdgroup() { return {ids().lane, 0, 0}; }
+inline builtin_scalar builtin_simdgroup_index_in_threadgroup() { return {ids().simd, 0, 0}; }
+inline builtin_scalar builtin_threads_per_simdgroup() { return {32, 0, 0}; }
+inline builtin_scalar builtin_simdgroups_per_threadgroup() { return {ids().nsimd, 0, 0}; }
+inline builtin_scalar builtin_thread_execution_width() { return {32, 0, 0}; }
 
 template <class T, int I> struct fconst {
     const char *name;
@@ -647,7 +665,7 @@ template <class T, int I> struct tg_buf {
     using elem = T;
     static constexpr int index = I;
     operator T *() const { return p; }
-    T &operator[](size_t i) const { return p[i]; }
+    template <class Ix, std::enable_if_t<std::is_integral_v<Ix>, int> = 0> T &operator[](Ix i) const { return p[i]; }
 };
 template <class P> struct is_tg_buf : std::false_type {};
 template <class T, int I> struct is_tg_buf<tg_buf<T, I>> : std::true_type {};

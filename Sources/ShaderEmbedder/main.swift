@@ -1,12 +1,19 @@
 // Build-time tool (not part of the library): writes EmbeddedShaders.swift.
 //
 // usage: ShaderEmbedder OUTPUT HEADER FILE...
+//        ShaderEmbedder --sources DIR HEADER FILE...
+//   (the second form writes each embedded source to DIR/<file>.metal, so the
+//   macOS CI job can compile exactly what the library embeds)
 // Each .metal file becomes one source string in which `#include "x"` lines
 // naming flashmetal.h or a sibling .h file are replaced by that file's text
 // (the Metal compiler cannot resolve quoted includes of a source-compiled
-// library). Kernel host names are read from INSTANTIATE_KERNEL("name", ...).
+// library). `#line` directives around every inlined file make a Metal compile
+// error name the real file and line. Kernel host names are read from
+// INSTANTIATE_KERNEL("name", ...).
 // Plain libc I/O: the project keeps Foundation out of everything but the
-// macOS Metal backend.
+// macOS Metal backend. Only standard-library API that exists on every macOS
+// the package supports: firstRange(of:) and String.contains(String) are
+// macOS 13+ without Foundation, so substring search is done on UTF-8 bytes.
 #if canImport(Glibc)
 import Glibc
 #elseif canImport(Darwin)
@@ -40,26 +47,38 @@ func write(_ text: String, to path: String) {
 
 func fileName(_ path: String) -> String { String(path.split(separator: "/").last ?? Substring(path)) }
 
-let args = CommandLine.arguments
-guard args.count >= 3 else { fail("usage: ShaderEmbedder OUTPUT HEADER FILE...") }
-let output = args[1]
-let files = Array(args.dropFirst(3))
+let sourcesOnly = CommandLine.arguments.dropFirst().first == "--sources"
+let args = Array(CommandLine.arguments.dropFirst(sourcesOnly ? 2 : 1))
+guard args.count >= 2 else { fail("usage: ShaderEmbedder [--sources] OUTPUT HEADER FILE...") }
+let output = args[0]
+let files = Array(args.dropFirst(2))
 
-var includable: [String: String] = ["flashmetal.h": args[2]]
+var includable: [String: String] = ["flashmetal.h": args[1]]
 for f in files where f.hasSuffix(".h") { includable[fileName(f)] = f }
 
+/// Where `needle` first occurs in `hay`, by UTF-8 bytes.
+func firstOffset(of needle: String, in hay: Substring) -> Int? {
+    let n = Array(needle.utf8), h = Array(hay.utf8)
+    guard !n.isEmpty, h.count >= n.count else { return n.isEmpty ? 0 : nil }
+    return (0...(h.count - n.count)).first { i in h[i..<(i + n.count)].elementsEqual(n) }
+}
+
 /// Inlines quoted includes, each file once (as an include guard would).
+/// `#line` before each file's first line and after each inlined file keeps
+/// compiler diagnostics pointing at the original file and line.
 func inline(_ path: String, seen: inout Set<String>) -> String {
-    var out: [String] = []
-    for line in read(path).split(separator: "\n", omittingEmptySubsequences: false) {
+    let name = fileName(path)
+    var out: [String] = ["#line 1 \"\(name)\""]
+    for (number, line) in read(path).split(separator: "\n", omittingEmptySubsequences: false).enumerated() {
         let t = line.drop { $0 == " " || $0 == "\t" }
-        if t.hasPrefix("#include \""), let name = t.split(separator: "\"").dropFirst().first.map(String.init),
-           let target = includable[name] {
-            if seen.insert(name).inserted {
-                out.append("// ---- begin \(name) (inlined) ----")
-                out.append(inline(target, seen: &seen))
-                out.append("// ---- end \(name) ----")
+        if t.hasPrefix("#include \""), let target = t.split(separator: "\"").dropFirst().first.map(String.init),
+           let targetPath = includable[target] {
+            if seen.insert(target).inserted {
+                out.append("// ---- begin \(target) (inlined) ----")
+                out.append(inline(targetPath, seen: &seen))
+                out.append("// ---- end \(target) ----")
             }
+            out.append("#line \(number + 2) \"\(name)\"")
             continue
         }
         out.append(String(line))
@@ -70,16 +89,19 @@ func inline(_ path: String, seen: inout Set<String>) -> String {
 func kernelNames(_ source: String) -> [String] {
     let marker = "INSTANTIATE_KERNEL(\""
     return source.split(separator: "\n").compactMap { line -> String? in
-        guard let r = line.firstRange(of: marker) else { return nil }
-        let after = line[r.upperBound...]
-        return after.firstIndex(of: "\"").map { String(after[..<$0]) }
+        guard let at = firstOffset(of: marker, in: line) else { return nil }
+        let after = line.utf8.dropFirst(at + marker.utf8.count)
+        return after.firstIndex(of: UInt8(ascii: "\"")).map { String(decoding: after[..<$0], as: UTF8.self) }
     }
 }
 
 /// A raw-string delimiter that does not occur in the text.
 func literal(_ text: String) -> String {
     var hashes = "#"
-    while text.contains("\"\(hashes)") || text.contains("\(hashes)\"") { hashes += "#" }
+    let whole = Substring(text)
+    while firstOffset(of: "\"\(hashes)", in: whole) != nil || firstOffset(of: "\(hashes)\"", in: whole) != nil {
+        hashes += "#"
+    }
     return "\(hashes)\"\"\"\n\(text)\n\"\"\"\(hashes)"
 }
 
@@ -90,6 +112,11 @@ for f in files where f.hasSuffix(".metal") {
     let name = fileName(f)
     sources.append((name, inline(f, seen: &seen)))
     for k in kernelNames(read(f)) { kernels.append((k, name)) }
+}
+
+if sourcesOnly {
+    for (name, text) in sources { write(text + "\n", to: "\(output)/\(name)") }
+    exit(0)
 }
 
 var swift = "// Generated by ShaderEmbedder from Resources/shaders. Do not edit.\n"

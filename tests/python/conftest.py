@@ -12,7 +12,9 @@ def available_backends() -> list[str]:
     for name in ("cpu", "sim", "metal"):
         try:
             flashmetal.Registry(name).close()
-        except ValueError:
+        except (ValueError, flashmetal.BackendError):
+            # Not built in (ValueError), or built but unable to open, e.g. a
+            # Mac whose session sees no Metal device (BackendError).
             continue
         names.append(name)
     return names

@@ -443,6 +443,81 @@ static int bench() {
     return 0;
 }
 
+// The decode reduce (plain and FWHT-undo) must not depend on its threadgroup
+// size: the dispatcher asks for 1024 threads, a Metal pipeline may allow
+// fewer. Every multiple of 32 gives the float64 combination of the partials
+// (to float rounding) and the same bits as 1024 threads; row 1 is a row
+// that saw no key (S == 0, zero partials, as the main kernel writes) and must
+// come out zero.
+static void t_vec_reduce_group_sizes() {
+    const uint32_t nrows = 3, nwg = 32;
+    for (int D : {64, 512}) {
+        std::vector<float> tmp(size_t(nrows) * nwg * (D + 2));
+        uint64_t st = 0x9e3779b97f4a7c15ull * uint64_t(D);
+        auto uni = [&] { st = st * 6364136223846793005ull + 1442695040888963407ull; return float(st >> 40) / 16777216.0f; };
+        for (size_t i = 0; i < size_t(nrows) * nwg * D; i++) tmp[i] = i / (size_t(nwg) * D) == 1 ? 0.0f : 4.0f * uni() - 2.0f;
+        float *sm = tmp.data() + size_t(nrows) * nwg * D;
+        for (uint32_t r = 0; r < nrows; r++)
+            for (uint32_t w = 0; w < nwg; w++) {
+                sm[(r * nwg + w) * 2] = r == 1 ? 0.0f : 1.0f + 30.0f * uni();
+                sm[(r * nwg + w) * 2 + 1] = r == 1 ? -1.70141173e38f * 0.6931472f : 8.0f * uni() - 4.0f;
+            }
+        std::vector<uint8_t> signs(D / 8);
+        for (auto &b : signs) b = uint8_t(uni() * 256.0f);
+        for (int fwht = 0; fwht < 2; fwht++) {
+            // float64 expectation
+            std::vector<double> want(size_t(nrows) * D, 0.0);
+            for (uint32_t r = 0; r < nrows; r++) {
+                double m = -1e300, s = 0.0;
+                for (uint32_t w = 0; w < nwg; w++) m = std::max(m, double(sm[(r * nwg + w) * 2 + 1]));
+                std::vector<double> f(nwg);
+                for (uint32_t w = 0; w < nwg; w++) {
+                    f[w] = std::exp(double(sm[(r * nwg + w) * 2 + 1]) - m);
+                    s += f[w] * double(sm[(r * nwg + w) * 2]);
+                }
+                double *y = &want[size_t(r) * D];
+                for (int d = 0; d < D; d++) {
+                    for (uint32_t w = 0; w < nwg; w++) y[d] += double(tmp[(size_t(r) * nwg + w) * D + d]) * f[w];
+                    y[d] = s == 0.0 ? 0.0 : y[d] / s;
+                }
+                if (!fwht) continue;
+                for (int h = 1; h < D; h <<= 1)
+                    for (int i = 0; i < D; i++)
+                        if (!(i & h)) { double a = y[i], b = y[i + h]; y[i] = a + b; y[i + h] = a - b; }
+                for (int d = 0; d < D; d++) y[d] *= ((signs[d >> 3] >> (d & 7)) & 1 ? -1.0 : 1.0) / std::sqrt(double(D));
+            }
+            const std::string name = std::string(fwht ? "flash_attn_vec_reduce_tq_hb_undo_dk" : "flash_attn_vec_reduce_dk") +
+                                     std::to_string(D);
+            std::vector<float> ref;
+            for (uint32_t threads : {1024u, 32u, 96u, 160u, 512u}) {
+                std::vector<float> out(size_t(nrows) * D, std::nanf(""));
+                FlashAttnVecReduceParams p{nrows};
+                Run r;
+                r.bytes(0, p).buf(1, tmp).buf(2, out).bytes(3, nwg).g(nrows).tg(threads);
+                if (fwht) {
+                    r.buf(4, signs);
+                    r.c = {{500, 1, 1}};
+                    r.t = {{0, uint32_t(D * 4)}};
+                }
+                r.workers = 2;
+                int rc = r.go(name.c_str());
+                double worst = 0.0;
+                bool zeros = true;
+                for (size_t i = 0; i < out.size(); i++) {
+                    worst = std::max(worst, std::fabs(double(out[i]) - want[i]) / (1e-6 + 1e-5 * std::fabs(want[i])));
+                    if (i / D == 1 && out[i] != 0.0f) zeros = false;
+                }
+                if (ref.empty()) ref = out;
+                const bool same = memcmp(ref.data(), out.data(), out.size() * sizeof(float)) == 0;
+                check(rc == 0 && worst <= 1.0 && zeros && same,
+                      (name + " with " + std::to_string(threads) + " threads per group: float64 result, same bits as 1024, "
+                              "no-key row zeros").c_str(),
+                      rc ? r.err : "worst " + std::to_string(worst) + "x tolerance" + (same ? "" : ", bits differ"));
+            }
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--bench")) return bench();
@@ -472,6 +547,7 @@ int main(int argc, char **argv) {
     t_atomics();
     t_early_exit();
     t_errors();
+    t_vec_reduce_group_sizes();
     printf("%d passed, %d failed\n", g_pass, g_fail);
     return g_fail ? 1 : 0;
 }

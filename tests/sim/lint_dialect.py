@@ -14,6 +14,17 @@ mean different things on the two sides, are rejected here:
                     constructor (a bitcast on the host) -> float4(x)
   buffer-order      [[buffer(i)]] of a kernel must be 0, 1, 2, ... in parameter order
   include           shaders include "dialect.h" only (never <metal_stdlib> or host files)
+  double            no `double` (MSL has none; the host would compute in it silently)
+  tg-array-scope    TG_ARRAY only inside a kernel's body (MSL allows threadgroup
+                    variables only at kernel scope; the host would share one
+                    array per call site between unrelated callers)
+  kernel-param      every kernel parameter is attributed: [[buffer(i)]], TG_BUFFER
+                    or BUILTIN (an unattributed one has no binding on Metal)
+  builtin-type      BUILTIN parameters are uint / ushort, or uint2/3 / ushort2/3 for
+                    positions and sizes in the grid (MSL's declared types)
+  c-pointer-cast    no C-style casts to a pointer type: they cross address spaces
+                    silently (clang accepts them, Metal does not); write
+                    reinterpret_cast, which the MSL check holds to one address space
 
 Usage: lint_dialect.py DIR...   |   lint_dialect.py --self-test
 """
@@ -40,6 +51,15 @@ RE_ALIAS_TYPEDEF = re.compile(r"\btypedef\s+(?:metal::)?(?:vec\s*<[^;]*>|" + VEC
 RE_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 RE_KERNEL = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
 RE_BUFFER = re.compile(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)")
+RE_DOUBLE = re.compile(r"\bdouble\b")
+RE_TG_ARRAY_USE = re.compile(r"\bTG_ARRAY\s*\(")
+RE_BUILTIN_PARAM = re.compile(r"^\s*(?:const\s+)?([A-Za-z_]\w*)\s+[A-Za-z_]\w*\s+BUILTIN\s*\(\s*(\w+)\s*\)\s*$")
+RE_C_PTR_CAST = re.compile(r"\(\s*(?:const\s+)?(?:(?:device|constant|threadgroup|thread)\s+)?(?:const\s+)?"
+                           r"[A-Za-z_][\w:]*(?:\s*<[^()<>;]*>)?\s*(?:const\s*)?\*+\s*\)\s*[\w(]")
+# Builtins MSL also declares as 2-/3-vectors; the others are scalars only.
+VECTOR_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+                   "threads_per_threadgroup", "threadgroups_per_grid", "threads_per_grid",
+                   "dispatch_threads_per_threadgroup"}
 
 
 def strip_comments(src):
@@ -67,6 +87,33 @@ def strip_comments(src):
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def matching(code, j, open_c, close_c):
+    """Index just past the bracket that closes the one before position j."""
+    depth = 1
+    while j < len(code) and depth:
+        depth += {open_c: 1, close_c: -1}.get(code[j], 0)
+        j += 1
+    return j
+
+
+def split_params(plist):
+    """Top-level comma split of a parameter list (templates and attributes nest)."""
+    out, depth, cur = [], 0, ""
+    for c in plist:
+        if c in "(<[":
+            depth += 1
+        elif c in ")>]":
+            depth -= 1
+        if c == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += c
+    if cur.strip():
+        out.append(cur)
+    return out
 
 
 def line_of(text, pos):
@@ -105,16 +152,40 @@ def lint_text(text, name="<text>"):
             err(m.start(), "alias-vector-cast",
                 "'%s(...)' constructs through an alias of a vector type (a bitcast on the host): "
                 "use the concrete name" % a)
+    kernel_bodies = []
     for m in RE_KERNEL.finditer(code):
-        depth, j = 1, m.end()
-        while j < len(code) and depth:
-            depth += {"(": 1, ")": -1}.get(code[j], 0)
-            j += 1
-        idx = [int(b) for b in RE_BUFFER.findall(code[m.end():j])]
+        j = matching(code, m.end(), "(", ")")
+        plist = code[m.end():j - 1]
+        idx = [int(b) for b in RE_BUFFER.findall(plist)]
         if idx != list(range(len(idx))):
             err(m.start(), "buffer-order",
                 "kernel %s binds buffers %s: parameter position must equal the buffer index (0, 1, 2, ...)"
                 % (m.group(1), idx))
+        for prm in split_params(plist):
+            text_p = " ".join(prm.split())
+            if not re.search(r"\[\[\s*buffer\s*\(|\bTG_BUFFER\s*\(|\bBUILTIN\s*\(", text_p):
+                err(m.start(), "kernel-param", "kernel %s: parameter '%s' has no [[buffer(i)]], TG_BUFFER or BUILTIN"
+                    % (m.group(1), text_p))
+            if "BUILTIN" in text_p:
+                b = RE_BUILTIN_PARAM.match(text_p)
+                allowed = {"uint", "ushort"}
+                if b and b.group(2) in VECTOR_BUILTINS:
+                    allowed |= {"uint2", "uint3", "ushort2", "ushort3"}
+                if not b or b.group(1) not in allowed:
+                    err(m.start(), "builtin-type", "kernel %s: '%s': MSL declares this builtin as %s"
+                        % (m.group(1), text_p, " / ".join(sorted(allowed))))
+        body = code.find("{", j)
+        if body >= 0 and code[j:body].strip() == "":
+            kernel_bodies.append((body, matching(code, body + 1, "{", "}")))
+    for m in RE_TG_ARRAY_USE.finditer(code):
+        if not any(a < m.start() < b for a, b in kernel_bodies):
+            err(m.start(), "tg-array-scope", "TG_ARRAY outside a kernel body: declare it in the kernel and pass "
+                "a threadgroup pointer")
+    for m in RE_DOUBLE.finditer(code):
+        err(m.start(), "double", "MSL has no double: use float")
+    for m in RE_C_PTR_CAST.finditer(code):
+        err(m.start(), "c-pointer-cast", "C-style pointer cast '%s': it may cross address spaces unchecked; "
+            "use reinterpret_cast" % " ".join(m.group(0).split()))
     return errors
 
 
@@ -142,12 +213,14 @@ FUNCTION_CONSTANT(bool, has_mask, 300)
 // a comment with threadgroup float x[4]; and [[thread_position_in_grid]] and 1.0H
 template <typename T>
 kernel void good(const device T *a [[buffer(0)]], device float *o [[buffer(1)]],
-                 TG_BUFFER(float, scratch, 0), uint tid BUILTIN(thread_index_in_threadgroup)) {
+                 TG_BUFFER(half, scratch, 0), uint tid BUILTIN(thread_index_in_threadgroup),
+                 uint3 g BUILTIN(threadgroup_position_in_grid), ushort lane BUILTIN(thread_index_in_simdgroup)) {
     TG_ARRAY(float, buf, 64);
     threadgroup float *p = buf;
+    threadgroup float *s = reinterpret_cast<threadgroup float *>(scratch + 8);
     half h = 1.0h;
     float4 v = float4(h);
-    buf[tid] = v.x + p[0];
+    buf[tid] = (v.x * p[0]) + s[g.x] * float(lane);
 }
 INSTANTIATE_KERNEL("good", good, float)
 '''
@@ -161,6 +234,14 @@ BAD = {
     "raw-attribute": "constant bool m [[function_constant(3)]];\n",
     "buffer-order": "kernel void k(device float *a [[buffer(1)]], device float *b [[buffer(0)]]) {}\n",
     "include": "#include <metal_stdlib>\n",
+    "double": "kernel void k(device float *o [[buffer(0)]]) { double d = 1.0; o[0] = float(d); }\n",
+    "tg-array-scope": "inline float helper(uint i) { TG_ARRAY(float, t, 32); return t[i]; }\n",
+    "kernel-param": "kernel void k(device float *o [[buffer(0)]], constant uint &n) { o[0] = float(n); }\n",
+    "builtin-type": "kernel void k(device float *o [[buffer(0)]], int tid BUILTIN(thread_index_in_threadgroup)) {}\n",
+    "builtin-type ": "kernel void k(device float *o [[buffer(0)]], uint3 l BUILTIN(thread_index_in_simdgroup)) {}\n",
+    "c-pointer-cast": "kernel void k(device float *o [[buffer(0)]]) {\n  TG_ARRAY(float, t, 32);\n"
+                      "  thread float *p = (thread float *)t;\n  o[0] = p[0];\n}\n",
+    "c-pointer-cast ": "kernel void k(device half *o [[buffer(0)]]) { device float *f = (device float *)(o + 2); }\n",
 }
 
 
