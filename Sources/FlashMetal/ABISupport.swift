@@ -26,36 +26,41 @@ func guarded(_ err: UnsafeMutablePointer<CChar>?, _ errlen: Int, _ body: () thro
     }
 }
 
-/// Live registry handles: a destroyed or foreign pointer is rejected with
-/// an error instead of being dereferenced.
+/// Live registry handles. A handle is an id from a counter, never a pointer
+/// and never handed out twice: a destroyed registry's handle (kept by a stale
+/// copy, or by a thread racing destroy) is an error, never another registry.
 enum Handles {
     private static let lock = Lock()
-    nonisolated(unsafe) private static var live: Set<UnsafeMutableRawPointer> = []
+    nonisolated(unsafe) private static var live: [UInt: Registry] = [:]
+    /// Ids start high so a small integer passed by mistake is never live.
+    nonisolated(unsafe) private static var lastId: UInt = 0x464D_0000
 
     static func register(_ r: Registry) -> OpaquePointer {
-        let p = Unmanaged.passRetained(r).toOpaque()
-        lock.withLock { _ = live.insert(p) }
-        return OpaquePointer(p)
+        let id: UInt = lock.withLock {
+            lastId += 1
+            live[lastId] = r
+            return lastId
+        }
+        return OpaquePointer(bitPattern: id)!
     }
 
     static func registry(_ h: OpaquePointer?, op: String) throws -> Registry {
         guard let h = h else { throw FlashMetalError.value(op, "registry is null") }
-        let p = UnsafeMutableRawPointer(h)
-        return try lock.withLock {
-            guard live.contains(p) else {
-                throw FlashMetalError.value(op, "registry \(p) is not a live registry (destroyed or invalid)")
-            }
-            return Unmanaged<Registry>.fromOpaque(p).takeUnretainedValue()
+        let id = UInt(bitPattern: h)
+        guard let r = lock.withLock({ live[id] }) else {
+            throw FlashMetalError.value(op, "registry \(h) is not a live registry (destroyed or invalid)")
         }
+        return r
     }
 
+    /// Removes the handle, then closes the registry (its open batches end).
+    /// Calls already running on other threads hold their own reference.
     static func destroy(_ h: OpaquePointer) throws {
-        let p = UnsafeMutableRawPointer(h)
-        let found = lock.withLock { live.remove(p) != nil }
-        guard found else {
-            throw FlashMetalError.value("destroy_registry", "registry \(p) is not a live registry (destroyed or invalid)")
+        let id = UInt(bitPattern: h)
+        guard let r = lock.withLock({ live.removeValue(forKey: id) }) else {
+            throw FlashMetalError.value("destroy_registry", "registry \(h) is not a live registry (destroyed or invalid)")
         }
-        Unmanaged<Registry>.fromOpaque(p).release()
+        try r.close()
     }
 }
 

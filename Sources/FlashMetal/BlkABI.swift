@@ -1,20 +1,7 @@
 import CFlashMetal
 import FlashMetalCore
-#if canImport(Glibc)
-import Glibc
-#elseif canImport(Darwin)
-import Darwin
-#endif
 
-/// Buffers handed out by fm_alloc_blk; fm_free_blk frees only these.
-enum BlkAllocations {
-    private static let lock = Lock()
-    nonisolated(unsafe) private static var live: Set<UnsafeMutableRawPointer> = []
-
-    static func insert(_ p: UnsafeMutableRawPointer) { lock.withLock { _ = live.insert(p) } }
-    static func remove(_ p: UnsafeMutableRawPointer) -> Bool { lock.withLock { live.remove(p) != nil } }
-}
-
+/// fm_blk_byte_len of flashmetal.h: the byte length of a blk for a mask and head dim.
 @_cdecl("fm_blk_byte_len")
 public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<Int>?,
                             _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -24,6 +11,7 @@ public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ ou
     }
 }
 
+/// fm_alloc_blk of flashmetal.h: a zeroed, tagged, library-owned blk buffer.
 @_cdecl("fm_alloc_blk")
 public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<FMTensor>?,
                          _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -32,12 +20,11 @@ public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: 
         guard let out = out else { throw FlashMetalError.value(op, "out is null") }
         let bytes = try BlkDispatcher.byteLength(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
         let (nq, nk) = try BlkDispatcher.tiles(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
-        guard let p = calloc(bytes, 1) else {
-            throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes")
-        }
-        BlkAllocations.insert(p)
+        let (p, tag) = try BlkAllocations.allocate(bytes: bytes, headDim: Int(headDim), qL: Int(qLen),
+                                                   kL: Int(kLen), op: op)
         var t = FMTensor()
         t.data = p
+        t.tag = tag
         t.nbytes = UInt64(bytes)
         t.dtype = DType.u8.rawValue
         t.ndim = 2
@@ -47,6 +34,7 @@ public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: 
     }
 }
 
+/// fm_free_blk of flashmetal.h: frees a live tagged blk; a stale copy is an error.
 @_cdecl("fm_free_blk")
 public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMutablePointer<CChar>?,
                         _ errlen: Int) -> Int32 {
@@ -54,15 +42,14 @@ public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMut
         let op = "free_blk"
         guard let blk = blk else { throw FlashMetalError.value(op, "blk is null") }
         guard let p = blk.pointee.data else { return }
-        guard BlkAllocations.remove(p) else {
-            throw FlashMetalError.value(op, "blk data \(p) was not allocated by fm_alloc_blk (or was already freed)")
-        }
-        free(p)
+        try BlkAllocations.free(tag: blk.pointee.tag, data: p, op: op)
         blk.pointee.data = nil
         blk.pointee.nbytes = 0
+        blk.pointee.tag = 0
     }
 }
 
+/// fm_dispatch_blk of flashmetal.h: runs the blk pre-pass over an additive mask.
 @_cdecl("fm_dispatch_blk")
 public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FMTensor>?,
                             _ blkOut: UnsafePointer<FMTensor>?, _ headDim: Int32,
@@ -73,5 +60,29 @@ public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FM
         let m = try TensorRef(mask, op: op, name: "mask")
         let b = try TensorRef(blkOut, op: op, name: "blk_out")
         try reg.run([BlkDispatcher.makeDispatch(mask: m, blk: b, headDim: Int(headDim))])
+    }
+}
+
+/// The head dims that have a kernel for `op` ("flash_attn_prefill" or
+/// "flash_attn_vec"), ascending, from the capability tables: the Python
+/// package routes by them instead of keeping its own list.
+@_cdecl("fm_supported_head_dims")
+public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
+                                   _ count: UnsafeMutablePointer<Int>?,
+                                   _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
+    guarded(err, errlen) {
+        let name = op.map { String(cString: $0) } ?? ""
+        let dims: [Int]
+        switch name {
+        case PrefillDispatcher.op: dims = PrefillCapability.headDims
+        case VecDispatcher.op: dims = VecCapability.headDims
+        default:
+            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)' or '\(VecDispatcher.op)', got '\(name)'")
+        }
+        guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null") }
+        count.pointee = dims.count
+        if let out = out {
+            for (i, d) in dims.prefix(max(cap, 0)).enumerated() { out[i] = Int32(d) }
+        }
     }
 }

@@ -1,6 +1,7 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// fm_build_mask of flashmetal.h: fills a [qL, kL] causal/window mask.
 @_cdecl("fm_build_mask")
 public func fm_build_mask(_ registry: OpaquePointer?, _ out: UnsafePointer<FMTensor>?,
                           _ options: UnsafePointer<FMMaskOptions>?,

@@ -1,6 +1,7 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// fm_dispatch_prefill of flashmetal.h: one tiled flash-attention prefill.
 @_cdecl("fm_dispatch_prefill")
 public func fm_dispatch_prefill(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,

@@ -1,19 +1,40 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// The release (FM_VERSION of flashmetal.h), as a static C string.
 @_cdecl("fm_version")
 public func fm_version() -> UnsafePointer<CChar> {
     return versionString
 }
 
-private let versionString: UnsafePointer<CChar> = {
-    let s = "0.1.0"
+/// The C ABI version this library implements (FM_ABI_VERSION).
+@_cdecl("fm_abi_version")
+public func fm_abi_version() -> Int32 {
+    Int32(FM_ABI_VERSION)
+}
+
+/// A static name for a status code.
+@_cdecl("fm_status_string")
+public func fm_status_string(_ status: Int32) -> UnsafePointer<CChar> {
+    statusStrings[status] ?? unknownStatus
+}
+
+/// A static C string that lives for the process.
+private func staticCString(_ s: String) -> UnsafePointer<CChar> {
     let p = UnsafeMutablePointer<CChar>.allocate(capacity: s.utf8.count + 1)
     for (i, b) in s.utf8.enumerated() { p[i] = CChar(bitPattern: b) }
     p[s.utf8.count] = 0
     return UnsafePointer(p)
-}()
+}
 
+private let versionString = staticCString(FM_VERSION)
+private let unknownStatus = staticCString("unknown status")
+private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeysWithValues: [
+    (FM_OK, "FM_OK"), (FM_ERROR_VALUE, "FM_ERROR_VALUE"), (FM_ERROR_TYPE, "FM_ERROR_TYPE"),
+    (FM_ERROR_BACKEND, "FM_ERROR_BACKEND"), (FM_ERROR_INTERNAL, "FM_ERROR_INTERNAL"),
+].map { (Int32($0.0.rawValue), staticCString($0.1)) })
+
+/// fm_create_registry of flashmetal.h: a registry on a named backend, as a never-reused handle.
 @_cdecl("fm_create_registry")
 public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,
                                _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
@@ -25,6 +46,7 @@ public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMu
     }
 }
 
+/// fm_destroy_registry of flashmetal.h: ends open batches, then frees the registry.
 @_cdecl("fm_destroy_registry")
 public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
     guarded(nil, 0) {
@@ -32,21 +54,24 @@ public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
     }
 }
 
+/// fm_registry_backend of flashmetal.h: the backend name ("cpu", "sim", "metal").
 @_cdecl("fm_registry_backend")
 public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?, _ len: Int) -> Int32 {
-    // The name buffer doubles as the error buffer, which guarded() clears on
-    // success: write the name once it has returned.
+    // No error buffer: on failure the name is "" (never a message that could
+    // be read as a backend name); fm_status_string describes the status.
     var backend = ""
-    let status = guarded(name, len) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
-    if status == Int32(FM_OK.rawValue) { writeMessage(backend, name, len) }
+    let status = guarded(nil, 0) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
+    writeMessage(backend, name, len)
     return status
 }
 
+/// fm_begin_batch of flashmetal.h: opens a (nestable) batch scope.
 @_cdecl("fm_begin_batch")
 public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
     guarded(err, errlen) { try Handles.registry(registry, op: "begin_batch").beginBatch() }
 }
 
+/// fm_end_batch of flashmetal.h: closes a batch scope; the outermost flushes.
 @_cdecl("fm_end_batch")
 public func fm_end_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
     guarded(err, errlen) { try Handles.registry(registry, op: "end_batch").endBatch() }

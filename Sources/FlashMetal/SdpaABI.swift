@@ -1,6 +1,7 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// fm_dispatch_sdpa of flashmetal.h: the simple fused SDPA.
 @_cdecl("fm_dispatch_sdpa")
 public func fm_dispatch_sdpa(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,

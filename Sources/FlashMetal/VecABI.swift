@@ -1,6 +1,8 @@
 import CFlashMetal
 import FlashMetalCore
 
+/// fm_dispatch_vec of flashmetal.h: split-KV decode then its reduce; without
+/// a caller tmp the library allocates scratch for exactly as long as the work.
 @_cdecl("fm_dispatch_vec")
 public func fm_dispatch_vec(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,

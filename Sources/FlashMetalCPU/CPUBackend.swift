@@ -1,25 +1,33 @@
 import FlashMetalCore
 
-/// The native backend: resolves each kernel name and its function constants
-/// to a native kernel; the registry caches what it makes.
+/// The native backend: maps each kernel spec and its function constants to
+/// a native kernel; the registry caches what it makes. Synchronous: every
+/// dispatch has run when `run` returns.
 public final class CPUBackend: Backend {
+    /// "cpu".
     public let name = "cpu"
+    /// Work never waits for a batch to end.
+    public var defersWork: Bool { false }
     let pool = WorkerPool()
 
+    /// A cpu backend on the shared worker pool.
     public init() {}
 
+    /// The native kernel of `key.spec`, specialised by its constants.
     public func makePipeline(_ key: PipelineKey) throws -> AnyObject {
-        if PrefillDispatcher.allKernelNames.contains(key.kernel) {
-            return try PrefillKernel(key)
+        switch key.spec {
+        case let .prefill(io, headDim, boolMask):
+            return try PrefillKernel(key, io: io, headDim: headDim, boolMask: boolMask)
+        case let .blk(mask): return try BlkKernel(key, maskType: mask)
+        case let .maskBuilder(out): return MaskKernel(key, outType: out)
+        case .vec: return VecKernel(key)
+        case let .vecReduce(headDim, fwht): return try VecReduceKernel(key, headDim: headDim, fwht: fwht)
+        case let .sdpa(io): return try SdpaKernel(key, io: io)
+        case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }
-        if BlkDispatcher.allKernelNames.contains(key.kernel) { return try BlkKernel(key) }
-        if MaskDispatcher.allKernelNames.contains(key.kernel) { return MaskKernel(key) }
-        if VecDispatcher.mainKernelNames.contains(key.kernel) { return VecKernel(key) }
-        if VecDispatcher.reduceKernelNames.contains(key.kernel) { return try VecReduceKernel(key) }
-        if SdpaDispatcher.allKernelNames.contains(key.kernel) { return try SdpaKernel(key) }
-        throw FlashMetalError.backend("cpu backend: unknown kernel '\(key.kernel)'")
     }
 
+    /// Runs each dispatch with its kernel, in order, on the worker pool.
     public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
         for (d, p) in zip(dispatches, pipelines) {
             guard let k = p as? CPUKernel else {

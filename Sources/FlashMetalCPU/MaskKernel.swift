@@ -6,13 +6,13 @@ import FlashMetalCore
 final class MaskKernel: CPUKernel {
     let isBF16: Int32
 
-    init(_ key: PipelineKey) {
-        isBF16 = key.kernel.hasSuffix("_bf16") ? 1 : 0
+    init(_ key: PipelineKey, outType: DType) {
+        isBF16 = outType == .bf16 ? 1 : 0
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        var p = try d.params(1, as: MaskParams.self)
-        let out = try d.buffer(0).data.assumingMemoryBound(to: UInt16.self)
+        var p = try d.params(MaskBuilderBuffer.params, as: MaskParams.self)
+        let out = try d.buffer(MaskBuilderBuffer.out).data.assumingMemoryBound(to: UInt16.self)
         let isBF16 = self.isBF16
         withUnsafePointer(to: &p) { pp in
             pool.forEach(Int(pp.pointee.seq_len_q)) { _, i in fm_cpu_mask_row(pp, out, isBF16, Int64(i)) }

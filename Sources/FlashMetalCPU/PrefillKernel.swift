@@ -39,34 +39,34 @@ final class PrefillKernel: CPUKernel {
         old?.deallocate()
     }
 
-    init(_ key: PipelineKey) throws {
+    init(_ key: PipelineKey, io: DType, headDim: Int, boolMask: Bool) throws {
         name = key.kernel
-        boolMask = key.kernel.hasSuffix("_boolmask")
-        hasMask = try key.constants.requireBool(PrefillConstant.hasMask, kernel: name)
-        causal = try key.constants.requireBool(PrefillConstant.doCausal, kernel: name)
-        hasBlk = try key.constants.requireBool(PrefillConstant.hasBlk, kernel: name)
-        _ = try key.constants.requireBool(PrefillConstant.alignQ, kernel: name)
-        _ = try key.constants.requireBool(PrefillConstant.alignK, kernel: name)
+        self.boolMask = boolMask
+        hasMask = try key.constants.requireBool(FunctionConstantIndex.hasMask, kernel: name)
+        causal = try key.constants.requireBool(FunctionConstantIndex.doCausal, kernel: name)
+        hasBlk = try key.constants.requireBool(FunctionConstantIndex.hasBlk, kernel: name)
+        _ = try key.constants.requireBool(FunctionConstantIndex.alignQ, kernel: name)
+        _ = try key.constants.requireBool(FunctionConstantIndex.alignK, kernel: name)
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var a = FMPrefillArgs()
-        a.p = try d.params(4, as: AttnParams.self)
-        let q = try d.buffer(0)
+        a.p = try d.params(PrefillBuffer.params, as: AttnParams.self)
+        let q = try d.buffer(PrefillBuffer.q)
         a.q = UnsafeRawPointer(q.data)
-        a.k = UnsafeRawPointer(try d.buffer(1).data)
-        a.v = UnsafeRawPointer(try d.buffer(2).data)
-        a.o = try d.buffer(3).data
+        a.k = UnsafeRawPointer(try d.buffer(PrefillBuffer.k).data)
+        a.v = UnsafeRawPointer(try d.buffer(PrefillBuffer.v).data)
+        a.o = try d.buffer(PrefillBuffer.out).data
         a.io_dtype = q.dtype.rawValue
         a.causal = causal ? 1 : 0
-        a.mask_kind = Int32(FM_MASK_NONE)
+        a.mask_kind = MaskKind.none.rawValue
         if hasMask {
-            a.mp = try d.params(5, as: AttnMaskParams.self)
-            a.mask = UnsafeRawPointer(try d.buffer(6).data)
-            a.mask_kind = Int32(boolMask ? FM_MASK_BOOL : FM_MASK_ADDITIVE)
+            a.mp = try d.params(PrefillBuffer.maskParams, as: AttnMaskParams.self)
+            a.mask = UnsafeRawPointer(try d.buffer(PrefillBuffer.mask).data)
+            a.mask_kind = (boolMask ? MaskKind.bool : MaskKind.additive).rawValue
         }
         if hasBlk {
-            a.blk = UnsafePointer(try d.buffer(7).data.assumingMemoryBound(to: UInt8.self))
+            a.blk = UnsafePointer(try d.buffer(PrefillBuffer.blk).data.assumingMemoryBound(to: UInt8.self))
         }
         guard let geo = PrefillGeometry.forHeadDim(Int(a.p.D)) else {
             throw FlashMetalError.internalError("\(name): no tile geometry for D=\(a.p.D)")

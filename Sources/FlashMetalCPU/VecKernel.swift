@@ -11,11 +11,11 @@ final class VecKernel: CPUKernel {
     init(_ key: PipelineKey) { name = key.kernel }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        var p = try d.params(0, as: FlashAttnVecParams.self)
-        let q = UnsafePointer(try d.buffer(1).data.assumingMemoryBound(to: Float.self))
-        let k = try d.buffer(2)
-        let v = UnsafeRawPointer(try d.buffer(3).data)
-        let tmp = try d.buffer(4).data.assumingMemoryBound(to: Float.self)
+        var p = try d.params(VecBuffer.params, as: FlashAttnVecParams.self)
+        let q = UnsafePointer(try d.buffer(VecBuffer.q).data.assumingMemoryBound(to: Float.self))
+        let k = try d.buffer(VecBuffer.k)
+        let v = UnsafeRawPointer(try d.buffer(VecBuffer.v).data)
+        let tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
         let kd = UnsafeRawPointer(k.data)
         let dtype = k.dtype.rawValue
         let nwg = d.grid.z
@@ -55,25 +55,21 @@ final class VecReduceKernel: CPUKernel {
     let fwht: Bool
     let hasSigns: Bool
 
-    init(_ key: PipelineKey) throws {
+    init(_ key: PipelineKey, headDim: Int, fwht: Bool) throws {
         name = key.kernel
-        fwht = key.kernel.hasPrefix("flash_attn_vec_reduce_tq_hb_undo_dk")
-        guard let dk = key.kernel.split(separator: "k").last.flatMap({ Int32($0) }),
-              VecDispatcher.headDims.contains(Int(dk)) else {
-            throw FlashMetalError.backend("cpu backend: unknown kernel '\(key.kernel)'")
-        }
-        headDim = dk
-        hasSigns = fwht ? try key.constants.requireBool(VecDispatcher.hasSignsConstant, kernel: name) : false
+        self.fwht = fwht
+        self.headDim = Int32(headDim)
+        hasSigns = fwht ? try key.constants.requireBool(FunctionConstantIndex.vecHasSigns, kernel: name) : false
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        let rows = Int(try d.params(0, as: FlashAttnVecReduceParams.self).nrows)
-        let nwg = Int32(try d.params(3, as: UInt32.self))
+        let rows = Int(try d.params(VecReduceBuffer.params, as: FlashAttnVecReduceParams.self).nrows)
+        let nwg = Int32(try d.params(VecReduceBuffer.nwg, as: UInt32.self))
         if nwg <= 0 { throw FlashMetalError.internalError("\(name): nwg must be > 0") }
-        let tmp = UnsafePointer(try d.buffer(1).data.assumingMemoryBound(to: Float.self))
-        let out = try d.buffer(2).data.assumingMemoryBound(to: Float.self)
+        let tmp = UnsafePointer(try d.buffer(VecReduceBuffer.tmp).data.assumingMemoryBound(to: Float.self))
+        let out = try d.buffer(VecReduceBuffer.out).data.assumingMemoryBound(to: Float.self)
         let signs: UnsafePointer<UInt8>? = hasSigns
-            ? UnsafePointer(try d.buffer(VecDispatcher.signsBuffer).data.assumingMemoryBound(to: UInt8.self)) : nil
+            ? UnsafePointer(try d.buffer(VecReduceBuffer.signs).data.assumingMemoryBound(to: UInt8.self)) : nil
         let (dk, fwht) = (headDim, Int32(self.fwht ? 1 : 0))
         pool.forEach(rows) { _, r in
             fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs)

@@ -11,7 +11,9 @@ public enum AttentionMask {
     /// (batch, head, row) element strides.
     public static func params(_ mask: TensorRef, io: DType, batch: Int, heads: Int, qL: Int, kL: Int,
                               op: String) throws -> AttnMaskParams {
-        try mask.requireDType([io, .bool], op: op, name: "mask")
+        if mask.dtype != io && mask.dtype != .bool {
+            throw FlashMetalError.type(op, "mask must be \(io.name) (additive) or bool, got \(mask.dtype.name)")
+        }
         try mask.requireRank([2, 3, 4], op: op, name: "mask")
         let full = Array([batch, heads, qL, kL].suffix(mask.rank))
         let fits = zip(mask.shape, full).enumerated().allSatisfy { i, p in

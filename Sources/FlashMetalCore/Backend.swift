@@ -3,19 +3,28 @@
 public protocol Backend: AnyObject {
     /// "cpu", "sim" or "metal".
     var name: String { get }
+    /// Whether work inside a batch scope may run only when the scope ends
+    /// (Metal: one command buffer). Scratch memory of such work is kept until
+    /// then; a synchronous backend (false) has run each dispatch on return.
+    var defersWork: Bool { get }
     /// Compiles or resolves the kernel specialised by the key's constants.
     /// Called once per key; the registry caches the result.
     func makePipeline(_ key: PipelineKey) throws -> AnyObject
     /// Runs dispatches in order; each sees the writes of the ones before it.
     func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws
+    /// Opens a batch scope: until endBatch, a backend may defer its work.
+    /// Outputs are valid only after endBatch. The registry calls it for the
+    /// outermost scope only (it counts the nesting), never twice in a row.
     func beginBatch() throws
+    /// Closes the scope and runs the deferred work.
     func endBatch() throws
 }
 
 extension Backend {
-    /// Opens a batch scope: until the matching endBatch, a backend may defer
-    /// its work (Metal: one command buffer, committed at the end). Outputs
-    /// are valid only after endBatch. Synchronous backends do nothing.
+    /// Conservative default: a backend that does not say otherwise may defer.
+    public var defersWork: Bool { true }
+    /// Synchronous backends have nothing to open.
     public func beginBatch() throws {}
+    /// Synchronous backends have nothing to flush.
     public func endBatch() throws {}
 }

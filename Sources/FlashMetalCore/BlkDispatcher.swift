@@ -4,27 +4,24 @@ import CFlashMetal
 /// Classifies each (BQ, BK) tile of a [qL, kL] additive mask: 0 = every cell
 /// <= -1e30 (skip the tile), 2 = every cell exactly 0 (skip the mask add),
 /// else 1. A partial right-edge K tile is always 1. (BQ, BK) are those of
-/// the prefill that consumes the blk (PrefillGeometry for its head dim).
+/// the prefill that consumes the blk (PrefillCapability for its head dim).
+///
+/// Grid (NK, NQ, 1) of 32 threads; buffers BlkBuffer (mask, blk, BlkParams);
+/// int constants blk_bq/blk_bk (FunctionConstantIndex).
 public enum BlkDispatcher {
+    /// The op name errors carry.
     public static let op = "flash_attn_prefill_blk"
+    /// The op name of fm_blk_byte_len's errors.
     public static let sizeOp = "blk_byte_len"
 
-    public static func kernelName(maskDType: DType) -> String {
-        maskDType == .f16 ? "flash_attn_prefill_blk_f16" : "flash_attn_prefill_blk_bf16"
-    }
-
-    public static let allKernelNames = ["flash_attn_prefill_blk_bf16", "flash_attn_prefill_blk_f16"]
-
-    /// Tile counts (NQ, NK) for a mask consumed by a prefill of `headDim`.
+    /// Tile counts (NQ, NK) for a [qL, kL] mask consumed by a prefill of `headDim`.
     public static func tiles(qL: Int, kL: Int, headDim: Int, op: String = sizeOp) throws -> (nq: Int, nk: Int) {
-        if qL <= 0 { throw FlashMetalError.value(op, "seq_len_q must be > 0, got \(qL)") }
-        if kL <= 0 { throw FlashMetalError.value(op, "seq_len_k must be > 0, got \(kL)") }
+        if qL <= 0 { throw FlashMetalError.value(op, "q_len must be > 0, got \(qL)") }
+        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)") }
         if qL > Int(Int32.max) || kL > Int(Int32.max) {
-            throw FlashMetalError.value(op, "seq_len_q (\(qL)) and seq_len_k (\(kL)) must fit in int32")
+            throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32")
         }
-        guard let geo = PrefillGeometry.forHeadDim(headDim) else {
-            throw FlashMetalError.value(op, "head_dim must be 64, 128, 256 or 512, got \(headDim)")
-        }
+        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         return ((qL + geo.bq - 1) / geo.bq, (kL + geo.bk - 1) / geo.bk)
     }
 
@@ -38,9 +35,12 @@ public enum BlkDispatcher {
         return max((raw + 31) & ~31, 32)
     }
 
+    /// Validates a call and builds its dispatch. Preconditions: a rank-2
+    /// mask in BlkCapability.maskTypes, a prefill head dim, a uint8 blk_out
+    /// of at least NQ*NK bytes.
     public static func makeDispatch(mask: TensorRef, blk: TensorRef, headDim: Int) throws -> Dispatch {
         try mask.requireRank([2], op: op, name: "mask")
-        try mask.requireDType([.bf16, .f16], op: op, name: "mask")
+        try mask.requireDType(BlkCapability.maskTypes, op: op, name: "mask")
         try blk.requireDType([.u8], op: op, name: "blk_out")
         let (qL, kL) = (mask.shape[0], mask.shape[1])
         let (nq, nk) = try tiles(qL: qL, kL: kL, headDim: headDim, op: op)
@@ -49,13 +49,15 @@ public enum BlkDispatcher {
         if blk.byteCount < need {
             throw FlashMetalError.value(op, "blk_out buffer too small: expected at least \(need) bytes (NQ=\(nq), NK=\(nk)), got \(blk.byteCount)")
         }
-        let geo = PrefillGeometry.forHeadDim(headDim)!
+        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         let params = BlkParams(seq_len_q: Int32(qL), seq_len_k: Int32(kL), mask_row_stride: Int32(kL), _pad: 0)
         return Dispatch(
-            kernel: kernelName(maskDType: mask.dtype),
-            constants: FunctionConstants([(PrefillConstant.blkBQ, .int(Int32(geo.bq))),
-                                          (PrefillConstant.blkBK, .int(Int32(geo.bk)))]),
+            kernel: .blk(mask: mask.dtype),
+            constants: FunctionConstants([(FunctionConstantIndex.blkBQ, .int(Int32(geo.bq))),
+                                          (FunctionConstantIndex.blkBK, .int(Int32(geo.bk)))]),
             grid: Size3(nk, nq, 1), threadgroup: Size3(32, 1, 1),
-            bindings: [0: .buffer(mask), 1: .buffer(blk), 2: .bytes(bytesOf(params))])
+            bindings: [BlkBuffer.mask: .buffer(mask), BlkBuffer.out: .buffer(blk),
+                       BlkBuffer.params: .bytes(bytesOf(params))],
+            writes: [BlkBuffer.out])
     }
 }

@@ -4,6 +4,7 @@ import CFlashMetal
 public enum DType: Int32, CaseIterable, Sendable {
     case f32 = 0, f16 = 1, bf16 = 2, bool = 3, u8 = 4
 
+    /// Bytes per element.
     public var byteSize: Int {
         switch self {
         case .f32: return 4

@@ -1,8 +1,12 @@
 /// A 3-D size: grid of threadgroups or threads per threadgroup.
 public struct Size3: Hashable, Sendable, CustomStringConvertible {
+    /// The extents along each axis.
     public var x: Int, y: Int, z: Int
+    /// (x, y, z).
     public init(_ x: Int, _ y: Int, _ z: Int) { self.x = x; self.y = y; self.z = z }
+    /// x * y * z.
     public var count: Int { x * y * z }
+    /// "(x, y, z)".
     public var description: String { "(\(x), \(y), \(z))" }
 }
 
@@ -17,9 +21,13 @@ public enum Binding: @unchecked Sendable {
 /// Everything a backend needs to run one kernel launch: produced once by a
 /// dispatcher, run by any backend.
 public struct Dispatch: @unchecked Sendable {
+    /// The kernel and its function constants.
     public let pipeline: PipelineKey
+    /// Threadgroups per grid (dispatchThreadgroups).
     public let grid: Size3
+    /// Threads per threadgroup.
     public let threadgroup: Size3
+    /// What each buffer index holds.
     public let bindings: [Int: Binding]
     /// Threadgroup-memory lengths by index (setThreadgroupMemoryLength).
     public let threadgroupMemory: [Int: Int]
@@ -31,11 +39,13 @@ public struct Dispatch: @unchecked Sendable {
     /// may launch the largest such width instead of failing.
     public let threadgroupFlexible: Bool
 
-    public init(kernel: String, constants: FunctionConstants = FunctionConstants(),
+    /// A launch of `kernel` specialised by `constants`: `grid` threadgroups of
+    /// `threadgroup` threads, with buffers and threadgroup memory by index.
+    public init(kernel: KernelSpec, constants: FunctionConstants = FunctionConstants(),
                 grid: Size3, threadgroup: Size3, bindings: [Int: Binding],
                 threadgroupMemory: [Int: Int] = [:], writes: Set<Int>? = nil,
                 threadgroupFlexible: Bool = false) {
-        self.pipeline = PipelineKey(kernel: kernel, constants: constants)
+        self.pipeline = PipelineKey(spec: kernel, constants: constants)
         self.grid = grid
         self.threadgroup = threadgroup
         self.bindings = bindings
@@ -46,9 +56,14 @@ public struct Dispatch: @unchecked Sendable {
         self.threadgroupFlexible = threadgroupFlexible
     }
 
+    /// The kernel's name.
     public var kernel: String { pipeline.kernel }
+    /// The kernel's typed identity.
+    public var spec: KernelSpec { pipeline.spec }
+    /// The function constants of the pipeline.
     public var constants: FunctionConstants { pipeline.constants }
 
+    /// The caller tensor bound at `index`; an internal error when absent.
     public func buffer(_ index: Int) throws -> TensorRef {
         guard case .buffer(let t)? = bindings[index] else {
             throw FlashMetalError.internalError("\(kernel): no buffer at index \(index)")

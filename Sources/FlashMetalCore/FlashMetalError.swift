@@ -3,9 +3,12 @@ import CFlashMetal
 /// The one error type of the library: a C ABI status plus a message that
 /// names the op and the bad value. Nothing else crosses the C boundary.
 public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
+    /// The C status the error maps to.
     public let status: FMStatus
+    /// "op: what", naming the op and the bad value.
     public let message: String
 
+    /// An error with a status and a message that names the op.
     public init(_ status: FMStatus, _ message: String) {
         self.status = status
         self.message = message
@@ -21,13 +24,16 @@ public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
         FlashMetalError(FM_ERROR_TYPE, "\(op): \(what)")
     }
 
+    /// A backend could not be created or failed to run a kernel.
     public static func backend(_ what: String) -> FlashMetalError {
         FlashMetalError(FM_ERROR_BACKEND, what)
     }
 
+    /// A bug in the library.
     public static func internalError(_ what: String) -> FlashMetalError {
         FlashMetalError(FM_ERROR_INTERNAL, "internal error: \(what)")
     }
 
+    /// The message.
     public var description: String { message }
 }

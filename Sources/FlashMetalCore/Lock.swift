@@ -9,6 +9,7 @@ import Darwin
 public final class Lock: @unchecked Sendable {
     private let mutex: UnsafeMutablePointer<pthread_mutex_t>
 
+    /// An unlocked mutex.
     public init() {
         mutex = .allocate(capacity: 1)
         pthread_mutex_init(mutex, nil)
@@ -19,6 +20,7 @@ public final class Lock: @unchecked Sendable {
         mutex.deallocate()
     }
 
+    /// Runs `body` holding the mutex.
     public func withLock<R>(_ body: () throws -> R) rethrows -> R {
         pthread_mutex_lock(mutex)
         defer { pthread_mutex_unlock(mutex) }

@@ -1,24 +1,32 @@
 import CFlashMetal
 
-public enum PrefillLayout: Int32, Sendable {
+/// The memory order of prefill tensors; raw values are FMLayout's.
+public enum PrefillLayout: Int32, CaseIterable, Sendable {
     /// [B, H, L, D]
     case headMajor = 0
     /// [B, L, H, D]
     case seqMajor = 1
 }
 
+/// The options of one prefill call (FMPrefillOptions, read once).
 public struct PrefillOptions: Sendable {
+    /// Score scale, finite (callers usually pass 1/sqrt(D)).
     public var scale: Float
+    /// Logit softcap c > 0 (`c * tanh(s / c)`); 0 disables it.
     public var softcap: Float = 0
+    /// Query row i sees keys <= qOffset + i.
     public var causal: Bool = false
     /// Absolute position of query row 0 (the seeds' qL_off).
     public var qOffset: Int = 0
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
+    /// Memory order of Q, K, V and out.
     public var layout: PrefillLayout = .headMajor
 
+    /// Options with every default but the scale.
     public init(scale: Float) { self.scale = scale }
 
+    /// Reads the C options, rejecting out-of-range enum values.
     public init(_ o: FMPrefillOptions) throws {
         guard let layout = PrefillLayout(rawValue: o.layout) else {
             throw FlashMetalError.value(PrefillDispatcher.op, "layout must be 0 (bhld) or 1 (blhd), got \(o.layout)")
@@ -37,10 +45,14 @@ public struct PrefillOptions: Sendable {
 
 /// The tensors of one prefill call.
 public struct PrefillTensors {
+    /// Q, K, V and the output: rank 4 in the call's layout.
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef
+    /// Additive (Q's dtype) or bool mask, [qL, kL] or [B, H, qL, kL].
     public var mask: TensorRef? = nil
+    /// uint8 [NQ, NK] tile classes from the blk pre-pass (needs a rank-2 mask).
     public var blk: TensorRef? = nil
 
+    /// The tensors of a call; mask and blk are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef,
                 mask: TensorRef? = nil, blk: TensorRef? = nil) {
         self.q = q; self.k = k; self.v = v; self.out = out; self.mask = mask; self.blk = blk
@@ -49,24 +61,14 @@ public struct PrefillTensors {
 
 /// Seed 000's host logic: validation, AttnParams, tile geometry, function
 /// constants, grid and bindings for `flash_attn_prefill_*`.
+///
+/// Grid (NQ, H, B) threadgroups of PrefillGeometry.threadsPerGroup; buffers
+/// (PrefillBuffer) Q, K, V, out, AttnParams, then with a mask AttnMaskParams
+/// and the mask, and the blk; constants align_Q/align_K/has_mask/do_causal/
+/// has_blk (FunctionConstantIndex).
 public enum PrefillDispatcher {
+    /// The op name errors carry.
     public static let op = "flash_attn_prefill"
-
-    public static func kernelName(dtype: DType, headDim: Int, boolMask: Bool) -> String {
-        let t = dtype == .bf16 ? "bf16" : "f16"
-        return "flash_attn_prefill_\(t)_d\(headDim)" + (boolMask ? "_boolmask" : "")
-    }
-
-    /// Every prefill kernel name, for the backends' kernel tables.
-    public static var allKernelNames: [String] {
-        var names: [String] = []
-        for d in PrefillGeometry.headDims {
-            for t in [DType.bf16, .f16] {
-                for b in [false, true] { names.append(kernelName(dtype: t, headDim: d, boolMask: b)) }
-            }
-        }
-        return names
-    }
 
     /// (batch, head, seq) element strides of a rank-4 tensor in `layout`.
     static func strides(_ layout: PrefillLayout, heads: Int, len: Int, dim: Int) -> [Int64] {
@@ -77,12 +79,18 @@ public enum PrefillDispatcher {
         }
     }
 
+    /// Validates a call and builds its dispatch. Preconditions (each a
+    /// ValueError/TypeError naming the op and the value otherwise): rank-4
+    /// tensors of one dtype in PrefillCapability.ioTypes, a head dim with a
+    /// kernel, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
+    /// q_offset + qL <= kv_len, a finite scale, softcap 0 or > 0, buffers that
+    /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
         let op = Self.op
         for (x, n) in [(t.q, "Q"), (t.k, "K"), (t.v, "V"), (t.out, "out")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try t.q.requireDType([.bf16, .f16], op: op, name: "Q")
+        try t.q.requireDType(PrefillCapability.ioTypes, op: op, name: "Q")
         for (x, n) in [(t.k, "K"), (t.v, "V"), (t.out, "out")] where x.dtype != t.q.dtype {
             throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match Q dtype \(t.q.dtype.name)")
         }
@@ -112,27 +120,27 @@ public enum PrefillDispatcher {
         if nHeads % nKV != 0 {
             throw FlashMetalError.value(op, "n_heads (\(nHeads)) must be divisible by n_kv_heads (\(nKV))")
         }
-        if qL == 0 { throw FlashMetalError.value(op, "seq_len_q must be > 0") }
-        if capacity == 0 { throw FlashMetalError.value(op, "seq_len_k must be > 0") }
+        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0") }
+        if capacity == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0") }
         if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
-        guard let geo = PrefillGeometry.forHeadDim(headDim) else {
-            throw FlashMetalError.value(op, "head_dim must be 64, 128, 256 or 512, got \(headDim)")
-        }
+        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         let kL = o.kvLen ?? capacity
         if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)") }
         if kL > capacity {
-            throw FlashMetalError.value(op, "seq_len_k (\(kL)) > kv_capacity (\(capacity)) — K/V overshoots slot capacity")
+            throw FlashMetalError.value(op, "kv_len (\(kL)) must be <= the K/V capacity (\(capacity))")
         }
-        if o.qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(o.qOffset)") }
-        if o.qOffset + qL > kL {
-            throw FlashMetalError.value(op, "q_offset (\(o.qOffset)) + seq_len_q (\(qL)) > seq_len_k (\(kL)) — Q overshoots K")
+        let qOffset = o.qOffset
+        if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)") }
+        if qOffset + qL > kL {
+            throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))")
         }
-        if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        let scale = o.scale
+        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
         if !(o.softcap.isFinite && o.softcap >= 0) {
             throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
         }
         // AttnParams carries int32 dims; every product is taken in 64 bits by the kernels.
-        for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "seq_len_q"), (capacity, "kv_capacity")]
+        for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "q_len"), (capacity, "K/V capacity")]
         where v > Int(Int32.max) {
             throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the int32 range of AttnParams")
         }
@@ -152,9 +160,11 @@ public enum PrefillDispatcher {
                 throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)")
             }
             try b.requireDType([.u8], op: op, name: "blk")
-            let need = tiles.nq * tiles.nk
-            if b.byteCount < need {
-                throw FlashMetalError.value(op, "blk buffer too small: expected at least \(need) bytes (NQ=\(tiles.nq), NK=\(tiles.nk)), got \(b.byteCount)")
+            if b.shape != [tiles.nq, tiles.nk] {
+                throw FlashMetalError.value(op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) and a [\(qL), \(kL)] mask (build it with that head dim and mask)")
+            }
+            if let made = BlkAllocations.provenance(b), made.headDim != headDim || made.qL != qL || made.kL != kL {
+                throw FlashMetalError.value(op, "blk was built for head_dim \(made.headDim) and a [\(made.qL), \(made.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask")
             }
         }
 
@@ -162,32 +172,33 @@ public enum PrefillDispatcher {
         let ks = strides(o.layout, heads: nKV, len: capacity, dim: headDim)
         let params = AttnParams(
             B: Int32(batch), H: Int32(nHeads), D: Int32(headDim), qL: Int32(qL), kL: Int32(kL),
-            gqa_factor: Int32(nHeads / nKV), scale: o.scale, softcapping: o.softcap,
+            gqa_factor: Int32(nHeads / nKV), scale: scale, softcapping: o.softcap,
             NQ: Int32(tiles.nq), NK: Int32(tiles.nk), NQ_aligned: Int32(tiles.nqAligned),
             NK_aligned: Int32(tiles.nkAligned), qL_rem: Int32(tiles.qLRem), kL_rem: Int32(tiles.kLRem),
-            qL_off: Int32(o.qOffset), _pad: 0,
+            qL_off: Int32(qOffset), _pad: 0,
             Q_strides: (qs[0], qs[1], qs[2]), K_strides: (ks[0], ks[1], ks[2]),
             V_strides: (ks[0], ks[1], ks[2]), O_strides: (qs[0], qs[1], qs[2]))
 
         let constants = FunctionConstants([
-            (PrefillConstant.alignQ, .bool(tiles.qLRem == 0)),
-            (PrefillConstant.alignK, .bool(tiles.kLRem == 0)),
-            (PrefillConstant.hasMask, .bool(t.mask != nil)),
-            (PrefillConstant.doCausal, .bool(o.causal)),
-            (PrefillConstant.hasBlk, .bool(t.blk != nil)),
+            (FunctionConstantIndex.alignQ, .bool(tiles.qLRem == 0)),
+            (FunctionConstantIndex.alignK, .bool(tiles.kLRem == 0)),
+            (FunctionConstantIndex.hasMask, .bool(t.mask != nil)),
+            (FunctionConstantIndex.doCausal, .bool(o.causal)),
+            (FunctionConstantIndex.hasBlk, .bool(t.blk != nil)),
         ])
         var bindings: [Int: Binding] = [
-            0: .buffer(t.q), 1: .buffer(t.k), 2: .buffer(t.v), 3: .buffer(t.out),
-            4: .bytes(bytesOf(params)),
+            PrefillBuffer.q: .buffer(t.q), PrefillBuffer.k: .buffer(t.k), PrefillBuffer.v: .buffer(t.v),
+            PrefillBuffer.out: .buffer(t.out), PrefillBuffer.params: .bytes(bytesOf(params)),
         ]
         if let m = t.mask, let mp = maskParams {
-            bindings[5] = .bytes(bytesOf(mp))
-            bindings[6] = .buffer(m)
+            bindings[PrefillBuffer.maskParams] = .bytes(bytesOf(mp))
+            bindings[PrefillBuffer.mask] = .buffer(m)
         }
-        if let b = t.blk { bindings[7] = .buffer(b) }
-        let name = kernelName(dtype: t.q.dtype, headDim: headDim, boolMask: t.mask?.dtype == .bool)
-        return Dispatch(kernel: name, constants: constants,
+        if let b = t.blk { bindings[PrefillBuffer.blk] = .buffer(b) }
+        let spec = KernelSpec.prefill(io: t.q.dtype, headDim: headDim, boolMask: t.mask?.dtype == .bool)
+        return Dispatch(kernel: spec, constants: constants,
                         grid: Size3(tiles.nq, nHeads, batch), threadgroup: geo.threadsPerGroup,
-                        bindings: bindings)
+                        bindings: bindings, writes: [PrefillBuffer.out])
     }
 }
+

@@ -1,27 +1,27 @@
-/// Tile geometry of the prefill kernels (seed 000), the one place it lives:
-/// BQ query rows and BK key columns per tile, WM x WN simdgroups.
+/// Tile geometry of a prefill kernel (seed 000): BQ query rows and BK key
+/// columns per tile, WM x WN simdgroups. The rows live in PrefillCapability.
 public struct PrefillGeometry: Equatable, Sendable {
+    /// Query rows per tile.
     public let bq: Int
+    /// Key columns per tile.
     public let bk: Int
+    /// Simdgroups along the query rows.
     public let wm: Int
+    /// Simdgroups along the keys.
     public let wn: Int
 
+    /// A tile geometry (rows of PrefillCapability.geometry).
     public init(bq: Int, bk: Int, wm: Int, wn: Int) {
         self.bq = bq; self.bk = bk; self.wm = wm; self.wn = wn
     }
 
     /// The head dims that have a prefill kernel.
-    public static let headDims = [64, 128, 256, 512]
+    public static var headDims: [Int] { PrefillCapability.headDims }
 
-    /// nil for a head dim without a kernel.
-    public static func forHeadDim(_ d: Int) -> PrefillGeometry? {
-        switch d {
-        case 64, 128, 256: return PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1)
-        case 512: return PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1)
-        default: return nil
-        }
-    }
+    /// The geometry of `d`'s kernel; nil for a head dim without one.
+    public static func forHeadDim(_ d: Int) -> PrefillGeometry? { PrefillCapability.geometry[d] }
 
+    /// Threads per threadgroup: one simdgroup of 32 per (WM, WN) cell.
     public var threadsPerGroup: Size3 { Size3(32, wm, wn) }
 
     /// Tile counts for a (qL, kL) problem, as AttnParams carries them.
@@ -32,22 +32,14 @@ public struct PrefillGeometry: Equatable, Sendable {
     }
 }
 
+/// The tile counts of one prefill problem (AttnParams' NQ...kL_rem).
 public struct PrefillTiles: Equatable, Sendable {
+    /// Query tiles (ceil), key tiles (ceil), whole tiles of each, remainders.
     public let nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int
 
+    /// Tile counts as AttnParams carries them.
     public init(nq: Int, nk: Int, nqAligned: Int, nkAligned: Int, qLRem: Int, kLRem: Int) {
         self.nq = nq; self.nk = nk; self.nqAligned = nqAligned; self.nkAligned = nkAligned
         self.qLRem = qLRem; self.kLRem = kLRem
     }
-}
-
-/// Function-constant indices shared by the prefill and blk kernels (seeds 000, 001).
-public enum PrefillConstant {
-    public static let alignQ = 200
-    public static let alignK = 201
-    public static let hasMask = 300
-    public static let doCausal = 301
-    public static let hasBlk = 303
-    public static let blkBQ = 400
-    public static let blkBK = 401
 }

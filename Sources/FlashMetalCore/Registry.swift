@@ -8,15 +8,23 @@ import Darwin
 /// Safe to share between threads: the cache is behind a lock and pipelines
 /// are immutable once made.
 public final class Registry: @unchecked Sendable {
+    /// The engine that runs this registry's dispatches.
     public let backend: Backend
     private let lock = Lock()
     private var cache: [PipelineKey: AnyObject] = [:]
     private var batchDepth = 0
-    /// Library-owned scratch used inside the open batch: freed when it flushes.
-    private var batchScratch: [UnsafeMutableRawPointer] = []
+    /// Scratch of work a deferring backend has not run yet: freed when the
+    /// outermost batch scope ends (and the work ran).
+    private var deferredScratch: [UnsafeMutableRawPointer] = []
 
+    /// A registry with an empty pipeline cache on `backend`.
     public init(backend: Backend) {
         self.backend = backend
+    }
+
+    deinit {
+        // close() normally ran; this only covers a registry dropped without it.
+        deferredScratch.forEach { free($0) }
     }
 
     /// The cached pipeline for a key, made on first use.
@@ -32,7 +40,14 @@ public final class Registry: @unchecked Sendable {
         }
     }
 
+    /// The keys whose pipelines have been made.
     public var cachedKeys: [PipelineKey] { lock.withLock { Array(cache.keys) } }
+
+    /// Open batch scopes (nesting depth).
+    public var openBatches: Int { lock.withLock { batchDepth } }
+
+    /// Library-owned scratch blocks waiting for a deferring backend's batch.
+    public var deferredScratchCount: Int { lock.withLock { deferredScratch.count } }
 
     /// Runs a sequence of dispatches (e.g. decode, then its reduce).
     public func run(_ dispatches: [Dispatch]) throws {
@@ -40,10 +55,11 @@ public final class Registry: @unchecked Sendable {
         try backend.run(dispatches, pipelines: pipelines)
     }
 
-    /// Opens a (nestable) batch scope on the backend.
+    /// Opens a (nestable) batch scope. The registry counts the nesting; the
+    /// backend sees only the outermost scope (one beginBatch, one endBatch).
     public func beginBatch() throws {
         try lock.withLock {
-            try backend.beginBatch()
+            if batchDepth == 0 { try backend.beginBatch() }
             batchDepth += 1
         }
     }
@@ -52,29 +68,49 @@ public final class Registry: @unchecked Sendable {
     public func endBatch() throws {
         try lock.withLock {
             guard batchDepth > 0 else { throw FlashMetalError.value("end_batch", "no batch is open") }
-            batchDepth -= 1
-            defer {
-                if batchDepth == 0 {
-                    for p in batchScratch { free(p) }
-                    batchScratch = []
-                }
-            }
-            try backend.endBatch()
+            try endOneBatch()
         }
     }
 
-    /// Runs `body` with library-owned f32 scratch memory that lives as long
-    /// as the work using it: to the end of the call, or to the end of the
-    /// open batch scope (a deferring backend runs the work only then).
-    /// An allocation the machine cannot satisfy is an error, not an abort.
+    /// Ends every open batch scope, so deferred work runs and its scratch is
+    /// freed: a registry closed inside a batch loses nothing. The first
+    /// backend error is rethrown after all scopes are closed.
+    public func close() throws {
+        try lock.withLock {
+            var failure: Error? = nil
+            while batchDepth > 0 {
+                do { try endOneBatch() } catch { failure = failure ?? error }
+            }
+            if let f = failure { throw f }
+        }
+    }
+
+    /// Called with the lock held and batchDepth > 0.
+    private func endOneBatch() throws {
+        batchDepth -= 1
+        guard batchDepth == 0 else { return }
+        defer {
+            deferredScratch.forEach { free($0) }
+            deferredScratch = []
+        }
+        try backend.endBatch()
+    }
+
+    /// Runs `body` with library-owned f32 scratch memory that lives exactly
+    /// as long as the work using it: a synchronous backend has run the work
+    /// when `body` returns, so the scratch is freed then, batch or not; a
+    /// deferring backend runs it when the open batch ends, so it is kept
+    /// until then. An allocation the machine cannot satisfy is an error.
     public func withScratch(op: String, bytes: Int, _ body: (TensorRef) throws -> Void) throws {
         guard let p = malloc(max(bytes, 1)) else {
             throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes of scratch memory")
         }
         defer {
-            lock.withLock {
-                if batchDepth > 0 { batchScratch.append(p) } else { free(p) }
+            let keep = backend.defersWork && lock.withLock {
+                if batchDepth > 0 { deferredScratch.append(p); return true }
+                return false
             }
+            if !keep { free(p) }
         }
         try body(TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4]))
     }

@@ -1,7 +1,10 @@
 import CFlashMetal
 
+/// The options of one sdpa call (FMSdpaOptions, read once).
 public struct SdpaOptions: Sendable {
+    /// Score scale, finite.
     public var scale: Float
+    /// Bottom-right causal: query i sits at kv_len - qL + i.
     public var causal: Bool = true
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
@@ -13,12 +16,14 @@ public struct SdpaOptions: Sendable {
     /// Logit softcap c > 0 (c * tanh(s / c)); 0 = off.
     public var softcap: Float = 0
 
+    /// Options from Swift values; validation happens in makeDispatch.
     public init(scale: Float, causal: Bool = true, kvLen: Int? = nil, qOffset: Int? = nil,
                 window: Int? = nil, softcap: Float = 0) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
         self.qOffset = qOffset; self.window = window; self.softcap = softcap
     }
 
+    /// Reads the C options, rejecting out-of-range flags.
     public init(_ o: FMSdpaOptions) throws {
         let op = SdpaDispatcher.op
         guard o.causal == 0 || o.causal == 1 else {
@@ -34,45 +39,39 @@ public struct SdpaOptions: Sendable {
                   window: o.window == 0 ? nil : Int(o.window), softcap: o.softcap)
     }
 
-    /// Whether the call needs SdpaExtParams (buffer 8): anything beyond the seed.
+    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the seed.
     var needsExt: Bool { qOffset != nil || window != nil || softcap != 0 }
 }
 
 /// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16` (+ ours:
 /// `sdpa_f16`), one thread per query row, TILE_Q = 32 rows per threadgroup.
 /// Causal is bottom-right (query i at kv_len - qL + i) unless SdpaExtParams
-/// (buffer 8, constant 602) give an explicit q_offset; the same struct adds
-/// the window and the softcap (constant 603). Any head dim 1...512.
+/// (SdpaBuffer.ext, constant sdpaExt) give an explicit q_offset; the same
+/// struct adds the window and the softcap (constant sdpaSoftcap).
+///
+/// Grid (B, H, ceil(qL/32)) of 32 threads; buffers SdpaBuffer. The optional
+/// mask (ours; the seed had none): a bool one at SdpaBuffer.boolMask with
+/// constant sdpaBoolMask, an additive one (Q's dtype) at
+/// SdpaBuffer.additiveMask with sdpaAdditiveMask, either with its
+/// AttnMaskParams at SdpaBuffer.maskParams.
 public enum SdpaDispatcher {
+    /// The op name errors carry.
     public static let op = "sdpa"
-    public static let tileQ = 32
-    public static let maxHeadDim = 512
-    public static let allKernelNames = ["sdpa", "sdpa_bf16", "sdpa_f16"]
+    /// Query rows per threadgroup, one thread each.
+    public static let tileQ = Int(FM_SDPA_TILE_Q)
+    /// The largest head dim the kernel takes.
+    public static var maxHeadDim: Int { SdpaCapability.maxHeadDim }
 
-    /// Function constants of the optional mask (ours; the seed had no mask):
-    /// a bool mask binds at buffer 7, an additive one (Q's dtype) at buffer 6,
-    /// either with its AttnMaskParams strides at buffer 5.
-    public static let boolMaskConstant = 600
-    public static let additiveMaskConstant = 601
-    /// SdpaExtParams bound at buffer 8 (q_offset, window); and its softcap read.
-    public static let extConstant = 602
-    public static let softcapConstant = 603
-    public static let extBuffer = 8
-
-    public static func kernelName(dtype: DType) -> String {
-        switch dtype {
-        case .bf16: return "sdpa_bf16"
-        case .f16: return "sdpa_f16"
-        default: return "sdpa"
-        }
-    }
-
+    /// Validates a call and builds its dispatch. Preconditions: rank-4
+    /// tensors of one dtype in SdpaCapability.ioTypes, 0 < D <= maxHeadDim,
+    /// H a multiple of Hkv, 0 < kv_len <= capacity, a finite scale, buffers
+    /// that cover their shapes, a mask as AttentionMask describes.
     public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, mask: TensorRef? = nil,
                                     out: TensorRef, _ o: SdpaOptions) throws -> Dispatch {
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try q.requireDType([.f32, .f16, .bf16], op: op, name: "Q")
+        try q.requireDType(SdpaCapability.ioTypes, op: op, name: "Q")
         for (x, n) in [(k, "K"), (v, "V"), (out, "output")] where x.dtype != q.dtype {
             throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)")
         }
@@ -87,13 +86,14 @@ public enum SdpaDispatcher {
         if h == 0 { throw FlashMetalError.value(op, "n_heads must be > 0") }
         if hkv == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0") }
         if h % hkv != 0 { throw FlashMetalError.value(op, "n_heads (\(h)) must be divisible by n_kv_heads (\(hkv))") }
-        if qL == 0 { throw FlashMetalError.value(op, "seq_len must be > 0") }
+        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0") }
         if b == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
-        if cap == 0 { throw FlashMetalError.value(op, "kv_seq_len must be > 0") }
+        if cap == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0") }
         let kvLen = o.kvLen ?? cap
-        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_seq_len must be > 0, got \(kvLen)") }
-        if kvLen > cap { throw FlashMetalError.value(op, "kv_seq_len (\(kvLen)) must be <= kv_capacity (\(cap))") }
-        if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)") }
+        if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))") }
+        let scale = o.scale
+        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
         if !(o.softcap.isFinite && o.softcap >= 0) {
             throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
         }
@@ -103,7 +103,7 @@ public enum SdpaDispatcher {
         if let off = o.qOffset, !(Int(Int32.min)...Int(Int32.max)).contains(off) {
             throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range")
         }
-        for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "seq_len"), (cap, "kv_capacity")] where v > Int(UInt32.max) {
+        for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "q_len"), (cap, "K/V capacity")] where v > Int(UInt32.max) {
             throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")
         }
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
@@ -113,14 +113,15 @@ public enum SdpaDispatcher {
             try AttentionMask.params($0, io: q.dtype, batch: b, heads: h, qL: qL, kL: kvLen, op: op)
         }
         let params = SdpaParams(n_heads: UInt32(h), n_kv_heads: UInt32(hkv), head_dim: UInt32(d),
-                                seq_len: UInt32(qL), kv_seq_len: UInt32(kvLen), scale: o.scale,
+                                seq_len: UInt32(qL), kv_seq_len: UInt32(kvLen), scale: scale,
                                 kv_capacity: UInt32(cap), do_causal: o.causal ? 1 : 0)
-        var bindings: [Int: Binding] = [0: .buffer(q), 1: .buffer(k), 2: .buffer(v), 3: .buffer(out),
-                                        4: .bytes(bytesOf(params))]
+        var bindings: [Int: Binding] = [SdpaBuffer.q: .buffer(q), SdpaBuffer.k: .buffer(k),
+                                        SdpaBuffer.v: .buffer(v), SdpaBuffer.out: .buffer(out),
+                                        SdpaBuffer.params: .bytes(bytesOf(params))]
         let boolMask = mask?.dtype == .bool
         if let m = mask, let mp = maskParams {
-            bindings[5] = .bytes(bytesOf(mp))
-            bindings[boolMask ? 7 : 6] = .buffer(m)
+            bindings[SdpaBuffer.maskParams] = .bytes(bytesOf(mp))
+            bindings[boolMask ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask] = .buffer(m)
         }
         if o.needsExt {
             let qOffset = o.qOffset ?? (kvLen - qL)
@@ -128,15 +129,15 @@ public enum SdpaDispatcher {
                 throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range")
             }
             let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0), _pad: 0)
-            bindings[extBuffer] = .bytes(bytesOf(ext))
+            bindings[SdpaBuffer.ext] = .bytes(bytesOf(ext))
         }
         let constants = FunctionConstants([
-            (boolMaskConstant, .bool(mask != nil && boolMask)),
-            (additiveMaskConstant, .bool(mask != nil && !boolMask)),
-            (extConstant, .bool(o.needsExt)),
-            (softcapConstant, .bool(o.softcap != 0)),
+            (FunctionConstantIndex.sdpaBoolMask, .bool(mask != nil && boolMask)),
+            (FunctionConstantIndex.sdpaAdditiveMask, .bool(mask != nil && !boolMask)),
+            (FunctionConstantIndex.sdpaExt, .bool(o.needsExt)),
+            (FunctionConstantIndex.sdpaSoftcap, .bool(o.softcap != 0)),
         ])
-        return Dispatch(kernel: kernelName(dtype: q.dtype), constants: constants,
+        return Dispatch(kernel: .sdpa(io: q.dtype), constants: constants,
                         grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),
                         bindings: bindings)
     }

@@ -3,18 +3,27 @@ import CFlashMetal
 /// A borrowed, C-contiguous host tensor. The library never owns the memory;
 /// the dispatchers prove `byteCount` covers the shape before any kernel runs.
 public struct TensorRef: @unchecked Sendable {
+    /// The first byte.
     public let data: UnsafeMutableRawPointer
+    /// Bytes the caller says `data` holds.
     public let byteCount: Int
+    /// Element type.
     public let dtype: DType
+    /// Dimensions, outermost first (C order).
     public let shape: [Int]
+    /// FMTensor.tag: 0 for caller memory, else a live fm_alloc_blk buffer.
+    public let tag: UInt64
 
-    public init(data: UnsafeMutableRawPointer, byteCount: Int, dtype: DType, shape: [Int]) {
+    /// A tensor over memory the caller keeps alive.
+    public init(data: UnsafeMutableRawPointer, byteCount: Int, dtype: DType, shape: [Int], tag: UInt64 = 0) {
         self.data = data
         self.byteCount = byteCount
         self.dtype = dtype
         self.shape = shape
+        self.tag = tag
     }
 
+    /// The number of dimensions.
     public var rank: Int { shape.count }
 
     /// Reads an ABI tensor, rejecting what cannot describe host memory.
@@ -36,7 +45,8 @@ public struct TensorRef: @unchecked Sendable {
             throw FlashMetalError.value(op, "\(name) byte length \(t.nbytes) is out of range")
         }
         guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null") }
-        self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape)
+        try BlkAllocations.validate(tag: t.tag, data: data, byteCount: Int(t.nbytes), op: op, name: name)
+        self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape, tag: t.tag)
         // The buffer covers the shape before any dispatcher looks at the dims
         // (a huge dim with a tiny buffer must not reach size arithmetic).
         try requireBytes(op: op, name: name)
@@ -63,6 +73,7 @@ public struct TensorRef: @unchecked Sendable {
         }
     }
 
+    /// Throws a ValueError naming `op` and `name` unless the rank is one of `ranks`.
     public func requireRank(_ ranks: [Int], op: String, name: String) throws {
         if !ranks.contains(rank) {
             let want = ranks.map(String.init).joined(separator: " or ")
@@ -70,6 +81,7 @@ public struct TensorRef: @unchecked Sendable {
         }
     }
 
+    /// Throws a TypeError naming `op` and `name` unless the dtype is one of `allowed`.
     public func requireDType(_ allowed: [DType], op: String, name: String) throws {
         if !allowed.contains(dtype) {
             let want = allowed.map(\.name).joined(separator: " or ")

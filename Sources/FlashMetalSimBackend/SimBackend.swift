@@ -8,13 +8,19 @@ import FlashMetalSim
 /// kernel, unset constant, divergent barrier, deadlock, over 32 KiB of
 /// threadgroup memory, bad binding) comes back as FlashMetalError.backend.
 public final class SimBackend: Backend, @unchecked Sendable {
+    /// "sim".
     public let name = "sim"
+    /// Every dispatch has run when `run` returns.
+    public var defersWork: Bool { false }
     /// OS worker threads per dispatch; 0 = one per core.
     public let workers: Int
     /// Scrambled schedule (FLASHMETAL_SIM_SCRAMBLE does this for every dispatch).
     public let scramble: Bool
+    /// Seed of the scrambled schedule.
     public let seed: UInt64
 
+    /// A simulator backend: `workers` OS threads per dispatch (0 = one per
+    /// core), optionally a scrambled schedule from `seed`.
     public init(workers: Int = 0, scramble: Bool = false, seed: UInt64 = 0) {
         self.workers = workers
         self.scramble = scramble
@@ -33,6 +39,7 @@ public final class SimBackend: Backend, @unchecked Sendable {
         init(_ key: PipelineKey) { self.key = key }
     }
 
+    /// A pipeline for a kernel compiled into the simulator; unknown names are a backend error.
     public func makePipeline(_ key: PipelineKey) throws -> AnyObject {
         guard fmsim_has_kernel(key.kernel) != 0 else {
             throw FlashMetalError.backend("sim: no kernel named '\(key.kernel)' is compiled into the simulator")
@@ -40,6 +47,7 @@ public final class SimBackend: Backend, @unchecked Sendable {
         return Pipeline(key)
     }
 
+    /// Runs each dispatch on the simulator, in order, synchronously.
     public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
         for d in dispatches { try run(d) }
     }

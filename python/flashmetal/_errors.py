@@ -1,29 +1,40 @@
-"""Maps the library's status codes (FMStatus of flashmetal.h) to Python exceptions."""
+"""The exceptions of flashmetal: one base class, one subclass per library
+status (FMStatus of flashmetal.h), each also a built-in exception so
+``except ValueError`` keeps working. Every error carries the public function
+it came from (``.op``) and the library status (``.status``; None when Python
+raised it before calling the library)."""
 from __future__ import annotations
 
-import functools
 
-from . import _loader
+class Error(Exception):
+    """Base class of every flashmetal error."""
 
-
-@functools.cache
-def _codes() -> tuple[int, int, int, int]:
-    lib = _loader.load()[1]
-    return lib.FM_OK, lib.FM_ERROR_VALUE, lib.FM_ERROR_TYPE, lib.FM_ERROR_BACKEND
-
-
-class BackendError(RuntimeError):
-    """A backend failed to run a kernel (e.g. a simulator diagnostic)."""
+    def __init__(self, op: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{op}: {message}" if op else message)
+        self.op = op
+        self.status = status
 
 
-def raise_for_status(status: int, message: str) -> None:
-    ok, value, type_, backend = _codes()
-    if status == ok:
-        return
-    if status == value:
-        raise ValueError(message)
-    if status == type_:
-        raise TypeError(message)
-    if status == backend:
-        raise BackendError(message)
-    raise RuntimeError(message or f"flashmetal: status {status}")
+class InvalidValueError(Error, ValueError):
+    """A bad shape, size, length or option (FM_ERROR_VALUE)."""
+
+
+class InvalidTypeError(Error, TypeError):
+    """A bad dtype or argument type (FM_ERROR_TYPE)."""
+
+
+class BackendError(Error, RuntimeError):
+    """A backend could not be created or failed to run a kernel (FM_ERROR_BACKEND)."""
+
+
+class InternalError(Error, RuntimeError):
+    """A bug in flashmetal: please report it (FM_ERROR_INTERNAL)."""
+
+
+#: The exception of each FMStatus name; a new status is one more line here.
+STATUS_ERRORS: dict[str, type[Error]] = {
+    "FM_ERROR_VALUE": InvalidValueError,
+    "FM_ERROR_TYPE": InvalidTypeError,
+    "FM_ERROR_BACKEND": BackendError,
+    "FM_ERROR_INTERNAL": InternalError,
+}

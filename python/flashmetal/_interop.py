@@ -13,6 +13,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from ._errors import InvalidTypeError, InvalidValueError
+
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -25,7 +27,7 @@ def is_torch_tensor(x: Any) -> bool:
 def _torch_to_numpy(t: Any, op: str, name: str) -> np.ndarray:
     torch = sys.modules["torch"]
     if t.device.type != "cpu":
-        raise ValueError(f"{op}: {name} is on device '{t.device}'; flashmetal takes CPU tensors "
+        raise InvalidValueError(op, f"{name} is on device '{t.device}'; flashmetal takes CPU tensors "
                          "(on a Mac the metal backend reads host memory: move it with .cpu())")
     t = t.detach()
     if t.dtype == torch.bfloat16:
@@ -44,11 +46,11 @@ def to_numpy(x: Any, op: str, name: str) -> np.ndarray:
         try:
             return np.from_dlpack(x)
         except (TypeError, BufferError, RuntimeError) as e:
-            raise TypeError(f"{op}: {name} ({type(x).__name__}) could not be read through DLPack: {e}") from e
+            raise InvalidTypeError(op, f"{name} ({type(x).__name__}) could not be read through DLPack: {e}") from e
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{op}: {name} ({type(x).__name__}) is not an array numpy can view: {e}") from e
+        raise InvalidTypeError(op, f"{name} ({type(x).__name__}) is not an array numpy can view: {e}") from e
 
 
 def _numpy_to_torch(a: np.ndarray) -> Any:

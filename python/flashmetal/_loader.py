@@ -1,12 +1,15 @@
-"""Loads libflashmetal with cffi in ABI mode.
+"""Loads libflashmetal with cffi in ABI mode and checks it against its header.
 
-The declarations come from the library's own header (the text between the
-FM_CDEF markers, preprocessor lines dropped), so the C ABI is defined once.
-The library is looked up in $FLASHMETAL_LIB, then next to this package.
+The declarations come from the header the package ships next to the library
+(the text between the FM_CDEF markers, preprocessor lines dropped), so the C
+ABI is defined once. ``FLASHMETAL_LIB`` / ``FLASHMETAL_HEADER`` override the
+two paths. The library's fm_abi_version() must equal the header's
+FM_ABI_VERSION, or the import fails naming both.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -19,18 +22,13 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _header_path(lib_path: Path) -> Path:
+def header_path() -> Path:
+    """The header that describes the loaded library: the one shipped with it."""
     env = os.environ.get("FLASHMETAL_HEADER")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        lib_path.parent / "flashmetal.h",
-        _HERE / "flashmetal.h",
-        _HERE.parent.parent / "Sources" / "CFlashMetal" / "include" / "flashmetal.h",
-    ]
-    for c in candidates:
-        if c.is_file():
-            return c
-    raise ImportError("flashmetal: cannot find flashmetal.h (set FLASHMETAL_HEADER or run `make`)")
+    path = Path(env) if env else library_path().parent / "flashmetal.h"
+    if not path.is_file():
+        raise ImportError(f"flashmetal: header not found at {path} (run `make` or set FLASHMETAL_HEADER)")
+    return path
 
 
 def _cdef_text(header: Path) -> str:
@@ -40,6 +38,15 @@ def _cdef_text(header: Path) -> str:
     except IndexError as e:
         raise ImportError(f"flashmetal: {header} has no FM_CDEF markers") from e
     return "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+
+
+def header_version(header: Path | None = None) -> str:
+    """FM_VERSION of the header: the one version of the library and package."""
+    text = (header or header_path()).read_text()
+    m = re.search(r'#define\s+FM_VERSION\s+"([^"]+)"', text)
+    if not m:
+        raise ImportError("flashmetal: the header defines no FM_VERSION")
+    return m.group(1)
 
 
 def library_path() -> Path:
@@ -52,12 +59,19 @@ def library_path() -> Path:
 
 
 def load() -> tuple[cffi.FFI, object]:
-    """Returns (ffi, lib), loading them once per process."""
+    """Returns (ffi, lib), loading and checking them once per process."""
     with _lock:
         if "lib" not in _state:
-            path = library_path()
+            path, header = library_path(), header_path()
             ffi = cffi.FFI()
-            ffi.cdef(_cdef_text(_header_path(path)))
-            _state["ffi"] = ffi
-            _state["lib"] = ffi.dlopen(str(path))
+            ffi.cdef(_cdef_text(header))
+            lib = ffi.dlopen(str(path))
+            try:
+                found = lib.fm_abi_version()
+            except AttributeError as e:
+                raise ImportError(f"flashmetal: {path} has no fm_abi_version(): it predates {header}") from e
+            if found != lib.FM_ABI_VERSION:
+                raise ImportError(f"flashmetal: {path} implements ABI version {found} but {header} "
+                                  f"declares {lib.FM_ABI_VERSION}: rebuild (`make`) so they match")
+            _state["ffi"], _state["lib"] = ffi, lib
         return _state["ffi"], _state["lib"]  # type: ignore[return-value]

@@ -25,18 +25,18 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
+from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy, wrapper_like
 from .blk import build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask
 from .prefill import flash_attn_prefill
-from .registry import Registry, default_registry
+from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-_VEC_HEAD_DIMS = (64, 128, 256, 512)
-_PREFILL_HEAD_DIMS = (64, 128, 256, 512)
 _SDPA_MAX_HEAD_DIM = 512
 #: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
 #: zero-padded to the next one it has when there are at least this many query
@@ -83,27 +83,27 @@ def _check_arguments(dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any
                      window: Any, kv_len: Any, align: Any) -> None:
     """torch's argument types, strictly: a wrong type is a TypeError naming it."""
     if not _is_real(dropout_p):
-        raise TypeError(f"{_OP}: dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise InvalidTypeError(_OP, f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if dropout_p != 0:
-        raise ValueError(f"{_OP}: dropout_p must be 0.0 (flashmetal is for inference; no dropout), got {dropout_p}")
+        raise InvalidValueError(_OP, f"dropout_p must be 0.0 (flashmetal is for inference; no dropout), got {dropout_p}")
     for name, val in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(val, (bool, np.bool_)):
-            raise TypeError(f"{_OP}: {name} must be a bool, got {type(val).__name__}")
+            raise InvalidTypeError(_OP, f"{name} must be a bool, got {type(val).__name__}")
     if scale is not None and not _is_real(scale):
-        raise TypeError(f"{_OP}: scale must be a float or None, got {type(scale).__name__}")
+        raise InvalidTypeError(_OP, f"scale must be a float or None, got {type(scale).__name__}")
     if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"{_OP}: scale must be finite, got {scale}")
+        raise InvalidValueError(_OP, f"scale must be finite, got {scale}")
     if not _is_real(softcap):
-        raise TypeError(f"{_OP}: softcap must be a float, got {type(softcap).__name__}")
+        raise InvalidTypeError(_OP, f"softcap must be a float, got {type(softcap).__name__}")
     if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"{_OP}: softcap must be 0 (off) or a finite value > 0, got {softcap}")
+        raise InvalidValueError(_OP, f"softcap must be 0 (off) or a finite value > 0, got {softcap}")
     for name, val in (("window", window), ("kv_len", kv_len)):
         if val is not None and not _is_int(val):
-            raise TypeError(f"{_OP}: {name} must be an int or None, got {type(val).__name__}")
+            raise InvalidTypeError(_OP, f"{name} must be an int or None, got {type(val).__name__}")
     if window is not None and not 0 < window < 2**31:
-        raise ValueError(f"{_OP}: window must be > 0 and fit in int32, got {window}")
+        raise InvalidValueError(_OP, f"window must be > 0 and fit in int32, got {window}")
     if align not in _ALIGNS:
-        raise ValueError(f"{_OP}: align must be 'top_left' or 'bottom_right', got {align!r}")
+        raise InvalidValueError(_OP, f"align must be 'top_left' or 'bottom_right', got {align!r}")
 
 
 def _saturating_cast(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -130,13 +130,13 @@ def _mask_operand(mask: Any, io: np.dtype, shape: tuple[int, int, int, int], cap
     m = to_numpy(mask, _OP, "attn_mask")
     given = tuple(m.shape)
     if m.dtype != BOOL and m.dtype.kind != "f" and m.dtype != BF16:
-        raise TypeError(f"{_OP}: attn_mask must be bool (True = attend) or a float additive mask, got {m.dtype}")
+        raise InvalidTypeError(_OP, f"attn_mask must be bool (True = attend) or a float additive mask, got {m.dtype}")
     if not 0 <= m.ndim <= 4:
-        raise ValueError(f"{_OP}: attn_mask has rank {m.ndim}; it must broadcast to [B, H, qL, kL] "
+        raise InvalidValueError(_OP, f"attn_mask has rank {m.ndim}; it must broadcast to [B, H, qL, kL] "
                          f"= {[B, H, qL, kl]}")
     m = m.reshape((1,) * (4 - m.ndim) + m.shape)
     if any(d not in (1, want) for d, want in zip(m.shape[:3], (B, H, qL))) or m.shape[3] not in (1, kl, cap):
-        raise ValueError(f"{_OP}: attn_mask shape {given} does not broadcast to [B, H, qL, kL] "
+        raise InvalidValueError(_OP, f"attn_mask shape {given} does not broadcast to [B, H, qL, kL] "
                          f"= {[B, H, qL, kl]}")
     m = m[tuple(slice(0, 1) if n > 1 and st == 0 else slice(None) for n, st in zip(m.shape[:3], m.strides[:3]))]
     if m.shape[3] == cap != kl:
@@ -200,34 +200,34 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     if qa.dtype not in (F32, BF16, F16):
-        raise TypeError(f"{_OP}: query must be float32, float16 or bfloat16, got {qa.dtype}")
+        raise InvalidTypeError(_OP, f"query must be float32, float16 or bfloat16, got {qa.dtype}")
     for name, a in (("key", ka), ("value", va)):
         if a.dtype != qa.dtype:
-            raise TypeError(f"{_OP}: {name} dtype {a.dtype} does not match query dtype {qa.dtype}")
+            raise InvalidTypeError(_OP, f"{name} dtype {a.dtype} does not match query dtype {qa.dtype}")
     squeeze = qa.ndim == 3
     for name, a in (("query", qa), ("key", ka), ("value", va)):
         if a.ndim != qa.ndim or a.ndim not in (3, 4):
-            raise ValueError(f"{_OP}: query, key and value must all have rank 4 [B, H, L, D] (or 3: [H, L, D]); "
+            raise InvalidValueError(_OP, f"query, key and value must all have rank 4 [B, H, L, D] (or 3: [H, L, D]); "
                              f"{name} has shape {a.shape}")
     if squeeze:
         qa, ka, va = qa[None], ka[None], va[None]
     B, H, qL, D = qa.shape
     if ka.shape[:2] != va.shape[:2] or ka.shape[2] != va.shape[2] or ka.shape[3] != D or va.shape[3] != D:
-        raise ValueError(f"{_OP}: key {ka.shape} and value {va.shape} must be [B, Hkv, kL, D] with D = {D} "
+        raise InvalidValueError(_OP, f"key {ka.shape} and value {va.shape} must be [B, Hkv, kL, D] with D = {D} "
                          "(value's head dim must equal query's)")
     if ka.shape[0] != B:
-        raise ValueError(f"{_OP}: key batch ({ka.shape[0]}) must equal query batch ({B})")
+        raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
     hkv, cap = ka.shape[1], ka.shape[2]
     if hkv != H and not enable_gqa:
-        raise ValueError(f"{_OP}: query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
+        raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
                          "attention")
     if hkv == 0 or H % hkv:
-        raise ValueError(f"{_OP}: query heads ({H}) must be a multiple of key heads ({hkv})")
+        raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
     if qL == 0 or D == 0 or B == 0 or H == 0:
-        raise ValueError(f"{_OP}: query shape {qa.shape} has an empty axis")
+        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty axis")
     kl = cap if kv_len is None else int(kv_len)
     if not 0 < kl <= cap:
-        raise ValueError(f"{_OP}: kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
+        raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
     causal = bool(is_causal)
@@ -239,8 +239,9 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
             window: int | None) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem, and the head
     dim to zero-pad q/k/v to for it (None: no padding)."""
+    vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and D in _VEC_HEAD_DIMS and last_row:
+    if qL == 1 and mask is None and D in vec_dims and last_row:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -250,19 +251,20 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
     pad_to = None
-    if D not in _PREFILL_HEAD_DIMS:
-        bigger = [d for d in _PREFILL_HEAD_DIMS if d > D]
+    if D not in prefill_dims:
+        bigger = [d for d in prefill_dims if d > D]
         if bigger and qL >= PAD_MIN_QUERY_ROWS:
             pad_to = bigger[0]
         else:
-            why_not.append(f"head dim {D} (prefill has 64, 128, 256, 512; padded only for >= "
-                           f"{PAD_MIN_QUERY_ROWS} query rows)" if bigger else f"head dim {D} (prefill has up to 512)")
+            has = ", ".join(map(str, prefill_dims))
+            why_not.append(f"head dim {D} (prefill has {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
+                           if bigger else f"head dim {D} (prefill has {has})")
     if not why_not:
         extra = ", the window as a mask with its blk tile classes" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
         return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
     if D > _SDPA_MAX_HEAD_DIM:
-        raise ValueError(f"{_OP}: head dim {D} is above {_SDPA_MAX_HEAD_DIM}, the largest any kernel takes "
+        raise InvalidValueError(_OP, f"head dim {D} is above {_SDPA_MAX_HEAD_DIM}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
     return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
 
@@ -299,7 +301,7 @@ def scaled_dot_product_attention(
     window: int | None = None,
     kv_len: int | None = None,
     align: str = "top_left",
-    registry: Registry | None = None,
+    registry: RegistryLike = None,
 ) -> Any:
     """``torch.nn.functional.scaled_dot_product_attention``, same arguments in
     the same order (scale and enable_gqa keyword-only, as torch's are), on
@@ -338,7 +340,7 @@ def scaled_dot_product_attention(
             default kL.
         align: ``"top_left"`` (torch: query i at position i) or
             ``"bottom_right"`` (KV cache: query i at ``kv_len - qL + i``).
-        registry: the backend; default ``Registry("auto")``.
+        registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
         ``[B, H, qL, D]`` in query's dtype and type: a torch tensor (sharing
@@ -346,7 +348,7 @@ def scaled_dot_product_attention(
     """
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align)
-    reg = registry or default_registry()
+    reg = resolve(registry, _OP)
     out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
     return wrapper_like(query)(out[0] if call.squeeze else out)

@@ -1,21 +1,20 @@
 """Split-KV decode (seed 002's vec op), with the fused FWHT sign undo (seed 004)."""
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import numpy as np
+from numpy.typing import ArrayLike
 
-from ._arrays import F32, U8, as_input, check_out, tensor
-from .registry import Registry, default_registry
+from . import _native
+from ._arrays import F32, as_input, check_out, tensor
+from .registry import RegistryLike, resolve
 
-_OP = "flash_attn_vec"
+_OP = "flash_attn_decode"
 
 
 def flash_attn_decode(
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
     kv_len: int,
     *,
     scale: float | None = None,
@@ -23,9 +22,9 @@ def flash_attn_decode(
     window: int | None = None,
     softcap: float = 0.0,
     fwht: bool = False,
-    fwht_signs: Any = None,
+    fwht_signs: ArrayLike | None = None,
     out: np.ndarray | None = None,
-    registry: Registry | None = None,
+    registry: RegistryLike = None,
 ) -> np.ndarray:
     """Attention of one query row per head over a KV cache (decode).
 
@@ -33,14 +32,15 @@ def flash_attn_decode(
     are combined by a second (reduce) dispatch.
 
     Args:
-        q: float32 ``[H, D]`` or ``[B, H, D]``; D is 64, 128, 256 or 512.
+        q: float32 ``[H, D]`` or ``[B, H, D]``; D is one of
+            ``supported_head_dims("flash_attn_vec")``.
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
         kv_len: valid cache length, ``1 <= kv_len <= cap``. The query sits at
-            position ``kv_len - 1``.
+            position ``kv_len - 1`` (bottom-right, as every op).
         scale: score scale; default ``1/sqrt(D)``.
-        causal: mask type 1 (the query sees all kv_len keys, so this equals no
-            mask); ignored when a window is given.
+        causal: the query sees keys up to its own position, i.e. all kv_len
+            keys, so this equals no mask; ignored when a window is given.
         window: sliding window w > 0: keys p with ``(kv_len - 1) - p < w``.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
         fwht: fuse the inverse FWHT sign undo into the reduce:
@@ -49,41 +49,31 @@ def flash_attn_decode(
         fwht_signs: uint8 ``[D/8]`` bitmask, bit j = ``(b[j>>3] >> (j&7)) & 1``,
             bit 1 = -1; None = all +1.
         out: optional float32 output array shaped like q.
-        registry: the backend to run on; default ``Registry("auto")``.
+        registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
         float32, shaped like q.
     """
-    reg = registry or default_registry()
+    reg = resolve(registry, _OP)
     qa = as_input(q, _OP, "q")
-    ka = as_input(k_cache, _OP, "k")
-    va = as_input(v_cache, _OP, "v")
+    ka = as_input(k_cache, _OP, "k_cache")
+    va = as_input(v_cache, _OP, "v_cache")
     sa = None if fwht_signs is None else as_input(fwht_signs, _OP, "fwht_signs")
-    if qa.dtype != F32:
-        raise TypeError(f"{_OP}: q must be float32, got {qa.dtype}")
-    if sa is not None and sa.dtype != U8:
-        raise TypeError(f"flash_attn_vec_reduce_tq_hb_undo: fwht_signs must be uint8, got {sa.dtype}")
-    if qa.ndim not in (2, 3):
-        raise ValueError(f"{_OP}: q must have rank 2 or 3, got shape {qa.shape}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(qa.shape[-1]) if qa.shape[-1] > 0 else 1.0
-    if not 0 < int(kv_len) < 2**31:
-        raise ValueError(f"{_OP}: kv_len must be > 0 and fit in int32, got {kv_len}")
-    if window is not None and not 0 < int(window) < 2**31:
-        raise ValueError(f"{_OP}: window must be > 0 and fit in int32, got {window}")
     if out is None:
         out = np.empty(qa.shape, dtype=F32)
     else:
         check_out(out, _OP, qa.shape, F32, [qa, ka, va, sa])
-
-    ffi = reg._ffi
-    opts = ffi.new("FMVecOptions *")
-    opts.scale = float(scale)
-    opts.softcap = float(softcap)
-    opts.mask_type = 2 if window is not None else (1 if causal else 0)
-    opts.window = 0 if window is None else int(window)
-    opts.kv_len = int(kv_len)
-    opts.fwht = 1 if (fwht or sa is not None) else 0
-    reg._call("fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
-              ffi.NULL, tensor(ffi, out), opts)
+    mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
+        "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
+    opts = _native.options(
+        "FMVecOptions",
+        scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
+        softcap=_native.float32_arg(_OP, "softcap", softcap),
+        mask_type=_native.constant(mask_type),
+        window=0 if window is None else _native.index_arg(_OP, "window", window),
+        kv_len=_native.index_arg(_OP, "kv_len", kv_len, 1),
+        fwht=1 if (fwht or sa is not None) else 0)
+    ffi = _native.ffi()
+    _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
+                 ffi.NULL, tensor(ffi, out), opts, op=_OP, keep=(qa, ka, va, sa, out))
     return out

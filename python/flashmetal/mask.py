@@ -1,48 +1,47 @@
 """Additive attention-mask builder (causal, sliding window, query offset)."""
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import DTypeLike
 
+from . import _native
 from ._arrays import BF16, F16, tensor
-from .registry import Registry, default_registry
+from ._errors import InvalidTypeError
+from .registry import RegistryLike, resolve
 
-_OP = "flash_attn_prefill_mask"
+_OP = "build_mask"
 
 
-def build_mask(q_len: int, k_len: int, *, causal: bool = True, window: int | None = None,
-               q_offset: int = 0, dtype: Any = BF16, registry: Registry | None = None) -> np.ndarray:
-    """An additive ``[q_len, k_len]`` mask: 0 where a key is visible, -inf elsewhere.
+def build_mask(q_len: int, kv_len: int, *, causal: bool = True, window: int | None = None,
+               q_offset: int | None = None, dtype: DTypeLike = BF16,
+               registry: RegistryLike = None) -> np.ndarray:
+    """An additive ``[q_len, kv_len]`` mask: 0 where a key is visible, -inf elsewhere.
 
     Query row i sits at ``t = q_offset + i`` and sees key p iff
     ``(not causal or p <= t) and (window is None or t - p < window)``.
 
     Args:
-        q_len, k_len: mask shape, both > 0.
+        q_len, kv_len: mask shape, both > 0.
         causal: hide keys after the query's position.
         window: sliding window w > 0 (llama.cpp SWA: ``t - p < w``), or None.
-        q_offset: absolute position of query row 0, >= 0.
+        q_offset: absolute position of query row 0, >= 0. Default
+            ``max(kv_len - q_len, 0)`` (bottom-right, as every op).
         dtype: bfloat16 (-inf = 0xFF80) or float16 (-inf = 0xFC00).
-        registry: the backend to run on; default ``Registry("auto")``.
+        registry: a Registry or a backend name; default ``Registry("auto")``.
     """
-    reg = registry or default_registry()
-    dt = np.dtype(dtype)
-    if dt not in (BF16, F16):
-        raise TypeError(f"{_OP}: dtype must be bfloat16 or float16, got {dt}")
-    for name, val in (("q_len", q_len), ("k_len", k_len)):
-        if int(val) <= 0:
-            raise ValueError(f"{_OP}: {name} must be > 0, got {val}")
-    for name, val in (("q_len", q_len), ("k_len", k_len), ("q_offset", q_offset), ("window", window or 0)):
-        if not -2**31 <= int(val) < 2**31:
-            raise ValueError(f"{_OP}: {name} ({val}) is out of the int32 range")
-    if window is not None and int(window) <= 0:
-        raise ValueError(f"{_OP}: window must be > 0 (or None), got {window}")
-    out = np.empty((int(q_len), int(k_len)), dtype=dt)
-    ffi = reg._ffi
-    opts = ffi.new("FMMaskOptions *")
-    opts.causal = 1 if causal else 0
-    opts.window = 0 if window is None else int(window)
-    opts.q_offset = int(q_offset)
-    reg._call("fm_build_mask", tensor(ffi, out), opts)
+    reg = resolve(registry, _OP)
+    ql = _native.index_arg(_OP, "q_len", q_len, 1)
+    kl = _native.index_arg(_OP, "kv_len", kv_len, 1)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt not in (BF16, F16):  # np.empty needs it before the library sees anything
+        raise InvalidTypeError(_OP, f"dtype must be bfloat16 or float16, got {dtype!r}")
+    off = max(kl - ql, 0) if q_offset is None else _native.index_arg(_OP, "q_offset", q_offset)
+    opts = _native.options(
+        "FMMaskOptions", causal=1 if causal else 0,
+        window=0 if window is None else _native.index_arg(_OP, "window", window, 1), q_offset=off)
+    out = np.empty((ql, kl), dtype=dt)
+    _native.call(reg, "fm_build_mask", tensor(_native.ffi(), out), opts, op=_OP, keep=(out,))
     return out

@@ -4,12 +4,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Union
 
-from . import _loader
-from ._errors import raise_for_status
-
-_ERRLEN = 1024
+from . import _native
+from ._errors import InvalidTypeError, InvalidValueError
 
 
 class Registry:
@@ -21,23 +19,64 @@ class Registry:
 
     def __init__(self, backend: str = "auto") -> None:
         if not isinstance(backend, str):
-            raise TypeError(f"create_registry: backend must be a str, got {type(backend).__name__}")
-        self._ffi, self._lib = _loader.load()
-        handle = self._ffi.new("FMRegistry **")
-        err = self._ffi.new("char[]", _ERRLEN)
-        status = self._lib.fm_create_registry(backend.encode(), handle, err, _ERRLEN)
-        raise_for_status(status, self._ffi.string(err).decode(errors="replace"))
-        self._handle = handle[0]
-        name = self._ffi.new("char[]", 64)
-        raise_for_status(self._lib.fm_registry_backend(self._handle, name, 64), "registry_backend failed")
-        self.backend: str = self._ffi.string(name).decode()
+            raise InvalidTypeError("create_registry", f"backend must be a str, got {type(backend).__name__}")
+        ffi = _native.ffi()
+        out = ffi.new("FMRegistry **")
+        _native.call_static("fm_create_registry", backend.encode(), out, op="create_registry")
+        self._handle: Any = out[0]
+        self._batch_lock = threading.Lock()
+        self._batch_depth = 0
+        self._batch_keep: list[tuple] = []
+        name = ffi.new("char[]", 64)
+        status = _native.lib().fm_registry_backend(self._handle, name, 64)
+        if status != _native.lib().FM_OK:
+            raise _native.error_for(status, "the new registry is not live", "registry_backend")
+        self.backend: str = ffi.string(name).decode()
+
+    # Kept for tests and benchmarks that drive entry points directly.
+    @property
+    def _ffi(self) -> Any:
+        return _native.ffi()
+
+    @property
+    def _lib(self) -> Any:
+        return _native.lib()
+
+    def _call(self, fn_name: str, *args: Any) -> None:
+        """Calls an fm_* entry point that ends in (err, errlen); messages keep the library's op."""
+        _native.call(self, fn_name, *args)
+
+    def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        """Same as ``flashmetal.flash_attn_prefill(q, k, v, registry=self, ...)``."""
+        import flashmetal  # the package, loaded by now: registry.py imports no op module
+
+        return flashmetal.flash_attn_prefill(q, k, v, registry=self, **kwargs)
+
+    def _live_handle(self, op: str) -> Any:
+        h = self._handle
+        if h is None:
+            raise InvalidValueError(op, "registry is closed")
+        return h
+
+    def _keep_for_batch(self, arrays: tuple) -> None:
+        """Holds the arrays of a call made inside a batch scope until it ends."""
+        if self._batch_depth:
+            with self._batch_lock:
+                if self._batch_depth:
+                    self._batch_keep.append(arrays)
 
     def close(self) -> None:
-        """Frees the registry; further calls raise ValueError."""
+        """Frees the registry; further calls raise ValueError. Inside a batch
+        scope, close() first ends every open scope, so deferred work runs and
+        its outputs are valid: nothing is lost; the scope's own end is then a
+        no-op."""
         h = getattr(self, "_handle", None)
         if h is not None:
             self._handle = None
-            self._lib.fm_destroy_registry(h)
+            _native.lib().fm_destroy_registry(h)
+            with self._batch_lock:
+                self._batch_depth = 0
+                self._batch_keep.clear()
 
     def __del__(self) -> None:
         try:
@@ -54,29 +93,26 @@ class Registry:
     def __repr__(self) -> str:
         return f"Registry(backend={self.backend!r})"
 
-    def _call(self, fn_name: str, *args: Any) -> None:
-        """Calls an fm_* entry point that ends in (err, errlen)."""
-        op = fn_name.removeprefix("fm_")
-        if self._handle is None:
-            raise ValueError(f"{op}: registry is closed")
-        err = self._ffi.new("char[]", _ERRLEN)
-        status = getattr(self._lib, fn_name)(self._handle, *args, err, _ERRLEN)
-        raise_for_status(status, self._ffi.string(err).decode(errors="replace"))
-
     @contextlib.contextmanager
     def batch(self) -> Iterator["Registry"]:
         """A batch scope: the backend may defer work until the scope closes
-        (Metal: one command buffer). Read outputs after the ``with`` block."""
-        self._call("fm_begin_batch")
+        (Metal: one command buffer). Read outputs after the ``with`` block.
+        The arrays of calls made inside (including temporary contiguous
+        copies of inputs) are kept alive until the outermost scope ends."""
+        _native.call(self, "fm_begin_batch", op="begin_batch")
+        with self._batch_lock:
+            self._batch_depth += 1
         try:
             yield self
         finally:
-            self._call("fm_end_batch")
-
-    def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
-        """Same as flashmetal.flash_attn_prefill on this registry."""
-        from .prefill import flash_attn_prefill
-        return flash_attn_prefill(q, k, v, registry=self, **kwargs)
+            if self._handle is not None:  # close() inside the scope already ended it
+                try:
+                    _native.call(self, "fm_end_batch", op="end_batch")
+                finally:
+                    with self._batch_lock:
+                        self._batch_depth -= 1
+                        if self._batch_depth == 0:
+                            self._batch_keep.clear()
 
 
 _defaults: dict[str, Registry] = {}
@@ -90,3 +126,18 @@ def default_registry(backend: str = "auto") -> Registry:
         if r is None:
             r = _defaults[backend] = Registry(backend)
         return r
+
+
+#: What a ``registry=`` argument accepts: a Registry, a backend name, or None (auto).
+RegistryLike = Union[Registry, str, None]
+
+
+def resolve(registry: RegistryLike, op: str) -> Registry:
+    """The registry a ``registry=`` argument names."""
+    if registry is None:
+        return default_registry()
+    if isinstance(registry, Registry):
+        return registry
+    if isinstance(registry, str):
+        return default_registry(registry)
+    raise InvalidTypeError(op, f"registry must be a Registry or a backend name, got {type(registry).__name__}")

@@ -103,7 +103,7 @@ def sdpa_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 def mask_and_blk_cases(reg: fm.Registry) -> int:
     n = 0
     for dtype in (BF16, F16):
-        m = fm.build_mask(ALIGNED, UNALIGNED, causal=True, window=7, dtype=dtype, registry=reg)
+        m = fm.build_mask(ALIGNED, UNALIGNED, causal=True, window=7, q_offset=0, dtype=dtype, registry=reg)
         e = reference.mask_additive(ALIGNED, UNALIGNED, causal=True, window=7)
         assert np.array_equal(m.astype(np.float32), e.astype(np.float32)), f"build_mask {dtype}"
         n += 1

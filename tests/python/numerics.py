@@ -19,10 +19,25 @@ def randn(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> 
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
 
 
+def worst_element(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:
+    """The element furthest outside |a - e| <= atol + rtol*|e|: index and both values."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.broadcast_to(np.asarray(expected, dtype=np.float64), a.shape)
+    with np.errstate(invalid="ignore"):
+        excess = np.abs(a - e) / (atol + rtol * np.abs(e))
+    excess = np.where(np.isnan(excess), np.inf, excess)  # NaN on one side only is the worst
+    idx = np.unravel_index(int(np.argmax(excess)), a.shape) if a.size else ()
+    if not a.size:
+        return "empty"
+    return (f"worst at index {tuple(int(i) for i in idx)}: actual {a[idx]!r}, expected {e[idx]!r}, "
+            f"|diff| {abs(a[idx] - e[idx]):.3g}")
+
+
 def assert_close(actual: np.ndarray, expected: np.ndarray, dtype: np.dtype, what: str = "") -> None:
     atol, rtol = TOLERANCE[np.dtype(dtype)]
     ok, ratio = close(actual, expected, atol, rtol)
-    assert ok, f"{what}: error exceeds tolerance by {ratio:.3g}x (atol={atol}, rtol={rtol})"
+    assert ok, (f"{what}: error exceeds tolerance by {ratio:.3g}x (atol={atol}, rtol={rtol}); "
+                + worst_element(actual, expected, atol, rtol))
 
 
 def assert_bits_equal(a: np.ndarray, b: np.ndarray, what: str = "") -> None:

@@ -66,7 +66,7 @@ def test_byte_len(cpu, ql, kl, d, want):
 
 
 @pytest.mark.parametrize("args,msg", [
-    ((0, 8, 128), "seq_len_q must be > 0"), ((8, 0, 128), "seq_len_k must be > 0"),
+    ((0, 8, 128), "q_len must be > 0"), ((8, 0, 128), "kv_len must be > 0"),
     ((8, 8, 96), "head_dim must be 64, 128, 256 or 512, got 96"),
     ((2**31, 8, 128), "must fit in int32"),
 ])
@@ -93,12 +93,12 @@ def test_alloc_and_free(cpu):
     assert lib.fm_free_blk(t, err, 256) == 0  # NULL data: nothing to free
     t.data = data  # double free is refused, not performed
     assert lib.fm_free_blk(t, err, 256) == 1
-    assert b"free_blk: " in ffi.string(err) and b"not allocated by fm_alloc_blk" in ffi.string(err)
+    assert b"free_blk: " in ffi.string(err) and b"is not a live buffer from fm_alloc_blk" in ffi.string(err)
     own = np.zeros(32, np.uint8)
     t.data = ffi.cast("void *", own.ctypes.data)
     assert lib.fm_free_blk(t, err, 256) == 1
     assert lib.fm_free_blk(ffi.NULL, err, 256) == 1 and b"free_blk: blk is null" in ffi.string(err)
-    assert lib.fm_alloc_blk(0, 70, 512, t, err, 256) == 1 and b"seq_len_q must be > 0" in ffi.string(err)
+    assert lib.fm_alloc_blk(0, 70, 512, t, err, 256) == 1 and b"q_len must be > 0" in ffi.string(err)
     assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err, 256) == 1 and b"alloc_blk: out is null" in ffi.string(err)
     out = ffi.new("size_t *")
     assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err, 256) == 1
@@ -106,9 +106,9 @@ def test_alloc_and_free(cpu):
 
 def test_dispatch_errors(registry):
     m = fm.build_mask(64, 64, registry=registry)
-    with pytest.raises(TypeError, match="flash_attn_prefill_blk: mask must be bfloat16 or float16"):
+    with pytest.raises(TypeError, match="build_blk: mask must be bfloat16 or float16"):
         fm.build_blk(m.astype(np.float32), 128, registry=registry)
-    with pytest.raises(ValueError, match="flash_attn_prefill_blk: mask must have rank 2"):
+    with pytest.raises(ValueError, match="build_blk: mask must have rank 2"):
         fm.build_blk(m[None], 128, registry=registry)
     with pytest.raises(ValueError, match="head_dim must be 64, 128, 256 or 512, got 100"):
         fm.build_blk(m, 100, registry=registry)

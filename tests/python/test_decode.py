@@ -162,7 +162,7 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
     (lambda: _qkv(d=96), {}, ValueError, "head_dim must be 64, 128, 256 or 512, got 96"),
     (lambda: _qkv(h=6, hkv=4), {}, ValueError, r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"),
     (lambda: _qkv(hkv=0), {}, ValueError, "num_heads and num_kv_heads must be > 0"),
-    (lambda: _qkv(), dict(kv_len=17), ValueError, r"kv_capacity \(16\) must be >= kv_seq_len \(17\)"),
+    (lambda: _qkv(), dict(kv_len=17), ValueError, r"kv_len \(17\) must be <= the cache capacity \(16\)"),
     (lambda: _qkv(), dict(kv_len=0), ValueError, "kv_len must be > 0"),
     (lambda: _qkv(), dict(window=0), ValueError, "window must be > 0"),
     (lambda: _qkv(), dict(softcap=-1.0), ValueError, "softcap must be 0"),
@@ -179,7 +179,7 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
     (lambda: (_qkv()[0], np.zeros((2, 16, 128), F32), np.zeros((2, 16, 128), F32)), {}, ValueError,
      r"k head_dim \(128\) must equal q head_dim \(64\)"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(4, np.uint8)), ValueError,
-     r"flash_attn_vec_reduce_tq_hb_undo: fwht_signs must hold head_dim/8 = 8 bytes"),
+     r"flash_attn_decode: fwht_signs must hold head_dim/8 = 8 bytes"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(8, np.int8)), TypeError, "fwht_signs"),
     (lambda: _qkv(), dict(out=np.zeros((4, 64), F16)), TypeError, "out dtype"),
 ])
@@ -189,7 +189,9 @@ def test_errors(registry, make, kwargs, exc, msg):
     kw.update(kwargs)
     with pytest.raises(exc, match=msg) as e:
         fm.flash_attn_decode(q, k, v, registry=registry, **kw)
-    assert str(e.value).startswith("flash_attn_vec")
+    assert str(e.value).startswith("flash_attn_decode: ")
+    if isinstance(e.value, fm.Error):  # _arrays' own checks still raise the built-in types
+        assert e.value.op == "flash_attn_decode"
 
 
 def test_abi_errors(cpu):
@@ -212,7 +214,7 @@ def test_abi_errors(cpu):
     assert st == 1 and "mask_type must be 0 (none), 1 (causal) or 2 (sliding window), got 3" in msg
     opts.mask_type = 2
     st, msg = call(T(q), T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts)
-    assert st == 1 and "sliding_window must be > 0 with mask_type 2, got 0" in msg
+    assert st == 1 and "window must be > 0 with the sliding-window mask, got 0" in msg
     opts.mask_type, opts.fwht = 0, 2
     st, msg = call(T(q), T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts)
     assert st == 1 and "fwht must be 0 or 1" in msg

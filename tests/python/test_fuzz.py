@@ -185,15 +185,16 @@ def test_alloc_blk_names_its_op():
 
 
 def test_build_mask_checks_int32_before_allocating(cpu):
-    with pytest.raises(ValueError, match="^flash_attn_prefill_mask: "):
+    with pytest.raises(ValueError, match="^build_mask: kv_len .* int32"):
         fm.build_mask(6, 2**31, registry=cpu)
 
 
 # --------------------------------------------------------- the Python API
 
+# Errors name the public function (the library's op when called through the ABI).
 OPS = ("flash_attn_prefill", "flash_attn_vec", "flash_attn_vec_reduce_tq_hb_undo", "sdpa",
        "flash_attn_prefill_mask", "flash_attn_prefill_blk", "scaled_dot_product_attention", "blk_byte_len",
-       "alloc_blk")
+       "alloc_blk", "flash_attn_decode", "build_mask", "build_blk")
 
 
 def _expect_error(e: BaseException, ops: tuple[str, ...]) -> None:

@@ -53,8 +53,8 @@ def test_shapes(cpu, rng, qkv):
     raises(ValueError, "head_dim must be 64, 128, 256 or 512, got 96", fm.flash_attn_prefill,
            randn(rng, (1, 4, 8, 96), BF16), randn(rng, (1, 2, 16, 96), BF16),
            randn(rng, (1, 2, 16, 96), BF16), registry=cpu)
-    raises(ValueError, "seq_len_q must be > 0", fm.flash_attn_prefill, q[:, :, :0], k, v, registry=cpu)
-    raises(ValueError, "seq_len_k must be > 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
+    raises(ValueError, "q_len must be > 0", fm.flash_attn_prefill, q[:, :, :0], k, v, registry=cpu)
+    raises(ValueError, "the K/V capacity must be > 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
            registry=cpu)
     raises(ValueError, "n_heads must be > 0", fm.flash_attn_prefill, q[:, :0], k, v, registry=cpu)
     raises(ValueError, "batch must be > 0", fm.flash_attn_prefill, q[:0], k[:0], v[:0], registry=cpu)
@@ -73,7 +73,7 @@ def test_masks(cpu, rng, qkv):
            q, k, v, blk=np.zeros(32, np.uint8), registry=cpu)
     raises(ValueError, "blk requires a rank-2", fm.flash_attn_prefill,
            q, k, v, mask=np.zeros((1, 4, 8, 16), BF16), blk=np.zeros(32, np.uint8), registry=cpu)
-    raises(ValueError, "blk buffer too small: expected at least 1 bytes (NQ=1, NK=1), got 0",
+    raises(ValueError, "blk shape [0] must be [NQ, NK] = [1, 1]",
            fm.flash_attn_prefill, q, k, v, mask=np.zeros((8, 16), BF16), blk=np.zeros(0, np.uint8), registry=cpu)
     raises(TypeError, "blk must be uint8, got bool", fm.flash_attn_prefill,
            q, k, v, mask=np.zeros((8, 16), BF16), blk=np.zeros(32, bool), registry=cpu)
@@ -81,11 +81,11 @@ def test_masks(cpu, rng, qkv):
 
 def test_options(cpu, rng, qkv):
     q, k, v = qkv
-    raises(ValueError, "q_offset (9) + seq_len_q (8) > seq_len_k (16)", fm.flash_attn_prefill,
+    raises(ValueError, "q_offset (9) + q_len (8) must be <= kv_len (16)", fm.flash_attn_prefill,
            q, k, v, q_offset=9, registry=cpu)
     raises(ValueError, "q_offset must be >= 0, got -1", fm.flash_attn_prefill,
            q, k, v, q_offset=-1, registry=cpu)
-    raises(ValueError, "seq_len_k (17) > kv_capacity (16)", fm.flash_attn_prefill,
+    raises(ValueError, "kv_len (17) must be <= the K/V capacity (16)", fm.flash_attn_prefill,
            q, k, v, kv_len=17, registry=cpu)
     raises(ValueError, "kv_len must be > 0, got 0", fm.flash_attn_prefill, q, k, v, kv_len=0, registry=cpu)
     raises(ValueError, "q_offset (4294967296) is out of the int32 range", fm.flash_attn_prefill,
@@ -119,7 +119,7 @@ def test_registry_errors():
     r = fm.Registry("cpu")
     r.close()
     q = np.zeros((1, 1, 1, 64), BF16)
-    with pytest.raises(ValueError, match="dispatch_prefill: registry is closed"):
+    with pytest.raises(ValueError, match="flash_attn_prefill: registry is closed"):
         fm.flash_attn_prefill(q, q, q, registry=r)
 
 

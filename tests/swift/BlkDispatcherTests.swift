@@ -23,10 +23,10 @@ final class BlkDispatcherTests: XCTestCase {
         XCTAssertEqual(try BlkDispatcher.byteLength(qL: 2455, kL: 2455, headDim: 256), 11872)
         XCTAssertEqual(try BlkDispatcher.byteLength(qL: 2455, kL: 2455, headDim: 512), 94272)
         XCTAssertEqual(try BlkDispatcher.byteLength(qL: 256, kL: 256, headDim: 128), 128)
-        expectFMError("blk_byte_len", contains: "seq_len_q must be > 0") {
+        expectFMError("blk_byte_len", contains: "q_len must be > 0") {
             _ = try BlkDispatcher.byteLength(qL: 0, kL: 8, headDim: 128)
         }
-        expectFMError("blk_byte_len", contains: "seq_len_k must be > 0") {
+        expectFMError("blk_byte_len", contains: "kv_len must be > 0") {
             _ = try BlkDispatcher.byteLength(qL: 8, kL: 0, headDim: 128)
         }
         expectFMError("blk_byte_len", contains: "head_dim must be 64, 128, 256 or 512, got 80") {
@@ -48,6 +48,7 @@ final class BlkDispatcherTests: XCTestCase {
         let blk = HostTensor([1000], .u8)
         let d = try BlkDispatcher.makeDispatch(mask: mask.ref, blk: blk.ref, headDim: 512)
         XCTAssertEqual(d.kernel, "flash_attn_prefill_blk_bf16")
+        XCTAssertEqual(d.writes, [BlkBuffer.out])
         XCTAssertEqual(d.constants.int(400), 8)
         XCTAssertEqual(d.constants.int(401), 8)
         XCTAssertEqual(d.grid, Size3(9, 13, 1))
@@ -63,7 +64,6 @@ final class BlkDispatcherTests: XCTestCase {
         XCTAssertEqual(d2.constants.int(400), 32)
         XCTAssertEqual(d2.constants.int(401), 16)
         XCTAssertEqual(d2.grid, Size3(4, 2, 1))
-        XCTAssertEqual(BlkDispatcher.allKernelNames, ["flash_attn_prefill_blk_bf16", "flash_attn_prefill_blk_f16"])
     }
 
     func testValidation() {
@@ -84,7 +84,7 @@ final class BlkDispatcherTests: XCTestCase {
         expectFMError(op, contains: "mask buffer too small") {
             _ = try BlkDispatcher.makeDispatch(mask: HostTensor([64, 64], .bf16, bytes: 100).ref, blk: blk.ref, headDim: 128)
         }
-        expectFMError(op, contains: "seq_len_q must be > 0") {
+        expectFMError(op, contains: "q_len must be > 0") {
             _ = try BlkDispatcher.makeDispatch(mask: HostTensor([0, 64], .bf16).ref, blk: blk.ref, headDim: 128)
         }
         expectFMError(op, contains: "head_dim must be 64, 128, 256 or 512, got 0") {

@@ -17,6 +17,7 @@ final class MaskDispatcherTests: XCTestCase {
         XCTAssertEqual(d.threadgroup, Size3(256, 1, 1))
         let p = try d.params(1, as: MaskParams.self)
         XCTAssertEqual([p.seq_len_q, p.seq_len_k, p.q_offset, p.window, p.causal], [5, 300, 295, 7, 1])
+        XCTAssertEqual(d.writes, [MaskBuilderBuffer.out])
         let d2 = try MaskDispatcher.makeDispatch(out: HostTensor([2, 2], .bf16).ref, MaskOptions(causal: false))
         XCTAssertEqual(d2.kernel, "flash_attn_prefill_mask_bf16")
         XCTAssertEqual(try d2.params(1, as: MaskParams.self).window, 0)
@@ -33,7 +34,7 @@ final class MaskDispatcherTests: XCTestCase {
         expectFMError(op, contains: "q_offset must be in") {
             _ = try MaskDispatcher.makeDispatch(out: HostTensor([4, 4], .bf16).ref, MaskOptions(qOffset: -1))
         }
-        expectFMError(op, contains: "seq_len_k must be > 0") {
+        expectFMError(op, contains: "kv_len must be > 0") {
             _ = try MaskDispatcher.makeDispatch(out: HostTensor([4, 0], .bf16).ref, MaskOptions())
         }
         expectFMError(op, contains: "window must be 0 (none) or > 0, got -2") {

@@ -74,6 +74,7 @@ final class PrefillDispatcherTests: XCTestCase {
         o.qOffset = 10
         o.softcap = 30
         let d = try dispatch(Case(b: 2, h: 4, hkv: 2, qL: 50, kL: 64, d: 128), o)
+        XCTAssertEqual(d.writes, [PrefillBuffer.out])
         let p = try d.params(4, as: AttnParams.self)
         XCTAssertEqual([p.B, p.H, p.D, p.qL, p.kL, p.gqa_factor], [2, 4, 128, 50, 64, 2])
         XCTAssertEqual([p.NQ, p.NK, p.NQ_aligned, p.NK_aligned, p.qL_rem, p.kL_rem, p.qL_off], [2, 4, 1, 4, 18, 0, 10])
@@ -120,7 +121,7 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d4.kernel, "flash_attn_prefill_bf16_d512")
         let mp4 = try d4.params(5, as: AttnMaskParams.self)
         XCTAssertEqual([mp4.M_strides.0, mp4.M_strides.1, mp4.M_strides.2], [4 * 16 * 24, 16 * 24, 24])
-        let blk = HostTensor([32], .u8)
+        let blk = HostTensor([2, 3], .u8)
         let db = try dispatch(c, mask: m2, blk: blk)
         XCTAssertEqual(db.constants.bool(303), true)
         XCTAssertEqual(Set(db.bindings.keys), [0, 1, 2, 3, 4, 5, 6, 7])
@@ -130,29 +131,27 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(h: 0), contains: "n_heads must be > 0")
         expectError(Case(h: 4, hkv: 0), contains: "n_kv_heads must be > 0")
         expectError(Case(h: 6, hkv: 4), contains: "n_heads (6) must be divisible by n_kv_heads (4)")
-        expectError(Case(qL: 0), contains: "seq_len_q must be > 0")
-        expectError(Case(kL: 0), contains: "seq_len_k must be > 0")
+        expectError(Case(qL: 0), contains: "q_len must be > 0")
+        expectError(Case(kL: 0), contains: "the K/V capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
         expectError(Case(d: 96), contains: "head_dim must be 64, 128, 256 or 512, got 96")
         expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "Q must be bfloat16 or float16, got float32")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
-        expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + seq_len_q (50) > seq_len_k (64)")
+        expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
         var over = PrefillOptions(scale: 0.1)
         over.kvLen = 65
-        expectError(Case(kL: 64), over, contains: "seq_len_k (65) > kv_capacity (64)")
+        expectError(Case(kL: 64), over, contains: "kv_len (65) must be <= the K/V capacity (64)")
         let m = HostTensor([50, 64], .bf16)
         let blk = HostTensor([32], .u8)
         expectError(Case(), blk: blk, contains: "blk requires mask")
         let m4 = HostTensor([1, 4, 50, 64], .bf16)
         expectError(Case(), mask: m4, blk: blk, contains: "blk requires a rank-2")
         let tiny = HostTensor([2], .u8)
-        expectError(Case(), mask: m, blk: tiny, contains: "blk buffer too small: expected at least 8 bytes")
+        expectError(Case(), mask: m, blk: tiny, contains: "blk shape [2] must be [NQ, NK] = [2, 4]")
         expectError(Case(), mask: HostTensor([50, 63], .bf16), contains: "mask shape [50, 63] must be [50, 64]")
-        expectError(Case(), mask: HostTensor([50, 64], .f16), status: FM_ERROR_TYPE, contains: "mask must be bfloat16 or bool")
-        var nanScale = PrefillOptions(scale: .nan)
-        nanScale.causal = false
-        expectError(Case(), nanScale, contains: "scale must be finite")
+        expectError(Case(), mask: HostTensor([50, 64], .f16), status: FM_ERROR_TYPE, contains: "mask must be bfloat16 (additive) or bool")
+        expectError(Case(), PrefillOptions(scale: .nan), contains: "scale must be finite")
         var badCap = PrefillOptions(scale: 1)
         badCap.softcap = -1
         expectError(Case(), badCap, contains: "softcap must be 0 (off) or a finite value > 0")
@@ -171,7 +170,7 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testKernelNames() {
-        let names = Set(PrefillDispatcher.allKernelNames)
+        let names = Set(PrefillCapability.kernels.map(\.name))
         XCTAssertEqual(names.count, 16)
         for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
@@ -179,10 +178,10 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testDistinctConstantsAreDistinctCacheKeys() {
-        let a = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .bool(true)), (301, .bool(false))]))
-        let b = PipelineKey(kernel: "k", constants: FunctionConstants([(301, .bool(false)), (200, .bool(true))]))
-        let c = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .bool(true)), (301, .bool(true))]))
-        let d = PipelineKey(kernel: "k", constants: FunctionConstants([(200, .int(1)), (301, .bool(false))]))
+        let a = PipelineKey(spec: .sdpa(io: .f32), constants: FunctionConstants([(200, .bool(true)), (301, .bool(false))]))
+        let b = PipelineKey(spec: .sdpa(io: .f32), constants: FunctionConstants([(301, .bool(false)), (200, .bool(true))]))
+        let c = PipelineKey(spec: .sdpa(io: .f32), constants: FunctionConstants([(200, .bool(true)), (301, .bool(true))]))
+        let d = PipelineKey(spec: .sdpa(io: .f32), constants: FunctionConstants([(200, .int(1)), (301, .bool(false))]))
         XCTAssertEqual(a, b)
         XCTAssertEqual(a.hashValue, b.hashValue)
         XCTAssertEqual(Set([a, b, c, d]).count, 3)

@@ -7,23 +7,21 @@ final class RegistryTests: XCTestCase {
         let r = Registry(backend: CPUBackend())
         let consts = FunctionConstants([(200, .bool(true)), (201, .bool(true)), (300, .bool(false)),
                                         (301, .bool(false)), (303, .bool(false))])
-        let key = PipelineKey(kernel: "flash_attn_prefill_bf16_d128", constants: consts)
+        let key = PipelineKey(spec: .prefill(io: .bf16, headDim: 128, boolMask: false), constants: consts)
         let p1 = try r.pipeline(key)
         let p2 = try r.pipeline(key)
         XCTAssertTrue(p1 === p2)
         var other = consts.entries.map { ($0.index, $0.value) }
         other[3] = (301, .bool(true))
-        let p3 = try r.pipeline(PipelineKey(kernel: key.kernel, constants: FunctionConstants(other)))
+        let p3 = try r.pipeline(PipelineKey(spec: key.spec, constants: FunctionConstants(other)))
         XCTAssertFalse(p1 === p3)
         XCTAssertEqual(r.cachedKeys.count, 2)
     }
 
-    func testUnknownKernelAndUnsetConstant() {
+    func testUnsetConstant() {
         let r = Registry(backend: CPUBackend())
-        XCTAssertThrowsError(try r.pipeline(PipelineKey(kernel: "nope", constants: FunctionConstants()))) { e in
-            XCTAssertTrue("\(e)".contains("unknown kernel 'nope'"))
-        }
-        let partial = PipelineKey(kernel: "flash_attn_prefill_f16_d64", constants: FunctionConstants([(300, .bool(true))]))
+        let partial = PipelineKey(spec: .prefill(io: .f16, headDim: 64, boolMask: false),
+                                  constants: FunctionConstants([(300, .bool(true))]))
         XCTAssertThrowsError(try r.pipeline(partial)) { e in
             XCTAssertTrue("\(e)".contains("function constant 301"), "\(e)")
         }
@@ -45,8 +43,10 @@ final class ScratchLifetimeTests: XCTestCase {
                 if depth > 0 { pending.append(work) } else { work() }
             }
         }
-        func beginBatch() throws { depth += 1 }
+        var begins = 0, ends = 0
+        func beginBatch() throws { depth += 1; begins += 1 }
         func endBatch() throws {
+            ends += 1
             depth -= 1
             if depth == 0 { pending.forEach { $0() }; pending = [] }
         }
@@ -58,13 +58,55 @@ final class ScratchLifetimeTests: XCTestCase {
         let r = Registry(backend: backend)
         try r.beginBatch()
         try r.withScratch(op: "test", bytes: 64) { tmp in
-            try r.run([Dispatch(kernel: "k", grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
+            try r.run([Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
                                 bindings: [0: .buffer(tmp)])])
         }
         XCTAssertEqual(backend.pending.count, 1)
         try r.endBatch()  // writes into the scratch: must still be allocated (ASan would catch it)
         XCTAssertTrue(backend.pending.isEmpty)
+        XCTAssertEqual(r.deferredScratchCount, 0)
         XCTAssertThrowsError(try r.endBatch())
+    }
+
+    /// Issue 12 item 8: a synchronous backend has run the work when the call
+    /// returns, so a batch keeps no scratch at all.
+    func testSynchronousBackendKeepsNoScratchInABatch() throws {
+        let r = Registry(backend: CPUBackend())
+        try r.beginBatch()
+        for _ in 0..<3 { try r.withScratch(op: "test", bytes: 1 << 20) { _ in } }
+        XCTAssertEqual(r.deferredScratchCount, 0)
+        try r.endBatch()
+    }
+
+    /// The registry alone counts nesting: the backend sees the outermost scope once.
+    func testBackendSeesOnlyTheOutermostScope() throws {
+        let backend = DeferringBackend()
+        let r = Registry(backend: backend)
+        for _ in 0..<3 { try r.beginBatch() }
+        XCTAssertEqual(r.openBatches, 3)
+        for _ in 0..<2 { try r.endBatch() }
+        XCTAssertEqual([backend.begins, backend.ends], [1, 0])
+        try r.endBatch()
+        XCTAssertEqual([backend.begins, backend.ends], [1, 1])
+        XCTAssertThrowsError(try r.endBatch())
+    }
+
+    /// close() inside an open batch runs the deferred work and frees its
+    /// scratch: nothing is lost.
+    func testCloseInsideABatchLosesNothing() throws {
+        let backend = DeferringBackend()
+        let r = Registry(backend: backend)
+        try r.beginBatch()
+        try r.beginBatch()
+        try r.withScratch(op: "test", bytes: 64) { tmp in
+            try r.run([Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
+                                bindings: [0: .buffer(tmp)])])
+        }
+        XCTAssertEqual(r.deferredScratchCount, 1)
+        try r.close()
+        XCTAssertTrue(backend.pending.isEmpty, "the deferred work ran")
+        XCTAssertEqual(r.openBatches, 0)
+        XCTAssertEqual(r.deferredScratchCount, 0)
     }
 }
 

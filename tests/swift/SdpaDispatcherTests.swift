@@ -45,9 +45,9 @@ final class SdpaDispatcherTests: XCTestCase {
         expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
         expectFMError(op, contains: "n_heads (6) must be divisible by n_kv_heads (4)") { _ = try make(q: [1, 6, 4, 8], k: [1, 4, 4, 8]) }
         expectFMError(op, contains: "n_kv_heads must be > 0") { _ = try make(q: [1, 6, 4, 8], k: [1, 0, 4, 8]) }
-        expectFMError(op, contains: "seq_len must be > 0") { _ = try make(q: [1, 2, 0, 8], k: [1, 2, 4, 8]) }
-        expectFMError(op, contains: "kv_seq_len must be > 0") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 0, 8]) }
-        expectFMError(op, contains: "kv_seq_len (9) must be <= kv_capacity (4)") {
+        expectFMError(op, contains: "q_len must be > 0") { _ = try make(q: [1, 2, 0, 8], k: [1, 2, 4, 8]) }
+        expectFMError(op, contains: "the K/V capacity must be > 0") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 0, 8]) }
+        expectFMError(op, contains: "kv_len (9) must be <= the K/V capacity (4)") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], SdpaOptions(scale: 1, kvLen: 9))
         }
         expectFMError(op, contains: "Q buffer too small") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], qBytes: 10) }

@@ -12,7 +12,7 @@ final class SimBackendTests: XCTestCase {
     private func selftestDispatch(rows: Int, n: Int, threads: Int, input: UnsafeMutablePointer<Float>,
                                   output: UnsafeMutablePointer<Float>,
                                   constants: FunctionConstants) -> Dispatch {
-        Dispatch(kernel: "fm_selftest_reduce", constants: constants,
+        Dispatch(kernel: .simSelftest, constants: constants,
                  grid: Size3(rows, 1, 1), threadgroup: Size3(threads, 1, 1),
                  bindings: [
                      0: .buffer(TensorRef(data: input, byteCount: rows * n * 4, dtype: .f32, shape: [rows, n])),
@@ -61,27 +61,17 @@ final class SimBackendTests: XCTestCase {
         }
     }
 
-    func testUnknownKernelThrows() {
-        let registry = Registry(backend: SimBackend())
-        let d = Dispatch(kernel: "no_such_kernel", grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1), bindings: [:])
-        XCTAssertThrowsError(try registry.run([d])) { error in
-            let e = error as? FlashMetalError
-            XCTAssertEqual(e?.status, FM_ERROR_BACKEND)
-            XCTAssertTrue(e?.message.contains("no_such_kernel") ?? false, "\(error)")
-        }
-    }
-
     func testBadBindingIndexAndThreadgroupMemoryThrow() {
         let out = UnsafeMutablePointer<Float>.allocate(capacity: 4)
         defer { out.deallocate() }
         let registry = Registry(backend: SimBackend())
         let t = TensorRef(data: out, byteCount: 16, dtype: .f32, shape: [4])
-        let bad = Dispatch(kernel: "fm_selftest_reduce", constants: FunctionConstants([(700, .int(1))]),
+        let bad = Dispatch(kernel: .simSelftest, constants: FunctionConstants([(700, .int(1))]),
                            grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1), bindings: [40: .buffer(t)])
         XCTAssertThrowsError(try registry.run([bad])) { error in
             XCTAssertTrue("\(error)".contains("out of range"), "\(error)")
         }
-        let big = Dispatch(kernel: "fm_selftest_reduce", constants: FunctionConstants([(700, .int(1))]),
+        let big = Dispatch(kernel: .simSelftest, constants: FunctionConstants([(700, .int(1))]),
                            grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1), bindings: [1: .buffer(t)],
                            threadgroupMemory: [0: 40000])
         XCTAssertThrowsError(try registry.run([big])) { error in

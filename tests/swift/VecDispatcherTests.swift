@@ -32,13 +32,12 @@ final class VecDispatcherTests: XCTestCase {
     }
 
     func testKernelNames() {
-        XCTAssertEqual(VecDispatcher.kernelName(kvDType: .f32, headDim: 256), "flash_attn_vec_dk256")
-        XCTAssertEqual(VecDispatcher.kernelName(kvDType: .f16, headDim: 512), "flash_attn_vec_f16kv_dk512")
-        XCTAssertEqual(VecDispatcher.kernelName(kvDType: .bf16, headDim: 64), "flash_attn_vec_bf16kv_dk64")
-        XCTAssertEqual(VecDispatcher.reduceKernelName(headDim: 128, fwht: false), "flash_attn_vec_reduce_dk128")
-        XCTAssertEqual(VecDispatcher.reduceKernelName(headDim: 256, fwht: true), "flash_attn_vec_reduce_tq_hb_undo_dk256")
-        XCTAssertEqual(VecDispatcher.mainKernelNames.count, 12)
-        XCTAssertEqual(VecDispatcher.reduceKernelNames.count, 8)
+        XCTAssertEqual(KernelSpec.vec(kv: .f32, headDim: 256).name, "flash_attn_vec_dk256")
+        XCTAssertEqual(KernelSpec.vec(kv: .f16, headDim: 512).name, "flash_attn_vec_f16kv_dk512")
+        XCTAssertEqual(KernelSpec.vec(kv: .bf16, headDim: 64).name, "flash_attn_vec_bf16kv_dk64")
+        XCTAssertEqual(KernelSpec.vecReduce(headDim: 128, fwht: false).name, "flash_attn_vec_reduce_dk128")
+        XCTAssertEqual(KernelSpec.vecReduce(headDim: 256, fwht: true).name, "flash_attn_vec_reduce_tq_hb_undo_dk256")
+        XCTAssertEqual(VecCapability.kernels.count, 12 + 8)
     }
 
     func testMainAndReduce() throws {
@@ -65,7 +64,12 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(try r.buffer(1).data, try m.buffer(4).data)
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
         XCTAssertTrue(r.threadgroupMemory.isEmpty)
-        XCTAssertNil(r.constants[VecDispatcher.hasSignsConstant])
+        XCTAssertNil(r.constants[FunctionConstantIndex.vecHasSigns])
+        // Metal copies back only what a kernel writes, and may narrow the reduce.
+        XCTAssertEqual(m.writes, [VecBuffer.tmp])
+        XCTAssertFalse(m.threadgroupFlexible)
+        XCTAssertEqual(r.writes, [VecReduceBuffer.out])
+        XCTAssertTrue(r.threadgroupFlexible)
     }
 
     func testBatchFoldsIntoHeads() throws {
@@ -95,7 +99,7 @@ final class VecDispatcherTests: XCTestCase {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 256, nwg: 0,
                                                  fwht: true, signs: nil)
         }
-        expectFMError(VecDispatcher.reduceOp, contains: "unsupported head_dim 96") {
+        expectFMError(VecDispatcher.reduceOp, contains: "head_dim must be 64, 128, 256 or 512, got 96") {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 96, nwg: 32,
                                                  fwht: true, signs: nil)
         }
@@ -108,11 +112,11 @@ final class VecDispatcherTests: XCTestCase {
         expectFMError(op, contains: "num_heads and num_kv_heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)
         o.kvLen = 2000
-        expectFMError(op, contains: "kv_capacity (1024) must be >= kv_seq_len (2000)") { _ = try dispatches(Case(), o) }
+        expectFMError(op, contains: "kv_len (2000) must be <= the cache capacity (1024)") { _ = try dispatches(Case(), o) }
         o.kvLen = 0
-        expectFMError(op, contains: "kv_seq_len must be > 0") { _ = try dispatches(Case(), o) }
+        expectFMError(op, contains: "kv_len must be > 0") { _ = try dispatches(Case(), o) }
         o.kvLen = 10; o.maskType = 2; o.window = 0
-        expectFMError(op, contains: "sliding_window must be > 0 with mask_type 2") { _ = try dispatches(Case(), o) }
+        expectFMError(op, contains: "window must be > 0 with the sliding-window mask") { _ = try dispatches(Case(), o) }
         o.maskType = 7
         expectFMError(op, contains: "mask_type must be 0 (none), 1 (causal) or 2 (sliding window), got 7") { _ = try dispatches(Case(), o) }
         o.maskType = 0; o.scale = .nan

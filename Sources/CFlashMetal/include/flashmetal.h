@@ -25,10 +25,98 @@
 extern "C" {
 #endif
 
+/* ---- numeric constants of the kernels (DESIGN §2) ------------------------
+ * Outside the cffi part: cffi cannot parse float macros. */
+/* The running row max starts at the finite -FLT_MAX/2, so a -inf score gives
+ * exp2(-inf - m) = 0 and m - m stays 0: never NaN. */
+#define FM_RUNNING_MAX_START (-1.70141173e38f)
+/* log2(e): the GPU kernels fold it into Q and use exp2. */
+#define FM_LOG2E 1.44269504088896341f
 /* The release of the library and of the Python package (one source). */
 #define FM_VERSION "0.1.0"
 
 /* FM_CDEF_BEGIN */
+
+/* ---- cross-language integers ---------------------------------------------
+ * One definition for the dispatchers (Swift), the cpu kernels (C), the
+ * simulator (C++), the shaders (MSL) and cffi. Swift tests pin the Swift
+ * enums that mirror them. */
+
+/* The version of this C ABI: bumped on every incompatible change to a struct
+ * or an entry point. The Python package checks fm_abi_version() against the
+ * value of the header it ships. */
+enum { FM_ABI_VERSION = 2 };
+
+/* Metal function-constant indices ([[function_constant(i)]]). */
+typedef enum FMFunctionConstant {
+    FM_FC_ALIGN_Q = 200,            /* prefill: qL % BQ == 0 */
+    FM_FC_ALIGN_K = 201,            /* prefill: kL % BK == 0 */
+    FM_FC_HAS_MASK = 300,           /* prefill: a mask is bound */
+    FM_FC_DO_CAUSAL = 301,          /* prefill: causal */
+    FM_FC_HAS_BLK = 303,            /* prefill: a blk is bound */
+    FM_FC_BLK_BQ = 400,             /* blk: BQ of the consuming prefill (int) */
+    FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
+    FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
+    FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
+    FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
+    FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
+    FM_FC_SDPA_SOFTCAP = 603        /* sdpa: apply SdpaExtParams.softcap */
+} FMFunctionConstant;
+
+/* Buffer indices ([[buffer(i)]]) of each kernel family. */
+typedef enum FMPrefillBinding {
+    FM_PREFILL_BUF_Q = 0, FM_PREFILL_BUF_K = 1, FM_PREFILL_BUF_V = 2, FM_PREFILL_BUF_O = 3,
+    FM_PREFILL_BUF_PARAMS = 4,      /* AttnParams */
+    FM_PREFILL_BUF_MASK_PARAMS = 5, /* AttnMaskParams, with a mask */
+    FM_PREFILL_BUF_MASK = 6,
+    FM_PREFILL_BUF_BLK = 7
+} FMPrefillBinding;
+
+typedef enum FMBlkBinding {
+    FM_BLK_BUF_MASK = 0, FM_BLK_BUF_OUT = 1, FM_BLK_BUF_PARAMS = 2 /* BlkParams */
+} FMBlkBinding;
+
+typedef enum FMMaskBuilderBinding {
+    FM_MASKB_BUF_OUT = 0, FM_MASKB_BUF_PARAMS = 1 /* MaskParams */
+} FMMaskBuilderBinding;
+
+typedef enum FMVecBinding {
+    FM_VEC_BUF_PARAMS = 0, /* FlashAttnVecParams */
+    FM_VEC_BUF_Q = 1, FM_VEC_BUF_K = 2, FM_VEC_BUF_V = 3, FM_VEC_BUF_TMP = 4
+} FMVecBinding;
+
+typedef enum FMVecReduceBinding {
+    FM_VEC_REDUCE_BUF_PARAMS = 0, /* FlashAttnVecReduceParams */
+    FM_VEC_REDUCE_BUF_TMP = 1, FM_VEC_REDUCE_BUF_OUT = 2,
+    FM_VEC_REDUCE_BUF_NWG = 3,    /* uint32 */
+    FM_VEC_REDUCE_BUF_SIGNS = 4   /* with FM_FC_VEC_HAS_SIGNS */
+} FMVecReduceBinding;
+
+typedef enum FMSdpaBinding {
+    FM_SDPA_BUF_Q = 0, FM_SDPA_BUF_K = 1, FM_SDPA_BUF_V = 2, FM_SDPA_BUF_O = 3,
+    FM_SDPA_BUF_PARAMS = 4,        /* SdpaParams */
+    FM_SDPA_BUF_MASK_PARAMS = 5,   /* AttnMaskParams, with a mask */
+    FM_SDPA_BUF_ADDITIVE_MASK = 6, /* with FM_FC_SDPA_ADDITIVE_MASK */
+    FM_SDPA_BUF_BOOL_MASK = 7,     /* with FM_FC_SDPA_BOOL_MASK */
+    FM_SDPA_BUF_EXT = 8            /* SdpaExtParams, with FM_FC_SDPA_EXT */
+} FMSdpaBinding;
+
+/* The mask a prefill or sdpa call carries. */
+typedef enum FMMaskKind {
+    FM_MASK_NONE = 0, FM_MASK_ADDITIVE = 1, FM_MASK_BOOL = 2
+} FMMaskKind;
+
+/* FlashAttnVecParams.mask_type / FMVecOptions.mask_type. */
+typedef enum FMVecMaskType {
+    FM_VEC_MASK_NONE = 0, FM_VEC_MASK_CAUSAL = 1, FM_VEC_MASK_WINDOW = 2
+} FMVecMaskType;
+
+/* Split-KV decode: the number of workgroups each row's keys are split over. */
+enum { FM_VEC_NWG = 32 };
+
+/* sdpa: query rows per threadgroup, one thread each (the kernel indexes rows
+ * by tgid.z * FM_SDPA_TILE_Q + tid). */
+enum { FM_SDPA_TILE_Q = 32 };
 
 /* ---- kernel parameter structs (seeds 000-004) -------------------------- */
 
@@ -100,8 +188,8 @@ typedef struct SdpaParams {
     uint32_t do_causal;
 } SdpaParams;
 
-/* Simple SDPA extension (ours): buffer(8), bound only when function constant
- * 602 (sdpa_ext) is true; SdpaParams stays the seed's. 16 bytes. With it,
+/* Simple SDPA extension (ours): buffer(8) (FM_SDPA_BUF_EXT), bound only when
+ * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays the seed's. 16 bytes. With it,
  * query row i sits at absolute position t = q_offset + i (instead of the
  * seed's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
  * causal alignment and kv_len - qL the KV-cache bottom-right one; it may be
@@ -109,7 +197,7 @@ typedef struct SdpaParams {
  * Causal (SdpaParams.do_causal) keeps keys p <= t; window w > 0 keeps keys
  * with t - p < w (also without causal). softcap c > 0 applies c*tanh(s/c)
  * to the scaled score before the mask; it is read only when function
- * constant 603 (sdpa_softcap) is true. Constants 600/601 stay the mask's. */
+ * constant 603 (FM_FC_SDPA_SOFTCAP) is true. Constants 600/601 stay the mask's. */
 typedef struct SdpaExtParams {
     float softcap;     /* c > 0; used only with constant 603 */
     int32_t q_offset;  /* absolute position of query row 0 */
@@ -157,13 +245,16 @@ typedef enum FMLayout {
 } FMLayout;
 
 /* A borrowed, C-contiguous host tensor. The library checks nbytes against
- * the shape before it touches `data`. */
+ * the shape before it touches `data`. `tag` is 0 for caller memory; a tensor
+ * from fm_alloc_blk carries a tag the library never hands out twice, by which
+ * it recognises stale copies and checks the blk's geometry. */
 typedef struct FMTensor {
     void *data;
     uint64_t nbytes;
     int32_t dtype;
     int32_t ndim;
     int64_t shape[8];
+    uint64_t tag;
 } FMTensor;
 
 typedef struct FMRegistry FMRegistry;
@@ -172,7 +263,7 @@ typedef struct FMPrefillOptions {
     float scale;      /* finite; 1/sqrt(D) is the usual choice */
     float softcap;    /* 0 = off, else > 0 */
     int32_t causal;   /* 0 or 1 */
-    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off) */
+    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off), >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
 } FMPrefillOptions;
@@ -190,7 +281,7 @@ typedef struct FMMaskOptions {
 typedef struct FMVecOptions {
     float scale;       /* finite */
     float softcap;     /* 0 = off, else > 0 */
-    int32_t mask_type; /* 0 none, 1 causal, 2 sliding window */
+    int32_t mask_type; /* FMVecMaskType */
     int32_t window;    /* mask_type 2: keys p with (kv_len - 1) - p < window */
     int32_t kv_len;    /* valid K/V length, 1..kv_capacity */
     int32_t fwht;      /* 1: reduce fused with the FWHT sign undo */
@@ -199,7 +290,7 @@ typedef struct FMVecOptions {
 /* fm_dispatch_sdpa. Zeroed extension fields give the seed's kernel:
  * bottom-right positions, no softcap, no window. */
 typedef struct FMSdpaOptions {
-    float scale;      /* finite */
+    float scale;      /* finite; NaN = the default 1/sqrt(D) */
     int32_t causal;   /* 0 or 1 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t has_q_offset; /* 0: query i at kv_len - qL + i (bottom-right);
@@ -213,9 +304,16 @@ typedef struct FMSdpaOptions {
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
- * receives a NUL-terminated message of at most errlen bytes. */
+ * receives a NUL-terminated message of at most errlen bytes.
+ * Registry handles are never reused: a destroyed registry's handle (or any
+ * other value) is an FM_ERROR_VALUE, never another registry. */
+int fm_abi_version(void);
+/* A static name for a status code ("FM_ERROR_VALUE"; "unknown status" else). */
+const char *fm_status_string(int status);
 int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
 int fm_destroy_registry(FMRegistry *registry);
+/* The backend's name ("cpu", "sim", "metal"); "" with an error status when
+ * the registry is not live. */
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
 /* A batch scope: until fm_end_batch a backend may defer work (Metal commits
  * one command buffer at the end); outputs are valid after fm_end_batch. */
@@ -235,10 +333,18 @@ int fm_blk_byte_len(int64_t q_len, int64_t k_len, int32_t head_dim, size_t *out,
  * fm_blk_byte_len bytes; release it with fm_free_blk. */
 int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
                  char *err, size_t errlen);
-/* Frees a tensor from fm_alloc_blk and clears its data pointer; a pointer
- * the library did not allocate (or already freed) is an error. */
+/* Frees a tensor from fm_alloc_blk and clears its data pointer and tag; a
+ * tensor the library did not allocate, or a stale copy of one already freed
+ * (even when its address was reused since), is an error. */
 int fm_free_blk(FMTensor *blk, char *err, size_t errlen);
-/* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8, >= NQ*NK bytes. */
+/* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_vec",
+ * ascending: *count receives how many, out the first min(cap, count). */
+int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
+                           char *err, size_t errlen);
+/* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
+ * shape for head_dim and the mask's shape), >= NQ*NK bytes. fm_dispatch_prefill
+ * checks the blk's shape against its own geometry, and the head dim and mask
+ * shape a tagged (fm_alloc_blk) blk was filled for. */
 int fm_dispatch_blk(FMRegistry *registry, const FMTensor *mask, const FMTensor *blk_out,
                     int32_t head_dim, char *err, size_t errlen);
 /* Fills out ([qL, kL] bfloat16 or float16) with 0 / -inf. */

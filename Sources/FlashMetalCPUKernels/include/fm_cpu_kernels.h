@@ -12,8 +12,6 @@
 extern "C" {
 #endif
 
-/* Mask kinds of a prefill call. */
-enum { FM_MASK_NONE = 0, FM_MASK_ADDITIVE = 1, FM_MASK_BOOL = 2 };
 
 typedef struct FMPrefillArgs {
     AttnParams p;

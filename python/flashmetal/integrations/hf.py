@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._errors import InvalidValueError
 from .torch_op import sdpa as _sdpa_op
 
 NAME = "fm_attention"
@@ -30,7 +31,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-function contract: q ``[B, H, qL, D]``, k/v
     ``[B, Hkv, kL, D]``; returns ``([B, qL, H, D], None)``."""
     if dropout:
-        raise ValueError(f"flashmetal attention: dropout ({dropout}) is not supported (call model.eval())")
+        raise InvalidValueError(NAME, f"dropout ({dropout}) is not supported (call model.eval())")
     q_len = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -52,8 +53,8 @@ def register(name: str = NAME) -> str:
 
     low = name.lower()
     if "flash" in low or "sdpa" in low:
-        raise ValueError(f"flashmetal attention: name {name!r} contains 'flash' or 'sdpa', which transformers "
-                         "routes to its own kernels")
+        raise InvalidValueError("register", f"name {name!r} contains 'flash' or 'sdpa', which transformers "
+                                "routes to its own kernels")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -157,9 +157,9 @@ let addOne: FakeKernel = { b in
 }
 
 func pair(_ q: TensorRef, _ tmp: TensorRef, _ out: TensorRef) -> [Dispatch] {
-    [Dispatch(kernel: "double", grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
+    [Dispatch(kernel: .vec(kv: .f32, headDim: 64), grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
               bindings: [0: .buffer(q), 1: .buffer(tmp)], writes: [1]),
-     Dispatch(kernel: "add_one", grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
+     Dispatch(kernel: .vecReduce(headDim: 64, fwht: false), grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
               bindings: [0: .buffer(tmp), 1: .buffer(out)], writes: [1])]
 }
 
@@ -217,7 +217,7 @@ do {
     let dev = FakeDevice(noCopy: false)
     let b = backend(dev)
     let t = floats(n, { _ in 0 })
-    let d = Dispatch(kernel: "k", grid: Size3(1, 1, 1), threadgroup: Size3(1024, 1, 1), bindings: [0: .buffer(t)])
+    let d = Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1024, 1, 1), bindings: [0: .buffer(t)])
     let msg = errorMessage { try b.run([d], pipelines: [FakePipeline(max: 256)]) }
     check(msg?.contains("needs 1024 threads per threadgroup, the pipeline allows 256") == true,
           "a fixed 1024-thread dispatch on a 256-thread pipeline is a BackendError")
@@ -228,7 +228,7 @@ do {
     check(notMetal?.contains("is not Metal's") == true && dev.queue.buffers.last!.encoders.first?.events == [.end],
           "a foreign pipeline object: error, encoder ended")
 
-    let flex = Dispatch(kernel: "reduce", grid: Size3(1, 1, 1), threadgroup: Size3(1024, 1, 1),
+    let flex = Dispatch(kernel: .vecReduce(headDim: 64, fwht: true), grid: Size3(1, 1, 1), threadgroup: Size3(1024, 1, 1),
                         bindings: [0: .buffer(t)], threadgroupFlexible: true)
     try b.run([flex], pipelines: [FakePipeline(max: 300)])
     check(dev.queue.buffers.last!.encoders.first!.events.contains(.dispatch(threads: 288)),
@@ -237,7 +237,7 @@ do {
     check(tooSmall?.contains("allows 31") == true, "a flexible dispatch still needs 32 threads")
 
     let overlap = TensorRef(data: t.data + 8, byteCount: t.byteCount, dtype: .f32, shape: [n])
-    let two = [Dispatch(kernel: "a", grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
+    let two = [Dispatch(kernel: .sdpa(io: .bf16), grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1),
                         bindings: [0: .buffer(t), 1: .buffer(overlap)])]
     let o = errorMessage { try b.run(two, pipelines: [FakePipeline()]) }
     check(o?.contains("partly overlaps") == true, "copies of partly overlapping tensors are refused")

@@ -1,0 +1,92 @@
+import CFlashMetal
+
+/// The capability tables: for each op, the head dims (and their tile
+/// geometry), dtypes and variants that have a kernel. Validation, its
+/// messages, the kernel enumeration (KernelSpec.all), the head dims the
+/// Python package routes by (fm_supported_head_dims) and the shader test all
+/// derive from these rows. Adding a head dim is one row here plus one
+/// INSTANTIATE_KERNEL line per variant in the shaders.
+
+/// Prefill (seed 000): head dim → tile geometry.
+public enum PrefillCapability {
+    /// Head dim → (BQ, BK, WM, WN): the one place the prefill tiles live.
+    public static let geometry: [Int: PrefillGeometry] = [
+        64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        128: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        256: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        512: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
+    ]
+    /// The head dims with a kernel, ascending.
+    public static var headDims: [Int] { geometry.keys.sorted() }
+    /// Q/K/V/out dtypes (an additive mask has the same dtype).
+    public static let ioTypes: [DType] = [.bf16, .f16]
+
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] {
+        ioTypes.flatMap { t in
+            headDims.flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
+        }
+    }
+
+    /// The geometry for `headDim`, or a ValueError naming `op` and the choices.
+    static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
+        guard let g = geometry[headDim] else {
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)")
+        }
+        return g
+    }
+}
+
+/// The blk pre-pass (seed 001): any prefill head dim, these mask dtypes.
+public enum BlkCapability {
+    /// Mask dtypes with a blk kernel.
+    public static let maskTypes: [DType] = [.bf16, .f16]
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
+}
+
+/// The mask builder: these output dtypes.
+public enum MaskBuilderCapability {
+    /// Output dtypes with a mask-builder kernel.
+    public static let outTypes: [DType] = [.bf16, .f16]
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { outTypes.map { .maskBuilder(out: $0) } }
+}
+
+/// Split-KV decode (seeds 002, 004).
+public enum VecCapability {
+    /// Head dims of the decode and both reduce kernels.
+    public static let headDims = [64, 128, 256, 512]
+    /// K/V cache dtypes; q, tmp and out are float32.
+    public static let kvTypes: [DType] = [.f32, .f16, .bf16]
+    /// Workgroups each row's keys are split over.
+    public static let nwg = Int(FM_VEC_NWG)
+
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] {
+        kvTypes.flatMap { t in headDims.map { KernelSpec.vec(kv: t, headDim: $0) } }
+            + [false, true].flatMap { f in headDims.map { KernelSpec.vecReduce(headDim: $0, fwht: f) } }
+    }
+
+    static func requireHeadDim(_ d: Int, op: String) throws {
+        if !headDims.contains(d) {
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)")
+        }
+    }
+}
+
+/// Simple SDPA (seed 003): any head dim up to `maxHeadDim`.
+public enum SdpaCapability {
+    /// Q/K/V/out dtypes with an sdpa kernel.
+    public static let ioTypes: [DType] = [.f32, .f16, .bf16]
+    /// The largest head dim the kernel handles (its per-thread accumulators).
+    public static let maxHeadDim = 512
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
+}
+
+/// "64, 128, 256 or 512".
+func oneOf(_ values: [Int]) -> String {
+    let s = values.map(String.init)
+    return s.count <= 1 ? s.joined() : s.dropLast().joined(separator: ", ") + " or " + s.last!
+}

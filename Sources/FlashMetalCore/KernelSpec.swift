@@ -1,0 +1,88 @@
+/// The typed identity of one Metal kernel (one `INSTANTIATE_KERNEL` line):
+/// the op and the facts that select its instantiation. The kernel's name is
+/// derived from it, never parsed back; backends switch on it.
+public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
+    /// `flash_attn_prefill_{bf16,f16}_d{D}[_boolmask]` (seed 000).
+    case prefill(io: DType, headDim: Int, boolMask: Bool)
+    /// `flash_attn_prefill_blk_{bf16,f16}`: the tile-skip pre-pass (seed 001).
+    case blk(mask: DType)
+    /// `flash_attn_prefill_mask_{bf16,f16}`: the causal/window mask builder.
+    case maskBuilder(out: DType)
+    /// `flash_attn_vec[_{f16,bf16}kv]_dk{D}`: split-KV decode (seed 002).
+    case vec(kv: DType, headDim: Int)
+    /// `flash_attn_vec_reduce_dk{D}`, or with `fwht` the fused FWHT sign undo
+    /// `flash_attn_vec_reduce_tq_hb_undo_dk{D}` (seeds 002, 004).
+    case vecReduce(headDim: Int, fwht: Bool)
+    /// `sdpa` (float32) / `sdpa_{dtype}`: simple fused SDPA (seed 003).
+    case sdpa(io: DType)
+    /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
+    /// kernel. No op dispatches it and only the sim backend runs it.
+    case simSelftest
+
+    /// The kernel's name in the shaders, the simulator and the pipeline cache.
+    public var name: String {
+        switch self {
+        case let .prefill(io, d, boolMask):
+            return "flash_attn_prefill_\(io.kernelSuffix)_d\(d)" + (boolMask ? "_boolmask" : "")
+        case let .blk(m): return "flash_attn_prefill_blk_\(m.kernelSuffix)"
+        case let .maskBuilder(o): return "flash_attn_prefill_mask_\(o.kernelSuffix)"
+        case let .vec(kv, d): return "flash_attn_vec_" + (kv == .f32 ? "" : "\(kv.kernelSuffix)kv_") + "dk\(d)"
+        case let .vecReduce(d, fwht): return "flash_attn_vec_reduce_" + (fwht ? "tq_hb_undo_" : "") + "dk\(d)"
+        case let .sdpa(io): return io == .f32 ? "sdpa" : "sdpa_\(io.kernelSuffix)"
+        case .simSelftest: return "fm_selftest_reduce"
+        }
+    }
+
+    /// The kernel name.
+    public var description: String { name }
+
+    /// Every kernel the library dispatches, enumerated from the capability
+    /// tables; the shaders must instantiate exactly these (a test checks it).
+    public static var all: [KernelSpec] {
+        PrefillCapability.kernels + BlkCapability.kernels + MaskBuilderCapability.kernels
+            + VecCapability.kernels + SdpaCapability.kernels
+    }
+
+    /// What the kernel's `INSTANTIATE_KERNEL(name, function, args...)` line in
+    /// Resources/shaders must say: the template function and its arguments
+    /// (MSL type names and integers), derived from the capability tables.
+    public var instantiation: (function: String, args: [String]) {
+        switch self {
+        case let .prefill(io, d, boolMask):
+            let g = PrefillCapability.geometry[d]!
+            return ("flash_attn_prefill", [io.mslName, boolMask ? "bool" : io.mslName,
+                                           "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"])
+        case let .blk(m): return ("flash_attn_prefill_blk", [m.mslName])
+        case let .maskBuilder(o): return ("flash_attn_prefill_mask", [o.mslName])
+        case let .vec(kv, d): return ("flash_attn_vec", [kv.mslName, "\(d)"])
+        case let .vecReduce(d, fwht):
+            return (fwht ? "flash_attn_vec_reduce_tq_hb_undo" : "flash_attn_vec_reduce", ["\(d)"])
+        case let .sdpa(io): return ("sdpa", [io.mslName])
+        case .simSelftest: return ("selftest_reduce", ["float"])
+        }
+    }
+}
+
+extension DType {
+    /// The dtype as kernel names spell it (`bf16` in `sdpa_bf16`).
+    var kernelSuffix: String {
+        switch self {
+        case .f32: return "f32"
+        case .f16: return "f16"
+        case .bf16: return "bf16"
+        case .bool: return "bool"
+        case .u8: return "u8"
+        }
+    }
+
+    /// The dtype as MSL spells it.
+    var mslName: String {
+        switch self {
+        case .f32: return "float"
+        case .f16: return "half"
+        case .bf16: return "bfloat"
+        case .bool: return "bool"
+        case .u8: return "uchar"
+        }
+    }
+}

@@ -1,0 +1,140 @@
+import CFlashMetal
+
+// The integers the shaders and the host agree on, read from flashmetal.h
+// (FMFunctionConstant and the FM*Binding enums): Swift names for them, no
+// second copy of the values.
+
+/// Function-constant indices of the kernels.
+public enum FunctionConstantIndex {
+    /// Prefill: qL is a multiple of BQ.
+    public static let alignQ = Int(FM_FC_ALIGN_Q.rawValue)
+    /// Prefill: kL is a multiple of BK.
+    public static let alignK = Int(FM_FC_ALIGN_K.rawValue)
+    /// Prefill: a mask is bound.
+    public static let hasMask = Int(FM_FC_HAS_MASK.rawValue)
+    /// Prefill: causal.
+    public static let doCausal = Int(FM_FC_DO_CAUSAL.rawValue)
+    /// Prefill: a blk is bound.
+    public static let hasBlk = Int(FM_FC_HAS_BLK.rawValue)
+    /// blk: BQ of the prefill that consumes the blk (int).
+    public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
+    /// blk: BK of the prefill that consumes the blk (int).
+    public static let blkBK = Int(FM_FC_BLK_BK.rawValue)
+    /// FWHT-undo reduce: a sign bitmask is bound.
+    public static let vecHasSigns = Int(FM_FC_VEC_HAS_SIGNS.rawValue)
+    /// sdpa: a bool mask is bound.
+    public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
+    /// sdpa: an additive mask is bound.
+    public static let sdpaAdditiveMask = Int(FM_FC_SDPA_ADDITIVE_MASK.rawValue)
+    /// sdpa: SdpaExtParams are bound (explicit q_offset, window).
+    public static let sdpaExt = Int(FM_FC_SDPA_EXT.rawValue)
+    /// sdpa: the softcap of SdpaExtParams applies.
+    public static let sdpaSoftcap = Int(FM_FC_SDPA_SOFTCAP.rawValue)
+
+    /// Every index with its header name, for the tests that tie the shaders to them.
+    public static let all: [(name: String, index: Int)] = [
+        ("FM_FC_ALIGN_Q", alignQ), ("FM_FC_ALIGN_K", alignK), ("FM_FC_HAS_MASK", hasMask),
+        ("FM_FC_DO_CAUSAL", doCausal), ("FM_FC_HAS_BLK", hasBlk), ("FM_FC_BLK_BQ", blkBQ),
+        ("FM_FC_BLK_BK", blkBK), ("FM_FC_VEC_HAS_SIGNS", vecHasSigns),
+        ("FM_FC_SDPA_BOOL_MASK", sdpaBoolMask), ("FM_FC_SDPA_ADDITIVE_MASK", sdpaAdditiveMask),
+        ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
+    ]
+}
+
+/// Buffer indices of the prefill kernels.
+public enum PrefillBuffer {
+    /// FM_PREFILL_BUF_Q.
+    public static let q = Int(FM_PREFILL_BUF_Q.rawValue)
+    /// FM_PREFILL_BUF_K.
+    public static let k = Int(FM_PREFILL_BUF_K.rawValue)
+    /// FM_PREFILL_BUF_V.
+    public static let v = Int(FM_PREFILL_BUF_V.rawValue)
+    /// FM_PREFILL_BUF_O.
+    public static let out = Int(FM_PREFILL_BUF_O.rawValue)
+    /// AttnParams.
+    public static let params = Int(FM_PREFILL_BUF_PARAMS.rawValue)
+    /// AttnMaskParams (with a mask).
+    public static let maskParams = Int(FM_PREFILL_BUF_MASK_PARAMS.rawValue)
+    /// FM_PREFILL_BUF_MASK.
+    public static let mask = Int(FM_PREFILL_BUF_MASK.rawValue)
+    /// FM_PREFILL_BUF_BLK.
+    public static let blk = Int(FM_PREFILL_BUF_BLK.rawValue)
+}
+
+/// Buffer indices of the blk pre-pass.
+public enum BlkBuffer {
+    /// FM_BLK_BUF_MASK.
+    public static let mask = Int(FM_BLK_BUF_MASK.rawValue)
+    /// FM_BLK_BUF_OUT.
+    public static let out = Int(FM_BLK_BUF_OUT.rawValue)
+    /// BlkParams.
+    public static let params = Int(FM_BLK_BUF_PARAMS.rawValue)
+}
+
+/// Buffer indices of the mask builder.
+public enum MaskBuilderBuffer {
+    /// FM_MASKB_BUF_OUT.
+    public static let out = Int(FM_MASKB_BUF_OUT.rawValue)
+    /// MaskParams.
+    public static let params = Int(FM_MASKB_BUF_PARAMS.rawValue)
+}
+
+/// Buffer indices of the decode kernel.
+public enum VecBuffer {
+    /// FlashAttnVecParams.
+    public static let params = Int(FM_VEC_BUF_PARAMS.rawValue)
+    /// FM_VEC_BUF_Q.
+    public static let q = Int(FM_VEC_BUF_Q.rawValue)
+    /// FM_VEC_BUF_K.
+    public static let k = Int(FM_VEC_BUF_K.rawValue)
+    /// FM_VEC_BUF_V.
+    public static let v = Int(FM_VEC_BUF_V.rawValue)
+    /// FM_VEC_BUF_TMP.
+    public static let tmp = Int(FM_VEC_BUF_TMP.rawValue)
+}
+
+/// Buffer indices of the decode reduce kernels.
+public enum VecReduceBuffer {
+    /// FlashAttnVecReduceParams.
+    public static let params = Int(FM_VEC_REDUCE_BUF_PARAMS.rawValue)
+    /// FM_VEC_REDUCE_BUF_TMP.
+    public static let tmp = Int(FM_VEC_REDUCE_BUF_TMP.rawValue)
+    /// FM_VEC_REDUCE_BUF_OUT.
+    public static let out = Int(FM_VEC_REDUCE_BUF_OUT.rawValue)
+    /// The workgroup count, a uint32.
+    public static let nwg = Int(FM_VEC_REDUCE_BUF_NWG.rawValue)
+    /// The FWHT sign bitmask (with FunctionConstantIndex.vecHasSigns).
+    public static let signs = Int(FM_VEC_REDUCE_BUF_SIGNS.rawValue)
+}
+
+/// Buffer indices of the sdpa kernels.
+public enum SdpaBuffer {
+    /// FM_SDPA_BUF_Q.
+    public static let q = Int(FM_SDPA_BUF_Q.rawValue)
+    /// FM_SDPA_BUF_K.
+    public static let k = Int(FM_SDPA_BUF_K.rawValue)
+    /// FM_SDPA_BUF_V.
+    public static let v = Int(FM_SDPA_BUF_V.rawValue)
+    /// FM_SDPA_BUF_O.
+    public static let out = Int(FM_SDPA_BUF_O.rawValue)
+    /// SdpaParams.
+    public static let params = Int(FM_SDPA_BUF_PARAMS.rawValue)
+    /// AttnMaskParams (with a mask).
+    public static let maskParams = Int(FM_SDPA_BUF_MASK_PARAMS.rawValue)
+    /// FM_SDPA_BUF_ADDITIVE_MASK.
+    public static let additiveMask = Int(FM_SDPA_BUF_ADDITIVE_MASK.rawValue)
+    /// FM_SDPA_BUF_BOOL_MASK.
+    public static let boolMask = Int(FM_SDPA_BUF_BOOL_MASK.rawValue)
+    /// SdpaExtParams (with FunctionConstantIndex.sdpaExt).
+    public static let ext = Int(FM_SDPA_BUF_EXT.rawValue)
+}
+
+/// The kind of mask a prefill or sdpa call carries (FMMaskKind).
+public enum MaskKind: Int32, CaseIterable, Sendable {
+    case none = 0, additive = 1, bool = 2
+}
+
+/// The decode mask (FMVecMaskType); the query sits at kv_len - 1.
+public enum VecMaskType: Int, CaseIterable, Sendable {
+    case none = 0, causal = 1, window = 2
+}

@@ -1,0 +1,156 @@
+"""One semantics across ops (issue 13 item 2), typed errors, argument checks
+(issue 12 item 12), the ABI version check and the typed facade (issue 15)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import _loader, _native, reference
+from numerics import BF16, F32, assert_close, randn
+
+
+def test_error_hierarchy_carries_op_and_status(cpu):
+    lib = _native.lib()
+    q = np.zeros((1, 1, 1, 96), BF16)
+    with pytest.raises(fm.Error) as e:
+        fm.flash_attn_prefill(q, q, q, registry=cpu)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, fm.InvalidValueError)
+    assert e.value.op == "flash_attn_prefill" and e.value.status == lib.FM_ERROR_VALUE
+    with pytest.raises(TypeError) as e:
+        fm.flash_attn_prefill(q.astype(F32), q.astype(F32), q.astype(F32), registry=cpu)
+    assert isinstance(e.value, fm.InvalidTypeError) and e.value.status == lib.FM_ERROR_TYPE
+    assert issubclass(fm.BackendError, fm.Error) and issubclass(fm.BackendError, RuntimeError)
+    assert issubclass(fm.InternalError, RuntimeError)
+
+
+def test_messages_name_the_public_function_and_kv_len(cpu):
+    q = np.zeros((4, 64), F32)
+    k = np.zeros((2, 8, 64), F32)
+    with pytest.raises(ValueError) as e:
+        fm.flash_attn_decode(q, k, k, kv_len=9, registry=cpu)
+    assert str(e.value) == "flash_attn_decode: kv_len (9) must be <= the cache capacity (8)"
+    with pytest.raises(ValueError, match=r"^sdpa: kv_len \(9\) must be <= the K/V capacity \(8\)$"):
+        fm.sdpa(np.zeros((1, 1, 2, 8), F32), np.zeros((1, 1, 8, 8), F32), np.zeros((1, 1, 8, 8), F32), kv_len=9,
+                registry=cpu)
+
+
+@pytest.mark.parametrize("fn,arg,value", [
+    ("prefill", "q_offset", 7.9), ("prefill", "kv_len", 15.5), ("decode", "kv_len", 15.5),
+    ("decode", "window", 2.5), ("mask", "q_offset", 7.9), ("mask", "kv_len", 15.5), ("mask", "window", 2.5),
+])
+def test_fractional_integers_are_type_errors(cpu, fn, arg, value):
+    q4 = np.zeros((1, 2, 8, 64), BF16)
+    k4 = np.zeros((1, 2, 16, 64), BF16)
+    calls = {
+        "prefill": (lambda **kw: fm.flash_attn_prefill(q4, k4, k4, registry=cpu, **kw), "flash_attn_prefill"),
+        "decode": (lambda **kw: fm.flash_attn_decode(np.zeros((2, 64), F32), np.zeros((2, 16, 64), F32),
+                                                     np.zeros((2, 16, 64), F32), kw.pop("kv_len", 16),
+                                                     registry=cpu, **kw), "flash_attn_decode"),
+        "mask": (lambda **kw: fm.build_mask(8, kw.pop("kv_len", 16), registry=cpu, **kw), "build_mask"),
+    }
+    call, op = calls[fn]
+    with pytest.raises(fm.InvalidTypeError, match=rf"^{op}: {arg} must be an integer, got {value}$"):
+        call(**{arg: value})
+
+
+@pytest.mark.parametrize("arg,value,what", [
+    ("scale", 1e-50, "rounds to 0 in float32"), ("softcap", 1e-50, "rounds to 0 in float32"),
+    ("scale", 1e50, "overflows float32"), ("softcap", 1e300, "overflows float32"),
+])
+def test_floats_float32_cannot_hold_are_errors(cpu, arg, value, what):
+    q = np.zeros((1, 2, 8, 64), BF16)
+    with pytest.raises(fm.InvalidValueError, match="^" + re.escape(f"flash_attn_prefill: {arg} ({value!r}) {what}") + "$"):
+        fm.flash_attn_prefill(q, q, q, registry=cpu, **{arg: value})
+    with pytest.raises(fm.InvalidValueError, match="^" + re.escape(f"flash_attn_decode: {arg} ({value!r}) {what}") + "$"):
+        fm.flash_attn_decode(np.zeros((2, 64), F32), np.zeros((2, 4, 64), F32), np.zeros((2, 4, 64), F32), 4,
+                             registry=cpu, **{arg: value})
+
+
+def test_scale_true_is_a_type_error(cpu):
+    q = np.zeros((1, 1, 4, 8), F32)
+    with pytest.raises(fm.InvalidTypeError, match="^sdpa: scale must be a real number, got True$"):
+        fm.sdpa(q, q, q, scale=True, registry=cpu)
+
+
+def test_registry_accepts_a_backend_name(rng):
+    q = randn(rng, (1, 2, 4, 16), F32)
+    by_name = fm.sdpa(q, q, q, registry="cpu")
+    assert np.array_equal(by_name, fm.sdpa(q, q, q, registry=fm.default_registry("cpu")))
+    with pytest.raises(fm.InvalidTypeError, match="^sdpa: registry must be a Registry or a backend name, got int$"):
+        fm.sdpa(q, q, q, registry=3)
+    with pytest.raises(ValueError, match="create_registry: unknown or unavailable backend 'gpu'"):
+        fm.sdpa(q, q, q, registry="gpu")
+
+
+def test_one_causal_convention(registry, rng):
+    """qL < kL: flash_attn_prefill (default q_offset), sdpa and build_mask all
+    put the queries bottom-right, and none is causal unless asked."""
+    q = randn(rng, (1, 2, 8, 64), BF16)
+    k = randn(rng, (1, 2, 24, 64), BF16)
+    v = randn(rng, (1, 2, 24, 64), BF16)
+    exp = reference.attention(q, k, v, causal=True, q_offset=16)
+    assert_close(fm.flash_attn_prefill(q, k, v, causal=True, registry=registry), exp, BF16, "prefill")
+    assert_close(fm.sdpa(q, k, v, causal=True, registry=registry), exp, BF16, "sdpa")
+    full = reference.attention(q, k, v, causal=False)
+    assert_close(fm.flash_attn_prefill(q, k, v, registry=registry), full, BF16, "prefill default")
+    assert_close(fm.sdpa(q, k, v, registry=registry), full, BF16, "sdpa default")
+    top_left = reference.attention(q, k, v, causal=True, q_offset=0)
+    assert_close(fm.flash_attn_prefill(q, k, v, causal=True, q_offset=0, registry=registry), top_left, BF16, "tl")
+    m = fm.build_mask(8, 24, registry=registry)  # bottom-right by default too
+    assert np.array_equal(m.astype(np.float64), reference.mask_additive(8, 24, causal=True, q_offset=16))
+
+
+def test_abi_version_and_status_strings():
+    ffi, lib = _native.ffi(), _native.lib()
+    assert fm.abi_version() == lib.FM_ABI_VERSION == lib.fm_abi_version()
+    assert ffi.string(lib.fm_status_string(lib.FM_ERROR_TYPE)) == b"FM_ERROR_TYPE"
+    assert ffi.string(lib.fm_status_string(12345)) == b"unknown status"
+    assert fm.__version__ == ffi.string(lib.fm_version()).decode()
+
+
+def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
+    text = _loader.header_path().read_text()
+    assert "enum { FM_ABI_VERSION = " in text
+    bad = tmp_path / "flashmetal.h"
+    bad.write_text(text.replace("enum { FM_ABI_VERSION = ", "enum { FM_ABI_VERSION = 9000 + "))
+    env = dict(os.environ, FLASHMETAL_HEADER=str(bad))
+    r = subprocess.run([sys.executable, "-c", "import flashmetal; flashmetal.Registry('cpu')"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "implements ABI version" in r.stderr and "rebuild" in r.stderr, r.stderr
+
+
+def test_supported_head_dims_come_from_the_library():
+    assert fm.supported_head_dims("flash_attn_prefill") == (64, 128, 256, 512)
+    assert fm.supported_head_dims("flash_attn_vec") == (64, 128, 256, 512)
+    with pytest.raises(ValueError, match="supported_head_dims: op must be"):
+        fm.supported_head_dims("nope")
+
+
+def test_package_is_typed_and_acyclic():
+    pkg = Path(fm.__file__).parent
+    assert (pkg / "py.typed").is_file()
+    # registry.py imports no op module: no cycle through it.
+    src = (pkg / "registry.py").read_text()
+    for mod in ("prefill", "decode", "sdpa", "mask", "blk", "attention"):
+        assert f"from .{mod} import" not in src and f"from . import {mod}" not in src
+    for mod in ("prefill", "decode", "sdpa", "mask", "blk"):
+        assert "._ffi" not in (pkg / f"{mod}.py").read_text() and "._lib" not in (pkg / f"{mod}.py").read_text()
+
+
+def test_pyproject_version_is_the_headers():
+    """The package version is dynamic: python/setup.py reads FM_VERSION of the header."""
+    import subprocess
+    import sys
+    pydir = Path(__file__).resolve().parents[2] / "python"
+    assert re.search(r'^dynamic\s*=\s*\["version"\]', (pydir / "pyproject.toml").read_text(), re.M)
+    out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=pydir, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out and out[-1] == fm.__version__, f"setup.py {out} != FM_VERSION {fm.__version__}"
