@@ -7,8 +7,8 @@ import platform
 import threading
 from typing import Any
 
-from . import _loader
-from .registry import Registry
+from . import _loader, _native
+from .registry import RegistryLike, resolve
 
 # The cpu kernels' ISA query: exported by the library, outside the public C
 # ABI header, so declared here and resolved in the library already loaded.
@@ -22,7 +22,7 @@ _declare_lock = threading.Lock()
 def cpu_isa() -> str:
     """The ISA path the cpu kernels run: "portable" (plain C), "avx512",
     "avx512bf16", ... (FLASHMETAL_CPU_ISA may cap it)."""
-    ffi, lib = _loader.load()
+    ffi, lib = _native.ffi(), _native.lib()
     with _declare_lock:  # declare once, even when threads race here
         if getattr(lib, "fm_cpu_isa", None) is None:
             ffi.cdef(_ISA_CDEF)
@@ -48,16 +48,14 @@ def _threads() -> int:
     return max(1, os.sysconf("SC_NPROCESSORS_ONLN"))
 
 
-def info(registry: Registry | None = None) -> dict[str, Any]:
+def info(registry: RegistryLike = None) -> dict[str, Any]:
     """Backend, device, cpu ISA path, threads, library and ABI versions.
 
-    ``registry``: the backend to describe; default ``Registry("auto")``.
+    ``registry``: the backend to describe (a Registry or a name); default ``Registry("auto")``.
     """
-    from .registry import default_registry
-    reg = registry or default_registry()
-    ffi, lib = _loader.load()
+    reg = resolve(registry, "info")
+    ffi, lib = _native.ffi(), _native.lib()
     devices = {"cpu": _cpu_model(), "sim": f"simulated Apple GPU on {_cpu_model()}", "metal": "Apple GPU (Metal)"}
-    abi_fn = getattr(lib, "fm_abi_version", None)
     isa = cpu_isa()
     return {
         "backend": reg.backend,
@@ -67,6 +65,6 @@ def info(registry: Registry | None = None) -> dict[str, Any]:
         "threads": _threads(),
         "library": str(_loader.library_path()),
         "library_version": ffi.string(lib.fm_version()).decode(),
-        "abi_version": None if abi_fn is None else int(abi_fn()),
+        "abi_version": _native.abi_version(),
         "machine": platform.machine(),
     }

@@ -284,8 +284,10 @@ def test_info_reads_the_loaded_library(registry):
     assert about["backend"] == registry.backend
     assert about["cpu_isa"] in ("portable", "avx2", "avx512", "avx512bf16", "neon")
     assert about["library_version"] and about["threads"] >= 1
-    from flashmetal import _loader
+    from flashmetal import _loader, _native
     assert about["library"] == str(_loader.library_path())
+    assert about["abi_version"] == _native.constant("FM_ABI_VERSION") == fm.abi_version()
+    assert about["library_version"] == fm.__version__
 
 
 def test_demo_warns_on_the_portable_path_and_passes():
