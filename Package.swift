@@ -1,6 +1,15 @@
 // swift-tools-version:6.0
 import PackageDescription
 
+// The library exports its C ABI (fm_*) and nothing else: not the Swift
+// modules' public symbols, not the simulator's C++ internals.
+let packageRoot = String(#filePath.dropLast("/Package.swift".count))
+let exportOnlyCABI: [LinkerSetting] = [
+    .unsafeFlags(["-Xlinker", "--version-script=\(packageRoot)/Sources/FlashMetal/exports.map"],
+                 .when(platforms: [.linux])),
+    .unsafeFlags(["-Xlinker", "-exported_symbol", "-Xlinker", "_fm_*"], .when(platforms: [.macOS])),
+]
+
 // One dynamic library (libflashmetal) with a plain C ABI. Targets are split so
 // that each backend depends only on the portable core.
 let package = Package(
@@ -47,12 +56,13 @@ let package = Package(
                                             "-fvisibility=hidden"])],
                 linkerSettings: [.linkedLibrary("stdc++", .when(platforms: [.linux]))]),
         // The "sim" backend: Dispatch values → the simulator.
-        .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim"],
+        .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim",
+                                                         "FlashMetalCPUKernels"],
                 path: "Sources/FlashMetalSimBackend"),
         // The @_cdecl entry points that make up libflashmetal.
         .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalMetal",
                                                "FlashMetalSimBackend"],
-                path: "Sources/FlashMetal"),
+                path: "Sources/FlashMetal", exclude: ["exports.map"], linkerSettings: exportOnlyCABI),
         .testTarget(name: "FlashMetalTests",
                     dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalShaders", "CFlashMetal",
                                    "FlashMetalSimBackend"],

@@ -6,6 +6,13 @@ and noisy, so compare ratios within one run only. Writes bench/RESULTS.md and
 bench/ratios.png.
 
     python bench/bench.py [--runs N] [--quick] [--only prefill,window,decode,overhead]
+
+On x86-64 with more than AVX2 the prefill and decode cases run a second time
+in a child process as an AVX2-only machine would: FLASHMETAL_CPU_ISA=avx2 for
+flashmetal, and torch capped the same way (ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2). RESULTS.md keeps one
+table per machine class. The FMA ceiling comes from bench/fma_peak.c (built
+here with clang), measured before and after the cases (the higher is used).
 """
 from __future__ import annotations
 
@@ -82,7 +89,12 @@ def to_torch(a, dt):
     return torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(TORCH_DT[dt])
 
 
-def timed(fns: dict, runs: int, burst: int = 1) -> dict:
+class Timings(dict):
+    """Median seconds per peer; .raw keeps every round's seconds."""
+    raw: dict
+
+
+def timed(fns: dict, runs: int, burst: int = 1) -> Timings:
     """Median seconds per call per peer; peers run interleaved, one warm-up each.
 
     burst == 1: one call after a 20 ms idle pause (a single call on a quiet
@@ -100,7 +112,9 @@ def timed(fns: dict, runs: int, burst: int = 1) -> dict:
             for _ in range(burst):
                 f()
             times[k].append((time.perf_counter() - t0) / burst)
-    return {k: statistics.median(v) for k, v in times.items()}
+    out = Timings({k: statistics.median(v) for k, v in times.items()})
+    out.raw = times
+    return out
 
 
 # ---- numpy peer: plain float32 attention --------------------------------------
@@ -166,7 +180,26 @@ class Row:
         self.group, self.name, self.metric_name = group, name, metric_name
         self.work = work  # FLOPs (prefill) or bytes (decode)
         self.secs = secs  # peer -> seconds or None
+        self.raw = getattr(secs, "raw", None) or {}  # peer -> seconds of every round
         self.note = note
+
+    def ratio_range(self, peer="torch"):
+        """(min, max) over the rounds of peer time / flashmetal time."""
+        a, b = self.raw.get("flashmetal"), self.raw.get(peer)
+        if not a or not b:
+            return None
+        rs = [y / x for x, y in zip(a, b)]
+        return min(rs), max(rs)
+
+    def to_json(self):
+        return {"group": self.group, "name": self.name, "metric_name": self.metric_name, "work": self.work,
+                "secs": dict(self.secs), "raw": self.raw, "note": self.note}
+
+    @staticmethod
+    def from_json(d):
+        t = Timings(d["secs"])
+        t.raw = d.get("raw") or {}
+        return Row(d["group"], d["name"], d["metric_name"], d["work"], t, d.get("note", ""))
 
     def metric(self, peer):
         s = self.secs.get(peer)
@@ -177,24 +210,30 @@ class Row:
         return None if a is None or b is None else b / a
 
 
-def prefill_cases(reg, runs, quick):
+def prefill_cases(reg, runs, quick, with_numpy=True):
+    """bf16/f16 through flash_attn_prefill; float32 through the front door's
+    sdpa route (fm.sdpa), as a float32 user reaches it."""
     rows = []
     hq, hkv = 16, 8
     ls = [512] if quick else [512, 2048]
     for L in ls:
         for D in (64, 128, 256):
-            for dt in (BF16, F16):
+            for dt in (BF16, F16, F32):
                 rng = np.random.default_rng(0)
                 q, k, v = rand(rng, (1, hq, L, D), dt), rand(rng, (1, hkv, L, D), dt), rand(rng, (1, hkv, L, D), dt)
                 out = np.empty_like(q)
                 tq, tk, tv = (to_torch(x, dt) for x in (q, k, v)) if torch else (None,) * 3
                 for causal in (False, True):
-                    fns = {"flashmetal": lambda: fm.flash_attn_prefill(q, k, v, causal=causal, q_offset=0,
-                                                                      out=out, registry=reg)}
+                    if dt == F32:
+                        fns = {"flashmetal": lambda: fm.sdpa(q, k, v, causal=causal, out=out, registry=reg)}
+                    else:
+                        fns = {"flashmetal": lambda: fm.flash_attn_prefill(q, k, v, causal=causal, q_offset=0,
+                                                                          out=out, registry=reg)}
                     if torch:
                         fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(
                             tq, tk, tv, is_causal=causal, enable_gqa=True)
-                    fns["numpy"] = lambda: np_prefill(q, k, v, causal=causal)
+                    if with_numpy:
+                        fns["numpy"] = lambda: np_prefill(q, k, v, causal=causal)
                     secs = timed(fns, runs)
                     flops = 4 * hq * D * (L * (L + 1) / 2 if causal else L * L)
                     r = Row("prefill", f"L={L} D={D} {DTNAME[dt]} {'causal' if causal else 'full'}",
@@ -249,7 +288,7 @@ def window_cases(reg, runs, quick):
 DECODE_BURST = 10
 
 
-def decode_cases(reg, runs, quick):
+def decode_cases(reg, runs, quick, with_numpy=True):
     rows = []
     if not hasattr(fm, "flash_attn_decode"):
         print("decode: flashmetal.flash_attn_decode not available in this build")
@@ -273,7 +312,8 @@ def decode_cases(reg, runs, quick):
                 name = f"kv={kvl} D={D} K/V {DTNAME[dt]}"
                 # In a loop first (numpy is too slow to repeat), then single calls.
                 loop = Row("decode-loop", name, "GB/s", nbytes, timed(fns, runs, burst=DECODE_BURST))
-                fns["numpy"] = lambda: np_decode(q, k, v)
+                if with_numpy:
+                    fns["numpy"] = lambda: np_decode(q, k, v)
                 single = Row("decode", name, "GB/s", nbytes, timed(fns, runs))
                 for r in (single, loop):
                     rows.append(r)
@@ -368,90 +408,172 @@ def print_row(r: Row, flush=True):
     print(" | ".join(parts), flush=flush)
 
 
-def write_results(rows, bw, ov, args, elapsed):
-    lines = ["# flashmetal cpu benchmarks", ""]
-    isa = fm_isa()
-    lines += [f"Generated by `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-              f"{elapsed:.0f} s). Machine: {platform.machine()}, {os.cpu_count()} cores, "
-              f"`{cpu_model()}`; flashmetal cpu ISA path: **{isa}**; torch "
-              f"{TORCH or 'not installed'} ({torch.get_num_threads() if torch else '-'} threads); numpy {np.__version__}.",
-              "",
-              f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
-              "medians; 20 ms pause before each timed call so the previous peer's idle "
-              "threads stop spinning (decode is also timed in a loop of back-to-back calls, "
-              "after the pause and one untimed call). The machine is shared with other jobs: medians move ~1.25x between runs, so "
-              "only ratios within one run are meaningful. Ratio = torch time / flashmetal time "
-              "(> 1: flashmetal faster). numpy = plain float32 attention (inputs converted to f32).",
-              "", f"Measured read bandwidth (numpy sum, one thread per core): **{bw:.1f} GB/s**.", ""]
-    groups = [("prefill", "Prefill (B=1, Hq=16, Hkv=8)"), ("window", "Sliding-window mask prefill"),
-              ("decode", "Decode, single calls (Q f32 [16, D], Hkv=8; GB/s = K+V bytes read / time)"),
-              ("decode-loop", f"Decode in a loop ({DECODE_BURST} back-to-back calls per sample, as a "
-                              "generation loop runs them; numpy not repeated)")]
-    for g, title in groups:
+GROUPS = [("prefill", "Prefill (B=1, Hq=16, Hkv=8; bf16/f16 flash_attn_prefill, f32 the sdpa route)"),
+          ("window", "Sliding-window mask prefill"),
+          ("decode", "Decode, single calls (Q f32 [16, D], Hkv=8; GB/s = K+V bytes read / time)"),
+          ("decode-loop", f"Decode in a loop ({DECODE_BURST} back-to-back calls per sample, as a "
+                          "generation loop runs them; numpy not repeated)")]
+
+
+def table_lines(rows):
+    lines = []
+    for g, title in GROUPS:
         rs = [r for r in rows if r.group == g]
         if not rs:
             continue
         mn = rs[0].metric_name
-        lines += [f"## {title}", "",
-                  f"| case | flashmetal ms | {mn} | torch ms | {mn} | numpy ms | {mn} | vs torch | vs numpy |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"### {title}", "",
+                  f"| case | flashmetal ms | {mn} | torch ms | {mn} | numpy ms | {mn} | vs torch "
+                  "| vs torch, rounds min-max | vs numpy |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rs:
             cells = [r.name + (f" ({r.note})" if r.note else "")]
             for p in PEERS:
                 s = r.secs.get(p)
                 cells += [fmt_ms(s) if (s is not None or p == "torch") else "—",
                           fmt_num(r.metric(p), 1 if g.startswith("decode") else 0)]
-            rt, rn = r.ratio("torch"), r.ratio("numpy")
-            cells += [f"{rt:.2f}x" if rt else "—", f"{rn:.2f}x" if rn else "—"]
+            rt, rn, rr = r.ratio("torch"), r.ratio("numpy"), r.ratio_range()
+            cells += [f"{rt:.2f}x" if rt else "—", f"{rr[0]:.2f}-{rr[1]:.2f}" if rr else "—",
+                      f"{rn:.2f}x" if rn else "—"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    if ov:
-        d, o = ov["threads=default"], ov["threads=1"]
-        lines += ["## Per-call overhead: decode with kv_len = 1 (H=16, Hkv=8, D=128, f32)", "",
-                  "µs per call, median of 7 x 2000 calls.", "",
-                  "| part | default threads | FLASHMETAL_NUM_THREADS=1 |", "|---|---:|---:|"]
-        names = [("end_to_end", "flash_attn_decode(..., registry=reg), end to end"),
-                 ("end_to_end_default_registry", "same, default registry (registry=None)"),
-                 ("c_call", "fm_dispatch_vec via cffi, args prebuilt (Swift validate + dispatch + kernel + pool)"),
-                 ("cffi_trivial_call", "a trivial cffi call (fm_registry_backend)"),
-                 ("as_input_x3", "as_input (np.asarray + ascontiguousarray) x3"),
-                 ("tensor_x4", "FMTensor building x4 (ffi.new + shape copy)"),
-                 ("ffi_new_opts_err", "ffi.new options + error buffer"),
-                 ("check_out", "check_out (incl. np.may_share_memory x3)"),
-                 ("default_registry_lookup", "default_registry() lookup (lock + dict)")]
-        for key, label in names:
-            lines.append(f"| {label} | {d[key]:.1f} | {o[key]:.1f} |")
-        py = d["end_to_end"] - d["c_call"]
-        lines += ["", f"Python wrapper share (end to end minus the C call): {py:.1f} µs; "
-                  f"thread-pool share (C call, default minus 1 thread): {d['c_call'] - o['c_call']:.1f} µs. "
-                  f"Target < 30 µs end to end: **{'met' if d['end_to_end'] < 30 else 'missed'}** "
-                  f"({d['end_to_end']:.1f} µs).", ""]
-    lines += targets_summary(rows, bw)
-    (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
-def targets_summary(rows, bw):
-    out = ["## Targets (this run)", ""]
-    pre = [r for r in rows if r.group == "prefill" and r.ratio() is not None]
-    if pre:
-        worst = min(pre, key=lambda r: r.ratio())
-        out.append(f"- prefill >= 1.0x torch in every case: **{'met' if worst.ratio() >= 1 else 'missed'}** "
-                   f"(worst {worst.ratio():.2f}x, {worst.name})")
-    win = [r for r in rows if r.group == "window"]
-    if len(win) == 2:
-        sp = win[0].secs["flashmetal"] / win[1].secs["flashmetal"]
-        out.append(f"- window-512 prefill with blk >= 2x without blk: **{'met' if sp >= 2 else 'missed'}** ({sp:.2f}x)")
-    for group, how in (("decode", "single calls"), ("decode-loop", "in a loop")):
+def overhead_lines(ov):
+    d, o = ov["threads=default"], ov["threads=1"]
+    lines = ["### Per-call overhead: decode with kv_len = 1 (H=16, Hkv=8, D=128, f32)", "",
+             "µs per call, median of 7 x 2000 calls.", "",
+             "| part | default threads | FLASHMETAL_NUM_THREADS=1 |", "|---|---:|---:|"]
+    names = [("end_to_end", "flash_attn_decode(..., registry=reg), end to end"),
+             ("end_to_end_default_registry", "same, default registry (registry=None)"),
+             ("c_call", "fm_dispatch_vec via cffi, args prebuilt (Swift validate + dispatch + kernel + pool)"),
+             ("cffi_trivial_call", "a trivial cffi call (fm_registry_backend)"),
+             ("as_input_x3", "as_input (np.asarray + ascontiguousarray) x3"),
+             ("tensor_x4", "FMTensor building x4 (ffi.new + shape copy)"),
+             ("ffi_new_opts_err", "ffi.new options + error buffer"),
+             ("check_out", "check_out (incl. np.may_share_memory x3)"),
+             ("default_registry_lookup", "default_registry() lookup (lock + dict)")]
+    for key, label in names:
+        lines.append(f"| {label} | {d[key]:.1f} | {o[key]:.1f} |")
+    py = d["end_to_end"] - d["c_call"]
+    lines += ["", f"Python wrapper share (end to end minus the C call): {py:.1f} µs; "
+              f"thread-pool share (C call, default minus 1 thread): {d['c_call'] - o['c_call']:.1f} µs. "
+              f"Target < 30 µs end to end: **{'met' if d['end_to_end'] < 30 else 'missed'}** "
+              f"({d['end_to_end']:.1f} µs).", ""]
+    return lines
+
+
+def _verdict(ok):
+    return "**met**" if ok else "**missed**"
+
+
+def _ratio_target(rows, pick, need, label):
+    rs = [r for r in rows if r.group == "prefill" and pick(r) and r.ratio() is not None]
+    if not rs:
+        return []
+    worst = min(rs, key=lambda r: r.ratio())
+    return [f"- {label} >= {need}x torch in every case: {_verdict(worst.ratio() >= need)} "
+            f"(worst {worst.ratio():.2f}x, {worst.name}; best {max(r.ratio() for r in rs):.2f}x)"]
+
+
+def _decode_target(rows, bw):
+    out = []
+    for group, how in (("decode-loop", "in a loop"), ("decode", "single calls")):
         dec = [r for r in rows if r.group == group]
         if not dec:
             continue
-        bad = [r for r in dec if not ((r.ratio() or 0) >= 1.5 or r.metric("flashmetal") >= 0.8 * bw)]
-        out.append(f"- decode ({how}) >= 1.5x torch or >= 80% of {bw:.1f} GB/s in every case: "
-                   f"**{'met' if not bad else 'missed'}**" +
-                   ("" if not bad else " (misses: " + "; ".join(
-                       f"{r.name}: {r.ratio() or 0:.2f}x, {r.metric('flashmetal'):.1f} GB/s" for r in bad) + ")"))
+        frac = {r.name: r.metric("flashmetal") / bw for r in dec}
+        bad = [n for n, f in frac.items() if f < 0.8]
+        out.append(f"- decode ({how}) >= 80% of the measured {bw:.1f} GB/s for f32, f16 and bf16 at 4k and "
+                   f"32k keys: {_verdict(not bad)} (range {100 * min(frac.values()):.0f}-"
+                   f"{100 * max(frac.values()):.0f}%" + (f"; below: {', '.join(bad)}" if bad else "") + ")")
+    return out
+
+
+def targets_lines(m):
+    rows, peak, bw = m["rows"], m["peak"], m["bw"]
+    out = ["### Targets (this run)", ""]
+    if m["isa"] == "avx2":
+        out += _ratio_target(rows, lambda r: "bf16 full" in r.name, 1.0, "prefill bf16 full")
+        out += _ratio_target(rows, lambda r: "bf16 causal" in r.name, 1.2, "prefill bf16 causal")
+        out += _ratio_target(rows, lambda r: " f16 " in r.name, 1.4, "prefill f16")
+        out += _ratio_target(rows, lambda r: " f32 " in r.name, 1.0, "prefill float32 (sdpa route)")
+    else:
+        need = 2.0 if m["isa"] == "avx512bf16" else 1.0
+        out += _ratio_target(rows, lambda r: " bf16 " in r.name, need, "prefill bf16")
+        out += _ratio_target(rows, lambda r: " bf16 " not in r.name, 1.0, "prefill f16 and float32")
+    big = [r for r in rows if r.group == "prefill" and r.name.startswith("L=2048 D=256") and "full" in r.name]
+    if big and peak:
+        fr = {r.name: r.metric("flashmetal") / peak for r in big}
+        bf = [f for n, f in fr.items() if "bf16" in n]
+        out.append(f"- >= 75% of the measured FMA peak ({peak:.0f} GFLOP/s) on the largest full case "
+                   f"(L=2048 D=256 bf16): {_verdict(bool(bf) and bf[0] >= 0.75)} ("
+                   + ", ".join(f"{n.split()[2]} {100 * f:.0f}%" for n, f in fr.items()) + ")")
+    out += _decode_target(rows, bw)
+    win = [r for r in rows if r.group == "window"]
+    if len(win) == 2:
+        sp = win[0].secs["flashmetal"] / win[1].secs["flashmetal"]
+        out.append(f"- window-512 prefill with blk >= 2x without blk: {_verdict(sp >= 2)} ({sp:.2f}x)")
     return out + [""]
+
+
+def class_title(m):
+    if m["isa"] == "avx2" and m.get("capped"):
+        return ("x86-64 AVX2 + FMA + F16C only (measured on this machine capped to AVX2: "
+                "FLASHMETAL_CPU_ISA=avx2; torch with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, "
+                "MKL_ENABLE_INSTRUCTIONS=AVX2, in a child process)")
+    return {"avx512bf16": "x86-64 AVX-512 + AVX512-BF16", "avx512": "x86-64 AVX-512 (no BF16)",
+            "avx2": "x86-64 AVX2 + FMA + F16C", "neon": "arm64 NEON"}.get(m["isa"], m["isa"])
+
+
+def class_lines(m):
+    lines = [f"## Machine class: {class_title(m)}", "",
+             f"flashmetal ISA path **{m['isa']}**; torch CPU capability **{m['torch_cap']}**. Ceilings measured "
+             f"in this run: FMA peak **{fmt_num(m['peak'])} GFLOP/s** ({os.cpu_count()} threads, "
+             f"bench/fma_peak.c on {m['peak_isa']} vectors), read bandwidth **{m['bw']:.1f} GB/s** "
+             "(numpy sum, one thread per core).", ""]
+    lines += table_lines(m["rows"])
+    if m.get("ov"):
+        lines += overhead_lines(m["ov"])
+    return lines + targets_lines(m)
+
+
+def kept_sections(path):
+    """Sections titled '## Kept: ...' of the previous RESULTS.md, verbatim
+    (results of other machines or earlier versions that this run cannot redo)."""
+    if not path.is_file():
+        return []
+    out, keep = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line.startswith("## Kept:")
+        if keep:
+            out.append(line)
+    return out + ([""] if out else [])
+
+
+def write_results(measured, args, elapsed):
+    lines = ["# flashmetal cpu benchmarks", ""]
+    lines += [f"Generated by `make bench` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+              f"{elapsed:.0f} s). Machine: {platform.machine()}, {os.cpu_count()} cores, "
+              f"`{cpu_model()}`; torch {TORCH or 'not installed'} "
+              f"({torch.get_num_threads() if torch else '-'} threads); numpy {np.__version__}.",
+              "",
+              f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
+              "medians; 20 ms pause before each timed call so the previous peer's idle "
+              "threads stop spinning (decode is also timed in a loop of back-to-back calls, "
+              "after the pause and one untimed call). The machine is shared with other jobs (here: "
+              "other engineers' builds and tests on the same 2 cores), so absolute times move between "
+              "runs; only ratios within one run are meaningful, and the noise line of each class gives "
+              "the spread of the flashmetal/torch ratio over the rounds. Ratio = torch time / "
+              "flashmetal time (> 1: flashmetal faster). numpy = plain float32 attention (inputs "
+              "converted to f32; not run in the capped child).", ""]
+    for m in measured:
+        lines += class_lines(m)
+    lines += kept_sections(HERE / "RESULTS.md")
+    (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def plot(rows):
@@ -508,29 +630,104 @@ def cpu_model():
     return platform.processor() or "?"
 
 
+AVX2_ENV = {"FLASHMETAL_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def torch_capability():
+    try:
+        return torch.backends.cpu.get_cpu_capability() if torch else "not installed"
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+_PEAK_EXE = None
+
+
+def fma_peak(isa):
+    """GFLOP/s of bench/fma_peak.c on all cores with the ISA's vectors (None
+    if no C compiler)."""
+    import shutil
+    import tempfile
+    global _PEAK_EXE
+    vec = "avx512" if isa.startswith("avx512") else isa
+    if _PEAK_EXE is None:
+        cc = shutil.which("clang") or shutil.which("cc") or "/opt/swift/usr/bin/clang"
+        exe = Path(tempfile.mkdtemp(prefix="fma-peak-")) / "fma_peak"
+        r = subprocess.run([cc, "-O2", "-pthread", str(HERE / "fma_peak.c"), "-o", str(exe)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            print("fma_peak: could not build:", r.stderr[-500:])
+            return None, vec
+        _PEAK_EXE = exe
+    r = subprocess.run([str(_PEAK_EXE), vec, str(os.cpu_count() or 1)], capture_output=True, text=True)
+    return (float(r.stdout.strip()) if r.returncode == 0 else None), vec
+
+
+def measure_class(reg, args, only, child=False):
+    """Every case of one ISA path; ceilings before and after (the higher)."""
+    isa = fm_isa()
+    print(f"flashmetal cpu ISA path {isa}; torch {TORCH or 'not installed'} (capability {torch_capability()}); "
+          f"numpy {np.__version__}", flush=True)
+    peak0, vec = fma_peak(isa)
+    bw = read_bandwidth()
+    print(f"FMA peak {peak0} GFLOP/s ({vec}), read bandwidth {bw:.1f} GB/s", flush=True)
+    rows = []
+    if "prefill" in only:
+        rows += prefill_cases(reg, args.runs, args.quick, with_numpy=not child)
+    if "window" in only and not child:
+        rows += window_cases(reg, args.runs, args.quick)
+    if "decode" in only:
+        rows += decode_cases(reg, args.runs, args.quick, with_numpy=not child)
+    peak1, _ = fma_peak(isa)
+    peaks = [p for p in (peak0, peak1) if p]
+    ov = overhead(args.quick) if "overhead" in only and not child else None
+    return {"isa": isa, "torch_cap": torch_capability(), "peak": max(peaks) if peaks else None,
+            "peak_isa": vec, "bw": max(bw, read_bandwidth()), "rows": rows, "ov": ov, "capped": child}
+
+
+def capped_avx2_class(args):
+    """The same cases in a child process capped to AVX2 (flashmetal and torch)."""
+    import json
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--runs", str(args.runs), "--only", args.only]
+    if args.quick:
+        cmd.append("--quick")
+    r = subprocess.run(cmd, env=dict(os.environ, **AVX2_ENV), stdout=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        print("avx2 child failed")
+        return None
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    m["rows"] = [Row.from_json(d) for d in m["rows"]]
+    return m
+
+
 def main():
+    import json
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     ap.add_argument("--only", default="prefill,window,decode,overhead")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-avx2", action="store_true", help="skip the run capped to AVX2")
     args = ap.parse_args()
     args.runs = max(args.runs, 5) if not args.quick else args.runs
     only = set(args.only.split(","))
     t0 = time.time()
     reg = fm.Registry("cpu")
-    print(f"flashmetal cpu ({fm_isa()}), torch {TORCH or 'not installed'}, numpy {np.__version__}")
-    bw = read_bandwidth()
-    print(f"read bandwidth {bw:.1f} GB/s")
-    rows = []
-    if "prefill" in only:
-        rows += prefill_cases(reg, args.runs, args.quick)
-    if "window" in only:
-        rows += window_cases(reg, args.runs, args.quick)
-    if "decode" in only:
-        rows += decode_cases(reg, args.runs, args.quick)
-    ov = overhead(args.quick) if "overhead" in only else None
-    write_results(rows, bw, ov, args, time.time() - t0)
-    plot(rows)
+    if args.child:  # progress to stderr; the last stdout line is the JSON result
+        out, sys.stdout = sys.stdout, sys.stderr
+        m = measure_class(reg, args, only, child=True)
+        sys.stdout = out
+        m["rows"] = [r.to_json() for r in m["rows"]]
+        print(json.dumps(m))
+        return
+    measured = [measure_class(reg, args, only)]
+    if not args.no_avx2 and measured[0]["isa"].startswith("avx512"):
+        m = capped_avx2_class(args)
+        if m:
+            measured.append(m)
+    write_results(measured, args, time.time() - t0)
+    plot([r for m in measured[:1] for r in m["rows"]])
 
 
 if __name__ == "__main__":

@@ -29,11 +29,13 @@ public final class CPUBackend: Backend {
 
     /// Runs each dispatch with its kernel, in order, on the worker pool.
     public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
-        for (d, p) in zip(dispatches, pipelines) {
-            guard let k = p as? CPUKernel else {
-                throw FlashMetalError.internalError("cpu backend: pipeline for \(d.kernel) is not a cpu kernel")
+        try pool.interruptible("cpu: \(dispatches.first?.kernel ?? "")") {
+            for (d, p) in zip(dispatches, pipelines) {
+                guard let k = p as? CPUKernel else {
+                    throw FlashMetalError.internalError("cpu backend: pipeline for \(d.kernel) is not a cpu kernel")
+                }
+                try k.run(d, pool: pool)
             }
-            try k.run(d, pool: pool)
         }
     }
 }

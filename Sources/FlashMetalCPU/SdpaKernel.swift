@@ -9,9 +9,10 @@ final class SdpaKernel: CPUKernel {
     let io: DType
     let maskKind: MaskKind
     /// SdpaExtParams bound at SdpaBuffer.ext (explicit q_offset, window, softcap):
-    /// a specialised path must handle them or leave the call to `run`'s general one.
+    /// the float32 fast path does not read them, so such calls take the general kernel.
     let hasExt: Bool
     let useSoftcap: Bool
+    private let fastPath = SdpaFastPath()
 
     init(_ key: PipelineKey, io: DType) throws {
         name = key.kernel
@@ -24,6 +25,7 @@ final class SdpaKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
+        if !hasExt, try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
         var p = try d.params(SdpaBuffer.params, as: SdpaParams.self)
         var ext = hasExt ? try d.params(SdpaBuffer.ext, as: SdpaExtParams.self) : SdpaExtParams()
         let q = try d.buffer(SdpaBuffer.q)

@@ -1,7 +1,11 @@
 /* Tile-skip pre-pass on the cpu (seed 001): classify one (BQ, BK) tile of an
- * additive [qL, kL] mask. Comparisons are written so that a NaN cell makes
- * the tile mixed (1), never skipped. Row offsets are 64-bit. */
+ * additive [qL, kL] mask. Only -inf means masked: a tile of huge finite
+ * negatives (-1e30, finfo(bf16).min) is mixed (1), because the kernels give
+ * such cells weight (they are raised to the running max's start), and
+ * skipping them would break the blk bit-identity. A NaN cell makes the tile
+ * mixed, never skipped. Row offsets are 64-bit. */
 #include "fm_cpu_kernels.h"
+#include <math.h>
 #include "half_convert.h"
 
 void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_bf16,
@@ -17,7 +21,7 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
         const uint16_t *row = mask + r * stride + c0;
         for (int64_t j = 0; j < bk; j++) {
             const float x = mask_is_bf16 ? fm_bf16_to_f32(row[j]) : fm_f16_to_f32(row[j]);
-            if (!(x <= -1e30f)) all_masked = 0;
+            if (x != -INFINITY) all_masked = 0;
             if (!(x == 0.0f)) all_zero = 0;
         }
     }

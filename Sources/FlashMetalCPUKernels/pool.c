@@ -12,6 +12,10 @@
  * the whole job is projected to take < FM_POOL_INLINE_NS.
  * One job at a time: a caller that finds the pool busy (another thread, or a
  * nested call) runs its items inline.
+ * One pool per process (registries share it), made on the first job that
+ * needs a second thread. A fork()ed child does not inherit the parent's
+ * threads, so the child forgets the parent's pool (it leaks a few bytes: its
+ * mutexes may be held by threads that no longer exist) and makes its own.
  * On Linux the workers are kept off the caller's current CPU: after an idle
  * spell the scheduler otherwise tends to wake a worker onto the waker's CPU
  * (wake-affine), and the two then share one CPU for about a millisecond
@@ -23,17 +27,22 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
-#include "fm_cpu_kernels.h"
+#include <unistd.h>
+#include "../CFlashMetal/fm_env.h"
+#include "fm_runtime.h"
+
+#define FM_POOL_MAX_THREADS 1024
 
 #define FM_POOL_SPIN_NS 50000LL
 /* A job whose items are projected (from the first one, timed on the caller)
  * to take less than this in total runs inline: waking a worker would cost more. */
 #define FM_POOL_INLINE_NS 15000LL
 
-struct FMPool {
+typedef struct FMPool {
     int nthreads; /* including the caller */
     pthread_t *tids;
     pthread_mutex_t job_mu; /* held by the caller that owns the job slot */
@@ -42,6 +51,8 @@ struct FMPool {
     /* job (written by the caller before gen is bumped) */
     fm_pool_fn fn;
     void *ctx;
+    uint64_t interrupt_token; /* the caller's (fm_interrupt_token) */
+    int interrupted;
     int64_t count;
     int64_t job_workers;
     uint64_t job_gen;
@@ -51,13 +62,12 @@ struct FMPool {
     int open;
     int active;
     int sleepers;
-    int stop;
     int ids; /* worker index dispenser */
 #if defined(__linux__)
     cpu_set_t allowed; /* the process's CPUs when the pool was made */
     int caller_cpu;    /* the CPU the workers are currently kept off, or -1 */
 #endif
-};
+} FMPool;
 
 static inline void fm_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -77,6 +87,7 @@ static int64_t fm_now_ns(void) {
  * least one, so many tiny items do not bounce the counter's cache line. */
 static void fm_pool_work(FMPool *p, int64_t w) {
     const int64_t count = p->count, div = 2 * p->job_workers;
+    const uint64_t token = p->interrupt_token;
     for (;;) {
         int64_t cur = __atomic_load_n(&p->next, __ATOMIC_SEQ_CST);
         if (cur >= count) break;
@@ -84,7 +95,14 @@ static void fm_pool_work(FMPool *p, int64_t w) {
         if (c < 1) c = 1;
         if (!__atomic_compare_exchange_n(&p->next, &cur, cur + c, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
             continue;
-        for (int64_t i = cur; i < cur + c; i++) p->fn(p->ctx, w, i);
+        for (int64_t i = cur; i < cur + c; i++) {
+            if (fm_interrupt_since(token)) { /* skip the rest of the job */
+                __atomic_store_n(&p->interrupted, 1, __ATOMIC_SEQ_CST);
+                __atomic_store_n(&p->next, count, __ATOMIC_SEQ_CST);
+                return;
+            }
+            p->fn(p->ctx, w, i);
+        }
     }
 }
 
@@ -97,22 +115,19 @@ static void *fm_pool_main(void *arg) {
             int64_t t0 = fm_now_ns();
             int spins = 0;
             while (__atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) == seen) {
-                if (__atomic_load_n(&p->stop, __ATOMIC_SEQ_CST)) return NULL;
                 fm_relax();
                 if (++spins < 256) continue;
                 spins = 0;
                 if (fm_now_ns() - t0 < FM_POOL_SPIN_NS) continue;
                 pthread_mutex_lock(&p->mu);
                 __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
-                while (__atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) == seen &&
-                       !__atomic_load_n(&p->stop, __ATOMIC_SEQ_CST))
+                while (__atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) == seen)
                     pthread_cond_wait(&p->cv, &p->mu);
                 __atomic_sub_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
                 pthread_mutex_unlock(&p->mu);
                 t0 = fm_now_ns();
             }
         }
-        if (__atomic_load_n(&p->stop, __ATOMIC_SEQ_CST)) return NULL;
         seen = __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST);
         __atomic_add_fetch(&p->active, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&p->open, __ATOMIC_SEQ_CST) &&
@@ -122,11 +137,14 @@ static void *fm_pool_main(void *arg) {
     }
 }
 
-FMPool *fm_pool_create(int32_t nthreads) {
-    if (nthreads < 2) return NULL;
+static FMPool *fm_pool_create(int32_t nthreads) {
     FMPool *p = (FMPool *)calloc(1, sizeof(FMPool));
     if (!p) return NULL;
-    p->nthreads = nthreads;
+    p->tids = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
+    if (!p->tids) {
+        free(p);
+        return NULL;
+    }
 #if defined(__linux__)
     p->caller_cpu = -1;
     if (sched_getaffinity(0, sizeof(p->allowed), &p->allowed) != 0) CPU_ZERO(&p->allowed);
@@ -134,34 +152,73 @@ FMPool *fm_pool_create(int32_t nthreads) {
     pthread_mutex_init(&p->job_mu, NULL);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
-    p->tids = (pthread_t *)calloc((size_t)nthreads, sizeof(pthread_t));
+    /* Workers block every signal (they inherit the mask): a SIGINT or
+     * SIGCHLD is then delivered to a thread of the application. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
     int started = 0;
     for (int i = 1; i < nthreads; i++) {
         if (pthread_create(&p->tids[i], NULL, fm_pool_main, p) != 0) break;
         started++;
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     p->nthreads = 1 + started;
     return p;
 }
 
-int32_t fm_pool_threads(const FMPool *p) { return p ? p->nthreads : 1; }
+/* ---- the process's pool ---------------------------------------------------- */
+static pthread_mutex_t fm_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t fm_pool_once = PTHREAD_ONCE_INIT;
+static FMPool *fm_pool_global;
+static int32_t fm_pool_size = 1;
 
-void fm_pool_destroy(FMPool *p) {
-    if (!p) return;
-    pthread_mutex_lock(&p->mu);
-    __atomic_store_n(&p->stop, 1, __ATOMIC_SEQ_CST);
-    pthread_cond_broadcast(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-    for (int i = 1; i < p->nthreads; i++) pthread_join(p->tids[i], NULL);
-    pthread_cond_destroy(&p->cv);
-    pthread_mutex_destroy(&p->mu);
-    pthread_mutex_destroy(&p->job_mu);
-    free(p->tids);
-    free(p);
+/* The child of a fork has only the forking thread: the parent's workers are
+ * gone, so their pool (and any lock they held) must not be touched again. */
+static void fm_pool_before_fork(void) { pthread_mutex_lock(&fm_pool_mu); }
+static void fm_pool_after_fork_parent(void) { pthread_mutex_unlock(&fm_pool_mu); }
+static void fm_pool_after_fork_child(void) {
+    __atomic_store_n(&fm_pool_global, NULL, __ATOMIC_SEQ_CST);
+    pthread_mutex_init(&fm_pool_mu, NULL);
 }
 
-/* Restricts the workers to the allowed CPUs other than the caller's; a
- * syscall per worker, only when the caller's CPU changed since the last job. */
+static void fm_pool_init_once(void) {
+    static int warned;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    long long n = online > 0 ? online : 1;
+    if (n > FM_POOL_MAX_THREADS) n = FM_POOL_MAX_THREADS;
+    fm_env_int("FLASHMETAL_NUM_THREADS", 1, FM_POOL_MAX_THREADS, &n, &warned);
+    fm_pool_size = (int32_t)n;
+    pthread_atfork(fm_pool_before_fork, fm_pool_after_fork_parent, fm_pool_after_fork_child);
+}
+
+int32_t fm_pool_threads(void) {
+    pthread_once(&fm_pool_once, fm_pool_init_once);
+    return fm_pool_size;
+}
+
+/* The pool, made on first call; NULL with one thread or when no thread starts. */
+static FMPool *fm_pool_get(void) {
+    FMPool *p = __atomic_load_n(&fm_pool_global, __ATOMIC_ACQUIRE);
+    if (p || fm_pool_threads() < 2) return p;
+    pthread_mutex_lock(&fm_pool_mu);
+    p = fm_pool_global;
+    if (!p) {
+        p = fm_pool_create(fm_pool_size);
+        __atomic_store_n(&fm_pool_global, p, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&fm_pool_mu);
+    return p && p->nthreads > 1 ? p : NULL;
+}
+
+int32_t fm_pool_started_threads(void) {
+    FMPool *p = __atomic_load_n(&fm_pool_global, __ATOMIC_ACQUIRE);
+    return p ? p->nthreads - 1 : 0;
+}
+
+/* Restricts the workers (never the caller) to the allowed CPUs other than
+ * the caller's; a syscall per worker, only when the caller's CPU changed
+ * since the last job. */
 static void fm_pool_keep_off_caller_cpu(FMPool *p) {
 #if defined(__linux__)
     const int me = sched_getcpu();
@@ -176,29 +233,38 @@ static void fm_pool_keep_off_caller_cpu(FMPool *p) {
 #endif
 }
 
-void fm_pool_run(FMPool *p, int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx) {
-    if (count <= 0) return;
+/* Items [first, count) on the calling thread; stops at a SIGINT. */
+static int fm_pool_inline(int64_t first, int64_t count, fm_pool_fn fn, void *ctx) {
+    const uint64_t token = fm_interrupt_token();
+    for (int64_t i = first; i < count; i++) {
+        if (fm_interrupt_since(token)) return 1;
+        fn(ctx, 0, i);
+    }
+    return 0;
+}
+
+int fm_pool_run(int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx) {
+    if (count <= 0) return 0;
+    if (fm_interrupt_pending()) return 1;
+    if (max_workers > fm_pool_threads()) max_workers = fm_pool_threads();
     int64_t first = 0;
-    if (p && max_workers > 1 && count >= 16) {
+    if (max_workers > 1 && count >= 16) {
         /* Probe: time item 0 here; a tiny job (decode of a short cache)
          * finishes inline without touching the workers. */
         const int64_t t0 = fm_now_ns();
         fn(ctx, 0, 0);
         first = 1;
-        if ((fm_now_ns() - t0) * (count - 1) < FM_POOL_INLINE_NS) {
-            for (int64_t i = 1; i < count; i++) fn(ctx, 0, i);
-            return;
-        }
+        if ((fm_now_ns() - t0) * (count - 1) < FM_POOL_INLINE_NS) return fm_pool_inline(1, count, fn, ctx);
     }
-    if (!p || max_workers <= 1 || count - first <= 1 || pthread_mutex_trylock(&p->job_mu) != 0) {
-        for (int64_t i = first; i < count; i++) fn(ctx, 0, i);
-        return;
-    }
+    FMPool *p = max_workers > 1 && count - first > 1 ? fm_pool_get() : NULL;
+    if (!p || pthread_mutex_trylock(&p->job_mu) != 0) return fm_pool_inline(first, count, fn, ctx);
     fm_pool_keep_off_caller_cpu(p);
     p->fn = fn;
     p->ctx = ctx;
+    p->interrupt_token = fm_interrupt_token();
+    p->interrupted = 0;
     p->count = count;
-    p->job_workers = max_workers;
+    p->job_workers = max_workers < p->nthreads ? max_workers : p->nthreads;
     __atomic_store_n(&p->next, first, __ATOMIC_SEQ_CST);
     const uint64_t g = __atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) + 1;
     __atomic_store_n(&p->job_gen, g, __ATOMIC_SEQ_CST);
@@ -212,5 +278,7 @@ void fm_pool_run(FMPool *p, int64_t count, int64_t max_workers, fm_pool_fn fn, v
     fm_pool_work(p, 0);
     __atomic_store_n(&p->open, 0, __ATOMIC_SEQ_CST);
     while (__atomic_load_n(&p->active, __ATOMIC_SEQ_CST) > 0) fm_relax();
+    const int interrupted = __atomic_load_n(&p->interrupted, __ATOMIC_SEQ_CST);
     pthread_mutex_unlock(&p->job_mu);
+    return interrupted;
 }

@@ -2,8 +2,12 @@
  * tiles of the dispatch's BK, never more than O(BQ*D + BK*D) memory.
  *
  * Numerics (DESIGN §2): s = scale*q.k, softcap, then the mask; the running
- * max starts at -FLT_MAX/2 so -inf scores give exp(-inf) = 0 and never NaN;
- * a row with no visible key outputs exact zeros. Each row's arithmetic is
+ * max starts at FM_M_INIT = -FLT_MAX/2 so -inf scores give exp(-inf) = 0 and
+ * never NaN; a row with no visible key outputs exact zeros. A masked cell
+ * (mask -inf, bool false, causal) is -inf; any other cell's score is raised
+ * to FM_M_INIT when below it (NaN kept), so a row that sees only keys with a
+ * huge finite negative bias (finfo(bf16).min) averages them, as the
+ * reference does. Every ISA path applies the same rule. Each row's arithmetic is
  * independent of the other rows of its tile, and a key tile in which a row
  * sees nothing contributes exactly nothing (factor exp(0) = 1, p = 0), so
  * skipping such tiles (blk class 0, causal) leaves the output bit-identical
@@ -84,8 +88,13 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
             for (int64_t j = 0; j < kc; j++) {
                 float s = p->scale * fm_dot(Qt + r * D, Kt + j * D, D);
                 if (softcap > 0) s = softcap * tanhf(s / softcap);
-                if (mrow && !skip_mask) s += fm_load_mask(a, mrow, c0 + j);
-                if (a->causal && c0 + j > qpos) s = -INFINITY;
+                int masked = a->causal && c0 + j > qpos;
+                if (mrow && !skip_mask) {
+                    const float m = fm_load_mask(a, mrow, c0 + j);
+                    if (m == -INFINITY) masked = 1;
+                    else s += m;
+                }
+                s = masked ? -INFINITY : (s < FM_M_INIT ? FM_M_INIT : s);
                 S[j] = s;
                 if (s > mx) mx = s;
             }

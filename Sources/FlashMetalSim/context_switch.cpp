@@ -2,19 +2,29 @@
 // saves the callee-saved registers on the current stack, stores the stack
 // pointer in *save_sp, loads next_sp and restores the registers saved there.
 // fm_ctx_init prepares a fresh stack whose first switch "returns" into entry.
+// The symbol is hidden: it is not part of libflashmetal's C ABI.
+#if defined(__APPLE__) && defined(FMSIM_USE_UCONTEXT) && !defined(_XOPEN_SOURCE)
+// macOS declares the (deprecated) ucontext routines only under _XOPEN_SOURCE,
+// which in turn hides the BSD extensions unless _DARWIN_C_SOURCE is set too.
+#define _XOPEN_SOURCE 700
+#define _DARWIN_C_SOURCE
+#endif
 #include <stdint.h>
 #include <stddef.h>
 #include "simulator_internal.h"
 
 #if defined(__APPLE__)
 #define FM_SYM(x) "_" #x
+#define FM_HIDDEN(x) ".private_extern _" #x "\n"
 #else
 #define FM_SYM(x) #x
+#define FM_HIDDEN(x) ".hidden " #x "\n"
 #endif
 
 #if defined(__x86_64__) && !defined(FMSIM_USE_UCONTEXT)
 asm(".text\n"
     ".globl " FM_SYM(fm_ctx_switch) "\n"
+    FM_HIDDEN(fm_ctx_switch)
 #if !defined(__APPLE__)
     ".type fm_ctx_switch,@function\n"
 #endif
@@ -47,7 +57,7 @@ asm(".text\n"
     ".text\n"
 #endif
 );
-extern "C" void fm_ctx_switch(void **save_sp, void *next_sp);
+extern "C" __attribute__((visibility("hidden"))) void fm_ctx_switch(void **save_sp, void *next_sp);
 
 namespace fmsim {
 void *ctx_init(char *stack, size_t size, void (*entry)()) {
@@ -69,6 +79,7 @@ const char *ctx_kind() { return "x86-64 asm"; }
 #elif defined(__aarch64__) && !defined(FMSIM_USE_UCONTEXT)
 asm(".text\n"
     ".globl " FM_SYM(fm_ctx_switch) "\n"
+    FM_HIDDEN(fm_ctx_switch)
     ".p2align 4\n"
     FM_SYM(fm_ctx_switch) ":\n"
     "  sub sp, sp, #176\n"
@@ -97,7 +108,7 @@ asm(".text\n"
     "  ldp d14, d15, [sp, #144]\n"
     "  add sp, sp, #176\n"
     "  ret\n");
-extern "C" void fm_ctx_switch(void **save_sp, void *next_sp);
+extern "C" __attribute__((visibility("hidden"))) void fm_ctx_switch(void **save_sp, void *next_sp);
 
 namespace fmsim {
 void *ctx_init(char *stack, size_t size, void (*entry)()) {

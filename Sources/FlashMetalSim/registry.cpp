@@ -1,4 +1,8 @@
 // registry.cpp — kernels registered by host name (INSTANTIATE_KERNEL).
+//
+// Registration runs in static constructors (while the library loads, one
+// thread); afterwards the table only is read, so lookups take no lock and a
+// fork() can never inherit it locked. Nothing here throws across the C ABI.
 #include "simulator.h"
 #include "include/fmsim.h"
 #include <cstring>
@@ -15,11 +19,15 @@ void register_kernel(const KernelEntry *e) {
     std::lock_guard<std::mutex> g(reg_mu());
     for (auto &x : reg())
         if (strcmp(x->name, e->name) == 0) { x = e; return; }
-    reg().push_back(e);
+    try {
+        reg().push_back(e);
+    } catch (...) {
+        // Out of memory while loading: the kernel stays unknown, and a
+        // dispatch of it reports so instead of the load aborting.
+    }
 }
 
 const KernelEntry *find_kernel(const char *name) {
-    std::lock_guard<std::mutex> g(reg_mu());
     for (auto *x : reg())
         if (strcmp(x->name, name) == 0) return x;
     return nullptr;
@@ -28,13 +36,9 @@ const KernelEntry *find_kernel(const char *name) {
 
 extern "C" int fmsim_has_kernel(const char *name) { return name && fmsim::find_kernel(name) ? 1 : 0; }
 
-extern "C" int fmsim_kernel_count(void) {
-    std::lock_guard<std::mutex> g(fmsim::reg_mu());
-    return int(fmsim::reg().size());
-}
+extern "C" int fmsim_kernel_count(void) { return int(fmsim::reg().size()); }
 
 extern "C" const char *fmsim_kernel_name(int i) {
-    std::lock_guard<std::mutex> g(fmsim::reg_mu());
     if (i < 0 || size_t(i) >= fmsim::reg().size()) return nullptr;
     return fmsim::reg()[size_t(i)]->name;
 }

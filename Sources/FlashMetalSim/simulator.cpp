@@ -6,9 +6,13 @@
 // loop of its worker. The last thread to arrive completes the barrier or
 // collective and carries on. A scheduler pass that finds no runnable fiber
 // while some are not finished reports a deadlock census.
+//
+// Nothing escapes fmsim_dispatch: kernel failures, exhausted memory,
+// mappings or threads all come back as a status and a message.
 #include "simulator.h"
 #include "simulator_internal.h"
 #include "include/fmsim.h"
+#include "../CFlashMetal/fm_env.h"
 
 #include <atomic>
 #include <cstdarg>
@@ -18,9 +22,11 @@
 #include <memory>
 #include <mutex>
 #include <new>
-#include <string>
 #include <thread>
 #include <vector>
+#include <cerrno>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -31,7 +37,6 @@ __thread const ThreadIds *tl_ids = nullptr;
 namespace {
 
 constexpr size_t kTGLimit = 32768;
-constexpr size_t kPage = 4096;
 
 struct SimError {
     char msg[768];
@@ -66,13 +71,14 @@ struct TGEntry {
 struct DispatchState;
 
 // Per OS worker: the fibers of the group it runs, their stacks (kept for the
-// worker's life), the scheduler context and threadgroup memory.
+// worker's life: they come back to the pool with it), the scheduler context
+// and threadgroup memory.
 struct Worker {
     DispatchState *ds = nullptr;
     std::vector<Fiber> fibers;
     std::vector<SimdSlot> simd;
     char *stacks = nullptr;
-    size_t stack_size = 0, stacks_n = 0, stacks_bytes = 0;
+    size_t stack_size = 0, stacks_n = 0, stacks_bytes = 0, stacks_maps = 0;
     void *sched_sp = nullptr;
     Fiber *cur = nullptr;
     uint32_t live = 0;
@@ -105,18 +111,31 @@ struct DispatchState {
     uint32_t tg_len[FMSIM_MAX_BINDINGS]{};
     bool scramble = false;
     uint64_t seed = 0;
+    int (*interrupted)(uint64_t) = nullptr;
+    uint64_t interrupt_token = 0;
     std::atomic<uint64_t> next{0};
     std::atomic<bool> failed{false};
+    std::atomic<bool> stopped{false}; // by `interrupted`
     std::mutex err_mu;
-    std::string err;
+    char err[1024] = "";
 };
 
+size_t page_size() {
+    static const size_t s = [] {
+        long p = sysconf(_SC_PAGESIZE); // 16 KiB on Apple silicon
+        return p > 0 ? size_t(p) : size_t(4096);
+    }();
+    return s;
+}
+
+// FLASHMETAL_SIM_STACK_KB, read once, whole pages.
 size_t stack_size_default() {
-    static size_t s = [] {
-        const char *e = getenv("FLASHMETAL_SIM_STACK_KB");
-        long kb = e ? atol(e) : 0;
-        if (kb < 64) kb = 512;
-        return size_t(kb) * 1024;
+    static const size_t s = [] {
+        static int warned;
+        long long kb = 512;
+        fm_env_int("FLASHMETAL_SIM_STACK_KB", 64, 16384, &kb, &warned);
+        size_t bytes = size_t(kb) * 1024, page = page_size();
+        return (bytes + page - 1) / page * page;
     }();
     return s;
 }
@@ -192,22 +211,34 @@ void fiber_entry() {
     __builtin_trap(); // a finished fiber is never resumed
 }
 
-bool ensure_stacks(Worker *w, size_t n, char *err, size_t errlen) {
-    size_t ss = stack_size_default();
-    if (w->stacks && w->stacks_n >= n && w->stack_size == ss) return true;
-    if (w->stacks) munmap(w->stacks, w->stacks_bytes);
-    size_t bytes = n * ss;
+// Mappings a worker with n fiber stacks holds: each guard page splits the
+// area, so a stack and its guard are two.
+size_t stack_maps(size_t n) { return 2 * n; }
+
+// Maps n fiber stacks, each above a PROT_NONE guard page (an overflow faults
+// instead of running into the next fiber's stack).
+bool map_stacks(Worker *w, size_t n, char *err, size_t errlen) {
+    const size_t ss = stack_size_default(), page = page_size();
+    const size_t bytes = n * ss; // n <= 1024, ss <= 16 MiB: no overflow
     void *p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
-        w->stacks = nullptr;
-        snprintf(err, errlen, "cannot map %zu fiber stacks of %zu KiB", n, ss / 1024);
+        snprintf(err, errlen, "sim: cannot map %zu fiber stacks of %zu KiB: %s", n, ss / 1024, strerror(errno));
         return false;
     }
-    w->stacks = static_cast<char *>(p);
+    char *base = static_cast<char *>(p);
+    for (size_t i = 0; i < n; i++) {
+        if (mprotect(base + i * ss, page, PROT_NONE) != 0) {
+            snprintf(err, errlen, "sim: cannot protect the guard page of fiber stack %zu of %zu: %s", i, n,
+                     strerror(errno));
+            munmap(base, bytes);
+            return false;
+        }
+    }
+    w->stacks = base;
     w->stacks_n = n;
     w->stack_size = ss;
     w->stacks_bytes = bytes;
-    for (size_t i = 0; i < n; i++) mprotect(w->stacks + i * ss, kPage, PROT_NONE); // guard pages
+    w->stacks_maps = stack_maps(n);
     return true;
 }
 
@@ -297,6 +328,12 @@ bool run_group(Worker *w, DispatchState *ds, uint64_t gi) {
     std::vector<uint32_t> order(n);
     for (uint32_t i = 0; i < n; i++) order[i] = i;
     while (true) {
+        if (ds->interrupted && ds->interrupted(ds->interrupt_token)) {
+            ds->stopped.store(true);
+            snprintf(w->err, sizeof w->err, "interrupted");
+            w->failed = true;
+            return false;
+        }
         if (ds->scramble) {
             for (uint32_t i = n; i > 1; i--) {
                 uint32_t j = uint32_t(next_rand(w->rng) % i);
@@ -449,56 +486,174 @@ const KernelEntry *find_kernel(const char *name);
 using namespace fmsim;
 
 namespace {
-// Workers are kept for reuse (their fiber stacks especially).
-std::mutex g_pool_mu;
-std::vector<Worker *> g_pool;
+// ---- the process's workers: bounded in count and in memory mappings --------
+//
+// Every fiber stack with its guard page costs two memory mappings, and Linux
+// allows 65530 per process by default (vm.max_map_count): a 1024-thread group
+// needs 2048. Workers (and their stacks) are shared by every dispatch of the
+// process and capped, so concurrent dispatches from many threads queue for
+// workers instead of exhausting mappings.
+constexpr size_t kMapBudget = 16384; // a quarter of Linux's default limit
+constexpr int kMaxWorkers = 256;
 
-Worker *take_worker() {
-    std::lock_guard<std::mutex> g(g_pool_mu);
-    if (!g_pool.empty()) {
-        Worker *w = g_pool.back();
-        g_pool.pop_back();
-        return w;
+struct WorkerPool {
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+    Worker *all[kMaxWorkers];
+    int n_all = 0;
+    Worker *idle[kMaxWorkers];
+    int n_idle = 0;
+    size_t maps = 0; // held by all workers
+};
+WorkerPool g_pool;
+
+void pool_lock_for_fork() { pthread_mutex_lock(&g_pool.mu); }
+void pool_unlock_after_fork() { pthread_mutex_unlock(&g_pool.mu); }
+// The child has only the forking thread: no dispatch runs there, so every
+// worker is idle, and the lock and condition variable start afresh (waiters
+// of the parent do not exist here).
+void pool_reset_in_child() {
+    pthread_mutex_init(&g_pool.mu, nullptr);
+    pthread_cond_init(&g_pool.cv, nullptr);
+    for (int i = 0; i < g_pool.n_all; i++) g_pool.idle[i] = g_pool.all[i];
+    g_pool.n_idle = g_pool.n_all;
+}
+const int g_pool_atfork = pthread_atfork(pool_lock_for_fork, pool_unlock_after_fork, pool_reset_in_child);
+
+// Frees an idle worker (locked).
+void destroy_worker(Worker *w) {
+    for (int i = 0; i < g_pool.n_all; i++) {
+        if (g_pool.all[i] != w) continue;
+        g_pool.all[i] = g_pool.all[--g_pool.n_all];
+        break;
     }
-    return new (std::nothrow) Worker();
-}
-void give_worker(Worker *w) {
-    std::lock_guard<std::mutex> g(g_pool_mu);
-    g_pool.push_back(w);
+    g_pool.maps -= w->stacks_maps;
+    delete w;
 }
 
-int env_int(const char *name, long *out) {
-    const char *e = getenv(name);
-    if (!e || !*e) return 0;
-    *out = strtol(e, nullptr, 0);
-    return 1;
+// A new worker with n stacks, if the budget allows (locked). Returns null
+// and leaves `err` empty when over budget, sets `err` when the system refused.
+Worker *create_worker(size_t n, char *err, size_t errlen) {
+    if (g_pool.n_all >= kMaxWorkers || g_pool.maps + stack_maps(n) > kMapBudget) return nullptr;
+    Worker *w = new (std::nothrow) Worker();
+    if (!w) {
+        snprintf(err, errlen, "sim: out of memory for a worker");
+        return nullptr;
+    }
+    if (!map_stacks(w, n, err, errlen)) {
+        delete w;
+        return nullptr;
+    }
+    g_pool.all[g_pool.n_all++] = w;
+    g_pool.maps += w->stacks_maps;
+    return w;
 }
 
-void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) {
+// Takes up to `want` (>= 1) workers with stacks for n threads into `out`:
+// idle ones first, then new ones within the budget (freeing idle workers
+// whose stacks are too small), waiting while other dispatches hold them all.
+// Returns the count taken; 0 with `err` set when the system refused.
+int acquire_workers(size_t n, int want, Worker **out, char *err, size_t errlen) {
+    err[0] = 0;
+    pthread_mutex_lock(&g_pool.mu);
+    int got = 0;
+    for (;;) {
+        for (int i = g_pool.n_idle - 1; i >= 0 && got < want; i--) {
+            Worker *w = g_pool.idle[i];
+            if (w->stacks_n < n) continue;
+            g_pool.idle[i] = g_pool.idle[--g_pool.n_idle];
+            out[got++] = w;
+        }
+        while (got < want) {
+            Worker *w = create_worker(n, err, errlen);
+            if (!w && !err[0] && g_pool.n_idle > 0) { // make room: an idle worker too small for n
+                destroy_worker(g_pool.idle[--g_pool.n_idle]);
+                continue;
+            }
+            if (!w) break;
+            out[got++] = w;
+        }
+        const bool others_busy = g_pool.n_all > g_pool.n_idle + got;
+        if (got > 0 || !others_busy) break;
+        err[0] = 0; // a dispatch in flight gives workers back: wait for them
+        pthread_cond_wait(&g_pool.cv, &g_pool.mu);
+    }
+    pthread_mutex_unlock(&g_pool.mu);
+    if (got == 0 && !err[0])
+        snprintf(err, errlen, "sim: a %zu-thread threadgroup needs %zu memory mappings, over the simulator's budget "
+                 "of %zu", n, stack_maps(n), kMapBudget);
+    return got;
+}
+
+void release_workers(Worker *const *ws, int n) {
+    pthread_mutex_lock(&g_pool.mu);
+    // Kept for reuse (within the budget); a dispatch that needs room frees
+    // idle workers too small for it, fmsim_release_idle frees them all.
+    for (int i = 0; i < n; i++) g_pool.idle[g_pool.n_idle++] = ws[i];
+    pthread_cond_broadcast(&g_pool.cv);
+    pthread_mutex_unlock(&g_pool.mu);
+}
+
+// Returns the workers of one dispatch to the pool however it ends.
+struct HeldWorkers {
+    Worker *w[kMaxWorkers];
+    int n = 0;
+    ~HeldWorkers() { release_workers(w, n); }
+};
+
+// FLASHMETAL_SIM_* values read by every dispatch (a test may change them
+// between calls); a bad value is reported once and ignored.
+bool env_scramble(uint64_t *seed) {
+    static int warned;
+    long long v = 0;
+    if (fm_env_int("FLASHMETAL_SIM_SCRAMBLE", 0, INT64_MAX, &v, &warned) != 1 || v == 0) return false;
+    if (v != 1) *seed = uint64_t(v);
+    return true;
+}
+
+long env_workers(long dflt) {
+    static int warned;
+    long long v = dflt;
+    fm_env_int("FLASHMETAL_SIM_WORKERS", 1, 1024, &v, &warned);
+    return long(v);
+}
+
+void set_error(DispatchState *ds, const char *msg) {
+    std::lock_guard<std::mutex> g(ds->err_mu);
+    if (!ds->failed.exchange(true)) snprintf(ds->err, sizeof ds->err, "%s", msg);
+}
+
+void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) noexcept {
     tl_worker = w;
     w->rng = (ds->seed ? ds->seed : 0x9e3779b97f4a7c15ull) + wid * 0x2545F4914F6CDD1Dull;
     if (!w->rng) w->rng = 1;
+    char buf[1024];
     while (!ds->failed.load(std::memory_order_relaxed)) {
+        if (ds->interrupted && ds->interrupted(ds->interrupt_token)) {
+            ds->stopped.store(true);
+            set_error(ds, "interrupted");
+            break;
+        }
         uint64_t gi = ds->next.fetch_add(1);
         if (gi >= total) break;
-        if (!run_group(w, ds, gi)) {
-            std::lock_guard<std::mutex> g(ds->err_mu);
-            if (!ds->failed.exchange(true)) {
-                char buf[1024];
-                snprintf(buf, sizeof buf, "%s: threadgroup (%u,%u,%u) %s", ds->entry->name, w->tgid[0], w->tgid[1],
-                         w->tgid[2], w->err);
-                ds->err = buf;
-            }
+        bool ok;
+        try {
+            ok = run_group(w, ds, gi);
+        } catch (...) { // allocation failure in the scheduler
+            ok = false;
+            w->failed = true;
+            snprintf(w->err, sizeof w->err, "out of memory");
+        }
+        if (!ok) {
+            snprintf(buf, sizeof buf, "%s: threadgroup (%u,%u,%u) %s", ds->entry->name, w->tgid[0], w->tgid[1],
+                     w->tgid[2], w->err);
+            set_error(ds, buf);
         }
     }
     tl_worker = nullptr;
 }
-} // namespace
 
-extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
-    char dummy[8];
-    if (!err || errlen == 0) { err = dummy; errlen = sizeof dummy; }
-    err[0] = 0;
+int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
     if (!d || !d->name) {
         snprintf(err, errlen, "sim: null dispatch or kernel name");
         return FMSIM_ERROR_INVALID;
@@ -508,9 +663,7 @@ extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) 
         snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->name);
         return FMSIM_ERROR_UNKNOWN_KERNEL;
     }
-    auto *ds = new (std::nothrow) DispatchState();
-    if (!ds) { snprintf(err, errlen, "sim: out of memory"); return FMSIM_ERROR_INVALID; }
-    std::unique_ptr<DispatchState> hold(ds);
+    auto ds = std::make_unique<DispatchState>();
     ds->entry = e;
     uint64_t ngroups = 1, nthreads = 1;
     for (int k = 0; k < 3; k++) {
@@ -589,47 +742,84 @@ extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) 
                  (unsigned long long)tg_total);
         return FMSIM_ERROR_INVALID;
     }
-    long v;
     ds->scramble = d->scramble != 0;
     ds->seed = d->seed;
-    if (env_int("FLASHMETAL_SIM_SCRAMBLE", &v) && v != 0) {
-        ds->scramble = true;
-        if (v != 1) ds->seed = uint64_t(v);
-    }
-    long workers = d->workers;
-    if (env_int("FLASHMETAL_SIM_WORKERS", &v) && v > 0) workers = v;
+    if (env_scramble(&ds->seed)) ds->scramble = true;
+    ds->interrupted = d->interrupted;
+    ds->interrupt_token = d->interrupt_token;
+    long workers = env_workers(d->workers);
     if (workers <= 0) workers = long(std::thread::hardware_concurrency());
     if (workers <= 0) workers = 1;
+    if (workers > kMaxWorkers) workers = kMaxWorkers;
     if (uint64_t(workers) > ngroups) workers = long(ngroups);
     if (ngroups == 0) return FMSIM_OK;
 
-    std::vector<Worker *> ws;
-    for (long i = 0; i < workers; i++) {
-        Worker *w = take_worker();
-        if (!w || !ensure_stacks(w, nthreads, err, errlen)) {
-            if (w) give_worker(w);
-            for (Worker *x : ws) give_worker(x);
-            if (!w) snprintf(err, errlen, "sim: out of memory");
-            return FMSIM_ERROR_INVALID;
-        }
-        ws.push_back(w);
-    }
-    if (workers == 1) {
+    HeldWorkers held;
+    held.n = acquire_workers(nthreads, int(workers), held.w, err, errlen);
+    if (held.n == 0) return FMSIM_ERROR_RESOURCES;
+    if (held.n == 1) {
         Worker *prev = tl_worker;
-        worker_loop(ds, ws[0], ngroups, 0);
+        worker_loop(ds.get(), held.w[0], ngroups, 0);
         tl_worker = prev;
     } else {
+        // A thread the system refuses leaves its share to the others.
+        // Helper threads block every signal (they inherit the mask), so a
+        // SIGINT reaches an application thread.
         std::vector<std::thread> th;
-        for (long i = 1; i < workers; i++) th.emplace_back(worker_loop, ds, ws[i], ngroups, uint64_t(i));
-        worker_loop(ds, ws[0], ngroups, 0);
+        th.reserve(size_t(held.n));
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_BLOCK, &all, &old);
+        for (int i = 1; i < held.n; i++) {
+            try {
+                th.emplace_back(worker_loop, ds.get(), held.w[i], ngroups, uint64_t(i));
+            } catch (...) {
+                break;
+            }
+        }
+        pthread_sigmask(SIG_SETMASK, &old, nullptr);
+        worker_loop(ds.get(), held.w[0], ngroups, 0);
         for (auto &t : th) t.join();
     }
-    for (Worker *w : ws) give_worker(w);
+    if (ds->stopped.load()) {
+        snprintf(err, errlen, "%s: interrupted", e->name);
+        return FMSIM_INTERRUPTED;
+    }
     if (ds->failed.load()) {
-        snprintf(err, errlen, "%s", ds->err.c_str());
+        snprintf(err, errlen, "%s", ds->err);
         return FMSIM_ERROR_KERNEL;
     }
     return FMSIM_OK;
+}
+} // namespace
+
+extern "C" int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
+    char dummy[8];
+    if (!err || errlen == 0) { err = dummy; errlen = sizeof dummy; }
+    err[0] = 0;
+    try {
+        return dispatch(d, err, errlen);
+    } catch (const std::bad_alloc &) {
+        snprintf(err, errlen, "sim: out of memory");
+    } catch (const std::exception &x) {
+        snprintf(err, errlen, "sim: %s", x.what());
+    } catch (...) {
+        snprintf(err, errlen, "sim: unexpected C++ exception");
+    }
+    return FMSIM_ERROR_RESOURCES;
+}
+
+extern "C" void fmsim_release_idle(void) {
+    pthread_mutex_lock(&g_pool.mu);
+    while (g_pool.n_idle > 0) destroy_worker(g_pool.idle[--g_pool.n_idle]);
+    pthread_mutex_unlock(&g_pool.mu);
+}
+
+extern "C" void fmsim_resource_usage(int *workers, size_t *mappings) {
+    pthread_mutex_lock(&g_pool.mu);
+    if (workers) *workers = g_pool.n_all;
+    if (mappings) *mappings = g_pool.maps;
+    pthread_mutex_unlock(&g_pool.mu);
 }
 
 extern "C" const char *fmsim_context_switch_kind(void) { return ctx_kind(); }

@@ -1,4 +1,6 @@
+import CFlashMetal
 import FlashMetalCore
+import FlashMetalCPUKernels
 import FlashMetalSim
 
 /// The "sim" backend: runs Dispatch values on the GPU simulator, against the
@@ -6,7 +8,10 @@ import FlashMetalSim
 /// name. Buffers bind by index, `.bytes` params are copied, threadgroup
 /// memory lengths come from the Dispatch. Every simulator failure (unknown
 /// kernel, unset constant, divergent barrier, deadlock, over 32 KiB of
-/// threadgroup memory, bad binding) comes back as FlashMetalError.backend.
+/// threadgroup memory, bad binding, no memory or threads left) comes back as
+/// FlashMetalError.backend; a SIGINT stops a dispatch between scheduler
+/// passes and comes back as FM_ERROR_INTERRUPTED. The simulator's workers
+/// are shared by the process; closing a registry frees the idle ones.
 public final class SimBackend: Backend, @unchecked Sendable {
     /// "sim".
     public let name = "sim"
@@ -25,6 +30,10 @@ public final class SimBackend: Backend, @unchecked Sendable {
         self.workers = workers
         self.scramble = scramble
         self.seed = seed
+    }
+
+    deinit {
+        fmsim_release_idle()
     }
 
     /// Host names of the kernels compiled into the simulator.
@@ -49,7 +58,9 @@ public final class SimBackend: Backend, @unchecked Sendable {
 
     /// Runs each dispatch on the simulator, in order, synchronously.
     public func run(_ dispatches: [Dispatch], pipelines: [AnyObject]) throws {
-        for d in dispatches { try run(d) }
+        let previous = fm_interrupt_arm()
+        defer { fm_interrupt_disarm(previous) }
+        for d in dispatches { try run(d, interruptToken: fm_interrupt_token()) }
     }
 
     private func u32(_ v: Int, _ what: String, _ d: Dispatch) throws -> UInt32 {
@@ -59,7 +70,7 @@ public final class SimBackend: Backend, @unchecked Sendable {
         return UInt32(v)
     }
 
-    private func run(_ d: Dispatch) throws {
+    private func run(_ d: Dispatch, interruptToken: UInt64) throws {
         var constants: [FMSimConstant] = []
         for e in d.constants.entries {
             switch e.value {
@@ -117,12 +128,17 @@ public final class SimBackend: Backend, @unchecked Sendable {
                         sd.workers = Int32(clamping: workers)
                         sd.scramble = scramble ? 1 : 0
                         sd.seed = seed
+                        sd.interrupted = { fm_interrupt_since($0) }
+                        sd.interrupt_token = interruptToken
                         return err.withUnsafeMutableBufferPointer { eb in
                             fmsim_dispatch(&sd, eb.baseAddress, eb.count)
                         }
                     }
                 }
             }
+        }
+        if status == Int32(FMSIM_INTERRUPTED.rawValue) {
+            throw FlashMetalError(FM_ERROR_INTERRUPTED, "sim: \(d.kernel): interrupted by SIGINT (the output is unspecified)")
         }
         if status != 0 {
             let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }

@@ -58,8 +58,20 @@ def library_path() -> Path:
     return path
 
 
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock would leave it held forever
+    # in the child (that thread does not exist there).
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def load() -> tuple[cffi.FFI, object]:
     """Returns (ffi, lib), loading and checking them once per process."""
+    if "lib" in _state:  # loaded: no lock on the per-call path
+        return _state["ffi"], _state["lib"]  # type: ignore[return-value]
     with _lock:
         if "lib" not in _state:
             path, header = library_path(), header_path()

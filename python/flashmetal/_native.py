@@ -50,8 +50,15 @@ def error_for(status: int, message: str, op: str | None) -> Error:
 
 def check(status: int, err: Any, op: str | None) -> None:
     """Raises the exception of a non-OK status, with the message in ``err``."""
-    if status != lib().FM_OK:
-        raise error_for(status, ffi().string(err).decode(errors="replace"), op)
+    if status == lib().FM_OK:
+        return
+    message = ffi().string(err).decode(errors="replace")
+    if status == lib().FM_ERROR_INTERRUPTED:
+        # A SIGINT cut the call short (outputs unspecified). Python's own
+        # handler normally raised KeyboardInterrupt as the call returned; a
+        # handler that does not raise still must not see a finished call.
+        raise KeyboardInterrupt(message)
+    raise error_for(status, message, op)
 
 
 def call(reg: "Registry", fn_name: str, *args: Any, op: str | None = None, keep: tuple = ()) -> None:

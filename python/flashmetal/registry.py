@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, Union
@@ -117,6 +118,15 @@ class Registry:
 
 _defaults: dict[str, Registry] = {}
 _defaults_lock = threading.Lock()
+
+
+def _new_defaults_lock_in_child() -> None:
+    # A lock held by another thread at fork() stays held in the child.
+    global _defaults_lock
+    _defaults_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_defaults_lock_in_child)
 
 
 def default_registry(backend: str = "auto") -> Registry:

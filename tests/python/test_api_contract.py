@@ -111,6 +111,7 @@ def test_abi_version_and_status_strings():
     ffi, lib = _native.ffi(), _native.lib()
     assert fm.abi_version() == lib.FM_ABI_VERSION == lib.fm_abi_version()
     assert ffi.string(lib.fm_status_string(lib.FM_ERROR_TYPE)) == b"FM_ERROR_TYPE"
+    assert ffi.string(lib.fm_status_string(lib.FM_ERROR_INTERRUPTED)) == b"FM_ERROR_INTERRUPTED"
     assert ffi.string(lib.fm_status_string(12345)) == b"unknown status"
     assert fm.__version__ == ffi.string(lib.fm_version()).decode()
 

@@ -1,5 +1,9 @@
 """The cpu backend's ISA paths (FLASHMETAL_CPU_ISA) and the fast prefill's
-bit-identity contract: blk vs no blk, thread count, every ISA path."""
+bit-identity contract: blk vs no blk, thread count, every ISA path.
+
+The prefill, sdpa, decode and non-finite suites run once per ISA path this
+machine has (test_suite_under_forced_isa), so an AVX-512 machine also tests
+its AVX2 and portable paths."""
 from __future__ import annotations
 
 import os
@@ -15,7 +19,8 @@ from flashmetal import reference
 from numerics import BF16, F16, assert_bits_equal, assert_close, randn
 
 HERE = Path(__file__).resolve().parent
-ISAS = ["portable", "avx512", "avx512bf16"]
+# x86-64 levels in order; arm64 has portable < neon.
+ISAS = ["portable", "avx2", "avx512", "avx512bf16"]
 
 
 def lib_isa() -> tuple[int, str]:
@@ -32,6 +37,22 @@ def lib_isa() -> tuple[int, str]:
     lib.fm_cpu_isa_name.argtypes = [ctypes.c_int]
     isa = lib.fm_cpu_isa()
     return isa, lib.fm_cpu_isa_name(isa).decode()
+
+
+def native_isa() -> str:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMETAL_CPU_ISA"}
+    n = subprocess.run([sys.executable, "-c", "import test_cpu_isa as t; print(t.lib_isa()[1])"], env=env,
+                       capture_output=True, text=True, cwd=str(HERE), timeout=600)
+    assert n.returncode == 0, n.stderr
+    return n.stdout.strip()
+
+
+def supported_isas() -> list[str]:
+    """Every path this machine can run, portable first."""
+    native = native_isa()
+    if native == "neon":
+        return ["portable", "neon"]
+    return ISAS[:ISAS.index(native) + 1] if native in ISAS else ["portable"]
 
 
 def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -67,32 +88,55 @@ def geometry(d):
     return (8, 8) if d == 512 else (32, 16)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", ISAS + ["neon"])
 def test_isa_env_caps_the_choice(isa):
     r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=isa)
     assert r.returncode == 0, r.stderr
     got = r.stdout.strip()
-    env = {k: v for k, v in os.environ.items() if k != "FLASHMETAL_CPU_ISA"}
-    n = subprocess.run([sys.executable, "-c", "import test_cpu_isa as t; print(t.lib_isa()[1])"], env=env,
-                       capture_output=True, text=True, cwd=str(HERE), timeout=600)
-    assert n.returncode == 0, n.stderr
-    native = n.stdout.strip()
+    native = native_isa()
+    if isa == "neon" and native != "neon":  # another architecture's ISA
+        assert got == "portable" and "not an ISA of this architecture" in r.stderr
+        return
     order = {n: i for i, n in enumerate(ISAS)}
     assert got == min(isa, native, key=order.get)
+    assert r.stderr == ""
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx512"])
-def test_prefill_suite_under_forced_isa(isa):
-    """The whole prefill suite (numerics, resume, determinism) on a capped ISA."""
-    if isa != "portable" and lib_isa()[0] < ISAS.index(isa):
-        pytest.skip(f"cpu has no {isa}")
+@pytest.mark.parametrize("value", ["avx3", "AVX2", "1", "avx2 "])
+def test_bad_isa_value_warns_and_keeps_the_default(value):
+    r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=value)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == native_isa()
+    assert f"FLASHMETAL_CPU_ISA='{value}' is not one of portable, avx2, avx512, avx512bf16, neon" in r.stderr
+
+
+SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfinite.py", "test_cpu_isa.py"]
+
+
+@pytest.mark.parametrize("isa", ISAS + ["neon"])
+def test_suite_under_forced_isa(isa):
+    """The prefill, sdpa, decode and non-finite cpu suites (numerics, resume,
+    determinism, NaN/inf, huge biases) on each path below the native one (the
+    native path is the main run's)."""
+    supported = supported_isas()
+    if isa not in supported:
+        pytest.skip(f"this cpu has no {isa} path")
+    if isa == supported[-1] and not os.environ.get("FLASHMETAL_CPU_ISA"):
+        pytest.skip(f"{isa} is the native path: the main run covers it")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(HERE / "test_prefill.py"), str(HERE / "test_cpu_isa.py"),
-                        "-k", "cpu and not forced_isa and not env_caps"],
+                        *[str(HERE / f) for f in SUITES],
+                        "-k", "cpu and not forced_isa and not env_caps and not bad_isa"],
                        env=dict(os.environ, FLASHMETAL_CPU_ISA=isa), capture_output=True,
                        text=True, cwd=str(HERE), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
+    assert lib_isa_in_subprocess(isa) == isa
+
+
+def lib_isa_in_subprocess(isa: str) -> str:
+    r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=isa)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512])

@@ -235,7 +235,8 @@ typedef enum FMStatus {
     FM_ERROR_VALUE = 1,    /* a bad shape, size, length or option */
     FM_ERROR_TYPE = 2,     /* a bad dtype */
     FM_ERROR_BACKEND = 3,  /* a backend could not be created or failed */
-    FM_ERROR_INTERNAL = 4  /* a bug: please report */
+    FM_ERROR_INTERNAL = 4, /* a bug: please report */
+    FM_ERROR_INTERRUPTED = 5 /* a SIGINT cancelled the call; outputs are unspecified */
 } FMStatus;
 
 /* Prefill layouts: head-major [B, H, L, D] or seq-major [B, L, H, D]. */

@@ -22,7 +22,8 @@ typedef struct FMPrefillArgs {
     void *o;
     const void *mask;
     const uint8_t *blk; /* NULL or [NQ, NK] tile classes */
-    int32_t io_dtype;   /* FM_DTYPE_BF16 or FM_DTYPE_F16 (also the additive mask's) */
+    int32_t io_dtype;   /* FM_DTYPE_BF16, F16 (portable and fast) or F32 (fast only);
+                           also the additive mask's */
     int32_t mask_kind;
     int32_t causal;
     int32_t bq;         /* tile geometry of the dispatch */
@@ -38,46 +39,45 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
 
 
 /* ---- run-time ISA selection (cpu_features.c) ---------------------------- */
-enum { FM_ISA_PORTABLE = 0, FM_ISA_AVX512 = 1, FM_ISA_AVX512BF16 = 2 };
+enum {
+    FM_ISA_PORTABLE = 0,   /* plain C for the baseline of the target */
+    FM_ISA_AVX2 = 1,       /* x86-64 AVX2 + FMA + F16C */
+    FM_ISA_AVX512 = 2,     /* + AVX-512 F/BW/DQ/VL */
+    FM_ISA_AVX512BF16 = 3, /* + AVX512-BF16 */
+    FM_ISA_NEON = 4        /* arm64 Advanced SIMD */
+};
 
-/* The ISA the fast kernels use: detected once, capped by FLASHMETAL_CPU_ISA
- * (portable | avx512 | avx512bf16). */
+/* The ISA the fast kernels use: detected once per process, capped by
+ * FLASHMETAL_CPU_ISA (portable | avx2 | avx512 | avx512bf16 | neon; never
+ * raised above what the CPU has; an unknown value or another architecture's
+ * ISA warns on stderr and is ignored or means portable). */
 int fm_cpu_isa(void);
+/* "portable", "avx2", "avx512", "avx512bf16" or "neon". */
 const char *fm_cpu_isa_name(int isa);
 int64_t fm_atomic_fetch_add_i64(int64_t *p, int64_t v);
 
-/* ---- prefill fast path (prefill_x86.c), isa > FM_ISA_PORTABLE ----------- *
- * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys
- * (bf16 pairs for vdpbf16ps, or f32), shared by the GQA heads and q items.
- * A work item is FM_PF_QI query rows of one head; rows are independent and
- * key blocks start at absolute multiples of FM_PF_KB, so results do not
+/* ---- prefill fast path (prefill_fast.c -> kernels_<isa>.c) --------------- *
+ * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys,
+ * shared by the GQA heads and q items. A work item is
+ * fm_cpu_prefill_item_rows(isa) query rows of one head; rows are independent
+ * and key blocks start at absolute multiples of FM_PF_KB, so results do not
  * depend on the item split, the thread count or the dispatch's q offset. */
 #define FM_PF_KB 64
-#define FM_PF_QI 32
-/* Bytes of packed K+V for one (b, kv head); 0 if the isa has no fast path. */
+/* Bytes of packed K+V for one (b, kv head); 0: no fast path for this call. */
 size_t fm_cpu_prefill_pack_bytes(const FMPrefillArgs *a, int isa);
+int32_t fm_cpu_prefill_item_rows(int isa);
 /* Packs key block kb (FM_PF_KB keys) of (b, kvh) into `packed`. */
 void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t kb,
                          void *packed);
 /* Floats of scratch one fast work item needs. */
-size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a);
-/* Rows [qi*FM_PF_QI, +FM_PF_QI) of head h of batch b. */
+size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a, int isa);
+/* Rows [qi * item_rows, +item_rows) of head h of batch b. */
 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,
                               const void *packed, float *scratch);
 
-/* ---- thread pool (pool.c): the caller works as worker 0 -------------------- */
-typedef struct FMPool FMPool;
-typedef void (*fm_pool_fn)(void *ctx, int64_t worker, int64_t item);
-/* NULL when nthreads < 2 (then fm_pool_run runs inline). */
-FMPool *fm_pool_create(int32_t nthreads);
-int32_t fm_pool_threads(const FMPool *p);
-void fm_pool_destroy(FMPool *p);
-/* fn(ctx, worker, item) for item in [0, count), worker < max_workers. */
-void fm_pool_run(FMPool *p, int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx);
-
 /* ---- blk pre-pass: one (q tile, k tile) of a [qL, kL] 16-bit additive mask.
- * Writes blk[qt * nk + kt]: 0 all <= -1e30, 2 all == 0, else 1 (a partial
- * right-edge K tile is 1, a tile wholly past kL is 0). */
+ * Writes blk[qt * nk + kt]: 0 every cell -inf, 2 every cell 0, else 1 (a
+ * partial right-edge K tile is 1, a tile wholly past kL is 0). */
 void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_bf16,
                      uint8_t *blk, int32_t bq, int32_t bk, int64_t nk, int64_t qt, int64_t kt);
 
@@ -94,7 +94,8 @@ void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_
 void fm_cpu_vec_partial_group(const FlashAttnVecParams *p, const float *q, const void *k,
                               const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow, int64_t wg,
                               float *scratch);
-/* Floats of scratch one vec work item needs. */
+/* Floats of scratch one vec work item needs (heap: nothing gqa-sized goes
+ * on a thread's stack). */
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
 /* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. */

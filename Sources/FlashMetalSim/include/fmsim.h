@@ -26,7 +26,9 @@ typedef enum FMSimStatus {
     FMSIM_OK = 0,
     FMSIM_ERROR_UNKNOWN_KERNEL = 1,
     FMSIM_ERROR_INVALID = 2, /* bad dispatch: geometry, binding index, sizes */
-    FMSIM_ERROR_KERNEL = 3   /* the kernel failed at run time (see message) */
+    FMSIM_ERROR_KERNEL = 3,  /* the kernel failed at run time (see message) */
+    FMSIM_ERROR_RESOURCES = 4, /* no memory, mappings or threads for the dispatch */
+    FMSIM_INTERRUPTED = 5    /* `interrupted` returned non-zero: the dispatch stopped */
 } FMSimStatus;
 
 typedef struct FMSimConstant {
@@ -57,6 +59,9 @@ typedef struct FMSimDispatch {
     int32_t workers;                 /* OS threads; <= 0: one per core */
     int32_t scramble;                /* 1: scrambled schedule */
     uint64_t seed;                   /* scramble seed (0: fixed default) */
+    /* Polled between threadgroups and scheduler passes (NULL: never). */
+    int (*interrupted)(uint64_t token);
+    uint64_t interrupt_token;
 } FMSimDispatch;
 
 /* 1 when a kernel of that host name is compiled in. */
@@ -66,8 +71,19 @@ int fmsim_kernel_count(void);
 const char *fmsim_kernel_name(int i);
 /* Runs one dispatch to completion. Returns FMSIM_OK or an FMSimStatus.
  * FLASHMETAL_SIM_SCRAMBLE=1 (or =<seed>) in the environment scrambles
- * every dispatch; FLASHMETAL_SIM_WORKERS=<n> overrides `workers`. */
+ * every dispatch; FLASHMETAL_SIM_WORKERS=<n> (1..1024) overrides `workers`;
+ * FLASHMETAL_SIM_STACK_KB (64..16384, default 512) sizes each fiber stack.
+ *
+ * Resources are process-wide and bounded: OS workers (each with one fiber
+ * stack per GPU thread of its group, plus a guard page) come from one pool
+ * capped in count and in memory mappings; a dispatch takes what is free (at
+ * least one worker; it waits while other dispatches hold them all) and
+ * gives them back. Safe to call from many threads at once. */
 int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen);
+/* Frees the idle workers' stacks (the pool refills on demand). */
+void fmsim_release_idle(void);
+/* Workers (busy or idle) and the memory mappings their stacks hold. */
+void fmsim_resource_usage(int *workers, size_t *mappings);
 
 #ifdef __cplusplus
 }

@@ -25,6 +25,9 @@ public func pthread_mutex_init(_ mutex: UnsafeMutablePointer<pthread_mutex_t>,
 public func pthread_mutex_destroy(_ mutex: UnsafeMutablePointer<pthread_mutex_t>) -> Int32 { fatalError() }
 public func pthread_mutex_lock(_ mutex: UnsafeMutablePointer<pthread_mutex_t>) -> Int32 { fatalError() }
 public func pthread_mutex_unlock(_ mutex: UnsafeMutablePointer<pthread_mutex_t>) -> Int32 { fatalError() }
+@available(macOS 10.4, *)
+public func pthread_atfork(_ prepare: (@convention(c) () -> Void)?, _ parent: (@convention(c) () -> Void)?,
+                           _ child: (@convention(c) () -> Void)?) -> Int32 { fatalError() }
 
 // <stdio.h>: FILE is struct __sFILE; stderr is the overlay's wrapper of __stderrp.
 public struct __sFILE { public init() {} }

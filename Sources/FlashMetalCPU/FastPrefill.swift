@@ -1,0 +1,138 @@
+import CFlashMetal
+import FlashMetalCPUKernels
+import FlashMetalCore
+
+/// The fast prefill's driver (prefill_fast.c → the ISA's instance of
+/// prefill_body.h), shared by `flash_attn_prefill_*` and float32 `sdpa`.
+///
+/// K/V of one (batch, kv head) are packed once into panels and shared by
+/// the GQA heads. Groups run in chunks whose panels fit in the L2 cache
+/// (packing every head up front thrashes L3 at long L); within a chunk the
+/// heaviest items (the last q rows under causal) start first.
+final class FastPrefill {
+    /// One reusable buffer for panels + scratch (fresh pages cost a page
+    /// fault each); kept up to `maxCachedBytes`, taken by one call at a time.
+    private let cacheLock = Lock()
+    private var cached: UnsafeMutableRawPointer? = nil
+    private var cachedBytes = 0
+    private static let maxCachedBytes = 48 << 20
+    /// Packed panels per chunk: about one core's L2.
+    private static let chunkBytes = 1 << 20
+
+    deinit { cached?.deallocate() }
+
+    /// Whether the fast path covers this call on `isa`.
+    static func covers(_ a: inout FMPrefillArgs, isa: Int32) -> Bool {
+        isa != Int32(FM_ISA_PORTABLE) && fm_cpu_prefill_pack_bytes(&a, isa) > 0
+    }
+
+    func run(_ a: inout FMPrefillArgs, isa: Int32, pool: WorkerPool) {
+        let packBytes = fm_cpu_prefill_pack_bytes(&a, isa)
+        let rows = Int(fm_cpu_prefill_item_rows(isa))
+        let nkb = (Int(a.p.kL) + Int(FM_PF_KB) - 1) / Int(FM_PF_KB)
+        let nqi = (Int(a.p.qL) + rows - 1) / rows
+        let gqa = max(1, Int(a.p.gqa_factor))
+        let hkv = Int(a.p.H) / gqa
+        let groups = Int(a.p.B) * hkv
+        let perChunk = max(1, min(groups, Self.chunkBytes / max(packBytes, 1)))
+        let floats = fm_cpu_prefill_fast_scratch_floats(&a, isa)
+        let workers = max(1, pool.threads)
+        let packedBytes = (packBytes * perChunk + 63) & ~63
+        let buf = takeBuffer(packedBytes + floats * workers * 4)
+        defer { giveBack(buf) }
+        let packed = buf.0
+        let scratch = (buf.0 + packedBytes).bindMemory(to: Float.self, capacity: floats * workers)
+        withUnsafePointer(to: &a) { args in
+            var g0 = 0
+            while g0 < groups {
+                let ng = min(perChunk, groups - g0)
+                pool.forEach(ng * nkb) { _, item in
+                    let g = g0 + item / nkb, kb = item % nkb
+                    fm_cpu_prefill_pack(args, isa, Int64(g / hkv), Int64(g % hkv), Int64(kb),
+                                        packed + (item / nkb) * packBytes)
+                }
+                pool.forEach(ng * gqa * nqi) { w, item in
+                    let qi = nqi - 1 - item / (ng * gqa)
+                    let rest = item % (ng * gqa)
+                    let gl = rest / gqa, g = g0 + gl
+                    let b = g / hkv, h = (g % hkv) * gqa + rest % gqa
+                    fm_cpu_prefill_fast_item(args, isa, Int64(b), Int64(h), Int64(qi),
+                                             packed + gl * packBytes, scratch + w * floats)
+                }
+                g0 += ng
+            }
+        }
+    }
+
+    private func takeBuffer(_ bytes: Int) -> (UnsafeMutableRawPointer, Int) {
+        let hit: (UnsafeMutableRawPointer, Int)? = cacheLock.withLock {
+            guard let c = cached, cachedBytes >= bytes else { return nil }
+            cached = nil
+            return (c, cachedBytes)
+        }
+        return hit ?? (UnsafeMutableRawPointer.allocate(byteCount: bytes, alignment: 64), bytes)
+    }
+
+    private func giveBack(_ buf: (UnsafeMutableRawPointer, Int)) {
+        guard buf.1 <= Self.maxCachedBytes else { buf.0.deallocate(); return }
+        let old: UnsafeMutableRawPointer? = cacheLock.withLock {
+            if cached != nil, cachedBytes >= buf.1 { return buf.0 }
+            let o = cached
+            cached = buf.0
+            cachedBytes = buf.1
+            return o
+        }
+        old?.deallocate()
+    }
+}
+
+/// float32 `sdpa` dispatches the fast prefill covers, mapped onto it: SDPA's
+/// contiguous [B, H, L, D] tensors, bottom-right causal (query i at
+/// kv_len - L + i), an additive (float32) or bool mask. Anything else is
+/// left to the general sdpa kernel.
+final class SdpaFastPath {
+    private let fast = FastPrefill()
+
+    /// Runs `d` and returns true when the fast path covers it.
+    func run(_ d: Dispatch, maskKind: MaskKind, pool: WorkerPool) throws -> Bool {
+        let q = try d.buffer(SdpaBuffer.q)
+        guard q.dtype == .f32 else { return false }
+        let isa = fm_cpu_isa()
+        let sp = try d.params(SdpaBuffer.params, as: SdpaParams.self)
+        let (H, Hkv, D) = (Int64(sp.n_heads), Int64(sp.n_kv_heads), Int64(sp.head_dim))
+        let (qL, kL) = (Int64(sp.seq_len), Int64(sp.kv_seq_len))
+        guard Hkv > 0, H % Hkv == 0, qL > 0, kL > 0 else { return false }
+        let cap = sp.kv_capacity != 0 ? Int64(sp.kv_capacity) : kL
+        var a = FMPrefillArgs()
+        a.p.B = Int32(d.grid.x)
+        a.p.H = Int32(H)
+        a.p.D = Int32(D)
+        a.p.qL = Int32(qL)
+        a.p.kL = Int32(kL)
+        a.p.gqa_factor = Int32(H / Hkv)
+        a.p.scale = sp.scale
+        a.p.NK = Int32((kL + 63) / 64)
+        a.p.NQ = Int32((qL + 63) / 64)
+        a.p.qL_off = Int32(kL - qL)
+        a.p.Q_strides = (H * qL * D, qL * D, D)
+        a.p.O_strides = a.p.Q_strides
+        a.p.K_strides = (Hkv * cap * D, cap * D, D)
+        a.p.V_strides = a.p.K_strides
+        a.bq = 64
+        a.bk = 64
+        a.io_dtype = DType.f32.rawValue
+        a.causal = sp.do_causal != 0 ? 1 : 0
+        a.mask_kind = maskKind.rawValue
+        guard FastPrefill.covers(&a, isa: isa) else { return false }
+        a.q = UnsafeRawPointer(q.data)
+        a.k = UnsafeRawPointer(try d.buffer(SdpaBuffer.k).data)
+        a.v = UnsafeRawPointer(try d.buffer(SdpaBuffer.v).data)
+        a.o = try d.buffer(SdpaBuffer.out).data
+        if maskKind != .none {
+            a.mp = try d.params(SdpaBuffer.maskParams, as: AttnMaskParams.self)
+            a.mask = UnsafeRawPointer(try d.buffer(maskKind == .bool ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask).data)
+        }
+        fast.run(&a, isa: isa, pool: pool)
+        return true
+    }
+}

@@ -1,0 +1,23 @@
+/* AVX512-BF16 instance of the shared prefill: bf16 I/O runs QK^T and P.V on
+ * vdpbf16ps over bf16 pair panels (other dtypes as on AVX-512). Decode uses
+ * the AVX-512 instance. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include "prefill_fast.h"
+#pragma clang attribute push(                                                                  \
+    __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c,avx512bf16"))), apply_to = function)
+#define FM_VL 16
+#define FM_HAS_F16CVT 1
+#define FM_PF_R 4
+#define FM_PF_NC 4
+#define FM_PF_GROUPS 8
+#define FM_SFX(n) n##_avx512bf16
+#include "simd.h"
+#define FM_PF_BF16DP 1
+/* acc[i] += a[2i] * b[2i] + a[2i+1] * b[2i+1] over bf16 pairs. */
+static inline fm_v fm_dpbf16(fm_v acc, fm_vi a, fm_vi b) {
+    return (fm_v)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+}
+#include "prefill_body.h"
+#pragma clang attribute pop
+#endif

@@ -1,0 +1,404 @@
+/* The fast prefill, described once and compiled per ISA: kernels_<isa>.c
+ * defines FM_VL (floats per vector), FM_PF_R x FM_PF_NC (register block:
+ * rows x vectors), FM_PF_GROUPS (row blocks per work item), FM_SFX(name)
+ * and, where the ISA has a bf16 pair dot product, FM_PF_BF16DP with
+ * fm_dpbf16(acc, a_pairs, b_pairs); then includes simd.h and this file.
+ *
+ * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys,
+ * shared by the GQA heads and all q items:
+ *   f32 panels (any io dtype): K as [D][KB] f32, V as [KB][D] f32;
+ *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [D/2][KB] bf16 pairs,
+ *     V as [KB/2][D] bf16 pairs; P is rounded to bf16 (RNE) and the row
+ *     sum uses the rounded values.
+ * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head.
+ *
+ * Numerics (DESIGN §2) and the bit-identity contract: a row's score is a dot
+ * product in a fixed order over D; key blocks start at absolute multiples of
+ * KB; the softmax over a block (max, exp, row sum in a fixed lane order)
+ * depends only on the row's own scores, so a row's result depends neither on
+ * the other rows of its item, the item's start row nor the thread count. A
+ * masked cell is -inf and gets p = 0 exactly; a block in which a row sees
+ * nothing leaves max unchanged, factor exp(0) = 1 and adds +0, so skipping it
+ * (blk class 0, causal, kv_len) is bit-identical. A cell that is not masked
+ * has its score raised to FM_M_INIT (the running max's start) when below it,
+ * NaN kept: a row whose keys all carry a huge negative finite bias averages
+ * them, as the reference does. NaN and +inf propagate as on the portable
+ * path: the running max ignores NaN (s > m is false) and exp(NaN) is NaN. */
+#include <math.h>
+
+#define KB FM_PF_KB
+#define R FM_PF_R
+#define NC FM_PF_NC
+#define QI (FM_PF_R * FM_PF_GROUPS)
+
+#ifndef FM_PF_BF16DP
+#define FM_PF_BF16DP 0
+#endif
+
+static int FM_SFX(pf_bf16_panels)(const FMPrefillArgs *a) {
+    return FM_PF_BF16DP && a->io_dtype == FM_DTYPE_BF16;
+}
+
+static size_t FM_SFX(pf_esz)(const FMPrefillArgs *a) { return a->io_dtype == FM_DTYPE_F32 ? 4 : 2; }
+
+static void FM_SFX(pf_cvt_row)(float *dst, const void *src, int32_t n, int32_t dtype) {
+    for (int32_t i = 0; i < n; i += FM_VL) fm_v_store(dst + i, fm_v_load_any(src, i, dtype));
+}
+
+int32_t FM_SFX(fm_pf_item_rows)(void) { return QI; }
+
+size_t FM_SFX(fm_pf_pack_bytes)(const FMPrefillArgs *a) {
+    return 2 * (size_t)fm_pf_nkb(a) * KB * a->p.D * (FM_SFX(pf_bf16_panels)(a) ? 2 : 4);
+}
+
+size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
+    /* O, Qf, S, P, then M, L, F */
+    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 3;
+}
+
+static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb,
+                                void *packed) {
+    const AttnParams *p = &a->p;
+    const int32_t D = p->D;
+    const size_t esz = FM_SFX(pf_esz)(a);
+    const int64_t c0 = kb * KB, kc = (p->kL - c0) < KB ? (p->kL - c0) : KB;
+    const char *kbase = (const char *)a->k + esz * (b * p->K_strides[0] + kvh * p->K_strides[1]);
+    const char *vbase = (const char *)a->v + esz * (b * p->V_strides[0] + kvh * p->V_strides[1]);
+    float *Kf = (float *)packed + (size_t)kb * D * KB;
+    float *Vf = (float *)packed + (size_t)fm_pf_nkb(a) * D * KB + (size_t)kb * KB * D;
+    float row[FM_PF_DMAX];
+    for (int64_t j = 0; j < KB; j++) {
+        if (j < kc) {
+            FM_SFX(pf_cvt_row)(row, kbase + esz * (c0 + j) * p->K_strides[2], D, a->io_dtype);
+            for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = row[d];
+            FM_SFX(pf_cvt_row)(Vf + (size_t)j * D, vbase + esz * (c0 + j) * p->V_strides[2], D, a->io_dtype);
+        } else {
+            for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = 0.0f;
+            memset(Vf + (size_t)j * D, 0, sizeof(float) * D);
+        }
+    }
+}
+
+static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb,
+                                  void *packed) {
+    const AttnParams *p = &a->p;
+    const int32_t D = p->D, D2 = D / 2;
+    const int64_t c0 = kb * KB, kc = (p->kL - c0) < KB ? (p->kL - c0) : KB;
+    const uint16_t *kbase = (const uint16_t *)a->k + b * p->K_strides[0] + kvh * p->K_strides[1];
+    const uint16_t *vbase = (const uint16_t *)a->v + b * p->V_strides[0] + kvh * p->V_strides[1];
+    uint32_t *Kp = (uint32_t *)packed + (size_t)kb * D2 * KB;
+    uint32_t *Vp = (uint32_t *)packed + (size_t)fm_pf_nkb(a) * D2 * KB + (size_t)kb * (KB / 2) * D;
+    uint32_t row[FM_PF_DMAX / 2];
+    for (int64_t j = 0; j < KB; j++) {
+        if (j < kc) memcpy(row, kbase + (c0 + j) * p->K_strides[2], sizeof(uint16_t) * D);
+        else memset(row, 0, sizeof(uint16_t) * D);
+        for (int32_t q = 0; q < D2; q++) Kp[(size_t)q * KB + j] = row[q];
+    }
+    for (int64_t t = 0; t < KB / 2; t++) {
+        const int64_t j0 = 2 * t, j1 = 2 * t + 1;
+        const uint16_t *v0 = j0 < kc ? vbase + (c0 + j0) * p->V_strides[2] : NULL;
+        const uint16_t *v1 = j1 < kc ? vbase + (c0 + j1) * p->V_strides[2] : NULL;
+        uint32_t *dst = Vp + (size_t)t * D;
+        for (int32_t d = 0; d < D; d++)
+            dst[d] = (uint32_t)(v0 ? v0[d] : 0) | ((uint32_t)(v1 ? v1[d] : 0) << 16);
+    }
+}
+
+void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed) {
+    if (FM_SFX(pf_bf16_panels)(a)) FM_SFX(pf_pack_pairs)(a, b, kvh, kb, packed);
+    else FM_SFX(pf_pack_f32)(a, b, kvh, kb, packed);
+}
+
+/* ---- micro-kernels: R rows x (NC vectors) ------------------------------ */
+
+/* S[r][0..KB) = Q[r] . K[key] for the R rows of Q (stride D). */
+static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t D, float *S) {
+    for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
+        fm_v acc[R][NC];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
+        for (int32_t d = 0; d < D; d++) {
+            fm_v k[NC];
+            for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)d * KB + c0 + i * FM_VL);
+            for (int r = 0; r < R; r++) {
+                const fm_v qb = fm_v_splat(Q[(size_t)r * D + d]);
+                for (int i = 0; i < NC; i++) acc[r][i] = fm_v_fma(qb, k[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) fm_v_store(S + r * KB + c0 + i * FM_VL, acc[r][i]);
+    }
+}
+
+/* O[r] = O[r] * F[r] + sum_j P[r][j] V[j] over the first nk keys. */
+static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t D, int nk, const float *F,
+                              float *O) {
+    for (int32_t dc = 0; dc < D; dc += NC * FM_VL) {
+        fm_v acc[R][NC];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++)
+                acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+        for (int j = 0; j < nk; j++) {
+            fm_v v[NC];
+            for (int i = 0; i < NC; i++) v[i] = fm_v_load(Vf + (size_t)j * D + dc + i * FM_VL);
+            for (int r = 0; r < R; r++) {
+                const fm_v pb = fm_v_splat(P[r * KB + j]);
+                for (int i = 0; i < NC; i++) acc[r][i] = fm_v_fma(pb, v[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+    }
+}
+
+#if FM_PF_BF16DP
+static inline fm_vi FM_SFX(pf_pair)(const uint16_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return (fm_vi)(int32_t)w;
+}
+
+static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, int32_t D, float *S) {
+    for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
+        fm_v acc[R][NC];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
+        for (int32_t pi = 0; pi < D / 2; pi++) {
+            fm_vi k[NC];
+            for (int i = 0; i < NC; i++) memcpy(&k[i], Kp + (size_t)pi * KB + c0 + i * FM_VL, sizeof k[i]);
+            for (int r = 0; r < R; r++) {
+                const fm_vi qb = FM_SFX(pf_pair)(q[r] + 2 * pi);
+                for (int i = 0; i < NC; i++) acc[r][i] = fm_dpbf16(acc[r][i], qb, k[i]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) fm_v_store(S + r * KB + c0 + i * FM_VL, acc[r][i]);
+    }
+}
+
+/* P: per row KB bf16 values at P + r * 2 * KB (uint16 units). */
+static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t D, int npairs,
+                                const float *F, float *O) {
+    for (int32_t dc = 0; dc < D; dc += NC * FM_VL) {
+        fm_v acc[R][NC];
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++)
+                acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+        for (int t = 0; t < npairs; t++) {
+            fm_vi v[NC];
+            for (int i = 0; i < NC; i++) memcpy(&v[i], Vp + (size_t)t * D + dc + i * FM_VL, sizeof v[i]);
+            for (int r = 0; r < R; r++) {
+                const fm_vi pb = FM_SFX(pf_pair)(P + (size_t)r * 2 * KB + 2 * t);
+                for (int i = 0; i < NC; i++) acc[r][i] = fm_dpbf16(acc[r][i], pb, v[i]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int i = 0; i < NC; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+    }
+}
+#endif
+
+/* ---- scores and the online softmax of one row over one key block -------- */
+
+static fm_v FM_SFX(pf_mask_values)(const FMPrefillArgs *a, const char *mrow, int64_t k0, int n) {
+    if (n == FM_VL) return fm_v_load_any(mrow, k0, a->io_dtype);
+    float t[FM_VL];
+    for (int i = 0; i < FM_VL; i++) {
+        if (i >= n) { t[i] = 0.0f; continue; }
+        if (a->io_dtype == FM_DTYPE_F32) t[i] = ((const float *)mrow)[k0 + i];
+        else {
+            const uint16_t h = ((const uint16_t *)mrow)[k0 + i];
+            t[i] = a->io_dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(h) : fm_f16_to_f32(h);
+        }
+    }
+    return fm_v_load(t);
+}
+
+/* Scores of FM_VL keys [j0, j0 + FM_VL) of one row from their raw dot
+ * products: scale, softcap, mask (per blk class), the floor, then -inf for
+ * masked cells (mask -inf, bool false, blk class 0, causal, past kL). */
+static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row, int64_t c0, int j0,
+                                     int64_t kc, const char *mrow) {
+    const AttnParams *p = &a->p;
+    const float softcap = p->softcapping;
+    s *= p->scale;
+    if (softcap > 0) {
+        for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
+    }
+    fm_vi iota;
+    for (int i = 0; i < FM_VL; i++) iota[i] = i;
+    const fm_vi jj = iota + j0;
+    fm_vi kill = jj >= (int32_t)kc;
+    if (a->causal) {
+        const int64_t lim = (int64_t)p->qL_off + row - c0; /* keys j > lim are in the future */
+        kill |= lim < 0 ? (fm_vi)(-1) : lim >= KB ? (fm_vi)0 : jj > (int32_t)lim;
+    }
+    const int nvalid = kc - j0 >= FM_VL ? FM_VL : (kc - j0 > 0 ? (int)(kc - j0) : 0);
+    if (mrow && nvalid > 0) {
+        const int64_t k0 = c0 + j0;
+        fm_vi add = ~kill;
+        if (a->blk) {
+            const int64_t qt = row / a->bq;
+            for (int i = 0; i < nvalid; i++) {
+                const uint8_t cls = a->blk[qt * p->NK + (k0 + i) / a->bk];
+                if (cls == 0) kill[i] = -1;
+                if (cls != 1) add[i] = 0;
+            }
+        }
+        if (a->mask_kind == FM_MASK_BOOL) {
+            uint8_t mb[FM_VL] = {0};
+            memcpy(mb, (const uint8_t *)mrow + k0, (size_t)nvalid);
+            for (int i = 0; i < FM_VL; i++) if (add[i] && mb[i] == 0) kill[i] = -1;
+        } else {
+            const fm_v mv = FM_SFX(pf_mask_values)(a, mrow, k0, nvalid);
+            kill |= add & (mv == -INFINITY);
+            s = fm_v_sel(add, s + mv, s);
+        }
+    }
+    s = fm_v_sel(s < FM_M_INIT, fm_v_splat(FM_M_INIT), s);
+    return fm_v_sel(kill, fm_v_splat(-INFINITY), s);
+}
+
+/* Online softmax step of one row over one key block: S holds the raw dot
+ * products on entry and p on exit; M, L are updated and F receives the
+ * factor for O. With round_bf16, p is rounded to bf16 and the row sum uses
+ * the rounded values. The running max ignores NaN (s > m is false). */
+static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
+                                   const char *mrow, float *M, float *L, float *F, int round_bf16) {
+    fm_v s[KB / FM_VL];
+    fm_v mv = fm_v_splat(*M);
+    /* The common block (every key present and in the past, no mask, no
+     * softcap) needs only the scale and the floor. */
+    const int plain = !mrow && a->p.softcapping == 0 && kc == KB &&
+                      (!a->causal || (int64_t)a->p.qL_off + row - c0 >= KB - 1);
+    if (plain) {
+        for (int c = 0; c < KB / FM_VL; c++) {
+            const fm_v x = fm_v_load(S + c * FM_VL) * a->p.scale;
+            s[c] = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
+            mv = fm_v_sel(s[c] > mv, s[c], mv);
+        }
+    } else {
+        for (int c = 0; c < KB / FM_VL; c++) {
+            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, mrow);
+            mv = fm_v_sel(s[c] > mv, s[c], mv);
+        }
+    }
+    const float mold = *M, mx = fm_v_max(mv);
+    const float factor = fm_v_exp(fm_v_splat(mold - mx))[0];
+    fm_v sum = fm_v_splat(0.0f);
+    for (int c = 0; c < KB / FM_VL; c++) {
+        fm_v pv = fm_v_exp(s[c] - mx);
+        if (round_bf16) pv = fm_v_round_bf16(pv);
+        sum += pv;
+        fm_v_store(S + c * FM_VL, pv);
+    }
+    *L = *L * factor + fm_v_sum(sum);
+    *M = mx;
+    *F = factor;
+}
+
+/* ---- one work item: QI rows of head h ----------------------------------- */
+
+void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi, const void *packed,
+                        float *scratch) {
+    const AttnParams *p = &a->p;
+    const int32_t D = p->D;
+    const int bfp = FM_SFX(pf_bf16_panels)(a);
+    const size_t esz = FM_SFX(pf_esz)(a);
+    const int64_t qL = p->qL, kL = p->kL;
+    const int64_t r0 = qi * QI;
+    const int64_t nrows = (qL - r0) < QI ? (qL - r0) : QI;
+    const int64_t ngroups = (nrows + R - 1) / R;
+    const int64_t nkb = fm_pf_nkb(a);
+
+    float *O = scratch;
+    float *Qf = O + (size_t)QI * D;
+    float *S = Qf + (size_t)QI * D;
+    float *P = S + (size_t)QI * KB;
+    float *M = P + (size_t)QI * KB;
+    float *L = M + QI;
+    float *F = L + QI;
+
+    const char *qbase = (const char *)a->q + esz * (b * p->Q_strides[0] + h * p->Q_strides[1]);
+    char *obase = (char *)a->o + esz * (b * p->O_strides[0] + h * p->O_strides[1]);
+    const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : esz;
+    const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
+        : (const char *)a->mask + msz * (b * a->mp.M_strides[0] + h * a->mp.M_strides[1]);
+
+    const uint16_t *qrow[QI];
+    const char *mrow[QI];
+    int64_t rowid[QI];
+    for (int64_t r = 0; r < ngroups * R; r++) {
+        const int64_t rr = r < nrows ? r : nrows - 1; /* padding rows repeat the last */
+        rowid[r] = r0 + rr;
+        qrow[r] = (const uint16_t *)(qbase + esz * (r0 + rr) * p->Q_strides[2]);
+        mrow[r] = mbase ? mbase + msz * (r0 + rr) * a->mp.M_strides[2] : NULL;
+        if (!bfp) FM_SFX(pf_cvt_row)(Qf + (size_t)r * D, qrow[r], D, a->io_dtype);
+        memset(O + (size_t)r * D, 0, sizeof(float) * D);
+        M[r] = FM_M_INIT;
+        L[r] = 0.0f;
+    }
+
+    const size_t panel = (size_t)KB * D * (bfp ? 2 : 4);
+    const char *Kpan = (const char *)packed;
+    const char *Vpan = Kpan + (size_t)nkb * panel;
+    const int64_t causal_last = p->qL_off + r0 + nrows - 1;
+
+    for (int64_t kb = 0; kb < nkb; kb++) {
+        const int64_t c0 = kb * KB;
+        if (a->causal && c0 > causal_last) break;
+        const int64_t kc = (kL - c0) < KB ? (kL - c0) : KB;
+        const void *Kb = Kpan + (size_t)kb * panel;
+        const void *Vb = Vpan + (size_t)kb * panel;
+        for (int64_t g = 0; g < ngroups; g++) {
+            const int64_t ga = R * g;
+            const int64_t glast = rowid[ga + R - 1];
+            if (a->causal && c0 > p->qL_off + glast) continue;
+            if (a->blk && fm_pf_blk_all_skip(a, rowid[ga], glast, c0, kc)) continue;
+            float *Sg = S + (size_t)ga * KB;
+#if FM_PF_BF16DP
+            if (bfp) FM_SFX(pf_qk_pairs)(qrow + ga, (const uint32_t *)Kb, D, Sg);
+            else
+#endif
+                FM_SFX(pf_qk_f32)(Qf + (size_t)ga * D, (const float *)Kb, D, Sg);
+            for (int r = 0; r < R; r++) {
+                float *Sr = Sg + (size_t)r * KB;
+                FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, mrow[ga + r], &M[ga + r], &L[ga + r],
+                                       &F[ga + r], bfp);
+#if FM_PF_BF16DP
+                if (bfp) {
+                    uint16_t *Pr = (uint16_t *)(P + (size_t)(ga + r) * KB);
+                    for (int c = 0; c < KB / FM_VL; c++) {
+                        const fm_vh16 hi = __builtin_convertvector((fm_vu)fm_v_load(Sr + c * FM_VL) >> 16, fm_vh16);
+                        memcpy(Pr + c * FM_VL, &hi, sizeof hi);
+                    }
+                }
+#endif
+            }
+#if FM_PF_BF16DP
+            if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, D,
+                                         (int)((kc + 1) / 2), F + ga, O + (size_t)ga * D);
+            else
+#endif
+                FM_SFX(pf_pv_f32)(Sg, (const float *)Vb, D, (int)kc, F + ga, O + (size_t)ga * D);
+        }
+    }
+
+    for (int64_t r = 0; r < nrows; r++) {
+        const float inv = L[r] == 0.0f ? 0.0f : 1.0f / L[r];
+        char *dst = obase + esz * (r0 + r) * p->O_strides[2];
+        const float *o = O + (size_t)r * D;
+        if (a->io_dtype == FM_DTYPE_F32) {
+            for (int32_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
+        } else if (a->io_dtype == FM_DTYPE_BF16) {
+            for (int32_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = fm_f32_to_bf16(o[d] * inv);
+        } else {
+            for (int32_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = fm_f32_to_f16(o[d] * inv);
+        }
+    }
+}
+
+#undef KB
+#undef R
+#undef NC
+#undef QI

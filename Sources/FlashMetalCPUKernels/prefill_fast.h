@@ -1,0 +1,41 @@
+/* Private to the fast prefill: helpers shared by every ISA instance of
+ * prefill_body.h and the per-ISA entry points prefill_fast.c dispatches to. */
+#ifndef FM_PREFILL_FAST_H
+#define FM_PREFILL_FAST_H
+#include "fm_cpu_kernels.h"
+#include "half_convert.h"
+#include "kernel_math.h"
+
+/* Largest head dim of the fast path (row buffers on the stack are this big). */
+#define FM_PF_DMAX 512
+
+static inline int64_t fm_pf_nkb(const FMPrefillArgs *a) { return ((int64_t)a->p.kL + FM_PF_KB - 1) / FM_PF_KB; }
+
+/* True when every (BQ, BK) tile that rows [ra, rb] x keys [c0, c0 + kc) touch is class 0. */
+int fm_pf_blk_all_skip(const FMPrefillArgs *a, int64_t ra, int64_t rb, int64_t c0, int64_t kc);
+
+#define FM_PF_DECLARE(sfx)                                                                          \
+    int32_t fm_pf_item_rows_##sfx(void);                                                            \
+    size_t fm_pf_pack_bytes_##sfx(const FMPrefillArgs *a);                                          \
+    size_t fm_pf_scratch_floats_##sfx(const FMPrefillArgs *a);                                      \
+    void fm_pf_pack_##sfx(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed); \
+    void fm_pf_item_##sfx(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi,                 \
+                          const void *packed, float *scratch);
+#define FM_VEC_DECLARE(sfx)                                                                         \
+    void fm_vec_partial_group_##sfx(const FlashAttnVecParams *p, const float *q, const void *k,     \
+                                    const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow,     \
+                                    int64_t wg, float *scratch);
+
+FM_VEC_DECLARE(portable)
+#if defined(__x86_64__)
+FM_PF_DECLARE(avx2)
+FM_PF_DECLARE(avx512)
+FM_PF_DECLARE(avx512bf16)
+FM_VEC_DECLARE(avx2)
+FM_VEC_DECLARE(avx512)
+#endif
+#if defined(__aarch64__)
+FM_PF_DECLARE(neon)
+FM_VEC_DECLARE(neon)
+#endif
+#endif

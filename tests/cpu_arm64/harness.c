@@ -1,0 +1,299 @@
+/* The cpu kernels on arm64: cross-built with clang --target=aarch64-linux-gnu
+ * and run under qemu-aarch64 (mk/cpu-arm64.mk), once per ISA path
+ * (FLASHMETAL_CPU_ISA=portable, then the native neon path). Each kernel runs
+ * the way the Swift backend drives it (pack, then items; decode partials,
+ * then the reduce) and is checked against a double-precision reference
+ * written here from the math. Speed is not measured: qemu emulates.
+ *
+ *   harness <expected isa name>     exit 0 when every check passes */
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "fm_cpu_kernels.h"
+#include "half_convert.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                  \
+    do {                                                  \
+        if (!(cond)) {                                    \
+            failures++;                                   \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                 \
+            fprintf(stderr, "\n");                        \
+        }                                                 \
+    } while (0)
+
+static uint64_t rng_state = 88172645463325252ull;
+static double urand(void) { /* xorshift64*, uniform in [0, 1) */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (double)((rng_state * 2685821657736338717ull) >> 11) / 9007199254740992.0;
+}
+static float nrand(void) { /* Box-Muller */
+    const double u = urand() + 1e-12, v = urand();
+    return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+}
+
+/* Buffers of one dtype, with the values the kernels see kept as double. */
+typedef struct { void *raw; double *val; int32_t dtype; size_t n; } Buf;
+
+static double to_double(int32_t dtype, const void *raw, size_t i) {
+    if (dtype == FM_DTYPE_F32) return ((const float *)raw)[i];
+    const uint16_t h = ((const uint16_t *)raw)[i];
+    return dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(h) : fm_f16_to_f32(h);
+}
+
+static void put(Buf *b, size_t i, float x) {
+    if (b->dtype == FM_DTYPE_F32) ((float *)b->raw)[i] = x;
+    else ((uint16_t *)b->raw)[i] = b->dtype == FM_DTYPE_BF16 ? fm_f32_to_bf16(x) : fm_f32_to_f16(x);
+    b->val[i] = to_double(b->dtype, b->raw, i);
+}
+
+static Buf buf_new(int32_t dtype, size_t n, int random) {
+    Buf b = {calloc(n, dtype == FM_DTYPE_F32 ? 4 : 2), calloc(n, sizeof(double)), dtype, n};
+    for (size_t i = 0; i < n; i++) put(&b, i, random ? nrand() : 0.0f);
+    return b;
+}
+static void buf_free(Buf *b) { free(b->raw); free(b->val); }
+
+/* Reference attention of one row: scores from the rule every path shares
+ * (masked -inf; others floored at -FLT_MAX/2), softmax in double. */
+static void ref_row(const double *q, const double *K, const double *V, int64_t kL, int32_t D, double scale,
+                    const double *bias, const int *visible, double *out) {
+    double *s = malloc(sizeof(double) * (size_t)kL), mx = -INFINITY;
+    for (int64_t j = 0; j < kL; j++) {
+        double dot = 0;
+        for (int32_t d = 0; d < D; d++) dot += q[d] * K[j * D + d];
+        double x = scale * dot;
+        if (bias) x += bias[j];
+        if (!visible[j] || (bias && bias[j] == -INFINITY)) x = -INFINITY;
+        else if (x < -FLT_MAX / 2) x = -FLT_MAX / 2;
+        s[j] = x;
+        if (x > mx) mx = x;
+    }
+    double sum = 0;
+    for (int32_t d = 0; d < D; d++) out[d] = 0;
+    if (mx == -INFINITY) { free(s); return; } /* no visible key: zeros */
+    for (int64_t j = 0; j < kL; j++) {
+        const double p = exp(s[j] - mx);
+        sum += p;
+        for (int32_t d = 0; d < D; d++) out[d] += p * V[j * D + d];
+    }
+    for (int32_t d = 0; d < D; d++) out[d] /= sum;
+    free(s);
+}
+
+static double tol_atol(int32_t dt) { return dt == FM_DTYPE_F32 ? 2e-5 : dt == FM_DTYPE_F16 ? 2e-3 : 8e-3; }
+
+/* ---- prefill ------------------------------------------------------------- */
+
+typedef struct {
+    int32_t D, qL, kL, qoff, H, Hkv, dtype, causal, mask_kind, use_blk, nan_q_row, huge_row;
+} PrefillCase;
+
+static void run_prefill(const PrefillCase *c, int fast) {
+    const int32_t D = c->D, H = c->H, Hkv = c->Hkv, qL = c->qL, kL = c->kL;
+    const int32_t bq = D == 512 ? 8 : 32, bk = D == 512 ? 8 : 16;
+    const int64_t NQ = (qL + bq - 1) / bq, NK = (kL + bk - 1) / bk;
+    Buf q = buf_new(c->dtype, (size_t)H * qL * D, 1), k = buf_new(c->dtype, (size_t)Hkv * kL * D, 1);
+    Buf v = buf_new(c->dtype, (size_t)Hkv * kL * D, 1), o = buf_new(c->dtype, (size_t)H * qL * D, 0);
+    if (c->nan_q_row >= 0) put(&q, (size_t)c->nan_q_row * D + 3, NAN);
+    /* additive mask: a window, a band of finite biases, one row of huge negatives */
+    Buf m = buf_new(c->dtype, (size_t)qL * kL, 0);
+    uint8_t *bm = calloc((size_t)qL * kL, 1);
+    double *bias = calloc((size_t)kL, sizeof(double));
+    int *vis = calloc((size_t)kL, sizeof(int));
+    for (int32_t i = 0; i < qL; i++)
+        for (int32_t j = 0; j < kL; j++) {
+            const int64_t t = c->qoff + i;
+            const int win = j <= t && t - j < 57;
+            float x = win ? 0.0f : -INFINITY;
+            if (win && j >= 40 && j < 70) x = (float)(urand() - 0.7);
+            if (i == c->huge_row) x = c->dtype == FM_DTYPE_F16 ? -65504.0f : -3.0e38f;
+            put(&m, (size_t)i * kL + j, x);
+            bm[(size_t)i * kL + j] = (uint8_t)(win || i == c->huge_row);
+        }
+    uint8_t *blk = NULL;
+    if (c->use_blk && c->mask_kind == FM_MASK_ADDITIVE && c->dtype != FM_DTYPE_F32) {
+        blk = malloc((size_t)(NQ * NK));
+        BlkParams bp = {qL, kL, kL, 0};
+        for (int64_t qt = 0; qt < NQ; qt++)
+            for (int64_t kt = 0; kt < NK; kt++)
+                fm_cpu_blk_tile(&bp, (const uint16_t *)m.raw, c->dtype == FM_DTYPE_BF16, blk, bq, bk, NK, qt, kt);
+    }
+    FMPrefillArgs a;
+    memset(&a, 0, sizeof a);
+    a.p.B = 1; a.p.H = H; a.p.D = D; a.p.qL = qL; a.p.kL = kL; a.p.gqa_factor = H / Hkv;
+    a.p.scale = 1.0f / sqrtf((float)D);
+    a.p.NQ = (int32_t)NQ; a.p.NK = (int32_t)NK; a.p.qL_off = c->qoff;
+    const int64_t qs[3] = {(int64_t)H * qL * D, (int64_t)qL * D, D}, ks[3] = {(int64_t)Hkv * kL * D, (int64_t)kL * D, D};
+    memcpy(a.p.Q_strides, qs, sizeof qs); memcpy(a.p.O_strides, qs, sizeof qs);
+    memcpy(a.p.K_strides, ks, sizeof ks); memcpy(a.p.V_strides, ks, sizeof ks);
+    const int64_t ms[3] = {0, 0, kL};
+    memcpy(a.mp.M_strides, ms, sizeof ms);
+    a.q = q.raw; a.k = k.raw; a.v = v.raw; a.o = o.raw;
+    a.mask = c->mask_kind == FM_MASK_BOOL ? (const void *)bm : m.raw;
+    a.mask_kind = c->mask_kind; a.blk = blk; a.io_dtype = c->dtype; a.causal = c->causal;
+    a.bq = bq; a.bk = bk;
+
+    const int isa = fm_cpu_isa();
+    if (fast) {
+        const size_t pb = fm_cpu_prefill_pack_bytes(&a, isa);
+        CHECK(pb > 0, "%s: no fast path for D=%d dtype=%d", fm_cpu_isa_name(isa), D, c->dtype);
+        if (pb == 0) goto done;
+        const int64_t nkb = (kL + FM_PF_KB - 1) / FM_PF_KB, rows = fm_cpu_prefill_item_rows(isa);
+        char *packed = malloc(pb * Hkv);
+        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_fast_scratch_floats(&a, isa));
+        for (int32_t g = 0; g < Hkv; g++)
+            for (int64_t kb = 0; kb < nkb; kb++) fm_cpu_prefill_pack(&a, isa, 0, g, kb, packed + g * pb);
+        for (int32_t h = 0; h < H; h++)
+            for (int64_t qi = (qL + rows - 1) / rows - 1; qi >= 0; qi--)
+                fm_cpu_prefill_fast_item(&a, isa, 0, h, qi, packed + (h / (H / Hkv)) * pb, scratch);
+        free(packed);
+        free(scratch);
+    } else {
+        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_scratch_floats(bq, bk, D));
+        for (int32_t h = 0; h < H; h++)
+            for (int64_t qt = 0; qt < NQ; qt++) fm_cpu_prefill_tile(&a, 0, h, qt, scratch);
+        free(scratch);
+    }
+    double worst = 0, *ref = malloc(sizeof(double) * (size_t)D);
+    for (int32_t h = 0; h < H; h++) {
+        const int32_t kvh = h / (H / Hkv);
+        for (int32_t i = 0; i < qL; i++) {
+            for (int32_t j = 0; j < kL; j++) {
+                vis[j] = !c->causal || j <= c->qoff + i;
+                if (c->mask_kind == FM_MASK_BOOL && !bm[(size_t)i * kL + j]) vis[j] = 0;
+                bias[j] = c->mask_kind == FM_MASK_ADDITIVE ? m.val[(size_t)i * kL + j] : 0.0;
+            }
+            const double *qr = q.val + ((size_t)h * qL + i) * D;
+            ref_row(qr, k.val + (size_t)kvh * kL * D, v.val + (size_t)kvh * kL * D, kL, D, a.p.scale,
+                    bias, vis, ref);
+            const size_t base = ((size_t)h * qL + i) * D;
+            const int nan_row = c->nan_q_row == (int32_t)(h * qL + i);
+            for (int32_t d = 0; d < D; d++) {
+                const double got = to_double(c->dtype, o.raw, base + d);
+                if (nan_row) { CHECK(isnan(got), "NaN q row: element %d is %g, not NaN", d, got); continue; }
+                const double err = fabs(got - ref[d]) / (tol_atol(c->dtype) + 0.02 * fabs(ref[d]));
+                if (!(err <= worst)) worst = err; /* NaN makes worst NaN */
+            }
+        }
+    }
+    CHECK(worst <= 1.0, "prefill %s %s D=%d dtype=%d causal=%d mask=%d blk=%d: error %.3gx tolerance",
+          fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, c->dtype, c->causal, c->mask_kind,
+          blk != NULL, worst);
+    free(ref);
+done:
+    free(blk); free(bm); free(bias); free(vis);
+    buf_free(&q); buf_free(&k); buf_free(&v); buf_free(&o); buf_free(&m);
+}
+
+/* ---- decode -------------------------------------------------------------- */
+
+static void run_decode(int32_t D, int32_t dtype, uint32_t kv_len, uint32_t window) {
+    const int32_t H = 4, Hkv = 2, cap = 333, nwg = FM_VEC_CHUNK;
+    Buf k = buf_new(dtype, (size_t)Hkv * cap * D, 1), v = buf_new(dtype, (size_t)Hkv * cap * D, 1);
+    Buf q = buf_new(FM_DTYPE_F32, (size_t)H * D, 1);
+    FlashAttnVecParams p = {H, Hkv, (uint32_t)D, kv_len, cap, 1.0f / sqrtf((float)D), window ? 2 : 1,
+                            window, 0.0f, nwg};
+    float *tmp = calloc((size_t)H * nwg * (D + 2), sizeof(float)), *out = calloc((size_t)H * D, sizeof(float));
+    float *scratch = malloc(sizeof(float) * fm_cpu_vec_scratch_floats(D, H / Hkv));
+    for (int32_t r = 0; r < Hkv; r++)
+        for (int32_t w = 0; w < nwg; w++)
+            fm_cpu_vec_partial_group(&p, (const float *)q.raw, k.raw, v.raw, dtype, tmp, r, w, scratch);
+    for (int32_t r = 0; r < H; r++) fm_cpu_vec_reduce_row(tmp, out, H, D, nwg, r, 0, NULL);
+    double worst = 0, *ref = malloc(sizeof(double) * (size_t)D);
+    int *vis = malloc(sizeof(int) * kv_len);
+    for (uint32_t j = 0; j < kv_len; j++) vis[j] = !window || (kv_len - 1) - j < window;
+    for (int32_t h = 0; h < H; h++) {
+        const int32_t kvh = h / (H / Hkv);
+        ref_row(q.val + (size_t)h * D, k.val + (size_t)kvh * cap * D, v.val + (size_t)kvh * cap * D, kv_len, D,
+                p.scale, NULL, vis, ref);
+        for (int32_t d = 0; d < D; d++) {
+            const double err = fabs(out[h * D + d] - ref[d]) / (1e-5 + 1e-4 * fabs(ref[d]));
+            if (!(err <= worst)) worst = err;
+        }
+    }
+    CHECK(worst <= 1.0, "decode %s D=%d kv dtype=%d kv_len=%u window=%u: error %.3gx tolerance",
+          fm_cpu_isa_name(fm_cpu_isa()), D, dtype, kv_len, window, worst);
+    free(tmp); free(out); free(scratch); free(ref); free(vis);
+    buf_free(&k); buf_free(&v); buf_free(&q);
+}
+
+/* ---- blk and mask builder ------------------------------------------------ */
+
+static void run_blk_and_mask(void) {
+    const int32_t qL = 40, kL = 50, bq = 8, bk = 8;
+    const int64_t NQ = 5, NK = 7;
+    uint16_t *m = calloc((size_t)qL * kL, 2);
+    for (int32_t i = 0; i < qL; i++)
+        for (int32_t j = 0; j < kL; j++) {
+            float x = 0.0f;
+            if (j < 8) x = -INFINITY;             /* tile column 0: all -inf -> 0 */
+            else if (j < 16) x = -1e30f;          /* finite: mixed -> 1 */
+            else if (j < 24 && i == 3) x = 0.5f;  /* one cell -> 1 in tile row 0 */
+            m[i * kL + j] = fm_f32_to_bf16(x);
+        }
+    uint8_t blk[5 * 7];
+    BlkParams bp = {qL, kL, kL, 0};
+    for (int64_t qt = 0; qt < NQ; qt++)
+        for (int64_t kt = 0; kt < NK; kt++) fm_cpu_blk_tile(&bp, m, 1, blk, bq, bk, NK, qt, kt);
+    for (int64_t qt = 0; qt < NQ; qt++) {
+        CHECK(blk[qt * NK + 0] == 0, "blk all -inf tile (%ld,0) = %d", (long)qt, blk[qt * NK]);
+        CHECK(blk[qt * NK + 1] == 1, "blk -1e30 tile (%ld,1) = %d, want 1", (long)qt, blk[qt * NK + 1]);
+        CHECK(blk[qt * NK + 2] == (qt == 0 ? 1 : 2), "blk tile (%ld,2) = %d", (long)qt, blk[qt * NK + 2]);
+        CHECK(blk[qt * NK + 6] == 1, "blk partial right-edge tile (%ld,6) = %d", (long)qt, blk[qt * NK + 6]);
+    }
+    MaskParams mp = {qL, kL, 5, 7, 1, 0};
+    uint16_t *row = calloc((size_t)qL * kL, 2);
+    for (int64_t i = 0; i < qL; i++) fm_cpu_mask_row(&mp, row, 0, i);
+    int bad = 0;
+    for (int32_t i = 0; i < qL; i++)
+        for (int32_t j = 0; j < kL; j++) {
+            const int64_t t = 5 + i;
+            const int vis = j <= t && t - j < 7;
+            bad += row[i * kL + j] != (vis ? 0x0000u : 0xFC00u);
+        }
+    CHECK(bad == 0, "mask builder: %d cells differ", bad);
+    free(m); free(row);
+}
+
+int main(int argc, char **argv) {
+    const int isa = fm_cpu_isa();
+    printf("cpu-arm64: ISA path %s\n", fm_cpu_isa_name(isa));
+    if (argc > 1) CHECK(strcmp(argv[1], fm_cpu_isa_name(isa)) == 0, "expected ISA %s, got %s", argv[1],
+                        fm_cpu_isa_name(isa));
+    const int fast = isa != FM_ISA_PORTABLE;
+    const int32_t dts[3] = {FM_DTYPE_BF16, FM_DTYPE_F16, FM_DTYPE_F32};
+    for (int di = 0; di < 3; di++) {
+        const int32_t dt = dts[di];
+        if (dt == FM_DTYPE_F32 && !fast) continue; /* f32 prefill is fast-path only */
+        for (int32_t D = 64; D <= 128; D += 64) {
+            const PrefillCase full = {D, 70, 150, 0, 4, 2, dt, 0, FM_MASK_NONE, 0, -1, -1};
+            run_prefill(&full, fast);
+            PrefillCase causal = full;
+            causal.causal = 1; causal.qoff = 80; causal.nan_q_row = 75;
+            run_prefill(&causal, fast);
+            PrefillCase masked = full;
+            masked.mask_kind = FM_MASK_ADDITIVE; masked.qoff = 80; masked.use_blk = 1; masked.huge_row = 9;
+            run_prefill(&masked, fast);
+            PrefillCase boolm = full;
+            boolm.mask_kind = FM_MASK_BOOL; boolm.qoff = 80;
+            run_prefill(&boolm, fast);
+        }
+    }
+    const PrefillCase d512 = {512, 20, 40, 20, 2, 1, FM_DTYPE_BF16, 1, FM_MASK_NONE, 0, -1, -1};
+    run_prefill(&d512, fast);
+    for (int di = 0; di < 3; di++) {
+        run_decode(64, dts[di], 300, 0);
+        run_decode(128, dts[di], 1, 0);
+        run_decode(256, dts[di], 333, 100);
+    }
+    run_blk_and_mask();
+    printf("cpu-arm64: %s: %s\n", fm_cpu_isa_name(isa), failures ? "FAILED" : "all checks passed");
+    return failures ? 1 : 0;
+}
