@@ -379,5 +379,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
             mask = _window_mask(mask, qa.shape[2], kl, c.q_offset, c.causal, window, qa.dtype, reg)
         return flash_attn_prefill(qa, ka, va, mask=mask, causal=c.causal, q_offset=q_offset, scale=scale,
                                   softcap=softcap, kv_len=kl, registry=reg)
-    return sdpa(qa, ka, va, mask=c.mask, causal=c.causal, scale=scale, kv_len=kl, q_offset=c.q_offset,
-                window=window, softcap=softcap, registry=reg)
+    # The position only when it matters and is not sdpa's default (kv_len - qL): a call
+    # without the extension parameters can take the cpu backend's fast float32 path.
+    positioned = (c.causal or window is not None) and c.q_offset != kl - qa.shape[2]
+    return sdpa(qa, ka, va, mask=c.mask, causal=c.causal, scale=scale, kv_len=kl,
+                q_offset=c.q_offset if positioned else None, window=window, softcap=softcap, registry=reg)
