@@ -156,7 +156,7 @@ public enum PrefillDispatcher {
             if t.mask == nil {
                 throw FlashMetalError.value(op, "blk requires mask (a blk without a mask is meaningless)")
             }
-            if t.mask?.rank != 2 {
+            if t.mask?.shape != [qL, kL] {
                 throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)")
             }
             try b.requireDType([.u8], op: op, name: "blk")
