@@ -3,7 +3,8 @@
  * bottom-right) or, with SdpaExtParams, at t = q_offset + i; causal keeps
  * keys <= t, a window w keeps keys with t - p < w. The optional softcap
  * c*tanh(s/c) applies to the scaled score, then the optional mask (ours) is
- * added, -inf / false hiding a key; a row with no visible key outputs zeros.
+ * added, -inf / false hiding a key; a row with no visible key outputs zeros;
+ * any other score below the running-max start is raised to it.
  * f16/bf16 I/O is rounded once on output. */
 #include <float.h>
 #include <math.h>
@@ -56,7 +57,12 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use
             const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
             float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
             if (cap_c > 0.0f) s = cap_c * tanhf(s / cap_c);
-            if (mrow) s += mask_bias(mrow, mask_kind, dtype, j);
+            const float bias = mrow ? mask_bias(mrow, mask_kind, dtype, j) : 0.0f;
+            s += bias;
+            /* The floor rule every backend shares: a key that is not masked
+             * (-inf) keeps a weight even below the running-max start, so a row
+             * of only very negative finite biases averages them. NaN stays. */
+            if (bias != -INFINITY && s < FM_M_INIT) s = FM_M_INIT;
             const float mx = s > M ? s : M;
             const float f = expf(M - mx), pj = expf(s - mx);
             const float *vr = row_f32(v, dtype, koff, D, vbuf);
