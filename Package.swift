@@ -7,6 +7,11 @@ let packageRoot = String(#filePath.dropLast("/Package.swift".count))
 let exportOnlyCABI: [LinkerSetting] = [
     .unsafeFlags(["-Xlinker", "--version-script=\(packageRoot)/Sources/FlashMetal/exports.map"],
                  .when(platforms: [.linux])),
+    // Never unmapped by dlclose (cffi closes the library when its handle is
+    // collected at interpreter exit): the process-wide pool's workers may
+    // still be running library code then. macOS never unloads a dylib that
+    // carries Swift metadata.
+    .unsafeFlags(["-Xlinker", "-z", "-Xlinker", "nodelete"], .when(platforms: [.linux])),
     .unsafeFlags(["-Xlinker", "-exported_symbol", "-Xlinker", "_fm_*"], .when(platforms: [.macOS])),
 ]
 

@@ -3,9 +3,12 @@
 //
 // Each thread runs an online softmax over its row's visible keys in the exp2
 // domain (scores scale * q.k, times log2(e); the running max starts at the
-// finite -FLT_MAX / 2). Causal is bottom-right: query i sits at
-// kv_len - qL + i and sees keys <= that position; a row that sees no key
-// outputs zeros (the S == 0 guard). GQA: head h reads kv head
+// finite -FLT_MAX / 2). Query i sits at t = kv_len - qL + i (the seed's
+// bottom-right) or, with SdpaExtParams (ours: buffer 8, constant 602), at
+// t = q_offset + i; causal keeps keys <= t, a window w keeps keys with
+// t - p < w, and (constant 603) the softcap c*tanh(s/c) applies to the
+// scaled score before the mask. A row that sees no key outputs zeros (the
+// S == 0 guard). GQA: head h reads kv head
 // h / (H / Hkv). K/V rows are kv_capacity apart; keys at or past kv_len are
 // never read. Accumulation in f32, the output rounded once.
 //
@@ -14,17 +17,20 @@
 // it walks the keys once per block of SDPA_DB dims, recomputing the same
 // scores (bit for bit), so every block sees the same running max and sum.
 //
-// Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32 or
-// bf16), 4 SdpaParams; with a mask (ours, not in the seed): 5 AttnMaskParams
+// Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32, f16
+// or bf16), 4 SdpaParams; with a mask (ours, not in the seed): 5 AttnMaskParams
 // (batch, head, row strides), 6 an additive mask in T (constant 601) or
 // 7 a bool mask, true = attend (constant 600). The mask is added to the
-// scaled score before the exp2-domain scaling, as in prefill.
+// scaled score before the exp2-domain scaling, as in prefill. 8
+// SdpaExtParams (constant 602).
 #include "dialect.h"
 #include "flashmetal.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, sdpa_bool_mask, 600)
 FUNCTION_CONSTANT(bool, sdpa_additive_mask, 601)
+FUNCTION_CONSTANT(bool, sdpa_ext, 602)
+FUNCTION_CONSTANT(bool, sdpa_softcap, 603)
 FUNCTION_CONSTANT_EXPR(bool, sdpa_has_mask, sdpa_bool_mask || sdpa_additive_mask)
 
 #define SDPA_DB 64
@@ -55,6 +61,7 @@ kernel void sdpa(
     constant AttnMaskParams *mp [[buffer(5), function_constant(sdpa_has_mask)]],
     const device T *amask [[buffer(6), function_constant(sdpa_additive_mask)]],
     const device bool *bmask [[buffer(7), function_constant(sdpa_bool_mask)]],
+    constant SdpaExtParams *ext [[buffer(8), function_constant(sdpa_ext)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup)) {
     const long D = p.head_dim;
@@ -77,9 +84,13 @@ kernel void sdpa(
     long mask_row = 0;  // element offset of this row in the mask
     if (sdpa_has_mask) mask_row = b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2];
 
-    // Visible keys: [0, end).
+    // Visible keys: [begin, end), from the row's absolute position t.
+    const long t = (sdpa_ext ? long(ext->q_offset) : kv_len - q_len) + r;
+    long begin = 0;
     long end = kv_len;
-    if (p.do_causal != 0) end = min(end, kv_len - q_len + r + 1);
+    if (p.do_causal != 0) end = min(end, t + 1);
+    if (sdpa_ext && ext->window > 0) begin = max(begin, t - long(ext->window) + 1);
+    const float cap_c = sdpa_softcap ? ext->softcap : 0.0f;
 
     for (long d0 = 0; d0 < D; d0 += SDPA_DB) {
         const int nb = int(min(long(SDPA_DB), D - d0));
@@ -87,8 +98,9 @@ kernel void sdpa(
         for (int i = 0; i < SDPA_DB; i++) acc[i] = 0.0f;
         float m = FM_RUNNING_MAX_START;
         float l = 0.0f;
-        for (long j = 0; j < end; j++) {
+        for (long j = begin; j < end; j++) {
             float x = p.scale * sdpa_dot(qr, kb + j * D, int(D));
+            if (sdpa_softcap) x = cap_c * precise::tanh(x / cap_c);
             if (sdpa_additive_mask) x += float(amask[mask_row + j]);
             if (sdpa_bool_mask && !bmask[mask_row + j]) x = -INFINITY;
             // Not masked: floored at the running max's start, so a huge
@@ -116,3 +128,4 @@ kernel void sdpa(
 
 INSTANTIATE_KERNEL("sdpa", sdpa, float)
 INSTANTIATE_KERNEL("sdpa_bf16", sdpa, bfloat)
+INSTANTIATE_KERNEL("sdpa_f16", sdpa, half)

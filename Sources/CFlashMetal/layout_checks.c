@@ -18,5 +18,8 @@ FM_AT(FlashAttnVecParams, nwg, 36);
 _Static_assert(sizeof(FlashAttnVecReduceParams) == 4, "FlashAttnVecReduceParams is 4 bytes");
 _Static_assert(sizeof(SdpaParams) == 32, "SdpaParams is 32 bytes");
 FM_AT(SdpaParams, do_causal, 28);
+_Static_assert(sizeof(SdpaExtParams) == 16, "SdpaExtParams is 16 bytes");
+FM_AT(SdpaExtParams, q_offset, 4);
+FM_AT(SdpaExtParams, window, 8);
 _Static_assert(sizeof(FMTensor) == 96, "FMTensor is 96 bytes");
 FM_AT(FMTensor, tag, 88);

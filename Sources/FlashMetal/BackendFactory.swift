@@ -28,7 +28,8 @@ enum BackendFactory {
 
     static func resolve(_ requested: String) -> String {
         guard requested == "auto" else { return requested }
-        if let env = getenv("FLASHMETAL_BACKEND"), !String(cString: env).isEmpty {
+        // FLASHMETAL_BACKEND=auto is the same as not setting it.
+        if let env = getenv("FLASHMETAL_BACKEND"), !String(cString: env).isEmpty, String(cString: env) != "auto" {
             return String(cString: env)
         }
         #if canImport(Metal)

@@ -2,11 +2,16 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `sdpa` / `sdpa_bf16` on the cpu: one work item per (batch, head, q tile).
+/// `sdpa` / `sdpa_f16` / `sdpa_bf16` on the cpu: one work item per
+/// (batch, head, q tile).
 final class SdpaKernel: CPUKernel {
     let name: String
     let io: DType
     let maskKind: MaskKind
+    /// SdpaExtParams bound at SdpaBuffer.ext (explicit q_offset, window, softcap):
+    /// the float32 fast path does not read them, so such calls take the general kernel.
+    let hasExt: Bool
+    let useSoftcap: Bool
     private let fastPath = SdpaFastPath()
 
     init(_ key: PipelineKey, io: DType) throws {
@@ -15,11 +20,14 @@ final class SdpaKernel: CPUKernel {
         let boolMask = try key.constants.requireBool(FunctionConstantIndex.sdpaBoolMask, kernel: name)
         let additive = try key.constants.requireBool(FunctionConstantIndex.sdpaAdditiveMask, kernel: name)
         maskKind = boolMask ? .bool : additive ? .additive : .none
+        hasExt = try key.constants.requireBool(FunctionConstantIndex.sdpaExt, kernel: name)
+        useSoftcap = try key.constants.requireBool(FunctionConstantIndex.sdpaSoftcap, kernel: name)
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        if try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
+        if !hasExt, try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
         var p = try d.params(SdpaBuffer.params, as: SdpaParams.self)
+        var ext = hasExt ? try d.params(SdpaBuffer.ext, as: SdpaExtParams.self) : SdpaExtParams()
         let q = try d.buffer(SdpaBuffer.q)
         let k = UnsafeRawPointer(try d.buffer(SdpaBuffer.k).data)
         let v = UnsafeRawPointer(try d.buffer(SdpaBuffer.v).data)
@@ -38,13 +46,17 @@ final class SdpaKernel: CPUKernel {
         let workers = max(min(pool.threads, d.grid.count), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
-        let kind = maskKind.rawValue
+        let kind = maskKind.rawValue, withExt = hasExt
+        let softcap: Int32 = useSoftcap ? 1 : 0
         withUnsafePointer(to: &p) { pp in
             withUnsafePointer(to: &mp) { mpp in
-                pool.forEach(nb * nh * nt) { w, item in
-                    let t = item % nt, h = (item / nt) % nh, b = item / (nt * nh)
-                    fm_cpu_sdpa_tile(pp, qd, k, v, o, dtype, mask, mpp, kind, Int64(b), Int64(h), Int64(t),
-                                     tileQ, scratch + w * floats)
+                withUnsafePointer(to: &ext) { ep in
+                    let extPtr: UnsafePointer<SdpaExtParams>? = withExt ? ep : nil
+                    pool.forEach(nb * nh * nt) { w, item in
+                        let t = item % nt, h = (item / nt) % nh, b = item / (nt * nh)
+                        fm_cpu_sdpa_tile(pp, extPtr, softcap, qd, k, v, o, dtype, mask, mpp, kind, Int64(b),
+                                         Int64(h), Int64(t), tileQ, scratch + w * floats)
+                    }
                 }
             }
         }

@@ -1,8 +1,11 @@
 /* Simple SDPA on the cpu (seed 003): one (batch, head, 32-row q tile), online
- * softmax per row in f32. Causal is bottom-right: query i sits at
- * kv_len - qL + i and sees keys <= that position; an optional mask (ours)
- * is added to the scaled score, -inf / false hiding a key; a row with no
- * visible key outputs zeros. bf16 I/O is rounded once on output. */
+ * softmax per row in f32. Query i sits at t = kv_len - qL + i (the seed's
+ * bottom-right) or, with SdpaExtParams, at t = q_offset + i; causal keeps
+ * keys <= t, a window w keeps keys with t - p < w. The optional softcap
+ * c*tanh(s/c) applies to the scaled score, then the optional mask (ours) is
+ * added, -inf / false hiding a key; a row with no visible key outputs zeros;
+ * any other score below the running-max start is raised to it.
+ * f16/bf16 I/O is rounded once on output. */
 #include <float.h>
 #include <math.h>
 #include "fm_cpu_kernels.h"
@@ -14,19 +17,21 @@ size_t fm_cpu_sdpa_scratch_floats(int32_t d) { return (size_t)d * 4; }
 
 static const float *row_f32(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
     if (dtype == FM_DTYPE_F32) return (const float *)base + off;
-    fm_load_row(buf, (const uint16_t *)base + off, d, 1);
+    fm_load_row(buf, (const uint16_t *)base + off, d, dtype == FM_DTYPE_BF16);
     return buf;
 }
 
 static float mask_bias(const void *row, int32_t mask_kind, int32_t dtype, int64_t j) {
     if (mask_kind == FM_MASK_BOOL) return ((const uint8_t *)row)[j] ? 0.0f : -INFINITY;
     if (dtype == FM_DTYPE_F32) return ((const float *)row)[j];
-    return fm_bf16_to_f32(((const uint16_t *)row)[j]);
+    const uint16_t m = ((const uint16_t *)row)[j];
+    return dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(m) : fm_f16_to_f32(m);
 }
 
-void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const void *v, void *o,
-                      int32_t dtype, const void *mask, const AttnMaskParams *mp, int32_t mask_kind,
-                      int64_t b, int64_t h, int64_t qtile, int32_t tile_q, float *scratch) {
+void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use_softcap, const void *q,
+                      const void *k, const void *v, void *o, int32_t dtype, const void *mask,
+                      const AttnMaskParams *mp, int32_t mask_kind, int64_t b, int64_t h, int64_t qtile,
+                      int32_t tile_q, float *scratch) {
     const int32_t D = (int32_t)p->head_dim;
     const int64_t H = p->n_heads, Hkv = p->n_kv_heads, qL = p->seq_len, kL = p->kv_seq_len;
     const int64_t cap = p->kv_capacity ? p->kv_capacity : kL;
@@ -38,20 +43,26 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const v
         const int64_t qoff = ((b * H + h) * qL + r) * D;
         const float *qr = row_f32(q, dtype, qoff, D, qbuf);
         if (qr != qbuf) { for (int32_t i = 0; i < D; i++) qbuf[i] = qr[i]; }
-        int64_t last = kL - 1;
-        if (p->do_causal) {
-            const int64_t t = kL - qL + r;
-            if (t < last) last = t;
-        }
+        const int64_t t = (ext ? (int64_t)ext->q_offset : kL - qL) + r;
+        int64_t first = 0, last = kL - 1;
+        if (p->do_causal && t < last) last = t;
+        if (ext && ext->window > 0 && t - ext->window + 1 > first) first = t - ext->window + 1;
+        const float cap_c = use_softcap && ext ? ext->softcap : 0.0f;
         const size_t msz = mask_kind == FM_MASK_BOOL ? 1 : (dtype == FM_DTYPE_F32 ? 4 : 2);
         const void *mrow = mask_kind == FM_MASK_NONE ? NULL
             : (const char *)mask + msz * (b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2]);
         for (int32_t i = 0; i < D; i++) acc[i] = 0.0f;
         float M = FM_M_INIT, S = 0.0f;
-        for (int64_t j = 0; j <= last; j++) {
+        for (int64_t j = first; j <= last; j++) {
             const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
             float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
-            if (mrow) s += mask_bias(mrow, mask_kind, dtype, j);
+            if (cap_c > 0.0f) s = cap_c * tanhf(s / cap_c);
+            const float bias = mrow ? mask_bias(mrow, mask_kind, dtype, j) : 0.0f;
+            s += bias;
+            /* The floor rule every backend shares: a key that is not masked
+             * (-inf) keeps a weight even below the running-max start, so a row
+             * of only very negative finite biases averages them. NaN stays. */
+            if (bias != -INFINITY && s < FM_M_INIT) s = FM_M_INIT;
             const float mx = s > M ? s : M;
             const float f = expf(M - mx), pj = expf(s - mx);
             const float *vr = row_f32(v, dtype, koff, D, vbuf);
@@ -63,9 +74,12 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const v
         if (dtype == FM_DTYPE_F32) {
             float *dst = (float *)o + qoff;
             for (int32_t i = 0; i < D; i++) dst[i] = acc[i] * inv;
-        } else {
+        } else if (dtype == FM_DTYPE_BF16) {
             uint16_t *dst = (uint16_t *)o + qoff;
             for (int32_t i = 0; i < D; i++) dst[i] = fm_f32_to_bf16(acc[i] * inv);
+        } else {
+            uint16_t *dst = (uint16_t *)o + qoff;
+            for (int32_t i = 0; i < D; i++) dst[i] = fm_f32_to_f16(acc[i] * inv);
         }
     }
 }

@@ -57,6 +57,15 @@ public enum BlkAllocations {
         }
     }
 
+    /// Throws when a tagged tensor was allocated for another head dim or
+    /// mask shape (a blk's classes are only valid for its own geometry);
+    /// caller memory (tag 0) passes.
+    public static func requireMadeFor(_ t: TensorRef, headDim: Int, qL: Int, kL: Int, op: String, name: String) throws {
+        if let r = provenance(t), r.headDim != headDim || r.qL != qL || r.kL != kL {
+            throw FlashMetalError.value(op, "\(name) was built for head_dim \(r.headDim) and a [\(r.qL), \(r.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask")
+        }
+    }
+
     /// The record of a tagged tensor (nil for caller memory).
     public static func provenance(_ t: TensorRef) -> Record? {
         t.tag == 0 ? nil : lock.withLock { live[t.tag] }

@@ -49,6 +49,10 @@ public enum BlkDispatcher {
         if blk.byteCount < need {
             throw FlashMetalError.value(op, "blk_out buffer too small: expected at least \(need) bytes (NQ=\(nq), NK=\(nk)), got \(blk.byteCount)")
         }
+        // A tagged blk (fm_alloc_blk) is trusted by prefill for the geometry
+        // it was allocated for: filling it for another one would be a silent
+        // wrong result there.
+        try BlkAllocations.requireMadeFor(blk, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk_out")
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         let params = BlkParams(seq_len_q: Int32(qL), seq_len_k: Int32(kL), mask_row_stride: Int32(kL), _pad: 0)
         return Dispatch(

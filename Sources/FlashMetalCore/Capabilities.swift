@@ -78,7 +78,7 @@ public enum VecCapability {
 /// Simple SDPA (seed 003): any head dim up to `maxHeadDim`.
 public enum SdpaCapability {
     /// Q/K/V/out dtypes with an sdpa kernel.
-    public static let ioTypes: [DType] = [.f32, .bf16]
+    public static let ioTypes: [DType] = [.f32, .f16, .bf16]
     /// The largest head dim the kernel handles (its per-thread accumulators).
     public static let maxHeadDim = 512
     /// Every kernel of the op, enumerated from the table.

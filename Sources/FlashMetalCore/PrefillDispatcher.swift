@@ -156,16 +156,14 @@ public enum PrefillDispatcher {
             if t.mask == nil {
                 throw FlashMetalError.value(op, "blk requires mask (a blk without a mask is meaningless)")
             }
-            if t.mask?.rank != 2 {
+            if t.mask?.shape != [qL, kL] {
                 throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)")
             }
             try b.requireDType([.u8], op: op, name: "blk")
             if b.shape != [tiles.nq, tiles.nk] {
                 throw FlashMetalError.value(op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) and a [\(qL), \(kL)] mask (build it with that head dim and mask)")
             }
-            if let made = BlkAllocations.provenance(b), made.headDim != headDim || made.qL != qL || made.kL != kL {
-                throw FlashMetalError.value(op, "blk was built for head_dim \(made.headDim) and a [\(made.qL), \(made.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask")
-            }
+            try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)

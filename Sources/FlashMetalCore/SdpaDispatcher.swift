@@ -8,25 +8,46 @@ public struct SdpaOptions: Sendable {
     public var causal: Bool = true
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
+    /// Absolute position of query row 0; nil is the seed's bottom-right
+    /// alignment (kv_len - qL). 0 is torch's top-left causal alignment.
+    public var qOffset: Int? = nil
+    /// Sliding window w (keys p with t - p < w); nil = none.
+    public var window: Int? = nil
+    /// Logit softcap c > 0 (c * tanh(s / c)); 0 = off.
+    public var softcap: Float = 0
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil) {
+    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil, qOffset: Int? = nil,
+                window: Int? = nil, softcap: Float = 0) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
+        self.qOffset = qOffset; self.window = window; self.softcap = softcap
     }
 
     /// Reads the C options, rejecting out-of-range flags.
     public init(_ o: FMSdpaOptions) throws {
+        let op = SdpaDispatcher.op
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(SdpaDispatcher.op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
         }
-        if o.kv_len < 0 { throw FlashMetalError.value(SdpaDispatcher.op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
-        self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len))
+        guard o.has_q_offset == 0 || o.has_q_offset == 1 else {
+            throw FlashMetalError.value(op, "has_q_offset must be 0 or 1, got \(o.has_q_offset)")
+        }
+        if o.kv_len < 0 { throw FlashMetalError.value(op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)") }
+        self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len),
+                  qOffset: o.has_q_offset == 1 ? Int(o.q_offset) : nil,
+                  window: o.window == 0 ? nil : Int(o.window), softcap: o.softcap)
     }
+
+    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the seed.
+    var needsExt: Bool { qOffset != nil || window != nil || softcap != 0 }
 }
 
-/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16`, one thread
-/// per query row, TILE_Q = 32 rows per threadgroup. Causal is bottom-right:
-/// query i sits at kv_len - qL + i.
+/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16` (+ ours:
+/// `sdpa_f16`), one thread per query row, TILE_Q = 32 rows per threadgroup.
+/// Causal is bottom-right (query i at kv_len - qL + i) unless SdpaExtParams
+/// (SdpaBuffer.ext, constant sdpaExt) give an explicit q_offset; the same
+/// struct adds the window and the softcap (constant sdpaSoftcap).
 ///
 /// Grid (B, H, ceil(qL/32)) of 32 threads; buffers SdpaBuffer. The optional
 /// mask (ours; the seed had none): a bool one at SdpaBuffer.boolMask with
@@ -73,6 +94,15 @@ public enum SdpaDispatcher {
         if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))") }
         let scale = o.scale
         if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        if !(o.softcap.isFinite && o.softcap >= 0) {
+            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
+        }
+        if let w = o.window, !(1...Int(Int32.max)).contains(w) {
+            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)")
+        }
+        if let off = o.qOffset, !(Int(Int32.min)...Int(Int32.max)).contains(off) {
+            throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range")
+        }
         for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "q_len"), (cap, "K/V capacity")] where v > Int(UInt32.max) {
             throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")
         }
@@ -93,9 +123,19 @@ public enum SdpaDispatcher {
             bindings[SdpaBuffer.maskParams] = .bytes(bytesOf(mp))
             bindings[boolMask ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask] = .buffer(m)
         }
+        if o.needsExt {
+            let qOffset = o.qOffset ?? (kvLen - qL)
+            guard let off32 = Int32(exactly: qOffset) else {
+                throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range")
+            }
+            let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0), _pad: 0)
+            bindings[SdpaBuffer.ext] = .bytes(bytesOf(ext))
+        }
         let constants = FunctionConstants([
             (FunctionConstantIndex.sdpaBoolMask, .bool(mask != nil && boolMask)),
             (FunctionConstantIndex.sdpaAdditiveMask, .bool(mask != nil && !boolMask)),
+            (FunctionConstantIndex.sdpaExt, .bool(o.needsExt)),
+            (FunctionConstantIndex.sdpaSoftcap, .bool(o.softcap != 0)),
         ])
         return Dispatch(kernel: .sdpa(io: q.dtype), constants: constants,
                         grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),

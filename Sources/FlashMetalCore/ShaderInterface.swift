@@ -26,6 +26,10 @@ public enum FunctionConstantIndex {
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
     public static let sdpaAdditiveMask = Int(FM_FC_SDPA_ADDITIVE_MASK.rawValue)
+    /// sdpa: SdpaExtParams are bound (explicit q_offset, window).
+    public static let sdpaExt = Int(FM_FC_SDPA_EXT.rawValue)
+    /// sdpa: the softcap of SdpaExtParams applies.
+    public static let sdpaSoftcap = Int(FM_FC_SDPA_SOFTCAP.rawValue)
 
     /// Every index with its header name, for the tests that tie the shaders to them.
     public static let all: [(name: String, index: Int)] = [
@@ -33,6 +37,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_DO_CAUSAL", doCausal), ("FM_FC_HAS_BLK", hasBlk), ("FM_FC_BLK_BQ", blkBQ),
         ("FM_FC_BLK_BK", blkBK), ("FM_FC_VEC_HAS_SIGNS", vecHasSigns),
         ("FM_FC_SDPA_BOOL_MASK", sdpaBoolMask), ("FM_FC_SDPA_ADDITIVE_MASK", sdpaAdditiveMask),
+        ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
     ]
 }
 
@@ -120,6 +125,8 @@ public enum SdpaBuffer {
     public static let additiveMask = Int(FM_SDPA_BUF_ADDITIVE_MASK.rawValue)
     /// FM_SDPA_BUF_BOOL_MASK.
     public static let boolMask = Int(FM_SDPA_BUF_BOOL_MASK.rawValue)
+    /// SdpaExtParams (with FunctionConstantIndex.sdpaExt).
+    public static let ext = Int(FM_SDPA_BUF_EXT.rawValue)
 }
 
 /// The kind of mask a prefill or sdpa call carries (FMMaskKind).

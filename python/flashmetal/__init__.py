@@ -11,9 +11,10 @@ Errors derive from :class:`Error` and carry ``.op`` (the public function)
 and ``.status``; each is also a ValueError, TypeError or RuntimeError.
 """
 from ._errors import BackendError, Error, InternalError, InvalidTypeError, InvalidValueError
+from ._info import info
 from ._loader import header_version
 from .prefill import flash_attn_prefill
-from .attention import scaled_dot_product_attention
+from .attention import Route, explain, last_route, scaled_dot_product_attention
 from .blk import blk_byte_len, build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask
@@ -22,8 +23,9 @@ from .registry import Registry, default_registry
 from ._native import abi_version, head_dims as supported_head_dims
 
 __all__ = ["Error", "InvalidValueError", "InvalidTypeError", "BackendError", "InternalError", "Registry",
-           "default_registry", "flash_attn_prefill", "scaled_dot_product_attention", "blk_byte_len",
-           "build_blk", "flash_attn_decode", "build_mask", "sdpa", "supported_head_dims", "abi_version"]
+           "default_registry", "flash_attn_prefill", "scaled_dot_product_attention", "Route", "explain",
+           "last_route", "info", "blk_byte_len", "build_blk", "flash_attn_decode", "build_mask", "sdpa",
+           "supported_head_dims", "abi_version"]
 
 
 def __getattr__(name: str) -> str:

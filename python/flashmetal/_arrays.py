@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _loader
+from ._interop import to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -22,9 +23,11 @@ MAX_RANK = 8
 
 
 def as_input(x: Any, op: str, name: str) -> np.ndarray:
-    """An input as a C-contiguous array: passed as is when it already is one,
-    otherwise copied once (the caller's array is never modified)."""
-    a = np.asarray(x)
+    """An input as a C-contiguous array: passed as is when it already is one
+    (numpy arrays, torch CPU tensors and other DLPack / buffer-protocol
+    objects are viewed, not copied), otherwise copied once (the caller's
+    array is never modified)."""
+    a = to_numpy(x, op, name)
     if a.dtype not in DTYPE_NAMES:
         raise TypeError(f"{op}: {name} dtype {a.dtype} is not supported "
                         "(use bfloat16, float16, float32, bool or uint8 as the op requires)")

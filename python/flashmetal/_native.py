@@ -134,10 +134,16 @@ def constant(name: str) -> int:
     return getattr(lib(), name)
 
 
-@functools.cache
 def head_dims(op: str) -> tuple[int, ...]:
     """The head dims with a kernel for "flash_attn_prefill" or "flash_attn_vec",
     from the library's capability tables."""
+    if not isinstance(op, str):
+        raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
+    return _head_dims(op)
+
+
+@functools.cache
+def _head_dims(op: str) -> tuple[int, ...]:
     f = ffi()
     count = f.new("size_t *")
     out = f.new("int32_t[]", 64)

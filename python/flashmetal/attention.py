@@ -1,141 +1,386 @@
-"""The front door: one attention call that picks the kernel for the inputs."""
+"""The front door: torch's ``scaled_dot_product_attention``, on the best
+flashmetal kernel for the inputs.
+
+Positions and the two causal conventions. Query row i sits at position
+``t = q_offset + i`` and key j at position j; ``is_causal`` keeps keys
+``j <= t`` and ``window`` w keeps keys with ``t - j < w``. ``align`` says
+where the query block sits:
+
+- ``"top_left"`` (default; torch's ``is_causal``): ``q_offset = 0``. With
+  qL < kL the queries are the *first* qL positions.
+- ``"bottom_right"`` (a KV cache, flash-attn's ``causal``): ``q_offset =
+  kv_len - qL``: the queries are the *newest* qL positions. Rows with t < 0
+  (qL > kv_len) see no key and output zeros.
+
+Both agree when qL == kv_len.
+"""
 from __future__ import annotations
 
 import math
+import numbers
+import threading
+from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
+from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
+from ._errors import InvalidTypeError, InvalidValueError
+from ._interop import to_numpy, wrapper_like
 from .blk import build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask
 from .prefill import flash_attn_prefill
-from .registry import Registry, default_registry
+from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-_VEC_HEAD_DIMS = (64, 128, 256, 512)
+_SDPA_MAX_HEAD_DIM = 512
+#: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
+#: zero-padded to the next one it has when there are at least this many query
+#: rows: the tiled kernel on the padded problem beats the one-thread-per-row
+#: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
+PAD_MIN_QUERY_ROWS = 32
+_ALIGNS = ("top_left", "bottom_right")
+#: Above this many bytes a window mask for the prefill kernel is built in
+#: chunks of query rows (each chunk's q, mask and output copied), so memory
+#: stays bounded; below it, one [qL, kL] mask and its blk.
+WINDOW_MASK_BYTES = 64 << 20
 
-#: Kernel families the front door reports with ``return_kernel=True``.
+#: The kernel families the front door runs (``Route.kernel``).
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa")
 
 
+@dataclass(frozen=True)
+class Route:
+    """Which kernel ran (or would run) and why."""
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.reason}"
+
+
+_last = threading.local()
+
+
+def last_route() -> Route | None:
+    """The route of this thread's last ``scaled_dot_product_attention`` call."""
+    return getattr(_last, "route", None)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_arguments(dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any, softcap: Any,
+                     window: Any, kv_len: Any, align: Any) -> None:
+    """torch's argument types, strictly: a wrong type is a TypeError naming it."""
+    if not _is_real(dropout_p):
+        raise InvalidTypeError(_OP, f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise InvalidValueError(_OP, f"dropout_p must be 0.0 (flashmetal is for inference; no dropout), got {dropout_p}")
+    for name, val in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(val, (bool, np.bool_)):
+            raise InvalidTypeError(_OP, f"{name} must be a bool, got {type(val).__name__}")
+    if scale is not None and not _is_real(scale):
+        raise InvalidTypeError(_OP, f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise InvalidValueError(_OP, f"scale must be finite, got {scale}")
+    if not _is_real(softcap):
+        raise InvalidTypeError(_OP, f"softcap must be a float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise InvalidValueError(_OP, f"softcap must be 0 (off) or a finite value > 0, got {softcap}")
+    for name, val in (("window", window), ("kv_len", kv_len)):
+        if val is not None and not _is_int(val):
+            raise InvalidTypeError(_OP, f"{name} must be an int or None, got {type(val).__name__}")
+    if window is not None and not 0 < window < 2**31:
+        raise InvalidValueError(_OP, f"window must be > 0 and fit in int32, got {window}")
+    if align not in _ALIGNS:
+        raise InvalidValueError(_OP, f"align must be 'top_left' or 'bottom_right', got {align!r}")
+
+
+def _saturating_cast(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """An additive mask in `dtype`, converted once; finite values beyond the
+    dtype's range saturate to its finite min/max (a cast would make them
+    -inf, which means 'masked': a row of only such keys must still see them)."""
+    if m.dtype == dtype:
+        return m
+    f = m.astype(np.float32)
+    lim = float(ml_dtypes.finfo(dtype).max)
+    big = np.isfinite(f) & (np.abs(f) > lim)
+    if big.any():
+        f = np.where(big, np.sign(f) * lim, f)
+    return f.astype(dtype)
+
+
+def _mask_operand(mask: Any, io: np.dtype, shape: tuple[int, int, int, int], cap: int) -> np.ndarray:
+    """The caller's mask as the kernels take it: rank 4 with each of B, H, qL
+    either full or 1 (read with stride 0: no expansion), bool or additive in
+    the I/O dtype. Axes a caller expanded with stride 0 (torch's
+    ``expand``) are collapsed back to 1; only a mask broadcast along the key
+    axis, or a dtype conversion, makes a copy, of the mask's own size."""
+    B, H, qL, kl = shape
+    m = to_numpy(mask, _OP, "attn_mask")
+    given = tuple(m.shape)
+    if m.dtype != BOOL and m.dtype.kind != "f" and m.dtype != BF16:
+        raise InvalidTypeError(_OP, f"attn_mask must be bool (True = attend) or a float additive mask, got {m.dtype}")
+    if not 0 <= m.ndim <= 4:
+        raise InvalidValueError(_OP, f"attn_mask has rank {m.ndim}; it must broadcast to [B, H, qL, kL] "
+                         f"= {[B, H, qL, kl]}")
+    m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+    if any(d not in (1, want) for d, want in zip(m.shape[:3], (B, H, qL))) or m.shape[3] not in (1, kl, cap):
+        raise InvalidValueError(_OP, f"attn_mask shape {given} does not broadcast to [B, H, qL, kL] "
+                         f"= {[B, H, qL, kl]}")
+    m = m[tuple(slice(0, 1) if n > 1 and st == 0 else slice(None) for n, st in zip(m.shape[:3], m.strides[:3]))]
+    if m.shape[3] == cap != kl:
+        m = m[..., :kl]  # a mask over the whole cache: the valid keys only
+    if m.shape[3] == 1 and kl > 1:
+        m = np.broadcast_to(m, m.shape[:3] + (kl,))
+    if m.dtype != BOOL:
+        m = _saturating_cast(m, io)
+    return np.ascontiguousarray(m)
+
+
+def _window_mask(mask: np.ndarray | None, qL: int, kl: int, q_offset: int, causal: bool, window: int,
+                 io: np.dtype, reg: Registry) -> np.ndarray:
+    """The window (and causal) visibility as an additive mask for prefill,
+    combined with the caller's mask (whose leading shape it then takes)."""
+    wm = build_mask(qL, kl, causal=causal, window=window, q_offset=q_offset, dtype=io, registry=reg)
+    if mask is None:
+        return wm
+    add = np.where(mask, np.float32(0), np.float32(-np.inf)) if mask.dtype == BOOL else mask.astype(np.float32)
+    return np.ascontiguousarray((add + wm.astype(np.float32)).astype(io))
+
+
+def _windowed_prefill(qa, ka, va, *, q_offset, causal, window, scale, softcap, kl, reg):
+    """Prefill with a sliding window through the window mask and its blk
+    (tiles outside the window are skipped). The mask is [rows, kL]: one
+    block of all qL rows when it is small, else chunks of rows, so memory
+    stays O(chunk * kL) instead of O(qL * kL)."""
+    B, H, qL, D = qa.shape
+    rows = max(128, (WINDOW_MASK_BYTES // (kl * qa.dtype.itemsize)) // 128 * 128)
+    if qL <= rows:
+        wm = build_mask(qL, kl, causal=causal, window=window, q_offset=q_offset, dtype=qa.dtype, registry=reg)
+        return flash_attn_prefill(qa, ka, va, mask=wm, blk=build_blk(wm, D, registry=reg), causal=causal,
+                                  q_offset=q_offset, scale=scale, softcap=softcap, kv_len=kl, registry=reg)
+    out = np.empty(qa.shape, qa.dtype)
+    for i0 in range(0, qL, rows):
+        n = min(rows, qL - i0)
+        wm = build_mask(n, kl, causal=causal, window=window, q_offset=q_offset + i0, dtype=qa.dtype, registry=reg)
+        out[:, :, i0:i0 + n] = flash_attn_prefill(
+            np.ascontiguousarray(qa[:, :, i0:i0 + n]), ka, va, mask=wm, blk=build_blk(wm, D, registry=reg),
+            causal=causal, q_offset=q_offset + i0, scale=scale, softcap=softcap, kv_len=kl, registry=reg)
+    return out
+
+
+@dataclass
+class _Call:
+    """One call's validated operands and decided route."""
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray | None
+    causal: bool
+    q_offset: int
+    kv_len: int
+    route: Route
+    pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
+    squeeze: bool  # rank-3 inputs: the batch axis was added here
+
+
+def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
+          align) -> _Call:
+    _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
+    qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    if qa.dtype not in (F32, BF16, F16):
+        raise InvalidTypeError(_OP, f"query must be float32, float16 or bfloat16, got {qa.dtype}")
+    for name, a in (("key", ka), ("value", va)):
+        if a.dtype != qa.dtype:
+            raise InvalidTypeError(_OP, f"{name} dtype {a.dtype} does not match query dtype {qa.dtype}")
+    squeeze = qa.ndim == 3
+    for name, a in (("query", qa), ("key", ka), ("value", va)):
+        if a.ndim != qa.ndim or a.ndim not in (3, 4):
+            raise InvalidValueError(_OP, f"query, key and value must all have rank 4 [B, H, L, D] (or 3: [H, L, D]); "
+                             f"{name} has shape {a.shape}")
+    if squeeze:
+        qa, ka, va = qa[None], ka[None], va[None]
+    B, H, qL, D = qa.shape
+    if ka.shape[:2] != va.shape[:2] or ka.shape[2] != va.shape[2] or ka.shape[3] != D or va.shape[3] != D:
+        raise InvalidValueError(_OP, f"key {ka.shape} and value {va.shape} must be [B, Hkv, kL, D] with D = {D} "
+                         "(value's head dim must equal query's)")
+    if ka.shape[0] != B:
+        raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
+    hkv, cap = ka.shape[1], ka.shape[2]
+    if hkv != H and not enable_gqa:
+        raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
+                         "attention")
+    if hkv == 0 or H % hkv:
+        raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
+    if qL == 0 or D == 0 or B == 0 or H == 0:
+        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty axis")
+    kl = cap if kv_len is None else int(kv_len)
+    if not 0 < kl <= cap:
+        raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
+    ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
+    q_offset = 0 if align == "top_left" else kl - qL
+    causal = bool(is_causal)
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window)
+    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze)
+
+
+def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
+            window: int | None) -> tuple[Route, int | None]:
+    """The fastest kernel that computes exactly this problem, and the head
+    dim to zero-pad q/k/v to for it (None: no padding)."""
+    vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
+    last_row = q_offset == kl - 1 or (not causal and window is None)
+    if qL == 1 and mask is None and D in vec_dims and last_row:
+        return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
+    why_not = []
+    if dtype not in (BF16, F16):
+        why_not.append(f"{dtype} I/O (prefill takes bfloat16/float16)")
+    if causal and not 0 <= q_offset <= kl - qL:
+        why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
+    if not causal and qL > kl:
+        why_not.append(f"qL ({qL}) > kL ({kl})")
+    pad_to = None
+    if D not in prefill_dims:
+        bigger = [d for d in prefill_dims if d > D]
+        if bigger and qL >= PAD_MIN_QUERY_ROWS:
+            pad_to = bigger[0]
+        else:
+            has = ", ".join(map(str, prefill_dims))
+            why_not.append(f"head dim {D} (prefill has {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
+                           if bigger else f"head dim {D} (prefill has {has})")
+    if not why_not:
+        extra = ", the window as a mask with its blk tile classes" if window is not None else ""
+        padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
+        return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
+    if D > _SDPA_MAX_HEAD_DIM:
+        raise InvalidValueError(_OP, f"head dim {D} is above {_SDPA_MAX_HEAD_DIM}, the largest any kernel takes "
+                         f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
+    return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
+
+
+def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
+    """`a` with its last axis zero-padded to d: q.k and p.V are unchanged (the
+    extra products are exact zeros) and the extra output columns are zeros."""
+    out = np.zeros(a.shape[:-1] + (d,), a.dtype)
+    out[..., :a.shape[-1]] = a
+    return out
+
+
+def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+            is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
+            softcap: float = 0.0, window: int | None = None, kv_len: int | None = None,
+            align: str = "top_left") -> Route:
+    """The route ``scaled_dot_product_attention`` would take for these
+    arguments, without running it (the same checks and errors)."""
+    return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
+                 align).route
+
+
 def scaled_dot_product_attention(
-    q: Any,
-    k: Any,
-    v: Any,
+    query: Any,
+    key: Any,
+    value: Any,
     attn_mask: Any = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
-    scale: float | None = None,
     *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
     softcap: float = 0.0,
     window: int | None = None,
     kv_len: int | None = None,
-    return_kernel: bool = False,
-    registry: Registry | None = None,
-) -> np.ndarray | tuple[np.ndarray, str]:
-    """Attention with torch-like arguments on the best flashmetal kernel.
+    align: str = "top_left",
+    registry: RegistryLike = None,
+) -> Any:
+    """``torch.nn.functional.scaled_dot_product_attention``, same arguments in
+    the same order (scale and enable_gqa keyword-only, as torch's are), on
+    the best flashmetal kernel. Always finds a kernel:
 
-    Positions are bottom-right aligned, as in a KV cache: query row i sits at
-    ``kv_len - qL + i``. ``is_causal`` hides keys after that position;
-    ``window`` w keeps keys p with ``position - p < w``. The semantics are
-    the same whichever kernel runs:
+    - ``flash_attn_vec`` (split-KV decode): one query row at the newest
+      position, no ``attn_mask``, D in {64, 128, 256, 512};
+    - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
+      {64, 128, 256, 512} (other D below 512 zero-padded to the next one when
+      there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
+      the keys;
+    - ``sdpa`` (the general kernel) for everything else: float32, any head dim
+      up to 512 (80, 96, ...), qL > kL, softcap, window.
 
-    - one query row (qL == 1), no ``attn_mask`` and D in {64, 128, 256, 512}
-      → ``flash_attn_vec`` (split-KV decode; q is computed in float32 and the
-      result rounded once to q's dtype);
-    - bfloat16 / float16 → ``flash_attn_prefill`` (with a window, the window
-      mask and its blk tile classes are built here);
-    - float32 → ``sdpa`` (``attn_mask`` and ``window`` go in as its mask;
-      ``softcap`` raises ValueError unless the call takes the vec route).
+    ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
     Args:
-        q: ``[B, H, qL, D]``.
-        k, v: ``[B, Hkv, cap, D]``, q's dtype; H a multiple of Hkv.
-        attn_mask: additive (q's dtype) or bool (True = attend) mask,
-            ``[qL, kL]`` or ``[B, H, qL, kL]`` with kL = kv_len.
-        is_causal: causal, bottom-right aligned (needs qL <= kv_len).
+        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``); float32, float16 or
+            bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
+            DLPack / buffer-protocol object; read without copying when
+            C-contiguous.
+        key, value: ``[B, Hkv, kL, D]``, query's dtype.
+        attn_mask: bool (True = attend) or additive (any float dtype: 0
+            attend, -inf masked, any finite bias; converted once to the I/O
+            dtype), broadcastable to ``[B, H, qL, kL]`` as in torch. Axes of
+            size 1 (or expanded with stride 0) are read in place. Combines
+            with ``is_causal`` and ``window`` (torch raises for is_causal +
+            attn_mask; here both apply).
+        dropout_p: must be 0.0 (no dropout: an inference library).
+        is_causal: keep keys at positions <= the query's (see ``align``).
         scale: score scale; default ``1/sqrt(D)``.
-        softcap: logit softcap c > 0; 0 disables it.
-        window: sliding window w > 0, or None.
-        kv_len: valid K/V length; default ``cap``.
-        return_kernel: also return the kernel family that ran (one of ``ROUTES``).
-        registry: the backend to run on; default ``Registry("auto")``.
+        enable_gqa: allow Hkv < H (H a multiple of Hkv), as in torch.
+        softcap: logit softcap c > 0: ``c*tanh(s/c)`` before the mask; 0 = off.
+        window: sliding window w: keys p with ``t - p < w``; None = none.
+        kv_len: valid K/V length when key/value are a cache with more slots;
+            default kL.
+        align: ``"top_left"`` (torch: query i at position i) or
+            ``"bottom_right"`` (KV cache: query i at ``kv_len - qL + i``).
+        registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
-        The output ``[B, H, qL, D]`` in q's dtype, or ``(output, kernel)``
-        with ``return_kernel=True``.
+        ``[B, H, qL, D]`` in query's dtype and type: a torch tensor (sharing
+        the result's memory) for a torch query, else a numpy array.
     """
-    reg = registry or default_registry()
-    qa = as_input(q, _OP, "q")
-    ka = as_input(k, _OP, "k")
-    va = as_input(v, _OP, "v")
-    if qa.dtype not in (F32, BF16, F16):
-        raise TypeError(f"{_OP}: q must be float32, bfloat16 or float16, got {qa.dtype}")
-    for name, a in (("k", ka), ("v", va)):
-        if a.dtype != qa.dtype:
-            raise TypeError(f"{_OP}: {name} dtype {a.dtype} does not match q dtype {qa.dtype}")
-    for name, a in (("q", qa), ("k", ka), ("v", va)):
-        if a.ndim != 4:
-            raise ValueError(f"{_OP}: {name} must have rank 4 [B, H, L, D], got shape {a.shape}")
-    B, H, qL, D = qa.shape
-    cap = ka.shape[2]
-    kl = cap if kv_len is None else int(kv_len)
-    if not 0 < kl <= cap:
-        raise ValueError(f"{_OP}: kv_len must be in 1..{cap} (k's sequence length), got {kv_len}")
-    if qL == 0:
-        raise ValueError(f"{_OP}: q has no query rows (shape {qa.shape})")
-    if is_causal and qL > kl:
-        raise ValueError(f"{_OP}: is_causal needs qL ({qL}) <= kv_len ({kl}) (bottom-right alignment)")
-    if window is not None and not 0 < int(window) < 2**31:
-        raise ValueError(f"{_OP}: window must be > 0 and fit in int32, got {window}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"{_OP}: softcap must be 0 (off) or a finite value > 0, got {softcap}")
-    ma = None if attn_mask is None else as_input(attn_mask, _OP, "attn_mask")
-    if ma is not None:
-        if ma.dtype not in (qa.dtype, BOOL):
-            raise TypeError(f"{_OP}: attn_mask must be {qa.dtype} (additive) or bool, got {ma.dtype}")
-        if ma.shape not in ((qL, kl), (B, H, qL, kl)):
-            raise ValueError(f"{_OP}: attn_mask shape {ma.shape} must be {(qL, kl)} or {(B, H, qL, kl)}")
-    q_offset = kl - qL  # may be < 0 only without is_causal
+    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
+                 align)
+    reg = resolve(registry, _OP)
+    out = _run(call, scale, softcap, window, reg)
+    _last.route = call.route
+    return wrapper_like(query)(out[0] if call.squeeze else out)
 
-    if qL == 1 and ma is None and D in _VEC_HEAD_DIMS and q_offset >= 0:
-        o = flash_attn_decode(qa[:, :, 0, :].astype(F32), ka, va, kl, scale=scale, causal=is_causal,
-                              window=window, softcap=softcap, registry=reg)
-        out, route = o.astype(qa.dtype)[:, :, None, :], "flash_attn_vec"
-    elif qa.dtype in (BF16, F16):
-        if q_offset < 0:
-            raise ValueError(f"{_OP}: qL ({qL}) > kv_len ({kl}) is not supported for {qa.dtype} inputs")
-        blk = None
+
+def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
+    qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
+    kernel = c.route.kernel
+    if kernel == "flash_attn_vec":
+        o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
+                              causal=c.causal, window=window, softcap=softcap, registry=reg)
+        return o.astype(qa.dtype)[:, :, None, :]
+    if kernel == "flash_attn_prefill" and c.pad_to:
+        d = qa.shape[-1]
+        padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
+                       _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
+                       c.squeeze)
+        out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
+        return np.ascontiguousarray(out[..., :d])
+    if kernel == "flash_attn_prefill":
+        # Without causal, the position only matters to the window mask (built here).
+        q_offset = c.q_offset if c.causal else 0
+        if window is not None and c.mask is None:
+            return _windowed_prefill(qa, ka, va, q_offset=c.q_offset, causal=c.causal, window=window, scale=scale,
+                                     softcap=softcap, kl=kl, reg=reg)
+        mask = c.mask
         if window is not None:
-            wm = build_mask(qL, kl, causal=is_causal, window=int(window), q_offset=q_offset,
-                            dtype=qa.dtype, registry=reg)
-            if ma is not None:
-                add = np.where(ma, 0.0, -np.inf) if ma.dtype == BOOL else ma.astype(np.float32)
-                ma = (wm.astype(np.float32) + add).astype(qa.dtype)
-            else:
-                ma = wm
-            ma = np.ascontiguousarray(ma)
-            if ma.ndim == 2:
-                blk = build_blk(ma, D, registry=reg)
-        out = flash_attn_prefill(qa, ka, va, mask=ma, causal=is_causal, q_offset=q_offset, scale=scale,
-                                 softcap=softcap, kv_len=kl, blk=blk, registry=reg)
-        route = "flash_attn_prefill"
-    else:
-        if softcap != 0:
-            raise ValueError(f"{_OP}: softcap with float32 inputs and qL = {qL} is not supported by the "
-                             "sdpa kernel; use bfloat16/float16 inputs or one query row")
-        if window is not None:
-            # The sliding window as a bool mask, combined with the caller's.
-            t = q_offset + np.arange(qL)[:, None]
-            in_window = (t - np.arange(kl)[None, :]) < int(window)
-            if ma is None:
-                ma = in_window
-            elif ma.dtype == BOOL:
-                ma = np.ascontiguousarray(ma & in_window)
-            else:
-                ma = np.ascontiguousarray(np.where(in_window, ma, np.float32(-np.inf)).astype(F32))
-        out = sdpa(qa, ka, va, mask=ma, causal=is_causal, scale=scale, kv_len=kl, registry=reg)
-        route = "sdpa"
-    return (out, route) if return_kernel else out
+            mask = _window_mask(mask, qa.shape[2], kl, c.q_offset, c.causal, window, qa.dtype, reg)
+        return flash_attn_prefill(qa, ka, va, mask=mask, causal=c.causal, q_offset=q_offset, scale=scale,
+                                  softcap=softcap, kv_len=kl, registry=reg)
+    # The position only when it matters and is not sdpa's default (kv_len - qL): a call
+    # without the extension parameters can take the cpu backend's fast float32 path.
+    positioned = (c.causal or window is not None) and c.q_offset != kl - qa.shape[2]
+    return sdpa(qa, ka, va, mask=c.mask, causal=c.causal, scale=scale, kv_len=kl,
+                q_offset=c.q_offset if positioned else None, window=window, softcap=softcap, registry=reg)

@@ -13,6 +13,29 @@ _OP = "build_blk"
 _I64 = (-(2**63), 2**63 - 1)
 
 
+class BlkArray(np.ndarray):
+    """build_blk's result: a uint8 [NQ, NK] array that remembers the head dim
+    and mask shape it was built for (``made_for``), so flash_attn_prefill can
+    reject it for another geometry or a mask of another shape with the same
+    tile counts. Views and copies are plain caller memory (``made_for`` None)."""
+
+    made_for: tuple[int, int, int] | None = None
+
+
+def made_for(blk: object) -> tuple[int, int, int] | None:
+    """(head_dim, q_len, kv_len) a build_blk result was built for; None for any other array."""
+    return blk.made_for if type(blk) is BlkArray else None
+
+
+def tile_counts(op: str, q_len: int, kv_len: int, head_dim: int) -> tuple[int, int]:
+    """[NQ, NK] of a blk for a [q_len, kv_len] mask and head_dim (the library's geometry)."""
+    ffi = _native.ffi()
+    t = ffi.new("FMTensor *")
+    _native.call_static("fm_alloc_blk", q_len, kv_len, head_dim, t, op=op)
+    _native.lib().fm_free_blk(t, ffi.NULL, 0)
+    return int(t.shape[0]), int(t.shape[1])
+
+
 def blk_byte_len(q_len: int, kv_len: int, head_dim: int, *, registry: RegistryLike = None) -> int:
     """Bytes of a blk buffer for a ``[q_len, kv_len]`` mask consumed by a prefill
     of ``head_dim``: ``ceil(qL/BQ) * ceil(kL/BK)`` rounded up to a multiple of
@@ -56,4 +79,6 @@ def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) 
         buf = np.frombuffer(ffi.buffer(t.data, int(t.nbytes)), dtype=U8).copy()
     finally:
         _native.lib().fm_free_blk(t, ffi.NULL, 0)
-    return buf[: nq * nk].reshape(nq, nk)
+    result = buf[: nq * nk].reshape(nq, nk).view(BlkArray)
+    result.made_for = (d, int(m.shape[0]), int(m.shape[1]))
+    return result

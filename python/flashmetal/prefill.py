@@ -6,6 +6,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import as_input, check_out, tensor
+from .blk import made_for, tile_counts
 from ._errors import InvalidValueError
 from .registry import RegistryLike, resolve
 
@@ -61,7 +62,14 @@ def flash_attn_prefill(
     va = as_input(v, _OP, "V")
     ma = None if mask is None else as_input(mask, _OP, "mask")
     ba = None if blk is None else as_input(blk, _OP, "blk")
-    if layout not in _LAYOUTS:
+    built = made_for(blk)
+    if built is not None and ma is not None and ma.ndim == 2 and qa.ndim == 4 and (qa.shape[-1], *ma.shape) != built:
+        # A blk of the right [NQ, NK] shape built for another mask shape has
+        # the wrong classes; a wrong shape is the library's error.
+        if tile_counts(_OP, ma.shape[0], ma.shape[1], qa.shape[-1]) == tuple(ba.shape):
+            raise InvalidValueError(_OP, f"blk was built for head_dim {built[0]} and a {list(built[1:])} mask, "
+                                    f"not head_dim {qa.shape[-1]} and a {list(ma.shape)} mask")
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise InvalidValueError(_OP, f"layout must be 'bhld' or 'blhd', got {layout!r}")
     if out is None:
         out = np.empty(qa.shape, dtype=qa.dtype)

@@ -59,14 +59,27 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | Non
     return np.where(denom > 0, o / np.where(denom > 0, denom, 1.0), 0.0)
 
 
-def close(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[bool, float]:
-    """|a - e| <= atol + rtol*|e| elementwise; returns (ok, worst excess ratio)."""
+def excess(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> np.ndarray:
+    """|a - e| / (atol + rtol*|e|) elementwise, broadcast to a's shape: <= 1 is
+    within tolerance. A non-finite expected value must be matched exactly (NaN
+    by NaN, inf by the same inf): 0 when it is, inf when it is not; NaN on one
+    side only is inf."""
     a = _f64(actual)
-    e = _f64(expected)
-    err = np.abs(a - e)
-    bound = atol + rtol * np.abs(e)
-    ratio = float(np.max(err / bound)) if err.size else 0.0
-    return bool(np.all(err <= bound)), ratio
+    e = np.broadcast_to(_f64(expected), a.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        ratio = np.abs(a - e) / (atol + rtol * np.abs(e))
+        same_nonfinite = (np.isnan(a) & np.isnan(e)) | ((a == e) & ~np.isfinite(e))
+    ratio = np.where(a == e, 0.0, ratio)  # exact, even where the bound is 0
+    ratio = np.where(np.isfinite(e), ratio, np.where(same_nonfinite, 0.0, np.inf))
+    return np.where(np.isnan(ratio), np.inf, ratio)
+
+
+def close(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[bool, float]:
+    """|a - e| <= atol + rtol*|e| elementwise (non-finite expected values
+    matched exactly, see `excess`); returns (ok, worst excess ratio)."""
+    r = excess(actual, expected, atol, rtol)
+    ratio = float(np.max(r)) if r.size else 0.0
+    return ratio <= 1.0, ratio
 
 
 def mask_additive(q_len: int, k_len: int, *, causal: bool, q_offset: int = 0,

@@ -11,6 +11,12 @@ from . import _native
 from ._errors import InvalidTypeError, InvalidValueError
 
 
+# Backends that defer work to the end of a batch scope (Metal commits one
+# command buffer then) and so read the call's arrays after the call returns.
+# cpu and sim run every call to completion before it returns.
+DEFERRING_BACKENDS = frozenset({"metal"})
+
+
 class Registry:
     """A handle on a backend ("auto", "cpu", "sim" or "metal").
 
@@ -21,6 +27,8 @@ class Registry:
     def __init__(self, backend: str = "auto") -> None:
         if not isinstance(backend, str):
             raise InvalidTypeError("create_registry", f"backend must be a str, got {type(backend).__name__}")
+        if "\0" in backend:  # C would read only the part before it
+            raise InvalidValueError("create_registry", f"backend name contains a NUL character: {backend!r}")
         ffi = _native.ffi()
         out = ffi.new("FMRegistry **")
         _native.call_static("fm_create_registry", backend.encode(), out, op="create_registry")
@@ -33,6 +41,7 @@ class Registry:
         if status != _native.lib().FM_OK:
             raise _native.error_for(status, "the new registry is not live", "registry_backend")
         self.backend: str = ffi.string(name).decode()
+        self._defers_work = self.backend in DEFERRING_BACKENDS
 
     # Kept for tests and benchmarks that drive entry points directly.
     @property
@@ -60,8 +69,10 @@ class Registry:
         return h
 
     def _keep_for_batch(self, arrays: tuple) -> None:
-        """Holds the arrays of a call made inside a batch scope until it ends."""
-        if self._batch_depth:
+        """Holds the arrays of a call made inside a batch scope until it ends,
+        on a backend that reads them only then; elsewhere nothing is kept
+        (issue 12 item 8: a batch must not hoard memory it does not need)."""
+        if self._defers_work and self._batch_depth:
             with self._batch_lock:
                 if self._batch_depth:
                     self._batch_keep.append(arrays)
@@ -98,8 +109,10 @@ class Registry:
     def batch(self) -> Iterator["Registry"]:
         """A batch scope: the backend may defer work until the scope closes
         (Metal: one command buffer). Read outputs after the ``with`` block.
-        The arrays of calls made inside (including temporary contiguous
-        copies of inputs) are kept alive until the outermost scope ends."""
+        On a deferring backend (Metal) the arrays of calls made inside
+        (including temporary contiguous copies of inputs) are kept alive until
+        the outermost scope ends; cpu and sim finish each call as it returns
+        and keep nothing."""
         _native.call(self, "fm_begin_batch", op="begin_batch")
         with self._batch_lock:
             self._batch_depth += 1
@@ -130,10 +143,12 @@ os.register_at_fork(after_in_child=_new_defaults_lock_in_child)
 
 
 def default_registry(backend: str = "auto") -> Registry:
-    """A process-wide registry per backend name, created on first use."""
+    """A process-wide registry per backend name, created on first use (and
+    again after a caller closed it, which would otherwise poison every later
+    ``registry=`` name lookup)."""
     with _defaults_lock:
         r = _defaults.get(backend)
-        if r is None:
+        if r is None or r._handle is None:
             r = _defaults[backend] = Registry(backend)
         return r
 

@@ -1,4 +1,4 @@
-"""Simple fused SDPA (seed 003's op): float32 or bfloat16."""
+"""Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim <= 512."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,23 +20,32 @@ def sdpa(
     causal: bool = False,
     scale: float | None = None,
     kv_len: int | None = None,
+    q_offset: int | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
     out: np.ndarray | None = None,
     registry: RegistryLike = None,
 ) -> np.ndarray:
     """``softmax(scale * Q K^T) V`` with one thread per query row.
 
     Args:
-        q: ``[B, H, qL, D]``, float32 or bfloat16; D <= 512.
+        q: ``[B, H, qL, D]``, float32, float16 or bfloat16; D <= 512.
         k, v: ``[B, Hkv, cap, D]``, q's dtype (a mismatch is a TypeError
             naming both dtypes); H must be a multiple of Hkv.
         mask: optional additive mask in q's dtype (0 attend, -inf hidden, any
-            finite bias) or bool (True = attend), ``[qL, kv_len]`` broadcast
-            or ``[B, H, qL, kv_len]``; added to the scaled scores.
+            finite bias) or bool (True = attend), ``[qL, kv_len]``,
+            ``[H, qL, kv_len]`` or ``[B, H, qL, kv_len]``, each of B, H, qL
+            possibly 1 (broadcast in place); added to the scaled scores.
         causal: bottom-right aligned, as every op: query i sits at
             ``kv_len - qL + i`` and sees keys up to that position (rows
             before key 0 give zeros). Default False, as every op.
         scale: score scale; default ``1/sqrt(D)``.
         kv_len: valid K/V length (default all ``cap`` slots).
+        q_offset: position of query row 0, t = q_offset + i (causal keeps
+            keys <= t); None is the default bottom-right ``kv_len - qL``, 0
+            is torch's top-left.
+        window: sliding window w > 0: keys p with t - p < w; None = none.
+        softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
         out: optional output array of q's shape and dtype.
         registry: a Registry or a backend name; default ``Registry("auto")``.
     """
@@ -53,7 +62,11 @@ def sdpa(
         "FMSdpaOptions",
         scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
         causal=1 if causal else 0,
-        kv_len=0 if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, 1))
+        kv_len=0 if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, 1),
+        has_q_offset=0 if q_offset is None else 1,
+        q_offset=0 if q_offset is None else _native.index_arg(_OP, "q_offset", q_offset),
+        window=0 if window is None else _native.index_arg(_OP, "window", window, 1),
+        softcap=_native.float32_arg(_OP, "softcap", softcap))
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, ma),
                  tensor(ffi, out), opts, op=_OP, keep=(qa, ka, va, ma, out))

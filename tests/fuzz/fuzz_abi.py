@@ -197,7 +197,7 @@ def gen_vec(rng, backend):
 
 
 def gen_sdpa(rng, backend):
-    dt = int(rng.choice([0, 2]))
+    dt = int(rng.choice([0, 1, 2]))
     d = int(rng.choice([1, 7, 8, 33, 64, 128, 512]))
     b = int(rng.integers(1, 3))
     hkv = int(rng.integers(1, 3))
@@ -208,6 +208,9 @@ def gen_sdpa(rng, backend):
     t = {"q": _tensor(rng, dt, [b, h, ql, d]), "k": _tensor(rng, dt, [b, hkv, cap, d]),
          "v": _tensor(rng, dt, [b, hkv, cap, d]), "out": _tensor(rng, dt, [b, h, ql, d], role="out")}
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), causal=int(rng.integers(0, 2)), kv_len=kvl)
+    if rng.random() < 0.5:  # the extension: explicit position (any int32), window, softcap
+        opts.update(has_q_offset=1, q_offset=int(rng.choice([0, -5, 3, 2**31 - 1, -2**31])),
+                    window=int(rng.choice([0, 1, 4, 2**31 - 1])), softcap=float(rng.choice([0.0, 2.0])))
     return Case("sdpa", backend, t, opts)
 
 
@@ -455,8 +458,10 @@ def expected(case: Case, extra: Any):
     if case.op == "sdpa":
         q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
         kl = o["kv_len"] or k.shape[2]
+        i32 = lambda x: (x + 2**31) % 2**32 - 2**31  # noqa: E731 - the library saw the wrapped int32
+        off = i32(o["q_offset"]) if o.get("has_q_offset") else kl - q.shape[2]
         e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], scale=o["scale"], causal=bool(o["causal"]),
-                                q_offset=kl - q.shape[2])
+                                q_offset=off, window=i32(o.get("window", 0)) or None, softcap=o.get("softcap", 0.0))
         return e, "out", t["q"].dtype
     if case.op == "mask":
         ql, kl = t["out"].shape

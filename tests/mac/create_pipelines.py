@@ -10,7 +10,8 @@ against the float64 reference):
            (constants align_Q, align_K, has_mask, do_causal, has_blk)
   decode   K/V {f32, f16, bf16} x D {64, 128, 256, 512} x reduce {plain,
            FWHT undo, FWHT undo with signs} (constant has_signs)
-  sdpa     {f32, bf16} x mask {none, additive, bool} (bool/additive constants)
+  sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
+           q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16} x D (tile constants 400, 401)
 
   create_pipelines.py [--backend metal]   (sim runs it anywhere, slowly)
@@ -80,7 +81,8 @@ def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 
 def sdpa_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
-    for dtype, mask_kind in itertools.product((F32, BF16), ("none", "additive", "bool")):
+    ext_kinds = {"none": {}, "ext": dict(q_offset=0, window=3), "ext+softcap": dict(q_offset=2, window=4, softcap=2.0)}
+    for dtype, mask_kind, ext in itertools.product((F32, F16, BF16), ("none", "additive", "bool"), ext_kinds):
         q = randn(rng, (1, 2, 5, 64), dtype)
         k = randn(rng, (1, 2, 9, 64), dtype)
         v = randn(rng, (1, 2, 9, 64), dtype)
@@ -89,8 +91,11 @@ def sdpa_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
             mask = np.where(rng.random((5, 9)) < 0.3, -np.inf, 0.0).astype(dtype)
         elif mask_kind == "bool":
             mask = rng.random((5, 9)) >= 0.3
-        out = fm.sdpa(q, k, v, mask=mask, causal=False, registry=reg)
-        assert_close(out, reference.attention(q, k, v, mask=mask), dtype, f"sdpa {dtype} mask={mask_kind}")
+        kw = ext_kinds[ext]
+        out = fm.sdpa(q, k, v, mask=mask, causal=False, registry=reg, **kw)
+        e = reference.attention(q, k, v, mask=mask, q_offset=kw.get("q_offset", 0), window=kw.get("window"),
+                                softcap=kw.get("softcap", 0.0))
+        assert_close(out, e, dtype, f"sdpa {dtype} mask={mask_kind} {ext}")
         n += 1
     return n
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from flashmetal import reference
 from flashmetal.reference import close
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -23,13 +24,10 @@ def worst_element(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: f
     """The element furthest outside |a - e| <= atol + rtol*|e|: index and both values."""
     a = np.asarray(actual, dtype=np.float64)
     e = np.broadcast_to(np.asarray(expected, dtype=np.float64), a.shape)
-    with np.errstate(invalid="ignore"):
-        excess = np.abs(a - e) / (atol + rtol * np.abs(e))
-    excess = np.where(np.isnan(excess), np.inf, excess)  # NaN on one side only is the worst
-    idx = np.unravel_index(int(np.argmax(excess)), a.shape) if a.size else ()
     if not a.size:
         return "empty"
-    return (f"worst at index {tuple(int(i) for i in idx)}: actual {a[idx]!r}, expected {e[idx]!r}, "
+    idx = np.unravel_index(int(np.argmax(reference.excess(a, e, atol, rtol))), a.shape)
+    return (f"worst at index {tuple(int(i) for i in idx)}: actual {float(a[idx])!r}, expected {float(e[idx])!r}, "
             f"|diff| {abs(a[idx] - e[idx]):.3g}")
 
 

@@ -138,10 +138,6 @@ def test_forced_isa_nonfinite_matches_portable(tmp_path):
 def test_huge_finite_bias_averages_cpu(cpu, dtype):
     """Rows whose every key carries finfo(bf16).min (or -1e30) get the
     softmax over them (a uniform average), as the reference and torch."""
-    if dtype == F32 and lib_isa()[1] == "portable":
-        # float32 then runs sdpa.c (the sdpa op's own kernel, owned by the
-        # sdpa work), which does not apply the floor rule yet.
-        pytest.xfail("sdpa.c: floor rule for huge finite biases not applied yet")
     q, k, v = _qkv(dtype, 64, seed=6)
     huge = float(ml_dtypes.finfo(dtype).min)  # bf16: below -FLT_MAX/2; f32: -FLT_MAX
     m = np.zeros((QL, KL), np.float32)

@@ -444,7 +444,8 @@ def test_front_door_api(cpu, dt, d, ql, kl, is_causal, window, mask, softcap, kv
     elif mask == "bool":
         m = rng.random((ql, max(L, 0))) < 0.8
     res = _run(lambda: fm.scaled_dot_product_attention(q, k, v, m, is_causal, softcap=softcap, window=window,
-                                                       kv_len=kv_len, registry=cpu),
+                                                       kv_len=kv_len, enable_gqa=True, align="bottom_right",
+                                                       registry=cpu),
                [x for x in (q, k, v, m) if x is not None], None, OPS)
     if res is None:
         return

@@ -172,6 +172,10 @@ def test_batch_keeps_temporary_copies_until_it_ends(registry_name, rng):
     q = randn(rng, (4, 128), F32)[:, ::2]  # strided: the library gets a copy
     k = randn(rng, (2, 16, 64), F32)
     with reg.batch():
+        fm.flash_attn_decode(q, k, k, 16, registry=reg)
+        assert reg._batch_keep == [], "a synchronous backend keeps nothing inside a batch"
+    reg._defers_work = True  # as Metal: the work runs at the end of the scope
+    with reg.batch():
         with reg.batch():
             fm.flash_attn_decode(q, k, k, 16, registry=reg)
         kept = [a for call in reg._batch_keep for a in call if a is not None]

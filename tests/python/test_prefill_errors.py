@@ -67,7 +67,7 @@ def test_masks(cpu, rng, qkv):
            q, k, v, mask=np.zeros((8, 15), BF16), registry=cpu)
     raises(ValueError, "mask shape [1, 2, 8, 16] must be [1, 4, 8, 16]", fm.flash_attn_prefill,
            q, k, v, mask=np.zeros((1, 2, 8, 16), BF16), registry=cpu)
-    raises(ValueError, "mask must have rank 2 or 4", fm.flash_attn_prefill,
+    raises(ValueError, "mask must have rank 2 or 3 or 4", fm.flash_attn_prefill,
            q, k, v, mask=np.zeros((16,), BF16), registry=cpu)
     raises(ValueError, "blk requires mask", fm.flash_attn_prefill,
            q, k, v, blk=np.zeros(32, np.uint8), registry=cpu)

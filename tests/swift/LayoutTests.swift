@@ -50,4 +50,10 @@ final class LayoutTests: XCTestCase {
         ]
         for (kp, off) in fields { XCTAssertEqual(MemoryLayout<SdpaParams>.offset(of: kp), off, "\(kp)") }
     }
+
+    func testSdpaExtParams() {
+        XCTAssertEqual(MemoryLayout<SdpaExtParams>.size, 16)
+        let fields: [(PartialKeyPath<SdpaExtParams>, Int)] = [(\.softcap, 0), (\.q_offset, 4), (\.window, 8)]
+        for (kp, off) in fields { XCTAssertEqual(MemoryLayout<SdpaExtParams>.offset(of: kp), off, "\(kp)") }
+    }
 }

@@ -38,8 +38,8 @@ final class SdpaDispatcherTests: XCTestCase {
         expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=bfloat16 != output=float32") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bf16, .bf16, .bf16, .f32])
         }
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or bfloat16, got float16") {
-            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.f16, .f16, .f16, .f16])
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or float16 or bfloat16, got bool") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bool, .bool, .bool, .bool])
         }
         expectFMError(op, contains: "head_dim must be <= 512, got 640") { _ = try make(q: [1, 2, 4, 640], k: [1, 2, 4, 640]) }
         expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
@@ -53,7 +53,15 @@ final class SdpaDispatcherTests: XCTestCase {
         expectFMError(op, contains: "Q buffer too small") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], qBytes: 10) }
         expectFMError(op, contains: "Q must have rank 4") { _ = try make(q: [2, 4, 8], k: [1, 2, 4, 8]) }
         expectFMError(op, contains: "causal must be 0 or 1, got 2") {
-            _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 2, kv_len: 0, _pad: 0))
+            _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 2, kv_len: 0, has_q_offset: 0, q_offset: 0,
+                                              window: 0, softcap: 0, _pad: 0))
+        }
+        expectFMError(op, contains: "window must be >= 0 (0 = none), got -1") {
+            _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 0, kv_len: 0, has_q_offset: 0, q_offset: 0,
+                                              window: -1, softcap: 0, _pad: 0))
+        }
+        expectFMError(op, contains: "softcap must be 0 (off) or a finite value > 0, got -1.0") {
+            _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], SdpaOptions(scale: 1, softcap: -1))
         }
     }
 
@@ -62,17 +70,20 @@ final class SdpaDispatcherTests: XCTestCase {
         let v = HostTensor([2, 2, 9, 64], .f32), o = HostTensor([2, 4, 5, 64], .f32)
         let opts = SdpaOptions(scale: 0.125, causal: true, kvLen: 7)
         let none = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, out: o.ref, opts)
-        XCTAssertEqual(none.constants, FunctionConstants([(600, .bool(false)), (601, .bool(false))]))
+        XCTAssertEqual(none.constants, FunctionConstants([(600, .bool(false)), (601, .bool(false)), (602, .bool(false)),
+                                                       (603, .bool(false))]))
         XCTAssertEqual(Set(none.bindings.keys), [0, 1, 2, 3, 4])
         let bmask = HostTensor([5, 7], .bool)
         let b = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: bmask.ref, out: o.ref, opts)
-        XCTAssertEqual(b.constants, FunctionConstants([(600, .bool(true)), (601, .bool(false))]))
+        XCTAssertEqual(b.constants, FunctionConstants([(600, .bool(true)), (601, .bool(false)), (602, .bool(false)),
+                                                    (603, .bool(false))]))
         XCTAssertEqual(Set(b.bindings.keys), [0, 1, 2, 3, 4, 5, 7])
         let mp = try b.params(5, as: AttnMaskParams.self)
         XCTAssertEqual([mp.M_strides.0, mp.M_strides.1, mp.M_strides.2], [0, 0, 7])
         let amask = HostTensor([2, 4, 5, 7], .f32)
         let a = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: amask.ref, out: o.ref, opts)
-        XCTAssertEqual(a.constants, FunctionConstants([(600, .bool(false)), (601, .bool(true))]))
+        XCTAssertEqual(a.constants, FunctionConstants([(600, .bool(false)), (601, .bool(true)), (602, .bool(false)),
+                                                    (603, .bool(false))]))
         XCTAssertEqual(Set(a.bindings.keys), [0, 1, 2, 3, 4, 5, 6])
         let mp4 = try a.params(5, as: AttnMaskParams.self)
         XCTAssertEqual([mp4.M_strides.0, mp4.M_strides.1, mp4.M_strides.2], [4 * 5 * 7, 5 * 7, 7])
@@ -80,6 +91,46 @@ final class SdpaDispatcherTests: XCTestCase {
         XCTAssertThrowsError(try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, mask: wrong.ref,
                                                              out: o.ref, opts)) { e in
             XCTAssertTrue("\(e)".contains("sdpa: mask shape [5, 9] must be [5, 7]"), "\(e)")
+        }
+    }
+
+    func testExtParamsBindAtBuffer8() throws {
+        let q = HostTensor([1, 2, 5, 80], .f16), k = HostTensor([1, 1, 9, 80], .f16)
+        let v = HostTensor([1, 1, 9, 80], .f16), o = HostTensor([1, 2, 5, 80], .f16)
+        let d = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, out: o.ref,
+                                                SdpaOptions(scale: 0.5, causal: true, qOffset: 0, window: 3,
+                                                            softcap: 30))
+        XCTAssertEqual(d.kernel, "sdpa_f16")
+        XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4, 8])
+        XCTAssertEqual(d.constants, FunctionConstants([(600, .bool(false)), (601, .bool(false)),
+                                                       (602, .bool(true)), (603, .bool(true))]))
+        let e = try d.params(8, as: SdpaExtParams.self)
+        XCTAssertEqual([e.q_offset, e.window], [0, 3])
+        XCTAssertEqual(e.softcap, 30)
+        // A window alone keeps the seed's bottom-right position, now explicit.
+        let w = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, out: o.ref,
+                                                SdpaOptions(scale: 0.5, kvLen: 7, window: 2))
+        XCTAssertEqual(try w.params(8, as: SdpaExtParams.self).q_offset, 7 - 5)
+        XCTAssertEqual(w.constants, FunctionConstants([(600, .bool(false)), (601, .bool(false)),
+                                                       (602, .bool(true)), (603, .bool(false))]))
+    }
+
+    func testBroadcastMaskStrides() throws {
+        let q = HostTensor([2, 4, 5, 64], .f32), k = HostTensor([2, 2, 7, 64], .f32)
+        let o = HostTensor([2, 4, 5, 64], .f32)
+        let opts = SdpaOptions(scale: 0.125)
+        for (shape, want) in [([2, 1, 5, 7], [35, 0, 7]), ([2, 1, 1, 7], [7, 0, 0]), ([4, 5, 7], [0, 35, 7]),
+                              ([1, 7], [0, 0, 0]), ([1, 4, 1, 7], [0, 7, 0])] as [([Int], [Int64])] {
+            let m = HostTensor(shape, .bool)
+            let d = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: k.ref, mask: m.ref, out: o.ref, opts)
+            let mp = try d.params(5, as: AttnMaskParams.self)
+            XCTAssertEqual([mp.M_strides.0, mp.M_strides.1, mp.M_strides.2], want, "\(shape)")
+        }
+        for bad in [[3, 1, 5, 7], [2, 4, 5, 1], [5, 6]] {
+            XCTAssertThrowsError(try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: k.ref,
+                                                                 mask: HostTensor(bad, .bool).ref, out: o.ref, opts)) { e in
+                XCTAssertTrue("\(e)".contains("sdpa: mask shape \(bad) must be"), "\(e)")
+            }
         }
     }
 }

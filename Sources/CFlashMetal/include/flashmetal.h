@@ -45,7 +45,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 1 };
+enum { FM_ABI_VERSION = 2 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -58,7 +58,9 @@ typedef enum FMFunctionConstant {
     FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
     FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
-    FM_FC_SDPA_ADDITIVE_MASK = 601  /* sdpa: an additive mask is bound */
+    FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
+    FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
+    FM_FC_SDPA_SOFTCAP = 603        /* sdpa: apply SdpaExtParams.softcap */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -95,7 +97,8 @@ typedef enum FMSdpaBinding {
     FM_SDPA_BUF_PARAMS = 4,        /* SdpaParams */
     FM_SDPA_BUF_MASK_PARAMS = 5,   /* AttnMaskParams, with a mask */
     FM_SDPA_BUF_ADDITIVE_MASK = 6, /* with FM_FC_SDPA_ADDITIVE_MASK */
-    FM_SDPA_BUF_BOOL_MASK = 7      /* with FM_FC_SDPA_BOOL_MASK */
+    FM_SDPA_BUF_BOOL_MASK = 7,     /* with FM_FC_SDPA_BOOL_MASK */
+    FM_SDPA_BUF_EXT = 8            /* SdpaExtParams, with FM_FC_SDPA_EXT */
 } FMSdpaBinding;
 
 /* The mask a prefill or sdpa call carries. */
@@ -185,6 +188,23 @@ typedef struct SdpaParams {
     uint32_t do_causal;
 } SdpaParams;
 
+/* Simple SDPA extension (ours): buffer(8) (FM_SDPA_BUF_EXT), bound only when
+ * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays the seed's. 16 bytes. With it,
+ * query row i sits at absolute position t = q_offset + i (instead of the
+ * seed's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
+ * causal alignment and kv_len - qL the KV-cache bottom-right one; it may be
+ * negative (rows with t < 0 see no key under causal and output zeros).
+ * Causal (SdpaParams.do_causal) keeps keys p <= t; window w > 0 keeps keys
+ * with t - p < w (also without causal). softcap c > 0 applies c*tanh(s/c)
+ * to the scaled score before the mask; it is read only when function
+ * constant 603 (FM_FC_SDPA_SOFTCAP) is true. Constants 600/601 stay the mask's. */
+typedef struct SdpaExtParams {
+    float softcap;     /* c > 0; used only with constant 603 */
+    int32_t q_offset;  /* absolute position of query row 0 */
+    int32_t window;    /* 0 = no window */
+    int32_t _pad;
+} SdpaExtParams;
+
 /* Mask builder (flash_attn_prefill_mask_{bf16,f16}): buffer(1). 24 bytes.
  * Cell (i, p) is 0 when visible, else -inf; t = q_offset + i; visible iff
  * (!causal || p <= t) && (window == 0 || t - p < window). */
@@ -268,11 +288,17 @@ typedef struct FMVecOptions {
     int32_t fwht;      /* 1: reduce fused with the FWHT sign undo */
 } FMVecOptions;
 
-/* fm_dispatch_sdpa. */
+/* fm_dispatch_sdpa. Zeroed extension fields give the seed's kernel:
+ * bottom-right positions, no softcap, no window. */
 typedef struct FMSdpaOptions {
-    float scale;      /* finite */
-    int32_t causal;   /* 0 or 1; bottom-right: query i at kv_len - qL + i */
+    float scale;      /* finite; NaN = the default 1/sqrt(D) */
+    int32_t causal;   /* 0 or 1 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
+    int32_t has_q_offset; /* 0: query i at kv_len - qL + i (bottom-right);
+                             1: query i at q_offset + i (0 = top-left) */
+    int32_t q_offset; /* with has_q_offset; may be negative */
+    int32_t window;   /* 0 = none, else keys p with t - p < window */
+    float softcap;    /* 0 = off, else > 0 */
     int32_t _pad;
 } FMSdpaOptions;
 
@@ -333,9 +359,10 @@ int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions
 int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
                     const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
-/* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32 or all
- * bfloat16; D <= 512. mask: NULL, or additive (Q's dtype) or bool (true =
- * attend), [qL, kv_len] broadcast or [B, H, qL, kv_len]. */
+/* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32, all
+ * float16 or all bfloat16; D <= 512. mask: NULL, or additive (Q's dtype) or bool (true =
+ * attend), [qL, kv_len], [H, qL, kv_len] or [B, H, qL, kv_len], where B, H and qL
+ * may be 1 (read with stride 0; prefill's mask takes the same shapes). */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMTensor *mask, const FMTensor *out,
                      const FMSdpaOptions *options, char *err, size_t errlen);

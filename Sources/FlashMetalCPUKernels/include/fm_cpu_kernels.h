@@ -102,12 +102,14 @@ size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
 void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht, const uint8_t *signs);
 
-/* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32 or BF16.
- * mask_kind FM_MASK_*: an additive mask has Q's dtype; mp holds its
- * (batch, head, row) strides. */
-void fm_cpu_sdpa_tile(const SdpaParams *p, const void *q, const void *k, const void *v, void *o,
-                      int32_t dtype, const void *mask, const AttnMaskParams *mp, int32_t mask_kind,
-                      int64_t b, int64_t h, int64_t qtile, int32_t tile_q, float *scratch);
+/* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
+ * BF16. ext: NULL (the seed's bottom-right positions) or the SdpaExtParams
+ * of flashmetal.h; use_softcap reads ext->softcap. mask_kind FM_MASK_*: an
+ * additive mask has Q's dtype; mp holds its (batch, head, row) strides. */
+void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use_softcap, const void *q,
+                      const void *k, const void *v, void *o, int32_t dtype, const void *mask,
+                      const AttnMaskParams *mp, int32_t mask_kind, int64_t b, int64_t h, int64_t qtile,
+                      int32_t tile_q, float *scratch);
 size_t fm_cpu_sdpa_scratch_floats(int32_t d);
 
 #ifdef __cplusplus

@@ -1,0 +1,70 @@
+"""flashmetal.info(): what runs here — backend, device, the cpu kernels' ISA
+path, threads, library and ABI versions — read from the loaded library."""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from typing import Any
+
+from . import _loader, _native
+from .registry import RegistryLike, resolve
+
+# The cpu kernels' ISA query: exported by the library, outside the public C
+# ABI header, so declared here and resolved in the library already loaded.
+_ISA_CDEF = "int fm_cpu_isa(void); const char *fm_cpu_isa_name(int isa);"
+_PORTABLE = "portable"
+
+
+_declare_lock = threading.Lock()
+
+
+def cpu_isa() -> str:
+    """The ISA path the cpu kernels run: "portable" (plain C), "avx512",
+    "avx512bf16", ... (FLASHMETAL_CPU_ISA may cap it)."""
+    ffi, lib = _native.ffi(), _native.lib()
+    with _declare_lock:  # declare once, even when threads race here
+        if getattr(lib, "fm_cpu_isa", None) is None:
+            ffi.cdef(_ISA_CDEF)
+    return ffi.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _threads() -> int:
+    """The cpu backend's worker count: FLASHMETAL_NUM_THREADS, else the online cores (as its pool)."""
+    env = os.environ.get("FLASHMETAL_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), 1024)
+    return max(1, os.sysconf("SC_NPROCESSORS_ONLN"))
+
+
+def info(registry: RegistryLike = None) -> dict[str, Any]:
+    """Backend, device, cpu ISA path, threads, library and ABI versions.
+
+    ``registry``: the backend to describe (a Registry or a name); default ``Registry("auto")``.
+    """
+    reg = resolve(registry, "info")
+    ffi, lib = _native.ffi(), _native.lib()
+    devices = {"cpu": _cpu_model(), "sim": f"simulated Apple GPU on {_cpu_model()}", "metal": "Apple GPU (Metal)"}
+    isa = cpu_isa()
+    return {
+        "backend": reg.backend,
+        "device": devices.get(reg.backend, reg.backend),
+        "cpu_isa": isa,
+        "cpu_isa_portable": isa == _PORTABLE,
+        "threads": _threads(),
+        "library": str(_loader.library_path()),
+        "library_version": ffi.string(lib.fm_version()).decode(),
+        "abi_version": _native.abi_version(),
+        "machine": platform.machine(),
+    }

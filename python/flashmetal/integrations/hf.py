@@ -1,0 +1,60 @@
+"""A Hugging Face transformers attention backend.
+
+    import flashmetal.integrations.hf as fm_hf
+    fm_hf.register()                       # once per process
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fm_attention")
+
+The name is not "flashmetal": transformers treats any implementation whose
+name contains "flash" as flash-attention (its masks and packed-sequence
+paths) and one containing "sdpa" as torch's sdpa. Masks come from transformers'
+sdpa mask builder (bool ``[B, 1, qL, kL]``, the sliding window and padding
+included, or None for a plain causal block), so the window of Gemma-2's
+local layers arrives in the mask; the logit softcap arrives as ``softcap``.
+GQA heads are not repeated: the kernels read the shared K/V heads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._errors import InvalidValueError
+from .torch_op import sdpa as _sdpa_op
+
+NAME = "fm_attention"
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: q ``[B, H, qL, D]``, k/v
+    ``[B, Hkv, kL, D]``; returns ``([B, qL, H, D], None)``."""
+    if dropout:
+        raise InvalidValueError(NAME, f"dropout ({dropout}) is not supported (call model.eval())")
+    q_len = query.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # As transformers' sdpa backend: a given mask carries the causal pattern; a
+    # single query row (decode) sees every cached key.
+    causal = bool(is_causal and attention_mask is None and q_len > 1)
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = _sdpa_op(query, key, value, attention_mask, is_causal=causal, scale=scaling,
+                   enable_gqa=key.shape[1] != query.shape[1], softcap=float(softcap or 0.0))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Registers the backend (and its mask builder: transformers' sdpa one)
+    under `name`; returns the name for ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    low = name.lower()
+    if "flash" in low or "sdpa" in low:
+        raise InvalidValueError("register", f"name {name!r} contains 'flash' or 'sdpa', which transformers "
+                                "routes to its own kernels")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

@@ -1,0 +1,333 @@
+"""scaled_dot_product_attention as a drop-in for torch's (numpy side; torch's own
+outputs: test_dropin_torch.py): the signature, argument types, both causal
+conventions, any head dim, qL > kL, broadcast masks, and the general kernel's
+extension (float16, softcap, explicit q_offset, window) on every backend."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import attention, reference
+from numerics import BF16, F16, F32, assert_close, randn
+
+SDPA = fm.scaled_dot_product_attention
+
+
+def qkv(rng, dtype, b=1, h=2, hkv=2, ql=6, kl=20, d=64):
+    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype),
+            randn(rng, (b, hkv, kl, d), dtype))
+
+
+def small(registry, big, little):
+    """Simulated kernels cost ~11 ns per q*k*d: keep sim shapes small."""
+    return little if registry.backend == "sim" else big
+
+
+# ---- the general kernel's extension (SdpaExtParams) -------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("d", [32, 80, 96, 200])
+@pytest.mark.parametrize("q_offset,causal,window,softcap", [
+    (0, True, None, 0.0),      # torch's top-left causal
+    (-3, True, None, 0.0),     # rows before key 0: zeros
+    (None, True, 4, 0.0),      # bottom-right + window
+    (2, False, 5, 0.0),        # window without causal
+    (None, False, None, 2.5),  # softcap
+    (1, True, 3, 1.5),         # all of them
+])
+def test_sdpa_extension(registry, rng, dtype, d, q_offset, causal, window, softcap):
+    ql, kl = 7, 11
+    q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=kl + 3, d=d)
+    out = fm.sdpa(q, k, v, causal=causal, kv_len=kl, q_offset=q_offset, window=window, softcap=softcap,
+                  registry=registry)
+    off = kl - ql if q_offset is None else q_offset
+    exp = reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=causal, q_offset=off, window=window,
+                              softcap=softcap)
+    assert_close(out, exp, dtype, f"{registry.backend} {dtype} d={d}")
+    if q_offset == -3:
+        assert not np.any(out[:, :, :3].astype(np.float32)), "rows before key 0 must be exact zeros"
+
+
+def test_sdpa_extension_with_mask(registry, rng):
+    q, k, v = qkv(rng, F16, ql=5, kl=9, d=48)
+    keep = rng.random((1, 1, 5, 9)) < 0.7
+    m = np.where(keep, rng.uniform(-1, 1, keep.shape), -np.inf).astype(F16)
+    out = fm.sdpa(q, k, v, mask=m, causal=True, q_offset=2, window=4, softcap=3.0, registry=registry)
+    exp = reference.attention(q, k, v, mask=m, causal=True, q_offset=2, window=4, softcap=3.0)
+    assert_close(out, exp, F16)
+
+
+# ---- the signature ------------------------------------------------------------------------------
+
+def test_torch_positional_order(registry, rng):
+    """torch's positional order: (q, k, v, attn_mask, dropout_p, is_causal)."""
+    q, k, v = qkv(rng, BF16)
+    pos = SDPA(q, k, v, None, 0.0, True, registry=registry)
+    kw = SDPA(query=q, key=k, value=v, attn_mask=None, dropout_p=0.0, is_causal=True, registry=registry)
+    exp = reference.attention(q, k, v, causal=True, q_offset=0)
+    assert_close(pos, exp, BF16, "positional")
+    assert np.array_equal(pos.view(np.uint16), kw.view(np.uint16))
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(dropout_p=0.1), ValueError, r"dropout_p must be 0.0 .* got 0.1"),
+    (dict(dropout_p="0"), TypeError, "dropout_p must be a float, got str"),
+    (dict(scale=True), TypeError, "scale must be a float or None, got bool"),
+    (dict(scale=float("inf")), ValueError, "scale must be finite"),
+    (dict(is_causal=1), TypeError, "is_causal must be a bool, got int"),
+    (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a bool, got str"),
+    (dict(window=2.5), TypeError, "window must be an int or None, got float"),
+    (dict(window=0), ValueError, "window must be > 0"),
+    (dict(kv_len=True), TypeError, "kv_len must be an int or None, got bool"),
+    (dict(softcap=None), TypeError, "softcap must be a float, got NoneType"),
+    (dict(align="bottom-right"), ValueError, "align must be 'top_left' or 'bottom_right'"),
+])
+def test_argument_errors(cpu, rng, kwargs, exc, msg):
+    q, k, v = qkv(rng, BF16)
+    with pytest.raises(exc, match="^scaled_dot_product_attention: " + msg):
+        SDPA(q, k, v, registry=cpu, **kwargs)
+
+
+def test_scale_and_gqa_are_keyword_only(cpu, rng):
+    q, k, v = qkv(rng, F32)
+    with pytest.raises(TypeError, match="positional"):
+        SDPA(q, k, v, None, 0.0, False, 0.5)
+
+
+def test_gqa_needs_enable_gqa(cpu, rng):
+    q, k, v = qkv(rng, F32, h=4, hkv=2)
+    with pytest.raises(ValueError, match="query has 4 heads and key 2; pass enable_gqa=True"):
+        SDPA(q, k, v, registry=cpu)
+    out = SDPA(q, k, v, enable_gqa=True, registry=cpu)
+    assert_close(out, reference.attention(q, k, v), F32)
+
+
+def test_rank3_inputs(cpu, rng):
+    q, k, v = qkv(rng, F16, ql=5, kl=9)
+    out = SDPA(q[0], k[0], v[0], is_causal=True, registry=cpu)
+    assert out.shape == q[0].shape
+    assert_close(out, reference.attention(q, k, v, causal=True)[0], F16)
+
+
+# ---- causal conventions, head dims, qL > kL: every route ----------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("ql,kl", [(5, 12), (12, 12), (12, 5)])
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alignments(registry, rng, dtype, ql, kl, align, causal):
+    q, k, v = qkv(rng, dtype, ql=ql, kl=kl)
+    out = SDPA(q, k, v, is_causal=causal, align=align, registry=registry)
+    off = 0 if align == "top_left" else kl - ql
+    assert_close(out, reference.attention(q, k, v, causal=causal, q_offset=off), dtype,
+                 f"{fm.last_route()} {align} causal={causal}")
+
+
+def test_top_left_is_torch_tril(cpu, rng):
+    """is_causal with qL < kL: query i sees keys 0..i only (torch's tril), not the bottom-right band."""
+    q, k, v = qkv(rng, F32, ql=2, kl=6)
+    out = SDPA(q, k, v, is_causal=True, registry=cpu)
+    first_key_only = v[:, :, :1].astype(np.float64)
+    assert_close(out[:, :, :1], first_key_only, F32, "row 0 sees key 0 only")
+
+
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 128, 160, 192, 256, 512])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("ql", [9, 40])
+def test_every_head_dim(registry, rng, d, dtype, ql):
+    q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
+    out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
+    route = fm.last_route()
+    native = d in (64, 128, 256, 512)
+    padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS
+    prefill = dtype != F32 and (native or padded)
+    assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
+    assert ("zero-padded" in route.reason) == (prefill and padded), route
+    assert out.shape == q.shape and out.flags.c_contiguous
+    assert_close(out, reference.attention(q, k, v, causal=True), dtype, str(route))
+
+
+def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
+    """The zero-padded prefill keeps every other feature: mask, window, kv_len, scale, softcap."""
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=80)
+    keep = rng.random((1, 1, 36, 44)) < 0.8
+    keep[..., 0] = True
+    out = SDPA(q, k, v, keep, is_causal=True, enable_gqa=True, kv_len=44, align="bottom_right", window=9,
+               scale=0.2, softcap=4.0, registry=registry)
+    assert "zero-padded to 128" in fm.last_route().reason
+    exp = reference.attention(q, k[:, :, :44], v[:, :, :44], mask=keep, causal=True, q_offset=8, window=9,
+                              scale=0.2, softcap=4.0)
+    assert_close(out, exp, BF16)
+
+
+def test_more_queries_than_keys_bf16(registry, rng):
+    """The issue's cross-attention case (qL=512, kL=257) in a smaller size."""
+    ql, kl = small(registry, (512, 257), (40, 17))
+    q, k, v = qkv(rng, BF16, ql=ql, kl=kl, d=64)
+    out = SDPA(q, k, v, registry=registry)
+    assert fm.last_route().kernel == "sdpa"
+    assert_close(out, reference.attention(q, k, v), BF16)
+
+
+def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
+    q, k, v = qkv(rng, BF16, d=80)
+    with monkeypatch.context() as m:
+        m.setattr(attention, "_run", lambda *a: pytest.fail("explain ran a kernel"))
+        route = fm.explain(q, k, v, is_causal=True)
+    assert route.kernel == "sdpa" and "head dim 80" in route.reason
+    assert isinstance(route, fm.Route) and str(route).startswith("sdpa: ")
+    SDPA(q, k, v, is_causal=True, registry=cpu)
+    assert fm.last_route() == route
+    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=80: no decode kernel
+    q64, k64, v64 = qkv(rng, BF16, ql=1)
+    assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_vec"
+    # top-left causal puts the one row at position 0: not the decode kernel's newest position
+    assert fm.explain(q64, k64, v64, is_causal=True).kernel == "flash_attn_prefill"
+
+
+# ---- masks broadcast as torch's ------------------------------------------------------------------
+
+MASK_SHAPES = [(1, 2, 6, 20), (2, 1, 6, 20), (2, 1, 1, 20), (2, 6, 20), (6, 20), (20,), (6, 1), (1, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("shape", MASK_SHAPES)
+@pytest.mark.parametrize("kind", ["bool", "float32", "float64"])
+def test_broadcast_masks(registry, rng, dtype, shape, kind):
+    q, k, v = qkv(rng, dtype, b=2)
+    keep = rng.random(shape) < 0.7
+    keep[..., 0] = True
+    if kind == "bool":
+        m = keep
+    else:
+        m = np.where(keep, rng.uniform(-1, 1, shape), -np.inf).astype(kind)
+    out = SDPA(q, k, v, m, registry=registry)
+    exp = reference.attention(q, k, v, mask=m if kind == "bool" else m.astype(dtype))
+    assert_close(out, exp, dtype, f"{fm.last_route()} mask {shape} {kind}")
+
+
+def test_mask_broadcast_reads_in_place(rng):
+    """No dense [B, H, qL, kL] copy: a [B, 1, qL, kL] mask of the I/O dtype is
+    passed as is, and an expanded (stride-0) one collapses back to its data."""
+    io = np.dtype(BF16)
+    m = np.zeros((2, 1, 6, 20), io)
+    op = attention._mask_operand(m, io, (2, 4, 6, 20), 20)
+    assert op.shape == (2, 1, 6, 20) and np.shares_memory(op, m)
+    expanded = np.broadcast_to(np.zeros((2, 1, 1, 20), bool), (2, 4, 6, 20))
+    op = attention._mask_operand(expanded, io, (2, 4, 6, 20), 20)
+    assert op.shape == (2, 1, 1, 20)
+    key_broadcast = attention._mask_operand(np.zeros((6, 1), np.float32), io, (2, 4, 6, 20), 20)
+    assert key_broadcast.shape == (1, 1, 6, 20) and key_broadcast.dtype == io
+
+
+def test_hf_min_mask_saturates(registry, rng):
+    """A float32 mask holding finfo(float32).min given to bfloat16 inputs: the
+    conversion saturates to bfloat16's finite min (a cast would give -inf,
+    i.e. 'masked'), so a row of only such keys still sees them, as torch does."""
+    q, k, v = qkv(rng, BF16, ql=4, kl=16)
+    m = np.zeros((4, 16), np.float32)
+    m[1, :] = np.finfo(np.float32).min
+    m[2, 5:] = np.finfo(np.float32).min
+    out = SDPA(q, k, v, m, registry=registry)
+    exp = reference.attention(q, k, v, mask=np.where(m < 0, float(ml_dtypes.finfo(BF16).min), 0.0))
+    rows = [0, 2, 3]  # row 2 mixes 0 and the min bias
+    assert_close(out[:, :, rows], exp[:, :, rows], BF16)
+    # Row 1 sees only min-bias keys. The operand stays finite (a cast would make it -inf, "masked").
+    # What the kernels then return for it differs (cpu: softmax(s), sim: zeros, reference and
+    # torch: the uniform average, s lost to rounding at |c| ~ 3e38): the prefill kernels' business.
+    op = attention._mask_operand(m, BF16, (1, 2, 4, 16), 16)
+    assert np.isfinite(op.astype(np.float32)).all()
+    assert op[0, 0, 1, 0] == ml_dtypes.finfo(BF16).min
+
+
+def test_mask_over_whole_cache_with_kv_len(cpu, rng):
+    q, k, v = qkv(rng, F16, ql=3, kl=20)
+    m = rng.random((3, 20)) < 0.8
+    m[:, 0] = True
+    out = SDPA(q, k, v, m, kv_len=12, align="bottom_right", registry=cpu)
+    assert_close(out, reference.attention(q, k[:, :, :12], v[:, :, :12], mask=m[:, :12]), F16)
+
+
+# ---- window on the prefill route: bounded masks ---------------------------------------------------
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_prefill_in_row_chunks(registry, rng, monkeypatch, align, causal):
+    """Above WINDOW_MASK_BYTES the window mask is built per 128-row chunk."""
+    ql, kl = small(registry, (300, 400), (260, 270))
+    monkeypatch.setattr(attention, "WINDOW_MASK_BYTES", 128 * kl * 2)
+    q, k, v = qkv(rng, BF16, h=1, hkv=1, ql=ql, kl=kl)
+    out = SDPA(q, k, v, is_causal=causal, window=37, align=align, registry=registry)
+    assert fm.last_route().kernel == "flash_attn_prefill"
+    off = 0 if align == "top_left" else kl - ql
+    assert_close(out, reference.attention(q, k, v, causal=causal, q_offset=off, window=37), BF16)
+
+
+def test_numpy_only_never_imports_torch():
+    code = ("import sys, numpy as np, flashmetal as fm\n"
+            "q = np.ones((1, 2, 3, 64), np.float32)\n"
+            "fm.scaled_dot_product_attention(q, q, q, registry=fm.Registry('cpu'))\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- info() and the demo ------------------------------------------------------------------------
+
+def test_info_reads_the_loaded_library(registry):
+    about = fm.info(registry)
+    assert about["backend"] == registry.backend
+    assert about["cpu_isa"] in ("portable", "avx2", "avx512", "avx512bf16", "neon")
+    assert about["library_version"] and about["threads"] >= 1
+    from flashmetal import _loader, _native
+    assert about["library"] == str(_loader.library_path())
+    assert about["abi_version"] == _native.constant("FM_ABI_VERSION") == fm.abi_version()
+    assert about["library_version"] == fm.__version__
+
+
+def test_demo_warns_on_the_portable_path_and_passes():
+    env = dict(os.environ, FLASHMETAL_CPU_ISA="portable", FLASHMETAL_BACKEND="cpu", FLASHMETAL_NUM_THREADS="3")
+    run = subprocess.run([sys.executable, "-m", "flashmetal.demo", "--length", "64", "--kv-len", "256",
+                          "--runs", "1"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "cpu_isa           portable" in run.stdout and "threads           3" in run.stdout
+    assert "WARNING: the cpu kernels run their portable C path" in run.stdout
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(("prefill", "decode"))]
+    assert len(lines) == 5 and all(" PASS " in ln for ln in lines), run.stdout
+
+
+class _DLPackOnly:
+    """An array seen only through DLPack (as jax or cupy-on-host arrays are)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class _ArrayInterfaceOnly:
+    def __init__(self, a):
+        self.__array_interface__ = a.__array_interface__
+        self._keep = a
+
+
+def test_dlpack_and_array_interface_objects(cpu, rng):
+    q, k, v = qkv(rng, F16, ql=5, kl=9)
+    exp = reference.attention(q, k, v, causal=True)
+    for wrap in (_DLPackOnly, _ArrayInterfaceOnly):
+        out = SDPA(wrap(q), wrap(k), wrap(v), is_causal=True, registry=cpu)
+        assert isinstance(out, np.ndarray)
+        assert_close(out, exp, F16, wrap.__name__)
+    from flashmetal import _interop
+    assert np.shares_memory(_interop.to_numpy(_DLPackOnly(q), "t", "q"), q)
+    with pytest.raises(TypeError, match="^scaled_dot_product_attention: query dtype object is not supported"):
+        SDPA(object(), k, v, registry=cpu)

@@ -1,0 +1,153 @@
+"""The new user's script: torch tensors in, torch tensors out, matching
+torch.nn.functional.scaled_dot_product_attention (torch is installed into the
+venv by mk/testdeps.mk). cpu runs the grid; sim a small subset."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import _interop, reference
+from numerics import TOLERANCE, BF16, F16, F32
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+NP = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+
+
+def as_np(t):
+    return _interop.to_numpy(t, "test", "t")
+
+
+def check(out, q, k, v, expected_torch, *, mask=None, causal=False, q_offset=0, scale=None, what=""):
+    """Against the float64 reference at the dtype's tolerance, and against
+    torch's own output at twice it (both round once to the dtype)."""
+    assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.shape == q.shape, what
+    dt = NP[q.dtype]
+    atol, rtol = TOLERANCE[dt]
+    m = None if mask is None else (as_np(mask) if mask.dtype == torch.bool else as_np(mask).astype(np.float64))
+    hkv = k.shape[1]
+    exp = reference.attention(as_np(q), as_np(k), as_np(v), mask=m, causal=causal, q_offset=q_offset,
+                              scale=scale)
+    got = out.float().numpy().astype(np.float64)
+    ok, ratio = reference.close(got, exp, atol, rtol)
+    assert ok, f"{what}: vs reference {ratio:.3g}x the tolerance (Hkv={hkv})"
+    ok, ratio = reference.close(got, expected_torch.float().numpy().astype(np.float64), 2 * atol, 2 * rtol)
+    assert ok, f"{what}: vs torch {ratio:.3g}x twice the tolerance"
+
+
+def rand(shape, dtype, gen):
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256, 512])
+@pytest.mark.parametrize("causal", [False, True])
+def test_positional_and_keyword_match_torch(cpu, gen, dtype, d, causal):
+    q = rand((2, 8, 24, d), dtype, gen)
+    k, v = rand((2, 2, 40, d), dtype, gen), rand((2, 2, 40, d), dtype, gen)
+    want = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal, enable_gqa=True)
+    pos = fm.scaled_dot_product_attention(q, k, v, None, 0.0, causal, enable_gqa=True, registry=cpu)
+    kw = fm.scaled_dot_product_attention(query=q, key=k, value=v, attn_mask=None, dropout_p=0.0, is_causal=causal,
+                                         scale=None, enable_gqa=True, registry=cpu)
+    check(pos, q, k, v, want, causal=causal, what=f"{fm.last_route()} positional")
+    assert torch.equal(pos, kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ql,kl", [(512, 257), (33, 100)])
+def test_cross_attention_lengths(cpu, gen, dtype, ql, kl):
+    q, k, v = rand((1, 4, ql, 64), dtype, gen), rand((1, 4, kl, 64), dtype, gen), rand((1, 4, kl, 64), dtype, gen)
+    for causal in (False, True):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = fm.scaled_dot_product_attention(q, k, v, is_causal=causal, registry=cpu)
+        check(out, q, k, v, want, causal=causal, what=f"{fm.last_route()} causal={causal}")
+
+
+def hf_style_masks(b, h, ql, kl, dtype, gen):
+    """The masks Hugging Face and users build: [B, 1, qL, kL] bool, expanded
+    padding [B, 1, 1, kL] -> [B, H, qL, kL] (stride 0), additive float32."""
+    keep = torch.rand((b, 1, ql, kl), generator=gen) < 0.7
+    keep[..., 0] = True
+    pad = torch.ones((b, 1, 1, kl), dtype=torch.bool)
+    pad[0, ..., -3:] = False
+    additive = torch.where(keep, torch.rand(keep.shape, generator=gen) - 0.5, torch.tensor(float("-inf")))
+    return {"bool_b1": keep, "padding_expanded": pad.expand(b, h, ql, kl),
+            "additive_same_dtype": additive.to(dtype), "additive_rank2": additive[0, 0].to(dtype)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("name", ["bool_b1", "padding_expanded", "additive_same_dtype", "additive_rank2"])
+def test_broadcast_masks_match_torch(cpu, gen, dtype, name):
+    b, h, ql, kl = 2, 4, 20, 36
+    q, k, v = rand((b, h, ql, 80), dtype, gen), rand((b, h, kl, 80), dtype, gen), rand((b, h, kl, 80), dtype, gen)
+    mask = hf_style_masks(b, h, ql, kl, dtype, gen)[name]
+    want = F.scaled_dot_product_attention(q, k, v, mask)
+    out = fm.scaled_dot_product_attention(q, k, v, mask, registry=cpu)
+    check(out, q, k, v, want, mask=mask, what=f"{name} {fm.last_route()}")
+
+
+def test_float32_mask_with_bf16_inputs(cpu, gen):
+    """torch needs the mask in q's dtype; here any float dtype is converted once."""
+    q, k, v = (rand((1, 2, 8, 64), torch.bfloat16, gen) for _ in range(3))
+    m32 = torch.rand((8, 8), generator=gen) - 0.5
+    want = F.scaled_dot_product_attention(q, k, v, m32.to(torch.bfloat16))
+    out = fm.scaled_dot_product_attention(q, k, v, m32, registry=cpu)
+    check(out, q, k, v, want, mask=m32.to(torch.bfloat16), what="f32 mask")
+
+
+def test_scale_and_bottom_right(cpu, gen):
+    """align='bottom_right' is torch's causal_lower_right (a KV cache)."""
+    from torch.nn.attention.bias import causal_lower_right
+    q, k, v = rand((1, 2, 5, 128), torch.float16, gen), rand((1, 2, 13, 128), torch.float16, gen), \
+        rand((1, 2, 13, 128), torch.float16, gen)
+    want = F.scaled_dot_product_attention(q, k, v, causal_lower_right(5, 13), scale=0.3)
+    out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, align="bottom_right", registry=cpu)
+    check(out, q, k, v, want, causal=True, q_offset=8, scale=0.3, what="bottom-right")
+
+
+def test_sim_subset(gen):
+    """The same comparisons on the simulator (the Metal kernels), small shapes."""
+    sim = fm.Registry("sim")
+    for dtype, d in ((torch.bfloat16, 64), (torch.float16, 96), (torch.float32, 80)):
+        q, k, v = rand((1, 4, 9, d), dtype, gen), rand((1, 2, 17, d), dtype, gen), rand((1, 2, 17, d), dtype, gen)
+        for causal in (False, True):
+            want = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal, enable_gqa=True)
+            out = fm.scaled_dot_product_attention(q, k, v, None, 0.0, causal, enable_gqa=True, registry=sim)
+            check(out, q, k, v, want, causal=causal, what=f"sim {fm.last_route()}")
+    q, k, v = (rand((2, 2, 6, 64), torch.bfloat16, gen) for _ in range(3))
+    mask = hf_style_masks(2, 2, 6, 6, torch.bfloat16, gen)["padding_expanded"]
+    check(fm.scaled_dot_product_attention(q, k, v, mask, registry=sim), q, k, v,
+          F.scaled_dot_product_attention(q, k, v, mask), mask=mask, what="sim mask")
+
+
+def test_tensors_are_viewed_not_copied(cpu, gen):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        t = rand((1, 2, 4, 64), dtype, gen)
+        a = as_np(t)
+        assert a.__array_interface__["data"][0] == t.data_ptr() and a.dtype == NP[dtype]
+    q = rand((1, 2, 4, 64), torch.bfloat16, gen)
+    before = q.clone()
+    out = fm.scaled_dot_product_attention(q, q, q, registry=cpu)
+    assert torch.equal(q, before)
+    # the result is the numpy result's memory, seen as a tensor (no copy out)
+    out.view(torch.int16)[0, 0, 0, 0] = 0
+    assert as_np(out)[0, 0, 0, 0] == 0
+
+
+def test_numpy_in_numpy_out_and_errors(cpu, gen):
+    q = rand((1, 2, 4, 64), torch.float32, gen)
+    assert isinstance(fm.scaled_dot_product_attention(q.numpy(), q.numpy(), q.numpy(), registry=cpu), np.ndarray)
+    with pytest.raises(TypeError, match="scale must be a float or None, got bool"):
+        fm.scaled_dot_product_attention(q, q, q, scale=True, registry=cpu)
+    with pytest.raises(ValueError, match="dropout_p must be 0.0"):
+        fm.scaled_dot_product_attention(q, q, q, None, 0.5, registry=cpu)
+    g = rand((1, 2, 4, 64), torch.float32, gen).requires_grad_()
+    out = fm.scaled_dot_product_attention(g, g, g, registry=cpu)  # read through .detach()
+    assert not out.requires_grad
