@@ -7,9 +7,6 @@ cpu kernels): a finite mask value, however negative, is a bias and not a mask.
     (-FLT_MAX/2), so a row whose keys all carry finfo(bfloat16).min returns
     their uniform average (as the float64 reference and torch do), not zeros;
     -inf still masks, and a row with nothing visible is exact zeros.
-
-sdpa runs on the sim only: the cpu backend's bfloat16 sdpa still returns
-zeros for rows of finfo(bfloat16).min (its float32 sdpa is right).
 """
 from __future__ import annotations
 
@@ -18,22 +15,12 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
-from conftest import BACKENDS
 from flashmetal import reference
 from numerics import BF16, F32, assert_bits_equal, assert_close, randn
 
 BF16_MIN = float(ml_dtypes.finfo(ml_dtypes.bfloat16).min)  # -3.39e38, below -FLT_MAX/2
 F32_MIN = float(np.finfo(np.float32).min)                  # its score overflows to -inf in the exp2 domain
 GEOMETRY = {64: (32, 16), 512: (8, 8)}
-
-
-@pytest.fixture(scope="module")
-def sim():
-    if "sim" not in BACKENDS:
-        pytest.skip("this build has no sim backend")
-    r = fm.Registry("sim")
-    yield r
-    r.close()
 
 
 def bias_rows(ql, kl, bias):
@@ -84,11 +71,11 @@ def test_blk_computes_very_negative_finite_tiles(registry, rng, d, bias):
 
 
 @pytest.mark.parametrize("dtype,bias", [(F32, F32_MIN), (BF16, BF16_MIN)])
-def test_sdpa_rows_of_finite_min(sim, rng, dtype, bias):
+def test_sdpa_rows_of_finite_min(registry, rng, dtype, bias):
     q = randn(rng, (1, 2, 6, 64), dtype)
     k, v = (randn(rng, (1, 2, 24, 64), dtype) for _ in range(2))
     m = bias_rows(6, 24, bias).astype(dtype)
-    out = fm.sdpa(q, k, v, mask=m, causal=False, registry=sim)
-    assert_close(out, reference.attention(q, k, v, mask=m), dtype, f"sim sdpa {dtype}")
+    out = fm.sdpa(q, k, v, mask=m, causal=False, registry=registry)
+    assert_close(out, reference.attention(q, k, v, mask=m), dtype, f"{registry.backend} sdpa {dtype}")
     assert_close(out[:, :, 0], v.astype(np.float64).mean(axis=2), dtype, "all-finite-min row: uniform average")
     assert np.all(out[:, :, 3].astype(np.float32) == 0), "all -inf row: zeros"
