@@ -139,6 +139,6 @@ public enum SdpaDispatcher {
         ])
         return Dispatch(kernel: .sdpa(io: q.dtype), constants: constants,
                         grid: Size3(b, h, (qL + tileQ - 1) / tileQ), threadgroup: Size3(tileQ, 1, 1),
-                        bindings: bindings)
+                        bindings: bindings, writes: [SdpaBuffer.out])
     }
 }

@@ -16,6 +16,7 @@ final class SdpaDispatcherTests: XCTestCase {
         let d = try make(q: [2, 16, 70, 256], k: [2, 8, 128, 256], dtypes: [.bf16, .bf16, .bf16, .bf16],
                          SdpaOptions(scale: 0.0625, causal: false, kvLen: 100))
         XCTAssertEqual(d.kernel, "sdpa_bf16")
+        XCTAssertEqual(d.writes, [SdpaBuffer.out])
         XCTAssertEqual(d.grid, Size3(2, 16, 3))
         XCTAssertEqual(d.threadgroup, Size3(32, 1, 1))
         XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
