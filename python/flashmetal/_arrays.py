@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _loader
+from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -29,10 +30,10 @@ def as_input(x: Any, op: str, name: str) -> np.ndarray:
     array is never modified)."""
     a = to_numpy(x, op, name)
     if a.dtype not in DTYPE_NAMES:
-        raise TypeError(f"{op}: {name} dtype {a.dtype} is not supported "
+        raise InvalidTypeError(op, f"{name} dtype {a.dtype} is not supported "
                         "(use bfloat16, float16, float32, bool or uint8 as the op requires)")
     if a.ndim > MAX_RANK:
-        raise ValueError(f"{op}: {name} has rank {a.ndim}; at most {MAX_RANK} is supported")
+        raise InvalidValueError(op, f"{name} has rank {a.ndim}; at most {MAX_RANK} is supported")
     return np.ascontiguousarray(a)
 
 
@@ -40,18 +41,18 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
               inputs: list[np.ndarray]) -> np.ndarray:
     """Validates a caller-provided output array: it is written in place."""
     if not isinstance(out, np.ndarray):
-        raise TypeError(f"{op}: out must be a numpy.ndarray, got {type(out).__name__}")
+        raise InvalidTypeError(op, f"out must be a numpy.ndarray, got {type(out).__name__}")
     if out.dtype != dtype:
-        raise TypeError(f"{op}: out dtype {out.dtype} must be {dtype}")
+        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {dtype}")
     if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{op}: out shape {tuple(out.shape)} must be {tuple(shape)}")
+        raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}")
     if not out.flags.c_contiguous:
-        raise ValueError(f"{op}: out must be C-contiguous")
+        raise InvalidValueError(op, "out must be C-contiguous")
     if not out.flags.writeable:
-        raise ValueError(f"{op}: out is read-only")
+        raise InvalidValueError(op, "out is read-only")
     for a in inputs:
         if a is not None and np.may_share_memory(out, a):
-            raise ValueError(f"{op}: out must not overlap an input array")
+            raise InvalidValueError(op, "out must not overlap an input array")
     return out
 
 
