@@ -25,7 +25,6 @@ public final class MetalBackend: Backend {
     private var libraries: [String: MTLLibrary] = [:]
     /// The open batch's command buffer; nil outside a batch.
     private var batch: Submission?
-    private var batchDepth = 0
 
     /// One command buffer being encoded: its single encoder and the
     /// buffers bound for it.
@@ -201,20 +200,18 @@ public final class MetalBackend: Backend {
     }
 
     public func beginBatch() throws {
+        // The registry counts nesting and calls this for the outermost scope only.
         try lock.withLock {
-            if batchDepth == 0 { batch = try Submission(queue: queue, device: device) }
-            batchDepth += 1
+            guard batch == nil else { throw FlashMetalError.internalError("metal backend: a batch is already open") }
+            batch = try Submission(queue: queue, device: device)
         }
     }
 
     public func endBatch() throws {
         try lock.withLock {
-            guard batchDepth > 0 else { throw FlashMetalError.value("end_batch", "no batch is open") }
-            batchDepth -= 1
-            if batchDepth == 0, let sub = batch {
-                batch = nil
-                try finish(sub)
-            }
+            guard let sub = batch else { throw FlashMetalError.value("end_batch", "no batch is open") }
+            batch = nil
+            try finish(sub)
         }
     }
 }
