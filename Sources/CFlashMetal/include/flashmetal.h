@@ -45,7 +45,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 2 };
+enum { FM_ABI_VERSION = 3 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -53,14 +53,28 @@ typedef enum FMFunctionConstant {
     FM_FC_ALIGN_K = 201,            /* prefill: kL % BK == 0 */
     FM_FC_HAS_MASK = 300,           /* prefill: a mask is bound */
     FM_FC_DO_CAUSAL = 301,          /* prefill: causal */
+    FM_FC_HAS_SINKS = 302,          /* prefill: sinks bound (MLX's index for has_sinks) */
     FM_FC_HAS_BLK = 303,            /* prefill: a blk is bound */
+    FM_FC_PREFILL_SEQ = 304,        /* prefill: AttnSeqParams bound (any of 302, 305-310) */
+    FM_FC_WINDOW = 305,             /* prefill: AttnSeqParams.window_left/right apply */
+    FM_FC_VARLEN_Q = 306,           /* prefill: q/o/lse packed, cu_seqlens_q bound */
+    FM_FC_VARLEN_K = 307,           /* prefill: k/v packed, cu_seqlens_k bound */
+    FM_FC_KV_LENS = 308,            /* prefill: seqlens_k bound */
+    FM_FC_PAGED = 309,              /* prefill: k/v paged, block_table bound */
+    FM_FC_HAS_LSE = 310,            /* prefill: lse output bound */
     FM_FC_BLK_BQ = 400,             /* blk: BQ of the consuming prefill (int) */
     FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
     FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
+    FM_FC_VEC_SEQ = 501,            /* decode: FlashAttnVecSeqParams bound (strides, paging) */
+    FM_FC_VEC_KV_LENS = 502,        /* decode: seqlens_k bound */
+    FM_FC_VEC_PAGED = 503,          /* decode: block_table bound */
+    FM_FC_VEC_SINKS = 504,          /* decode plain reduce: sinks + FlashAttnVecReduceExtParams bound */
+    FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
-    FM_FC_SDPA_SOFTCAP = 603        /* sdpa: apply SdpaExtParams.softcap */
+    FM_FC_SDPA_SOFTCAP = 603,       /* sdpa: apply SdpaExtParams.softcap */
+    FM_FC_APPEND_PAGED = 700        /* kv_append: cache paged, block_table bound */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -69,7 +83,15 @@ typedef enum FMPrefillBinding {
     FM_PREFILL_BUF_PARAMS = 4,      /* AttnParams */
     FM_PREFILL_BUF_MASK_PARAMS = 5, /* AttnMaskParams, with a mask */
     FM_PREFILL_BUF_MASK = 6,
-    FM_PREFILL_BUF_BLK = 7
+    FM_PREFILL_BUF_BLK = 7,
+    /* Serving extension (ours; see AttnSeqParams). */
+    FM_PREFILL_BUF_SEQ_PARAMS = 8,   /* AttnSeqParams, with FM_FC_PREFILL_SEQ */
+    FM_PREFILL_BUF_CU_SEQLENS_Q = 9, /* int32 [B+1], with FM_FC_VARLEN_Q */
+    FM_PREFILL_BUF_CU_SEQLENS_K = 10,/* int32 [B+1], with FM_FC_VARLEN_K */
+    FM_PREFILL_BUF_SEQLENS_K = 11,   /* int32 [B], with FM_FC_KV_LENS */
+    FM_PREFILL_BUF_BLOCK_TABLE = 12, /* int32 [B, max_pages], with FM_FC_PAGED */
+    FM_PREFILL_BUF_SINKS = 13,       /* float32 [H], with FM_FC_HAS_SINKS */
+    FM_PREFILL_BUF_LSE = 14          /* float32 out, with FM_FC_HAS_LSE */
 } FMPrefillBinding;
 
 typedef enum FMBlkBinding {
@@ -82,15 +104,31 @@ typedef enum FMMaskBuilderBinding {
 
 typedef enum FMVecBinding {
     FM_VEC_BUF_PARAMS = 0, /* FlashAttnVecParams */
-    FM_VEC_BUF_Q = 1, FM_VEC_BUF_K = 2, FM_VEC_BUF_V = 3, FM_VEC_BUF_TMP = 4
+    FM_VEC_BUF_Q = 1, FM_VEC_BUF_K = 2, FM_VEC_BUF_V = 3, FM_VEC_BUF_TMP = 4,
+    /* Serving extension (ours). */
+    FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
+    FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
+    FM_VEC_BUF_BLOCK_TABLE = 7  /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
 } FMVecBinding;
 
 typedef enum FMVecReduceBinding {
     FM_VEC_REDUCE_BUF_PARAMS = 0, /* FlashAttnVecReduceParams */
     FM_VEC_REDUCE_BUF_TMP = 1, FM_VEC_REDUCE_BUF_OUT = 2,
     FM_VEC_REDUCE_BUF_NWG = 3,    /* uint32 */
-    FM_VEC_REDUCE_BUF_SIGNS = 4   /* with FM_FC_VEC_HAS_SIGNS */
+    FM_VEC_REDUCE_BUF_SIGNS = 4,  /* with FM_FC_VEC_HAS_SIGNS */
+    /* Serving extension of the plain reduce (ours). */
+    FM_VEC_REDUCE_BUF_SINKS = 5,  /* float32 [H], with FM_FC_VEC_SINKS */
+    FM_VEC_REDUCE_BUF_LSE = 6,    /* float32 [rows] out, with FM_FC_VEC_LSE */
+    FM_VEC_REDUCE_BUF_EXT = 7     /* FlashAttnVecReduceExtParams, with 504 or 505 */
 } FMVecReduceBinding;
+
+typedef enum FMKVAppendBinding {
+    FM_APPEND_BUF_PARAMS = 0,     /* KVAppendParams */
+    FM_APPEND_BUF_K_NEW = 1, FM_APPEND_BUF_V_NEW = 2,
+    FM_APPEND_BUF_K_CACHE = 3, FM_APPEND_BUF_V_CACHE = 4,
+    FM_APPEND_BUF_SEQLENS = 5,    /* int32 [B]: where row 0 of each sequence goes */
+    FM_APPEND_BUF_BLOCK_TABLE = 6 /* with FM_FC_APPEND_PAGED */
+} FMKVAppendBinding;
 
 typedef enum FMSdpaBinding {
     FM_SDPA_BUF_Q = 0, FM_SDPA_BUF_K = 1, FM_SDPA_BUF_V = 2, FM_SDPA_BUF_O = 3,
@@ -205,6 +243,93 @@ typedef struct SdpaExtParams {
     int32_t _pad;
 } SdpaExtParams;
 
+/* ---- serving extension (ours; issue 14) ----------------------------------
+ * The seeds' structs above stay byte for byte; serving adds these structs at
+ * new buffer indices, switched on by new function constants.
+ *
+ * Prefill, per-sequence mode (any of FM_FC_VARLEN_Q, FM_FC_VARLEN_K,
+ * FM_FC_KV_LENS, FM_FC_PAGED set). For sequence b:
+ *   qL_b = VARLEN_Q ? cu_seqlens_q[b+1] - cu_seqlens_q[b] : AttnParams.qL
+ *   kL_b = KV_LENS ? seqlens_k[b]
+ *        : VARLEN_K ? cu_seqlens_k[b+1] - cu_seqlens_k[b] : AttnParams.kL
+ *   row i of q (and o, lse) is at  base + b*S[0] + h*S[1] + (qs + i)*S[2],
+ *     qs = VARLEN_Q ? cu_seqlens_q[b] : 0 (the dispatcher sets S[0] = 0 then);
+ *   key p of k (and v), kv head g:
+ *     PAGED:    base + block_table[b*max_pages + p/page_size]*K_page_stride
+ *                    + g*K_strides[1] + (p % page_size)*K_strides[2]
+ *     VARLEN_K: base + g*K_strides[1] + (cu_seqlens_k[b] + p)*K_strides[2]
+ *     else:     base + b*K_strides[0] + g*K_strides[1] + p*K_strides[2]
+ *   row i sits at position t = kL_b - qL_b + i (bottom-right, flash-attn's
+ *   convention); outside per-sequence mode t = AttnParams.qL_off + i.
+ *   AttnParams.qL/kL then hold the largest lengths (grid bound: NQ tiles);
+ *   align_Q = align_K = false; no mask, no blk.
+ * Key p is visible to row i iff p < kL_b
+ *   && (!do_causal || p <= t)
+ *   && (!FM_FC_WINDOW || ((window_left < 0 || p >= t - window_left)
+ *                      && (window_right < 0 || p <= t + window_right))).
+ * Key tiles wholly invisible to a threadgroup's rows are never loaded.
+ * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
+ *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
+ * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
+ *   -inf for a row that sees no key and has no sink (its o_i is 0).
+ * Paged: page_size is a multiple of the key tile BK (so a tile lies in one
+ * page); every table entry a kernel reads was checked to be in
+ * [0, num_pages) before the dispatch. Prefill buffer(8). 64 bytes. */
+typedef struct AttnSeqParams {
+    int32_t window_left;   /* -1 = unbounded, else >= 0 (with FM_FC_WINDOW) */
+    int32_t window_right;  /* -1 = unbounded, else >= 0 (with FM_FC_WINDOW) */
+    int32_t page_size;     /* keys per page (FM_FC_PAGED) */
+    int32_t max_pages;     /* block_table row length (FM_FC_PAGED) */
+    int64_t K_page_stride; /* elements between pages of K (FM_FC_PAGED) */
+    int64_t V_page_stride; /* elements between pages of V (FM_FC_PAGED) */
+    int64_t lse_strides[3];/* (batch, head, row) of lse in elements (FM_FC_HAS_LSE) */
+    int64_t _pad;
+} AttnSeqParams;
+
+/* Decode with per-sequence caches: vec buffer(5), with FM_FC_VEC_SEQ. 64
+ * bytes. Row r = b * n_heads + h of q [B, H, D] reads kv head
+ * g = h / (n_heads / n_kv_heads) of sequence b: key p at
+ *   PAGED (FM_FC_VEC_PAGED): k + block_table[b*max_pages + p/page_size]*K_strides[0]
+ *                            + g*K_strides[1] + (p % page_size)*K_strides[2]
+ *   else:                    k + b*K_strides[0] + g*K_strides[1] + p*K_strides[2]
+ * (V likewise). kv_len_b = FM_FC_VEC_KV_LENS ? seqlens_k[b] : kv_seq_len; the
+ * query sits at kv_len_b - 1; FlashAttnVecParams.mask_type/sliding_window
+ * apply per sequence (flash-attn's window_size left w is sliding_window
+ * w + 1). kv_len_b == 0: the row sees no key. page_size: any multiple of 16. */
+typedef struct FlashAttnVecSeqParams {
+    int64_t K_strides[3];  /* (batch, or page when paged; kv head; row), elements */
+    int64_t V_strides[3];
+    uint32_t page_size;    /* FM_FC_VEC_PAGED */
+    uint32_t max_pages;    /* FM_FC_VEC_PAGED: block_table row length */
+    uint32_t _pad[2];
+} FlashAttnVecSeqParams;
+
+/* Plain decode reduce with sinks/LSE: reduce buffer(7). 16 bytes. Row r has
+ * head r % n_heads. Sinks join the combined denominator once (as prefill);
+ * lse[r] = M + log(S [+ e^{sink - M}]) in natural units, -inf for a row that
+ * sees nothing and has no sink. */
+typedef struct FlashAttnVecReduceExtParams {
+    uint32_t n_heads;
+    uint32_t _pad[3];
+} FlashAttnVecReduceExtParams;
+
+/* kv_append_{f32,f16,bf16}: kv_append buffer(0). 72 bytes. Writes row i of
+ * sequence b of k_new/v_new [B, n_new, Hkv, D] to cache position
+ * t = seqlens[b] + i:  PAGED: cache + block_table[b*max_pages + t/page_size]*
+ * cache_strides[0] + (t % page_size)*cache_strides[1] + g*cache_strides[2];
+ * else cache + b*cache_strides[0] + t*cache_strides[1] + g*cache_strides[2].
+ * Grid (n_new, Hkv, B), D threads along x (any count; a loop covers D). */
+typedef struct KVAppendParams {
+    int32_t n_new;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t page_size;       /* FM_FC_APPEND_PAGED */
+    int32_t max_pages;       /* FM_FC_APPEND_PAGED */
+    int32_t _pad;
+    int64_t new_strides[3];  /* (batch, row, kv head) of k_new/v_new */
+    int64_t cache_strides[3];/* (batch or page, row, kv head) of the caches */
+} KVAppendParams;
+
 /* Mask builder (flash_attn_prefill_mask_{bf16,f16}): buffer(1). 24 bytes.
  * Cell (i, p) is 0 when visible, else -inf; t = q_offset + i; visible iff
  * (!causal || p <= t) && (window == 0 || t - p < window). */
@@ -226,7 +351,8 @@ typedef enum FMDType {
     FM_DTYPE_F16 = 1,
     FM_DTYPE_BF16 = 2,
     FM_DTYPE_BOOL = 3,
-    FM_DTYPE_U8 = 4
+    FM_DTYPE_U8 = 4,
+    FM_DTYPE_I32 = 5
 } FMDType;
 
 /* Every entry point returns one of these; the message goes to `err`. */
@@ -267,6 +393,9 @@ typedef struct FMPrefillOptions {
     int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off), >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
+    int32_t window;   /* 0 = none, else keys p with t - p < window (in-kernel:
+                         AttnSeqParams.window_left = window - 1, no mask) */
+    int32_t _pad;
 } FMPrefillOptions;
 
 /* fm_build_mask: see MaskParams. */
@@ -301,6 +430,31 @@ typedef struct FMSdpaOptions {
     float softcap;    /* 0 = off, else > 0 */
     int32_t _pad;
 } FMSdpaOptions;
+
+/* ---- serving (flash-attn's API; issue 14) -------------------------------
+ * The per-sequence tensors of a serving call; each may be NULL. Every index
+ * in them is checked against the buffers before any kernel reads through it. */
+typedef struct FMSeqTensors {
+    const FMTensor *cu_seqlens_q; /* int32 [B+1]: q/out packed [total_q, H, D] */
+    const FMTensor *cu_seqlens_k; /* int32 [B+1]: k/v packed [total_k, Hkv, D] */
+    const FMTensor *seqlens_k;    /* int32 [B]: valid keys of each cache row */
+    const FMTensor *block_table;  /* int32 [B, max_pages]: k/v [num_pages, page_size, Hkv, D] */
+    const FMTensor *sinks;        /* float32 [H]: per-head sink logit */
+    const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */
+} FMSeqTensors;
+
+/* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are
+ * bottom-right per sequence (flash-attn): row i of sequence b at kL_b - qL_b + i. */
+typedef struct FMAttnOptions {
+    float scale;          /* finite */
+    float softcap;        /* 0 = off, else > 0 */
+    int32_t causal;       /* 0 or 1 */
+    int32_t window_left;  /* -1 = unbounded, else >= 0 */
+    int32_t window_right; /* -1 = unbounded, else >= 0 */
+    int32_t max_seqlen_q; /* varlen q: >= every sequence's length; else ignored */
+    int32_t max_seqlen_k; /* varlen k: >= every sequence's length; else ignored */
+    int32_t _pad;
+} FMAttnOptions;
 
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
@@ -366,6 +520,28 @@ int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMTensor *mask, const FMTensor *out,
                      const FMSdpaOptions *options, char *err, size_t errlen);
+/* Serving prefill (flash_attn_func / varlen / with_kvcache with qL > 1):
+ * q/out bfloat16 or float16 [B, qL, H, D] (or [total_q, H, D] with
+ * cu_seqlens_q); k/v like q's dtype: [B, cap, Hkv, D], [total_k, Hkv, D]
+ * with cu_seqlens_k, or [num_pages, page_size, Hkv, D] with block_table.
+ * seq may be NULL (every field NULL). */
+int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                     const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
+                     const FMAttnOptions *options, char *err, size_t errlen);
+/* Serving decode: q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
+ * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
+ * block_table, sinks, lse ([B, H]); cu_seqlens_* must be NULL. tmp as fm_dispatch_vec. */
+int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                        const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
+                        const FMTensor *out, const FMAttnOptions *options,
+                        char *err, size_t errlen);
+/* Writes k_new/v_new [B, n_new, Hkv, D] (the caches' dtype) into the caches
+ * ([B, cap, Hkv, D], or [num_pages, page_size, Hkv, D] with block_table) at
+ * rows cache_seqlens[b] .. + n_new. cache_seqlens is not changed. */
+int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMTensor *v_new,
+                          const FMTensor *k_cache, const FMTensor *v_cache,
+                          const FMTensor *cache_seqlens, const FMTensor *block_table,
+                          char *err, size_t errlen);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 
