@@ -8,7 +8,7 @@ import XCTest
 final class HeaderConstantsTests: XCTestCase {
     func testDTypeIsFMDType() {
         let c: [(DType, FMDType)] = [(.f32, FM_DTYPE_F32), (.f16, FM_DTYPE_F16), (.bf16, FM_DTYPE_BF16),
-                                     (.bool, FM_DTYPE_BOOL), (.u8, FM_DTYPE_U8)]
+                                     (.bool, FM_DTYPE_BOOL), (.u8, FM_DTYPE_U8), (.i32, FM_DTYPE_I32)]
         XCTAssertEqual(c.count, DType.allCases.count)
         for (s, v) in c { XCTAssertEqual(UInt32(s.rawValue), v.rawValue, "\(s)") }
     }
