@@ -72,6 +72,7 @@ extension DType {
         case .bf16: return "bf16"
         case .bool: return "bool"
         case .u8: return "u8"
+        case .i32: return "i32"
         }
     }
 
@@ -83,6 +84,7 @@ extension DType {
         case .bf16: return "bfloat"
         case .bool: return "bool"
         case .u8: return "uchar"
+        case .i32: return "int"
         }
     }
 }
