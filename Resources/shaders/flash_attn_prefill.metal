@@ -545,20 +545,32 @@ kernel void flash_attn_prefill(
                                               Os, tgid, sg, lane, tid);
 }
 
-// Seed 000's entry points plus D=128: (T, MaskT, BQ, BK, BD, WM, WN). The
-// geometry must match PrefillGeometry in Sources/FlashMetalCore.
+// Seed 000's entry points plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
+// WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96", flash_attn_prefill, bfloat, bfloat, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, bfloat, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192", flash_attn_prefill, bfloat, bfloat, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80", flash_attn_prefill, half, half, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80_boolmask", flash_attn_prefill, half, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96", flash_attn_prefill, half, half, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96_boolmask", flash_attn_prefill, half, bool, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192", flash_attn_prefill, half, half, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192_boolmask", flash_attn_prefill, half, bool, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
