@@ -254,19 +254,28 @@ def test_mask_over_whole_cache_with_kv_len(cpu, rng):
     assert_close(out, reference.attention(q, k[:, :, :12], v[:, :, :12], mask=m[:, :12]), F16)
 
 
-# ---- window on the prefill route: bounded masks ---------------------------------------------------
+# ---- window on the prefill route: in the kernel, no mask ------------------------------------------
 
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_window_prefill_in_row_chunks(registry, rng, monkeypatch, align, causal):
-    """Above WINDOW_MASK_BYTES the window mask is built per 128-row chunk."""
-    ql, kl = small(registry, (300, 400), (260, 270))
-    monkeypatch.setattr(attention, "WINDOW_MASK_BYTES", 128 * kl * 2)
-    q, k, v = qkv(rng, BF16, h=1, hkv=1, ql=ql, kl=kl)
-    out = SDPA(q, k, v, is_causal=causal, window=37, align=align, registry=registry)
-    assert fm.last_route().kernel == "flash_attn_prefill"
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_window_prefill_builds_no_mask(registry, rng, monkeypatch, align, causal, with_mask):
+    """The window goes into the prefill kernel: no [qL, kL] mask or blk is
+    built (issue 13 item 4), alone or beside a caller's broadcast mask."""
+    from flashmetal import blk as blk_module, mask as mask_module
+    for mod, name in ((mask_module, "build_mask"), (blk_module, "build_blk")):
+        monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("a window mask was built"))
+    ql, kl = small(registry, (300, 400), (40, 70))
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=ql, kl=kl)
+    keep = None
+    if with_mask:
+        keep = rng.random((1, 1, 1, kl)) < 0.9  # a padding mask, read in place
+        keep[..., -1] = True
+    out = SDPA(q, k, v, keep, is_causal=causal, window=37, align=align, enable_gqa=True, registry=registry)
+    route = fm.last_route()
+    assert route.kernel == "flash_attn_prefill" and "window in the kernel" in route.reason, route
     off = 0 if align == "top_left" else kl - ql
-    assert_close(out, reference.attention(q, k, v, causal=causal, q_offset=off, window=37), BF16)
+    assert_close(out, reference.attention(q, k, v, mask=keep, causal=causal, q_offset=off, window=37), BF16)
 
 
 def test_numpy_only_never_imports_torch():
