@@ -2,13 +2,15 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `flash_attn_prefill_*` on the cpu: one work item per (batch, head, q tile).
+/// `flash_attn_prefill_*` on the cpu: one work item per (batch, head, q tile)
+/// (portable) or per (sequence, head, q block) of the fast path.
 final class PrefillKernel: CPUKernel {
     let name: String
     let hasMask: Bool
     let causal: Bool
     let hasBlk: Bool
     let boolMask: Bool
+    let serving: PrefillServingConstants
     private let fast = FastPrefill()
 
     init(_ key: PipelineKey, io: DType, headDim: Int, boolMask: Bool) throws {
@@ -19,6 +21,7 @@ final class PrefillKernel: CPUKernel {
         hasBlk = try key.constants.requireBool(FunctionConstantIndex.hasBlk, kernel: name)
         _ = try key.constants.requireBool(FunctionConstantIndex.alignQ, kernel: name)
         _ = try key.constants.requireBool(FunctionConstantIndex.alignK, kernel: name)
+        serving = try PrefillServingConstants(key.constants, kernel: name)
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -40,6 +43,7 @@ final class PrefillKernel: CPUKernel {
         if hasBlk {
             a.blk = UnsafePointer(try d.buffer(PrefillBuffer.blk).data.assumingMemoryBound(to: UInt8.self))
         }
+        a.seq = try serving.bind(d)
         guard let geo = PrefillGeometry.forHeadDim(Int(a.p.D)) else {
             throw FlashMetalError.internalError("\(name): no tile geometry for D=\(a.p.D)")
         }
@@ -62,5 +66,55 @@ final class PrefillKernel: CPUKernel {
                 fm_cpu_prefill_tile(args, Int64(b), Int64(h), Int64(qt), scratch + w * floats)
             }
         }
+    }
+}
+
+/// The serving extension's function constants of a prefill pipeline
+/// (flashmetal.h: 302, 304-310) and the buffers they bind (8-14).
+struct PrefillServingConstants {
+    let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool
+
+    /// 304 unset or false: none of the extension (the seeds' prefill; the
+    /// others must then be unset or false). 304 true: every one must be set.
+    init(_ c: FunctionConstants, kernel: String) throws {
+        let seq = c.bool(Int(FM_FC_PREFILL_SEQ.rawValue)) ?? false
+        let flag = { (fc: FMFunctionConstant) throws -> Bool in
+            let i = Int(fc.rawValue)
+            if seq { return try c.requireBool(i, kernel: kernel) }
+            if c.bool(i) == true {
+                throw FlashMetalError.backend("cpu backend: \(kernel): function constant \(i) is set without \(FM_FC_PREFILL_SEQ.rawValue)")
+            }
+            return false
+        }
+        self.seq = seq
+        sinks = try flag(FM_FC_HAS_SINKS)
+        window = try flag(FM_FC_WINDOW)
+        varlenQ = try flag(FM_FC_VARLEN_Q)
+        varlenK = try flag(FM_FC_VARLEN_K)
+        kvLens = try flag(FM_FC_KV_LENS)
+        paged = try flag(FM_FC_PAGED)
+        lse = try flag(FM_FC_HAS_LSE)
+    }
+
+    /// The FMPrefillSeq of dispatch `d`: zeroed unless 304 is set.
+    func bind(_ d: Dispatch) throws -> FMPrefillSeq {
+        var s = FMPrefillSeq()
+        guard seq else { return s }
+        func ints(_ on: Bool, _ b: FMPrefillBinding) throws -> UnsafePointer<Int32>? {
+            on ? UnsafePointer(try d.buffer(Int(b.rawValue)).data.assumingMemoryBound(to: Int32.self)) : nil
+        }
+        s.sp = try d.params(Int(FM_PREFILL_BUF_SEQ_PARAMS.rawValue), as: AttnSeqParams.self)
+        s.cu_seqlens_q = try ints(varlenQ, FM_PREFILL_BUF_CU_SEQLENS_Q)
+        s.cu_seqlens_k = try ints(varlenK, FM_PREFILL_BUF_CU_SEQLENS_K)
+        s.seqlens_k = try ints(kvLens, FM_PREFILL_BUF_SEQLENS_K)
+        s.block_table = try ints(paged, FM_PREFILL_BUF_BLOCK_TABLE)
+        if sinks {
+            s.sinks = UnsafePointer(try d.buffer(Int(FM_PREFILL_BUF_SINKS.rawValue)).data.assumingMemoryBound(to: Float.self))
+        }
+        if lse {
+            s.lse = try d.buffer(Int(FM_PREFILL_BUF_LSE.rawValue)).data.assumingMemoryBound(to: Float.self)
+        }
+        s.window = window ? 1 : 0
+        return s
     }
 }
