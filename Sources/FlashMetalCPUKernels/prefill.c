@@ -137,7 +137,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
 
     for (int64_t r = 0; r < nrows; r++) {
         float lse;
-        const float inv = fm_pf_finish_row(a, h, M[r], L[r], &lse);
+        const float inv = fm_pf_finish_row(a, h, M[r], L[r], L[r], &lse);
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
         uint16_t *dst = (uint16_t *)((char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides));
         const float *o = Ot + r * D;

@@ -52,8 +52,8 @@ size_t FM_SFX(fm_pf_pack_bytes)(const FMPrefillArgs *a) {
 }
 
 size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
-    /* O, Qf, S, P, then M, L, F */
-    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 3;
+    /* O, Qf, S, P, then M, L, F, LX */
+    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 4;
 }
 
 /* Key c0 + j of (b, kvh) in K and V (through the block table when paged). */
@@ -301,11 +301,12 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
 /* Online softmax step of one row over one key block: S holds the raw dot
  * products on entry and p on exit; M, L are updated and F receives the
  * factor for O. The row sees keys [lo, hi]. With round_bf16, p is rounded to
- * bf16 and the row sum uses the rounded values. The running max ignores NaN
- * (s > m is false). */
+ * bf16 and the row sum uses the rounded values (so the weights of O sum to
+ * 1); LX, when given, sums the unrounded values for the LSE. The running max
+ * ignores NaN (s > m is false). */
 static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
-                                   int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *F,
-                                   int round_bf16) {
+                                   int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *LX,
+                                   float *F, int round_bf16) {
     fm_v s[KB / FM_VL];
     fm_v mv = fm_v_splat(*M);
     /* The common block (the row sees every key of it, no mask, no softcap)
@@ -328,14 +329,16 @@ static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row
     }
     const float mold = *M, mx = fm_v_max(mv);
     const float factor = fm_v_exp(fm_v_splat(mold - mx))[0];
-    fm_v sum = fm_v_splat(0.0f);
+    fm_v sum = fm_v_splat(0.0f), exact = fm_v_splat(0.0f);
     for (int c = 0; c < KB / FM_VL; c++) {
         fm_v pv = fm_v_exp(s[c] - mx);
+        if (LX) exact += pv;
         if (round_bf16) pv = fm_v_round_bf16(pv);
         sum += pv;
         fm_v_store(S + c * FM_VL, pv);
     }
     *L = *L * factor + fm_v_sum(sum);
+    if (LX) *LX = *LX * factor + fm_v_sum(exact);
     *M = mx;
     *F = factor;
 }
@@ -362,6 +365,8 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     float *M = P + (size_t)QI * KB;
     float *L = M + QI;
     float *F = L + QI;
+    float *LX = F + QI; /* unrounded row sums for the LSE of bf16 pair panels */
+    const int exact_lse = bfp && a->seq.lse;
 
     const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : esz;
     const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
@@ -380,6 +385,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
         memset(O + (size_t)r * D, 0, sizeof(float) * D);
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
+        LX[r] = 0.0f;
     }
 
     const size_t panel = (size_t)KB * D * (bfp ? 2 : 4);
@@ -408,7 +414,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
             for (int r = 0; r < R; r++) {
                 float *Sr = Sg + (size_t)r * KB;
                 FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, lo[ga + r], hi[ga + r], mrow[ga + r],
-                                       &M[ga + r], &L[ga + r], &F[ga + r], bfp);
+                                       &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL, &F[ga + r], bfp);
 #if FM_PF_BF16DP
                 if (bfp) {
                     uint16_t *Pr = (uint16_t *)(P + (size_t)(ga + r) * KB);
@@ -430,7 +436,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
 
     for (int64_t r = 0; r < nrows; r++) {
         float lse;
-        const float inv = fm_pf_finish_row(a, h, M[r], L[r], &lse);
+        const float inv = fm_pf_finish_row(a, h, M[r], L[r], exact_lse ? LX[r] : L[r], &lse);
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
         char *dst = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
         const float *o = O + (size_t)r * D;

@@ -74,19 +74,23 @@ static inline int64_t fm_pf_row_offset(const FMPfSeqDims *d, int64_t b, int64_t 
     return b * strides[0] + h * strides[1] + (d->qs + i) * strides[2];
 }
 
-/* The end of a row: 1/denominator for its accumulated output, and its LSE.
- * m, l: running max and sum (natural units). The sink joins the denominator
- * without a value. A row with an empty denominator outputs 0 and has LSE
- * -inf; without a sink the factor is 1/l exactly as before the extension. */
-static inline float fm_pf_finish_row(const FMPrefillArgs *a, int64_t h, float m, float l, float *lse) {
-    float mx = m, tot = l, f = 1.0f;
+/* The end of a row: 1/denominator for its accumulated output, and *lse.
+ * m: running max, l: the sum the output's weights add up to, l_lse: the sum
+ * for the LSE (l itself, or the unrounded sum where p was rounded to bf16);
+ * natural units. The sink joins both without a value. A row with an empty
+ * denominator outputs 0 and has LSE -inf; without a sink the factor is 1/l
+ * exactly as before the extension. */
+static inline float fm_pf_finish_row(const FMPrefillArgs *a, int64_t h, float m, float l, float l_lse, float *lse) {
+    float mx = m, f = 1.0f, extra = 0.0f;
     if (a->seq.sinks) {
         const float sink = a->seq.sinks[h];
         if (sink > mx) mx = sink;
         f = expf(m - mx);
-        tot = l * f + expf(sink - mx);
+        extra = expf(sink - mx);
     }
-    if (lse) *lse = tot == 0.0f ? -INFINITY : mx + logf(tot);
+    const float tot = a->seq.sinks ? l * f + extra : l;
+    const float tot_lse = a->seq.sinks ? l_lse * f + extra : l_lse;
+    *lse = tot_lse == 0.0f ? -INFINITY : mx + logf(tot_lse);
     return tot == 0.0f ? 0.0f : f / tot;
 }
 
