@@ -70,49 +70,43 @@ final class PrefillKernel: CPUKernel {
 }
 
 /// The serving extension's function constants of a prefill pipeline
-/// (flashmetal.h: 302, 304-310) and the buffers they bind (8-14).
+/// (flashmetal.h: 302, 304-310; the dispatchers set every one) and the
+/// buffers they bind (PrefillBuffer.seqParams ... lse).
 struct PrefillServingConstants {
     let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool
 
-    /// 304 unset or false: none of the extension (the seeds' prefill; the
-    /// others must then be unset or false). 304 true: every one must be set.
     init(_ c: FunctionConstants, kernel: String) throws {
-        let seq = c.bool(Int(FM_FC_PREFILL_SEQ.rawValue)) ?? false
-        let flag = { (fc: FMFunctionConstant) throws -> Bool in
-            let i = Int(fc.rawValue)
-            if seq { return try c.requireBool(i, kernel: kernel) }
-            if c.bool(i) == true {
-                throw FlashMetalError.backend("cpu backend: \(kernel): function constant \(i) is set without \(FM_FC_PREFILL_SEQ.rawValue)")
-            }
-            return false
+        typealias F = FunctionConstantIndex
+        seq = try c.requireBool(F.prefillSeq, kernel: kernel)
+        sinks = try c.requireBool(F.hasSinks, kernel: kernel)
+        window = try c.requireBool(F.window, kernel: kernel)
+        varlenQ = try c.requireBool(F.varlenQ, kernel: kernel)
+        varlenK = try c.requireBool(F.varlenK, kernel: kernel)
+        kvLens = try c.requireBool(F.kvLens, kernel: kernel)
+        paged = try c.requireBool(F.paged, kernel: kernel)
+        lse = try c.requireBool(F.hasLSE, kernel: kernel)
+        if !seq && (sinks || window || varlenQ || varlenK || kvLens || paged || lse) {
+            throw FlashMetalError.backend("cpu backend: \(kernel): a serving constant is set without \(F.prefillSeq) (AttnSeqParams)")
         }
-        self.seq = seq
-        sinks = try flag(FM_FC_HAS_SINKS)
-        window = try flag(FM_FC_WINDOW)
-        varlenQ = try flag(FM_FC_VARLEN_Q)
-        varlenK = try flag(FM_FC_VARLEN_K)
-        kvLens = try flag(FM_FC_KV_LENS)
-        paged = try flag(FM_FC_PAGED)
-        lse = try flag(FM_FC_HAS_LSE)
     }
 
-    /// The FMPrefillSeq of dispatch `d`: zeroed unless 304 is set.
+    /// The FMPrefillSeq of dispatch `d`: zeroed unless AttnSeqParams is bound.
     func bind(_ d: Dispatch) throws -> FMPrefillSeq {
         var s = FMPrefillSeq()
         guard seq else { return s }
-        func ints(_ on: Bool, _ b: FMPrefillBinding) throws -> UnsafePointer<Int32>? {
-            on ? UnsafePointer(try d.buffer(Int(b.rawValue)).data.assumingMemoryBound(to: Int32.self)) : nil
+        func ints(_ on: Bool, _ index: Int) throws -> UnsafePointer<Int32>? {
+            on ? UnsafePointer(try d.buffer(index).data.assumingMemoryBound(to: Int32.self)) : nil
         }
-        s.sp = try d.params(Int(FM_PREFILL_BUF_SEQ_PARAMS.rawValue), as: AttnSeqParams.self)
-        s.cu_seqlens_q = try ints(varlenQ, FM_PREFILL_BUF_CU_SEQLENS_Q)
-        s.cu_seqlens_k = try ints(varlenK, FM_PREFILL_BUF_CU_SEQLENS_K)
-        s.seqlens_k = try ints(kvLens, FM_PREFILL_BUF_SEQLENS_K)
-        s.block_table = try ints(paged, FM_PREFILL_BUF_BLOCK_TABLE)
+        s.sp = try d.params(PrefillBuffer.seqParams, as: AttnSeqParams.self)
+        s.cu_seqlens_q = try ints(varlenQ, PrefillBuffer.cuSeqlensQ)
+        s.cu_seqlens_k = try ints(varlenK, PrefillBuffer.cuSeqlensK)
+        s.seqlens_k = try ints(kvLens, PrefillBuffer.seqlensK)
+        s.block_table = try ints(paged, PrefillBuffer.blockTable)
         if sinks {
-            s.sinks = UnsafePointer(try d.buffer(Int(FM_PREFILL_BUF_SINKS.rawValue)).data.assumingMemoryBound(to: Float.self))
+            s.sinks = UnsafePointer(try d.buffer(PrefillBuffer.sinks).data.assumingMemoryBound(to: Float.self))
         }
         if lse {
-            s.lse = try d.buffer(Int(FM_PREFILL_BUF_LSE.rawValue)).data.assumingMemoryBound(to: Float.self)
+            s.lse = try d.buffer(PrefillBuffer.lse).data.assumingMemoryBound(to: Float.self)
         }
         s.window = window ? 1 : 0
         return s
