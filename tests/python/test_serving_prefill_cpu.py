@@ -143,6 +143,12 @@ def test_empty_rows_cpu(cpu):
     assert np.all(out[:5] == 0)
     np.testing.assert_array_equal(lse[:, :5], np.repeat(sinks[:, None], 5, axis=1))
     _assert_lse(lse, ref_lse, "empty rows with sinks")
+    # no sequence has a key: nothing to pack (the portable kernel writes the zeros)
+    none = np.zeros((0, HKV, d), F16)
+    out, lse, _ = fm.flash_attn_varlen_func(q, none, none, _cu(lens_q), _cu([0, 0, 0]), 70, 0, sinks=sinks,
+                                            return_attn_probs=True, registry=cpu)
+    assert np.all(out == 0)
+    np.testing.assert_array_equal(lse, np.repeat(sinks[:, None], sum(lens_q), axis=1))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
