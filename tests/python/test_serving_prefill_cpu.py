@@ -204,7 +204,8 @@ def test_prefill_in_kernel_window_cpu(cpu, d, causal):
 def test_nonfinite_serving_cpu(cpu):
     """NaN/inf on every path alike: a NaN q row is a NaN row; a NaN key makes
     NaN exactly the rows that see it (window and sequence bounds respected);
-    a huge softcap input stays finite; a NaN sink makes its head NaN."""
+    a huge q row or an infinite key under softcap stays finite; a NaN sink
+    makes its head NaN."""
     rng = np.random.default_rng(8)
     d, lens_q, lens_k = 64, [20, 70], [40, 130]
     q = randn(rng, (sum(lens_q), H, d), BF16)
@@ -223,6 +224,16 @@ def test_nonfinite_serving_cpu(cpu):
     expect[20 + np.nonzero(sees)[0], 0:2] = True  # heads 0, 1 read kv head 0
     np.testing.assert_array_equal(nan_rows, expect)
     assert np.isfinite(out[20 + 69, 3]).all()
+    # +inf in a key: its score is +-inf, which the softcap maps to +-5: finite
+    # everywhere, and the reference's value
+    ki = k.copy()
+    ki[:] = np.where(np.isnan(ki.astype(np.float32)), 0, ki)
+    ki[40 + 100, 1, 7] = np.inf
+    qf = np.where(np.isnan(q.astype(np.float32)), 0, q).astype(BF16)
+    qf[20 + 69] = q[20 + 68]
+    out = fm.flash_attn_varlen_func(qf, ki, v, cq, ck, 70, 130, causal=True, softcap=5.0, registry=cpu)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_close(out, reference.flash_attn_varlen(qf, ki, v, cq, ck, causal=True, softcap=5.0)[0], BF16, "inf key")
     sinks = _sinks(rng)
     sinks[2] = np.nan
     out = fm.flash_attn_varlen_func(q[:20], k[:40], v[:40], cq[:2], ck[:2], 20, 40, sinks=sinks,
