@@ -239,3 +239,21 @@ def test_nonfinite_serving_cpu(cpu):
     out = fm.flash_attn_varlen_func(q[:20], k[:40], v[:40], cq[:2], ck[:2], 20, 40, sinks=sinks,
                                     registry=cpu).astype(np.float32)
     assert np.isnan(out[:, 2]).all() and not np.isnan(np.delete(out, [2], axis=1)[np.arange(20) != 3]).any()
+
+
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("q_offset,window,softcap", [(0, None, 0.0), (-5, None, 0.0), (30, 17, 0.0),
+                                                     (None, 40, 6.0), (-3, 9, 2.0)])
+def test_float32_sdpa_ext_on_the_fast_path_cpu(cpu, d, q_offset, window, softcap):
+    """float32 sdpa with SdpaExtParams (explicit q_offset: top-left causal is
+    0, negative rows see nothing; window; softcap) runs the fast prefill with
+    the in-kernel window, causal and not."""
+    rng = np.random.default_rng(d + (window or 0))
+    ql, kl = 50, 110
+    q = randn(rng, (1, H, ql, d), F32)
+    k, v = randn(rng, (1, HKV, kl, d), F32), randn(rng, (1, HKV, kl, d), F32)
+    off = kl - ql if q_offset is None else q_offset
+    for causal in (False, True):
+        got = fm.sdpa(q, k, v, causal=causal, q_offset=q_offset, window=window, softcap=softcap, registry=cpu)
+        exp = reference.attention(q, k, v, causal=causal, q_offset=off, window=window, softcap=softcap)
+        assert_close(got, exp, F32, f"sdpa f32 causal={causal} q_offset={q_offset} window={window}")
