@@ -10,6 +10,10 @@ against the float64 reference):
            (constants align_Q, align_K, has_mask, do_causal, has_blk)
   decode   K/V {f32, f16, bf16} x D {64, 128, 256, 512} x reduce {plain,
            FWHT undo, FWHT undo with signs} (constant has_signs)
+  serving decode  K/V {f32, f16, bf16} x D with every serving constant on,
+           and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
+           (constants 501-505)
+  kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16} x D (tile constants 400, 401)
@@ -29,7 +33,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flashmetal as fm  # noqa: E402
 from flashmetal import reference  # noqa: E402
-from numerics import BF16, F16, F32, assert_close, randn  # noqa: E402
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
+from serving_native import kv_append, make_cache, reference_decode, vec_seq  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 512)
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
@@ -79,6 +84,49 @@ def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     return n
 
 
+def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    n = 0
+    combos = [(dtype, d, True, True, True, True) for dtype in (F32, F16, BF16) for d in HEAD_DIMS]
+    combos += [(F16, 64, lens, paged, sinks, lse) for lens, paged, sinks, lse in
+               itertools.product((False, True), repeat=4) if not (lens and paged and sinks and lse)]
+    for dtype, d, lens, paged, sinks, lse in combos:
+        k, v, table = make_cache(rng, 2, 48, 1, d, dtype, page_size=16 if paged else None)
+        q = randn(rng, (2, 2, d), F32)
+        lengths = np.array([37, 0], np.int32) if lens else None
+        snk = np.array([0.5, -1.0], np.float32) if sinks else None
+        out, lse_out = vec_seq(reg, q, k, v, seqlens=lengths, block_table=table, sinks=snk, lse=lse,
+                               window=(20, -1))
+        e_out, e_lse = reference_decode(q, k, v, [48, 48] if lengths is None else lengths, block_table=table,
+                                        window_left=20, sinks=snk)
+        what = f"serving decode K/V {dtype} D={d} lens={lens} paged={paged} sinks={sinks} lse={lse}"
+        assert_close(out, e_out, F32, what)
+        if lse:
+            assert_close(lse_out, e_lse, F32, what + " lse")
+        n += 1
+    return n
+
+
+def kv_append_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    n = 0
+    for dtype, paged in itertools.product((F32, F16, BF16), (False, True)):
+        shape = (6, 16, 2, 64) if paged else (2, 16, 2, 64)
+        kc, vc = randn(rng, shape, dtype), randn(rng, shape, dtype)
+        kn, vn = randn(rng, (2, 3, 2, 64), dtype), randn(rng, (2, 3, 2, 64), dtype)
+        lens = np.array([14, 0], np.int32)
+        table = np.array([[4, 1], [0, 5]], np.int32) if paged else None
+        ek, ev = kc.copy(), vc.copy()
+        for b in range(2):
+            for i in range(3):
+                t = int(lens[b]) + i
+                page, row = (table[b, t // 16], t % 16) if paged else (b, t)
+                ek[page, row], ev[page, row] = kn[b, i], vn[b, i]
+        kv_append(reg, kn, vn, kc, vc, lens, table)
+        assert_bits_equal(kc, ek, f"kv_append {dtype} paged={paged} k")
+        assert_bits_equal(vc, ev, f"kv_append {dtype} paged={paged} v")
+        n += 1
+    return n
+
+
 def sdpa_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
     ext_kinds = {"none": {}, "ext": dict(q_offset=0, window=3), "ext+softcap": dict(q_offset=2, window=4, softcap=2.0)}
@@ -123,6 +171,7 @@ def main() -> int:
     t0 = time.time()
     with fm.Registry(args.backend) as reg:
         counts = {"prefill": prefill_cases(reg, rng), "decode": decode_cases(reg, rng),
+                  "serving decode": serving_decode_cases(reg, rng), "kv_append": kv_append_cases(reg, rng),
                   "sdpa": sdpa_cases(reg, rng), "mask+blk": mask_and_blk_cases(reg)}
     print(f"create_pipelines ({args.backend}): every case matched the reference: {counts} "
           f"in {time.time() - t0:.1f} s")
