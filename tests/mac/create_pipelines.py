@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flashmetal as fm  # noqa: E402
 from flashmetal import reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
-from serving_native import kv_append, make_cache, reference_decode, vec_seq  # noqa: E402
+from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 512)
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
@@ -96,8 +96,9 @@ def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         snk = np.array([0.5, -1.0], np.float32) if sinks else None
         out, lse_out = vec_seq(reg, q, k, v, seqlens=lengths, block_table=table, sinks=snk, lse=lse,
                                window=(20, -1))
-        e_out, e_lse = reference_decode(q, k, v, [48, 48] if lengths is None else lengths, block_table=table,
-                                        window_left=20, sinks=snk)
+        e_out, e_lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lengths, block_table=table,
+                                                    window_size=(20, -1), sinks=snk)
+        e_out, e_lse = e_out[:, 0], e_lse[..., 0]
         what = f"serving decode K/V {dtype} D={d} lens={lens} paged={paged} sinks={sinks} lse={lse}"
         assert_close(out, e_out, F32, what)
         if lse:

@@ -1,10 +1,9 @@
 """Calls of the serving decode and kv_append C entry points (fm_dispatch_vec_seq,
-fm_dispatch_kv_append) through flashmetal._native, for the kernel tests (the
-public serving API routes to the same entry points), and the float64 decode
-reference and paged-cache builder those tests share."""
+fm_dispatch_kv_append) through flashmetal._native, for what the public serving
+API never passes them (e.g. cu_seqlens to decode) and for the library's own op
+names in messages; and the paged-cache builder the decode tests share."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -62,40 +61,6 @@ def kv_append(reg: fm.Registry, k_new: np.ndarray, v_new: np.ndarray, k_cache: n
     ts = [tensor(a) for a in (k_new, v_new, k_cache, v_cache, seqlens, block_table)]
     _native.call(reg, "fm_dispatch_kv_append", *ts, op=KV_APPEND_OP,
                  keep=(k_new, v_new, k_cache, v_cache, seqlens, block_table))
-
-
-def reference_decode(q, k, v, lengths, *, block_table=None, window_left=-1, softcap=0.0, sinks=None, scale=None):
-    """float64: q [B, H, D] over caches [B, cap, Hkv, D] (or paged) holding
-    lengths[b] keys; the query sits at lengths[b] - 1 -> (out [B, H, D], lse [B, H])."""
-    q64 = q.astype(np.float64)
-    b_, h, d = q.shape
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out = np.zeros((b_, h, d))
-    lse = np.full((b_, h), -np.inf)
-    for b in range(b_):
-        n = int(lengths[b])
-        if block_table is None:
-            kb, vb = k[b, :n], v[b, :n]
-        else:
-            pos = np.arange(n)
-            pages = block_table[b][pos // k.shape[1]]
-            kb, vb = k[pages, pos % k.shape[1]], v[pages, pos % k.shape[1]]
-        kb, vb = kb.astype(np.float64), vb.astype(np.float64)  # [n, Hkv, D]
-        g = h // k.shape[2]
-        for hh in range(h):
-            s = scale * (kb[:, hh // g] @ q64[b, hh])
-            if softcap:
-                s = softcap * np.tanh(s / softcap)
-            if window_left >= 0:
-                s = np.where(np.arange(n) >= n - 1 - window_left, s, -np.inf)
-            logits = np.concatenate([s, [-np.inf if sinks is None else float(sinks[hh])]])
-            m = logits.max()
-            if not np.isfinite(m):
-                continue  # sees nothing, no sink: out 0, lse -inf
-            e = np.exp(logits - m)
-            out[b, hh] = e[:-1] @ vb[:, hh // g] / e.sum()
-            lse[b, hh] = m + math.log(e.sum())
-    return out, lse
 
 
 def make_cache(rng, b, cap, hkv, d, dtype, page_size=None, spare_pages=2):
