@@ -184,7 +184,7 @@ def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
     assert isinstance(route, fm.Route) and str(route).startswith("sdpa: ")
     SDPA(q, k, v, is_causal=True, registry=cpu)
     assert fm.last_route() == route
-    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=80: no decode kernel
+    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "flash_attn_vec"  # decode has D=80
     q64, k64, v64 = qkv(rng, BF16, ql=1)
     assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_vec"
     # top-left causal puts the one row at position 0: not the decode kernel's newest position

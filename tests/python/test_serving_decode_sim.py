@@ -17,7 +17,7 @@ from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_native import VEC_SEQ_OP, make_cache, vec_seq
 
-HEAD_DIMS = [64, 128, 256, 512]
+HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
 OP = "flash_attn_with_kvcache"
 # INTERIM: decode-cpu's cpu kernel for the serving constants (501-505) has not
@@ -66,7 +66,7 @@ def check(registry, rng, *, b=3, h=4, hkv=2, d=64, cap=48, kv=F16, lengths=(0, 1
 @pytest.mark.parametrize("d,kv", list(itertools.product(HEAD_DIMS, KV_DTYPES)))
 def test_ragged_lengths(registry, rng, d, kv):
     # 0 (sees nothing: out 0, lse -inf), 1, a chunk + 1, the capacity.
-    small = registry.backend == "sim" and d >= 256
+    small = registry.backend == "sim" and d >= 192
     check(registry, rng, d=d, kv=kv, b=2 if small else 4, cap=40, lengths=(0, 33) if small else (0, 1, 33, 40))
 
 
@@ -208,3 +208,16 @@ def test_entry_point_errors(registry, rng):
             vec_seq(registry, q, k, v, **{"seqlens": ok, "block_table": table, **kw})
     with pytest.raises(TypeError, match="cache_seqlens must be int32, got float32"):
         vec_seq(registry, q, k, v, seqlens=ok.astype(np.float32), block_table=table)
+
+
+@pytest.mark.parametrize("d", [80, 96, 192])
+def test_seed_decode_new_head_dims(registry, rng, d):
+    """flash_attn_decode (the seed's entry point) at the head dims that are
+    not powers of two: lanes own dims l, l + 32, ... with a partial last step
+    at D = 80; the FWHT undo stays power-of-two only."""
+    q = randn(rng, (2, 4, d), F32)
+    k, v = randn(rng, (2, 2, 45, d), F16), randn(rng, (2, 2, 45, d), F16)
+    out = fm.flash_attn_decode(q, k, v, 40, window=30, registry=registry)
+    assert_close(out, reference.decode(q, k, v, 40, window=30), F32, f"{registry.backend} seed decode D={d}")
+    with pytest.raises(ValueError, match=f"power-of-two head_dim .*got {d}"):
+        fm.flash_attn_decode(q, k, v, 40, fwht=True, registry=registry)
