@@ -8,8 +8,9 @@ against the float64 reference):
   prefill  dtype {bf16, f16} x D {64, 128, 256, 512} x mask {none, additive,
            additive + blk, bool} x causal x Q aligned x K aligned
            (constants align_Q, align_K, has_mask, do_causal, has_blk)
-  decode   K/V {f32, f16, bf16} x D {64, 128, 256, 512} x reduce {plain,
-           FWHT undo, FWHT undo with signs} (constant has_signs)
+  decode   K/V {f32, f16, bf16} x D {64, 80, 96, 128, 192, 256, 512} x reduce
+           {plain, FWHT undo, FWHT undo with signs} (constant has_signs; the
+           FWHT undo at the power-of-two D only)
   serving decode  K/V {f32, f16, bf16} x D with every serving constant on,
            and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
            (constants 501-505)
@@ -37,6 +38,8 @@ from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # n
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 512)
+# Decode also has 80, 96 and 192; its FWHT reduce only the powers of two.
+VEC_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
 # none; kL >= qL (Q may not overshoot K). (qL, kL): both aligned, K not, Q
 # not, neither.
@@ -69,7 +72,9 @@ def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 
 def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
-    for dtype, d, reduce_kind in itertools.product((F32, F16, BF16), HEAD_DIMS, ("plain", "fwht", "fwht+signs")):
+    for dtype, d, reduce_kind in itertools.product((F32, F16, BF16), VEC_HEAD_DIMS, ("plain", "fwht", "fwht+signs")):
+        if reduce_kind != "plain" and d & (d - 1):
+            continue
         q = randn(rng, (2, d), F32)
         k = randn(rng, (1, 40, d), dtype)
         v = randn(rng, (1, 40, d), dtype)
@@ -86,7 +91,7 @@ def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 
 def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
-    combos = [(dtype, d, True, True, True, True) for dtype in (F32, F16, BF16) for d in HEAD_DIMS]
+    combos = [(dtype, d, True, True, True, True) for dtype in (F32, F16, BF16) for d in VEC_HEAD_DIMS]
     combos += [(F16, 64, lens, paged, sinks, lse) for lens, paged, sinks, lse in
                itertools.product((False, True), repeat=4) if not (lens and paged and sinks and lse)]
     for dtype, d, lens, paged, sinks, lse in combos:
@@ -110,17 +115,12 @@ def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 def kv_append_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
     for dtype, paged in itertools.product((F32, F16, BF16), (False, True)):
-        shape = (6, 16, 2, 64) if paged else (2, 16, 2, 64)
+        shape = (6, 16, 2, 64) if paged else (2, 17, 2, 64)
         kc, vc = randn(rng, shape, dtype), randn(rng, shape, dtype)
         kn, vn = randn(rng, (2, 3, 2, 64), dtype), randn(rng, (2, 3, 2, 64), dtype)
-        lens = np.array([14, 0], np.int32)
+        lens = np.array([14, 0], np.int32)  # rows 14..16: across two pages when paged
         table = np.array([[4, 1], [0, 5]], np.int32) if paged else None
-        ek, ev = kc.copy(), vc.copy()
-        for b in range(2):
-            for i in range(3):
-                t = int(lens[b]) + i
-                page, row = (table[b, t // 16], t % 16) if paged else (b, t)
-                ek[page, row], ev[page, row] = kn[b, i], vn[b, i]
+        ek, ev = reference.kv_append(kc, vc, kn, vn, lens, table)
         kv_append(reg, kn, vn, kc, vc, lens, table)
         assert_bits_equal(kc, ek, f"kv_append {dtype} paged={paged} k")
         assert_bits_equal(vc, ev, f"kv_append {dtype} paged={paged} v")
