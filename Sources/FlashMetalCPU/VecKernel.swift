@@ -2,6 +2,9 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
+/// Multiply-adds below which a decode dispatch runs on the calling thread alone.
+private let smallWork = 1 << 18
+
 /// `flash_attn_vec_*` on the cpu: one work item per (kv row, workgroup) of
 /// the grid (1, rows, NWG), covering the GQA group's rows so K/V are read
 /// once per group; each row's partial (O, S, M) goes into tmp. With the
@@ -32,18 +35,19 @@ final class VecKernel: CPUKernel {
         let floats = fm_cpu_vec_scratch_floats(Int32(p.head_dim), gqa)
         let nwg = Int(p.nwg)
         let active = withUnsafePointer(to: &a) { Int(fm_cpu_vec_active_wgs($0)) }
-        let workers = max(min(pool.threads, kvRows * active), 1)
+        // At most this many FMAs (every row, every key of a full chunk per
+        // item): below ~100 us of work a second thread costs more than it saves.
+        let fmas = kvRows * active * Int(FM_VEC_CHUNK) * Int(gqa) * Int(p.head_dim) * 2
+        let workers = fmas < smallWork ? 1 : max(min(pool.threads, kvRows * active), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
         withUnsafePointer(to: &a) { ap in
-            pool.forEach(kvRows * active) { w, item in
+            pool.forEach(kvRows * active, workers: workers) { w, item in
                 fm_cpu_vec_item(ap, Int64(item / active), Int64(item % active), scratch + w * floats)
             }
-            // Workgroups past the busiest sequence's last key only write empty
-            // partials: on this thread, so a short cache wakes no worker.
-            for r in 0..<kvRows {
-                for wg in active..<nwg { fm_cpu_vec_item(ap, Int64(r), Int64(wg), scratch) }
-            }
+            // Workgroups past the busiest sequence's last key only have empty
+            // partials: written here, so a short cache wakes no worker for them.
+            if active < nwg { fm_cpu_vec_empty_partials(ap, Int64(active)) }
         }
     }
 
@@ -163,7 +167,7 @@ final class VecReduceKernel: CPUKernel {
             }
         }
         let (dk, fwht) = (headDim, Int32(self.fwht ? 1 : 0))
-        pool.forEach(rows) { _, r in
+        pool.forEach(rows, workers: rows * Int(nwg) * Int(dk) < smallWork ? 1 : Int.max) { _, r in
             fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
         }
     }

@@ -25,6 +25,16 @@ int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a) {
     return most;
 }
 
+void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
+    const int64_t nwg = a->p.nwg, rows = a->batch * (int64_t)a->p.n_heads;
+    float *sm = a->tmp + rows * nwg * (int64_t)a->p.head_dim;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t w = wg_from; w < nwg; w++) {
+            sm[(r * nwg + w) * 2] = 0.0f;
+            sm[(r * nwg + w) * 2 + 1] = FM_M_INIT;
+        }
+}
+
 /* The item itself is vec_body.h, compiled once per ISA. */
 void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
     switch (fm_cpu_isa()) {

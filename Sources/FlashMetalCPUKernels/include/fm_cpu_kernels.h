@@ -127,6 +127,8 @@ void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scrat
 /* Workgroups that have keys in the busiest sequence (<= p.nwg): the others
  * only write empty partials, so they need no worker. */
 int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a);
+/* The empty partials (S = 0) of workgroups [wg_from, nwg) of every row. */
+void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
 /* Floats of scratch one vec item needs (heap: nothing gqa-sized goes on a
  * thread's stack). */
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
