@@ -19,9 +19,9 @@ final class VecKernel: CPUKernel {
     init(_ key: PipelineKey) throws {
         name = key.kernel
         let c = key.constants
-        seq = c.bool(Int(FM_FC_VEC_SEQ.rawValue)) ?? false
-        kvLens = c.bool(Int(FM_FC_VEC_KV_LENS.rawValue)) ?? false
-        paged = c.bool(Int(FM_FC_VEC_PAGED.rawValue)) ?? false
+        seq = c.bool(FunctionConstantIndex.vecSeq) ?? false
+        kvLens = c.bool(FunctionConstantIndex.vecKVLens) ?? false
+        paged = c.bool(FunctionConstantIndex.vecPaged) ?? false
         if (kvLens || paged) && !seq {
             throw FlashMetalError.backend("cpu backend: \(name): seqlens or paging without FlashAttnVecSeqParams (constant 501)")
         }
@@ -78,12 +78,12 @@ final class VecKernel: CPUKernel {
             a.v_strides = a.k_strides
             return a
         }
-        let sp = try d.params(Int(FM_VEC_BUF_SEQ_PARAMS.rawValue), as: FlashAttnVecSeqParams.self)
+        let sp = try d.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
         a.k_strides = sp.K_strides
         a.v_strides = sp.V_strides
         var capacity = Int64(p.kv_capacity)
         if paged {
-            let table = try d.buffer(Int(FM_VEC_BUF_BLOCK_TABLE.rawValue))
+            let table = try d.buffer(VecBuffer.blockTable)
             let pages = Int64(k.shape.first ?? 0)
             if sp.page_size == 0 || table.dtype != .i32 || table.byteCount < Int(a.batch) * Int(sp.max_pages) * 4 {
                 throw FlashMetalError.internalError("\(name): block table \(table.shape) or page size \(sp.page_size) does not fit the dispatch")
@@ -98,7 +98,7 @@ final class VecKernel: CPUKernel {
             capacity = a.page_size * a.max_pages
         }
         if kvLens {
-            let lens = try d.buffer(Int(FM_VEC_BUF_SEQLENS_K.rawValue))
+            let lens = try d.buffer(VecBuffer.seqlensK)
             if lens.dtype != .i32 || lens.byteCount < Int(a.batch) * 4 {
                 throw FlashMetalError.internalError("\(name): seqlens_k \(lens.shape) does not cover batch \(a.batch)")
             }
@@ -130,8 +130,8 @@ final class VecReduceKernel: CPUKernel {
         self.headDim = Int32(headDim)
         let c = key.constants
         hasSigns = fwht ? try c.requireBool(FunctionConstantIndex.vecHasSigns, kernel: name) : false
-        sinks = fwht ? false : c.bool(Int(FM_FC_VEC_SINKS.rawValue)) ?? false
-        lse = fwht ? false : c.bool(Int(FM_FC_VEC_LSE.rawValue)) ?? false
+        sinks = fwht ? false : c.bool(FunctionConstantIndex.vecSinks) ?? false
+        lse = fwht ? false : c.bool(FunctionConstantIndex.vecLSE) ?? false
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -146,20 +146,20 @@ final class VecReduceKernel: CPUKernel {
         var sinkPtr: UnsafePointer<Float>? = nil
         var lsePtr: UnsafeMutablePointer<Float>? = nil
         if sinks || lse {
-            let ext = try d.params(Int(FM_VEC_REDUCE_BUF_EXT.rawValue), as: FlashAttnVecReduceExtParams.self)
+            let ext = try d.params(VecReduceBuffer.ext, as: FlashAttnVecReduceExtParams.self)
             if ext.n_heads == 0 || rows % Int(ext.n_heads) != 0 {
                 throw FlashMetalError.internalError("\(name): n_heads \(ext.n_heads) does not divide rows \(rows)")
             }
             heads = Int64(ext.n_heads)
             if sinks {
-                let s = try d.buffer(Int(FM_VEC_REDUCE_BUF_SINKS.rawValue))
+                let s = try d.buffer(VecReduceBuffer.sinks)
                 if s.dtype != .f32 || s.byteCount < Int(heads) * 4 {
                     throw FlashMetalError.internalError("\(name): sinks \(s.shape) do not cover \(heads) heads")
                 }
                 sinkPtr = UnsafePointer(s.data.assumingMemoryBound(to: Float.self))
             }
             if lse {
-                let l = try d.buffer(Int(FM_VEC_REDUCE_BUF_LSE.rawValue))
+                let l = try d.buffer(VecReduceBuffer.lse)
                 if l.dtype != .f32 || l.byteCount < rows * 4 {
                     throw FlashMetalError.internalError("\(name): lse \(l.shape) does not cover \(rows) rows")
                 }

@@ -16,12 +16,40 @@ public enum FunctionConstantIndex {
     public static let doCausal = Int(FM_FC_DO_CAUSAL.rawValue)
     /// Prefill: a blk is bound.
     public static let hasBlk = Int(FM_FC_HAS_BLK.rawValue)
+    /// Prefill serving extension: sinks bound.
+    public static let hasSinks = Int(FM_FC_HAS_SINKS.rawValue)
+    /// Prefill serving extension: AttnSeqParams bound (with any of 302, 305-310).
+    public static let prefillSeq = Int(FM_FC_PREFILL_SEQ.rawValue)
+    /// Prefill serving extension: the window of AttnSeqParams applies.
+    public static let window = Int(FM_FC_WINDOW.rawValue)
+    /// Prefill serving extension: q/o/lse packed, cu_seqlens_q bound.
+    public static let varlenQ = Int(FM_FC_VARLEN_Q.rawValue)
+    /// Prefill serving extension: k/v packed, cu_seqlens_k bound.
+    public static let varlenK = Int(FM_FC_VARLEN_K.rawValue)
+    /// Prefill serving extension: seqlens_k bound.
+    public static let kvLens = Int(FM_FC_KV_LENS.rawValue)
+    /// Prefill serving extension: k/v paged, block_table bound.
+    public static let paged = Int(FM_FC_PAGED.rawValue)
+    /// Prefill serving extension: the lse output bound.
+    public static let hasLSE = Int(FM_FC_HAS_LSE.rawValue)
     /// blk: BQ of the prefill that consumes the blk (int).
     public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
     /// blk: BK of the prefill that consumes the blk (int).
     public static let blkBK = Int(FM_FC_BLK_BK.rawValue)
     /// FWHT-undo reduce: a sign bitmask is bound.
     public static let vecHasSigns = Int(FM_FC_VEC_HAS_SIGNS.rawValue)
+    /// Decode: FlashAttnVecSeqParams are bound (per-sequence strides, paging).
+    public static let vecSeq = Int(FM_FC_VEC_SEQ.rawValue)
+    /// Decode: seqlens_k is bound (a kv length per sequence).
+    public static let vecKVLens = Int(FM_FC_VEC_KV_LENS.rawValue)
+    /// Decode: K/V are paged, block_table is bound.
+    public static let vecPaged = Int(FM_FC_VEC_PAGED.rawValue)
+    /// Decode plain reduce: sinks and FlashAttnVecReduceExtParams are bound.
+    public static let vecSinks = Int(FM_FC_VEC_SINKS.rawValue)
+    /// Decode plain reduce: the lse output and FlashAttnVecReduceExtParams are bound.
+    public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
+    /// kv_append: the caches are paged, block_table is bound.
+    public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -38,6 +66,11 @@ public enum FunctionConstantIndex {
         ("FM_FC_BLK_BK", blkBK), ("FM_FC_VEC_HAS_SIGNS", vecHasSigns),
         ("FM_FC_SDPA_BOOL_MASK", sdpaBoolMask), ("FM_FC_SDPA_ADDITIVE_MASK", sdpaAdditiveMask),
         ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
+        ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
+        ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
+        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
+        ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
+        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
     ]
 }
 
@@ -59,6 +92,20 @@ public enum PrefillBuffer {
     public static let mask = Int(FM_PREFILL_BUF_MASK.rawValue)
     /// FM_PREFILL_BUF_BLK.
     public static let blk = Int(FM_PREFILL_BUF_BLK.rawValue)
+    /// AttnSeqParams (with FunctionConstantIndex.prefillSeq).
+    public static let seqParams = Int(FM_PREFILL_BUF_SEQ_PARAMS.rawValue)
+    /// int32 [B+1] (with varlenQ).
+    public static let cuSeqlensQ = Int(FM_PREFILL_BUF_CU_SEQLENS_Q.rawValue)
+    /// int32 [B+1] (with varlenK).
+    public static let cuSeqlensK = Int(FM_PREFILL_BUF_CU_SEQLENS_K.rawValue)
+    /// int32 [B] (with kvLens).
+    public static let seqlensK = Int(FM_PREFILL_BUF_SEQLENS_K.rawValue)
+    /// int32 [B, max_pages] (with paged).
+    public static let blockTable = Int(FM_PREFILL_BUF_BLOCK_TABLE.rawValue)
+    /// float32 [H] (with hasSinks).
+    public static let sinks = Int(FM_PREFILL_BUF_SINKS.rawValue)
+    /// float32 out (with hasLSE).
+    public static let lse = Int(FM_PREFILL_BUF_LSE.rawValue)
 }
 
 /// Buffer indices of the blk pre-pass.
@@ -91,6 +138,12 @@ public enum VecBuffer {
     public static let v = Int(FM_VEC_BUF_V.rawValue)
     /// FM_VEC_BUF_TMP.
     public static let tmp = Int(FM_VEC_BUF_TMP.rawValue)
+    /// FlashAttnVecSeqParams (with FunctionConstantIndex.vecSeq).
+    public static let seqParams = Int(FM_VEC_BUF_SEQ_PARAMS.rawValue)
+    /// int32 [B] kv lengths (with FunctionConstantIndex.vecKVLens).
+    public static let seqlensK = Int(FM_VEC_BUF_SEQLENS_K.rawValue)
+    /// int32 [B, max_pages] (with FunctionConstantIndex.vecPaged).
+    public static let blockTable = Int(FM_VEC_BUF_BLOCK_TABLE.rawValue)
 }
 
 /// Buffer indices of the decode reduce kernels.
@@ -105,6 +158,30 @@ public enum VecReduceBuffer {
     public static let nwg = Int(FM_VEC_REDUCE_BUF_NWG.rawValue)
     /// The FWHT sign bitmask (with FunctionConstantIndex.vecHasSigns).
     public static let signs = Int(FM_VEC_REDUCE_BUF_SIGNS.rawValue)
+    /// float32 [H] sink logits (with FunctionConstantIndex.vecSinks).
+    public static let sinks = Int(FM_VEC_REDUCE_BUF_SINKS.rawValue)
+    /// float32 [rows] lse output (with FunctionConstantIndex.vecLSE).
+    public static let lse = Int(FM_VEC_REDUCE_BUF_LSE.rawValue)
+    /// FlashAttnVecReduceExtParams (with vecSinks or vecLSE).
+    public static let ext = Int(FM_VEC_REDUCE_BUF_EXT.rawValue)
+}
+
+/// Buffer indices of the kv_append kernels.
+public enum KVAppendBuffer {
+    /// KVAppendParams.
+    public static let params = Int(FM_APPEND_BUF_PARAMS.rawValue)
+    /// FM_APPEND_BUF_K_NEW.
+    public static let kNew = Int(FM_APPEND_BUF_K_NEW.rawValue)
+    /// FM_APPEND_BUF_V_NEW.
+    public static let vNew = Int(FM_APPEND_BUF_V_NEW.rawValue)
+    /// FM_APPEND_BUF_K_CACHE.
+    public static let kCache = Int(FM_APPEND_BUF_K_CACHE.rawValue)
+    /// FM_APPEND_BUF_V_CACHE.
+    public static let vCache = Int(FM_APPEND_BUF_V_CACHE.rawValue)
+    /// int32 [B]: the row each sequence's first new token goes to.
+    public static let seqlens = Int(FM_APPEND_BUF_SEQLENS.rawValue)
+    /// int32 [B, max_pages] (with FunctionConstantIndex.appendPaged).
+    public static let blockTable = Int(FM_APPEND_BUF_BLOCK_TABLE.rawValue)
 }
 
 /// Buffer indices of the sdpa kernels.

@@ -10,7 +10,7 @@ newest tokens), and sees keys at positions ``<= q_offset + i``.
 Errors derive from :class:`Error` and carry ``.op`` (the public function)
 and ``.status``; each is also a ValueError, TypeError or RuntimeError.
 """
-from ._errors import BackendError, Error, InternalError, InvalidTypeError, InvalidValueError
+from ._errors import BackendError, Error, InternalError, InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._info import info
 from ._loader import header_version
 from .prefill import flash_attn_prefill
@@ -19,13 +19,15 @@ from .blk import blk_byte_len, build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask
 from .sdpa import sdpa
+from .serving import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from .registry import Registry, default_registry
 from ._native import abi_version, head_dims as supported_head_dims
 
 __all__ = ["Error", "InvalidValueError", "InvalidTypeError", "BackendError", "InternalError", "Registry",
            "default_registry", "flash_attn_prefill", "scaled_dot_product_attention", "Route", "explain",
            "last_route", "info", "blk_byte_len", "build_blk", "flash_attn_decode", "build_mask", "sdpa",
-           "supported_head_dims", "abi_version"]
+           "supported_head_dims", "abi_version", "UnsupportedFeatureError", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
 def __getattr__(name: str) -> str:

@@ -16,10 +16,14 @@ F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 BOOL = np.dtype(np.bool_)
 U8 = np.dtype(np.uint8)
+I32 = np.dtype(np.int32)
 
 # The FMDType constant of flashmetal.h for each supported dtype.
 DTYPE_NAMES = {F32: "FM_DTYPE_F32", F16: "FM_DTYPE_F16", BF16: "FM_DTYPE_BF16", BOOL: "FM_DTYPE_BOOL",
                U8: "FM_DTYPE_U8"}
+# Index tensors (cu_seqlens, seqlens, block_table) are int32; they enter
+# through as_index only, so the data inputs' message above stays as it is.
+_CODE_NAMES = {**DTYPE_NAMES, I32: "FM_DTYPE_I32"}
 MAX_RANK = 8
 
 
@@ -35,6 +39,24 @@ def as_input(x: Any, op: str, name: str) -> np.ndarray:
     if a.ndim > MAX_RANK:
         raise InvalidValueError(op, f"{name} has rank {a.ndim}; at most {MAX_RANK} is supported")
     return np.ascontiguousarray(a)
+
+
+def as_index(x: Any, op: str, name: str) -> np.ndarray:
+    """An integer index input (an int, a sequence of ints, an integer array
+    or tensor) as a C-contiguous int32 array: viewed when it already is one,
+    else converted once (the caller's array is never modified). Values outside
+    int32 are a ValueError, non-integer dtypes a TypeError."""
+    a = np.asarray(x) if isinstance(x, (int, np.integer, list, tuple)) else to_numpy(x, op, name)
+    if a.dtype == BOOL or a.dtype.kind not in "iu":
+        raise InvalidTypeError(op, f"{name} must hold integers (int32), got dtype {a.dtype}")
+    if a.dtype != I32 and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < -(2**31) or hi > 2**31 - 1:
+            bad = lo if lo < -(2**31) else hi
+            raise InvalidValueError(op, f"{name} holds {bad}, outside the int32 range")
+    if a.ndim > MAX_RANK:
+        raise InvalidValueError(op, f"{name} has rank {a.ndim}; at most {MAX_RANK} is supported")
+    return np.ascontiguousarray(a, dtype=I32)
 
 
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
@@ -59,7 +81,7 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
 @functools.cache
 def dtype_code(dtype: np.dtype) -> int:
     """The library's FMDType code of a supported numpy dtype."""
-    return getattr(_loader.load()[1], DTYPE_NAMES[dtype])
+    return getattr(_loader.load()[1], _CODE_NAMES[dtype])
 
 
 @functools.cache

@@ -38,3 +38,9 @@ STATUS_ERRORS: dict[str, type[Error]] = {
     "FM_ERROR_BACKEND": BackendError,
     "FM_ERROR_INTERNAL": InternalError,
 }
+
+
+class UnsupportedFeatureError(Error, NotImplementedError):
+    """A flash-attn feature flashmetal does not implement (dropout masks,
+    ALiBi, rotary embedding, cache_batch_idx, cache_leftpad); raised before
+    any work runs."""

@@ -142,3 +142,153 @@ def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: f
     o = attention(q4, k4[:, :, :kv_len], v4[:, :, :kv_len], scale=scale, causal=True,
                   q_offset=kv_len - 1, window=window, softcap=softcap)[:, :, 0, :]
     return o if batched else o[0]
+
+
+# ---- serving semantics (flash-attn's API; issue 14) -------------------------
+# Token-major tensors as flash-attn lays them out: one sequence is [L, H, D].
+# Row i of a sequence with qL queries and kL keys sits at t = kL - qL + i
+# (bottom-right); window_size=(left, right) keeps keys t - left <= p <= t + right
+# (-1 = unbounded); causal keeps p <= t. softcap c: c*tanh(s/c) on the scaled
+# score. A sink is a per-head logit in the denominator with no value. LSE is
+# the natural log of the denominator, -inf for a row that sees nothing and has
+# no sink (its output is 0).
+
+
+def serving_visible(q_len: int, k_len: int, *, causal: bool = False,
+                    window_size: tuple[int, int] = (-1, -1)) -> np.ndarray:
+    """[qL, kL] bool: row i (at kL - qL + i) sees key p."""
+    t = k_len - q_len + np.arange(q_len)[:, None]
+    p = np.arange(k_len)[None, :]
+    left, right = window_size
+    vis = np.ones((q_len, k_len), dtype=bool)
+    if causal:
+        vis &= p <= t
+    if left >= 0:
+        vis &= p >= t - left
+    if right >= 0:
+        vis &= p <= t + right
+    return vis
+
+
+def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence: q [qL, H, D], k/v [kL, Hkv, D] (H % Hkv == 0; query head h
+    reads kv head h // (H / Hkv)) -> (out [qL, H, D], lse [H, qL]), float64."""
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    q_len, heads, d = q.shape
+    k_len, kv_heads = k.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    g = heads // kv_heads
+    kh = np.repeat(k.transpose(1, 0, 2), g, axis=0)  # [H, kL, D]
+    vh = np.repeat(v.transpose(1, 0, 2), g, axis=0)
+    s = scale * (q.transpose(1, 0, 2) @ kh.transpose(0, 2, 1))  # [H, qL, kL]
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(serving_visible(q_len, k_len, causal=causal, window_size=window_size), s, -np.inf)
+    sink = np.full((heads, 1, 1), -np.inf) if sinks is None else _f64(sinks).reshape(heads, 1, 1)
+    m = np.maximum(s.max(axis=-1, keepdims=True, initial=-np.inf), sink)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    denom = p.sum(axis=-1, keepdims=True) + np.exp(sink - m)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(denom))[..., 0]
+    o = np.where(denom > 0, (p @ vh) / np.where(denom > 0, denom, 1.0), 0.0)
+    return o.transpose(1, 0, 2), lse
+
+
+def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """flash_attn_func: q [B, qL, H, D], k/v [B, kL, Hkv, D] -> (out [B, qL, H, D], lse [B, H, qL]).
+    Keywords as `attend_sequence`."""
+    pairs = [attend_sequence(q[b], k[b], v[b], **kw) for b in range(np.shape(q)[0])]
+    return np.stack([o for o, _ in pairs]), np.stack([lse for _, lse in pairs])
+
+
+def paged_rows(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
+    """The first `length` rows of one sequence of a paged cache
+    [num_pages, page_size, Hkv, D] whose pages are `pages` (its block_table row)."""
+    page_size = cache.shape[1]
+    p = np.arange(length)
+    return cache[np.asarray(pages)[p // page_size], p % page_size]
+
+
+def flash_attn_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
+                      cu_seqlens_k: np.ndarray, *, block_table: np.ndarray | None = None,
+                      **kw) -> tuple[np.ndarray, np.ndarray]:
+    """flash_attn_varlen_func: q [total_q, H, D]; k/v [total_k, Hkv, D], or paged
+    [num_pages, page_size, Hkv, D] with block_table (sequence b then has
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] keys read through its table row)
+    -> (out [total_q, H, D], lse [H, total_q])."""
+    cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    out = np.zeros(np.shape(q), dtype=np.float64)
+    lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
+    for b in range(len(cq) - 1):
+        qs, qe, ks, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if block_table is None:
+            kb, vb = k[ks:ke], v[ks:ke]
+        else:
+            kb, vb = paged_rows(k, block_table[b], ke - ks), paged_rows(v, block_table[b], ke - ks)
+        out[qs:qe], lse[:, qs:qe] = attend_sequence(q[qs:qe], kb, vb, **kw)
+    return out, lse
+
+
+def kv_append(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
+              cache_seqlens: np.ndarray, block_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """New caches (copies) with row i of k/v [B, n_new, Hkv, D] of sequence b
+    written at position cache_seqlens[b] + i (through block_table when paged)."""
+    kc, vc = np.array(k_cache), np.array(v_cache)
+    for b, start in enumerate(np.asarray(cache_seqlens).tolist()):
+        for i in range(np.shape(k)[1]):
+            t = start + i
+            if block_table is None:
+                kc[b, t], vc[b, t] = k[b, i], v[b, i]
+            else:
+                page, row = block_table[b][t // kc.shape[1]], t % kc.shape[1]
+                kc[page, row], vc[page, row] = k[b, i], v[b, i]
+    return kc, vc
+
+
+def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *,
+                       k: np.ndarray | None = None, v: np.ndarray | None = None,
+                       cache_seqlens: np.ndarray | int | None = None, block_table: np.ndarray | None = None,
+                       **kw) -> tuple[np.ndarray, np.ndarray]:
+    """flash_attn_with_kvcache: q [B, qL, H, D] over caches [B, cap, Hkv, D] (or
+    paged with block_table) holding cache_seqlens[b] keys (None: all of them),
+    after appending k/v [B, n_new, Hkv, D] at cache_seqlens (on copies: the
+    arguments are not modified) -> (out [B, qL, H, D], lse [B, H, qL])."""
+    batch = np.shape(q)[0]
+    if cache_seqlens is None:
+        full = np.shape(k_cache)[1] * (1 if block_table is None else np.shape(block_table)[1])
+        cache_seqlens = np.full(batch, full)
+    lens = np.broadcast_to(np.asarray(cache_seqlens), (batch,))
+    if k is not None:
+        k_cache, v_cache = kv_append(k_cache, v_cache, k, v, lens, block_table)
+        lens = lens + np.shape(k)[1]
+    outs, lses = [], []
+    for b in range(batch):
+        n = int(lens[b])
+        if block_table is None:
+            kb, vb = k_cache[b, :n], v_cache[b, :n]
+        else:
+            kb, vb = paged_rows(k_cache, block_table[b], n), paged_rows(v_cache, block_table[b], n)
+        o, lse = attend_sequence(q[b], kb, vb, **kw)
+        outs.append(o)
+        lses.append(lse)
+    return np.stack(outs), np.stack(lses)
+
+
+def merge_lse(o_a: np.ndarray, lse_a: np.ndarray, o_b: np.ndarray,
+              lse_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Combines two partial attentions over disjoint key sets: o [..., qL, H, D]
+    with lse [..., H, qL] -> the attention over the union and its lse."""
+    la, lb = _f64(lse_a), _f64(lse_b)
+    m = np.maximum(la, lb)
+    m = np.where(np.isfinite(m), m, 0.0)
+    wa, wb = np.exp(la - m), np.exp(lb - m)
+    total = wa + wb
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(total)
+    # weights per row, moved from [..., H, qL] to o's [..., qL, H, 1]
+    fa = np.swapaxes(np.where(total > 0, wa / np.where(total > 0, total, 1.0), 0.0), -1, -2)[..., None]
+    fb = np.swapaxes(np.where(total > 0, wb / np.where(total > 0, total, 1.0), 0.0), -1, -2)[..., None]
+    return fa * _f64(o_a) + fb * _f64(o_b), lse

@@ -50,11 +50,11 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testGeometryPerHeadDim() {
-        for d in [64, 128, 256] {
+        for d in [64, 80, 96, 128, 192, 256] {
             XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
         }
         XCTAssertEqual(PrefillGeometry.forHeadDim(512), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
-        for d in [0, 32, 96, 192, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+        for d in [0, 32, 48, 160, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
     }
 
     func testTileCounts() {
@@ -87,8 +87,27 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d.kernel, "flash_attn_prefill_bf16_d128")
         XCTAssertEqual(d.constants, FunctionConstants([
             (200, .bool(false)), (201, .bool(true)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
+            (302, .bool(false)), (304, .bool(false)), (305, .bool(false)), (306, .bool(false)), (307, .bool(false)),
+            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)),
         ]))
         XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
+    }
+
+    func testWindowIsInKernel() throws {
+        var o = PrefillOptions(scale: 0.125)
+        o.window = 5
+        o.causal = true
+        let d = try dispatch(Case(), o)
+        XCTAssertEqual(d.constants.bool(304), true)
+        XCTAssertEqual(d.constants.bool(305), true)
+        XCTAssertEqual(d.constants.bool(300), false, "no mask")
+        for fc in [302, 306, 307, 308, 309, 310] { XCTAssertEqual(d.constants.bool(fc), false, "\(fc)") }
+        let s = try d.params(PrefillBuffer.seqParams, as: AttnSeqParams.self)
+        XCTAssertEqual([s.window_left, s.window_right], [4, -1])
+        XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4, 8])
+        var bad = PrefillOptions(scale: 0.125)
+        bad.window = -3
+        expectError(Case(), bad, contains: "window must be >= 0 (0 = none), got -3")
     }
 
     func testSeqMajorStridesAndCapacity() throws {
@@ -134,7 +153,7 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(qL: 0), contains: "q_len must be > 0")
         expectError(Case(kL: 0), contains: "the K/V capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
-        expectError(Case(d: 96), contains: "head_dim must be 64, 128, 256 or 512, got 96")
+        expectError(Case(d: 160), contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 160")
         expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "Q must be bfloat16 or float16, got float32")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
@@ -171,7 +190,7 @@ final class PrefillDispatcherTests: XCTestCase {
 
     func testKernelNames() {
         let names = Set(PrefillCapability.kernels.map(\.name))
-        XCTAssertEqual(names.count, 16)
+        XCTAssertEqual(names.count, 28)
         for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
         }

@@ -1,0 +1,118 @@
+/// Host validation of the serving calls' int32 index tensors (cu_seqlens,
+/// seqlens, block_table; issue 14). The kernels read through these tables
+/// without bounds checks, so every entry a kernel will read is checked here,
+/// before any Dispatch is made: a bad table is a ValueError naming the op,
+/// the argument and the offending index and value, never an out-of-bounds
+/// read. Each function returns what the dispatcher needs (the lengths).
+public enum SequenceTables {
+    /// The `i`-th int32 of `t`; the caller proved `t` holds it (requireBytes).
+    @inline(__always)
+    static func int32(_ t: TensorRef, _ i: Int) -> Int {
+        Int(t.data.loadUnaligned(fromByteOffset: i * 4, as: Int32.self))
+    }
+
+    /// Checks the dtype (int32) and the shape of an index tensor.
+    static func requireInt32(_ t: TensorRef, shape want: [Int?], op: String, name: String) throws {
+        try t.requireDType([.i32], op: op, name: name)
+        try t.requireRank([want.count], op: op, name: name)
+        for (axis, w) in want.enumerated() {
+            if let w, t.shape[axis] != w {
+                let spelled = want.map { $0.map(String.init) ?? "_" }.joined(separator: ", ")
+                throw FlashMetalError.value(op, "\(name) must have shape [\(spelled)], got \(t.shape)")
+            }
+        }
+        try t.requireBytes(op: op, name: name)
+    }
+
+    /// Validates cumulative sequence offsets, int32 [B+1]: cu[0] == 0,
+    /// non-decreasing, cu[B] <= `tokens` (the packed tensor's first axis),
+    /// every length cu[b+1] - cu[b] <= `maxSeqlen`. `batch` (when known, e.g.
+    /// from cu_seqlens_q for cu_seqlens_k) pins B. Returns the B lengths.
+    public static func cuSeqlens(_ t: TensorRef, op: String, name: String, batch: Int? = nil,
+                                 tokens: Int, tokensName: String, maxSeqlen: Int,
+                                 maxSeqlenName: String) throws -> [Int] {
+        try requireInt32(t, shape: [batch.map { $0 + 1 }], op: op, name: name)
+        guard t.shape[0] >= 2 else {
+            throw FlashMetalError.value(op, "\(name) must have shape [B+1] with B >= 1, got \(t.shape)")
+        }
+        guard maxSeqlen >= 0 else {
+            throw FlashMetalError.value(op, "\(maxSeqlenName) must be >= 0, got \(maxSeqlen)")
+        }
+        let first = int32(t, 0)
+        guard first == 0 else { throw FlashMetalError.value(op, "\(name)[0] must be 0, got \(first)") }
+        var lengths = [Int]()
+        lengths.reserveCapacity(t.shape[0] - 1)
+        var previous = 0
+        for b in 1..<t.shape[0] {
+            let c = int32(t, b)
+            if c < previous {
+                throw FlashMetalError.value(
+                    op, "\(name) must be non-decreasing: \(name)[\(b)] = \(c) < \(name)[\(b - 1)] = \(previous)")
+            }
+            if c > tokens {
+                throw FlashMetalError.value(
+                    op, "\(name)[\(b)] = \(c) exceeds the \(tokens) tokens of \(tokensName)")
+            }
+            let length = c - previous
+            if length > maxSeqlen {
+                throw FlashMetalError.value(
+                    op, "sequence \(b - 1) has length \(length) (\(name)[\(b)] - \(name)[\(b - 1)]) "
+                        + "> \(maxSeqlenName) = \(maxSeqlen)")
+            }
+            lengths.append(length)
+            previous = c
+        }
+        return lengths
+    }
+
+    /// Validates per-sequence lengths, int32 [B], each in 0...capacity
+    /// (`capacityName` says where the capacity comes from). Returns them.
+    public static func seqlens(_ t: TensorRef, op: String, name: String, batch: Int,
+                               capacity: Int, capacityName: String) throws -> [Int] {
+        try requireInt32(t, shape: [batch], op: op, name: name)
+        return try (0..<batch).map { b in
+            let n = int32(t, b)
+            if n < 0 || n > capacity {
+                throw FlashMetalError.value(
+                    op, "\(name)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))")
+            }
+            return n
+        }
+    }
+
+    /// Validates a page table, int32 [B, max_pages], for sequences of the
+    /// given `lengths` over a paged cache of `numPages` pages of `pageSize`
+    /// keys: page_size is a positive multiple of `tile` (so no key tile
+    /// straddles two pages), max_pages * page_size >= each length, and every
+    /// entry a sequence reads (the pages holding its keys < length) is in
+    /// [0, numPages). Entries past a sequence's length are never read and
+    /// may hold anything (e.g. -1 padding). Returns max_pages.
+    @discardableResult
+    public static func blockTable(_ t: TensorRef, op: String, name: String, lengths: [Int],
+                                  numPages: Int, pageSize: Int, tile: Int,
+                                  cacheName: String) throws -> Int {
+        try requireInt32(t, shape: [lengths.count, nil], op: op, name: name)
+        guard pageSize > 0 && pageSize % tile == 0 else {
+            throw FlashMetalError.value(
+                op, "\(cacheName) page size \(pageSize) (its dim 1) must be a positive multiple of \(tile)")
+        }
+        let maxPages = t.shape[1]
+        for (b, length) in lengths.enumerated() {
+            let pages = (length + pageSize - 1) / pageSize
+            if pages > maxPages {
+                throw FlashMetalError.value(
+                    op, "sequence \(b) has \(length) keys but \(name) holds \(maxPages) pages of \(pageSize) "
+                        + "(\(maxPages * pageSize) keys)")
+            }
+            for j in 0..<pages {
+                let page = int32(t, b * maxPages + j)
+                if page < 0 || page >= numPages {
+                    throw FlashMetalError.value(
+                        op, "\(name)[\(b), \(j)] = \(page) is out of range [0, \(numPages)) "
+                            + "(the pages of \(cacheName))")
+                }
+            }
+        }
+        return maxPages
+    }
+}

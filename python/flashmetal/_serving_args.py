@@ -1,0 +1,85 @@
+"""Argument handling shared by the serving functions (serving.py): flash-attn's
+argument types checked strictly, the features flashmetal does not implement
+refused by name, and the FMAttnOptions / FMSeqTensors structs built once."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from ._arrays import BF16, F16, F32, tensor
+from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._interop import to_numpy
+
+
+def flag(op: str, name: str, value: Any) -> bool:
+    """A bool argument (numpy's bool too); 1 or "yes" is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidTypeError(op, f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def no_dropout(op: str, dropout_p: Any) -> None:
+    """flashmetal is inference-only: dropout_p must be 0."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise InvalidTypeError(op, f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0:
+        raise InvalidValueError(op, f"dropout_p must be 0.0 (flashmetal is for inference; no dropout), "
+                                f"got {dropout_p}")
+
+
+def unsupported(op: str, **given: Any) -> None:
+    """Refuses each feature passed with a value other than None."""
+    for name, value in given.items():
+        if value is not None:
+            raise UnsupportedFeatureError(op, f"{name} is not supported by flashmetal (pass None)")
+
+
+def window(op: str, window_size: Any) -> tuple[int, int]:
+    """flash-attn's (left, right): each -1 (unbounded) or >= 0."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise InvalidTypeError(op, f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = (_native.index_arg(op, f"window_size[{i}]", w) for i, w in enumerate(window_size))
+    for i, w in enumerate((left, right)):
+        if w < -1:
+            raise InvalidValueError(op, f"window_size[{i}] must be -1 (unbounded) or >= 0, got {w}")
+    return left, right
+
+
+def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, causal: Any, window_size: Any,
+                 max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
+    """The FMAttnOptions of a call (the library checks the ranges)."""
+    left, right = window(op, window_size)
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        scale = _native.float32_arg(op, "softmax_scale", softmax_scale)
+    return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
+                           causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+
+
+def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:
+    """Per-head sink logits as float32 (converted once: [H] is tiny)."""
+    if sinks is None:
+        return None
+    a = to_numpy(sinks, op, "sinks")
+    if a.dtype not in (F32, F16, BF16) and a.dtype.kind != "f":
+        raise InvalidTypeError(op, f"sinks must be floating point (float32 [H]), got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=F32)
+
+
+def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list]:
+    """An FMSeqTensors* whose fields point at the given arrays (NULL for None),
+    and the FMTensor descriptors it points at: keep both until the call returns
+    (cffi frees an owned descriptor with its last Python reference)."""
+    seq = ffi.new("FMSeqTensors *")
+    descriptors = []
+    for name, a in arrays.items():
+        t = tensor(ffi, a)
+        setattr(seq, name, t)
+        descriptors.append(t)
+    return seq, descriptors

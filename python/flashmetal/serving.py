@@ -1,0 +1,353 @@
+"""flash-attn's serving API (issue 14): ``flash_attn_func``,
+``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``, with flash-attn's
+argument names, order, defaults, shapes (token-major ``[B, L, H, D]``) and
+return values, on every backend.
+
+Semantics (flash-attn's): row i of a sequence with qL queries and kL keys sits
+at ``t = kL - qL + i`` (bottom-right); ``causal`` keeps keys ``p <= t``;
+``window_size=(left, right)`` keeps ``t - left <= p <= t + right`` (-1 =
+unbounded); ``softcap`` c > 0 applies ``c*tanh(s/c)`` to the scaled score;
+``sinks`` (ours, as gpt-oss and MLX): a float32 ``[H]`` logit per head that joins
+every row's softmax denominator without a value. The softmax LSE is the
+natural log of that denominator, float32; a row that sees no key (and has no
+sink) outputs zeros and has LSE ``-inf`` (flash-attn's CUDA kernel writes
+``+inf`` there; ``-inf`` is the log of an empty sum and merges correctly).
+
+Routes: one query row per sequence (``seqlen_q == 1``) goes to the split-KV
+decode kernel (``fm_dispatch_vec_seq``; q is converted to float32 and the
+output back to q's dtype), everything else to the serving prefill kernel
+(``fm_dispatch_attn``). Appended k/v are written by ``fm_dispatch_kv_append``
+in the same batch scope, before the attention reads the cache.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import _native
+from ._arrays import F32, I32, as_index, as_input, check_out, tensor
+from ._errors import InvalidValueError
+from ._interop import to_numpy, wrapper_like
+from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg, unsupported
+from .registry import Registry, RegistryLike, resolve
+
+_FUNC = "flash_attn_func"
+_VARLEN = "flash_attn_varlen_func"
+_KVCACHE = "flash_attn_with_kvcache"
+
+
+def flash_attn_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    sinks: ArrayLike | None = None,
+    registry: RegistryLike = None,
+) -> Any:
+    """Attention over a batch of equal-length sequences.
+
+    Args:
+        q: ``[B, seqlen_q, H, D]`` bfloat16 or float16 (float32 too when
+            seqlen_q == 1: the decode kernel).
+        k, v: ``[B, seqlen_k, Hkv, D]``, q's dtype; H a multiple of Hkv (GQA:
+            query head h reads kv head ``h // (H // Hkv)``).
+        dropout_p: must be 0.0 (inference only).
+        softmax_scale: score scale; default ``1/sqrt(D)``.
+        causal: bottom-right causal mask.
+        window_size: ``(left, right)`` sliding window, -1 = unbounded.
+        softcap: ``c*tanh(s/c)`` on the scaled scores when > 0.
+        alibi_slopes: not supported (must be None).
+        deterministic: accepted; the forward pass is always deterministic.
+        return_attn_probs: also return the softmax LSE and flash-attn's
+            ``S_dmask``, which (as flash-attn's with dropout_p == 0) is empty.
+        sinks: float32 ``[H]`` sink logits, or None.
+        registry: a Registry or a backend name; default ``Registry("auto")``.
+
+    Returns:
+        out ``[B, seqlen_q, H, D]`` like q, or ``(out, softmax_lse [B, H,
+        seqlen_q] float32, S_dmask)`` with return_attn_probs; the caller's
+        array type (torch in, torch out).
+    """
+    reg = resolve(registry, _FUNC)
+    no_dropout(_FUNC, dropout_p)
+    unsupported(_FUNC, alibi_slopes=alibi_slopes)
+    flag(_FUNC, "deterministic", deterministic)
+    want_lse = flag(_FUNC, "return_attn_probs", return_attn_probs)
+    qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
+    opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                        causal=causal, window_size=window_size)
+    _no_outer_scope_for_decode(reg, qa, _FUNC)
+    out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
+    wrap = wrapper_like(q)
+    if not want_lse:
+        return wrap(out)
+    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+
+
+def flash_attn_varlen_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: ArrayLike | None = None,
+    *,
+    sinks: ArrayLike | None = None,
+    registry: RegistryLike = None,
+) -> Any:
+    """Attention over packed sequences of different lengths (no padding).
+
+    Args:
+        q: ``[total_q, H, D]`` bfloat16 or float16: the B sequences' queries
+            back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+        k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
+            block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where
+            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths
+            (integer arrays are converted once), starting at 0, non-decreasing.
+        max_seqlen_q, max_seqlen_k: at least every sequence's length.
+        block_table: int32 ``[B, max_pages]`` page indices, or None.
+        The other arguments as ``flash_attn_func``; causal and windows are
+        bottom-right per sequence.
+
+    Returns:
+        out ``[total_q, H, D]``, or ``(out, softmax_lse [H, total_q] float32,
+        S_dmask)`` with return_attn_probs (S_dmask empty, as flash-attn's
+        without dropout).
+    """
+    reg = resolve(registry, _VARLEN)
+    no_dropout(_VARLEN, dropout_p)
+    unsupported(_VARLEN, alibi_slopes=alibi_slopes)
+    flag(_VARLEN, "deterministic", deterministic)
+    want_lse = flag(_VARLEN, "return_attn_probs", return_attn_probs)
+    qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
+    cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
+    bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
+    opts = attn_options(_VARLEN, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                        causal=causal, window_size=window_size,
+                        max_seqlen_q=_native.index_arg(_VARLEN, "max_seqlen_q", max_seqlen_q, 0),
+                        max_seqlen_k=_native.index_arg(_VARLEN, "max_seqlen_k", max_seqlen_k, 0))
+    lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
+    out = np.empty(qa.shape, dtype=qa.dtype)
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
+                            sinks=sinks_arg(_VARLEN, sinks), lse=lse)
+    _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
+                 tensor(ffi, out), opts, op=_VARLEN, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
+    wrap = wrapper_like(q)
+    if not want_lse:
+        return wrap(out)
+    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+
+
+def flash_attn_with_kvcache(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    k: ArrayLike | None = None,
+    v: ArrayLike | None = None,
+    rotary_cos: ArrayLike | None = None,
+    rotary_sin: ArrayLike | None = None,
+    cache_seqlens: ArrayLike | int | None = None,
+    cache_batch_idx: ArrayLike | None = None,
+    cache_leftpad: ArrayLike | None = None,
+    block_table: ArrayLike | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: ArrayLike | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    sinks: ArrayLike | None = None,
+    out: np.ndarray | None = None,
+    registry: RegistryLike = None,
+) -> Any:
+    """Attention of new queries over a KV cache, optionally appending new keys
+    and values to it first (incremental decoding and chunked prefill).
+
+    Args:
+        q: ``[B, seqlen_q, H, D]``. seqlen_q == 1 runs the decode kernel (q
+            converted to float32, the output back to q's dtype; float32 q
+            allowed); longer blocks the prefill kernel (bfloat16/float16).
+        k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
+            Hkv, D]`` with block_table. Updated in place when k/v are given:
+            they must then be C-contiguous and writeable (numpy arrays or
+            torch CPU tensors).
+        k, v: ``[B, seqlen_new, Hkv, D]`` in the caches' dtype, written at rows
+            ``cache_seqlens[b] ...`` of each sequence before attending.
+        cache_seqlens: an int or int32 ``[B]`` (integer arrays converted once):
+            each sequence's valid keys before the append. None: every slot
+            of the cache (all ``max_pages * page_size`` when paged); needed
+            with k/v. Not modified.
+        block_table: int32 ``[B, max_pages]`` page indices, or None.
+        num_splits: accepted (>= 0) and ignored: decode splits every row's
+            keys over 32 workgroups and reduces them.
+        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes:
+            not supported (must be None); rotary_interleaved is then unused.
+        sinks: float32 ``[H]`` sink logits, or None.
+        out: optional C-contiguous numpy output ``[B, seqlen_q, H, D]`` of q's dtype.
+        The other arguments as ``flash_attn_func``.
+
+    Returns:
+        out ``[B, seqlen_q, H, D]``, or ``(out, softmax_lse [B, H, seqlen_q]
+        float32)`` with return_softmax_lse.
+    """
+    reg = resolve(registry, _KVCACHE)
+    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
+                cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
+    _native.index_arg(_KVCACHE, "num_splits", num_splits, 0)
+    want_lse = flag(_KVCACHE, "return_softmax_lse", return_softmax_lse)
+    if (k is None) != (v is None):
+        raise InvalidValueError(_KVCACHE, "k and v must be given together (or both None)")
+    appending = k is not None
+    qa = as_input(q, _KVCACHE, "q")
+    if appending:
+        kc, vc = _in_place(k_cache, "k_cache"), _in_place(v_cache, "v_cache")
+        ka, va = as_input(k, _KVCACHE, "k"), as_input(v, _KVCACHE, "v")
+    else:
+        kc, vc = as_input(k_cache, _KVCACHE, "k_cache"), as_input(v_cache, _KVCACHE, "v_cache")
+    bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
+    batch = qa.shape[0] if qa.ndim else 0
+    lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
+    opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                        causal=causal, window_size=window_size)
+    sk = sinks_arg(_KVCACHE, sinks)
+    if out is not None:
+        check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
+    _no_outer_scope_for_decode(reg, qa, _KVCACHE)
+    if not appending:
+        finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
+                         block_table=bt, out=out)
+    else:
+        _check_attend_before_append(qa, kc, sk)
+        # One scope: a deferring backend (Metal) orders the append before the attention.
+        with reg.batch():
+            ffi = _native.ffi()
+            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, bt), op=_KVCACHE,
+                         keep=(ka, va, kc, vc, lens, bt))
+            finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse,
+                             seqlens_k=_grown(lens, ka), block_table=bt, out=out)
+    result, lse = finish()
+    wrap = wrapper_like(q)
+    return (wrap(result), wrap(lse)) if want_lse else wrap(result)
+
+
+def _head_dim(qa: np.ndarray) -> int:
+    return int(qa.shape[-1]) if qa.ndim else 0
+
+
+def _in_place(cache: Any, name: str) -> np.ndarray:
+    """A cache the append writes: the caller's own memory, never a copy."""
+    a = to_numpy(cache, _KVCACHE, name)
+    if not a.flags.c_contiguous:
+        raise InvalidValueError(_KVCACHE, f"{name} must be C-contiguous to append k/v into it in place")
+    if not a.flags.writeable:
+        raise InvalidValueError(_KVCACHE, f"{name} is read-only; appending k/v writes into it")
+    return as_input(a, _KVCACHE, name)
+
+
+def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_table: np.ndarray | None,
+                   *, required: bool) -> np.ndarray | None:
+    """cache_seqlens as int32 [B] (an int is broadcast). None reads every slot:
+    no table for a contiguous cache; for a paged one all max_pages * page_size
+    keys of each row (the kernel needs lengths to bound its table reads)."""
+    if cache_seqlens is None:
+        if required:
+            raise InvalidValueError(_KVCACHE, "cache_seqlens is required when appending k/v")
+        if block_table is None or block_table.ndim != 2 or cache.ndim < 2:
+            return None
+        return np.full(batch, min(block_table.shape[1] * cache.shape[1], 2**31 - 1), dtype=I32)
+    lens = as_index(cache_seqlens, _KVCACHE, "cache_seqlens")
+    return np.full(batch, int(lens), dtype=I32) if lens.ndim == 0 else lens
+
+
+def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
+    """The lengths after appending k_new's rows (the append checked that they
+    fit the cache, so they fit int32)."""
+    return (lens.astype(np.int64) + (k_new.shape[1] if k_new.ndim == 4 else 0)).astype(I32)
+
+
+def _check_attend_before_append(qa: np.ndarray, cache: np.ndarray, sinks: np.ndarray | None) -> None:
+    """The attention's shape facts, checked before the append writes the
+    caller's caches (the library checks them again when the attention runs):
+    a call that is going to fail must not have modified the caches."""
+    if qa.ndim != 4 or cache.ndim != 4:
+        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} and k_cache {list(cache.shape)} must have rank 4")
+    if qa.shape[3] != cache.shape[3] or cache.shape[2] == 0 or qa.shape[2] % cache.shape[2]:
+        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} does not match k_cache {list(cache.shape)}: "
+                                "the head dims must be equal and H a multiple of Hkv")
+    op = "flash_attn_vec" if qa.shape[1] == 1 else "flash_attn_prefill"
+    if qa.shape[3] not in _native.head_dims(op):
+        raise InvalidValueError(_KVCACHE, f"head dim {qa.shape[3]} is not one of {list(_native.head_dims(op))}")
+    if qa.shape[1] != 1 and qa.dtype != cache.dtype:
+        raise InvalidValueError(_KVCACHE, f"q dtype {qa.dtype} must equal the caches' {cache.dtype}")
+    if sinks is not None and sinks.shape != (qa.shape[2],):
+        raise InvalidValueError(_KVCACHE, f"sinks shape {list(sinks.shape)} must be [{qa.shape[2]}]")
+
+
+def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:
+    """The decode route converts its float32 result to q's dtype after the
+    work ran; inside a caller's batch scope on a deferring backend (Metal)
+    the work runs only when that scope ends, so the call is refused."""
+    if qa.ndim == 4 and qa.shape[1] == 1 and reg._defers_work and reg._batch_depth:
+        raise InvalidValueError(op, "one-row (decode) calls convert their float32 result after the work ran: "
+                                "call them outside a batch scope on metal")
+
+
+def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
+            sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
+            block_table: np.ndarray | None = None, out: np.ndarray | None = None
+            ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+    """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1,
+    else prefill. Returns a function to call once the work ran (after the
+    batch scope the call is in) that gives (out [B, qL, H, D] in q's dtype,
+    lse [B, H, qL] float32 or None)."""
+    ffi = _native.ffi()
+    if qa.ndim == 4 and qa.shape[1] == 1:
+        b, _, h, d = qa.shape
+        q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
+        o32 = np.empty((b, h, d), dtype=F32)
+        lse = np.empty((b, h), dtype=F32) if want_lse else None
+        seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
+                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
+                                                                    lse, o32, keep))
+
+        def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
+            result = o32.reshape(qa.shape).astype(qa.dtype)
+            if out is not None:
+                out[...] = result
+            return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))
+        return finish_decode
+    result = np.empty(qa.shape, dtype=qa.dtype) if out is None else out
+    lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32) if want_lse and qa.ndim == 4 else None
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+    _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
+                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse,
+                                                         result, keep))
+    return lambda: (result, lse)
