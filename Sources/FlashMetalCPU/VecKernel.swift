@@ -83,16 +83,7 @@ final class VecKernel: CPUKernel {
         a.v_strides = sp.V_strides
         var capacity = Int64(p.kv_capacity)
         if paged {
-            let table = try d.buffer(VecBuffer.blockTable)
-            let pages = Int64(k.shape.first ?? 0)
-            if sp.page_size == 0 || table.dtype != .i32 || table.byteCount < Int(a.batch) * Int(sp.max_pages) * 4 {
-                throw FlashMetalError.internalError("\(name): block table \(table.shape) or page size \(sp.page_size) does not fit the dispatch")
-            }
-            let t = UnsafePointer(table.data.assumingMemoryBound(to: Int32.self))
-            for i in 0..<Int(a.batch) * Int(sp.max_pages) where t[i] < 0 || Int64(t[i]) >= pages {
-                throw FlashMetalError.internalError("\(name): block table entry \(t[i]) outside [0, \(pages))")
-            }
-            a.block_table = t
+            if sp.page_size == 0 { throw FlashMetalError.internalError("\(name): page size 0") }
             a.page_size = Int64(sp.page_size)
             a.max_pages = Int64(sp.max_pages)
             capacity = a.page_size * a.max_pages
@@ -109,6 +100,24 @@ final class VecKernel: CPUKernel {
             a.seqlens = l
         } else if Int64(p.kv_seq_len) > capacity {
             throw FlashMetalError.internalError("\(name): kv_seq_len \(p.kv_seq_len) > capacity \(capacity)")
+        }
+        if paged {
+            // Only the entries of pages holding a sequence's keys are read
+            // (flash-attn leaves the rest of a row unspecified).
+            let table = try d.buffer(VecBuffer.blockTable)
+            let pages = Int64(k.shape.first ?? 0)
+            if table.dtype != .i32 || table.byteCount < Int(a.batch) * Int(a.max_pages) * 4 {
+                throw FlashMetalError.internalError("\(name): block table \(table.shape) does not fit the dispatch")
+            }
+            let t = UnsafePointer(table.data.assumingMemoryBound(to: Int32.self))
+            for b in 0..<Int(a.batch) {
+                let len = a.seqlens.map { Int64($0[b]) } ?? Int64(p.kv_seq_len)
+                let used = Int((len + a.page_size - 1) / a.page_size)
+                for j in 0..<used where t[b * Int(a.max_pages) + j] < 0 || Int64(t[b * Int(a.max_pages) + j]) >= pages {
+                    throw FlashMetalError.internalError("\(name): block_table[\(b), \(j)] = \(t[b * Int(a.max_pages) + j]) outside [0, \(pages))")
+                }
+            }
+            a.block_table = t
         }
         return a
     }

@@ -16,18 +16,6 @@ from serving_native import VEC_SEQ_OP, vec_seq
 
 HEAD_DIMS = [64, 128, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
-# INTERIM: decode-cpu's cpu kernel for the serving constants (501-505) has not
-# landed yet; remove this gate once `git merge main` brings it.
-CPU_VEC_SEQ_PENDING = True
-
-
-@pytest.fixture
-def registry(registry):
-    if registry.backend == "cpu" and CPU_VEC_SEQ_PENDING:
-        pytest.skip("cpu serving decode kernel pending (decode-cpu)")
-    return registry
-
-
 def reference_decode(q, k, v, lengths, *, block_table=None, window_left=-1, softcap=0.0, sinks=None, scale=None):
     """float64: q [B, H, D] over caches [B, cap, Hkv, D] (or paged) holding
     lengths[b] keys; the query sits at lengths[b] - 1 -> (out [B, H, D], lse [B, H])."""
