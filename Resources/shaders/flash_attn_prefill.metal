@@ -41,6 +41,15 @@ FUNCTION_CONSTANT(bool, align_K, 201)
 FUNCTION_CONSTANT(bool, has_mask, 300)
 FUNCTION_CONSTANT(bool, do_causal, 301)
 FUNCTION_CONSTANT(bool, has_blk, 303)
+// The serving extension (flashmetal.h, AttnSeqParams).
+FUNCTION_CONSTANT(bool, has_sinks, 302)
+FUNCTION_CONSTANT(bool, prefill_seq, 304)
+FUNCTION_CONSTANT(bool, has_window, 305)
+FUNCTION_CONSTANT(bool, varlen_q, 306)
+FUNCTION_CONSTANT(bool, varlen_k, 307)
+FUNCTION_CONSTANT(bool, kv_lens, 308)
+FUNCTION_CONSTANT(bool, paged_kv, 309)
+FUNCTION_CONSTANT(bool, has_lse, 310)
 
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 

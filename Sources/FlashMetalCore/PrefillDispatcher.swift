@@ -22,6 +22,8 @@ public struct PrefillOptions: Sendable {
     public var kvLen: Int? = nil
     /// Memory order of Q, K, V and out.
     public var layout: PrefillLayout = .headMajor
+    /// Sliding window w: keys p with t - p < w (in-kernel, AttnSeqParams.window_left = w - 1); 0 = none.
+    public var window: Int = 0
 
     /// Options with every default but the scale.
     public init(scale: Float) { self.scale = scale }
@@ -40,6 +42,7 @@ public struct PrefillOptions: Sendable {
         self.qOffset = Int(o.q_offset)
         self.kvLen = o.kv_len == 0 ? nil : Int(o.kv_len)
         self.layout = layout
+        self.window = Int(o.window)
     }
 }
 
@@ -83,17 +86,14 @@ public enum PrefillDispatcher {
     /// ValueError/TypeError naming the op and the value otherwise): rank-4
     /// tensors of one dtype in PrefillCapability.ioTypes, a head dim with a
     /// kernel, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
-    /// q_offset + qL <= kv_len, a finite scale, softcap 0 or > 0, buffers that
+    /// q_offset + qL <= kv_len, a finite scale, softcap 0 or > 0, window >= 0, buffers that
     /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
         let op = Self.op
         for (x, n) in [(t.q, "Q"), (t.k, "K"), (t.v, "V"), (t.out, "out")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try t.q.requireDType(PrefillCapability.ioTypes, op: op, name: "Q")
-        for (x, n) in [(t.k, "K"), (t.v, "V"), (t.out, "out")] where x.dtype != t.q.dtype {
-            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match Q dtype \(t.q.dtype.name)")
-        }
+        try requireIOTypes(q: (t.q, "Q"), others: [(t.k, "K"), (t.v, "V"), (t.out, "out")], op: op)
 
         // Shapes by layout: Q/out [B, H, qL, D] or [B, qL, H, D]; K/V likewise with (Hkv, capacity).
         let seq = o.layout == .seqMajor
@@ -134,11 +134,8 @@ public enum PrefillDispatcher {
         if qOffset + qL > kL {
             throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))")
         }
-        let scale = o.scale
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
-        if !(o.softcap.isFinite && o.softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
-        }
+        try requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)") }
         // AttnParams carries int32 dims; every product is taken in 64 bits by the kernels.
         for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "q_len"), (capacity, "K/V capacity")]
         where v > Int(Int32.max) {
@@ -168,35 +165,72 @@ public enum PrefillDispatcher {
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)
         let ks = strides(o.layout, heads: nKV, len: capacity, dim: headDim)
-        let params = AttnParams(
-            B: Int32(batch), H: Int32(nHeads), D: Int32(headDim), qL: Int32(qL), kL: Int32(kL),
-            gqa_factor: Int32(nHeads / nKV), scale: scale, softcapping: o.softcap,
+        let params = attnParams(
+            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, qL: qL, kL: kL, tiles: tiles,
+            scale: o.scale, softcap: o.softcap, qOffset: qOffset, q: qs, k: ks, v: ks)
+        var ext = PrefillExtension()
+        if o.window > 0 {
+            ext.window = true
+            ext.params.window_left = Int32(o.window - 1)
+        }
+        return assemble(t, params: params, maskParams: maskParams, geometry: geo, causal: o.causal, ext: ext)
+    }
+
+    /// Q's dtype is a prefill I/O type and every other tensor has it.
+    static func requireIOTypes(q: (TensorRef, String), others: [(TensorRef, String)], op: String) throws {
+        try q.0.requireDType(PrefillCapability.ioTypes, op: op, name: q.1)
+        for (x, n) in others where x.dtype != q.0.dtype {
+            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match \(q.1) dtype \(q.0.dtype.name)")
+        }
+    }
+
+    /// A finite scale; softcap 0 (off) or finite > 0.
+    static func requireScaleAndSoftcap(_ scale: Float, _ softcap: Float, op: String) throws {
+        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)") }
+        if !(softcap.isFinite && softcap >= 0) {
+            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)")
+        }
+    }
+
+    /// AttnParams of validated dims (each within int32); strides are (batch, head, seq) elements.
+    static func attnParams(batch: Int, heads: Int, kvHeads: Int, headDim: Int, qL: Int, kL: Int,
+                           tiles: PrefillTiles, scale: Float, softcap: Float, qOffset: Int,
+                           q: [Int64], k: [Int64], v: [Int64]) -> AttnParams {
+        AttnParams(
+            B: Int32(batch), H: Int32(heads), D: Int32(headDim), qL: Int32(qL), kL: Int32(kL),
+            gqa_factor: Int32(heads / kvHeads), scale: scale, softcapping: softcap,
             NQ: Int32(tiles.nq), NK: Int32(tiles.nk), NQ_aligned: Int32(tiles.nqAligned),
             NK_aligned: Int32(tiles.nkAligned), qL_rem: Int32(tiles.qLRem), kL_rem: Int32(tiles.kLRem),
             qL_off: Int32(qOffset), _pad: 0,
-            Q_strides: (qs[0], qs[1], qs[2]), K_strides: (ks[0], ks[1], ks[2]),
-            V_strides: (ks[0], ks[1], ks[2]), O_strides: (qs[0], qs[1], qs[2]))
+            Q_strides: (q[0], q[1], q[2]), K_strides: (k[0], k[1], k[2]),
+            V_strides: (v[0], v[1], v[2]), O_strides: (q[0], q[1], q[2]))
+    }
 
+    /// The Dispatch of a validated prefill: every function constant the
+    /// kernel declares (200, 201, 300-310), grid (NQ, H, B), the bindings.
+    /// Per-sequence mode is never aligned (its lengths differ per sequence).
+    static func assemble(_ t: PrefillTensors, params p: AttnParams, maskParams: AttnMaskParams?,
+                         geometry geo: PrefillGeometry, causal: Bool, ext: PrefillExtension) -> Dispatch {
         let constants = FunctionConstants([
-            (FunctionConstantIndex.alignQ, .bool(tiles.qLRem == 0)),
-            (FunctionConstantIndex.alignK, .bool(tiles.kLRem == 0)),
+            (FunctionConstantIndex.alignQ, .bool(p.qL_rem == 0 && !ext.perSequence)),
+            (FunctionConstantIndex.alignK, .bool(p.kL_rem == 0 && !ext.perSequence)),
             (FunctionConstantIndex.hasMask, .bool(t.mask != nil)),
-            (FunctionConstantIndex.doCausal, .bool(o.causal)),
+            (FunctionConstantIndex.doCausal, .bool(causal)),
             (FunctionConstantIndex.hasBlk, .bool(t.blk != nil)),
-        ])
+        ] + ext.constants)
         var bindings: [Int: Binding] = [
             PrefillBuffer.q: .buffer(t.q), PrefillBuffer.k: .buffer(t.k), PrefillBuffer.v: .buffer(t.v),
-            PrefillBuffer.out: .buffer(t.out), PrefillBuffer.params: .bytes(bytesOf(params)),
+            PrefillBuffer.out: .buffer(t.out), PrefillBuffer.params: .bytes(bytesOf(p)),
         ]
         if let m = t.mask, let mp = maskParams {
             bindings[PrefillBuffer.maskParams] = .bytes(bytesOf(mp))
             bindings[PrefillBuffer.mask] = .buffer(m)
         }
         if let b = t.blk { bindings[PrefillBuffer.blk] = .buffer(b) }
-        let spec = KernelSpec.prefill(io: t.q.dtype, headDim: headDim, boolMask: t.mask?.dtype == .bool)
+        ext.bind(&bindings)
+        let spec = KernelSpec.prefill(io: t.q.dtype, headDim: Int(p.D), boolMask: t.mask?.dtype == .bool)
         return Dispatch(kernel: spec, constants: constants,
-                        grid: Size3(tiles.nq, nHeads, batch), threadgroup: geo.threadsPerGroup,
-                        bindings: bindings, writes: [PrefillBuffer.out])
+                        grid: Size3(Int(p.NQ), Int(p.H), Int(p.B)), threadgroup: geo.threadsPerGroup,
+                        bindings: bindings, writes: Set([PrefillBuffer.out] + ext.writes))
     }
 }
-

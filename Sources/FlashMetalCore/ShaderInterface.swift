@@ -16,6 +16,22 @@ public enum FunctionConstantIndex {
     public static let doCausal = Int(FM_FC_DO_CAUSAL.rawValue)
     /// Prefill: a blk is bound.
     public static let hasBlk = Int(FM_FC_HAS_BLK.rawValue)
+    /// Prefill serving extension: sinks bound.
+    public static let hasSinks = Int(FM_FC_HAS_SINKS.rawValue)
+    /// Prefill serving extension: AttnSeqParams bound (with any of 302, 305-310).
+    public static let prefillSeq = Int(FM_FC_PREFILL_SEQ.rawValue)
+    /// Prefill serving extension: the window of AttnSeqParams applies.
+    public static let window = Int(FM_FC_WINDOW.rawValue)
+    /// Prefill serving extension: q/o/lse packed, cu_seqlens_q bound.
+    public static let varlenQ = Int(FM_FC_VARLEN_Q.rawValue)
+    /// Prefill serving extension: k/v packed, cu_seqlens_k bound.
+    public static let varlenK = Int(FM_FC_VARLEN_K.rawValue)
+    /// Prefill serving extension: seqlens_k bound.
+    public static let kvLens = Int(FM_FC_KV_LENS.rawValue)
+    /// Prefill serving extension: k/v paged, block_table bound.
+    public static let paged = Int(FM_FC_PAGED.rawValue)
+    /// Prefill serving extension: the lse output bound.
+    public static let hasLSE = Int(FM_FC_HAS_LSE.rawValue)
     /// blk: BQ of the prefill that consumes the blk (int).
     public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
     /// blk: BK of the prefill that consumes the blk (int).
@@ -38,6 +54,9 @@ public enum FunctionConstantIndex {
         ("FM_FC_BLK_BK", blkBK), ("FM_FC_VEC_HAS_SIGNS", vecHasSigns),
         ("FM_FC_SDPA_BOOL_MASK", sdpaBoolMask), ("FM_FC_SDPA_ADDITIVE_MASK", sdpaAdditiveMask),
         ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
+        ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
+        ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
+        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
     ]
 }
 
@@ -59,6 +78,20 @@ public enum PrefillBuffer {
     public static let mask = Int(FM_PREFILL_BUF_MASK.rawValue)
     /// FM_PREFILL_BUF_BLK.
     public static let blk = Int(FM_PREFILL_BUF_BLK.rawValue)
+    /// AttnSeqParams (with FunctionConstantIndex.prefillSeq).
+    public static let seqParams = Int(FM_PREFILL_BUF_SEQ_PARAMS.rawValue)
+    /// int32 [B+1] (with varlenQ).
+    public static let cuSeqlensQ = Int(FM_PREFILL_BUF_CU_SEQLENS_Q.rawValue)
+    /// int32 [B+1] (with varlenK).
+    public static let cuSeqlensK = Int(FM_PREFILL_BUF_CU_SEQLENS_K.rawValue)
+    /// int32 [B] (with kvLens).
+    public static let seqlensK = Int(FM_PREFILL_BUF_SEQLENS_K.rawValue)
+    /// int32 [B, max_pages] (with paged).
+    public static let blockTable = Int(FM_PREFILL_BUF_BLOCK_TABLE.rawValue)
+    /// float32 [H] (with hasSinks).
+    public static let sinks = Int(FM_PREFILL_BUF_SINKS.rawValue)
+    /// float32 out (with hasLSE).
+    public static let lse = Int(FM_PREFILL_BUF_LSE.rawValue)
 }
 
 /// Buffer indices of the blk pre-pass.

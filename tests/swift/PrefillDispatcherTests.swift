@@ -87,8 +87,27 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d.kernel, "flash_attn_prefill_bf16_d128")
         XCTAssertEqual(d.constants, FunctionConstants([
             (200, .bool(false)), (201, .bool(true)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
+            (302, .bool(false)), (304, .bool(false)), (305, .bool(false)), (306, .bool(false)), (307, .bool(false)),
+            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)),
         ]))
         XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
+    }
+
+    func testWindowIsInKernel() throws {
+        var o = PrefillOptions(scale: 0.125)
+        o.window = 5
+        o.causal = true
+        let d = try dispatch(Case(), o)
+        XCTAssertEqual(d.constants.bool(304), true)
+        XCTAssertEqual(d.constants.bool(305), true)
+        XCTAssertEqual(d.constants.bool(300), false, "no mask")
+        for fc in [302, 306, 307, 308, 309, 310] { XCTAssertEqual(d.constants.bool(fc), false, "\(fc)") }
+        let s = try d.params(PrefillBuffer.seqParams, as: AttnSeqParams.self)
+        XCTAssertEqual([s.window_left, s.window_right], [4, -1])
+        XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4, 8])
+        var bad = PrefillOptions(scale: 0.125)
+        bad.window = -3
+        expectError(Case(), bad, contains: "window must be >= 0 (0 = none), got -3")
     }
 
     func testSeqMajorStridesAndCapacity() throws {

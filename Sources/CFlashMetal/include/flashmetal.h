@@ -295,7 +295,11 @@ typedef struct AttnSeqParams {
  * (V likewise). kv_len_b = FM_FC_VEC_KV_LENS ? seqlens_k[b] : kv_seq_len; the
  * query sits at kv_len_b - 1; FlashAttnVecParams.mask_type/sliding_window
  * apply per sequence (flash-attn's window_size left w is sliding_window
- * w + 1). kv_len_b == 0: the row sees no key. page_size: any multiple of 16. */
+ * w + 1). kv_len_b == 0: the row sees no key. page_size: any multiple of 16.
+ * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
+ * (H, Hkv); the grid's y (rows) is B * H and tmp holds B * H rows laid out as
+ * without it; kv_capacity is the keys a sequence can hold (cap, or
+ * max_pages * page_size when paged) and bounds every seqlens_k[b]. */
 typedef struct FlashAttnVecSeqParams {
     int64_t K_strides[3];  /* (batch, or page when paged; kv head; row), elements */
     int64_t V_strides[3];
