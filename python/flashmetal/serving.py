@@ -21,14 +21,16 @@ in the same batch scope, before the attention reads the cache.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import re
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import InvalidValueError
+from ._errors import Error, InvalidValueError
 from ._interop import to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg, unsupported
 from .registry import Registry, RegistryLike, resolve
@@ -247,14 +249,37 @@ def flash_attn_with_kvcache(
         # One scope: a deferring backend (Metal) orders the append before the attention.
         with reg.batch():
             ffi = _native.ffi()
-            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, bt), op=_KVCACHE,
-                         keep=(ka, va, kc, vc, lens, bt))
+            with _public_names({"k_new": "k", "v_new": "v"}):
+                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, bt), op=_KVCACHE,
+                             keep=(ka, va, kc, vc, lens, bt))
             finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse,
                              seqlens_k=_grown(lens, ka), block_table=bt, out=out)
     result, lse = finish()
     wrap = wrapper_like(q)
     return (wrap(result), wrap(lse)) if want_lse else wrap(result)
+
+
+# The decode and append entry points serve several public functions and name
+# their arguments after their own C parameters; the messages users see use
+# the public function's names.
+_DECODE_NAMES = {
+    _FUNC: {"lse": "softmax_lse"},
+    _KVCACHE: {"k": "k_cache", "v": "v_cache", "seqlens_k": "cache_seqlens", "lse": "softmax_lse"},
+}
+
+
+@contextlib.contextmanager
+def _public_names(names: dict[str, str]) -> Iterator[None]:
+    """Re-raises a library error with its argument names replaced (whole
+    words only) by the public function's."""
+    try:
+        yield
+    except Error as e:
+        prefix = f"{e.op}: " if e.op else ""
+        text = str(e)[len(prefix):]
+        renamed = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
+        raise type(e)(e.op, renamed, e.status) from None
 
 
 def _head_dim(qa: np.ndarray) -> int:
@@ -334,9 +359,10 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
-        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
-                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                    lse, o32, keep))
+        with _public_names(_DECODE_NAMES[op]):
+            _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
+                         ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
+                                                                        lse, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(qa.dtype)
