@@ -26,13 +26,15 @@ def registry(backend: str) -> fm.Registry:
     return fm.Registry(backend)
 
 
-def assert_out_lse(out, lse, exp_out, exp_lse, dtype, what: str) -> None:
-    """out within the dtype's tolerance; lse within LSE_TOL, -inf exactly
-    where the reference has -inf (rows that see nothing)."""
+def assert_out_lse(out, lse, exp_out, exp_lse, dtype, what: str, *, merged: bool = False) -> None:
+    """out within the dtype's tolerance; lse (float32 from a kernel, float64
+    when `merged` on the host) within LSE_TOL, -inf exactly where the
+    reference has -inf (rows that see nothing)."""
     assert_close(np.asarray(out), exp_out, dtype, f"{what} out")
     if lse is not None:
         lse = np.asarray(lse)
-        assert lse.dtype == F32 and lse.shape == exp_lse.shape, (what, lse.dtype, lse.shape, exp_lse.shape)
+        assert lse.dtype == (np.float64 if merged else F32), (what, lse.dtype)
+        assert lse.shape == exp_lse.shape, (what, lse.shape, exp_lse.shape)
         ok, ratio = close(lse, exp_lse, *LSE_TOL)
         assert ok, f"{what} lse: {ratio:.3g}x over tolerance"
 

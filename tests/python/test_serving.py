@@ -164,9 +164,9 @@ def test_varlen_lse_merge_of_two_key_halves(rng, backend):
     ob, lb, _ = fm.flash_attn_varlen_func(q, k[second], v[second], cq, cb, max(ql), max(kl), **kw)
     merged, merged_lse = reference.merge_lse(oa.astype(np.float64), la, ob.astype(np.float64), lb)
     assert_out_lse(merged, merged_lse, one_out.astype(np.float64), one_lse.astype(np.float64), F16,
-                   f"{backend} merged vs one-shot")
+                   f"{backend} merged vs one-shot", merged=True)
     e_out, e_lse = reference.flash_attn_varlen(q, k, v, cq, ck, softcap=3.0, sinks=sinks)
-    assert_out_lse(merged, merged_lse, e_out, e_lse, F16, f"{backend} merged vs reference")
+    assert_out_lse(merged, merged_lse, e_out, e_lse, F16, f"{backend} merged vs reference", merged=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

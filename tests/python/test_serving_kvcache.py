@@ -159,11 +159,11 @@ def test_lse_merge_of_two_cache_halves(rng, backend, ql):
     oa, la = run([k[:c] for k, c in zip(ks, cut)], [v[:c] for v, c in zip(vs, cut)], sinks=sinks)
     ob, lb = run([k[c:] for k, c in zip(ks, cut)], [v[c:] for v, c in zip(vs, cut)])
     merged, merged_lse = reference.merge_lse(oa, la, ob, lb)
-    assert_out_lse(merged, merged_lse, one.astype(np.float64), one_lse.astype(np.float64), F16, "merge vs one")
+    assert_out_lse(merged, merged_lse, one.astype(np.float64), one_lse.astype(np.float64), F16, "merge vs one", merged=True)
     e_out, e_lse = reference.flash_attn_kvcache(q, contiguous(ks, max(lengths), rng),
                                                 contiguous(vs, max(lengths), rng),
                                                 cache_seqlens=np.array(lengths), softcap=5.0, sinks=sinks)
-    assert_out_lse(merged, merged_lse, e_out, e_lse, F16, "merge vs reference")
+    assert_out_lse(merged, merged_lse, e_out, e_lse, F16, "merge vs reference", merged=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
