@@ -23,6 +23,7 @@ public final class CPUBackend: Backend {
         case .vec: return VecKernel(key)
         case let .vecReduce(headDim, fwht): return try VecReduceKernel(key, headDim: headDim, fwht: fwht)
         case let .sdpa(io): return try SdpaKernel(key, io: io)
+        case .kvAppend: return try KVAppendKernel(key)
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }
     }

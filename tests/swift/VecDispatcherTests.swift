@@ -64,7 +64,13 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(try r.buffer(1).data, try m.buffer(4).data)
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
         XCTAssertTrue(r.threadgroupMemory.isEmpty)
-        XCTAssertNil(r.constants[FunctionConstantIndex.vecHasSigns])
+        // The seed's call: every serving constant off, nothing bound at their indices.
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecHasSigns), false)
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecSinks), false)
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecLSE), false)
+        for i in [FunctionConstantIndex.vecSeq, FunctionConstantIndex.vecKVLens, FunctionConstantIndex.vecPaged] {
+            XCTAssertEqual(m.constants.bool(i), false, "constant \(i)")
+        }
         // Metal copies back only what a kernel writes, and may narrow the reduce.
         XCTAssertEqual(m.writes, [VecBuffer.tmp])
         XCTAssertFalse(m.threadgroupFlexible)

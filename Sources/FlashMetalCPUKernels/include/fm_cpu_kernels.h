@@ -140,6 +140,13 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use
                       int32_t tile_q, float *scratch);
 size_t fm_cpu_sdpa_scratch_floats(int32_t d);
 
+/* ---- kv_append: row i of sequence b of k_new/v_new (all kv heads) into the
+ * caches at row seqlens[b] + i (KVAppendParams; block_table NULL unless
+ * paged). Bytes are copied unchanged; elem_bytes is the dtype's size. */
+void fm_cpu_kv_append_row(const KVAppendParams *p, const void *k_new, const void *v_new, void *k_cache,
+                          void *v_cache, const int32_t *seqlens, const int32_t *block_table,
+                          int32_t elem_bytes, int64_t b, int64_t i);
+
 #ifdef __cplusplus
 }
 #endif
