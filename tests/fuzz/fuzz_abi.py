@@ -36,7 +36,15 @@ NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.
       5: np.dtype(np.int32)}
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
 HEAD_DIMS = (64, 128, 256, 512)
-GEOM = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
+def geom(d: int) -> tuple[int, int]:
+    """(BQ, BK) of the prefill (and its blk) for head dim d."""
+    return (8, 8) if d == 512 else (32, 16)
+
+
+def prefill_dims() -> tuple[int, ...]:
+    """The prefill head dims, from the library's capability table."""
+    from flashmetal._native import head_dims
+    return head_dims("flash_attn_prefill")
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -169,7 +177,7 @@ def gen_prefill(rng, backend):
         if mk.endswith("2") and rng.random() < 0.5:
             m = t["mask"].array()
             add = np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
-            cls = reference.blk_classes(add, *GEOM[d])
+            cls = reference.blk_classes(add, *geom(d))
             t["blk"] = _tensor(rng, 4, list(cls.shape), values=cls)
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.05, 4 / math.sqrt(d)])),
                 softcap=float(rng.choice([0.0, 0.0, 0.0, 5.0, 30.0])), causal=int(rng.integers(0, 2)),
@@ -235,7 +243,7 @@ def gen_blk(rng, backend):
     ql, kl = int(rng.integers(1, 100)), int(rng.integers(1, 100))
     vals = rng.choice([0.0, 0.0, -np.inf, 1.0, -1e31], [ql, kl])
     vals[rng.random([ql, kl]) < 0.5] = 0.0
-    bq, bk = GEOM[d]
+    bq, bk = geom(d)
     n = -(-ql // bq) * -(-kl // bk)
     t = {"mask": _tensor(rng, dt, [ql, kl], values=vals.astype(np.float32)),
          "blk_out": _tensor(rng, 4, [n + int(rng.integers(0, 40))], role="out")}
@@ -498,7 +506,7 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
 # ---------------------------------------------------------------- reference
 
 def _blk_expect(ql, kl, d):
-    bq, bk = GEOM[d]
+    bq, bk = geom(d)
     n = -(-ql // bq) * -(-kl // bk)
     return n, max((n + 31) // 32 * 32, 32), -(-ql // bq), -(-kl // bk)
 
@@ -549,7 +557,7 @@ def expected(case: Case, extra: Any):
         return e, "out", -1  # exact
     if case.op == "blk":
         m = t["mask"].array().astype(np.float64)
-        e = reference.blk_classes(m, *GEOM[case.args["head_dim"]]).reshape(-1)
+        e = reference.blk_classes(m, *geom(case.args["head_dim"])).reshape(-1)
         return e, "blk_out", -2
     raise AssertionError(case.op)
 
@@ -600,7 +608,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     assert status == 0
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
-        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in HEAD_DIMS, ctx
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in prefill_dims(), ctx
         assert extra == _blk_expect(ql, kl, d)[1], ctx
         return
     if case.op == "alloc_blk":
