@@ -32,7 +32,7 @@ from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import Error, InvalidValueError
 from ._interop import to_numpy, wrapper_like
-from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg, unsupported
+from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -81,19 +81,13 @@ def flash_attn_func(
         array type (torch in, torch out).
     """
     reg = resolve(registry, _FUNC)
-    no_dropout(_FUNC, dropout_p)
-    unsupported(_FUNC, alibi_slopes=alibi_slopes)
-    flag(_FUNC, "deterministic", deterministic)
-    want_lse = flag(_FUNC, "return_attn_probs", return_attn_probs)
+    want_lse = training_arguments(_FUNC, dropout_p, alibi_slopes, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
     opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size)
     _no_outer_scope_for_decode(reg, qa, _FUNC)
     out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
-    wrap = wrapper_like(q)
-    if not want_lse:
-        return wrap(out)
-    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+    return _with_probs(q, out, lse if want_lse else None)
 
 
 def flash_attn_varlen_func(
@@ -138,10 +132,7 @@ def flash_attn_varlen_func(
         without dropout).
     """
     reg = resolve(registry, _VARLEN)
-    no_dropout(_VARLEN, dropout_p)
-    unsupported(_VARLEN, alibi_slopes=alibi_slopes)
-    flag(_VARLEN, "deterministic", deterministic)
-    want_lse = flag(_VARLEN, "return_attn_probs", return_attn_probs)
+    want_lse = training_arguments(_VARLEN, dropout_p, alibi_slopes, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
     cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
     bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
@@ -156,10 +147,7 @@ def flash_attn_varlen_func(
                             sinks=sinks_arg(_VARLEN, sinks), lse=lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
                  tensor(ffi, out), opts, op=_VARLEN, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
-    wrap = wrapper_like(q)
-    if not want_lse:
-        return wrap(out)
-    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+    return _with_probs(q, out, lse if want_lse else None)
 
 
 def flash_attn_with_kvcache(
@@ -280,6 +268,16 @@ def _public_names(names: dict[str, str]) -> Iterator[None]:
         text = str(e)[len(prefix):]
         renamed = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
         raise type(e)(e.op, renamed, e.status) from None
+
+
+def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
+    """flash-attn's return: out, or (out, softmax_lse, S_dmask) when the LSE
+    was asked for; S_dmask is empty, as flash-attn's is without dropout. In
+    the caller's array type."""
+    wrap = wrapper_like(q)
+    if lse is None:
+        return wrap(out)
+    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=out.dtype))
 
 
 def _head_dim(qa: np.ndarray) -> int:

@@ -79,5 +79,13 @@ def sinks_for(rng, heads: int) -> np.ndarray:
     return rng.uniform(-1.0, 2.0, heads).astype(np.float32)
 
 
+def with_sinks(rng, features: dict, heads: int) -> dict:
+    """A copy of a feature dict whose `sinks=True` became sink logits."""
+    kw = dict(features)
+    if kw.pop("sinks", False):
+        kw["sinks"] = sinks_for(rng, heads)
+    return kw
+
+
 DTYPES = [BF16, F16]
 __all__ = ["BACKENDS", "BF16", "F16", "F32", "randn"]

@@ -9,7 +9,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from serving_cases import (BACKENDS, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, qkv, randn,
-                           registry, sinks_for)
+                           registry, sinks_for, with_sinks)
 
 FEATURES = {
     "plain": {},
@@ -24,10 +24,7 @@ FEATURES = {
 
 
 def features(rng, name: str, heads: int) -> dict:
-    kw = dict(FEATURES[name])
-    if kw.pop("sinks", False):
-        kw["sinks"] = sinks_for(rng, heads)
-    return kw
+    return with_sinks(rng, FEATURES[name], heads)
 
 
 def func_cases():

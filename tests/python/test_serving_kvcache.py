@@ -9,7 +9,8 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import assert_bits_equal
-from serving_cases import BACKENDS, BF16, BK, DTYPES, F16, F32, assert_out_lse, paged, randn, registry, sinks_for
+from serving_cases import (BACKENDS, BF16, BK, DTYPES, F16, F32, assert_out_lse, paged, randn, registry, sinks_for,
+                           with_sinks)
 
 SEQ_FEATURES = {
     "plain": {},
@@ -37,10 +38,7 @@ def lengths_for(backend: str) -> list[int]:
 
 
 def kw_for(rng, name: str, heads: int) -> dict:
-    kw = dict(SEQ_FEATURES[name])
-    if kw.pop("sinks", False):
-        kw["sinks"] = sinks_for(rng, heads)
-    return kw
+    return with_sinks(rng, SEQ_FEATURES[name], heads)
 
 
 CASES = [(b, ql, d, dt, f) for b in BACKENDS
