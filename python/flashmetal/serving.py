@@ -233,16 +233,10 @@ def flash_attn_with_kvcache(
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out)
     else:
-        _check_attend_before_append(qa, kc, sk)
-        # One scope: a deferring backend (Metal) orders the append before the attention.
-        with reg.batch():
-            ffi = _native.ffi()
-            with _public_names({"k_new": "k", "v_new": "v"}):
-                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, bt), op=_KVCACHE,
-                             keep=(ka, va, kc, vc, lens, bt))
-            finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse,
-                             seqlens_k=_grown(lens, ka), block_table=bt, out=out)
+        finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
+                                     lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
+                                                           want_lse=want_lse, seqlens_k=grown, block_table=bt,
+                                                           out=out))
     result, lse = finish()
     wrap = wrapper_like(q)
     return (wrap(result), wrap(lse)) if want_lse else wrap(result)
@@ -315,22 +309,53 @@ def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
     return (lens.astype(np.int64) + (k_new.shape[1] if k_new.ndim == 4 else 0)).astype(I32)
 
 
-def _check_attend_before_append(qa: np.ndarray, cache: np.ndarray, sinks: np.ndarray | None) -> None:
-    """The attention's shape facts, checked before the append writes the
-    caller's caches (the library checks them again when the attention runs):
-    a call that is going to fail must not have modified the caches."""
-    if qa.ndim != 4 or cache.ndim != 4:
-        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} and k_cache {list(cache.shape)} must have rank 4")
-    if qa.shape[3] != cache.shape[3] or cache.shape[2] == 0 or qa.shape[2] % cache.shape[2]:
-        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} does not match k_cache {list(cache.shape)}: "
-                                "the head dims must be equal and H a multiple of Hkv")
-    op = "flash_attn_vec" if qa.shape[1] == 1 else "flash_attn_prefill"
-    if qa.shape[3] not in _native.head_dims(op):
-        raise InvalidValueError(_KVCACHE, f"head dim {qa.shape[3]} is not one of {list(_native.head_dims(op))}")
-    if qa.shape[1] != 1 and qa.dtype != cache.dtype:
-        raise InvalidValueError(_KVCACHE, f"q dtype {qa.dtype} must equal the caches' {cache.dtype}")
-    if sinks is not None and sinks.shape != (qa.shape[2],):
-        raise InvalidValueError(_KVCACHE, f"sinks shape {list(sinks.shape)} must be [{qa.shape[2]}]")
+def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.ndarray,
+                        va: np.ndarray, lens: np.ndarray, table: np.ndarray | None,
+                        attend: Callable[[np.ndarray], Any]) -> Any:
+    """Appends k/v at `lens`, then `attend(lens + n_new)`, in one batch scope
+    (a deferring backend, Metal, orders the two). The append validates its
+    own arguments before writing; if the attention then fails (a bad q, head
+    dim, dtype, sinks...), the cache rows the append overwrote are restored
+    once the scope has ended, so a failed call leaves the caches as they were."""
+    slots = _append_slots(kc, lens, ka, table)
+    saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
+    appended = False
+    try:
+        with reg.batch():
+            ffi = _native.ffi()
+            with _public_names({"k_new": "k", "v_new": "v"}):
+                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
+                             keep=(ka, va, kc, vc, lens, table))
+            appended = True
+            return attend(_grown(lens, ka))
+    except BaseException:
+        if appended and saved is not None:
+            kc[slots], vc[slots] = saved
+        raise
+
+
+def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
+                  table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(first index, row) of every cache row an append of k_new at `lens`
+    writes, for fancy indexing of the cache; None when the arguments are not
+    ones the append accepts (it then writes nothing)."""
+    if cache.ndim != 4 or k_new.ndim != 4 or lens.ndim != 1 or lens.shape[0] != k_new.shape[0]:
+        return None
+    batch = np.repeat(np.arange(lens.shape[0]), k_new.shape[1])
+    pos = (lens.astype(np.int64)[:, None] + np.arange(k_new.shape[1])).reshape(-1)
+    if table is None:
+        first, row = batch, pos
+    else:
+        if table.ndim != 2 or table.shape[0] != lens.shape[0] or cache.shape[1] == 0:
+            return None
+        col = pos // cache.shape[1]
+        if np.any((col < 0) | (col >= table.shape[1])):
+            return None
+        first, row = table[batch, col].astype(np.int64), pos % cache.shape[1]
+    if np.any((first < 0) | (first >= cache.shape[0]) | (row < 0) | (row >= cache.shape[1])):
+        return None
+    return first, row
 
 
 def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:

@@ -18,26 +18,30 @@ from numerics import BF16, F16, F32
 OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
 
+MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
+            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype"]
+
+
 @st.composite
 def serving_calls(draw):
+    """A valid call, or (about 40%) one with one mistake of MISTAKES."""
     hkv = draw(st.integers(1, 2))
+    bad = draw(st.sampled_from(["none"] * 20 + MISTAKES))
     return dict(
         fn=draw(st.sampled_from(["func", "varlen", "kvcache", "kvcache"])),
-        dt=draw(st.sampled_from([BF16, BF16, F16, F16, F32])),
-        d=draw(st.sampled_from([64, 64, 80, 96, 128, 192, 256, 32, 0])),
-        b=draw(st.integers(1, 3)), hkv=hkv,
-        h=hkv * draw(st.sampled_from([1, 2])) + draw(st.sampled_from([0] * 9 + [1])),
+        dt=F32 if bad == "dtype" else draw(st.sampled_from([BF16, F16])),
+        d=draw(st.sampled_from([32, 0])) if bad == "head_dim" else draw(st.sampled_from([64, 64, 80, 96, 128, 192,
+                                                                                           256])),
+        b=draw(st.integers(1, 3)), hkv=hkv, h=hkv * draw(st.sampled_from([1, 2])) + (bad == "heads"),
         q_lens=draw(st.lists(st.integers(0, 20), min_size=3, max_size=3)),
         k_lens=draw(st.lists(st.integers(0, 40), min_size=3, max_size=3)),
         one_row=draw(st.booleans()),
         causal=draw(st.booleans()),
-        window=draw(st.sampled_from([(-1, -1), (-1, -1), (4, 0), (0, 3), (-1, 2), (-2, 0)])),
-        softcap=draw(st.sampled_from([0.0, 0.0, 3.0, -1.0])),
-        sinks=draw(st.sampled_from(["none", "none", "ok", "short"])),
+        window=(-2, 0) if bad == "window" else draw(st.sampled_from([(-1, -1), (-1, -1), (4, 0), (0, 3), (-1, 2)])),
+        softcap=-1.0 if bad == "softcap" else draw(st.sampled_from([0.0, 0.0, 3.0])),
+        sinks="short" if bad == "sinks_short" else draw(st.sampled_from(["none", "none", "ok"])),
         paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 16, 32, 24])),
-        n_new=draw(st.sampled_from([0, 0, 1, 3])),
-        bad=draw(st.sampled_from(["none"] * 6 + ["seqlens_high", "seqlens_neg", "table_entry", "table_short",
-                                              "cu_start", "cu_order", "max_seqlen", "noncontig"])),
+        n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
     )
 
 

@@ -137,17 +137,26 @@ def test_non_contiguous_or_read_only_caches_when_appending(cache):
                                registry="cpu")
 
 
-@pytest.mark.parametrize("what", ["head_dim", "heads", "dtype", "sinks"])
-def test_attention_errors_leave_the_caches_untouched_when_appending(rng, cache, what):
-    """The append runs before the attention: a call whose attention is going
-    to fail is refused before the caches are written."""
-    c = cache
+@pytest.mark.parametrize("what,cls", [("head_dim", ValueError), ("heads", ValueError), ("dtype", TypeError),
+                                      ("sinks", ValueError), ("float32_prefill", TypeError),
+                                      ("decode_head_dim", ValueError)])
+@pytest.mark.parametrize("paging", [False, True])
+def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, cls, paging):
+    """The append runs (and validates itself) before the attention: when the
+    attention then refuses the call, the rows the append wrote are restored."""
+    dt = F32 if what == "float32_prefill" else F16
+    kc = randn(rng, (6, 16, 2, 64) if paging else (2, 32, 2, 64), dt)
+    vc = randn(rng, kc.shape, dt)
+    table = np.array([[3, 0], [5, 1]], np.int32) if paging else None
+    k_new, v_new = randn(rng, (2, 2, 2, 64), dt), randn(rng, (2, 2, 2, 64), dt)
+    seqlens = np.array([5, 16], np.int32)
     q = {"head_dim": randn(rng, (2, 3, 4, 32), F16), "heads": randn(rng, (2, 3, 3, 64), F16),
-         "dtype": randn(rng, (2, 3, 4, 64), BF16), "sinks": randn(rng, (2, 3, 4, 64), F16)}[what]
+         "dtype": randn(rng, (2, 3, 4, 64), BF16), "sinks": randn(rng, (2, 3, 4, 64), F16),
+         "float32_prefill": randn(rng, (2, 3, 4, 64), F32), "decode_head_dim": randn(rng, (2, 1, 4, 48), F16)}[what]
     sinks = np.zeros(3, np.float32) if what == "sinks" else None
-    raises(ValueError, KV, "",
-           lambda: fm.flash_attn_with_kvcache(q, c["kc"], c["vc"], c["k"], c["v"], cache_seqlens=c["seqlens"],
-                                              sinks=sinks, registry="cpu"), c["kc"], c["vc"], c["seqlens"])
+    raises(cls, KV, "",
+           lambda: fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                              sinks=sinks, registry="cpu"), kc, vc, seqlens, k_new)
 
 
 def test_k_without_v(cache):
