@@ -37,6 +37,7 @@ def func_cases():
             cases += [(backend, 96, F16, "all")]
         else:
             cases += [(backend, d, dt, f) for d in HEAD_DIMS for dt in DTYPES for f in FEATURES]
+            cases += [(backend, 512, BF16, f) for f in ("causal", "all")]
     return cases
 
 
@@ -58,7 +59,7 @@ def test_func_features(rng, backend, d, dtype, feature):
     assert_out_lse(out, lse, e_out, e_lse, dtype, f"{backend} d={d} {dtype} {feature}")
 
 
-@pytest.mark.parametrize("backend,d,dtype,feature", [c for c in func_cases() if c[1] in (64, 80, 128, 256)])
+@pytest.mark.parametrize("backend,d,dtype,feature", [c for c in func_cases() if c[1] in (64, 80, 96, 192, 512)])
 def test_func_one_query_row_uses_decode(rng, backend, d, dtype, feature):
     """seqlen_q == 1 goes to the decode kernel (float32 q): same semantics."""
     s = shapes(backend)

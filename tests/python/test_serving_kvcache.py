@@ -224,3 +224,17 @@ def test_torch_caches_are_appended_in_place(rng, backend):
     assert seqlens.tolist() == [3, 19]
     e_out = reference.flash_attn_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=np.array([3, 19]))[0]
     assert_out_lse(out.numpy(), None, e_out, None, F16, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_head_dim_512_prefill_pages_of_8(rng, backend):
+    """D=512's key tile is 8: pages of 8 keys serve the prefill route."""
+    lengths = [9, 3]
+    ks, vs = kv_rows(rng, lengths, 1, 512, BF16)
+    (kp, vp), table = paged(rng, [ks, vs], 8)
+    q = randn(rng, (2, 2, 2, 512), BF16)
+    seqlens = np.array(lengths, np.int32)
+    out, lse = fm.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=True,
+                                          return_softmax_lse=True, registry=registry(backend))
+    e_out, e_lse = reference.flash_attn_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=True)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{backend} D=512 pages of 8")
