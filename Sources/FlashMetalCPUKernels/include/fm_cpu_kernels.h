@@ -142,11 +142,7 @@ typedef struct FMVecArgs {
     int32_t _pad;
 } FMVecArgs;
 
-/* Keys per unit of the split: workgroup w of nwg takes a contiguous run of
- * the visible keys, cut at absolute multiples of FM_VEC_CHUNK, so what each
- * key's partial sums depend on is its logical position only (paged and
- * contiguous caches give bit-identical results). */
-#define FM_VEC_CHUNK 16
+/* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal.h. */
 
 /* The partials of one (kv row = b * n_kv_heads + g, workgroup) into tmp,
  * for every query row of that kv head's GQA group: K and V are read once
