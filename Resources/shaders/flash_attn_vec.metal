@@ -27,6 +27,20 @@
 // 4 tmp. Threadgroup buffer 0: PK + SH + 2 * PV halfs (VecDispatcher); this
 // kernel uses only the chunk's 32 probabilities (floats) at its start.
 //
+// Serving extension (issue 14; FlashAttnVecSeqParams in flashmetal.h). With
+// function constant 501 (vec_seq) row r = b * H + h reads kv head
+// g = h / (H / Hkv) of sequence b through the strides at buffer 5, and the
+// grid's y is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
+// b holds seqlens_k[b] keys (buffer 6) instead of kv_seq_len; 0 sees nothing.
+// 503 (vec_paged): key p lives in page block_table[b * max_pages + p /
+// page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
+// keys spans at most two pages: the table is read once per half chunk, and
+// only for halves that start before kv_len_b (entries past it are never
+// checked by the host and never read here). The window applies per sequence.
+//
+// Head dims that are not a multiple of 32 (80): lane l still owns dims
+// l, l + 32, ...; the last of them exist only for l < D % 32.
+//
 // Reduce, grid (rows, 1, 1), 32 * NWG threads: rescales partial w by
 // exp(M_w - M), normalises by the combined S (S == 0: a row that sees no key
 // outputs zeros). The fused variant then applies the inverse normalised
@@ -34,11 +48,23 @@
 // threadgroup memory and flips the signs given by the bitmask at buffer 4
 // when function constant 500 (has_signs) is true. Buffers: 0
 // FlashAttnVecReduceParams, 1 tmp, 2 out (f32), 3 nwg (uint), 4 signs.
+// The plain reduce's serving extension: sinks (504, buffer 5, float32 [H])
+// join the combined denominator once, as a logit without a value; lse (505,
+// buffer 6) receives M + log(S [+ e^{sink - M}]) in natural units, -inf for
+// a row that sees nothing and has no sink; FlashAttnVecReduceExtParams at
+// buffer 7 give H (row r has head r % H). Its buffer 4 is never bound (the
+// dispatcher sets 500 false): it only keeps the buffer positions.
 #include "dialect.h"
 #include "flashmetal.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, vec_has_signs, 500)
+FUNCTION_CONSTANT(bool, vec_seq, 501)
+FUNCTION_CONSTANT(bool, vec_kv_lens, 502)
+FUNCTION_CONSTANT(bool, vec_paged, 503)
+FUNCTION_CONSTANT(bool, vec_sinks, 504)
+FUNCTION_CONSTANT(bool, vec_lse, 505)
+FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
 #define VEC_CHUNK 32
@@ -66,6 +92,26 @@ inline float vec_reduce_scatter(thread float *part, uint lane) {
     return part[0];
 }
 
+// Lane `lane`'s i-th dim (lane + 32 i) exists: always when D % 32 == 0.
+template <int D>
+inline bool vec_lane_dim(uint lane, int i) {
+    return D % 32 == 0 || int(lane) + 32 * i < D;
+}
+
+// Element offset of the row of key c + 16 * half's page start (the keys of a
+// half chunk are consecutive rows of one page), or of c + 16 * half itself
+// when K/V are not paged. `s` are the (sequence or page, kv head, row) strides.
+inline long vec_half_offset(long c, int half, long b, long g, constant FlashAttnVecSeqParams *sp,
+                            const device int *block_table, thread const long *s) {
+    const long p = c + 16 * half;
+    if (vec_paged) {
+        const long ps = long(sp->page_size);
+        const long page = block_table[b * long(sp->max_pages) + p / ps];
+        return page * s[0] + g * s[1] + (p % ps) * s[2];
+    }
+    return b * s[0] + g * s[1] + p * s[2];
+}
+
 template <typename KV, int D>
 kernel void flash_attn_vec(
     constant FlashAttnVecParams &p [[buffer(0)]],
@@ -73,26 +119,40 @@ kernel void flash_attn_vec(
     const device KV *k [[buffer(2)]],
     const device KV *v [[buffer(3)]],
     device float *tmp [[buffer(4)]],
+    constant FlashAttnVecSeqParams *sp [[buffer(5), function_constant(vec_seq)]],
+    const device int *seqlens_k [[buffer(6), function_constant(vec_kv_lens)]],
+    const device int *block_table [[buffer(7), function_constant(vec_paged)]],
     TG_BUFFER(float, probs, 0),  // the chunk's 32 probabilities
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint3 ngroups BUILTIN(threadgroups_per_grid),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
-    constexpr int NE = D / 32;  // output dims per lane
-    static_assert(D % 32 == 0, "each lane owns D / 32 output dims");
+    constexpr int NE = (D + 31) / 32;  // output dims per lane (the last maybe partial)
     static_assert(32 * 4 <= vec_tg_halfs<D>() * 2, "uses no more than the dispatcher binds");
     static_assert(vec_tg_halfs<D>() * 2 <= 32768, "threadgroup memory over 32 KiB");
 
     const long row = tgid.y;
     const long wg = tgid.z;
-    const long nrows = p.n_heads;
+    const long nrows = vec_seq ? long(ngroups.y) : long(p.n_heads);
     const long nwg = p.nwg;
-    const long kv_len = p.kv_seq_len;
-    const long cap = p.kv_capacity;
-    const long kvrow = row / (long(p.n_heads) / long(p.n_kv_heads));
-    const device KV *kb = k + kvrow * cap * D;
-    const device KV *vb = v + kvrow * cap * D;
+    const long gqa = long(p.n_heads) / long(p.n_kv_heads);
+    // (sequence, kv head) of the row and the (sequence or page, kv head, row)
+    // strides of K and V. The seed's call is one sequence of B * Hkv kv heads.
+    long b = 0;
+    long g = row / gqa;
+    long ks[3] = {0, long(p.kv_capacity) * D, D};
+    long vs[3] = {0, long(p.kv_capacity) * D, D};
+    if (vec_seq) {
+        b = row / long(p.n_heads);
+        g = (row % long(p.n_heads)) / gqa;
+        for (int i = 0; i < 3; i++) {
+            ks[i] = sp->K_strides[i];
+            vs[i] = sp->V_strides[i];
+        }
+    }
+    const long kv_len = vec_kv_lens ? long(seqlens_k[b]) : long(p.kv_seq_len);
 
     float qv[NE];  // this lane's dims of q: l, l + 32, ...
-    for (int i = 0; i < NE; i++) qv[i] = q[row * D + int(lane) + 32 * i];
+    for (int i = 0; i < NE; i++) qv[i] = vec_lane_dim<D>(lane, i) ? q[row * D + int(lane) + 32 * i] : 0.0f;
 
     // Visible keys: [lo, kv_len).
     long lo = 0;
@@ -105,13 +165,23 @@ kernel void flash_attn_vec(
 
     for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
         if (c + VEC_CHUNK <= lo) continue;  // wholly before the window: uniform
+        // Row offsets of the chunk's two half chunks (uniform over the SIMD group).
+        long koff[2] = {0, 0};
+        long voff[2] = {0, 0};
+        for (int hf = 0; hf < 2; hf++) {
+            if (c + 16 * hf >= kv_len) continue;
+            koff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, ks);
+            voff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, vs);
+        }
         float part[VEC_CHUNK];
         for (int j = 0; j < VEC_CHUNK; j++) {
             part[j] = 0.0f;
             const long pj = c + j;
             if (pj >= kv_len || pj < lo) continue;  // uniform over the SIMD group
-            const device KV *kr = kb + pj * D + lane;
-            for (int i = 0; i < NE; i++) part[j] = fma(qv[i], float(kr[32 * i]), part[j]);
+            const device KV *kr = k + koff[j >> 4] + long(j & 15) * ks[2] + lane;
+            for (int i = 0; i < NE; i++) {
+                if (vec_lane_dim<D>(lane, i)) part[j] = fma(qv[i], float(kr[32 * i]), part[j]);
+            }
         }
         const float dot = vec_reduce_scatter(part, lane);
         const long pos = c + long(lane);
@@ -134,14 +204,18 @@ kernel void flash_attn_vec(
         const long j1 = min(long(VEC_CHUNK), kv_len - c);
         for (long j = j0; j < j1; j++) {
             const float pj = probs[j];
-            const device KV *vr = vb + (c + j) * D;
-            for (int i = 0; i < NE; i++) o[i] = fma(pj, float(vr[int(lane) + 32 * i]), o[i]);
+            const device KV *vr = v + voff[j >> 4] + (j & 15) * vs[2] + lane;
+            for (int i = 0; i < NE; i++) {
+                if (vec_lane_dim<D>(lane, i)) o[i] = fma(pj, float(vr[32 * i]), o[i]);
+            }
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk
     }
 
     device float *o_part = tmp + (row * nwg + wg) * D;
-    for (int i = 0; i < NE; i++) o_part[int(lane) + 32 * i] = o[i];
+    for (int i = 0; i < NE; i++) {
+        if (vec_lane_dim<D>(lane, i)) o_part[int(lane) + 32 * i] = o[i];
+    }
     if (lane == 0) {
         device float *sm = tmp + nrows * nwg * D + (row * nwg + wg) * 2;
         sm[0] = s_sum;
@@ -151,19 +225,31 @@ kernel void flash_attn_vec(
 
 // Simdgroup 0 combines the (S, M) pairs of a row: weights[w] = exp(M_w - M)
 // and weights[32] = 1 / S (0 when S == 0: a row that sees no key outputs
-// zeros). Called by every thread; ends with the barrier that publishes them.
+// zeros). With a sink logit (natural units; NaN = none) it joins M and S once
+// without a value; with `lse` lane 0 writes M + log(S) (-inf when S == 0).
+// Called by every thread; ends with the barrier that publishes the weights.
 template <int D>
 inline void vec_reduce_weights(const device float *tmp, long nrows, long row, uint nwg, uint sg, uint lane,
-                               threadgroup float *weights) {
+                               threadgroup float *weights, bool has_sink, float sink, device float *lse) {
     if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
         const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
         const bool has = lane < nwg;
         const float m_w = has ? sm[2 * lane + 1] : FM_RUNNING_MAX_START;
-        const float m = simd_max(m_w);
-        const float f = has ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
-        const float s = simd_sum(has ? sm[2 * lane] * f : 0.0f);
+        float m = simd_max(m_w);
+        float f = has ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
+        float s = simd_sum(has ? sm[2 * lane] * f : 0.0f);
+        if (has_sink) {  // uniform: every lane folds the sink in the same way
+            const float m_all = max(m, sink);
+            const float a = exp2((m - m_all) * FM_LOG2E);
+            f *= a;
+            s = s * a + exp2((sink - m_all) * FM_LOG2E);
+            m = m_all;
+        }
         weights[lane] = f;
-        if (lane == 0) weights[32] = s == 0.0f ? 0.0f : 1.0f / s;
+        if (lane == 0) {
+            weights[32] = s == 0.0f ? 0.0f : 1.0f / s;
+            if (lse) lse[row] = s == 0.0f ? -INFINITY : m + precise::log(s);
+        }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
@@ -182,6 +268,10 @@ kernel void flash_attn_vec_reduce(
     const device float *tmp [[buffer(1)]],
     device float *out [[buffer(2)]],
     constant uint &nwg [[buffer(3)]],
+    const device uchar *unused_signs [[buffer(4), function_constant(vec_has_signs)]],
+    const device float *sinks [[buffer(5), function_constant(vec_sinks)]],
+    device float *lse [[buffer(6), function_constant(vec_lse)]],
+    constant FlashAttnVecReduceExtParams *ext [[buffer(7), function_constant(vec_reduce_ext)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup),
@@ -189,7 +279,10 @@ kernel void flash_attn_vec_reduce(
     uint lane BUILTIN(thread_index_in_simdgroup)) {
     TG_ARRAY(float, weights, 33);
     const long row = tgid.x;
-    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights);
+    const float sink = vec_sinks ? sinks[row % long(ext->n_heads)] : 0.0f;
+    device float *lse_out = nullptr;
+    if (vec_lse) lse_out = lse;
+    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, vec_sinks, sink, lse_out);
     for (uint d = tid; d < uint(D); d += tpg.x) out[row * D + d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
 }
 
@@ -212,7 +305,7 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     const long row = tgid.x;
     const uint nthreads = tpg.x;
     threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
-    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights);
+    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, false, 0.0f, nullptr);
     for (uint d = tid; d < uint(D); d += nthreads) ys[d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
 
     // In-place butterflies, natural (Sylvester) order: stage h pairs i, i + h.
@@ -237,21 +330,34 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
 }
 
 INSTANTIATE_KERNEL("flash_attn_vec_dk64", flash_attn_vec, float, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_dk80", flash_attn_vec, float, 80)
+INSTANTIATE_KERNEL("flash_attn_vec_dk96", flash_attn_vec, float, 96)
 INSTANTIATE_KERNEL("flash_attn_vec_dk128", flash_attn_vec, float, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_dk192", flash_attn_vec, float, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_dk256", flash_attn_vec, float, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_dk512", flash_attn_vec, float, 512)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk64", flash_attn_vec, half, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk80", flash_attn_vec, half, 80)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk96", flash_attn_vec, half, 96)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk128", flash_attn_vec, half, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk192", flash_attn_vec, half, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk256", flash_attn_vec, half, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk512", flash_attn_vec, half, 512)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk64", flash_attn_vec, bfloat, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk80", flash_attn_vec, bfloat, 80)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk96", flash_attn_vec, bfloat, 96)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk128", flash_attn_vec, bfloat, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk192", flash_attn_vec, bfloat, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk256", flash_attn_vec, bfloat, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk512", flash_attn_vec, bfloat, 512)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk64", flash_attn_vec_reduce, 64)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk80", flash_attn_vec_reduce, 80)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk96", flash_attn_vec_reduce, 96)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk128", flash_attn_vec_reduce, 128)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk192", flash_attn_vec_reduce, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk256", flash_attn_vec_reduce, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk512", flash_attn_vec_reduce, 512)
+// The FWHT undo needs a power-of-two D: no 80, 96 or 192 (VecCapability.fwhtHeadDims).
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk64", flash_attn_vec_reduce_tq_hb_undo, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk128", flash_attn_vec_reduce_tq_hb_undo, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk256", flash_attn_vec_reduce_tq_hb_undo, 256)

@@ -64,8 +64,12 @@ public enum MaskBuilderCapability {
 
 /// Split-KV decode (seeds 002, 004).
 public enum VecCapability {
-    /// Head dims of the decode and both reduce kernels.
-    public static let headDims = [64, 128, 256, 512]
+    /// Head dims of the decode and the plain reduce kernels. Each lane of the
+    /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
+    /// is not a multiple of 32: 80); threadgroup memory pads D to 128.
+    public static let headDims = [64, 80, 96, 128, 192, 256, 512]
+    /// Head dims of the FWHT-undo reduce: the Hadamard transform needs a power of two.
+    public static var fwhtHeadDims: [Int] { headDims.filter { $0 & ($0 - 1) == 0 } }
     /// K/V cache dtypes; q, tmp and out are float32.
     public static let kvTypes: [DType] = [.f32, .f16, .bf16]
     /// Workgroups each row's keys are split over.
@@ -74,12 +78,16 @@ public enum VecCapability {
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] {
         kvTypes.flatMap { t in headDims.map { KernelSpec.vec(kv: t, headDim: $0) } }
-            + [false, true].flatMap { f in headDims.map { KernelSpec.vecReduce(headDim: $0, fwht: f) } }
+            + headDims.map { KernelSpec.vecReduce(headDim: $0, fwht: false) }
+            + fwhtHeadDims.map { KernelSpec.vecReduce(headDim: $0, fwht: true) }
     }
 
-    static func requireHeadDim(_ d: Int, op: String) throws {
+    static func requireHeadDim(_ d: Int, fwht: Bool = false, op: String) throws {
         if !headDims.contains(d) {
             throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)")
+        }
+        if fwht && !fwhtHeadDims.contains(d) {
+            throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)")
         }
     }
 }
@@ -92,6 +100,17 @@ public enum SdpaCapability {
     public static let maxHeadDim = 512
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
+}
+
+/// kv_append: copies rows of any head dim into caches of these dtypes (the
+/// decode caches' and the prefill caches' dtypes).
+public enum KVAppendCapability {
+    /// Cache (and k_new/v_new) dtypes with a kv_append kernel.
+    public static let cacheTypes: [DType] = [.f32, .f16, .bf16]
+    /// Threads per threadgroup; a loop covers the head dims past it.
+    public static let threads = 128
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { cacheTypes.map { .kvAppend(cache: $0) } }
 }
 
 /// "64, 128, 256 or 512".

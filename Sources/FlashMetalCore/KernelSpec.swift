@@ -15,6 +15,8 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case vecReduce(headDim: Int, fwht: Bool)
     /// `sdpa` (float32) / `sdpa_{dtype}`: simple fused SDPA (seed 003).
     case sdpa(io: DType)
+    /// `kv_append_{f32,f16,bf16}`: new K/V rows written into a (paged) cache (ours).
+    case kvAppend(cache: DType)
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
     case simSelftest
@@ -29,6 +31,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .vec(kv, d): return "flash_attn_vec_" + (kv == .f32 ? "" : "\(kv.kernelSuffix)kv_") + "dk\(d)"
         case let .vecReduce(d, fwht): return "flash_attn_vec_reduce_" + (fwht ? "tq_hb_undo_" : "") + "dk\(d)"
         case let .sdpa(io): return io == .f32 ? "sdpa" : "sdpa_\(io.kernelSuffix)"
+        case let .kvAppend(c): return "kv_append_\(c.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
         }
     }
@@ -40,7 +43,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     /// tables; the shaders must instantiate exactly these (a test checks it).
     public static var all: [KernelSpec] {
         PrefillCapability.kernels + BlkCapability.kernels + MaskBuilderCapability.kernels
-            + VecCapability.kernels + SdpaCapability.kernels
+            + VecCapability.kernels + SdpaCapability.kernels + KVAppendCapability.kernels
     }
 
     /// What the kernel's `INSTANTIATE_KERNEL(name, function, args...)` line in
@@ -58,6 +61,8 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .vecReduce(d, fwht):
             return (fwht ? "flash_attn_vec_reduce_tq_hb_undo" : "flash_attn_vec_reduce", ["\(d)"])
         case let .sdpa(io): return ("sdpa", [io.mslName])
+        // The element type and its bits, which the kernel moves: a copy, never a conversion.
+        case let .kvAppend(c): return ("kv_append", [c.mslName, c.byteSize == 4 ? "uint" : "ushort"])
         case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }

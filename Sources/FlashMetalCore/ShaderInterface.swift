@@ -38,6 +38,18 @@ public enum FunctionConstantIndex {
     public static let blkBK = Int(FM_FC_BLK_BK.rawValue)
     /// FWHT-undo reduce: a sign bitmask is bound.
     public static let vecHasSigns = Int(FM_FC_VEC_HAS_SIGNS.rawValue)
+    /// Decode: FlashAttnVecSeqParams are bound (per-sequence strides, paging).
+    public static let vecSeq = Int(FM_FC_VEC_SEQ.rawValue)
+    /// Decode: seqlens_k is bound (a kv length per sequence).
+    public static let vecKVLens = Int(FM_FC_VEC_KV_LENS.rawValue)
+    /// Decode: K/V are paged, block_table is bound.
+    public static let vecPaged = Int(FM_FC_VEC_PAGED.rawValue)
+    /// Decode plain reduce: sinks and FlashAttnVecReduceExtParams are bound.
+    public static let vecSinks = Int(FM_FC_VEC_SINKS.rawValue)
+    /// Decode plain reduce: the lse output and FlashAttnVecReduceExtParams are bound.
+    public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
+    /// kv_append: the caches are paged, block_table is bound.
+    public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -57,6 +69,8 @@ public enum FunctionConstantIndex {
         ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
+        ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
+        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
     ]
 }
 
@@ -124,6 +138,12 @@ public enum VecBuffer {
     public static let v = Int(FM_VEC_BUF_V.rawValue)
     /// FM_VEC_BUF_TMP.
     public static let tmp = Int(FM_VEC_BUF_TMP.rawValue)
+    /// FlashAttnVecSeqParams (with FunctionConstantIndex.vecSeq).
+    public static let seqParams = Int(FM_VEC_BUF_SEQ_PARAMS.rawValue)
+    /// int32 [B] kv lengths (with FunctionConstantIndex.vecKVLens).
+    public static let seqlensK = Int(FM_VEC_BUF_SEQLENS_K.rawValue)
+    /// int32 [B, max_pages] (with FunctionConstantIndex.vecPaged).
+    public static let blockTable = Int(FM_VEC_BUF_BLOCK_TABLE.rawValue)
 }
 
 /// Buffer indices of the decode reduce kernels.
@@ -138,6 +158,30 @@ public enum VecReduceBuffer {
     public static let nwg = Int(FM_VEC_REDUCE_BUF_NWG.rawValue)
     /// The FWHT sign bitmask (with FunctionConstantIndex.vecHasSigns).
     public static let signs = Int(FM_VEC_REDUCE_BUF_SIGNS.rawValue)
+    /// float32 [H] sink logits (with FunctionConstantIndex.vecSinks).
+    public static let sinks = Int(FM_VEC_REDUCE_BUF_SINKS.rawValue)
+    /// float32 [rows] lse output (with FunctionConstantIndex.vecLSE).
+    public static let lse = Int(FM_VEC_REDUCE_BUF_LSE.rawValue)
+    /// FlashAttnVecReduceExtParams (with vecSinks or vecLSE).
+    public static let ext = Int(FM_VEC_REDUCE_BUF_EXT.rawValue)
+}
+
+/// Buffer indices of the kv_append kernels.
+public enum KVAppendBuffer {
+    /// KVAppendParams.
+    public static let params = Int(FM_APPEND_BUF_PARAMS.rawValue)
+    /// FM_APPEND_BUF_K_NEW.
+    public static let kNew = Int(FM_APPEND_BUF_K_NEW.rawValue)
+    /// FM_APPEND_BUF_V_NEW.
+    public static let vNew = Int(FM_APPEND_BUF_V_NEW.rawValue)
+    /// FM_APPEND_BUF_K_CACHE.
+    public static let kCache = Int(FM_APPEND_BUF_K_CACHE.rawValue)
+    /// FM_APPEND_BUF_V_CACHE.
+    public static let vCache = Int(FM_APPEND_BUF_V_CACHE.rawValue)
+    /// int32 [B]: the row each sequence's first new token goes to.
+    public static let seqlens = Int(FM_APPEND_BUF_SEQLENS.rawValue)
+    /// int32 [B, max_pages] (with FunctionConstantIndex.appendPaged).
+    public static let blockTable = Int(FM_APPEND_BUF_BLOCK_TABLE.rawValue)
 }
 
 /// Buffer indices of the sdpa kernels.

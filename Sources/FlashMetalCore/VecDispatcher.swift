@@ -116,13 +116,7 @@ public enum VecDispatcher {
     /// a known mask type with a window > 0 for the window mask, a finite
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
-        try t.q.requireDType([.f32], op: op, name: "q")
-        try t.k.requireDType(VecCapability.kvTypes, op: op, name: "k")
-        if t.v.dtype != t.k.dtype {
-            throw FlashMetalError.type(op, "v dtype \(t.v.dtype.name) does not match k dtype \(t.k.dtype.name)")
-        }
-        try t.out.requireDType([.f32], op: op, name: "out")
-        try t.tmp.requireDType([.f32], op: op, name: "tmp")
+        try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op)
         let s = try shapes(q: t.q, k: t.k)
         if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)") }
         if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)") }
@@ -137,18 +131,8 @@ public enum VecDispatcher {
         if maskType == .window && (o.window <= 0 || o.window > Int(UInt32.max)) {
             throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)")
         }
-        let scale = o.scale
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
-        if !(o.softcap.isFinite && o.softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
-        }
-        for (x, n) in [(t.q, "q"), (t.k, "k"), (t.v, "v"), (t.out, "out")] {
-            try x.requireBytes(op: op, name: n)
-        }
-        let tmpBytes = tmpByteCount(rows: s.rows, headDim: s.headDim)
-        if t.tmp.byteCount < tmpBytes {
-            throw FlashMetalError.value(op, "tmp buffer too small: expected at least \(tmpBytes) bytes (rows=\(s.rows), NWG=\(nwg), D=\(s.headDim)), got \(t.tmp.byteCount)")
-        }
+        try requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        try requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sg = t.signs {
             if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht") }
             try sg.requireDType([.u8], op: reduceOp, name: "fwht_signs")
@@ -160,45 +144,132 @@ public enum VecDispatcher {
 
         let params = FlashAttnVecParams(
             n_heads: UInt32(s.rows), n_kv_heads: UInt32(s.kvRows), head_dim: UInt32(s.headDim),
-            kv_seq_len: UInt32(kvLen), kv_capacity: UInt32(s.capacity), scale: scale,
+            kv_seq_len: UInt32(kvLen), kv_capacity: UInt32(s.capacity), scale: o.scale,
             mask_type: UInt32(maskType.rawValue), sliding_window: UInt32(maskType == .window ? o.window : 0),
             softcap: o.softcap, nwg: UInt32(nwg))
-        let main = Dispatch(
-            kernel: .vec(kv: t.k.dtype, headDim: s.headDim),
-            grid: Size3(1, s.rows, nwg), threadgroup: Size3(32, 1, 1),
-            bindings: [VecBuffer.params: .bytes(bytesOf(params)), VecBuffer.q: .buffer(t.q),
-                       VecBuffer.k: .buffer(t.k), VecBuffer.v: .buffer(t.v), VecBuffer.tmp: .buffer(t.tmp)],
-            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: s.headDim)],
-            writes: [VecBuffer.tmp])
+        let main = mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp)
         let reduce = try reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDim,
                                         nwg: nwg, fwht: o.fwht, signs: t.signs)
         return [main, reduce]
     }
 
+    /// float32 q/out/tmp; k and v of one dtype in VecCapability.kvTypes; each
+    /// buffer covers its shape.
+    static func requireTypes(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef,
+                             op: String) throws {
+        try q.requireDType([.f32], op: op, name: "q")
+        try k.requireDType(VecCapability.kvTypes, op: op, name: "k")
+        if v.dtype != k.dtype {
+            throw FlashMetalError.type(op, "v dtype \(v.dtype.name) does not match k dtype \(k.dtype.name)")
+        }
+        try out.requireDType([.f32], op: op, name: "out")
+        try tmp.requireDType([.f32], op: op, name: "tmp")
+        for (x, n) in [(q, "q"), (k, "k"), (v, "v"), (out, "out")] {
+            try x.requireBytes(op: op, name: n)
+        }
+    }
+
+    /// A finite scale and a softcap of 0 (off) or a finite value > 0.
+    static func requireScaleAndSoftcap(scale: Float, softcap: Float, op: String) throws {
+        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)") }
+        if !(softcap.isFinite && softcap >= 0) {
+            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)")
+        }
+    }
+
+    /// tmp holds the partials of `rows` rows.
+    static func requireTmp(_ tmp: TensorRef, rows: Int, headDim: Int, op: String) throws {
+        let tmpBytes = tmpByteCount(rows: rows, headDim: headDim)
+        if tmp.byteCount < tmpBytes {
+            throw FlashMetalError.value(op, "tmp buffer too small: expected at least \(tmpBytes) bytes (rows=\(rows), NWG=\(nwg), D=\(headDim)), got \(tmp.byteCount)")
+        }
+    }
+
+    /// The per-sequence extension of a main dispatch (FunctionConstantIndex.vecSeq).
+    public struct SeqBindings {
+        /// Strides and paging.
+        public var params: FlashAttnVecSeqParams
+        /// int32 [B] kv lengths, or nil (every sequence sees kv_seq_len keys).
+        public var seqlensK: TensorRef?
+        /// int32 [B, max_pages], or nil (K/V contiguous per sequence).
+        public var blockTable: TensorRef?
+    }
+
+    /// The decode main dispatch: grid (1, rows, NWG) of 32 threads. Without
+    /// `seq` it is the seed's call (constants 501-503 false, nothing bound at 5-7).
+    static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
+                             tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
+        var bindings: [Int: Binding] = [
+            VecBuffer.params: .bytes(bytesOf(params)), VecBuffer.q: .buffer(q),
+            VecBuffer.k: .buffer(k), VecBuffer.v: .buffer(v), VecBuffer.tmp: .buffer(tmp)]
+        if let seq = seq {
+            bindings[VecBuffer.seqParams] = .bytes(bytesOf(seq.params))
+            if let l = seq.seqlensK { bindings[VecBuffer.seqlensK] = .buffer(l) }
+            if let b = seq.blockTable { bindings[VecBuffer.blockTable] = .buffer(b) }
+        }
+        let constants = FunctionConstants([
+            (FunctionConstantIndex.vecSeq, .bool(seq != nil)),
+            (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
+            (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
+        ])
+        let d = Int(params.head_dim)
+        return Dispatch(
+            kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
+            grid: Size3(1, rows, nwg), threadgroup: Size3(32, 1, 1), bindings: bindings,
+            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: d)], writes: [VecBuffer.tmp])
+    }
+
+    /// The serving extension of the plain reduce (FunctionConstantIndex.vecSinks/vecLSE).
+    public struct ReduceExt {
+        /// Heads per sequence: row r has head r % heads.
+        public var heads: Int
+        /// float32 [H] sink logits, or nil.
+        public var sinks: TensorRef?
+        /// float32 [rows] natural-log LSE output, or nil.
+        public var lse: TensorRef?
+    }
+
     /// The reduce (plain or fused with the FWHT sign undo) over `nwg` partials
-    /// (1...32) of `rows` rows in `tmp`, into float32 `out`.
+    /// (1...32) of `rows` rows in `tmp`, into float32 `out`. `ext` (plain
+    /// reduce only) adds sinks and the LSE output.
     public static func reduceDispatch(tmp: TensorRef, out: TensorRef, rows: Int, headDim: Int, nwg: Int,
-                                      fwht: Bool, signs: TensorRef?) throws -> Dispatch {
+                                      fwht: Bool, signs: TensorRef?, ext: ReduceExt? = nil) throws -> Dispatch {
         let rop = fwht ? reduceOp : "flash_attn_vec_reduce"
         if nwg <= 0 || nwg > 32 { throw FlashMetalError.value(rop, "nwg must be > 0 and <= 32, got \(nwg)") }
-        try VecCapability.requireHeadDim(headDim, op: rop)
+        try VecCapability.requireHeadDim(headDim, fwht: fwht, op: rop)
         let nwg32 = UInt32(nwg)
         var bindings: [Int: Binding] = [
             VecReduceBuffer.params: .bytes(bytesOf(FlashAttnVecReduceParams(nrows: UInt32(rows)))),
             VecReduceBuffer.tmp: .buffer(tmp), VecReduceBuffer.out: .buffer(out),
             VecReduceBuffer.nwg: .bytes(bytesOf(nwg32)),
         ]
-        var constants = FunctionConstants()
+        var writes: Set<Int> = [VecReduceBuffer.out]
+        let constants: FunctionConstants
         var tgMem: [Int: Int] = [:]
         if fwht {
+            if ext != nil { throw FlashMetalError.internalError("\(rop): sinks/lse need the plain reduce") }
             if let s = signs { bindings[VecReduceBuffer.signs] = .buffer(s) }
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil))])
             tgMem[0] = headDim * 4
+        } else {
+            if let e = ext {
+                bindings[VecReduceBuffer.ext] = .bytes(bytesOf(FlashAttnVecReduceExtParams(
+                    n_heads: UInt32(e.heads), _pad: (0, 0, 0))))
+                if let s = e.sinks { bindings[VecReduceBuffer.sinks] = .buffer(s) }
+                if let l = e.lse {
+                    bindings[VecReduceBuffer.lse] = .buffer(l)
+                    writes.insert(VecReduceBuffer.lse)
+                }
+            }
+            // 500 false: the plain reduce's buffer 4 only keeps the buffer positions.
+            constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(false)),
+                                           (FunctionConstantIndex.vecSinks, .bool(ext?.sinks != nil)),
+                                           (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil))])
         }
         return Dispatch(kernel: .vecReduce(headDim: headDim, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),
                         bindings: bindings, threadgroupMemory: tgMem,
                         // Correct for any multiple of 32 threads: Metal may allow fewer than 1024.
-                        writes: [VecReduceBuffer.out], threadgroupFlexible: true)
+                        writes: writes, threadgroupFlexible: true)
     }
 }

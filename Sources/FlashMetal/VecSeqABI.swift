@@ -1,0 +1,44 @@
+import CFlashMetal
+import FlashMetalCore
+
+/// fm_dispatch_vec_seq of flashmetal.h: serving decode (per-sequence kv
+/// lengths, paged K/V, window, sinks, LSE), then its reduce; without a caller
+/// tmp the library allocates scratch for exactly as long as the work.
+@_cdecl("fm_dispatch_vec_seq")
+public func fm_dispatch_vec_seq(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
+    _ v: UnsafePointer<FMTensor>?, _ seq: UnsafePointer<FMSeqTensors>?, _ tmp: UnsafePointer<FMTensor>?,
+    _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMAttnOptions>?,
+    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+) -> Int32 {
+    guarded(err, errlen) {
+        let op = VecSeqDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        let o = try VecSeqOptions(options.pointee)
+        let s = seq?.pointee
+        if s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil {
+            throw FlashMetalError.value(op, "cu_seqlens_q/cu_seqlens_k must be NULL: decode takes q [B, H, D] and a cache per sequence")
+        }
+        let (qt, kt) = (try TensorRef(q, op: op, name: "q"), try TensorRef(k, op: op, name: "k"))
+        let (vt, outT) = (try TensorRef(v, op: op, name: "v"), try TensorRef(out, op: op, name: "out"))
+        let given = try optionalTensor(tmp, op: op, name: "tmp")
+        let seqlens = try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens")
+        let table = try optionalTensor(s?.block_table, op: op, name: "block_table")
+        let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
+        let lse = try optionalTensor(s?.lse, op: op, name: "lse")
+        func tensors(_ tmp: TensorRef) -> VecSeqTensors {
+            VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
+                          sinks: sinks, lse: lse)
+        }
+        if let given = given {
+            try reg.run(VecSeqDispatcher.makeDispatches(tensors(given), o))
+            return
+        }
+        // Sized from validated shapes; the full validation runs in makeDispatches.
+        let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table)
+        try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDim)) { scratch in
+            try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o))
+        }
+    }
+}

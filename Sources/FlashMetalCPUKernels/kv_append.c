@@ -1,0 +1,27 @@
+/* kv_append on the cpu: one new row (every kv head) of one sequence, copied
+ * byte for byte (no conversion, so NaN payloads survive as on Metal). The
+ * host checked seqlens, the capacity and every block-table entry used. */
+#include <string.h>
+
+#include "fm_cpu_kernels.h"
+
+void fm_cpu_kv_append_row(const KVAppendParams *p, const void *k_new, const void *v_new, void *k_cache,
+                          void *v_cache, const int32_t *seqlens, const int32_t *block_table,
+                          int32_t elem_bytes, int64_t b, int64_t i) {
+    const int64_t t = (int64_t)seqlens[b] + i;
+    int64_t dst = 0;
+    if (block_table) {
+        const int64_t page = block_table[b * p->max_pages + t / p->page_size];
+        dst = page * p->cache_strides[0] + (t % p->page_size) * p->cache_strides[1];
+    } else {
+        dst = b * p->cache_strides[0] + t * p->cache_strides[1];
+    }
+    const int64_t src = b * p->new_strides[0] + i * p->new_strides[1];
+    const size_t row = (size_t)p->head_dim * (size_t)elem_bytes;
+    for (int64_t g = 0; g < p->n_kv_heads; g++) {
+        const int64_t s = (src + g * p->new_strides[2]) * elem_bytes;
+        const int64_t d = (dst + g * p->cache_strides[2]) * elem_bytes;
+        memcpy((char *)k_cache + d, (const char *)k_new + s, row);
+        memcpy((char *)v_cache + d, (const char *)v_new + s, row);
+    }
+}

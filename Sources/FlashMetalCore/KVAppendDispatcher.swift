@@ -1,0 +1,109 @@
+import CFlashMetal
+
+/// The tensors of one kv_append call.
+public struct KVAppendTensors {
+    /// [B, n_new, Hkv, D] new rows, the caches' dtype.
+    public var kNew: TensorRef, vNew: TensorRef
+    /// [B, cap, Hkv, D], or paged [num_pages, page_size, Hkv, D].
+    public var kCache: TensorRef, vCache: TensorRef
+    /// int32 [B]: row n_new rows start at in each sequence (not changed).
+    public var seqlens: TensorRef
+    /// int32 [B, max_pages]: the caches are paged.
+    public var blockTable: TensorRef?
+
+    /// The tensors of a call; the block table is optional.
+    public init(kNew: TensorRef, vNew: TensorRef, kCache: TensorRef, vCache: TensorRef, seqlens: TensorRef,
+                blockTable: TensorRef? = nil) {
+        self.kNew = kNew; self.vNew = vNew; self.kCache = kCache; self.vCache = vCache
+        self.seqlens = seqlens; self.blockTable = blockTable
+    }
+}
+
+/// kv_append (ours; issue 14, flash_attn_with_kvcache's k/v): writes row i of
+/// sequence b of k_new/v_new into the caches at row seqlens[b] + i, through
+/// the block table when paged. Every seqlens[b] + n_new is checked against
+/// the capacity and every table entry the writes go through against the
+/// pages before the dispatch is made: a bad table writes nothing.
+///
+/// Grid (n_new, Hkv, B) of KVAppendCapability.threads threads (a loop
+/// covers D); buffers KVAppendBuffer; constant appendPaged. Copies are
+/// bit-exact (no conversion).
+public enum KVAppendDispatcher {
+    /// The op name errors carry.
+    public static let op = "kv_append"
+
+    /// Validates a call and builds its dispatch; nil when there is nothing to
+    /// write (n_new == 0), after the same validation.
+    public static func makeDispatch(_ t: KVAppendTensors) throws -> Dispatch? {
+        try t.kCache.requireDType(KVAppendCapability.cacheTypes, op: op, name: "k_cache")
+        for (x, n) in [(t.vCache, "v_cache"), (t.kNew, "k_new"), (t.vNew, "v_new")] where x.dtype != t.kCache.dtype {
+            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match k_cache dtype \(t.kCache.dtype.name)")
+        }
+        for (x, n) in [(t.kNew, "k_new"), (t.vNew, "v_new"), (t.kCache, "k_cache"), (t.vCache, "v_cache")] {
+            try x.requireRank([4], op: op, name: n)
+            try x.requireBytes(op: op, name: n)
+        }
+        if t.vNew.shape != t.kNew.shape {
+            throw FlashMetalError.value(op, "v_new shape \(t.vNew.shape) must equal k_new shape \(t.kNew.shape)")
+        }
+        if t.vCache.shape != t.kCache.shape {
+            throw FlashMetalError.value(op, "v_cache shape \(t.vCache.shape) must equal k_cache shape \(t.kCache.shape)")
+        }
+        let (batch, nNew, kvHeads, d) = (t.kNew.shape[0], t.kNew.shape[1], t.kNew.shape[2], t.kNew.shape[3])
+        let (cacheRows, cacheHeads, cacheD) = (t.kCache.shape[1], t.kCache.shape[2], t.kCache.shape[3])
+        if cacheHeads != kvHeads || cacheD != d {
+            throw FlashMetalError.value(op, "k_new [B, n_new, Hkv, D] = \(t.kNew.shape) must match the cache's (Hkv, D) = (\(cacheHeads), \(cacheD))")
+        }
+        if batch == 0 || kvHeads == 0 || d == 0 {
+            throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got k_new shape \(t.kNew.shape)")
+        }
+        var capacity = cacheRows
+        var maxPages = 0
+        if let bt = t.blockTable {
+            try bt.requireRank([2], op: op, name: "block_table")
+            maxPages = bt.shape[1]
+            if cacheRows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0") }
+            let (c, o) = maxPages.multipliedReportingOverflow(by: cacheRows)
+            capacity = o ? Int.max : c
+        } else if t.kCache.shape[0] != batch {
+            throw FlashMetalError.value(op, "k_cache batch (\(t.kCache.shape[0])) must equal k_new batch (\(batch))")
+        }
+        let limit = Int(Int32.max)
+        if [nNew, kvHeads, d, cacheRows, maxPages].contains(where: { $0 > limit }) {
+            throw FlashMetalError.value(op, "n_new, num_kv_heads, head_dim, the page size and max_pages must fit int32")
+        }
+
+        // Table contents, before any write: each sequence's rows end within its capacity.
+        let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1" : "max_pages * page_size"
+        let starts = try SequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
+                                                       capacity: capacity, capacityName: capacityName)
+        for (b, start) in starts.enumerated() where start + nNew > capacity {
+            throw FlashMetalError.value(op, "cache_seqlens[\(b)] + n_new = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))")
+        }
+        if let bt = t.blockTable {
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
+                                                 numPages: t.kCache.shape[0], pageSize: cacheRows, tile: 1,
+                                                 cacheName: "k_cache")
+        }
+        if nNew == 0 { return nil }
+
+        let (h, dd) = (Int64(kvHeads), Int64(d))
+        let params = KVAppendParams(
+            n_new: Int32(nNew), n_kv_heads: Int32(kvHeads), head_dim: Int32(d),
+            page_size: Int32(t.blockTable == nil ? 0 : cacheRows), max_pages: Int32(maxPages), _pad: 0,
+            new_strides: (Int64(nNew) * h * dd, h * dd, dd),
+            cache_strides: (Int64(cacheRows) * h * dd, h * dd, dd))
+        var bindings: [Int: Binding] = [
+            KVAppendBuffer.params: .bytes(bytesOf(params)),
+            KVAppendBuffer.kNew: .buffer(t.kNew), KVAppendBuffer.vNew: .buffer(t.vNew),
+            KVAppendBuffer.kCache: .buffer(t.kCache), KVAppendBuffer.vCache: .buffer(t.vCache),
+            KVAppendBuffer.seqlens: .buffer(t.seqlens),
+        ]
+        if let bt = t.blockTable { bindings[KVAppendBuffer.blockTable] = .buffer(bt) }
+        return Dispatch(
+            kernel: .kvAppend(cache: t.kCache.dtype),
+            constants: FunctionConstants([(FunctionConstantIndex.appendPaged, .bool(t.blockTable != nil))]),
+            grid: Size3(nNew, kvHeads, batch), threadgroup: Size3(KVAppendCapability.threads, 1, 1),
+            bindings: bindings, writes: [KVAppendBuffer.kCache, KVAppendBuffer.vCache])
+    }
+}

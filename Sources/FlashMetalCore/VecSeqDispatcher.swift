@@ -1,0 +1,198 @@
+import CFlashMetal
+
+/// The options of one serving decode call (FMAttnOptions, read once; the
+/// varlen fields do not apply to decode and are ignored).
+public struct VecSeqOptions: Sendable {
+    /// Score scale, finite.
+    public var scale: Float
+    /// Logit softcap c > 0; 0 disables it.
+    public var softcap: Float = 0
+    /// The query sees keys up to its own position (kv_len_b - 1): every key.
+    public var causal: Bool = true
+    /// flash-attn's window_size left: keys p >= t - left; -1 = unbounded.
+    public var windowLeft: Int = -1
+    /// flash-attn's window_size right; the decode query is the newest token,
+    /// so no key lies right of it and this never hides one. -1 = unbounded.
+    public var windowRight: Int = -1
+
+    /// Options with every default but the scale.
+    public init(scale: Float) { self.scale = scale }
+
+    /// Reads the C options, rejecting out-of-range flags.
+    public init(_ o: FMAttnOptions) throws {
+        let op = VecSeqDispatcher.op
+        guard o.causal == 0 || o.causal == 1 else {
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
+        }
+        if o.window_left < -1 { throw FlashMetalError.value(op, "window_left must be >= -1 (-1 = unbounded), got \(o.window_left)") }
+        if o.window_right < -1 { throw FlashMetalError.value(op, "window_right must be >= -1 (-1 = unbounded), got \(o.window_right)") }
+        self.scale = o.scale
+        self.softcap = o.softcap
+        self.causal = o.causal == 1
+        self.windowLeft = Int(o.window_left)
+        self.windowRight = Int(o.window_right)
+    }
+
+    /// The decode mask: flash-attn's window_size left w is the sliding window
+    /// w + 1 of FlashAttnVecParams ((kv_len_b - 1) - p < w + 1).
+    var mask: (type: VecMaskType, window: Int) {
+        if windowLeft >= 0 { return (.window, windowLeft + 1) }
+        return (causal ? .causal : .none, 0)
+    }
+}
+
+/// The tensors of one serving decode call.
+public struct VecSeqTensors {
+    /// q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
+    /// [num_pages, page_size, Hkv, D]; tmp float32 scratch (VecDispatcher.tmpByteCount).
+    public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef
+    /// int32 [B] valid keys per sequence; nil = every sequence holds its capacity.
+    public var seqlensK: TensorRef? = nil
+    /// int32 [B, max_pages]: k/v are paged.
+    public var blockTable: TensorRef? = nil
+    /// float32 [H] sink logits.
+    public var sinks: TensorRef? = nil
+    /// float32 [B, H] output: natural-log softmax denominators.
+    public var lse: TensorRef? = nil
+
+    /// The tensors of a call; the serving ones are optional.
+    public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef,
+                seqlensK: TensorRef? = nil, blockTable: TensorRef? = nil, sinks: TensorRef? = nil,
+                lse: TensorRef? = nil) {
+        self.q = q; self.k = k; self.v = v; self.out = out; self.tmp = tmp
+        self.seqlensK = seqlensK; self.blockTable = blockTable; self.sinks = sinks; self.lse = lse
+    }
+}
+
+/// Serving decode (fm_dispatch_vec_seq; issue 14): the split-KV decode of
+/// VecDispatcher with each sequence's own kv length, K/V in flash-attn's
+/// [B, cap, Hkv, D] layout or paged through a block table, a sliding window
+/// per sequence, then the plain reduce with sinks and the LSE output.
+///
+/// Main dispatch: constants vecSeq = true, vecKVLens, vecPaged; buffers
+/// VecBuffer plus FlashAttnVecSeqParams at VecBuffer.seqParams, seqlens_k at
+/// VecBuffer.seqlensK, block_table at VecBuffer.blockTable. FlashAttnVecParams
+/// holds per-sequence heads (H, Hkv) and rows = B * H run on the grid's y.
+/// Reduce: constants vecSinks/vecLSE; FlashAttnVecReduceExtParams at
+/// VecReduceBuffer.ext, sinks and lse at their indices.
+public enum VecSeqDispatcher {
+    /// The op name errors carry.
+    public static let op = "flash_attn_vec_seq"
+    /// page_size must be a multiple of this (the kernel's key chunk).
+    public static let pageTile = 16
+
+    /// Shape facts of a call, validated before any table is read.
+    public struct Shapes {
+        /// Sequences, query heads, kv heads, head dim.
+        public let batch: Int, heads: Int, kvHeads: Int, headDim: Int
+        /// Keys one sequence can hold: cap, or max_pages * page_size.
+        public let capacity: Int
+        /// Pages and keys per page (paged only; else 0).
+        public let numPages: Int, pageSize: Int, maxPages: Int
+        /// B * H.
+        public var rows: Int { batch * heads }
+    }
+
+    /// Validates shapes (q [B, H, D]; k [B, cap, Hkv, D] or paged
+    /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).
+    public static func shapes(q: TensorRef, k: TensorRef, blockTable: TensorRef?) throws -> Shapes {
+        try q.requireRank([3], op: op, name: "q")
+        try k.requireRank([4], op: op, name: "k")
+        let (batch, heads, d) = (q.shape[0], q.shape[1], q.shape[2])
+        let (kvHeads, kd) = (k.shape[2], k.shape[3])
+        if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))") }
+        try VecCapability.requireHeadDim(d, op: op)
+        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
+        if heads == 0 || kvHeads == 0 {
+            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
+        }
+        if heads % kvHeads != 0 {
+            throw FlashMetalError.value(op, "num_heads (\(heads)) must be divisible by num_kv_heads (\(kvHeads))")
+        }
+        var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
+        if let bt = blockTable {
+            try bt.requireRank([2], op: op, name: "block_table")
+            (numPages, pageSize, maxPages) = (k.shape[0], k.shape[1], bt.shape[1])
+            if pageSize == 0 || pageSize % pageTile != 0 {
+                throw FlashMetalError.value(op, "the page size (k's dim 1) must be a positive multiple of \(pageTile), got \(pageSize)")
+            }
+            if numPages == 0 { throw FlashMetalError.value(op, "a paged k must hold at least one page") }
+            let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
+            capacity = o ? Int.max : c
+        } else if k.shape[0] != batch {
+            throw FlashMetalError.value(op, "k batch (\(k.shape[0])) must equal q batch (\(batch))")
+        }
+        if capacity == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0") }
+        let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
+        if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (d + 2) * 4)
+            || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
+            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams")
+        }
+        return Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, capacity: capacity,
+                      numPages: numPages, pageSize: pageSize, maxPages: maxPages)
+    }
+
+    /// Validates a call (shapes, dtypes, options, and every table entry a
+    /// kernel will read) and builds its two dispatches (decode, then reduce).
+    public static func makeDispatches(_ t: VecSeqTensors, _ o: VecSeqOptions) throws -> [Dispatch] {
+        try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op)
+        let s = try shapes(q: t.q, k: t.k, blockTable: t.blockTable)
+        if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)") }
+        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)") }
+        try VecDispatcher.requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        if o.windowLeft < -1 || o.windowRight < -1 || o.windowLeft >= Int(Int32.max) {
+            throw FlashMetalError.value(op, "window_size must be (-1 or >= 0, -1 or >= 0), got (\(o.windowLeft), \(o.windowRight))")
+        }
+        try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
+        if let sinks = t.sinks {
+            try sinks.requireDType([.f32], op: op, name: "sinks")
+            if sinks.shape != [s.heads] {
+                throw FlashMetalError.value(op, "sinks must have shape [\(s.heads)] (num_heads), got \(sinks.shape)")
+            }
+        }
+        if let lse = t.lse {
+            try lse.requireDType([.f32], op: op, name: "lse")
+            if lse.shape != [s.batch, s.heads] {
+                throw FlashMetalError.value(op, "lse must have shape [\(s.batch), \(s.heads)] ([B, H]), got \(lse.shape)")
+            }
+        }
+        for (x, n) in [(t.sinks, "sinks"), (t.lse, "lse")] { try x?.requireBytes(op: op, name: n) }
+
+        // Tables last: their contents are read only once every shape is known good.
+        let capacityName = t.blockTable == nil ? "the cache capacity, k's dim 1" : "max_pages * page_size"
+        let lengths = try t.seqlensK.map {
+            try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: s.batch,
+                                              capacity: s.capacity, capacityName: capacityName)
+        } ?? Array(repeating: s.capacity, count: s.batch)
+        if let bt = t.blockTable {
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
+                                                 numPages: s.numPages, pageSize: s.pageSize, tile: pageTile,
+                                                 cacheName: "k")
+        }
+
+        let mask = o.mask
+        let params = FlashAttnVecParams(
+            n_heads: UInt32(s.heads), n_kv_heads: UInt32(s.kvHeads), head_dim: UInt32(s.headDim),
+            kv_seq_len: UInt32(s.capacity), kv_capacity: UInt32(s.capacity), scale: o.scale,
+            mask_type: UInt32(mask.type.rawValue), sliding_window: UInt32(mask.window),
+            softcap: o.softcap, nwg: UInt32(VecDispatcher.nwg))
+        let seq = VecDispatcher.SeqBindings(
+            params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
+                                          page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
+                                          _pad: (0, 0)),
+            seqlensK: t.seqlensK, blockTable: t.blockTable)
+        let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
+        let ext = t.sinks == nil && t.lse == nil ? nil
+            : VecDispatcher.ReduceExt(heads: s.heads, sinks: t.sinks, lse: t.lse)
+        let reduce = try VecDispatcher.reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDim,
+                                                      nwg: VecDispatcher.nwg, fwht: false, signs: nil, ext: ext)
+        return [main, reduce]
+    }
+
+    /// (batch or page, kv head, row) element strides of a C-contiguous
+    /// [*, rows, Hkv, D] cache.
+    static func rowStrides(_ t: TensorRef) -> (Int64, Int64, Int64) {
+        let (rows, kvHeads, d) = (Int64(t.shape[1]), Int64(t.shape[2]), Int64(t.shape[3]))
+        return (rows * kvHeads * d, d, kvHeads * d)
+    }
+}

@@ -1,0 +1,2 @@
+// The kv_append shader compiled for the simulator.
+#include "../../../Resources/shaders/kv_append.metal"

@@ -1,0 +1,145 @@
+import CFlashMetal
+import FlashMetalCore
+import XCTest
+
+/// fm_dispatch_vec_seq's dispatcher: the contract's bindings, constants and
+/// structs, and validation before any table entry is trusted.
+final class VecSeqDispatcherTests: XCTestCase {
+    struct Case {
+        var b = 3, h = 8, hkv = 2, cap = 64, d = 128
+        var kv = DType.f16
+        var pages: (num: Int, size: Int, max: Int)? = nil
+    }
+
+    /// int32 host memory filled with `values`.
+    func ints(_ shape: [Int], _ values: [Int32]) -> HostTensor {
+        let t = HostTensor(shape, .i32)
+        for (i, x) in values.enumerated() { t.data.storeBytes(of: x, toByteOffset: 4 * i, as: Int32.self) }
+        return t
+    }
+
+    func dispatches(_ c: Case, _ o: VecSeqOptions = VecSeqOptions(scale: 0.5), seqlens: HostTensor? = nil,
+                    table: HostTensor? = nil, sinks: HostTensor? = nil, lse: HostTensor? = nil,
+                    q: HostTensor? = nil) throws -> [Dispatch] {
+        let ks = c.pages.map { [$0.num, $0.size, c.hkv, c.d] } ?? [c.b, c.cap, c.hkv, c.d]
+        let q = q ?? HostTensor([c.b, c.h, c.d], .f32)
+        let k = HostTensor(ks, c.kv), v = HostTensor(ks, c.kv), out = HostTensor([c.b, c.h, c.d], .f32)
+        let tmp = HostTensor([1], .f32, bytes: VecDispatcher.tmpByteCount(rows: c.b * c.h, headDim: c.d))
+        let t = VecSeqTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref, tmp: tmp.ref, seqlensK: seqlens?.ref,
+                              blockTable: table?.ref, sinks: sinks?.ref, lse: lse?.ref)
+        return try withExtendedLifetime([q, k, v, out, tmp]) { try VecSeqDispatcher.makeDispatches(t, o) }
+    }
+
+    func testContiguousWithLengthsWindowSinksAndLSE() throws {
+        var o = VecSeqOptions(scale: 0.5)
+        o.windowLeft = 9; o.softcap = 20
+        let (lens, sinks, lse) = (ints([3], [0, 17, 64]), HostTensor([8], .f32), HostTensor([3, 8], .f32))
+        let ds = try dispatches(Case(), o, seqlens: lens, sinks: sinks, lse: lse)
+        let (m, r) = (ds[0], ds[1])
+        XCTAssertEqual(m.kernel, "flash_attn_vec_f16kv_dk128")
+        XCTAssertEqual(m.grid, Size3(1, 24, 32))
+        XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4, 5, 6])
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecSeq), true)
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecKVLens), true)
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecPaged), false)
+        XCTAssertEqual(try m.buffer(VecBuffer.seqlensK).data, lens.data)
+        let p = try m.params(VecBuffer.params, as: FlashAttnVecParams.self)
+        // Per-sequence heads; flash-attn's window left 9 is the sliding window 10.
+        XCTAssertEqual([p.n_heads, p.n_kv_heads, p.head_dim, p.kv_seq_len, p.kv_capacity, p.mask_type,
+                        p.sliding_window, p.nwg], [8, 2, 128, 64, 64, 2, 10, 32])
+        XCTAssertEqual(p.softcap, 20)
+        let sp = try m.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual([sp.K_strides.0, sp.K_strides.1, sp.K_strides.2], [64 * 2 * 128, 128, 2 * 128])
+        XCTAssertEqual([sp.V_strides.0, sp.V_strides.1, sp.V_strides.2], [64 * 2 * 128, 128, 2 * 128])
+        XCTAssertEqual([sp.page_size, sp.max_pages], [0, 0])
+        XCTAssertEqual(m.writes, [VecBuffer.tmp])
+
+        XCTAssertEqual(r.kernel, "flash_attn_vec_reduce_dk128")
+        XCTAssertEqual(r.grid, Size3(24, 1, 1))
+        XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3, 5, 6, 7])
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecHasSigns), false)
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecSinks), true)
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecLSE), true)
+        XCTAssertEqual(try r.params(VecReduceBuffer.ext, as: FlashAttnVecReduceExtParams.self).n_heads, 8)
+        XCTAssertEqual(try r.buffer(VecReduceBuffer.sinks).data, sinks.data)
+        XCTAssertEqual(try r.buffer(VecReduceBuffer.lse).data, lse.data)
+        XCTAssertEqual(r.writes, [VecReduceBuffer.out, VecReduceBuffer.lse])
+    }
+
+    func testPagedWithoutLengthsReadsEveryPage() throws {
+        let c = Case(b: 2, pages: (num: 5, size: 32, max: 2))
+        let table = ints([2, 2], [4, 0, 2, 3])
+        var o = VecSeqOptions(scale: 1)
+        o.causal = false
+        let ds = try dispatches(c, o, table: table)
+        let (m, r) = (ds[0], ds[1])
+        XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4, 5, 7])
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecKVLens), false)
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecPaged), true)
+        let p = try m.params(VecBuffer.params, as: FlashAttnVecParams.self)
+        XCTAssertEqual([p.kv_seq_len, p.kv_capacity, p.mask_type, p.sliding_window], [64, 64, 0, 0])
+        let sp = try m.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual([sp.K_strides.0, sp.K_strides.1, sp.K_strides.2], [32 * 2 * 128, 128, 2 * 128])
+        XCTAssertEqual([sp.page_size, sp.max_pages], [32, 2])
+        // Neither sinks nor lse: the reduce is the seed's.
+        XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecSinks), false)
+        XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecLSE), false)
+        // Every entry is read without seqlens: one out of range is refused.
+        expectFMError(VecSeqDispatcher.op, contains: "block_table[1, 1] = 5 is out of range [0, 5)") {
+            _ = try dispatches(c, o, table: ints([2, 2], [4, 0, 2, 5]))
+        }
+    }
+
+    func testTablesAreCheckedOnlyWhereRead() throws {
+        let c = Case(b: 2, pages: (num: 4, size: 16, max: 3))
+        // Sequence 0 holds 17 keys (pages 0 and 1 of its row); entries past them may be -1.
+        XCTAssertNoThrow(try dispatches(c, seqlens: ints([2], [17, 0]), table: ints([2, 3], [3, 1, -1, -1, -1, -1])))
+        expectFMError(VecSeqDispatcher.op, contains: "block_table[0, 1] = -1 is out of range [0, 4)") {
+            _ = try dispatches(c, seqlens: ints([2], [17, 0]), table: ints([2, 3], [3, -1, -1, -1, -1, -1]))
+        }
+        expectFMError(VecSeqDispatcher.op, contains: "cache_seqlens[1] = 49 is out of range [0, 48]") {
+            _ = try dispatches(c, seqlens: ints([2], [17, 49]), table: ints([2, 3], [0, 1, 2, 0, 1, 2]))
+        }
+        expectFMError(VecSeqDispatcher.op, contains: "must be a positive multiple of 16, got 24") {
+            _ = try dispatches(Case(b: 2, pages: (num: 4, size: 24, max: 3)), table: ints([2, 3], [0, 0, 0, 0, 0, 0]))
+        }
+    }
+
+    func testValidation() {
+        let op = VecSeqDispatcher.op
+        expectFMError(op, contains: "cache_seqlens[0] = -1 is out of range [0, 64]") {
+            _ = try dispatches(Case(), seqlens: ints([3], [-1, 0, 0]))
+        }
+        expectFMError(op, contains: "cache_seqlens must have shape") { _ = try dispatches(Case(), seqlens: ints([2], [1, 1])) }
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "cache_seqlens must be int32, got float32") {
+            _ = try dispatches(Case(), seqlens: HostTensor([3], .f32))
+        }
+        expectFMError(op, contains: "k batch (3) must equal q batch (2)") {
+            _ = try dispatches(Case(), q: HostTensor([2, 8, 128], .f32))
+        }
+        expectFMError(op, contains: "head_dim must be") { _ = try dispatches(Case(d: 48)) }
+        expectFMError(op, contains: "num_heads (8) must be divisible by num_kv_heads (3)") { _ = try dispatches(Case(hkv: 3)) }
+        expectFMError(op, contains: "sinks must have shape [8]") { _ = try dispatches(Case(), sinks: HostTensor([4], .f32)) }
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "sinks must be float32") {
+            _ = try dispatches(Case(), sinks: HostTensor([8], .f16))
+        }
+        expectFMError(op, contains: "lse must have shape [3, 8]") { _ = try dispatches(Case(), lse: HostTensor([8, 3], .f32)) }
+        var o = VecSeqOptions(scale: 1)
+        o.softcap = -1
+        expectFMError(op, contains: "softcap must be 0 (off)") { _ = try dispatches(Case(), o) }
+        o.softcap = 0; o.windowLeft = -2
+        expectFMError(op, contains: "window_size must be") { _ = try dispatches(Case(), o) }
+    }
+
+    func testOptionsFromC() throws {
+        var c = FMAttnOptions()
+        c.scale = 1; c.causal = 2
+        expectFMError(VecSeqDispatcher.op, contains: "causal must be 0 or 1, got 2") { _ = try VecSeqOptions(c) }
+        c.causal = 1; c.window_left = -2
+        expectFMError(VecSeqDispatcher.op, contains: "window_left must be >= -1") { _ = try VecSeqOptions(c) }
+        c.window_left = 0; c.window_right = -1
+        let o = try VecSeqOptions(c)
+        XCTAssertEqual(o.windowLeft, 0)
+    }
+}
