@@ -35,7 +35,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8)}
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1}
 HEAD_DIMS = (64, 128, 256, 512)
-GEOM = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
+GEOM = {64: (32, 16), 80: (32, 16), 96: (32, 16), 128: (32, 16), 192: (32, 16), 256: (32, 16), 512: (8, 8)}
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -262,7 +262,7 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
         case.mutations.append(f"registry={case.registry}")
         return
     if kind == "arg":
-        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 96, 1024)))
+        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 100, 1024)))
         case.mutations.append(f"head_dim={case.args['head_dim']}")
         return
     if kind == "opts" and case.opts:
@@ -494,7 +494,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     assert status == 0
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
-        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in HEAD_DIMS, ctx
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in GEOM, ctx
         assert extra == _blk_expect(ql, kl, d)[1], ctx
         return
     if case.op == "alloc_blk":
