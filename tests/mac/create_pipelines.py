@@ -21,7 +21,7 @@ against the float64 reference):
   kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
-  mask     {bf16, f16};  blk  mask {bf16, f16} x D (tile constants 400, 401)
+  mask     {bf16, f16};  blk  mask {bf16, f16, bool} x D (tile constants 400, 401)
 
   create_pipelines.py [--backend metal]   (sim runs it anywhere, slowly)
 """
@@ -218,6 +218,7 @@ def mask_and_blk_cases(reg: fm.Registry) -> int:
             blk = fm.build_blk(m, d, registry=reg)
             bq, bk = (8, 8) if d == 512 else (32, 16)
             assert np.array_equal(blk, reference.blk_classes(m, bq, bk)), f"build_blk {dtype} D={d}"
+            assert np.array_equal(fm.build_blk(m == 0, d, registry=reg), blk), f"build_blk bool D={d}"
             n += 1
     return n
 
