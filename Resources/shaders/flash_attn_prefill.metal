@@ -32,6 +32,18 @@
 // Buffers (seed 000): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
 // 301 do_causal, 303 has_blk.
+//
+// The serving extension (flashmetal.h, AttnSeqParams; constants 302,
+// 304-310; buffers 8-14): each threadgroup first reads its sequence's
+// lengths (PrefillSeq: packed varlen rows, per-sequence key counts, paged
+// K/V through the block table), then walks only the key tiles that hold a
+// key some of its rows may see (prefill_key_range: causal and the window's
+// right bound cap the last tile, the window's left bound lifts the first),
+// so tiles wholly outside are never loaded; cells inside are checked one by
+// one. Positions are bottom-right per sequence (t = kL_b - qL_b + i), or
+// qL_off + i outside per-sequence mode. Sinks join the denominator once at
+// the end, in the exp2 domain (prefill_finish_row), which also writes the
+// natural-log LSE.
 #include "dialect.h"
 #include "flashmetal.h"
 using namespace metal;
@@ -50,6 +62,7 @@ FUNCTION_CONSTANT(bool, varlen_k, 307)
 FUNCTION_CONSTANT(bool, kv_lens, 308)
 FUNCTION_CONSTANT(bool, paged_kv, 309)
 FUNCTION_CONSTANT(bool, has_lse, 310)
+FUNCTION_CONSTANT_EXPR(bool, per_seq, varlen_q || varlen_k || kv_lens || paged_kv)
 
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 
@@ -96,16 +109,87 @@ inline void load_tile(threadgroup T *dst, const device T *src, long stride, long
     }
 }
 
-// Key tiles a threadgroup visits: past the causal diagonal of its last row
-// no key is visible.
-template <int BQ, int BK>
-inline int prefill_key_tiles(constant AttnParams &p, long q_row0) {
-    int nk = p.NK;
-    if (do_causal) {
-        const long last_row = min(q_row0 + long(BQ), long(p.qL)) - 1;
-        nk = min(nk, int((p.qL_off + last_row) / BK) + 1);
+// One threadgroup's sequence (flashmetal.h, serving extension). Outside
+// per-sequence mode it is the whole AttnParams problem.
+struct PrefillSeq {
+    long q_start;  // first row of the sequence in Q, O and lse (varlen_q)
+    long q_len;    // its rows
+    long k_start;  // first key in K/V (varlen_k, not paged)
+    long k_len;    // its keys
+    long q_off;    // position of row 0
+    int wl, wr;    // window bounds (keys t - wl <= p <= t + wr); -1 = unbounded
+};
+
+// The tables the serving extension binds; each is read only under its constant.
+struct PrefillSeqBuffers {
+    constant AttnSeqParams *sp;
+    const device int *cu_q;
+    const device int *cu_k;
+    const device int *seqlens_k;
+    const device int *block_table;
+    const device float *sinks;
+    device float *lse;
+};
+
+inline PrefillSeq prefill_seq_of(constant AttnParams &p, thread const PrefillSeqBuffers &sb, long b) {
+    PrefillSeq s;
+    s.q_start = varlen_q ? long(sb.cu_q[b]) : 0;
+    s.q_len = varlen_q ? long(sb.cu_q[b + 1]) - s.q_start : long(p.qL);
+    s.k_start = varlen_k ? long(sb.cu_k[b]) : 0;
+    s.k_len = kv_lens ? long(sb.seqlens_k[b]) : varlen_k ? long(sb.cu_k[b + 1]) - s.k_start : long(p.kL);
+    s.q_off = per_seq ? s.k_len - s.q_len : long(p.qL_off);
+    s.wl = has_window ? sb.sp->window_left : -1;
+    s.wr = has_window ? sb.sp->window_right : -1;
+    return s;
+}
+
+// Key tiles [lo, hi) a threadgroup of rows [r0, r1) visits: outside it no
+// row sees a key (p < k_len; causal p <= t; window t - wl <= p <= t + wr),
+// so skipping those tiles is exact (see the header). lo == hi: none.
+template <int BK>
+inline void prefill_key_range(thread const PrefillSeq &s, long r0, long r1, thread int &lo, thread int &hi) {
+    const long t0 = s.q_off + r0;
+    const long t1 = s.q_off + r1 - 1;
+    long first = 0;
+    long last = s.k_len - 1;
+    if (do_causal) last = min(last, t1);
+    if (s.wr >= 0) last = min(last, t1 + long(s.wr));
+    if (s.wl >= 0) first = max(first, t0 - long(s.wl));
+    lo = 0;
+    hi = 0;
+    if (first <= last) {
+        lo = int(first / BK);
+        hi = int(last / BK) + 1;
     }
-    return nk;
+}
+
+// The first key row of tile k0 of the sequence's kv head kvh in K or V
+// (strides st, page stride ps); a paged tile lies within one page.
+template <typename T>
+inline const device T *prefill_kv_tile(const device T *X, constant int64_t *st, long ps,
+                                       thread const PrefillSeqBuffers &sb, thread const PrefillSeq &s, long b,
+                                       long kvh, long k0) {
+    if (paged_kv) {
+        const long page = sb.block_table[b * sb.sp->max_pages + k0 / sb.sp->page_size];
+        return X + page * ps + kvh * st[1] + (k0 % sb.sp->page_size) * st[2];
+    }
+    return X + b * st[0] + kvh * st[1] + (s.k_start + k0) * st[2];
+}
+
+// A row's final scale 1/l (0 for a row that sees nothing), the sink joining
+// the denominator once in the exp2 domain; writes the natural-log LSE when
+// lse_at is set. Every lane holding the row calls it (same row_max/row_sum).
+inline float prefill_finish_row(float row_max, float row_sum, float sink, device float *lse_at) {
+    float factor = 1.0f;
+    if (has_sinks) {
+        const float sk = sink * FM_LOG2E;
+        const float m = max(row_max, sk);
+        factor = exp2(row_max - m);
+        row_sum = row_sum * factor + exp2(sk - m);
+        row_max = m;
+    }
+    if (has_lse && lse_at != nullptr) *lse_at = row_sum == 0.0f ? -INFINITY : (row_max + log2(row_sum)) / FM_LOG2E;
+    return row_sum == 0.0f ? 0.0f : factor / row_sum;
 }
 
 // Scores -> probabilities for one key tile, in place in s[TK] (this lane's
@@ -113,7 +197,7 @@ inline int prefill_key_tiles(constant AttnParams &p, long q_row0) {
 // row's max and sum. Returns the factor exp2(m_old - m_new) by which the
 // caller rescales O. Called by all 32 lanes (the shuffles are collectives).
 template <int TK, typename MaskT>
-inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnParams &p,
+inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnParams &p, thread const PrefillSeq &sq,
                                   const device MaskT *mask_row, long k0, short fc, bool row_exists, long q_pos,
                                   uchar tile_class, thread float &row_max, thread float &row_sum) {
     float tile_max = row_max;
@@ -122,10 +206,13 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
         FA_UNROLL
         for (int e = 0; e < 2; e++) {
             const long col = k0 + j * 8 + fc + e;
-            const bool col_exists = align_K || col < p.kL;
+            const bool col_exists = align_K || col < sq.k_len;
             float x = s[j].thread_elements()[e] * p.scale;
             if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
             bool masked = !col_exists || (do_causal && col > q_pos);
+            if (has_window) {
+                masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
+            }
             if (has_mask && tile_class != 2 && col_exists && row_exists) {
                 const float bias = mask_bias(mask_row[col]);
                 masked = masked || bias == -INFINITY;
@@ -200,12 +287,46 @@ template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
 };
 template <bool Wide> struct PrefillBody {};  // picks prefill_body's overload (C++14: no if constexpr)
 
+// One threadgroup's work: its sequence, the base pointers of its (batch,
+// head), its first query row and the key tiles it visits.
+template <typename T> struct PrefillWork {
+    PrefillSeq s;
+    const device T *Qb;  // row 0 of the sequence, head h
+    device T *Ob;
+    long b, h, kvh, q_row0;
+    int lo, hi;          // key tiles [lo, hi)
+};
+
+template <typename T, int BQ, int BK>
+inline PrefillWork<T> prefill_work(const device T *Q, device T *O, constant AttnParams &p,
+                                   thread const PrefillSeqBuffers &sb, uint3 tgid) {
+    PrefillWork<T> w;
+    w.b = tgid.z;
+    w.h = tgid.y;
+    w.kvh = w.h / p.gqa_factor;
+    w.q_row0 = long(tgid.x) * BQ;
+    w.s = prefill_seq_of(p, sb, w.b);
+    w.Qb = Q + w.b * p.Q_strides[0] + w.h * p.Q_strides[1] + w.s.q_start * p.Q_strides[2];
+    w.Ob = O + w.b * p.O_strides[0] + w.h * p.O_strides[1] + w.s.q_start * p.O_strides[2];
+    prefill_key_range<BK>(w.s, w.q_row0, min(w.q_row0 + long(BQ), w.s.q_len), w.lo, w.hi);
+    return w;
+}
+
+// Where this lane writes its row's LSE: one lane of the four holding a row.
+template <typename T>
+inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const PrefillSeqBuffers &sb, long q_row,
+                                    bool row_exists, short fc) {
+    if (!has_lse || !row_exists || fc != 0) return nullptr;
+    return sb.lse + w.b * sb.sp->lse_strides[0] + w.h * sb.sp->lse_strides[1]
+           + (w.s.q_start + q_row) * sb.sp->lse_strides[2];
+}
+
 // D <= 256: the O accumulator in registers (Os unused).
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
-                         const device uchar *blk, threadgroup T *Qs, threadgroup T *KVs, threadgroup float *Os,
-                         uint3 tgid, uint sg, uint lane, uint tid) {
+                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup T *Qs,
+                         threadgroup T *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
     constexpr int TK = BK / 8;  // score fragments per 8-row block
     constexpr int TD = BD / 8;  // output fragments per 8-row block
     constexpr int LD = BD + 8;  // padded row pitch of the tiles
@@ -213,53 +334,47 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
 
-    const int qtile = int(tgid.x);
-    const long h = tgid.y;
-    const long b = tgid.z;
-    const long kvh = h / p.gqa_factor;
-    const long q_row0 = long(qtile) * BQ;
-    const device T *Qb = Q + b * p.Q_strides[0] + h * p.Q_strides[1];
-    const device T *Kb = K + b * p.K_strides[0] + kvh * p.K_strides[1];
-    const device T *Vb = V + b * p.V_strides[0] + kvh * p.V_strides[1];
-    device T *Ob = O + b * p.O_strides[0] + h * p.O_strides[1];
-
-    load_tile<T, BQ, BD, LD, THREADS>(Qs, Qb, p.Q_strides[2], q_row0, p.qL, align_Q, tid);
+    const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
+    if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
+    load_tile<T, BQ, BD, LD, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
     const int row0 = int(sg) * 8;
-    const long q_row = q_row0 + row0 + fr;
-    const bool row_exists = align_Q || q_row < p.qL;
-    const long q_pos = p.qL_off + q_row;
+    const long q_row = w.q_row0 + row0 + fr;
+    const bool row_exists = align_Q || q_row < w.s.q_len;
+    const long q_pos = w.s.q_off + q_row;
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
-    if (has_mask) mask_row = prefill_mask_row(mask, mp, b, h, q_row);
+    if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
 
     simdgroup_float8x8 acc[TD];
     FA_UNROLL
     for (int d = 0; d < TD; d++) acc[d] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
-    const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
 
-    for (int kt = 0; kt < nk; kt++) {
+    for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(qtile) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * p.NK + kt];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
+        const device T *Kt = prefill_kv_tile(K, p.K_strides, paged_kv ? sb.sp->K_page_stride : 0, sb, w.s, w.b,
+                                             w.kvh, k0);
+        const device T *Vt = prefill_kv_tile(V, p.V_strides, paged_kv ? sb.sp->V_page_stride : 0, sb, w.s, w.b,
+                                             w.kvh, k0);
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LD, THREADS>(KVs, Kb + k0 * p.K_strides[2], p.K_strides[2], 0, p.kL - k0, align_K,
-                                          tid);
+        load_tile<T, BK, BD, LD, THREADS>(KVs, Kt, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         simdgroup_float8x8 s[TK];
         FA_UNROLL
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         prefill_qk<T, TK, TD>(s, Qs, LD, 0, KVs, LD, row0, fr, fc);
-        const float factor =
-            prefill_softmax_step<TK>(s, p, mask_row, k0, fc, row_exists, q_pos, tile_class, row_max, row_sum);
+        const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
+                                                      row_max, row_sum);
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
             acc[d].thread_elements()[0] *= factor;
@@ -267,8 +382,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         }
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LD, THREADS>(KVs, Vb + k0 * p.V_strides[2], p.V_strides[2], 0, p.kL - k0, align_K,
-                                          tid);
+        load_tile<T, BK, BD, LD, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         FA_UNROLL
@@ -282,9 +396,10 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         }
     }
 
-    const float inv = row_sum == 0.0f ? 0.0f : 1.0f / row_sum;
+    const float inv = prefill_finish_row(row_max, row_sum, has_sinks ? sb.sinks[w.h] : 0.0f,
+                                         prefill_lse_at(w, sb, q_row, row_exists, fc));
     if (row_exists) {
-        device T *out_row = Ob + q_row * p.O_strides[2];
+        device T *out_row = w.Ob + q_row * p.O_strides[2];
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
             out_row[d * 8 + fc] = T(acc[d].thread_elements()[0] * inv);
@@ -298,8 +413,8 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
-                         const device uchar *blk, threadgroup T *Qs, threadgroup T *KVs, threadgroup float *Os,
-                         uint3 tgid, uint sg, uint lane, uint tid) {
+                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup T *Qs,
+                         threadgroup T *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
     typedef PrefillTiles<T, BQ, BK, BD> G;
     constexpr int DC = G::DC;    // K/V columns per chunk
     constexpr int NC = BD / DC;  // chunks per tile
@@ -311,26 +426,18 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
 
-    const int qtile = int(tgid.x);
-    const long h = tgid.y;
-    const long b = tgid.z;
-    const long kvh = h / p.gqa_factor;
-    const long q_row0 = long(qtile) * BQ;
-    const device T *Qb = Q + b * p.Q_strides[0] + h * p.Q_strides[1];
-    const device T *Kb = K + b * p.K_strides[0] + kvh * p.K_strides[1];
-    const device T *Vb = V + b * p.V_strides[0] + kvh * p.V_strides[1];
-    device T *Ob = O + b * p.O_strides[0] + h * p.O_strides[1];
-
-    load_tile<T, BQ, BD, LDQ, THREADS>(Qs, Qb, p.Q_strides[2], q_row0, p.qL, align_Q, tid);
+    const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
+    if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
+    load_tile<T, BQ, BD, LDQ, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
     const int row0 = int(sg) * 8;
-    const long q_row = q_row0 + row0 + fr;
-    const bool row_exists = align_Q || q_row < p.qL;
-    const long q_pos = p.qL_off + q_row;
+    const long q_row = w.q_row0 + row0 + fr;
+    const bool row_exists = align_Q || q_row < w.s.q_len;
+    const long q_pos = w.s.q_off + q_row;
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
-    if (has_mask) mask_row = prefill_mask_row(mask, mp, b, h, q_row);
+    if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
     // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
     threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
     FA_UNROLL
@@ -340,33 +447,34 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     }
     float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
-    const int nk = prefill_key_tiles<BQ, BK>(p, q_row0);
 
-    for (int kt = 0; kt < nk; kt++) {
+    for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(qtile) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * p.NK + kt];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
-        const device T *Kt = Kb + k0 * p.K_strides[2];
-        const device T *Vt = Vb + k0 * p.V_strides[2];
+        const device T *Kt = prefill_kv_tile(K, p.K_strides, paged_kv ? sb.sp->K_page_stride : 0, sb, w.s, w.b,
+                                             w.kvh, k0);
+        const device T *Vt = prefill_kv_tile(V, p.V_strides, paged_kv ? sb.sp->V_page_stride : 0, sb, w.s, w.b,
+                                             w.kvh, k0);
 
         simdgroup_float8x8 s[TK];
         FA_UNROLL
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDC, THREADS>(KVs, Kt + c * DC, p.K_strides[2], 0, p.kL - k0, align_K, tid);
+            load_tile<T, BK, DC, LDC, THREADS>(KVs, Kt + c * DC, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             prefill_qk<T, TK, TC>(s, Qs, LDQ, c * DC, KVs, LDC, row0, fr, fc);
         }
-        const float factor =
-            prefill_softmax_step<TK>(s, p, mask_row, k0, fc, row_exists, q_pos, tile_class, row_max, row_sum);
+        const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
+                                                      row_max, row_sum);
 
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDC, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, p.kL - k0, align_K, tid);
+            load_tile<T, BK, DC, LDC, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             FA_UNROLL
             for (int d = 0; d < TC; d++) {
@@ -386,9 +494,10 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         }
     }
 
-    const float inv = row_sum == 0.0f ? 0.0f : 1.0f / row_sum;
+    const float inv = prefill_finish_row(row_max, row_sum, has_sinks ? sb.sinks[w.h] : 0.0f,
+                                         prefill_lse_at(w, sb, q_row, row_exists, fc));
     if (row_exists) {
-        device T *out_row = Ob + q_row * p.O_strides[2];
+        device T *out_row = w.Ob + q_row * p.O_strides[2];
         FA_UNROLL
         for (int d = 0; d < BD / 8; d++) {
             out_row[d * 8 + fc] = T(Orow[d * 8] * inv);
@@ -408,6 +517,13 @@ kernel void flash_attn_prefill(
     constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
     const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
     const device uchar *blk [[buffer(7), function_constant(has_blk)]],
+    constant AttnSeqParams *sp [[buffer(8), function_constant(prefill_seq)]],
+    const device int *cu_q [[buffer(9), function_constant(varlen_q)]],
+    const device int *cu_k [[buffer(10), function_constant(varlen_k)]],
+    const device int *seqlens_k [[buffer(11), function_constant(kv_lens)]],
+    const device int *block_table [[buffer(12), function_constant(paged_kv)]],
+    const device float *sinks [[buffer(13), function_constant(has_sinks)]],
+    device float *lse [[buffer(14), function_constant(has_lse)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint sg BUILTIN(simdgroup_index_in_threadgroup),
     uint lane BUILTIN(thread_index_in_simdgroup),
@@ -417,24 +533,44 @@ kernel void flash_attn_prefill(
     TG_ARRAY(T, Qs, G::q_elems);
     TG_ARRAY(T, KVs, G::kv_elems);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
-    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, mp, mask, blk, Qs, KVs, Os,
-                                              tgid, sg, lane, tid);
+    PrefillSeqBuffers sb;
+    sb.sp = sp;
+    sb.cu_q = cu_q;
+    sb.cu_k = cu_k;
+    sb.seqlens_k = seqlens_k;
+    sb.block_table = block_table;
+    sb.sinks = sinks;
+    sb.lse = lse;
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, mp, mask, blk, sb, Qs, KVs,
+                                              Os, tgid, sg, lane, tid);
 }
 
-// Seed 000's entry points plus D=128: (T, MaskT, BQ, BK, BD, WM, WN). The
-// geometry must match PrefillGeometry in Sources/FlashMetalCore.
+// Seed 000's entry points plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
+// WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96", flash_attn_prefill, bfloat, bfloat, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, bfloat, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192", flash_attn_prefill, bfloat, bfloat, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80", flash_attn_prefill, half, half, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80_boolmask", flash_attn_prefill, half, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96", flash_attn_prefill, half, half, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96_boolmask", flash_attn_prefill, half, bool, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192", flash_attn_prefill, half, half, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192_boolmask", flash_attn_prefill, half, bool, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)

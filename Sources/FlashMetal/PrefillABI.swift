@@ -18,6 +18,13 @@ public func fm_dispatch_prefill(
             v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "out"),
             mask: try optionalTensor(mask, op: op, name: "mask"),
             blk: try optionalTensor(blk, op: op, name: "blk"))
-        try reg.run([PrefillDispatcher.makeDispatch(tensors, try PrefillOptions(options.pointee))])
+        let o = try PrefillOptions(options.pointee)
+        guard let bytes = try PrefillDispatcher.autoBlkBytes(tensors, o) else {
+            try reg.run(PrefillDispatcher.makeDispatches(tensors, o))
+            return
+        }
+        try reg.withScratch(op: op, bytes: bytes) { scratch in
+            try reg.run(PrefillDispatcher.makeDispatches(tensors, o, blkMemory: scratch))
+        }
     }
 }

@@ -17,10 +17,6 @@ public final class CPUBackend: Backend {
     public func makePipeline(_ key: PipelineKey) throws -> AnyObject {
         switch key.spec {
         case let .prefill(io, headDim, boolMask):
-            // Until prefill-cpu's kernel reads AttnSeqParams (flashmetal.h serving extension).
-            if key.constants.bool(FunctionConstantIndex.prefillSeq) == true {
-                throw FlashMetalError.backend("cpu backend: \(key.kernel): the serving extension (window, varlen, paged, sinks, lse) is not implemented on cpu yet")
-            }
             return try PrefillKernel(key, io: io, headDim: headDim, boolMask: boolMask)
         case let .blk(mask): return try BlkKernel(key, maskType: mask)
         case let .maskBuilder(out): return MaskKernel(key, outType: out)

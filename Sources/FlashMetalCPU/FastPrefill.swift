@@ -8,7 +8,8 @@ import FlashMetalCore
 /// K/V of one (batch, kv head) are packed once into panels and shared by
 /// the GQA heads. Groups run in chunks whose panels fit in the L2 cache
 /// (packing every head up front thrashes L3 at long L); within a chunk the
-/// heaviest items (the last q rows under causal) start first.
+/// heaviest items (the most visible keys: the last q rows under causal, the
+/// longest sequences of a ragged batch) start first.
 final class FastPrefill {
     /// One reusable buffer for panels + scratch (fresh pages cost a page
     /// fault each); kept up to `maxCachedBytes`, taken by one call at a time.
@@ -30,7 +31,6 @@ final class FastPrefill {
         let packBytes = fm_cpu_prefill_pack_bytes(&a, isa)
         let rows = Int(fm_cpu_prefill_item_rows(isa))
         let nkb = (Int(a.p.kL) + Int(FM_PF_KB) - 1) / Int(FM_PF_KB)
-        let nqi = (Int(a.p.qL) + rows - 1) / rows
         let gqa = max(1, Int(a.p.gqa_factor))
         let hkv = Int(a.p.H) / gqa
         let groups = Int(a.p.B) * hkv
@@ -51,17 +51,48 @@ final class FastPrefill {
                     fm_cpu_prefill_pack(args, isa, Int64(g / hkv), Int64(g % hkv), Int64(kb),
                                         packed + (item / nkb) * packBytes)
                 }
-                pool.forEach(ng * gqa * nqi) { w, item in
-                    let qi = nqi - 1 - item / (ng * gqa)
-                    let rest = item % (ng * gqa)
-                    let gl = rest / gqa, g = g0 + gl
-                    let b = g / hkv, h = (g % hkv) * gqa + rest % gqa
-                    fm_cpu_prefill_fast_item(args, isa, Int64(b), Int64(h), Int64(qi),
-                                             packed + gl * packBytes, scratch + w * floats)
+                let items = Self.heaviestFirst(args, groups: g0..<(g0 + ng), hkv: hkv, gqa: gqa, rows: rows)
+                items.withUnsafeBufferPointer { list in
+                    pool.forEach(list.count) { w, i in
+                        let it = list[i]
+                        fm_cpu_prefill_fast_item(args, isa, Int64(it.b), Int64(it.h), Int64(it.qi),
+                                                 packed + Int(it.local) * packBytes, scratch + w * floats)
+                    }
                 }
                 g0 += ng
             }
         }
+    }
+
+    /// One work item: q block `qi` of head `h` of sequence `b`, whose K/V
+    /// panels are the chunk's `local`-th.
+    struct Item {
+        var b: Int32, h: Int32, qi: Int32, local: Int32, keys: Int64
+    }
+
+    /// The items of a chunk of (sequence, kv head) groups, the most keys
+    /// first (ties: later q blocks first, then group and head order), so the
+    /// longest items start first and the short ones fill in at the end.
+    static func heaviestFirst(_ a: UnsafePointer<FMPrefillArgs>, groups: Range<Int>, hkv: Int, gqa: Int,
+                              rows: Int) -> [Item] {
+        var items: [Item] = []
+        for g in groups {
+            let b = g / hkv
+            let qL = Int(fm_cpu_prefill_seq_rows(a, Int64(b)))
+            for qi in stride(from: (qL + rows - 1) / rows - 1, through: 0, by: -1) {
+                let keys = fm_cpu_prefill_rows_keys(a, Int64(b), Int64(qi * rows), Int64(rows))
+                for j in 0..<gqa {
+                    items.append(Item(b: Int32(b), h: Int32((g % hkv) * gqa + j), qi: Int32(qi),
+                                      local: Int32(g - groups.lowerBound), keys: keys))
+                }
+            }
+        }
+        items.sort { x, y in
+            if x.keys != y.keys { return x.keys > y.keys }
+            if x.qi != y.qi { return x.qi > y.qi }
+            return (x.local, x.h) < (y.local, y.h)
+        }
+        return items
     }
 
     private func takeBuffer(_ bytes: Int) -> (UnsafeMutableRawPointer, Int) {

@@ -2,13 +2,15 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `flash_attn_prefill_*` on the cpu: one work item per (batch, head, q tile).
+/// `flash_attn_prefill_*` on the cpu: one work item per (batch, head, q tile)
+/// (portable) or per (sequence, head, q block) of the fast path.
 final class PrefillKernel: CPUKernel {
     let name: String
     let hasMask: Bool
     let causal: Bool
     let hasBlk: Bool
     let boolMask: Bool
+    let serving: PrefillServingConstants
     private let fast = FastPrefill()
 
     init(_ key: PipelineKey, io: DType, headDim: Int, boolMask: Bool) throws {
@@ -19,6 +21,7 @@ final class PrefillKernel: CPUKernel {
         hasBlk = try key.constants.requireBool(FunctionConstantIndex.hasBlk, kernel: name)
         _ = try key.constants.requireBool(FunctionConstantIndex.alignQ, kernel: name)
         _ = try key.constants.requireBool(FunctionConstantIndex.alignK, kernel: name)
+        serving = try PrefillServingConstants(key.constants, kernel: name)
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -40,6 +43,7 @@ final class PrefillKernel: CPUKernel {
         if hasBlk {
             a.blk = UnsafePointer(try d.buffer(PrefillBuffer.blk).data.assumingMemoryBound(to: UInt8.self))
         }
+        a.seq = try serving.bind(d)
         guard let geo = PrefillGeometry.forHeadDim(Int(a.p.D)) else {
             throw FlashMetalError.internalError("\(name): no tile geometry for D=\(a.p.D)")
         }
@@ -62,5 +66,49 @@ final class PrefillKernel: CPUKernel {
                 fm_cpu_prefill_tile(args, Int64(b), Int64(h), Int64(qt), scratch + w * floats)
             }
         }
+    }
+}
+
+/// The serving extension's function constants of a prefill pipeline
+/// (flashmetal.h: 302, 304-310; the dispatchers set every one) and the
+/// buffers they bind (PrefillBuffer.seqParams ... lse).
+struct PrefillServingConstants {
+    let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool
+
+    init(_ c: FunctionConstants, kernel: String) throws {
+        typealias F = FunctionConstantIndex
+        seq = try c.requireBool(F.prefillSeq, kernel: kernel)
+        sinks = try c.requireBool(F.hasSinks, kernel: kernel)
+        window = try c.requireBool(F.window, kernel: kernel)
+        varlenQ = try c.requireBool(F.varlenQ, kernel: kernel)
+        varlenK = try c.requireBool(F.varlenK, kernel: kernel)
+        kvLens = try c.requireBool(F.kvLens, kernel: kernel)
+        paged = try c.requireBool(F.paged, kernel: kernel)
+        lse = try c.requireBool(F.hasLSE, kernel: kernel)
+        if !seq && (sinks || window || varlenQ || varlenK || kvLens || paged || lse) {
+            throw FlashMetalError.backend("cpu backend: \(kernel): a serving constant is set without \(F.prefillSeq) (AttnSeqParams)")
+        }
+    }
+
+    /// The FMPrefillSeq of dispatch `d`: zeroed unless AttnSeqParams is bound.
+    func bind(_ d: Dispatch) throws -> FMPrefillSeq {
+        var s = FMPrefillSeq()
+        guard seq else { return s }
+        func ints(_ on: Bool, _ index: Int) throws -> UnsafePointer<Int32>? {
+            on ? UnsafePointer(try d.buffer(index).data.assumingMemoryBound(to: Int32.self)) : nil
+        }
+        s.sp = try d.params(PrefillBuffer.seqParams, as: AttnSeqParams.self)
+        s.cu_seqlens_q = try ints(varlenQ, PrefillBuffer.cuSeqlensQ)
+        s.cu_seqlens_k = try ints(varlenK, PrefillBuffer.cuSeqlensK)
+        s.seqlens_k = try ints(kvLens, PrefillBuffer.seqlensK)
+        s.block_table = try ints(paged, PrefillBuffer.blockTable)
+        if sinks {
+            s.sinks = UnsafePointer(try d.buffer(PrefillBuffer.sinks).data.assumingMemoryBound(to: Float.self))
+        }
+        if lse {
+            s.lse = try d.buffer(PrefillBuffer.lse).data.assumingMemoryBound(to: Float.self)
+        }
+        s.window = window ? 1 : 0
+        return s
     }
 }

@@ -11,12 +11,15 @@
  * independent of the other rows of its tile, and a key tile in which a row
  * sees nothing contributes exactly nothing (factor exp(0) = 1, p = 0), so
  * skipping such tiles (blk class 0, causal) leaves the output bit-identical
- * and a resumed chunk matches the one-shot rows bit for bit. */
+ * and a resumed chunk matches the one-shot rows bit for bit. The keys a row
+ * sees (its sequence's length, causal, window) are one range (prefill_seq.h):
+ * the tile loop spans the union of its rows' ranges. */
 #include <float.h>
 #include <math.h>
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
 #include "kernel_math.h"
+#include "prefill_seq.h"
 
 size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d) {
     /* Qtile, Otile, K tile, V tile, scores, m, l */
@@ -29,13 +32,27 @@ static float fm_load_mask(const FMPrefillArgs *a, const void *row, int64_t col) 
     return a->io_dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(h) : fm_f16_to_f32(h);
 }
 
+int64_t fm_cpu_prefill_seq_rows(const FMPrefillArgs *a, int64_t b) { return fm_pf_seq_dims(a, b).qL; }
+
+int64_t fm_cpu_prefill_rows_keys(const FMPrefillArgs *a, int64_t b, int64_t r0, int64_t n) {
+    const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
+    if (r0 + n > sd.qL) n = sd.qL - r0;
+    if (n <= 0) return 0;
+    /* lo and hi grow with t: the union spans the first row's lo to the last's hi. */
+    int64_t lo, hi, lo2, hi2;
+    fm_pf_row_keys(a, sd.t0 + r0, sd.kL, &lo, &hi);
+    fm_pf_row_keys(a, sd.t0 + r0 + n - 1, sd.kL, &lo2, &hi2);
+    return hi2 >= lo ? hi2 - lo + 1 : 0;
+}
+
 void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
                          float *scratch) {
     const AttnParams *p = &a->p;
     const int32_t D = p->D, bq = a->bq, bk = a->bk;
-    const int64_t qL = p->qL, kL = p->kL;
+    const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
     const int64_t r0 = qtile * bq;
-    const int64_t nrows = (qL - r0) < bq ? (qL - r0) : bq;
+    if (r0 >= sd.qL) return;
+    const int64_t nrows = (sd.qL - r0) < bq ? (sd.qL - r0) : bq;
     const int64_t kvh = h / p->gqa_factor;
     const int is_bf16 = a->io_dtype == FM_DTYPE_BF16;
     const float softcap = p->softcapping;
@@ -49,46 +66,51 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     float *M = S + bk;
     float *L = M + bq;
 
-    const char *qbase = (const char *)a->q + esz * (b * p->Q_strides[0] + h * p->Q_strides[1]);
-    const char *kbase = (const char *)a->k + esz * (b * p->K_strides[0] + kvh * p->K_strides[1]);
-    const char *vbase = (const char *)a->v + esz * (b * p->V_strides[0] + kvh * p->V_strides[1]);
-    char *obase = (char *)a->o + esz * (b * p->O_strides[0] + h * p->O_strides[1]);
+    const char *q = (const char *)a->q, *k = (const char *)a->k, *v = (const char *)a->v;
     const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : 2;
     const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
         : (const char *)a->mask + msz * (b * a->mp.M_strides[0] + h * a->mp.M_strides[1]);
 
+    /* The keys of the tile: the union of its rows' ranges (they grow with t). */
+    int64_t first_lo, first_hi, last_lo, last_hi;
+    fm_pf_row_keys(a, sd.t0 + r0, sd.kL, &first_lo, &first_hi);
+    fm_pf_row_keys(a, sd.t0 + r0 + nrows - 1, sd.kL, &last_lo, &last_hi);
     for (int64_t r = 0; r < nrows; r++) {
-        fm_load_row(Qt + r * D, (const uint16_t *)(qbase + esz * (r0 + r) * p->Q_strides[2]), D, is_bf16);
+        fm_load_row(Qt + r * D, (const uint16_t *)(q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides)), D,
+                    is_bf16);
         for (int32_t d = 0; d < D; d++) Ot[r * D + d] = 0.0f;
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
     }
 
-    /* Last key any row of this tile may see under the causal mask. */
-    const int64_t causal_last = p->qL_off + r0 + nrows - 1;
-    const int64_t nk = p->NK;
-    for (int64_t kt = 0; kt < nk; kt++) {
+    const int64_t nk = (sd.kL + bk - 1) / bk;
+    const int64_t kt_hi = last_hi < 0 ? -1 : last_hi / bk;
+    for (int64_t kt = first_lo / bk; kt <= kt_hi && kt < nk; kt++) {
         const int64_t c0 = kt * bk;
-        if (a->causal && c0 > causal_last) break;
         int skip_mask = 0;
         if (a->blk) {
-            uint8_t cls = a->blk[qtile * nk + kt];
+            uint8_t cls = a->blk[qtile * p->NK + kt];
             if (cls == 0) continue;
             skip_mask = cls == 2;
         }
-        const int64_t kc = (kL - c0) < bk ? (kL - c0) : bk;
+        const int64_t kc = (sd.kL - c0) < bk ? (sd.kL - c0) : bk;
         for (int64_t j = 0; j < kc; j++) {
-            fm_load_row(Kt + j * D, (const uint16_t *)(kbase + esz * (c0 + j) * p->K_strides[2]), D, is_bf16);
-            fm_load_row(Vt + j * D, (const uint16_t *)(vbase + esz * (c0 + j) * p->V_strides[2]), D, is_bf16);
+            fm_load_row(Kt + j * D, (const uint16_t *)(k + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->K_strides,
+                                                                                   a->seq.sp.K_page_stride)),
+                        D, is_bf16);
+            fm_load_row(Vt + j * D, (const uint16_t *)(v + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->V_strides,
+                                                                                   a->seq.sp.V_page_stride)),
+                        D, is_bf16);
         }
         for (int64_t r = 0; r < nrows; r++) {
-            const int64_t qpos = p->qL_off + r0 + r;
+            int64_t lo, hi;
+            fm_pf_row_keys(a, sd.t0 + r0 + r, sd.kL, &lo, &hi);
             const void *mrow = mbase ? mbase + msz * (r0 + r) * a->mp.M_strides[2] : NULL;
             float mx = M[r];
             for (int64_t j = 0; j < kc; j++) {
                 float s = p->scale * fm_dot(Qt + r * D, Kt + j * D, D);
                 if (softcap > 0) s = softcap * tanhf(s / softcap);
-                int masked = a->causal && c0 + j > qpos;
+                int masked = c0 + j < lo || c0 + j > hi;
                 if (mrow && !skip_mask) {
                     const float m = fm_load_mask(a, mrow, c0 + j);
                     if (m == -INFINITY) masked = 1;
@@ -114,8 +136,10 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     }
 
     for (int64_t r = 0; r < nrows; r++) {
-        const float inv = L[r] == 0.0f ? 0.0f : 1.0f / L[r];
-        uint16_t *dst = (uint16_t *)(obase + esz * (r0 + r) * p->O_strides[2]);
+        float lse;
+        const float inv = fm_pf_finish_row(a, h, M[r], L[r], L[r], &lse);
+        fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
+        uint16_t *dst = (uint16_t *)((char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides));
         const float *o = Ot + r * D;
         if (is_bf16) {
             for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_bf16(o[d] * inv);

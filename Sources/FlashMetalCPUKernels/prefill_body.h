@@ -52,26 +52,32 @@ size_t FM_SFX(fm_pf_pack_bytes)(const FMPrefillArgs *a) {
 }
 
 size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
-    /* O, Qf, S, P, then M, L, F */
-    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 3;
+    /* O, Qf, S, P, then M, L, F, LX */
+    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 4;
 }
 
-static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb,
+/* Key c0 + j of (b, kvh) in K and V (through the block table when paged). */
+static inline const char *FM_SFX(pf_key)(const FMPrefillArgs *a, const void *base, int64_t b, int64_t kvh,
+                                        int64_t p, const int64_t strides[3], int64_t page_stride) {
+    return (const char *)base + FM_SFX(pf_esz)(a) * fm_pf_key_offset(a, b, kvh, p, strides, page_stride);
+}
+
+static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t kc,
                                 void *packed) {
     const AttnParams *p = &a->p;
     const int32_t D = p->D;
-    const size_t esz = FM_SFX(pf_esz)(a);
-    const int64_t c0 = kb * KB, kc = (p->kL - c0) < KB ? (p->kL - c0) : KB;
-    const char *kbase = (const char *)a->k + esz * (b * p->K_strides[0] + kvh * p->K_strides[1]);
-    const char *vbase = (const char *)a->v + esz * (b * p->V_strides[0] + kvh * p->V_strides[1]);
+    const int64_t c0 = kb * KB;
     float *Kf = (float *)packed + (size_t)kb * D * KB;
     float *Vf = (float *)packed + (size_t)fm_pf_nkb(a) * D * KB + (size_t)kb * KB * D;
     float row[FM_PF_DMAX];
     for (int64_t j = 0; j < KB; j++) {
         if (j < kc) {
-            FM_SFX(pf_cvt_row)(row, kbase + esz * (c0 + j) * p->K_strides[2], D, a->io_dtype);
+            FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
+                               D, a->io_dtype);
             for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = row[d];
-            FM_SFX(pf_cvt_row)(Vf + (size_t)j * D, vbase + esz * (c0 + j) * p->V_strides[2], D, a->io_dtype);
+            FM_SFX(pf_cvt_row)(Vf + (size_t)j * D,
+                               FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride), D,
+                               a->io_dtype);
         } else {
             for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = 0.0f;
             memset(Vf + (size_t)j * D, 0, sizeof(float) * D);
@@ -79,25 +85,29 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
     }
 }
 
-static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb,
+static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t kc,
                                   void *packed) {
     const AttnParams *p = &a->p;
     const int32_t D = p->D, D2 = D / 2;
-    const int64_t c0 = kb * KB, kc = (p->kL - c0) < KB ? (p->kL - c0) : KB;
-    const uint16_t *kbase = (const uint16_t *)a->k + b * p->K_strides[0] + kvh * p->K_strides[1];
-    const uint16_t *vbase = (const uint16_t *)a->v + b * p->V_strides[0] + kvh * p->V_strides[1];
+    const int64_t c0 = kb * KB;
     uint32_t *Kp = (uint32_t *)packed + (size_t)kb * D2 * KB;
     uint32_t *Vp = (uint32_t *)packed + (size_t)fm_pf_nkb(a) * D2 * KB + (size_t)kb * (KB / 2) * D;
     uint32_t row[FM_PF_DMAX / 2];
     for (int64_t j = 0; j < KB; j++) {
-        if (j < kc) memcpy(row, kbase + (c0 + j) * p->K_strides[2], sizeof(uint16_t) * D);
+        if (j < kc)
+            memcpy(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
+                   sizeof(uint16_t) * D);
         else memset(row, 0, sizeof(uint16_t) * D);
         for (int32_t q = 0; q < D2; q++) Kp[(size_t)q * KB + j] = row[q];
     }
     for (int64_t t = 0; t < KB / 2; t++) {
         const int64_t j0 = 2 * t, j1 = 2 * t + 1;
-        const uint16_t *v0 = j0 < kc ? vbase + (c0 + j0) * p->V_strides[2] : NULL;
-        const uint16_t *v1 = j1 < kc ? vbase + (c0 + j1) * p->V_strides[2] : NULL;
+        const uint16_t *v0 = j0 < kc ? (const uint16_t *)FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j0, p->V_strides,
+                                                                          a->seq.sp.V_page_stride)
+                                     : NULL;
+        const uint16_t *v1 = j1 < kc ? (const uint16_t *)FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j1, p->V_strides,
+                                                                          a->seq.sp.V_page_stride)
+                                     : NULL;
         uint32_t *dst = Vp + (size_t)t * D;
         for (int32_t d = 0; d < D; d++)
             dst[d] = (uint32_t)(v0 ? v0[d] : 0) | ((uint32_t)(v1 ? v1[d] : 0) << 16);
@@ -105,8 +115,16 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
 }
 
 void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed) {
-    if (FM_SFX(pf_bf16_panels)(a)) FM_SFX(pf_pack_pairs)(a, b, kvh, kb, packed);
-    else FM_SFX(pf_pack_f32)(a, b, kvh, kb, packed);
+    const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
+    const int64_t c0 = kb * KB, kc = (sd.kL - c0) < KB ? (sd.kL - c0) : KB;
+    if (kc <= 0 || sd.qL <= 0) return;
+    /* Ranges grow with t: no row sees a block outside [row 0's lo, the last row's hi]. */
+    int64_t lo, hi, lo2, hi2;
+    fm_pf_row_keys(a, sd.t0, sd.kL, &lo, &hi);
+    fm_pf_row_keys(a, sd.t0 + sd.qL - 1, sd.kL, &lo2, &hi2);
+    if (c0 > hi2 || c0 + kc - 1 < lo) return;
+    if (FM_SFX(pf_bf16_panels)(a)) FM_SFX(pf_pack_pairs)(a, b, kvh, kb, kc, packed);
+    else FM_SFX(pf_pack_f32)(a, b, kvh, kb, kc, packed);
 }
 
 /* ---- micro-kernels: R rows x (NC vectors) ------------------------------ */
@@ -130,25 +148,44 @@ static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t D, float 
     }
 }
 
-/* O[r] = O[r] * F[r] + sum_j P[r][j] V[j] over the first nk keys. */
+/* The column blocks of P.V: NC vectors while they fit, then the tail of a
+ * head dim that is not a multiple of NC vectors (80, 96 on AVX-512) with
+ * fewer. `cols(dc, nv)` must inline with nv constant. */
+#define FM_PF_FOR_COLUMN_BLOCKS(D, cols)                                   \
+    do {                                                                   \
+        int32_t dc_ = 0;                                                   \
+        for (; dc_ + NC * FM_VL <= (D); dc_ += NC * FM_VL) cols(dc_, NC);  \
+        const int rem_ = ((D) - dc_) / FM_VL;                              \
+        if (NC > 1 && rem_ == 1) cols(dc_, 1);                             \
+        if (NC > 2 && rem_ == 2) cols(dc_, 2);                             \
+        if (NC > 3 && rem_ == 3) cols(dc_, 3);                             \
+    } while (0)
+
+/* Columns [dc, dc + nv * FM_VL) of O[r] = O[r] * F[r] + sum_j P[r][j] V[j]
+ * over the first nk keys. */
+static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const float *P, const float *Vf, int32_t D,
+                                                                          int nk, const float *F, float *O,
+                                                                          int32_t dc, const int nv) {
+    fm_v acc[R][NC];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+    for (int j = 0; j < nk; j++) {
+        fm_v v[NC];
+        for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vf + (size_t)j * D + dc + i * FM_VL);
+        for (int r = 0; r < R; r++) {
+            const fm_v pb = fm_v_splat(P[r * KB + j]);
+            for (int i = 0; i < nv; i++) acc[r][i] = fm_v_fma(pb, v[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+}
+
 static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t D, int nk, const float *F,
                               float *O) {
-    for (int32_t dc = 0; dc < D; dc += NC * FM_VL) {
-        fm_v acc[R][NC];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < NC; i++)
-                acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
-        for (int j = 0; j < nk; j++) {
-            fm_v v[NC];
-            for (int i = 0; i < NC; i++) v[i] = fm_v_load(Vf + (size_t)j * D + dc + i * FM_VL);
-            for (int r = 0; r < R; r++) {
-                const fm_v pb = fm_v_splat(P[r * KB + j]);
-                for (int i = 0; i < NC; i++) acc[r][i] = fm_v_fma(pb, v[i], acc[r][i]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < NC; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
-    }
+#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_f32)(P, Vf, D, nk, F, O, dc, nv)
+    FM_PF_FOR_COLUMN_BLOCKS(D, FM_PF_COLS);
+#undef FM_PF_COLS
 }
 
 #if FM_PF_BF16DP
@@ -177,24 +214,29 @@ static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, 
 }
 
 /* P: per row KB bf16 values at P + r * 2 * KB (uint16 units). */
+static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_pairs)(const uint16_t *P, const uint32_t *Vp,
+                                                                            int32_t D, int npairs, const float *F,
+                                                                            float *O, int32_t dc, const int nv) {
+    fm_v acc[R][NC];
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+    for (int t = 0; t < npairs; t++) {
+        fm_vi v[NC];
+        for (int i = 0; i < nv; i++) memcpy(&v[i], Vp + (size_t)t * D + dc + i * FM_VL, sizeof v[i]);
+        for (int r = 0; r < R; r++) {
+            const fm_vi pb = FM_SFX(pf_pair)(P + (size_t)r * 2 * KB + 2 * t);
+            for (int i = 0; i < nv; i++) acc[r][i] = fm_dpbf16(acc[r][i], pb, v[i]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+}
+
 static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t D, int npairs,
                                 const float *F, float *O) {
-    for (int32_t dc = 0; dc < D; dc += NC * FM_VL) {
-        fm_v acc[R][NC];
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < NC; i++)
-                acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
-        for (int t = 0; t < npairs; t++) {
-            fm_vi v[NC];
-            for (int i = 0; i < NC; i++) memcpy(&v[i], Vp + (size_t)t * D + dc + i * FM_VL, sizeof v[i]);
-            for (int r = 0; r < R; r++) {
-                const fm_vi pb = FM_SFX(pf_pair)(P + (size_t)r * 2 * KB + 2 * t);
-                for (int i = 0; i < NC; i++) acc[r][i] = fm_dpbf16(acc[r][i], pb, v[i]);
-            }
-        }
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < NC; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
-    }
+#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_pairs)(P, Vp, D, npairs, F, O, dc, nv)
+    FM_PF_FOR_COLUMN_BLOCKS(D, FM_PF_COLS);
+#undef FM_PF_COLS
 }
 #endif
 
@@ -216,9 +258,10 @@ static fm_v FM_SFX(pf_mask_values)(const FMPrefillArgs *a, const char *mrow, int
 
 /* Scores of FM_VL keys [j0, j0 + FM_VL) of one row from their raw dot
  * products: scale, softcap, mask (per blk class), the floor, then -inf for
- * masked cells (mask -inf, bool false, blk class 0, causal, past kL). */
+ * masked cells (mask -inf, bool false, blk class 0, outside the row's keys
+ * [c0 + jlo, c0 + jhi]: past kL, causal, window). */
 static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row, int64_t c0, int j0,
-                                     int64_t kc, const char *mrow) {
+                                     int64_t kc, int32_t jlo, int32_t jhi, const char *mrow) {
     const AttnParams *p = &a->p;
     const float softcap = p->softcapping;
     s *= p->scale;
@@ -228,11 +271,7 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
     fm_vi iota;
     for (int i = 0; i < FM_VL; i++) iota[i] = i;
     const fm_vi jj = iota + j0;
-    fm_vi kill = jj >= (int32_t)kc;
-    if (a->causal) {
-        const int64_t lim = (int64_t)p->qL_off + row - c0; /* keys j > lim are in the future */
-        kill |= lim < 0 ? (fm_vi)(-1) : lim >= KB ? (fm_vi)0 : jj > (int32_t)lim;
-    }
+    fm_vi kill = (jj >= (int32_t)kc) | (jj < jlo) | (jj > jhi);
     const int nvalid = kc - j0 >= FM_VL ? FM_VL : (kc - j0 > 0 ? (int)(kc - j0) : 0);
     if (mrow && nvalid > 0) {
         const int64_t k0 = c0 + j0;
@@ -261,16 +300,21 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
 
 /* Online softmax step of one row over one key block: S holds the raw dot
  * products on entry and p on exit; M, L are updated and F receives the
- * factor for O. With round_bf16, p is rounded to bf16 and the row sum uses
- * the rounded values. The running max ignores NaN (s > m is false). */
+ * factor for O. The row sees keys [lo, hi]. With round_bf16, p is rounded to
+ * bf16 and the row sum uses the rounded values (so the weights of O sum to
+ * 1); LX, when given, sums the unrounded values for the LSE. The running max
+ * ignores NaN (s > m is false). */
 static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
-                                   const char *mrow, float *M, float *L, float *F, int round_bf16) {
+                                   int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *LX,
+                                   float *F, int round_bf16) {
     fm_v s[KB / FM_VL];
     fm_v mv = fm_v_splat(*M);
-    /* The common block (every key present and in the past, no mask, no
-     * softcap) needs only the scale and the floor. */
-    const int plain = !mrow && a->p.softcapping == 0 && kc == KB &&
-                      (!a->causal || (int64_t)a->p.qL_off + row - c0 >= KB - 1);
+    /* The common block (the row sees every key of it, no mask, no softcap)
+     * needs only the scale and the floor. */
+    const int plain = !mrow && a->p.softcapping == 0 && kc == KB && lo <= c0 && hi >= c0 + KB - 1;
+    /* The row's range relative to c0, clamped into [-1, KB]. */
+    const int32_t jlo = lo - c0 < 0 ? 0 : lo - c0 > KB ? KB : (int32_t)(lo - c0);
+    const int32_t jhi = hi - c0 < -1 ? -1 : hi - c0 >= KB ? KB - 1 : (int32_t)(hi - c0);
     if (plain) {
         for (int c = 0; c < KB / FM_VL; c++) {
             const fm_v x = fm_v_load(S + c * FM_VL) * a->p.scale;
@@ -279,20 +323,22 @@ static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row
         }
     } else {
         for (int c = 0; c < KB / FM_VL; c++) {
-            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, mrow);
+            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, jlo, jhi, mrow);
             mv = fm_v_sel(s[c] > mv, s[c], mv);
         }
     }
     const float mold = *M, mx = fm_v_max(mv);
     const float factor = fm_v_exp(fm_v_splat(mold - mx))[0];
-    fm_v sum = fm_v_splat(0.0f);
+    fm_v sum = fm_v_splat(0.0f), exact = fm_v_splat(0.0f);
     for (int c = 0; c < KB / FM_VL; c++) {
         fm_v pv = fm_v_exp(s[c] - mx);
+        if (LX) exact += pv;
         if (round_bf16) pv = fm_v_round_bf16(pv);
         sum += pv;
         fm_v_store(S + c * FM_VL, pv);
     }
     *L = *L * factor + fm_v_sum(sum);
+    if (LX) *LX = *LX * factor + fm_v_sum(exact);
     *M = mx;
     *F = factor;
 }
@@ -305,9 +351,10 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     const int32_t D = p->D;
     const int bfp = FM_SFX(pf_bf16_panels)(a);
     const size_t esz = FM_SFX(pf_esz)(a);
-    const int64_t qL = p->qL, kL = p->kL;
+    const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
     const int64_t r0 = qi * QI;
-    const int64_t nrows = (qL - r0) < QI ? (qL - r0) : QI;
+    if (r0 >= sd.qL) return;
+    const int64_t nrows = (sd.qL - r0) < QI ? (sd.qL - r0) : QI;
     const int64_t ngroups = (nrows + R - 1) / R;
     const int64_t nkb = fm_pf_nkb(a);
 
@@ -318,42 +365,45 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     float *M = P + (size_t)QI * KB;
     float *L = M + QI;
     float *F = L + QI;
+    float *LX = F + QI; /* unrounded row sums for the LSE of bf16 pair panels */
+    const int exact_lse = bfp && a->seq.lse;
 
-    const char *qbase = (const char *)a->q + esz * (b * p->Q_strides[0] + h * p->Q_strides[1]);
-    char *obase = (char *)a->o + esz * (b * p->O_strides[0] + h * p->O_strides[1]);
     const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : esz;
     const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
         : (const char *)a->mask + msz * (b * a->mp.M_strides[0] + h * a->mp.M_strides[1]);
 
     const uint16_t *qrow[QI];
     const char *mrow[QI];
-    int64_t rowid[QI];
+    int64_t rowid[QI], lo[QI], hi[QI];
     for (int64_t r = 0; r < ngroups * R; r++) {
         const int64_t rr = r < nrows ? r : nrows - 1; /* padding rows repeat the last */
         rowid[r] = r0 + rr;
-        qrow[r] = (const uint16_t *)(qbase + esz * (r0 + rr) * p->Q_strides[2]);
+        fm_pf_row_keys(a, sd.t0 + r0 + rr, sd.kL, &lo[r], &hi[r]);
+        qrow[r] = (const uint16_t *)((const char *)a->q + esz * fm_pf_row_offset(&sd, b, h, r0 + rr, p->Q_strides));
         mrow[r] = mbase ? mbase + msz * (r0 + rr) * a->mp.M_strides[2] : NULL;
         if (!bfp) FM_SFX(pf_cvt_row)(Qf + (size_t)r * D, qrow[r], D, a->io_dtype);
         memset(O + (size_t)r * D, 0, sizeof(float) * D);
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
+        LX[r] = 0.0f;
     }
 
     const size_t panel = (size_t)KB * D * (bfp ? 2 : 4);
     const char *Kpan = (const char *)packed;
     const char *Vpan = Kpan + (size_t)nkb * panel;
-    const int64_t causal_last = p->qL_off + r0 + nrows - 1;
+    /* Ranges grow with the row: the item's keys are [lo[0], hi[last]], a
+     * group's [lo[first], hi[last]]; blocks outside them add nothing. */
+    const int64_t kb_end = hi[nrows - 1] < 0 ? 0 : hi[nrows - 1] / KB + 1;
 
-    for (int64_t kb = 0; kb < nkb; kb++) {
+    for (int64_t kb = lo[0] / KB; kb < kb_end; kb++) {
         const int64_t c0 = kb * KB;
-        if (a->causal && c0 > causal_last) break;
-        const int64_t kc = (kL - c0) < KB ? (kL - c0) : KB;
+        const int64_t kc = (sd.kL - c0) < KB ? (sd.kL - c0) : KB;
         const void *Kb = Kpan + (size_t)kb * panel;
         const void *Vb = Vpan + (size_t)kb * panel;
         for (int64_t g = 0; g < ngroups; g++) {
             const int64_t ga = R * g;
             const int64_t glast = rowid[ga + R - 1];
-            if (a->causal && c0 > p->qL_off + glast) continue;
+            if (c0 > hi[ga + R - 1] || c0 + kc - 1 < lo[ga]) continue;
             if (a->blk && fm_pf_blk_all_skip(a, rowid[ga], glast, c0, kc)) continue;
             float *Sg = S + (size_t)ga * KB;
 #if FM_PF_BF16DP
@@ -363,14 +413,14 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
                 FM_SFX(pf_qk_f32)(Qf + (size_t)ga * D, (const float *)Kb, D, Sg);
             for (int r = 0; r < R; r++) {
                 float *Sr = Sg + (size_t)r * KB;
-                FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, mrow[ga + r], &M[ga + r], &L[ga + r],
-                                       &F[ga + r], bfp);
+                FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, lo[ga + r], hi[ga + r], mrow[ga + r],
+                                       &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL, &F[ga + r], bfp);
 #if FM_PF_BF16DP
                 if (bfp) {
                     uint16_t *Pr = (uint16_t *)(P + (size_t)(ga + r) * KB);
                     for (int c = 0; c < KB / FM_VL; c++) {
-                        const fm_vh16 hi = __builtin_convertvector((fm_vu)fm_v_load(Sr + c * FM_VL) >> 16, fm_vh16);
-                        memcpy(Pr + c * FM_VL, &hi, sizeof hi);
+                        const fm_vh16 top = __builtin_convertvector((fm_vu)fm_v_load(Sr + c * FM_VL) >> 16, fm_vh16);
+                        memcpy(Pr + c * FM_VL, &top, sizeof top);
                     }
                 }
 #endif
@@ -385,8 +435,10 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     }
 
     for (int64_t r = 0; r < nrows; r++) {
-        const float inv = L[r] == 0.0f ? 0.0f : 1.0f / L[r];
-        char *dst = obase + esz * (r0 + r) * p->O_strides[2];
+        float lse;
+        const float inv = fm_pf_finish_row(a, h, M[r], L[r], exact_lse ? LX[r] : L[r], &lse);
+        fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
+        char *dst = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
         const float *o = O + (size_t)r * D;
         if (a->io_dtype == FM_DTYPE_F32) {
             for (int32_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
@@ -402,3 +454,4 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
 #undef R
 #undef NC
 #undef QI
+#undef FM_PF_FOR_COLUMN_BLOCKS

@@ -5,6 +5,7 @@
 #include "fm_cpu_kernels.h"
 #include "half_convert.h"
 #include "kernel_math.h"
+#include "prefill_seq.h"
 
 /* Largest head dim of the fast path (row buffers on the stack are this big). */
 #define FM_PF_DMAX 512

@@ -121,7 +121,7 @@ public enum AttnDispatcher {
         for d in qs + ks where d > Int(Int32.max) {
             throw FlashMetalError.value(op, "dimension \(d) exceeds the int32 range of AttnParams")
         }
-        let batch = varlenQ ? try batchOf(cuSeqlens: t.cuSeqlensQ!, op: op, name: "cu_seqlens_q") : qs[0]
+        let batch = varlenQ ? max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1 : qs[0]
         if let s = t.sinks {
             try s.requireDType([.f32], op: op, name: "sinks")
             if s.shape != [nHeads] { throw FlashMetalError.value(op, "sinks shape \(s.shape) must be [\(nHeads)]") }
@@ -172,102 +172,47 @@ public enum AttnDispatcher {
         return [PrefillDispatcher.assemble(PrefillTensors(q: t.q, k: t.k, v: t.v, out: t.out), params: params,
                                            maskParams: nil, geometry: geo, causal: o.causal, ext: ext)]
     }
-
-    /// B of a varlen call: cu_seqlens is int32 [B+1].
-    static func batchOf(cuSeqlens c: TensorRef, op: String, name: String) throws -> Int {
-        try c.requireDType([.i32], op: op, name: name)
-        try c.requireRank([1], op: op, name: name)
-        if c.shape[0] < 1 { throw FlashMetalError.value(op, "\(name) must have B+1 >= 1 entries, got shape \(c.shape)") }
-        return c.shape[0] - 1
-    }
 }
 
-// MINIMAL TABLE CHECK — until serving-api's SequenceTables.swift lands on
-// main; then this struct's body is replaced by SequenceTables' validation.
 /// Every sequence's query and key lengths, read from the tables after
-/// checking every entry a kernel reads (cu_seqlens within the packed
-/// tensors, cache lengths within the caches, block-table entries of the
-/// pages in use within [0, num_pages)).
+/// SequenceTables checked every entry a kernel reads (cu_seqlens within the
+/// packed tensors and max_seqlen, cache lengths within the caches, the
+/// block-table entries of the pages in use within [0, num_pages)).
 struct SequenceLengths {
     /// The longest query and key sequence.
     let maxQ: Int, maxK: Int
 
     init(_ t: AttnTensors, kind: AttnOp, batch: Int, bk: Int, o: AttnOptions, op: String) throws {
-        let varlenQ = t.cuSeqlensQ != nil, paged = t.blockTable != nil
-        var qLens = [Int](repeating: varlenQ ? 0 : t.q.shape[1], count: batch)
-        if let c = t.cuSeqlensQ { qLens = try Self.packed(c, batch: batch, total: t.q.shape[0], op: op, name: "cu_seqlens_q") }
-        var capacity = paged ? 0 : t.k.shape[t.k.rank - 3]  // keys one sequence may hold
-        if let bt = t.blockTable {
-            try bt.requireDType([.i32], op: op, name: "block_table")
-            try bt.requireRank([2], op: op, name: "block_table")
-            if bt.shape[0] != batch {
-                throw FlashMetalError.value(op, "block_table shape \(bt.shape) must have \(batch) rows (the batch)")
-            }
-            let pageSize = t.k.shape[1]
-            if pageSize == 0 || pageSize % bk != 0 {
-                throw FlashMetalError.value(op, "page_size (\(pageSize)) must be a positive multiple of \(bk), the key tile of head_dim \(t.q.shape[t.q.rank - 1])")
-            }
-            capacity = bt.shape[1] * pageSize
-        }
+        let paged = t.blockTable != nil
+        let qLens = try t.cuSeqlensQ.map {
+            try SequenceTables.cuSeqlens($0, op: op, name: "cu_seqlens_q", tokens: t.q.shape[0], tokensName: "q",
+                                         maxSeqlen: o.maxSeqlenQ, maxSeqlenName: "max_seqlen_q")
+        } ?? [Int](repeating: t.q.shape[1], count: batch)
+        // Keys one sequence may hold: the cache's rows, or the block table's pages.
+        let pageSize = t.k.shape[1]
+        let capacity = paged ? t.blockTable!.shape.last! * pageSize : t.k.shape[t.k.rank - 3]
         var kLens = [Int](repeating: capacity, count: batch)
         if let c = t.cuSeqlensK {
-            // Packed keys are bounded by the packed tensor; paged ones by the table.
-            kLens = try Self.packed(c, batch: batch, total: paged ? Int(Int32.max) : t.k.shape[0], op: op, name: "cu_seqlens_k")
-            if paged, let (b, n) = kLens.enumerated().first(where: { $0.1 > capacity }) {
-                throw FlashMetalError.value(op, "cu_seqlens_k gives sequence \(b) \(n) keys, more than block_table holds (\(capacity))")
-            }
+            kLens = try SequenceTables.cuSeqlens(
+                c, op: op, name: "cu_seqlens_k", batch: batch, tokens: paged ? capacity * batch : t.k.shape[0],
+                tokensName: paged ? "block_table" : kind.kName, maxSeqlen: o.maxSeqlenK, maxSeqlenName: "max_seqlen_k")
         } else if !paged && t.k.shape[0] != batch {
             throw FlashMetalError.value(op, "\(kind.kName) batch (\(t.k.shape[0])) must equal q batch (\(batch))")
         }
         if let s = t.seqlensK {
-            let name = kind.seqlensKName
-            try s.requireDType([.i32], op: op, name: name)
-            if s.shape != [batch] { throw FlashMetalError.value(op, "\(name) shape \(s.shape) must be [\(batch)]") }
-            let v = Self.int32s(s)
-            for b in 0..<batch where v[b] < 0 || v[b] > kLens[b] {
-                throw FlashMetalError.value(op, "\(name)[\(b)] = \(v[b]) must be in [0, \(kLens[b])] (the keys sequence \(b) holds)")
+            let bound = kLens.max() ?? 0
+            let lens = try SequenceTables.seqlens(s, op: op, name: kind.seqlensKName, batch: batch, capacity: bound,
+                                                  capacityName: t.cuSeqlensK == nil ? "the keys \(kind.kName) holds" : "cu_seqlens_k")
+            for b in 0..<batch where lens[b] > kLens[b] {
+                throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)")
             }
-            kLens = v
+            kLens = lens
         }
         if let bt = t.blockTable {
-            let pageSize = t.k.shape[1], numPages = t.k.shape[0], maxPages = bt.shape[1]
-            let table = Self.int32s(bt)
-            for b in 0..<batch {
-                for j in 0..<((kLens[b] + pageSize - 1) / pageSize) {
-                    let e = table[b * maxPages + j]
-                    if e < 0 || e >= numPages {
-                        throw FlashMetalError.value(op, "block_table[\(b), \(j)] = \(e) is not a page of \(kind.kName) (num_pages \(numPages))")
-                    }
-                }
-            }
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: kLens, numPages: t.k.shape[0],
+                                          pageSize: pageSize, tile: bk, cacheName: kind.kName)
         }
         maxQ = qLens.max() ?? 0
         maxK = kLens.max() ?? 0
-        if varlenQ && o.maxSeqlenQ < maxQ {
-            throw FlashMetalError.value(op, "max_seqlen_q (\(o.maxSeqlenQ)) is less than the longest query sequence (\(maxQ))")
-        }
-        if t.cuSeqlensK != nil && t.seqlensK == nil && o.maxSeqlenK < maxK {
-            throw FlashMetalError.value(op, "max_seqlen_k (\(o.maxSeqlenK)) is less than the longest key sequence (\(maxK))")
-        }
-    }
-
-    /// Sequence lengths of an int32 [B+1] offsets table within `total` rows.
-    static func packed(_ c: TensorRef, batch: Int, total: Int, op: String, name: String) throws -> [Int] {
-        try c.requireDType([.i32], op: op, name: name)
-        if c.shape != [batch + 1] { throw FlashMetalError.value(op, "\(name) shape \(c.shape) must be [\(batch + 1)] (B+1)") }
-        let v = int32s(c)
-        if v[0] != 0 { throw FlashMetalError.value(op, "\(name)[0] must be 0, got \(v[0])") }
-        for b in 0..<batch where v[b + 1] < v[b] {
-            throw FlashMetalError.value(op, "\(name) must be non-decreasing: [\(b)] = \(v[b]) > [\(b + 1)] = \(v[b + 1])")
-        }
-        if v[batch] > total {
-            throw FlashMetalError.value(op, "\(name)[\(batch)] = \(v[batch]) exceeds the \(total) packed rows")
-        }
-        return (0..<batch).map { v[$0 + 1] - v[$0] }
-    }
-
-    /// The entries of an int32 tensor whose byte length was checked.
-    static func int32s(_ t: TensorRef) -> [Int] {
-        (0..<(t.elementCount ?? 0)).map { Int(t.data.loadUnaligned(fromByteOffset: $0 * 4, as: Int32.self)) }
     }
 }

@@ -10,9 +10,18 @@ import CFlashMetal
 /// Prefill (seed 000): head dim → tile geometry.
 public enum PrefillCapability {
     /// Head dim → (BQ, BK, WM, WN): the one place the prefill tiles live.
+    /// D <= 256 keeps the seeds' tile (4 simdgroups x 8 query rows, 16 keys):
+    /// D/8 whole 8x8 output fragments per simdgroup in registers, and a Q tile
+    /// plus a K/V tile of D + 8 padded columns in threadgroup memory,
+    /// 48 * (D + 8) * 2 bytes: 8,448 (D=80), 9,984 (96), 19,200 (192), 25,344
+    /// (256), all under 32 KiB. D = 512 is the seeds' small tile with O in
+    /// threadgroup memory (the kernel's header).
     public static let geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        96: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         128: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        192: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         256: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         512: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
     ]

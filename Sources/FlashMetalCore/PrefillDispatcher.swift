@@ -176,6 +176,53 @@ public enum PrefillDispatcher {
         return assemble(t, params: params, maskParams: maskParams, geometry: geo, causal: o.causal, ext: ext)
     }
 
+    /// Auto-blk (issue 13 item 4): a caller mask without a blk gets one built
+    /// by the blk pre-pass when it pays. It pays when one blk serves every
+    /// (batch, head) — an additive mask (the pre-pass reads bf16/f16)
+    /// broadcast over B and H with its own qL rows, i.e. mask strides (0, 0, kL)
+    /// — and the problem has at least `autoBlkMinKeyTiles` key tiles and
+    /// `autoBlkMinTiles` tiles: the pre-pass reads the mask once (what one
+    /// head's prefill reads anyway, against D multiply-adds per cell there),
+    /// and each all-masked tile it finds is a tile of QK^T and PV no (batch,
+    /// head) computes. Below those sizes the extra launch costs more than a
+    /// skipped tile can save. The output is bit-identical to the run without
+    /// blk (the kernel's contract).
+    public static let autoBlkMinKeyTiles = 2
+    /// See autoBlkMinKeyTiles.
+    public static let autoBlkMinTiles = 4
+
+    /// Validates a call; the scratch bytes of its auto-blk, or nil when the
+    /// call gets none (see autoBlkMinKeyTiles).
+    public static func autoBlkBytes(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Int? {
+        let d = try makeDispatch(t, o)
+        guard t.blk == nil, let m = t.mask, BlkCapability.maskTypes.contains(m.dtype) else { return nil }
+        let p = try d.params(PrefillBuffer.params, as: AttnParams.self)
+        let mp = try d.params(PrefillBuffer.maskParams, as: AttnMaskParams.self)
+        let shared = mp.M_strides.0 == 0 && mp.M_strides.1 == 0 && mp.M_strides.2 == Int64(p.kL)
+        let tiles = Int(p.NQ) * Int(p.NK)
+        return shared && Int(p.NK) >= autoBlkMinKeyTiles && tiles >= autoBlkMinTiles ? tiles : nil
+    }
+
+    /// The dispatches of a call: the prefill alone, or with `blkMemory` (at
+    /// least autoBlkBytes) the blk pre-pass of the caller's mask into it,
+    /// then the prefill reading that blk.
+    public static func makeDispatches(_ t: PrefillTensors, _ o: PrefillOptions,
+                                      blkMemory: TensorRef? = nil) throws -> [Dispatch] {
+        guard let mem = blkMemory, let m = t.mask else { return [try makeDispatch(t, o)] }
+        let p = try makeDispatch(t, o).params(PrefillBuffer.params, as: AttnParams.self)
+        let (nq, nk) = (Int(p.NQ), Int(p.NK))
+        if mem.byteCount < nq * nk {
+            throw FlashMetalError.internalError("\(op): auto-blk scratch of \(mem.byteCount) bytes < \(nq * nk)")
+        }
+        // The mask as the [qL, kL] it is read as (its B and H strides are 0).
+        let mask = TensorRef(data: m.data, byteCount: m.byteCount, dtype: m.dtype, shape: [Int(p.qL), Int(p.kL)])
+        let blk = TensorRef(data: mem.data, byteCount: nq * nk, dtype: .u8, shape: [nq, nk])
+        var withBlk = t
+        withBlk.mask = mask
+        withBlk.blk = blk
+        return [try BlkDispatcher.makeDispatch(mask: mask, blk: blk, headDim: Int(p.D)), try makeDispatch(withBlk, o)]
+    }
+
     /// Q's dtype is a prefill I/O type and every other tensor has it.
     static func requireIOTypes(q: (TensorRef, String), others: [(TensorRef, String)], op: String) throws {
         try q.0.requireDType(PrefillCapability.ioTypes, op: op, name: q.1)

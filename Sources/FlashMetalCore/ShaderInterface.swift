@@ -66,11 +66,11 @@ public enum FunctionConstantIndex {
         ("FM_FC_BLK_BK", blkBK), ("FM_FC_VEC_HAS_SIGNS", vecHasSigns),
         ("FM_FC_SDPA_BOOL_MASK", sdpaBoolMask), ("FM_FC_SDPA_ADDITIVE_MASK", sdpaAdditiveMask),
         ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
-        ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
-        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
+        ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
+        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
     ]
 }
 

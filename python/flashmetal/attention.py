@@ -29,9 +29,7 @@ from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
 from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy, wrapper_like
-from .blk import build_blk
 from .decode import flash_attn_decode
-from .mask import build_mask
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
@@ -44,11 +42,6 @@ _SDPA_MAX_HEAD_DIM = 512
 #: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
-#: Above this many bytes a window mask for the prefill kernel is built in
-#: chunks of query rows (each chunk's q, mask and output copied), so memory
-#: stays bounded; below it, one [qL, kL] mask and its blk.
-WINDOW_MASK_BYTES = 64 << 20
-
 #: The kernel families the front door runs (``Route.kernel``).
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa")
 
@@ -148,38 +141,6 @@ def _mask_operand(mask: Any, io: np.dtype, shape: tuple[int, int, int, int], cap
     return np.ascontiguousarray(m)
 
 
-def _window_mask(mask: np.ndarray | None, qL: int, kl: int, q_offset: int, causal: bool, window: int,
-                 io: np.dtype, reg: Registry) -> np.ndarray:
-    """The window (and causal) visibility as an additive mask for prefill,
-    combined with the caller's mask (whose leading shape it then takes)."""
-    wm = build_mask(qL, kl, causal=causal, window=window, q_offset=q_offset, dtype=io, registry=reg)
-    if mask is None:
-        return wm
-    add = np.where(mask, np.float32(0), np.float32(-np.inf)) if mask.dtype == BOOL else mask.astype(np.float32)
-    return np.ascontiguousarray((add + wm.astype(np.float32)).astype(io))
-
-
-def _windowed_prefill(qa, ka, va, *, q_offset, causal, window, scale, softcap, kl, reg):
-    """Prefill with a sliding window through the window mask and its blk
-    (tiles outside the window are skipped). The mask is [rows, kL]: one
-    block of all qL rows when it is small, else chunks of rows, so memory
-    stays O(chunk * kL) instead of O(qL * kL)."""
-    B, H, qL, D = qa.shape
-    rows = max(128, (WINDOW_MASK_BYTES // (kl * qa.dtype.itemsize)) // 128 * 128)
-    if qL <= rows:
-        wm = build_mask(qL, kl, causal=causal, window=window, q_offset=q_offset, dtype=qa.dtype, registry=reg)
-        return flash_attn_prefill(qa, ka, va, mask=wm, blk=build_blk(wm, D, registry=reg), causal=causal,
-                                  q_offset=q_offset, scale=scale, softcap=softcap, kv_len=kl, registry=reg)
-    out = np.empty(qa.shape, qa.dtype)
-    for i0 in range(0, qL, rows):
-        n = min(rows, qL - i0)
-        wm = build_mask(n, kl, causal=causal, window=window, q_offset=q_offset + i0, dtype=qa.dtype, registry=reg)
-        out[:, :, i0:i0 + n] = flash_attn_prefill(
-            np.ascontiguousarray(qa[:, :, i0:i0 + n]), ka, va, mask=wm, blk=build_blk(wm, D, registry=reg),
-            causal=causal, q_offset=q_offset + i0, scale=scale, softcap=softcap, kv_len=kl, registry=reg)
-    return out
-
-
 @dataclass
 class _Call:
     """One call's validated operands and decided route."""
@@ -260,7 +221,7 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
             why_not.append(f"head dim {D} (prefill has {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
                            if bigger else f"head dim {D} (prefill has {has})")
     if not why_not:
-        extra = ", the window as a mask with its blk tile classes" if window is not None else ""
+        extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
         return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
     if D > _SDPA_MAX_HEAD_DIM:
@@ -369,16 +330,10 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
         return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
-        # Without causal, the position only matters to the window mask (built here).
-        q_offset = c.q_offset if c.causal else 0
-        if window is not None and c.mask is None:
-            return _windowed_prefill(qa, ka, va, q_offset=c.q_offset, causal=c.causal, window=window, scale=scale,
-                                     softcap=softcap, kl=kl, reg=reg)
-        mask = c.mask
-        if window is not None:
-            mask = _window_mask(mask, qa.shape[2], kl, c.q_offset, c.causal, window, qa.dtype, reg)
-        return flash_attn_prefill(qa, ka, va, mask=mask, causal=c.causal, q_offset=q_offset, scale=scale,
-                                  softcap=softcap, kv_len=kl, registry=reg)
+        # The position matters only to causal and the window, both applied in the kernel.
+        q_offset = c.q_offset if c.causal or window is not None else 0
+        return flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset, window=window,
+                                  scale=scale, softcap=softcap, kv_len=kl, registry=reg)
     # The position only when it matters and is not sdpa's default (kv_len - qL): a call
     # without the extension parameters can take the cpu backend's fast float32 path.
     positioned = (c.causal or window is not None) and c.q_offset != kl - qa.shape[2]

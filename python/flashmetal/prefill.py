@@ -24,6 +24,7 @@ def flash_attn_prefill(
     q_offset: int | None = None,
     scale: float | None = None,
     softcap: float = 0.0,
+    window: int | None = None,
     layout: str = "bhld",
     kv_len: int | None = None,
     out: np.ndarray | None = None,
@@ -45,6 +46,10 @@ def flash_attn_prefill(
             and a KV cache); pass 0 for top-left alignment.
         scale: score scale; default ``1/sqrt(D)``.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
+        window: sliding window w > 0: row i (at ``q_offset + i``) sees keys p
+            with ``q_offset + i - p < w``, applied in the kernel (no mask is
+            built; key tiles wholly outside every row's window are skipped).
+            Combines with causal, mask and blk. None = no window.
         layout: "bhld" (head-major) or "blhd" (seq-major).
         kv_len: valid K/V length when k/v hold more slots (their length is
             the capacity); default all of them.
@@ -89,6 +94,7 @@ def flash_attn_prefill(
         causal=1 if causal else 0,
         q_offset=_native.index_arg(_OP, "q_offset", q_offset),
         kv_len=0 if kl is None else kl,
+        window=0 if window is None else _native.index_arg(_OP, "window", window, 1),
         layout=_native.constant(_LAYOUTS[layout]))
     _native.call(reg, "fm_dispatch_prefill", tensor(_native.ffi(), qa), tensor(_native.ffi(), ka),
                  tensor(_native.ffi(), va), tensor(_native.ffi(), ma), tensor(_native.ffi(), ba),

@@ -4,8 +4,10 @@
  * the way the Swift backend drives it (pack, then items; decode partials,
  * then the reduce) and is checked against a double-precision reference
  * written here from the math. Speed is not measured: qemu emulates.
+ * mk/cpu-harness.mk builds the same file natively on x86-64 and runs it on
+ * each x86 ISA path (portable, avx2, avx512, avx512bf16).
  *
- *   harness <expected isa name>     exit 0 when every check passes */
+ *   harness [expected isa name]     exit 0 when every check passes */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -192,6 +194,222 @@ done:
     buf_free(&q); buf_free(&k); buf_free(&v); buf_free(&o); buf_free(&m);
 }
 
+/* ---- prefill, serving extension (flashmetal.h AttnSeqParams) ------------- */
+
+/* One case: B sequences with their own q and k lengths. Layouts are
+ * flash-attn's: q/o [B, qmax, H, D] or packed [total_q, H, D] (varlen_q);
+ * k/v [B, kcap, Hkv, D], packed [total_k, Hkv, D] (varlen_k) or pages
+ * [num_pages, page_size, Hkv, D] through a shuffled block table (paged,
+ * with seqlens_k). per_seq = 0 is the seeds' mode (B = 1, row i at qoff + i)
+ * with the in-kernel window. */
+typedef struct {
+    int32_t D, dtype, H, Hkv, B;
+    int32_t varlen_q, varlen_k, kv_lens, paged, page_size;
+    int32_t causal, window, wl, wr, sinks, lse, qoff;
+    float softcap;
+    int32_t qlens[4], klens[4];
+} ServeCase;
+
+static int serve_visible(const ServeCase *c, int64_t t, int64_t p, int64_t kL) {
+    if (p >= kL) return 0;
+    if (c->causal && p > t) return 0;
+    if (c->window && c->wl >= 0 && p < t - c->wl) return 0;
+    if (c->window && c->wr >= 0 && p > t + c->wr) return 0;
+    return 1;
+}
+
+/* Softmax attention of one row in double with softcap, an optional sink
+ * (NAN: none) and the natural-log LSE (-inf when nothing is seen). */
+static double ref_row_serving(const double *q, const double *const *K, const double *const *V, const int *vis,
+                              int64_t kL, int32_t D, double scale, double softcap, double sink, double *out) {
+    double mx = isnan(sink) ? -INFINITY : sink, sum = 0;
+    double *s = malloc(sizeof(double) * (size_t)(kL + 1));
+    for (int64_t j = 0; j < kL; j++) {
+        double dot = 0;
+        for (int32_t d = 0; d < D; d++) dot += q[d] * K[j][d];
+        double x = scale * dot;
+        if (softcap > 0) x = softcap * tanh(x / softcap);
+        s[j] = vis[j] ? x : -INFINITY;
+        if (s[j] > mx) mx = s[j];
+    }
+    for (int32_t d = 0; d < D; d++) out[d] = 0;
+    if (mx == -INFINITY) { free(s); return -INFINITY; }
+    for (int64_t j = 0; j < kL; j++) {
+        if (!vis[j]) continue;
+        const double p = exp(s[j] - mx);
+        sum += p;
+        for (int32_t d = 0; d < D; d++) out[d] += p * V[j][d];
+    }
+    if (!isnan(sink)) sum += exp(sink - mx);
+    for (int32_t d = 0; d < D; d++) out[d] /= sum;
+    free(s);
+    return mx + log(sum);
+}
+
+static void run_serving(const ServeCase *c, int fast) {
+    const int32_t D = c->D, H = c->H, Hkv = c->Hkv, B = c->B, ps = c->page_size;
+    const int per_seq = c->varlen_q || c->varlen_k || c->kv_lens || c->paged;
+    int32_t cuq[5] = {0}, cuk[5] = {0}, qmax = 0, kmax = 0, max_pages = 0, npages = 0;
+    for (int32_t b = 0; b < B; b++) {
+        cuq[b + 1] = cuq[b] + c->qlens[b];
+        cuk[b + 1] = cuk[b] + c->klens[b];
+        if (c->qlens[b] > qmax) qmax = c->qlens[b];
+        if (c->klens[b] > kmax) kmax = c->klens[b];
+        if (c->paged && (c->klens[b] + ps - 1) / ps > max_pages) max_pages = (c->klens[b] + ps - 1) / ps;
+    }
+    const int32_t kcap = kmax + 5; /* non-paged cache rows past every length */
+    int32_t *table = NULL;
+    if (c->paged) { /* every sequence gets max_pages pages, handed out in a shuffled order */
+        npages = B * max_pages + 1;
+        table = malloc(sizeof(int32_t) * (size_t)(B * max_pages));
+        int32_t *perm = malloc(sizeof(int32_t) * (size_t)npages);
+        for (int32_t i = 0; i < npages; i++) perm[i] = i;
+        for (int32_t i = npages - 1; i > 0; i--) {
+            const int32_t j = (int32_t)(urand() * (i + 1)), t = perm[i];
+            perm[i] = perm[j]; perm[j] = t;
+        }
+        for (int32_t i = 0; i < B * max_pages; i++) table[i] = perm[i];
+        free(perm);
+    }
+    const size_t qrows = c->varlen_q ? (size_t)cuq[B] : (size_t)B * qmax;
+    const size_t krows = c->paged ? (size_t)npages * ps : c->varlen_k ? (size_t)cuk[B] : (size_t)B * kcap;
+    Buf q = buf_new(c->dtype, qrows * H * D, 1), o = buf_new(c->dtype, qrows * H * D, 0);
+    Buf k = buf_new(c->dtype, krows * Hkv * D, 1), v = buf_new(c->dtype, krows * Hkv * D, 1);
+    for (size_t i = 0; i < o.n; i++) put(&o, i, 7.0f); /* rows the kernel must write */
+    float *lse = malloc(sizeof(float) * qrows * H), sinks[16];
+    for (size_t i = 0; i < qrows * H; i++) lse[i] = 7.0f;
+    for (int32_t h = 0; h < H; h++) sinks[h] = h == 0 ? -INFINITY : (float)(urand() * 3.0 - 1.0);
+
+    FMPrefillArgs a;
+    memset(&a, 0, sizeof a);
+    a.p.B = B; a.p.H = H; a.p.D = D; a.p.qL = qmax; a.p.kL = c->varlen_k || c->kv_lens ? kmax : kcap;
+    if (!per_seq) a.p.kL = c->klens[0];
+    a.p.gqa_factor = H / Hkv;
+    a.p.scale = 1.0f / sqrtf((float)D);
+    a.p.softcapping = c->softcap;
+    a.p.qL_off = c->qoff;
+    a.bq = D >= 512 ? 8 : 32; a.bk = D >= 512 ? 8 : 16;
+    a.p.NQ = (qmax + a.bq - 1) / a.bq; a.p.NK = (a.p.kL + a.bk - 1) / a.bk;
+    const int64_t qs[3] = {c->varlen_q ? 0 : (int64_t)qmax * H * D, D, (int64_t)H * D};
+    const int64_t ks[3] = {c->varlen_k || c->paged ? 0 : (int64_t)kcap * Hkv * D, D, (int64_t)Hkv * D};
+    memcpy(a.p.Q_strides, qs, sizeof qs); memcpy(a.p.O_strides, qs, sizeof qs);
+    memcpy(a.p.K_strides, ks, sizeof ks); memcpy(a.p.V_strides, ks, sizeof ks);
+    a.q = q.raw; a.k = k.raw; a.v = v.raw; a.o = o.raw;
+    a.io_dtype = c->dtype; a.causal = c->causal; a.mask_kind = FM_MASK_NONE;
+    a.seq.sp.window_left = c->wl; a.seq.sp.window_right = c->wr;
+    a.seq.sp.page_size = ps; a.seq.sp.max_pages = max_pages;
+    a.seq.sp.K_page_stride = a.seq.sp.V_page_stride = (int64_t)ps * Hkv * D;
+    const int64_t ls[3] = {c->varlen_q ? 0 : (int64_t)H * qmax, c->varlen_q ? (int64_t)cuq[B] : qmax, 1};
+    memcpy(a.seq.sp.lse_strides, ls, sizeof ls);
+    a.seq.cu_seqlens_q = c->varlen_q ? cuq : NULL;
+    a.seq.cu_seqlens_k = c->varlen_k ? cuk : NULL;
+    a.seq.seqlens_k = c->kv_lens ? c->klens : NULL;
+    a.seq.block_table = table;
+    a.seq.sinks = c->sinks ? sinks : NULL;
+    a.seq.lse = c->lse ? lse : NULL;
+    a.seq.window = c->window;
+
+    const int isa = fm_cpu_isa();
+    if (fast) {
+        const size_t pb = fm_cpu_prefill_pack_bytes(&a, isa);
+        CHECK(pb > 0, "%s: no fast path for serving D=%d dtype=%d", fm_cpu_isa_name(isa), D, c->dtype);
+        if (pb == 0) goto done;
+        const int64_t nkb = (a.p.kL + FM_PF_KB - 1) / FM_PF_KB, rows = fm_cpu_prefill_item_rows(isa);
+        char *packed = malloc(pb * Hkv);
+        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_fast_scratch_floats(&a, isa));
+        for (int32_t b = 0; b < B; b++) {
+            for (int32_t g = 0; g < Hkv; g++)
+                for (int64_t kb = 0; kb < nkb; kb++) fm_cpu_prefill_pack(&a, isa, b, g, kb, packed + g * pb);
+            const int64_t n = fm_cpu_prefill_seq_rows(&a, b);
+            for (int32_t h = 0; h < H; h++)
+                for (int64_t qi = 0; qi < (n + rows - 1) / rows; qi++)
+                    fm_cpu_prefill_fast_item(&a, isa, b, h, qi, packed + (h / (H / Hkv)) * pb, scratch);
+        }
+        free(packed);
+        free(scratch);
+    } else {
+        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_scratch_floats(a.bq, a.bk, D));
+        for (int32_t b = 0; b < B; b++)
+            for (int32_t h = 0; h < H; h++)
+                for (int64_t qt = 0; qt < a.p.NQ; qt++) fm_cpu_prefill_tile(&a, b, h, qt, scratch);
+        free(scratch);
+    }
+
+    double worst = 0, worst_lse = 0, *ref = malloc(sizeof(double) * (size_t)D);
+    const double **Kr = malloc(sizeof(double *) * (size_t)(kcap + 1)), **Vr = malloc(sizeof(double *) * (size_t)(kcap + 1));
+    int *vis = malloc(sizeof(int) * (size_t)(kcap + 1)), untouched = 0;
+    for (int32_t b = 0; b < B; b++) {
+        const int32_t qL = per_seq ? c->qlens[b] : qmax, kL = c->klens[b];
+        const int64_t t0 = per_seq ? (int64_t)kL - qL : c->qoff;
+        for (int32_t h = 0; h < H; h++) {
+            const int32_t g = h / (H / Hkv);
+            for (int32_t p = 0; p < kL; p++) { /* the logical cache row p, by the layout's own formula */
+                size_t row = c->paged ? (size_t)table[b * max_pages + p / ps] * ps + p % ps
+                           : c->varlen_k ? (size_t)cuk[b] + p : (size_t)b * kcap + p;
+                Kr[p] = k.val + (row * Hkv + g) * D;
+                Vr[p] = v.val + (row * Hkv + g) * D;
+            }
+            for (int32_t i = 0; i < qL; i++) {
+                const size_t qrow = c->varlen_q ? (size_t)cuq[b] + i : (size_t)b * qmax + i;
+                for (int32_t p = 0; p < kL; p++) vis[p] = serve_visible(c, t0 + i, p, kL);
+                const double l = ref_row_serving(q.val + (qrow * H + h) * D, Kr, Vr, vis, kL, D, a.p.scale,
+                                                 c->softcap, c->sinks ? sinks[h] : NAN, ref);
+                for (int32_t d = 0; d < D; d++) {
+                    const double got = to_double(c->dtype, o.raw, (qrow * H + h) * D + d);
+                    const double err = fabs(got - ref[d]) / (tol_atol(c->dtype) + 0.02 * fabs(ref[d]));
+                    if (!(err <= worst)) worst = err;
+                }
+                if (c->lse) {
+                    const size_t li = c->varlen_q ? (size_t)h * cuq[B] + qrow : ((size_t)b * H + h) * qmax + i;
+                    const double e = l == -INFINITY ? (lse[li] == -INFINITY ? 0 : INFINITY)
+                                                    : fabs(lse[li] - l) / (1e-4 + 1e-5 * fabs(l));
+                    if (!(e <= worst_lse)) worst_lse = e;
+                }
+            }
+            if (!c->varlen_q) /* padding rows past the sequence stay untouched */
+                for (int32_t i = qL; i < qmax; i++) untouched += o.val[(((size_t)b * qmax + i) * H + h) * D] != 7.0;
+        }
+    }
+    CHECK(worst <= 1.0 && worst_lse <= 1.0 && untouched == 0,
+          "serving %s %s D=%d dtype=%d B=%d varlen=%d/%d kv_lens=%d paged=%d(ps %d) causal=%d window=%d(%d,%d) "
+          "softcap=%g sinks=%d lse=%d: error %.3gx, lse %.3gx tolerance, %d padding rows written",
+          fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, c->dtype, B, c->varlen_q, c->varlen_k, c->kv_lens,
+          c->paged, ps, c->causal, c->window, c->wl, c->wr, c->softcap, c->sinks, c->lse, worst, worst_lse, untouched);
+    free(ref); free(Kr); free(Vr); free(vis);
+done:
+    free(table); free(lse);
+    buf_free(&q); buf_free(&k); buf_free(&v); buf_free(&o);
+}
+
+static void run_serving_cases(int fast) {
+    const int32_t dims[] = {64, 80, 96, 128, 192, 256};
+    for (int di = 0; di < 6; di++) {
+        const int32_t D = dims[di];
+        const int32_t dt = di % 2 ? FM_DTYPE_F16 : FM_DTYPE_BF16;
+        /* varlen q and k, ragged (1, a tile +- 1, longer), causal + window + softcap + sinks + lse */
+        const ServeCase varlen = {D, dt, 4, 2, 4, 1, 1, 0, 0, 0, 1, 1, 40, 3, 1, 1, 0, 30.0f,
+                                  {1, 31, 65, 70}, {1, 33, 130, 70}};
+        run_serving(&varlen, fast);
+        /* a paged cache with per-sequence lengths (chunked prefill), page 16: a 64-key block spans pages */
+        const ServeCase paged = {D, dt, 4, 1, 3, 0, 0, 1, 1, 16, 1, 0, -1, -1, 0, 1, 0, 0.0f,
+                                 {17, 17, 17}, {17, 100, 150}};
+        run_serving(&paged, fast);
+    }
+    /* varlen q over a paged cache, window only (no causal), empty sequences, sinks */
+    const ServeCase mixed = {128, FM_DTYPE_BF16, 4, 2, 4, 1, 0, 1, 1, 32, 0, 1, 10, 20, 1, 1, 0, 0.0f,
+                             {5, 0, 40, 3}, {70, 9, 40, 0}};
+    run_serving(&mixed, fast);
+    /* the seeds' mode with the in-kernel window (fm_dispatch_prefill window=): row i at qoff + i */
+    const ServeCase seedwin = {64, FM_DTYPE_F16, 4, 2, 1, 0, 0, 0, 0, 0, 1, 1, 56, -1, 0, 0, 80, 0.0f,
+                               {70}, {150}};
+    run_serving(&seedwin, fast);
+    if (fast) { /* float32 (sdpa's fast route) through the same code */
+        const ServeCase f32 = {96, FM_DTYPE_F32, 4, 2, 3, 1, 1, 0, 0, 0, 1, 1, 40, 3, 1, 1, 0, 30.0f,
+                               {31, 65, 70}, {33, 130, 70}};
+        run_serving(&f32, fast);
+    }
+}
+
 /* ---- decode -------------------------------------------------------------- */
 
 static void run_decode(int32_t D, int32_t dtype, uint32_t kv_len, uint32_t window) {
@@ -293,6 +511,7 @@ int main(int argc, char **argv) {
         run_decode(128, dts[di], 1, 0);
         run_decode(256, dts[di], 333, 100);
     }
+    run_serving_cases(fast);
     run_blk_and_mask();
     printf("cpu-arm64: %s: %s\n", fm_cpu_isa_name(isa), failures ? "FAILED" : "all checks passed");
     return failures ? 1 : 0;

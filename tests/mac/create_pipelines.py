@@ -5,9 +5,13 @@ Function-constant specialisation errors appear only when a pipeline is made,
 so the macOS CI job runs every kernel under every function-constant
 combination the Python API can produce (small shapes, each output checked
 against the float64 reference):
-  prefill  dtype {bf16, f16} x D {64, 128, 256, 512} x mask {none, additive,
-           additive + blk, bool} x causal x Q aligned x K aligned
-           (constants align_Q, align_K, has_mask, do_causal, has_blk)
+  prefill  dtype {bf16, f16} x D {64, 80, 96, 128, 192, 256, 512} x mask {none,
+           additive (auto-blk where it pays), additive + blk, bool} x causal x
+           Q aligned x K aligned (constants align_Q, align_K, has_mask,
+           do_causal, has_blk)
+  serving  prefill dtype x D x {func + lse, func + window + sinks, varlen +
+           window + sinks + lse, cache lengths, paged + lse, varlen q over
+           paged k, prefill window + mask + blk} (constants 302, 304-310)
   decode   K/V {f32, f16, bf16} x D {64, 80, 96, 128, 192, 256, 512} x reduce
            {plain, FWHT undo, FWHT undo with signs} (constant has_signs; the
            FWHT undo at the power-of-two D only)
@@ -38,8 +42,9 @@ from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # n
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 512)
-# Decode also has 80, 96 and 192; its FWHT reduce only the powers of two.
-VEC_HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
+# The FWHT reduce runs only at the power-of-two ones.
+VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
 # none; kL >= qL (Q may not overshoot K). (qL, kL): both aligned, K not, Q
 # not, neither.
@@ -50,7 +55,7 @@ LENGTHS = ((32, 32), (32, 33), (33, 48), (33, 33))
 def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
     for dtype, d, mask_kind, causal, (q_len, k_len) in itertools.product(
-            (BF16, F16), HEAD_DIMS, ("none", "additive", "additive+blk", "bool"), (False, True), LENGTHS):
+            (BF16, F16), PREFILL_HEAD_DIMS, ("none", "additive", "additive+blk", "bool"), (False, True), LENGTHS):
         q = randn(rng, (1, 2, q_len, d), dtype)
         k = randn(rng, (1, 1, k_len, d), dtype)
         v = randn(rng, (1, 1, k_len, d), dtype)
@@ -68,6 +73,59 @@ def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
                                     f"qL={q_len} kL={k_len}")
         n += 1
     return n
+
+
+def serving_prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    """One call per serving constant combination, each checked against the reference."""
+    n = 0
+    for dtype, d in itertools.product((BF16, F16), PREFILL_HEAD_DIMS):
+        h, hkv, page = 2, 1, 16
+        q4, k4, v4 = (randn(rng, (2, L, hh, d), dtype) for L, hh in ((5, h), (33, hkv), (33, hkv)))
+        sinks = rng.standard_normal(h).astype(F32)
+        what = f"serving {dtype} D={d}"
+        o, lse, _ = fm.flash_attn_func(q4, k4, v4, causal=True, return_attn_probs=True, registry=reg)
+        eo, el = reference.flash_attn(q4, k4, v4, causal=True)
+        assert_close(o, eo, dtype, what + " func + lse")
+        assert_lse(lse, el, what)
+        o = fm.flash_attn_func(q4, k4, v4, window_size=(6, 2), sinks=sinks, registry=reg)
+        assert_close(o, reference.flash_attn(q4, k4, v4, window_size=(6, 2), sinks=sinks)[0], dtype,
+                     what + " window + sinks")
+        cu_q, cu_k = np.array([0, 3, 12], np.int32), np.array([0, 17, 50], np.int32)
+        q3, k3, v3 = randn(rng, (12, h, d), dtype), randn(rng, (50, hkv, d), dtype), randn(rng, (50, hkv, d), dtype)
+        o, lse, _ = fm.flash_attn_varlen_func(q3, k3, v3, cu_q, cu_k, 9, 33, causal=True, window_size=(7, -1),
+                                              return_attn_probs=True, sinks=sinks, registry=reg)
+        eo, el = reference.flash_attn_varlen(q3, k3, v3, cu_q, cu_k, causal=True, window_size=(7, -1), sinks=sinks)
+        assert_close(o, eo, dtype, what + " varlen")
+        assert_lse(lse, el, what)
+        lens = np.array([20, 33], np.int32)
+        o = fm.flash_attn_with_kvcache(q4, k4, v4, cache_seqlens=lens, causal=True, registry=reg)
+        assert_close(o, reference.flash_attn_kvcache(q4, k4, v4, cache_seqlens=lens, causal=True)[0], dtype,
+                     what + " cache lengths")
+        kp, vp = randn(rng, (5, page, hkv, d), dtype), randn(rng, (5, page, hkv, d), dtype)
+        table = np.array([[3, 0, -1], [1, 4, 2]], np.int32)
+        o, lse = fm.flash_attn_with_kvcache(q4, kp, vp, cache_seqlens=lens, block_table=table, causal=True,
+                                            return_softmax_lse=True, registry=reg)
+        eo, el = reference.flash_attn_kvcache(q4, kp, vp, cache_seqlens=lens, block_table=table, causal=True)
+        assert_close(o, eo, dtype, what + " paged")
+        assert_lse(lse, el, what)
+        cu_kp = np.array([0, 20, 53], np.int32)
+        o = fm.flash_attn_varlen_func(q3, kp, vp, cu_q, cu_kp, 9, 33, causal=True, block_table=table, registry=reg)
+        assert_close(o, reference.flash_attn_varlen(q3, kp, vp, cu_q, cu_kp, block_table=table, causal=True)[0],
+                     dtype, what + " varlen over pages")
+        qh, kh, vh = randn(rng, (1, h, 33, d), dtype), randn(rng, (1, hkv, 48, d), dtype), randn(rng, (1, hkv, 48, d), dtype)
+        m = np.where(rng.random((33, 48)) < 0.3, -np.inf, 0.0).astype(dtype)
+        o = fm.flash_attn_prefill(qh, kh, vh, mask=m, blk=fm.build_blk(m, d, registry=reg), causal=True, window=9,
+                                  registry=reg)
+        assert_close(o, reference.attention(qh, kh, vh, mask=m, causal=True, q_offset=15, window=9), dtype,
+                     what + " prefill window + mask + blk")
+        n += 7
+    return n
+
+
+def assert_lse(lse: np.ndarray, expected: np.ndarray, what: str) -> None:
+    finite = np.isfinite(expected)
+    assert np.array_equal(np.isfinite(lse), finite), f"{what}: lse -inf rows"
+    assert np.allclose(lse[finite], expected[finite], atol=1e-4, rtol=1e-4), f"{what}: lse"
 
 
 def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
@@ -156,7 +214,7 @@ def mask_and_blk_cases(reg: fm.Registry) -> int:
         e = reference.mask_additive(ALIGNED, UNALIGNED, causal=True, window=7)
         assert np.array_equal(m.astype(np.float32), e.astype(np.float32)), f"build_mask {dtype}"
         n += 1
-        for d in HEAD_DIMS:
+        for d in PREFILL_HEAD_DIMS:
             blk = fm.build_blk(m, d, registry=reg)
             bq, bk = (8, 8) if d == 512 else (32, 16)
             assert np.array_equal(blk, reference.blk_classes(m, bq, bk)), f"build_blk {dtype} D={d}"
@@ -171,7 +229,8 @@ def main() -> int:
     rng = np.random.default_rng(10)
     t0 = time.time()
     with fm.Registry(args.backend) as reg:
-        counts = {"prefill": prefill_cases(reg, rng), "decode": decode_cases(reg, rng),
+        counts = {"prefill": prefill_cases(reg, rng), "serving prefill": serving_prefill_cases(reg, rng),
+                  "decode": decode_cases(reg, rng),
                   "serving decode": serving_decode_cases(reg, rng), "kv_append": kv_append_cases(reg, rng),
                   "sdpa": sdpa_cases(reg, rng), "mask+blk": mask_and_blk_cases(reg)}
     print(f"create_pipelines ({args.backend}): every case matched the reference: {counts} "

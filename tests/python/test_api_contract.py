@@ -18,7 +18,7 @@ from numerics import BF16, F32, assert_close, randn
 
 def test_error_hierarchy_carries_op_and_status(cpu):
     lib = _native.lib()
-    q = np.zeros((1, 1, 1, 96), BF16)
+    q = np.zeros((1, 1, 1, 100), BF16)
     with pytest.raises(fm.Error) as e:
         fm.flash_attn_prefill(q, q, q, registry=cpu)
     assert isinstance(e.value, ValueError) and isinstance(e.value, fm.InvalidValueError)
@@ -129,7 +129,7 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 
 def test_supported_head_dims_come_from_the_library():
-    assert fm.supported_head_dims("flash_attn_prefill") == (64, 128, 256, 512)
+    assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
     assert fm.supported_head_dims("flash_attn_vec") == (64, 80, 96, 128, 192, 256, 512)
     with pytest.raises(ValueError, match="supported_head_dims: op must be"):
         fm.supported_head_dims("nope")

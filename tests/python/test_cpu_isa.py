@@ -110,14 +110,16 @@ def test_bad_isa_value_warns_and_keeps_the_default(value):
     assert f"FLASHMETAL_CPU_ISA='{value}' is not one of portable, avx2, avx512, avx512bf16, neon" in r.stderr
 
 
-SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfinite.py", "test_cpu_isa.py"]
+SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfinite.py", "test_cpu_isa.py",
+          "test_serving_prefill_cpu.py"]
 
 
 @pytest.mark.parametrize("isa", ISAS + ["neon"])
 def test_suite_under_forced_isa(isa):
-    """The prefill, sdpa, decode and non-finite cpu suites (numerics, resume,
-    determinism, NaN/inf, huge biases) on each path below the native one (the
-    native path is the main run's)."""
+    """The prefill, sdpa, decode, non-finite and serving-prefill cpu suites
+    (numerics, resume, determinism, NaN/inf, huge biases, varlen/paged/window/
+    sinks/LSE) on each path below the native one (the native path is the main
+    run's)."""
     supported = supported_isas()
     if isa not in supported:
         pytest.skip(f"this cpu has no {isa} path")

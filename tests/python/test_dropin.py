@@ -144,7 +144,7 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
     q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
     out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
     route = fm.last_route()
-    native = d in (64, 128, 256, 512)
+    native = d in fm.supported_head_dims("flash_attn_prefill")
     padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS
     prefill = dtype != F32 and (native or padded)
     assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
@@ -155,12 +155,12 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
 
 def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
     """The zero-padded prefill keeps every other feature: mask, window, kv_len, scale, softcap."""
-    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=80)
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=160)
     keep = rng.random((1, 1, 36, 44)) < 0.8
     keep[..., 0] = True
     out = SDPA(q, k, v, keep, is_causal=True, enable_gqa=True, kv_len=44, align="bottom_right", window=9,
                scale=0.2, softcap=4.0, registry=registry)
-    assert "zero-padded to 128" in fm.last_route().reason
+    assert "zero-padded to 192" in fm.last_route().reason
     exp = reference.attention(q, k[:, :, :44], v[:, :, :44], mask=keep, causal=True, q_offset=8, window=9,
                               scale=0.2, softcap=4.0)
     assert_close(out, exp, BF16)
@@ -176,15 +176,15 @@ def test_more_queries_than_keys_bf16(registry, rng):
 
 
 def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
-    q, k, v = qkv(rng, BF16, d=80)
+    q, k, v = qkv(rng, BF16, d=48)
     with monkeypatch.context() as m:
         m.setattr(attention, "_run", lambda *a: pytest.fail("explain ran a kernel"))
         route = fm.explain(q, k, v, is_causal=True)
-    assert route.kernel == "sdpa" and "head dim 80" in route.reason
+    assert route.kernel == "sdpa" and "head dim 48" in route.reason
     assert isinstance(route, fm.Route) and str(route).startswith("sdpa: ")
     SDPA(q, k, v, is_causal=True, registry=cpu)
     assert fm.last_route() == route
-    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "flash_attn_vec"  # decode has D=80
+    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=48: no decode kernel
     q64, k64, v64 = qkv(rng, BF16, ql=1)
     assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_vec"
     # top-left causal puts the one row at position 0: not the decode kernel's newest position
@@ -254,19 +254,28 @@ def test_mask_over_whole_cache_with_kv_len(cpu, rng):
     assert_close(out, reference.attention(q, k[:, :, :12], v[:, :, :12], mask=m[:, :12]), F16)
 
 
-# ---- window on the prefill route: bounded masks ---------------------------------------------------
+# ---- window on the prefill route: in the kernel, no mask ------------------------------------------
 
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_window_prefill_in_row_chunks(registry, rng, monkeypatch, align, causal):
-    """Above WINDOW_MASK_BYTES the window mask is built per 128-row chunk."""
-    ql, kl = small(registry, (300, 400), (260, 270))
-    monkeypatch.setattr(attention, "WINDOW_MASK_BYTES", 128 * kl * 2)
-    q, k, v = qkv(rng, BF16, h=1, hkv=1, ql=ql, kl=kl)
-    out = SDPA(q, k, v, is_causal=causal, window=37, align=align, registry=registry)
-    assert fm.last_route().kernel == "flash_attn_prefill"
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_window_prefill_builds_no_mask(registry, rng, monkeypatch, align, causal, with_mask):
+    """The window goes into the prefill kernel: no [qL, kL] mask or blk is
+    built (issue 13 item 4), alone or beside a caller's broadcast mask."""
+    from flashmetal import blk as blk_module, mask as mask_module
+    for mod, name in ((mask_module, "build_mask"), (blk_module, "build_blk")):
+        monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("a window mask was built"))
+    ql, kl = small(registry, (300, 400), (40, 70))
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=ql, kl=kl)
+    keep = None
+    if with_mask:
+        keep = rng.random((1, 1, 1, kl)) < 0.9  # a padding mask, read in place
+        keep[..., -1] = True
+    out = SDPA(q, k, v, keep, is_causal=causal, window=37, align=align, enable_gqa=True, registry=registry)
+    route = fm.last_route()
+    assert route.kernel == "flash_attn_prefill" and "window in the kernel" in route.reason, route
     off = 0 if align == "top_left" else kl - ql
-    assert_close(out, reference.attention(q, k, v, causal=causal, q_offset=off, window=37), BF16)
+    assert_close(out, reference.attention(q, k, v, mask=keep, causal=causal, q_offset=off, window=37), BF16)
 
 
 def test_numpy_only_never_imports_torch():

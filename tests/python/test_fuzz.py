@@ -306,7 +306,7 @@ def test_prefill_api(cpu, c, seed):
     elif c["mkind"] == "wrong":
         mask = np.zeros((ql + 1, mkl), dt if dt != F32 else BF16)
     blk = None
-    if c["blk"] == "right" and mask is not None and mask.ndim == 2 and mask.dtype != np.bool_ and d in (64, 128, 256, 512):
+    if c["blk"] == "right" and mask is not None and mask.ndim == 2 and mask.dtype != np.bool_ and d in fm.supported_head_dims("flash_attn_prefill"):
         try:
             blk = fm.build_blk(mask, d, registry=cpu)
         except ValueError:

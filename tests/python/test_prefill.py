@@ -52,6 +52,13 @@ def test_matrix(registry, rng, d, dtype, mask, causal):
     check(registry, rng, d=d, dtype=dtype, mask=mask, causal=causal)
 
 
+@pytest.mark.parametrize("d,dtype,mask,causal",
+                         list(itertools.product([80, 96, 192], DTYPES, ["none", "bool"], [False, True])))
+def test_serving_head_dims(registry, rng, d, dtype, mask, causal):
+    """Head dims 80, 96 and 192 (issue 14): the D <= 256 tile, D/8 fragments."""
+    check(registry, rng, d=d, dtype=dtype, mask=mask, causal=causal)
+
+
 @pytest.mark.parametrize("ql,kl", [(50, 64), (32, 50), (64, 64), (1, 17), (33, 33)])
 @pytest.mark.parametrize("d", [128, 512])
 def test_aligned_and_unaligned(registry, rng, ql, kl, d):

@@ -94,7 +94,7 @@ final class AttnDispatcherTests: XCTestCase {
         XCTAssertEqual([p.K_strides.0, p.K_strides.1, p.K_strides.2], [0, 64, 128])
         XCTAssertEqual(dp.constants.bool(307), true)
         o.maxSeqlenK = 19
-        expectError({ try AttnDispatcher.makeDispatches(t, o) }, "flash_attn_varlen_func", "max_seqlen_k (19)")
+        expectError({ try AttnDispatcher.makeDispatches(t, o) }, "flash_attn_varlen_func", "sequence 1 has length 20 (cu_seqlens_k[2] - cu_seqlens_k[1]) > max_seqlen_k = 19")
     }
 
     func testTableErrorsNameTheFunctionAndValue() {
@@ -104,29 +104,31 @@ final class AttnDispatcherTests: XCTestCase {
         let lens = ints([20, 32]), table = ints([0, 1, 2, 4], shape: [2, 2])
         t.seqlensK = lens.ref; t.blockTable = table.ref
         expectError({ try AttnDispatcher.makeDispatches(t, AttnOptions(scale: 1)) },
-                    "flash_attn_with_kvcache", "block_table[1, 1] = 4 is not a page of k_cache (num_pages 4)")
+                    "flash_attn_with_kvcache", "block_table[1, 1] = 4 is out of range [0, 4) (the pages of k_cache)")
         let long = ints([20, 33])
         t.seqlensK = long.ref
         expectError({ try AttnDispatcher.makeDispatches(t, AttnOptions(scale: 1)) },
-                    "flash_attn_with_kvcache", "cache_seqlens[1] = 33 must be in [0, 32]")
+                    "flash_attn_with_kvcache", "cache_seqlens[1] = 33 is out of range [0, 32] (the keys k_cache holds)")
         let k8 = HostTensor([4, 8, 2, 64], .bf16), v8 = HostTensor([4, 8, 2, 64], .bf16)
         var t8 = AttnTensors(q: q.ref, k: k8.ref, v: v8.ref, out: out.ref)
         t8.blockTable = table.ref
         expectError({ try AttnDispatcher.makeDispatches(t8, AttnOptions(scale: 1)) },
-                    "flash_attn_with_kvcache", "page_size (8) must be a positive multiple of 16")
+                    "flash_attn_with_kvcache", "k_cache page size 8 (its dim 1) must be a positive multiple of 16")
         var w = AttnOptions(scale: 1)
         w.windowLeft = -2
         let plain = AttnTensors(q: q.ref, k: HostTensor([2, 16, 2, 64], .bf16).ref, v: HostTensor([2, 16, 2, 64], .bf16).ref, out: out.ref)
         expectError({ try AttnDispatcher.makeDispatches(plain, w) }, "flash_attn_func", "window_size[0] must be -1 (unbounded) or >= 0, got -2")
         let qv = HostTensor([9, 2, 64], .bf16), ov = HostTensor([9, 2, 64], .bf16)
         var tv = AttnTensors(q: qv.ref, k: qv.ref, v: qv.ref, out: ov.ref)
+        var big = AttnOptions(scale: 1)
+        big.maxSeqlenQ = 100; big.maxSeqlenK = 100
         let badCu = ints([0, 5, 3])
         tv.cuSeqlensQ = badCu.ref; tv.cuSeqlensK = badCu.ref
-        expectError({ try AttnDispatcher.makeDispatches(tv, AttnOptions(scale: 1)) },
-                    "flash_attn_varlen_func", "cu_seqlens_q must be non-decreasing: [1] = 5 > [2] = 3")
+        expectError({ try AttnDispatcher.makeDispatches(tv, big) },
+                    "flash_attn_varlen_func", "cu_seqlens_q must be non-decreasing: cu_seqlens_q[2] = 3 < cu_seqlens_q[1] = 5")
         let overCu = ints([0, 5, 10])
         tv.cuSeqlensQ = overCu.ref; tv.cuSeqlensK = overCu.ref
-        expectError({ try AttnDispatcher.makeDispatches(tv, AttnOptions(scale: 1)) },
-                    "flash_attn_varlen_func", "cu_seqlens_q[2] = 10 exceeds the 9 packed rows")
+        expectError({ try AttnDispatcher.makeDispatches(tv, big) },
+                    "flash_attn_varlen_func", "cu_seqlens_q[2] = 10 exceeds the 9 tokens of q")
     }
 }

@@ -50,11 +50,11 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testGeometryPerHeadDim() {
-        for d in [64, 128, 256] {
+        for d in [64, 80, 96, 128, 192, 256] {
             XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
         }
         XCTAssertEqual(PrefillGeometry.forHeadDim(512), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
-        for d in [0, 32, 96, 192, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+        for d in [0, 32, 48, 160, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
     }
 
     func testTileCounts() {
@@ -153,7 +153,7 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(qL: 0), contains: "q_len must be > 0")
         expectError(Case(kL: 0), contains: "the K/V capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
-        expectError(Case(d: 96), contains: "head_dim must be 64, 128, 256 or 512, got 96")
+        expectError(Case(d: 160), contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 160")
         expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "Q must be bfloat16 or float16, got float32")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
@@ -190,7 +190,7 @@ final class PrefillDispatcherTests: XCTestCase {
 
     func testKernelNames() {
         let names = Set(PrefillCapability.kernels.map(\.name))
-        XCTAssertEqual(names.count, 16)
+        XCTAssertEqual(names.count, 28)
         for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
         }

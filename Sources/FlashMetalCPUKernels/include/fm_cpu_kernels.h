@@ -13,6 +13,23 @@ extern "C" {
 #endif
 
 
+/* The serving extension of a prefill dispatch (flashmetal.h, AttnSeqParams):
+ * the tensors its function constants bind, NULL when unbound. Zeroed, the
+ * dispatch is the seeds' prefill. Per-sequence mode is any of cu_seqlens_q,
+ * cu_seqlens_k, seqlens_k, block_table bound; then row i of sequence b sits at
+ * t = kL_b - qL_b + i, else at AttnParams.qL_off + i. */
+typedef struct FMPrefillSeq {
+    AttnSeqParams sp;
+    const int32_t *cu_seqlens_q; /* [B+1], FM_FC_VARLEN_Q */
+    const int32_t *cu_seqlens_k; /* [B+1], FM_FC_VARLEN_K */
+    const int32_t *seqlens_k;    /* [B], FM_FC_KV_LENS */
+    const int32_t *block_table;  /* [B, max_pages], FM_FC_PAGED: checked by the host */
+    const float *sinks;          /* [H], FM_FC_HAS_SINKS */
+    float *lse;                  /* FM_FC_HAS_LSE, at sp.lse_strides */
+    int32_t window;              /* FM_FC_WINDOW: sp.window_left/right apply */
+    int32_t _pad;
+} FMPrefillSeq;
+
 typedef struct FMPrefillArgs {
     AttnParams p;
     AttnMaskParams mp;
@@ -28,12 +45,20 @@ typedef struct FMPrefillArgs {
     int32_t causal;
     int32_t bq;         /* tile geometry of the dispatch */
     int32_t bk;
+    FMPrefillSeq seq;   /* zeroed: none of the serving extension */
 } FMPrefillArgs;
+
+/* Rows of sequence b (AttnParams.qL outside per-sequence mode). */
+int64_t fm_cpu_prefill_seq_rows(const FMPrefillArgs *a, int64_t b);
+/* Keys the rows [r0, r0 + n) of sequence b may see, counted over the union
+ * of their visible ranges: the cost of a work item, for scheduling. */
+int64_t fm_cpu_prefill_rows_keys(const FMPrefillArgs *a, int64_t b, int64_t r0, int64_t n);
 
 /* Floats of scratch one prefill work item needs. */
 size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d);
 
-/* One (batch, head, query tile) of flash attention with online softmax. */
+/* One (batch, head, query tile) of flash attention with online softmax; a
+ * tile past the sequence's rows does nothing. */
 void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
                          float *scratch);
 
@@ -66,12 +91,15 @@ int64_t fm_atomic_fetch_add_i64(int64_t *p, int64_t v);
 /* Bytes of packed K+V for one (b, kv head); 0: no fast path for this call. */
 size_t fm_cpu_prefill_pack_bytes(const FMPrefillArgs *a, int isa);
 int32_t fm_cpu_prefill_item_rows(int isa);
-/* Packs key block kb (FM_PF_KB keys) of (b, kvh) into `packed`. */
+/* Packs key block kb (FM_PF_KB keys) of (b, kvh) into `packed` (gathered
+ * through the block table when paged); a block no row of sequence b can see
+ * is left unpacked (no item reads it). */
 void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t kb,
                          void *packed);
 /* Floats of scratch one fast work item needs. */
 size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a, int isa);
-/* Rows [qi * item_rows, +item_rows) of head h of batch b. */
+/* Rows [qi * item_rows, +item_rows) of head h of sequence b (rows past the
+ * sequence's end are not written). */
 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,
                               const void *packed, float *scratch);
 
