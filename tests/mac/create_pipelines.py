@@ -41,7 +41,6 @@ from flashmetal import reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
-HEAD_DIMS = (64, 128, 256, 512)
 PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
 # The FWHT reduce runs only at the power-of-two ones.
 VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
