@@ -20,7 +20,7 @@ public final class CPUBackend: Backend {
             return try PrefillKernel(key, io: io, headDim: headDim, boolMask: boolMask)
         case let .blk(mask): return try BlkKernel(key, maskType: mask)
         case let .maskBuilder(out): return MaskKernel(key, outType: out)
-        case .vec: return VecKernel(key)
+        case .vec: return try VecKernel(key)
         case let .vecReduce(headDim, fwht): return try VecReduceKernel(key, headDim: headDim, fwht: fwht)
         case let .sdpa(io): return try SdpaKernel(key, io: io)
         case .kvAppend: return try KVAppendKernel(key)

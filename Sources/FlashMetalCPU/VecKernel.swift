@@ -2,64 +2,145 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `flash_attn_vec_*` on the cpu: one work item per (kv head, workgroup) of
+/// Multiply-adds below which a decode dispatch runs on the calling thread alone.
+private let smallWork = 1 << 18
+
+/// `flash_attn_vec_*` on the cpu: one work item per (kv row, workgroup) of
 /// the grid (1, rows, NWG), covering the GQA group's rows so K/V are read
-/// once per group; each row's partial (O, S, M) goes into tmp.
+/// once per group; each row's partial (O, S, M) goes into tmp. With the
+/// serving constants (501-503) the strides, per-sequence lengths and block
+/// table come from the dispatch (flashmetal.h, FlashAttnVecSeqParams).
 final class VecKernel: CPUKernel {
     let name: String
+    /// FM_FC_VEC_SEQ, FM_FC_VEC_KV_LENS, FM_FC_VEC_PAGED; unset means false
+    /// (the seeds' decode sets none of them).
+    let seq: Bool, kvLens: Bool, paged: Bool
 
-    init(_ key: PipelineKey) { name = key.kernel }
+    init(_ key: PipelineKey) throws {
+        name = key.kernel
+        let c = key.constants
+        seq = c.bool(FunctionConstantIndex.vecSeq) ?? false
+        kvLens = c.bool(FunctionConstantIndex.vecKVLens) ?? false
+        paged = c.bool(FunctionConstantIndex.vecPaged) ?? false
+        if (kvLens || paged) && !seq {
+            throw FlashMetalError.backend("cpu backend: \(name): seqlens or paging without FlashAttnVecSeqParams (constant 501)")
+        }
+    }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        var p = try d.params(VecBuffer.params, as: FlashAttnVecParams.self)
-        let q = UnsafePointer(try d.buffer(VecBuffer.q).data.assumingMemoryBound(to: Float.self))
-        let k = try d.buffer(VecBuffer.k)
-        let v = UnsafeRawPointer(try d.buffer(VecBuffer.v).data)
-        let tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
-        let kd = UnsafeRawPointer(k.data)
-        let dtype = k.dtype.rawValue
-        let nwg = d.grid.z
-        if Int(p.nwg) != nwg {
-            throw FlashMetalError.internalError("\(name): params nwg \(p.nwg) != grid z \(nwg)")
-        }
-        let kvRows = Int(p.n_kv_heads)
+        var a = try args(d)
+        let p = a.p
+        let kvRows = Int(a.batch) * Int(p.n_kv_heads)
         let gqa = Int32(p.n_heads / p.n_kv_heads)
         let floats = fm_cpu_vec_scratch_floats(Int32(p.head_dim), gqa)
-        let workers = max(min(pool.threads, kvRows * nwg), 1)
+        let nwg = Int(p.nwg)
+        let active = withUnsafePointer(to: &a) { Int(fm_cpu_vec_active_wgs($0)) }
+        // At most this many FMAs (every row, every key of a full chunk per
+        // item): below ~100 us of work a second thread costs more than it saves.
+        let fmas = kvRows * active * Int(FM_VEC_CHUNK) * Int(gqa) * Int(p.head_dim) * 2
+        let workers = fmas < smallWork ? 1 : max(min(pool.threads, kvRows * active), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
-        // Workgroup w starts at key CHUNK*w: those past kv_len see nothing and
-        // only write their empty partials, on this thread, so a short cache
-        // (e.g. kv_len = 1) wakes no worker for them.
-        let chunk = Int(FM_VEC_CHUNK)
-        let active = min(nwg, (Int(p.kv_seq_len) + chunk - 1) / chunk)
-        withUnsafePointer(to: &p) { pp in
-            pool.forEach(kvRows * active) { w, item in
-                fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(item / active), Int64(item % active),
-                                         scratch + w * floats)
+        withUnsafePointer(to: &a) { ap in
+            pool.forEach(kvRows * active, workers: workers) { w, item in
+                fm_cpu_vec_item(ap, Int64(item / active), Int64(item % active), scratch + w * floats)
             }
-            for r in 0..<kvRows {
-                for wg in active..<nwg {
-                    fm_cpu_vec_partial_group(pp, q, kd, v, dtype, tmp, Int64(r), Int64(wg), scratch)
+            // Workgroups past the busiest sequence's last key only have empty
+            // partials: written here, so a short cache wakes no worker for them.
+            if active < nwg { fm_cpu_vec_empty_partials(ap, Int64(active)) }
+        }
+    }
+
+    /// The kernel's view of a dispatch. The dispatcher validated every
+    /// length and table entry; the cheap bounds are checked again here
+    /// because a wrong one would read outside the caches.
+    private func args(_ d: Dispatch) throws -> FMVecArgs {
+        let p = try d.params(VecBuffer.params, as: FlashAttnVecParams.self)
+        let k = try d.buffer(VecBuffer.k), v = try d.buffer(VecBuffer.v)
+        if Int(p.nwg) != d.grid.z {
+            throw FlashMetalError.internalError("\(name): params nwg \(p.nwg) != grid z \(d.grid.z)")
+        }
+        if p.n_heads == 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 || d.grid.y % Int(p.n_heads) != 0 {
+            throw FlashMetalError.internalError("\(name): heads \(p.n_heads)/\(p.n_kv_heads) do not divide rows \(d.grid.y)")
+        }
+        var a = FMVecArgs()
+        a.p = p
+        a.q = UnsafePointer(try d.buffer(VecBuffer.q).data.assumingMemoryBound(to: Float.self))
+        a.k = UnsafeRawPointer(k.data)
+        a.v = UnsafeRawPointer(v.data)
+        a.tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
+        a.kv_dtype = k.dtype.rawValue
+        a.batch = Int64(d.grid.y / Int(p.n_heads))
+        let dk = Int64(p.head_dim)
+        guard seq else {
+            // The seeds' [(B,) Hkv, cap, D]: batch folded into the heads.
+            a.k_strides = (0, Int64(p.kv_capacity) * dk, dk)
+            a.v_strides = a.k_strides
+            return a
+        }
+        let sp = try d.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        a.k_strides = sp.K_strides
+        a.v_strides = sp.V_strides
+        var capacity = Int64(p.kv_capacity)
+        if paged {
+            if sp.page_size == 0 { throw FlashMetalError.internalError("\(name): page size 0") }
+            a.page_size = Int64(sp.page_size)
+            a.max_pages = Int64(sp.max_pages)
+            capacity = a.page_size * a.max_pages
+        }
+        if kvLens {
+            let lens = try d.buffer(VecBuffer.seqlensK)
+            if lens.dtype != .i32 || lens.byteCount < Int(a.batch) * 4 {
+                throw FlashMetalError.internalError("\(name): seqlens_k \(lens.shape) does not cover batch \(a.batch)")
+            }
+            let l = UnsafePointer(lens.data.assumingMemoryBound(to: Int32.self))
+            for b in 0..<Int(a.batch) where l[b] < 0 || Int64(l[b]) > capacity {
+                throw FlashMetalError.internalError("\(name): seqlens_k[\(b)] = \(l[b]) outside [0, \(capacity)]")
+            }
+            a.seqlens = l
+        } else if Int64(p.kv_seq_len) > capacity {
+            throw FlashMetalError.internalError("\(name): kv_seq_len \(p.kv_seq_len) > capacity \(capacity)")
+        }
+        if paged {
+            // Only the entries of pages holding a sequence's keys are read
+            // (flash-attn leaves the rest of a row unspecified).
+            let table = try d.buffer(VecBuffer.blockTable)
+            let pages = Int64(k.shape.first ?? 0)
+            if table.dtype != .i32 || table.byteCount < Int(a.batch) * Int(a.max_pages) * 4 {
+                throw FlashMetalError.internalError("\(name): block table \(table.shape) does not fit the dispatch")
+            }
+            let t = UnsafePointer(table.data.assumingMemoryBound(to: Int32.self))
+            for b in 0..<Int(a.batch) {
+                let len = a.seqlens.map { Int64($0[b]) } ?? Int64(p.kv_seq_len)
+                let used = Int((len + a.page_size - 1) / a.page_size)
+                for j in 0..<used where t[b * Int(a.max_pages) + j] < 0 || Int64(t[b * Int(a.max_pages) + j]) >= pages {
+                    throw FlashMetalError.internalError("\(name): block_table[\(b), \(j)] = \(t[b * Int(a.max_pages) + j]) outside [0, \(pages))")
                 }
             }
+            a.block_table = t
         }
+        return a
     }
 }
 
 /// `flash_attn_vec_reduce_dk*` and `flash_attn_vec_reduce_tq_hb_undo_dk*`
-/// on the cpu: one work item per row.
+/// on the cpu: one work item per row. The plain reduce takes sinks (504)
+/// and an lse output (505) with FlashAttnVecReduceExtParams.
 final class VecReduceKernel: CPUKernel {
     let name: String
     let headDim: Int32
     let fwht: Bool
     let hasSigns: Bool
+    let sinks: Bool, lse: Bool
 
     init(_ key: PipelineKey, headDim: Int, fwht: Bool) throws {
         name = key.kernel
         self.fwht = fwht
         self.headDim = Int32(headDim)
-        hasSigns = fwht ? try key.constants.requireBool(FunctionConstantIndex.vecHasSigns, kernel: name) : false
+        let c = key.constants
+        hasSigns = fwht ? try c.requireBool(FunctionConstantIndex.vecHasSigns, kernel: name) : false
+        sinks = fwht ? false : c.bool(FunctionConstantIndex.vecSinks) ?? false
+        lse = fwht ? false : c.bool(FunctionConstantIndex.vecLSE) ?? false
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -70,9 +151,33 @@ final class VecReduceKernel: CPUKernel {
         let out = try d.buffer(VecReduceBuffer.out).data.assumingMemoryBound(to: Float.self)
         let signs: UnsafePointer<UInt8>? = hasSigns
             ? UnsafePointer(try d.buffer(VecReduceBuffer.signs).data.assumingMemoryBound(to: UInt8.self)) : nil
+        var heads: Int64 = 1
+        var sinkPtr: UnsafePointer<Float>? = nil
+        var lsePtr: UnsafeMutablePointer<Float>? = nil
+        if sinks || lse {
+            let ext = try d.params(VecReduceBuffer.ext, as: FlashAttnVecReduceExtParams.self)
+            if ext.n_heads == 0 || rows % Int(ext.n_heads) != 0 {
+                throw FlashMetalError.internalError("\(name): n_heads \(ext.n_heads) does not divide rows \(rows)")
+            }
+            heads = Int64(ext.n_heads)
+            if sinks {
+                let s = try d.buffer(VecReduceBuffer.sinks)
+                if s.dtype != .f32 || s.byteCount < Int(heads) * 4 {
+                    throw FlashMetalError.internalError("\(name): sinks \(s.shape) do not cover \(heads) heads")
+                }
+                sinkPtr = UnsafePointer(s.data.assumingMemoryBound(to: Float.self))
+            }
+            if lse {
+                let l = try d.buffer(VecReduceBuffer.lse)
+                if l.dtype != .f32 || l.byteCount < rows * 4 {
+                    throw FlashMetalError.internalError("\(name): lse \(l.shape) does not cover \(rows) rows")
+                }
+                lsePtr = l.data.assumingMemoryBound(to: Float.self)
+            }
+        }
         let (dk, fwht) = (headDim, Int32(self.fwht ? 1 : 0))
-        pool.forEach(rows) { _, r in
-            fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs)
+        pool.forEach(rows, workers: rows * Int(nwg) * Int(dk) < smallWork ? 1 : Int.max) { _, r in
+            fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
         }
     }
 }

@@ -22,21 +22,13 @@ int fm_pf_blk_all_skip(const FMPrefillArgs *a, int64_t ra, int64_t rb, int64_t c
     void fm_pf_pack_##sfx(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed); \
     void fm_pf_item_##sfx(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi,                 \
                           const void *packed, float *scratch);
-#define FM_VEC_DECLARE(sfx)                                                                         \
-    void fm_vec_partial_group_##sfx(const FlashAttnVecParams *p, const float *q, const void *k,     \
-                                    const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow,     \
-                                    int64_t wg, float *scratch);
 
-FM_VEC_DECLARE(portable)
 #if defined(__x86_64__)
 FM_PF_DECLARE(avx2)
 FM_PF_DECLARE(avx512)
 FM_PF_DECLARE(avx512bf16)
-FM_VEC_DECLARE(avx2)
-FM_VEC_DECLARE(avx512)
 #endif
 #if defined(__aarch64__)
 FM_PF_DECLARE(neon)
-FM_VEC_DECLARE(neon)
 #endif
 #endif

@@ -76,6 +76,52 @@ static inline float fm_v_sum(fm_v v) {
     return t[0];
 }
 
+/* out[i] = fm_v_sum(v[i]) for 8 vectors, bit for bit (the same tree), by
+ * folding the vectors into each other: ~8 shuffle+add pairs instead of 8
+ * separate horizontal sums. */
+static inline void fm_v_sum8(const fm_v v[8], float out[8]) {
+#if FM_VL == 16
+    fm_v x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                       29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                       26, 27) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                       30, 31);
+    const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                   __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    const fm_v w = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    for (int i = 0; i < 8; i++) out[i] = w[2 * i];
+#elif FM_VL == 8
+    fm_v x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    memcpy(out, &z, sizeof z);
+#elif FM_VL == 4
+    fm_v x[4];
+    for (int i = 0; i < 4; i++)
+        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7);
+    for (int i = 0; i < 2; i++) {
+        const fm_v y = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 2, 4, 6) +
+                       __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 3, 5, 7);
+        memcpy(out + 4 * i, &y, sizeof y);
+    }
+#else
+    for (int i = 0; i < 8; i++) out[i] = fm_v_sum(v[i]);
+#endif
+}
+
 /* Largest lane of a vector without NaN. */
 static inline float fm_v_max(fm_v v) {
     float t[FM_VL];

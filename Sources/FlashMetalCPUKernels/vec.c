@@ -1,35 +1,52 @@
-/* Split-KV decode on the cpu (seeds 002, 004), following the GPU design:
- * workgroup wg of NWG takes the key chunks [c, c + 32) with c = wg*32,
- * wg*32 + NWG*32, ... and writes its partial (O unnormalised, S, M) to tmp;
- * the reduce then rescales the partials by exp(M_w - M) and normalises.
+/* Split-KV decode on the cpu (seeds 002, 004, and the serving extension of
+ * flashmetal.h): workgroup wg of NWG takes a contiguous run of each
+ * sequence's visible keys (vec_split.h) and writes its partial
+ * (O unnormalised, S, M) to tmp; the reduce then rescales the partials by
+ * exp(M_w - M), adds the sink once and normalises.
  *
- * tmp layout: partial outputs [nrows, nwg, D], then (S, M) pairs [nrows, nwg, 2].
- * The query sits at position kv_len - 1: causal sees every valid key,
- * a sliding window w sees keys p with (kv_len - 1) - p < w. */
+ * tmp layout: partial outputs [nrows, nwg, D], then (S, M) pairs [nrows, nwg, 2]. */
 #include <math.h>
-#include "prefill_fast.h"
+#include "kernel_math.h"
+#include "vec_split.h"
 
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
     (void)d;
-    return (size_t)gqa * (FM_VEC_CHUNK + 2); /* M, S, scores (vec_body.h) */
+    return (size_t)gqa * (FM_VEC_TILE + 2); /* M, S, scores (vec_body.h) */
+}
+
+int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a) {
+    int64_t most = 0;
+    for (int64_t b = 0; b < (a->seqlens ? a->batch : 1); b++) {
+        int64_t lo, hi;
+        fm_vec_visible(a, b, &lo, &hi);
+        const int64_t n = fm_vec_busy_wgs(lo, hi, a->p.nwg);
+        if (n > most) most = n;
+    }
+    return most;
+}
+
+void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
+    const int64_t nwg = a->p.nwg, rows = a->batch * (int64_t)a->p.n_heads;
+    float *sm = a->tmp + rows * nwg * (int64_t)a->p.head_dim;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t w = wg_from; w < nwg; w++) {
+            sm[(r * nwg + w) * 2] = 0.0f;
+            sm[(r * nwg + w) * 2 + 1] = FM_M_INIT;
+        }
 }
 
 /* The item itself is vec_body.h, compiled once per ISA. */
-void fm_cpu_vec_partial_group(const FlashAttnVecParams *p, const float *q, const void *k,
-                              const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow, int64_t wg,
-                              float *scratch) {
+void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
     switch (fm_cpu_isa()) {
 #if defined(__x86_64__)
-    case FM_ISA_AVX2: fm_vec_partial_group_avx2(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch); return;
+    case FM_ISA_AVX2: fm_vec_item_avx2(a, kvrow, wg, scratch); return;
     case FM_ISA_AVX512:
-    case FM_ISA_AVX512BF16:
-        fm_vec_partial_group_avx512(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch);
-        return;
+    case FM_ISA_AVX512BF16: fm_vec_item_avx512(a, kvrow, wg, scratch); return;
 #endif
 #if defined(__aarch64__)
-    case FM_ISA_NEON: fm_vec_partial_group_neon(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch); return;
+    case FM_ISA_NEON: fm_vec_item_neon(a, kvrow, wg, scratch); return;
 #endif
-    default: fm_vec_partial_group_portable(p, q, k, v, kv_dtype, tmp, kvrow, wg, scratch); return;
+    default: fm_vec_item_portable(a, kvrow, wg, scratch); return;
     }
 }
 
@@ -45,22 +62,28 @@ static void fwht(float *x, int32_t n) {
 }
 
 void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
-                           int64_t row, int32_t fwht_undo, const uint8_t *signs) {
+                           int64_t row, int32_t fwht_undo, const uint8_t *signs, const float *sinks,
+                           float *lse, int64_t n_heads) {
     const float *sm = tmp + nrows * nwg * d + row * nwg * 2;
     float M = FM_M_INIT;
     for (int32_t w = 0; w < nwg; w++) if (sm[2 * w + 1] > M) M = sm[2 * w + 1];
-    float S = 0.0f;
+    /* The sink joins the max, so e^{sink - M} cannot overflow; a row
+     * without keys then gets S = 1 from the sink alone and outputs 0. */
+    const float sink = sinks ? sinks[row % n_heads] : -INFINITY;
+    if (sink > M) M = sink;
+    float S = sinks ? expf(sink - M) : 0.0f;
     float *y = out + row * d;
     for (int32_t i = 0; i < d; i++) y[i] = 0.0f;
     for (int32_t w = 0; w < nwg; w++) {
-        /* A workgroup that saw no key (S = 0, O = 0) adds exactly nothing;
-         * skipping it also avoids expf's slow underflow path. */
+        /* A workgroup that saw no key (S = 0; its O is not written) adds
+         * exactly nothing; skipping it also avoids expf's slow underflow path. */
         if (sm[2 * w] == 0.0f) continue;
         const float f = expf(sm[2 * w + 1] - M);
         S += sm[2 * w] * f;
         const float *o = tmp + (row * nwg + w) * d;
         for (int32_t i = 0; i < d; i++) y[i] += o[i] * f;
     }
+    if (lse) lse[row] = S == 0.0f ? -INFINITY : M + logf(S);
     const float inv = S == 0.0f ? 0.0f : 1.0f / S;
     for (int32_t i = 0; i < d; i++) y[i] *= inv;
     if (!fwht_undo) return;

@@ -1,91 +1,125 @@
 /* Split-KV decode, described once and compiled per ISA (kernels_<isa>.c
  * defines FM_VL and FM_SFX, then includes simd.h and this file).
  *
- * One (kv head, workgroup) item: the gqa query rows sharing a K/V head are
- * processed in blocks of up to 4 rows, so each key and value vector is
- * loaded and converted once (in registers) per block. Scores of a 32-key
- * chunk are exponentiated FM_VL keys per vector. A row's arithmetic does not
- * depend on the others (each (row, key) dot product is one chain over D,
- * whichever block computes it). Scratch (heap, per worker): M, S [gqa],
- * scores [gqa, FM_VEC_CHUNK]; nothing sized by gqa lives on the stack. */
+ * One item is one (kv row, workgroup): a contiguous run of keys (vec_split.h;
+ * the seeds' GPU split strided 32-key chunks, which kept the cpu's
+ * prefetchers from streaming) for every query row of the kv head's GQA
+ * group, so K and V come from memory once per group (row blocks beyond the
+ * first re-read a tile from cache). Keys go in tiles of FM_VT whose row
+ * pointers are resolved once (contiguous or through the block table). Each
+ * K row is read start to end, the scores of 8 (row, key) pairs fold into
+ * one vector by a transposing tree (fm_v_sum8: separate horizontal sums
+ * cost as much as the dot products), the softmax runs FM_VL keys per
+ * vector, and P.V keeps NV vectors of each output row in registers over
+ * the tile. A score's arithmetic depends only on its row and key (one chain
+ * over D, whichever block computes it) and tiles start at the workgroup's
+ * first key, which depends only on positions: a paged cache gives the bits
+ * of a contiguous one. Scratch (heap, per worker): M, S [gqa], scores
+ * [gqa, FM_VT]. */
 #include <math.h>
+#include "vec_split.h"
 
-#define FM_C FM_VEC_CHUNK
+#define FM_VT FM_VEC_TILE
 
-/* Raw dot products of rows [0, NR) with the n keys at kc. KJ keys at a
- * time, so NR * KJ accumulator chains hide the FMA latency (one key at a
- * time, a 2-row group ran on 2 chains: latency-bound). */
-static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
-    const float *const qr[4], const void *kc, int32_t dtype, int64_t n, int32_t D, int NR, float *sc) {
-    const int KJ = 8 / NR;
-    int64_t j = 0;
-    for (; j + KJ <= n; j += KJ) {
-        fm_v acc[4][8];
-        for (int r = 0; r < NR; r++)
-            for (int t = 0; t < KJ; t++) acc[r][t] = fm_v_splat(0.0f);
-        for (int32_t d = 0; d < D; d += FM_VL) {
-            fm_v qv[4];
-            for (int r = 0; r < NR; r++) qv[r] = fm_v_load(qr[r] + d);
-            for (int t = 0; t < KJ; t++) {
-                const fm_v kv = fm_v_load_any(kc, (j + t) * D + d, dtype);
-                for (int r = 0; r < NR; r++) acc[r][t] = fm_v_fma(qv[r], kv, acc[r][t]);
-            }
-        }
-        for (int r = 0; r < NR; r++)
-            for (int t = 0; t < KJ; t++) sc[r * FM_C + j + t] = fm_v_sum(acc[r][t]);
+/* Row pointers of keys [p0, p0 + n) of kv head g of sequence b. */
+static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const int64_t *st, int64_t b,
+                                    int64_t g, int64_t p0, int64_t n, int64_t esz, const char **rp) {
+    const char *x = (const char *)base;
+    if (!a->block_table) {
+        const char *r = x + (b * st[0] + g * st[1] + p0 * st[2]) * esz;
+        for (int64_t j = 0; j < n; j++) rp[j] = r + j * st[2] * esz;
+        return;
     }
-    for (; j < n; j++) {
-        fm_v acc[4];
-        for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
-        for (int32_t d = 0; d < D; d += FM_VL) {
-            const fm_v kv = fm_v_load_any(kc, j * D + d, dtype);
-            for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r]);
+    const int32_t *bt = a->block_table + b * a->max_pages;
+    int64_t page = p0 / a->page_size, off = p0 % a->page_size;
+    const char *pg = x + ((int64_t)bt[page] * st[0] + g * st[1]) * esz;
+    for (int64_t j = 0; j < n; j++, off++) {
+        if (off == a->page_size) {
+            page++;
+            off = 0;
+            pg = x + ((int64_t)bt[page] * st[0] + g * st[1]) * esz;
         }
-        for (int r = 0; r < NR; r++) sc[r * FM_C + j] = fm_v_sum(acc[r]);
+        rp[j] = pg + off * st[2] * esz;
     }
 }
 
-/* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR): NV vectors of
- * outputs at a time, NR * NV chains (8). */
-static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
-    float *const o[4], const float *f, const float *p, const void *vc, int32_t dtype, int64_t n,
-    int32_t D, int NR) {
-    const int NV = NR >= 4 ? 2 : 4;
-    for (int32_t d = 0; d < D; d += NV * FM_VL) {
-        fm_v acc[4][4];
-        for (int r = 0; r < NR; r++)
-            for (int i = 0; i < NV; i++) acc[r][i] = fm_v_load(o[r] + d + i * FM_VL) * f[r];
-        for (int64_t j = 0; j < n; j++) {
-            fm_v vv[4];
-            for (int i = 0; i < NV; i++) vv[i] = fm_v_load_any(vc, j * D + d + i * FM_VL, dtype);
-            for (int r = 0; r < NR; r++) {
-                const fm_v pj = fm_v_splat(p[r * FM_C + j]);
-                for (int i = 0; i < NV; i++) acc[r][i] = fm_v_fma(pj, vv[i], acc[r][i]);
+/* Raw dot products of rows [0, NR) with the n keys at kp, into sc (row
+ * stride FM_VT). Each key row is read from start to end before the next
+ * (rows read side by side, 64 bytes of each in turn, ran at half the
+ * bandwidth: the prefetchers lose such short interleaved streams); KJ =
+ * 8 / NR keys form one group whose 8 chains overlap in the out-of-order
+ * window and fold into one vector of sums. */
+static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
+    const float *const qr[4], const char *const *kp, const char *const *vp, int32_t dtype, int64_t n, int32_t D,
+    int NR, float *sc) {
+    const int KJ = 8 / NR;
+    const int64_t rowbytes = (int64_t)D * (dtype == FM_DTYPE_F32 ? 4 : 2);
+    int64_t j = 0;
+    for (; j + KJ <= n; j += KJ) {
+        fm_v acc[8];
+        for (int t = 0; t < KJ; t++) {
+            const char *kr = kp[j + t];
+            if (vp)
+                for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(vp[j + t] + c);
+            for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
+            for (int32_t d = 0; d < D; d += FM_VL) {
+                const fm_v kv = fm_v_load_any(kr, d, dtype);
+                for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
             }
         }
+        float s8[8];
+        fm_v_sum8(acc, s8);
         for (int r = 0; r < NR; r++)
-            for (int i = 0; i < NV; i++) fm_v_store(o[r] + d + i * FM_VL, acc[r][i]);
+            for (int t = 0; t < KJ; t++) sc[r * FM_VT + j + t] = s8[r * KJ + t];
+    }
+    for (; j < n; j++) {
+        fm_v acc[4];
+        if (vp)
+            for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(vp[j] + c);
+        for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
+        for (int32_t d = 0; d < D; d += FM_VL) {
+            const fm_v kv = fm_v_load_any(kp[j], d, dtype);
+            for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r]);
+        }
+        for (int r = 0; r < NR; r++) sc[r * FM_VT + j] = fm_v_sum(acc[r]);
     }
 }
 
 /* Scale, softcap, the floor, the online softmax of one row over n keys:
- * sc holds raw dots on entry and p (0 past n) on exit. Returns the factor. */
+ * sc holds raw dots on entry and p (0 past n, up to a whole vector) on
+ * exit. Returns the factor of the previous O and S. */
 static inline float FM_SFX(vec_softmax)(const FlashAttnVecParams *p, float *sc, int64_t n, float *M,
                                         float *S) {
-    float mx = *M;
-    for (int64_t j = 0; j < FM_C; j++) {
-        float s = -INFINITY;
-        if (j < n) {
-            s = p->scale * sc[j];
-            if (p->softcap > 0) s = p->softcap * tanhf(s / p->softcap);
-            s = s < FM_M_INIT ? FM_M_INIT : s;
-            if (s > mx) mx = s;
+    const int64_t nv = (n + FM_VL - 1) / FM_VL * FM_VL;
+    fm_v mxv = fm_v_splat(*M);
+    if (p->softcap > 0) {
+        for (int64_t j = 0; j < nv; j++) {
+            float s = -INFINITY;
+            if (j < n) {
+                s = p->softcap * tanhf(p->scale * sc[j] / p->softcap);
+                s = s < FM_M_INIT ? FM_M_INIT : s;
+            }
+            sc[j] = s;
         }
-        sc[j] = s;
     }
-    const float factor = expf(*M - mx);
+    fm_vi lane;
+    for (int i = 0; i < FM_VL; i++) lane[i] = i;
+    for (int64_t c = 0; c < nv; c += FM_VL) {
+        fm_v x = fm_v_load(sc + c);
+        if (!(p->softcap > 0)) {
+            x = x * p->scale;
+            x = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
+            x = fm_v_sel(lane + (int32_t)c < (int32_t)n, x, fm_v_splat(-INFINITY));
+            fm_v_store(sc + c, x);
+        }
+        mxv = fm_v_sel(x > mxv, x, mxv); /* NaN never becomes the max */
+    }
+    const float mx = fm_v_max(mxv);
+    /* Before the first key nothing was summed (S = 0, O = 0): skip expf's
+     * slow underflow path for e^(M_INIT - mx). */
+    const float factor = *S == 0.0f ? 0.0f : expf(*M - mx);
     fm_v sum = fm_v_splat(0.0f);
-    for (int c = 0; c < FM_C; c += FM_VL) {
+    for (int64_t c = 0; c < nv; c += FM_VL) {
         const fm_v pv = fm_v_exp(fm_v_load(sc + c) - mx);
         sum += pv;
         fm_v_store(sc + c, pv);
@@ -95,72 +129,120 @@ static inline float FM_SFX(vec_softmax)(const FlashAttnVecParams *p, float *sc, 
     return factor;
 }
 
+/* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR): NV vectors of
+ * each row in registers over all n keys (vec_scores brought the tile's V
+ * rows into cache in memory order, so reading them column-wise is cheap). */
+static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
+    float *const o[4], const float *f, const float *pr, const char *const *vp, int32_t dtype, int64_t n,
+    int32_t D, int NR) {
+    const int NV = NR >= 4 ? 2 : 4;
+    int32_t d = 0;
+    for (; d + NV * FM_VL <= D; d += NV * FM_VL) {
+        fm_v acc[4][4];
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < NV; i++) acc[r][i] = fm_v_load(o[r] + d + i * FM_VL) * f[r];
+        for (int64_t t = 0; t < n; t++) {
+            fm_v vv[4];
+            for (int i = 0; i < NV; i++) vv[i] = fm_v_load_any(vp[t], d + i * FM_VL, dtype);
+            for (int r = 0; r < NR; r++) {
+                const fm_v pj = fm_v_splat(pr[r * FM_VT + t]);
+                for (int i = 0; i < NV; i++) acc[r][i] = fm_v_fma(pj, vv[i], acc[r][i]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int i = 0; i < NV; i++) fm_v_store(o[r] + d + i * FM_VL, acc[r][i]);
+    }
+    for (; d < D; d += FM_VL) {
+        fm_v acc[4];
+        for (int r = 0; r < NR; r++) acc[r] = fm_v_load(o[r] + d) * f[r];
+        for (int64_t t = 0; t < n; t++) {
+            const fm_v vv = fm_v_load_any(vp[t], d, dtype);
+            for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_splat(pr[r * FM_VT + t]), vv, acc[r]);
+        }
+        for (int r = 0; r < NR; r++) fm_v_store(o[r] + d, acc[r]);
+    }
+}
+
+/* Rows [row0, row0 + NR) over one tile of n keys. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
-    const FlashAttnVecParams *p, const float *q, const void *kc, const void *vc, int32_t dtype,
-    int64_t n, float *tmp, int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR) {
-    const int32_t D = (int32_t)p->head_dim;
-    const int64_t nwg = p->nwg;
+    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, int64_t row0, int64_t wg,
+    float *M, float *S, float *sc, int NR, int32_t dtype) {
+    const int32_t D = (int32_t)a->p.head_dim;
+    const int64_t nwg = a->p.nwg, gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     const float *qr[4];
     float *o[4];
     float f[4];
     for (int r = 0; r < NR; r++) {
-        qr[r] = q + (row0 + r) * D;
-        o[r] = tmp + ((row0 + r) * nwg + wg) * D;
+        qr[r] = a->q + (row0 + r) * D;
+        o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
     }
-    FM_SFX(vec_scores)(qr, kc, dtype, n, D, NR, sc);
-    for (int r = 0; r < NR; r++) f[r] = FM_SFX(vec_softmax)(p, sc + r * FM_C, n, &M[r], &S[r]);
-    FM_SFX(vec_pv)(o, f, sc, vc, dtype, n, D, NR);
+    /* For float32 caches the first block of the tile also prefetches V, row
+     * after row, beside K (measured: f32 decode 15% faster; 16-bit caches,
+     * half the bytes per key, ran slower with it). */
+    FM_SFX(vec_scores)(qr, kp, dtype == FM_DTYPE_F32 && row0 % gqa == 0 ? vp : NULL, dtype, n, D, NR, sc);
+    for (int r = 0; r < NR; r++) f[r] = FM_SFX(vec_softmax)(&a->p, sc + r * FM_VT, n, &M[r], &S[r]);
+    FM_SFX(vec_pv)(o, f, sc, vp, dtype, n, D, NR);
 }
 
-void FM_SFX(fm_vec_partial_group)(const FlashAttnVecParams *p, const float *q, const void *k,
-                                  const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow,
-                                  int64_t wg, float *scratch) {
-    const int32_t D = (int32_t)p->head_dim;
-    const int64_t nrows = p->n_heads, nwg = p->nwg, kv_len = p->kv_seq_len;
-    const int64_t gqa = (int64_t)p->n_heads / p->n_kv_heads;
-    const int64_t cap = p->kv_capacity;
-    const size_t esz = kv_dtype == FM_DTYPE_F32 ? 4 : 2;
-    float *M = scratch, *S = M + gqa, *scores = S + gqa;
-
-    /* Visible key range [lo, kv_len). */
-    int64_t lo = 0;
-    if (p->mask_type == 2) {
-        lo = kv_len - (int64_t)p->sliding_window;
-        if (lo < 0) lo = 0;
-    }
-    for (int64_t g = 0; g < gqa; g++) {
-        memset(tmp + ((kvrow * gqa + g) * nwg + wg) * D, 0, sizeof(float) * D);
-        M[g] = FM_M_INIT;
-        S[g] = 0.0f;
-    }
-    for (int64_t c = wg * FM_C; c < kv_len; c += nwg * FM_C) {
-        const int64_t first = c > lo ? c : lo;
-        const int64_t end = (c + FM_C) < kv_len ? (c + FM_C) : kv_len;
-        if (first >= end) continue;
-        const int64_t n = end - first;
-        const int64_t off = (kvrow * cap + first) * D;
-        const void *kc = (const char *)k + esz * off;
-        const void *vc = (const char *)v + esz * off;
-        for (int64_t g = 0; g < gqa;) {
-            const int64_t left = gqa - g, row0 = kvrow * gqa + g;
-            float *sc = scores + g * FM_C;
-            if (left >= 4) {
-                FM_SFX(vec_block)(p, q, kc, vc, kv_dtype, n, tmp, row0, wg, M + g, S + g, sc, 4);
-                g += 4;
-            } else if (left >= 2) {
-                FM_SFX(vec_block)(p, q, kc, vc, kv_dtype, n, tmp, row0, wg, M + g, S + g, sc, 2);
-                g += 2;
-            } else {
-                FM_SFX(vec_block)(p, q, kc, vc, kv_dtype, n, tmp, row0, wg, M + g, S + g, sc, 1);
-                g += 1;
-            }
+/* Every row of kv row kvrow's group over one tile, in blocks of 4, 2, 1. */
+static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
+    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, int64_t kvrow, int64_t wg,
+    float *M, float *S, float *scores, int32_t dtype) {
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
+    for (int64_t i = 0; i < gqa;) {
+        const int64_t left = gqa - i, row0 = kvrow * gqa + i;
+        float *sc = scores + i * FM_VT;
+        if (left >= 4) {
+            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 4, dtype);
+            i += 4;
+        } else if (left >= 2) {
+            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 2, dtype);
+            i += 2;
+        } else {
+            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 1, dtype);
+            i += 1;
         }
     }
-    for (int64_t g = 0; g < gqa; g++) {
-        float *sm = tmp + nrows * nwg * D + ((kvrow * gqa + g) * nwg + wg) * 2;
-        sm[0] = S[g];
-        sm[1] = M[g];
+}
+
+void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
+    const FlashAttnVecParams *p = &a->p;
+    const int32_t D = (int32_t)p->head_dim;
+    const int64_t nwg = p->nwg, hkv = p->n_kv_heads;
+    const int64_t gqa = (int64_t)p->n_heads / hkv, nrows = a->batch * (int64_t)p->n_heads;
+    const int64_t b = kvrow / hkv, g = kvrow % hkv, esz = a->kv_dtype == FM_DTYPE_F32 ? 4 : 2;
+    float *sm = a->tmp + nrows * nwg * D;
+    int64_t lo, hi, s, e;
+    fm_vec_visible(a, b, &lo, &hi);
+    fm_vec_wg_keys(lo, hi, nwg, wg, &s, &e);
+    if (s >= e) {
+        for (int64_t i = 0; i < gqa; i++) {
+            sm[((kvrow * gqa + i) * nwg + wg) * 2] = 0.0f;
+            sm[((kvrow * gqa + i) * nwg + wg) * 2 + 1] = FM_M_INIT;
+        }
+        return;
+    }
+    float *M = scratch, *S = M + gqa, *scores = S + gqa;
+    for (int64_t i = 0; i < gqa; i++) {
+        memset(a->tmp + ((kvrow * gqa + i) * nwg + wg) * D, 0, sizeof(float) * D);
+        M[i] = FM_M_INIT;
+        S[i] = 0.0f;
+    }
+    const char *kp[FM_VT], *vp[FM_VT];
+    for (int64_t t0 = s; t0 < e; t0 += FM_VT) {
+        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT;
+        FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t0, n, esz, kp);
+        FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t0, n, esz, vp);
+        switch (a->kv_dtype) { /* constant inside: the loads specialise */
+        case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
+        case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
+        default: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
+        }
+    }
+    for (int64_t i = 0; i < gqa; i++) {
+        sm[((kvrow * gqa + i) * nwg + wg) * 2] = S[i];
+        sm[((kvrow * gqa + i) * nwg + wg) * 2 + 1] = M[i];
     }
 }
 
-#undef FM_C
+#undef FM_VT

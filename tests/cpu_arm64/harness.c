@@ -412,33 +412,109 @@ static void run_serving_cases(int fast) {
 
 /* ---- decode -------------------------------------------------------------- */
 
-static void run_decode(int32_t D, int32_t dtype, uint32_t kv_len, uint32_t window) {
-    const int32_t H = 4, Hkv = 2, cap = 333, nwg = FM_VEC_CHUNK;
-    Buf k = buf_new(dtype, (size_t)Hkv * cap * D, 1), v = buf_new(dtype, (size_t)Hkv * cap * D, 1);
-    Buf q = buf_new(FM_DTYPE_F32, (size_t)H * D, 1);
-    FlashAttnVecParams p = {H, Hkv, (uint32_t)D, kv_len, cap, 1.0f / sqrtf((float)D), window ? 2 : 1,
-                            window, 0.0f, nwg};
-    float *tmp = calloc((size_t)H * nwg * (D + 2), sizeof(float)), *out = calloc((size_t)H * D, sizeof(float));
-    float *scratch = malloc(sizeof(float) * fm_cpu_vec_scratch_floats(D, H / Hkv));
-    for (int32_t r = 0; r < Hkv; r++)
-        for (int32_t w = 0; w < nwg; w++)
-            fm_cpu_vec_partial_group(&p, (const float *)q.raw, k.raw, v.raw, dtype, tmp, r, w, scratch);
-    for (int32_t r = 0; r < H; r++) fm_cpu_vec_reduce_row(tmp, out, H, D, nwg, r, 0, NULL);
-    double worst = 0, *ref = malloc(sizeof(double) * (size_t)D);
-    int *vis = malloc(sizeof(int) * kv_len);
-    for (uint32_t j = 0; j < kv_len; j++) vis[j] = !window || (kv_len - 1) - j < window;
-    for (int32_t h = 0; h < H; h++) {
-        const int32_t kvh = h / (H / Hkv);
-        ref_row(q.val + (size_t)h * D, k.val + (size_t)kvh * cap * D, v.val + (size_t)kvh * cap * D, kv_len, D,
-                p.scale, NULL, vis, ref);
-        for (int32_t d = 0; d < D; d++) {
-            const double err = fabs(out[h * D + d] - ref[d]) / (1e-5 + 1e-4 * fabs(ref[d]));
-            if (!(err <= worst)) worst = err;
-        }
+typedef struct {
+    int32_t D, dtype, window; /* window 0: none, else keys p with (len - 1) - p < window */
+    int32_t paged, sinks, lse;
+    float softcap;
+} DecodeCase;
+
+/* B sequences of the lengths below, H = 4 query heads over Hkv = 2 kv heads,
+ * each (b, h) checked against a double reference; the same values run once
+ * from a contiguous [B, cap, Hkv, D] cache and, with c->paged, once more
+ * from a paged one whose table is shuffled, which must give the same bits. */
+static void run_decode(const DecodeCase *c) {
+    enum { B = 4, H = 4, Hkv = 2, PS = 16, MAXP = 6, CAP = PS * MAXP, NWG = 32 };
+    const int32_t lens[B] = {0, 1, 77, CAP};
+    const int32_t D = c->D, dt = c->dtype;
+    const size_t row = (size_t)Hkv * D; /* elements per cache position */
+    Buf k = buf_new(dt, (size_t)B * CAP * row, 1), v = buf_new(dt, (size_t)B * CAP * row, 1);
+    Buf q = buf_new(FM_DTYPE_F32, (size_t)B * H * D, 1);
+    float sinks[H];
+    for (int h = 0; h < H; h++) sinks[h] = 2.0f * nrand();
+    FMVecArgs a;
+    memset(&a, 0, sizeof a);
+    a.p = (FlashAttnVecParams){H, Hkv, (uint32_t)D, 0, CAP, 1.0f / sqrtf((float)D), c->window ? 2 : 1,
+                               (uint32_t)c->window, c->softcap, NWG};
+    a.q = (const float *)q.raw;
+    a.seqlens = lens;
+    a.batch = B;
+    a.kv_dtype = dt;
+    for (int i = 0; i < 2; i++) {
+        int64_t *st = i ? a.v_strides : a.k_strides;
+        st[0] = (int64_t)CAP * row; st[1] = D; st[2] = (int64_t)row;
     }
-    CHECK(worst <= 1.0, "decode %s D=%d kv dtype=%d kv_len=%u window=%u: error %.3gx tolerance",
-          fm_cpu_isa_name(fm_cpu_isa()), D, dtype, kv_len, window, worst);
-    free(tmp); free(out); free(scratch); free(ref); free(vis);
+    const size_t nout = (size_t)B * H * D;
+    float *tmp = calloc((size_t)B * H * NWG * (D + 2), sizeof(float));
+    float *out[2] = {calloc(nout, sizeof(float)), calloc(nout, sizeof(float))};
+    float *lse[2] = {calloc(B * H, sizeof(float)), calloc(B * H, sizeof(float))};
+    float *scratch = malloc(sizeof(float) * fm_cpu_vec_scratch_floats(D, H / Hkv));
+    /* The paged copy: page j of sequence b at table[b][j], pages shuffled. */
+    const int32_t npages = B * MAXP + 3;
+    int32_t table[B * MAXP];
+    for (int i = 0; i < B * MAXP; i++) table[i] = (i * 7 + 3) % npages;
+    const size_t esz = dt == FM_DTYPE_F32 ? 4 : 2, page_bytes = (size_t)PS * row * esz;
+    char *kp = calloc((size_t)npages, page_bytes), *vp = calloc((size_t)npages, page_bytes);
+    for (int b = 0; b < B; b++)
+        for (int j = 0; j < MAXP; j++) {
+            const size_t src = ((size_t)b * CAP + (size_t)j * PS) * row * esz;
+            memcpy(kp + (size_t)table[b * MAXP + j] * page_bytes, (char *)k.raw + src, page_bytes);
+            memcpy(vp + (size_t)table[b * MAXP + j] * page_bytes, (char *)v.raw + src, page_bytes);
+        }
+    for (int run = 0; run < (c->paged ? 2 : 1); run++) {
+        a.k = run ? (const void *)kp : k.raw;
+        a.v = run ? (const void *)vp : v.raw;
+        a.block_table = run ? table : NULL;
+        a.page_size = PS;
+        a.max_pages = MAXP;
+        a.tmp = tmp;
+        for (int i = 0; i < 2; i++) (i ? a.v_strides : a.k_strides)[0] = run ? (int64_t)PS * row : (int64_t)CAP * row;
+        for (int64_t r = 0; r < (int64_t)B * Hkv; r++)
+            for (int64_t w = 0; w < NWG; w++) fm_cpu_vec_item(&a, r, w, scratch);
+        for (int64_t r = 0; r < (int64_t)B * H; r++)
+            fm_cpu_vec_reduce_row(tmp, out[run], (int64_t)B * H, D, NWG, r, 0, NULL, c->sinks ? sinks : NULL,
+                                  c->lse ? lse[run] : NULL, H);
+    }
+    double worst = 0, worst_lse = 0, *ref = malloc(sizeof(double) * (size_t)D), *s = malloc(sizeof(double) * CAP);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const int g = h / (H / Hkv), len = lens[b];
+            const int lo = c->window && len - c->window > 0 ? len - c->window : 0;
+            double mx = c->sinks ? sinks[h] : -INFINITY, sum = 0;
+            for (int p = lo; p < len; p++) {
+                double dot = 0;
+                for (int d = 0; d < D; d++) dot += q.val[((size_t)b * H + h) * D + d] * k.val[((size_t)b * CAP + p) * row + (size_t)g * D + d];
+                double x = a.p.scale * dot;
+                if (c->softcap > 0) x = c->softcap * tanh(x / c->softcap);
+                s[p] = x;
+                if (x > mx) mx = x;
+            }
+            for (int d = 0; d < D; d++) ref[d] = 0;
+            if (c->sinks) sum = exp(sinks[h] - mx);
+            for (int p = lo; p < len; p++) {
+                const double e = exp(s[p] - mx);
+                sum += e;
+                for (int d = 0; d < D; d++) ref[d] += e * v.val[((size_t)b * CAP + p) * row + (size_t)g * D + d];
+            }
+            for (int d = 0; d < D; d++) {
+                if (sum > 0) ref[d] /= sum;
+                const double err = fabs(out[0][((size_t)b * H + h) * D + d] - ref[d]) / (1e-5 + 1e-4 * fabs(ref[d]));
+                if (!(err <= worst)) worst = err;
+            }
+            if (c->lse) {
+                const double want = sum > 0 ? mx + log(sum) : -INFINITY, got = lse[0][b * H + h];
+                const double err = want == -INFINITY ? (got == -INFINITY ? 0 : INFINITY) : fabs(got - want) / 1e-5;
+                if (!(err <= worst_lse)) worst_lse = err;
+            }
+        }
+    CHECK(worst <= 1.0 && worst_lse <= 1.0,
+          "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g: error %.3gx tolerance (lse %.3gx)",
+          fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, worst, worst_lse);
+    if (c->paged)
+        CHECK(memcmp(out[0], out[1], nout * sizeof(float)) == 0 && memcmp(lse[0], lse[1], B * H * sizeof(float)) == 0,
+              "decode %s D=%d dtype=%d: paged and contiguous caches differ in their bits", fm_cpu_isa_name(fm_cpu_isa()),
+              D, dt);
+    free(tmp); free(out[0]); free(out[1]); free(lse[0]); free(lse[1]); free(scratch); free(ref); free(s);
+    free(kp); free(vp);
     buf_free(&k); buf_free(&v); buf_free(&q);
 }
 
@@ -506,11 +582,14 @@ int main(int argc, char **argv) {
     }
     const PrefillCase d512 = {512, 20, 40, 20, 2, 1, FM_DTYPE_BF16, 1, FM_MASK_NONE, 0, -1, -1};
     run_prefill(&d512, fast);
-    for (int di = 0; di < 3; di++) {
-        run_decode(64, dts[di], 300, 0);
-        run_decode(128, dts[di], 1, 0);
-        run_decode(256, dts[di], 333, 100);
-    }
+    const int32_t dec_dims[7] = {64, 80, 96, 128, 192, 256, 512};
+    for (int di = 0; di < 3; di++)
+        for (int i = 0; i < 7; i++) {
+            const DecodeCase plain = {dec_dims[i], dts[di], 0, i % 2, 0, 0, 0.0f};
+            run_decode(&plain);
+            const DecodeCase serving = {dec_dims[i], dts[di], i % 3 ? 20 : 0, 1, 1, 1, i == 3 ? 5.0f : 0.0f};
+            run_decode(&serving);
+        }
     run_serving_cases(fast);
     run_blk_and_mask();
     printf("cpu-arm64: %s: %s\n", fm_cpu_isa_name(isa), failures ? "FAILED" : "all checks passed");

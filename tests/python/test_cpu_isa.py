@@ -111,15 +111,15 @@ def test_bad_isa_value_warns_and_keeps_the_default(value):
 
 
 SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfinite.py", "test_cpu_isa.py",
-          "test_serving_prefill_cpu.py"]
+          "test_serving_prefill_cpu.py", "test_serving_decode_sim.py", "test_serving_decode_cpu.py"]
 
 
 @pytest.mark.parametrize("isa", ISAS + ["neon"])
 def test_suite_under_forced_isa(isa):
     """The prefill, sdpa, decode, non-finite and serving-prefill cpu suites
     (numerics, resume, determinism, NaN/inf, huge biases, varlen/paged/window/
-    sinks/LSE) on each path below the native one (the native path is the main
-    run's)."""
+    sinks/LSE) and the serving decode suites on each path below the native one
+    (the native path is the main run's)."""
     supported = supported_isas()
     if isa not in supported:
         pytest.skip(f"this cpu has no {isa} path")

@@ -20,16 +20,6 @@ from serving_native import VEC_SEQ_OP, make_cache, vec_seq
 HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
 OP = "flash_attn_with_kvcache"
-# INTERIM: decode-cpu's cpu kernel for the serving constants (501-505) has not
-# landed yet; remove this gate once `git merge main` brings it.
-CPU_VEC_SEQ_PENDING = True
-
-
-@pytest.fixture
-def registry(registry):
-    if registry.backend == "cpu" and CPU_VEC_SEQ_PENDING:
-        pytest.skip("cpu serving decode kernel pending (decode-cpu)")
-    return registry
 
 
 def decode(registry, q, k, v, **kw):

@@ -112,23 +112,63 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
 /* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
 void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
 
-/* Keys per chunk of the decode split: workgroup w takes chunks starting at
- * 32*w, 32*(w + nwg), ... */
-#define FM_VEC_CHUNK 32
+/* ---- decode (vec) -------------------------------------------------------
+ * One call's decode, as the Swift backend reads it from a Dispatch. Rows
+ * r = b * n_heads + h (b < batch) of q [rows, D]; row r reads kv head
+ * g = h / (n_heads / n_kv_heads) of sequence b, key p at
+ *   block_table: k + block_table[b*max_pages + p/page_size]*k_strides[0]
+ *                  + g*k_strides[1] + (p % page_size)*k_strides[2]
+ *   else:        k + b*k_strides[0] + g*k_strides[1] + p*k_strides[2]
+ * (elements; V likewise). The seeds' [(B,) Hkv, cap, D] call is batch 1
+ * with n_heads = B*H, n_kv_heads = B*Hkv, strides (0, cap*D, D).
+ * kv_len_b = seqlens ? seqlens[b] : p.kv_seq_len; the query sits at
+ * kv_len_b - 1 and sees keys [lo_b, kv_len_b), lo_b = kv_len_b - w for the
+ * sliding window w (mask_type 2), else 0. Every seqlens/block_table value
+ * was validated by the host. */
+typedef struct FMVecArgs {
+    FlashAttnVecParams p;
+    const float *q;
+    const void *k;
+    const void *v;
+    float *tmp;                 /* partials: O [rows, nwg, D], then (S, M) [rows, nwg, 2] */
+    const int32_t *seqlens;     /* NULL: p.kv_seq_len for every sequence */
+    const int32_t *block_table; /* NULL: not paged */
+    int64_t k_strides[3];
+    int64_t v_strides[3];
+    int64_t page_size;          /* with block_table */
+    int64_t max_pages;          /* with block_table */
+    int64_t batch;
+    int32_t kv_dtype;           /* FMDType: f32, f16 or bf16 */
+    int32_t _pad;
+} FMVecArgs;
 
-/* ---- decode (vec): the partials of one (kv head, workgroup) into tmp, for
- * every query row of that kv head's GQA group. kv_dtype is an FMDType (f32,
- * f16, bf16). */
-void fm_cpu_vec_partial_group(const FlashAttnVecParams *p, const float *q, const void *k,
-                              const void *v, int32_t kv_dtype, float *tmp, int64_t kvrow, int64_t wg,
-                              float *scratch);
-/* Floats of scratch one vec work item needs (heap: nothing gqa-sized goes
- * on a thread's stack). */
+/* Keys per unit of the split: workgroup w of nwg takes a contiguous run of
+ * the visible keys, cut at absolute multiples of FM_VEC_CHUNK, so what each
+ * key's partial sums depend on is its logical position only (paged and
+ * contiguous caches give bit-identical results). */
+#define FM_VEC_CHUNK 16
+
+/* The partials of one (kv row = b * n_kv_heads + g, workgroup) into tmp,
+ * for every query row of that kv head's GQA group: K and V are read once
+ * per group. A workgroup without keys writes S = 0 (its O is not read). */
+void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+/* Workgroups that have keys in the busiest sequence (<= p.nwg): the others
+ * only write empty partials, so they need no worker. */
+int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a);
+/* The empty partials (S = 0) of workgroups [wg_from, nwg) of every row. */
+void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
+/* Floats of scratch one vec item needs (heap: nothing gqa-sized goes on a
+ * thread's stack). */
 size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
 /* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
- * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. */
+ * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. sinks (NULL:
+ * none) is float32 [n_heads]: row r's sink logit sinks[r % n_heads] joins
+ * the denominator once, without a value. lse (NULL: none) receives
+ * log(sum of e^s [+ e^sink]) in natural units, -inf for a row that sees no
+ * key and has no sink. */
 void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
-                           int64_t row, int32_t fwht, const uint8_t *signs);
+                           int64_t row, int32_t fwht, const uint8_t *signs, const float *sinks,
+                           float *lse, int64_t n_heads);
 
 /* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
  * BF16. ext: NULL (the seed's bottom-right positions) or the SdpaExtParams

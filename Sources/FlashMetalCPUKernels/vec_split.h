@@ -1,0 +1,53 @@
+/* Which keys a decode workgroup reads (vec.c and every ISA's vec_body.h). */
+#ifndef FM_VEC_SPLIT_H
+#define FM_VEC_SPLIT_H
+#include "fm_cpu_kernels.h"
+
+/* Keys per tile of a decode item (a multiple of every FM_VL). */
+#define FM_VEC_TILE 64
+
+/* The per-ISA instances of vec_body.h that vec.c dispatches to. */
+void fm_vec_item_portable(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+#if defined(__x86_64__)
+void fm_vec_item_avx2(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+void fm_vec_item_avx512(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+#endif
+#if defined(__aarch64__)
+void fm_vec_item_neon(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+#endif
+
+/* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1). */
+static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {
+    const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
+    int64_t l = 0;
+    if (a->p.mask_type == FM_VEC_MASK_WINDOW) {
+        l = len - (int64_t)a->p.sliding_window;
+        if (l < 0) l = 0;
+    }
+    *lo = l;
+    *hi = len;
+}
+
+/* Workgroups with keys for the visible range [lo, hi): one per chunk, at
+ * most nwg. */
+static inline int64_t fm_vec_busy_wgs(int64_t lo, int64_t hi, int64_t nwg) {
+    if (hi <= lo) return 0;
+    const int64_t chunks = (hi + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - lo / FM_VEC_CHUNK;
+    return chunks < nwg ? chunks : nwg;
+}
+
+/* Workgroup wg's keys [*s, *e) of [lo, hi): the chunks cut at absolute
+ * multiples of FM_VEC_CHUNK, dealt evenly (to within one chunk) over the
+ * first fm_vec_busy_wgs workgroups as contiguous runs; empty (*s == *e) for
+ * the others. Contiguous runs keep the hardware prefetcher streaming. */
+static inline void fm_vec_wg_keys(int64_t lo, int64_t hi, int64_t nwg, int64_t wg, int64_t *s, int64_t *e) {
+    const int64_t busy = fm_vec_busy_wgs(lo, hi, nwg);
+    *s = *e = 0;
+    if (wg >= busy) return;
+    const int64_t c0 = lo / FM_VEC_CHUNK, chunks = (hi + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0;
+    const int64_t a = (c0 + chunks * wg / busy) * FM_VEC_CHUNK;
+    const int64_t b = (c0 + chunks * (wg + 1) / busy) * FM_VEC_CHUNK;
+    *s = a > lo ? a : lo;
+    *e = b < hi ? b : hi;
+}
+#endif
