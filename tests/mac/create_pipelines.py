@@ -41,9 +41,8 @@ from flashmetal import reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
-HEAD_DIMS = (64, 128, 256, 512)
 PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
-# Decode's FWHT reduce has only the powers of two (decode_cases skips the rest).
+# The FWHT reduce runs only at the power-of-two ones.
 VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
 # none; kL >= qL (Q may not overshoot K). (qL, kL): both aligned, K not, Q
