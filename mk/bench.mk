@@ -35,4 +35,11 @@ $(BENCH_STAMP): python/requirements-bench.txt | venv
 	@$(PY) -c "import torch; q = torch.randn(1, 2, 8, 16); print('bench: torch', torch.__version__, 'CPU SDPA ok', tuple(torch.nn.functional.scaled_dot_product_attention(q, q, q).shape))" || true
 	touch $@
 
+# Serving (issue 14): paged vs contiguous decode, varlen vs padded prefill vs
+# torch; bench/SERVING_RESULTS.md. Part of `make bench`.
+.PHONY: bench-serving
+bench-serving: python bench-deps
+	$(PY) bench/serving_bench.py $(BENCH_ARGS)
+bench: bench-serving
+
 .DEFAULT_GOAL := $(_BENCH_SAVED_GOAL)

@@ -23,7 +23,7 @@ public func fm_dispatch_vec_seq(
         let (qt, kt) = (try TensorRef(q, op: op, name: "q"), try TensorRef(k, op: op, name: "k"))
         let (vt, outT) = (try TensorRef(v, op: op, name: "v"), try TensorRef(out, op: op, name: "out"))
         let given = try optionalTensor(tmp, op: op, name: "tmp")
-        let seqlens = try optionalTensor(s?.seqlens_k, op: op, name: "seqlens_k")
+        let seqlens = try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens")
         let table = try optionalTensor(s?.block_table, op: op, name: "block_table")
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         let lse = try optionalTensor(s?.lse, op: op, name: "lse")

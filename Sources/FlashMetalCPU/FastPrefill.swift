@@ -119,13 +119,15 @@ final class FastPrefill {
 
 /// float32 `sdpa` dispatches the fast prefill covers, mapped onto it: SDPA's
 /// contiguous [B, H, L, D] tensors, bottom-right causal (query i at
-/// kv_len - L + i), an additive (float32) or bool mask. Anything else is
-/// left to the general sdpa kernel.
+/// kv_len - L + i) or SdpaExtParams' explicit q_offset (top-left causal is
+/// q_offset 0), its window w as the in-kernel window (keys p >= t - (w - 1))
+/// and its softcap, an additive (float32) or bool mask. Anything else is left
+/// to the general sdpa kernel.
 final class SdpaFastPath {
     private let fast = FastPrefill()
 
     /// Runs `d` and returns true when the fast path covers it.
-    func run(_ d: Dispatch, maskKind: MaskKind, pool: WorkerPool) throws -> Bool {
+    func run(_ d: Dispatch, maskKind: MaskKind, ext: SdpaExtParams?, softcap: Bool, pool: WorkerPool) throws -> Bool {
         let q = try d.buffer(SdpaBuffer.q)
         guard q.dtype == .f32 else { return false }
         let isa = fm_cpu_isa()
@@ -144,7 +146,13 @@ final class SdpaFastPath {
         a.p.scale = sp.scale
         a.p.NK = Int32((kL + 63) / 64)
         a.p.NQ = Int32((qL + 63) / 64)
-        a.p.qL_off = Int32(kL - qL)
+        a.p.qL_off = ext?.q_offset ?? Int32(kL - qL)
+        if softcap, let e = ext { a.p.softcapping = e.softcap }
+        if let e = ext, e.window > 0 {
+            a.seq.window = 1
+            a.seq.sp.window_left = e.window - 1
+            a.seq.sp.window_right = -1
+        }
         a.p.Q_strides = (H * qL * D, qL * D, D)
         a.p.O_strides = a.p.Q_strides
         a.p.K_strides = (Hkv * cap * D, cap * D, D)

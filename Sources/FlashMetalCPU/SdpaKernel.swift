@@ -8,8 +8,7 @@ final class SdpaKernel: CPUKernel {
     let name: String
     let io: DType
     let maskKind: MaskKind
-    /// SdpaExtParams bound at SdpaBuffer.ext (explicit q_offset, window, softcap):
-    /// the float32 fast path does not read them, so such calls take the general kernel.
+    /// SdpaExtParams bound at SdpaBuffer.ext (explicit q_offset, window, softcap).
     let hasExt: Bool
     let useSoftcap: Bool
     private let fastPath = SdpaFastPath()
@@ -25,9 +24,9 @@ final class SdpaKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        if !hasExt, try fastPath.run(d, maskKind: maskKind, pool: pool) { return }
-        var p = try d.params(SdpaBuffer.params, as: SdpaParams.self)
         var ext = hasExt ? try d.params(SdpaBuffer.ext, as: SdpaExtParams.self) : SdpaExtParams()
+        if try fastPath.run(d, maskKind: maskKind, ext: hasExt ? ext : nil, softcap: useSoftcap, pool: pool) { return }
+        var p = try d.params(SdpaBuffer.params, as: SdpaParams.self)
         let q = try d.buffer(SdpaBuffer.q)
         let k = UnsafeRawPointer(try d.buffer(SdpaBuffer.k).data)
         let v = UnsafeRawPointer(try d.buffer(SdpaBuffer.v).data)

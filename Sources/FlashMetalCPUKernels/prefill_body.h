@@ -10,7 +10,11 @@
  *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [D/2][KB] bf16 pairs,
  *     V as [KB/2][D] bf16 pairs; P is rounded to bf16 (RNE) and the row
  *     sum uses the rounded values.
- * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head.
+ * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head of one
+ * sequence. Where a sequence's rows and keys are and the key range [lo, hi]
+ * each row sees (length, causal, window) come from prefill_seq.h; blocks
+ * outside a row group's ranges are skipped, cells outside a row's range are
+ * masked.
  *
  * Numerics (DESIGN §2) and the bit-identity contract: a row's score is a dot
  * product in a fixed order over D; key blocks start at absolute multiples of
@@ -56,7 +60,7 @@ size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
     return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 4;
 }
 
-/* Key c0 + j of (b, kvh) in K and V (through the block table when paged). */
+/* Key p of (b, kvh) in K or V (through the block table when paged). */
 static inline const char *FM_SFX(pf_key)(const FMPrefillArgs *a, const void *base, int64_t b, int64_t kvh,
                                         int64_t p, const int64_t strides[3], int64_t page_stride) {
     return (const char *)base + FM_SFX(pf_esz)(a) * fm_pf_key_offset(a, b, kvh, p, strides, page_stride);

@@ -64,8 +64,10 @@ public enum MaskBuilderCapability {
 
 /// Split-KV decode (seeds 002, 004).
 public enum VecCapability {
-    /// Head dims of the decode and the plain reduce kernels.
-    public static let headDims = [64, 128, 256, 512]
+    /// Head dims of the decode and the plain reduce kernels. Each lane of the
+    /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
+    /// is not a multiple of 32: 80); threadgroup memory pads D to 128.
+    public static let headDims = [64, 80, 96, 128, 192, 256, 512]
     /// Head dims of the FWHT-undo reduce: the Hadamard transform needs a power of two.
     public static var fwhtHeadDims: [Int] { headDims.filter { $0 & ($0 - 1) == 0 } }
     /// K/V cache dtypes; q, tmp and out are float32.

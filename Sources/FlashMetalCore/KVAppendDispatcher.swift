@@ -75,13 +75,13 @@ public enum KVAppendDispatcher {
 
         // Table contents, before any write: each sequence's rows end within its capacity.
         let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1" : "max_pages * page_size"
-        let starts = try InterimSequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
+        let starts = try SequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
                                                        capacity: capacity, capacityName: capacityName)
         for (b, start) in starts.enumerated() where start + nNew > capacity {
             throw FlashMetalError.value(op, "cache_seqlens[\(b)] + n_new = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))")
         }
         if let bt = t.blockTable {
-            try InterimSequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
                                                  numPages: t.kCache.shape[0], pageSize: cacheRows, tile: 1,
                                                  cacheName: "k_cache")
         }

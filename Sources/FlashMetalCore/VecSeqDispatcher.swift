@@ -161,11 +161,11 @@ public enum VecSeqDispatcher {
         // Tables last: their contents are read only once every shape is known good.
         let capacityName = t.blockTable == nil ? "the cache capacity, k's dim 1" : "max_pages * page_size"
         let lengths = try t.seqlensK.map {
-            try InterimSequenceTables.seqlens($0, op: op, name: "seqlens_k", batch: s.batch,
+            try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: s.batch,
                                               capacity: s.capacity, capacityName: capacityName)
         } ?? Array(repeating: s.capacity, count: s.batch)
         if let bt = t.blockTable {
-            try InterimSequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
                                                  numPages: s.numPages, pageSize: s.pageSize, tile: pageTile,
                                                  cacheName: "k")
         }

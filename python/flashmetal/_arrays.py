@@ -56,7 +56,8 @@ def as_index(x: Any, op: str, name: str) -> np.ndarray:
             raise InvalidValueError(op, f"{name} holds {bad}, outside the int32 range")
     if a.ndim > MAX_RANK:
         raise InvalidValueError(op, f"{name} has rank {a.ndim}; at most {MAX_RANK} is supported")
-    return np.ascontiguousarray(a, dtype=I32)
+    # ascontiguousarray would make a scalar [1]; a scalar stays a scalar.
+    return np.ascontiguousarray(a, dtype=I32) if a.ndim else np.asarray(a, dtype=I32)
 
 
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,

@@ -31,6 +31,17 @@ def no_dropout(op: str, dropout_p: Any) -> None:
                                 f"got {dropout_p}")
 
 
+def training_arguments(op: str, dropout_p: Any, alibi_slopes: Any, deterministic: Any,
+                       return_attn_probs: Any) -> bool:
+    """flash_attn_func's and flash_attn_varlen_func's training-era arguments:
+    no dropout, no ALiBi, deterministic a bool (the forward always is).
+    Returns return_attn_probs (whether the LSE is returned)."""
+    no_dropout(op, dropout_p)
+    unsupported(op, alibi_slopes=alibi_slopes)
+    flag(op, "deterministic", deterministic)
+    return flag(op, "return_attn_probs", return_attn_probs)
+
+
 def unsupported(op: str, **given: Any) -> None:
     """Refuses each feature passed with a value other than None."""
     for name, value in given.items():

@@ -21,16 +21,18 @@ in the same batch scope, before the attention reads the cache.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import re
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import InvalidValueError
+from ._errors import Error, InvalidValueError
 from ._interop import to_numpy, wrapper_like
-from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg, unsupported
+from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -79,19 +81,13 @@ def flash_attn_func(
         array type (torch in, torch out).
     """
     reg = resolve(registry, _FUNC)
-    no_dropout(_FUNC, dropout_p)
-    unsupported(_FUNC, alibi_slopes=alibi_slopes)
-    flag(_FUNC, "deterministic", deterministic)
-    want_lse = flag(_FUNC, "return_attn_probs", return_attn_probs)
+    want_lse = training_arguments(_FUNC, dropout_p, alibi_slopes, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
     opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size)
     _no_outer_scope_for_decode(reg, qa, _FUNC)
     out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
-    wrap = wrapper_like(q)
-    if not want_lse:
-        return wrap(out)
-    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+    return _with_probs(q, out, lse if want_lse else None)
 
 
 def flash_attn_varlen_func(
@@ -136,10 +132,7 @@ def flash_attn_varlen_func(
         without dropout).
     """
     reg = resolve(registry, _VARLEN)
-    no_dropout(_VARLEN, dropout_p)
-    unsupported(_VARLEN, alibi_slopes=alibi_slopes)
-    flag(_VARLEN, "deterministic", deterministic)
-    want_lse = flag(_VARLEN, "return_attn_probs", return_attn_probs)
+    want_lse = training_arguments(_VARLEN, dropout_p, alibi_slopes, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
     cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
     bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
@@ -154,10 +147,7 @@ def flash_attn_varlen_func(
                             sinks=sinks_arg(_VARLEN, sinks), lse=lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
                  tensor(ffi, out), opts, op=_VARLEN, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
-    wrap = wrapper_like(q)
-    if not want_lse:
-        return wrap(out)
-    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=qa.dtype))
+    return _with_probs(q, out, lse if want_lse else None)
 
 
 def flash_attn_with_kvcache(
@@ -243,18 +233,45 @@ def flash_attn_with_kvcache(
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out)
     else:
-        _check_attend_before_append(qa, kc, sk)
-        # One scope: a deferring backend (Metal) orders the append before the attention.
-        with reg.batch():
-            ffi = _native.ffi()
-            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, bt), op=_KVCACHE,
-                         keep=(ka, va, kc, vc, lens, bt))
-            finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse,
-                             seqlens_k=_grown(lens, ka), block_table=bt, out=out)
+        finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
+                                     lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
+                                                           want_lse=want_lse, seqlens_k=grown, block_table=bt,
+                                                           out=out))
     result, lse = finish()
     wrap = wrapper_like(q)
     return (wrap(result), wrap(lse)) if want_lse else wrap(result)
+
+
+# The decode and append entry points serve several public functions and name
+# their arguments after their own C parameters; the messages users see use
+# the public function's names.
+_DECODE_NAMES = {
+    _FUNC: {"lse": "softmax_lse"},
+    _KVCACHE: {"k": "k_cache", "v": "v_cache", "seqlens_k": "cache_seqlens", "lse": "softmax_lse"},
+}
+
+
+@contextlib.contextmanager
+def _public_names(names: dict[str, str]) -> Iterator[None]:
+    """Re-raises a library error with its argument names replaced (whole
+    words only) by the public function's."""
+    try:
+        yield
+    except Error as e:
+        prefix = f"{e.op}: " if e.op else ""
+        text = str(e)[len(prefix):]
+        renamed = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
+        raise type(e)(e.op, renamed, e.status) from None
+
+
+def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
+    """flash-attn's return: out, or (out, softmax_lse, S_dmask) when the LSE
+    was asked for; S_dmask is empty, as flash-attn's is without dropout. In
+    the caller's array type."""
+    wrap = wrapper_like(q)
+    if lse is None:
+        return wrap(out)
+    return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=out.dtype))
 
 
 def _head_dim(qa: np.ndarray) -> int:
@@ -292,22 +309,53 @@ def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
     return (lens.astype(np.int64) + (k_new.shape[1] if k_new.ndim == 4 else 0)).astype(I32)
 
 
-def _check_attend_before_append(qa: np.ndarray, cache: np.ndarray, sinks: np.ndarray | None) -> None:
-    """The attention's shape facts, checked before the append writes the
-    caller's caches (the library checks them again when the attention runs):
-    a call that is going to fail must not have modified the caches."""
-    if qa.ndim != 4 or cache.ndim != 4:
-        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} and k_cache {list(cache.shape)} must have rank 4")
-    if qa.shape[3] != cache.shape[3] or cache.shape[2] == 0 or qa.shape[2] % cache.shape[2]:
-        raise InvalidValueError(_KVCACHE, f"q {list(qa.shape)} does not match k_cache {list(cache.shape)}: "
-                                "the head dims must be equal and H a multiple of Hkv")
-    op = "flash_attn_vec" if qa.shape[1] == 1 else "flash_attn_prefill"
-    if qa.shape[3] not in _native.head_dims(op):
-        raise InvalidValueError(_KVCACHE, f"head dim {qa.shape[3]} is not one of {list(_native.head_dims(op))}")
-    if qa.shape[1] != 1 and qa.dtype != cache.dtype:
-        raise InvalidValueError(_KVCACHE, f"q dtype {qa.dtype} must equal the caches' {cache.dtype}")
-    if sinks is not None and sinks.shape != (qa.shape[2],):
-        raise InvalidValueError(_KVCACHE, f"sinks shape {list(sinks.shape)} must be [{qa.shape[2]}]")
+def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.ndarray,
+                        va: np.ndarray, lens: np.ndarray, table: np.ndarray | None,
+                        attend: Callable[[np.ndarray], Any]) -> Any:
+    """Appends k/v at `lens`, then `attend(lens + n_new)`, in one batch scope
+    (a deferring backend, Metal, orders the two). The append validates its
+    own arguments before writing; if the attention then fails (a bad q, head
+    dim, dtype, sinks...), the cache rows the append overwrote are restored
+    once the scope has ended, so a failed call leaves the caches as they were."""
+    slots = _append_slots(kc, lens, ka, table)
+    saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
+    appended = False
+    try:
+        with reg.batch():
+            ffi = _native.ffi()
+            with _public_names({"k_new": "k", "v_new": "v"}):
+                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
+                             keep=(ka, va, kc, vc, lens, table))
+            appended = True
+            return attend(_grown(lens, ka))
+    except BaseException:
+        if appended and saved is not None:
+            kc[slots], vc[slots] = saved
+        raise
+
+
+def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
+                  table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(first index, row) of every cache row an append of k_new at `lens`
+    writes, for fancy indexing of the cache; None when the arguments are not
+    ones the append accepts (it then writes nothing)."""
+    if cache.ndim != 4 or k_new.ndim != 4 or lens.ndim != 1 or lens.shape[0] != k_new.shape[0]:
+        return None
+    batch = np.repeat(np.arange(lens.shape[0]), k_new.shape[1])
+    pos = (lens.astype(np.int64)[:, None] + np.arange(k_new.shape[1])).reshape(-1)
+    if table is None:
+        first, row = batch, pos
+    else:
+        if table.ndim != 2 or table.shape[0] != lens.shape[0] or cache.shape[1] == 0:
+            return None
+        col = pos // cache.shape[1]
+        if np.any((col < 0) | (col >= table.shape[1])):
+            return None
+        first, row = table[batch, col].astype(np.int64), pos % cache.shape[1]
+    if np.any((first < 0) | (first >= cache.shape[0]) | (row < 0) | (row >= cache.shape[1])):
+        return None
+    return first, row
 
 
 def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:
@@ -334,9 +382,10 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
-        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
-                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                    lse, o32, keep))
+        with _public_names(_DECODE_NAMES[op]):
+            _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
+                         ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
+                                                                        lse, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(qa.dtype)

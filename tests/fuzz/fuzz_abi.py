@@ -32,10 +32,19 @@ from flashmetal import _loader, reference
 
 G = 64  # guard bytes on each side
 BF16 = np.dtype(ml_dtypes.bfloat16)
-NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8)}
-SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1}
+NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8),
+      5: np.dtype(np.int32)}
+SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
 HEAD_DIMS = (64, 128, 256, 512)
-GEOM = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
+def geom(d: int) -> tuple[int, int]:
+    """(BQ, BK) of the prefill (and its blk) for head dim d."""
+    return (8, 8) if d == 512 else (32, 16)
+
+
+def prefill_dims() -> tuple[int, ...]:
+    """The prefill head dims, from the library's capability table."""
+    from flashmetal._native import head_dims
+    return head_dims("flash_attn_prefill")
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -45,7 +54,13 @@ OPS = {
     "blk": ("flash_attn_prefill_blk",),
     "blk_byte_len": ("blk_byte_len",),
     "alloc_blk": ("alloc_blk", "free_blk", "blk_byte_len"),  # see test_alloc_blk_names_its_op
+    # fm_dispatch_attn names the flash-attn function its tables make the call
+    "attn": ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"),
 }
+SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse")
+SERVING_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# Values a mutated int32 index entry takes (out of range for any table here).
+BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
 
 HUGE_DIMS = (2**31, 2**31 + 1, 2**32 + 1, 2**40, 2**62, INT64_MAX, 3037000500)
@@ -125,7 +140,7 @@ def _tensor(rng: np.random.Generator, dtype: int, shape: list[int], *, role: str
                 idx = rng.integers(0, values.size, max(1, values.size // 50))
                 values.reshape(-1)[idx] = rng.choice([np.nan, np.inf, -np.inf], idx.size)
             values = values.astype(NP[dtype])
-    payload = None if role != "in" else np.ascontiguousarray(values.astype(NP[dtype]))
+    payload = None if role != "in" else np.ascontiguousarray(np.asarray(values).astype(NP[dtype]))
     return TSpec(dtype, list(shape), n, Buf(n, rng, payload), role=role)
 
 
@@ -162,7 +177,7 @@ def gen_prefill(rng, backend):
         if mk.endswith("2") and rng.random() < 0.5:
             m = t["mask"].array()
             add = np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
-            cls = reference.blk_classes(add, *GEOM[d])
+            cls = reference.blk_classes(add, *geom(d))
             t["blk"] = _tensor(rng, 4, list(cls.shape), values=cls)
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.05, 4 / math.sqrt(d)])),
                 softcap=float(rng.choice([0.0, 0.0, 0.0, 5.0, 30.0])), causal=int(rng.integers(0, 2)),
@@ -228,7 +243,7 @@ def gen_blk(rng, backend):
     ql, kl = int(rng.integers(1, 100)), int(rng.integers(1, 100))
     vals = rng.choice([0.0, 0.0, -np.inf, 1.0, -1e31], [ql, kl])
     vals[rng.random([ql, kl]) < 0.5] = 0.0
-    bq, bk = GEOM[d]
+    bq, bk = geom(d)
     n = -(-ql // bq) * -(-kl // bk)
     t = {"mask": _tensor(rng, dt, [ql, kl], values=vals.astype(np.float32)),
          "blk_out": _tensor(rng, 4, [n + int(rng.integers(0, 40))], role="out")}
@@ -243,9 +258,63 @@ def gen_ints(rng, backend, op):
     return Case(op, backend, {}, args=dict(q_len=ql, k_len=kl, head_dim=hd))
 
 
+def gen_attn(rng, backend):
+    """fm_dispatch_attn: one of flash_attn_func, varlen (packed or paged keys)
+    or with_kvcache (contiguous or paged cache with seqlens), with random
+    causal/window/softcap/sinks/lse."""
+    small = backend != "cpu"
+    dt = int(rng.choice([1, 2]))
+    d = 64 if small else int(rng.choice(SERVING_HEAD_DIMS))
+    b = int(rng.integers(1, 3 if small else 4))
+    hkv = int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2]))
+    mode = str(rng.choice(["func", "varlen", "varlen_paged", "kvcache", "kvcache_paged"]))
+    top = 8 if small else 40
+    q_lens = [int(rng.integers(0 if mode.startswith("varlen") else 1, top // 2 + 1)) for _ in range(b)]
+    k_lens = [int(rng.integers(0, top + 1)) for _ in range(b)]
+    t: dict[str, TSpec] = {}
+    ql, kl = max(q_lens), max(max(k_lens), 1)
+    if mode.startswith("varlen"):
+        q_shape = [sum(q_lens), h, d]
+        t["cu_seqlens_q"] = _tensor(rng, 5, [b + 1], values=np.concatenate([[0], np.cumsum(q_lens)]))
+        t["cu_seqlens_k"] = _tensor(rng, 5, [b + 1], values=np.concatenate([[0], np.cumsum(k_lens)]))
+    else:
+        q_lens = [ql] * b
+        q_shape = [b, ql, h, d]
+    if mode.endswith("paged"):
+        page = int(rng.choice([16, 32]))
+        per = max(-(-max(k_lens) // page), 1)
+        num_pages = b * per + int(rng.integers(0, 3))
+        k_shape = [num_pages, page, hkv, d]
+        table = rng.permutation(num_pages)[:b * per].reshape(b, per)
+        t["block_table"] = _tensor(rng, 5, [b, per], values=table)
+    elif mode == "varlen":
+        k_shape = [sum(k_lens), hkv, d]
+    else:
+        k_shape = [b, kl + int(rng.integers(0, 4)), hkv, d]
+        if mode == "func":
+            k_lens = [k_shape[1]] * b
+    if mode.startswith("kvcache"):
+        t["seqlens_k"] = _tensor(rng, 5, [b], values=np.array(k_lens))
+    nonfinite = rng.random() < 0.05
+    t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
+             v=_tensor(rng, dt, k_shape), out=_tensor(rng, dt, q_shape, role="out"))
+    if rng.random() < 0.3:
+        t["sinks"] = _tensor(rng, 0, [h])
+    if rng.random() < 0.5:
+        t["lse"] = _tensor(rng, 0, [h, sum(q_lens)] if mode.startswith("varlen") else [b, h, ql], role="out")
+    window = [(-1, -1), (-1, -1), (3, 0), (0, 2), (5, -1)][int(rng.integers(0, 5))]
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
+                causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1],
+                max_seqlen_q=max(q_lens) + int(rng.integers(0, 2)), max_seqlen_k=max(k_lens) + int(rng.integers(0, 2)))
+    case = Case("attn", backend, t, opts, finite=not nonfinite)
+    case.args = dict(mode=mode, k_lens=k_lens)
+    return case
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
-              "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk")}
+              "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn}
 
 # --------------------------------------------------------------- mutations
 
@@ -282,7 +351,16 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
     name = str(rng.choice(sorted(case.tensors)))
     t = case.tensors[name]
     m = rng.choice(["null", "data", "dtype", "ndim", "dim", "dim", "dim", "nbytes", "nbytes", "swapdtype"])
-    if m == "null":
+    if t.dtype == 5 and t.buf is not None and t.buf.n and rng.random() < 0.6:
+        m = "entry"
+    if m == "entry":  # an index table entry the library must catch before a kernel reads through it
+        i = int(rng.integers(0, t.buf.n // 4))
+        bad = np.array([rng.choice(BAD_ENTRIES + (int(t.buf.mid()[4 * i:4 * i + 4].view(np.int32)[0]) + 1,))],
+                       np.int32)
+        t.buf.raw[G + 4 * i:G + 4 * i + 4] = bad.view(np.uint8)
+        t.buf.snap[:] = t.buf.raw
+        desc = f"[{i}]={int(bad[0])}"
+    elif m == "null":
         t.null = True
         desc = "NULL"
     elif m == "data":
@@ -396,6 +474,13 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
     elif case.op == "sdpa":
         s = L.fm_dispatch_sdpa(regs.get(case), T("q"), T("k"), T("v"), ffi.NULL, T("out"),
                                _opts("FMSdpaOptions *", case.opts, keep), err, 1024)
+    elif case.op == "attn":
+        seq = ffi.new("FMSeqTensors *")
+        keep.append(seq)
+        for f in SEQ_FIELDS:
+            setattr(seq, f, T(f))
+        s = L.fm_dispatch_attn(regs.get(case), T("q"), T("k"), T("v"), seq, T("out"),
+                               _opts("FMAttnOptions *", case.opts, keep), err, 1024)
     elif case.op == "mask":
         s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err, 1024)
     elif case.op == "blk":
@@ -421,7 +506,7 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
 # ---------------------------------------------------------------- reference
 
 def _blk_expect(ql, kl, d):
-    bq, bk = GEOM[d]
+    bq, bk = geom(d)
     n = -(-ql // bq) * -(-kl // bk)
     return n, max((n + 31) // 32 * 32, 32), -(-ql // bq), -(-kl // bk)
 
@@ -463,6 +548,8 @@ def expected(case: Case, extra: Any):
         e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], scale=o["scale"], causal=bool(o["causal"]),
                                 q_offset=off, window=i32(o.get("window", 0)) or None, softcap=o.get("softcap", 0.0))
         return e, "out", t["q"].dtype
+    if case.op == "attn":
+        return _attn_expected(case), "out", t["q"].dtype
     if case.op == "mask":
         ql, kl = t["out"].shape
         w = o["window"] or None
@@ -470,9 +557,36 @@ def expected(case: Case, extra: Any):
         return e, "out", -1  # exact
     if case.op == "blk":
         m = t["mask"].array().astype(np.float64)
-        e = reference.blk_classes(m, *GEOM[case.args["head_dim"]]).reshape(-1)
+        e = reference.blk_classes(m, *geom(case.args["head_dim"])).reshape(-1)
         return e, "blk_out", -2
     raise AssertionError(case.op)
+
+
+def _seq_present(case: Case, name: str) -> bool:
+    return name in case.tensors and not case.tensors[name].null
+
+
+def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(out, lse) of an accepted fm_dispatch_attn call, from the tables as the
+    library accepted them (mutated entries included)."""
+    t, o = case.tensors, case.opts
+    i32 = lambda x: (x + 2**31) % 2**32 - 2**31  # noqa: E731 - the library saw the wrapped int32
+    kw = dict(scale=o["scale"], causal=bool(o["causal"]), softcap=o["softcap"],
+              window_size=(i32(o["window_left"]), i32(o["window_right"])),
+              sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
+    q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    if _seq_present(case, "cu_seqlens_q"):
+        return reference.flash_attn_varlen(q, k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
+                                           block_table=table, **kw)
+    lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
+    return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, **kw)
+
+
+def _attn_expected(case: Case) -> np.ndarray:
+    out, lse = _attn_reference(case)
+    case.args["lse"] = lse
+    return out
 
 
 def check(case: Case, status: int, msg: str, extra: Any) -> None:
@@ -494,7 +608,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     assert status == 0
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
-        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in HEAD_DIMS, ctx
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in prefill_dims(), ctx
         assert extra == _blk_expect(ql, kl, d)[1], ctx
         return
     if case.op == "alloc_blk":
@@ -527,6 +641,10 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
     assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
+    if case.op == "attn" and _seq_present(case, "lse"):
+        lse = case.tensors["lse"]
+        ok, ratio = reference.close(lse.array(), case.args["lse"].reshape(lse.shape), 2e-4, 2e-4)
+        assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
 
 
 BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the call
@@ -535,7 +653,7 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        op = str(rng.choice(list(GENERATORS), p=[0.3, 0.2, 0.15, 0.1, 0.1, 0.075, 0.075]))
+        op = str(rng.choice(list(GENERATORS), p=[0.25, 0.16, 0.12, 0.08, 0.08, 0.06, 0.06, 0.19]))
     case = GENERATORS[op](rng, backend)
     if nmut is None:
         nmut = int(rng.choice([0, 1, 1, 1, 2, 3]))

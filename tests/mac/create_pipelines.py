@@ -12,8 +12,13 @@ against the float64 reference):
   serving  prefill dtype x D x {func + lse, func + window + sinks, varlen +
            window + sinks + lse, cache lengths, paged + lse, varlen q over
            paged k, prefill window + mask + blk} (constants 302, 304-310)
-  decode   K/V {f32, f16, bf16} x D {64, 128, 256, 512} x reduce {plain,
-           FWHT undo, FWHT undo with signs} (constant has_signs)
+  decode   K/V {f32, f16, bf16} x D {64, 80, 96, 128, 192, 256, 512} x reduce
+           {plain, FWHT undo, FWHT undo with signs} (constant has_signs; the
+           FWHT undo at the power-of-two D only)
+  serving decode  K/V {f32, f16, bf16} x D with every serving constant on,
+           and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
+           (constants 501-505)
+  kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16} x D (tile constants 400, 401)
@@ -33,10 +38,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flashmetal as fm  # noqa: E402
 from flashmetal import reference  # noqa: E402
-from numerics import BF16, F16, F32, assert_close, randn  # noqa: E402
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
+from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 512)
 PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
+# Decode's FWHT reduce has only the powers of two (decode_cases skips the rest).
+VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
 # none; kL >= qL (Q may not overshoot K). (qL, kL): both aligned, K not, Q
 # not, neither.
@@ -122,7 +130,9 @@ def assert_lse(lse: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
-    for dtype, d, reduce_kind in itertools.product((F32, F16, BF16), HEAD_DIMS, ("plain", "fwht", "fwht+signs")):
+    for dtype, d, reduce_kind in itertools.product((F32, F16, BF16), VEC_HEAD_DIMS, ("plain", "fwht", "fwht+signs")):
+        if reduce_kind != "plain" and d & (d - 1):
+            continue
         q = randn(rng, (2, d), F32)
         k = randn(rng, (1, 40, d), dtype)
         v = randn(rng, (1, 40, d), dtype)
@@ -133,6 +143,45 @@ def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         if fwht:
             e = reference.fwht_undo(e, signs)
         assert_close(out, e, F32, f"decode K/V {dtype} D={d} {reduce_kind}")
+        n += 1
+    return n
+
+
+def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    n = 0
+    combos = [(dtype, d, True, True, True, True) for dtype in (F32, F16, BF16) for d in VEC_HEAD_DIMS]
+    combos += [(F16, 64, lens, paged, sinks, lse) for lens, paged, sinks, lse in
+               itertools.product((False, True), repeat=4) if not (lens and paged and sinks and lse)]
+    for dtype, d, lens, paged, sinks, lse in combos:
+        k, v, table = make_cache(rng, 2, 48, 1, d, dtype, page_size=16 if paged else None)
+        q = randn(rng, (2, 2, d), F32)
+        lengths = np.array([37, 0], np.int32) if lens else None
+        snk = np.array([0.5, -1.0], np.float32) if sinks else None
+        out, lse_out = vec_seq(reg, q, k, v, seqlens=lengths, block_table=table, sinks=snk, lse=lse,
+                               window=(20, -1))
+        e_out, e_lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lengths, block_table=table,
+                                                    window_size=(20, -1), sinks=snk)
+        e_out, e_lse = e_out[:, 0], e_lse[..., 0]
+        what = f"serving decode K/V {dtype} D={d} lens={lens} paged={paged} sinks={sinks} lse={lse}"
+        assert_close(out, e_out, F32, what)
+        if lse:
+            assert_close(lse_out, e_lse, F32, what + " lse")
+        n += 1
+    return n
+
+
+def kv_append_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    n = 0
+    for dtype, paged in itertools.product((F32, F16, BF16), (False, True)):
+        shape = (6, 16, 2, 64) if paged else (2, 17, 2, 64)
+        kc, vc = randn(rng, shape, dtype), randn(rng, shape, dtype)
+        kn, vn = randn(rng, (2, 3, 2, 64), dtype), randn(rng, (2, 3, 2, 64), dtype)
+        lens = np.array([14, 0], np.int32)  # rows 14..16: across two pages when paged
+        table = np.array([[4, 1], [0, 5]], np.int32) if paged else None
+        ek, ev = reference.kv_append(kc, vc, kn, vn, lens, table)
+        kv_append(reg, kn, vn, kc, vc, lens, table)
+        assert_bits_equal(kc, ek, f"kv_append {dtype} paged={paged} k")
+        assert_bits_equal(vc, ev, f"kv_append {dtype} paged={paged} v")
         n += 1
     return n
 
@@ -182,6 +231,7 @@ def main() -> int:
     with fm.Registry(args.backend) as reg:
         counts = {"prefill": prefill_cases(reg, rng), "serving prefill": serving_prefill_cases(reg, rng),
                   "decode": decode_cases(reg, rng),
+                  "serving decode": serving_decode_cases(reg, rng), "kv_append": kv_append_cases(reg, rng),
                   "sdpa": sdpa_cases(reg, rng), "mask+blk": mask_and_blk_cases(reg)}
     print(f"create_pipelines ({args.backend}): every case matched the reference: {counts} "
           f"in {time.time() - t0:.1f} s")

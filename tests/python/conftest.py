@@ -30,6 +30,7 @@ SLOW_TESTS = frozenset({
     "test_abi_fuzz", "test_decode_api", "test_mask_blk_api", "test_prefill_api", "test_sdpa_api",
     "test_front_door_api", "test_long_window_mask_prefill", "test_repeated_calls_rss_flat",
     "test_suite_under_forced_isa", "test_gil_released", "test_mixed_ops_cpu", "test_mixed_ops_sim",
+    "test_serving_api",
 })
 
 

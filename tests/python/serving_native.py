@@ -1,6 +1,7 @@
 """Calls of the serving decode and kv_append C entry points (fm_dispatch_vec_seq,
-fm_dispatch_kv_append) through flashmetal._native, for the kernel tests: the
-public serving API (flashmetal.serving) routes to the same entry points."""
+fm_dispatch_kv_append) through flashmetal._native, for what the public serving
+API never passes them (e.g. cu_seqlens to decode) and for the library's own op
+names in messages; and the paged-cache builder the decode tests share."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +10,7 @@ import numpy as np
 
 import flashmetal as fm
 from flashmetal import _native
+from numerics import randn
 
 VEC_SEQ_OP = "flash_attn_vec_seq"
 KV_APPEND_OP = "kv_append"
@@ -59,3 +61,26 @@ def kv_append(reg: fm.Registry, k_new: np.ndarray, v_new: np.ndarray, k_cache: n
     ts = [tensor(a) for a in (k_new, v_new, k_cache, v_cache, seqlens, block_table)]
     _native.call(reg, "fm_dispatch_kv_append", *ts, op=KV_APPEND_OP,
                  keep=(k_new, v_new, k_cache, v_cache, seqlens, block_table))
+
+
+def make_cache(rng, b, cap, hkv, d, dtype, page_size=None, spare_pages=2):
+    """Contiguous caches [B, cap, Hkv, D], or the same rows scattered over
+    shuffled pages [num_pages, page_size, Hkv, D] with a block table whose
+    unused entries are -1 (never read)."""
+    k = randn(rng, (b, cap, hkv, d), dtype)
+    v = randn(rng, (b, cap, hkv, d), dtype)
+    if page_size is None:
+        return k, v, None
+    per_seq = -(-cap // page_size)
+    num = b * per_seq + spare_pages
+    order = rng.permutation(num)
+    table = order[:b * per_seq].reshape(b, per_seq).astype(np.int32)
+    kp = randn(rng, (num, page_size, hkv, d), dtype)
+    vp = randn(rng, (num, page_size, hkv, d), dtype)
+    for bb in range(b):
+        for j in range(per_seq):
+            rows = slice(j * page_size, min((j + 1) * page_size, cap))
+            n = rows.stop - rows.start
+            kp[table[bb, j], :n] = k[bb, rows]
+            vp[table[bb, j], :n] = v[bb, rows]
+    return kp, vp, table

@@ -130,7 +130,7 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
-    assert fm.supported_head_dims("flash_attn_vec") == (64, 128, 256, 512)
+    assert fm.supported_head_dims("flash_attn_vec") == (64, 80, 96, 128, 192, 256, 512)
     with pytest.raises(ValueError, match="supported_head_dims: op must be"):
         fm.supported_head_dims("nope")
 

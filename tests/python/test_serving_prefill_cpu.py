@@ -143,6 +143,12 @@ def test_empty_rows_cpu(cpu):
     assert np.all(out[:5] == 0)
     np.testing.assert_array_equal(lse[:, :5], np.repeat(sinks[:, None], 5, axis=1))
     _assert_lse(lse, ref_lse, "empty rows with sinks")
+    # no sequence has a key: nothing to pack (the portable kernel writes the zeros)
+    none = np.zeros((0, HKV, d), F16)
+    out, lse, _ = fm.flash_attn_varlen_func(q, none, none, _cu(lens_q), _cu([0, 0, 0]), 70, 0, sinks=sinks,
+                                            return_attn_probs=True, registry=cpu)
+    assert np.all(out == 0)
+    np.testing.assert_array_equal(lse, np.repeat(sinks[:, None], sum(lens_q), axis=1))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
@@ -198,7 +204,8 @@ def test_prefill_in_kernel_window_cpu(cpu, d, causal):
 def test_nonfinite_serving_cpu(cpu):
     """NaN/inf on every path alike: a NaN q row is a NaN row; a NaN key makes
     NaN exactly the rows that see it (window and sequence bounds respected);
-    a huge softcap input stays finite; a NaN sink makes its head NaN."""
+    a huge q row or an infinite key under softcap stays finite; a NaN sink
+    makes its head NaN."""
     rng = np.random.default_rng(8)
     d, lens_q, lens_k = 64, [20, 70], [40, 130]
     q = randn(rng, (sum(lens_q), H, d), BF16)
@@ -217,8 +224,36 @@ def test_nonfinite_serving_cpu(cpu):
     expect[20 + np.nonzero(sees)[0], 0:2] = True  # heads 0, 1 read kv head 0
     np.testing.assert_array_equal(nan_rows, expect)
     assert np.isfinite(out[20 + 69, 3]).all()
+    # +inf in a key: its score is +-inf, which the softcap maps to +-5: finite
+    # everywhere, and the reference's value
+    ki = k.copy()
+    ki[:] = np.where(np.isnan(ki.astype(np.float32)), 0, ki)
+    ki[40 + 100, 1, 7] = np.inf
+    qf = np.where(np.isnan(q.astype(np.float32)), 0, q).astype(BF16)
+    qf[20 + 69] = q[20 + 68]
+    out = fm.flash_attn_varlen_func(qf, ki, v, cq, ck, 70, 130, causal=True, softcap=5.0, registry=cpu)
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert_close(out, reference.flash_attn_varlen(qf, ki, v, cq, ck, causal=True, softcap=5.0)[0], BF16, "inf key")
     sinks = _sinks(rng)
     sinks[2] = np.nan
     out = fm.flash_attn_varlen_func(q[:20], k[:40], v[:40], cq[:2], ck[:2], 20, 40, sinks=sinks,
                                     registry=cpu).astype(np.float32)
     assert np.isnan(out[:, 2]).all() and not np.isnan(np.delete(out, [2], axis=1)[np.arange(20) != 3]).any()
+
+
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("q_offset,window,softcap", [(0, None, 0.0), (-5, None, 0.0), (30, 17, 0.0),
+                                                     (None, 40, 6.0), (-3, 9, 2.0)])
+def test_float32_sdpa_ext_on_the_fast_path_cpu(cpu, d, q_offset, window, softcap):
+    """float32 sdpa with SdpaExtParams (explicit q_offset: top-left causal is
+    0, negative rows see nothing; window; softcap) runs the fast prefill with
+    the in-kernel window, causal and not."""
+    rng = np.random.default_rng(d + (window or 0))
+    ql, kl = 50, 110
+    q = randn(rng, (1, H, ql, d), F32)
+    k, v = randn(rng, (1, HKV, kl, d), F32), randn(rng, (1, HKV, kl, d), F32)
+    off = kl - ql if q_offset is None else q_offset
+    for causal in (False, True):
+        got = fm.sdpa(q, k, v, causal=causal, q_offset=q_offset, window=window, softcap=softcap, registry=cpu)
+        exp = reference.attention(q, k, v, causal=causal, q_offset=off, window=window, softcap=softcap)
+        assert_close(got, exp, F32, f"sdpa f32 causal={causal} q_offset={q_offset} window={window}")

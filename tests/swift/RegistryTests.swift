@@ -6,7 +6,8 @@ final class RegistryTests: XCTestCase {
     func testCacheMakesOnePipelinePerKey() throws {
         let r = Registry(backend: CPUBackend())
         let consts = FunctionConstants([(200, .bool(true)), (201, .bool(true)), (300, .bool(false)),
-                                        (301, .bool(false)), (303, .bool(false))])
+                                        (301, .bool(false)), (303, .bool(false))]
+                                       + [302, 304, 305, 306, 307, 308, 309, 310].map { ($0, .bool(false)) })
         let key = PipelineKey(spec: .prefill(io: .bf16, headDim: 128, boolMask: false), constants: consts)
         let p1 = try r.pipeline(key)
         let p2 = try r.pipeline(key)

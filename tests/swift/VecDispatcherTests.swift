@@ -37,7 +37,8 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(KernelSpec.vec(kv: .bf16, headDim: 64).name, "flash_attn_vec_bf16kv_dk64")
         XCTAssertEqual(KernelSpec.vecReduce(headDim: 128, fwht: false).name, "flash_attn_vec_reduce_dk128")
         XCTAssertEqual(KernelSpec.vecReduce(headDim: 256, fwht: true).name, "flash_attn_vec_reduce_tq_hb_undo_dk256")
-        XCTAssertEqual(VecCapability.kernels.count, 12 + 8)
+        XCTAssertEqual(VecCapability.kernels.count, 3 * 7 + 7 + 4)
+        XCTAssertEqual(VecCapability.fwhtHeadDims, [64, 128, 256, 512])
     }
 
     func testMainAndReduce() throws {
@@ -105,7 +106,7 @@ final class VecDispatcherTests: XCTestCase {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 256, nwg: 0,
                                                  fwht: true, signs: nil)
         }
-        expectFMError(VecDispatcher.reduceOp, contains: "head_dim must be 64, 128, 256 or 512, got 96") {
+        expectFMError(VecDispatcher.reduceOp, contains: "the FWHT undo needs a power-of-two head_dim (64, 128, 256 or 512), got 96") {
             _ = try VecDispatcher.reduceDispatch(tmp: signs.ref, out: signs.ref, rows: 1, headDim: 96, nwg: 32,
                                                  fwht: true, signs: nil)
         }
@@ -113,7 +114,7 @@ final class VecDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = VecDispatcher.op
-        expectFMError(op, contains: "head_dim must be 64, 128, 256 or 512, got 96") { _ = try dispatches(Case(d: 96)) }
+        expectFMError(op, contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 48") { _ = try dispatches(Case(d: 48)) }
         expectFMError(op, contains: "num_heads (16) must be divisible by num_kv_heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "num_heads and num_kv_heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)

@@ -98,7 +98,7 @@ final class VecSeqDispatcherTests: XCTestCase {
         expectFMError(VecSeqDispatcher.op, contains: "block_table[0, 1] = -1 is out of range [0, 4)") {
             _ = try dispatches(c, seqlens: ints([2], [17, 0]), table: ints([2, 3], [3, -1, -1, -1, -1, -1]))
         }
-        expectFMError(VecSeqDispatcher.op, contains: "seqlens_k[1] = 49 is out of range [0, 48]") {
+        expectFMError(VecSeqDispatcher.op, contains: "cache_seqlens[1] = 49 is out of range [0, 48]") {
             _ = try dispatches(c, seqlens: ints([2], [17, 49]), table: ints([2, 3], [0, 1, 2, 0, 1, 2]))
         }
         expectFMError(VecSeqDispatcher.op, contains: "must be a positive multiple of 16, got 24") {
@@ -108,11 +108,11 @@ final class VecSeqDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = VecSeqDispatcher.op
-        expectFMError(op, contains: "seqlens_k[0] = -1 is out of range [0, 64]") {
+        expectFMError(op, contains: "cache_seqlens[0] = -1 is out of range [0, 64]") {
             _ = try dispatches(Case(), seqlens: ints([3], [-1, 0, 0]))
         }
-        expectFMError(op, contains: "seqlens_k must have shape") { _ = try dispatches(Case(), seqlens: ints([2], [1, 1])) }
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "seqlens_k must be int32, got float32") {
+        expectFMError(op, contains: "cache_seqlens must have shape") { _ = try dispatches(Case(), seqlens: ints([2], [1, 1])) }
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "cache_seqlens must be int32, got float32") {
             _ = try dispatches(Case(), seqlens: HostTensor([3], .f32))
         }
         expectFMError(op, contains: "k batch (3) must equal q batch (2)") {

@@ -10,6 +10,8 @@
 //   the encoder ended on every error path, nothing committed after an error
 //   flexible threadgroups narrowed to the pipeline's limit (multiple of 32)
 //   batches: one command buffer for all calls, committed at the end
+//   the serving dispatchers' writes (kv_append's caches, the decode reduce's
+//   lse) come back from copies; their read-only inputs are never written
 import FlashMetalCore
 import FlashMetalMetal
 import Glibc
@@ -265,6 +267,57 @@ do {
           "batch: the second call reads the first call's tmp, each tensor copied once")
 } catch {
     check(false, "batch checks threw \(error)")
+}
+
+/// `t` viewed with another dtype and shape (same bytes).
+func view(_ t: TensorRef, _ dtype: DType, _ shape: [Int]) -> TensorRef {
+    TensorRef(data: t.data, byteCount: t.byteCount, dtype: dtype, shape: shape)
+}
+
+do {
+    // kv_append through its real dispatcher: B=1, 2 new rows of Hkv=1, D=4
+    // into a [1, 4, 1, 4] cache at row seqlens[0] = 1. The fake kernel is the
+    // op's copy; inputs are read-only pages, so a copy back would crash.
+    let dev = FakeDevice(noCopy: false)
+    let b = backend(dev)
+    let kNew = view(floats(8, { Float($0) + 100 }, readOnly: true), .f32, [1, 2, 1, 4])
+    let vNew = view(floats(8, { Float($0) + 200 }, readOnly: true), .f32, [1, 2, 1, 4])
+    let kCache = view(floats(16, { _ in -1 }), .f32, [1, 4, 1, 4])
+    let vCache = view(floats(16, { _ in -2 }), .f32, [1, 4, 1, 4])
+    let seqlens = view(floats(1, { _ in Float(bitPattern: 1) }, readOnly: true), .i32, [1])
+    let append: FakeKernel = { m in
+        let start = Int(m[KVAppendBuffer.seqlens]!.load(as: Int32.self))
+        for (src, dst) in [(KVAppendBuffer.kNew, KVAppendBuffer.kCache), (KVAppendBuffer.vNew, KVAppendBuffer.vCache)] {
+            let (s, d) = (m[src]!.assumingMemoryBound(to: Float.self), m[dst]!.assumingMemoryBound(to: Float.self))
+            for i in 0..<8 { d[start * 4 + i] = s[i] }
+        }
+    }
+    let d = try KVAppendDispatcher.makeDispatch(KVAppendTensors(kNew: kNew, vNew: vNew, kCache: kCache,
+                                                                vCache: vCache, seqlens: seqlens))!
+    try b.run([d], pipelines: [FakePipeline(append)])
+    check(values(kCache) == [-1, -1, -1, -1] + (100..<108).map(Float.init) + [-1, -1, -1, -1]
+          && values(vCache) == [-2, -2, -2, -2] + (200..<208).map(Float.init) + [-2, -2, -2, -2],
+          "kv_append: both caches come back with the rows written, the rest unchanged")
+    check(dev.copies == 5, "kv_append: five tensors, five copies")
+
+    // Serving decode: the reduce's lse output is in its writes, so it comes back.
+    let q = view(floats(64, { _ in 0 }, readOnly: true), .f32, [1, 1, 64])
+    let k = view(floats(16 * 64, { _ in 0 }, readOnly: true), .f32, [1, 16, 1, 64])
+    let v = view(floats(16 * 64, { _ in 0 }, readOnly: true), .f32, [1, 16, 1, 64])
+    let out = view(floats(64, { _ in -9 }), .f32, [1, 1, 64])
+    let lse = view(floats(1, { _ in -9 }), .f32, [1, 1])
+    let lens = view(floats(1, { _ in Float(bitPattern: 3) }, readOnly: true), .i32, [1])
+    let tmp = floats(VecDispatcher.tmpByteCount(rows: 1, headDim: 64) / 4, { _ in 0 })
+    let ds = try VecSeqDispatcher.makeDispatches(
+        VecSeqTensors(q: q, k: k, v: v, out: out, tmp: tmp, seqlensK: lens, lse: lse), VecSeqOptions(scale: 1))
+    let reduce: FakeKernel = { m in
+        m[VecReduceBuffer.out]!.assumingMemoryBound(to: Float.self)[0] = 1
+        m[VecReduceBuffer.lse]!.assumingMemoryBound(to: Float.self)[0] = 2
+    }
+    try b.run(ds, pipelines: [FakePipeline(), FakePipeline(reduce)])
+    check(values(out)[0] == 1 && values(lse) == [2], "serving decode: out and lse come back from their copies")
+} catch {
+    check(false, "serving dispatch checks threw \(error)")
 }
 
 print(failures == 0 ? "metal_fake: all passed" : "metal_fake: \(failures) failed")

@@ -1,0 +1,91 @@
+"""Shared pieces of the serving tests (test_serving*.py): registries per
+backend, random packed/paged inputs, and the comparison of (out, lse)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+import flashmetal as fm
+from conftest import BACKENDS
+from numerics import BF16, F16, F32, assert_close, randn
+from flashmetal.reference import close
+
+# The LSE is float32 from float32 accumulation: held to a float32-class
+# tolerance, looser than the output's only by the score rounding.
+LSE_TOL = (2e-4, 2e-4)
+HEAD_DIMS = [64, 80, 96, 128, 192, 256]
+# Key tile of the prefill kernels for D <= 256, query tile (page sizes and
+# ragged lengths are chosen around them).
+BK, BQ = 16, 32
+
+
+@functools.cache
+def registry(backend: str) -> fm.Registry:
+    """One registry per backend for the whole session."""
+    return fm.Registry(backend)
+
+
+def assert_out_lse(out, lse, exp_out, exp_lse, dtype, what: str, *, merged: bool = False) -> None:
+    """out within the dtype's tolerance; lse (float32 from a kernel, float64
+    when `merged` on the host) within LSE_TOL, -inf exactly where the
+    reference has -inf (rows that see nothing)."""
+    assert_close(np.asarray(out), exp_out, dtype, f"{what} out")
+    if lse is not None:
+        lse = np.asarray(lse)
+        assert lse.dtype == (np.float64 if merged else F32), (what, lse.dtype)
+        assert lse.shape == exp_lse.shape, (what, lse.shape, exp_lse.shape)
+        ok, ratio = close(lse, exp_lse, *LSE_TOL)
+        assert ok, f"{what} lse: {ratio:.3g}x over tolerance"
+
+
+def cu(lengths: list[int]) -> np.ndarray:
+    """int32 cumulative offsets [B+1] of the given lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def paged(rng: np.random.Generator, caches: list[list[np.ndarray]], page_size: int, *, room: int = 0,
+          spare_pages: int = 2) -> tuple[list[np.ndarray], np.ndarray]:
+    """Paged caches [num_pages, page_size, Hkv, D], one per entry of `caches`
+    (e.g. [k_rows, v_rows], each a list of [L_b, Hkv, D] per sequence), with
+    every sequence on shuffled pages with room for `room` more keys, and their
+    block table. Unused slots and spare pages hold noise; padding is -1."""
+    lengths = [len(r) for r in caches[0]]
+    need = [-(-(n + room) // page_size) for n in lengths]
+    max_pages = max(max(need), 1)
+    num_pages = sum(need) + spare_pages
+    order = rng.permutation(num_pages)
+    table = np.full((len(lengths), max_pages), -1, dtype=np.int32)
+    table_rows = np.split(order[:sum(need)], np.cumsum(need)[:-1])
+    for b, pages in enumerate(table_rows):
+        table[b, :len(pages)] = pages
+    out = []
+    for rows in caches:
+        cache = randn(rng, (num_pages, page_size) + rows[0].shape[1:], rows[0].dtype)
+        for b, r in enumerate(rows):
+            for j in range(-(-len(r) // page_size)):
+                chunk = r[j * page_size:(j + 1) * page_size]
+                cache[table[b, j], :len(chunk)] = chunk
+        out.append(cache)
+    return out, table
+
+
+def qkv(rng, q_shape, kv_shape, dtype):
+    return randn(rng, q_shape, dtype), randn(rng, kv_shape, dtype), randn(rng, kv_shape, dtype)
+
+
+def sinks_for(rng, heads: int) -> np.ndarray:
+    """Sink logits around the scores' range, so they change the result."""
+    return rng.uniform(-1.0, 2.0, heads).astype(np.float32)
+
+
+def with_sinks(rng, features: dict, heads: int) -> dict:
+    """A copy of a feature dict whose `sinks=True` became sink logits."""
+    kw = dict(features)
+    if kw.pop("sinks", False):
+        kw["sinks"] = sinks_for(rng, heads)
+    return kw
+
+
+DTYPES = [BF16, F16]
+__all__ = ["BACKENDS", "BF16", "F16", "F32", "randn"]

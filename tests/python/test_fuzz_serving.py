@@ -1,0 +1,159 @@
+"""Fuzzing the serving API (issue 14) through hypothesis, as test_fuzz.py
+does the other ops: random shapes, lengths, tables and options, some of them
+wrong. Every call either succeeds -- matching the float64 serving reference,
+with the caches holding exactly the appended rows -- or raises ValueError /
+TypeError / NotImplementedError naming the public function, with every
+array of the caller (caches, tables, lengths) unchanged; never a crash."""
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+import flashmetal as fm
+import test_fuzz as base
+from flashmetal import reference
+from numerics import BF16, F16, F32
+
+OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
+            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype"]
+
+
+@st.composite
+def serving_calls(draw):
+    """A valid call, or (about 40%) one with one mistake of MISTAKES."""
+    hkv = draw(st.integers(1, 2))
+    bad = draw(st.sampled_from(["none"] * 20 + MISTAKES))
+    return dict(
+        fn=draw(st.sampled_from(["func", "varlen", "kvcache", "kvcache"])),
+        dt=F32 if bad == "dtype" else draw(st.sampled_from([BF16, F16])),
+        d=draw(st.sampled_from([32, 0])) if bad == "head_dim" else draw(st.sampled_from([64, 64, 80, 96, 128, 192,
+                                                                                           256])),
+        b=draw(st.integers(1, 3)), hkv=hkv, h=hkv * draw(st.sampled_from([1, 2])) + (bad == "heads"),
+        q_lens=draw(st.lists(st.integers(0, 20), min_size=3, max_size=3)),
+        k_lens=draw(st.lists(st.integers(0, 40), min_size=3, max_size=3)),
+        one_row=draw(st.booleans()),
+        causal=draw(st.booleans()),
+        window=(-2, 0) if bad == "window" else draw(st.sampled_from([(-1, -1), (-1, -1), (4, 0), (0, 3), (-1, 2)])),
+        softcap=-1.0 if bad == "softcap" else draw(st.sampled_from([0.0, 0.0, 3.0])),
+        sinks="short" if bad == "sinks_short" else draw(st.sampled_from(["none", "none", "ok"])),
+        paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 16, 32, 24])),
+        n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
+    )
+
+
+def _bad_table(table, rng, num_pages, lens, page_size):
+    """An entry a sequence reads set out of range (if any sequence reads one)."""
+    readers = [b for b, n in enumerate(lens) if n > 0]
+    if not readers:
+        return table
+    b = readers[int(rng.integers(0, len(readers)))]
+    j = int(rng.integers(0, -(-lens[b] // page_size)))
+    table[b, j] = int(rng.choice([num_pages, -1, 2**31 - 1, -2**31]))
+    return table
+
+
+def _varlen(c, rng):
+    dt, d, h, hkv, b = c["dt"], c["d"], c["h"], c["hkv"], c["b"]
+    ql, kl = c["q_lens"][:b], c["k_lens"][:b]
+    q = base._values(rng, (sum(ql), h, d), dt)
+    k, v = base._values(rng, (sum(kl), hkv, d), dt), base._values(rng, (sum(kl), hkv, d), dt)
+    cq = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(kl)]).astype(np.int32)
+    mq, mk = max(ql), max(kl)
+    if c["bad"] == "cu_start":
+        cq[0] = 1
+    elif c["bad"] == "cu_order" and b > 1:
+        ck[1] = ck[-1] + 1
+    elif c["bad"] == "max_seqlen" and mq > 0:
+        mq -= 1
+    return q, k, v, cq, ck, mq, mk
+
+
+def _kvcache(c, rng):
+    dt, d, h, hkv, b = c["dt"], c["d"], c["h"], c["hkv"], c["b"]
+    ql = 1 if c["one_row"] else max(c["q_lens"][0], 1)
+    lens = c["k_lens"][:b]
+    n_new, ps = c["n_new"], c["page_size"]
+    q = base._values(rng, (b, ql, h, d), dt)
+    table = None
+    if c["paged"]:
+        per = max(-(-(max(lens) + n_new) // ps), 1)
+        num_pages = b * per + 1
+        kc, vc = base._values(rng, (num_pages, ps, hkv, d), dt), base._values(rng, (num_pages, ps, hkv, d), dt)
+        table = rng.permutation(num_pages)[:b * per].astype(np.int32).reshape(b, per)
+        if c["bad"] == "table_entry":
+            table = _bad_table(table, rng, num_pages, [n + n_new for n in lens], ps)
+        elif c["bad"] == "table_short" and per > 1:
+            table = np.ascontiguousarray(table[:, :per - 1])
+    else:
+        cap = max(lens) + n_new + 1
+        kc, vc = base._values(rng, (b, cap, hkv, d), dt), base._values(rng, (b, cap, hkv, d), dt)
+    seqlens = np.array(lens, np.int32)
+    if c["bad"] == "seqlens_high":
+        seqlens[-1] = (table.shape[1] * ps if c["paged"] else kc.shape[1]) + 1
+    elif c["bad"] == "seqlens_neg":
+        seqlens[0] = -1
+    new = None
+    if n_new:
+        new = (base._values(rng, (b, n_new, hkv, d), dt), base._values(rng, (b, n_new, hkv, d), dt))
+    if c["bad"] == "noncontig" and n_new:
+        kc = np.repeat(kc, 2, axis=-1)[..., ::2]
+    return q, kc, vc, new, seqlens, table
+
+
+@base.FUZZ
+@given(c=serving_calls(), seed=st.integers(0, 2**32 - 1))
+def test_serving_api(cpu, c, seed):
+    rng = np.random.default_rng(seed)
+    kw = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"])
+    if c["sinks"] != "none":
+        kw["sinks"] = rng.uniform(-1, 1, c["h"] - (c["sinks"] == "short")).astype(np.float32)
+    if c["fn"] == "func":
+        b, d, dt = c["b"], c["d"], c["dt"]
+        ql = 1 if c["one_row"] else max(c["q_lens"][0], 1)
+        q = base._values(rng, (b, ql, c["h"], d), dt)
+        k = base._values(rng, (b, max(c["k_lens"][0], 1), c["hkv"], d), dt)
+        v = base._values(rng, k.shape, dt)
+        res = base._run(lambda: fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=cpu, **kw),
+                        [q, k, v], None, OPS)
+        if res is not None:
+            _check(res[0], res[1], reference.flash_attn(q, k, v, **kw), dt, "func")
+        return
+    if c["fn"] == "varlen":
+        q, k, v, cq, ck, mq, mk = _varlen(c, rng)
+        res = base._run(lambda: fm.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, return_attn_probs=True,
+                                                          registry=cpu, **kw), [q, k, v, cq, ck], None, OPS)
+        if res is not None:
+            _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
+        return
+    q, kc, vc, new, seqlens, table = _kvcache(c, rng)
+    watched = [q, seqlens] + ([] if table is None else [table]) + ([] if new is None else list(new))
+    before_k, before_v = np.array(kc, copy=True), np.array(vc, copy=True)
+    args = () if new is None else new
+    try:
+        res = base._run(lambda: fm.flash_attn_with_kvcache(q, kc, vc, *args, cache_seqlens=seqlens,
+                                                           block_table=table, return_softmax_lse=True,
+                                                           registry=cpu, **kw), watched, None, OPS)
+    except NotImplementedError:
+        raise AssertionError("an UnsupportedFeatureError for a supported call") from None
+    if res is None:
+        assert kc.tobytes() == before_k.tobytes() and vc.tobytes() == before_v.tobytes(), \
+            "a failed call modified the caches"
+        return
+    exp = reference.flash_attn_kvcache(q, before_k, before_v, k=None if new is None else new[0],
+                                       v=None if new is None else new[1], cache_seqlens=seqlens,
+                                       block_table=table, **kw)
+    if new is not None:
+        ek, ev = reference.kv_append(before_k, before_v, *new, seqlens, table)
+        assert kc.tobytes() == ek.tobytes() and vc.tobytes() == ev.tobytes(), "the caches differ from the append"
+    _check(res[0], res[1], exp, c["dt"], "kvcache")
+
+
+def _check(out, lse, exp, dt, what):
+    base._close(out, exp[0], dt, what)
+    ok, ratio = reference.close(lse, exp[1], 2e-4, 2e-4)
+    assert ok, f"{what} lse: {ratio:.3g}x over tolerance"

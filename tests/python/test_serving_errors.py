@@ -1,0 +1,233 @@
+"""Bad inputs to the serving API (issue 14): the exact error type, a message
+naming the public function, the argument and the bad value, and the
+caller's arrays (caches, tables, lengths) left exactly as they were."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from serving_cases import BF16, F16, F32, cu, randn
+
+KV = "flash_attn_with_kvcache"
+VARLEN = "flash_attn_varlen_func"
+FUNC = "flash_attn_func"
+
+
+def snapshot(*arrays):
+    return [np.array(a, copy=True) for a in arrays]
+
+
+def unchanged(arrays, before):
+    for a, b in zip(arrays, before):
+        assert np.asarray(a).tobytes() == b.tobytes(), "a caller's array was modified"
+
+
+def raises(cls, op: str, pattern: str, fn, *watched):
+    """fn() raises cls (a flashmetal error with .op == op) matching
+    '^op: .*pattern', and leaves the watched arrays untouched."""
+    before = snapshot(*watched)
+    with pytest.raises(cls, match=rf"^{op}: .*{pattern}") as e:
+        fn()
+    assert isinstance(e.value, fm.Error) and e.value.op == op
+    unchanged(watched, before)
+
+
+@pytest.fixture
+def cache(rng):
+    """q [2, 1, 4, 64], caches [2, 32, 2, 64] f16, lengths [5, 9], new k/v of one row."""
+    return dict(q=randn(rng, (2, 1, 4, 64), F16), kc=randn(rng, (2, 32, 2, 64), F16),
+                vc=randn(rng, (2, 32, 2, 64), F16), k=randn(rng, (2, 1, 2, 64), F16),
+                v=randn(rng, (2, 1, 2, 64), F16), seqlens=np.array([5, 9], np.int32))
+
+
+@pytest.fixture
+def pages(rng):
+    """A paged cache: 6 pages of 16, table [2, 3], lengths [20, 33]."""
+    return dict(q=randn(rng, (2, 3, 4, 64), BF16), kc=randn(rng, (6, 16, 2, 64), BF16),
+                vc=randn(rng, (6, 16, 2, 64), BF16), k=randn(rng, (2, 2, 2, 64), BF16),
+                v=randn(rng, (2, 2, 2, 64), BF16), table=np.array([[4, 1, -1], [0, 5, 2]], np.int32),
+                seqlens=np.array([20, 33], np.int32))
+
+
+@pytest.mark.parametrize("ql", [1, 3])
+@pytest.mark.parametrize("append", [False, True])
+def test_bad_block_table_entries(pages, ql, append):
+    p = pages
+    q = p["q"][:, :ql]
+    extra = (p["k"], p["v"]) if append else ()
+    for bad, where in ((6, r"block_table\[1, 1\] = 6"), (-1, r"block_table\[1, 1\] = -1")):
+        table = p["table"].copy()
+        table[1, 1] = bad
+        raises(ValueError, KV, where,
+               lambda: fm.flash_attn_with_kvcache(q, p["kc"], p["vc"], *extra, cache_seqlens=p["seqlens"],
+                                                  block_table=table, registry="cpu"),
+               p["kc"], p["vc"], table, p["seqlens"])
+
+
+@pytest.mark.parametrize("ql", [1, 3])
+def test_block_table_too_short_for_a_length(pages, ql):
+    p = pages
+    lens = np.array([20, 49], np.int32)  # 49 keys need 4 pages of 16; the table row has 3
+    raises(ValueError, KV, "49",
+           lambda: fm.flash_attn_with_kvcache(p["q"][:, :ql], p["kc"], p["vc"], cache_seqlens=lens,
+                                              block_table=p["table"], registry="cpu"), lens, p["table"])
+
+
+def test_append_past_the_pages_is_refused_before_writing(pages):
+    p = pages
+    lens = np.array([20, 47], np.int32)  # 47 + 2 new rows need a 4th page
+    raises(ValueError, KV, "",
+           lambda: fm.flash_attn_with_kvcache(p["q"], p["kc"], p["vc"], p["k"], p["v"], cache_seqlens=lens,
+                                              block_table=p["table"], registry="cpu"), p["kc"], p["vc"], lens)
+
+
+@pytest.mark.parametrize("ql", [1, 3])
+def test_page_size_not_a_multiple_of_the_tile(rng, ql):
+    kc, vc = randn(rng, (4, 24, 2, 64), BF16), randn(rng, (4, 24, 2, 64), BF16)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    raises(ValueError, KV, "24",
+           lambda: fm.flash_attn_with_kvcache(randn(rng, (2, ql, 4, 64), BF16), kc, vc, cache_seqlens=[3, 30],
+                                              block_table=table, registry="cpu"), kc, vc, table)
+
+
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("bad", [33, -1, 2**31 - 1])
+def test_cache_seqlens_out_of_range(cache, append, bad):
+    c = cache
+    lens = np.array([5, bad], np.int32)
+    extra = (c["k"], c["v"]) if append else ()
+    raises(ValueError, KV, rf"cache_seqlens.*{bad}",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], *extra, cache_seqlens=lens,
+                                              registry="cpu"), c["kc"], c["vc"], lens)
+
+
+def test_append_past_the_capacity_is_refused_before_writing(cache):
+    c = cache
+    lens = np.array([5, 32], np.int32)  # 32 fits the cache, 32 + 1 does not
+    raises(ValueError, KV, "",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], c["k"], c["v"], cache_seqlens=lens,
+                                              registry="cpu"), c["kc"], c["vc"], lens)
+
+
+def test_cache_seqlens_types(cache):
+    c = cache
+    run = lambda lens: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], cache_seqlens=lens, registry="cpu")  # noqa: E731
+    raises(TypeError, KV, "cache_seqlens must hold integers", lambda: run(np.array([5.0, 9.0])))
+    raises(TypeError, KV, "cache_seqlens must hold integers", lambda: run(np.array([True, False])))
+    raises(ValueError, KV, "cache_seqlens holds 4294967296, outside the int32 range",
+           lambda: run(np.array([5, 2**32], np.int64)))
+    raises(ValueError, KV, "cache_seqlens", lambda: run(np.array([5, 9, 1], np.int32)))  # wrong length
+
+
+def test_non_contiguous_or_read_only_caches_when_appending(cache):
+    c = cache
+    wide_k = np.zeros((2, 32, 2, 128), F16)
+    strided = wide_k[..., ::2]
+    raises(ValueError, KV, "k_cache must be C-contiguous",
+           lambda: fm.flash_attn_with_kvcache(c["q"], strided, c["vc"], c["k"], c["v"], cache_seqlens=c["seqlens"],
+                                              registry="cpu"), wide_k, c["vc"])
+    ro = c["vc"].copy()
+    ro.flags.writeable = False
+    raises(ValueError, KV, "v_cache is read-only",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], ro, c["k"], c["v"], cache_seqlens=c["seqlens"],
+                                              registry="cpu"), c["kc"], ro)
+    # Without an append a strided cache is only read: accepted.
+    fm.flash_attn_with_kvcache(c["q"], np.ascontiguousarray(strided), c["vc"], cache_seqlens=c["seqlens"],
+                               registry="cpu")
+
+
+@pytest.mark.parametrize("what,cls", [("head_dim", ValueError), ("heads", ValueError), ("dtype", TypeError),
+                                      ("sinks", ValueError), ("float32_prefill", TypeError),
+                                      ("decode_head_dim", ValueError)])
+@pytest.mark.parametrize("paging", [False, True])
+def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, cls, paging):
+    """The append runs (and validates itself) before the attention: when the
+    attention then refuses the call, the rows the append wrote are restored."""
+    dt = F32 if what == "float32_prefill" else F16
+    kc = randn(rng, (6, 16, 2, 64) if paging else (2, 32, 2, 64), dt)
+    vc = randn(rng, kc.shape, dt)
+    table = np.array([[3, 0], [5, 1]], np.int32) if paging else None
+    k_new, v_new = randn(rng, (2, 2, 2, 64), dt), randn(rng, (2, 2, 2, 64), dt)
+    seqlens = np.array([5, 16], np.int32)
+    q = {"head_dim": randn(rng, (2, 3, 4, 32), F16), "heads": randn(rng, (2, 3, 3, 64), F16),
+         "dtype": randn(rng, (2, 3, 4, 64), BF16), "sinks": randn(rng, (2, 3, 4, 64), F16),
+         "float32_prefill": randn(rng, (2, 3, 4, 64), F32), "decode_head_dim": randn(rng, (2, 1, 4, 48), F16)}[what]
+    sinks = np.zeros(3, np.float32) if what == "sinks" else None
+    raises(cls, KV, "",
+           lambda: fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                              sinks=sinks, registry="cpu"), kc, vc, seqlens, k_new)
+
+
+def test_k_without_v(cache):
+    c = cache
+    raises(ValueError, KV, "k and v must be given together",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], c["k"], cache_seqlens=c["seqlens"],
+                                              registry="cpu"), c["kc"])
+
+
+def test_append_needs_cache_seqlens(cache):
+    c = cache
+    raises(ValueError, KV, "cache_seqlens is required",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], c["k"], c["v"], registry="cpu"), c["kc"])
+
+
+@pytest.mark.parametrize("name,value", [("rotary_cos", np.zeros((4, 16))), ("rotary_sin", np.zeros((4, 16))),
+                                        ("cache_batch_idx", np.array([1, 0], np.int32)),
+                                        ("cache_leftpad", np.array([0, 0], np.int32)),
+                                        ("alibi_slopes", np.zeros(4, np.float32))])
+def test_unsupported_kvcache_features(cache, name, value):
+    c = cache
+    raises(fm.UnsupportedFeatureError, KV, f"{name} is not supported",
+           lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], c["k"], c["v"], cache_seqlens=c["seqlens"],
+                                              registry="cpu", **{name: value}), c["kc"], c["vc"])
+    assert issubclass(fm.UnsupportedFeatureError, NotImplementedError)
+
+
+@pytest.mark.parametrize("fn,op", [(fm.flash_attn_func, FUNC), ("varlen", VARLEN)])
+def test_dropout_alibi_and_argument_types(rng, fn, op):
+    q = randn(rng, (1, 4, 2, 64), BF16)
+    if fn == "varlen":
+        def call(**kw):
+            return fm.flash_attn_varlen_func(q[0], q[0], q[0], cu([4]), cu([4]), 4, 4, registry="cpu", **kw)
+    else:
+        def call(**kw):
+            return fm.flash_attn_func(q, q, q, registry="cpu", **kw)
+    raises(ValueError, op, "dropout_p must be 0.0", lambda: call(dropout_p=0.1))
+    raises(fm.UnsupportedFeatureError, op, "alibi_slopes", lambda: call(alibi_slopes=np.zeros(2, np.float32)))
+    raises(TypeError, op, "causal must be a bool", lambda: call(causal=1))
+    raises(TypeError, op, "window_size must be a pair", lambda: call(window_size=4))
+    raises(ValueError, op, r"window_size\[1\] must be -1 \(unbounded\) or >= 0, got -3",
+           lambda: call(window_size=(2, -3)))
+    raises(TypeError, op, r"window_size\[0\] must be an integer", lambda: call(window_size=(2.5, 0)))
+    raises(TypeError, op, "sinks must be floating point", lambda: call(sinks=np.zeros(2, np.int32)))
+    raises(ValueError, op, "sinks", lambda: call(sinks=np.zeros(3, np.float32)))
+    raises(ValueError, op, "softcap", lambda: call(softcap=-1.0))
+
+
+def test_varlen_bad_cu_seqlens(rng):
+    q = randn(rng, (10, 2, 64), F16)
+    run = lambda cq, ck, mq=10, mk=10: fm.flash_attn_varlen_func(q, q, q, cq, ck, mq, mk, registry="cpu")  # noqa: E731
+    good = np.array([0, 4, 10], np.int32)
+    for bad, pattern in (([1, 4, 10], r"cu_seqlens_q\[0\] must be 0, got 1"),
+                         ([0, 6, 4], r"cu_seqlens_q.*non-decreasing"),
+                         ([0, 4, 11], r"cu_seqlens_q\[2\] = 11")):
+        arr = np.array(bad, np.int32)
+        raises(ValueError, VARLEN, pattern, lambda: run(arr, good), arr, good, q)
+    raises(ValueError, VARLEN, "max_seqlen_k", lambda: run(good, good, 10, 5))
+    raises(ValueError, VARLEN, "max_seqlen_q", lambda: run(good, good, 3, 10))
+    raises(ValueError, VARLEN, "cu_seqlens_k", lambda: run(good, np.array([0, 10], np.int32)))  # batch mismatch
+    raises(TypeError, VARLEN, "cu_seqlens_q must hold integers", lambda: run(good.astype(np.float32), good))
+
+
+def test_wrong_dtypes_and_shapes(rng):
+    q = randn(rng, (1, 4, 2, 64), BF16)
+    raises(TypeError, FUNC, "int32", lambda: fm.flash_attn_func(q.astype(np.int32), q, q, registry="cpu"))
+    raises(TypeError, FUNC, "", lambda: fm.flash_attn_func(q.astype(F32), q.astype(F32), q.astype(F32),
+                                                           registry="cpu"))
+    raises(TypeError, FUNC, "", lambda: fm.flash_attn_func(q, q.astype(F16), q.astype(F16), registry="cpu"))
+    raises(ValueError, FUNC, "", lambda: fm.flash_attn_func(q, q[:, :, :1].repeat(3, axis=2),
+                                                            q[:, :, :1].repeat(3, axis=2), registry="cpu"))
+    raises(ValueError, FUNC, "", lambda: fm.flash_attn_func(q[0], q[0], q[0], registry="cpu"))
+    out = np.zeros((1, 4, 2, 32), BF16)
+    raises(ValueError, KV, "out shape", lambda: fm.flash_attn_with_kvcache(q, q, q, out=out, registry="cpu"), out)
