@@ -387,7 +387,7 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
         case.mutations.append(f"registry={case.registry}")
         return
     if kind == "arg":
-        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 96, 1024)))
+        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 100, 1024)))
         case.mutations.append(f"head_dim={case.args['head_dim']}")
         return
     if kind == "opts" and case.opts:
