@@ -2,8 +2,11 @@
 // head, the KV range split over NWG = 32 workgroups, then a reduce.
 //
 // Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
-// (row, workgroup). Workgroup wg takes the key chunks [c, c + 32) with
-// c = wg * 32, wg * 32 + NWG * 32, ... (the cpu kernel's split). Per chunk:
+// (row, workgroup). The row's visible keys, cut into 16-key units at absolute
+// multiples of 16, are dealt evenly over the first min(units, NWG)
+// workgroups as contiguous runs (the cpu kernel's split, vec_split.h): a
+// window spreads its keys over every workgroup, and a workgroup streams
+// consecutive rows (and pages). A run is read in chunks of 32 keys. Per chunk:
 //   every lane dots its dims (l, l + 32, ...) of q with each of the chunk's
 //   32 keys (coalesced K reads), then a butterfly reduce-scatter over the
 //   SIMD group (31 shuffles) leaves the full q.k of key c + j in lane j;
@@ -35,8 +38,9 @@
 // 503 (vec_paged): key p lives in page block_table[b * max_pages + p /
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
 // keys spans at most two pages: the table is read once per half chunk, and
-// only for halves that start before kv_len_b (entries past it are never
-// checked by the host and never read here). The window applies per sequence.
+// only for halves that start before the run's end (<= kv_len_b; entries past
+// it are never checked by the host and never read here). The window applies
+// per sequence.
 //
 // Head dims that are not a multiple of 32 (80): lane l still owns dims
 // l, l + 32, ...; the last of them exist only for l < D % 32.
@@ -67,7 +71,23 @@ FUNCTION_CONSTANT(bool, vec_lse, 505)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
-#define VEC_CHUNK 32
+#define VEC_CHUNK 32  // keys scored at once: one per lane
+#define VEC_UNIT 16   // keys per unit of the split (the cpu's FM_VEC_CHUNK)
+
+// Workgroup wg's keys [s, e) of the visible [lo, hi), and `a`, the unit
+// boundary its run starts at (a <= s, a multiple of VEC_UNIT); s == e for a
+// workgroup without keys. The units are dealt to within one per workgroup.
+inline void vec_wg_keys(long lo, long hi, long nwg, long wg, thread long &a, thread long &s, thread long &e) {
+    a = s = e = 0;
+    if (hi <= lo) return;
+    const long u0 = lo / VEC_UNIT;
+    const long units = (hi + VEC_UNIT - 1) / VEC_UNIT - u0;
+    const long busy = min(units, nwg);
+    if (wg >= busy) return;
+    a = (u0 + units * wg / busy) * VEC_UNIT;
+    s = max(a, lo);
+    e = min((u0 + units * (wg + 1) / busy) * VEC_UNIT, hi);
+}
 
 // Threadgroup memory of the main kernel as VecDispatcher sizes it, in halfs.
 template <int D>
@@ -154,22 +174,24 @@ kernel void flash_attn_vec(
     float qv[NE];  // this lane's dims of q: l, l + 32, ...
     for (int i = 0; i < NE; i++) qv[i] = vec_lane_dim<D>(lane, i) ? q[row * D + int(lane) + 32 * i] : 0.0f;
 
-    // Visible keys: [lo, kv_len).
+    // Visible keys: [lo, kv_len); this workgroup's: [ks0, ke).
     long lo = 0;
     if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), 0L);
+    long run = 0, ks0 = 0, ke = 0;
+    vec_wg_keys(lo, kv_len, nwg, wg, run, ks0, ke);
 
     float o[NE];
     for (int i = 0; i < NE; i++) o[i] = 0.0f;
     float m = FM_RUNNING_MAX_START;  // log2 domain
     float s_sum = 0.0f;
 
-    for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
-        if (c + VEC_CHUNK <= lo) continue;  // wholly before the window: uniform
-        // Row offsets of the chunk's two half chunks (uniform over the SIMD group).
+    for (long c = run; c < ke; c += VEC_CHUNK) {
+        // Row offsets of the chunk's two half chunks (uniform over the SIMD
+        // group; c is a unit boundary, so each half lies in one page).
         long koff[2] = {0, 0};
         long voff[2] = {0, 0};
         for (int hf = 0; hf < 2; hf++) {
-            if (c + 16 * hf >= kv_len) continue;
+            if (c + 16 * hf >= ke) continue;
             koff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, ks);
             voff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, vs);
         }
@@ -177,7 +199,7 @@ kernel void flash_attn_vec(
         for (int j = 0; j < VEC_CHUNK; j++) {
             part[j] = 0.0f;
             const long pj = c + j;
-            if (pj >= kv_len || pj < lo) continue;  // uniform over the SIMD group
+            if (pj >= ke || pj < ks0) continue;  // uniform over the SIMD group
             const device KV *kr = k + koff[j >> 4] + long(j & 15) * ks[2] + lane;
             for (int i = 0; i < NE; i++) {
                 if (vec_lane_dim<D>(lane, i)) part[j] = fma(qv[i], float(kr[32 * i]), part[j]);
@@ -186,7 +208,7 @@ kernel void flash_attn_vec(
         const float dot = vec_reduce_scatter(part, lane);
         const long pos = c + long(lane);
         float s = -INFINITY;
-        if (pos < kv_len && pos >= lo) {
+        if (pos < ke && pos >= ks0) {
             s = p.scale * dot;
             if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
             s *= FM_LOG2E;
@@ -200,8 +222,8 @@ kernel void flash_attn_vec(
         probs[lane] = pr;
         simdgroup_barrier(mem_flags::mem_threadgroup);
         for (int i = 0; i < NE; i++) o[i] *= factor;
-        const long j0 = max(lo - c, 0L);
-        const long j1 = min(long(VEC_CHUNK), kv_len - c);
+        const long j0 = max(ks0 - c, 0L);
+        const long j1 = min(long(VEC_CHUNK), ke - c);
         for (long j = j0; j < j1; j++) {
             const float pj = probs[j];
             const device KV *vr = v + voff[j >> 4] + (j & 15) * vs[2] + lane;
