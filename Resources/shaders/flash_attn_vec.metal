@@ -36,7 +36,8 @@
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
 // keys spans at most two pages: the table is read once per half chunk, and
 // only for halves that start before kv_len_b (entries past it are never
-// checked by the host and never read here). The window applies per sequence.
+// checked by the host and never read here); chunks start at multiples of 32,
+// so each half lies in one page. The window applies per sequence.
 //
 // Head dims that are not a multiple of 32 (80): lane l still owns dims
 // l, l + 32, ...; the last of them exist only for l < D % 32.
