@@ -626,7 +626,9 @@ def expected(case: Case, extra: Any):
         e = reference.mask_additive(ql, kl, causal=bool(o["causal"]), q_offset=o["q_offset"], window=w)
         return e, "out", -1  # exact
     if case.op == "blk":
-        m = t["mask"].array().astype(np.float64)
+        m = t["mask"].array()
+        # A bool mask (any nonzero byte = attend) classifies as 0 / -inf.
+        m = np.where(m.view(np.uint8) != 0, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
         e = reference.blk_classes(m, *geom(case.args["head_dim"])).reshape(-1)
         return e, "blk_out", -2
     raise AssertionError(case.op)
