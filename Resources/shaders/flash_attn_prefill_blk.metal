@@ -1,7 +1,8 @@
 // flash_attn_prefill_blk.metal — the tile-skip pre-pass (seed 001).
 //
 // One SIMD group (32 threads) classifies one (BQ, BK) tile of an additive
-// [qL, kL] mask for the prefill that consumes it:
+// [qL, kL] mask (or a bool one: true = 0, false = -inf) for the prefill that
+// consumes it:
 //   0  every cell -inf       (the prefill skips the tile)
 //   2  every cell exactly 0  (the prefill skips the mask add)
 //   1  anything else, and always a partial right-edge K tile.
@@ -17,7 +18,7 @@
 // has no native 64-bit divide); only the row offset into the mask is 64-bit.
 //
 // Grid (NK, NQ, 1): threadgroup (kt, qt) writes blk[qt * NK + kt].
-// Buffers: 0 mask (bf16 or f16, row stride mask_row_stride elements),
+// Buffers: 0 mask (bf16, f16 or bool, row stride mask_row_stride elements),
 // 1 blk (uchar), 2 BlkParams. Function constants 400 BQ, 401 BK.
 #include "dialect.h"
 #include "flashmetal.h"
@@ -25,6 +26,11 @@ using namespace metal;
 
 FUNCTION_CONSTANT(int, blk_bq, 400)
 FUNCTION_CONSTANT(int, blk_bk, 401)
+
+// A mask cell as an additive value.
+inline float blk_cell(bool attend) { return attend ? 0.0f : -INFINITY; }
+inline float blk_cell(half m) { return float(m); }
+inline float blk_cell(bfloat m) { return float(m); }
 
 template <typename MaskT>
 kernel void flash_attn_prefill_blk(
@@ -62,7 +68,7 @@ kernel void flash_attn_prefill_blk(
     bool all_zero = true;
     for (uint i = lane; i < cells; i += 32) {
         const uint r = i / bk;
-        const float x = float(tile[long(r) * long(p.mask_row_stride) + (i - r * bk)]);
+        const float x = blk_cell(tile[long(r) * long(p.mask_row_stride) + (i - r * bk)]);
         all_masked = all_masked && (x == -INFINITY);
         all_zero = all_zero && (x == 0.0f);
     }
@@ -73,3 +79,4 @@ kernel void flash_attn_prefill_blk(
 
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bf16", flash_attn_prefill_blk, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f16", flash_attn_prefill_blk, half)
+INSTANTIATE_KERNEL("flash_attn_prefill_blk_bool", flash_attn_prefill_blk, bool)

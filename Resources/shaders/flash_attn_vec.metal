@@ -2,8 +2,8 @@
 // head, the KV range split over NWG = 32 workgroups, then a reduce.
 //
 // Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
-// (row, workgroup). Workgroup wg takes the key chunks [c, c + 32) with
-// c = wg * 32, wg * 32 + NWG * 32, ... (the cpu kernel's split). Per chunk:
+// (row, workgroup). Workgroup wg takes a contiguous run of 32-key chunks
+// (FM_VEC_CHUNK: the split flashmetal.h defines for every backend). Per chunk:
 //   every lane dots its dims (l, l + 32, ...) of q with each of the chunk's
 //   32 keys (coalesced K reads), then a butterfly reduce-scatter over the
 //   SIMD group (31 shuffles) leaves the full q.k of key c + j in lane j;
@@ -36,7 +36,8 @@
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
 // keys spans at most two pages: the table is read once per half chunk, and
 // only for halves that start before kv_len_b (entries past it are never
-// checked by the host and never read here). The window applies per sequence.
+// checked by the host and never read here); chunks start at multiples of 32,
+// so each half lies in one page. The window applies per sequence.
 //
 // Head dims that are not a multiple of 32 (80): lane l still owns dims
 // l, l + 32, ...; the last of them exist only for l < D % 32.
@@ -67,7 +68,6 @@ FUNCTION_CONSTANT(bool, vec_lse, 505)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
-#define VEC_CHUNK 32
 
 // Threadgroup memory of the main kernel as VecDispatcher sizes it, in halfs.
 template <int D>
@@ -127,6 +127,7 @@ kernel void flash_attn_vec(
     uint3 ngroups BUILTIN(threadgroups_per_grid),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
     constexpr int NE = (D + 31) / 32;  // output dims per lane (the last maybe partial)
+    static_assert(FM_VEC_CHUNK == 32, "one key of a chunk per lane");
     static_assert(32 * 4 <= vec_tg_halfs<D>() * 2, "uses no more than the dispatcher binds");
     static_assert(vec_tg_halfs<D>() * 2 <= 32768, "threadgroup memory over 32 KiB");
 
@@ -163,8 +164,13 @@ kernel void flash_attn_vec(
     float m = FM_RUNNING_MAX_START;  // log2 domain
     float s_sum = 0.0f;
 
-    for (long c = wg * VEC_CHUNK; c < kv_len; c += nwg * VEC_CHUNK) {
-        if (c + VEC_CHUNK <= lo) continue;  // wholly before the window: uniform
+    // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal.h).
+    const long c0 = lo / FM_VEC_CHUNK;
+    const long chunks = kv_len > lo ? (kv_len + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0 : 0;
+    const long busy = min(chunks, nwg);
+    const long c_begin = wg < busy ? (c0 + chunks * wg / busy) * FM_VEC_CHUNK : 0;
+    const long c_end = wg < busy ? (c0 + chunks * (wg + 1) / busy) * FM_VEC_CHUNK : 0;
+    for (long c = c_begin; c < c_end; c += FM_VEC_CHUNK) {
         // Row offsets of the chunk's two half chunks (uniform over the SIMD group).
         long koff[2] = {0, 0};
         long voff[2] = {0, 0};
@@ -173,8 +179,8 @@ kernel void flash_attn_vec(
             koff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, ks);
             voff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, vs);
         }
-        float part[VEC_CHUNK];
-        for (int j = 0; j < VEC_CHUNK; j++) {
+        float part[FM_VEC_CHUNK];
+        for (int j = 0; j < FM_VEC_CHUNK; j++) {
             part[j] = 0.0f;
             const long pj = c + j;
             if (pj >= kv_len || pj < lo) continue;  // uniform over the SIMD group
@@ -201,7 +207,7 @@ kernel void flash_attn_vec(
         simdgroup_barrier(mem_flags::mem_threadgroup);
         for (int i = 0; i < NE; i++) o[i] *= factor;
         const long j0 = max(lo - c, 0L);
-        const long j1 = min(long(VEC_CHUNK), kv_len - c);
+        const long j1 = min(long(FM_VEC_CHUNK), kv_len - c);
         for (long j = j0; j < j1; j++) {
             const float pj = probs[j];
             const device KV *vr = v + voff[j >> 4] + (j & 15) * vs[2] + lane;

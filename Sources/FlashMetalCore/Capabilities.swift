@@ -48,8 +48,8 @@ public enum PrefillCapability {
 
 /// The blk pre-pass (seed 001): any prefill head dim, these mask dtypes.
 public enum BlkCapability {
-    /// Mask dtypes with a blk kernel.
-    public static let maskTypes: [DType] = [.bf16, .f16]
+    /// Mask dtypes with a blk kernel (bool: true = 0, false = -inf).
+    public static let maskTypes: [DType] = [.bf16, .f16, .bool]
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
 }

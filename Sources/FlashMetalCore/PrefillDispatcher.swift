@@ -178,8 +178,8 @@ public enum PrefillDispatcher {
 
     /// Auto-blk (issue 13 item 4): a caller mask without a blk gets one built
     /// by the blk pre-pass when it pays. It pays when one blk serves every
-    /// (batch, head) — an additive mask (the pre-pass reads bf16/f16)
-    /// broadcast over B and H with its own qL rows, i.e. mask strides (0, 0, kL)
+    /// (batch, head) — a mask (additive or bool) broadcast over B and H with
+    /// its own qL rows, i.e. mask strides (0, 0, kL)
     /// — and the problem has at least `autoBlkMinKeyTiles` key tiles and
     /// `autoBlkMinTiles` tiles: the pre-pass reads the mask once (what one
     /// head's prefill reads anyway, against D multiply-adds per cell there),

@@ -50,10 +50,11 @@ def blk_byte_len(q_len: int, kv_len: int, head_dim: int, *, registry: RegistryLi
 
 
 def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) -> np.ndarray:
-    """Classifies each (BQ, BK) tile of an additive mask for ``flash_attn_prefill``.
+    """Classifies each (BQ, BK) tile of a mask for ``flash_attn_prefill``.
 
     Args:
-        mask: ``[qL, kL]`` additive mask, bfloat16 or float16 (0 attend, -inf masked).
+        mask: ``[qL, kL]`` additive mask, bfloat16 or float16 (0 attend, -inf
+            masked), or bool (True = attend, read as 0 / -inf).
         head_dim: head dim of the prefill that will consume the blk; it fixes
             (BQ, BK) and so the blk's shape, which prefill checks.
         registry: a Registry or a backend name; default ``Registry("auto")``.

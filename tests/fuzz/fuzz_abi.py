@@ -56,6 +56,8 @@ OPS = {
     "alloc_blk": ("alloc_blk", "free_blk", "blk_byte_len"),  # see test_alloc_blk_names_its_op
     # fm_dispatch_attn names the flash-attn function its tables make the call
     "attn": ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"),
+    "vec_seq": ("flash_attn_vec_seq", "flash_attn_vec", "flash_attn_vec_reduce"),
+    "kv_append": ("kv_append",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse")
 SERVING_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
@@ -312,9 +314,63 @@ def gen_attn(rng, backend):
     return case
 
 
+def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int]):
+    """A batch of B sequences of random lengths in a contiguous [B, cap, Hkv, D]
+    or a shuffled paged [num_pages, page, Hkv, D] cache: (tensors, lengths,
+    paged, dims). Room for `room` more keys per sequence is left."""
+    d = 64 if small else int(rng.choice(SERVING_HEAD_DIMS))
+    b = int(rng.integers(1, 3 if small else 4))
+    hkv = int(rng.integers(1, 3))
+    h = hkv * int(rng.choice(heads_per_kv))
+    room = int(rng.integers(1, 4))
+    lens = [int(rng.integers(0, 24 if small else 70)) for _ in range(b)]
+    dt = int(rng.choice(kv_dtypes))
+    t: dict[str, TSpec] = {}
+    paged = rng.random() < 0.5
+    if paged:
+        page = int(rng.choice([16, 32]))
+        per = max(-(-(max(lens) + room) // page), 1)
+        num_pages = b * per + int(rng.integers(0, 3))
+        shape = [num_pages, page, hkv, d]
+        t["block_table"] = _tensor(rng, 5, [b, per], values=rng.permutation(num_pages)[:b * per].reshape(b, per))
+    else:
+        shape = [b, max(lens) + room, hkv, d]
+    return t, lens, shape, dict(d=d, b=b, h=h, hkv=hkv, dt=dt, room=room)
+
+
+def gen_vec_seq(rng, backend):
+    """fm_dispatch_vec_seq: float32 q [B, H, D] over per-sequence caches."""
+    t, lens, shape, g = _cache_case(rng, backend != "cpu", [0, 1, 2], [1, 2, 4])
+    t["seqlens_k"] = _tensor(rng, 5, [g["b"]], values=np.array(lens))
+    nonfinite = rng.random() < 0.05
+    t.update(q=_tensor(rng, 0, [g["b"], g["h"], g["d"]], nonfinite=nonfinite), k=_tensor(rng, g["dt"], shape),
+             v=_tensor(rng, g["dt"], shape), out=_tensor(rng, 0, [g["b"], g["h"], g["d"]], role="out"))
+    if rng.random() < 0.3:
+        t["sinks"] = _tensor(rng, 0, [g["h"]])
+    if rng.random() < 0.5:
+        t["lse"] = _tensor(rng, 0, [g["b"], g["h"]], role="out")
+    left = int(rng.choice([-1, -1, 0, 3, 20]))
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(g["d"]), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
+                causal=int(rng.integers(0, 2)), window_left=left, window_right=int(rng.choice([-1, 0])),
+                max_seqlen_q=0, max_seqlen_k=0)
+    return Case("vec_seq", backend, t, opts, finite=not nonfinite)
+
+
+def gen_kv_append(rng, backend):
+    """fm_dispatch_kv_append: n_new rows per sequence written at seqlens[b]."""
+    t, lens, shape, g = _cache_case(rng, backend != "cpu", [0, 1, 2], [1])
+    n_new = int(rng.integers(1, g["room"] + 1))
+    t["cache_seqlens"] = _tensor(rng, 5, [g["b"]], values=np.array(lens))
+    new = [g["b"], n_new, g["hkv"], g["d"]]
+    t.update(k_new=_tensor(rng, g["dt"], new), v_new=_tensor(rng, g["dt"], new),
+             k_cache=_tensor(rng, g["dt"], shape, role="inout"), v_cache=_tensor(rng, g["dt"], shape, role="inout"))
+    return Case("kv_append", backend, t)
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
-              "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn}
+              "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn, "vec_seq": gen_vec_seq,
+              "kv_append": gen_kv_append}
 
 # --------------------------------------------------------------- mutations
 
@@ -331,7 +387,7 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
         case.mutations.append(f"registry={case.registry}")
         return
     if kind == "arg":
-        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 96, 1024)))
+        case.args["head_dim"] = int(rng.choice(BAD_INTS + (63, 100, 1024)))
         case.mutations.append(f"head_dim={case.args['head_dim']}")
         return
     if kind == "opts" and case.opts:
@@ -481,6 +537,16 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
             setattr(seq, f, T(f))
         s = L.fm_dispatch_attn(regs.get(case), T("q"), T("k"), T("v"), seq, T("out"),
                                _opts("FMAttnOptions *", case.opts, keep), err, 1024)
+    elif case.op == "vec_seq":
+        seq = ffi.new("FMSeqTensors *")
+        keep.append(seq)
+        for f in SEQ_FIELDS:
+            setattr(seq, f, T(f))
+        s = L.fm_dispatch_vec_seq(regs.get(case), T("q"), T("k"), T("v"), seq, ffi.NULL, T("out"),
+                                  _opts("FMAttnOptions *", case.opts, keep), err, 1024)
+    elif case.op == "kv_append":
+        s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
+                                    T("cache_seqlens"), T("block_table"), err, 1024)
     elif case.op == "mask":
         s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err, 1024)
     elif case.op == "blk":
@@ -550,6 +616,10 @@ def expected(case: Case, extra: Any):
         return e, "out", t["q"].dtype
     if case.op == "attn":
         return _attn_expected(case), "out", t["q"].dtype
+    if case.op == "vec_seq":
+        return _attn_expected(case), "out", 0  # float32 q and out: the float32 tolerance
+    if case.op == "kv_append":
+        return _kv_append_expected(case), "k_cache", -3
     if case.op == "mask":
         ql, kl = t["out"].shape
         w = o["window"] or None
@@ -576,11 +646,27 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    if case.op == "vec_seq":  # one query row per sequence: q [B, H, D] is [B, 1, H, D]
+        lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
+        out, lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lens, block_table=table, **kw)
+        return out[:, 0], lse[..., 0]
     if _seq_present(case, "cu_seqlens_q"):
         return reference.flash_attn_varlen(q, k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
                                            block_table=table, **kw)
     lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
     return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, **kw)
+
+
+def _kv_append_expected(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """The caches' bytes after the append, from their bytes before it."""
+    t = case.tensors
+    def before(name):
+        ts = t[name]
+        n = int(np.prod(ts.shape)) * SIZE[ts.dtype]
+        return ts.buf.snap[G:G + n].view(NP[ts.dtype]).reshape(ts.shape)
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    return reference.kv_append(before("k_cache"), before("v_cache"), t["k_new"].array(), t["v_new"].array(),
+                               t["cache_seqlens"].array(), table)
 
 
 def _attn_expected(case: Case) -> np.ndarray:
@@ -624,6 +710,11 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
             assert b.guards_ok(), f"write outside {n}: {ctx}"
     e, outname, tol = expected(case, extra)
     out = case.tensors[outname]
+    if tol == -3:  # kv_append: both caches exactly the appended bytes
+        for name, want in zip(("k_cache", "v_cache"), e):
+            got = case.tensors[name].array()
+            assert got.tobytes() == np.ascontiguousarray(want).tobytes(), f"{name} differs from the append: {ctx}"
+        return
     if tol == -2:  # blk: the classes, nothing past NQ*NK written
         got = out.buf.mid()[: e.size]
         assert np.array_equal(got, e), f"blk classes differ: {ctx}"
@@ -641,7 +732,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
     assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
-    if case.op == "attn" and _seq_present(case, "lse"):
+    if case.op in ("attn", "vec_seq") and _seq_present(case, "lse"):
         lse = case.tensors["lse"]
         ok, ratio = reference.close(lse.array(), case.args["lse"].reshape(lse.shape), 2e-4, 2e-4)
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
@@ -653,7 +744,8 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        op = str(rng.choice(list(GENERATORS), p=[0.25, 0.16, 0.12, 0.08, 0.08, 0.06, 0.06, 0.19]))
+        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6], float)  # in GENERATORS' order
+        op = str(rng.choice(list(GENERATORS), p=weights / weights.sum()))
     case = GENERATORS[op](rng, backend)
     if nmut is None:
         nmut = int(rng.choice([0, 1, 1, 1, 2, 3]))

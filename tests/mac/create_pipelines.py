@@ -21,7 +21,7 @@ against the float64 reference):
   kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
-  mask     {bf16, f16};  blk  mask {bf16, f16} x D (tile constants 400, 401)
+  mask     {bf16, f16};  blk  mask {bf16, f16, bool} x D (tile constants 400, 401)
 
   create_pipelines.py [--backend metal]   (sim runs it anywhere, slowly)
 """
@@ -41,9 +41,8 @@ from flashmetal import reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
-HEAD_DIMS = (64, 128, 256, 512)
 PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
-# Decode's FWHT reduce has only the powers of two (decode_cases skips the rest).
+# The FWHT reduce runs only at the power-of-two ones.
 VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
 # none; kL >= qL (Q may not overshoot K). (qL, kL): both aligned, K not, Q
@@ -218,6 +217,7 @@ def mask_and_blk_cases(reg: fm.Registry) -> int:
             blk = fm.build_blk(m, d, registry=reg)
             bq, bk = (8, 8) if d == 512 else (32, 16)
             assert np.array_equal(blk, reference.blk_classes(m, bq, bk)), f"build_blk {dtype} D={d}"
+            assert np.array_equal(fm.build_blk(m == 0, d, registry=reg), blk), f"build_blk bool D={d}"
             n += 1
     return n
 

@@ -123,8 +123,8 @@ def test_fwht_all_ones_vs_zero_signs(registry, rng):
 
 def test_explicit_tmp(cpu, rng):
     """A caller-provided tmp holds the seeds' layout: partial O, then (S, M) pairs.
-    The cpu deals the keys in contiguous runs of 16-key chunks (one chunk per
-    workgroup here); a workgroup without keys writes S = 0 and leaves its O."""
+    Keys are dealt in contiguous runs of FM_VEC_CHUNK = 32-key chunks (one chunk
+    per workgroup here); a workgroup without keys writes S = 0 and leaves its O."""
     h, d, kvl = 2, 64, 70
     q = randn(rng, (h, d), F32)
     k = randn(rng, (1, kvl, d), F32)
@@ -139,11 +139,11 @@ def test_explicit_tmp(cpu, rng):
               tensor(ffi, out), opts)
     o_part = tmp[: h * nwg * d].reshape(h, nwg, d)
     sm = tmp[h * nwg * d:].reshape(h, nwg, 2)
-    # 70 keys in chunks of 16: workgroups 0-4 see 16, 16, 16, 16, 6 keys; the rest none.
-    assert np.all(sm[:, 5:, 0] == 0) and np.all(np.isnan(o_part[:, 5:]))
-    assert np.all(sm[:, :5, 0] > 0)
+    # 70 keys in chunks of 32: workgroups 0-2 see 32, 32, 6 keys; the rest none.
+    assert np.all(sm[:, 3:, 0] == 0) and np.all(np.isnan(o_part[:, 3:]))
+    assert np.all(sm[:, :3, 0] > 0)
     s = (1 / 8) * (q.astype(np.float64) @ k[0].T.astype(np.float64))
-    for w, (lo, hi) in enumerate([(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]):
+    for w, (lo, hi) in enumerate([(0, 32), (32, 64), (64, 70)]):
         assert np.allclose(sm[:, w, 1], s[:, lo:hi].max(axis=1), rtol=1e-5, atol=1e-5)
         p = np.exp(s[:, lo:hi] - sm[:, w, 1:2])
         assert np.allclose(sm[:, w, 0], p.sum(axis=1), rtol=1e-4)

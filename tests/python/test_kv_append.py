@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pytest
 
+import flashmetal as fm
 from numerics import BF16, F16, F32, assert_bits_equal
 from serving_native import KV_APPEND_OP, kv_append
 
@@ -110,3 +111,18 @@ def test_bad_tables_raise_and_write_nothing(registry, rng):
         kv_append(registry, kn, vn.astype(F16), kc, vc, np.zeros(2, np.int32))
     for a, a0 in zip((kc, vc, pc, pv), before):
         assert_bits_equal(a, a0, "a refused call writes nothing")
+
+
+def test_public_api_append_errors_write_nothing(registry, rng):
+    """Through flash_attn_with_kvcache(k=, v=): the message names the public
+    function and the value; the caller's caches are untouched."""
+    kc, vc = random_bits(rng, (2, 10, 2, 64), F16), random_bits(rng, (2, 10, 2, 64), F16)
+    before = (kc.copy(), vc.copy())
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
+    kn, vn = random_bits(rng, (2, 3, 2, 64), F16), random_bits(rng, (2, 3, 2, 64), F16)
+    for lens, msg in (([0, 8], "cache_seqlens[1] + n_new = 8 + 3 = 11 exceeds"),
+                      ([-2, 0], "cache_seqlens[0] = -2 is out of range")):
+        with pytest.raises(ValueError, match="^flash_attn_with_kvcache: .*" + re.escape(msg)):
+            fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=np.array(lens, np.int32), registry=registry)
+        assert_bits_equal(kc, before[0], "k_cache untouched")
+        assert_bits_equal(vc, before[1], "v_cache untouched")

@@ -99,11 +99,14 @@ def window_mask(ql, kl, window, dtype=BF16):
 
 @pytest.mark.parametrize("shape", [(40, 96), (1, 1, 40, 96), (1, 40, 96)])
 @pytest.mark.parametrize("d", [64, 512])
-def test_auto_blk_bit_identical_to_explicit_blk(registry, rng, shape, d):
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_auto_blk_bit_identical_to_explicit_blk(registry, rng, shape, d, kind):
     """A mask shared by every (batch, head), without blk: the library builds
     the blk; the result is the explicit blk path's, bit for bit."""
     q, k, v = qkv(rng, BF16, b=2, ql=40, kl=96, d=d)
     mask = window_mask(40, 96, 17)
+    if kind == "bool":
+        mask = mask == 0
     auto = fm.flash_attn_prefill(q, k, v, mask=mask.reshape(shape), registry=registry)
     explicit = fm.flash_attn_prefill(q, k, v, mask=mask, blk=fm.build_blk(mask, d, registry=registry),
                                      registry=registry)
@@ -111,13 +114,21 @@ def test_auto_blk_bit_identical_to_explicit_blk(registry, rng, shape, d):
     assert_close(auto, reference.attention(q, k, v, mask=mask), BF16)
 
 
+def test_bool_blk_equals_additive_blk(registry, rng):
+    """The blk pre-pass reads a bool mask as 0 / -inf."""
+    mask = window_mask(70, 100, 23)
+    mask[5:9, :] = -np.inf  # rows that see nothing
+    for d in (64, 512):
+        assert np.array_equal(fm.build_blk(mask == 0, d, registry=registry), fm.build_blk(mask, d, registry=registry))
+
+
 def test_auto_blk_skips_masked_tiles_where_it_pays(sim, rng):
     """On the sim a key tile that is loaded and multiplied with NaN values
     turns the output NaN even where P = 0; with a blk the all -inf tiles are
-    skipped. A shared additive mask gets auto-blk (finite); a bool mask (no
-    blk kernel), a per-head mask (no single blk) and a problem of one key
-    row tile of two key tiles do not (NaN): the rule of
-    PrefillDispatcher.autoBlkMinKeyTiles / autoBlkMinTiles."""
+    skipped. A shared additive or bool mask gets auto-blk (finite); a
+    per-head mask (no single blk) and a problem of one row tile of two key
+    tiles do not (NaN): the rule of PrefillDispatcher.autoBlkMinKeyTiles /
+    autoBlkMinTiles."""
     q, k, v = qkv(rng, BF16, ql=40, kl=96)
     mask = window_mask(40, 96, 17)  # keys 0..40 invisible to every row: tiles 0-1 all -inf
     exp = reference.attention(q, k, v, mask=mask)
@@ -127,7 +138,7 @@ def test_auto_blk_skips_masked_tiles_where_it_pays(sim, rng):
         return fm.flash_attn_prefill(qq, kk, vv, mask=m, registry=sim).astype(np.float32)
 
     assert_close(run(mask), exp, BF16, "auto-blk")
-    assert np.isnan(run(mask > -np.inf)).any(), "a bool mask has no blk kernel"
+    assert_close(run(mask > -np.inf), exp, BF16, "auto-blk of a bool mask")
     assert np.isnan(run(np.broadcast_to(mask, (1, 2, 40, 96)).copy())).any(), "a per-head mask: no shared blk"
     small = window_mask(8, 32, 10)  # rows at 24..31 see keys >= 15: key tile 0 is all -inf
     assert np.isnan(run(small, q[:, :, :8].copy(), k[:, :, :32].copy(), v[:, :, :32].copy())).any(), \

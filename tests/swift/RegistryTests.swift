@@ -5,6 +5,7 @@ import XCTest
 final class RegistryTests: XCTestCase {
     func testCacheMakesOnePipelinePerKey() throws {
         let r = Registry(backend: CPUBackend())
+        // The seeds' constants plus the serving extension's (302, 304-310), all off.
         let consts = FunctionConstants([(200, .bool(true)), (201, .bool(true)), (300, .bool(false)),
                                         (301, .bool(false)), (303, .bool(false))]
                                        + [302, 304, 305, 306, 307, 308, 309, 310].map { ($0, .bool(false)) })

@@ -152,6 +152,18 @@ typedef enum FMVecMaskType {
 /* Split-KV decode: the number of workgroups each row's keys are split over. */
 enum { FM_VEC_NWG = 32 };
 
+/* Split-KV decode: which keys workgroup w reads, on every backend (so tmp
+ * means the same on cpu, sim and Metal). The visible keys [lo, hi) of a row
+ * are cut into chunks at absolute multiples of FM_VEC_CHUNK; the
+ * chunks = ceil(hi / C) - floor(lo / C) of them are dealt as contiguous
+ * runs over the first busy = min(chunks, FM_VEC_NWG) workgroups: w < busy
+ * takes chunks [c0 + chunks*w/busy, c0 + chunks*(w+1)/busy), c0 = floor(lo/C);
+ * the others read no key and write S = 0 (their O partial is then
+ * unspecified: the reduce ignores it). Contiguous runs
+ * let cpu prefetchers stream, and a key's partial depends only on its
+ * position (paged and contiguous caches give the same bits). */
+enum { FM_VEC_CHUNK = 32 };
+
 /* sdpa: query rows per threadgroup, one thread each (the kernel indexes rows
  * by tgid.z * FM_SDPA_TILE_Q + tid). */
 enum { FM_SDPA_TILE_Q = 32 };

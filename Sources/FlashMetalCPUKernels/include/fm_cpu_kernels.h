@@ -108,6 +108,9 @@ void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_
  * partial right-edge K tile is 1, a tile wholly past kL is 0). */
 void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_bf16,
                      uint8_t *blk, int32_t bq, int32_t bk, int64_t nk, int64_t qt, int64_t kt);
+/* The same for a bool mask (1 byte per cell, true = attend: 0, false: -inf). */
+void fm_cpu_blk_tile_bool(const BlkParams *p, const uint8_t *mask, uint8_t *blk, int32_t bq, int32_t bk,
+                          int64_t nk, int64_t qt, int64_t kt);
 
 /* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
 void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
@@ -142,11 +145,7 @@ typedef struct FMVecArgs {
     int32_t _pad;
 } FMVecArgs;
 
-/* Keys per unit of the split: workgroup w of nwg takes a contiguous run of
- * the visible keys, cut at absolute multiples of FM_VEC_CHUNK, so what each
- * key's partial sums depend on is its logical position only (paged and
- * contiguous caches give bit-identical results). */
-#define FM_VEC_CHUNK 16
+/* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal.h. */
 
 /* The partials of one (kv row = b * n_kv_heads + g, workgroup) into tmp,
  * for every query row of that kv head's GQA group: K and V are read once
