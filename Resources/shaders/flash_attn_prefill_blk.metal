@@ -27,10 +27,14 @@ using namespace metal;
 FUNCTION_CONSTANT(int, blk_bq, 400)
 FUNCTION_CONSTANT(int, blk_bk, 401)
 
-// A mask cell as an additive value.
-inline float blk_cell(bool attend) { return attend ? 0.0f : -INFINITY; }
-inline float blk_cell(half m) { return float(m); }
-inline float blk_cell(bfloat m) { return float(m); }
+// Cell i of a mask as an additive value. A bool cell is read as its byte
+// (any nonzero byte attends, as on the cpu), never as a bool whose bytes
+// other than 0/1 the compilers treat differently.
+inline float blk_cell(const device bool *m, long i) {
+    return reinterpret_cast<const device uchar *>(m)[i] != 0 ? 0.0f : -INFINITY;
+}
+inline float blk_cell(const device half *m, long i) { return float(m[i]); }
+inline float blk_cell(const device bfloat *m, long i) { return float(m[i]); }
 
 template <typename MaskT>
 kernel void flash_attn_prefill_blk(
@@ -68,7 +72,7 @@ kernel void flash_attn_prefill_blk(
     bool all_zero = true;
     for (uint i = lane; i < cells; i += 32) {
         const uint r = i / bk;
-        const float x = blk_cell(tile[long(r) * long(p.mask_row_stride) + (i - r * bk)]);
+        const float x = blk_cell(tile, long(r) * long(p.mask_row_stride) + (i - r * bk));
         all_masked = all_masked && (x == -INFINITY);
         all_zero = all_zero && (x == 0.0f);
     }

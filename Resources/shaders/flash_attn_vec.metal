@@ -36,14 +36,16 @@
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
 // keys spans at most two pages: the table is read once per half chunk, and
 // only for halves that start before kv_len_b (entries past it are never
-// checked by the host and never read here). The window applies per sequence.
+// checked by the host and never read here); chunks start at multiples of 32,
+// so each half lies in one page. The window applies per sequence.
 //
 // Head dims that are not a multiple of 32 (80): lane l still owns dims
 // l, l + 32, ...; the last of them exist only for l < D % 32.
 //
 // Reduce, grid (rows, 1, 1), 32 * NWG threads: rescales partial w by
-// exp(M_w - M), normalises by the combined S (S == 0: a row that sees no key
-// outputs zeros). The fused variant then applies the inverse normalised
+// exp(M_w - M) (0 for a workgroup with S_w = 0, whose O is never read),
+// normalises by the combined S (S == 0: a row that sees no key outputs
+// zeros). The fused variant then applies the inverse normalised
 // Walsh-Hadamard transform y = H_D x / sqrt(D) (Sylvester, natural order) in
 // threadgroup memory and flips the signs given by the bitmask at buffer 4
 // when function constant 500 (has_signs) is true. Buffers: 0
@@ -240,9 +242,11 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
         const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
         const bool has = lane < nwg;
         const float m_w = has ? sm[2 * lane + 1] : FM_RUNNING_MAX_START;
+        const float s_w = has ? sm[2 * lane] : 0.0f;
         float m = simd_max(m_w);
-        float f = has ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
-        float s = simd_sum(has ? sm[2 * lane] * f : 0.0f);
+        // A workgroup without keys (S = 0) has weight 0: its O is not read.
+        float f = s_w != 0.0f ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
+        float s = simd_sum(s_w * f);
         if (has_sink) {  // uniform: every lane folds the sink in the same way
             const float m_all = max(m, sink);
             const float a = exp2((m - m_all) * FM_LOG2E);
@@ -260,10 +264,15 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
 }
 
 // Output dim d of a row: the weighted sum of the partials, normalised.
+// Partials of weight 0 are skipped (a workgroup without keys leaves its O
+// unspecified, flashmetal.h); for a finite partial fma(x, 0, y) == y, so
+// skipping changes no bits.
 template <int D>
 inline float vec_reduce_dim(const device float *tmp, long row, uint nwg, uint d, const threadgroup float *weights) {
     float y = 0.0f;
-    for (uint w = 0; w < nwg; w++) y = fma(tmp[(row * long(nwg) + long(w)) * D + d], weights[w], y);
+    for (uint w = 0; w < nwg; w++) {
+        if (weights[w] != 0.0f) y = fma(tmp[(row * long(nwg) + long(w)) * D + d], weights[w], y);
+    }
     return y * weights[32];
 }
 

@@ -1,5 +1,5 @@
 """The cpu serving decode at lengths that cross the kernel's structure: many
-16-key chunks per workgroup, several 32-key tiles per item, pages of 16 and
+32-key chunks per workgroup, several 32-key tiles per item, pages of 16 and
 48 keys, windows that start inside a page, GQA groups of 1, 2 and 8 rows.
 Through the public flash_attn_with_kvcache against the float64 reference,
 on every head dim with a decode kernel; test_cpu_isa runs this file on every
@@ -15,7 +15,7 @@ from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 
 # 0: sees nothing; a chunk + 1; one tile per workgroup; several tiles per
 # workgroup (more keys than 32 workgroups x 32). Short lengths: test_serving_decode_sim.
-LENGTHS = (0, 17, 700, 2100)
+LENGTHS = (0, 33, 700, 2100)
 
 
 def paged_copy(k: np.ndarray, v: np.ndarray, page_size: int,

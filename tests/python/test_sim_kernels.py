@@ -125,19 +125,32 @@ def vec_with_tmp(reg, q, k, v, kvl, scale):
 
 def test_decode_tmp_layout_matches_cpu(cpu, sim, rng):
     """The sim's tmp means what the cpu's does: partial O (unnormalised), then
-    (S, M) with M in natural-log units; workgroups without keys hold zeros."""
+    (S, M) with M in natural-log units, workgroup by workgroup: both deal the
+    keys as flashmetal.h's split says (contiguous runs of FM_VEC_CHUNK = 32
+    keys), so each workgroup's partials agree across backends and combine
+    into the float64 softmax sums; workgroups without keys hold S = 0 (and
+    on the sim O = 0)."""
     q, k, v = decode_inputs(rng, 2, 1, 70, 64, F32)
-    ta, oa = vec_with_tmp(cpu, q, k, v, 70, 1 / 8)
-    tb, ob = vec_with_tmp(sim, q, k, v, 70, 1 / 8)
+    s = (1 / 8) * (q.astype(np.float64) @ k[0].T.astype(np.float64))
+    m = s.max(axis=1, keepdims=True)
+    denom, num = np.exp(s - m).sum(axis=1), np.exp(s - m) @ v[0].astype(np.float64)
     n = 2 * 32 * 64
-    pa, pb = ta[:n].reshape(2, 32, 64), tb[:n].reshape(2, 32, 64)
-    sa, sb = ta[n:].reshape(2, 32, 2), tb[n:].reshape(2, 32, 2)
-    assert np.all(pb[:, 3:] == 0) and np.all(sb[:, 3:, 0] == 0)
-    # Both keep q in float32: float-level agreement
-    assert np.allclose(sb[:, :3, 1], sa[:, :3, 1], rtol=1e-5, atol=1e-5)
-    assert np.allclose(sb[:, :3, 0], sa[:, :3, 0], rtol=1e-4)
-    assert np.allclose(pb[:, :3], pa[:, :3], rtol=1e-4, atol=1e-5)
-    assert_close(ob, oa, F32, "sim vs cpu out")
+    busy = 3  # 70 keys: chunks [0, 32), [32, 64), [64, 70)
+    sms = {}
+    for reg in (cpu, sim):
+        t, o = vec_with_tmp(reg, q, k, v, 70, 1 / 8)
+        part, sm = t[:n].reshape(2, 32, 64), t[n:].reshape(2, 32, 2)
+        assert np.all(sm[:, busy:, 0] == 0) and np.all(sm[:, :busy, 0] > 0), reg.backend
+        if reg.backend == "sim":
+            assert np.all(part[:, busy:] == 0)
+        mw = sm[:, :busy, 1].astype(np.float64)
+        assert np.allclose(mw.max(axis=1), m[:, 0], rtol=1e-5, atol=1e-5), reg.backend
+        w = np.exp(mw - m)  # [rows, busy]
+        assert np.allclose((sm[:, :busy, 0] * w).sum(axis=1), denom, rtol=1e-4), reg.backend
+        assert np.allclose((part[:, :busy] * w[..., None]).sum(axis=1), num, rtol=1e-4, atol=1e-5), reg.backend
+        assert_close(o, reference.decode(q, k, v, 70, scale=1 / 8), F32, f"{reg.backend} out")
+        sms[reg.backend] = sm[:, :busy]
+    assert np.allclose(sms["sim"], sms["cpu"], rtol=1e-5, atol=1e-5)
 
 
 def test_decode_fully_masked_slices_and_one_key(sim, rng):

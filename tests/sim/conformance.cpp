@@ -455,7 +455,9 @@ static void t_vec_reduce_group_sizes() {
         std::vector<float> tmp(size_t(nrows) * nwg * (D + 2));
         uint64_t st = 0x9e3779b97f4a7c15ull * uint64_t(D);
         auto uni = [&] { st = st * 6364136223846793005ull + 1442695040888963407ull; return float(st >> 40) / 16777216.0f; };
-        for (size_t i = 0; i < size_t(nrows) * nwg * D; i++) tmp[i] = i / (size_t(nwg) * D) == 1 ? 0.0f : 4.0f * uni() - 2.0f;
+        // Row 1 sees no key: S = 0 everywhere, and its O partials are
+        // unspecified (NaN here): the reduce must not read them.
+        for (size_t i = 0; i < size_t(nrows) * nwg * D; i++) tmp[i] = i / (size_t(nwg) * D) == 1 ? std::nanf("") : 4.0f * uni() - 2.0f;
         float *sm = tmp.data() + size_t(nrows) * nwg * D;
         for (uint32_t r = 0; r < nrows; r++)
             for (uint32_t w = 0; w < nwg; w++) {
