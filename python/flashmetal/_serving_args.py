@@ -68,6 +68,8 @@ def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, ca
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         scale = _native.float32_arg(op, "softmax_scale", softmax_scale)
+        if not math.isfinite(scale):  # the library would name its own field, `scale`
+            raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}")
     return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
                            causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)

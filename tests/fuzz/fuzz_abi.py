@@ -35,7 +35,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8),
       5: np.dtype(np.int32)}
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
-HEAD_DIMS = (64, 128, 256, 512)
 def geom(d: int) -> tuple[int, int]:
     """(BQ, BK) of the prefill (and its blk) for head dim d."""
     return (8, 8) if d == 512 else (32, 16)
@@ -45,6 +44,21 @@ def prefill_dims() -> tuple[int, ...]:
     """The prefill head dims, from the library's capability table."""
     from flashmetal._native import head_dims
     return head_dims("flash_attn_prefill")
+
+
+def vec_dims() -> tuple[int, ...]:
+    """The decode head dims, from the library's capability table."""
+    from flashmetal._native import head_dims
+    return head_dims("flash_attn_vec")
+
+
+def pick_dim(rng, dims: tuple[int, ...]) -> int:
+    """A head dim of `dims`: 64 (the cheapest) 40% of the time, 512 (the
+    dearest) 10%, the others evenly."""
+    w = np.array([0.4 if d == 64 else 0.1 if d == 512 else 0.0 for d in dims])
+    rest = [i for i, d in enumerate(dims) if d not in (64, 512)]
+    w[rest] = (1.0 - w.sum()) / max(len(rest), 1)
+    return int(rng.choice(dims, p=w / w.sum()))
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -60,7 +74,6 @@ OPS = {
     "kv_append": ("kv_append",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse")
-SERVING_HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -151,7 +164,7 @@ def _tensor(rng: np.random.Generator, dtype: int, shape: list[int], *, role: str
 def gen_prefill(rng, backend):
     small = backend != "cpu"
     dt = int(rng.choice([1, 2]))
-    d = 64 if small else int(rng.choice(HEAD_DIMS, p=[0.55, 0.2, 0.15, 0.1]))
+    d = 64 if small else pick_dim(rng, prefill_dims())
     b = 1 if small else int(rng.integers(1, 3))
     hkv = int(rng.integers(1, 3))
     h = hkv * int(rng.choice([1, 2]))
@@ -189,7 +202,7 @@ def gen_prefill(rng, backend):
 
 def gen_vec(rng, backend):
     small = backend != "cpu"
-    d = int(rng.choice(HEAD_DIMS if not small else (64,)))
+    d = 64 if small else pick_dim(rng, vec_dims())
     kv = int(rng.choice([0, 1, 2]))
     batched = rng.random() < 0.5
     b = int(rng.integers(1, 3)) if batched else 1
@@ -202,7 +215,7 @@ def gen_vec(rng, backend):
     nonfinite = rng.random() < 0.05
     t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks), "v": _tensor(rng, kv, ks),
          "out": _tensor(rng, 0, qs, role="out")}
-    fwht = int(rng.random() < 0.3)
+    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0)  # the FWHT reduce: power-of-two dims only
     if fwht and rng.random() < 0.6:
         t["signs"] = _tensor(rng, 4, [d // 8])
     if rng.random() < 0.3:
@@ -241,7 +254,7 @@ def gen_mask(rng, backend):
 
 def gen_blk(rng, backend):
     dt = int(rng.choice([1, 2]))
-    d = int(rng.choice(HEAD_DIMS))
+    d = pick_dim(rng, prefill_dims())
     ql, kl = int(rng.integers(1, 100)), int(rng.integers(1, 100))
     vals = rng.choice([0.0, 0.0, -np.inf, 1.0, -1e31], [ql, kl])
     vals[rng.random([ql, kl]) < 0.5] = 0.0
@@ -256,7 +269,7 @@ def gen_ints(rng, backend, op):
     ext = [0, 1, -1, 7, 64, 300, 2**31 - 1, 2**31, 2**40, -2**63, INT64_MAX]
     ql = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
     kl = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
-    hd = int(rng.choice(HEAD_DIMS)) if rng.random() < 0.8 else int(rng.choice([0, -1, 32, 65, 2**31 - 1, -2**31]))
+    hd = pick_dim(rng, prefill_dims()) if rng.random() < 0.8 else int(rng.choice([0, -1, 32, 65, 2**31 - 1, -2**31]))
     return Case(op, backend, {}, args=dict(q_len=ql, k_len=kl, head_dim=hd))
 
 
@@ -266,7 +279,7 @@ def gen_attn(rng, backend):
     causal/window/softcap/sinks/lse."""
     small = backend != "cpu"
     dt = int(rng.choice([1, 2]))
-    d = 64 if small else int(rng.choice(SERVING_HEAD_DIMS))
+    d = 64 if small else pick_dim(rng, prefill_dims())
     b = int(rng.integers(1, 3 if small else 4))
     hkv = int(rng.integers(1, 3))
     h = hkv * int(rng.choice([1, 2]))
@@ -318,7 +331,7 @@ def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int])
     """A batch of B sequences of random lengths in a contiguous [B, cap, Hkv, D]
     or a shuffled paged [num_pages, page, Hkv, D] cache: (tensors, lengths,
     paged, dims). Room for `room` more keys per sequence is left."""
-    d = 64 if small else int(rng.choice(SERVING_HEAD_DIMS))
+    d = 64 if small else pick_dim(rng, vec_dims())
     b = int(rng.integers(1, 3 if small else 4))
     hkv = int(rng.integers(1, 3))
     h = hkv * int(rng.choice(heads_per_kv))
@@ -411,8 +424,9 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
         m = "entry"
     if m == "entry":  # an index table entry the library must catch before a kernel reads through it
         i = int(rng.integers(0, t.buf.n // 4))
-        bad = np.array([rng.choice(BAD_ENTRIES + (int(t.buf.mid()[4 * i:4 * i + 4].view(np.int32)[0]) + 1,))],
-                       np.int32)
+        # one past the entry, wrapping as int32 does (an earlier mutation may have left 2**31 - 1 there)
+        after = (int(t.buf.mid()[4 * i:4 * i + 4].view(np.int32)[0]) + 1 + 2**31) % 2**32 - 2**31
+        bad = np.array([rng.choice(BAD_ENTRIES + (after,))], np.int32)
         t.buf.raw[G + 4 * i:G + 4 * i + 4] = bad.view(np.uint8)
         t.buf.snap[:] = t.buf.raw
         desc = f"[{i}]={int(bad[0])}"
