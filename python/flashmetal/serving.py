@@ -30,8 +30,8 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import Error, InvalidValueError
-from ._interop import to_numpy, wrapper_like
+from ._errors import Error, InvalidTypeError, InvalidValueError
+from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
@@ -173,7 +173,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     sinks: ArrayLike | None = None,
-    out: np.ndarray | None = None,
+    out: Any = None,
     registry: RegistryLike = None,
 ) -> Any:
     """Attention of new queries over a KV cache, optionally appending new keys
@@ -199,7 +199,8 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes:
             not supported (must be None); rotary_interleaved is then unused.
         sinks: float32 ``[H]`` sink logits, or None.
-        out: optional C-contiguous numpy output ``[B, seqlen_q, H, D]`` of q's dtype.
+        out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
+            (a numpy array or a torch CPU tensor), filled in place and returned.
         The other arguments as ``flash_attn_func``.
 
     Returns:
@@ -227,20 +228,20 @@ def flash_attn_with_kvcache(
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size)
     sk = sinks_arg(_KVCACHE, sinks)
-    if out is not None:
-        check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
+    out_arr = None if out is None else check_out(_out_view(out), _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out)
+                         block_table=bt, out=out_arr)
     else:
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out))
+                                                           out=out_arr))
     result, lse = finish()
     wrap = wrapper_like(q)
-    return (wrap(result), wrap(lse)) if want_lse else wrap(result)
+    result = wrap(result) if out is None else out
+    return (result, wrap(lse)) if want_lse else result
 
 
 # The decode and append entry points serve several public functions and name
@@ -289,6 +290,12 @@ def _clear_rows_after_the_last_sequence(out: np.ndarray, lse: np.ndarray | None,
 
 def _head_dim(qa: np.ndarray) -> int:
     return int(qa.shape[-1]) if qa.ndim else 0
+
+
+def _out_view(out: Any) -> Any:
+    """A torch `out` as the numpy view of its memory (so the kernel writes the
+    caller's tensor); anything else as given, for check_out to judge."""
+    return to_numpy(out, _KVCACHE, "out") if is_torch_tensor(out) else out
 
 
 def _in_place(cache: Any, name: str) -> np.ndarray:
@@ -390,6 +397,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     lse [B, H, qL] float32 or None)."""
     ffi = _native.ffi()
     if qa.ndim == 4 and qa.shape[1] == 1:
+        if qa.dtype != F32 and ka.dtype != qa.dtype:  # as the prefill route says for the same call with qL > 1
+            name = "k_cache" if op == _KVCACHE else "k"
+            raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
         b, _, h, d = qa.shape
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
         o32 = np.empty((b, h, d), dtype=F32)
