@@ -98,6 +98,8 @@ def call_static(fn_name: str, *args: Any, op: str | None = None) -> None:
 
 def index_arg(op: str, name: str, value: Any, lo: int = INT32[0], hi: int = INT32[1]) -> int:
     """An integer argument (``operator.index``: 7.9 is an error, not 7) in [lo, hi]."""
+    if isinstance(value, (bool, np.bool_)):  # operator.index takes True as 1: `window=True` is a mistake, not 1
+        raise InvalidTypeError(op, f"{name} must be an integer, got {value!r}")
     try:
         v = operator.index(value)
     except TypeError:

@@ -142,3 +142,21 @@ def test_non_finite_softmax_scale_is_named_as_the_caller_wrote_it(rng, bad):
     for op, call in calls.items():
         with pytest.raises(fm.InvalidValueError, match=rf"^{op}: softmax_scale must be finite"):
             call()
+
+
+def test_a_bool_is_not_an_integer_argument(rng):
+    """operator.index takes True as 1: `window=True` or `max_seqlen_q=True`
+    is a caller's mistake, refused as a TypeError naming the argument."""
+    q = randn(rng, (1, 3, 2, 64), F16)
+    calls = {
+        "flash_attn_prefill": (r"window", lambda: fm.flash_attn_prefill(q, q, q, causal=True, window=True,
+                                                                         layout="blhd", registry="cpu")),
+        "flash_attn_func": (r"window_size\[0\]", lambda: fm.flash_attn_func(q, q, q, window_size=(True, 0),
+                                                                           registry="cpu")),
+        "flash_attn_varlen_func": (r"max_seqlen_q", lambda: fm.flash_attn_varlen_func(
+            q[0], q[0], q[0], cu([3]), cu([3]), True, 3, registry="cpu")),
+        KV: (r"num_splits", lambda: fm.flash_attn_with_kvcache(q, q, q, num_splits=True, registry="cpu")),
+    }
+    for op, (name, call) in calls.items():
+        with pytest.raises(fm.InvalidTypeError, match=rf"^{op}: {name} must be an integer, got True"):
+            call()
