@@ -93,13 +93,7 @@ public enum VecDispatcher {
         if kb != batch { throw FlashMetalError.value(op, "k batch (\(kb)) must equal q batch (\(batch))") }
         if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))") }
         try VecCapability.requireHeadDim(d, op: op)
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
-        if heads == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
-        }
-        if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "num_heads (\(heads)) must be divisible by num_kv_heads (\(kvHeads))")
-        }
+        try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op)
         if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0") }
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         let (kvRows, o2) = batch.multipliedReportingOverflow(by: kvHeads)
@@ -170,6 +164,17 @@ public enum VecDispatcher {
     }
 
     /// A finite scale and a softcap of 0 (off) or a finite value > 0.
+    /// A non-empty batch and heads that group evenly over the kv heads.
+    static func requireHeads(batch: Int, heads: Int, kvHeads: Int, op: String) throws {
+        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
+        if heads == 0 || kvHeads == 0 {
+            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
+        }
+        if heads % kvHeads != 0 {
+            throw FlashMetalError.value(op, "num_heads (\(heads)) must be divisible by num_kv_heads (\(kvHeads))")
+        }
+    }
+
     static func requireScaleAndSoftcap(scale: Float, softcap: Float, op: String) throws {
         if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)") }
         if !(softcap.isFinite && softcap >= 0) {

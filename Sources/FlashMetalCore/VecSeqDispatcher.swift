@@ -102,13 +102,7 @@ public enum VecSeqDispatcher {
         let (kvHeads, kd) = (k.shape[2], k.shape[3])
         if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))") }
         try VecCapability.requireHeadDim(d, op: op)
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
-        if heads == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
-        }
-        if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "num_heads (\(heads)) must be divisible by num_kv_heads (\(kvHeads))")
-        }
+        try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op)
         var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
         if let bt = blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
