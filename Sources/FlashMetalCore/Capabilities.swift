@@ -97,7 +97,11 @@ public enum SdpaCapability {
     /// Q/K/V/out dtypes with an sdpa kernel.
     public static let ioTypes: [DType] = [.f32, .f16, .bf16]
     /// The largest head dim the kernel handles (its per-thread accumulators).
-    public static let maxHeadDim = 512
+    /// Any practical head dim: the Metal kernel walks the output in 64-column
+    /// blocks (recomputing the scores per block) and the cpu kernel keeps 4*D
+    /// floats per worker, so D costs time, not registers; the bound only keeps
+    /// D*length products far from overflow.
+    public static let maxHeadDim = 65536
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
 }

@@ -35,7 +35,7 @@ from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-_SDPA_MAX_HEAD_DIM = 512
+_SDPA_MAX_HEAD_DIM = 65536  # SdpaCapability.maxHeadDim
 #: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
 #: zero-padded to the next one it has when there are at least this many query
 #: rows: the tiled kernel on the padded problem beats the one-thread-per-row
@@ -269,13 +269,13 @@ def scaled_dot_product_attention(
     the best flashmetal kernel. Always finds a kernel:
 
     - ``flash_attn_vec`` (split-KV decode): one query row at the newest
-      position, no ``attn_mask``, D in {64, 128, 256, 512};
+      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512};
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
-      {64, 128, 256, 512} (other D below 512 zero-padded to the next one when
+      {64, 80, 96, 128, 192, 256, 512} (other D below 512 zero-padded to the next one when
       there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
       the keys;
     - ``sdpa`` (the general kernel) for everything else: float32, any head dim
-      up to 512 (80, 96, ...), qL > kL, softcap, window.
+      (48, 160, 640, 1024, ... up to 65536), qL > kL, softcap, window.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 

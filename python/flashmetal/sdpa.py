@@ -1,4 +1,4 @@
-"""Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim <= 512."""
+"""Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim (<= 65536)."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,7 +29,7 @@ def sdpa(
     """``softmax(scale * Q K^T) V`` with one thread per query row.
 
     Args:
-        q: ``[B, H, qL, D]``, float32, float16 or bfloat16; D <= 512.
+        q: ``[B, H, qL, D]``, float32, float16 or bfloat16; any D <= 65536.
         k, v: ``[B, Hkv, cap, D]``, q's dtype (a mismatch is a TypeError
             naming both dtypes); H must be a multiple of Hkv.
         mask: optional additive mask in q's dtype (0 attend, -inf hidden, any

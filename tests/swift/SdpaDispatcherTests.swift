@@ -42,7 +42,7 @@ final class SdpaDispatcherTests: XCTestCase {
         expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or float16 or bfloat16, got bool") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bool, .bool, .bool, .bool])
         }
-        expectFMError(op, contains: "head_dim must be <= 512, got 640") { _ = try make(q: [1, 2, 4, 640], k: [1, 2, 4, 640]) }
+        expectFMError(op, contains: "head_dim must be <= 65536, got 65537") { _ = try make(q: [1, 1, 1, 65537], k: [1, 1, 1, 65537]) }
         expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
         expectFMError(op, contains: "n_heads (6) must be divisible by n_kv_heads (4)") { _ = try make(q: [1, 6, 4, 8], k: [1, 4, 4, 8]) }
         expectFMError(op, contains: "n_kv_heads must be > 0") { _ = try make(q: [1, 6, 4, 8], k: [1, 0, 4, 8]) }

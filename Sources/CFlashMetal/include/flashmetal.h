@@ -530,7 +530,7 @@ int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
                     const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
 /* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32, all
- * float16 or all bfloat16; D <= 512. mask: NULL, or additive (Q's dtype) or bool (true =
+ * float16 or all bfloat16; D <= 65536. mask: NULL, or additive (Q's dtype) or bool (true =
  * attend), [qL, kv_len], [H, qL, kv_len] or [B, H, qL, kv_len], where B, H and qL
  * may be 1 (read with stride 0; prefill's mask takes the same shapes). */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
