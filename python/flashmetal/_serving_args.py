@@ -1,6 +1,7 @@
-"""Argument handling shared by the serving functions (serving.py): flash-attn's
-argument types checked strictly, the features flashmetal does not implement
-refused by name, and the FMAttnOptions / FMSeqTensors structs built once."""
+"""Argument handling shared by the serving functions (serving.py) and, for
+dropout and bool flags, the front door (attention.py): argument types checked
+strictly, the features flashmetal does not implement refused by name, and the
+FMAttnOptions / FMSeqTensors structs built once."""
 from __future__ import annotations
 
 import math

@@ -28,6 +28,7 @@ import numpy as np
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
 from ._errors import InvalidTypeError, InvalidValueError
+from ._serving_args import flag, no_dropout
 from ._interop import to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
@@ -75,13 +76,9 @@ def _is_int(x: Any) -> bool:
 def _check_arguments(dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any, softcap: Any,
                      window: Any, kv_len: Any, align: Any) -> None:
     """torch's argument types, strictly: a wrong type is a TypeError naming it."""
-    if not _is_real(dropout_p):
-        raise InvalidTypeError(_OP, f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise InvalidValueError(_OP, f"dropout_p must be 0.0 (flashmetal is for inference; no dropout), got {dropout_p}")
-    for name, val in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
-        if not isinstance(val, (bool, np.bool_)):
-            raise InvalidTypeError(_OP, f"{name} must be a bool, got {type(val).__name__}")
+    no_dropout(_OP, dropout_p)
+    flag(_OP, "is_causal", is_causal)
+    flag(_OP, "enable_gqa", enable_gqa)
     if scale is not None and not _is_real(scale):
         raise InvalidTypeError(_OP, f"scale must be a float or None, got {type(scale).__name__}")
     if scale is not None and not math.isfinite(scale):
