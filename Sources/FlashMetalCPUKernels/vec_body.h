@@ -47,9 +47,14 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
  * of a tile while it reads K (vec_block): key j's V row into L1 (P.V reads
  * the tile column-wise), and the next tile's key j K and V rows into L2
  * (spread one key at a time over the tile: with whole-tile bursts, or none,
- * rows of >= 512 bytes ran 15-35% slower on two threads). pv NULL: none. */
+ * rows of >= 512 bytes ran 15-35% slower on two threads). Shorter rows:
+ * nothing on AVX-512 (any prefetch cost 10-20% there), the next tile on
+ * AVX2 (FM_VEC_PREFETCH_SHORT; 256-byte rows ran 1.3-1.5x faster with it). */
+#ifndef FM_VEC_PREFETCH_SHORT
+#define FM_VEC_PREFETCH_SHORT 0
+#endif
 typedef struct {
-    const char *const *pv; /* this tile's V rows */
+    const char *const *pv; /* this tile's V rows, or NULL */
     const char *const *nk; /* the next tile's K and V rows, nn of them */
     const char *const *nv;
     int64_t nn;
@@ -57,8 +62,8 @@ typedef struct {
 
 static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_key)(const FM_SFX(VecPrefetch) *pf,
                                                                           int64_t j, int64_t rowbytes) {
-    if (!pf->pv) return;
-    for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->pv[j] + c);
+    if (pf->pv)
+        for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->pv[j] + c);
     if (j >= pf->nn) return;
     for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nk[j] + c, 0, 2);
     for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nv[j] + c, 0, 2);
@@ -195,11 +200,10 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
         qr[r] = a->q + (row0 + r) * D;
         o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
     }
-    /* Rows of >= 512 bytes only: shorter rows ran slower with any software
-     * prefetch (the hardware prefetchers keep up with them). */
-    const FM_SFX(VecPrefetch) none = {NULL, NULL, NULL, 0};
-    const int prefetch = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512 && row0 % gqa == 0;
-    FM_SFX(vec_scores)(qr, kp, prefetch ? next : &none, dtype, n, D, NR, sc);
+    const int first = row0 % gqa == 0, long_rows = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512;
+    const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv,
+                                    first && (long_rows || FM_VEC_PREFETCH_SHORT) ? next->nn : 0};
+    FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
     for (int r = 0; r < NR; r++) f[r] = FM_SFX(vec_softmax)(&a->p, sc + r * FM_VT, n, &M[r], &S[r]);
     FM_SFX(vec_pv)(o, f, sc, vp, dtype, n, D, NR);
 }
@@ -261,7 +265,7 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
             FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, rows[cur ^ 1][1]);
         }
         const char *const *kp = rows[cur][0], *const *vp = rows[cur][1];
-        const FM_SFX(VecPrefetch) next = {vp, rows[cur ^ 1][0], rows[cur ^ 1][1], nn};
+        const FM_SFX(VecPrefetch) next = {NULL, rows[cur ^ 1][0], rows[cur ^ 1][1], nn};
         switch (a->kv_dtype) { /* constant inside: the loads specialise */
         case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
         case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
