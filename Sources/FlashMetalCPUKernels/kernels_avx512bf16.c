@@ -18,6 +18,15 @@
 static inline fm_v fm_dpbf16(fm_v acc, fm_vi a, fm_vi b) {
     return (fm_v)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
 }
+/* fm_v_store_bf16 in one instruction (vcvtneps2bf16: nearest even, as
+ * fm_v_round_bf16, except that it flushes subnormal results to zero: a p
+ * below 2^-126 then weighs 0). */
+static inline fm_v fm_v_store_bf16_cvt(uint16_t *dst, fm_v x) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)x);
+    _mm256_storeu_si256((__m256i *)dst, h);
+    return (fm_v)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+#define FM_PF_STORE_BF16 fm_v_store_bf16_cvt
 #include "prefill_body.h"
 #pragma clang attribute pop
 #endif

@@ -38,6 +38,11 @@
 #ifndef FM_PF_BF16DP
 #define FM_PF_BF16DP 0
 #endif
+/* Rounds p to bf16 into 16-bit storage, returning the rounded values; an
+ * ISA with a conversion instruction defines its own. */
+#ifndef FM_PF_STORE_BF16
+#define FM_PF_STORE_BF16 fm_v_store_bf16
+#endif
 
 static int FM_SFX(pf_bf16_panels)(const FMPrefillArgs *a) {
     return FM_PF_BF16DP && a->io_dtype == FM_DTYPE_BF16;
@@ -304,13 +309,14 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
 
 /* Online softmax step of one row over one key block: S holds the raw dot
  * products on entry and p on exit; M, L are updated and F receives the
- * factor for O. The row sees keys [lo, hi]. With round_bf16, p is rounded to
- * bf16 and the row sum uses the rounded values (so the weights of O sum to
- * 1); LX, when given, sums the unrounded values for the LSE. The running max
+ * factor for O. The row sees keys [lo, hi]. With P16 (bf16 pair panels), p
+ * is rounded to bf16 and stored there instead, and the row sum uses the
+ * rounded values (so the weights of O sum to 1); LX, when given, sums the
+ * unrounded values for the LSE. The running max
  * ignores NaN (s > m is false). */
 static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
                                    int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *LX,
-                                   float *F, int round_bf16) {
+                                   float *F, uint16_t *P16) {
     fm_v s[KB / FM_VL];
     fm_v mv = fm_v_splat(*M);
     /* The common block (the row sees every key of it, no mask, no softcap)
@@ -337,14 +343,67 @@ static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row
     for (int c = 0; c < KB / FM_VL; c++) {
         fm_v pv = fm_v_exp(s[c] - mx);
         if (LX) exact += pv;
-        if (round_bf16) pv = fm_v_round_bf16(pv);
+        if (P16) pv = FM_PF_STORE_BF16(P16 + c * FM_VL, pv);
+        else fm_v_store(S + c * FM_VL, pv);
         sum += pv;
-        fm_v_store(S + c * FM_VL, pv);
     }
     *L = *L * factor + fm_v_sum(sum);
     if (LX) *LX = *LX * factor + fm_v_sum(exact);
     *M = mx;
     *F = factor;
+}
+
+/* pf_row_softmax for the R rows of a row group at once, when every one of
+ * them is plain over this block (sees all of its keys; no mask, no
+ * softcap): the common case of full and causal attention. The rows'
+ * horizontal max, factor and sums then fold together (fm_v_max8, one
+ * vector exp, fm_v_sum8: the same trees and lane-wise arithmetic as the
+ * per-row path, so the same bits), which at small head dims was a third of
+ * the time. Returns 0, having done nothing, when a row is not plain. */
+_Static_assert(FM_PF_R <= 8, "pf_group_softmax folds at most 8 rows");
+static int FM_SFX(pf_group_softmax)(const FMPrefillArgs *a, float *S, int64_t c0, int64_t kc, const int64_t *lo,
+                                    const int64_t *hi, float *M, float *L, float *LX, float *F, uint16_t *P16) {
+    if (a->mask_kind != FM_MASK_NONE || a->p.softcapping != 0 || kc != KB) return 0;
+    for (int r = 0; r < R; r++)
+        if (lo[r] > c0 || hi[r] < c0 + KB - 1) return 0;
+    fm_v fold[8];
+    float mx[8], tot[8], ex[8];
+    for (int r = 0; r < 8; r++) {
+        fold[r] = fm_v_splat(r < R ? M[r] : 0.0f);
+        if (r >= R) continue;
+        for (int c = 0; c < KB / FM_VL; c++) {
+            const fm_v x = fm_v_load(S + r * KB + c * FM_VL) * a->p.scale;
+            const fm_v sc = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
+            fm_v_store(S + r * KB + c * FM_VL, sc);
+            fold[r] = fm_v_sel(sc > fold[r], sc, fold[r]);
+        }
+    }
+    fm_v_max8(fold, mx);
+    /* The factors e^(M - mx) of all rows, FM_VL rows per vector exp. */
+    float fac[8 + FM_VL] = {0};
+    for (int r = 0; r < R; r++) fac[r] = M[r] - mx[r];
+    for (int r = 0; r < R; r += FM_VL) fm_v_store(fac + r, fm_v_exp(fm_v_load(fac + r)));
+    fm_v exact[8];
+    for (int r = 0; r < 8; r++) {
+        fold[r] = exact[r] = fm_v_splat(0.0f);
+        if (r >= R) continue;
+        for (int c = 0; c < KB / FM_VL; c++) {
+            fm_v pv = fm_v_exp(fm_v_load(S + r * KB + c * FM_VL) - mx[r]);
+            if (LX) exact[r] += pv;
+            if (P16) pv = FM_PF_STORE_BF16(P16 + r * 2 * KB + c * FM_VL, pv);
+            else fm_v_store(S + r * KB + c * FM_VL, pv);
+            fold[r] += pv;
+        }
+    }
+    fm_v_sum8(fold, tot);
+    if (LX) fm_v_sum8(exact, ex);
+    for (int r = 0; r < R; r++) {
+        L[r] = L[r] * fac[r] + tot[r];
+        if (LX) LX[r] = LX[r] * fac[r] + ex[r];
+        M[r] = mx[r];
+        F[r] = fac[r];
+    }
+    return 1;
 }
 
 /* ---- one work item: QI rows of head h ----------------------------------- */
@@ -415,20 +474,14 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
             else
 #endif
                 FM_SFX(pf_qk_f32)(Qf + (size_t)ga * D, (const float *)Kb, D, Sg);
-            for (int r = 0; r < R; r++) {
-                float *Sr = Sg + (size_t)r * KB;
-                FM_SFX(pf_row_softmax)(a, Sr, rowid[ga + r], c0, kc, lo[ga + r], hi[ga + r], mrow[ga + r],
-                                       &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL, &F[ga + r], bfp);
-#if FM_PF_BF16DP
-                if (bfp) {
-                    uint16_t *Pr = (uint16_t *)(P + (size_t)(ga + r) * KB);
-                    for (int c = 0; c < KB / FM_VL; c++) {
-                        const fm_vh16 top = __builtin_convertvector((fm_vu)fm_v_load(Sr + c * FM_VL) >> 16, fm_vh16);
-                        memcpy(Pr + c * FM_VL, &top, sizeof top);
-                    }
-                }
-#endif
-            }
+            /* bf16 pair panels: p goes to P as bf16, row r at P + (ga + r) * KB floats. */
+            uint16_t *Pg = bfp ? (uint16_t *)(P + (size_t)ga * KB) : NULL;
+            if (!FM_SFX(pf_group_softmax)(a, Sg, c0, kc, lo + ga, hi + ga, M + ga, L + ga,
+                                          exact_lse ? LX + ga : NULL, F + ga, Pg))
+                for (int r = 0; r < R; r++)
+                    FM_SFX(pf_row_softmax)(a, Sg + (size_t)r * KB, rowid[ga + r], c0, kc, lo[ga + r], hi[ga + r],
+                                           mrow[ga + r], &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL,
+                                           &F[ga + r], Pg ? Pg + (size_t)r * 2 * KB : NULL);
 #if FM_PF_BF16DP
             if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, D,
                                          (int)((kc + 1) / 2), F + ga, O + (size_t)ga * D);

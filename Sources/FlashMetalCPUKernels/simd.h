@@ -66,6 +66,15 @@ static inline fm_v fm_v_round_bf16(fm_v x) {
     return (fm_v)u;
 }
 
+/* Rounds x to bf16 (nearest even), stores the FM_VL bf16 values at dst and
+ * returns them as f32. */
+static inline fm_v fm_v_store_bf16(uint16_t *dst, fm_v x) {
+    const fm_v r = fm_v_round_bf16(x);
+    const fm_vh16 top = __builtin_convertvector((fm_vu)r >> 16, fm_vh16);
+    memcpy(dst, &top, sizeof top);
+    return r;
+}
+
 /* Sum over the lanes as a fixed tree (halves added pairwise): deterministic
  * for a given ISA, and a short dependency chain. */
 static inline float fm_v_sum(fm_v v) {
@@ -76,51 +85,61 @@ static inline float fm_v_sum(fm_v v) {
     return t[0];
 }
 
-/* out[i] = fm_v_sum(v[i]) for 8 vectors, bit for bit (the same tree), by
- * folding the vectors into each other: ~8 shuffle+add pairs instead of 8
- * separate horizontal sums. */
-static inline void fm_v_sum8(const fm_v v[8], float out[8]) {
+static inline fm_v fm_v_add2(fm_v a, fm_v b) { return a + b; }
+static inline fm_v fm_v_max2(fm_v a, fm_v b) { return fm_v_sel(a > b, a, b); }
+static inline float fm_v_sum(fm_v v);
+static inline float fm_v_max(fm_v v);
+
+/* out[i] = the op-reduction of v[i]'s lanes for 8 vectors, by folding the
+ * vectors into each other: ~8 shuffle+op pairs instead of 8 separate
+ * horizontal reductions. With op fm_v_add2 each out[i] is fm_v_sum(v[i])
+ * bit for bit (the same tree: halves combined pairwise). */
+static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], float out[8],
+                                                             fm_v (*op)(fm_v, fm_v)) {
 #if FM_VL == 16
     fm_v x[4], y[2];
     for (int i = 0; i < 4; i++)
-        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                       22, 23) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                                       29, 30, 31);
+        x[i] = op(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                          21, 22, 23),
+                  __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                          28, 29, 30, 31));
     for (int i = 0; i < 2; i++)
-        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
-                                       26, 27) +
-               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
-                                       30, 31);
-    const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-                   __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    const fm_v w = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+        y[i] = op(__builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                          25, 26, 27),
+                  __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                          29, 30, 31));
+    const fm_v z = op(__builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
+                      __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
+    const fm_v w = op(z, __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
     for (int i = 0; i < 8; i++) out[i] = w[2 * i];
 #elif FM_VL == 8
     fm_v x[4], y[2];
     for (int i = 0; i < 4; i++)
-        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+        x[i] = op(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11),
+                  __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15));
     for (int i = 0; i < 2; i++)
-        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-                   __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+        y[i] = op(__builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13),
+                  __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15));
+    const fm_v z = op(__builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14),
+                      __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15));
     memcpy(out, &z, sizeof z);
 #elif FM_VL == 4
     fm_v x[4];
     for (int i = 0; i < 4; i++)
-        x[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7);
+        x[i] = op(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5),
+                  __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7));
     for (int i = 0; i < 2; i++) {
-        const fm_v y = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 2, 4, 6) +
-                       __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 3, 5, 7);
+        const fm_v y = op(__builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 2, 4, 6),
+                          __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 3, 5, 7));
         memcpy(out + 4 * i, &y, sizeof y);
     }
 #else
-    for (int i = 0; i < 8; i++) out[i] = fm_v_sum(v[i]);
+    for (int i = 0; i < 8; i++) out[i] = op == fm_v_add2 ? fm_v_sum(v[i]) : fm_v_max(v[i]);
 #endif
 }
+static inline void fm_v_sum8(const fm_v v[8], float out[8]) { fm_v_fold8(v, out, fm_v_add2); }
+/* The largest lane of each of 8 vectors without NaN (a max of any tree). */
+static inline void fm_v_max8(const fm_v v[8], float out[8]) { fm_v_fold8(v, out, fm_v_max2); }
 
 /* Largest lane of a vector without NaN. */
 static inline float fm_v_max(fm_v v) {
