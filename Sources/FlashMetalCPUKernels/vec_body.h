@@ -109,48 +109,63 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
 }
 
-/* Scale, softcap, the floor, the online softmax of one row over n keys:
- * sc holds raw dots on entry and p (0 past n, up to a whole vector) on
- * exit. Returns the factor of the previous O and S. */
-static inline float FM_SFX(vec_softmax)(const FlashAttnVecParams *p, float *sc, int64_t n, float *M,
-                                        float *S) {
+/* Scale, softcap, the floor, the online softmax of rows [0, NR) over n
+ * keys: sc (row stride FM_VT) holds raw dots on entry and p (0 past n, up
+ * to a whole vector) on exit; f[r] receives the factor of row r's previous
+ * O and S. The rows' horizontal max and sums fold together (fm_v_max8,
+ * fm_v_sum8: one tree per row, as fm_v_max/fm_v_sum). */
+static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const FlashAttnVecParams *p, float *sc,
+                                                                     int64_t n, float *M, float *S, float *f,
+                                                                     int NR) {
     const int64_t nv = (n + FM_VL - 1) / FM_VL * FM_VL;
-    fm_v mxv = fm_v_splat(*M);
-    if (p->softcap > 0) {
-        for (int64_t j = 0; j < nv; j++) {
-            float s = -INFINITY;
-            if (j < n) {
-                s = p->softcap * tanhf(p->scale * sc[j] / p->softcap);
-                s = s < FM_M_INIT ? FM_M_INIT : s;
-            }
-            sc[j] = s;
-        }
-    }
     fm_vi lane;
     for (int i = 0; i < FM_VL; i++) lane[i] = i;
-    for (int64_t c = 0; c < nv; c += FM_VL) {
-        fm_v x = fm_v_load(sc + c);
-        if (!(p->softcap > 0)) {
-            x = x * p->scale;
-            x = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
-            x = fm_v_sel(lane + (int32_t)c < (int32_t)n, x, fm_v_splat(-INFINITY));
-            fm_v_store(sc + c, x);
+    fm_v fold[8];
+    float mx[8], tot[8];
+    for (int r = 0; r < 8; r++) {
+        fold[r] = fm_v_splat(r < NR ? M[r] : 0.0f);
+        if (r >= NR) continue;
+        float *x_r = sc + r * FM_VT;
+        if (p->softcap > 0) {
+            for (int64_t j = 0; j < nv; j++) {
+                float s = -INFINITY;
+                if (j < n) {
+                    s = p->softcap * tanhf(p->scale * x_r[j] / p->softcap);
+                    s = s < FM_M_INIT ? FM_M_INIT : s;
+                }
+                x_r[j] = s;
+            }
         }
-        mxv = fm_v_sel(x > mxv, x, mxv); /* NaN never becomes the max */
+        for (int64_t c = 0; c < nv; c += FM_VL) {
+            fm_v x = fm_v_load(x_r + c);
+            if (!(p->softcap > 0)) {
+                x = x * p->scale;
+                x = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
+                x = fm_v_sel(lane + (int32_t)c < (int32_t)n, x, fm_v_splat(-INFINITY));
+                fm_v_store(x_r + c, x);
+            }
+            fold[r] = fm_v_sel(x > fold[r], x, fold[r]); /* NaN never becomes the max */
+        }
     }
-    const float mx = fm_v_max(mxv);
-    /* Before the first key nothing was summed (S = 0, O = 0): skip expf's
-     * slow underflow path for e^(M_INIT - mx). */
-    const float factor = *S == 0.0f ? 0.0f : expf(*M - mx);
-    fm_v sum = fm_v_splat(0.0f);
-    for (int64_t c = 0; c < nv; c += FM_VL) {
-        const fm_v pv = fm_v_exp(fm_v_load(sc + c) - mx);
-        sum += pv;
-        fm_v_store(sc + c, pv);
+    fm_v_max8(fold, mx);
+    for (int r = 0; r < 8; r++) {
+        fold[r] = fm_v_splat(0.0f);
+        if (r >= NR) continue;
+        float *x_r = sc + r * FM_VT;
+        for (int64_t c = 0; c < nv; c += FM_VL) {
+            const fm_v pv = fm_v_exp(fm_v_load(x_r + c) - mx[r]);
+            fold[r] += pv;
+            fm_v_store(x_r + c, pv);
+        }
     }
-    *S = *S * factor + fm_v_sum(sum);
-    *M = mx;
-    return factor;
+    fm_v_sum8(fold, tot);
+    for (int r = 0; r < NR; r++) {
+        /* Before the first key nothing was summed (S = 0, O = 0): skip expf's
+         * slow underflow path for e^(M_INIT - mx). */
+        f[r] = S[r] == 0.0f ? 0.0f : expf(M[r] - mx[r]);
+        S[r] = S[r] * f[r] + tot[r];
+        M[r] = mx[r];
+    }
 }
 
 /* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR): NV vectors of
@@ -204,7 +219,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv,
                                     first && (long_rows || FM_VEC_PREFETCH_SHORT) ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
-    for (int r = 0; r < NR; r++) f[r] = FM_SFX(vec_softmax)(&a->p, sc + r * FM_VT, n, &M[r], &S[r]);
+    FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR);
     FM_SFX(vec_pv)(o, f, sc, vp, dtype, n, D, NR);
 }
 
