@@ -92,14 +92,15 @@ def test_bad_tables_raise_and_write_nothing(registry, rng):
     table = np.array([[0, 1, 2], [3, 4, -1]], np.int32)
     cases = [
         ((kc, vc, np.array([0, 8], np.int32), None),
-         "cache_seqlens[1] + n_new = 8 + 3 = 11 exceeds the cache capacity, k_cache's dim 1 (10)"),
+         "cache_seqlens[1] + the new rows of k_new (its dim 1) = 8 + 3 = 11 exceeds the cache capacity, "
+         "k_cache's dim 1 (10)"),
         ((kc, vc, np.array([-1, 0], np.int32), None), "cache_seqlens[0] = -1 is out of range [0, 10]"),
         ((kc, vc, np.array([11, 0], np.int32), None), "cache_seqlens[0] = 11 is out of range"),
         ((pc, pv, np.array([0, 6], np.int32), table), "block_table[1, 2] = -1 is out of range [0, 5)"),
         # Rows 2..4 of sequence 0 span its pages 0 and 1: entry [0, 1] is used.
         ((pc, pv, np.array([2, 0], np.int32), np.array([[0, 7, 2], [3, 4, 0]], np.int32)),
          "block_table[0, 1] = 7 is out of range [0, 5)"),
-        ((pc, pv, np.array([10, 0], np.int32), table), "exceeds max_pages * page_size (12)"),
+        ((pc, pv, np.array([10, 0], np.int32), table), "exceeds block_table's 3 pages (its dim 1) of 4 keys (k_cache's dim 1) (12)"),
         ((pc, pv, np.array([0, 0], np.int32), np.array([[0, 1, 2]], np.int32)), "block_table must have shape"),
     ]
     for (c_k, c_v, lens, tbl), msg in cases:
@@ -120,7 +121,7 @@ def test_public_api_append_errors_write_nothing(registry, rng):
     before = (kc.copy(), vc.copy())
     q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
     kn, vn = random_bits(rng, (2, 3, 2, 64), F16), random_bits(rng, (2, 3, 2, 64), F16)
-    for lens, msg in (([0, 8], "cache_seqlens[1] + n_new = 8 + 3 = 11 exceeds"),
+    for lens, msg in (([0, 8], "cache_seqlens[1] + the new rows of k (its dim 1) = 8 + 3 = 11 exceeds"),
                       ([-2, 0], "cache_seqlens[0] = -2 is out of range")):
         with pytest.raises(ValueError, match="^flash_attn_with_kvcache: .*" + re.escape(msg)):
             fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=np.array(lens, np.int32), registry=registry)
