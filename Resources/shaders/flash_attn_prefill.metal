@@ -185,7 +185,9 @@ inline float prefill_finish_row(float row_max, float row_sum, float sink, device
         const float sk = sink * FM_LOG2E;
         const float m = max(row_max, sk);
         factor = exp2(row_max - m);
-        row_sum = row_sum * factor + exp2(sk - m);
+        // A +inf sink takes all the mass: the sum is +inf (not exp2(inf - inf),
+        // NaN), so the factor is 0 and the LSE +inf, the limit. NaN stays NaN.
+        row_sum = row_sum * factor + (sk == INFINITY ? INFINITY : exp2(sk - m));
         row_max = m;
     }
     if (has_lse && lse_at != nullptr) *lse_at = row_sum == 0.0f ? -INFINITY : (row_max + log2(row_sum)) / FM_LOG2E;

@@ -283,7 +283,8 @@ typedef struct SdpaExtParams {
  * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
  * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
- *   -inf for a row that sees no key and has no sink (its o_i is 0).
+ *   -inf for a row that sees no key and has no sink (its o_i is 0). A +inf sink
+ *   takes all the mass (the limit): o_i = 0, lse_i = +inf.
  * Paged: page_size is a multiple of the key tile BK (so a tile lies in one
  * page); every table entry a kernel reads was checked to be in
  * [0, num_pages) before the dispatch. Prefill buffer(8). 64 bytes. */
