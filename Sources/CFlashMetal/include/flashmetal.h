@@ -367,7 +367,7 @@ typedef enum FMDType {
     FM_DTYPE_F32 = 0,
     FM_DTYPE_F16 = 1,
     FM_DTYPE_BF16 = 2,
-    FM_DTYPE_BOOL = 3,
+    FM_DTYPE_BOOL = 3,   /* one byte per element; every kernel reads any nonzero byte as true */
     FM_DTYPE_U8 = 4,
     FM_DTYPE_I32 = 5
 } FMDType;
