@@ -31,7 +31,7 @@ from numpy.typing import ArrayLike
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import Error, InvalidTypeError, InvalidValueError
-from ._interop import is_torch_tensor, to_numpy, wrapper_like
+from ._interop import to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
@@ -230,7 +230,7 @@ def flash_attn_with_kvcache(
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size)
     sk = sinks_arg(_KVCACHE, sinks)
-    out_arr = None if out is None else check_out(_out_view(out), _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
+    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
@@ -292,12 +292,6 @@ def _clear_rows_after_the_last_sequence(out: np.ndarray, lse: np.ndarray | None,
 
 def _head_dim(qa: np.ndarray) -> int:
     return int(qa.shape[-1]) if qa.ndim else 0
-
-
-def _out_view(out: Any) -> Any:
-    """A torch `out` as the numpy view of its memory (so the kernel writes the
-    caller's tensor); anything else as given, for check_out to judge."""
-    return to_numpy(out, _KVCACHE, "out") if is_torch_tensor(out) else out
 
 
 def _in_place(cache: Any, name: str) -> np.ndarray:
