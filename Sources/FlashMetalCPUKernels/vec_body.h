@@ -43,6 +43,32 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
     }
 }
 
+/* Software prefetch of the tiles to come, issued by the first row block
+ * of a tile while it reads K (vec_block): key j's V row into L1 (P.V reads
+ * the tile column-wise), and the next tile's key j K and V rows into L2
+ * (spread one key at a time over the tile: with whole-tile bursts, or none,
+ * rows of >= 512 bytes ran 15-35% slower on two threads). Shorter rows:
+ * nothing on AVX-512 (any prefetch cost 10-20% there), the next tile on
+ * AVX2 (FM_VEC_PREFETCH_SHORT; 256-byte rows ran 1.3-1.5x faster with it). */
+#ifndef FM_VEC_PREFETCH_SHORT
+#define FM_VEC_PREFETCH_SHORT 0
+#endif
+typedef struct {
+    const char *const *pv; /* this tile's V rows, or NULL */
+    const char *const *nk; /* the next tile's K and V rows, nn of them */
+    const char *const *nv;
+    int64_t nn;
+} FM_SFX(VecPrefetch);
+
+static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_key)(const FM_SFX(VecPrefetch) *pf,
+                                                                          int64_t j, int64_t rowbytes) {
+    if (pf->pv)
+        for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->pv[j] + c);
+    if (j >= pf->nn) return;
+    for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nk[j] + c, 0, 2);
+    for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nv[j] + c, 0, 2);
+}
+
 /* Raw dot products of rows [0, NR) with the n keys at kp, into sc (row
  * stride FM_VT). Each key row is read from start to end before the next
  * (rows read side by side, 64 bytes of each in turn, ran at half the
@@ -50,8 +76,8 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
  * 8 / NR keys form one group whose 8 chains overlap in the out-of-order
  * window and fold into one vector of sums. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
-    const float *const qr[4], const char *const *kp, const char *const *vp, int32_t dtype, int64_t n, int32_t D,
-    int NR, float *sc) {
+    const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int64_t n,
+    int32_t D, int NR, float *sc) {
     const int KJ = 8 / NR;
     const int64_t rowbytes = (int64_t)D * (dtype == FM_DTYPE_F32 ? 4 : 2);
     int64_t j = 0;
@@ -59,8 +85,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
         fm_v acc[8];
         for (int t = 0; t < KJ; t++) {
             const char *kr = kp[j + t];
-            if (vp)
-                for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(vp[j + t] + c);
+            FM_SFX(vec_prefetch_key)(pf, j + t, rowbytes);
             for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
             for (int32_t d = 0; d < D; d += FM_VL) {
                 const fm_v kv = fm_v_load_any(kr, d, dtype);
@@ -74,8 +99,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
     for (; j < n; j++) {
         fm_v acc[4];
-        if (vp)
-            for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(vp[j] + c);
+        FM_SFX(vec_prefetch_key)(pf, j, rowbytes);
         for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
         for (int32_t d = 0; d < D; d += FM_VL) {
             const fm_v kv = fm_v_load_any(kp[j], d, dtype);
@@ -165,8 +189,8 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
 
 /* Rows [row0, row0 + NR) over one tile of n keys. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
-    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, int64_t row0, int64_t wg,
-    float *M, float *S, float *sc, int NR, int32_t dtype) {
+    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
+    int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype) {
     const int32_t D = (int32_t)a->p.head_dim;
     const int64_t nwg = a->p.nwg, gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     const float *qr[4];
@@ -176,31 +200,30 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
         qr[r] = a->q + (row0 + r) * D;
         o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
     }
-    /* With rows of >= 512 bytes the first block of the tile also prefetches
-     * V, row after row, beside K: P.V then reads the tile column-wise from
-     * cache (measured: 10-15% faster there; shorter rows ran slower with it). */
-    const int prefetch_v = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512 && row0 % gqa == 0;
-    FM_SFX(vec_scores)(qr, kp, prefetch_v ? vp : NULL, dtype, n, D, NR, sc);
+    const int first = row0 % gqa == 0, long_rows = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512;
+    const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv,
+                                    first && (long_rows || FM_VEC_PREFETCH_SHORT) ? next->nn : 0};
+    FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
     for (int r = 0; r < NR; r++) f[r] = FM_SFX(vec_softmax)(&a->p, sc + r * FM_VT, n, &M[r], &S[r]);
     FM_SFX(vec_pv)(o, f, sc, vp, dtype, n, D, NR);
 }
 
 /* Every row of kv row kvrow's group over one tile, in blocks of 4, 2, 1. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
-    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, int64_t kvrow, int64_t wg,
-    float *M, float *S, float *scores, int32_t dtype) {
+    const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
+    int64_t kvrow, int64_t wg, float *M, float *S, float *scores, int32_t dtype) {
     const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa;) {
         const int64_t left = gqa - i, row0 = kvrow * gqa + i;
         float *sc = scores + i * FM_VT;
         if (left >= 4) {
-            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 4, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 4, dtype);
             i += 4;
         } else if (left >= 2) {
-            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 2, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 2, dtype);
             i += 2;
         } else {
-            FM_SFX(vec_block)(a, kp, vp, n, row0, wg, M + i, S + i, sc, 1, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 1, dtype);
             i += 1;
         }
     }
@@ -229,15 +252,24 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
         M[i] = FM_M_INIT;
         S[i] = 0.0f;
     }
-    const char *kp[FM_VT], *vp[FM_VT];
-    for (int64_t t0 = s; t0 < e; t0 += FM_VT) {
-        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT;
-        FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t0, n, esz, kp);
-        FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t0, n, esz, vp);
+    /* Row pointers of two tiles, this one and the next (to prefetch),
+     * each resolved once. */
+    const char *rows[2][2][FM_VT];
+    FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, s, e - s < FM_VT ? e - s : FM_VT, esz, rows[0][0]);
+    FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, s, e - s < FM_VT ? e - s : FM_VT, esz, rows[0][1]);
+    for (int64_t t0 = s, cur = 0; t0 < e; t0 += FM_VT, cur ^= 1) {
+        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + FM_VT;
+        const int64_t nn = e - t1 <= 0 ? 0 : e - t1 < FM_VT ? e - t1 : FM_VT;
+        if (nn) {
+            FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, rows[cur ^ 1][0]);
+            FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, rows[cur ^ 1][1]);
+        }
+        const char *const *kp = rows[cur][0], *const *vp = rows[cur][1];
+        const FM_SFX(VecPrefetch) next = {NULL, rows[cur ^ 1][0], rows[cur ^ 1][1], nn};
         switch (a->kv_dtype) { /* constant inside: the loads specialise */
-        case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
-        case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
-        default: FM_SFX(vec_tile)(a, kp, vp, n, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
+        case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
+        case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
+        default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
         }
     }
     for (int64_t i = 0; i < gqa; i++) {
