@@ -257,7 +257,7 @@ def test_decode_and_append_errors_use_the_callers_names(rng, ql, append):
     cases = [
         (dict(paged, seqlens=(5, 40)),
          r"cache_seqlens\[1\] = 40 is out of range \[0, 32\] \(block_table's 2 pages \(its dim 1\) of 16 keys "
-         r"\(k_cache's dim 1\)\)" if ql == 1 or append else r"cache_seqlens\[1\] = 40 is out of range \[0, 32\]"),
+         r"\(k_cache's dim 1\)\)"),
         (dict(paged, table=np.array([[0, 1], [2, 7]], np.int32), seqlens=(5, 20)),
          r"block_table\[1, 1\] = 7 is out of range \[0, 4\) \(the pages of k_cache\)"),
         (dict(seqlens=(5, 33)), r"cache_seqlens\[1\] = 33 is out of range \[0, 32\]"),
