@@ -156,6 +156,7 @@ def test_bad_windows_and_pages(sim, rng, call, message):
     assert str(e.value) == message
 
 
-def test_sink_limits(sim, rng):
+@pytest.mark.parametrize("d", [64, 512])  # both bodies (D <= 256 and the wide one)
+def test_sink_limits(sim, rng, d):
     """+inf / -inf / NaN sinks on the Metal prefill (serving_cases.check_sink_limits)."""
-    check_sink_limits(sim, rng, 7, BF16, 64)
+    check_sink_limits(sim, rng, 7, BF16, d)
