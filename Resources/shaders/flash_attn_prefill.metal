@@ -66,8 +66,10 @@ FUNCTION_CONSTANT_EXPR(bool, per_seq, varlen_q || varlen_k || kv_lens || paged_k
 
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 
-// An additive mask value in natural units; a bool mask is true = attend.
-inline float mask_bias(bool attend) { return attend ? 0.0f : -INFINITY; }
+// An additive mask value in natural units. A bool mask (true = attend) is
+// read as its bytes: any nonzero byte attends, as on the cpu; a `bool` load of
+// a byte other than 0/1 (C ABI callers may pass one) is undefined.
+inline float mask_bias(uchar attend) { return attend != 0 ? 0.0f : -INFINITY; }
 inline float mask_bias(half m) { return float(m); }
 inline float mask_bias(bfloat m) { return float(m); }
 
@@ -185,7 +187,9 @@ inline float prefill_finish_row(float row_max, float row_sum, float sink, device
         const float sk = sink * FM_LOG2E;
         const float m = max(row_max, sk);
         factor = exp2(row_max - m);
-        row_sum = row_sum * factor + exp2(sk - m);
+        // A +inf sink takes all the mass: the sum is +inf (not exp2(inf - inf),
+        // NaN), so the factor is 0 and the LSE +inf, the limit. NaN stays NaN.
+        row_sum = row_sum * factor + (sk == INFINITY ? INFINITY : exp2(sk - m));
         row_max = m;
     }
     if (has_lse && lse_at != nullptr) *lse_at = row_sum == 0.0f ? -INFINITY : (row_max + log2(row_sum)) / FM_LOG2E;
@@ -548,30 +552,30 @@ kernel void flash_attn_prefill(
 // Seed 000's entry points plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
 // WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 80, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96", flash_attn_prefill, bfloat, bfloat, 32, 16, 96, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d96_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128", flash_attn_prefill, bfloat, bfloat, 32, 16, 128, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d128_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192", flash_attn_prefill, bfloat, bfloat, 32, 16, 192, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, bool, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, uchar, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, bool, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80", flash_attn_prefill, half, half, 32, 16, 80, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80_boolmask", flash_attn_prefill, half, bool, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80_boolmask", flash_attn_prefill, half, uchar, 32, 16, 80, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96", flash_attn_prefill, half, half, 32, 16, 96, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96_boolmask", flash_attn_prefill, half, bool, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d96_boolmask", flash_attn_prefill, half, uchar, 32, 16, 96, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128", flash_attn_prefill, half, half, 32, 16, 128, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, bool, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d128_boolmask", flash_attn_prefill, half, uchar, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192", flash_attn_prefill, half, half, 32, 16, 192, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192_boolmask", flash_attn_prefill, half, bool, 32, 16, 192, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192_boolmask", flash_attn_prefill, half, uchar, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, bool, 32, 16, 256, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, bool, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 8, 8, 512, 1, 1)

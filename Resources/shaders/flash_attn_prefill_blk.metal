@@ -30,9 +30,7 @@ FUNCTION_CONSTANT(int, blk_bk, 401)
 // Cell i of a mask as an additive value. A bool cell is read as its byte
 // (any nonzero byte attends, as on the cpu), never as a bool whose bytes
 // other than 0/1 the compilers treat differently.
-inline float blk_cell(const device bool *m, long i) {
-    return reinterpret_cast<const device uchar *>(m)[i] != 0 ? 0.0f : -INFINITY;
-}
+inline float blk_cell(const device uchar *m, long i) { return m[i] != 0 ? 0.0f : -INFINITY; }
 inline float blk_cell(const device half *m, long i) { return float(m[i]); }
 inline float blk_cell(const device bfloat *m, long i) { return float(m[i]); }
 
@@ -83,4 +81,4 @@ kernel void flash_attn_prefill_blk(
 
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bf16", flash_attn_prefill_blk, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f16", flash_attn_prefill_blk, half)
-INSTANTIATE_KERNEL("flash_attn_prefill_blk_bool", flash_attn_prefill_blk, bool)
+INSTANTIATE_KERNEL("flash_attn_prefill_blk_bool", flash_attn_prefill_blk, uchar)

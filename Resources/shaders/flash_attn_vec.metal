@@ -251,7 +251,9 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
             const float m_all = max(m, sink);
             const float a = exp2((m - m_all) * FM_LOG2E);
             f *= a;
-            s = s * a + exp2((sink - m_all) * FM_LOG2E);
+            // A +inf sink takes all the mass: s = +inf (not exp2(inf - inf),
+            // NaN): every weight is 0, 1/s = 0 and the LSE +inf, the limit.
+            s = s * a + (sink == INFINITY ? INFINITY : exp2((sink - m_all) * FM_LOG2E));
             m = m_all;
         }
         weights[lane] = f;

@@ -60,7 +60,7 @@ kernel void sdpa(
     constant SdpaParams &p [[buffer(4)]],
     constant AttnMaskParams *mp [[buffer(5), function_constant(sdpa_has_mask)]],
     const device T *amask [[buffer(6), function_constant(sdpa_additive_mask)]],
-    const device bool *bmask [[buffer(7), function_constant(sdpa_bool_mask)]],
+    const device uchar *bmask [[buffer(7), function_constant(sdpa_bool_mask)]],  // bool bytes: nonzero attends
     constant SdpaExtParams *ext [[buffer(8), function_constant(sdpa_ext)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup)) {
@@ -102,12 +102,12 @@ kernel void sdpa(
             float x = p.scale * sdpa_dot(qr, kb + j * D, int(D));
             if (sdpa_softcap) x = cap_c * precise::tanh(x / cap_c);
             if (sdpa_additive_mask) x += float(amask[mask_row + j]);
-            if (sdpa_bool_mask && !bmask[mask_row + j]) x = -INFINITY;
+            if (sdpa_bool_mask && bmask[mask_row + j] == 0) x = -INFINITY;
             // Not masked: floored at the running max's start, so a huge
             // negative finite bias keeps its (uniform) weight; NaN compares
             // false and stays NaN. Masked (-inf / false): -inf.
             const bool masked = (sdpa_additive_mask && float(amask[mask_row + j]) == -INFINITY) ||
-                                (sdpa_bool_mask && !bmask[mask_row + j]);
+                                (sdpa_bool_mask && bmask[mask_row + j] == 0);
             const float s = masked ? -INFINITY : max_or_nan(x * FM_LOG2E, FM_RUNNING_MAX_START);
             const float m_new = max(m, s);
             const float factor = exp2(m - m_new);

@@ -62,27 +62,3 @@ public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FM
         try reg.run([BlkDispatcher.makeDispatch(mask: m, blk: b, headDim: Int(headDim))])
     }
 }
-
-/// The head dims that have a kernel for `op` ("flash_attn_prefill" or
-/// "flash_attn_vec"), ascending, from the capability tables: the Python
-/// package routes by them instead of keeping its own list.
-@_cdecl("fm_supported_head_dims")
-public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
-                                   _ count: UnsafeMutablePointer<Int>?,
-                                   _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
-        let name = op.map { String(cString: $0) } ?? ""
-        let dims: [Int]
-        switch name {
-        case PrefillDispatcher.op: dims = PrefillCapability.headDims
-        case VecDispatcher.op: dims = VecCapability.headDims
-        default:
-            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)' or '\(VecDispatcher.op)', got '\(name)'")
-        }
-        guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null") }
-        count.pointee = dims.count
-        if let out = out {
-            for (i, d) in dims.prefix(max(cap, 0)).enumerated() { out[i] = Int32(d) }
-        }
-    }
-}

@@ -2,12 +2,22 @@
 #ifndef FM_KERNEL_MATH_H
 #define FM_KERNEL_MATH_H
 #include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 /* The running row max starts at the finite -FLT_MAX/2 (DESIGN §2): a -inf
  * score then gives exp(-inf) = 0, never exp(-inf - -inf) = NaN. */
 #define FM_M_INIT (-FLT_MAX / 2)
+
+/* A sink's term e^{sink - m} in a denominator whose max m includes the sink.
+ * A +inf sink takes all the mass: its term is +inf (not e^{inf - inf} =
+ * NaN), so every other weight e^{x - inf} = 0 divided by it gives output 0,
+ * and the LSE m + log(inf) is +inf, the limit as the sink grows. A NaN sink
+ * stays NaN (deliberately: a NaN row). */
+static inline float fm_sink_term(float sink, float m) {
+    return sink == (float)INFINITY ? (float)INFINITY : expf(sink - m);
+}
 
 /* Independent partial sums keep the dot product deterministic and
  * vectorisable without reassociation flags. */

@@ -12,6 +12,7 @@
 #define FM_PREFILL_SEQ_H
 #include <math.h>
 #include "fm_cpu_kernels.h"
+#include "kernel_math.h"
 
 /* One sequence of a dispatch. */
 typedef struct FMPfSeqDims {
@@ -77,7 +78,8 @@ static inline int64_t fm_pf_row_offset(const FMPfSeqDims *d, int64_t b, int64_t 
 /* The end of a row: 1/denominator for its accumulated output, and *lse.
  * m: running max, l: the sum the output's weights add up to, l_lse: the sum
  * for the LSE (l itself, or the unrounded sum where p was rounded to bf16);
- * natural units. The sink joins both without a value. A row with an empty
+ * natural units. The sink joins both without a value (a +inf sink takes all
+ * the mass: factor 0, LSE +inf; fm_sink_term). A row with an empty
  * denominator outputs 0 and has LSE -inf; without a sink the factor is 1/l
  * exactly as before the extension. */
 static inline float fm_pf_finish_row(const FMPrefillArgs *a, int64_t h, float m, float l, float l_lse, float *lse) {
@@ -86,7 +88,7 @@ static inline float fm_pf_finish_row(const FMPrefillArgs *a, int64_t h, float m,
         const float sink = a->seq.sinks[h];
         if (sink > mx) mx = sink;
         f = expf(m - mx);
-        extra = expf(sink - mx);
+        extra = fm_sink_term(sink, mx);
     }
     const float tot = a->seq.sinks ? l * f + extra : l;
     const float tot_lse = a->seq.sinks ? l_lse * f + extra : l_lse;

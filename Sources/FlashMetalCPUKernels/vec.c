@@ -68,10 +68,11 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
     float M = FM_M_INIT;
     for (int32_t w = 0; w < nwg; w++) if (sm[2 * w + 1] > M) M = sm[2 * w + 1];
     /* The sink joins the max, so e^{sink - M} cannot overflow; a row
-     * without keys then gets S = 1 from the sink alone and outputs 0. */
+     * without keys then gets S = 1 from the sink alone and outputs 0. A +inf
+     * sink makes S = +inf: every weight below is 0, the row 0, the LSE +inf. */
     const float sink = sinks ? sinks[row % n_heads] : -INFINITY;
     if (sink > M) M = sink;
-    float S = sinks ? expf(sink - M) : 0.0f;
+    float S = sinks ? fm_sink_term(sink, M) : 0.0f;
     float *y = out + row * d;
     for (int32_t i = 0; i < d; i++) y[i] = 0.0f;
     for (int32_t w = 0; w < nwg; w++) {

@@ -201,8 +201,11 @@ struct SequenceLengths {
         }
         if let s = t.seqlensK {
             let bound = kLens.max() ?? 0
+            let holds = paged ? SequenceTables.pagedCapacity(pages: capacity / pageSize, pageSize: pageSize,
+                                                             table: "block_table", cache: kind.kName)
+                : "the keys \(kind.kName) holds"
             let lens = try SequenceTables.seqlens(s, op: op, name: kind.seqlensKName, batch: batch, capacity: bound,
-                                                  capacityName: t.cuSeqlensK == nil ? "the keys \(kind.kName) holds" : "cu_seqlens_k")
+                                                  capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
             for b in 0..<batch where lens[b] > kLens[b] {
                 throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)")
             }

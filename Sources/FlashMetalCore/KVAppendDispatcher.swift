@@ -32,6 +32,20 @@ public enum KVAppendDispatcher {
     /// The op name errors carry.
     public static let op = "kv_append"
 
+    /// The caches are written while every other argument is read: a cache
+    /// sharing bytes with the other cache, the new rows or a table would
+    /// corrupt the caller's data, so any overlap is refused before the dispatch.
+    static func requireDisjoint(_ t: KVAppendTensors) throws {
+        var read: [(TensorRef, String)] = [(t.vCache, "v_cache"), (t.kNew, "k_new"), (t.vNew, "v_new"),
+                                           (t.seqlens, "cache_seqlens")]
+        if let bt = t.blockTable { read.append((bt, "block_table")) }
+        for (cache, name) in [(t.kCache, "k_cache"), (t.vCache, "v_cache")] {
+            for (x, n) in read where n != name && x.overlaps(cache) {
+                throw FlashMetalError.value(op, "\(name) and \(n) overlap in memory; the append writes \(name), so they must not share bytes")
+            }
+        }
+    }
+
     /// Validates a call and builds its dispatch; nil when there is nothing to
     /// write (n_new == 0), after the same validation.
     public static func makeDispatch(_ t: KVAppendTensors) throws -> Dispatch? {
@@ -43,6 +57,7 @@ public enum KVAppendDispatcher {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
+        try requireDisjoint(t)
         if t.vNew.shape != t.kNew.shape {
             throw FlashMetalError.value(op, "v_new shape \(t.vNew.shape) must equal k_new shape \(t.kNew.shape)")
         }
@@ -52,7 +67,7 @@ public enum KVAppendDispatcher {
         let (batch, nNew, kvHeads, d) = (t.kNew.shape[0], t.kNew.shape[1], t.kNew.shape[2], t.kNew.shape[3])
         let (cacheRows, cacheHeads, cacheD) = (t.kCache.shape[1], t.kCache.shape[2], t.kCache.shape[3])
         if cacheHeads != kvHeads || cacheD != d {
-            throw FlashMetalError.value(op, "k_new [B, n_new, Hkv, D] = \(t.kNew.shape) must match the cache's (Hkv, D) = (\(cacheHeads), \(cacheD))")
+            throw FlashMetalError.value(op, "k_new [B, n_new, Hkv, D] = \(t.kNew.shape) must match k_cache's (Hkv, D) = (\(cacheHeads), \(cacheD))")
         }
         if batch == 0 || kvHeads == 0 || d == 0 {
             throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got k_new shape \(t.kNew.shape)")
@@ -74,11 +89,12 @@ public enum KVAppendDispatcher {
         }
 
         // Table contents, before any write: each sequence's rows end within its capacity.
-        let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1" : "max_pages * page_size"
+        let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1"
+            : SequenceTables.pagedCapacity(pages: maxPages, pageSize: cacheRows, table: "block_table", cache: "k_cache")
         let starts = try SequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
                                                        capacity: capacity, capacityName: capacityName)
         for (b, start) in starts.enumerated() where start + nNew > capacity {
-            throw FlashMetalError.value(op, "cache_seqlens[\(b)] + n_new = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))")
+            throw FlashMetalError.value(op, "cache_seqlens[\(b)] + the new rows of k_new (its dim 1) = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))")
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },

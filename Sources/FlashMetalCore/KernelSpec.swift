@@ -53,7 +53,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         switch self {
         case let .prefill(io, d, boolMask):
             let g = PrefillCapability.geometry[d]!
-            return ("flash_attn_prefill", [io.mslName, boolMask ? "bool" : io.mslName,
+            return ("flash_attn_prefill", [io.mslName, boolMask ? DType.bool.mslName : io.mslName,
                                            "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"])
         case let .blk(m): return ("flash_attn_prefill_blk", [m.mslName])
         case let .maskBuilder(o): return ("flash_attn_prefill_mask", [o.mslName])
@@ -81,13 +81,15 @@ extension DType {
         }
     }
 
-    /// The dtype as MSL spells it.
+    /// The dtype as the kernels read it in MSL. A bool buffer is read as its
+    /// bytes, any nonzero one true: a `bool` load of a byte other than 0/1 (a
+    /// C caller may pass one) is undefined.
     var mslName: String {
         switch self {
         case .f32: return "float"
         case .f16: return "half"
         case .bf16: return "bfloat"
-        case .bool: return "bool"
+        case .bool: return "uchar"
         case .u8: return "uchar"
         case .i32: return "int"
         }

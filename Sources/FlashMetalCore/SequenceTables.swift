@@ -80,6 +80,12 @@ public enum SequenceTables {
         }
     }
 
+    /// How a paged cache's capacity reads in a message: the table's pages
+    /// times the cache's page size, each named as the caller passed it.
+    public static func pagedCapacity(pages: Int, pageSize: Int, table: String, cache: String) -> String {
+        "\(table)'s \(pages) pages (its dim 1) of \(pageSize) keys (\(cache)'s dim 1)"
+    }
+
     /// Validates a page table, int32 [B, max_pages], for sequences of the
     /// given `lengths` over a paged cache of `numPages` pages of `pageSize`
     /// keys: page_size is a positive multiple of `tile` (so no key tile

@@ -63,6 +63,21 @@ public struct TensorRef: @unchecked Sendable {
         return n
     }
 
+    /// The bytes a kernel may touch: the shape's, at most the buffer's.
+    var usedByteCount: Int {
+        guard let n = elementCount, case let (bytes, false) = n.multipliedReportingOverflow(by: dtype.byteSize)
+        else { return byteCount }
+        return min(bytes, byteCount)
+    }
+
+    /// Whether this tensor and `other` share a byte of the memory their
+    /// shapes cover.
+    public func overlaps(_ other: TensorRef) -> Bool {
+        let (a, b) = (UInt(bitPattern: data), UInt(bitPattern: other.data))
+        let (na, nb) = (UInt(usedByteCount), UInt(other.usedByteCount))
+        return na > 0 && nb > 0 && a < b &+ nb && b < a &+ na
+    }
+
     /// Proves the buffer holds the shape's bytes.
     public func requireBytes(op: String, name: String) throws {
         guard let n = elementCount, case let (bytes, false) = n.multipliedReportingOverflow(by: dtype.byteSize)

@@ -171,7 +171,7 @@ public enum VecDispatcher {
             throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
         }
         if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "num_heads (\(heads)) must be divisible by num_kv_heads (\(kvHeads))")
+            throw FlashMetalError.value(op, "the q heads (\(heads)) must be a multiple of the k heads (\(kvHeads))")
         }
     }
 

@@ -116,7 +116,7 @@ public enum VecSeqDispatcher {
         } else if k.shape[0] != batch {
             throw FlashMetalError.value(op, "k batch (\(k.shape[0])) must equal q batch (\(batch))")
         }
-        if capacity == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0") }
+        if capacity == 0 { throw FlashMetalError.value(op, "k holds no key per sequence (its dim 1 is 0): shape \(k.shape)") }
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (d + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
@@ -153,7 +153,8 @@ public enum VecSeqDispatcher {
         for (x, n) in [(t.sinks, "sinks"), (t.lse, "lse")] { try x?.requireBytes(op: op, name: n) }
 
         // Tables last: their contents are read only once every shape is known good.
-        let capacityName = t.blockTable == nil ? "the cache capacity, k's dim 1" : "max_pages * page_size"
+        let capacityName = t.blockTable == nil ? "the cache capacity, k's dim 1"
+            : SequenceTables.pagedCapacity(pages: s.maxPages, pageSize: s.pageSize, table: "block_table", cache: "k")
         let lengths = try t.seqlensK.map {
             try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: s.batch,
                                               capacity: s.capacity, capacityName: capacityName)

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _loader
 from ._errors import InvalidTypeError, InvalidValueError
-from ._interop import to_numpy
+from ._interop import is_torch_tensor, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -62,9 +62,13 @@ def as_index(x: Any, op: str, name: str) -> np.ndarray:
 
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
               inputs: list[np.ndarray]) -> np.ndarray:
-    """Validates a caller-provided output array: it is written in place."""
+    """Validates a caller-provided output (a numpy array or a torch CPU
+    tensor): it is written in place, so this returns the numpy view of its
+    memory to hand the library; the caller returns its own object."""
+    if is_torch_tensor(out):
+        out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
-        raise InvalidTypeError(op, f"out must be a numpy.ndarray, got {type(out).__name__}")
+        raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")
     if out.dtype != dtype:
         raise InvalidTypeError(op, f"out dtype {out.dtype} must be {dtype}")
     if tuple(out.shape) != tuple(shape):

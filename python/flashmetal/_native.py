@@ -167,6 +167,15 @@ def _head_dims(op: str) -> tuple[int, ...]:
     return tuple(int(out[i]) for i in range(min(int(count[0]), 64)))
 
 
+@functools.cache
+def max_head_dim(op: str) -> int:
+    """The largest head dim of "flash_attn_prefill", "flash_attn_vec" or
+    "sdpa" (any head dim up to it), from the library's capability tables."""
+    out = ffi().new("int32_t *")
+    call_static("fm_max_head_dim", op.encode(), out, op="max_head_dim")
+    return int(out[0])
+
+
 def abi_version() -> int:
     """The library's C ABI version (checked against the header at load)."""
     return int(lib().fm_abi_version())

@@ -36,7 +36,6 @@ from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-_SDPA_MAX_HEAD_DIM = 65536  # SdpaCapability.maxHeadDim
 #: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
 #: zero-padded to the next one it has when there are at least this many query
 #: rows: the tiled kernel on the padded problem beats the one-thread-per-row
@@ -221,8 +220,8 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
         extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
         return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
-    if D > _SDPA_MAX_HEAD_DIM:
-        raise InvalidValueError(_OP, f"head dim {D} is above {_SDPA_MAX_HEAD_DIM}, the largest any kernel takes "
+    if D > (sdpa_max := _native.max_head_dim("sdpa")):
+        raise InvalidValueError(_OP, f"head dim {D} is above {sdpa_max}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
     return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
 

@@ -1,6 +1,8 @@
 """Split-KV decode (seed 002's vec op), with the fused FWHT sign undo (seed 004)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -23,9 +25,9 @@ def flash_attn_decode(
     softcap: float = 0.0,
     fwht: bool = False,
     fwht_signs: ArrayLike | None = None,
-    out: np.ndarray | None = None,
+    out: Any = None,
     registry: RegistryLike = None,
-) -> np.ndarray:
+) -> Any:
     """Attention of one query row per head over a KV cache (decode).
 
     The KV range is split over 32 workgroups whose partial (O, S, M) results
@@ -48,7 +50,8 @@ def flash_attn_decode(
             Hadamard matrix. Implied by ``fwht_signs``.
         fwht_signs: uint8 ``[D/8]`` bitmask, bit j = ``(b[j>>3] >> (j&7)) & 1``,
             bit 1 = -1; None = all +1.
-        out: optional float32 output array shaped like q.
+        out: optional C-contiguous float32 output shaped like q (a numpy array
+            or a torch CPU tensor), filled in place and returned.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
@@ -60,9 +63,9 @@ def flash_attn_decode(
     va = as_input(v_cache, _OP, "v_cache")
     sa = None if fwht_signs is None else as_input(fwht_signs, _OP, "fwht_signs")
     if out is None:
-        out = np.empty(qa.shape, dtype=F32)
+        out = dst = np.empty(qa.shape, dtype=F32)
     else:
-        check_out(out, _OP, qa.shape, F32, [qa, ka, va, sa])
+        dst = check_out(out, _OP, qa.shape, F32, [qa, ka, va, sa])
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(
@@ -75,5 +78,5 @@ def flash_attn_decode(
         fwht=1 if (fwht or sa is not None) else 0)
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
-                 ffi.NULL, tensor(ffi, out), opts, op=_OP, keep=(qa, ka, va, sa, out))
+                 ffi.NULL, tensor(ffi, dst), opts, op=_OP, keep=(qa, ka, va, sa, dst))
     return out

@@ -1,6 +1,8 @@
 """Tiled flash-attention prefill (seed 000's op)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -27,10 +29,10 @@ def flash_attn_prefill(
     window: int | None = None,
     layout: str = "bhld",
     kv_len: int | None = None,
-    out: np.ndarray | None = None,
+    out: Any = None,
     blk: ArrayLike | None = None,
     registry: RegistryLike = None,
-) -> np.ndarray:
+) -> Any:
     """Flash attention over a block of query rows.
 
     Args:
@@ -53,7 +55,8 @@ def flash_attn_prefill(
         layout: "bhld" (head-major) or "blhd" (seq-major).
         kv_len: valid K/V length when k/v hold more slots (their length is
             the capacity); default all of them.
-        out: optional C-contiguous output array of Q's shape and dtype.
+        out: optional C-contiguous output of Q's shape and dtype (a numpy array
+            or a torch CPU tensor), filled in place and returned.
         blk: optional tile classes from ``build_blk`` for this head dim and
             mask shape (needs a rank-2 mask).
         registry: a Registry or a backend name; default ``Registry("auto")``.
@@ -77,9 +80,9 @@ def flash_attn_prefill(
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise InvalidValueError(_OP, f"layout must be 'bhld' or 'blhd', got {layout!r}")
     if out is None:
-        out = np.empty(qa.shape, dtype=qa.dtype)
+        out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma, ba])
+        dst = check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma, ba])
     kl = None if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, 1)
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.
@@ -98,5 +101,5 @@ def flash_attn_prefill(
         layout=_native.constant(_LAYOUTS[layout]))
     _native.call(reg, "fm_dispatch_prefill", tensor(_native.ffi(), qa), tensor(_native.ffi(), ka),
                  tensor(_native.ffi(), va), tensor(_native.ffi(), ma), tensor(_native.ffi(), ba),
-                 tensor(_native.ffi(), out), opts, op=_OP, keep=(qa, ka, va, ma, ba, out))
+                 tensor(_native.ffi(), dst), opts, op=_OP, keep=(qa, ka, va, ma, ba, dst))
     return out

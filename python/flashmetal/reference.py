@@ -149,9 +149,10 @@ def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: f
 # Row i of a sequence with qL queries and kL keys sits at t = kL - qL + i
 # (bottom-right); window_size=(left, right) keeps keys t - left <= p <= t + right
 # (-1 = unbounded); causal keeps p <= t. softcap c: c*tanh(s/c) on the scaled
-# score. A sink is a per-head logit in the denominator with no value. LSE is
-# the natural log of the denominator, -inf for a row that sees nothing and has
-# no sink (its output is 0).
+# score. A sink is a per-head logit in the denominator with no value (-inf: no
+# sink; +inf: it takes all the mass, the limit: output 0, LSE +inf; NaN: NaN).
+# LSE is the natural log of the denominator, -inf for a row that sees nothing
+# and has no sink (its output is 0).
 
 
 def serving_visible(q_len: int, k_len: int, *, causal: bool = False,
@@ -193,7 +194,9 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
     denom = p.sum(axis=-1, keepdims=True) + np.exp(sink - m)
     with np.errstate(divide="ignore"):
         lse = (m + np.log(denom))[..., 0]
-    o = np.where(denom > 0, (p @ vh) / np.where(denom > 0, denom, 1.0), 0.0)
+    o = np.where(denom == 0, 0.0, (p @ vh) / np.where(denom == 0, 1.0, denom))  # a NaN denominator stays NaN
+    taken = np.isposinf(sink)  # [H, 1, 1]
+    o, lse = np.where(taken, 0.0, o), np.where(taken[..., 0], np.inf, lse)
     return o.transpose(1, 0, 2), lse
 
 

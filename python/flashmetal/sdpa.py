@@ -1,6 +1,8 @@
 """Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim (<= 65536)."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -23,9 +25,9 @@ def sdpa(
     q_offset: int | None = None,
     window: int | None = None,
     softcap: float = 0.0,
-    out: np.ndarray | None = None,
+    out: Any = None,
     registry: RegistryLike = None,
-) -> np.ndarray:
+) -> Any:
     """``softmax(scale * Q K^T) V`` with one thread per query row.
 
     Args:
@@ -46,7 +48,8 @@ def sdpa(
             is torch's top-left.
         window: sliding window w > 0: keys p with t - p < w; None = none.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
-        out: optional output array of q's shape and dtype.
+        out: optional C-contiguous output of q's shape and dtype (a numpy array
+            or a torch CPU tensor), filled in place and returned.
         registry: a Registry or a backend name; default ``Registry("auto")``.
     """
     reg = resolve(registry, _OP)
@@ -55,9 +58,9 @@ def sdpa(
     va = as_input(v, _OP, "V")
     ma = None if mask is None else as_input(mask, _OP, "mask")
     if out is None:
-        out = np.empty(qa.shape, dtype=qa.dtype)
+        out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma])
+        dst = check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma])
     opts = _native.options(
         "FMSdpaOptions",
         scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
@@ -69,5 +72,5 @@ def sdpa(
         softcap=_native.float32_arg(_OP, "softcap", softcap))
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, ma),
-                 tensor(ffi, out), opts, op=_OP, keep=(qa, ka, va, ma, out))
+                 tensor(ffi, dst), opts, op=_OP, keep=(qa, ka, va, ma, dst))
     return out

@@ -44,3 +44,12 @@ def assert_bits_equal(a: np.ndarray, b: np.ndarray, what: str = "") -> None:
     bv = b.view(np.uint8)
     n = int(np.count_nonzero(av != bv))
     assert n == 0, f"{what}: {n} bytes differ"
+
+
+def wide_bool_bytes(rng: np.random.Generator, keep: np.ndarray) -> np.ndarray:
+    """A bool array whose true cells hold bytes other than 1 (2, 7, 128, 255:
+    a C caller's `bool` buffer may), as numpy's bool view of those bytes: the
+    library must read any nonzero byte as true."""
+    raw = np.where(keep, rng.choice(np.array([1, 2, 7, 128, 255], np.uint8), keep.shape), 0).astype(np.uint8)
+    assert set(np.unique(raw[keep]).tolist()) > {1}, "the mask must hold bytes other than 0/1"
+    return raw.view(np.bool_)

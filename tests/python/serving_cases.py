@@ -8,7 +8,8 @@ import numpy as np
 
 import flashmetal as fm
 from conftest import BACKENDS
-from numerics import BF16, F16, F32, assert_close, randn
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from flashmetal import reference
 from flashmetal.reference import close
 
 # The LSE is float32 from float32 accumulation: held to a float32-class
@@ -85,6 +86,38 @@ def with_sinks(rng, features: dict, heads: int) -> dict:
     if kw.pop("sinks", False):
         kw["sinks"] = sinks_for(rng, heads)
     return kw
+
+
+def check_sink_limits(reg: fm.Registry, rng: np.random.Generator, q_len: int, dtype=BF16, d: int = 64) -> None:
+    """Sinks [+inf, -inf, NaN, finite] on four heads, through
+    flash_attn_with_kvcache (q_len 1: the decode route, else prefill), causal,
+    cache lengths 0 / 5 / 40 (rows that see nothing included): a +inf sink
+    takes all the mass (output exactly 0, LSE +inf: the limit, as the
+    reference says); a -inf sink is no sink (bit-identical to sinks=None); a
+    NaN sink makes its head NaN; the finite one matches the reference."""
+    b, heads, kv_heads, cap = 3, 4, 2, 48
+    q = randn(rng, (b, q_len, heads, d), dtype)
+    kc, vc = randn(rng, (b, cap, kv_heads, d), dtype), randn(rng, (b, cap, kv_heads, d), dtype)
+    lens = np.array([0, 5, 40], np.int32)
+    sinks = np.array([np.inf, -np.inf, np.nan, 0.7], np.float32)
+    kw = dict(cache_seqlens=lens, causal=True)
+
+    def run(sk):
+        out, lse = fm.flash_attn_with_kvcache(q, kc, vc, sinks=sk, return_softmax_lse=True, registry=reg, **kw)
+        return np.asarray(out), np.asarray(lse)  # [B, qL, H, D], [B, H, qL]
+
+    out, lse = run(sinks)
+    base_out, base_lse = run(None)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc, vc, sinks=sinks, **kw)
+    what = f"{reg.backend} q_len={q_len} {np.dtype(dtype).name}"
+    assert (e_out[:, :, 0] == 0).all() and np.isposinf(e_lse[:, 0]).all(), "the reference's +inf sink limit"
+    assert (out[:, :, 0].astype(F32) == 0).all(), f"{what}: +inf sink head is not 0"
+    assert np.isposinf(lse[:, 0]).all(), f"{what}: +inf sink LSE {lse[:, 0]}"
+    assert_bits_equal(np.ascontiguousarray(out[:, :, 1]), np.ascontiguousarray(base_out[:, :, 1]), f"{what}: -inf sink")
+    assert_bits_equal(np.ascontiguousarray(lse[:, 1]), np.ascontiguousarray(base_lse[:, 1]), f"{what}: -inf sink lse")
+    assert np.isnan(out[:, :, 2].astype(F32)).all() and np.isnan(lse[:, 2]).all(), f"{what}: NaN sink"
+    assert np.isnan(e_out[:, :, 2]).all(), "the reference's NaN sink"
+    assert_out_lse(out[:, :, [1, 3]], lse[:, [1, 3]], e_out[:, :, [1, 3]], e_lse[:, [1, 3]], dtype, what)
 
 
 DTYPES = [BF16, F16]

@@ -135,6 +135,24 @@ def test_supported_head_dims_come_from_the_library():
         fm.supported_head_dims("nope")
 
 
+def test_max_head_dim_comes_from_the_library(monkeypatch):
+    """fm_max_head_dim: the sdpa limit (SdpaCapability.maxHeadDim) and the
+    largest listed head dim of the other ops; the front door asks the library
+    rather than keeping its own copy (a patched answer moves its limit)."""
+    assert _native.max_head_dim("sdpa") == 65536
+    for op in ("flash_attn_prefill", "flash_attn_vec"):
+        assert _native.max_head_dim(op) == max(fm.supported_head_dims(op))
+    with pytest.raises(ValueError, match="^max_head_dim: op must be .*got 'nope'"):
+        _native.max_head_dim("nope")
+    ffi, err = _native.ffi(), _native.ffi().new("char[]", 256)
+    assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err, 256) == _native.lib().FM_ERROR_VALUE
+    assert ffi.string(err) == b"max_head_dim: out is null"
+    monkeypatch.setattr(_native, "max_head_dim", lambda op: {"sdpa": 600}[op])
+    q = np.zeros((1, 1, 2, 640), np.float32)
+    with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 640 is above 600"):
+        fm.scaled_dot_product_attention(q, q, q, registry="cpu")
+
+
 def test_package_is_typed_and_acyclic():
     pkg = Path(fm.__file__).parent
     assert (pkg / "py.typed").is_file()

@@ -92,14 +92,15 @@ def test_bad_tables_raise_and_write_nothing(registry, rng):
     table = np.array([[0, 1, 2], [3, 4, -1]], np.int32)
     cases = [
         ((kc, vc, np.array([0, 8], np.int32), None),
-         "cache_seqlens[1] + n_new = 8 + 3 = 11 exceeds the cache capacity, k_cache's dim 1 (10)"),
+         "cache_seqlens[1] + the new rows of k_new (its dim 1) = 8 + 3 = 11 exceeds the cache capacity, "
+         "k_cache's dim 1 (10)"),
         ((kc, vc, np.array([-1, 0], np.int32), None), "cache_seqlens[0] = -1 is out of range [0, 10]"),
         ((kc, vc, np.array([11, 0], np.int32), None), "cache_seqlens[0] = 11 is out of range"),
         ((pc, pv, np.array([0, 6], np.int32), table), "block_table[1, 2] = -1 is out of range [0, 5)"),
         # Rows 2..4 of sequence 0 span its pages 0 and 1: entry [0, 1] is used.
         ((pc, pv, np.array([2, 0], np.int32), np.array([[0, 7, 2], [3, 4, 0]], np.int32)),
          "block_table[0, 1] = 7 is out of range [0, 5)"),
-        ((pc, pv, np.array([10, 0], np.int32), table), "exceeds max_pages * page_size (12)"),
+        ((pc, pv, np.array([10, 0], np.int32), table), "exceeds block_table's 3 pages (its dim 1) of 4 keys (k_cache's dim 1) (12)"),
         ((pc, pv, np.array([0, 0], np.int32), np.array([[0, 1, 2]], np.int32)), "block_table must have shape"),
     ]
     for (c_k, c_v, lens, tbl), msg in cases:
@@ -120,9 +121,82 @@ def test_public_api_append_errors_write_nothing(registry, rng):
     before = (kc.copy(), vc.copy())
     q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
     kn, vn = random_bits(rng, (2, 3, 2, 64), F16), random_bits(rng, (2, 3, 2, 64), F16)
-    for lens, msg in (([0, 8], "cache_seqlens[1] + n_new = 8 + 3 = 11 exceeds"),
+    for lens, msg in (([0, 8], "cache_seqlens[1] + the new rows of k (its dim 1) = 8 + 3 = 11 exceeds"),
                       ([-2, 0], "cache_seqlens[0] = -2 is out of range")):
         with pytest.raises(ValueError, match="^flash_attn_with_kvcache: .*" + re.escape(msg)):
             fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=np.array(lens, np.int32), registry=registry)
         assert_bits_equal(kc, before[0], "k_cache untouched")
         assert_bits_equal(vc, before[1], "v_cache untouched")
+
+
+def _kv_buffer(rng, lead=2):
+    """`lead` caches [2, 16, 2, 64] f16 back to back in one array."""
+    return random_bits(rng, (lead, 2, 16, 2, 64), F16)
+
+
+def test_overlapping_caches_and_rows_are_refused_cpu(rng):
+    """The append writes k_cache and v_cache while reading k/v: the same array,
+    two overlapping views of one buffer, or new rows that live inside a cache
+    are a ValueError naming flash_attn_with_kvcache and both arguments, and
+    nothing is written. Adjacent, disjoint views of one buffer are fine."""
+    buf = _kv_buffer(rng, 3)
+    flat = buf.reshape(-1)
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
+    kn, vn = random_bits(rng, (2, 1, 2, 64), F16), random_bits(rng, (2, 1, 2, 64), F16)
+    lens = np.array([3, 7], np.int32)
+    inside = flat[5 * 64: 5 * 64 + kn.size].reshape(kn.shape)  # rows of buf[0] (a strided-free view)
+    cases = [
+        ((buf[0], buf[0], kn, vn), "k_cache and v_cache"),
+        ((buf[0], buf[0][:, :, :], kn, vn), "k_cache and v_cache"),  # another view of the same memory
+        ((flat[:buf[0].size].reshape(buf[0].shape), flat[64:64 + buf[0].size].reshape(buf[0].shape), kn, vn),
+         "k_cache and v_cache"),
+        ((buf[0], buf[1], inside, vn), "k_cache and k"),
+        ((buf[0], buf[1], kn, buf[1][:, 4:5]), "v_cache and v"),  # a strided view into v_cache
+        ((buf[0], buf[1], kn, buf[0][:, ::16]), "k_cache and v"),
+    ]
+    for (kc, vc, k, v), names in cases:
+        before = buf.copy()
+        with pytest.raises(ValueError, match=rf"^flash_attn_with_kvcache: {names} overlap in memory"):
+            fm.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, registry="cpu")
+        assert_bits_equal(buf, before, f"{names}: nothing written")
+    kc, vc = buf[0], buf[1]
+    want_k, want_v = expected(kc, kn, lens), expected(vc, vn, lens)
+    fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, registry="cpu")
+    assert_bits_equal(buf[0], want_k, "adjacent caches of one buffer: k_cache")
+    assert_bits_equal(buf[1], want_v, "adjacent caches of one buffer: v_cache")
+
+
+def test_overlapping_torch_caches_are_refused_cpu(rng):
+    torch = pytest.importorskip("torch")
+    buf = torch.from_numpy(_kv_buffer(rng).view(np.int16)).view(torch.float16)
+    q = torch.randn(2, 1, 4, 64)
+    kn, vn = torch.randn(2, 1, 2, 64).half(), torch.randn(2, 1, 2, 64).half()
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    for args, names in (((buf[0], buf[0], kn, vn), "k_cache and v_cache"),
+                        ((buf[0], buf[1], buf[0][:, 9:10], vn), "k_cache and k"),
+                        ((buf[0], buf[1], kn, buf[1].view(-1)[:kn.numel()].view(kn.shape)), "v_cache and v")):
+        before = buf.clone()
+        with pytest.raises(ValueError, match=rf"^flash_attn_with_kvcache: {names} overlap in memory"):
+            fm.flash_attn_with_kvcache(q, *args, cache_seqlens=lens, registry="cpu")
+        assert torch.equal(buf.view(torch.int16), before.view(torch.int16)), f"{names}: nothing written"
+    want_k = expected(buf[0].numpy(), kn.numpy(), lens.numpy())
+    fm.flash_attn_with_kvcache(q, buf[0], buf[1], kn, vn, cache_seqlens=lens, registry="cpu")
+    assert_bits_equal(buf[0].numpy(), want_k, "torch views of one buffer: k_cache written in place")
+
+
+def test_c_abi_refuses_overlap(registry, rng):
+    """fm_dispatch_kv_append itself compares the tensors' address ranges, so a
+    C caller gets FM_ERROR_VALUE naming kv_append and both arguments."""
+    buf = _kv_buffer(rng)
+    flat = buf.reshape(-1)
+    kn, vn = random_bits(rng, (2, 1, 2, 64), F16), random_bits(rng, (2, 1, 2, 64), F16)
+    lens = np.array([3, 7], np.int32)
+    rows_in_v = flat[buf[0].size + 64: buf[0].size + 64 + kn.size].reshape(kn.shape)
+    lens_in_k = flat[: 4].view(np.int32)  # two int32 over k_cache's first bytes
+    before = buf.copy()
+    for (k, v, kc, vc, sl), names in (((kn, vn, buf[0], buf[0], lens), "k_cache and v_cache"),
+                                      ((rows_in_v, vn, buf[0], buf[1], lens), "v_cache and k_new"),
+                                      ((kn, vn, buf[0], buf[1], lens_in_k), "k_cache and cache_seqlens")):
+        with pytest.raises(ValueError, match=rf"^{KV_APPEND_OP}: {names} overlap in memory"):
+            kv_append(registry, k, v, kc, vc, sl)
+        assert_bits_equal(buf, before, f"{names}: nothing written")

@@ -10,7 +10,7 @@ from flashmetal import _loader
 
 EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
             "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch", "fm_abi_version",
-            "fm_status_string", "fm_supported_head_dims"]
+            "fm_status_string", "fm_supported_head_dims", "fm_max_head_dim"]
 
 
 def test_exports():

@@ -8,7 +8,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, assert_bits_equal, assert_close, randn
+from numerics import BF16, F16, assert_bits_equal, assert_close, randn, wide_bool_bytes
 
 HEAD_DIMS = [64, 128, 256, 512]
 DTYPES = [BF16, F16]
@@ -44,6 +44,23 @@ def check(registry, rng, *, b=1, h=2, hkv=2, ql=50, kl=64, d=64, dtype=BF16, mas
     exp = reference.attention(q, k, v, scale=scale, causal=causal, q_offset=off, mask=m, softcap=softcap)
     assert_close(out, exp, dtype, f"{registry.backend} d={d} {dtype} mask={mask} causal={causal}")
     return out
+
+
+@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("shared", [True, False])
+def test_bool_mask_reads_any_nonzero_byte_as_true(registry, rng, d, shared):
+    """A bool mask whose bytes are 0, 1, 2, 7, 128, 255 (through the C ABI a
+    `bool` buffer may hold any byte): every kernel that reads it, the prefill
+    and (for a mask shared by all heads, 3x2 key tiles) the auto-blk pass,
+    reads nonzero as true: bit-identical to the 0/1 mask, and the reference."""
+    b, h, ql, kl = 1, 2, 40, 48
+    q, k, v = make_qkv(rng, b, h, h, ql, kl, d, F16)
+    keep = rng.random((ql, kl) if shared else (b, h, ql, kl)) < 0.6
+    keep[..., 0] = True
+    wide = wide_bool_bytes(rng, keep)
+    out = fm.flash_attn_prefill(q, k, v, mask=wide, registry=registry)
+    assert_bits_equal(out, fm.flash_attn_prefill(q, k, v, mask=keep, registry=registry), "bytes > 1 vs 0/1")
+    assert_close(out, reference.attention(q, k, v, mask=keep), F16, f"{registry.backend} wide bool mask d={d}")
 
 
 @pytest.mark.parametrize("d,dtype,mask,causal",

@@ -107,7 +107,7 @@ def test_out_checks(cpu, rng, qkv):
            q, k, v, out=np.zeros((1, 4, 64, 8), BF16).transpose(0, 1, 3, 2), registry=cpu)
     raises(ValueError, "out must not overlap an input array", fm.flash_attn_prefill,
            q, k, v, out=q, registry=cpu)
-    raises(TypeError, "out must be a numpy.ndarray, got list", fm.flash_attn_prefill,
+    raises(TypeError, "out must be a numpy.ndarray or a torch CPU tensor, got list", fm.flash_attn_prefill,
            q, k, v, out=[0.0], registry=cpu)
 
 

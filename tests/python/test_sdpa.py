@@ -8,7 +8,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn, wide_bool_bytes
 
 
 def run(registry, rng, *, b=1, h=2, hkv=2, ql=5, cap=40, kv_len=None, d=64, dtype=F32, causal=True,
@@ -132,6 +132,19 @@ def test_mask(registry, rng, dtype, kind):
     exp = reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=True, q_offset=kl - ql, mask=mask)
     assert_close(out, exp, dtype, f"sdpa mask {kind}")
     assert np.all(out[:, :, 5].astype(np.float32) == 0)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_bool_mask_reads_any_nonzero_byte_as_true(registry, rng, dtype):
+    """Bool mask bytes 2, 7, 128, 255 attend like 1 (a C caller's buffer may
+    hold them): bit-identical to the 0/1 mask, and the reference."""
+    b, h, ql, kl, d = 2, 2, 9, 21, 48
+    q, k, v = randn(rng, (b, h, ql, d), dtype), randn(rng, (b, h, kl, d), dtype), randn(rng, (b, h, kl, d), dtype)
+    keep = rng.random((b, h, ql, kl)) < 0.6
+    keep[..., 0] = True
+    out = fm.sdpa(q, k, v, mask=wide_bool_bytes(rng, keep), registry=registry)
+    assert_bits_equal(out, fm.sdpa(q, k, v, mask=keep, registry=registry), "bytes > 1 vs 0/1")
+    assert_close(out, reference.attention(q, k, v, mask=keep), dtype, f"{registry.backend} sdpa wide bool mask")
 
 
 def test_mask_errors(cpu, rng):

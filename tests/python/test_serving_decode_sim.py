@@ -15,6 +15,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from serving_cases import check_sink_limits
 from serving_native import VEC_SEQ_OP, make_cache, vec_seq
 
 HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512]
@@ -211,3 +212,9 @@ def test_seed_decode_new_head_dims(registry, rng, d):
     assert_close(out, reference.decode(q, k, v, 40, window=30), F32, f"{registry.backend} seed decode D={d}")
     with pytest.raises(ValueError, match=f"power-of-two head_dim .*got {d}"):
         fm.flash_attn_decode(q, k, v, 40, fwht=True, registry=registry)
+
+
+@pytest.mark.parametrize("kv", [F32, BF16])
+def test_sink_limits(registry, rng, kv):
+    """+inf / -inf / NaN sinks in the decode reduce (serving_cases.check_sink_limits)."""
+    check_sink_limits(registry, rng, 1, kv, 64)

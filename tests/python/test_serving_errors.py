@@ -3,6 +3,8 @@ naming the public function, the argument and the bad value, and the
 caller's arrays (caches, tables, lengths) left exactly as they were."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -231,3 +233,47 @@ def test_wrong_dtypes_and_shapes(rng):
     raises(ValueError, FUNC, "", lambda: fm.flash_attn_func(q[0], q[0], q[0], registry="cpu"))
     out = np.zeros((1, 4, 2, 32), BF16)
     raises(ValueError, KV, "out shape", lambda: fm.flash_attn_with_kvcache(q, q, q, out=out, registry="cpu"), out)
+
+
+def _kv_call(rng, ql, append, *, q_heads=4, cache=(2, 32, 2, 64), table=None, seqlens=(5, 9), new_rows=2):
+    """flash_attn_with_kvcache on cpu with f16 tensors of the given shapes."""
+    q = randn(rng, (2, ql, q_heads, 64), F16)
+    kc, vc = randn(rng, cache, F16), randn(rng, cache, F16)
+    extra = (randn(rng, (2, new_rows, cache[2], cache[3]), F16),) * 2 if append else ()
+    lens = np.array(seqlens, np.int32)
+    return (lambda: fm.flash_attn_with_kvcache(q, kc, vc, *extra, cache_seqlens=lens, block_table=table,
+                                               registry="cpu")), (kc, vc, lens)
+
+
+@pytest.mark.parametrize("ql", [1, 3])
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_and_append_errors_use_the_callers_names(rng, ql, append):
+    """Every table and shape error of the decode (ql 1) and append routes names
+    flash_attn_with_kvcache, the argument as the caller spelled it (k_cache,
+    block_table, cache_seqlens, k), the index and the value; never the
+    library's internal names (n_new, max_pages, num_kv_heads)."""
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    paged = dict(cache=(4, 16, 2, 64), table=table)
+    cases = [
+        (dict(paged, seqlens=(5, 40)),
+         r"cache_seqlens\[1\] = 40 is out of range \[0, 32\] \(block_table's 2 pages \(its dim 1\) of 16 keys "
+         r"\(k_cache's dim 1\)\)"),
+        (dict(paged, table=np.array([[0, 1], [2, 7]], np.int32), seqlens=(5, 20)),
+         r"block_table\[1, 1\] = 7 is out of range \[0, 4\) \(the pages of k_cache\)"),
+        (dict(seqlens=(5, 33)), r"cache_seqlens\[1\] = 33 is out of range \[0, 32\]"),
+        (dict(q_heads=3), r"the q heads \(3\) must be a multiple of the k_cache heads \(2\)"),
+    ]
+    if append:
+        cases.append((dict(seqlens=(5, 31)), r"cache_seqlens\[1\] \+ the new rows of k \(its dim 1\) = 31 \+ 2 = 33 "
+                                             r"exceeds the cache capacity, k_cache's dim 1 \(32\)"))
+        cases.append((dict(paged, seqlens=(5, 31)), r"cache_seqlens\[1\] \+ the new rows of k \(its dim 1\) = 31 \+ 2 "
+                                                    r"= 33 exceeds block_table's 2 pages"))
+    elif ql == 1:
+        cases.append((dict(cache=(2, 0, 2, 64), seqlens=(0, 0)),
+                      r"k_cache holds no key per sequence \(its dim 1 is 0\): shape \[2, 0, 2, 64\]"))
+    for kw, pattern in cases:
+        call, watched = _kv_call(rng, ql, append, **kw)
+        raises(ValueError, KV, pattern, call, *watched)
+        with pytest.raises(ValueError) as e:
+            call()
+        assert not re.search(r"\b(n_new|max_pages|page_size|num_kv_heads|k_new|seqlens_k)\b", str(e.value)), str(e.value)

@@ -18,6 +18,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from serving_cases import check_sink_limits
 
 H, HKV = 4, 2
 # (q, k) lengths of a ragged batch: one row, tile - 1, tile, tile + 1, longer,
@@ -239,6 +240,12 @@ def test_nonfinite_serving_cpu(cpu):
     out = fm.flash_attn_varlen_func(q[:20], k[:40], v[:40], cq[:2], ck[:2], 20, 40, sinks=sinks,
                                     registry=cpu).astype(np.float32)
     assert np.isnan(out[:, 2]).all() and not np.isnan(np.delete(out, [2], axis=1)[np.arange(20) != 3]).any()
+
+
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 96)])
+def test_sink_limits_cpu(cpu, rng, dtype, d):
+    """+inf / -inf / NaN sinks on the prefill (serving_cases.check_sink_limits)."""
+    check_sink_limits(cpu, rng, 7, dtype, d)
 
 
 @pytest.mark.parametrize("d", [64, 96])

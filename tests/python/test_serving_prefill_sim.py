@@ -14,6 +14,7 @@ import flashmetal as fm
 from flashmetal import reference
 from flashmetal.reference import attend_sequence
 from numerics import BF16, F16, assert_close, randn
+from serving_cases import check_sink_limits
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +154,9 @@ def test_bad_windows_and_pages(sim, rng, call, message):
     with pytest.raises(fm.InvalidValueError) as e:
         call(q, k, sim)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("d", [64, 512])  # both bodies (D <= 256 and the wide one)
+def test_sink_limits(sim, rng, d):
+    """+inf / -inf / NaN sinks on the Metal prefill (serving_cases.check_sink_limits)."""
+    check_sink_limits(sim, rng, 7, BF16, d)

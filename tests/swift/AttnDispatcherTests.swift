@@ -108,7 +108,7 @@ final class AttnDispatcherTests: XCTestCase {
         let long = ints([20, 33])
         t.seqlensK = long.ref
         expectError({ try AttnDispatcher.makeDispatches(t, AttnOptions(scale: 1)) },
-                    "flash_attn_with_kvcache", "cache_seqlens[1] = 33 is out of range [0, 32] (the keys k_cache holds)")
+                    "flash_attn_with_kvcache", "cache_seqlens[1] = 33 is out of range [0, 32] (block_table's 2 pages (its dim 1) of 16 keys (k_cache's dim 1))")
         let k8 = HostTensor([4, 8, 2, 64], .bf16), v8 = HostTensor([4, 8, 2, 64], .bf16)
         var t8 = AttnTensors(q: q.ref, k: k8.ref, v: v8.ref, out: out.ref)
         t8.blockTable = table.ref

@@ -55,10 +55,10 @@ final class KVAppendDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = KVAppendDispatcher.op
-        expectFMError(op, contains: "cache_seqlens[1] + n_new = 14 + 3 = 17 exceeds the cache capacity, k_cache's dim 1 (16)") {
+        expectFMError(op, contains: "cache_seqlens[1] + the new rows of k_new (its dim 1) = 14 + 3 = 17 exceeds the cache capacity, k_cache's dim 1 (16)") {
             _ = try dispatch(seqlens: ints([2], [0, 14]))
         }
-        expectFMError(op, contains: "exceeds max_pages * page_size (16)") {
+        expectFMError(op, contains: "exceeds block_table's 2 pages (its dim 1) of 8 keys (k_cache's dim 1) (16)") {
             _ = try dispatch(cache: [6, 8, 4, 80], seqlens: ints([2], [14, 0]), table: ints([2, 2], [0, 1, 2, 3]))
         }
         expectFMError(op, status: FM_ERROR_TYPE, contains: "v_new dtype float16 does not match k_cache dtype bfloat16") {
@@ -73,7 +73,7 @@ final class KVAppendDispatcherTests: XCTestCase {
         expectFMError(op, status: FM_ERROR_TYPE, contains: "k_cache must be float32 or float16 or bfloat16, got uint8") {
             _ = try dispatch(dtype: .u8, seqlens: ints([2], [0, 0]))
         }
-        expectFMError(op, contains: "must match the cache's (Hkv, D) = (2, 80)") {
+        expectFMError(op, contains: "must match k_cache's (Hkv, D) = (2, 80)") {
             _ = try dispatch(cache: [2, 16, 2, 80], seqlens: ints([2], [0, 0]))
         }
         expectFMError(op, contains: "k_cache batch (3) must equal k_new batch (2)") {

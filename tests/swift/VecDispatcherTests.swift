@@ -115,7 +115,7 @@ final class VecDispatcherTests: XCTestCase {
     func testValidation() {
         let op = VecDispatcher.op
         expectFMError(op, contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 48") { _ = try dispatches(Case(d: 48)) }
-        expectFMError(op, contains: "num_heads (16) must be divisible by num_kv_heads (3)") { _ = try dispatches(Case(hkv: 3)) }
+        expectFMError(op, contains: "the q heads (16) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "num_heads and num_kv_heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)
         o.kvLen = 2000

@@ -119,7 +119,7 @@ final class VecSeqDispatcherTests: XCTestCase {
             _ = try dispatches(Case(), q: HostTensor([2, 8, 128], .f32))
         }
         expectFMError(op, contains: "head_dim must be") { _ = try dispatches(Case(d: 48)) }
-        expectFMError(op, contains: "num_heads (8) must be divisible by num_kv_heads (3)") { _ = try dispatches(Case(hkv: 3)) }
+        expectFMError(op, contains: "the q heads (8) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "sinks must have shape [8]") { _ = try dispatches(Case(), sinks: HostTensor([4], .f32)) }
         expectFMError(op, status: FM_ERROR_TYPE, contains: "sinks must be float32") {
             _ = try dispatches(Case(), sinks: HostTensor([8], .f16))

@@ -45,7 +45,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 3 };
+enum { FM_ABI_VERSION = 4 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -283,7 +283,8 @@ typedef struct SdpaExtParams {
  * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
  * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
- *   -inf for a row that sees no key and has no sink (its o_i is 0).
+ *   -inf for a row that sees no key and has no sink (its o_i is 0). A +inf sink
+ *   takes all the mass (the limit): o_i = 0, lse_i = +inf.
  * Paged: page_size is a multiple of the key tile BK (so a tile lies in one
  * page); every table entry a kernel reads was checked to be in
  * [0, num_pages) before the dispatch. Prefill buffer(8). 64 bytes. */
@@ -366,7 +367,7 @@ typedef enum FMDType {
     FM_DTYPE_F32 = 0,
     FM_DTYPE_F16 = 1,
     FM_DTYPE_BF16 = 2,
-    FM_DTYPE_BOOL = 3,
+    FM_DTYPE_BOOL = 3,   /* one byte per element; every kernel reads any nonzero byte as true */
     FM_DTYPE_U8 = 4,
     FM_DTYPE_I32 = 5
 } FMDType;
@@ -512,6 +513,9 @@ int fm_free_blk(FMTensor *blk, char *err, size_t errlen);
  * ascending: *count receives how many, out the first min(cap, count). */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
                            char *err, size_t errlen);
+/* The largest head dim of op "flash_attn_prefill", "flash_attn_vec" or "sdpa"
+ * (whose kernel takes any head dim up to it) into *out. */
+int fm_max_head_dim(const char *op, int32_t *out, char *err, size_t errlen);
 /* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
  * shape for head_dim and the mask's shape), >= NQ*NK bytes. fm_dispatch_prefill
  * checks the blk's shape against its own geometry, and the head dim and mask
@@ -530,7 +534,7 @@ int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
                     const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
 /* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32, all
- * float16 or all bfloat16; D <= 65536. mask: NULL, or additive (Q's dtype) or bool (true =
+ * float16 or all bfloat16; D <= fm_max_head_dim("sdpa"). mask: NULL, or additive (Q's dtype) or bool (true =
  * attend), [qL, kv_len], [H, qL, kv_len] or [B, H, qL, kv_len], where B, H and qL
  * may be 1 (read with stride 0; prefill's mask takes the same shapes). */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
