@@ -274,7 +274,9 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
     FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, s, e - s < FM_VT ? e - s : FM_VT, esz, rows[0][1]);
     for (int64_t t0 = s, cur = 0; t0 < e; t0 += FM_VT, cur ^= 1) {
         const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + FM_VT;
-        const int64_t nn = e - t1 <= 0 ? 0 : e - t1 < FM_VT ? e - t1 : FM_VT;
+        /* Past the run's end the next tile is the next workgroup's first
+         * (still visible keys): the worker usually takes that item next. */
+        const int64_t nn = hi - t1 <= 0 ? 0 : hi - t1 < FM_VT ? hi - t1 : FM_VT;
         if (nn) {
             FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, rows[cur ^ 1][0]);
             FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, rows[cur ^ 1][1]);
