@@ -71,8 +71,10 @@ final class FastPrefill {
     }
 
     /// The items of a chunk of (sequence, kv head) groups, the most keys
-    /// first (ties: later q blocks first, then group and head order), so the
-    /// longest items start first and the short ones fill in at the end.
+    /// first, so the longest items start first and the short ones fill in at
+    /// the end; ties (every item of full attention) go group by group, so a
+    /// worker's consecutive items read the same panels from its L2 (q block
+    /// first hopped between groups: 5-19% slower at L=512-2048).
     static func heaviestFirst(_ a: UnsafePointer<FMPrefillArgs>, groups: Range<Int>, hkv: Int, gqa: Int,
                               rows: Int) -> [Item] {
         var items: [Item] = []
@@ -89,8 +91,9 @@ final class FastPrefill {
         }
         items.sort { x, y in
             if x.keys != y.keys { return x.keys > y.keys }
+            if x.local != y.local { return x.local < y.local }
             if x.qi != y.qi { return x.qi > y.qi }
-            return (x.local, x.h) < (y.local, y.h)
+            return x.h < y.h
         }
         return items
     }
