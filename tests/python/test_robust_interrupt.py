@@ -20,6 +20,9 @@ reg = fm.Registry(backend)
 shape = (1, 4, 1024, 128) if backend == "sim" else (1, 16, 8192, 128)
 x = np.random.default_rng(0).standard_normal(shape).astype(ml_dtypes.bfloat16)
 call = lambda: fm.flash_attn_prefill(x, x, x, registry=reg)
+# A process started as a background job of a non-interactive shell inherits
+# SIGINT ignored (and Python then leaves it so): start from Python's handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 {setup}
 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
 t0 = time.monotonic()
