@@ -6,12 +6,12 @@
  * prefetchers from streaming) for every query row of the kv head's GQA
  * group, so K and V come from memory once per group (row blocks beyond the
  * first re-read a tile from cache). Keys go in tiles of FM_VT whose row
- * pointers are resolved once (contiguous or through the block table). Each
- * K row is read start to end, the scores of 8 (row, key) pairs fold into
- * one vector by a transposing tree (fm_v_sum8: separate horizontal sums
- * cost as much as the dot products), the softmax runs FM_VL keys per
- * vector, and P.V keeps NV vectors of each output row in registers over
- * the tile. A score's arithmetic depends only on its row and key (one chain
+ * pointers are resolved once (contiguous or through the block table), and
+ * the next tile's rows are prefetched while this one's K is read
+ * (vec_prefetch_key). The scores of 8 (row, key) pairs fold into one vector
+ * by a transposing tree (fm_v_sum8: separate horizontal sums cost as much
+ * as the dot products), the softmax runs FM_VL keys per vector, and P.V
+ * keeps NV vectors of each output row in registers over the tile. A score's arithmetic depends only on its row and key (one chain
  * over D, whichever block computes it) and tiles start at the workgroup's
  * first key, which depends only on positions: a paged cache gives the bits
  * of a contiguous one. Scratch (heap, per worker): M, S [gqa], scores
