@@ -312,8 +312,8 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
  * factor for O. The row sees keys [lo, hi]. With P16 (bf16 pair panels), p
  * is rounded to bf16 and stored there instead, and the row sum uses the
  * rounded values (so the weights of O sum to 1); LX, when given, sums the
- * unrounded values for the LSE. The running max
- * ignores NaN (s > m is false). */
+ * unrounded values for the LSE. The running max ignores NaN (s > m is
+ * false). */
 static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
                                    int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *LX,
                                    float *F, uint16_t *P16) {

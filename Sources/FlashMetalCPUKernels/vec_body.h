@@ -11,7 +11,8 @@
  * (vec_prefetch_key). The scores of 8 (row, key) pairs fold into one vector
  * by a transposing tree (fm_v_sum8: separate horizontal sums cost as much
  * as the dot products), the softmax runs FM_VL keys per vector, and P.V
- * keeps NV vectors of each output row in registers over the tile. A score's arithmetic depends only on its row and key (one chain
+ * keeps NV vectors of each output row in registers over the tile. A
+ * score's arithmetic depends only on its row and key (one chain
  * over D, whichever block computes it) and tiles start at the workgroup's
  * first key, which depends only on positions: a paged cache gives the bits
  * of a contiguous one. Scratch (heap, per worker): M, S [gqa], scores
@@ -50,9 +51,6 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
  * rows of >= 512 bytes ran 15-35% slower on two threads). Shorter rows:
  * nothing on AVX-512 (any prefetch cost 10-20% there), the next tile on
  * AVX2 (FM_VEC_PREFETCH_SHORT; 256-byte rows ran 1.3-1.5x faster with it). */
-#ifndef FM_VEC_KEYS_SIDE_BY_SIDE
-#define FM_VEC_KEYS_SIDE_BY_SIDE 0
-#endif
 #ifndef FM_VEC_PREFETCH_SHORT
 #define FM_VEC_PREFETCH_SHORT 0
 #endif
@@ -82,6 +80,9 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_key)(const
  * under 512 bytes in ahead): there the group's rows go side by side, so
  * the 8 chains advance together (10-15% faster from cache, 5-15% from
  * memory). Either order gives each chain the same sums over d: same bits. */
+#ifndef FM_VEC_KEYS_SIDE_BY_SIDE
+#define FM_VEC_KEYS_SIDE_BY_SIDE 0
+#endif
 static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int64_t n,
     int32_t D, int NR, float *sc) {
@@ -99,14 +100,16 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
                     for (int r = 0; r < NR; r++)
                         acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
                 }
-        } else
-        for (int t = 0; t < KJ; t++) {
-            const char *kr = kp[j + t];
-            FM_SFX(vec_prefetch_key)(pf, j + t, rowbytes);
-            for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
-            for (int32_t d = 0; d < D; d += FM_VL) {
-                const fm_v kv = fm_v_load_any(kr, d, dtype);
-                for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
+        } else {
+            for (int t = 0; t < KJ; t++) {
+                const char *kr = kp[j + t];
+                FM_SFX(vec_prefetch_key)(pf, j + t, rowbytes);
+                for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
+                for (int32_t d = 0; d < D; d += FM_VL) {
+                    const fm_v kv = fm_v_load_any(kr, d, dtype);
+                    for (int r = 0; r < NR; r++)
+                        acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
+                }
             }
         }
         float s8[8];
