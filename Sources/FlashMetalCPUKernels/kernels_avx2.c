@@ -8,7 +8,6 @@
 #define FM_PF_R 6
 #define FM_PF_NC 2
 #define FM_PF_GROUPS 6
-#define FM_VEC_PREFETCH_SHORT 1
 #define FM_VEC_KEYS_SIDE_BY_SIDE 1
 #define FM_SFX(n) n##_avx2
 #include "simd.h"

@@ -7,8 +7,8 @@
  * group, so K and V come from memory once per group (row blocks beyond the
  * first re-read a tile from cache). Keys go in tiles of FM_VT whose row
  * pointers are resolved once (contiguous or through the block table), and
- * the next tile's rows are prefetched while this one's K is read
- * (vec_prefetch_key). The scores of 8 (row, key) pairs fold into one vector
+ * every load of this tile's K and V is shadowed by a prefetch of the same
+ * bytes of the next tile's rows (vec_prefetch_span). The scores of 8 (row, key) pairs fold into one vector
  * by a transposing tree (fm_v_sum8: separate horizontal sums cost as much
  * as the dot products), the softmax runs FM_VL keys per vector, and P.V
  * keeps NV vectors of each output row in registers over the tile. A
@@ -44,16 +44,18 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
     }
 }
 
-/* Software prefetch of the tiles to come, issued by the first row block
- * of a tile while it reads K (vec_block): key j's V row into L1 (P.V reads
- * the tile column-wise), and the next tile's key j K and V rows into L2
- * (spread one key at a time over the tile: with whole-tile bursts, or none,
- * rows of >= 512 bytes ran 15-35% slower on two threads). Shorter rows:
- * nothing on AVX-512 (any prefetch cost 10-20% there), the next tile on
- * AVX2 (FM_VEC_PREFETCH_SHORT; 256-byte rows ran 1.3-1.5x faster with it). */
-#ifndef FM_VEC_PREFETCH_SHORT
-#define FM_VEC_PREFETCH_SHORT 0
-#endif
+/* Software prefetch, issued by the first row block of a tile
+ * (vec_block): key j's V row into L1 as its K row is read (P.V reads the
+ * tile column-wise; rows of >= 512 bytes only), and the next tile into L2
+ * as a shadow of this tile's loads: each K or V load of key j prefetches
+ * the same bytes of the next tile's key j. The hardware prefetchers stop at
+ * every 4 KiB page (16 keys of a 16-bit D = 128 row; without software
+ * prefetch that case ran at 40% of the read bandwidth), and the shadow
+ * keeps a steady stream of requests in flight through the whole tile:
+ * prefetching whole rows at the start of each key's K pass, as before,
+ * bunched the requests into the K pass and left the memory idle during
+ * P.V (measured on two threads: +15-40% at every row size, AVX2 and
+ * AVX-512 alike). */
 typedef struct {
     const char *const *pv; /* this tile's V rows, or NULL */
     const char *const *nk; /* the next tile's K and V rows, nn of them */
@@ -61,25 +63,37 @@ typedef struct {
     int64_t nn;
 } FM_SFX(VecPrefetch);
 
-static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_key)(const FM_SFX(VecPrefetch) *pf,
-                                                                          int64_t j, int64_t rowbytes) {
+/* Prefetches into L2 the cache lines of row that start in bytes [c0, c1). */
+static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_span)(const char *row, int64_t c0,
+                                                                           int64_t c1) {
+    for (int64_t c = (c0 + 63) & ~(int64_t)63; c < c1; c += 64) __builtin_prefetch(row + c, 0, 2);
+}
+
+/* Key j's FM_VL elements at d, after a prefetch of the same bytes of the
+ * next tile's key j (the shadow). */
+static inline __attribute__((always_inline)) fm_v FM_SFX(vec_load_k)(const FM_SFX(VecPrefetch) *pf,
+                                                                    const char *const *kp, int64_t j, int32_t d,
+                                                                    int32_t dtype) {
+    const int64_t esz = dtype == FM_DTYPE_F32 ? 4 : 2;
+    if (j < pf->nn) FM_SFX(vec_prefetch_span)(pf->nk[j], d * esz, (d + FM_VL) * esz);
+    return fm_v_load_any(kp[j], d, dtype);
+}
+
+static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_v_row)(const FM_SFX(VecPrefetch) *pf,
+                                                                            int64_t j, int64_t rowbytes) {
     if (pf->pv)
         for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->pv[j] + c);
-    if (j >= pf->nn) return;
-    for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nk[j] + c, 0, 2);
-    for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->nv[j] + c, 0, 2);
 }
 
 /* Raw dot products of rows [0, NR) with the n keys at kp, into sc (row
  * stride FM_VT). KJ = 8 / NR keys form one group whose 8 chains fold into
  * one vector of sums. Each key row is read from start to end before the
- * next (rows read side by side, 64 bytes of each in turn, ran at half the
- * bandwidth: the prefetchers lose such short interleaved streams) and the
- * chains overlap in the out-of-order window; except with
- * FM_VEC_KEYS_SIDE_BY_SIDE (AVX2, whose software prefetch brings rows
- * under 512 bytes in ahead): there the group's rows go side by side, so
- * the 8 chains advance together (10-15% faster from cache, 5-15% from
- * memory). Either order gives each chain the same sums over d: same bits. */
+ * next and the chains overlap in the out-of-order window; except with
+ * FM_VEC_KEYS_SIDE_BY_SIDE (AVX2): there a group's rows under 512 bytes go
+ * side by side, so the 8 chains advance together (10-15% faster from
+ * cache; on AVX-512 it made no difference, and for longer rows it was
+ * 30-50% slower). Either order gives each chain the same sums over d: same
+ * bits. */
 #ifndef FM_VEC_KEYS_SIDE_BY_SIDE
 #define FM_VEC_KEYS_SIDE_BY_SIDE 0
 #endif
@@ -92,21 +106,20 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     for (; j + KJ <= n; j += KJ) {
         fm_v acc[8];
         if (FM_VEC_KEYS_SIDE_BY_SIDE && rowbytes < 512) {
-            for (int t = 0; t < KJ; t++) FM_SFX(vec_prefetch_key)(pf, j + t, rowbytes);
+            for (int t = 0; t < KJ; t++) FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
             for (int i = 0; i < 8; i++) acc[i] = fm_v_splat(0.0f);
             for (int32_t d = 0; d < D; d += FM_VL)
                 for (int t = 0; t < KJ; t++) {
-                    const fm_v kv = fm_v_load_any(kp[j + t], d, dtype);
+                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, dtype);
                     for (int r = 0; r < NR; r++)
                         acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
                 }
         } else {
             for (int t = 0; t < KJ; t++) {
-                const char *kr = kp[j + t];
-                FM_SFX(vec_prefetch_key)(pf, j + t, rowbytes);
+                FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
                 for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
                 for (int32_t d = 0; d < D; d += FM_VL) {
-                    const fm_v kv = fm_v_load_any(kr, d, dtype);
+                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, dtype);
                     for (int r = 0; r < NR; r++)
                         acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
                 }
@@ -119,10 +132,10 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
     for (; j < n; j++) {
         fm_v acc[4];
-        FM_SFX(vec_prefetch_key)(pf, j, rowbytes);
+        FM_SFX(vec_prefetch_v_row)(pf, j, rowbytes);
         for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
         for (int32_t d = 0; d < D; d += FM_VL) {
-            const fm_v kv = fm_v_load_any(kp[j], d, dtype);
+            const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j, d, dtype);
             for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r]);
         }
         for (int r = 0; r < NR; r++) sc[r * FM_VT + j] = fm_v_sum(acc[r]);
@@ -192,15 +205,17 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const Flas
  * each row in registers over all n keys (vec_scores brought the tile's V
  * rows into cache in memory order, so reading them column-wise is cheap). */
 static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
-    float *const o[4], const float *f, const float *pr, const char *const *vp, int32_t dtype, int64_t n,
-    int32_t D, int NR) {
+    float *const o[4], const float *f, const float *pr, const char *const *vp, const FM_SFX(VecPrefetch) *pf,
+    int32_t dtype, int64_t n, int32_t D, int NR) {
     const int NV = NR >= 4 ? 2 : 4;
+    const int64_t esz = dtype == FM_DTYPE_F32 ? 4 : 2;
     int32_t d = 0;
     for (; d + NV * FM_VL <= D; d += NV * FM_VL) {
         fm_v acc[4][4];
         for (int r = 0; r < NR; r++)
             for (int i = 0; i < NV; i++) acc[r][i] = fm_v_load(o[r] + d + i * FM_VL) * f[r];
         for (int64_t t = 0; t < n; t++) {
+            if (t < pf->nn) FM_SFX(vec_prefetch_span)(pf->nv[t], d * esz, (d + NV * FM_VL) * esz);
             fm_v vv[4];
             for (int i = 0; i < NV; i++) vv[i] = fm_v_load_any(vp[t], d + i * FM_VL, dtype);
             for (int r = 0; r < NR; r++) {
@@ -215,6 +230,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
         fm_v acc[4];
         for (int r = 0; r < NR; r++) acc[r] = fm_v_load(o[r] + d) * f[r];
         for (int64_t t = 0; t < n; t++) {
+            if (t < pf->nn) FM_SFX(vec_prefetch_span)(pf->nv[t], d * esz, (d + FM_VL) * esz);
             const fm_v vv = fm_v_load_any(vp[t], d, dtype);
             for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_splat(pr[r * FM_VT + t]), vv, acc[r]);
         }
@@ -236,11 +252,10 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
         o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
     }
     const int first = row0 % gqa == 0, long_rows = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512;
-    const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv,
-                                    first && (long_rows || FM_VEC_PREFETCH_SHORT) ? next->nn : 0};
+    const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv, first ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
     FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR);
-    FM_SFX(vec_pv)(o, f, sc, vp, dtype, n, D, NR);
+    FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, D, NR);
 }
 
 /* Every row of kv row kvrow's group over one tile, in blocks of 4, 2, 1. */
