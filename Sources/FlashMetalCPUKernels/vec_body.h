@@ -7,10 +7,11 @@
  * group, so K and V come from memory once per group (row blocks beyond the
  * first re-read a tile from cache). Keys go in tiles of FM_VT whose row
  * pointers are resolved once (contiguous or through the block table), and
- * every load of this tile's K and V is shadowed by a prefetch of the same
- * bytes of the next tile's rows (vec_prefetch_span). The scores of 8 (row, key) pairs fold into one vector
- * by a transposing tree (fm_v_sum8: separate horizontal sums cost as much
- * as the dot products), the softmax runs FM_VL keys per vector, and P.V
+ * every load of a tile's K and V is shadowed by a prefetch of the same
+ * bytes of a tile ahead (vec_prefetch_span). The scores of 8 (row, key)
+ * pairs fold into one vector by a transposing tree (fm_v_sum8: separate
+ * horizontal sums cost as much as the dot products), the softmax runs
+ * FM_VL keys per vector, and P.V
  * keeps NV vectors of each output row in registers over the tile. A
  * score's arithmetic depends only on its row and key (one chain
  * over D, whichever block computes it) and tiles start at the workgroup's
@@ -46,9 +47,9 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
 
 /* Software prefetch, issued by the first row block of a tile
  * (vec_block): key j's V row into L1 as its K row is read (P.V reads the
- * tile column-wise; rows of >= 512 bytes only), and the next tile into L2
+ * tile column-wise; rows of >= 512 bytes only), and a tile ahead into L2
  * as a shadow of this tile's loads: each K or V load of key j prefetches
- * the same bytes of the next tile's key j. The hardware prefetchers stop at
+ * the same bytes of that tile's key j. The hardware prefetchers stop at
  * every 4 KiB page (16 keys of a 16-bit D = 128 row; without software
  * prefetch that case ran at 40% of the read bandwidth), and the shadow
  * keeps a steady stream of requests in flight through the whole tile:
@@ -58,7 +59,7 @@ static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const 
  * AVX-512 alike). */
 typedef struct {
     const char *const *pv; /* this tile's V rows, or NULL */
-    const char *const *nk; /* the next tile's K and V rows, nn of them */
+    const char *const *nk; /* the K and V rows of the tile ahead, nn of them */
     const char *const *nv;
     int64_t nn;
 } FM_SFX(VecPrefetch);
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_span)(cons
 }
 
 /* Key j's FM_VL elements at d, after a prefetch of the same bytes of the
- * next tile's key j (the shadow). */
+ * tile ahead (the shadow). */
 static inline __attribute__((always_inline)) fm_v FM_SFX(vec_load_k)(const FM_SFX(VecPrefetch) *pf,
                                                                     const char *const *kp, int64_t j, int32_t d,
                                                                     int32_t dtype) {
@@ -302,22 +303,24 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
         M[i] = FM_M_INIT;
         S[i] = 0.0f;
     }
-    /* Row pointers of two tiles, this one and the next (to prefetch),
-     * each resolved once. */
-    const char *rows[2][2][FM_VT];
-    FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, s, e - s < FM_VT ? e - s : FM_VT, esz, rows[0][0]);
-    FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, s, e - s < FM_VT ? e - s : FM_VT, esz, rows[0][1]);
-    for (int64_t t0 = s, cur = 0; t0 < e; t0 += FM_VT, cur ^= 1) {
-        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + FM_VT;
-        /* Past the run's end the next tile is the next workgroup's first
-         * (still visible keys): the worker usually takes that item next. */
+    /* The shadow prefetch runs one tile ahead, two for rows under 512
+     * bytes: a tile of those is under 16 KiB of K and V, too close behind
+     * (two tiles ran 3-25% faster at D = 128 16-bit on AVX2, the same
+     * elsewhere). Past the run's end it reaches into the next workgroup's
+     * keys (still visible): the worker usually takes that item next. */
+    const int64_t ahead = (D * esz < 512 ? 2 : 1) * FM_VT;
+    const char *rows[2][FM_VT], *shadow[2][FM_VT];
+    for (int64_t t0 = s; t0 < e; t0 += FM_VT) {
+        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + ahead;
         const int64_t nn = hi - t1 <= 0 ? 0 : hi - t1 < FM_VT ? hi - t1 : FM_VT;
+        FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t0, n, esz, rows[0]);
+        FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t0, n, esz, rows[1]);
         if (nn) {
-            FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, rows[cur ^ 1][0]);
-            FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, rows[cur ^ 1][1]);
+            FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, shadow[0]);
+            FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, shadow[1]);
         }
-        const char *const *kp = rows[cur][0], *const *vp = rows[cur][1];
-        const FM_SFX(VecPrefetch) next = {NULL, rows[cur ^ 1][0], rows[cur ^ 1][1], nn};
+        const char *const *kp = rows[0], *const *vp = rows[1];
+        const FM_SFX(VecPrefetch) next = {NULL, shadow[0], shadow[1], nn};
         switch (a->kv_dtype) { /* constant inside: the loads specialise */
         case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
         case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
