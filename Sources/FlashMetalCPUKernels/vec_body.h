@@ -11,13 +11,12 @@
  * bytes of a tile ahead (vec_prefetch_span). The scores of 8 (row, key)
  * pairs fold into one vector by a transposing tree (fm_v_sum8: separate
  * horizontal sums cost as much as the dot products), the softmax runs
- * FM_VL keys per vector, and P.V
- * keeps NV vectors of each output row in registers over the tile. A
- * score's arithmetic depends only on its row and key (one chain
- * over D, whichever block computes it) and tiles start at the workgroup's
- * first key, which depends only on positions: a paged cache gives the bits
- * of a contiguous one. Scratch (heap, per worker): M, S [gqa], scores
- * [gqa, FM_VT]. */
+ * FM_VL keys per vector, and P.V keeps NV vectors of each output row in
+ * registers over the tile. A score's arithmetic depends only on its row and
+ * key (one chain over D, whichever block computes it) and tiles start at the
+ * workgroup's first key, which depends only on positions: a paged cache
+ * gives the bits of a contiguous one. Scratch (heap, per worker): M, S
+ * [gqa], scores [gqa, FM_VT]. */
 #include <math.h>
 #include "vec_split.h"
 
@@ -203,8 +202,10 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const Flas
 }
 
 /* o[r] = o[r] * f[r] + sum_j p[r][j] v[j] for rows [0, NR): NV vectors of
- * each row in registers over all n keys (vec_scores brought the tile's V
- * rows into cache in memory order, so reading them column-wise is cheap). */
+ * each row in registers over all n keys (the shadow of earlier tiles
+ * brought this tile's V rows into L2, and rows of >= 512 bytes into L1 as
+ * their K was read, so reading them column-wise is cheap); its loads
+ * shadow the tile ahead's V rows. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     float *const o[4], const float *f, const float *pr, const char *const *vp, const FM_SFX(VecPrefetch) *pf,
     int32_t dtype, int64_t n, int32_t D, int NR) {
