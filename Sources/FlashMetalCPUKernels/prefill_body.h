@@ -5,11 +5,14 @@
  * fm_dpbf16(acc, a_pairs, b_pairs); then includes simd.h and this file.
  *
  * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys,
- * shared by the GQA heads and all q items:
- *   f32 panels (any io dtype): K as [D][KB] f32, V as [KB][D] f32;
- *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [D/2][KB] bf16 pairs,
- *     V as [KB/2][D] bf16 pairs; P is rounded to bf16 (RNE) and the row
- *     sum uses the rounded values.
+ * shared by the GQA heads and all q items, each cut into the register
+ * block's column blocks so that a micro-kernel reads one contiguous run
+ * (CW = NC * FM_VL keys of K; a column block of w <= CW dims of V):
+ *   f32 panels (any io dtype): K as [KB/CW][D][CW] f32, V as column blocks
+ *     [KB][w] f32;
+ *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [KB/CW][D/2][CW] bf16
+ *     pairs, V as column blocks [KB/2][w] bf16 pairs; P is rounded to bf16
+ *     (RNE) and the row sum uses the rounded values.
  * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head of one
  * sequence. Where a sequence's rows and keys are and the key range [lo, hi]
  * each row sees (length, causal, window) come from prefill_seq.h; blocks
@@ -34,6 +37,11 @@
 #define R FM_PF_R
 #define NC FM_PF_NC
 #define QI (FM_PF_R * FM_PF_GROUPS)
+#define CW (FM_PF_NC * FM_VL)
+
+/* Width of V's column block starting at dc (the last one may be narrower:
+ * FM_PF_FOR_COLUMN_BLOCKS). */
+static inline int32_t FM_SFX(pf_cw)(int32_t D, int32_t dc) { return D - dc < CW ? D - dc : CW; }
 
 #ifndef FM_PF_BF16DP
 #define FM_PF_BF16DP 0
@@ -83,13 +91,16 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
         if (j < kc) {
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                                D, a->io_dtype);
-            for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = row[d];
-            FM_SFX(pf_cvt_row)(Vf + (size_t)j * D,
-                               FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride), D,
-                               a->io_dtype);
+            for (int32_t d = 0; d < D; d++) Kf[(size_t)(j / CW) * CW * D + (size_t)d * CW + j % CW] = row[d];
+            FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride),
+                               D, a->io_dtype);
         } else {
-            for (int32_t d = 0; d < D; d++) Kf[(size_t)d * KB + j] = 0.0f;
-            memset(Vf + (size_t)j * D, 0, sizeof(float) * D);
+            for (int32_t d = 0; d < D; d++) Kf[(size_t)(j / CW) * CW * D + (size_t)d * CW + j % CW] = 0.0f;
+            memset(row, 0, sizeof(float) * D);
+        }
+        for (int32_t dc = 0; dc < D; dc += CW) {
+            const int32_t w = FM_SFX(pf_cw)(D, dc);
+            memcpy(Vf + (size_t)dc * KB + (size_t)j * w, row + dc, sizeof(float) * w);
         }
     }
 }
@@ -107,7 +118,7 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
             memcpy(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                    sizeof(uint16_t) * D);
         else memset(row, 0, sizeof(uint16_t) * D);
-        for (int32_t q = 0; q < D2; q++) Kp[(size_t)q * KB + j] = row[q];
+        for (int32_t q = 0; q < D2; q++) Kp[(size_t)(j / CW) * CW * D2 + (size_t)q * CW + j % CW] = row[q];
     }
     for (int64_t t = 0; t < KB / 2; t++) {
         const int64_t j0 = 2 * t, j1 = 2 * t + 1;
@@ -117,9 +128,11 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
         const uint16_t *v1 = j1 < kc ? (const uint16_t *)FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j1, p->V_strides,
                                                                           a->seq.sp.V_page_stride)
                                      : NULL;
-        uint32_t *dst = Vp + (size_t)t * D;
-        for (int32_t d = 0; d < D; d++)
-            dst[d] = (uint32_t)(v0 ? v0[d] : 0) | ((uint32_t)(v1 ? v1[d] : 0) << 16);
+        for (int32_t d = 0; d < D; d++) {
+            const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(D, dc);
+            Vp[(size_t)dc * (KB / 2) + (size_t)t * w + d - dc] =
+                (uint32_t)(v0 ? v0[d] : 0) | ((uint32_t)(v1 ? v1[d] : 0) << 16);
+        }
     }
 }
 
@@ -146,7 +159,7 @@ static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t D, float 
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
         for (int32_t d = 0; d < D; d++) {
             fm_v k[NC];
-            for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)d * KB + c0 + i * FM_VL);
+            for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)c0 * D + (size_t)d * CW + i * FM_VL);
             for (int r = 0; r < R; r++) {
                 const fm_v qb = fm_v_splat(Q[(size_t)r * D + d]);
                 for (int i = 0; i < NC; i++) acc[r][i] = fm_v_fma(qb, k[i], acc[r][i]);
@@ -180,7 +193,7 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const f
         for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
     for (int j = 0; j < nk; j++) {
         fm_v v[NC];
-        for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vf + (size_t)j * D + dc + i * FM_VL);
+        for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vf + (size_t)dc * KB + (size_t)j * nv * FM_VL + i * FM_VL);
         for (int r = 0; r < R; r++) {
             const fm_v pb = fm_v_splat(P[r * KB + j]);
             for (int i = 0; i < nv; i++) acc[r][i] = fm_v_fma(pb, v[i], acc[r][i]);
@@ -211,7 +224,8 @@ static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, 
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
         for (int32_t pi = 0; pi < D / 2; pi++) {
             fm_vi k[NC];
-            for (int i = 0; i < NC; i++) memcpy(&k[i], Kp + (size_t)pi * KB + c0 + i * FM_VL, sizeof k[i]);
+            for (int i = 0; i < NC; i++)
+                memcpy(&k[i], Kp + (size_t)c0 * (D / 2) + (size_t)pi * CW + i * FM_VL, sizeof k[i]);
             for (int r = 0; r < R; r++) {
                 const fm_vi qb = FM_SFX(pf_pair)(q[r] + 2 * pi);
                 for (int i = 0; i < NC; i++) acc[r][i] = fm_dpbf16(acc[r][i], qb, k[i]);
@@ -231,7 +245,8 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_pairs)(const
         for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
     for (int t = 0; t < npairs; t++) {
         fm_vi v[NC];
-        for (int i = 0; i < nv; i++) memcpy(&v[i], Vp + (size_t)t * D + dc + i * FM_VL, sizeof v[i]);
+        for (int i = 0; i < nv; i++)
+            memcpy(&v[i], Vp + (size_t)dc * (KB / 2) + (size_t)t * nv * FM_VL + i * FM_VL, sizeof v[i]);
         for (int r = 0; r < R; r++) {
             const fm_vi pb = FM_SFX(pf_pair)(P + (size_t)r * 2 * KB + 2 * t);
             for (int i = 0; i < nv; i++) acc[r][i] = fm_dpbf16(acc[r][i], pb, v[i]);
@@ -511,4 +526,5 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
 #undef R
 #undef NC
 #undef QI
+#undef CW
 #undef FM_PF_FOR_COLUMN_BLOCKS
