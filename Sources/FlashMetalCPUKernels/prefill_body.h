@@ -88,14 +88,15 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
     float *Vf = (float *)packed + (size_t)fm_pf_nkb(a) * D * KB + (size_t)kb * KB * D;
     float row[FM_PF_DMAX];
     for (int64_t j = 0; j < KB; j++) {
+        float *kj = Kf + (size_t)(j / CW) * CW * D + j % CW; /* key j's column, stride CW */
         if (j < kc) {
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                                D, a->io_dtype);
-            for (int32_t d = 0; d < D; d++) Kf[(size_t)(j / CW) * CW * D + (size_t)d * CW + j % CW] = row[d];
+            for (int32_t d = 0; d < D; d++) kj[(size_t)d * CW] = row[d];
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride),
                                D, a->io_dtype);
         } else {
-            for (int32_t d = 0; d < D; d++) Kf[(size_t)(j / CW) * CW * D + (size_t)d * CW + j % CW] = 0.0f;
+            for (int32_t d = 0; d < D; d++) kj[(size_t)d * CW] = 0.0f;
             memset(row, 0, sizeof(float) * D);
         }
         for (int32_t dc = 0; dc < D; dc += CW) {
