@@ -22,6 +22,9 @@
 
 #define FM_VT FM_VEC_TILE
 
+/* Bytes per cached element of dtype (FMDType: f32, or f16/bf16). */
+static inline int64_t FM_SFX(vec_esz)(int32_t dtype) { return dtype == FM_DTYPE_F32 ? 4 : 2; }
+
 /* Row pointers of keys [p0, p0 + n) of kv head g of sequence b. */
 static inline void FM_SFX(vec_rows)(const FMVecArgs *a, const void *base, const int64_t *st, int64_t b,
                                     int64_t g, int64_t p0, int64_t n, int64_t esz, const char **rp) {
@@ -74,7 +77,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_span)(cons
 static inline __attribute__((always_inline)) fm_v FM_SFX(vec_load_k)(const FM_SFX(VecPrefetch) *pf,
                                                                     const char *const *kp, int64_t j, int32_t d,
                                                                     int32_t dtype) {
-    const int64_t esz = dtype == FM_DTYPE_F32 ? 4 : 2;
+    const int64_t esz = FM_SFX(vec_esz)(dtype);
     if (j < pf->nn) FM_SFX(vec_prefetch_span)(pf->nk[j], d * esz, (d + FM_VL) * esz);
     return fm_v_load_any(kp[j], d, dtype);
 }
@@ -101,7 +104,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int64_t n,
     int32_t D, int NR, float *sc) {
     const int KJ = 8 / NR;
-    const int64_t rowbytes = (int64_t)D * (dtype == FM_DTYPE_F32 ? 4 : 2);
+    const int64_t rowbytes = (int64_t)D * FM_SFX(vec_esz)(dtype);
     int64_t j = 0;
     for (; j + KJ <= n; j += KJ) {
         fm_v acc[8];
@@ -210,7 +213,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     float *const o[4], const float *f, const float *pr, const char *const *vp, const FM_SFX(VecPrefetch) *pf,
     int32_t dtype, int64_t n, int32_t D, int NR) {
     const int NV = NR >= 4 ? 2 : 4;
-    const int64_t esz = dtype == FM_DTYPE_F32 ? 4 : 2;
+    const int64_t esz = FM_SFX(vec_esz)(dtype);
     int32_t d = 0;
     for (; d + NV * FM_VL <= D; d += NV * FM_VL) {
         fm_v acc[4][4];
@@ -253,7 +256,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
         qr[r] = a->q + (row0 + r) * D;
         o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
     }
-    const int first = row0 % gqa == 0, long_rows = (dtype == FM_DTYPE_F32 ? 4 : 2) * D >= 512;
+    const int first = row0 % gqa == 0, long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
     const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv, first ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
     FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR);
@@ -286,7 +289,7 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
     const int32_t D = (int32_t)p->head_dim;
     const int64_t nwg = p->nwg, hkv = p->n_kv_heads;
     const int64_t gqa = (int64_t)p->n_heads / hkv, nrows = a->batch * (int64_t)p->n_heads;
-    const int64_t b = kvrow / hkv, g = kvrow % hkv, esz = a->kv_dtype == FM_DTYPE_F32 ? 4 : 2;
+    const int64_t b = kvrow / hkv, g = kvrow % hkv, esz = FM_SFX(vec_esz)(a->kv_dtype);
     float *sm = a->tmp + nrows * nwg * D;
     int64_t lo, hi, s, e;
     fm_vec_visible(a, b, &lo, &hi);
