@@ -27,12 +27,25 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { LINE = 64, TILE = 8192, AHEAD = 32768, NPAT = 5, MAXT = 64 };
-static const char *const pattern_names[NPAT] = {"seq", "seq+T1", "tiles", "tiles+T1", "tiles+T0"};
+enum { LINE = 64, TILE = 8192, AHEAD = 32768, MAXT = 64 };
+
+/* A pattern: K and V whole or tile by tile; the prefetch distance (0: none)
+ * and whether it goes to L1. */
+typedef struct {
+    const char *name;
+    int tiled;
+    size_t ahead;
+    int l1;
+} Pattern;
+static const Pattern patterns[] = {
+    {"seq", 0, 0, 0}, {"seq+T1", 0, AHEAD, 0}, {"tiles", 1, 0, 0}, {"tiles+T1", 1, TILE, 0}, {"tiles+T0", 1, TILE, 1},
+};
+enum { NPAT = sizeof patterns / sizeof *patterns };
 
 static char *K, *V;
 static size_t N; /* bytes of K (and of V), a multiple of TILE * threads */
-static int nthreads, pattern;
+static int nthreads;
+static const Pattern *pattern;
 static volatile uint64_t sink;
 
 static double now(void) {
@@ -61,22 +74,18 @@ static uint64_t run_lines(const char *x, size_t a, size_t b, size_t ahead, int l
 static void *reader(void *arg) {
     const long t = (long)arg;
     const size_t a = N / nthreads * t, b = a + N / nthreads;
+    const size_t step = pattern->tiled ? TILE : b - a;
     uint64_t acc = 0;
-    if (pattern < 2) {
-        const size_t ahead = pattern == 1 ? AHEAD : 0;
-        acc |= run_lines(K, a, b, ahead, 0) | run_lines(V, a, b, ahead, 0);
-    } else {
-        const size_t ahead = pattern == 2 ? 0 : TILE;
-        for (size_t c = a; c < b; c += TILE)
-            acc |= run_lines(K, c, c + TILE, ahead, pattern == 4) | run_lines(V, c, c + TILE, ahead, pattern == 4);
-    }
+    for (size_t c = a; c < b; c += step)
+        acc |= run_lines(K, c, c + step, pattern->ahead, pattern->l1) |
+               run_lines(V, c, c + step, pattern->ahead, pattern->l1);
     sink = acc;
     return NULL;
 }
 
 static double timed(int p) {
     pthread_t th[MAXT];
-    pattern = p;
+    pattern = &patterns[p];
     const double t0 = now();
     for (long i = 1; i < nthreads; i++) pthread_create(&th[i], NULL, reader, (void *)i);
     reader((void *)0);
@@ -85,7 +94,9 @@ static double timed(int p) {
 }
 
 static char *array(size_t bytes, int fill) {
-    char *p = aligned_alloc(2 << 20, bytes);
+    const size_t huge = (size_t)2 << 20;
+    bytes = (bytes + huge - 1) / huge * huge; /* aligned_alloc wants a multiple of the alignment */
+    char *p = aligned_alloc(huge, bytes);
     if (!p) {
         fprintf(stderr, "prefetch_read: out of memory\n");
         exit(1);
@@ -113,7 +124,7 @@ int main(int argc, char **argv) {
                 const double s = timed(p);
                 if (s < best[p]) best[p] = s;
             }
-        for (int p = 0; p < NPAT; p++) printf("%s %.1f%s", pattern_names[p], 2.0 * N / best[p] / 1e9, p + 1 < NPAT ? "  " : "\n");
+        for (int p = 0; p < NPAT; p++) printf("%s %.1f%s", patterns[p].name, 2.0 * N / best[p] / 1e9, p + 1 < NPAT ? "  " : "\n");
         fflush(stdout);
     }
     return 0;
