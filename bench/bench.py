@@ -330,6 +330,39 @@ def window_cases(reg, runs, quick):
 DECODE_BURST = 10
 
 
+def last_level_cache_bytes() -> int | None:
+    """The largest cpu cache of this machine (Linux sysfs), or None."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        t = f.read_text().strip()
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+        try:
+            sizes.append(int(t.rstrip("KMG")) * mult)
+        except ValueError:
+            pass
+    return max(sizes) if sizes else None
+
+
+# A generation loop runs every layer's decode in turn, so each call finds its
+# layer's K and V in memory, not in the last-level cache: the loop rows rotate
+# over enough copies of the cache ("layers") to exceed that cache four times.
+# Timing back-to-back calls on one 8-32 MiB cache measured the L3 instead
+# (on the shared build VM, after the 20 ms pause a 16 MiB buffer took 5 reads
+# to be back in L3, 24 -> 37 -> 56 -> 63 -> 77 GB/s, and the same case's
+# median moved between 20 and 34 GB/s from run to run).
+LOOP_WORKING_SET = max(128 << 20, 4 * (last_level_cache_bytes() or 64 << 20))
+
+
+def loop_layers(nbytes: int) -> int:
+    return max(1, -(-LOOP_WORKING_SET // nbytes))
+
+
+def per_layer(t: Timings, layers: int) -> Timings:
+    out = Timings({k: v / layers for k, v in t.items()})
+    out.raw = {k: [x / layers for x in v] for k, v in t.raw.items()}
+    return out
+
+
 def decode_cases(reg, runs, quick, with_numpy=True):
     rows = []
     if not hasattr(fm, "flash_attn_decode"):
@@ -342,29 +375,46 @@ def decode_cases(reg, runs, quick, with_numpy=True):
                 rng = np.random.default_rng(2)
                 q = rand(rng, (hq, D), F32)
                 k, v = rand(rng, (hkv, kvl, D), dt), rand(rng, (hkv, kvl, D), dt)
+                nbytes = 2 * hkv * kvl * D * np.dtype(dt).itemsize
+                layers = loop_layers(nbytes)
+                ks, vs = [k] + [k.copy() for _ in range(layers - 1)], [v] + [v.copy() for _ in range(layers - 1)]
                 out = np.empty_like(q)
+
+                def fm_step(ks=ks, vs=vs):
+                    for kl, vl in zip(ks, vs):
+                        fm.flash_attn_decode(q, kl, vl, kvl, out=out, registry=reg)
+                # the same K and V read once, in the same rounds: a ceiling under the same load
+                loop_fns = {"flashmetal": fm_step, "read": parallel_read(ks + vs)}
                 fns = {"flashmetal": lambda: fm.flash_attn_decode(q, k, v, kvl, out=out, registry=reg),
-                       # the same K and V read once, in the same rounds: a ceiling under the same load
                        "read": parallel_read([k, v])}
                 if torch:
-                    tk, tv = to_torch(k, dt), to_torch(v, dt)
-                    tq = torch.from_numpy(q).reshape(1, hq, 1, D)
                     tdt = TORCH_DT[dt]
-                    fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(
-                        tq.to(tdt), tk.unsqueeze(0), tv.unsqueeze(0), enable_gqa=True).float()
-                nbytes = 2 * hkv * kvl * D * np.dtype(dt).itemsize
+                    tks, tvs = [to_torch(x, dt) for x in ks], [to_torch(x, dt) for x in vs]
+                    tq = torch.from_numpy(q).reshape(1, hq, 1, D)
+
+                    def torch_one(tk, tv):
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            tq.to(tdt), tk.unsqueeze(0), tv.unsqueeze(0), enable_gqa=True).float()
+
+                    def torch_step(tks=tks, tvs=tvs):
+                        for tk, tv in zip(tks, tvs):
+                            torch_one(tk, tv)
+                    loop_fns["torch"] = torch_step
+                    fns["torch"] = lambda: torch_one(tks[0], tvs[0])
                 name = f"kv={kvl} D={D} K/V {DTNAME[dt]}"
                 # In a loop first (numpy is too slow to repeat), then single calls.
-                loop = Row("decode-loop", name, "GB/s", nbytes, timed(fns, runs, burst=DECODE_BURST))
+                steps = -(-DECODE_BURST // layers)
+                loop = Row("decode-loop", name, "GB/s", nbytes,
+                           per_layer(timed(loop_fns, runs, burst=steps), layers), note=f"{layers} layers")
                 if with_numpy:
                     fns["numpy"] = lambda: np_decode(q, k, v)
                 single = Row("decode", name, "GB/s", nbytes, timed(fns, runs))
                 for r in (single, loop):
                     rows.append(r)
                     print_row(r, flush=True)
-                del k, v
+                del k, v, ks, vs, loop_fns, fns
                 if torch:
-                    del tk, tv
+                    del tks, tvs
                 gc.collect()
     return rows
 
@@ -459,8 +509,9 @@ def print_row(r: Row, flush=True):
 GROUPS = [("prefill", "Prefill (B=1, Hq=16, Hkv=8; bf16/f16 flash_attn_prefill, f32 the sdpa route)"),
           ("window", "Sliding-window mask prefill"),
           ("decode", "Decode, single calls (Q f32 [16, D], Hkv=8; GB/s = K+V bytes read / time)"),
-          ("decode-loop", f"Decode in a loop ({DECODE_BURST} back-to-back calls per sample, as a "
-                          "generation loop runs them; numpy not repeated)")]
+          ("decode-loop", "Decode in a loop, as a generation loop runs it: back-to-back calls over the "
+                          "caches of enough layers to exceed the last-level cache 4x (at least "
+                          f"{DECODE_BURST} calls per sample; times and GB/s per call; numpy not repeated)")]
 
 
 def table_lines(rows):
@@ -642,8 +693,8 @@ def write_results(measured, args, elapsed):
               "",
               f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
               "medians; 20 ms pause before each timed call so the previous peer's idle "
-              "threads stop spinning (decode is also timed in a loop of back-to-back calls, "
-              "after the pause and one untimed call). The machine is shared with other jobs (here: "
+              "threads stop spinning (decode is also timed in a loop of back-to-back calls over several "
+              "layers' caches, as a generation loop reads them, after the pause and one untimed pass). The machine is shared with other jobs (here: "
               "other engineers' builds and tests on the same 2 cores), so absolute times move between "
               "runs; only ratios within one run are meaningful, and the noise line of each class gives "
               "the spread of the flashmetal/torch ratio over the rounds. Ratio = torch time / "
