@@ -1,13 +1,15 @@
 /* Run-time ISA selection of the cpu kernels (the ISAs: fm_cpu_kernels.h).
  *
  * x86-64 levels portable < avx2 < avx512 < avx512bf16; arm64 portable < neon.
- * FLASHMETAL_CPU_ISA caps the detected level (it never raises it). A value
+ * FLASHMETAL_CPU_ISA caps the detected level (it never raises it); its case
+ * does not matter (AVX2 as oneDNN's ONEDNN_MAX_CPU_ISA spells it). A value
  * naming no ISA warns once on stderr and is ignored; another architecture's
  * ISA (neon on x86-64, avx2 on arm64) warns and means portable. Read once per
  * process. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include "fm_cpu_kernels.h"
 
 static int fm_detect_isa(void) {
@@ -36,7 +38,7 @@ static const char *const fm_isa_names[] = {"portable", "avx2", "avx512", "avx512
 static int fm_isa_cap(int detected, const char *env) {
     int want = -1;
     for (int i = 0; i < (int)(sizeof fm_isa_names / sizeof *fm_isa_names); i++)
-        if (strcmp(env, fm_isa_names[i]) == 0) want = i;
+        if (strcasecmp(env, fm_isa_names[i]) == 0) want = i;
     if (want < 0) {
         fprintf(stderr, "flashmetal: FLASHMETAL_CPU_ISA='%s' is not one of portable, avx2, avx512, "
                         "avx512bf16, neon; using %s\n", env, fm_isa_names[detected]);

@@ -102,7 +102,21 @@ def test_isa_env_caps_the_choice(isa):
     assert r.stderr == ""
 
 
-@pytest.mark.parametrize("value", ["avx3", "AVX2", "1", "avx2 "])
+@pytest.mark.parametrize("value", ["AVX2", "Portable", "AVX512BF16"])
+def test_isa_value_in_any_case(value):
+    """AVX2 as oneDNN's ONEDNN_MAX_CPU_ISA spells it caps like avx2, without a warning."""
+    r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=value)
+    assert r.returncode == 0, r.stderr
+    native, want = native_isa(), value.lower()
+    if native == "neon" and want != "portable":  # an x86-64 ISA on arm64
+        assert r.stdout.strip() == "portable" and "not an ISA of this architecture" in r.stderr
+        return
+    order = {n: i for i, n in enumerate(ISAS)}
+    assert r.stdout.strip() == min(want, native, key=order.get)
+    assert r.stderr == ""
+
+
+@pytest.mark.parametrize("value", ["avx3", "1", "avx2 ", "avx-2"])
 def test_bad_isa_value_warns_and_keeps_the_default(value):
     r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=value)
     assert r.returncode == 0, r.stderr
