@@ -116,7 +116,9 @@ public enum VecSeqDispatcher {
         } else if k.shape[0] != batch {
             throw FlashMetalError.value(op, "k batch (\(k.shape[0])) must equal q batch (\(batch))")
         }
-        if capacity == 0 { throw FlashMetalError.value(op, "k holds no key per sequence (its dim 1 is 0): shape \(k.shape)") }
+        // A cache with room for no key (k's dim 1 or block_table's dim 1 is 0)
+        // is attended as empty sequences: output 0, as the prefill route and
+        // flash-attn (seqlen_k == 0) give.
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (d + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {

@@ -108,6 +108,27 @@ def test_sinks_paged_without_lse(registry, rng):
     assert_close(out, expected(q, k, v, cache_seqlens=lens, block_table=table, sinks=snk)[0], F32, "sinks, no lse")
 
 
+@pytest.mark.parametrize("ql", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_with_room_for_no_key(registry, rng, paged, ql):
+    """A cache of capacity 0 (k_cache's dim 1, or block_table's dim 1 when
+    paged) attends to nothing on the decode route as on the prefill route,
+    as flash-attn does for seqlen_k == 0: every output element written 0, lse
+    -inf, or the sink with sinks."""
+    b, h, hkv, d = 2, 4, 2, 64
+    kc = randn(rng, (3, 16, hkv, d), F16) if paged else np.zeros((b, 0, hkv, d), F16)
+    table = np.zeros((b, 0), np.int32) if paged else None
+    q = randn(rng, (b, ql, h, d), F16)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    for lens, sk in ((np.zeros(b, np.int32), None), (None, None), (np.zeros(b, np.int32), sinks)):
+        out = np.full(q.shape, np.nan, F16)
+        got, lse = fm.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table, sinks=sk,
+                                              out=out, return_softmax_lse=True, registry=registry)
+        assert got is out and np.all(out == 0), f"lens {lens} sinks {sk}"
+        want = np.full((b, h, ql), -np.inf, np.float32) if sk is None else np.broadcast_to(sk[:, None], (b, h, ql))
+        assert np.array_equal(lse, want), lse
+
+
 def test_gqa_8_2_full_capacity(registry, rng):
     """No cache_seqlens: every sequence holds its whole capacity."""
     k, v, _ = make_cache(rng, 2, 40, 2, 64, BF16)
