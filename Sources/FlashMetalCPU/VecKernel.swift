@@ -31,19 +31,28 @@ final class VecKernel: CPUKernel {
         var a = try args(d)
         let p = a.p
         let kvRows = Int(a.batch) * Int(p.n_kv_heads)
-        let gqa = Int32(p.n_heads / p.n_kv_heads)
-        let floats = fm_cpu_vec_scratch_floats(Int32(p.head_dim), gqa)
+        let gqa = Int(p.n_heads / p.n_kv_heads)
         let nwg = Int(p.nwg)
-        let active = withUnsafePointer(to: &a) { Int(fm_cpu_vec_active_wgs($0)) }
+        let (floats, active, keyMajor) = withUnsafePointer(to: &a) {
+            (fm_cpu_vec_scratch_floats($0), Int(fm_cpu_vec_active_wgs($0)), fm_cpu_vec_key_major($0) != 0)
+        }
         // At most this many FMAs (every row, every key of a full chunk per
         // item): below ~100 us of work a second thread costs more than it saves.
-        let fmas = kvRows * active * Int(FM_VEC_CHUNK) * Int(gqa) * Int(p.head_dim) * 2
-        let workers = fmas < smallWork ? 1 : max(min(pool.threads, kvRows * active), 1)
+        let fmas = kvRows * active * Int(FM_VEC_CHUNK) * gqa * Int(p.head_dim) * 2
+        // Items: (kv row, workgroup), or (sequence, workgroup) with every
+        // head inside when the heads of one key are adjacent in memory.
+        let items = (keyMajor ? Int(a.batch) : kvRows) * active
+        let workers = fmas < smallWork ? 1 : max(min(pool.threads, items), 1)
         let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
         defer { scratch.deallocate() }
         withUnsafePointer(to: &a) { ap in
-            pool.forEach(kvRows * active, workers: workers) { w, item in
-                fm_cpu_vec_item(ap, Int64(item / active), Int64(item % active), scratch + w * floats)
+            pool.forEach(items, workers: workers) { w, item in
+                let (outer, wg) = (Int64(item / active), Int64(item % active))
+                if keyMajor {
+                    fm_cpu_vec_item_keys(ap, outer, wg, scratch + w * floats)
+                } else {
+                    fm_cpu_vec_item(ap, outer, wg, scratch + w * floats)
+                }
             }
             // Workgroups past the busiest sequence's last key only have empty
             // partials: written here, so a short cache wakes no worker for them.

@@ -9,10 +9,12 @@
 #include "kernel_math.h"
 #include "vec_split.h"
 
-size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa) {
-    (void)d;
-    return (size_t)gqa * (FM_VEC_TILE + 2); /* M, S, scores (vec_body.h) */
+size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a) {
+    const size_t hkv = a->p.n_kv_heads, gqa = a->p.n_heads / a->p.n_kv_heads;
+    return hkv * gqa * 2 + gqa * FM_VEC_TILE; /* M, S of every head's rows, scores (vec_body.h) */
 }
+
+int fm_cpu_vec_key_major(const FMVecArgs *a) { return fm_vec_key_major(a); }
 
 int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a) {
     int64_t most = 0;
@@ -47,6 +49,20 @@ void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scrat
     case FM_ISA_NEON: fm_vec_item_neon(a, kvrow, wg, scratch); return;
 #endif
     default: fm_vec_item_portable(a, kvrow, wg, scratch); return;
+    }
+}
+
+void fm_cpu_vec_item_keys(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch) {
+    switch (fm_cpu_isa()) {
+#if defined(__x86_64__)
+    case FM_ISA_AVX2: fm_vec_item_keys_avx2(a, b, wg, scratch); return;
+    case FM_ISA_AVX512:
+    case FM_ISA_AVX512BF16: fm_vec_item_keys_avx512(a, b, wg, scratch); return;
+#endif
+#if defined(__aarch64__)
+    case FM_ISA_NEON: fm_vec_item_keys_neon(a, b, wg, scratch); return;
+#endif
+    default: fm_vec_item_keys_portable(a, b, wg, scratch); return;
     }
 }
 

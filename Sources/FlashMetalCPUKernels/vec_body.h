@@ -1,11 +1,14 @@
 /* Split-KV decode, described once and compiled per ISA (kernels_<isa>.c
  * defines FM_VL and FM_SFX, then includes simd.h and this file).
  *
- * One item is one (kv row, workgroup): a contiguous run of keys (vec_split.h;
- * the seeds' GPU split strided 32-key chunks, which kept the cpu's
- * prefetchers from streaming) for every query row of the kv head's GQA
- * group, so K and V come from memory once per group (row blocks beyond the
- * first re-read a tile from cache). Keys go in tiles of FM_VT whose row
+ A workgroup takes a contiguous run of keys (vec_split.h; the seeds' GPU
+ * split strided 32-key chunks, which kept the cpu's prefetchers from
+ * streaming) for every query row of a kv head's GQA group, so K and V come
+ * from memory once per group (row blocks beyond the first re-read a tile
+ * from cache). One item is one (kv row, workgroup) when each head's keys are
+ * contiguous (fm_vec_item), or one (sequence, workgroup) with all heads
+ * tile by tile when the heads of a key are adjacent (fm_vec_item_keys):
+ * either way memory is read in order. Keys go in tiles of FM_VT whose row
  * pointers are resolved once (contiguous or through the block table), and
  * every load of a tile's K and V is shadowed by a prefetch of the same
  * bytes of a tile ahead (vec_prefetch_span). The scores of 8 (row, key)
@@ -15,8 +18,8 @@
  * registers over the tile. A score's arithmetic depends only on its row and
  * key (one chain over D, whichever block computes it) and tiles start at the
  * workgroup's first key, which depends only on positions: a paged cache
- * gives the bits of a contiguous one. Scratch (heap, per worker): M, S
- * [gqa], scores [gqa, FM_VT]. */
+ * gives the bits of a contiguous one, and either item order the same bits.
+ * Scratch (heap, per worker): M, S [n_kv_heads * gqa], scores [gqa, FM_VT]. */
 #include <math.h>
 #include "vec_split.h"
 
@@ -284,57 +287,111 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
     }
 }
 
-void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
-    const FlashAttnVecParams *p = &a->p;
-    const int32_t D = (int32_t)p->head_dim;
-    const int64_t nwg = p->nwg, hkv = p->n_kv_heads;
-    const int64_t gqa = (int64_t)p->n_heads / hkv, nrows = a->batch * (int64_t)p->n_heads;
-    const int64_t b = kvrow / hkv, g = kvrow % hkv, esz = FM_SFX(vec_esz)(a->kv_dtype);
-    float *sm = a->tmp + nrows * nwg * D;
-    int64_t lo, hi, s, e;
-    fm_vec_visible(a, b, &lo, &hi);
-    fm_vec_wg_keys(lo, hi, nwg, wg, &s, &e);
-    if (s >= e) {
-        for (int64_t i = 0; i < gqa; i++) {
-            sm[((kvrow * gqa + i) * nwg + wg) * 2] = 0.0f;
-            sm[((kvrow * gqa + i) * nwg + wg) * 2 + 1] = FM_M_INIT;
-        }
-        return;
-    }
-    float *M = scratch, *S = M + gqa, *scores = S + gqa;
+/* Where a workgroup's partials go: (S, M) pairs after the O partials. */
+static inline float *FM_SFX(vec_sm)(const FMVecArgs *a, int64_t row, int64_t wg) {
+    const int64_t nwg = a->p.nwg, nrows = a->batch * (int64_t)a->p.n_heads;
+    return a->tmp + nrows * nwg * (int64_t)a->p.head_dim + (row * nwg + wg) * 2;
+}
+
+/* Opens the partials of kv row kvrow's GQA rows in workgroup wg: O = 0,
+ * M = FM_M_INIT, S = 0. */
+static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *M, float *S) {
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, D = a->p.head_dim;
     for (int64_t i = 0; i < gqa; i++) {
-        memset(a->tmp + ((kvrow * gqa + i) * nwg + wg) * D, 0, sizeof(float) * D);
+        memset(a->tmp + ((kvrow * gqa + i) * a->p.nwg + wg) * D, 0, sizeof(float) * D);
         M[i] = FM_M_INIT;
         S[i] = 0.0f;
     }
-    /* The shadow prefetch runs one tile ahead, two for rows under 512
-     * bytes: a tile of those is under 16 KiB of K and V, too close behind
-     * (two tiles ran 3-25% faster at D = 128 16-bit on AVX2, the same
-     * elsewhere). Past the run's end it reaches into the next workgroup's
-     * keys (still visible): the worker usually takes that item next. */
-    const int64_t ahead = (D * esz < 512 ? 2 : 1) * FM_VT;
-    const char *rows[2][FM_VT], *shadow[2][FM_VT];
-    for (int64_t t0 = s; t0 < e; t0 += FM_VT) {
-        const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + ahead;
-        const int64_t nn = hi - t1 <= 0 ? 0 : hi - t1 < FM_VT ? hi - t1 : FM_VT;
-        FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t0, n, esz, rows[0]);
-        FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t0, n, esz, rows[1]);
-        if (nn) {
-            FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, shadow[0]);
-            FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, shadow[1]);
-        }
-        const char *const *kp = rows[0], *const *vp = rows[1];
-        const FM_SFX(VecPrefetch) next = {NULL, shadow[0], shadow[1], nn};
-        switch (a->kv_dtype) { /* constant inside: the loads specialise */
-        case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
-        case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
-        default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
-        }
-    }
+}
+
+/* Closes them: (S, M) into tmp. A workgroup that saw no key writes S = 0
+ * (its O is not read). */
+static void FM_SFX(vec_end)(const FMVecArgs *a, int64_t kvrow, int64_t wg, const float *M, const float *S) {
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa; i++) {
-        sm[((kvrow * gqa + i) * nwg + wg) * 2] = S[i];
-        sm[((kvrow * gqa + i) * nwg + wg) * 2 + 1] = M[i];
+        float *sm = FM_SFX(vec_sm)(a, kvrow * gqa + i, wg);
+        sm[0] = S ? S[i] : 0.0f;
+        sm[1] = M ? M[i] : FM_M_INIT;
     }
+}
+
+/* How far the shadow prefetch runs ahead: one tile, two for rows under 512
+ * bytes read head-major (a tile of those is under 16 KiB of K and V, too
+ * close behind: two tiles ran 3-25% faster at D = 128 16-bit on AVX2, the
+ * same elsewhere). Key-major, a tile spans every head's rows: two tiles
+ * ahead ran 5-15% slower there. */
+static inline int64_t FM_SFX(vec_ahead)(const FMVecArgs *a) {
+    const int short_rows = a->p.head_dim * FM_SFX(vec_esz)(a->kv_dtype) < 512;
+    return (short_rows && !fm_vec_key_major(a) ? 2 : 1) * FM_VT;
+}
+
+/* Keys [t0, min(t0 + FM_VT, e)) of kv head g of sequence b for that head's
+ * GQA rows (kv row b * n_kv_heads + g), shadowing the tile ahead. Past the
+ * run's end [s, e) the shadow reaches into the next workgroup's keys (still
+ * visible, below hi): the worker usually takes that item next. */
+static void FM_SFX(vec_head_tile)(const FMVecArgs *a, int64_t b, int64_t g, int64_t wg, int64_t t0, int64_t e,
+                                  int64_t hi, float *M, float *S, float *scores) {
+    const int64_t esz = FM_SFX(vec_esz)(a->kv_dtype), kvrow = b * a->p.n_kv_heads + g;
+    const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + FM_SFX(vec_ahead)(a);
+    const int64_t nn = hi - t1 <= 0 ? 0 : hi - t1 < FM_VT ? hi - t1 : FM_VT;
+    const char *rows[2][FM_VT], *shadow[2][FM_VT];
+    FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t0, n, esz, rows[0]);
+    FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t0, n, esz, rows[1]);
+    if (nn) {
+        FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, shadow[0]);
+        FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, shadow[1]);
+    }
+    const char *const *kp = rows[0], *const *vp = rows[1];
+    const FM_SFX(VecPrefetch) next = {NULL, shadow[0], shadow[1], nn};
+    switch (a->kv_dtype) { /* constant inside: the loads specialise */
+    case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
+    case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
+    default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
+    }
+}
+
+/* Head-major: one kv head's run of keys, tile after tile (each head's keys
+ * are contiguous: the seeds' [(B,) Hkv, cap, D]). */
+void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
+    const int64_t hkv = a->p.n_kv_heads, gqa = (int64_t)a->p.n_heads / hkv;
+    const int64_t b = kvrow / hkv, g = kvrow % hkv;
+    int64_t lo, hi, s, e;
+    fm_vec_visible(a, b, &lo, &hi);
+    fm_vec_wg_keys(lo, hi, a->p.nwg, wg, &s, &e);
+    if (s >= e) {
+        FM_SFX(vec_end)(a, kvrow, wg, NULL, NULL);
+        return;
+    }
+    float *M = scratch, *S = M + gqa, *scores = S + gqa;
+    FM_SFX(vec_begin)(a, kvrow, wg, M, S);
+    for (int64_t t0 = s; t0 < e; t0 += FM_VT) FM_SFX(vec_head_tile)(a, b, g, wg, t0, e, hi, M, S, scores);
+    FM_SFX(vec_end)(a, kvrow, wg, M, S);
+}
+
+/* Key-major: every kv head of sequence b over the workgroup's run, a tile
+ * of keys at a time and all heads within it, for caches whose heads of one
+ * key are adjacent (flash-attn's [B, cap, Hkv, D] and its pages): the run
+ * is then read front to back. Head by head, each head's rows were 1/Hkv of
+ * every key's bytes, and the hardware streamed the rest past the caches
+ * for nothing (measured two threads, Hkv = 8, D = 128: 8.5 against 22.9
+ * GB/s for the same keys laid out head-major). Same arithmetic per (row,
+ * workgroup) as head-major: same bits. Scratch: M, S of every row of the
+ * sequence, then the scores. */
+void FM_SFX(fm_vec_item_keys)(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch) {
+    const int64_t hkv = a->p.n_kv_heads, gqa = (int64_t)a->p.n_heads / hkv;
+    int64_t lo, hi, s, e;
+    fm_vec_visible(a, b, &lo, &hi);
+    fm_vec_wg_keys(lo, hi, a->p.nwg, wg, &s, &e);
+    if (s >= e) {
+        for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b * hkv + g, wg, NULL, NULL);
+        return;
+    }
+    float *M = scratch, *S = M + hkv * gqa, *scores = S + hkv * gqa;
+    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_begin)(a, b * hkv + g, wg, M + g * gqa, S + g * gqa);
+    for (int64_t t0 = s; t0 < e; t0 += FM_VT)
+        for (int64_t g = 0; g < hkv; g++)
+            FM_SFX(vec_head_tile)(a, b, g, wg, t0, e, hi, M + g * gqa, S + g * gqa, scores);
+    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b * hkv + g, wg, M + g * gqa, S + g * gqa);
 }
 
 #undef FM_VT

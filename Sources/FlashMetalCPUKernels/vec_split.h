@@ -9,14 +9,24 @@
 #define FM_VEC_TILE 32
 
 /* The per-ISA instances of vec_body.h that vec.c dispatches to. */
-void fm_vec_item_portable(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+#define FM_VEC_DECLARE(sfx)                                                                  \
+    void fm_vec_item_##sfx(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch); \
+    void fm_vec_item_keys_##sfx(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch);
+FM_VEC_DECLARE(portable)
 #if defined(__x86_64__)
-void fm_vec_item_avx2(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
-void fm_vec_item_avx512(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+FM_VEC_DECLARE(avx2)
+FM_VEC_DECLARE(avx512)
 #endif
 #if defined(__aarch64__)
-void fm_vec_item_neon(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+FM_VEC_DECLARE(neon)
 #endif
+
+/* Items go by sequence, every head inside a tile (fm_vec_item_keys), when
+ * the heads of one key sit closer together than one head's consecutive keys
+ * (flash-attn's [B, cap, Hkv, D] and its pages); by kv head otherwise. */
+static inline int fm_vec_key_major(const FMVecArgs *a) {
+    return a->p.n_kv_heads > 1 && a->k_strides[1] < a->k_strides[2];
+}
 
 /* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1). */
 static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {

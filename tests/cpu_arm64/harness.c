@@ -445,9 +445,11 @@ static void run_decode(const DecodeCase *c) {
     }
     const size_t nout = (size_t)B * H * D;
     float *tmp = calloc((size_t)B * H * NWG * (D + 2), sizeof(float));
-    float *out[2] = {calloc(nout, sizeof(float)), calloc(nout, sizeof(float))};
-    float *lse[2] = {calloc(B * H, sizeof(float)), calloc(B * H, sizeof(float))};
-    float *scratch = malloc(sizeof(float) * fm_cpu_vec_scratch_floats(D, H / Hkv));
+    /* [2 * run + order]: run 0 contiguous, 1 paged; order 0 head-major
+     * (fm_cpu_vec_item), 1 key-major (fm_cpu_vec_item_keys). */
+    float *out[4], *lse[4];
+    for (int i = 0; i < 4; i++) out[i] = calloc(nout, sizeof(float)), lse[i] = calloc(B * H, sizeof(float));
+    float *scratch = malloc(sizeof(float) * fm_cpu_vec_scratch_floats(&a));
     /* The paged copy: page j of sequence b at table[b][j], pages shuffled. */
     const int32_t npages = B * MAXP + 3;
     int32_t table[B * MAXP];
@@ -468,11 +470,18 @@ static void run_decode(const DecodeCase *c) {
         a.max_pages = MAXP;
         a.tmp = tmp;
         for (int i = 0; i < 2; i++) (i ? a.v_strides : a.k_strides)[0] = run ? (int64_t)PS * row : (int64_t)CAP * row;
-        for (int64_t r = 0; r < (int64_t)B * Hkv; r++)
-            for (int64_t w = 0; w < NWG; w++) fm_cpu_vec_item(&a, r, w, scratch);
-        for (int64_t r = 0; r < (int64_t)B * H; r++)
-            fm_cpu_vec_reduce_row(tmp, out[run], (int64_t)B * H, D, NWG, r, 0, NULL, c->sinks ? sinks : NULL,
-                                  c->lse ? lse[run] : NULL, H);
+        for (int order = 0; order < 2; order++) {
+            memset(tmp, 0xff, sizeof(float) * (size_t)B * H * NWG * (D + 2)); /* NaN: every partial is written */
+            for (int64_t w = 0; w < NWG; w++) {
+                if (order)
+                    for (int64_t b = 0; b < B; b++) fm_cpu_vec_item_keys(&a, b, w, scratch);
+                else
+                    for (int64_t r = 0; r < (int64_t)B * Hkv; r++) fm_cpu_vec_item(&a, r, w, scratch);
+            }
+            for (int64_t r = 0; r < (int64_t)B * H; r++)
+                fm_cpu_vec_reduce_row(tmp, out[2 * run + order], (int64_t)B * H, D, NWG, r, 0, NULL,
+                                      c->sinks ? sinks : NULL, c->lse ? lse[2 * run + order] : NULL, H);
+        }
     }
     double worst = 0, worst_lse = 0, *ref = malloc(sizeof(double) * (size_t)D), *s = malloc(sizeof(double) * CAP);
     for (int b = 0; b < B; b++)
@@ -509,11 +518,12 @@ static void run_decode(const DecodeCase *c) {
     CHECK(worst <= 1.0 && worst_lse <= 1.0,
           "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g: error %.3gx tolerance (lse %.3gx)",
           fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, worst, worst_lse);
-    if (c->paged)
-        CHECK(memcmp(out[0], out[1], nout * sizeof(float)) == 0 && memcmp(lse[0], lse[1], B * H * sizeof(float)) == 0,
-              "decode %s D=%d dtype=%d: paged and contiguous caches differ in their bits", fm_cpu_isa_name(fm_cpu_isa()),
-              D, dt);
-    free(tmp); free(out[0]); free(out[1]); free(lse[0]); free(lse[1]); free(scratch); free(ref); free(s);
+    for (int i = 1; i < (c->paged ? 4 : 2); i++)
+        CHECK(memcmp(out[0], out[i], nout * sizeof(float)) == 0 && memcmp(lse[0], lse[i], B * H * sizeof(float)) == 0,
+              "decode %s D=%d dtype=%d: %s %s differs in its bits from contiguous head-major",
+              fm_cpu_isa_name(fm_cpu_isa()), D, dt, i >= 2 ? "paged" : "contiguous", i % 2 ? "key-major" : "head-major");
+    for (int i = 0; i < 4; i++) free(out[i]), free(lse[i]);
+    free(tmp); free(scratch); free(ref); free(s);
     free(kp); free(vp);
     buf_free(&k); buf_free(&v); buf_free(&q);
 }

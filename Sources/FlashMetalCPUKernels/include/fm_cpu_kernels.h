@@ -151,14 +151,22 @@ typedef struct FMVecArgs {
  * for every query row of that kv head's GQA group: K and V are read once
  * per group. A workgroup without keys writes S = 0 (its O is not read). */
 void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch);
+/* The same for every kv head of sequence b, a tile of keys at a time: the
+ * item order for caches whose heads of one key are adjacent
+ * (fm_cpu_vec_key_major); the same bits as fm_cpu_vec_item. */
+void fm_cpu_vec_item_keys(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch);
+/* 1 when the heads of one key sit closer together than one head's
+ * consecutive keys (k_strides[1] < k_strides[2]: flash-attn's
+ * [B, cap, Hkv, D] and its pages): then items go by sequence. */
+int fm_cpu_vec_key_major(const FMVecArgs *a);
 /* Workgroups that have keys in the busiest sequence (<= p.nwg): the others
  * only write empty partials, so they need no worker. */
 int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a);
 /* The empty partials (S = 0) of workgroups [wg_from, nwg) of every row. */
 void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
-/* Floats of scratch one vec item needs (heap: nothing gqa-sized goes on a
- * thread's stack). */
-size_t fm_cpu_vec_scratch_floats(int32_t d, int32_t gqa);
+/* Floats of scratch one vec item of either order needs (heap: nothing
+ * gqa-sized goes on a thread's stack). */
+size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a);
 /* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. sinks (NULL:
  * none) is float32 [n_heads]: row r's sink logit sinks[r % n_heads] joins
