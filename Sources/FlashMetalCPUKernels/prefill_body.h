@@ -79,6 +79,27 @@ static inline const char *FM_SFX(pf_key)(const FMPrefillArgs *a, const void *bas
     return (const char *)base + FM_SFX(pf_esz)(a) * fm_pf_key_offset(a, b, kvh, p, strides, page_stride);
 }
 
+/* When a kv head's rows are not contiguous (flash-attn's [B, cap, Hkv, D]
+ * caches and their pages: Hkv rows apart, a stride the hardware
+ * prefetchers do not follow), the pack prefetches the K and V rows of the
+ * key this far ahead, whole (measured 2 threads, qL = 16 over 32k keys,
+ * Hkv = 8, D = 128 bf16: AVX2 93-101 -> 75-82 ms, AVX512-BF16 59-66 ->
+ * 45-51 ms). Contiguous rows are left to the hardware. */
+#define FM_PF_PACK_AHEAD 8
+
+static inline int FM_SFX(pf_rows_strided)(const FMPrefillArgs *a) {
+    return a->p.K_strides[2] > a->p.D || a->p.V_strides[2] > a->p.D;
+}
+
+static inline void FM_SFX(pf_prefetch_key)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t p) {
+    const char *k = FM_SFX(pf_key)(a, a->k, b, kvh, p, a->p.K_strides, a->seq.sp.K_page_stride);
+    const char *v = FM_SFX(pf_key)(a, a->v, b, kvh, p, a->p.V_strides, a->seq.sp.V_page_stride);
+    for (size_t o = 0; o < (size_t)a->p.D * FM_SFX(pf_esz)(a); o += 64) {
+        __builtin_prefetch(k + o);
+        __builtin_prefetch(v + o);
+    }
+}
+
 static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t kc,
                                 void *packed) {
     const AttnParams *p = &a->p;
@@ -87,8 +108,10 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
     float *Kf = (float *)packed + (size_t)kb * D * KB;
     float *Vf = (float *)packed + (size_t)fm_pf_nkb(a) * D * KB + (size_t)kb * KB * D;
     float row[FM_PF_DMAX];
+    const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
         float *kj = Kf + (size_t)(j / CW) * CW * D + j % CW; /* key j's column, stride CW */
+        if (strided && j + FM_PF_PACK_AHEAD < kc) FM_SFX(pf_prefetch_key)(a, b, kvh, c0 + j + FM_PF_PACK_AHEAD);
         if (j < kc) {
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                                D, a->io_dtype);
@@ -114,7 +137,9 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
     uint32_t *Kp = (uint32_t *)packed + (size_t)kb * D2 * KB;
     uint32_t *Vp = (uint32_t *)packed + (size_t)fm_pf_nkb(a) * D2 * KB + (size_t)kb * (KB / 2) * D;
     uint32_t row[FM_PF_DMAX / 2];
+    const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
+        if (strided && j + FM_PF_PACK_AHEAD < kc) FM_SFX(pf_prefetch_key)(a, b, kvh, c0 + j + FM_PF_PACK_AHEAD);
         if (j < kc)
             memcpy(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                    sizeof(uint16_t) * D);
