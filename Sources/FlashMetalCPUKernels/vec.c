@@ -37,33 +37,32 @@ void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
         }
 }
 
-/* The item itself is vec_body.h, compiled once per ISA. */
-void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
-    switch (fm_cpu_isa()) {
+/* The items themselves are vec_body.h, compiled once per ISA: fn's
+ * instance for this process's path (fm_cpu_isa). */
 #if defined(__x86_64__)
-    case FM_ISA_AVX2: fm_vec_item_avx2(a, kvrow, wg, scratch); return;
-    case FM_ISA_AVX512:
-    case FM_ISA_AVX512BF16: fm_vec_item_avx512(a, kvrow, wg, scratch); return;
-#endif
-#if defined(__aarch64__)
-    case FM_ISA_NEON: fm_vec_item_neon(a, kvrow, wg, scratch); return;
-#endif
-    default: fm_vec_item_portable(a, kvrow, wg, scratch); return;
+#define FM_VEC_ROUTE(fn, ...)                                 \
+    switch (fm_cpu_isa()) {                                   \
+    case FM_ISA_AVX2: fn##_avx2(__VA_ARGS__); return;         \
+    case FM_ISA_AVX512:                                       \
+    case FM_ISA_AVX512BF16: fn##_avx512(__VA_ARGS__); return; \
+    default: fn##_portable(__VA_ARGS__); return;              \
     }
+#elif defined(__aarch64__)
+#define FM_VEC_ROUTE(fn, ...)                                 \
+    switch (fm_cpu_isa()) {                                   \
+    case FM_ISA_NEON: fn##_neon(__VA_ARGS__); return;         \
+    default: fn##_portable(__VA_ARGS__); return;              \
+    }
+#else
+#define FM_VEC_ROUTE(fn, ...) fn##_portable(__VA_ARGS__)
+#endif
+
+void fm_cpu_vec_item(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
+    FM_VEC_ROUTE(fm_vec_item, a, kvrow, wg, scratch);
 }
 
 void fm_cpu_vec_item_keys(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch) {
-    switch (fm_cpu_isa()) {
-#if defined(__x86_64__)
-    case FM_ISA_AVX2: fm_vec_item_keys_avx2(a, b, wg, scratch); return;
-    case FM_ISA_AVX512:
-    case FM_ISA_AVX512BF16: fm_vec_item_keys_avx512(a, b, wg, scratch); return;
-#endif
-#if defined(__aarch64__)
-    case FM_ISA_NEON: fm_vec_item_keys_neon(a, b, wg, scratch); return;
-#endif
-    default: fm_vec_item_keys_portable(a, b, wg, scratch); return;
-    }
+    FM_VEC_ROUTE(fm_vec_item_keys, a, b, wg, scratch);
 }
 
 /* In-place natural-order (Sylvester) fast Walsh-Hadamard transform. */
