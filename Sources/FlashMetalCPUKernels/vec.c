@@ -28,12 +28,11 @@ int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a) {
 }
 
 void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
-    const int64_t nwg = a->p.nwg, rows = a->batch * (int64_t)a->p.n_heads;
-    float *sm = a->tmp + rows * nwg * (int64_t)a->p.head_dim;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t w = wg_from; w < nwg; w++) {
-            sm[(r * nwg + w) * 2] = 0.0f;
-            sm[(r * nwg + w) * 2 + 1] = FM_M_INIT;
+    for (int64_t r = 0; r < a->batch * (int64_t)a->p.n_heads; r++)
+        for (int64_t w = wg_from; w < a->p.nwg; w++) {
+            float *sm = fm_vec_sm(a, r, w);
+            sm[0] = 0.0f;
+            sm[1] = FM_M_INIT;
         }
 }
 
@@ -79,7 +78,7 @@ static void fwht(float *x, int32_t n) {
 void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht_undo, const uint8_t *signs, const float *sinks,
                            float *lse, int64_t n_heads) {
-    const float *sm = tmp + nrows * nwg * d + row * nwg * 2;
+    const float *sm = tmp + fm_vec_sm_offset(nrows, nwg, d, row, 0);
     float M = FM_M_INIT;
     for (int32_t w = 0; w < nwg; w++) if (sm[2 * w + 1] > M) M = sm[2 * w + 1];
     /* The sink joins the max, so e^{sink - M} cannot overflow; a row

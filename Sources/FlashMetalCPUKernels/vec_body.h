@@ -287,12 +287,6 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
     }
 }
 
-/* Where a workgroup's partials go: (S, M) pairs after the O partials. */
-static inline float *FM_SFX(vec_sm)(const FMVecArgs *a, int64_t row, int64_t wg) {
-    const int64_t nwg = a->p.nwg, nrows = a->batch * (int64_t)a->p.n_heads;
-    return a->tmp + nrows * nwg * (int64_t)a->p.head_dim + (row * nwg + wg) * 2;
-}
-
 /* Opens the partials of kv row kvrow's GQA rows in workgroup wg: O = 0,
  * M = FM_M_INIT, S = 0. */
 static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *M, float *S) {
@@ -309,7 +303,7 @@ static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t kvrow, int64_t wg, flo
 static void FM_SFX(vec_end)(const FMVecArgs *a, int64_t kvrow, int64_t wg, const float *M, const float *S) {
     const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa; i++) {
-        float *sm = FM_SFX(vec_sm)(a, kvrow * gqa + i, wg);
+        float *sm = fm_vec_sm(a, kvrow * gqa + i, wg);
         sm[0] = S ? S[i] : 0.0f;
         sm[1] = M ? M[i] : FM_M_INIT;
     }
