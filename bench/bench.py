@@ -347,9 +347,10 @@ def last_level_cache_bytes() -> int | None:
 # layer's K and V in memory, not in the last-level cache: the loop rows rotate
 # over enough copies of the cache ("layers") to exceed that cache four times.
 # Timing back-to-back calls on one 8-32 MiB cache measured the L3 instead
-# (on the shared build VM, after the 20 ms pause a 16 MiB buffer took 5 reads
-# to be back in L3, 24 -> 37 -> 56 -> 63 -> 77 GB/s, and the same case's
-# median moved between 20 and 34 GB/s from run to run).
+# (on the shared build VM, after the 20 ms pause one thread read a 16 MiB
+# buffer at 24 -> 37 -> 56 -> 63 -> 72 -> 77 GB/s in six passes while the L3
+# refilled, and the same case's median moved between 20 and 34 GB/s from run
+# to run).
 LOOP_WORKING_SET = max(128 << 20, 4 * (last_level_cache_bytes() or 64 << 20))
 
 
@@ -702,9 +703,9 @@ def write_results(measured, args, elapsed):
               f"Each case: one warm-up, then {args.runs} rounds running every peer once (interleaved); "
               "medians; 20 ms pause before each timed call so the previous peer's idle "
               "threads stop spinning (decode is also timed in a loop of back-to-back calls over several "
-              "layers' caches, as a generation loop reads them, after the pause and one untimed pass). The machine is shared with other jobs (here: "
-              "other engineers' builds and tests on the same 2 cores), so absolute times move between "
-              "runs; only ratios within one run are meaningful, and the noise line of each class gives "
+              "layers' caches, as a generation loop reads them, after the pause and one untimed pass). "
+              "The machine is shared with other jobs (here: other engineers' builds and tests on the "
+              "same 2 cores), so absolute times move between runs; only ratios within one run are meaningful, and the noise line of each class gives "
               "the spread of the flashmetal/torch ratio over the rounds. Ratio = torch time / "
               "flashmetal time (> 1: flashmetal faster). numpy = plain float32 attention (inputs "
               "converted to f32; not run in the capped child).", ""]
