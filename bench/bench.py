@@ -705,7 +705,8 @@ def write_results(measured, args, elapsed):
               "threads stop spinning (decode is also timed in a loop of back-to-back calls over several "
               "layers' caches, as a generation loop reads them, after the pause and one untimed pass). "
               "The machine is shared with other jobs (here: other engineers' builds and tests on the "
-              "same 2 cores), so absolute times move between runs; only ratios within one run are meaningful, and the noise line of each class gives "
+              "same 2 cores), so absolute times move between runs; only ratios within one run are "
+              "meaningful, and the noise line of each class gives "
               "the spread of the flashmetal/torch ratio over the rounds. Ratio = torch time / "
               "flashmetal time (> 1: flashmetal faster). numpy = plain float32 attention (inputs "
               "converted to f32; not run in the capped child).", ""]
