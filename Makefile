@@ -15,7 +15,11 @@ PYTHON = $(error flashmetal needs Python >= 3.10 (python3.13..python3.10 or pyth
 endif
 VENV := .venv
 PY := $(VENV)/bin/python
+# The OS and the machine, read here and nowhere else: fragments test $(UNAME)
+# and $(ARCH). `make mac-plan-dry-run` sets both on the command line to plan
+# `make test` as an Apple-silicon Mac would (UNAME=Darwin ARCH=arm64).
 UNAME := $(shell uname -s)
+ARCH := $(shell uname -m)
 LIBNAME := $(if $(filter Darwin,$(UNAME)),libflashmetal.dylib,libflashmetal.so)
 LIB := .build/release/$(LIBNAME)
 PKG := python/flashmetal
@@ -61,7 +65,10 @@ pytest: python
 pytest-sim-scrambled: python
 	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k sim $(PYTEST_ARGS)
 
+# Ends with one line, the same on every OS: where it ran, the backends pytest
+# ran on (and any the environment left out), the targets that passed.
 test: all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS)
+	@$(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $^
 
 # The fast loop: build, then every test not marked slow (tests/python/conftest.py).
 check: python

@@ -11,7 +11,7 @@ HARNESS_OUT := .build/cpu-harness
 HARNESS_CFLAGS := -std=c11 -O2 -ffp-contract=off -Wall -Werror \
 	-ISources/FlashMetalCPUKernels/include -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include
 
-ifeq ($(shell uname -m),x86_64)
+ifeq ($(ARCH),x86_64)
 EXTRA_TESTS += cpu-harness-test
 endif
 .PHONY: cpu-harness-test

@@ -1,6 +1,7 @@
-# mk/deps.mk — Debian packages that some checks need, installed when missing
-# (as the venv is). Each target is a stamp-free check: dpkg says whether the
-# package is there, apt-get installs it otherwise (CI runs as root).
+# mk/deps.mk — Debian packages that some Linux-only checks need, installed
+# when missing (as the venv is). Each target is a stamp-free check: dpkg says
+# whether the package is there, apt-get installs it otherwise (CI runs as
+# root). On any other OS the targets fail: nothing there may depend on them.
 #   libcxx-deps    libc++ 19: the simulator built against Apple's C++ library (mac-check)
 #   aarch64-deps   qemu-user + arm64 cross libc/libstdc++/libgcc: the C/C++ parts
 #                  cross-built for aarch64 and run under qemu-aarch64
@@ -20,8 +21,13 @@ define ensure-debs
 endef
 
 .PHONY: libcxx-deps aarch64-deps
+ifeq ($(UNAME),Linux)
 libcxx-deps:
 	$(call ensure-debs,$(LIBCXX_PKGS))
 
 aarch64-deps:
 	$(call ensure-debs,$(AARCH64_PKGS))
+else
+libcxx-deps aarch64-deps:
+	@echo "deps: $@ installs Debian packages for Linux-only checks; this is $(UNAME)"; exit 1
+endif

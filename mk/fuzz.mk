@@ -18,7 +18,7 @@ ifeq ($(UNAME),Darwin)
 ASAN_RT_NAMES := libclang_rt.asan_osx_dynamic.dylib lib/darwin/libclang_rt.asan_osx_dynamic.dylib
 ASAN_PRELOAD := DYLD_INSERT_LIBRARIES
 else
-ASAN_RT_NAMES := libclang_rt.asan-$(shell uname -m).so libclang_rt.asan.so
+ASAN_RT_NAMES := libclang_rt.asan-$(ARCH).so libclang_rt.asan.so
 ASAN_PRELOAD := LD_PRELOAD
 endif
 # -print-file-name answers with the bare name when it finds nothing.

@@ -20,7 +20,14 @@
 #   mac-pipelines-sim    tests/mac/create_pipelines.py (the macOS job's pass
 #                        over every kernel x function-constant combination)
 #                        run on the sim backend, so the script is proven here
-MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-metal-fake mac-embedder-lines mac-pipelines-sim
+#   mac-plan-dry-run     (mk/mac-plan.mk) `make test` as an arm64 Mac plans
+#                        it holds no Debian, qemu, ELF-only or Linux-path step
+# The first four stand in for a Mac with Linux's tools (Debian's libc++ 19,
+# the Darwin and Metal stand-ins, qemu): Linux only.
+ifeq ($(UNAME),Linux)
+MAC_CHECKS += mac-libcxx mac-swift-typecheck mac-aarch64-sim mac-metal-fake
+endif
+MAC_CHECKS += mac-embedder-lines mac-pipelines-sim
 
 LIBCXX_ROOT := /usr/lib/llvm-19
 LIBCXX_FLAGS := -stdlib=libc++ -nostdinc++ -isystem $(LIBCXX_ROOT)/include/c++/v1 \
