@@ -7,7 +7,8 @@ Swift toolchain; on macOS the runtime is part of the OS), and put the
 library and its header into the package. A missing toolchain or a failed
 build fails the build, never the first call. The wheel is tagged for this
 platform (py3-none-<platform>: the library is loaded through cffi's ABI mode,
-so any CPython 3 can use it).
+so any CPython 3 can use it); on macOS for the machine's architecture and the
+macOS floor of Package.swift (macosx_14_0_arm64 on Apple silicon).
 
 The Swift package is found next to python/ (a checkout) or in swift-src/ (an
 sdist, which carries a copy of it). The version is FM_VERSION of flashmetal.h.
@@ -18,6 +19,7 @@ Environment: FLASHMETAL_SWIFT (the swift executable), FLASHMETAL_SWIFT_SCRATCH
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -99,12 +101,28 @@ class BinaryDistribution(Distribution):
         return True
 
 
+def macos_deployment_target() -> str:
+    """The macOS floor Package.swift declares (`.macOS(.v14)` -> "14.0"): the built dylib's minimum."""
+    text = (swift_package_root() / "Package.swift").read_text()
+    m = re.search(r"\.macOS\(\s*\.v(\d+)(?:_(\d+))?\s*\)", text)
+    if not m:
+        raise SystemExit("flashmetal: no .macOS(.vN) platform in Package.swift")
+    return f"{m.group(1)}.{m.group(2) or 0}"
+
+
+def platform_tag() -> str:
+    """This platform's wheel tag. On macOS the library's own: this machine's architecture (SwiftPM builds
+    for it alone) and the deployment target, not the Python build's (often universal2 and older)."""
+    if sys.platform == "darwin":
+        return "macosx_%s_%s" % (macos_deployment_target().replace(".", "_"), platform.machine())
+    return sysconfig.get_platform().replace("-", "_").replace(".", "_")
+
+
 class PlatformWheel(bdist_wheel):
     """Tagged py3-none-<platform>: it carries a native library but no CPython extension."""
 
     def get_tag(self) -> tuple[str, str, str]:
-        plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-        return "py3", "none", plat
+        return "py3", "none", platform_tag()
 
 
 class SdistWithSwiftPackage(sdist):

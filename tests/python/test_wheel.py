@@ -43,6 +43,9 @@ def test_platform_tag_and_contents():
     name = Path(WHEEL).name
     assert re.fullmatch(r"flashmetal-[\w.]+-py3-none-(linux|macosx)_\w+\.whl", name), name
     assert "none-any" not in name
+    if sys.platform == "darwin":
+        # The dylib's own: Apple silicon only, macOS 14 at least (Package.swift), never universal2.
+        assert name.endswith("-py3-none-macosx_14_0_arm64.whl"), name
     with zipfile.ZipFile(WHEEL) as z:
         names = set(z.namelist())
     lib = "flashmetal/libflashmetal.dylib" if sys.platform == "darwin" else "flashmetal/libflashmetal.so"
