@@ -537,15 +537,17 @@ kernel void flash_attn_prefill(
     TG_ARRAY(T, Qs, G::q_elems);
     TG_ARRAY(T, KVs, G::kv_elems);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
+    // An argument whose constant is false is not there: never read, only null.
     PrefillSeqBuffers sb;
-    sb.sp = sp;
-    sb.cu_q = cu_q;
-    sb.cu_k = cu_k;
-    sb.seqlens_k = seqlens_k;
-    sb.block_table = block_table;
-    sb.sinks = sinks;
-    sb.lse = lse;
-    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, mp, mask, blk, sb, Qs, KVs,
+    sb.sp = prefill_seq ? sp : nullptr;
+    sb.cu_q = varlen_q ? cu_q : nullptr;
+    sb.cu_k = varlen_k ? cu_k : nullptr;
+    sb.seqlens_k = kv_lens ? seqlens_k : nullptr;
+    sb.block_table = paged_kv ? block_table : nullptr;
+    sb.sinks = has_sinks ? sinks : nullptr;
+    sb.lse = has_lse ? lse : nullptr;
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
+                                              has_mask ? mask : nullptr, has_blk ? blk : nullptr, sb, Qs, KVs,
                                               Os, tgid, sg, lane, tid);
 }
 

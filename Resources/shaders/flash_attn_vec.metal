@@ -152,6 +152,9 @@ kernel void flash_attn_vec(
         }
     }
     const long kv_len = vec_kv_lens ? long(seqlens_k[b]) : long(p.kv_seq_len);
+    // An argument whose constant is false is not there: never read, only null.
+    constant FlashAttnVecSeqParams *seq = vec_seq ? sp : nullptr;
+    const device int *table = vec_paged ? block_table : nullptr;
 
     float qv[NE];  // this lane's dims of q: l, l + 32, ...
     for (int i = 0; i < NE; i++) qv[i] = vec_lane_dim<D>(lane, i) ? q[row * D + int(lane) + 32 * i] : 0.0f;
@@ -177,8 +180,8 @@ kernel void flash_attn_vec(
         long voff[2] = {0, 0};
         for (int hf = 0; hf < 2; hf++) {
             if (c + 16 * hf >= kv_len) continue;
-            koff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, ks);
-            voff[hf] = vec_half_offset(c, hf, b, g, sp, block_table, vs);
+            koff[hf] = vec_half_offset(c, hf, b, g, seq, table, ks);
+            voff[hf] = vec_half_offset(c, hf, b, g, seq, table, vs);
         }
         float part[FM_VEC_CHUNK];
         for (int j = 0; j < FM_VEC_CHUNK; j++) {

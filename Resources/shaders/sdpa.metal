@@ -90,7 +90,7 @@ kernel void sdpa(
     long end = kv_len;
     if (p.do_causal != 0) end = min(end, t + 1);
     if (sdpa_ext && ext->window > 0) begin = max(begin, t - long(ext->window) + 1);
-    const float cap_c = sdpa_softcap ? ext->softcap : 0.0f;
+    const float cap_c = sdpa_ext && sdpa_softcap ? ext->softcap : 0.0f;
 
     for (long d0 = 0; d0 < D; d0 += SDPA_DB) {
         const int nb = int(min(long(SDPA_DB), D - d0));

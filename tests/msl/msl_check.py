@@ -4,10 +4,15 @@
 clang, C++14, syntax only, __METAL_VERSION__ = 310, against the stand-in
 <metal_stdlib> in this folder (device / constant / threadgroup are distinct
 clang address spaces; MSL's signatures for what the shaders use; no double;
-no C++17 or later). First a self-test: planted errors (address-space mixing,
-C++17 constructs, a double, wrong simdgroup element types, an implicit
-bfloat conversion) must each be rejected and a control shader must compile;
-then every Resources/shaders/*.metal must compile.
+no C++17 or later; min / max / clamp on two operands of one type, long
+included, as Apple's metal_integer declares them). What clang accepts but
+MSL does not is then looked for in the preprocessed source: a linkage
+specification (`extern "C"`: the Metal compiler defines __cplusplus, so a
+header must hide it behind !defined(__METAL_VERSION__)). First a self-test:
+planted errors (address-space mixing, C++17 constructs, a double, wrong
+simdgroup element types, an implicit bfloat conversion, mixed-type integer
+min / max, an extern "C" block) must each be rejected and a control shader
+must compile; then every Resources/shaders/*.metal must compile.
 
 What it cannot prove: that Apple's compiler accepts the shaders (attributes,
 function constants and pipeline specialisation are only checked there).
@@ -15,6 +20,8 @@ function constants and pipeline specialisation are only checked there).
 Usage: msl_check.py CXX [SHADER_DIR]
 """
 import os
+import re
+import subprocess
 import sys
 
 from planted import compile_file, run_planted
@@ -25,6 +32,25 @@ FLAGS = ["-std=c++14", "-fsyntax-only", "-x", "c++", "-D__METAL_VERSION__=310", 
          "-I" + HERE, "-I" + os.path.join(ROOT, "Sources/CFlashMetal/include"), "-Wno-unknown-attributes",
          "-pedantic-errors"]
 PRELUDE = '#include "%s/Resources/shaders/dialect.h"\nusing namespace metal;\n' % ROOT
+
+
+# In the preprocessed source: (pattern, diagnostic) of what MSL rejects and clang does not.
+PREPROCESSED_RULES = [
+    (re.compile(r'\bextern\s*"C\+*"'), 'extern "C": MSL has no linkage specifications (it defines __cplusplus: '
+                                       'guard with #if defined(__cplusplus) && !defined(__METAL_VERSION__))'),
+]
+
+
+def preprocessed_check(cmd):
+    """A post-compile check for planted.compile_file: the preprocessed source against PREPROCESSED_RULES."""
+    pp = [a for a in cmd if a != "-fsyntax-only"] + ["-E", "-P"]
+
+    def check(path):
+        r = subprocess.run(pp + [path], capture_output=True, text=True)
+        if r.returncode != 0:
+            return "preprocessing failed: " + r.stderr[-2000:]
+        return "; ".join(msg for rx, msg in PREPROCESSED_RULES if rx.search(r.stdout))
+    return check
 
 
 def shader(helpers, body, params=""):
@@ -72,6 +98,11 @@ BAD = [
     ("simd_sum of bfloat", shader("", "bfloat b = bfloat(1.0f); o[0] = float(simd_sum(b));"), "simd_sum"),
     ("bfloat from float, implicit", shader("", "bfloat b = 1.0f; o[0] = float(b);"), "bfloat"),
     ("bfloat times float", shader("", "bfloat b = bfloat(1.0f); o[0] = b * 2.0f;"), "operands"),
+    ("min of long and int", shader("", "o[0] = float(min(long(lane), 1));"), "min"),
+    ("max of int and uint", shader("", "o[0] = float(max(int(lane), lane));"), "max"),
+    ("clamp of long and int", shader("", "o[0] = float(clamp(long(lane), 0, 8));"), "clamp"),
+    ('extern "C" block seen by MSL', "#ifdef __cplusplus\nextern \"C\" {\n#endif\nstruct S { int a; };\n"
+     "#ifdef __cplusplus\n}\n#endif\n" + shader("", "o[0] = 1.0f;"), 'extern "C"'),
 ]
 
 
@@ -81,11 +112,12 @@ def main(argv):
         return 2
     cmd = [argv[0]] + FLAGS
     shader_dir = argv[1] if len(argv) > 1 else os.path.join(ROOT, "Resources/shaders")
-    failed = run_planted("msl check", cmd, CONTROL, BAD)
+    post = preprocessed_check(cmd)
+    failed = run_planted("msl check", cmd, CONTROL, BAD, post=post)
     shaders = sorted(f for f in os.listdir(shader_dir) if f.endswith(".metal"))
     for f in shaders:
         path = os.path.join(shader_dir, f)
-        ok, err = compile_file(cmd, path)
+        ok, err = compile_file(cmd, path, post)
         print("msl check: %-36s %s" % (f, "ok" if ok else "REJECTED"))
         if not ok:
             print(err[-4000:])

@@ -25,6 +25,14 @@ mean different things on the two sides, are rejected here:
   c-pointer-cast    no C-style casts to a pointer type: they cross address spaces
                     silently (clang accepts them, Metal does not); write
                     reinterpret_cast, which the MSL check holds to one address space
+  gated-arg         a kernel argument declared [[buffer(i), function_constant(c)]]
+                    does not exist when c is false (Metal binds nothing there):
+                    the kernel reads or copies it only where c holds, as the
+                    condition of an enclosing `if`, or before `?` / `&&` in the
+                    same statement (c, or a constant that implies it: a
+                    disjunct of c's FUNCTION_CONSTANT_EXPR, or an
+                    FUNCTION_CONSTANT_EXPR that is a conjunction with c in it).
+                    Pass `c ? arg : nullptr` on to helpers.
 
 Usage: lint_dialect.py DIR...   |   lint_dialect.py --self-test
 """
@@ -56,6 +64,10 @@ RE_TG_ARRAY_USE = re.compile(r"\bTG_ARRAY\s*\(")
 RE_BUILTIN_PARAM = re.compile(r"^\s*(?:const\s+)?([A-Za-z_]\w*)\s+[A-Za-z_]\w*\s+BUILTIN\s*\(\s*(\w+)\s*\)\s*$")
 RE_C_PTR_CAST = re.compile(r"\(\s*(?:const\s+)?(?:(?:device|constant|threadgroup|thread)\s+)?(?:const\s+)?"
                            r"[A-Za-z_][\w:]*(?:\s*<[^()<>;]*>)?\s*(?:const\s*)?\*+\s*\)\s*[\w(]")
+RE_GATED_PARAM = re.compile(r"([A-Za-z_]\w*)\s*\[\[\s*buffer\s*\(\s*\d+\s*\)\s*,\s*"
+                            r"function_constant\s*\(\s*([A-Za-z_]\w*)\s*\)\s*\]\]")
+RE_FC_EXPR = re.compile(r"\bFUNCTION_CONSTANT_EXPR\s*\(\s*\w+\s*,\s*([A-Za-z_]\w*)\s*,")
+RE_IF = re.compile(r"\bif\s*\(")
 # Builtins MSL also declares as 2-/3-vectors; the others are scalars only.
 VECTOR_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
                    "threads_per_threadgroup", "threadgroups_per_grid", "threads_per_grid",
@@ -120,6 +132,77 @@ def line_of(text, pos):
     return text.count("\n", 0, pos) + 1
 
 
+def split_top(expr, op):
+    """Top-level split of an expression on an operator (parentheses nest)."""
+    out, depth, cur, i = [], 0, "", 0
+    while i < len(expr):
+        c = expr[i]
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth == 0 and expr.startswith(op, i):
+            out.append(cur)
+            cur, i = "", i + len(op)
+            continue
+        cur += c
+        i += 1
+    out.append(cur)
+    return [part.strip() for part in out]
+
+
+def unparen(expr):
+    expr = expr.strip()
+    while expr.startswith("(") and matching(expr, 1, "(", ")") == len(expr):
+        expr = expr[1:-1].strip()
+    return expr
+
+
+def constant_guards(code):
+    """{constant: the constants whose truth implies it}, from FUNCTION_CONSTANT_EXPR
+    definitions: each disjunct of `c = a || b` implies c; `g = c && d` implies c."""
+    guards = {}
+    for m in RE_FC_EXPR.finditer(code):
+        end = matching(code, m.end(), "(", ")")
+        expr = unparen(code[m.end():end - 1])
+        name = m.group(1)
+        ors = [unparen(x) for x in split_top(expr, "||")]
+        ands = [unparen(x) for x in split_top(expr, "&&")]
+        if len(ors) > 1 and all(re.fullmatch(r"[A-Za-z_]\w*", x) for x in ors):
+            guards.setdefault(name, set()).update(ors)
+        if len(ands) > 1:
+            for x in ands:
+                if re.fullmatch(r"[A-Za-z_]\w*", x):
+                    guards.setdefault(x, set()).add(name)
+    return guards
+
+
+def if_scopes(body):
+    """[(start, end, [conjuncts of the condition])] of every `if` in a body."""
+    scopes = []
+    for m in RE_IF.finditer(body):
+        close = matching(body, m.end(), "(", ")")
+        conds = [unparen(x) for x in split_top(body[m.end():close - 1], "&&")]
+        k = close
+        while k < len(body) and body[k].isspace():
+            k += 1
+        end = matching(body, k + 1, "{", "}") if body[k:k + 1] == "{" else body.find(";", k) + 1
+        scopes.append((close, end, conds))
+    return scopes
+
+
+def gated_uses(body, pname, guards):
+    """Positions in a kernel body where the gated argument pname is used unguarded."""
+    bad = []
+    scopes = if_scopes(body)
+    for m in re.finditer(r"(?<![\w.>])%s\b" % re.escape(pname), body):
+        start = max(body.rfind(c, 0, m.start()) for c in ";{}") + 1
+        stmt = body[start:m.start()]
+        if any(re.search(r"\b%s\s*(?:\?|&&)" % re.escape(g), stmt) for g in guards):
+            continue
+        if any(a <= m.start() < b and any(c in guards for c in conds) for a, b, conds in scopes):
+            continue
+        bad.append(m.start())
+    return bad
+
+
 def lint_text(text, name="<text>"):
     errors = []
     raw = text
@@ -176,7 +259,16 @@ def lint_text(text, name="<text>"):
                         % (m.group(1), text_p, " / ".join(sorted(allowed))))
         body = code.find("{", j)
         if body >= 0 and code[j:body].strip() == "":
-            kernel_bodies.append((body, matching(code, body + 1, "{", "}")))
+            body_end = matching(code, body + 1, "{", "}")
+            kernel_bodies.append((body, body_end))
+            implied = constant_guards(code)
+            for g in RE_GATED_PARAM.finditer(plist):
+                pname, const = g.group(1), g.group(2)
+                guards = {const} | implied.get(const, set())
+                for pos in gated_uses(code[body:body_end], pname, guards):
+                    err(body + pos, "gated-arg", "kernel %s reads '%s' ([[function_constant(%s)]]) where %s may be "
+                        "false and nothing is bound: guard it (`if (%s)`, `%s ? %s : nullptr`)"
+                        % (m.group(1), pname, const, const, const, const, pname))
     for m in RE_TG_ARRAY_USE.finditer(code):
         if not any(a < m.start() < b for a, b in kernel_bodies):
             err(m.start(), "tg-array-scope", "TG_ARRAY outside a kernel body: declare it in the kernel and pass "
@@ -210,9 +302,14 @@ GOOD = r'''
 #include "dialect.h"
 using namespace metal;
 FUNCTION_CONSTANT(bool, has_mask, 300)
+FUNCTION_CONSTANT(bool, has_win, 301)
+FUNCTION_CONSTANT_EXPR(bool, any_ext, has_mask || has_win)
+FUNCTION_CONSTANT_EXPR(bool, masked_win, (has_win && has_mask))
 // a comment with threadgroup float x[4]; and [[thread_position_in_grid]] and 1.0H
 template <typename T>
 kernel void good(const device T *a [[buffer(0)]], device float *o [[buffer(1)]],
+                 const device float *m [[buffer(2), function_constant(has_mask)]],
+                 constant uint *e [[buffer(3), function_constant(any_ext)]],
                  TG_BUFFER(half, scratch, 0), uint tid BUILTIN(thread_index_in_threadgroup),
                  uint3 g BUILTIN(threadgroup_position_in_grid), ushort lane BUILTIN(thread_index_in_simdgroup)) {
     TG_ARRAY(float, buf, 64);
@@ -221,6 +318,14 @@ kernel void good(const device T *a [[buffer(0)]], device float *o [[buffer(1)]],
     half h = 1.0h;
     float4 v = float4(h);
     buf[tid] = (v.x * p[0]) + s[g.x] * float(lane);
+    const device float *mm = has_mask ? m : nullptr;
+    if (has_mask) {
+        buf[0] = m[tid] + mm[0];
+    }
+    if (g.y > 0 && has_mask) buf[1] = m[0];
+    const float y = has_mask && m[0] > 0.0f ? 1.0f : 0.0f;
+    const uint w = has_win ? e[0] : 0u;
+    if (masked_win) buf[2] = m[1] + y + float(w);
 }
 INSTANTIATE_KERNEL("good", good, float)
 '''
@@ -242,6 +347,15 @@ BAD = {
     "c-pointer-cast": "kernel void k(device float *o [[buffer(0)]]) {\n  TG_ARRAY(float, t, 32);\n"
                       "  thread float *p = (thread float *)t;\n  o[0] = p[0];\n}\n",
     "c-pointer-cast ": "kernel void k(device half *o [[buffer(0)]]) { device float *f = (device float *)(o + 2); }\n",
+    "gated-arg": "FUNCTION_CONSTANT(bool, has_mask, 300)\n"
+                 "kernel void k(device float *o [[buffer(0)]], const device float *m [[buffer(1), "
+                 "function_constant(has_mask)]]) {\n  const device float *p = m;\n  o[0] = has_mask ? p[0] : 0.0f;\n}\n",
+    "gated-arg ": "FUNCTION_CONSTANT(bool, has_mask, 300)\n"
+                  "kernel void k(device float *o [[buffer(0)]], const device float *m [[buffer(1), "
+                  "function_constant(has_mask)]]) {\n  if (has_mask) o[0] = 1.0f; else o[0] = m[0];\n}\n",
+    "gated-arg  ": "FUNCTION_CONSTANT(bool, has_mask, 300)\nFUNCTION_CONSTANT(bool, has_win, 301)\n"
+                   "kernel void k(device float *o [[buffer(0)]], const device float *m [[buffer(1), "
+                   "function_constant(has_mask)]]) {\n  o[0] = has_win ? m[0] : 0.0f;\n}\n",
 }
 
 

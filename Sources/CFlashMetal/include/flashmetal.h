@@ -21,7 +21,9 @@
 #include <stdint.h>
 #endif
 
-#ifdef __cplusplus
+/* C linkage for C++ callers. The Metal compiler defines __cplusplus too, and
+ * MSL has no linkage specifications: it must not see this. */
+#if defined(__cplusplus) && !defined(__METAL_VERSION__)
 extern "C" {
 #endif
 
@@ -567,7 +569,7 @@ int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMT
 
 /* FM_CDEF_END */
 
-#ifdef __cplusplus
+#if defined(__cplusplus) && !defined(__METAL_VERSION__)
 }
 #endif
 
