@@ -9,7 +9,7 @@ import flashmetal
 
 def available_backends() -> list[str]:
     names = []
-    for name in ("cpu", "sim", "metal"):
+    for name in ("cpu", "sim", "metal-sim", "metal"):
         try:
             flashmetal.Registry(name).close()
         except (ValueError, flashmetal.BackendError):
@@ -21,6 +21,8 @@ def available_backends() -> list[str]:
 
 
 BACKENDS = available_backends()
+# Backends whose GPU is the simulator (slow: tests give them small shapes).
+SIMULATED = ("sim", "metal-sim")
 
 # Tests that take seconds each (fuzzing, RSS and thread soaks, forced-ISA
 # suites, multi-GiB scale checks). `make check` deselects them with
@@ -36,6 +38,7 @@ SLOW_TESTS = frozenset({
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes seconds; skipped by `make check`, run by `make test`")
+    config.addinivalue_line("markers", "metal_violation: plants a broken Metal rule on metal-sim on purpose")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -50,6 +53,23 @@ def registry(request: pytest.FixtureRequest) -> flashmetal.Registry:
     r = flashmetal.Registry(request.param)
     yield r
     r.close()
+
+
+def _metal_violations() -> int:
+    return flashmetal.registry.metal_sim_counters()["violations"] if "metal-sim" in BACKENDS else 0
+
+
+@pytest.fixture(autouse=True)
+def _no_metal_rule_broken(request: pytest.FixtureRequest) -> None:
+    """Every test fails if the metal-sim runtime saw a Metal rule broken
+    while it ran (tests that plant one are marked metal_violation)."""
+    if "metal-sim" not in BACKENDS or request.node.get_closest_marker("metal_violation"):
+        yield
+        return
+    before = _metal_violations()
+    yield
+    broken = _metal_violations() - before
+    assert broken == 0, f"{broken} Metal rule(s) broken; the last: {flashmetal.registry.metal_sim_last_violation()}"
 
 
 @pytest.fixture(scope="session")

@@ -71,8 +71,10 @@ final class SimDevice: MTLDevice {
 
     func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
                     deallocator: ((UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer? {
+        // FLASHMETAL_METAL_SIM_WRAP=0 refuses every wrap, as Metal does for
+        // memory it cannot map (tests of the host code's copy path).
         guard length > 0, length <= maxBufferLength, length % pageSize == 0,
-              UInt(bitPattern: pointer) % UInt(pageSize) == 0 else {
+              UInt(bitPattern: pointer) % UInt(pageSize) == 0, MetalSim.env("FLASHMETAL_METAL_SIM_WRAP", 1) != 0 else {
             MetalSim.count { $0.noCopyRefused += 1 }
             return nil
         }
