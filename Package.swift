@@ -17,15 +17,13 @@ let exportOnlyCABI: [LinkerSetting] = [
 
 // Linux only: the metal-sim runtime, a module named Metal that implements
 // the Metal API the backend uses and runs its dispatches on the simulator,
-// and a Darwin module (glibc with Apple silicon's page size), so the Metal
-// backend's unchanged sources build and run as the "metal-sim" backend. On
-// macOS the SDK's Metal and Darwin are used.
+// so the Metal backend's sources build and run as the "metal-sim" backend.
+// On macOS the SDK's Metal is used.
 #if os(Linux)
 let metalRuntime: [Target] = [
-    .target(name: "Darwin", path: "Sources/MetalSim/Darwin"),
     .target(name: "Metal", dependencies: ["FlashMetalSim"], path: "Sources/MetalSim/Metal"),
 ]
-let metalRuntimeDeps: [Target.Dependency] = ["Metal", "Darwin"]
+let metalRuntimeDeps: [Target.Dependency] = ["Metal"]
 #else
 let metalRuntime: [Target] = []
 let metalRuntimeDeps: [Target.Dependency] = []

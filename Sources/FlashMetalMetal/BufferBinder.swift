@@ -1,6 +1,8 @@
 #if canImport(Metal)
 import FlashMetalCore
-import Darwin
+#if canImport(Darwin)
+import Darwin  // on Linux, the metal-sim Metal module brings in glibc
+#endif
 import Metal
 
 /// Wraps caller memory in MTLBuffers for one command buffer. Every distinct

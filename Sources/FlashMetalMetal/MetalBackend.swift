@@ -1,5 +1,7 @@
 #if canImport(Metal)
-import Darwin
+#if canImport(Darwin)
+import Darwin  // on Linux, the metal-sim Metal module brings in glibc
+#endif
 import FlashMetalCore
 import FlashMetalShaders
 import Metal

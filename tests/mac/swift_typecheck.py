@@ -40,9 +40,9 @@ STDLIB = ["Swift", "_RegexParser", "_StringProcessing", "SwiftOnoneSupport", "_C
 STDLIB_TARGET = "x86_64-apple-macosx10.13"
 # Host-only targets (see the docstring).
 SKIPPED_TYPES = {"test", "plugin"}
-# Targets Package.swift adds on Linux only (the metal-sim runtime's Metal and
-# Darwin): on macOS the SDK's modules, here the stand-ins, take their place.
-LINUX_ONLY = {"Metal", "Darwin"}
+# Targets Package.swift adds on Linux only (the metal-sim runtime's Metal):
+# on macOS the SDK's module, here the stand-in, takes its place.
+LINUX_ONLY = {"Metal"}
 
 
 def toolchain_bin() -> Path:

@@ -1,5 +1,17 @@
 import Glibc
 
+// The metal-sim runtime: Apple's Metal API (the part the Metal backend
+// uses) on Linux, whose GPU is the flashmetal simulator. Settings, read
+// from the environment when an object is made or a command buffer runs:
+//   FLASHMETAL_METAL_SIM_DEVICES      devices listed, first = default ("m2";
+//                                     "paravirtual" lacks Apple7 / Metal 3)
+//   FLASHMETAL_METAL_SIM_MAX_THREADS  pipelines' maxTotalThreadsPerThreadgroup
+//   FLASHMETAL_METAL_SIM_MAX_BUFFER   the device's maxBufferLength
+//   FLASHMETAL_METAL_SIM_ORDER        "reverse" (default) or "shuffle:<seed>":
+//                                     order of barrier-free concurrent dispatches
+//   FLASHMETAL_METAL_SIM_DROP_BARRIER n: ignore each encoder's n-th memoryBarrier
+//   FLASHMETAL_METAL_SIM_WRAP         0: refuse every bytesNoCopy wrap
+
 /// Not Metal API: the metal-sim runtime's own controls and observations.
 /// Every rule the runtime enforces is a `MetalSim.Rule`; a broken rule is a
 /// violation: logged to stderr, counted, kept as `lastViolation`, handed to
