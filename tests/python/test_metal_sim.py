@@ -5,6 +5,7 @@ the counters per call, every memoryBarrier the backend places being needed,
 the pipeline thread limit, and the device choice."""
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -144,14 +145,33 @@ def _append_then_decode(reg, rng):
     return out, exp
 
 
+_FLIP = itertools.count()
+
+
 def _prefill_mask(reg, rng):
-    q, k, v = (randn(rng, (1, 2, 40, 64), F16) for _ in range(3))
-    mask = reference.mask_additive(40, 40, causal=True).astype(F16)
+    """Causal and anti-causal masks in turn: the blk the library computes
+    for one skips the tiles the other needs, so a prefill that reads the
+    previous call's blk (the pre-pass not run first) is wrong."""
+    q, k, v = (randn(rng, (1, 2, 160, 64), F16) for _ in range(3))
+    mask = reference.mask_additive(160, 160, causal=True).astype(F16)
+    if next(_FLIP) % 2:
+        mask = np.ascontiguousarray(mask.T)
     out = fm.flash_attn_prefill(q, k, v, mask=mask, registry=reg)
     return out, reference.attention(q, k, v, mask=mask)
 
 
-MULTI = {"vec": _vec, "vec_seq": _vec_seq, "append_then_decode": _append_then_decode, "prefill_mask": _prefill_mask}
+def _chained_calls_in_a_batch(reg, rng):
+    """Two calls in one batch scope (one command buffer), the second reading
+    what the first writes."""
+    q, k, v = (randn(rng, (1, 2, 24, 64), F16) for _ in range(3))
+    with reg.batch():
+        o1 = fm.flash_attn_prefill(q, k, v, registry=reg)
+        o2 = fm.flash_attn_prefill(o1, k, v, registry=reg)
+    return o2, reference.attention(reference.attention(q, k, v).astype(F16), k, v)
+
+
+MULTI = {"vec": _vec, "vec_seq": _vec_seq, "append_then_decode": _append_then_decode, "prefill_mask": _prefill_mask,
+         "chained_calls_in_a_batch": _chained_calls_in_a_batch}
 
 
 @pytest.mark.parametrize("op", sorted(MULTI))
