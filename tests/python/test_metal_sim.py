@@ -121,6 +121,33 @@ def test_counters_per_call_and_batch(msim, rng):
     assert_close(b, reference.decode(q, k, v, 40), F32, "batched b")
 
 
+def test_threads_without_a_pool_release_every_command_buffer(msim, rng):
+    """Python threads have no autorelease pool: the backend drains its own
+    per call, so 70 calls (more than a queue's 64 command buffers) on two
+    threads leave none alive and break no rule."""
+    import threading
+
+    q = randn(rng, (4, 64), F32)
+    k, v = randn(rng, (2, 40, 64), F16), randn(rng, (2, 40, 64), F16)
+    exp = reference.decode(q, k, v, 40)
+    results = []
+
+    def work():
+        for _ in range(35):
+            results.append(_decode(msim, q, k, v, 40))
+
+    before = metal_sim_counters()
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    c = delta(before)
+    assert len(results) == 70 and c["command_buffers"] == 70 and c["live_command_buffers"] == 0, c
+    for r in results:
+        assert_close(r, exp, F32, "threaded decode")
+
+
 # Each multi-dispatch operation: (name, run(reg, rng) -> (actual, expected)).
 def _vec(reg, rng):
     q, k, v = randn(rng, (4, 64), F32), randn(rng, (2, 48, 64), F16), randn(rng, (2, 48, 64), F16)
