@@ -24,7 +24,10 @@ final class Pass {
 
 /// A command buffer: records passes, runs them on the simulator when
 /// committed (synchronously: it has completed when commit() returns), and
-/// reports status and error as Metal does.
+/// reports status and error as Metal does: .notEnqueued until commit, then
+/// .completed, or .error with an MTLCommandBufferError.
+/// https://developer.apple.com/documentation/metal/mtlcommandbuffer/status
+/// https://developer.apple.com/documentation/metal/mtlcommandbuffer/error
 final class SimCommandBuffer: MTLCommandBuffer {
     let queue: SimCommandQueue
     private(set) var status: MTLCommandBufferStatus = .notEnqueued

@@ -23,7 +23,9 @@ public func MTLCopyAllDevices() -> [MTLDevice] {
 final class SimDevice: MTLDevice {
     let name: String
     let families: Set<MTLGPUFamily>
-    /// FLASHMETAL_METAL_SIM_MAX_BUFFER bytes, else 4 GiB.
+    /// FLASHMETAL_METAL_SIM_MAX_BUFFER bytes, else 4 GiB: makeBuffer of
+    /// more returns nil.
+    /// https://developer.apple.com/documentation/metal/mtldevice/maxbufferlength
     let maxBufferLength: Int
     /// Apple GPUs: 32 KiB (Metal feature set tables).
     let maxThreadgroupMemoryLength = 32768
