@@ -3,7 +3,7 @@ import CFlashMetal
 import FlashMetalCore
 import FlashMetalShaders
 import Glibc
-import Metal
+@testable import Metal
 import XCTest
 
 /// Planted errors against the metal-sim runtime: each breaks one Metal rule
@@ -278,6 +278,15 @@ final class MetalSimRuntimeTests: XCTestCase {
             cb.commit()
             broke(.outOfBounds)
             XCTAssertEqual(cb.status, .error)
+        }
+    }
+
+    func testRedZonesOnBothSidesOfACopy() throws {
+        for delta in [-1, 16, 16 + 255] {
+            let b = try XCTUnwrap(floats([1, 2, 3, 4]) as? SimBuffer)
+            XCTAssertTrue(b.redZoneIntact)
+            (b.contents() + delta).storeBytes(of: 0, as: UInt8.self)
+            XCTAssertFalse(b.redZoneIntact, "a byte written at \(delta)")
         }
     }
 

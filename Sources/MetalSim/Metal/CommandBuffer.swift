@@ -192,10 +192,10 @@ final class SimCommandBuffer: MTLCommandBuffer {
             let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
             return MTLCommandBufferError(code: .internal, message: "\(fn.name): \(msg)")
         }
-        // Writes past the end of a runtime-owned copy land in its red zone.
+        // Writes just outside a runtime-owned copy land in its red zones.
         for (i, (b, _)) in d.buffers where !b.redZoneIntact {
             let v = MetalSim.violate(.outOfBounds,
-                                     "\(fn.name) wrote past the end of the \(b.length)-byte buffer bound at index \(i)")
+                                     "\(fn.name) wrote outside the \(b.length)-byte buffer bound at index \(i)")
             return MTLCommandBufferError(code: .pageFault, message: v.description)
         }
         return nil

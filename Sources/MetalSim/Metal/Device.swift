@@ -120,7 +120,7 @@ extension String {
 final class SimBuffer: MTLBuffer {
     let base: UnsafeMutableRawPointer
     let length: Int
-    /// Runtime-owned memory (makeBuffer(bytes:)), followed by a red zone.
+    /// Runtime-owned memory (makeBuffer(bytes:)), with a red zone on each side.
     let isCopy: Bool
     private let deallocator: ((UnsafeMutableRawPointer, Int) -> Void)?
     /// A command buffer that used this buffer has completed.
@@ -129,12 +129,15 @@ final class SimBuffer: MTLBuffer {
     static let redZone = 256
     static let redByte: UInt8 = 0xCD
 
+    /// A page-aligned copy: one page in front (its last `redZone` bytes the
+    /// front red zone), the bytes, then the back red zone.
     init?(copying src: UnsafeRawPointer, length: Int) {
         var p: UnsafeMutableRawPointer?
-        guard posix_memalign(&p, pageSize, length + Self.redZone) == 0, let mem = p else { return nil }
-        mem.copyMemory(from: src, byteCount: length)
-        (mem + length).initializeMemory(as: UInt8.self, repeating: Self.redByte, count: Self.redZone)
-        base = mem
+        guard posix_memalign(&p, pageSize, pageSize + length + Self.redZone) == 0, let mem = p else { return nil }
+        base = mem + pageSize
+        base.copyMemory(from: src, byteCount: length)
+        (base - Self.redZone).initializeMemory(as: UInt8.self, repeating: Self.redByte, count: Self.redZone)
+        (base + length).initializeMemory(as: UInt8.self, repeating: Self.redByte, count: Self.redZone)
         self.length = length
         isCopy = true
         deallocator = nil
@@ -148,7 +151,7 @@ final class SimBuffer: MTLBuffer {
     }
 
     deinit {
-        if isCopy { free(base) } else { deallocator?(base, length) }
+        if isCopy { free(base - pageSize) } else { deallocator?(base, length) }
     }
 
     func contents() -> UnsafeMutableRawPointer {
@@ -159,11 +162,12 @@ final class SimBuffer: MTLBuffer {
         return base
     }
 
-    /// Whether the bytes after a copy's end are as the runtime left them.
+    /// Whether the bytes around a copy are as the runtime left them.
     var redZoneIntact: Bool {
         guard isCopy else { return true }
-        let z = UnsafeRawBufferPointer(start: base + length, count: Self.redZone)
-        return z.allSatisfy { $0 == Self.redByte }
+        let before = UnsafeRawBufferPointer(start: base - Self.redZone, count: Self.redZone)
+        let after = UnsafeRawBufferPointer(start: base + length, count: Self.redZone)
+        return before.allSatisfy { $0 == Self.redByte } && after.allSatisfy { $0 == Self.redByte }
     }
 }
 
