@@ -91,6 +91,8 @@ class Registry:
         for d in dims:
             count *= d
         nbytes = count * dt.itemsize
+        if nbytes > 2**62:
+            raise InvalidValueError(op, f"shape {dims} of {dt} needs {nbytes} bytes, more than any allocation")
         ffi, lib = _native.ffi(), _native.lib()
         out = ffi.new("void **")
         _native.call_static("fm_alloc_host", max(nbytes, 1), out, op=op)

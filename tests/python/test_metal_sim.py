@@ -62,6 +62,10 @@ def test_empty_is_page_aligned_zeroed_and_owned(msim):
         msim.empty((-1, 4), F32)
     with pytest.raises(TypeError):
         msim.empty((2,), "not a dtype")
+    with pytest.raises(ValueError, match="more than any allocation"):
+        msim.empty((2**40, 2**40), F32)
+    with pytest.raises(ValueError, match="cannot allocate"):
+        msim.empty((2**58,), F32)
     with pytest.raises(ValueError):
         fm.registry._native.call_static("fm_free_host", fm.registry._native.ffi().NULL, op="free_host")
 
