@@ -125,6 +125,20 @@ def test_counters_per_call_and_batch(msim, rng):
     assert_close(b, reference.decode(q, k, v, 40), F32, "batched b")
 
 
+def test_a_call_with_nothing_to_run_makes_no_command_buffer(msim, rng):
+    """Varlen prefill whose every query sequence is empty: the dispatch list
+    is empty, and the backend makes no command buffer (one made and never
+    committed would hold one of the queue's 64 slots)."""
+    q = np.zeros((0, 4, 64), F16)
+    k = randn(rng, (5, 2, 64), F16)
+    before = metal_sim_counters()
+    out = fm.flash_attn_varlen_func(q, k, k, cu_seqlens_q=np.array([0, 0], np.int32),
+                                    cu_seqlens_k=np.array([0, 5], np.int32), max_seqlen_q=1, max_seqlen_k=5,
+                                    registry=msim)
+    assert out.shape == (0, 4, 64)
+    assert delta(before) == dict.fromkeys(before, 0)
+
+
 def test_threads_without_a_pool_release_every_command_buffer(msim, rng):
     """Python threads have no autorelease pool: the backend drains its own
     per call, so 70 calls (more than a queue's 64 command buffers) on two
