@@ -31,7 +31,7 @@ EXTRA_TESTS :=
 
 -include mk/*.mk
 
-.PHONY: all build python venv test check swift-test pytest pytest-sim-scrambled demo clean
+.PHONY: all build python venv test check swift-test pytest pytest-sim-scrambled pytest-metal-sim-copies demo clean
 
 all: build python
 
@@ -61,9 +61,20 @@ pytest: python
 	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
 
 # The sim cases once more under a scrambled schedule: catches kernels that
-# lean on SIMD lockstep or on one order of threadgroups.
+# lean on SIMD lockstep or on one order of threadgroups. Not metal-sim's:
+# the same kernels, already run in a shuffled dispatch order.
 pytest-sim-scrambled: python
-	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k sim $(PYTEST_ARGS)
+	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k "sim and not metal" $(PYTEST_ARGS)
+
+# Linux: the metal-sim cases once more with Metal refusing every no-copy
+# wrap, so every tensor is copied in (and back when written): the host
+# code's copy path, and the runtime's red zones around each copy catch
+# kernel writes just outside a tensor.
+pytest-metal-sim-copies: python
+	FLASHMETAL_METAL_SIM_WRAP=0 $(PY) -m pytest tests/python -q -k "metal and not test_metal_sim and not fuzz" $(PYTEST_ARGS)
+ifneq ($(UNAME),Darwin)
+EXTRA_TESTS += pytest-metal-sim-copies
+endif
 
 # Ends with one line, the same on every OS: where it ran, the backends pytest
 # ran on (and any the environment left out), the targets that passed.

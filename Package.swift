@@ -15,6 +15,20 @@ let exportOnlyCABI: [LinkerSetting] = [
     .unsafeFlags(["-Xlinker", "-exported_symbol", "-Xlinker", "_fm_*"], .when(platforms: [.macOS])),
 ]
 
+// Linux only: the metal-sim runtime, a module named Metal that implements
+// the Metal API the backend uses and runs its dispatches on the simulator,
+// so the Metal backend's sources build and run as the "metal-sim" backend.
+// On macOS the SDK's Metal is used.
+#if os(Linux)
+let metalRuntime: [Target] = [
+    .target(name: "Metal", dependencies: ["FlashMetalSim"], path: "Sources/MetalSim/Metal"),
+]
+let metalRuntimeDeps: [Target.Dependency] = ["Metal"]
+#else
+let metalRuntime: [Target] = []
+let metalRuntimeDeps: [Target.Dependency] = []
+#endif
+
 // One dynamic library (libflashmetal) with a plain C ABI. Targets are split so
 // that each backend depends only on the portable core.
 let package = Package(
@@ -49,7 +63,7 @@ let package = Package(
         .target(name: "FlashMetalShaders", path: "Sources/FlashMetalShaders",
                 plugins: ["EmbedShaders"]),
         // The Metal backend; compiles to nothing where Metal is unavailable.
-        .target(name: "FlashMetalMetal", dependencies: ["FlashMetalCore", "FlashMetalShaders"],
+        .target(name: "FlashMetalMetal", dependencies: ["FlashMetalCore", "FlashMetalShaders"] + metalRuntimeDeps,
                 path: "Sources/FlashMetalMetal"),
         // The GPU simulator (C++20): the shaders of Resources/shaders compiled
         // for the host and run as fibers (DESIGN §5).
@@ -70,9 +84,9 @@ let package = Package(
                 path: "Sources/FlashMetal", exclude: ["exports.map"], linkerSettings: exportOnlyCABI),
         .testTarget(name: "FlashMetalTests",
                     dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalShaders", "CFlashMetal",
-                                   "FlashMetalSimBackend"],
+                                   "FlashMetalSimBackend", "FlashMetalMetal"] + metalRuntimeDeps,
                     path: "tests/swift"),
-    ],
+    ] + metalRuntime,
     swiftLanguageModes: [.v5],
     cLanguageStandard: .c11,
     cxxLanguageStandard: .cxx20

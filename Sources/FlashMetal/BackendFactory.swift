@@ -13,11 +13,14 @@ import Darwin
 #endif
 
 /// Names a backend: "auto" is metal on macOS, else cpu; FLASHMETAL_BACKEND
-/// overrides "auto".
+/// overrides "auto". On Linux the Metal backend runs on the metal-sim
+/// runtime as "metal-sim" (never chosen by "auto").
 enum BackendFactory {
     static var available: [String] {
         var names = ["cpu"]
-        #if canImport(Metal)
+        #if canImport(Metal) && os(Linux)
+        names.append("metal-sim")
+        #elseif canImport(Metal)
         names.append("metal")
         #endif
         #if canImport(FlashMetalSimBackend)
@@ -32,7 +35,7 @@ enum BackendFactory {
         if let env = getenv("FLASHMETAL_BACKEND"), !String(cString: env).isEmpty, String(cString: env) != "auto" {
             return String(cString: env)
         }
-        #if canImport(Metal)
+        #if canImport(Metal) && !os(Linux)
         return "metal"
         #else
         return "cpu"
@@ -44,7 +47,10 @@ enum BackendFactory {
         switch name {
         case "cpu":
             return CPUBackend()
-        #if canImport(Metal)
+        #if canImport(Metal) && os(Linux)
+        case "metal-sim":
+            return try MetalBackend()
+        #elseif canImport(Metal)
         case "metal":
             return try MetalBackend()
         #endif

@@ -1,6 +1,8 @@
 #if canImport(Metal)
 import FlashMetalCore
-import Darwin
+#if canImport(Darwin)
+import Darwin  // on Linux, the metal-sim Metal module brings in glibc
+#endif
 import Metal
 
 /// Wraps caller memory in MTLBuffers for one command buffer. Every distinct
@@ -24,8 +26,14 @@ final class BufferBinder {
 
     let device: MTLDevice
     private var entries: [Entry] = []
+    /// The long-lived buffer (and its base address) that wraps a whole
+    /// fm_alloc_host allocation holding [start, end), if one does.
+    private let persistent: (UInt, UInt) -> (buffer: MTLBuffer, base: UInt)?
 
-    init(device: MTLDevice) { self.device = device }
+    init(device: MTLDevice, persistent: @escaping (UInt, UInt) -> (buffer: MTLBuffer, base: UInt)?) {
+        self.device = device
+        self.persistent = persistent
+    }
 
     /// The buffer and offset at which kernels see `t`. Throws when Metal
     /// cannot allocate, or when `t` partly overlaps a tensor that had to be
@@ -39,6 +47,11 @@ final class BufferBinder {
         if entries.contains(where: { $0.copiedFrom != nil && $0.start < end && start < $0.end }) {
             throw FlashMetalError.backend(
                 "metal backend: a \(t.byteCount)-byte tensor at \(t.data) partly overlaps another tensor that Metal could not bind without a copy")
+        }
+        if let p = persistent(start, end) {
+            entries.append(Entry(start: p.base, end: p.base + UInt(p.buffer.length), buffer: p.buffer, offset: 0,
+                                 copiedFrom: nil))
+            return (p.buffer, Int(start - p.base))
         }
         let page = UInt(getpagesize())
         let base = start & ~(page - 1)

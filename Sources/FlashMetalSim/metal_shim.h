@@ -692,6 +692,12 @@ template <class L, class Tup, size_t K = 0> constexpr size_t required_params() {
         return required_params<L, Tup, K + 1>();
     }
 }
+// alignof what a buffer parameter points or refers to (1 for void).
+template <class P> constexpr uint32_t param_align() {
+    using E = std::remove_cv_t<std::remove_reference_t<std::remove_pointer_t<P>>>;
+    if constexpr (std::is_void_v<E>) return 1;
+    else return uint32_t(alignof(E));
+}
 template <class Fn> struct fn_params;
 template <class... P> struct fn_params<void(P...)> { using type = std::tuple<P...>; };
 
@@ -712,7 +718,8 @@ template <class Fn, class L> int register_fn(const char *name, L) {
         ((e.kinds[I] = is_tg_buf<std::tuple_element_t<I, Tup>>::value ? 2
                        : std::is_pointer_v<std::tuple_element_t<I, Tup>> ? 0 : 1,
           e.ref_sizes[I] = std::is_reference_v<std::tuple_element_t<I, Tup>>
-                               ? uint32_t(sizeof(std::remove_reference_t<std::tuple_element_t<I, Tup>>)) : 0),
+                               ? uint32_t(sizeof(std::remove_reference_t<std::tuple_element_t<I, Tup>>)) : 0,
+          e.aligns[I] = param_align<std::tuple_element_t<I, Tup>>()),
          ...);
     }(std::make_index_sequence<K>{});
     e.invoke = make_invoke<L, Tup>(std::make_index_sequence<K>{});

@@ -42,3 +42,11 @@ extern "C" const char *fmsim_kernel_name(int i) {
     if (i < 0 || size_t(i) >= fmsim::reg().size()) return nullptr;
     return fmsim::reg()[size_t(i)]->name;
 }
+
+extern "C" int fmsim_kernel_param(const char *name, int index, int *kind, uint32_t *align) {
+    const fmsim::KernelEntry *e = name ? fmsim::find_kernel(name) : nullptr;
+    if (!e || index < 0 || index >= e->n_params) return 0;
+    if (kind) *kind = e->kinds[index];
+    if (align) *align = e->aligns[index];
+    return 1;
+}

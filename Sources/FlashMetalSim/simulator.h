@@ -61,6 +61,7 @@ struct KernelEntry {
     // kind of each parameter: 0 pointer buffer, 1 reference buffer, 2 tg buffer
     uint8_t kinds[32];
     uint32_t ref_sizes[32];       // sizeof the referenced struct (kind 1)
+    uint32_t aligns[32];          // alignof the pointee (kind 0) or struct (kind 1)
     int tg_index[32];             // kind 2: threadgroup index
     void (*invoke)(const BoundArgs &);
 };

@@ -56,6 +56,12 @@ def info(registry: RegistryLike = None) -> dict[str, Any]:
     reg = resolve(registry, "info")
     ffi, lib = _native.ffi(), _native.lib()
     devices = {"cpu": _cpu_model(), "sim": f"simulated Apple GPU on {_cpu_model()}", "metal": "Apple GPU (Metal)"}
+    name = ffi.new("char[]", 256)
+    if lib.fm_registry_device(reg._live_handle("info"), name, 256) == lib.FM_OK and ffi.string(name):
+        # metal: the GPU's name; metal-sim: the emulated device, run on the simulator.
+        devices[reg.backend] = ffi.string(name).decode()
+        if reg.backend == "metal-sim":
+            devices[reg.backend] += f" on {_cpu_model()}"
     isa = cpu_isa()
     return {
         "backend": reg.backend,

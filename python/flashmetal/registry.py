@@ -7,6 +7,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Union
 
+import numpy as np
+
 from . import _native
 from ._errors import InvalidTypeError, InvalidValueError
 
@@ -14,11 +16,18 @@ from ._errors import InvalidTypeError, InvalidValueError
 # Backends that defer work to the end of a batch scope (Metal commits one
 # command buffer then) and so read the call's arrays after the call returns.
 # cpu and sim run every call to completion before it returns.
-DEFERRING_BACKENDS = frozenset({"metal"})
+DEFERRING_BACKENDS = frozenset({"metal", "metal-sim"})
+
+# The metal-sim runtime's counters, in the order of FMMetalSimCounter.
+METAL_SIM_COUNTERS = ("command_buffers", "commits", "encoders", "dispatches", "barriers", "bytes_wrapped",
+                      "bytes_copied_in", "bytes_copied_out", "violations", "live_command_buffers",
+                      "no_copy_refused")
 
 
 class Registry:
-    """A handle on a backend ("auto", "cpu", "sim" or "metal").
+    """A handle on a backend ("auto", "cpu", "sim", "metal", or on Linux
+    "metal-sim": the Metal backend on a Metal runtime whose GPU is the
+    simulator).
 
     "auto" is metal on macOS and cpu elsewhere; the FLASHMETAL_BACKEND
     environment variable overrides it. Calls release the GIL while kernels run.
@@ -61,6 +70,43 @@ class Registry:
         import flashmetal  # the package, loaded by now: registry.py imports no op module
 
         return flashmetal.flash_attn_prefill(q, k, v, registry=self, **kwargs)
+
+    def empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        """A zero-filled C-contiguous array in library-owned host memory,
+        aligned to and padded to 16 KiB (Apple silicon's page), freed when
+        the array and every view of it are gone. For long-lived tensors such
+        as a KV cache: the metal backend wraps such memory in one Metal
+        buffer once, instead of wrapping (or copying) it on every call. Any
+        backend accepts it as ordinary memory; ``torch.from_numpy`` shares it.
+        """
+        op = "empty"
+        self._live_handle(op)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise InvalidTypeError(op, f"dtype must be a numpy dtype, got {dtype!r}") from None
+        dims = (shape,) if not isinstance(shape, (tuple, list)) else tuple(shape)
+        dims = tuple(_native.index_arg(op, "shape", d, 0, 2**62) for d in dims)
+        count = 1
+        for d in dims:
+            count *= d
+        nbytes = count * dt.itemsize
+        if nbytes > 2**62:
+            raise InvalidValueError(op, f"shape {dims} of {dt} needs {nbytes} bytes, more than any allocation")
+        ffi, lib = _native.ffi(), _native.lib()
+        out = ffi.new("void **")
+        _native.call_static("fm_alloc_host", max(nbytes, 1), out, op=op)
+        ptr = ffi.gc(out[0], _free_host)
+        return np.frombuffer(ffi.buffer(ptr, max(nbytes, 1)), dtype=np.uint8)[:nbytes].view(dt).reshape(dims)
+
+    def metal_counters(self) -> dict[str, int]:
+        """The metal-sim runtime's counters (process-wide, since the library
+        loaded): command buffers, commits, encoders, dispatches, barriers,
+        bytes wrapped without a copy, bytes copied in and out, broken Metal
+        rules (violations), live command buffers, refused no-copy wraps.
+        Take the difference of two readings for one call. ValueError where
+        the library has no metal-sim runtime (macOS)."""
+        return metal_sim_counters()
 
     def _live_handle(self, op: str) -> Any:
         h = self._handle
@@ -127,6 +173,27 @@ class Registry:
                         self._batch_depth -= 1
                         if self._batch_depth == 0:
                             self._batch_keep.clear()
+
+
+def _free_host(ptr: Any) -> None:
+    _native.lib().fm_free_host(ptr, _native.ffi().NULL, 0)
+
+
+def metal_sim_counters() -> dict[str, int]:
+    """The metal-sim runtime's counters; see ``Registry.metal_counters``."""
+    ffi = _native.ffi()
+    out = ffi.new("int64_t[]", len(METAL_SIM_COUNTERS))
+    _native.call_static("fm_metal_sim_counters", out, len(METAL_SIM_COUNTERS), op="metal_counters")
+    return dict(zip(METAL_SIM_COUNTERS, (int(v) for v in out)))
+
+
+def metal_sim_last_violation() -> str:
+    """The last Metal rule the metal-sim runtime saw broken, with its Apple
+    documentation page ("" for none)."""
+    ffi = _native.ffi()
+    buf = ffi.new("char[]", 2048)
+    _native.lib().fm_metal_sim_last_violation(buf, 2048)
+    return ffi.string(buf).decode(errors="replace")
 
 
 _defaults: dict[str, Registry] = {}

@@ -51,6 +51,12 @@ def main() -> int:
             counts["FAILED"] += 1
         done += 1
     regs.close()
+    if a.backend == "metal-sim":
+        # A call the library answered with an error must still have kept
+        # every Metal rule on the way there.
+        from flashmetal.registry import metal_sim_counters, metal_sim_last_violation
+        if metal_sim_counters()["violations"]:
+            failures.append(f"Metal rules broken; the last: {metal_sim_last_violation()}")
     summary = {"backend": a.backend, "cases": done, "seconds": round(time.monotonic() - t0, 1),
                "failures": len(failures), "counts": dict(sorted(counts.items())), "first_failures": failures[:10]}
     print(json.dumps(summary))

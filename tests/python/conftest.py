@@ -11,7 +11,7 @@ import flashmetal
 
 def available_backends() -> list[str]:
     names = []
-    for name in ("cpu", "sim", "metal"):
+    for name in ("cpu", "sim", "metal-sim", "metal"):
         try:
             flashmetal.Registry(name).close()
         except (ValueError, flashmetal.BackendError):
@@ -29,6 +29,8 @@ def left_out() -> dict[str, str]:
 
 
 BACKENDS = [name for name in available_backends() if name not in left_out()]
+# Backends whose GPU is the simulator (slow: tests give them small shapes).
+SIMULATED = ("sim", "metal-sim")
 
 
 # Tests that take seconds each (fuzzing, RSS and thread soaks, forced-ISA
@@ -59,6 +61,23 @@ def registry(request: pytest.FixtureRequest) -> flashmetal.Registry:
     r = flashmetal.Registry(request.param)
     yield r
     r.close()
+
+
+def _metal_violations() -> int:
+    return flashmetal.registry.metal_sim_counters()["violations"] if "metal-sim" in BACKENDS else 0
+
+
+@pytest.fixture(autouse=True)
+def _no_metal_rule_broken() -> None:
+    """Every test fails if the metal-sim runtime saw a Metal rule broken
+    while it ran (the planted-error tests run in tests/swift)."""
+    if "metal-sim" not in BACKENDS:
+        yield
+        return
+    before = _metal_violations()
+    yield
+    broken = _metal_violations() - before
+    assert broken == 0, f"{broken} Metal rule(s) broken; the last: {flashmetal.registry.metal_sim_last_violation()}"
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 
 import flashmetal as fm
-from conftest import BACKENDS
+from conftest import BACKENDS, SIMULATED
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from flashmetal import reference
 from flashmetal.reference import close
@@ -121,4 +121,4 @@ def check_sink_limits(reg: fm.Registry, rng: np.random.Generator, q_len: int, dt
 
 
 DTYPES = [BF16, F16]
-__all__ = ["BACKENDS", "BF16", "F16", "F32", "randn"]
+__all__ = ["BACKENDS", "SIMULATED", "BF16", "F16", "F32", "randn"]

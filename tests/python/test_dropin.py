@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+from conftest import SIMULATED
 from flashmetal import attention, reference
 from numerics import BF16, F16, F32, assert_close, randn
 
@@ -26,7 +27,7 @@ def qkv(rng, dtype, b=1, h=2, hkv=2, ql=6, kl=20, d=64):
 
 def small(registry, big, little):
     """Simulated kernels cost ~11 ns per q*k*d: keep sim shapes small."""
-    return little if registry.backend == "sim" else big
+    return little if registry.backend in SIMULATED else big
 
 
 # ---- the general kernel's extension (SdpaExtParams) -------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from serving_cases import BACKENDS, BF16, F16, assert_out_lse, cu, paged, randn, registry, sinks_for
+from serving_cases import BACKENDS, SIMULATED, BF16, F16, assert_out_lse, cu, paged, randn, registry, sinks_for
 
 KV = "flash_attn_with_kvcache"
 
@@ -26,7 +26,7 @@ def from_torch(torch, t) -> np.ndarray:
     return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
-@pytest.mark.parametrize("backend,d", [(b, d) for b in BACKENDS for d in ([96] if b == "sim" else [80, 96, 192])])
+@pytest.mark.parametrize("backend,d", [(b, d) for b in BACKENDS for d in ([96] if b in SIMULATED else [80, 96, 192])])
 def test_torch_bfloat16_through_every_function(rng, backend, d):
     """torch bf16 in, torch out (out bf16, lse float32), for flash_attn_func,
     flash_attn_varlen_func and flash_attn_with_kvcache (paged, appending, with

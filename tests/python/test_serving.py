@@ -8,7 +8,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from serving_cases import (BACKENDS, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, qkv, randn,
+from serving_cases import (BACKENDS, SIMULATED, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, qkv, randn,
                            registry, sinks_for, with_sinks)
 
 FEATURES = {
@@ -32,7 +32,7 @@ def func_cases():
     power of two) and every feature, bf16, plus f16 once."""
     cases = []
     for backend in BACKENDS:
-        if backend == "sim":
+        if backend in SIMULATED:
             cases += [(backend, d, BF16, f) for d in (64, 80) for f in FEATURES]
             cases += [(backend, 96, F16, "all")]
         else:
@@ -43,7 +43,7 @@ def func_cases():
 
 def shapes(backend: str) -> dict:
     """Small on the simulator (a prefill tile is slow there)."""
-    if backend == "sim":
+    if backend in SIMULATED:
         return dict(b=1, h=2, hkv=1, ql=9, kl=21)
     return dict(b=2, h=4, hkv=2, ql=37, kl=53)
 
@@ -73,7 +73,7 @@ def test_func_one_query_row_uses_decode(rng, backend, d, dtype, feature):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 1), (6, 2)])
 def test_func_gqa_and_mqa(rng, backend, h, hkv):
-    ql, kl = (7, 12) if backend == "sim" else (40, 70)
+    ql, kl = (7, 12) if backend in SIMULATED else (40, 70)
     q, k, v = qkv(rng, (1, ql, h, 64), (1, kl, hkv, 64), BF16)
     out, lse, _ = fm.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, registry=registry(backend))
     assert_out_lse(out, lse, *reference.flash_attn(q, k, v, causal=True), BF16, f"{backend} H={h} Hkv={hkv}")
@@ -98,7 +98,7 @@ def test_func_more_queries_than_keys_gives_zero_rows(rng, backend):
 def ragged(backend: str) -> tuple[list[int], list[int]]:
     """(q lengths, k lengths) around the tiles: 1, tile-1, tile, tile+1,
     long; an empty key sequence; fewer keys than queries once."""
-    if backend == "sim":
+    if backend in SIMULATED:
         return [1, BQ - 1, 3], [BK + 1, BK - 1, 0]
     return [1, BQ - 1, BQ, BQ + 1, 100, 5, 20], [1, BK - 1, BK, BK + 1, 130, 0, 9]
 
@@ -108,7 +108,7 @@ VARLEN_FEATURES = ["plain", "causal", "causal_window", "all"]
 
 @pytest.mark.parametrize("backend,d,dtype,feature",
                          [(b, d, dt, f) for b in BACKENDS
-                          for d, dt in ([(64, BF16)] if b == "sim" else [(64, BF16), (96, F16), (128, F16),
+                          for d, dt in ([(64, BF16)] if b in SIMULATED else [(64, BF16), (96, F16), (128, F16),
                                                                        (192, BF16), (256, BF16)])
                           for f in VARLEN_FEATURES])
 def test_varlen_ragged(rng, backend, d, dtype, feature):
@@ -125,7 +125,7 @@ def test_varlen_ragged(rng, backend, d, dtype, feature):
 
 
 @pytest.mark.parametrize("backend,page_size",
-                         [(b, p) for b in BACKENDS for p in ([16, 32] if b == "sim" else [16, 32, 64, 128, 256])])
+                         [(b, p) for b in BACKENDS for p in ([16, 32] if b in SIMULATED else [16, 32, 64, 128, 256])])
 def test_varlen_paged_shuffled_tables(rng, backend, page_size):
     ql, kl = ragged(backend)
     h, hkv, d = 4, 2, 64
@@ -146,7 +146,7 @@ def test_varlen_paged_shuffled_tables(rng, backend, page_size):
 def test_varlen_lse_merge_of_two_key_halves(rng, backend):
     """Attention over keys [0, a) and [a, kL) of every sequence, merged with
     their LSEs, reproduces the one-shot result (sinks counted in one half)."""
-    ql, kl = ([3, 5], [10, 7]) if backend == "sim" else ([20, 33, 1], [50, 40, 17])
+    ql, kl = ([3, 5], [10, 7]) if backend in SIMULATED else ([20, 33, 1], [50, 40, 17])
     h, hkv, d = 4, 2, 64
     q, k, v = qkv(rng, (sum(ql), h, d), (sum(kl), hkv, d), F16)
     sinks = sinks_for(rng, h)

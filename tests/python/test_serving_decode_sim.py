@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+from conftest import SIMULATED
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import check_sink_limits
@@ -57,7 +58,7 @@ def check(registry, rng, *, b=3, h=4, hkv=2, d=64, cap=48, kv=F16, lengths=(0, 1
 @pytest.mark.parametrize("d,kv", list(itertools.product(HEAD_DIMS, KV_DTYPES)))
 def test_ragged_lengths(registry, rng, d, kv):
     # 0 (sees nothing: out 0, lse -inf), 1, a chunk + 1, the capacity.
-    small = registry.backend == "sim" and d >= 192
+    small = registry.backend in SIMULATED and d >= 192
     check(registry, rng, d=d, kv=kv, b=2 if small else 4, cap=40, lengths=(0, 33) if small else (0, 1, 33, 40))
 
 

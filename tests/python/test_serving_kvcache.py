@@ -9,7 +9,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import assert_bits_equal
-from serving_cases import (BACKENDS, BF16, BK, DTYPES, F16, F32, assert_out_lse, paged, randn, registry, sinks_for,
+from serving_cases import (BACKENDS, SIMULATED, BF16, BK, DTYPES, F16, F32, assert_out_lse, paged, randn, registry, sinks_for,
                            with_sinks)
 
 SEQ_FEATURES = {
@@ -34,7 +34,7 @@ def contiguous(rows: list[np.ndarray], cap: int, rng) -> np.ndarray:
 
 def lengths_for(backend: str) -> list[int]:
     """Cache lengths around the key tile, one empty sequence."""
-    return [BK + 1, 3, 0] if backend == "sim" else [1, BK - 1, BK, BK + 1, 150, 0]
+    return [BK + 1, 3, 0] if backend in SIMULATED else [1, BK - 1, BK, BK + 1, 150, 0]
 
 
 def kw_for(rng, name: str, heads: int) -> dict:
@@ -43,7 +43,7 @@ def kw_for(rng, name: str, heads: int) -> dict:
 
 CASES = [(b, ql, d, dt, f) for b in BACKENDS
          for ql in (1, 5)
-         for d, dt in ([(64, BF16)] if b == "sim" else [(64, BF16), (80, F16), (128, BF16), (192, F16), (256, BF16)])
+         for d, dt in ([(64, BF16)] if b in SIMULATED else [(64, BF16), (80, F16), (128, BF16), (192, F16), (256, BF16)])
          for f in SEQ_FEATURES]
 
 
@@ -63,18 +63,18 @@ def test_cache_seqlens_contiguous_and_paged(rng, backend, ql, d, dtype, feature)
                                           registry=reg, **kw)
     e_out, e_lse = reference.flash_attn_kvcache(q, kc, vc, cache_seqlens=seqlens, **kw)
     assert_out_lse(out, lse, e_out, e_lse, dtype, f"{backend} contiguous qL={ql} d={d} {feature}")
-    (kp, vp), table = paged(rng, [ks, vs], 16 if backend == "sim" else 32)
+    (kp, vp), table = paged(rng, [ks, vs], 16 if backend in SIMULATED else 32)
     out_p, lse_p = fm.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
                                               return_softmax_lse=True, registry=reg, **kw)
     assert_out_lse(out_p, lse_p, e_out, e_lse, dtype, f"{backend} paged qL={ql} d={d} {feature}")
 
 
 @pytest.mark.parametrize("backend,page_size", [(b, p) for b in BACKENDS
-                                               for p in ([16, 64] if b == "sim" else [16, 48, 64, 128, 256])])
+                                               for p in ([16, 64] if b in SIMULATED else [16, 48, 64, 128, 256])])
 @pytest.mark.parametrize("ql", [1, 3])
 def test_page_sizes(rng, backend, page_size, ql):
     lengths = [page_size - 1, page_size, page_size + 1, 2 * page_size + 5]
-    if backend == "sim":
+    if backend in SIMULATED:
         lengths = lengths[:2]
     ks, vs = kv_rows(rng, lengths, 2, 64, F16)
     (kp, vp), table = paged(rng, [ks, vs], page_size)
@@ -106,7 +106,7 @@ def test_append_then_attend_equals_attend_on_longer_cache(rng, backend, paging, 
     """k/v written at cache_seqlens, then attended: the caches equal the
     reference append, the output is bit-identical to attending the updated
     cache with the longer lengths, and within tolerance of the reference."""
-    lengths = [5, 0, BK + 2] if backend == "sim" else [5, 0, BK - 1, 40]
+    lengths = [5, 0, BK + 2] if backend in SIMULATED else [5, 0, BK - 1, 40]
     h, hkv, d = 4, 2, 64
     ks, vs = kv_rows(rng, lengths, hkv, d, BF16)
     b = len(lengths)
@@ -139,8 +139,8 @@ def test_append_then_attend_equals_attend_on_longer_cache(rng, backend, paging, 
 def test_lse_merge_of_two_cache_halves(rng, backend, ql):
     """Two halves of each sequence's keys in two caches, merged with their
     LSEs, reproduce the one-shot call (sinks joined once, in one half)."""
-    lengths = [9, 20] if backend == "sim" else [9, 70, 33, 1]
-    h, hkv, d = 4, 2, 128 if backend != "sim" else 64
+    lengths = [9, 20] if backend in SIMULATED else [9, 70, 33, 1]
+    h, hkv, d = 4, 2, 128 if backend not in SIMULATED else 64
     ks, vs = kv_rows(rng, lengths, hkv, d, F16)
     cut = [n // 2 for n in lengths]
     q = randn(rng, (len(lengths), ql, h, d), F16)
@@ -171,7 +171,7 @@ def test_paged_decode_loop(rng, backend, dtype):
     step appends one token to each and attends it (seqlen_q == 1, the decode
     kernel): within tolerance of the reference at every step, and the cache
     holds exactly the appended tokens."""
-    sim = backend == "sim"
+    sim = backend in SIMULATED
     lengths, steps, d, h, hkv = ([1, 15, 16, 30], 3, 64, 2, 1) if sim else ([1, 15, 16, 70], 24, 128, 8, 2)
     page_size = 16
     ks, vs = kv_rows(rng, lengths, hkv, d, dtype)

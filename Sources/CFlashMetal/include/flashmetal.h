@@ -475,6 +475,17 @@ typedef struct FMAttnOptions {
     int32_t _pad;
 } FMAttnOptions;
 
+/* The metal-sim runtime's counters (Linux builds), process-wide and only
+ * growing (but LIVE_COMMAND_BUFFERS), in the order fm_metal_sim_counters
+ * writes them. BYTES_COPIED_OUT: bytes of copied buffers the host read back
+ * after their command buffer completed. */
+typedef enum FMMetalSimCounter {
+    FM_MSIM_COMMAND_BUFFERS = 0, FM_MSIM_COMMITS = 1, FM_MSIM_ENCODERS = 2, FM_MSIM_DISPATCHES = 3,
+    FM_MSIM_BARRIERS = 4, FM_MSIM_BYTES_WRAPPED = 5, FM_MSIM_BYTES_COPIED_IN = 6,
+    FM_MSIM_BYTES_COPIED_OUT = 7, FM_MSIM_VIOLATIONS = 8, FM_MSIM_LIVE_COMMAND_BUFFERS = 9,
+    FM_MSIM_NO_COPY_REFUSED = 10, FM_MSIM_COUNTER_COUNT = 11
+} FMMetalSimCounter;
+
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
@@ -564,6 +575,20 @@ int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMT
                           const FMTensor *k_cache, const FMTensor *v_cache,
                           const FMTensor *cache_seqlens, const FMTensor *block_table,
                           char *err, size_t errlen);
+/* Host memory for long-lived tensors (a KV cache): *out receives `bytes`
+ * (> 0) zeroed bytes, aligned to and rounded up to 16 KiB, which the metal
+ * backend wraps once for the allocation's lifetime instead of on every
+ * call. Free it with fm_free_host (anything else there is an error). */
+int fm_alloc_host(size_t bytes, void **out, char *err, size_t errlen);
+int fm_free_host(void *p, char *err, size_t errlen);
+/* The GPU a metal or metal-sim registry runs on; "" for other backends. */
+int fm_registry_device(const FMRegistry *registry, char *name, size_t namelen);
+/* metal-sim (Linux): the FM_MSIM_COUNTER_COUNT counters into out (cap >=
+ * that); an FM_ERROR_VALUE where metal-sim is not built in. */
+int fm_metal_sim_counters(int64_t *out, size_t cap, char *err, size_t errlen);
+/* metal-sim: the last broken Metal rule, with its Apple documentation page
+ * ("" for none). */
+int fm_metal_sim_last_violation(char *buf, size_t len);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 

@@ -69,6 +69,11 @@ int fmsim_has_kernel(const char *name);
 /* Number of registered kernels, and the i-th host name (NULL when out of range). */
 int fmsim_kernel_count(void);
 const char *fmsim_kernel_name(int i);
+/* Parameter `index` ([[buffer(index)]] or [[threadgroup(index)]]) of kernel
+ * `name`: 1 with *kind (0 device pointer, 1 constant struct reference, 2
+ * threadgroup buffer) and *align (alignof what it points or refers to), or 0
+ * when the kernel has no such parameter. */
+int fmsim_kernel_param(const char *name, int index, int *kind, uint32_t *align);
 /* Runs one dispatch to completion. Returns FMSIM_OK or an FMSimStatus.
  * FLASHMETAL_SIM_SCRAMBLE=1 (or =<seed>) in the environment scrambles
  * every dispatch; FLASHMETAL_SIM_WORKERS=<n> (1..1024) overrides `workers`;

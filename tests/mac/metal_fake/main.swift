@@ -27,7 +27,11 @@ func check(_ ok: Bool, _ what: String, line: Int = #line) {
 
 final class FakeBuffer: MTLBuffer {
     let storage: UnsafeMutableRawPointer
-    init(_ storage: UnsafeMutableRawPointer) { self.storage = storage }
+    let length: Int
+    init(_ storage: UnsafeMutableRawPointer, _ length: Int) {
+        self.storage = storage
+        self.length = length
+    }
     func contents() -> UnsafeMutableRawPointer { storage }
 }
 
@@ -109,16 +113,18 @@ final class FakeDevice: MTLDevice {
     let queue = FakeQueue()
     var copies = 0
     init(noCopy: Bool) { self.noCopy = noCopy }
+    let name = "fake"
+    func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool { true }
     func makeCommandQueue() -> MTLCommandQueue? { queue }
     func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer? {
         copies += 1
         let p = UnsafeMutableRawPointer.allocate(byteCount: length, alignment: 16)
         p.copyMemory(from: pointer, byteCount: length)
-        return FakeBuffer(p)
+        return FakeBuffer(p, length)
     }
     func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
                     deallocator: ((UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer? {
-        noCopy ? FakeBuffer(pointer) : nil
+        noCopy ? FakeBuffer(pointer, length) : nil
     }
     func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary {
         throw FlashMetalError.backend("fake: no compiler")

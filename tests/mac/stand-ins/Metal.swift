@@ -53,6 +53,19 @@ public enum MTLMathMode: Int, Sendable {
     case fast = 2
 }
 
+@available(macOS 15.0, *)
+public enum MTLMathFloatingPointFunctions: Int, Sendable {
+    case fast = 0
+    case precise = 1
+}
+
+@available(macOS 10.15, *)
+public enum MTLGPUFamily: Int, Sendable {
+    @available(macOS 11.0, *) case apple7 = 1007
+    case mac2 = 2002
+    @available(macOS 13.0, *) case metal3 = 5001
+}
+
 @available(macOS 10.11, *)
 public enum MTLDataType: UInt, Sendable {
     case float = 3
@@ -71,6 +84,7 @@ public protocol MTLResource: AnyObject {}
 
 @available(macOS 10.11, *)
 public protocol MTLBuffer: MTLResource {
+    var length: Int { get }
     func contents() -> UnsafeMutableRawPointer
 }
 
@@ -121,6 +135,9 @@ public protocol MTLCommandQueue: AnyObject {
 
 @available(macOS 10.11, *)
 public protocol MTLDevice: AnyObject {
+    var name: String { get }
+    @available(macOS 10.15, *)
+    func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool
     func makeCommandQueue() -> MTLCommandQueue?
     func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer?
     func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
@@ -137,6 +154,8 @@ open class MTLCompileOptions {
     open var fastMathEnabled: Bool = true
     @available(macOS 15.0, *)
     open var mathMode: MTLMathMode { get { .fast } set {} }
+    @available(macOS 15.0, *)
+    open var mathFloatingPointFunctions: MTLMathFloatingPointFunctions { get { .fast } set {} }
 }
 
 @available(macOS 10.12, *)
@@ -150,6 +169,10 @@ public func MTLCreateSystemDefaultDevice() -> MTLDevice? { _StandIn.defaultDevic
 
 @available(macOS 10.11, *)
 public func MTLCopyAllDevices() -> [MTLDevice] { _StandIn.allDevices }
+
+/// From the ObjectiveC module, which Metal's Foundation import brings in.
+@available(macOS 10.0, *)
+public func autoreleasepool<Result>(invoking body: () throws -> Result) rethrows -> Result { try body() }
 
 /// Not Metal API: what the two device functions return when the stand-in is
 /// linked into tests/mac/metal_fake (a fake device run on Linux).

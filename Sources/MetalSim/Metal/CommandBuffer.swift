@@ -1,0 +1,203 @@
+import FlashMetalSim
+import Glibc
+
+/// One compute pass as recorded by its encoder.
+final class Pass {
+    enum Command {
+        case dispatch(Recorded)
+        case barrier
+    }
+    /// A dispatch with everything it binds, captured when it was encoded.
+    struct Recorded {
+        let pipeline: SimPipeline
+        let buffers: [Int: (SimBuffer, Int)]
+        let bytes: [Int: [UInt8]]
+        let threadgroupMemory: [Int: Int]
+        let grid: MTLSize
+        let threads: MTLSize
+    }
+    let dispatchType: MTLDispatchType
+    var commands: [Command] = []
+    var ended = false
+    init(_ t: MTLDispatchType) { dispatchType = t }
+}
+
+/// A command buffer: records passes, runs them on the simulator when
+/// committed (synchronously: it has completed when commit() returns), and
+/// reports status and error as Metal does: .notEnqueued until commit, then
+/// .completed, or .error with an MTLCommandBufferError.
+/// https://developer.apple.com/documentation/metal/mtlcommandbuffer/status
+/// https://developer.apple.com/documentation/metal/mtlcommandbuffer/error
+final class SimCommandBuffer: MTLCommandBuffer {
+    let queue: SimCommandQueue
+    private(set) var status: MTLCommandBufferStatus = .notEnqueued
+    private(set) var error: Error?
+    private var passes: [Pass] = []
+    /// The first violation while encoding: the command buffer fails with it.
+    private var violation: MetalSim.Violation?
+
+    init(queue: SimCommandQueue) { self.queue = queue }
+
+    deinit {
+        if status == .notEnqueued { queue.release() }
+        MetalSim.count { $0.liveCommandBuffers -= 1 }
+    }
+
+    var committed: Bool { status != .notEnqueued }
+
+    func fail(_ v: MetalSim.Violation) {
+        if violation == nil { violation = v }
+    }
+
+    /// One encoder at a time, none after commit; the encoder is autoreleased.
+    /// https://developer.apple.com/documentation/metal/mtlcommandencoder/endencoding()
+    /// https://developer.apple.com/documentation/metal/mtlcommandbuffer/commit()
+    func makeComputeCommandEncoder(dispatchType: MTLDispatchType) -> MTLComputeCommandEncoder? {
+        if committed {
+            fail(MetalSim.violate(.encodeAfterCommit, "makeComputeCommandEncoder on a committed command buffer"))
+            return nil
+        }
+        if let open = passes.last, !open.ended {
+            fail(MetalSim.violate(.oneEncoderAtATime,
+                                  "makeComputeCommandEncoder while the previous encoder has not called endEncoding()"))
+        }
+        let pass = Pass(dispatchType)
+        passes.append(pass)
+        let enc = SimComputeEncoder(commandBuffer: self, pass: pass)
+        MetalSim.count { $0.encoders += 1 }
+        if let v = AutoreleasePools.autorelease(enc, what: "a compute command encoder") { fail(v) }
+        return enc
+    }
+
+    func commit() {
+        if committed {
+            MetalSim.violate(.commitOnce, "commit() of a command buffer already committed")
+            return
+        }
+        if let open = passes.last, !open.ended {
+            fail(MetalSim.violate(.endEncodingBeforeCommit, "commit() while an encoder has not called endEncoding()"))
+        }
+        status = .committed
+        MetalSim.count { $0.commits += 1 }
+        if let v = violation {
+            finish(MTLCommandBufferError(code: .invalidResource, message: v.description))
+            return
+        }
+        status = .scheduled
+        var used: [SimBuffer] = []
+        for p in passes {
+            for d in Self.executionOrder(p) {
+                used.append(contentsOf: d.buffers.values.map { $0.0 })
+                if let e = run(d) {
+                    finish(e)
+                    return
+                }
+            }
+        }
+        used.forEach { $0.usedByCompleted = true }
+        finish(nil)
+    }
+
+    private func finish(_ e: MTLCommandBufferError?) {
+        error = e
+        status = e == nil ? .completed : .error
+        queue.release()
+    }
+
+    /// Blocks until the command buffer completed; before commit() it would
+    /// block forever.
+    /// https://developer.apple.com/documentation/metal/mtlcommandbuffer/waituntilcompleted()
+    func waitUntilCompleted() {
+        if !committed {
+            MetalSim.violate(.waitBeforeCommit,
+                             "waitUntilCompleted() on a command buffer never committed blocks forever (deadlock)")
+        }
+    }
+
+    /// The order dispatches run in. A serial pass runs them as encoded. A
+    /// concurrent pass lets the GPU run dispatches no memoryBarrier separates
+    /// in any order: each such group runs reversed (or, with
+    /// FLASHMETAL_METAL_SIM_ORDER=shuffle:<seed>, shuffled), so a dispatch
+    /// that depends on an earlier one without a barrier reads stale memory.
+    /// https://developer.apple.com/documentation/metal/mtldispatchtype/concurrent
+    /// https://developer.apple.com/documentation/metal/mtlcomputecommandencoder/memorybarrier(scope:)
+    static func executionOrder(_ p: Pass) -> [Pass.Recorded] {
+        var groups: [[Pass.Recorded]] = [[]]
+        for c in p.commands {
+            switch c {
+            case .barrier: groups.append([])
+            case .dispatch(let d): groups[groups.count - 1].append(d)
+            }
+        }
+        guard p.dispatchType == .concurrent else { return groups.flatMap { $0 } }
+        let order = getenv("FLASHMETAL_METAL_SIM_ORDER").map { String(cString: $0) } ?? "reverse"
+        if order.hasPrefix("shuffle:"), var seed = UInt64(order.dropFirst(8)) {
+            seed = seed == 0 ? 0x9E3779B97F4A7C15 : seed
+            return groups.flatMap { g -> [Pass.Recorded] in
+                var g = g
+                for i in stride(from: g.count - 1, to: 0, by: -1) {
+                    seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17
+                    g.swapAt(i, Int(seed % UInt64(i + 1)))
+                }
+                return g
+            }
+        }
+        return groups.flatMap { $0.reversed() }
+    }
+
+    /// Runs one dispatch on the simulator; the error that fails the command
+    /// buffer, if any.
+    private func run(_ d: Pass.Recorded) -> MTLCommandBufferError? {
+        let fn = d.pipeline.function
+        let constants = fn.constants.sorted { $0.key < $1.key }.map {
+            FMSimConstant(index: Int32($0.key), is_bool: $0.value.type == .bool ? 1 : 0, value: $0.value.int)
+        }
+        var bindings: [FMSimBinding] = []
+        var owned: [UnsafeMutableRawPointer] = []
+        defer { owned.forEach { $0.deallocate() } }
+        for (i, (b, off)) in d.buffers {
+            bindings.append(FMSimBinding(index: Int32(i), is_bytes: 0, data: b.base + off,
+                                         length: UInt64(b.length - off)))
+        }
+        for (i, bytes) in d.bytes {
+            let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes.count, 1), alignment: 16)
+            owned.append(p)
+            bytes.withUnsafeBytes { if let s = $0.baseAddress { p.copyMemory(from: s, byteCount: bytes.count) } }
+            bindings.append(FMSimBinding(index: Int32(i), is_bytes: 1, data: p, length: UInt64(bytes.count)))
+        }
+        let tg = d.threadgroupMemory.sorted { $0.key < $1.key }.map {
+            FMSimTGMemory(index: Int32($0.key), length: UInt32($0.value))
+        }
+        var err = [CChar](repeating: 0, count: 2048)
+        let status: Int32 = fn.name.withCString { kname in
+            constants.withUnsafeBufferPointer { cp in
+                bindings.withUnsafeBufferPointer { bp in
+                    tg.withUnsafeBufferPointer { tp in
+                        var sd = FMSimDispatch()
+                        sd.name = kname
+                        sd.constants = cp.baseAddress
+                        sd.n_constants = Int32(cp.count)
+                        sd.bindings = bp.baseAddress
+                        sd.n_bindings = Int32(bp.count)
+                        sd.tg_memory = tp.baseAddress
+                        sd.n_tg_memory = Int32(tp.count)
+                        sd.grid = (UInt32(d.grid.width), UInt32(d.grid.height), UInt32(d.grid.depth))
+                        sd.threads = (UInt32(d.threads.width), UInt32(d.threads.height), UInt32(d.threads.depth))
+                        return err.withUnsafeMutableBufferPointer { fmsim_dispatch(&sd, $0.baseAddress, $0.count) }
+                    }
+                }
+            }
+        }
+        if status != 0 {
+            let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
+            return MTLCommandBufferError(code: .internal, message: "\(fn.name): \(msg)")
+        }
+        // Writes just outside a runtime-owned copy land in its red zones.
+        for (i, (b, _)) in d.buffers where !b.redZoneIntact {
+            let v = MetalSim.violate(.outOfBounds,
+                                     "\(fn.name) wrote outside the \(b.length)-byte buffer bound at index \(i)")
+            return MTLCommandBufferError(code: .pageFault, message: v.description)
+        }
+        return nil
+    }
+}

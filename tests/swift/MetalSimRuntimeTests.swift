@@ -1,0 +1,411 @@
+#if os(Linux)
+import CFlashMetal
+import FlashMetalCore
+import FlashMetalShaders
+import Glibc
+@testable import Metal
+import XCTest
+
+/// Planted errors against the metal-sim runtime: each breaks one Metal rule
+/// and must fail as Metal would (a violation naming the rule, a failed
+/// command buffer, nil, or a thrown error), while the same code done right
+/// runs the kernel and gets the right numbers. The kernel is
+/// fm_selftest_reduce: out[row] = scale * sum(in[row, :]), scale = constant 700.
+final class MetalSimRuntimeTests: XCTestCase {
+    private var seen: [MetalSim.Violation] = []
+    private var device: MTLDevice!
+    private var queue: MTLCommandQueue!
+
+    override func setUp() {
+        seen = []
+        MetalSim.onViolation = { [unowned self] in self.seen.append($0) }
+        device = MTLCreateSystemDefaultDevice()
+        queue = device.makeCommandQueue()
+    }
+
+    override func tearDown() { MetalSim.onViolation = nil }
+
+    private func options() -> MTLCompileOptions {
+        let o = MTLCompileOptions()
+        o.languageVersion = .version3_1
+        o.mathMode = .safe
+        o.mathFloatingPointFunctions = .precise
+        return o
+    }
+
+    private func pipeline(scale: Int32 = 3, type: MTLDataType = .int) throws -> MTLComputePipelineState {
+        let lib = try device.makeLibrary(source: Shaders.source(forKernel: "fm_selftest_reduce")!.text,
+                                         options: options())
+        let values = MTLFunctionConstantValues()
+        var s = scale
+        values.setConstantValue(&s, type: type, index: 700)
+        return try device.makeComputePipelineState(
+            function: try lib.makeFunction(name: "fm_selftest_reduce", constantValues: values))
+    }
+
+    private func floats(_ v: [Float]) -> MTLBuffer { device.makeBuffer(bytes: v, length: v.count * 4, options: .storageModeShared)! }
+
+    private func read(_ b: MTLBuffer, _ n: Int) -> [Float] {
+        Array(UnsafeBufferPointer(start: b.contents().assumingMemoryBound(to: Float.self), count: n))
+    }
+
+    /// Encodes out[row] = scale * sum(input[row, :]) for `rows` rows of `n`.
+    private func reduce(_ enc: MTLComputeCommandEncoder, _ pso: MTLComputePipelineState, _ input: MTLBuffer,
+                        _ out: MTLBuffer, rows: Int, n: Int, threads: Int = 64) {
+        var params = UInt32(n)
+        enc.setComputePipelineState(pso)
+        enc.setBuffer(input, offset: 0, index: 0)
+        enc.setBuffer(out, offset: 0, index: 1)
+        enc.setBytes(&params, length: 4, index: 2)
+        enc.dispatchThreadgroups(MTLSize(width: rows, height: 1, depth: 1),
+                                 threadsPerThreadgroup: MTLSize(width: threads, height: 1, depth: 1))
+    }
+
+    private func broke(_ rule: MetalSim.Rule, file: StaticString = #filePath, line: UInt = #line) {
+        XCTAssertTrue(seen.contains { $0.rule == rule }, "expected a \(rule.rawValue) violation, saw \(seen.map(\.rule))",
+                      file: file, line: line)
+        XCTAssertTrue(MetalSim.lastViolation?.description.contains("developer.apple.com") ?? false, file: file, line: line)
+    }
+
+    // MARK: the rules kept: the kernel runs
+
+    func testValidCommandBufferRunsTheKernel() throws {
+        let pso = try pipeline()
+        let before = MetalSim.counters
+        try autoreleasepool {
+            let input = floats((0..<6).map(Float.init)), out = floats([0, 0])
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .concurrent)!
+            reduce(enc, pso, input, out, rows: 2, n: 3)
+            enc.endEncoding()
+            XCTAssertEqual(cb.status, .notEnqueued)
+            cb.commit()
+            cb.waitUntilCompleted()
+            XCTAssertEqual(cb.status, .completed, "\(String(describing: cb.error))")
+            XCTAssertNil(cb.error)
+            XCTAssertEqual(read(out, 2), [9, 36])
+        }
+        let after = MetalSim.counters
+        XCTAssertEqual(after.commandBuffers - before.commandBuffers, 1)
+        XCTAssertEqual(after.encoders - before.encoders, 1)
+        XCTAssertEqual(after.dispatches - before.dispatches, 1)
+        XCTAssertEqual(after.bytesCopiedIn - before.bytesCopiedIn, 32)
+        XCTAssertEqual(after.bytesCopiedOut - before.bytesCopiedOut, 8)
+        XCTAssertEqual(after.liveCommandBuffers, before.liveCommandBuffers, "the pool released the command buffer")
+        XCTAssertEqual(seen.count, 0)
+    }
+
+    // MARK: lifecycle
+
+    func testSecondEncoderWhileOneIsOpen() throws {
+        try autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let first = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            let second = cb.makeComputeCommandEncoder(dispatchType: .serial)
+            broke(.oneEncoderAtATime)
+            first.endEncoding()
+            second?.endEncoding()
+            cb.commit()
+            XCTAssertEqual(cb.status, .error)
+            XCTAssertTrue("\(String(describing: cb.error))".contains("one-encoder-at-a-time"))
+        }
+    }
+
+    func testCommitWithAnOpenEncoder() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            cb.commit()
+            broke(.endEncodingBeforeCommit)
+            XCTAssertEqual(cb.status, .error)
+            XCTAssertNotNil(cb.error)
+            enc.endEncoding()  // after commit: one more violation
+            broke(.encodeAfterCommit)
+        }
+    }
+
+    func testEncodingAfterEndEncoding() throws {
+        let pso = try pipeline()
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.endEncoding()
+            enc.setComputePipelineState(pso)
+            broke(.encodeAfterEnd)
+            cb.commit()
+            XCTAssertEqual(cb.status, .error)
+        }
+    }
+
+    func testEncoderAfterCommit() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            cb.commit()
+            XCTAssertEqual(cb.status, .completed)
+            XCTAssertNil(cb.makeComputeCommandEncoder(dispatchType: .serial))
+            broke(.encodeAfterCommit)
+        }
+    }
+
+    func testCommitTwice() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            cb.commit()
+            cb.commit()
+            broke(.commitOnce)
+        }
+    }
+
+    func testWaitBeforeCommit() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            cb.waitUntilCompleted()
+            broke(.waitBeforeCommit)
+        }
+    }
+
+    func testEncoderReleasedWithoutEndEncoding() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            _ = cb.makeComputeCommandEncoder(dispatchType: .serial)
+        }
+        broke(.encoderReleasedOpen)
+    }
+
+    // MARK: autorelease
+
+    func testCommandBufferWithNoPoolLeaksAndFails() {
+        let before = MetalSim.counters.liveCommandBuffers
+        let cb = queue.makeCommandBuffer()!
+        broke(.noAutoreleasePool)
+        cb.commit()
+        XCTAssertEqual(cb.status, .error)
+        XCTAssertEqual(MetalSim.counters.liveCommandBuffers, before + 1, "leaked: nothing releases it")
+    }
+
+    func testObjectsLiveUntilThePoolDrains() {
+        let before = MetalSim.counters.liveCommandBuffers
+        weak var weakCB: MTLCommandBuffer?
+        autoreleasepool {
+            autoreleasepool { weakCB = queue.makeCommandBuffer() }
+            // The caller kept no reference: the inner pool held it, and drained.
+            XCTAssertNil(weakCB)
+            _ = queue.makeCommandBuffer()
+            XCTAssertEqual(MetalSim.counters.liveCommandBuffers, before + 1, "alive until the pool drains")
+        }
+        XCTAssertEqual(MetalSim.counters.liveCommandBuffers, before)
+        XCTAssertEqual(seen.count, 0)
+    }
+
+    func testSixtyFifthUncompletedCommandBufferDeadlocks() {
+        autoreleasepool {
+            let held = (0..<64).map { _ in queue.makeCommandBuffer()! }
+            XCTAssertEqual(seen.count, 0)
+            XCTAssertNil(queue.makeCommandBuffer())
+            broke(.queueDeadlock)
+            held[0].commit()  // one completes: a slot is free again
+            XCTAssertNotNil(queue.makeCommandBuffer())
+        }
+        autoreleasepool { XCTAssertNotNil(queue.makeCommandBuffer(), "released buffers free their slots") }
+    }
+
+    // MARK: buffers
+
+    func testBytesNoCopyNeedsSixteenKiBPages() {
+        let page = 16384
+        let mem = UnsafeMutableRawPointer.allocate(byteCount: 4 * page, alignment: page)
+        defer { mem.deallocate() }
+        XCTAssertNotNil(device.makeBuffer(bytesNoCopy: mem, length: page, options: .storageModeShared, deallocator: nil))
+        XCTAssertNil(device.makeBuffer(bytesNoCopy: mem + 4096, length: page, options: .storageModeShared,
+                                       deallocator: nil), "4 KiB-aligned is not an Apple silicon page")
+        XCTAssertNil(device.makeBuffer(bytesNoCopy: mem, length: page + 4096, options: .storageModeShared,
+                                       deallocator: nil))
+        XCTAssertNil(device.makeBuffer(bytesNoCopy: mem, length: 0, options: .storageModeShared, deallocator: nil))
+        var byte: UInt8 = 0
+        XCTAssertNil(device.makeBuffer(bytes: &byte, length: device.maxBufferLength + 1, options: .storageModeShared))
+    }
+
+    func testSetBytesOverFourKiB() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            let big = [UInt8](repeating: 0, count: 4097)
+            enc.setBytes(big, length: 4097, index: 2)
+            broke(.setBytesLength)
+            enc.endEncoding()
+            cb.commit()
+            XCTAssertEqual(cb.status, .error)
+        }
+    }
+
+    func testBufferOffsetsOutsideOrMisaligned() throws {
+        let pso = try pipeline()
+        autoreleasepool {
+            let input = floats([1, 2, 3, 4]), out = floats([0, 0])
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.setBuffer(input, offset: 16, index: 0)
+            broke(.bufferOffset)
+            seen = []
+            var params = UInt32(1)
+            enc.setComputePipelineState(pso)
+            enc.setBuffer(input, offset: 2, index: 0)  // the kernel reads floats
+            enc.setBuffer(out, offset: 0, index: 1)
+            enc.setBytes(&params, length: 4, index: 2)
+            enc.dispatchThreadgroups(MTLSize(width: 1, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 32, height: 1, depth: 1))
+            broke(.bufferOffset)
+            seen = []
+            enc.setBuffer(input, offset: 0, index: 0)
+            enc.setBuffer(input, offset: 4, index: 2)  // constant address space: 256-byte offsets
+            enc.dispatchThreadgroups(MTLSize(width: 1, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 32, height: 1, depth: 1))
+            broke(.bufferOffset)
+            enc.endEncoding()
+            cb.commit()
+            XCTAssertEqual(cb.status, .error)
+        }
+    }
+
+    func testKernelWritingPastABufferFails() throws {
+        let pso = try pipeline()
+        autoreleasepool {
+            let input = floats([Float](repeating: 1, count: 12)), out = floats([0])  // 3 rows, room for 1
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            reduce(enc, pso, input, out, rows: 3, n: 4)
+            enc.endEncoding()
+            cb.commit()
+            broke(.outOfBounds)
+            XCTAssertEqual(cb.status, .error)
+        }
+    }
+
+    func testRedZonesOnBothSidesOfACopy() throws {
+        for delta in [-1, 16, 16 + 255] {
+            let b = try XCTUnwrap(floats([1, 2, 3, 4]) as? SimBuffer)
+            XCTAssertTrue(b.redZoneIntact)
+            (b.contents() + delta).storeBytes(of: 0, as: UInt8.self)
+            XCTAssertFalse(b.redZoneIntact, "a byte written at \(delta)")
+        }
+    }
+
+    // MARK: pipelines
+
+    func testDispatchWithoutPipeline() {
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.dispatchThreadgroups(MTLSize(width: 1, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 32, height: 1, depth: 1))
+            broke(.noPipeline)
+            enc.endEncoding()
+        }
+    }
+
+    func testThreadsAbovePipelineLimit() throws {
+        for limit in [1024, 768, 512, 256] {
+            setenv("FLASHMETAL_METAL_SIM_MAX_THREADS", "\(limit)", 1)
+            defer { unsetenv("FLASHMETAL_METAL_SIM_MAX_THREADS") }
+            let pso = try pipeline()
+            XCTAssertEqual(pso.maxTotalThreadsPerThreadgroup, limit)
+            try autoreleasepool {
+                let input = floats([Float](repeating: 1, count: 64)), out = floats([0])
+                let cb = queue.makeCommandBuffer()!
+                let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+                reduce(enc, pso, input, out, rows: 1, n: 64, threads: limit)
+                XCTAssertEqual(seen.count, 0, "\(limit) threads are allowed")
+                reduce(enc, pso, input, out, rows: 1, n: 64, threads: limit + 32)
+                broke(.threadsPerThreadgroup)
+                enc.endEncoding()
+                cb.commit()
+                XCTAssertEqual(cb.status, .error)
+            }
+            seen = []
+        }
+    }
+
+    func testThreadgroupMemoryLengths() throws {
+        let pso = try pipeline()
+        autoreleasepool {
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.setThreadgroupMemoryLength(20, index: 0)
+            broke(.threadgroupMemoryLength)
+            seen = []
+            enc.setThreadgroupMemoryLength(16384, index: 0)
+            enc.setThreadgroupMemoryLength(16400, index: 1)
+            enc.setComputePipelineState(pso)
+            enc.dispatchThreadgroups(MTLSize(width: 1, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 32, height: 1, depth: 1))
+            broke(.threadgroupMemoryTotal)
+            enc.endEncoding()
+        }
+    }
+
+    func testFunctionConstantsAndLibraries() throws {
+        let source = Shaders.source(forKernel: "fm_selftest_reduce")!.text
+        // Apple's defaults are fast math: refused, as are half-precise settings.
+        XCTAssertThrowsError(try device.makeLibrary(source: source, options: nil))
+        let o = options()
+        o.mathFloatingPointFunctions = .fast
+        XCTAssertThrowsError(try device.makeLibrary(source: source, options: o))
+        let bf = options()
+        bf.languageVersion = .version3_0
+        XCTAssertThrowsError(try device.makeLibrary(source: "kernel void k(device bfloat *x) {}", options: bf))
+        let lib = try device.makeLibrary(source: source, options: options())
+        XCTAssertThrowsError(try lib.makeFunction(name: "flash_attn_prefill_bf16_d128", constantValues: MTLFunctionConstantValues()),
+                             "a kernel of another library")
+        XCTAssertThrowsError(try pipeline(type: .uint), "the kernel declares an int, not a uint")
+        // Set as a bool, or not at all: the dispatch fails like the kernel's read.
+        for values in [MTLFunctionConstantValues(), { () -> MTLFunctionConstantValues in
+            let v = MTLFunctionConstantValues()
+            var b = true
+            v.setConstantValue(&b, type: .bool, index: 700)
+            return v
+        }()] {
+            let pso = try device.makeComputePipelineState(
+                function: try lib.makeFunction(name: "fm_selftest_reduce", constantValues: values))
+            autoreleasepool {
+                let input = floats([1, 2]), out = floats([0])
+                let cb = queue.makeCommandBuffer()!
+                let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+                reduce(enc, pso, input, out, rows: 1, n: 2)
+                enc.endEncoding()
+                cb.commit()
+                XCTAssertEqual(cb.status, .error)
+                XCTAssertTrue("\(String(describing: cb.error))".contains("selftest_scale"), "\(String(describing: cb.error))")
+            }
+        }
+    }
+
+    // MARK: ordering
+
+    /// Two dependent dispatches: stage 2 reduces what stage 1 wrote. In a
+    /// concurrent pass only a memoryBarrier between them orders them.
+    private func twoStages(_ type: MTLDispatchType, barrier: Bool) throws -> Float {
+        let pso = try pipeline(scale: 1)
+        return autoreleasepool {
+            let input = floats([1, 2, 3, 4]), mid = floats([0, 0]), out = floats([0])
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: type)!
+            reduce(enc, pso, input, mid, rows: 2, n: 2)  // mid = [3, 7]
+            if barrier { enc.memoryBarrier(scope: .buffers) }
+            reduce(enc, pso, mid, out, rows: 1, n: 2)    // out = 10
+            enc.endEncoding()
+            cb.commit()
+            XCTAssertEqual(cb.status, .completed)
+            return read(out, 1)[0]
+        }
+    }
+
+    func testConcurrentPassNeedsBarriers() throws {
+        XCTAssertEqual(try twoStages(.concurrent, barrier: true), 10)
+        XCTAssertEqual(try twoStages(.serial, barrier: false), 10)
+        XCTAssertEqual(try twoStages(.concurrent, barrier: false), 0, "without a barrier stage 2 ran first")
+        setenv("FLASHMETAL_METAL_SIM_DROP_BARRIER", "1", 1)
+        defer { unsetenv("FLASHMETAL_METAL_SIM_DROP_BARRIER") }
+        XCTAssertEqual(try twoStages(.concurrent, barrier: true), 0, "the dropped barrier no longer orders them")
+    }
+}
+#endif
