@@ -20,12 +20,12 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import math
 import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np

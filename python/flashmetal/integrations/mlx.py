@@ -83,7 +83,7 @@ def _check_array(mx: Any, x: Any, name: str) -> None:
 
 
 def _promotes_to(mx: Any, dtype: Any, final: Any) -> bool:
-    return mx.result_type(dtype, final) == final
+    return bool(mx.result_type(dtype, final) == final)
 
 
 def _mask_rank4(mx: Any, mask: Any, shape: tuple[int, int, int, int], final: Any) -> np.ndarray:
@@ -99,7 +99,8 @@ def _mask_rank4(mx: Any, mask: Any, shape: tuple[int, int, int, int], final: Any
             mask = mask.astype(final)
     m = _as_numpy(mask)
     m = m.reshape((1,) * (4 - m.ndim) + m.shape)
-    if any(d not in (1, want) for d, want in zip(m.shape, shape)):
+    given: tuple[int, ...] = m.shape
+    if any(n not in (1, want) for n, want in zip(given, shape, strict=True)):
         raise InvalidValueError(_OP, f"mask shape {tuple(mask.shape)} does not broadcast to [B, N_q, T_q, T_kv] "
                                 f"= {list(shape)}")
     return m
