@@ -237,6 +237,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------------------------------------
 
+def _rate(s: Shape, ms: float) -> str:
+    """GFLOP/s; for decode (one query row, bound by reading the cache) also GB/s of K and V."""
+    text = f"{s.flops() / ms / 1e6:8.1f} GFLOP/s"
+    if s.q_len == 1:
+        kv_bytes = 2 * s.batch * s.kv_heads * s.kv_len * s.head_dim * _DTYPES[s.dtype].itemsize
+        text += f" {kv_bytes / ms / 1e6:7.1f} GB/s of K/V"
+    return text
+
+
 def cmd_bench(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     s = _shape(args, ap)
     reg = Registry(args.backend)
@@ -244,13 +253,12 @@ def cmd_bench(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     print(f"flashmetal bench on backend '{reg.backend}': {s}, median of {args.runs} runs")
     ms = time_ms(lambda: run_flashmetal(s, q, k, v, reg), args.runs, "flashmetal", args.progress)
     route = last_route()
-    gflops = s.flops() / ms / 1e6
-    print(f"  flashmetal   {ms:10.3f} ms  {gflops:8.1f} GFLOP/s  ({route})")
+    print(f"  flashmetal   {ms:10.3f} ms  {_rate(s, ms)}  ({route})")
     runner = None if args.no_torch else _torch_runner(s, q, k, v)
     if runner is not None:
         torch = importlib.import_module("torch")
         tms = time_ms(runner, args.runs, "torch", args.progress)
-        print(f"  torch sdpa   {tms:10.3f} ms  {s.flops() / tms / 1e6:8.1f} GFLOP/s  "
+        print(f"  torch sdpa   {tms:10.3f} ms  {_rate(s, tms)}  "
               f"(torch {torch.__version__}, {torch.get_num_threads()} threads)")
         print(f"  speedup      {tms / ms:10.2f}x (torch time / flashmetal time)")
     elif not args.no_torch:

@@ -91,6 +91,7 @@ def test_bench_decode_progress_line_and_no_torch():
             "-d", "128", "--runs", "3", "--no-torch", "--progress")
     assert r.returncode == 0, r.stderr
     assert "qL=1 kvL=300" in r.stdout and "flash_attn_vec" in r.stdout and "torch" not in r.stdout
+    assert "GB/s of K/V" in r.stdout
     assert [line.strip() for line in r.stderr.splitlines()][-1].startswith("flashmetal: run 3/3,")
 
 
