@@ -406,6 +406,38 @@ def test_mlx_lm_same_greedy_tokens_with_patch(registry, config, dtype, monkeypat
 
 
 @needs_mlx_lm
+def test_kv_cache_buffers_read_in_place(registry, monkeypatch):
+    """k and v from mlx-lm's KVCache are strided prefixes of its buffers: with
+    cache= the buffers themselves are read (kv_len = the prefix), not a copy."""
+    from mlx_lm.models.cache import KVCache
+
+    passed = []
+    real = fmx._front_door
+
+    def spy(q, k, v, **kwargs):
+        passed.append((k, v, kwargs["kv_len"]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(fmx, "_front_door", spy)
+    cache = KVCache()
+    for step, mask in ((9, "causal"), (1, None), (1, None), (3, "causal")):
+        keys, values = cache.update_and_fetch(normal((1, 2, step, 64), mx.bfloat16),
+                                              normal((1, 2, step, 64), mx.bfloat16))
+        q = normal((1, 4, step, 64), mx.bfloat16)
+        out = fmx.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask, cache=cache,
+                                               registry=registry)
+        ok, ratio = reference.close(f64(out), ref_attention(q, keys, values, 0.125, mask), *REF_TOL["bfloat16"])
+        assert ok, ratio
+        k_in, v_in, kv_len = passed[-1]
+        assert kv_len == keys.shape[2] and k_in.shape == tuple(cache.keys.shape) and k_in.shape[2] > kv_len
+        assert np.shares_memory(k_in, np.asarray(cache.keys.view(mx.uint16)))
+        assert np.shares_memory(v_in, np.asarray(cache.values.view(mx.uint16)))
+    other = KVCache()  # k and v not from this cache: read as given
+    fmx.scaled_dot_product_attention(q, keys, values, scale=0.125, cache=other, registry=registry)
+    assert passed[-1][2] is None
+
+
+@needs_mlx_lm
 def test_patch_reaches_modules_imported_before_and_after():
     import importlib
 

@@ -15,8 +15,9 @@ takes and returns MLX arrays with MLX's semantics:
   softmax denominator without a value (gpt-oss); with or without a mask.
 
 Arrays are read in place (MLX exports them through the buffer protocol,
-bfloat16 as its uint16 bits); a strided array (a transposed or sliced view)
-is copied once, and the result is copied once into a new MLX array (MLX
+bfloat16 as its uint16 bits), and so are the buffers of an mlx-lm KV cache
+passed as ``cache`` (``patch()`` does) when k and v are their first rows; any
+other strided array (a transposed or sliced view) is copied once, and the result is copied once into a new MLX array (MLX
 cannot wrap foreign memory). The call evaluates its inputs (``mx.eval``), so
 it runs eagerly, inside neither ``mx.compile`` nor a gradient.
 
@@ -128,8 +129,26 @@ def _with_sink_key(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
     return k1, v1, m1
 
 
+def _cache_buffers(cache: Any, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The whole K and V buffers of an mlx-lm KV cache when k and v are their
+    first rows (``cache.keys[..., :offset, :]``, as KVCache hands them over):
+    read in place with kv_len = offset instead of copying the strided prefix.
+    None when they are anything else (a rotating or quantized cache's)."""
+    full = [getattr(cache, "keys", None), getattr(cache, "values", None)]
+    mx = _mx()
+    if not all(isinstance(a, mx.array) and a.ndim == 4 for a in full):
+        return None
+    fk, fv = (_as_numpy(a) for a in full)
+    for whole, part in ((fk, k), (fv, v)):
+        if (whole.dtype != part.dtype or not whole.flags.c_contiguous or whole.shape[:2] != part.shape[:2]
+                or whole.shape[3] != part.shape[3] or whole.shape[2] < part.shape[2]
+                or whole.ctypes.data != part.ctypes.data or whole.strides != part.strides):
+            return None
+    return fk, fv
+
+
 def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any = None, sinks: Any = None,
-                                 stream: Any = None, registry: RegistryLike = None) -> Any:
+                                 stream: Any = None, cache: Any = None, registry: RegistryLike = None) -> Any:
     """``mx.fast.scaled_dot_product_attention`` on flashmetal (see the module
     docstring for the semantics).
 
@@ -142,6 +161,9 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
         sinks: optional ``[N_q]`` sink logits.
         stream: accepted for MLX's signature and ignored: flashmetal runs on
             ``registry``'s backend.
+        cache: optional mlx-lm KV cache that k and v came from: when they are
+            the first rows of its buffers, the buffers are read in place
+            (no copy of the strided prefix); otherwise ignored.
         registry: a flashmetal Registry or backend name; default ``Registry("auto")``.
 
     Returns:
@@ -188,10 +210,15 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
                                    f"{_dtype_name(final)}")
         sinks_np = _as_numpy(sinks.astype(final))
     qn, kn, vn = _as_numpy(q), _as_numpy(k), _as_numpy(v)
+    kv_len = None
+    whole = None if cache is None or sinks_np is not None else _cache_buffers(cache, kn, vn)
+    if whole is not None:
+        kn, vn = whole
+        kv_len = kL
     if sinks_np is not None:
         kn, vn, mask_np = _with_sink_key(qn, kn, vn, mask_np, sinks_np)
     out = _front_door(qn, kn, vn, attn_mask=mask_np, is_causal=causal, scale=float(scale), enable_gqa=True,
-                      align="bottom_right", registry=registry)
+                      kv_len=kv_len, align="bottom_right", registry=registry)
     return _to_mlx(out)
 
 
@@ -220,7 +247,7 @@ def patch(registry: RegistryLike = None) -> None:
         if hasattr(cache, "bits"):  # a quantized cache holds (packed, scales, biases) tuples
             return original(queries, keys, values, cache, scale, mask, sinks)
         return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
-                                            registry=registry)
+                                            cache=cache, registry=registry)
 
     flashmetal_sdpa.__wrapped__ = original  # type: ignore[attr-defined]
     flashmetal_sdpa._flashmetal_patch = True  # type: ignore[attr-defined]
