@@ -210,7 +210,7 @@ def test_sdpa_nan_bug(registry):
 @pytest.mark.parametrize("D", [72, 96])
 def test_sdpa_head_dims_72_96(registry, D):
     B, qH, kH = 1, 8, 2
-    lengths = ((65, 127),) if on_sim(registry) else ((64, 128), (64, 127), (65, 128), (65, 127))
+    lengths = ((65, 127),) if on_sim(registry) else ((64, 128), (65, 127))
     for (qL, kL), dtype, mask in product(lengths, (mx.float16, mx.bfloat16, mx.float32),
                                          (None, "additive", "bool", "causal")):
         mx.random.seed(0)
@@ -256,7 +256,7 @@ def test_sdpa_attention_sinks(registry):
     for shape in ((N_q + 1,), ()):
         with pytest.raises(flashmetal.InvalidValueError, match="sinks has shape"):
             fmx.scaled_dot_product_attention(q, k, v, scale=scale, sinks=normal(shape), registry=registry)
-    T_qs, T_kvs = ((1, 24), (40, 200)) if on_sim(registry) else ((1, 128), (128, 4096))
+    T_qs, T_kvs = ((1, 24), (40, 200)) if on_sim(registry) else ((1, 128), (128, 1024))
     for T_q, T_kv, N_kv, dtype in product(T_qs, T_kvs, (2, 8), (mx.float16, mx.float32)):
         q = normal((B, N_q, T_q, D), dtype)
         k = normal((B, N_kv, T_kv, D), dtype)
