@@ -344,9 +344,13 @@ def test_errors_name_the_function_and_argument(registry):
 
 needs_mlx_lm = pytest.mark.skipif(sys.version_info < (3, 11), reason="mlx-lm needs Python >= 3.11")
 
+# The sliding-window layer first: the last layer's attention over the prompt feeds
+# nothing the next tokens read (only its last row and its K/V inputs do), so a
+# mask error there would pass unseen. Checked: dropping the masks, or scaling
+# the scores by 1.2, changes these models' tokens or log-probs beyond the bounds.
 LLAMA = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
-             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97, tie_word_embeddings=True,
-             layer_types=["full_attention", "sliding_attention"], sliding_window=6)
+             num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97, tie_word_embeddings=False,
+             layer_types=["sliding_attention", "full_attention"], sliding_window=6)
 GPT_OSS = dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=2, num_experts_per_tok=1, vocab_size=97,
                hidden_size=128, intermediate_size=128, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
                sliding_window=6, layer_types=["sliding_attention", "full_attention"])
@@ -369,9 +373,12 @@ def tiny_model(config: dict, dtype):
 
 
 def greedy(model, prompt, n):
+    """The greedy tokens and each step's log-probabilities (float32 numpy)."""
     from mlx_lm.generate import generate_step
 
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    steps = [(int(t), np.array(lp.astype(mx.float32))) for t, lp in generate_step(mx.array(prompt), model,
+                                                                                 max_tokens=n)]
+    return [t for t, _ in steps], np.stack([lp for _, lp in steps])
 
 
 @needs_mlx_lm
@@ -382,7 +389,8 @@ def test_mlx_lm_same_greedy_tokens_with_patch(registry, config, dtype, monkeypat
 
     model = tiny_model(config, dtype)
     prompt = [int(x) for x in np.random.default_rng(3).integers(0, config["vocab_size"], 11)]
-    want = greedy(model, prompt, 10)
+    want, want_logprobs = greedy(model, prompt, 10)
+    assert len(set(want)) >= 3, want  # a model that repeats one token would hide attention errors
     calls = []
     real = fmx.scaled_dot_product_attention
 
@@ -395,7 +403,7 @@ def test_mlx_lm_same_greedy_tokens_with_patch(registry, config, dtype, monkeypat
     fmx.patch(registry=registry)
     try:
         assert fmx.is_patched() and base.scaled_dot_product_attention is not original
-        got = greedy(model, prompt, 10)
+        got, got_logprobs = greedy(model, prompt, 10)
     finally:
         fmx.unpatch()
     assert base.scaled_dot_product_attention is original and not fmx.is_patched()
@@ -403,6 +411,9 @@ def test_mlx_lm_same_greedy_tokens_with_patch(registry, config, dtype, monkeypat
     assert len(calls) >= layers * 10 and len(calls) % layers == 0, calls  # the prompt, then each step, every layer
     assert "causal" in calls and "array" in calls and None in calls  # full, sliding-window and decode masks
     assert got == want
+    # bfloat16: the attention output's rounding moves log-probs by a few 1e-2 (measured 0.03); float32 1e-6.
+    atol = 0.1 if dtype == mx.bfloat16 else 1e-4
+    assert np.max(np.abs(got_logprobs - want_logprobs)) <= atol
 
 
 @needs_mlx_lm
