@@ -43,6 +43,10 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half
                   "f32": "float32", "float": "float32"}
 #: Runs longer than this (seconds, estimated from the warm-up) print a progress line.
 PROGRESS_AFTER_S = 2.0
+#: `verify` over all backends leaves the simulator out when it would take longer
+#: than this (seconds): it costs ~11 ns per multiply-add.
+SIM_BUDGET_S = 60.0
+SIM_NS_PER_MAC = 11.0
 
 
 def available_backends() -> list[str]:
@@ -283,6 +287,10 @@ def cmd_verify(args: argparse.Namespace, ap: argparse.ArgumentParser) -> int:
     print(f"flashmetal verify: {s} against the float64 reference, tolerance |err| <= {atol:g} + {rtol:g}*|ref|")
     failed = 0
     for name in backends:
+        sim_s = s.flops() / 2 * SIM_NS_PER_MAC * 1e-9
+        if name == "sim" and args.backend == "all" and sim_s > SIM_BUDGET_S:
+            print(f"  sim    not run: ~{sim_s:.0f} s on the simulator (--backend sim runs it)")
+            continue
         with Registry(name) as reg:
             out = np.asarray(run_flashmetal(s, q, k, v, reg))
             route = last_route()

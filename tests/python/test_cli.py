@@ -50,6 +50,16 @@ def test_verify_all_backends_by_default():
     assert [line.split()[0] for line in r.stdout.splitlines()[1:-1]] == BACKENDS
 
 
+@pytest.mark.skipif("sim" not in BACKENDS, reason="the simulator backend is not built here")
+def test_verify_all_leaves_out_a_long_simulation(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "SIM_BUDGET_S", 0.0)
+    assert cli.main(["verify", "--q-len", "3", "--kv-len", "17", "--heads", "2", "-d", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "  sim    not run: ~0 s on the simulator (--backend sim runs it)" in out and "  cpu    PASS" in out
+    assert cli.main(["verify", "--backend", "sim", "--q-len", "3", "--kv-len", "17", "--heads", "2", "-d", "64"]) == 0
+    assert "  sim    PASS" in capsys.readouterr().out
+
+
 def test_verify_fails_outside_a_tolerance_it_cannot_meet():
     r = run("verify", "--backend", "cpu", "--q-len", "8", "--kv-len", "16", "--heads", "2", "-d", "64",
             "--atol", "0", "--rtol", "0")  # bfloat16 output never equals the float64 reference everywhere
