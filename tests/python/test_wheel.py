@@ -41,7 +41,7 @@ def installed(tmp_path_factory) -> Path:
 @needs_wheel
 def test_platform_tag_and_contents():
     name = Path(WHEEL).name
-    assert re.fullmatch(r"flashmetal-[\w.]+-py3-none-(linux|macosx)_\w+\.whl", name), name
+    assert re.fullmatch(r"flashmetal-[\w.]+-py3-none-(manylinux|macosx)_\w+\.whl", name), name
     assert "none-any" not in name
     if sys.platform == "darwin":
         # The dylib's own: Apple silicon only, macOS 14 at least (Package.swift), never universal2.
@@ -95,3 +95,27 @@ def test_missing_toolchain_is_a_build_error(tmp_path):
     assert run.returncode != 0
     assert "flashmetal: `swift build` failed (exit 1)" in run.stdout + run.stderr
     assert not list(tmp_path.glob("*.whl"))
+
+
+@needs_wheel
+@pytest.mark.skipif(sys.platform == "darwin", reason="Linux wheels only")
+def test_linux_wheel_is_manylinux():
+    """A manylinux tag (auditwheel repair's, mk/wheel.mk), which package indexes accept; a bare linux_* tag they
+    refuse. The tag's glibc is at most this machine's, or pip here would not have installed it."""
+    import platform
+
+    m = re.search(r"-py3-none-manylinux_(\d+)_(\d+)_(x86_64|aarch64)\.whl$", Path(WHEEL).name)
+    assert m, Path(WHEEL).name
+    assert m.group(3) == platform.machine()
+    libc, version = platform.libc_ver()
+    assert libc == "glibc" and (int(m.group(1)), int(m.group(2))) <= tuple(int(x) for x in version.split(".")[:2])
+
+
+@needs_wheel
+def test_console_script_in_the_fresh_venv(installed):
+    """The wheel installs the `flashmetal` command; verify runs there without the toolchain."""
+    exe = installed.parent / "flashmetal"
+    run = subprocess.run([str(exe), "verify", "--backend", "cpu", "--q-len", "16", "--kv-len", "40", "--causal",
+                          "--heads", "4", "--kv-heads", "2", "-d", "64"],
+                         capture_output=True, text=True, env=clean_env(), cwd="/")
+    assert run.returncode == 0 and "all PASS" in run.stdout, run.stdout + run.stderr

@@ -6,4 +6,6 @@
 - ``flashmetal.integrations.hf``: a Hugging Face transformers attention
   backend; ``flashmetal.integrations.hf.register()`` then
   ``from_pretrained(..., attn_implementation="fm_attention")``.
+- ``flashmetal.integrations.mlx``: ``mx.fast.scaled_dot_product_attention``
+  for MLX arrays, and ``patch()``, which makes mlx-lm's models use it.
 """

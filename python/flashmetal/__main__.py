@@ -1,0 +1,4 @@
+"""``python -m flashmetal``: the flashmetal command (flashmetal.cli)."""
+from .cli import main
+
+raise SystemExit(main())
