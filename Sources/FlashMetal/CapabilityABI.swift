@@ -10,8 +10,8 @@ import FlashMetalCore
 @_cdecl("fm_supported_head_dims")
 public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
                                    _ count: UnsafeMutablePointer<Int>?,
-                                   _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                                   _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let name = op.map { String(cString: $0) } ?? ""
         let dims: [Int]
         switch name {
@@ -32,8 +32,8 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
 /// "sdpa") takes: the front door routes by it (sdpa's is not a list).
 @_cdecl("fm_max_head_dim")
 public func fm_max_head_dim(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?,
-                            _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                            _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let name = op.map { String(cString: $0) } ?? ""
         let dim: Int
         switch name {

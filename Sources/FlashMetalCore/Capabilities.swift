@@ -40,7 +40,7 @@ public enum PrefillCapability {
     /// The geometry for `headDim`, or a ValueError naming `op` and the choices.
     static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
         guard let g = geometry[headDim] else {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)")
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)", arg: "q")
         }
         return g
     }
@@ -84,10 +84,10 @@ public enum VecCapability {
 
     static func requireHeadDim(_ d: Int, fwht: Bool = false, op: String) throws {
         if !headDims.contains(d) {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)")
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)", arg: "q")
         }
         if fwht && !fwhtHeadDims.contains(d) {
-            throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)")
+            throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)", arg: "fwht")
         }
     }
 }

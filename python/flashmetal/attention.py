@@ -306,7 +306,8 @@ def scaled_dot_product_attention(
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align)
     reg = resolve(registry, _OP)
-    out = _run(call, scale, softcap, window, reg)
+    with _native.running(_OP):
+        out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
     return wrapper_like(query)(out[0] if call.squeeze else out)
 

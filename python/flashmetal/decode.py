@@ -57,26 +57,27 @@ def flash_attn_decode(
     Returns:
         float32, shaped like q.
     """
-    reg = resolve(registry, _OP)
-    qa = as_input(q, _OP, "q")
-    ka = as_input(k_cache, _OP, "k_cache")
-    va = as_input(v_cache, _OP, "v_cache")
-    sa = None if fwht_signs is None else as_input(fwht_signs, _OP, "fwht_signs")
+    op = _native.public_op(_OP)
+    reg = resolve(registry, op)
+    qa = as_input(q, op, "q")
+    ka = as_input(k_cache, op, "k_cache")
+    va = as_input(v_cache, op, "v_cache")
+    sa = None if fwht_signs is None else as_input(fwht_signs, op, "fwht_signs")
     if out is None:
         out = dst = np.empty(qa.shape, dtype=F32)
     else:
-        dst = check_out(out, _OP, qa.shape, F32, [qa, ka, va, sa])
+        dst = check_out(out, op, qa.shape, F32, [qa, ka, va, sa])
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(
         "FMVecOptions",
-        scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
-        softcap=_native.float32_arg(_OP, "softcap", softcap),
+        scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),
+        softcap=_native.float32_arg(op, "softcap", softcap),
         mask_type=_native.constant(mask_type),
-        window=0 if window is None else _native.index_arg(_OP, "window", window),
-        kv_len=_native.index_arg(_OP, "kv_len", kv_len, 1),
+        window=0 if window is None else _native.index_arg(op, "window", window),
+        kv_len=_native.index_arg(op, "kv_len", kv_len, 1),
         fwht=1 if (fwht or sa is not None) else 0)
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
-                 ffi.NULL, tensor(ffi, dst), opts, op=_OP, keep=(qa, ka, va, sa, dst))
+                 ffi.NULL, tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, sa, dst))
     return out

@@ -39,7 +39,7 @@ class Registry:
         name = ffi.new("char[]", 64)
         status = _native.lib().fm_registry_backend(self._handle, name, 64)
         if status != _native.lib().FM_OK:
-            raise _native.error_for(status, "the new registry is not live", "registry_backend")
+            raise _native.error_for(status, "registry_backend", "the new registry is not live")
         self.backend: str = ffi.string(name).decode()
         self._defers_work = self.backend in DEFERRING_BACKENDS
 
@@ -53,7 +53,7 @@ class Registry:
         return _native.lib()
 
     def _call(self, fn_name: str, *args: Any) -> None:
-        """Calls an fm_* entry point that ends in (err, errlen); messages keep the library's op."""
+        """Calls an fm_* entry point that ends in an FMError *; errors name the library's op."""
         _native.call(self, fn_name, *args)
 
     def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:

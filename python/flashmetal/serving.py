@@ -21,16 +21,14 @@ in the same batch scope, before the attention reads the cache.
 """
 from __future__ import annotations
 
-import contextlib
-import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import Error, InvalidTypeError, InvalidValueError
+from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
@@ -246,28 +244,6 @@ def flash_attn_with_kvcache(
     return (result, wrap(lse)) if want_lse else result
 
 
-# The decode and append entry points serve several public functions and name
-# their arguments after their own C parameters; the messages users see use
-# the public function's names.
-_DECODE_NAMES = {
-    _FUNC: {"lse": "softmax_lse"},
-    _KVCACHE: {"k": "k_cache", "v": "v_cache", "seqlens_k": "cache_seqlens", "lse": "softmax_lse"},
-}
-
-
-@contextlib.contextmanager
-def _public_names(names: dict[str, str]) -> Iterator[None]:
-    """Re-raises a library error with its argument names replaced (whole
-    words only) by the public function's."""
-    try:
-        yield
-    except Error as e:
-        prefix = f"{e.op}: " if e.op else ""
-        text = str(e)[len(prefix):]
-        renamed = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
-        raise type(e)(e.op, renamed, e.status) from None
-
-
 def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
     """flash-attn's return: out, or (out, softmax_lse, S_dmask) when the LSE
     was asked for; S_dmask is empty, as flash-attn's is without dropout. In
@@ -360,10 +336,9 @@ def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.nd
     try:
         with reg.batch():
             ffi = _native.ffi()
-            with _public_names({"k_new": "k", "v_new": "v"}):
-                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
-                             keep=(ka, va, kc, vc, lens, table))
+            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
+                         keep=(ka, va, kc, vc, lens, table))
             appended = True
             return attend(_grown(lens, ka))
     except BaseException:
@@ -422,10 +397,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
-        with _public_names(_DECODE_NAMES[op]):
-            _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
-                         ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                        lse, o32, keep))
+        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
+                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
+                                                                    lse, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(qa.dtype)

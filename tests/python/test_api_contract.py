@@ -30,6 +30,40 @@ def test_error_hierarchy_carries_op_and_status(cpu):
     assert issubclass(fm.InternalError, RuntimeError)
 
 
+def test_errors_carry_the_argument_from_the_library(cpu):
+    """The library's error fields reach the exception as they are: the
+    argument is the public function's parameter name."""
+    q = np.zeros((1, 1, 1, 100), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_prefill(q, q, q, registry=cpu)
+    assert e.value.argument == "q" and "head_dim" in str(e.value)
+    k = np.zeros((2, 8, 64), F32)
+    with pytest.raises(ValueError) as e:
+        fm.flash_attn_decode(np.zeros((4, 64), F32), k, k, kv_len=9, registry=cpu)
+    assert e.value.argument == "kv_len"
+    kc = np.zeros((1, 32, 2, 64), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_with_kvcache(np.zeros((1, 1, 3, 64), BF16), kc, kc, cache_seqlens=5, registry=cpu)
+    assert e.value.op == "flash_attn_with_kvcache" and e.value.argument == "q"
+    assert "must be a multiple of the k_cache heads" in str(e.value)
+
+
+def test_an_inner_public_function_names_the_outer_one(cpu):
+    """A public function run by another (the front door runs prefill,
+    decode or sdpa) names the outer one in every error, library or Python."""
+    q = np.zeros((1, 1, 1, 100), BF16)
+    with _native.running("scaled_dot_product_attention"):
+        with pytest.raises(fm.InvalidValueError) as e:
+            fm.flash_attn_prefill(q, q, q, registry=cpu)
+        assert e.value.op == "scaled_dot_product_attention"
+        with pytest.raises(fm.InvalidValueError) as e:
+            fm.sdpa(q, q, q, window=0, registry=cpu)
+        assert e.value.op == "scaled_dot_product_attention" and e.value.argument == "window"
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_prefill(q, q, q, registry=cpu)
+    assert e.value.op == "flash_attn_prefill"
+
+
 def test_messages_name_the_public_function_and_kv_len(cpu):
     q = np.zeros((4, 64), F32)
     k = np.zeros((2, 8, 64), F32)
@@ -144,9 +178,9 @@ def test_max_head_dim_comes_from_the_library(monkeypatch):
         assert _native.max_head_dim(op) == max(fm.supported_head_dims(op))
     with pytest.raises(ValueError, match="^max_head_dim: op must be .*got 'nope'"):
         _native.max_head_dim("nope")
-    ffi, err = _native.ffi(), _native.ffi().new("char[]", 256)
-    assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err, 256) == _native.lib().FM_ERROR_VALUE
-    assert ffi.string(err) == b"max_head_dim: out is null"
+    ffi, err = _native.ffi(), _native.ffi().new("FMError *")
+    assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err) == _native.lib().FM_ERROR_VALUE
+    assert (ffi.string(err.op) + b": " + ffi.string(err.message)) == b"max_head_dim: out is null"
     monkeypatch.setattr(_native, "max_head_dim", lambda op: {"sdpa": 600}[op])
     q = np.zeros((1, 1, 2, 640), np.float32)
     with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 640 is above 600"):

@@ -79,9 +79,9 @@ def test_byte_len_errors(cpu, args, msg):
 
 def test_alloc_and_free(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     t = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(100, 70, 512, t, err, 256) == 0, ffi.string(err)
+    assert lib.fm_alloc_blk(100, 70, 512, t, err) == 0, (ffi.string(err.op) + b": " + ffi.string(err.message))
     assert (t.ndim, t.shape[0], t.shape[1], t.dtype, t.nbytes) == (2, 13, 9, 4, 128)
     assert bytes(ffi.buffer(t.data, t.nbytes)) == bytes(128)
     m = fm.build_mask(100, 70, q_offset=0, registry=cpu)
@@ -89,20 +89,20 @@ def test_alloc_and_free(cpu):
     got = np.frombuffer(ffi.buffer(t.data, 13 * 9), np.uint8).reshape(13, 9)
     assert np.array_equal(got, reference.blk_classes(m, 8, 8))
     data = t.data
-    assert lib.fm_free_blk(t, err, 256) == 0
+    assert lib.fm_free_blk(t, err) == 0
     assert t.data == ffi.NULL and t.nbytes == 0
-    assert lib.fm_free_blk(t, err, 256) == 0  # NULL data: nothing to free
+    assert lib.fm_free_blk(t, err) == 0  # NULL data: nothing to free
     t.data = data  # double free is refused, not performed
-    assert lib.fm_free_blk(t, err, 256) == 1
-    assert b"free_blk: " in ffi.string(err) and b"is not a live buffer from fm_alloc_blk" in ffi.string(err)
+    assert lib.fm_free_blk(t, err) == 1
+    assert b"free_blk: " in (ffi.string(err.op) + b": " + ffi.string(err.message)) and b"is not a live buffer from fm_alloc_blk" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     own = np.zeros(32, np.uint8)
     t.data = ffi.cast("void *", own.ctypes.data)
-    assert lib.fm_free_blk(t, err, 256) == 1
-    assert lib.fm_free_blk(ffi.NULL, err, 256) == 1 and b"free_blk: blk is null" in ffi.string(err)
-    assert lib.fm_alloc_blk(0, 70, 512, t, err, 256) == 1 and b"q_len must be > 0" in ffi.string(err)
-    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err, 256) == 1 and b"alloc_blk: out is null" in ffi.string(err)
+    assert lib.fm_free_blk(t, err) == 1
+    assert lib.fm_free_blk(ffi.NULL, err) == 1 and b"free_blk: blk is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_alloc_blk(0, 70, 512, t, err) == 1 and b"q_len must be > 0" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err) == 1 and b"alloc_blk: out is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     out = ffi.new("size_t *")
-    assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err, 256) == 1
+    assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err) == 1
 
 
 def test_dispatch_errors(registry):

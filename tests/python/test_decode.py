@@ -198,15 +198,15 @@ def test_errors(registry, make, kwargs, exc, msg):
 
 def test_abi_errors(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     q, k, v = _qkv()
     out = np.zeros_like(q)
     opts = ffi.new("FMVecOptions *")
     opts.scale, opts.kv_len = 1.0, 16
 
     def call(*args):
-        st = lib.fm_dispatch_vec(cpu._handle, *args, err, 256)
-        return st, ffi.string(err).decode()
+        st = lib.fm_dispatch_vec(cpu._handle, *args, err)
+        return st, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode()
 
     T = lambda a: tensor(ffi, a)  # noqa: E731
     assert call(ffi.NULL, T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts) == (1, "flash_attn_vec: q is null")

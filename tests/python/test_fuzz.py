@@ -92,8 +92,8 @@ _PRELUDE = """
 import numpy as np
 from flashmetal import _loader
 ffi, lib = _loader.load()
-h = ffi.new("FMRegistry **"); err = ffi.new("char[]", 512)
-assert lib.fm_create_registry(b"cpu", h, err, 512) == 0
+h = ffi.new("FMRegistry **"); err = ffi.new("FMError *")
+assert lib.fm_create_registry(b"cpu", h, err) == 0
 reg = h[0]
 buf = np.zeros(4096, np.uint8)
 def T(dtype, shape, nbytes=64):
@@ -112,8 +112,8 @@ def test_abi_prefill_huge_seq_len_small_buffer():
     p = _subprocess(_PRELUDE + """
 o = ffi.new("FMPrefillOptions *"); o.scale = 0.1; o.q_offset = 1
 q = T(2, [1, 1, 2**63 - 1, 64]); k = T(2, [1, 1, 4, 64])
-s = lib.fm_dispatch_prefill(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err, 512)
-print(s, ffi.string(err).decode())
+s = lib.fm_dispatch_prefill(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err)
+print(s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode())
 """)
     assert p.returncode == 0, p.stderr[-2000:]
     status, msg = p.stdout.split(" ", 1)
@@ -127,8 +127,8 @@ def test_abi_vec_huge_heads_small_buffer():
     p = _subprocess(_PRELUDE + """
 o = ffi.new("FMVecOptions *"); o.scale = 0.1; o.kv_len = 1
 q = T(0, [1, 2**31, 64]); k = T(0, [1, 1, 4, 64])
-s = lib.fm_dispatch_vec(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err, 512)
-print(s, ffi.string(err).decode())
+s = lib.fm_dispatch_vec(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err)
+print(s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode())
 """)
     assert p.returncode == 0, p.stderr[-2000:]
     status, msg = p.stdout.split(" ", 1)
@@ -169,8 +169,8 @@ q = ffi.new("FMTensor *"); q.data = ffi.cast("void *", ffi.from_buffer(m)); q.nb
 q.ndim = 3; q.shape[0] = 1; q.shape[1] = rows; q.shape[2] = 64
 k = T(0, [1, 1, 4, 64], nbytes=1024)
 o = ffi.new("FMVecOptions *"); o.scale = 0.1; o.kv_len = 1
-s = lib.fm_dispatch_vec(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err, 512)
-print(s, ffi.string(err).decode())
+s = lib.fm_dispatch_vec(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err)
+print(s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode())
 """)
     assert p.returncode == 0, p.stderr[-1500:]
     assert p.stdout.startswith("1 flash_attn_vec: cannot allocate"), p.stdout
@@ -179,9 +179,9 @@ print(s, ffi.string(err).decode())
 def test_alloc_blk_names_its_op():
     ffi, lib = _loader.load()
     t = ffi.new("FMTensor *")
-    err = ffi.new("char[]", 256)
-    assert lib.fm_alloc_blk(0, 16, 64, t, err, 256) == 1
-    assert ffi.string(err).decode().startswith("alloc_blk:")
+    err = ffi.new("FMError *")
+    assert lib.fm_alloc_blk(0, 16, 64, t, err) == 1
+    assert (ffi.string(err.op) + b": " + ffi.string(err.message)).decode().startswith("alloc_blk:")
 
 
 def test_build_mask_checks_int32_before_allocating(cpu):

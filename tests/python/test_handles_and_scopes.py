@@ -17,7 +17,7 @@ from numerics import BF16, F16, F32, assert_close, randn
 
 
 def _err():
-    return _native.ffi().new("char[]", 512)
+    return _native.ffi().new("FMError *")
 
 
 def test_destroyed_registry_handle_is_never_another_registry():
@@ -25,23 +25,23 @@ def test_destroyed_registry_handle_is_never_another_registry():
     handles = []
     for _ in range(3):
         h = ffi.new("FMRegistry **")
-        assert lib.fm_create_registry(b"cpu", h, ffi.NULL, 0) == lib.FM_OK
+        assert lib.fm_create_registry(b"cpu", h, ffi.NULL) == lib.FM_OK
         handles.append(h[0])
     stale = handles[0]
     assert lib.fm_destroy_registry(stale) == lib.FM_OK
     fresh = ffi.new("FMRegistry **")
-    assert lib.fm_create_registry(b"cpu", fresh, ffi.NULL, 0) == lib.FM_OK
+    assert lib.fm_create_registry(b"cpu", fresh, ffi.NULL) == lib.FM_OK
     assert fresh[0] not in handles, "a handle value was handed out twice"
     err = _err()
-    assert lib.fm_begin_batch(stale, err, 512) == lib.FM_ERROR_VALUE
-    assert b"not a live registry" in ffi.string(err)
+    assert lib.fm_begin_batch(stale, err) == lib.FM_ERROR_VALUE
+    assert b"not a live registry" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     assert lib.fm_destroy_registry(stale) == lib.FM_ERROR_VALUE  # double destroy
     name = ffi.new("char[]", b"garbage")
     assert lib.fm_registry_backend(stale, name, 8) == lib.FM_ERROR_VALUE
     assert ffi.string(name) == b"", "an error must not leave a message where the name goes"
     for h in handles[1:] + [fresh[0]]:  # the live ones are untouched
-        assert lib.fm_begin_batch(h, err, 512) == lib.FM_OK
-        assert lib.fm_end_batch(h, err, 512) == lib.FM_OK
+        assert lib.fm_begin_batch(h, err) == lib.FM_OK
+        assert lib.fm_end_batch(h, err) == lib.FM_OK
         assert lib.fm_destroy_registry(h) == lib.FM_OK
 
 
@@ -49,29 +49,29 @@ def test_stale_blk_descriptor_cannot_free_or_feed_a_live_buffer(cpu):
     ffi, lib = _native.ffi(), _native.lib()
     err = _err()
     t1 = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(64, 64, 128, t1, err, 512) == lib.FM_OK
+    assert lib.fm_alloc_blk(64, 64, 128, t1, err) == lib.FM_OK
     assert t1.tag != 0
     stale = ffi.new("FMTensor *")
     ffi.memmove(stale, t1, ffi.sizeof("FMTensor"))  # a copy of the descriptor
-    assert lib.fm_free_blk(t1, err, 512) == lib.FM_OK
+    assert lib.fm_free_blk(t1, err) == lib.FM_OK
     assert t1.tag == 0 and t1.data == ffi.NULL
     # Allocate until malloc hands the freed address out again (usually at once).
     live = []
     for _ in range(64):
         t = ffi.new("FMTensor *")
-        assert lib.fm_alloc_blk(64, 64, 128, t, err, 512) == lib.FM_OK
+        assert lib.fm_alloc_blk(64, 64, 128, t, err) == lib.FM_OK
         live.append(t)
         if t.data == stale.data:
             break
     reused = live[-1]
-    assert lib.fm_free_blk(stale, err, 512) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
-    assert b"free_blk:" in ffi.string(err) and b"not a live buffer" in ffi.string(err)
+    assert lib.fm_free_blk(stale, err) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
+    assert b"free_blk:" in (ffi.string(err.op) + b": " + ffi.string(err.message)) and b"not a live buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     m = fm.build_mask(64, 64, registry=cpu)
-    st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err, 512)
-    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in ffi.string(err)
-    assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err, 512) == lib.FM_OK
+    st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err)
+    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err) == lib.FM_OK
     for t in live:
-        assert lib.fm_free_blk(t, err, 512) == lib.FM_OK
+        assert lib.fm_free_blk(t, err) == lib.FM_OK
 
 
 @pytest.fixture
@@ -103,17 +103,17 @@ def test_tagged_blk_remembers_its_geometry(cpu, prefill_inputs):
     err = _err()
     m = fm.build_mask(64, 64, causal=True, registry=cpu)
     blk = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(64, 64, 64, blk, err, 512) == lib.FM_OK
+    assert lib.fm_alloc_blk(64, 64, 64, blk, err) == lib.FM_OK
     try:
-        assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), blk, 64, err, 512) == lib.FM_OK
+        assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), blk, 64, err) == lib.FM_OK
         out = np.empty_like(q)
         opts = _native.options("FMPrefillOptions", scale=0.1, layout=lib.FM_LAYOUT_BHLD)
         st = lib.fm_dispatch_prefill(cpu._handle, tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), tensor(ffi, m),
-                                     blk, tensor(ffi, out), opts, err, 512)
+                                     blk, tensor(ffi, out), opts, err)
         assert st == lib.FM_ERROR_VALUE
-        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in ffi.string(err)
+        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     finally:
-        assert lib.fm_free_blk(blk, err, 512) == lib.FM_OK
+        assert lib.fm_free_blk(blk, err) == lib.FM_OK
 
 
 _SCRATCH_PROBE = """

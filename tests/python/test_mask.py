@@ -67,21 +67,21 @@ def test_errors(registry, kwargs, exc, msg):
 
 def test_abi_errors(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     opts = ffi.new("FMMaskOptions *")
-    assert lib.fm_build_mask(cpu._handle, ffi.NULL, opts, err, 256) == 1
-    assert b"flash_attn_prefill_mask: out is null" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, ffi.NULL, opts, err) == 1
+    assert b"flash_attn_prefill_mask: out is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     out = np.empty((4, 4), np.float32)
     from flashmetal._arrays import tensor
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err, 256) == 2
-    assert b"out must be bfloat16 or float16" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 2
+    assert b"out must be bfloat16 or float16" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     out = np.empty((4, 4), BF16)
     opts.causal = 2
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err, 256) == 1
-    assert b"causal must be 0 or 1" in ffi.string(err)
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), ffi.NULL, err, 256) == 1
-    assert b"options is null" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 1
+    assert b"causal must be 0 or 1" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), ffi.NULL, err) == 1
+    assert b"options is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     out3 = np.empty((2, 4, 4), BF16)
     opts.causal = 1
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out3), opts, err, 256) == 1
-    assert b"out must have rank 2" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out3), opts, err) == 1
+    assert b"out must have rank 2" in (ffi.string(err.op) + b": " + ffi.string(err.message))

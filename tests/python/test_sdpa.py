@@ -100,21 +100,21 @@ def test_errors(registry, args, kwargs, exc, msg):
 def test_abi_errors(cpu):
     from flashmetal._arrays import tensor
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     a = z((1, 1, 4, 8))
     t = tensor(ffi, a)
     o = tensor(ffi, z((1, 1, 4, 8)))
     opts = ffi.new("FMSdpaOptions *")
     opts.scale, opts.causal = 1.0, 3
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: causal must be 0 or 1, got 3" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: causal must be 0 or 1, got 3" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     opts.causal, opts.kv_len = 1, -2
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: kv_len must be >= 0" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err, 256) == 1
-    assert b"sdpa: output is null" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: registry is null" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: kv_len must be >= 0" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err) == 1
+    assert b"sdpa: output is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: registry is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])

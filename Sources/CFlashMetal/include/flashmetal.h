@@ -45,7 +45,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 4 };
+enum { FM_ABI_VERSION = 5 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -372,7 +372,7 @@ typedef enum FMDType {
     FM_DTYPE_I32 = 5
 } FMDType;
 
-/* Every entry point returns one of these; the message goes to `err`. */
+/* Every entry point returns one of these; the details go to `err` (FMError). */
 typedef enum FMStatus {
     FM_OK = 0,
     FM_ERROR_VALUE = 1,    /* a bad shape, size, length or option */
@@ -381,6 +381,22 @@ typedef enum FMStatus {
     FM_ERROR_INTERNAL = 4, /* a bug: please report */
     FM_ERROR_INTERRUPTED = 5 /* a SIGINT cancelled the call; outputs are unspecified */
 } FMStatus;
+
+/* The error of a call, every entry point's last parameter (NULL = not
+ * wanted). In: public_op, the public function the caller is running (NULL or
+ * "" = the entry point's own op): every error of the call names it, and the
+ * argument names follow that function's parameters. Out: the status, the op,
+ * the argument at fault ("" when the error is not about one argument) and
+ * what is wrong with it, naming the value (no op prefix); on success FM_OK
+ * and empty strings. Strings are NUL-terminated and truncated to fit. */
+typedef struct FMError {
+    const char *public_op;
+    int32_t status;
+    int32_t _pad;
+    char op[64];
+    char argument[64];
+    char message[1024];
+} FMError;
 
 /* Prefill layouts: head-major [B, H, L, D] or seq-major [B, L, H, D]. */
 typedef enum FMLayout {
@@ -476,55 +492,55 @@ typedef struct FMAttnOptions {
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
- * receives a NUL-terminated message of at most errlen bytes.
+ * receives the error (FMError).
  * Registry handles are never reused: a destroyed registry's handle (or any
  * other value) is an FM_ERROR_VALUE, never another registry. */
 int fm_abi_version(void);
 /* A static name for a status code ("FM_ERROR_VALUE"; "unknown status" else). */
 const char *fm_status_string(int status);
-int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
+int fm_create_registry(const char *backend, FMRegistry **out, FMError *err);
 int fm_destroy_registry(FMRegistry *registry);
 /* The backend's name ("cpu", "sim", "metal"); "" with an error status when
  * the registry is not live. */
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
 /* A batch scope: until fm_end_batch a backend may defer work (Metal commits
  * one command buffer at the end); outputs are valid after fm_end_batch. */
-int fm_begin_batch(FMRegistry *registry, char *err, size_t errlen);
-int fm_end_batch(FMRegistry *registry, char *err, size_t errlen);
+int fm_begin_batch(FMRegistry *registry, FMError *err);
+int fm_end_batch(FMRegistry *registry, FMError *err);
 int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
                         const FMTensor *out, const FMPrefillOptions *options,
-                        char *err, size_t errlen);
+                        FMError *err);
 const char *fm_version(void);
 /* blk tile-skip pre-pass (seed 001). (BQ, BK) come from the head dim of the
  * prefill that will consume the blk. Byte length: ceil(qL/BQ)*ceil(kL/BK)
  * rounded up to a multiple of 32, at least 32. */
 int fm_blk_byte_len(int64_t q_len, int64_t k_len, int32_t head_dim, size_t *out,
-                    char *err, size_t errlen);
+                    FMError *err);
 /* Fills *out with a zeroed, library-owned uint8 [NQ, NK] tensor of
  * fm_blk_byte_len bytes; release it with fm_free_blk. */
 int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
-                 char *err, size_t errlen);
+                 FMError *err);
 /* Frees a tensor from fm_alloc_blk and clears its data pointer and tag; a
  * tensor the library did not allocate, or a stale copy of one already freed
  * (even when its address was reused since), is an error. */
-int fm_free_blk(FMTensor *blk, char *err, size_t errlen);
+int fm_free_blk(FMTensor *blk, FMError *err);
 /* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_vec",
  * ascending: *count receives how many, out the first min(cap, count). */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
-                           char *err, size_t errlen);
+                           FMError *err);
 /* The largest head dim of op "flash_attn_prefill", "flash_attn_vec" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
-int fm_max_head_dim(const char *op, int32_t *out, char *err, size_t errlen);
+int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
 /* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
  * shape for head_dim and the mask's shape), >= NQ*NK bytes. fm_dispatch_prefill
  * checks the blk's shape against its own geometry, and the head dim and mask
  * shape a tagged (fm_alloc_blk) blk was filled for. */
 int fm_dispatch_blk(FMRegistry *registry, const FMTensor *mask, const FMTensor *blk_out,
-                    int32_t head_dim, char *err, size_t errlen);
+                    int32_t head_dim, FMError *err);
 /* Fills out ([qL, kL] bfloat16 or float16) with 0 / -inf. */
 int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions *options,
-                  char *err, size_t errlen);
+                  FMError *err);
 /* Decode: q float32 [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
  * float16 or bfloat16; out float32 like q. fwht_signs: NULL (all +1) or
  * uint8 [D/8], used only with options->fwht. tmp: NULL (the library
@@ -532,14 +548,14 @@ int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions
  * scope) or float32 with >= B*H*32*(D+2)*4 bytes. */
 int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
-                    const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
+                    const FMTensor *out, const FMVecOptions *options, FMError *err);
 /* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32, all
  * float16 or all bfloat16; D <= fm_max_head_dim("sdpa"). mask: NULL, or additive (Q's dtype) or bool (true =
  * attend), [qL, kv_len], [H, qL, kv_len] or [B, H, qL, kv_len], where B, H and qL
  * may be 1 (read with stride 0; prefill's mask takes the same shapes). */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMTensor *mask, const FMTensor *out,
-                     const FMSdpaOptions *options, char *err, size_t errlen);
+                     const FMSdpaOptions *options, FMError *err);
 /* Serving prefill (flash_attn_func / varlen / with_kvcache with qL > 1):
  * q/out bfloat16 or float16 [B, qL, H, D] (or [total_q, H, D] with
  * cu_seqlens_q); k/v like q's dtype: [B, cap, Hkv, D], [total_k, Hkv, D]
@@ -547,21 +563,21 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
  * seq may be NULL (every field NULL). */
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
-                     const FMAttnOptions *options, char *err, size_t errlen);
+                     const FMAttnOptions *options, FMError *err);
 /* Serving decode: q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
  * block_table, sinks, lse ([B, H]); cu_seqlens_* must be NULL. tmp as fm_dispatch_vec. */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
                         const FMTensor *out, const FMAttnOptions *options,
-                        char *err, size_t errlen);
+                        FMError *err);
 /* Writes k_new/v_new [B, n_new, Hkv, D] (the caches' dtype) into the caches
  * ([B, cap, Hkv, D], or [num_pages, page_size, Hkv, D] with block_table) at
  * rows cache_seqlens[b] .. + n_new. cache_seqlens is not changed. */
 int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMTensor *v_new,
                           const FMTensor *k_cache, const FMTensor *v_cache,
                           const FMTensor *cache_seqlens, const FMTensor *block_table,
-                          char *err, size_t errlen);
+                          FMError *err);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 
