@@ -82,7 +82,7 @@ enum Handles {
     static func destroy(_ h: OpaquePointer) throws {
         let id = UInt(bitPattern: h)
         guard let r = lock.withLock({ live.removeValue(forKey: id) }) else {
-            throw FlashMetalError.value("destroy_registry", "registry \(h) is not a live registry (destroyed or invalid)")
+            throw FlashMetalError.value("destroy_registry", "registry \(h) is not a live registry (destroyed or invalid)", arg: "registry")
         }
         try r.close()
     }

@@ -40,7 +40,7 @@ private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeys
 public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,
                                _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
     guarded(err) {
-        guard let out = out else { throw FlashMetalError.value("create_registry", "out is null") }
+        guard let out = out else { throw FlashMetalError.value("create_registry", "out is null", arg: "out") }
         out.pointee = nil
         let name = backend.map { String(cString: $0) } ?? "auto"
         out.pointee = Handles.register(Registry(backend: try BackendFactory.make(name)))

@@ -123,7 +123,7 @@ public enum AttnDispatcher {
         if nHeads % nKV != 0 {
             throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))", arg: "q")
         }
-        try PrefillDispatcher.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         for (w, n) in [(o.windowLeft, "window_size[0]"), (o.windowRight, "window_size[1]")] where w < -1 {
             throw FlashMetalError.value(op, "\(n) must be -1 (unbounded) or >= 0, got \(w)", arg: n)
         }

@@ -2,7 +2,7 @@ import CFlashMetal
 
 /// The options of one mask build (FMMaskOptions, read once).
 public struct MaskOptions: Sendable {
-    /// Hide keys after the query's position.
+    /// Hide keys after the query's position. Off unless asked, as every op.
     public var causal: Bool
     /// Sliding window w > 0 (`t - p < w`); nil = no window.
     public var window: Int?
@@ -10,7 +10,7 @@ public struct MaskOptions: Sendable {
     public var qOffset: Int
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(causal: Bool = true, window: Int? = nil, qOffset: Int = 0) {
+    public init(causal: Bool = false, window: Int? = nil, qOffset: Int = 0) {
         self.causal = causal; self.window = window; self.qOffset = qOffset
     }
 

@@ -134,7 +134,7 @@ public enum PrefillDispatcher {
         if qOffset + qL > kL {
             throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))", arg: "q_offset")
         }
-        try requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)", arg: "window") }
         // AttnParams carries int32 dims; every product is taken in 64 bits by the kernels.
         for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "q_len"), (capacity, "K/V capacity")]
@@ -228,14 +228,6 @@ public enum PrefillDispatcher {
         try q.0.requireDType(PrefillCapability.ioTypes, op: op, name: q.1)
         for (x, n) in others where x.dtype != q.0.dtype {
             throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match \(q.1) dtype \(q.0.dtype.name)", arg: n)
-        }
-    }
-
-    /// A finite scale; softcap 0 (off) or finite > 0.
-    static func requireScaleAndSoftcap(_ scale: Float, _ softcap: Float, op: String) throws {
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)", arg: "scale") }
-        if !(softcap.isFinite && softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)", arg: "softcap")
         }
     }
 

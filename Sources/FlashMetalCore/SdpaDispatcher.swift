@@ -4,8 +4,9 @@ import CFlashMetal
 public struct SdpaOptions: Sendable {
     /// Score scale, finite.
     public var scale: Float
-    /// Bottom-right causal: query i sits at kv_len - qL + i.
-    public var causal: Bool = true
+    /// Bottom-right causal: query i sits at kv_len - qL + i. Off unless
+    /// asked, as every op.
+    public var causal: Bool = false
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
     /// Absolute position of query row 0; nil is the seed's bottom-right
@@ -17,7 +18,7 @@ public struct SdpaOptions: Sendable {
     public var softcap: Float = 0
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil, qOffset: Int? = nil,
+    public init(scale: Float, causal: Bool = false, kvLen: Int? = nil, qOffset: Int? = nil,
                 window: Int? = nil, softcap: Float = 0) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
         self.qOffset = qOffset; self.window = window; self.softcap = softcap
@@ -93,10 +94,7 @@ public enum SdpaDispatcher {
         if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }
         if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))", arg: "kv_len") }
         let scale = o.scale
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)", arg: "scale") }
-        if !(o.softcap.isFinite && o.softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)", arg: "softcap")
-        }
+        try ScoreChecks.requireScaleAndSoftcap(scale, o.softcap, op: op)
         if let w = o.window, !(1...Int(Int32.max)).contains(w) {
             throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)", arg: "window")
         }

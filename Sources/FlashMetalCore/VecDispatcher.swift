@@ -64,6 +64,9 @@ public struct VecTensors {
 public enum VecDispatcher {
     /// The op name errors carry.
     public static let op = "flash_attn_vec"
+    /// The public name of the op (its kernel's name, `op`, is an alias in
+    /// the capability queries).
+    public static let publicName = "flash_attn_decode"
     /// The op name of the FWHT-undo reduce's errors.
     public static let reduceOp = "flash_attn_vec_reduce_tq_hb_undo"
     /// Workgroups each row's keys are split over (FM_VEC_NWG).
@@ -125,7 +128,7 @@ public enum VecDispatcher {
         if maskType == .window && (o.window <= 0 || o.window > Int(UInt32.max)) {
             throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)", arg: "window")
         }
-        try requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         try requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sg = t.signs {
             if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht", arg: "fwht_signs") }
@@ -172,13 +175,6 @@ public enum VecDispatcher {
         }
         if heads % kvHeads != 0 {
             throw FlashMetalError.value(op, "the q heads (\(heads)) must be a multiple of the \(kName) heads (\(kvHeads))", arg: "q")
-        }
-    }
-
-    static func requireScaleAndSoftcap(scale: Float, softcap: Float, op: String) throws {
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)", arg: "scale") }
-        if !(softcap.isFinite && softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)", arg: "softcap")
         }
     }
 

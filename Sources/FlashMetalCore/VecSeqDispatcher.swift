@@ -8,7 +8,8 @@ public struct VecSeqOptions: Sendable {
     /// Logit softcap c > 0; 0 disables it.
     public var softcap: Float = 0
     /// The query sees keys up to its own position (kv_len_b - 1): every key.
-    public var causal: Bool = true
+    /// Off unless asked, as every op.
+    public var causal: Bool = false
     /// flash-attn's window_size left: keys p >= t - left; -1 = unbounded.
     public var windowLeft: Int = -1
     /// flash-attn's window_size right; the decode query is the newest token,
@@ -141,7 +142,7 @@ public enum VecSeqDispatcher {
             throw FlashMetalError.value(op, "\(t.vName) shape \(t.v.shape) must equal \(t.kName) shape \(t.k.shape)", arg: t.vName)
         }
         if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
-        try VecDispatcher.requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         if o.windowLeft < -1 || o.windowRight < -1 || o.windowLeft >= Int(Int32.max) {
             throw FlashMetalError.value(op, "window_size must be (-1 or >= 0, -1 or >= 0), got (\(o.windowLeft), \(o.windowRight))", arg: "window_size")
         }

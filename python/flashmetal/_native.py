@@ -169,11 +169,17 @@ def float32_arg(op: str, name: str, value: Any) -> float:
     return f32
 
 
-def scale_arg(op: str, scale: Any, head_dim: int) -> float:
-    """The scale field of an options struct; None is the default 1/sqrt(D)."""
+def default_scale(head_dim: int) -> float:
+    """The score scale every op defaults to: 1/sqrt(D) (1 for a D the
+    library will reject anyway)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def scale_arg(op: str, scale: Any, head_dim: int, name: str = "scale") -> float:
+    """The scale field of an options struct; None is ``default_scale``."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    return float32_arg(op, "scale", scale)
+        return default_scale(head_dim)
+    return float32_arg(op, name, scale)
 
 
 def options(type_name: str, **fields: Any) -> Any:
@@ -188,8 +194,9 @@ def constant(name: str) -> int:
 
 
 def head_dims(op: str) -> tuple[int, ...]:
-    """The head dims with a kernel for "flash_attn_prefill" or "flash_attn_vec",
-    from the library's capability tables."""
+    """The head dims with a kernel for "flash_attn_prefill" or
+    "flash_attn_decode" (alias "flash_attn_vec"), from the library's
+    capability tables."""
     if not isinstance(op, str):
         raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
     return _head_dims(op)
@@ -206,7 +213,7 @@ def _head_dims(op: str) -> tuple[int, ...]:
 
 @functools.cache
 def max_head_dim(op: str) -> int:
-    """The largest head dim of "flash_attn_prefill", "flash_attn_vec" or
+    """The largest head dim of "flash_attn_prefill", "flash_attn_decode" or
     "sdpa" (any head dim up to it), from the library's capability tables."""
     out = ffi().new("int32_t *")
     call_static("fm_max_head_dim", op.encode(), out, op="max_head_dim")

@@ -324,7 +324,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
                        _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
                        c.squeeze)
-        out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
+        out = _run(padded, _native.default_scale(d) if scale is None else scale, softcap, window, reg)
         return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
         # The position matters only to causal and the window, both applied in the kernel.

@@ -20,7 +20,7 @@ def flash_attn_decode(
     kv_len: int,
     *,
     scale: float | None = None,
-    causal: bool = True,
+    causal: bool = False,
     window: int | None = None,
     softcap: float = 0.0,
     fwht: bool = False,
@@ -35,7 +35,7 @@ def flash_attn_decode(
 
     Args:
         q: float32 ``[H, D]`` or ``[B, H, D]``; D is one of
-            ``supported_head_dims("flash_attn_vec")``.
+            ``supported_head_dims("flash_attn_decode")``.
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
         kv_len: valid cache length, ``1 <= kv_len <= cap``. The query sits at
@@ -43,6 +43,7 @@ def flash_attn_decode(
         scale: score scale; default ``1/sqrt(D)``.
         causal: the query sees keys up to its own position, i.e. all kv_len
             keys, so this equals no mask; ignored when a window is given.
+            Default False, as every op.
         window: sliding window w > 0: keys p with ``(kv_len - 1) - p < w``.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
         fwht: fuse the inverse FWHT sign undo into the reduce:

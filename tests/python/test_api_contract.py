@@ -137,7 +137,7 @@ def test_one_causal_convention(registry, rng):
     assert_close(fm.sdpa(q, k, v, registry=registry), full, BF16, "sdpa default")
     top_left = reference.attention(q, k, v, causal=True, q_offset=0)
     assert_close(fm.flash_attn_prefill(q, k, v, causal=True, q_offset=0, registry=registry), top_left, BF16, "tl")
-    m = fm.build_mask(8, 24, registry=registry)  # bottom-right by default too
+    m = fm.build_mask(8, 24, causal=True, registry=registry)  # bottom-right by default too
     assert np.array_equal(m.astype(np.float64), reference.mask_additive(8, 24, causal=True, q_offset=16))
 
 
@@ -164,9 +164,23 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
-    assert fm.supported_head_dims("flash_attn_vec") == (64, 80, 96, 128, 192, 256, 512)
-    with pytest.raises(ValueError, match="supported_head_dims: op must be"):
+    assert fm.supported_head_dims("flash_attn_decode") == (64, 80, 96, 128, 192, 256, 512)
+    assert fm.supported_head_dims("flash_attn_vec") == fm.supported_head_dims("flash_attn_decode")  # alias
+    assert _native.max_head_dim("flash_attn_decode") == _native.max_head_dim("flash_attn_vec") == 512
+    with pytest.raises(ValueError, match="supported_head_dims: op must be 'flash_attn_prefill' or 'flash_attn_decode'"):
         fm.supported_head_dims("nope")
+
+
+def test_no_op_is_causal_unless_asked(registry):
+    """One default for causal across the ops: off. build_mask gives an
+    all-zero mask, decode sees every key either way."""
+    assert np.array_equal(fm.build_mask(4, 6, registry=registry).astype(np.float64), np.zeros((4, 6)))
+    rng = np.random.default_rng(3)
+    q, k = randn(rng, (2, 64), F32), randn(rng, (1, 16, 64), F32)
+    a = fm.flash_attn_decode(q, k, k, kv_len=16, registry=registry)
+    b = fm.flash_attn_decode(q, k, k, kv_len=16, causal=True, registry=registry)
+    assert_close(a, reference.attention(q[None, :, None], k[None], k[None])[0, :, 0], F32, "decode default")
+    assert np.array_equal(a, b)
 
 
 def test_max_head_dim_comes_from_the_library(monkeypatch):

@@ -15,7 +15,7 @@ GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
 @pytest.mark.parametrize("d", [128, 512])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_causal_64x64(registry, d, dtype):
-    m = fm.build_mask(64, 64, dtype=dtype, registry=registry)
+    m = fm.build_mask(64, 64, causal=True, dtype=dtype, registry=registry)
     blk = fm.build_blk(m, d, registry=registry)
     want = reference.blk_classes(m, *GEOMETRY[d])
     assert blk.dtype == np.uint8 and blk.shape == want.shape
@@ -25,14 +25,14 @@ def test_causal_64x64(registry, d, dtype):
 
 @pytest.mark.parametrize("d", [256, 512])
 def test_window_64_256x256(registry, d):
-    m = fm.build_mask(256, 256, window=64, registry=registry)
+    m = fm.build_mask(256, 256, causal=True, window=64, registry=registry)
     blk = fm.build_blk(m, d, registry=registry)
     assert np.array_equal(blk, reference.blk_classes(m, *GEOMETRY[d]))
 
 
 def test_edges_and_values(registry, rng):
     # unaligned qL and kL: partial right-edge K tiles are 1; the last Q tile has 3 rows
-    m = fm.build_mask(35, 40, q_offset=5, registry=registry)
+    m = fm.build_mask(35, 40, causal=True, q_offset=5, registry=registry)
     blk = fm.build_blk(m, 128, registry=registry)
     assert np.array_equal(blk, reference.blk_classes(m, 32, 16))
     assert np.all(blk[:, -1] == 1)
@@ -84,7 +84,7 @@ def test_alloc_and_free(cpu):
     assert lib.fm_alloc_blk(100, 70, 512, t, err) == 0, (ffi.string(err.op) + b": " + ffi.string(err.message))
     assert (t.ndim, t.shape[0], t.shape[1], t.dtype, t.nbytes) == (2, 13, 9, 4, 128)
     assert bytes(ffi.buffer(t.data, t.nbytes)) == bytes(128)
-    m = fm.build_mask(100, 70, q_offset=0, registry=cpu)
+    m = fm.build_mask(100, 70, causal=True, q_offset=0, registry=cpu)
     cpu._call("fm_dispatch_blk", tensor(ffi, m), t, 512)
     got = np.frombuffer(ffi.buffer(t.data, 13 * 9), np.uint8).reshape(13, 9)
     assert np.array_equal(got, reference.blk_classes(m, 8, 8))
@@ -106,7 +106,7 @@ def test_alloc_and_free(cpu):
 
 
 def test_dispatch_errors(registry):
-    m = fm.build_mask(64, 64, registry=registry)
+    m = fm.build_mask(64, 64, causal=True, registry=registry)
     with pytest.raises(TypeError, match="build_blk: mask must be bfloat16 or float16 or bool, got float32"):
         fm.build_blk(m.astype(np.float32), 128, registry=registry)
     with pytest.raises(ValueError, match="build_blk: mask must have rank 2"):
@@ -135,9 +135,9 @@ def test_blk_bit_identical_to_no_blk(registry, rng, d, kind):
     v = randn(rng, (1, 1, kl, d), dtype)
     off = kl - ql
     if kind == "causal":
-        m = fm.build_mask(ql, kl, q_offset=off, dtype=dtype, registry=registry)
+        m = fm.build_mask(ql, kl, causal=True, q_offset=off, dtype=dtype, registry=registry)
     elif kind == "window":
-        m = fm.build_mask(ql, kl, q_offset=off, window=20, dtype=dtype, registry=registry)
+        m = fm.build_mask(ql, kl, causal=True, q_offset=off, window=20, dtype=dtype, registry=registry)
     else:
         keep = rng.random((ql, kl)) < 0.5
         keep[:, 16:32] = True

@@ -66,7 +66,7 @@ def test_stale_blk_descriptor_cannot_free_or_feed_a_live_buffer(cpu):
     reused = live[-1]
     assert lib.fm_free_blk(stale, err) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
     assert b"free_blk:" in (ffi.string(err.op) + b": " + ffi.string(err.message)) and b"not a live buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
-    m = fm.build_mask(64, 64, registry=cpu)
+    m = fm.build_mask(64, 64, causal=True, registry=cpu)
     st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err)
     assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
     assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err) == lib.FM_OK

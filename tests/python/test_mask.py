@@ -12,9 +12,10 @@ NEG_INF_BITS = {BF16: 0xFF80, F16: 0xFC00}
 
 
 def check(registry, ql, kl, dtype=BF16, **kw):
+    kw.setdefault("causal", True)
     m = fm.build_mask(ql, kl, dtype=dtype, registry=registry, **kw)
     assert m.shape == (ql, kl) and m.dtype == dtype
-    vis = reference.visible(ql, kl, causal=kw.get("causal", True), q_offset=kw.get("q_offset", 0),
+    vis = reference.visible(ql, kl, causal=kw["causal"], q_offset=kw.get("q_offset", 0),
                             window=kw.get("window"))
     bits = m.view(np.uint16)
     want = np.where(vis, 0, NEG_INF_BITS[np.dtype(dtype)]).astype(np.uint16)

@@ -27,7 +27,7 @@ def _jobs(rng, small: bool):
                 jobs.append((f"prefill d{d} {dt} c{causal}",
                              lambda r, q=q, k=k, v=v, c=causal: fm.flash_attn_prefill(q, k, v, causal=c, q_offset=20,
                                                                                        registry=r)))
-            m = fm.build_mask(20, 40, window=7, q_offset=20, dtype=dt)
+            m = fm.build_mask(20, 40, causal=True, window=7, q_offset=20, dtype=dt)
             jobs.append((f"prefill mask d{d} {dt}",
                          lambda r, q=q, k=k, v=v, m=m: fm.flash_attn_prefill(q, k, v, mask=m, registry=r)))
             jobs.append((f"blk d{d} {dt}", lambda r, m=m, d=d: fm.build_blk(m, d, registry=r)))
@@ -36,7 +36,7 @@ def _jobs(rng, small: bool):
             jobs.append((f"vec d{d} {kv}", lambda r, q=q, k=k, v=v: fm.flash_attn_decode(q, k, v, 77, registry=r)))
             jobs.append((f"vec fwht d{d} {kv}",
                          lambda r, q=q, k=k, v=v: fm.flash_attn_decode(q, k, v, 90, window=9, fwht=True, registry=r)))
-    jobs.append(("mask", lambda r: fm.build_mask(33, 70, window=5, q_offset=30, registry=r)))
+    jobs.append(("mask", lambda r: fm.build_mask(33, 70, causal=True, window=5, q_offset=30, registry=r)))
     if not small:
         for dt in (F32, BF16):
             q, k = randn(rng, (1, 2, 9, 40), dt), randn(rng, (1, 1, 30, 40), dt)

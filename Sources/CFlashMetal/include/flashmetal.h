@@ -453,7 +453,7 @@ typedef struct FMVecOptions {
 /* fm_dispatch_sdpa. Zeroed extension fields give the seed's kernel:
  * bottom-right positions, no softcap, no window. */
 typedef struct FMSdpaOptions {
-    float scale;      /* finite; NaN = the default 1/sqrt(D) */
+    float scale;      /* finite; 1/sqrt(D) is the usual choice */
     int32_t causal;   /* 0 or 1 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t has_q_offset; /* 0: query i at kv_len - qL + i (bottom-right);
@@ -525,11 +525,12 @@ int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
  * tensor the library did not allocate, or a stale copy of one already freed
  * (even when its address was reused since), is an error. */
 int fm_free_blk(FMTensor *blk, FMError *err);
-/* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_vec",
+/* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_decode"
+ * ("flash_attn_vec", the decode kernel's name, is an alias),
  * ascending: *count receives how many, out the first min(cap, count). */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
                            FMError *err);
-/* The largest head dim of op "flash_attn_prefill", "flash_attn_vec" or "sdpa"
+/* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
 int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
 /* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
