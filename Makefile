@@ -27,7 +27,7 @@ EXTRA_TESTS :=
 
 -include mk/*.mk
 
-.PHONY: all build python venv test check swift-test pytest pytest-sim-scrambled demo clean
+.PHONY: all build python venv test swift-test pytest pytest-sim-scrambled demo clean
 
 all: build python
 
@@ -61,11 +61,8 @@ pytest: python
 pytest-sim-scrambled: python
 	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k sim $(PYTEST_ARGS)
 
-test: all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS)
-
-# The fast loop: build, then every test not marked slow (tests/python/conftest.py).
-check: python
-	$(PY) -m pytest tests/python -q -x -m "not slow" $(PYTEST_ARGS)
+# `make test` (every stage, one summary line), `make check` (linters and format
+# checks) and `make quick` (the fast pytest loop) live in mk/check.mk.
 
 demo: python
 	$(PY) -m flashmetal.demo

@@ -632,7 +632,7 @@ def targets_lines(m):
     win = [r for r in rows if r.group == "window"]
     for r in win[1:]:
         sp = win[0].secs["flashmetal"] / r.secs["flashmetal"]
-        how = r.name.split(f"window=")[1].split(" ", 1)[1]
+        how = r.name.split("window=")[1].split(" ", 1)[1]
         out.append(f"- window-512 prefill, {how}, >= 2x the per-head mask without blk: {_verdict(sp >= 2)} "
                    f"({sp:.2f}x)")
     return out + [""]

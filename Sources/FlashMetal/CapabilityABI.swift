@@ -41,7 +41,9 @@ public func fm_max_head_dim(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePoi
         case VecDispatcher.publicName, VecDispatcher.op: dim = VecCapability.headDims.max() ?? 0
         case SdpaDispatcher.op: dim = SdpaCapability.maxHeadDim
         default:
-            throw FlashMetalError.value("max_head_dim", "op must be '\(PrefillDispatcher.op)', '\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)') or '\(SdpaDispatcher.op)', got '\(name)'", arg: "op")
+            throw FlashMetalError.value(
+                "max_head_dim", "op must be '\(PrefillDispatcher.op)', '\(VecDispatcher.publicName)' (alias "
+                    + "'\(VecDispatcher.op)') or '\(SdpaDispatcher.op)', got '\(name)'", arg: "op")
         }
         guard let out = out else { throw FlashMetalError.value("max_head_dim", "out is null", arg: "out") }
         out.pointee = Int32(dim)

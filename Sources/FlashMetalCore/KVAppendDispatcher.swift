@@ -97,7 +97,9 @@ public enum KVAppendDispatcher {
         let starts = try SequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
                                                        capacity: capacity, capacityName: capacityName)
         for (b, start) in starts.enumerated() where start + nNew > capacity {
-            throw FlashMetalError.value(op, "cache_seqlens[\(b)] + the new rows of \(t.kNewName) (its dim 1) = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))", arg: "cache_seqlens")
+            throw FlashMetalError.value(
+                op, "cache_seqlens[\(b)] + the new rows of \(t.kNewName) (its dim 1) = \(start) + \(nNew) = "
+                    + "\(start + nNew) exceeds \(capacityName) (\(capacity))", arg: "cache_seqlens")
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },

@@ -158,7 +158,9 @@ public enum PrefillDispatcher {
             }
             try b.requireDType([.u8], op: op, name: "blk")
             if b.shape != [tiles.nq, tiles.nk] {
-                throw FlashMetalError.value(op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
+                throw FlashMetalError.value(
+                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) "
+                        + "and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
             }
             try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }

@@ -16,7 +16,8 @@ import functools
 import math
 import operator
 import struct
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -110,7 +111,7 @@ def ctype(name: str) -> Any:
     return ffi().typeof(name)
 
 
-def call(reg: "Registry", fn_name: str, *args: Any, op: str | None = None, keep: tuple[Any, ...] = ()) -> None:
+def call(reg: Registry, fn_name: str, *args: Any, op: str | None = None, keep: tuple[Any, ...] = ()) -> None:
     """Calls ``fn_name(handle, *args, err)`` on a registry; errors name ``op``,
     the public function (None: the entry point's own op).
 
@@ -166,7 +167,7 @@ def float32_arg(op: str, name: str, value: Any) -> float:
         raise InvalidValueError(op, f"{name} ({value!r}) overflows float32", argument=name)
     if f != 0 and f32 == 0:
         raise InvalidValueError(op, f"{name} ({value!r}) rounds to 0 in float32", argument=name)
-    return f32
+    return float(f32)
 
 
 def default_scale(head_dim: int) -> float:
@@ -190,7 +191,7 @@ def options(type_name: str, **fields: Any) -> Any:
 @functools.cache
 def constant(name: str) -> int:
     """An integer constant of flashmetal.h (e.g. "FM_LAYOUT_BHLD")."""
-    return getattr(lib(), name)
+    return int(getattr(lib(), name))
 
 
 def head_dims(op: str) -> tuple[int, ...]:

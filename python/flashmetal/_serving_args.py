@@ -83,7 +83,7 @@ def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:
     return np.ascontiguousarray(a, dtype=F32)
 
 
-def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list]:
+def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list[Any]]:
     """An FMSeqTensors* whose fields point at the given arrays (NULL for None),
     and the FMTensor descriptors it points at: keep both until the call returns
     (cffi frees an owned descriptor with its last Python reference)."""

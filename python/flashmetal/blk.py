@@ -80,6 +80,6 @@ def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) 
         buf = np.frombuffer(ffi.buffer(t.data, int(t.nbytes)), dtype=U8).copy()
     finally:
         _native.lib().fm_free_blk(t, ffi.NULL)
-    result = buf[: nq * nk].reshape(nq, nk).view(BlkArray)
+    result: BlkArray = buf[: nq * nk].reshape(nq, nk).view(BlkArray)
     result.made_for = (d, int(m.shape[0]), int(m.shape[1]))
     return result

@@ -75,7 +75,7 @@ def flash_attn_prefill(
     if built is not None and ma is not None and ma.ndim == 2 and qa.ndim == 4 and (qa.shape[-1], *ma.shape) != built:
         # A blk of the right [NQ, NK] shape built for another mask shape has
         # the wrong classes; a wrong shape is the library's error.
-        if tile_counts(op, ma.shape[0], ma.shape[1], qa.shape[-1]) == tuple(ba.shape):
+        if ba is not None and tile_counts(op, ma.shape[0], ma.shape[1], qa.shape[-1]) == tuple(ba.shape):
             raise InvalidValueError(op, f"blk was built for head_dim {built[0]} and a {list(built[1:])} mask, "
                                     f"not head_dim {qa.shape[-1]} and a {list(ma.shape)} mask")
     if not isinstance(layout, str) or layout not in _LAYOUTS:

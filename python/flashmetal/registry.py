@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 from . import _native
 from ._errors import InvalidTypeError, InvalidValueError
@@ -35,7 +35,7 @@ class Registry:
         self._handle: Any = out[0]
         self._batch_lock = threading.Lock()
         self._batch_depth = 0
-        self._batch_keep: list[tuple] = []
+        self._batch_keep: list[tuple[Any, ...]] = []
         name = ffi.new("char[]", 64)
         status = _native.lib().fm_registry_backend(self._handle, name, 64)
         if status != _native.lib().FM_OK:
@@ -68,7 +68,7 @@ class Registry:
             raise InvalidValueError(op, "registry is closed")
         return h
 
-    def _keep_for_batch(self, arrays: tuple) -> None:
+    def _keep_for_batch(self, arrays: tuple[Any, ...]) -> None:
         """Holds the arrays of a call made inside a batch scope until it ends,
         on a backend that reads them only then; elsewhere nothing is kept
         (issue 12 item 8: a batch must not hoard memory it does not need)."""
@@ -96,7 +96,7 @@ class Registry:
         except Exception:
             pass
 
-    def __enter__(self) -> "Registry":
+    def __enter__(self) -> Registry:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -106,7 +106,7 @@ class Registry:
         return f"Registry(backend={self.backend!r})"
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator["Registry"]:
+    def batch(self) -> Iterator[Registry]:
         """A batch scope: the backend may defer work until the scope closes
         (Metal: one command buffer). Read outputs after the ``with`` block.
         On a deferring backend (Metal) the arrays of calls made inside
@@ -154,7 +154,7 @@ def default_registry(backend: str = "auto") -> Registry:
 
 
 #: What a ``registry=`` argument accepts: a Registry, a backend name, or None (auto).
-RegistryLike = Union[Registry, str, None]
+RegistryLike = Registry | str | None
 
 
 def resolve(registry: RegistryLike, op: str) -> Registry:

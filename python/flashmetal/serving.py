@@ -21,7 +21,8 @@ in the same batch scope, before the attention reads the cache.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -234,6 +235,7 @@ def flash_attn_with_kvcache(
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out_arr)
     else:
+        assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
@@ -241,7 +243,10 @@ def flash_attn_with_kvcache(
     result, lse = finish()
     wrap = wrapper_like(q)
     result = wrap(result) if out is None else out
-    return (result, wrap(lse)) if want_lse else result
+    if not want_lse:
+        return result
+    assert lse is not None
+    return result, wrap(lse)
 
 
 def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
@@ -289,7 +294,7 @@ def _require_disjoint(*arrays: tuple[str, np.ndarray]) -> None:
     for i, (name, cache) in enumerate(arrays[:2]):
         for other, a in arrays[i + 1:]:
             try:
-                shared = np.shares_memory(cache, a, max_work=_OVERLAP_WORK)
+                shared = np.shares_memory(cache, a, max_work=_OVERLAP_WORK)  # type: ignore[arg-type]
             except np.exceptions.TooHardError:
                 shared = True
             if shared:
@@ -408,9 +413,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))
         return finish_decode
     result = np.empty(qa.shape, dtype=qa.dtype) if out is None else out
-    lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32) if want_lse and qa.ndim == 4 else None
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+    rows_lse: np.ndarray | None = None
+    if want_lse and qa.ndim == 4:
+        rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse,
+                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
                                                          result, keep))
-    return lambda: (result, lse)
+    return lambda: (result, rows_lse)

@@ -14,6 +14,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import _loader, _native, reference
 from numerics import BF16, F32, assert_close, randn
+from cabi import err_text
 
 
 def test_error_hierarchy_carries_op_and_status(cpu):
@@ -194,7 +195,7 @@ def test_max_head_dim_comes_from_the_library(monkeypatch):
         _native.max_head_dim("nope")
     ffi, err = _native.ffi(), _native.ffi().new("FMError *")
     assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err) == _native.lib().FM_ERROR_VALUE
-    assert (ffi.string(err.op) + b": " + ffi.string(err.message)) == b"max_head_dim: out is null"
+    assert err_text(err) == b"max_head_dim: out is null"
     monkeypatch.setattr(_native, "max_head_dim", lambda op: {"sdpa": 600}[op])
     q = np.zeros((1, 1, 2, 640), np.float32)
     with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 640 is above 600"):

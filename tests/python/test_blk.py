@@ -8,6 +8,7 @@ import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, assert_bits_equal, assert_close, randn
+from cabi import err_text
 
 GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
 
@@ -81,7 +82,7 @@ def test_alloc_and_free(cpu):
     ffi, lib = cpu._ffi, cpu._lib
     err = ffi.new("FMError *")
     t = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(100, 70, 512, t, err) == 0, (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert lib.fm_alloc_blk(100, 70, 512, t, err) == 0, err_text(err)
     assert (t.ndim, t.shape[0], t.shape[1], t.dtype, t.nbytes) == (2, 13, 9, 4, 128)
     assert bytes(ffi.buffer(t.data, t.nbytes)) == bytes(128)
     m = fm.build_mask(100, 70, causal=True, q_offset=0, registry=cpu)
@@ -94,14 +95,13 @@ def test_alloc_and_free(cpu):
     assert lib.fm_free_blk(t, err) == 0  # NULL data: nothing to free
     t.data = data  # double free is refused, not performed
     assert lib.fm_free_blk(t, err) == 1
-    assert b"free_blk: " in (ffi.string(err.op) + b": " + ffi.string(err.message)) and b"is not a live buffer from fm_alloc_blk" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"free_blk: " in err_text(err) and b"is not a live buffer from fm_alloc_blk" in err_text(err)
     own = np.zeros(32, np.uint8)
     t.data = ffi.cast("void *", own.ctypes.data)
     assert lib.fm_free_blk(t, err) == 1
-    assert lib.fm_free_blk(ffi.NULL, err) == 1 and b"free_blk: blk is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
-    assert lib.fm_alloc_blk(0, 70, 512, t, err) == 1 and b"q_len must be > 0" in (ffi.string(err.op) + b": " + ffi.string(err.message))
-    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err) == 1 and b"alloc_blk: out is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
-    out = ffi.new("size_t *")
+    assert lib.fm_free_blk(ffi.NULL, err) == 1 and b"free_blk: blk is null" in err_text(err)
+    assert lib.fm_alloc_blk(0, 70, 512, t, err) == 1 and b"q_len must be > 0" in err_text(err)
+    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err) == 1 and b"alloc_blk: out is null" in err_text(err)
     assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err) == 1
 
 

@@ -11,6 +11,7 @@ import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from cabi import err_text
 
 HEAD_DIMS = [64, 128, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
@@ -206,7 +207,7 @@ def test_abi_errors(cpu):
 
     def call(*args):
         st = lib.fm_dispatch_vec(cpu._handle, *args, err)
-        return st, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode()
+        return st, err_text(err).decode()
 
     T = lambda a: tensor(ffi, a)  # noqa: E731
     assert call(ffi.NULL, T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts) == (1, "flash_attn_vec: q is null")

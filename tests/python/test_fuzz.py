@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 import flashmetal as fm
 from flashmetal import _loader, reference
 from numerics import BF16, F16, F32, TOLERANCE
+from cabi import err_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE = float(os.environ.get("FLASHMETAL_FUZZ_SCALE", "1"))
@@ -181,7 +182,7 @@ def test_alloc_blk_names_its_op():
     t = ffi.new("FMTensor *")
     err = ffi.new("FMError *")
     assert lib.fm_alloc_blk(0, 16, 64, t, err) == 1
-    assert (ffi.string(err.op) + b": " + ffi.string(err.message)).decode().startswith("alloc_blk:")
+    assert err_text(err).decode().startswith("alloc_blk:")
 
 
 def test_build_mask_checks_int32_before_allocating(cpu):

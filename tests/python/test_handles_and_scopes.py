@@ -14,6 +14,7 @@ import flashmetal as fm
 from flashmetal import _native, reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, F32, assert_close, randn
+from cabi import err_text
 
 
 def _err():
@@ -34,7 +35,7 @@ def test_destroyed_registry_handle_is_never_another_registry():
     assert fresh[0] not in handles, "a handle value was handed out twice"
     err = _err()
     assert lib.fm_begin_batch(stale, err) == lib.FM_ERROR_VALUE
-    assert b"not a live registry" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"not a live registry" in err_text(err)
     assert lib.fm_destroy_registry(stale) == lib.FM_ERROR_VALUE  # double destroy
     name = ffi.new("char[]", b"garbage")
     assert lib.fm_registry_backend(stale, name, 8) == lib.FM_ERROR_VALUE
@@ -65,10 +66,10 @@ def test_stale_blk_descriptor_cannot_free_or_feed_a_live_buffer(cpu):
             break
     reused = live[-1]
     assert lib.fm_free_blk(stale, err) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
-    assert b"free_blk:" in (ffi.string(err.op) + b": " + ffi.string(err.message)) and b"not a live buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"free_blk:" in err_text(err) and b"not a live buffer" in err_text(err)
     m = fm.build_mask(64, 64, causal=True, registry=cpu)
     st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err)
-    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in err_text(err)
     assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err) == lib.FM_OK
     for t in live:
         assert lib.fm_free_blk(t, err) == lib.FM_OK
@@ -111,7 +112,7 @@ def test_tagged_blk_remembers_its_geometry(cpu, prefill_inputs):
         st = lib.fm_dispatch_prefill(cpu._handle, tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), tensor(ffi, m),
                                      blk, tensor(ffi, out), opts, err)
         assert st == lib.FM_ERROR_VALUE
-        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in err_text(err)
     finally:
         assert lib.fm_free_blk(blk, err) == lib.FM_OK
 

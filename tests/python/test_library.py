@@ -7,6 +7,7 @@ import pytest
 from exports import exported_symbols
 
 from flashmetal import _loader
+from cabi import err_text
 
 EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
             "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch", "fm_abi_version",
@@ -35,17 +36,17 @@ def test_null_and_stale_handles():
     opts = ffi.new("FMPrefillOptions *")
     st = lib.fm_dispatch_prefill(ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
                                  opts, err)
-    assert st == 1 and b"registry is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert st == 1 and b"registry is null" in err_text(err)
     h = ffi.new("FMRegistry **")
     assert lib.fm_create_registry(b"cpu", h, err) == 0
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
                                  opts, err)
-    assert st == 1 and b"flash_attn_prefill: Q is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert st == 1 and b"flash_attn_prefill: Q is null" in err_text(err)
     assert lib.fm_destroy_registry(h[0]) == 0
     assert lib.fm_destroy_registry(h[0]) == 1  # double destroy is an error, not a crash
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
                                  opts, err)
-    assert st == 1 and b"not a live registry" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert st == 1 and b"not a live registry" in err_text(err)
     assert lib.fm_create_registry(b"cpu", ffi.NULL, err) == 1
     assert lib.fm_destroy_registry(ffi.NULL) == 0
 
@@ -105,7 +106,7 @@ def test_undersized_buffer_is_refused(nbytes):
     opts = ffi.new("FMPrefillOptions *")
     opts.scale = 0.125
     st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err)
-    assert st == 1 and b"K buffer too small" in (ffi.string(err.op) + b": " + ffi.string(err.message)), (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert st == 1 and b"K buffer too small" in err_text(err), err_text(err)
     lib.fm_destroy_registry(h[0])
 
 

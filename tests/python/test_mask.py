@@ -7,6 +7,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16
+from cabi import err_text
 
 NEG_INF_BITS = {BF16: 0xFF80, F16: 0xFC00}
 
@@ -71,18 +72,18 @@ def test_abi_errors(cpu):
     err = ffi.new("FMError *")
     opts = ffi.new("FMMaskOptions *")
     assert lib.fm_build_mask(cpu._handle, ffi.NULL, opts, err) == 1
-    assert b"flash_attn_prefill_mask: out is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"flash_attn_prefill_mask: out is null" in err_text(err)
     out = np.empty((4, 4), np.float32)
     from flashmetal._arrays import tensor
     assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 2
-    assert b"out must be bfloat16 or float16" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"out must be bfloat16 or float16" in err_text(err)
     out = np.empty((4, 4), BF16)
     opts.causal = 2
     assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 1
-    assert b"causal must be 0 or 1" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"causal must be 0 or 1" in err_text(err)
     assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), ffi.NULL, err) == 1
-    assert b"options is null" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"options is null" in err_text(err)
     out3 = np.empty((2, 4, 4), BF16)
     opts.causal = 1
     assert lib.fm_build_mask(cpu._handle, tensor(ffi, out3), opts, err) == 1
-    assert b"out must have rank 2" in (ffi.string(err.op) + b": " + ffi.string(err.message))
+    assert b"out must have rank 2" in err_text(err)

@@ -11,7 +11,6 @@ A 32-bit product anywhere on these paths reads or writes the wrong rows.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 import flashmetal as fm
 from flashmetal import reference

@@ -4,7 +4,6 @@ decode tmp layout, and independence from the simulated schedule (a scrambled
 schedule gives the same bits)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
-from numerics import BF16, F16, F32, assert_bits_equal, randn
+from numerics import BF16, F16, F32, randn
 
 THREADS = 8
 
