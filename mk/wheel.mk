@@ -1,4 +1,4 @@
-# mk/wheel.mk — the installable wheel (issue 13, item 5).
+# mk/wheel.mk — the installable wheel.
 #   make wheel       build dist/flashmetal-*.whl through python/setup.py (SwiftPM,
 #                    release, Swift runtime linked statically on Linux)
 #   make wheel-test  build it, install it into a fresh venv with the Swift

@@ -87,8 +87,8 @@ public enum AttnOp {
     public var seqlensKName: String { self == .kvcache ? "cache_seqlens" : "seqused_k" }
 }
 
-/// The serving prefill (issue 14; flashmetal.h "serving extension"): the
-/// seed-000 kernel in per-sequence mode. Validates a call, reads and checks
+/// The serving prefill (flashmetal.h "serving extension"): the prefill
+/// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
 /// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), and
 /// function constants 302, 304-310. Shared pieces are PrefillDispatcher's.

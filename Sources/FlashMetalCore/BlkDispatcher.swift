@@ -1,6 +1,6 @@
 import CFlashMetal
 
-/// Seed 001's host logic: the tile-skip pre-pass `flash_attn_prefill_blk_*`.
+/// The host logic of the tile-skip pre-pass `flash_attn_prefill_blk_*`.
 /// Classifies each (BQ, BK) tile of a [qL, kL] additive mask: 0 = every cell
 /// <= -1e30 (skip the tile), 2 = every cell exactly 0 (skip the mask add),
 /// else 1. A partial right-edge K tile is always 1. (BQ, BK) are those of

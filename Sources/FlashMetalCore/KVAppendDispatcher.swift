@@ -22,7 +22,7 @@ public struct KVAppendTensors {
     }
 }
 
-/// kv_append (ours; issue 14, flash_attn_with_kvcache's k/v): writes row i of
+/// kv_append (flash_attn_with_kvcache's k/v): writes row i of
 /// sequence b of k_new/v_new into the caches at row seqlens[b] + i, through
 /// the block table when paged. Every seqlens[b] + n_new is checked against
 /// the capacity and every table entry the writes go through against the

@@ -16,7 +16,7 @@ public struct PrefillOptions: Sendable {
     public var softcap: Float = 0
     /// Query row i sees keys <= qOffset + i.
     public var causal: Bool = false
-    /// Absolute position of query row 0 (the seeds' qL_off).
+    /// Absolute position of query row 0 (mlx-native's qL_off).
     public var qOffset: Int = 0
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
@@ -62,7 +62,7 @@ public struct PrefillTensors {
     }
 }
 
-/// Seed 000's host logic: validation, AttnParams, tile geometry, function
+/// The prefill's host logic: validation, AttnParams, tile geometry, function
 /// constants, grid and bindings for `flash_attn_prefill_*`.
 ///
 /// Grid (NQ, H, B) threadgroups of PrefillGeometry.threadsPerGroup; buffers
@@ -178,7 +178,7 @@ public enum PrefillDispatcher {
         return assemble(t, params: params, maskParams: maskParams, geometry: geo, causal: o.causal, ext: ext)
     }
 
-    /// Auto-blk (issue 13 item 4): a caller mask without a blk gets one built
+    /// Auto-blk: a caller mask without a blk gets one built
     /// by the blk pre-pass when it pays. It pays when one blk serves every
     /// (batch, head) — a mask (additive or bool) broadcast over B and H with
     /// its own qL rows, i.e. mask strides (0, 0, kL)

@@ -9,7 +9,7 @@ public struct SdpaOptions: Sendable {
     public var causal: Bool = false
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
-    /// Absolute position of query row 0; nil is the seed's bottom-right
+    /// Absolute position of query row 0; nil is the plain kernel's bottom-right
     /// alignment (kv_len - qL). 0 is torch's top-left causal alignment.
     public var qOffset: Int? = nil
     /// Sliding window w (keys p with t - p < w); nil = none.
@@ -40,18 +40,17 @@ public struct SdpaOptions: Sendable {
                   window: o.window == 0 ? nil : Int(o.window), softcap: o.softcap)
     }
 
-    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the seed.
+    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the plain kernel.
     var needsExt: Bool { qOffset != nil || window != nil || softcap != 0 }
 }
 
-/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16` (+ ours:
-/// `sdpa_f16`), one thread per query row, TILE_Q = 32 rows per threadgroup.
+/// Simple fused SDPA `sdpa` (float32) / `sdpa_bf16` / `sdpa_f16`, one thread per query row, TILE_Q = 32 rows per threadgroup.
 /// Causal is bottom-right (query i at kv_len - qL + i) unless SdpaExtParams
 /// (SdpaBuffer.ext, constant sdpaExt) give an explicit q_offset; the same
 /// struct adds the window and the softcap (constant sdpaSoftcap).
 ///
 /// Grid (B, H, ceil(qL/32)) of 32 threads; buffers SdpaBuffer. The optional
-/// mask (ours; the seed had none): a bool one at SdpaBuffer.boolMask with
+/// mask: a bool one at SdpaBuffer.boolMask with
 /// constant sdpaBoolMask, an additive one (Q's dtype) at
 /// SdpaBuffer.additiveMask with sdpaAdditiveMask, either with its
 /// AttnMaskParams at SdpaBuffer.maskParams.

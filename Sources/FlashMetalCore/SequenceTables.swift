@@ -1,5 +1,5 @@
 /// Host validation of the serving calls' int32 index tensors (cu_seqlens,
-/// seqlens, block_table; issue 14). The kernels read through these tables
+/// seqlens, block_table). The kernels read through these tables
 /// without bounds checks, so every entry a kernel will read is checked here,
 /// before any Dispatch is made: a bad table is a ValueError naming the op,
 /// the argument and the offending index and value, never an out-of-bounds

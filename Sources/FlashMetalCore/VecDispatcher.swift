@@ -48,7 +48,7 @@ public struct VecTensors {
     }
 }
 
-/// Seeds 002 and 004: split-KV decode `flash_attn_vec_*` over NWG = 32
+/// Split-KV decode `flash_attn_vec_*` over NWG = 32
 /// workgroups, then `flash_attn_vec_reduce_dk*` or the fused
 /// `flash_attn_vec_reduce_tq_hb_undo_dk*` as a second dispatch.
 ///
@@ -197,7 +197,7 @@ public enum VecDispatcher {
     }
 
     /// The decode main dispatch: grid (1, rows, NWG) of 32 threads. Without
-    /// `seq` it is the seed's call (constants 501-503 false, nothing bound at 5-7).
+    /// `seq` it is the plain decode (constants 501-503 false, nothing bound at 5-7).
     static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
                              tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
         var bindings: [Int: Binding] = [

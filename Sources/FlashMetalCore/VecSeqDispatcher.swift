@@ -68,7 +68,7 @@ public struct VecSeqTensors {
     }
 }
 
-/// Serving decode (fm_dispatch_vec_seq; issue 14): the split-KV decode of
+/// Serving decode (fm_dispatch_vec_seq): the split-KV decode of
 /// VecDispatcher with each sequence's own kv length, K/V in flash-attn's
 /// [B, cap, Hkv, D] layout or paged through a block table, a sliding window
 /// per sequence, then the plain reduce with sinks and the LSE output.

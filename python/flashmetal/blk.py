@@ -1,4 +1,4 @@
-"""Tile-skip pre-pass (seed 001's op) for the prefill kernels."""
+"""Tile-skip pre-pass for the prefill kernels."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Split-KV decode (seed 002's vec op), with the fused FWHT sign undo (seed 004)."""
+"""Split-KV decode (the `vec` kernels), with the fused FWHT sign undo."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,4 @@
-"""Tiled flash-attention prefill (seed 000's op)."""
+"""Tiled flash-attention prefill."""
 from __future__ import annotations
 
 from typing import Any

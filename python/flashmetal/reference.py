@@ -1,4 +1,4 @@
-"""float64 numpy reference, written from the math (DESIGN §2), not from a kernel.
+"""float64 numpy reference, written from the math (docs/ARCHITECTURE.md, numeric contract), not from a kernel.
 
 Inputs are taken as given (already rounded to their dtype); everything is
 computed in float64.
@@ -146,7 +146,7 @@ def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: f
     return o if batched else o[0]
 
 
-# ---- serving semantics (flash-attn's API; issue 14) -------------------------
+# ---- serving semantics (flash-attn's API) ----------------------------------
 # Token-major tensors as flash-attn lays them out: one sequence is [L, H, D].
 # Row i of a sequence with qL queries and kL keys sits at t = kL - qL + i
 # (bottom-right); window_size=(left, right) keeps keys t - left <= p <= t + right

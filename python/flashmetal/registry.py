@@ -71,7 +71,7 @@ class Registry:
     def _keep_for_batch(self, arrays: tuple[Any, ...]) -> None:
         """Holds the arrays of a call made inside a batch scope until it ends,
         on a backend that reads them only then; elsewhere nothing is kept
-        (issue 12 item 8: a batch must not hoard memory it does not need)."""
+        (a batch must not hoard memory it does not need)."""
         if self._defers_work and self._batch_depth:
             with self._batch_lock:
                 if self._batch_depth:

@@ -1,4 +1,4 @@
-"""Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim (<= 65536)."""
+"""Simple fused SDPA: float32, float16 or bfloat16, any head dim (<= 65536)."""
 from __future__ import annotations
 
 from typing import Any

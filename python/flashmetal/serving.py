@@ -1,4 +1,4 @@
-"""flash-attn's serving API (issue 14): ``flash_attn_func``,
+"""flash-attn's serving API: ``flash_attn_func``,
 ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``, with flash-attn's
 argument names, order, defaults, shapes (token-major ``[B, L, H, D]``) and
 return values, on every backend.
@@ -7,7 +7,7 @@ Semantics (flash-attn's): row i of a sequence with qL queries and kL keys sits
 at ``t = kL - qL + i`` (bottom-right); ``causal`` keeps keys ``p <= t``;
 ``window_size=(left, right)`` keeps ``t - left <= p <= t + right`` (-1 =
 unbounded); ``softcap`` c > 0 applies ``c*tanh(s/c)`` to the scaled score;
-``sinks`` (ours, as gpt-oss and MLX): a float32 ``[H]`` logit per head that joins
+``sinks`` (as gpt-oss and MLX have them): a float32 ``[H]`` logit per head that joins
 every row's softmax denominator without a value. The softmax LSE is the
 natural log of that denominator, float32; a row that sees no key (and has no
 sink) outputs zeros and has LSE ``-inf`` (flash-attn's CUDA kernel writes

@@ -618,7 +618,7 @@ def expected(case: Case, extra: Any):
         if o["fwht"]:
             sg = t["signs"].array() if "signs" in t and not t["signs"].null else None
             e = reference.fwht_undo(e, sg)
-        # q stays float32 on every backend: decode is held to the f32 tolerance (DESIGN §6).
+        # q stays float32 on every backend: decode is held to the f32 tolerance.
         return e, "out", 0
     if case.op == "sdpa":
         q, k, v = t["q"].array(), t["k"].array(), t["v"].array()

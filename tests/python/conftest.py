@@ -1,4 +1,4 @@
-"""Every numeric test runs on every backend this machine has (DESIGN §6)."""
+"""Every numeric test runs on every backend this machine has."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Shared test helpers: dtypes, random inputs, tolerances (DESIGN §6)."""
+"""Shared test helpers: dtypes, random inputs, tolerances."""
 from __future__ import annotations
 
 import ml_dtypes

@@ -1,5 +1,5 @@
-"""One semantics across ops (issue 13 item 2), typed errors, argument checks
-(issue 12 item 12), the ABI version check and the typed facade (issue 15)."""
+"""One semantics across ops, typed errors with their fields, argument checks,
+the ABI version check and the typed facade."""
 from __future__ import annotations
 
 import os

@@ -40,7 +40,7 @@ def test_edges_and_values(registry, rng):
     # finite biases, -0.0 (== 0), very negative finite values and NaN
     a = np.zeros((32, 64), np.float32)
     a[:, 16:32] = -np.inf                    # all -inf: class 0 (a finite -1e31 tile is 1:
-                                             # test_cpu_nonfinite, the skip rule of issue 12)
+                                             # test_cpu_nonfinite, the rule that only -inf cells are skipped)
     a[:, 32:48] = -0.0                       # exactly 0: class 2
     a[5, 48] = 0.5                           # a finite bias: class 1
     a[0:16, 0:16] = -np.inf

@@ -32,7 +32,7 @@ def run(registry, rng, *, b=None, h=4, hkv=2, cap=80, kv_len=70, d=128, kv=F16, 
     exp = reference.decode(q, k, v, kv_len, scale=scale, window=w, softcap=softcap)
     if fwht or signs is not None:
         exp = reference.fwht_undo(exp, signs)
-    # q stays float32 on every backend: decode is held to the f32 tolerance (DESIGN §6).
+    # q stays float32 on every backend: decode is held to the f32 tolerance.
     assert_close(out, exp, F32, f"{registry.backend} d={d} kv={kv} mask={mask} q*{q_mult:g}")
     return q, k, v, out
 
@@ -123,7 +123,7 @@ def test_fwht_all_ones_vs_zero_signs(registry, rng):
 
 
 def test_explicit_tmp(cpu, rng):
-    """A caller-provided tmp holds the seeds' layout: partial O, then (S, M) pairs.
+    """A caller-provided tmp holds mlx-native's layout: partial O, then (S, M) pairs.
     Keys are dealt in contiguous runs of FM_VEC_CHUNK = 32-key chunks (one chunk
     per workgroup here); a workgroup without keys writes S = 0 and leaves its O."""
     h, d, kvl = 2, 64, 70

@@ -261,7 +261,7 @@ def test_mask_over_whole_cache_with_kv_len(cpu, rng):
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_window_prefill_builds_no_mask(registry, rng, monkeypatch, align, causal, with_mask):
     """The window goes into the prefill kernel: no [qL, kL] mask or blk is
-    built (issue 13 item 4), alone or beside a caller's broadcast mask."""
+    built, alone or beside a caller's broadcast mask."""
     from flashmetal import blk as blk_module, mask as mask_module
     for mod, name in ((mask_module, "build_mask"), (blk_module, "build_blk")):
         monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("a window mask was built"))

@@ -163,7 +163,7 @@ def test_exports():
 
 @pytest.mark.parametrize("dtype,d", [(F32, 640), (BF16, 1024), (F16, 520)])
 def test_head_dims_above_512_take_the_general_kernel(registry, rng, dtype, d):
-    """Issue 13: the front door finds a path for any head dim; above 512 the
+    """The front door finds a path for any head dim; above 512 the
     general kernel walks the output in column blocks."""
     q = randn(rng, (1, 2, 5, d), dtype)
     k = randn(rng, (1, 1, 7, d), dtype)

@@ -1,4 +1,4 @@
-"""Fuzzing (issue 7): the C ABI through cffi and the Python API through hypothesis.
+"""Fuzzing: the C ABI through cffi and the Python API through hypothesis.
 
 Contract: every call either succeeds -- with the output matching the float64
 reference when the inputs are finite -- or raises ValueError / TypeError whose

@@ -1,4 +1,4 @@
-"""Fuzzing the serving API (issue 14) through hypothesis, as test_fuzz.py
+"""Fuzzing the serving API through hypothesis, as test_fuzz.py
 does the other ops: random shapes, lengths, tables and options, some of them
 wrong. Every call either succeeds -- matching the float64 serving reference,
 with the caches holding exactly the appended rows -- or raises ValueError /

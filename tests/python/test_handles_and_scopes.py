@@ -1,4 +1,4 @@
-"""Issue 12 items 7-9 and issue 10's batch bullet: handles that are never
+"""Handles that are never
 reused, scratch that lives exactly as long as its work, blk geometry checks,
 and the arrays a batch keeps alive."""
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_close_inside_a_batch_loses_nothing(registry_name, rng):
         out = fm.flash_attn_decode(q, k, v, 40, registry=reg)
         reg.close()  # ends the open scope: the work has run, nothing leaks
     assert reg._handle is None
-    # Decode is held to the f16 tolerance (DESIGN §6).
+    # Decode is held to the f16 tolerance.
     assert_close(out, reference.decode(q, k, v, 40, scale=1 / 8), F16, "decode inside a batch closed early")
     with pytest.raises(ValueError, match="flash_attn_decode: registry is closed"):
         fm.flash_attn_decode(q, k, v, 40, registry=reg)
@@ -167,7 +167,7 @@ def registry_name(request):
 
 
 def test_batch_keeps_temporary_copies_until_it_ends(registry_name, rng):
-    """Issue 10: a deferring backend reads inputs at commit, so the contiguous
+    """A deferring backend reads inputs at commit, so the contiguous
     copy Python makes of a strided input must outlive the call."""
     reg = fm.Registry(registry_name)
     q = randn(rng, (4, 128), F32)[:, ::2]  # strided: the library gets a copy

@@ -1,4 +1,4 @@
-"""Leaks (issue 7): 10^5 repeated cheap calls keep RSS flat (read from
+"""Leaks: 10^5 repeated cheap calls keep RSS flat (read from
 /proc/self/statm); registries and library-owned blk buffers are freed."""
 from __future__ import annotations
 

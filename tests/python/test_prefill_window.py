@@ -1,4 +1,4 @@
-"""Issue 13 item 4: the prefill's in-kernel sliding window
+"""The prefill's in-kernel sliding window
 (``flash_attn_prefill(window=)``; no mask is built, key tiles outside every
 row's window are skipped) and auto-blk (a caller mask without blk gets its
 blk built by the library where it pays), on every backend, against the

@@ -1,4 +1,4 @@
-"""Review of issues 12 and 15 from the outside: misuse the landed code let
+"""Misuse from the outside: misuse a first version let
 through (a blk for a mask of another shape with the same tile counts, a
 backend name with a NUL, argument types that escaped as bare Python errors,
 FLASHMETAL_BACKEND=auto)."""

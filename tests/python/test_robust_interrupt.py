@@ -1,4 +1,4 @@
-"""Issue 12 item 6: SIGINT cancels a long cpu or sim call within ~1 s with
+"""SIGINT cancels a long cpu or sim call within ~1 s with
 KeyboardInterrupt, and the registry keeps working (the interrupted call's
 output is unspecified)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 item 3: the simulator's fiber stacks and workers are bounded and
+"""The simulator's fiber stacks and workers are bounded and
 shared across concurrent calls (memory mappings stay under a budget, far from
 vm.max_map_count), allocation failures come back as BackendError and the
 process keeps working, and closing a registry frees the idle stacks."""

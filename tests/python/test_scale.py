@@ -1,4 +1,4 @@
-"""64-bit indexing (issue 7): products of dims past 2^31 elements on the cpu
+"""64-bit indexing: products of dims past 2^31 elements on the cpu
 backend, within ~4.5 GiB and a few seconds.
 
 - a [46341, 46341] bfloat16 window mask (2^31 + 4633 cells, 4 GiB) built by

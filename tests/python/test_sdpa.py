@@ -121,7 +121,7 @@ def test_abi_errors(cpu):
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("kind", ["additive2", "additive4", "bool2", "bool4"])
 def test_mask(registry, rng, dtype, kind):
-    """An optional mask (ours; the seed had none), on a GQA batch with spare capacity."""
+    """An optional mask, on a GQA batch with spare capacity."""
     b, h, hkv, ql, cap, kl, d = 2, 4, 2, 37, 50, 45, 64
     q, k, v = randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, cap, d), dtype), randn(rng, (b, hkv, cap, d), dtype)
     shape = (ql, kl) if kind.endswith("2") else (b, h, ql, kl)

@@ -1,4 +1,4 @@
-"""flash_attn_func / flash_attn_varlen_func numerics (issue 14) against the
+"""flash_attn_func / flash_attn_varlen_func numerics against the
 float64 serving reference, on cpu with every head dim and on sim with small
 shapes: every feature x dtype x head dim x GQA, ragged and paged batches."""
 from __future__ import annotations

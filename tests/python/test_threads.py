@@ -1,4 +1,4 @@
-"""Thread safety (issue 7): 8 Python threads share one registry and run mixed
+"""Thread safety: 8 Python threads share one registry and run mixed
 ops for a bounded time; every result is bit-equal to the single-threaded one;
 the GIL is released while kernels run; the pipeline cache under contention."""
 from __future__ import annotations

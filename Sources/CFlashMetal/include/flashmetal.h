@@ -10,7 +10,7 @@
  *     FM_CDEF markers with preprocessor lines removed. Keep that part free of
  *     macros, attributes and expressions cffi cannot parse.
  *
- * Struct layouts follow the mlx-native seeds field for field; sizes and
+ * Struct layouts follow mlx-native's kernels field for field; sizes and
  * offsets are pinned by static asserts in layout_checks.c and by swift tests.
  */
 #ifndef FLASHMETAL_H
@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-/* ---- numeric constants of the kernels (DESIGN §2) ------------------------
+/* ---- numeric constants of the kernels (docs/ARCHITECTURE.md) -------------
  * Outside the cffi part: cffi cannot parse float macros. */
 /* The running row max starts at the finite -FLT_MAX/2, so a -inf score gives
  * exp2(-inf - m) = 0 and m - m stays 0: never NaN. */
@@ -84,7 +84,7 @@ typedef enum FMPrefillBinding {
     FM_PREFILL_BUF_MASK_PARAMS = 5, /* AttnMaskParams, with a mask */
     FM_PREFILL_BUF_MASK = 6,
     FM_PREFILL_BUF_BLK = 7,
-    /* Serving extension (ours; see AttnSeqParams). */
+    /* Serving extension (see AttnSeqParams). */
     FM_PREFILL_BUF_SEQ_PARAMS = 8,   /* AttnSeqParams, with FM_FC_PREFILL_SEQ */
     FM_PREFILL_BUF_CU_SEQLENS_Q = 9, /* int32 [B+1], with FM_FC_VARLEN_Q */
     FM_PREFILL_BUF_CU_SEQLENS_K = 10,/* int32 [B+1], with FM_FC_VARLEN_K */
@@ -105,7 +105,7 @@ typedef enum FMMaskBuilderBinding {
 typedef enum FMVecBinding {
     FM_VEC_BUF_PARAMS = 0, /* FlashAttnVecParams */
     FM_VEC_BUF_Q = 1, FM_VEC_BUF_K = 2, FM_VEC_BUF_V = 3, FM_VEC_BUF_TMP = 4,
-    /* Serving extension (ours). */
+    /* Serving extension (see FlashAttnVecSeqParams). */
     FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
     FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
     FM_VEC_BUF_BLOCK_TABLE = 7  /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
@@ -116,7 +116,7 @@ typedef enum FMVecReduceBinding {
     FM_VEC_REDUCE_BUF_TMP = 1, FM_VEC_REDUCE_BUF_OUT = 2,
     FM_VEC_REDUCE_BUF_NWG = 3,    /* uint32 */
     FM_VEC_REDUCE_BUF_SIGNS = 4,  /* with FM_FC_VEC_HAS_SIGNS */
-    /* Serving extension of the plain reduce (ours). */
+    /* Serving extension of the plain reduce. */
     FM_VEC_REDUCE_BUF_SINKS = 5,  /* float32 [H], with FM_FC_VEC_SINKS */
     FM_VEC_REDUCE_BUF_LSE = 6,    /* float32 [rows] out, with FM_FC_VEC_LSE */
     FM_VEC_REDUCE_BUF_EXT = 7     /* FlashAttnVecReduceExtParams, with 504 or 505 */
@@ -168,7 +168,7 @@ enum { FM_VEC_CHUNK = 32 };
  * by tgid.z * FM_SDPA_TILE_Q + tid). */
 enum { FM_SDPA_TILE_Q = 32 };
 
-/* ---- kernel parameter structs (seeds 000-004) -------------------------- */
+/* ---- kernel parameter structs (mlx-native's layouts) -------------------------- */
 
 /* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
 typedef struct AttnParams {
@@ -238,10 +238,10 @@ typedef struct SdpaParams {
     uint32_t do_causal;
 } SdpaParams;
 
-/* Simple SDPA extension (ours): buffer(8) (FM_SDPA_BUF_EXT), bound only when
- * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays the seed's. 16 bytes. With it,
+/* Simple SDPA extension: buffer(8) (FM_SDPA_BUF_EXT), bound only when
+ * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays mlx-native's. 16 bytes. With it,
  * query row i sits at absolute position t = q_offset + i (instead of the
- * seed's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
+ * plain kernel's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
  * causal alignment and kv_len - qL the KV-cache bottom-right one; it may be
  * negative (rows with t < 0 see no key under causal and output zeros).
  * Causal (SdpaParams.do_causal) keeps keys p <= t; window w > 0 keeps keys
@@ -255,8 +255,8 @@ typedef struct SdpaExtParams {
     int32_t _pad;
 } SdpaExtParams;
 
-/* ---- serving extension (ours; issue 14) ----------------------------------
- * The seeds' structs above stay byte for byte; serving adds these structs at
+/* ---- serving extension ---------------------------------------------------
+ * The structs above stay mlx-native's byte for byte; serving adds these structs at
  * new buffer indices, switched on by new function constants.
  *
  * Prefill, per-sequence mode (any of FM_FC_VARLEN_Q, FM_FC_VARLEN_K,
@@ -423,7 +423,7 @@ typedef struct FMPrefillOptions {
     float scale;      /* finite; 1/sqrt(D) is the usual choice */
     float softcap;    /* 0 = off, else > 0 */
     int32_t causal;   /* 0 or 1 */
-    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off), >= 0 */
+    int32_t q_offset; /* absolute position of query row 0 (mlx-native's qL_off), >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
     int32_t window;   /* 0 = none, else keys p with t - p < window (in-kernel:
@@ -450,7 +450,7 @@ typedef struct FMVecOptions {
     int32_t fwht;      /* 1: reduce fused with the FWHT sign undo */
 } FMVecOptions;
 
-/* fm_dispatch_sdpa. Zeroed extension fields give the seed's kernel:
+/* fm_dispatch_sdpa. Zeroed extension fields give the plain kernel:
  * bottom-right positions, no softcap, no window. */
 typedef struct FMSdpaOptions {
     float scale;      /* finite; 1/sqrt(D) is the usual choice */
@@ -464,7 +464,7 @@ typedef struct FMSdpaOptions {
     int32_t _pad;
 } FMSdpaOptions;
 
-/* ---- serving (flash-attn's API; issue 14) -------------------------------
+/* ---- serving (flash-attn's API) -----------------------------------------
  * The per-sequence tensors of a serving call; each may be NULL. Every index
  * in them is checked against the buffers before any kernel reads through it. */
 typedef struct FMSeqTensors {
@@ -512,7 +512,7 @@ int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor 
                         const FMTensor *out, const FMPrefillOptions *options,
                         FMError *err);
 const char *fm_version(void);
-/* blk tile-skip pre-pass (seed 001). (BQ, BK) come from the head dim of the
+/* blk tile-skip pre-pass. (BQ, BK) come from the head dim of the
  * prefill that will consume the blk. Byte length: ceil(qL/BQ)*ceil(kL/BK)
  * rounded up to a multiple of 32, at least 32. */
 int fm_blk_byte_len(int64_t q_len, int64_t k_len, int32_t head_dim, size_t *out,
