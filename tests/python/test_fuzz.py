@@ -59,6 +59,7 @@ def _backends():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", _backends())
 def test_abi_fuzz(backend, tmp_path):
     """Seeded C-ABI cases in a subprocess; see tests/fuzz/fuzz_abi.py."""
@@ -287,6 +288,7 @@ def prefill_calls(draw):
                 nonfinite=nonfinite, view=draw(st.data()))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(c=prefill_calls(), seed=st.integers(0, 2**32 - 1))
 def test_prefill_api(cpu, c, seed):
@@ -352,6 +354,7 @@ def decode_calls(draw):
         use_out=draw(st.booleans()), nonfinite=draw(st.integers(0, 19)) == 0, view=draw(st.data()))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(c=decode_calls(), seed=st.integers(0, 2**32 - 1))
 def test_decode_api(cpu, c, seed):
@@ -384,6 +387,7 @@ def test_decode_api(cpu, c, seed):
     _close(res, e, F32, "decode")  # q stays float32: the f32 tolerance, like every backend
 
 
+@pytest.mark.slow
 @FUZZ
 @given(dt=st.sampled_from([F32, BF16, F16]), d=st.sampled_from([1, 8, 64, 100, 512, 513, 0]),
        b=st.integers(0, 2), hkv=st.integers(1, 2), g=st.sampled_from([1, 2, 3]), ql=st.integers(0, 40),
@@ -407,6 +411,7 @@ def test_sdpa_api(cpu, dt, d, b, hkv, g, ql, cap, kv_len, causal, use_out, data,
     _close(res, e, dt, "sdpa")
 
 
+@pytest.mark.slow
 @FUZZ
 @given(ql=st.one_of(st.integers(-2, 80), st.sampled_from([2**31, 2**63, 2**64])),
        kl=st.one_of(st.integers(-2, 300), st.sampled_from([2**31, 2**63])), causal=st.booleans(),
@@ -430,6 +435,7 @@ def test_mask_blk_api(cpu, ql, kl, causal, window, q_off, dt, d):
         assert n_ % 32 == 0 and n_ >= 32
 
 
+@pytest.mark.slow
 @FUZZ
 @given(dt=st.sampled_from([BF16, F16, F32]), d=st.sampled_from([64, 128, 512]), ql=st.integers(1, 20),
        kl=st.integers(1, 40), is_causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 40)),

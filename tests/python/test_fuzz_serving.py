@@ -7,6 +7,7 @@ array of the caller (caches, tables, lengths) unchanged; never a crash."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -105,6 +106,7 @@ def _kvcache(c, rng):
     return q, kc, vc, new, seqlens, table
 
 
+@pytest.mark.slow
 @base.FUZZ
 @given(c=serving_calls(), seed=st.integers(0, 2**32 - 1))
 def test_serving_api(cpu, c, seed):

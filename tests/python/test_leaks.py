@@ -34,6 +34,7 @@ def _growth(fn, n: int) -> tuple[int, int]:
 MB = 1 << 20
 
 
+@pytest.mark.slow
 def test_repeated_calls_rss_flat(cpu, rng):
     ffi, lib = _loader.load()
     q, k, v = randn(rng, (2, 64), F32), randn(rng, (1, 16, 64), F32), randn(rng, (1, 16, 64), F32)

@@ -11,6 +11,7 @@ A 32-bit product anywhere on these paths reads or writes the wrong rows.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import flashmetal as fm
 from flashmetal import reference
@@ -19,6 +20,7 @@ from numerics import BF16, F16, F32, assert_close, randn
 N = 46341  # N * N > 2^31
 
 
+@pytest.mark.slow
 def test_long_window_mask_prefill(cpu, rng):
     w, d = 16, 64
     mask = fm.build_mask(N, N, causal=True, window=w, q_offset=0, dtype=BF16, registry=cpu)

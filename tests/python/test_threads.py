@@ -82,11 +82,13 @@ def _hammer(registry, jobs, seconds):
     return sum(counts)
 
 
+@pytest.mark.slow
 def test_mixed_ops_cpu(cpu, rng):
     n = _hammer(cpu, _jobs(rng, small=False), 4.0)
     print(f"cpu: {n} calls from {THREADS} threads")
 
 
+@pytest.mark.slow
 def test_mixed_ops_sim(rng):
     try:
         sim = fm.Registry("sim")
@@ -138,6 +140,7 @@ def test_pipeline_cache_contention(rng):
         assert not errors, errors[:5]
 
 
+@pytest.mark.slow
 def test_gil_released(cpu, rng):
     """A Python thread keeps counting while one long kernel runs: with the GIL
     held during the call it could not run at all."""
