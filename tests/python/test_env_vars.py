@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 VARS = ["FLASHMETAL_NUM_THREADS", "FLASHMETAL_SIM_WORKERS", "FLASHMETAL_SIM_STACK_KB", "FLASHMETAL_SIM_SCRAMBLE"]
 

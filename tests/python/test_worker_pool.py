@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 
