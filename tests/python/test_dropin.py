@@ -14,14 +14,9 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import attention, reference
-from numerics import BF16, F16, F32, assert_close, randn
+from numerics import BF16, F16, F32, assert_close, qkv
 
 SDPA = fm.scaled_dot_product_attention
-
-
-def qkv(rng, dtype, b=1, h=2, hkv=2, ql=6, kl=20, d=64):
-    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype),
-            randn(rng, (b, hkv, kl, d), dtype))
 
 
 def small(registry, big, little):

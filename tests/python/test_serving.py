@@ -8,7 +8,8 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from serving_cases import (BACKENDS, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, qkv, randn,
+from numerics import qkv_of_shapes as qkv
+from serving_cases import (BACKENDS, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, randn,
                            registry, sinks_for, with_sinks)
 
 FEATURES = {

@@ -26,7 +26,7 @@ final class SdpaDispatcherTests: XCTestCase {
         XCTAssertEqual(p.scale, 0.0625)
         let d2 = try make(q: [1, 2, 1, 512], k: [1, 2, 5, 512])
         XCTAssertEqual(d2.kernel, "sdpa")
-        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).do_causal, 1)
+        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).do_causal, 0)  // causal only when asked
         XCTAssertEqual(try d2.params(4, as: SdpaParams.self).kv_capacity, 5)
         XCTAssertEqual(d2.grid, Size3(1, 2, 1))
     }
