@@ -31,7 +31,7 @@ EXTRA_TESTS :=
 
 -include mk/*.mk
 
-.PHONY: all build python venv test check swift-test pytest pytest-sim-scrambled pytest-metal-sim-copies demo clean
+.PHONY: all build python venv test swift-test pytest pytest-sim-scrambled pytest-metal-sim-copies demo clean
 
 all: build python
 
@@ -76,14 +76,8 @@ ifneq ($(UNAME),Darwin)
 EXTRA_TESTS += pytest-metal-sim-copies
 endif
 
-# Ends with one line, the same on every OS: where it ran, the backends pytest
-# ran on (and any the environment left out), the targets that passed.
-test: all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS)
-	@$(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $^
-
-# The fast loop: build, then every test not marked slow (tests/python/conftest.py).
-check: python
-	$(PY) -m pytest tests/python -q -x -m "not slow" $(PYTEST_ARGS)
+# `make test` (every stage, one summary line), `make check` (linters and format
+# checks) and `make quick` (the fast pytest loop) live in mk/check.mk.
 
 demo: python
 	$(PY) -m flashmetal.demo

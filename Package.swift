@@ -66,7 +66,7 @@ let package = Package(
         .target(name: "FlashMetalMetal", dependencies: ["FlashMetalCore", "FlashMetalShaders"] + metalRuntimeDeps,
                 path: "Sources/FlashMetalMetal"),
         // The GPU simulator (C++20): the shaders of Resources/shaders compiled
-        // for the host and run as fibers (DESIGN §5).
+        // for the host and run as fibers (docs/SIMULATOR.md).
         .target(name: "FlashMetalSim", path: "Sources/FlashMetalSim",
                 // flashmetal.h is read textually (the shaders include it), not as a module.
                 cxxSettings: [.headerSearchPath("../CFlashMetal/include"),

@@ -457,15 +457,15 @@ res["end_to_end_default_registry"] = per_call(lambda: fm.flash_attn_decode(q, k,
 qa, ka, va = (_arrays.as_input(x, "x", "x") for x in (q, k, v))
 tq, tk, tv, to = (_arrays.tensor(ffi, x) for x in (qa, ka, va, out))
 opts = ffi.new("FMVecOptions *"); opts.scale = 1 / D ** 0.5; opts.mask_type = 1; opts.kv_len = 1
-err = ffi.new("char[]", 1024)
+err = ffi.new("FMError *")
 fn = lib.fm_dispatch_vec
 h = reg._handle
-res["c_call"] = per_call(lambda: fn(h, tq, tk, tv, ffi.NULL, ffi.NULL, to, opts, err, 1024))
+res["c_call"] = per_call(lambda: fn(h, tq, tk, tv, ffi.NULL, ffi.NULL, to, opts, err))
 name = ffi.new("char[]", 64)
 res["cffi_trivial_call"] = per_call(lambda: lib.fm_registry_backend(h, name, 64))
 res["as_input_x3"] = per_call(lambda: [_arrays.as_input(x, "x", "x") for x in (q, k, v)])
 res["tensor_x4"] = per_call(lambda: [_arrays.tensor(ffi, x) for x in (qa, ka, va, out)])
-res["ffi_new_opts_err"] = per_call(lambda: (ffi.new("FMVecOptions *"), ffi.new("char[]", 1024)))
+res["ffi_new_opts_err"] = per_call(lambda: (ffi.new("FMVecOptions *"), ffi.new("FMError *")))
 res["check_out"] = per_call(lambda: _arrays.check_out(out, "x", q.shape, np.dtype(np.float32), [qa, ka, va]))
 res["default_registry_lookup"] = per_call(lambda: fm.default_registry())
 print(json.dumps(res))
@@ -632,7 +632,7 @@ def targets_lines(m):
     win = [r for r in rows if r.group == "window"]
     for r in win[1:]:
         sp = win[0].secs["flashmetal"] / r.secs["flashmetal"]
-        how = r.name.split(f"window=")[1].split(" ", 1)[1]
+        how = r.name.split("window=")[1].split(" ", 1)[1]
         out.append(f"- window-512 prefill, {how}, >= 2x the per-head mask without blk: {_verdict(sp >= 2)} "
                    f"({sp:.2f}x)")
     return out + [""]

@@ -1,4 +1,4 @@
-"""Serving benchmarks (issue 14), interleaved in one process like bench.py:
+"""Serving benchmarks, interleaved in one process like bench.py:
 
 1. paged vs contiguous decode: flash_attn_with_kvcache with one query row
    per sequence over the same keys, in a [B, cap, Hkv, D] cache with
@@ -114,7 +114,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
-    args, _ = ap.parse_known_args()  # bench.py's other options (e.g. --only) are not ours
+    args, _ = ap.parse_known_args()  # bench.py's other options (e.g. --only) are not this script's
     reg = fm.Registry("cpu")
     t0 = time.time()
     decode = decode_rows(reg, args.runs, args.quick)

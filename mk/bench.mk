@@ -35,7 +35,7 @@ $(BENCH_STAMP): python/requirements-bench.txt | venv
 	@$(PY) -c "import torch; q = torch.randn(1, 2, 8, 16); print('bench: torch', torch.__version__, 'CPU SDPA ok', tuple(torch.nn.functional.scaled_dot_product_attention(q, q, q).shape))" || true
 	touch $@
 
-# Serving (issue 14): paged vs contiguous decode, varlen vs padded prefill vs
+# Serving: paged vs contiguous decode, varlen vs padded prefill vs
 # torch; bench/SERVING_RESULTS.md. Part of `make bench`.
 .PHONY: bench-serving
 bench-serving: python bench-deps

@@ -1,4 +1,4 @@
-# mk/fuzz.mk — fuzzing beyond the bounded run inside `make test` (issue 7).
+# mk/fuzz.mk — fuzzing beyond the bounded run inside `make test`.
 #   make fuzz        FUZZ_SCALE x the make-test fuzz counts (random seeds) on the
 #                    release library, then the fuzz + thread tests again on an
 #                    AddressSanitizer build of libflashmetal (C kernels, simulator

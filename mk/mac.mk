@@ -1,5 +1,5 @@
 # mk/mac.mk — `make mac-check`: every check Linux can make of the macOS build
-# (issue 10, DESIGN §8). Part of `make test`. Each check is one target in
+# (docs/MAC.md). Part of `make test`. Each check is one target in
 # MAC_CHECKS; other fragments append theirs (mk/msl.mk adds msl-check).
 #   mac-libcxx           the simulator + its conformance suite built against
 #                        libc++ 19 (Apple's C++ library) and run

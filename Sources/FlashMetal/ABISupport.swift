@@ -11,19 +11,43 @@ func writeMessage(_ message: String, _ buf: UnsafeMutablePointer<CChar>?, _ len:
     buf[bytes.count] = 0
 }
 
-/// Runs an entry point's body; every error becomes a status and a message.
-func guarded(_ err: UnsafeMutablePointer<CChar>?, _ errlen: Int, _ body: () throws -> Void) -> Int32 {
+/// Copies a string into a fixed C char array of an FMError, truncated and
+/// NUL-terminated.
+private func writeField<T>(_ s: String, _ field: inout T) {
+    withUnsafeMutableBytes(of: &field) { raw in
+        let buf = raw.bindMemory(to: CChar.self)
+        writeMessage(s, buf.baseAddress, buf.count)
+    }
+}
+
+/// The public function the caller of an entry point named in `err`
+/// (FMError.public_op), or nil when it named none.
+func publicOp(_ err: UnsafeMutablePointer<FMError>?) -> String? {
+    guard let p = err?.pointee.public_op else { return nil }
+    let s = String(cString: p)
+    return s.isEmpty ? nil : s
+}
+
+/// Runs an entry point's body; every error becomes a status and the fields
+/// of `err`, under the public function the caller named.
+func guarded(_ err: UnsafeMutablePointer<FMError>?, _ body: () throws -> Void) -> Int32 {
+    let e: FlashMetalError
     do {
         try body()
-        writeMessage("", err, errlen)
-        return Int32(FM_OK.rawValue)
-    } catch let e as FlashMetalError {
-        writeMessage(e.message, err, errlen)
-        return Int32(e.status.rawValue)
+        e = FlashMetalError(FM_OK, "")
+    } catch let thrown as FlashMetalError {
+        e = thrown
     } catch {
-        writeMessage("internal error: \(error)", err, errlen)
-        return Int32(FM_ERROR_INTERNAL.rawValue)
+        e = FlashMetalError.internalError("\(error)")
     }
+    if let err = err {
+        let op = publicOp(err) ?? e.op
+        err.pointee.status = Int32(e.status.rawValue)
+        writeField(e.status == FM_OK ? "" : op, &err.pointee.op)
+        writeField(e.argument, &err.pointee.argument)
+        writeField(e.what, &err.pointee.message)
+    }
+    return Int32(e.status.rawValue)
 }
 
 /// Live registry handles. A handle is an id from a counter, never a pointer
@@ -45,10 +69,10 @@ enum Handles {
     }
 
     static func registry(_ h: OpaquePointer?, op: String) throws -> Registry {
-        guard let h = h else { throw FlashMetalError.value(op, "registry is null") }
+        guard let h = h else { throw FlashMetalError.value(op, "registry is null", arg: "registry") }
         let id = UInt(bitPattern: h)
         guard let r = lock.withLock({ live[id] }) else {
-            throw FlashMetalError.value(op, "registry \(h) is not a live registry (destroyed or invalid)")
+            throw FlashMetalError.value(op, "registry \(h) is not a live registry (destroyed or invalid)", arg: "registry")
         }
         return r
     }
@@ -58,7 +82,7 @@ enum Handles {
     static func destroy(_ h: OpaquePointer) throws {
         let id = UInt(bitPattern: h)
         guard let r = lock.withLock({ live.removeValue(forKey: id) }) else {
-            throw FlashMetalError.value("destroy_registry", "registry \(h) is not a live registry (destroyed or invalid)")
+            throw FlashMetalError.value("destroy_registry", "registry \(h) is not a live registry (destroyed or invalid)", arg: "registry")
         }
         try r.close()
     }

@@ -3,21 +3,22 @@ import FlashMetalCore
 
 /// fm_dispatch_attn of flashmetal.h: the serving prefill (flash_attn_func,
 /// flash_attn_varlen_func, flash_attn_with_kvcache with qL > 1). Errors name
-/// the flash-attn function the tables make the call (AttnOp).
+/// the flash-attn function the caller names in FMError.public_op, else the
+/// one the tables present imply (AttnOp).
 @_cdecl("fm_dispatch_attn")
 public func fm_dispatch_attn(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
     _ v: UnsafePointer<FMTensor>?, _ seq: UnsafePointer<FMSeqTensors>?, _ out: UnsafePointer<FMTensor>?,
     _ options: UnsafePointer<FMAttnOptions>?,
-    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+    _ err: UnsafeMutablePointer<FMError>?
 ) -> Int32 {
-    guarded(err, errlen) {
+    guarded(err) {
         let s = seq?.pointee ?? FMSeqTensors()
-        let kind = AttnOp(varlen: s.cu_seqlens_q != nil || s.cu_seqlens_k != nil,
-                          cache: s.seqlens_k != nil || s.block_table != nil)
+        let kind = publicOp(err).flatMap { AttnOp(name: $0) }
+            ?? AttnOp(varlen: s.cu_seqlens_q != nil || s.cu_seqlens_k != nil, cache: s.seqlens_k != nil || s.block_table != nil)
         let op = kind.name
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         var t = AttnTensors(q: try TensorRef(q, op: op, name: "q"), k: try TensorRef(k, op: op, name: kind.kName),
                             v: try TensorRef(v, op: op, name: kind.vName), out: try TensorRef(out, op: op, name: "out"))
         t.cuSeqlensQ = try optionalTensor(s.cu_seqlens_q, op: op, name: "cu_seqlens_q")
@@ -26,6 +27,7 @@ public func fm_dispatch_attn(
         t.blockTable = try optionalTensor(s.block_table, op: op, name: "block_table")
         t.sinks = try optionalTensor(s.sinks, op: op, name: "sinks")
         t.lse = try optionalTensor(s.lse, op: op, name: "softmax_lse")
+        t.kind = kind
         try reg.run(AttnDispatcher.makeDispatches(t, try AttnOptions(options.pointee, op: op)))
     }
 }

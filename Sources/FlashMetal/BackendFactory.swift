@@ -62,7 +62,7 @@ enum BackendFactory {
             let via = name == requested ? "" : " (from FLASHMETAL_BACKEND for 'auto')"
             throw FlashMetalError.value(
                 "create_registry", "unknown or unavailable backend '\(name)'\(via); available: auto, "
-                    + available.joined(separator: ", "))
+                    + available.joined(separator: ", "), arg: "backend")
         }
     }
 }

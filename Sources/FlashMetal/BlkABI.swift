@@ -4,9 +4,9 @@ import FlashMetalCore
 /// fm_blk_byte_len of flashmetal.h: the byte length of a blk for a mask and head dim.
 @_cdecl("fm_blk_byte_len")
 public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<Int>?,
-                            _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
-        guard let out = out else { throw FlashMetalError.value(BlkDispatcher.sizeOp, "out is null") }
+                            _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        guard let out = out else { throw FlashMetalError.value(BlkDispatcher.sizeOp, "out is null", arg: "out") }
         out.pointee = try BlkDispatcher.byteLength(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim))
     }
 }
@@ -14,10 +14,10 @@ public func fm_blk_byte_len(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ ou
 /// fm_alloc_blk of flashmetal.h: a zeroed, tagged, library-owned blk buffer.
 @_cdecl("fm_alloc_blk")
 public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: UnsafeMutablePointer<FMTensor>?,
-                         _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                         _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let op = "alloc_blk"
-        guard let out = out else { throw FlashMetalError.value(op, "out is null") }
+        guard let out = out else { throw FlashMetalError.value(op, "out is null", arg: "out") }
         let bytes = try BlkDispatcher.byteLength(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
         let (nq, nk) = try BlkDispatcher.tiles(qL: Int(qLen), kL: Int(kLen), headDim: Int(headDim), op: op)
         let (p, tag) = try BlkAllocations.allocate(bytes: bytes, headDim: Int(headDim), qL: Int(qLen),
@@ -36,11 +36,10 @@ public func fm_alloc_blk(_ qLen: Int64, _ kLen: Int64, _ headDim: Int32, _ out: 
 
 /// fm_free_blk of flashmetal.h: frees a live tagged blk; a stale copy is an error.
 @_cdecl("fm_free_blk")
-public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMutablePointer<CChar>?,
-                        _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let op = "free_blk"
-        guard let blk = blk else { throw FlashMetalError.value(op, "blk is null") }
+        guard let blk = blk else { throw FlashMetalError.value(op, "blk is null", arg: "blk") }
         guard let p = blk.pointee.data else { return }
         try BlkAllocations.free(tag: blk.pointee.tag, data: p, op: op)
         blk.pointee.data = nil
@@ -53,8 +52,8 @@ public func fm_free_blk(_ blk: UnsafeMutablePointer<FMTensor>?, _ err: UnsafeMut
 @_cdecl("fm_dispatch_blk")
 public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FMTensor>?,
                             _ blkOut: UnsafePointer<FMTensor>?, _ headDim: Int32,
-                            _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                            _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let op = BlkDispatcher.op
         let reg = try Handles.registry(registry, op: op)
         let m = try TensorRef(mask, op: op, name: "mask")

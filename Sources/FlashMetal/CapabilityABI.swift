@@ -5,22 +5,22 @@ import FlashMetalCore
 // tables so no caller keeps its own copy.
 
 /// The head dims that have a kernel for `op` ("flash_attn_prefill" or
-/// "flash_attn_vec"), ascending, from the capability tables: the Python
+/// "flash_attn_decode", alias "flash_attn_vec"), ascending, from the capability tables: the Python
 /// package routes by them instead of keeping its own list.
 @_cdecl("fm_supported_head_dims")
 public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
                                    _ count: UnsafeMutablePointer<Int>?,
-                                   _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                                   _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let name = op.map { String(cString: $0) } ?? ""
         let dims: [Int]
         switch name {
         case PrefillDispatcher.op: dims = PrefillCapability.headDims
-        case VecDispatcher.op: dims = VecCapability.headDims
+        case VecDispatcher.publicName, VecDispatcher.op: dims = VecCapability.headDims
         default:
-            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)' or '\(VecDispatcher.op)', got '\(name)'")
+            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)' or '\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
         }
-        guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null") }
+        guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null", arg: "count") }
         count.pointee = dims.count
         if let out = out {
             for (i, d) in dims.prefix(max(cap, 0)).enumerated() { out[i] = Int32(d) }
@@ -28,22 +28,24 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
     }
 }
 
-/// The largest head dim `op` ("flash_attn_prefill", "flash_attn_vec" or
-/// "sdpa") takes: the front door routes by it (sdpa's is not a list).
+/// The largest head dim `op` ("flash_attn_prefill", "flash_attn_decode"
+/// (alias "flash_attn_vec") or "sdpa") takes: the front door routes by it (sdpa's is not a list).
 @_cdecl("fm_max_head_dim")
 public func fm_max_head_dim(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?,
-                            _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                            _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         let name = op.map { String(cString: $0) } ?? ""
         let dim: Int
         switch name {
         case PrefillDispatcher.op: dim = PrefillCapability.headDims.max() ?? 0
-        case VecDispatcher.op: dim = VecCapability.headDims.max() ?? 0
+        case VecDispatcher.publicName, VecDispatcher.op: dim = VecCapability.headDims.max() ?? 0
         case SdpaDispatcher.op: dim = SdpaCapability.maxHeadDim
         default:
-            throw FlashMetalError.value("max_head_dim", "op must be '\(PrefillDispatcher.op)', '\(VecDispatcher.op)' or '\(SdpaDispatcher.op)', got '\(name)'")
+            throw FlashMetalError.value(
+                "max_head_dim", "op must be '\(PrefillDispatcher.op)', '\(VecDispatcher.publicName)' (alias "
+                    + "'\(VecDispatcher.op)') or '\(SdpaDispatcher.op)', got '\(name)'", arg: "op")
         }
-        guard let out = out else { throw FlashMetalError.value("max_head_dim", "out is null") }
+        guard let out = out else { throw FlashMetalError.value("max_head_dim", "out is null", arg: "out") }
         out.pointee = Int32(dim)
     }
 }

@@ -8,8 +8,8 @@ import FlashMetalMetal
 /// long-lived tensor, which the metal backend wraps once for its lifetime.
 @_cdecl("fm_alloc_host")
 public func fm_alloc_host(_ bytes: Int, _ out: UnsafeMutablePointer<UnsafeMutableRawPointer?>?,
-                          _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                          _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         guard let out else { throw FlashMetalError.value("alloc_host", "out is null") }
         out.pointee = nil
         out.pointee = try HostAllocations.allocate(bytes: bytes, op: "alloc_host").base
@@ -18,8 +18,8 @@ public func fm_alloc_host(_ bytes: Int, _ out: UnsafeMutablePointer<UnsafeMutabl
 
 /// fm_free_host of flashmetal.h: frees memory from fm_alloc_host.
 @_cdecl("fm_free_host")
-public func fm_free_host(_ p: UnsafeMutableRawPointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) { try HostAllocations.free(p, op: "free_host") }
+public func fm_free_host(_ p: UnsafeMutableRawPointer?, _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) { try HostAllocations.free(p, op: "free_host") }
 }
 
 /// fm_registry_device of flashmetal.h: the GPU a metal or metal-sim registry
@@ -28,7 +28,7 @@ public func fm_free_host(_ p: UnsafeMutableRawPointer?, _ err: UnsafeMutablePoin
 public func fm_registry_device(_ registry: OpaquePointer?, _ name: UnsafeMutablePointer<CChar>?,
                                _ len: Int) -> Int32 {
     var device = ""
-    let status = guarded(nil, 0) {
+    let status = guarded(nil) {
         let backend = try Handles.registry(registry, op: "registry_device").backend
         #if canImport(Metal)
         if let m = backend as? MetalBackend { device = m.deviceName }

@@ -8,8 +8,8 @@ import Metal
 /// in FMMetalSimCounter order; an error where metal-sim is not built in.
 @_cdecl("fm_metal_sim_counters")
 public func fm_metal_sim_counters(_ out: UnsafeMutablePointer<Int64>?, _ cap: Int,
-                                  _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
+                                  _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
         #if canImport(Metal) && os(Linux)
         let c = MetalSim.counters
         var values = [Int](repeating: 0, count: Int(FM_MSIM_COUNTER_COUNT.rawValue))

@@ -7,12 +7,12 @@ public func fm_dispatch_prefill(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
     _ v: UnsafePointer<FMTensor>?, _ mask: UnsafePointer<FMTensor>?, _ blk: UnsafePointer<FMTensor>?,
     _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMPrefillOptions>?,
-    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+    _ err: UnsafeMutablePointer<FMError>?
 ) -> Int32 {
-    guarded(err, errlen) {
+    guarded(err) {
         let op = PrefillDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         let tensors = PrefillTensors(
             q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
             v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "out"),

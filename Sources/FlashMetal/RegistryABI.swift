@@ -38,9 +38,9 @@ private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeys
 /// fm_create_registry of flashmetal.h: a registry on a named backend, as a never-reused handle.
 @_cdecl("fm_create_registry")
 public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<OpaquePointer?>?,
-                               _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) {
-        guard let out = out else { throw FlashMetalError.value("create_registry", "out is null") }
+                               _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        guard let out = out else { throw FlashMetalError.value("create_registry", "out is null", arg: "out") }
         out.pointee = nil
         let name = backend.map { String(cString: $0) } ?? "auto"
         out.pointee = Handles.register(Registry(backend: try BackendFactory.make(name)))
@@ -50,7 +50,7 @@ public func fm_create_registry(_ backend: UnsafePointer<CChar>?, _ out: UnsafeMu
 /// fm_destroy_registry of flashmetal.h: ends open batches, then frees the registry.
 @_cdecl("fm_destroy_registry")
 public func fm_destroy_registry(_ registry: OpaquePointer?) -> Int32 {
-    guarded(nil, 0) {
+    guarded(nil) {
         if let r = registry { try Handles.destroy(r) }
     }
 }
@@ -61,19 +61,19 @@ public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutabl
     // No error buffer: on failure the name is "" (never a message that could
     // be read as a backend name); fm_status_string describes the status.
     var backend = ""
-    let status = guarded(nil, 0) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
+    let status = guarded(nil) { backend = try Handles.registry(registry, op: "registry_backend").backend.name }
     writeMessage(backend, name, len)
     return status
 }
 
 /// fm_begin_batch of flashmetal.h: opens a (nestable) batch scope.
 @_cdecl("fm_begin_batch")
-public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) { try Handles.registry(registry, op: "begin_batch").beginBatch() }
+public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) { try Handles.registry(registry, op: "begin_batch").beginBatch() }
 }
 
 /// fm_end_batch of flashmetal.h: closes a batch scope; the outermost flushes.
 @_cdecl("fm_end_batch")
-public func fm_end_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int) -> Int32 {
-    guarded(err, errlen) { try Handles.registry(registry, op: "end_batch").endBatch() }
+public func fm_end_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) { try Handles.registry(registry, op: "end_batch").endBatch() }
 }

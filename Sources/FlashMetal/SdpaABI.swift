@@ -7,12 +7,12 @@ public func fm_dispatch_sdpa(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
     _ v: UnsafePointer<FMTensor>?, _ mask: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?,
     _ options: UnsafePointer<FMSdpaOptions>?,
-    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+    _ err: UnsafeMutablePointer<FMError>?
 ) -> Int32 {
-    guarded(err, errlen) {
+    guarded(err) {
         let op = SdpaDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         try reg.run([SdpaDispatcher.makeDispatch(
             q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
             v: try TensorRef(v, op: op, name: "V"), mask: try optionalTensor(mask, op: op, name: "mask"),

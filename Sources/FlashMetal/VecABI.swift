@@ -8,12 +8,12 @@ public func fm_dispatch_vec(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
     _ v: UnsafePointer<FMTensor>?, _ signs: UnsafePointer<FMTensor>?, _ tmp: UnsafePointer<FMTensor>?,
     _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMVecOptions>?,
-    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+    _ err: UnsafeMutablePointer<FMError>?
 ) -> Int32 {
-    guarded(err, errlen) {
+    guarded(err) {
         let op = VecDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         let o = try VecOptions(options.pointee)
         let qt = try TensorRef(q, op: op, name: "q")
         let kt = try TensorRef(k, op: op, name: "k")

@@ -9,34 +9,40 @@ public func fm_dispatch_vec_seq(
     _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
     _ v: UnsafePointer<FMTensor>?, _ seq: UnsafePointer<FMSeqTensors>?, _ tmp: UnsafePointer<FMTensor>?,
     _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMAttnOptions>?,
-    _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+    _ err: UnsafeMutablePointer<FMError>?
 ) -> Int32 {
-    guarded(err, errlen) {
+    guarded(err) {
         let op = VecSeqDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options is null") }
+        guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         let o = try VecSeqOptions(options.pointee)
         let s = seq?.pointee
         if s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil {
-            throw FlashMetalError.value(op, "cu_seqlens_q/cu_seqlens_k must be NULL: decode takes q [B, H, D] and a cache per sequence")
+            throw FlashMetalError.value(op, "cu_seqlens_q/cu_seqlens_k must be NULL: decode takes q [B, H, D] and a cache per sequence", arg: "cu_seqlens_q")
         }
-        let (qt, kt) = (try TensorRef(q, op: op, name: "q"), try TensorRef(k, op: op, name: "k"))
-        let (vt, outT) = (try TensorRef(v, op: op, name: "v"), try TensorRef(out, op: op, name: "out"))
+        // The flash-attn function the caller runs names k, v and lse its own way.
+        let kind = publicOp(err).flatMap { AttnOp(name: $0) }
+        let (kName, vName) = (kind?.kName ?? "k", kind?.vName ?? "v")
+        let lseName = kind == nil ? "lse" : "softmax_lse"
+        let (qt, kt) = (try TensorRef(q, op: op, name: "q"), try TensorRef(k, op: op, name: kName))
+        let (vt, outT) = (try TensorRef(v, op: op, name: vName), try TensorRef(out, op: op, name: "out"))
         let given = try optionalTensor(tmp, op: op, name: "tmp")
         let seqlens = try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens")
         let table = try optionalTensor(s?.block_table, op: op, name: "block_table")
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
-        let lse = try optionalTensor(s?.lse, op: op, name: "lse")
+        let lse = try optionalTensor(s?.lse, op: op, name: lseName)
         func tensors(_ tmp: TensorRef) -> VecSeqTensors {
-            VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
-                          sinks: sinks, lse: lse)
+            var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
+                                  sinks: sinks, lse: lse)
+            (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
+            return t
         }
         if let given = given {
             try reg.run(VecSeqDispatcher.makeDispatches(tensors(given), o))
             return
         }
         // Sized from validated shapes; the full validation runs in makeDispatches.
-        let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table)
+        let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table, kName: kName)
         try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDim)) { scratch in
             try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o))
         }

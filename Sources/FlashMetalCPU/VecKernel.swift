@@ -13,7 +13,7 @@ private let smallWork = 1 << 18
 final class VecKernel: CPUKernel {
     let name: String
     /// FM_FC_VEC_SEQ, FM_FC_VEC_KV_LENS, FM_FC_VEC_PAGED; unset means false
-    /// (the seeds' decode sets none of them).
+    /// (the plain decode sets none of them).
     let seq: Bool, kvLens: Bool, paged: Bool
 
     init(_ key: PipelineKey) throws {
@@ -82,7 +82,7 @@ final class VecKernel: CPUKernel {
         a.batch = Int64(d.grid.y / Int(p.n_heads))
         let dk = Int64(p.head_dim)
         guard seq else {
-            // The seeds' [(B,) Hkv, cap, D]: batch folded into the heads.
+            // The plain decode's [(B,) Hkv, cap, D]: batch folded into the heads.
             a.k_strides = (0, Int64(p.kv_capacity) * dk, dk)
             a.v_strides = a.k_strides
             return a

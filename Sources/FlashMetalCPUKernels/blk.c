@@ -1,4 +1,4 @@
-/* Tile-skip pre-pass on the cpu (seed 001): classify one (BQ, BK) tile of an
+/* Tile-skip pre-pass on the cpu: classify one (BQ, BK) tile of an
  * additive [qL, kL] mask. Only -inf means masked: a tile of huge finite
  * negatives (-1e30, finfo(bf16).min) is mixed (1), because the kernels give
  * such cells weight (they are raised to the running max's start), and

@@ -6,7 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The running row max starts at the finite -FLT_MAX/2 (DESIGN §2): a -inf
+/* The running row max starts at the finite -FLT_MAX/2 (docs/ARCHITECTURE.md): a -inf
  * score then gives exp(-inf) = 0, never exp(-inf - -inf) = NaN. */
 #define FM_M_INIT (-FLT_MAX / 2)
 

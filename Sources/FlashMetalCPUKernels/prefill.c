@@ -1,7 +1,7 @@
 /* Prefill on the cpu: one query tile at a time, online softmax over key
  * tiles of the dispatch's BK, never more than O(BQ*D + BK*D) memory.
  *
- * Numerics (DESIGN §2): s = scale*q.k, softcap, then the mask; the running
+ * Numerics (docs/ARCHITECTURE.md): s = scale*q.k, softcap, then the mask; the running
  * max starts at FM_M_INIT = -FLT_MAX/2 so -inf scores give exp(-inf) = 0 and
  * never NaN; a row with no visible key outputs exact zeros. A masked cell
  * (mask -inf, bool false, causal) is -inf; any other cell's score is raised

@@ -19,7 +19,7 @@
  * outside a row group's ranges are skipped, cells outside a row's range are
  * masked.
  *
- * Numerics (DESIGN §2) and the bit-identity contract: a row's score is a dot
+ * Numerics (docs/ARCHITECTURE.md) and the bit-identity contract: a row's score is a dot
  * product in a fixed order over D; key blocks start at absolute multiples of
  * KB; the softmax over a block (max, exp, row sum in a fixed lane order)
  * depends only on the row's own scores, so a row's result depends neither on

@@ -7,7 +7,7 @@
  * row sees form one range [lo, hi] (empty when lo > hi): kL_b, causal and
  * window_right bound hi, window_left bounds lo. Kernels skip key blocks
  * outside the range and kill the cells of the blocks they cut; the mask of
- * the seeds' path is applied on top. */
+ * the plain prefill's path is applied on top. */
 #ifndef FM_PREFILL_SEQ_H
 #define FM_PREFILL_SEQ_H
 #include <math.h>

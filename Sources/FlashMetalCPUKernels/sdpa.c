@@ -1,8 +1,8 @@
-/* Simple SDPA on the cpu (seed 003): one (batch, head, 32-row q tile), online
- * softmax per row in f32. Query i sits at t = kv_len - qL + i (the seed's
+/* Simple SDPA on the cpu: one (batch, head, 32-row q tile), online
+ * softmax per row in f32. Query i sits at t = kv_len - qL + i (the plain kernel's
  * bottom-right) or, with SdpaExtParams, at t = q_offset + i; causal keeps
  * keys <= t, a window w keeps keys with t - p < w. The optional softcap
- * c*tanh(s/c) applies to the scaled score, then the optional mask (ours) is
+ * c*tanh(s/c) applies to the scaled score, then the optional mask is
  * added, -inf / false hiding a key; a row with no visible key outputs zeros;
  * any other score below the running-max start is raised to it.
  * f16/bf16 I/O is rounded once on output. */

@@ -1,4 +1,4 @@
-/* Split-KV decode on the cpu (seeds 002, 004, and the serving extension of
+/* Split-KV decode on the cpu (with the FWHT undo and the serving extension of
  * flashmetal.h): workgroup wg of NWG takes a contiguous run of each
  * sequence's visible keys (vec_split.h) and writes its partial
  * (O unnormalised, S, M) to tmp; the reduce then rescales the partials by

@@ -1,7 +1,7 @@
 /* Split-KV decode, described once and compiled per ISA (kernels_<isa>.c
  * defines FM_VL and FM_SFX, then includes simd.h and this file).
  *
- * A workgroup takes a contiguous run of keys (vec_split.h; the seeds' GPU
+ * A workgroup takes a contiguous run of keys (vec_split.h; mlx-native's GPU
  * split strided 32-key chunks, which kept the cpu's prefetchers from
  * streaming) for every query row of a kv head's GQA group, so K and V come
  * from memory once per group (row blocks beyond the first re-read a tile
@@ -345,7 +345,7 @@ static void FM_SFX(vec_head_tile)(const FMVecArgs *a, int64_t b, int64_t g, int6
 }
 
 /* Head-major: one kv head's run of keys, tile after tile (each head's keys
- * are contiguous: the seeds' [(B,) Hkv, cap, D]). */
+ * are contiguous: the plain decode's [(B,) Hkv, cap, D]). */
 void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
     const int64_t hkv = a->p.n_kv_heads, gqa = (int64_t)a->p.n_heads / hkv;
     const int64_t b = kvrow / hkv, g = kvrow % hkv;

@@ -12,7 +12,7 @@ public enum AttentionMask {
     public static func params(_ mask: TensorRef, io: DType, batch: Int, heads: Int, qL: Int, kL: Int,
                               op: String) throws -> AttnMaskParams {
         if mask.dtype != io && mask.dtype != .bool {
-            throw FlashMetalError.type(op, "mask must be \(io.name) (additive) or bool, got \(mask.dtype.name)")
+            throw FlashMetalError.type(op, "mask must be \(io.name) (additive) or bool, got \(mask.dtype.name)", arg: "mask")
         }
         try mask.requireRank([2, 3, 4], op: op, name: "mask")
         let full = Array([batch, heads, qL, kL].suffix(mask.rank))
@@ -22,7 +22,7 @@ public enum AttentionMask {
         if !fits {
             let want = full.dropLast().map { "\($0)|1" } + ["\(kL)"]
             throw FlashMetalError.value(op, "mask shape \(mask.shape) must be \(full) "
-                                        + "(rank \(mask.rank); broadcast: [\(want.joined(separator: ", "))])")
+                                        + "(rank \(mask.rank); broadcast: [\(want.joined(separator: ", "))])", arg: "mask")
         }
         try mask.requireBytes(op: op, name: "mask")
         // Element strides of the mask's own (contiguous) shape, 0 on broadcast axes,

@@ -19,7 +19,7 @@ public struct AttnOptions: Sendable {
     /// Reads the C options; `op` names the public function in errors.
     public init(_ o: FMAttnOptions, op: String) throws {
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
         scale = o.scale
         softcap = o.softcap
@@ -44,6 +44,9 @@ public struct AttnTensors {
     public var seqlensK: TensorRef? = nil, blockTable: TensorRef? = nil
     /// float32 [H] sink logits; float32 lse output.
     public var sinks: TensorRef? = nil, lse: TensorRef? = nil
+    /// The public function the caller runs, which names the arguments in
+    /// errors; nil = the one the tables present imply.
+    public var kind: AttnOp? = nil
 
     /// The tensors of a call; the per-sequence ones are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef) {
@@ -57,6 +60,12 @@ public struct AttnTensors {
 /// the C entry point can name it before reading any tensor.
 public enum AttnOp {
     case function, varlen, kvcache
+
+    /// The function named `name`, if it is one of these.
+    public init?(name: String) {
+        guard let op = [AttnOp.function, .varlen, .kvcache].first(where: { $0.name == name }) else { return nil }
+        self = op
+    }
 
     /// From which FMSeqTensors fields are set.
     public init(varlen: Bool, cache: Bool) {
@@ -78,8 +87,8 @@ public enum AttnOp {
     public var seqlensKName: String { self == .kvcache ? "cache_seqlens" : "seqused_k" }
 }
 
-/// The serving prefill (issue 14; flashmetal.h "serving extension"): the
-/// seed-000 kernel in per-sequence mode. Validates a call, reads and checks
+/// The serving prefill (flashmetal.h "serving extension"): the prefill
+/// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
 /// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), and
 /// function constants 302, 304-310. Shared pieces are PrefillDispatcher's.
@@ -87,8 +96,8 @@ public enum AttnDispatcher {
     /// Validates a call and builds its dispatches: none when there is no
     /// query row, else one prefill.
     public static func makeDispatches(_ t: AttnTensors, _ o: AttnOptions) throws -> [Dispatch] {
-        let kind = AttnOp(varlen: t.cuSeqlensQ != nil || t.cuSeqlensK != nil,
-                          cache: t.seqlensK != nil || t.blockTable != nil)
+        let kind = t.kind ?? AttnOp(varlen: t.cuSeqlensQ != nil || t.cuSeqlensK != nil,
+                                    cache: t.seqlensK != nil || t.blockTable != nil)
         let op = kind.name
         let varlenQ = t.cuSeqlensQ != nil, varlenK = t.cuSeqlensK != nil, paged = t.blockTable != nil
 
@@ -98,25 +107,25 @@ public enum AttnDispatcher {
         try PrefillDispatcher.requireIOTypes(q: (t.q, "q"), others: [(t.k, kind.kName), (t.v, kind.vName), (t.out, "out")],
                                              op: op)
         if t.out.shape != t.q.shape {
-            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)")
+            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out")
         }
         if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "\(kind.vName) shape \(t.v.shape) must equal \(kind.kName) shape \(t.k.shape)")
+            throw FlashMetalError.value(op, "\(kind.vName) shape \(t.v.shape) must equal \(kind.kName) shape \(t.k.shape)", arg: kind.vName)
         }
         let qs = t.q.shape, ks = t.k.shape
         let (nHeads, headDim) = (qs[qs.count - 2], qs[qs.count - 1])
         let (nKV, kDim) = (ks[ks.count - 2], ks[ks.count - 1])
         if kDim != headDim {
-            throw FlashMetalError.value(op, "\(kind.kName) head_dim (\(kDim)) must equal q head_dim (\(headDim))")
+            throw FlashMetalError.value(op, "\(kind.kName) head_dim (\(kDim)) must equal q head_dim (\(headDim))", arg: kind.kName)
         }
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
-        if nHeads == 0 || nKV == 0 { throw FlashMetalError.value(op, "the head counts must be > 0, got q \(nHeads), \(kind.kName) \(nKV)") }
+        if nHeads == 0 || nKV == 0 { throw FlashMetalError.value(op, "the head counts must be > 0, got q \(nHeads), \(kind.kName) \(nKV)", arg: "q") }
         if nHeads % nKV != 0 {
-            throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))")
+            throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))", arg: "q")
         }
-        try PrefillDispatcher.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         for (w, n) in [(o.windowLeft, "window_size[0]"), (o.windowRight, "window_size[1]")] where w < -1 {
-            throw FlashMetalError.value(op, "\(n) must be -1 (unbounded) or >= 0, got \(w)")
+            throw FlashMetalError.value(op, "\(n) must be -1 (unbounded) or >= 0, got \(w)", arg: n)
         }
         for d in qs + ks where d > Int(Int32.max) {
             throw FlashMetalError.value(op, "dimension \(d) exceeds the int32 range of AttnParams")
@@ -124,7 +133,7 @@ public enum AttnDispatcher {
         let batch = varlenQ ? max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1 : qs[0]
         if let s = t.sinks {
             try s.requireDType([.f32], op: op, name: "sinks")
-            if s.shape != [nHeads] { throw FlashMetalError.value(op, "sinks shape \(s.shape) must be [\(nHeads)]") }
+            if s.shape != [nHeads] { throw FlashMetalError.value(op, "sinks shape \(s.shape) must be [\(nHeads)]", arg: "sinks") }
         }
 
         // Lengths per sequence, every table index checked before a kernel reads through it.
@@ -132,7 +141,7 @@ public enum AttnDispatcher {
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: "softmax_lse")
             let want = varlenQ ? [nHeads, qs[0]] : [batch, nHeads, qs[1]]
-            if lse.shape != want { throw FlashMetalError.value(op, "softmax_lse shape \(lse.shape) must be \(want)") }
+            if lse.shape != want { throw FlashMetalError.value(op, "softmax_lse shape \(lse.shape) must be \(want)", arg: "softmax_lse") }
         }
         if batch == 0 || lens.maxQ == 0 { return [] }
 
@@ -197,7 +206,7 @@ struct SequenceLengths {
                 c, op: op, name: "cu_seqlens_k", batch: batch, tokens: paged ? capacity * batch : t.k.shape[0],
                 tokensName: paged ? "block_table" : kind.kName, maxSeqlen: o.maxSeqlenK, maxSeqlenName: "max_seqlen_k")
         } else if !paged && t.k.shape[0] != batch {
-            throw FlashMetalError.value(op, "\(kind.kName) batch (\(t.k.shape[0])) must equal q batch (\(batch))")
+            throw FlashMetalError.value(op, "\(kind.kName) batch (\(t.k.shape[0])) must equal q batch (\(batch))", arg: kind.kName)
         }
         if let s = t.seqlensK {
             let bound = kLens.max() ?? 0
@@ -207,7 +216,7 @@ struct SequenceLengths {
             let lens = try SequenceTables.seqlens(s, op: op, name: kind.seqlensKName, batch: batch, capacity: bound,
                                                   capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
             for b in 0..<batch where lens[b] > kLens[b] {
-                throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)")
+                throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)", arg: kind.seqlensKName)
             }
             kLens = lens
         }

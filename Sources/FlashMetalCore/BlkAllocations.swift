@@ -43,7 +43,7 @@ public enum BlkAllocations {
             return true
         }
         guard found else {
-            throw FlashMetalError.value(op, "blk (tag \(tag), data \(data)) is not a live buffer from fm_alloc_blk: already freed, a stale copy, or never allocated")
+            throw FlashMetalError.value(op, "blk (tag \(tag), data \(data)) is not a live buffer from fm_alloc_blk: already freed, a stale copy, or never allocated", arg: "blk")
         }
         cFree(data)
     }
@@ -53,7 +53,7 @@ public enum BlkAllocations {
         guard tag != 0 else { return }
         let r = lock.withLock { live[tag] }
         guard let r = r, r.address == UInt(bitPattern: data), byteCount <= r.bytes else {
-            throw FlashMetalError.value(op, "\(name) carries tag \(tag) that is not a live fm_alloc_blk buffer (freed, stale or forged)")
+            throw FlashMetalError.value(op, "\(name) carries tag \(tag) that is not a live fm_alloc_blk buffer (freed, stale or forged)", arg: name)
         }
     }
 
@@ -62,7 +62,7 @@ public enum BlkAllocations {
     /// caller memory (tag 0) passes.
     public static func requireMadeFor(_ t: TensorRef, headDim: Int, qL: Int, kL: Int, op: String, name: String) throws {
         if let r = provenance(t), r.headDim != headDim || r.qL != qL || r.kL != kL {
-            throw FlashMetalError.value(op, "\(name) was built for head_dim \(r.headDim) and a [\(r.qL), \(r.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask")
+            throw FlashMetalError.value(op, "\(name) was built for head_dim \(r.headDim) and a [\(r.qL), \(r.kL)] mask, not head_dim \(headDim) and a [\(qL), \(kL)] mask", arg: name)
         }
     }
 

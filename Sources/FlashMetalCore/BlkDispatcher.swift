@@ -1,6 +1,6 @@
 import CFlashMetal
 
-/// Seed 001's host logic: the tile-skip pre-pass `flash_attn_prefill_blk_*`.
+/// The host logic of the tile-skip pre-pass `flash_attn_prefill_blk_*`.
 /// Classifies each (BQ, BK) tile of a [qL, kL] additive mask: 0 = every cell
 /// <= -1e30 (skip the tile), 2 = every cell exactly 0 (skip the mask add),
 /// else 1. A partial right-edge K tile is always 1. (BQ, BK) are those of
@@ -16,10 +16,10 @@ public enum BlkDispatcher {
 
     /// Tile counts (NQ, NK) for a [qL, kL] mask consumed by a prefill of `headDim`.
     public static func tiles(qL: Int, kL: Int, headDim: Int, op: String = sizeOp) throws -> (nq: Int, nk: Int) {
-        if qL <= 0 { throw FlashMetalError.value(op, "q_len must be > 0, got \(qL)") }
-        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)") }
+        if qL <= 0 { throw FlashMetalError.value(op, "q_len must be > 0, got \(qL)", arg: "q_len") }
+        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)", arg: "kv_len") }
         if qL > Int(Int32.max) || kL > Int(Int32.max) {
-            throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32")
+            throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32", arg: "q_len")
         }
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         return ((qL + geo.bq - 1) / geo.bq, (kL + geo.bk - 1) / geo.bk)
@@ -47,7 +47,7 @@ public enum BlkDispatcher {
         try mask.requireBytes(op: op, name: "mask")
         let need = nq * nk
         if blk.byteCount < need {
-            throw FlashMetalError.value(op, "blk_out buffer too small: expected at least \(need) bytes (NQ=\(nq), NK=\(nk)), got \(blk.byteCount)")
+            throw FlashMetalError.value(op, "blk_out buffer too small: expected at least \(need) bytes (NQ=\(nq), NK=\(nk)), got \(blk.byteCount)", arg: "blk_out")
         }
         // A tagged blk (fm_alloc_blk) is trusted by prefill for the geometry
         // it was allocated for: filling it for another one would be a silent

@@ -7,14 +7,14 @@ import CFlashMetal
 /// derive from these rows. Adding a head dim is one row here plus one
 /// INSTANTIATE_KERNEL line per variant in the shaders.
 
-/// Prefill (seed 000): head dim → tile geometry.
+/// Prefill: head dim → tile geometry.
 public enum PrefillCapability {
     /// Head dim → (BQ, BK, WM, WN): the one place the prefill tiles live.
-    /// D <= 256 keeps the seeds' tile (4 simdgroups x 8 query rows, 16 keys):
+    /// D <= 256 keeps mlx-native's tile (4 simdgroups x 8 query rows, 16 keys):
     /// D/8 whole 8x8 output fragments per simdgroup in registers, and a Q tile
     /// plus a K/V tile of D + 8 padded columns in threadgroup memory,
     /// 48 * (D + 8) * 2 bytes: 8,448 (D=80), 9,984 (96), 19,200 (192), 25,344
-    /// (256), all under 32 KiB. D = 512 is the seeds' small tile with O in
+    /// (256), all under 32 KiB. D = 512 is mlx-native's small tile with O in
     /// threadgroup memory (the kernel's header).
     public static let geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
@@ -40,13 +40,13 @@ public enum PrefillCapability {
     /// The geometry for `headDim`, or a ValueError naming `op` and the choices.
     static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
         guard let g = geometry[headDim] else {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)")
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)", arg: "q")
         }
         return g
     }
 }
 
-/// The blk pre-pass (seed 001): any prefill head dim, these mask dtypes.
+/// The blk pre-pass: any prefill head dim, these mask dtypes.
 public enum BlkCapability {
     /// Mask dtypes with a blk kernel (bool: true = 0, false = -inf).
     public static let maskTypes: [DType] = [.bf16, .f16, .bool]
@@ -62,7 +62,7 @@ public enum MaskBuilderCapability {
     public static var kernels: [KernelSpec] { outTypes.map { .maskBuilder(out: $0) } }
 }
 
-/// Split-KV decode (seeds 002, 004).
+/// Split-KV decode.
 public enum VecCapability {
     /// Head dims of the decode and the plain reduce kernels. Each lane of the
     /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
@@ -84,15 +84,15 @@ public enum VecCapability {
 
     static func requireHeadDim(_ d: Int, fwht: Bool = false, op: String) throws {
         if !headDims.contains(d) {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)")
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)", arg: "q")
         }
         if fwht && !fwhtHeadDims.contains(d) {
-            throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)")
+            throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)", arg: "fwht")
         }
     }
 }
 
-/// Simple SDPA (seed 003): any head dim up to `maxHeadDim`.
+/// Simple SDPA: any head dim up to `maxHeadDim`.
 public enum SdpaCapability {
     /// Q/K/V/out dtypes with an sdpa kernel.
     public static let ioTypes: [DType] = [.f32, .f16, .bf16]

@@ -1,27 +1,55 @@
 import CFlashMetal
 
-/// The one error type of the library: a C ABI status plus a message that
-/// names the op and the bad value. Nothing else crosses the C boundary.
+/// The one error type of the library: a C ABI status, the op it concerns,
+/// the argument at fault and what is wrong with it. The C ABI hands each
+/// field to the caller as it is (FMError of flashmetal.h); nobody parses
+/// the message to recover them.
 public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
     /// The C status the error maps to.
     public let status: FMStatus
-    /// "op: what", naming the op and the bad value.
-    public let message: String
+    /// The op that raised it ("" for a backend or internal error); the C
+    /// entry point replaces it with the public function its caller names.
+    public let op: String
+    /// The argument at fault, as the public function spells it ("" when the
+    /// error is not about one argument).
+    public let argument: String
+    /// What is wrong, naming the bad value; without the op.
+    public let what: String
 
-    /// An error with a status and a message that names the op.
+    /// An error with a status and a full message (no separate op).
     public init(_ status: FMStatus, _ message: String) {
+        self.init(status, op: "", argument: "", what: message)
+    }
+
+    /// An error with every field.
+    public init(_ status: FMStatus, op: String, argument: String, what: String) {
         self.status = status
-        self.message = message
+        self.op = op
+        self.argument = argument
+        self.what = what
     }
 
-    /// A bad shape, size, length or option.
-    public static func value(_ op: String, _ what: String) -> FlashMetalError {
-        FlashMetalError(FM_ERROR_VALUE, "\(op): \(what)")
+    /// A bad shape, size, length or option of `arg`.
+    public static func value(_ op: String, _ what: String, arg: String = "") -> FlashMetalError {
+        FlashMetalError(FM_ERROR_VALUE, op: op, argument: parameterName(arg), what: what)
     }
 
-    /// A bad dtype.
-    public static func type(_ op: String, _ what: String) -> FlashMetalError {
-        FlashMetalError(FM_ERROR_TYPE, "\(op): \(what)")
+    /// A bad dtype of `arg`.
+    public static func type(_ op: String, _ what: String, arg: String = "") -> FlashMetalError {
+        FlashMetalError(FM_ERROR_TYPE, op: op, argument: parameterName(arg), what: what)
+    }
+
+    /// The parameter a message's name of a tensor stands for: prefill's and
+    /// sdpa's messages spell their tensors as the kernels' math does (Q, K,
+    /// V, output); the parameters are q, k, v and out.
+    static func parameterName(_ spelled: String) -> String {
+        switch spelled {
+        case "Q": return "q"
+        case "K": return "k"
+        case "V": return "v"
+        case "output": return "out"
+        default: return spelled
+        }
     }
 
     /// A backend could not be created or failed to run a kernel.
@@ -33,6 +61,14 @@ public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
     public static func internalError(_ what: String) -> FlashMetalError {
         FlashMetalError(FM_ERROR_INTERNAL, "internal error: \(what)")
     }
+
+    /// The same error under another op (the public function a caller named).
+    public func naming(op newOp: String) -> FlashMetalError {
+        FlashMetalError(status, op: newOp, argument: argument, what: what)
+    }
+
+    /// "op: what", or `what` alone when no op is set.
+    public var message: String { op.isEmpty ? what : "\(op): \(what)" }
 
     /// The message.
     public var description: String { message }

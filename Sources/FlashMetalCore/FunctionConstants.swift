@@ -60,7 +60,7 @@ public struct FunctionConstants: Hashable, Sendable, CustomStringConvertible {
     }
 }
 
-/// The pipeline cache key: (kernel, function constants), as the seeds'
+/// The pipeline cache key: (kernel, function constants), as mlx-native's
 /// KernelRegistry keys its compiled pipelines.
 public struct PipelineKey: Hashable, Sendable, CustomStringConvertible {
     /// The kernel's typed identity.

@@ -10,6 +10,9 @@ public struct KVAppendTensors {
     public var seqlens: TensorRef
     /// int32 [B, max_pages]: the caches are paged.
     public var blockTable: TensorRef?
+    /// The caller's names of k_new and v_new in errors (flash_attn_with_kvcache
+    /// calls them k and v).
+    public var kNewName = "k_new", vNewName = "v_new"
 
     /// The tensors of a call; the block table is optional.
     public init(kNew: TensorRef, vNew: TensorRef, kCache: TensorRef, vCache: TensorRef, seqlens: TensorRef,
@@ -19,7 +22,7 @@ public struct KVAppendTensors {
     }
 }
 
-/// kv_append (ours; issue 14, flash_attn_with_kvcache's k/v): writes row i of
+/// kv_append (flash_attn_with_kvcache's k/v): writes row i of
 /// sequence b of k_new/v_new into the caches at row seqlens[b] + i, through
 /// the block table when paged. Every seqlens[b] + n_new is checked against
 /// the capacity and every table entry the writes go through against the
@@ -36,12 +39,12 @@ public enum KVAppendDispatcher {
     /// sharing bytes with the other cache, the new rows or a table would
     /// corrupt the caller's data, so any overlap is refused before the dispatch.
     static func requireDisjoint(_ t: KVAppendTensors) throws {
-        var read: [(TensorRef, String)] = [(t.vCache, "v_cache"), (t.kNew, "k_new"), (t.vNew, "v_new"),
+        var read: [(TensorRef, String)] = [(t.vCache, "v_cache"), (t.kNew, t.kNewName), (t.vNew, t.vNewName),
                                            (t.seqlens, "cache_seqlens")]
         if let bt = t.blockTable { read.append((bt, "block_table")) }
         for (cache, name) in [(t.kCache, "k_cache"), (t.vCache, "v_cache")] {
             for (x, n) in read where n != name && x.overlaps(cache) {
-                throw FlashMetalError.value(op, "\(name) and \(n) overlap in memory; the append writes \(name), so they must not share bytes")
+                throw FlashMetalError.value(op, "\(name) and \(n) overlap in memory; the append writes \(name), so they must not share bytes", arg: name)
             }
         }
     }
@@ -50,42 +53,42 @@ public enum KVAppendDispatcher {
     /// write (n_new == 0), after the same validation.
     public static func makeDispatch(_ t: KVAppendTensors) throws -> Dispatch? {
         try t.kCache.requireDType(KVAppendCapability.cacheTypes, op: op, name: "k_cache")
-        for (x, n) in [(t.vCache, "v_cache"), (t.kNew, "k_new"), (t.vNew, "v_new")] where x.dtype != t.kCache.dtype {
-            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match k_cache dtype \(t.kCache.dtype.name)")
+        for (x, n) in [(t.vCache, "v_cache"), (t.kNew, t.kNewName), (t.vNew, t.vNewName)] where x.dtype != t.kCache.dtype {
+            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match k_cache dtype \(t.kCache.dtype.name)", arg: n)
         }
-        for (x, n) in [(t.kNew, "k_new"), (t.vNew, "v_new"), (t.kCache, "k_cache"), (t.vCache, "v_cache")] {
+        for (x, n) in [(t.kNew, t.kNewName), (t.vNew, t.vNewName), (t.kCache, "k_cache"), (t.vCache, "v_cache")] {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
         try requireDisjoint(t)
         if t.vNew.shape != t.kNew.shape {
-            throw FlashMetalError.value(op, "v_new shape \(t.vNew.shape) must equal k_new shape \(t.kNew.shape)")
+            throw FlashMetalError.value(op, "\(t.vNewName) shape \(t.vNew.shape) must equal \(t.kNewName) shape \(t.kNew.shape)", arg: t.vNewName)
         }
         if t.vCache.shape != t.kCache.shape {
-            throw FlashMetalError.value(op, "v_cache shape \(t.vCache.shape) must equal k_cache shape \(t.kCache.shape)")
+            throw FlashMetalError.value(op, "v_cache shape \(t.vCache.shape) must equal k_cache shape \(t.kCache.shape)", arg: "v_cache")
         }
         let (batch, nNew, kvHeads, d) = (t.kNew.shape[0], t.kNew.shape[1], t.kNew.shape[2], t.kNew.shape[3])
         let (cacheRows, cacheHeads, cacheD) = (t.kCache.shape[1], t.kCache.shape[2], t.kCache.shape[3])
         if cacheHeads != kvHeads || cacheD != d {
-            throw FlashMetalError.value(op, "k_new [B, n_new, Hkv, D] = \(t.kNew.shape) must match k_cache's (Hkv, D) = (\(cacheHeads), \(cacheD))")
+            throw FlashMetalError.value(op, "\(t.kNewName) [B, n_new, Hkv, D] = \(t.kNew.shape) must match k_cache's (Hkv, D) = (\(cacheHeads), \(cacheD))", arg: t.kNewName)
         }
         if batch == 0 || kvHeads == 0 || d == 0 {
-            throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got k_new shape \(t.kNew.shape)")
+            throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got \(t.kNewName) shape \(t.kNew.shape)", arg: t.kNewName)
         }
         var capacity = cacheRows
         var maxPages = 0
         if let bt = t.blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
             maxPages = bt.shape[1]
-            if cacheRows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0") }
+            if cacheRows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache") }
             let (c, o) = maxPages.multipliedReportingOverflow(by: cacheRows)
             capacity = o ? Int.max : c
         } else if t.kCache.shape[0] != batch {
-            throw FlashMetalError.value(op, "k_cache batch (\(t.kCache.shape[0])) must equal k_new batch (\(batch))")
+            throw FlashMetalError.value(op, "k_cache batch (\(t.kCache.shape[0])) must equal \(t.kNewName) batch (\(batch))", arg: "k_cache")
         }
         let limit = Int(Int32.max)
         if [nNew, kvHeads, d, cacheRows, maxPages].contains(where: { $0 > limit }) {
-            throw FlashMetalError.value(op, "n_new, num_kv_heads, head_dim, the page size and max_pages must fit int32")
+            throw FlashMetalError.value(op, "n_new, num_kv_heads, head_dim, the page size and max_pages must fit int32", arg: t.kNewName)
         }
 
         // Table contents, before any write: each sequence's rows end within its capacity.
@@ -94,7 +97,9 @@ public enum KVAppendDispatcher {
         let starts = try SequenceTables.seqlens(t.seqlens, op: op, name: "cache_seqlens", batch: batch,
                                                        capacity: capacity, capacityName: capacityName)
         for (b, start) in starts.enumerated() where start + nNew > capacity {
-            throw FlashMetalError.value(op, "cache_seqlens[\(b)] + the new rows of k_new (its dim 1) = \(start) + \(nNew) = \(start + nNew) exceeds \(capacityName) (\(capacity))")
+            throw FlashMetalError.value(
+                op, "cache_seqlens[\(b)] + the new rows of \(t.kNewName) (its dim 1) = \(start) + \(nNew) = "
+                    + "\(start + nNew) exceeds \(capacityName) (\(capacity))", arg: "cache_seqlens")
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },

@@ -2,20 +2,20 @@
 /// the op and the facts that select its instantiation. The kernel's name is
 /// derived from it, never parsed back; backends switch on it.
 public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
-    /// `flash_attn_prefill_{bf16,f16}_d{D}[_boolmask]` (seed 000).
+    /// `flash_attn_prefill_{bf16,f16}_d{D}[_boolmask]`.
     case prefill(io: DType, headDim: Int, boolMask: Bool)
-    /// `flash_attn_prefill_blk_{bf16,f16}`: the tile-skip pre-pass (seed 001).
+    /// `flash_attn_prefill_blk_{bf16,f16}`: the tile-skip pre-pass.
     case blk(mask: DType)
     /// `flash_attn_prefill_mask_{bf16,f16}`: the causal/window mask builder.
     case maskBuilder(out: DType)
-    /// `flash_attn_vec[_{f16,bf16}kv]_dk{D}`: split-KV decode (seed 002).
+    /// `flash_attn_vec[_{f16,bf16}kv]_dk{D}`: split-KV decode.
     case vec(kv: DType, headDim: Int)
     /// `flash_attn_vec_reduce_dk{D}`, or with `fwht` the fused FWHT sign undo
-    /// `flash_attn_vec_reduce_tq_hb_undo_dk{D}` (seeds 002, 004).
+    /// `flash_attn_vec_reduce_tq_hb_undo_dk{D}`.
     case vecReduce(headDim: Int, fwht: Bool)
-    /// `sdpa` (float32) / `sdpa_{dtype}`: simple fused SDPA (seed 003).
+    /// `sdpa` (float32) / `sdpa_{dtype}`: simple fused SDPA.
     case sdpa(io: DType)
-    /// `kv_append_{f32,f16,bf16}`: new K/V rows written into a (paged) cache (ours).
+    /// `kv_append_{f32,f16,bf16}`: new K/V rows written into a (paged) cache.
     case kvAppend(cache: DType)
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.

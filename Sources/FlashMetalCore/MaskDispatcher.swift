@@ -2,7 +2,7 @@ import CFlashMetal
 
 /// The options of one mask build (FMMaskOptions, read once).
 public struct MaskOptions: Sendable {
-    /// Hide keys after the query's position.
+    /// Hide keys after the query's position. Off unless asked, as every op.
     public var causal: Bool
     /// Sliding window w > 0 (`t - p < w`); nil = no window.
     public var window: Int?
@@ -10,17 +10,17 @@ public struct MaskOptions: Sendable {
     public var qOffset: Int
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(causal: Bool = true, window: Int? = nil, qOffset: Int = 0) {
+    public init(causal: Bool = false, window: Int? = nil, qOffset: Int = 0) {
         self.causal = causal; self.window = window; self.qOffset = qOffset
     }
 
     /// Reads the C options, rejecting out-of-range flags.
     public init(_ o: FMMaskOptions) throws {
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(MaskDispatcher.op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(MaskDispatcher.op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
         if o.window < 0 {
-            throw FlashMetalError.value(MaskDispatcher.op, "window must be 0 (none) or > 0, got \(o.window)")
+            throw FlashMetalError.value(MaskDispatcher.op, "window must be 0 (none) or > 0, got \(o.window)", arg: "window")
         }
         self.init(causal: o.causal == 1, window: o.window == 0 ? nil : Int(o.window), qOffset: Int(o.q_offset))
     }
@@ -44,16 +44,16 @@ public enum MaskDispatcher {
         try out.requireRank([2], op: op, name: "out")
         try out.requireDType(MaskBuilderCapability.outTypes, op: op, name: "out")
         let (qL, kL) = (out.shape[0], out.shape[1])
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0") }
-        if kL == 0 { throw FlashMetalError.value(op, "kv_len must be > 0") }
+        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "q_len") }
+        if kL == 0 { throw FlashMetalError.value(op, "kv_len must be > 0", arg: "kv_len") }
         if qL > Int(Int32.max) || kL > Int(Int32.max) {
-            throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32")
+            throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32", arg: "q_len")
         }
         if o.qOffset < 0 || o.qOffset > Int(Int32.max) {
-            throw FlashMetalError.value(op, "q_offset must be in 0...\(Int32.max), got \(o.qOffset)")
+            throw FlashMetalError.value(op, "q_offset must be in 0...\(Int32.max), got \(o.qOffset)", arg: "q_offset")
         }
         if let w = o.window, w <= 0 || w > Int(Int32.max) {
-            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)")
+            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)", arg: "window")
         }
         try out.requireBytes(op: op, name: "out")
         let params = MaskParams(seq_len_q: Int32(qL), seq_len_k: Int32(kL), q_offset: Int32(o.qOffset),

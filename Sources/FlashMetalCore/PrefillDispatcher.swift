@@ -16,7 +16,7 @@ public struct PrefillOptions: Sendable {
     public var softcap: Float = 0
     /// Query row i sees keys <= qOffset + i.
     public var causal: Bool = false
-    /// Absolute position of query row 0 (the seeds' qL_off).
+    /// Absolute position of query row 0 (mlx-native's qL_off).
     public var qOffset: Int = 0
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
@@ -31,10 +31,10 @@ public struct PrefillOptions: Sendable {
     /// Reads the C options, rejecting out-of-range enum values.
     public init(_ o: FMPrefillOptions) throws {
         guard let layout = PrefillLayout(rawValue: o.layout) else {
-            throw FlashMetalError.value(PrefillDispatcher.op, "layout must be 0 (bhld) or 1 (blhd), got \(o.layout)")
+            throw FlashMetalError.value(PrefillDispatcher.op, "layout must be 0 (bhld) or 1 (blhd), got \(o.layout)", arg: "layout")
         }
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(PrefillDispatcher.op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(PrefillDispatcher.op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
         self.scale = o.scale
         self.softcap = o.softcap
@@ -62,7 +62,7 @@ public struct PrefillTensors {
     }
 }
 
-/// Seed 000's host logic: validation, AttnParams, tile geometry, function
+/// The prefill's host logic: validation, AttnParams, tile geometry, function
 /// constants, grid and bindings for `flash_attn_prefill_*`.
 ///
 /// Grid (NQ, H, B) threadgroups of PrefillGeometry.threadsPerGroup; buffers
@@ -104,42 +104,42 @@ public enum PrefillDispatcher {
             ? (t.k.shape[0], t.k.shape[2], t.k.shape[1], t.k.shape[3])
             : (t.k.shape[0], t.k.shape[1], t.k.shape[2], t.k.shape[3])
         if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "V shape \(t.v.shape) must equal K shape \(t.k.shape)")
+            throw FlashMetalError.value(op, "V shape \(t.v.shape) must equal K shape \(t.k.shape)", arg: "V")
         }
         if t.out.shape != t.q.shape {
-            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal Q shape \(t.q.shape)")
+            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal Q shape \(t.q.shape)", arg: "out")
         }
         if kBatch != batch {
-            throw FlashMetalError.value(op, "K batch (\(kBatch)) must equal Q batch (\(batch))")
+            throw FlashMetalError.value(op, "K batch (\(kBatch)) must equal Q batch (\(batch))", arg: "K")
         }
         if kDim != headDim {
-            throw FlashMetalError.value(op, "K head_dim (\(kDim)) must equal Q head_dim (\(headDim))")
+            throw FlashMetalError.value(op, "K head_dim (\(kDim)) must equal Q head_dim (\(headDim))", arg: "K")
         }
-        if nHeads == 0 { throw FlashMetalError.value(op, "n_heads must be > 0") }
-        if nKV == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0") }
+        if nHeads == 0 { throw FlashMetalError.value(op, "n_heads must be > 0", arg: "Q") }
+        if nKV == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0", arg: "K") }
         if nHeads % nKV != 0 {
-            throw FlashMetalError.value(op, "n_heads (\(nHeads)) must be divisible by n_kv_heads (\(nKV))")
+            throw FlashMetalError.value(op, "n_heads (\(nHeads)) must be divisible by n_kv_heads (\(nKV))", arg: "Q")
         }
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0") }
-        if capacity == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0") }
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
+        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "Q") }
+        if capacity == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0", arg: "K") }
+        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "Q") }
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         let kL = o.kvLen ?? capacity
-        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)") }
+        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)", arg: "kv_len") }
         if kL > capacity {
-            throw FlashMetalError.value(op, "kv_len (\(kL)) must be <= the K/V capacity (\(capacity))")
+            throw FlashMetalError.value(op, "kv_len (\(kL)) must be <= the K/V capacity (\(capacity))", arg: "kv_len")
         }
         let qOffset = o.qOffset
-        if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)") }
+        if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)", arg: "q_offset") }
         if qOffset + qL > kL {
-            throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))")
+            throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))", arg: "q_offset")
         }
-        try requireScaleAndSoftcap(o.scale, o.softcap, op: op)
-        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)") }
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)", arg: "window") }
         // AttnParams carries int32 dims; every product is taken in 64 bits by the kernels.
         for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "q_len"), (capacity, "K/V capacity")]
         where v > Int(Int32.max) {
-            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the int32 range of AttnParams")
+            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the int32 range of AttnParams", arg: n)
         }
         for (x, n) in [(t.q, "Q"), (t.k, "K"), (t.v, "V"), (t.out, "out")] {
             try x.requireBytes(op: op, name: n)
@@ -151,14 +151,16 @@ public enum PrefillDispatcher {
         }
         if let b = t.blk {
             if t.mask == nil {
-                throw FlashMetalError.value(op, "blk requires mask (a blk without a mask is meaningless)")
+                throw FlashMetalError.value(op, "blk requires mask (a blk without a mask is meaningless)", arg: "blk")
             }
             if t.mask?.shape != [qL, kL] {
-                throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)")
+                throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)", arg: "blk")
             }
             try b.requireDType([.u8], op: op, name: "blk")
             if b.shape != [tiles.nq, tiles.nk] {
-                throw FlashMetalError.value(op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) and a [\(qL), \(kL)] mask (build it with that head dim and mask)")
+                throw FlashMetalError.value(
+                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) "
+                        + "and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
             }
             try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }
@@ -176,7 +178,7 @@ public enum PrefillDispatcher {
         return assemble(t, params: params, maskParams: maskParams, geometry: geo, causal: o.causal, ext: ext)
     }
 
-    /// Auto-blk (issue 13 item 4): a caller mask without a blk gets one built
+    /// Auto-blk: a caller mask without a blk gets one built
     /// by the blk pre-pass when it pays. It pays when one blk serves every
     /// (batch, head) — a mask (additive or bool) broadcast over B and H with
     /// its own qL rows, i.e. mask strides (0, 0, kL)
@@ -227,15 +229,7 @@ public enum PrefillDispatcher {
     static func requireIOTypes(q: (TensorRef, String), others: [(TensorRef, String)], op: String) throws {
         try q.0.requireDType(PrefillCapability.ioTypes, op: op, name: q.1)
         for (x, n) in others where x.dtype != q.0.dtype {
-            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match \(q.1) dtype \(q.0.dtype.name)")
-        }
-    }
-
-    /// A finite scale; softcap 0 (off) or finite > 0.
-    static func requireScaleAndSoftcap(_ scale: Float, _ softcap: Float, op: String) throws {
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)") }
-        if !(softcap.isFinite && softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)")
+            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match \(q.1) dtype \(q.0.dtype.name)", arg: n)
         }
     }
 

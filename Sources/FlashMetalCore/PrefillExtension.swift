@@ -3,8 +3,8 @@ import CFlashMetal
 /// The serving extension of one prefill dispatch (flashmetal.h's
 /// AttnSeqParams at PrefillBuffer.seqParams, the int32 tables, sinks and lse,
 /// and function constants 302, 304-310): everything the prefill kernel reads
-/// beyond seed 000. Both prefill dispatchers fill one; an empty one binds
-/// nothing and sets every constant false, which is seed 000's kernel.
+/// beyond the plain prefill. Both prefill dispatchers fill one; an empty one
+/// binds nothing and sets every constant false: the plain prefill kernel.
 public struct PrefillExtension {
     /// Window bounds, paging and lse strides; -1 window bounds = unbounded.
     public var params = AttnSeqParams(window_left: -1, window_right: -1, page_size: 0, max_pages: 0,
@@ -24,7 +24,7 @@ public struct PrefillExtension {
     /// float32 log-sum-exp output (FM_FC_HAS_LSE).
     public var lse: TensorRef? = nil
 
-    /// No extension: seed 000's kernel.
+    /// No extension: the plain prefill kernel.
     public init() {}
 
     /// Per-sequence lengths and positions (flashmetal.h): any table bound.

@@ -1,4 +1,4 @@
-/// Tile geometry of a prefill kernel (seed 000): BQ query rows and BK key
+/// Tile geometry of a prefill kernel: BQ query rows and BK key
 /// columns per tile, WM x WN simdgroups. The rows live in PrefillCapability.
 public struct PrefillGeometry: Equatable, Sendable {
     /// Query rows per tile.

@@ -4,11 +4,12 @@ import CFlashMetal
 public struct SdpaOptions: Sendable {
     /// Score scale, finite.
     public var scale: Float
-    /// Bottom-right causal: query i sits at kv_len - qL + i.
-    public var causal: Bool = true
+    /// Bottom-right causal: query i sits at kv_len - qL + i. Off unless
+    /// asked, as every op.
+    public var causal: Bool = false
     /// Valid K/V length; nil means all of K's sequence axis (kv_capacity).
     public var kvLen: Int? = nil
-    /// Absolute position of query row 0; nil is the seed's bottom-right
+    /// Absolute position of query row 0; nil is the plain kernel's bottom-right
     /// alignment (kv_len - qL). 0 is torch's top-left causal alignment.
     public var qOffset: Int? = nil
     /// Sliding window w (keys p with t - p < w); nil = none.
@@ -17,7 +18,7 @@ public struct SdpaOptions: Sendable {
     public var softcap: Float = 0
 
     /// Options from Swift values; validation happens in makeDispatch.
-    public init(scale: Float, causal: Bool = true, kvLen: Int? = nil, qOffset: Int? = nil,
+    public init(scale: Float, causal: Bool = false, kvLen: Int? = nil, qOffset: Int? = nil,
                 window: Int? = nil, softcap: Float = 0) {
         self.scale = scale; self.causal = causal; self.kvLen = kvLen
         self.qOffset = qOffset; self.window = window; self.softcap = softcap
@@ -27,30 +28,29 @@ public struct SdpaOptions: Sendable {
     public init(_ o: FMSdpaOptions) throws {
         let op = SdpaDispatcher.op
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
         guard o.has_q_offset == 0 || o.has_q_offset == 1 else {
-            throw FlashMetalError.value(op, "has_q_offset must be 0 or 1, got \(o.has_q_offset)")
+            throw FlashMetalError.value(op, "has_q_offset must be 0 or 1, got \(o.has_q_offset)", arg: "has_q_offset")
         }
-        if o.kv_len < 0 { throw FlashMetalError.value(op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)") }
-        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)") }
+        if o.kv_len < 0 { throw FlashMetalError.value(op, "kv_len must be >= 0 (0 = all), got \(o.kv_len)", arg: "kv_len") }
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)", arg: "window") }
         self.init(scale: o.scale, causal: o.causal == 1, kvLen: o.kv_len == 0 ? nil : Int(o.kv_len),
                   qOffset: o.has_q_offset == 1 ? Int(o.q_offset) : nil,
                   window: o.window == 0 ? nil : Int(o.window), softcap: o.softcap)
     }
 
-    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the seed.
+    /// Whether the call needs SdpaExtParams (SdpaBuffer.ext): anything beyond the plain kernel.
     var needsExt: Bool { qOffset != nil || window != nil || softcap != 0 }
 }
 
-/// Seed 003: simple fused SDPA `sdpa` (float32) / `sdpa_bf16` (+ ours:
-/// `sdpa_f16`), one thread per query row, TILE_Q = 32 rows per threadgroup.
+/// Simple fused SDPA `sdpa` (float32) / `sdpa_bf16` / `sdpa_f16`, one thread per query row, TILE_Q = 32 rows per threadgroup.
 /// Causal is bottom-right (query i at kv_len - qL + i) unless SdpaExtParams
 /// (SdpaBuffer.ext, constant sdpaExt) give an explicit q_offset; the same
 /// struct adds the window and the softcap (constant sdpaSoftcap).
 ///
 /// Grid (B, H, ceil(qL/32)) of 32 threads; buffers SdpaBuffer. The optional
-/// mask (ours; the seed had none): a bool one at SdpaBuffer.boolMask with
+/// mask: a bool one at SdpaBuffer.boolMask with
 /// constant sdpaBoolMask, an additive one (Q's dtype) at
 /// SdpaBuffer.additiveMask with sdpaAdditiveMask, either with its
 /// AttnMaskParams at SdpaBuffer.maskParams.
@@ -73,38 +73,35 @@ public enum SdpaDispatcher {
         }
         try q.requireDType(SdpaCapability.ioTypes, op: op, name: "Q")
         for (x, n) in [(k, "K"), (v, "V"), (out, "output")] where x.dtype != q.dtype {
-            throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)")
+            throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)", arg: n)
         }
         let (b, h, qL, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (kb, hkv, cap, kd) = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
-        if v.shape != k.shape { throw FlashMetalError.value(op, "V shape \(v.shape) must equal K shape \(k.shape)") }
-        if out.shape != q.shape { throw FlashMetalError.value(op, "output shape \(out.shape) must equal Q shape \(q.shape)") }
-        if kb != b { throw FlashMetalError.value(op, "K batch (\(kb)) must equal Q batch (\(b))") }
-        if kd != d { throw FlashMetalError.value(op, "K head_dim (\(kd)) must equal Q head_dim (\(d))") }
-        if d == 0 { throw FlashMetalError.value(op, "head_dim must be > 0") }
-        if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)") }
-        if h == 0 { throw FlashMetalError.value(op, "n_heads must be > 0") }
-        if hkv == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0") }
-        if h % hkv != 0 { throw FlashMetalError.value(op, "n_heads (\(h)) must be divisible by n_kv_heads (\(hkv))") }
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0") }
-        if b == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
-        if cap == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0") }
+        if v.shape != k.shape { throw FlashMetalError.value(op, "V shape \(v.shape) must equal K shape \(k.shape)", arg: "V") }
+        if out.shape != q.shape { throw FlashMetalError.value(op, "output shape \(out.shape) must equal Q shape \(q.shape)", arg: "output") }
+        if kb != b { throw FlashMetalError.value(op, "K batch (\(kb)) must equal Q batch (\(b))", arg: "K") }
+        if kd != d { throw FlashMetalError.value(op, "K head_dim (\(kd)) must equal Q head_dim (\(d))", arg: "K") }
+        if d == 0 { throw FlashMetalError.value(op, "head_dim must be > 0", arg: "Q") }
+        if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)", arg: "Q") }
+        if h == 0 { throw FlashMetalError.value(op, "n_heads must be > 0", arg: "Q") }
+        if hkv == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0", arg: "K") }
+        if h % hkv != 0 { throw FlashMetalError.value(op, "n_heads (\(h)) must be divisible by n_kv_heads (\(hkv))", arg: "Q") }
+        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "Q") }
+        if b == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "Q") }
+        if cap == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0", arg: "K") }
         let kvLen = o.kvLen ?? cap
-        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)") }
-        if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))") }
+        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }
+        if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))", arg: "kv_len") }
         let scale = o.scale
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
-        if !(o.softcap.isFinite && o.softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
-        }
+        try ScoreChecks.requireScaleAndSoftcap(scale, o.softcap, op: op)
         if let w = o.window, !(1...Int(Int32.max)).contains(w) {
-            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)")
+            throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)", arg: "window")
         }
         if let off = o.qOffset, !(Int(Int32.min)...Int(Int32.max)).contains(off) {
-            throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range")
+            throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range", arg: "q_offset")
         }
         for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "q_len"), (cap, "K/V capacity")] where v > Int(UInt32.max) {
-            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams")
+            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams", arg: n)
         }
         for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
             try x.requireBytes(op: op, name: n)
@@ -126,7 +123,7 @@ public enum SdpaDispatcher {
         if o.needsExt {
             let qOffset = o.qOffset ?? (kvLen - qL)
             guard let off32 = Int32(exactly: qOffset) else {
-                throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range")
+                throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range", arg: "q_offset")
             }
             let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0), _pad: 0)
             bindings[SdpaBuffer.ext] = .bytes(bytesOf(ext))

@@ -1,5 +1,5 @@
 /// Host validation of the serving calls' int32 index tensors (cu_seqlens,
-/// seqlens, block_table; issue 14). The kernels read through these tables
+/// seqlens, block_table). The kernels read through these tables
 /// without bounds checks, so every entry a kernel will read is checked here,
 /// before any Dispatch is made: a bad table is a ValueError naming the op,
 /// the argument and the offending index and value, never an out-of-bounds
@@ -18,7 +18,7 @@ public enum SequenceTables {
         for (axis, w) in want.enumerated() {
             if let w, t.shape[axis] != w {
                 let spelled = want.map { $0.map(String.init) ?? "_" }.joined(separator: ", ")
-                throw FlashMetalError.value(op, "\(name) must have shape [\(spelled)], got \(t.shape)")
+                throw FlashMetalError.value(op, "\(name) must have shape [\(spelled)], got \(t.shape)", arg: name)
             }
         }
         try t.requireBytes(op: op, name: name)
@@ -33,13 +33,13 @@ public enum SequenceTables {
                                  maxSeqlenName: String) throws -> [Int] {
         try requireInt32(t, shape: [batch.map { $0 + 1 }], op: op, name: name)
         guard t.shape[0] >= 2 else {
-            throw FlashMetalError.value(op, "\(name) must have shape [B+1] with B >= 1, got \(t.shape)")
+            throw FlashMetalError.value(op, "\(name) must have shape [B+1] with B >= 1, got \(t.shape)", arg: name)
         }
         guard maxSeqlen >= 0 else {
-            throw FlashMetalError.value(op, "\(maxSeqlenName) must be >= 0, got \(maxSeqlen)")
+            throw FlashMetalError.value(op, "\(maxSeqlenName) must be >= 0, got \(maxSeqlen)", arg: maxSeqlenName)
         }
         let first = int32(t, 0)
-        guard first == 0 else { throw FlashMetalError.value(op, "\(name)[0] must be 0, got \(first)") }
+        guard first == 0 else { throw FlashMetalError.value(op, "\(name)[0] must be 0, got \(first)", arg: name) }
         var lengths = [Int]()
         lengths.reserveCapacity(t.shape[0] - 1)
         var previous = 0
@@ -47,17 +47,17 @@ public enum SequenceTables {
             let c = int32(t, b)
             if c < previous {
                 throw FlashMetalError.value(
-                    op, "\(name) must be non-decreasing: \(name)[\(b)] = \(c) < \(name)[\(b - 1)] = \(previous)")
+                    op, "\(name) must be non-decreasing: \(name)[\(b)] = \(c) < \(name)[\(b - 1)] = \(previous)", arg: name)
             }
             if c > tokens {
                 throw FlashMetalError.value(
-                    op, "\(name)[\(b)] = \(c) exceeds the \(tokens) tokens of \(tokensName)")
+                    op, "\(name)[\(b)] = \(c) exceeds the \(tokens) tokens of \(tokensName)", arg: name)
             }
             let length = c - previous
             if length > maxSeqlen {
                 throw FlashMetalError.value(
                     op, "sequence \(b - 1) has length \(length) (\(name)[\(b)] - \(name)[\(b - 1)]) "
-                        + "> \(maxSeqlenName) = \(maxSeqlen)")
+                        + "> \(maxSeqlenName) = \(maxSeqlen)", arg: maxSeqlenName)
             }
             lengths.append(length)
             previous = c
@@ -74,7 +74,7 @@ public enum SequenceTables {
             let n = int32(t, b)
             if n < 0 || n > capacity {
                 throw FlashMetalError.value(
-                    op, "\(name)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))")
+                    op, "\(name)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))", arg: name)
             }
             return n
         }
@@ -100,7 +100,7 @@ public enum SequenceTables {
         try requireInt32(t, shape: [lengths.count, nil], op: op, name: name)
         guard pageSize > 0 && pageSize % tile == 0 else {
             throw FlashMetalError.value(
-                op, "\(cacheName) page size \(pageSize) (its dim 1) must be a positive multiple of \(tile)")
+                op, "\(cacheName) page size \(pageSize) (its dim 1) must be a positive multiple of \(tile)", arg: cacheName)
         }
         let maxPages = t.shape[1]
         for (b, length) in lengths.enumerated() {
@@ -108,14 +108,14 @@ public enum SequenceTables {
             if pages > maxPages {
                 throw FlashMetalError.value(
                     op, "sequence \(b) has \(length) keys but \(name) holds \(maxPages) pages of \(pageSize) "
-                        + "(\(maxPages * pageSize) keys)")
+                        + "(\(maxPages * pageSize) keys)", arg: name)
             }
             for j in 0..<pages {
                 let page = int32(t, b * maxPages + j)
                 if page < 0 || page >= numPages {
                     throw FlashMetalError.value(
                         op, "\(name)[\(b), \(j)] = \(page) is out of range [0, \(numPages)) "
-                            + "(the pages of \(cacheName))")
+                            + "(the pages of \(cacheName))", arg: name)
                 }
             }
         }

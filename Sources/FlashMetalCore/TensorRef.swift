@@ -28,23 +28,23 @@ public struct TensorRef: @unchecked Sendable {
 
     /// Reads an ABI tensor, rejecting what cannot describe host memory.
     public init(_ t: UnsafePointer<FMTensor>?, op: String, name: String) throws {
-        guard let t = t?.pointee else { throw FlashMetalError.value(op, "\(name) is null") }
+        guard let t = t?.pointee else { throw FlashMetalError.value(op, "\(name) is null", arg: name) }
         guard let dtype = DType(rawValue: t.dtype) else {
-            throw FlashMetalError.type(op, "\(name) has an unknown dtype code \(t.dtype)")
+            throw FlashMetalError.type(op, "\(name) has an unknown dtype code \(t.dtype)", arg: name)
         }
         guard t.ndim >= 0 && t.ndim <= 8 else {
-            throw FlashMetalError.value(op, "\(name) has rank \(t.ndim); at most 8 is supported")
+            throw FlashMetalError.value(op, "\(name) has rank \(t.ndim); at most 8 is supported", arg: name)
         }
         let shape = withUnsafeBytes(of: t.shape) { raw in
             Array(raw.bindMemory(to: Int64.self).prefix(Int(t.ndim))).map { Int($0) }
         }
         if let bad = shape.first(where: { $0 < 0 }) {
-            throw FlashMetalError.value(op, "\(name) has a negative dimension \(bad) in shape \(shape)")
+            throw FlashMetalError.value(op, "\(name) has a negative dimension \(bad) in shape \(shape)", arg: name)
         }
         guard t.nbytes <= UInt64(Int.max) else {
-            throw FlashMetalError.value(op, "\(name) byte length \(t.nbytes) is out of range")
+            throw FlashMetalError.value(op, "\(name) byte length \(t.nbytes) is out of range", arg: name)
         }
-        guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null") }
+        guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null", arg: name) }
         try BlkAllocations.validate(tag: t.tag, data: data, byteCount: Int(t.nbytes), op: op, name: name)
         self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape, tag: t.tag)
         // The buffer covers the shape before any dispatcher looks at the dims
@@ -81,10 +81,10 @@ public struct TensorRef: @unchecked Sendable {
     /// Proves the buffer holds the shape's bytes.
     public func requireBytes(op: String, name: String) throws {
         guard let n = elementCount, case let (bytes, false) = n.multipliedReportingOverflow(by: dtype.byteSize)
-        else { throw FlashMetalError.value(op, "\(name) shape \(shape) is too large") }
+        else { throw FlashMetalError.value(op, "\(name) shape \(shape) is too large", arg: name) }
         if byteCount < bytes {
             throw FlashMetalError.value(
-                op, "\(name) buffer too small: shape \(shape) of \(dtype.name) needs \(bytes) bytes, got \(byteCount)")
+                op, "\(name) buffer too small: shape \(shape) of \(dtype.name) needs \(bytes) bytes, got \(byteCount)", arg: name)
         }
     }
 
@@ -92,7 +92,7 @@ public struct TensorRef: @unchecked Sendable {
     public func requireRank(_ ranks: [Int], op: String, name: String) throws {
         if !ranks.contains(rank) {
             let want = ranks.map(String.init).joined(separator: " or ")
-            throw FlashMetalError.value(op, "\(name) must have rank \(want), got shape \(shape)")
+            throw FlashMetalError.value(op, "\(name) must have rank \(want), got shape \(shape)", arg: name)
         }
     }
 
@@ -100,7 +100,7 @@ public struct TensorRef: @unchecked Sendable {
     public func requireDType(_ allowed: [DType], op: String, name: String) throws {
         if !allowed.contains(dtype) {
             let want = allowed.map(\.name).joined(separator: " or ")
-            throw FlashMetalError.type(op, "\(name) must be \(want), got \(dtype.name)")
+            throw FlashMetalError.type(op, "\(name) must be \(want), got \(dtype.name)", arg: name)
         }
     }
 }

@@ -22,7 +22,7 @@ public struct VecOptions: Sendable {
     /// Reads the C options, rejecting out-of-range flags.
     public init(_ o: FMVecOptions) throws {
         guard o.fwht == 0 || o.fwht == 1 else {
-            throw FlashMetalError.value(VecDispatcher.op, "fwht must be 0 or 1, got \(o.fwht)")
+            throw FlashMetalError.value(VecDispatcher.op, "fwht must be 0 or 1, got \(o.fwht)", arg: "fwht")
         }
         self.scale = o.scale
         self.softcap = o.softcap
@@ -48,7 +48,7 @@ public struct VecTensors {
     }
 }
 
-/// Seeds 002 and 004: split-KV decode `flash_attn_vec_*` over NWG = 32
+/// Split-KV decode `flash_attn_vec_*` over NWG = 32
 /// workgroups, then `flash_attn_vec_reduce_dk*` or the fused
 /// `flash_attn_vec_reduce_tq_hb_undo_dk*` as a second dispatch.
 ///
@@ -64,6 +64,9 @@ public struct VecTensors {
 public enum VecDispatcher {
     /// The op name errors carry.
     public static let op = "flash_attn_vec"
+    /// The public name of the op (its kernel's name, `op`, is an alias in
+    /// the capability queries).
+    public static let publicName = "flash_attn_decode"
     /// The op name of the FWHT-undo reduce's errors.
     public static let reduceOp = "flash_attn_vec_reduce_tq_hb_undo"
     /// Workgroups each row's keys are split over (FM_VEC_NWG).
@@ -90,16 +93,16 @@ public enum VecDispatcher {
         let (heads, d) = (q.shape[q.rank - 2], q.shape[q.rank - 1])
         let kb = k.rank == 4 ? k.shape[0] : 1
         let (kvHeads, cap, kd) = (k.shape[k.rank - 3], k.shape[k.rank - 2], k.shape[k.rank - 1])
-        if kb != batch { throw FlashMetalError.value(op, "k batch (\(kb)) must equal q batch (\(batch))") }
-        if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))") }
+        if kb != batch { throw FlashMetalError.value(op, "k batch (\(kb)) must equal q batch (\(batch))", arg: "k") }
+        if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))", arg: "k") }
         try VecCapability.requireHeadDim(d, op: op)
         try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op)
-        if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0") }
+        if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0", arg: "k") }
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         let (kvRows, o2) = batch.multipliedReportingOverflow(by: kvHeads)
         if o1 || o2 || rows > Int(UInt32.max) || kvRows > Int(UInt32.max) || cap > Int(UInt32.max)
             || rows > Int.max / (nwg * (d + 2) * 4) {
-            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the cache capacity (\(cap)) exceeds the uint32 range of FlashAttnVecParams")
+            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the cache capacity (\(cap)) exceeds the uint32 range of FlashAttnVecParams", arg: "q")
         }
         return (rows, kvRows, heads, kvHeads, cap, d)
     }
@@ -112,27 +115,27 @@ public enum VecDispatcher {
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
         try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op)
         let s = try shapes(q: t.q, k: t.k)
-        if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)") }
-        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)") }
+        if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)", arg: "v") }
+        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
         let kvLen = o.kvLen ?? s.capacity
-        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)") }
+        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }
         if kvLen > s.capacity {
-            throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the cache capacity (\(s.capacity))")
+            throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the cache capacity (\(s.capacity))", arg: "kv_len")
         }
         guard let maskType = VecMaskType(rawValue: o.maskType) else {
-            throw FlashMetalError.value(op, "mask_type must be 0 (none), 1 (causal) or 2 (sliding window), got \(o.maskType)")
+            throw FlashMetalError.value(op, "mask_type must be 0 (none), 1 (causal) or 2 (sliding window), got \(o.maskType)", arg: "mask_type")
         }
         if maskType == .window && (o.window <= 0 || o.window > Int(UInt32.max)) {
-            throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)")
+            throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)", arg: "window")
         }
-        try requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         try requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sg = t.signs {
-            if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht") }
+            if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht", arg: "fwht_signs") }
             try sg.requireDType([.u8], op: reduceOp, name: "fwht_signs")
             let need = s.headDim / 8
             if sg.elementCount != need || sg.byteCount < need {
-                throw FlashMetalError.value(reduceOp, "fwht_signs must hold head_dim/8 = \(need) bytes, got shape \(sg.shape) (\(sg.byteCount) bytes)")
+                throw FlashMetalError.value(reduceOp, "fwht_signs must hold head_dim/8 = \(need) bytes, got shape \(sg.shape) (\(sg.byteCount) bytes)", arg: "fwht_signs")
             }
         }
 
@@ -150,35 +153,28 @@ public enum VecDispatcher {
     /// float32 q/out/tmp; k and v of one dtype in VecCapability.kvTypes; each
     /// buffer covers its shape.
     static func requireTypes(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef,
-                             op: String) throws {
+                             op: String, kName: String = "k", vName: String = "v") throws {
         try q.requireDType([.f32], op: op, name: "q")
-        try k.requireDType(VecCapability.kvTypes, op: op, name: "k")
+        try k.requireDType(VecCapability.kvTypes, op: op, name: kName)
         if v.dtype != k.dtype {
-            throw FlashMetalError.type(op, "v dtype \(v.dtype.name) does not match k dtype \(k.dtype.name)")
+            throw FlashMetalError.type(op, "\(vName) dtype \(v.dtype.name) does not match \(kName) dtype \(k.dtype.name)", arg: vName)
         }
         try out.requireDType([.f32], op: op, name: "out")
         try tmp.requireDType([.f32], op: op, name: "tmp")
-        for (x, n) in [(q, "q"), (k, "k"), (v, "v"), (out, "out")] {
+        for (x, n) in [(q, "q"), (k, kName), (v, vName), (out, "out")] {
             try x.requireBytes(op: op, name: n)
         }
     }
 
     /// A finite scale and a softcap of 0 (off) or a finite value > 0.
     /// A non-empty batch and heads that group evenly over the kv heads.
-    static func requireHeads(batch: Int, heads: Int, kvHeads: Int, op: String) throws {
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0") }
+    static func requireHeads(batch: Int, heads: Int, kvHeads: Int, op: String, kName: String = "k") throws {
+        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "q") }
         if heads == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)")
+            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)", arg: "q")
         }
         if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "the q heads (\(heads)) must be a multiple of the k heads (\(kvHeads))")
-        }
-    }
-
-    static func requireScaleAndSoftcap(scale: Float, softcap: Float, op: String) throws {
-        if !scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(scale)") }
-        if !(softcap.isFinite && softcap >= 0) {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(softcap)")
+            throw FlashMetalError.value(op, "the q heads (\(heads)) must be a multiple of the \(kName) heads (\(kvHeads))", arg: "q")
         }
     }
 
@@ -186,7 +182,7 @@ public enum VecDispatcher {
     static func requireTmp(_ tmp: TensorRef, rows: Int, headDim: Int, op: String) throws {
         let tmpBytes = tmpByteCount(rows: rows, headDim: headDim)
         if tmp.byteCount < tmpBytes {
-            throw FlashMetalError.value(op, "tmp buffer too small: expected at least \(tmpBytes) bytes (rows=\(rows), NWG=\(nwg), D=\(headDim)), got \(tmp.byteCount)")
+            throw FlashMetalError.value(op, "tmp buffer too small: expected at least \(tmpBytes) bytes (rows=\(rows), NWG=\(nwg), D=\(headDim)), got \(tmp.byteCount)", arg: "tmp")
         }
     }
 
@@ -201,7 +197,7 @@ public enum VecDispatcher {
     }
 
     /// The decode main dispatch: grid (1, rows, NWG) of 32 threads. Without
-    /// `seq` it is the seed's call (constants 501-503 false, nothing bound at 5-7).
+    /// `seq` it is the plain decode (constants 501-503 false, nothing bound at 5-7).
     static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
                              tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
         var bindings: [Int: Binding] = [

@@ -8,7 +8,8 @@ public struct VecSeqOptions: Sendable {
     /// Logit softcap c > 0; 0 disables it.
     public var softcap: Float = 0
     /// The query sees keys up to its own position (kv_len_b - 1): every key.
-    public var causal: Bool = true
+    /// Off unless asked, as every op.
+    public var causal: Bool = false
     /// flash-attn's window_size left: keys p >= t - left; -1 = unbounded.
     public var windowLeft: Int = -1
     /// flash-attn's window_size right; the decode query is the newest token,
@@ -22,10 +23,10 @@ public struct VecSeqOptions: Sendable {
     public init(_ o: FMAttnOptions) throws {
         let op = VecSeqDispatcher.op
         guard o.causal == 0 || o.causal == 1 else {
-            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
-        if o.window_left < -1 { throw FlashMetalError.value(op, "window_left must be >= -1 (-1 = unbounded), got \(o.window_left)") }
-        if o.window_right < -1 { throw FlashMetalError.value(op, "window_right must be >= -1 (-1 = unbounded), got \(o.window_right)") }
+        if o.window_left < -1 { throw FlashMetalError.value(op, "window_left must be >= -1 (-1 = unbounded), got \(o.window_left)", arg: "window_left") }
+        if o.window_right < -1 { throw FlashMetalError.value(op, "window_right must be >= -1 (-1 = unbounded), got \(o.window_right)", arg: "window_right") }
         self.scale = o.scale
         self.softcap = o.softcap
         self.causal = o.causal == 1
@@ -54,6 +55,9 @@ public struct VecSeqTensors {
     public var sinks: TensorRef? = nil
     /// float32 [B, H] output: natural-log softmax denominators.
     public var lse: TensorRef? = nil
+    /// The caller's names of k, v and lse in errors (flash_attn_with_kvcache
+    /// calls them k_cache, v_cache and softmax_lse).
+    public var kName = "k", vName = "v", lseName = "lse"
 
     /// The tensors of a call; the serving ones are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef,
@@ -64,7 +68,7 @@ public struct VecSeqTensors {
     }
 }
 
-/// Serving decode (fm_dispatch_vec_seq; issue 14): the split-KV decode of
+/// Serving decode (fm_dispatch_vec_seq): the split-KV decode of
 /// VecDispatcher with each sequence's own kv length, K/V in flash-attn's
 /// [B, cap, Hkv, D] layout or paged through a block table, a sliding window
 /// per sequence, then the plain reduce with sinks and the LSE output.
@@ -95,26 +99,26 @@ public enum VecSeqDispatcher {
 
     /// Validates shapes (q [B, H, D]; k [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).
-    public static func shapes(q: TensorRef, k: TensorRef, blockTable: TensorRef?) throws -> Shapes {
+    public static func shapes(q: TensorRef, k: TensorRef, blockTable: TensorRef?, kName: String = "k") throws -> Shapes {
         try q.requireRank([3], op: op, name: "q")
-        try k.requireRank([4], op: op, name: "k")
+        try k.requireRank([4], op: op, name: kName)
         let (batch, heads, d) = (q.shape[0], q.shape[1], q.shape[2])
         let (kvHeads, kd) = (k.shape[2], k.shape[3])
-        if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))") }
+        if kd != d { throw FlashMetalError.value(op, "\(kName) head_dim (\(kd)) must equal q head_dim (\(d))", arg: kName) }
         try VecCapability.requireHeadDim(d, op: op)
-        try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op)
+        try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
         var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
         if let bt = blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
             (numPages, pageSize, maxPages) = (k.shape[0], k.shape[1], bt.shape[1])
             if pageSize == 0 || pageSize % pageTile != 0 {
-                throw FlashMetalError.value(op, "the page size (k's dim 1) must be a positive multiple of \(pageTile), got \(pageSize)")
+                throw FlashMetalError.value(op, "the page size (\(kName)'s dim 1) must be a positive multiple of \(pageTile), got \(pageSize)", arg: kName)
             }
-            if numPages == 0 { throw FlashMetalError.value(op, "a paged k must hold at least one page") }
+            if numPages == 0 { throw FlashMetalError.value(op, "a paged \(kName) must hold at least one page", arg: kName) }
             let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
             capacity = o ? Int.max : c
         } else if k.shape[0] != batch {
-            throw FlashMetalError.value(op, "k batch (\(k.shape[0])) must equal q batch (\(batch))")
+            throw FlashMetalError.value(op, "\(kName) batch (\(k.shape[0])) must equal q batch (\(batch))", arg: kName)
         }
         // A cache with room for no key (k's dim 1 or block_table's dim 1 is 0)
         // is attended as empty sequences: output 0, as the prefill route and
@@ -122,7 +126,7 @@ public enum VecSeqDispatcher {
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (d + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
-            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams")
+            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams", arg: "q")
         }
         return Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, capacity: capacity,
                       numPages: numPages, pageSize: pageSize, maxPages: maxPages)
@@ -131,32 +135,35 @@ public enum VecSeqDispatcher {
     /// Validates a call (shapes, dtypes, options, and every table entry a
     /// kernel will read) and builds its two dispatches (decode, then reduce).
     public static func makeDispatches(_ t: VecSeqTensors, _ o: VecSeqOptions) throws -> [Dispatch] {
-        try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op)
-        let s = try shapes(q: t.q, k: t.k, blockTable: t.blockTable)
-        if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)") }
-        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)") }
-        try VecDispatcher.requireScaleAndSoftcap(scale: o.scale, softcap: o.softcap, op: op)
+        try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op,
+                                       kName: t.kName, vName: t.vName)
+        let s = try shapes(q: t.q, k: t.k, blockTable: t.blockTable, kName: t.kName)
+        if t.v.shape != t.k.shape {
+            throw FlashMetalError.value(op, "\(t.vName) shape \(t.v.shape) must equal \(t.kName) shape \(t.k.shape)", arg: t.vName)
+        }
+        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         if o.windowLeft < -1 || o.windowRight < -1 || o.windowLeft >= Int(Int32.max) {
-            throw FlashMetalError.value(op, "window_size must be (-1 or >= 0, -1 or >= 0), got (\(o.windowLeft), \(o.windowRight))")
+            throw FlashMetalError.value(op, "window_size must be (-1 or >= 0, -1 or >= 0), got (\(o.windowLeft), \(o.windowRight))", arg: "window_size")
         }
         try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sinks = t.sinks {
             try sinks.requireDType([.f32], op: op, name: "sinks")
             if sinks.shape != [s.heads] {
-                throw FlashMetalError.value(op, "sinks must have shape [\(s.heads)] (num_heads), got \(sinks.shape)")
+                throw FlashMetalError.value(op, "sinks must have shape [\(s.heads)] (num_heads), got \(sinks.shape)", arg: "sinks")
             }
         }
         if let lse = t.lse {
-            try lse.requireDType([.f32], op: op, name: "lse")
+            try lse.requireDType([.f32], op: op, name: t.lseName)
             if lse.shape != [s.batch, s.heads] {
-                throw FlashMetalError.value(op, "lse must have shape [\(s.batch), \(s.heads)] ([B, H]), got \(lse.shape)")
+                throw FlashMetalError.value(op, "\(t.lseName) must have shape [\(s.batch), \(s.heads)] ([B, H]), got \(lse.shape)", arg: t.lseName)
             }
         }
-        for (x, n) in [(t.sinks, "sinks"), (t.lse, "lse")] { try x?.requireBytes(op: op, name: n) }
+        for (x, n) in [(t.sinks, "sinks"), (t.lse, t.lseName)] { try x?.requireBytes(op: op, name: n) }
 
         // Tables last: their contents are read only once every shape is known good.
-        let capacityName = t.blockTable == nil ? "the cache capacity, k's dim 1"
-            : SequenceTables.pagedCapacity(pages: s.maxPages, pageSize: s.pageSize, table: "block_table", cache: "k")
+        let capacityName = t.blockTable == nil ? "the cache capacity, \(t.kName)'s dim 1"
+            : SequenceTables.pagedCapacity(pages: s.maxPages, pageSize: s.pageSize, table: "block_table", cache: t.kName)
         let lengths = try t.seqlensK.map {
             try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: s.batch,
                                               capacity: s.capacity, capacityName: capacityName)
@@ -164,7 +171,7 @@ public enum VecSeqDispatcher {
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
                                                  numPages: s.numPages, pageSize: s.pageSize, tile: pageTile,
-                                                 cacheName: "k")
+                                                 cacheName: t.kName)
         }
 
         let mask = o.mask

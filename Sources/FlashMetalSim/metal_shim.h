@@ -59,9 +59,11 @@ struct bfloat {
     bfloat operator-() const { return from_bits(uint16_t(bits ^ 0x8000u)); }
     bfloat operator+() const { return *this; }
 };
+// clang-format off: clang-format cannot parse `operator op##=`
 #define FMSIM_BF_OP(op)                                                                                  \
     inline bfloat operator op(bfloat a, bfloat b) { return bfloat(float(a) op float(b)); }               \
     inline bfloat &operator op##=(bfloat &a, bfloat b) { return a = bfloat(float(a) op float(b)); }
+// clang-format on
 FMSIM_BF_OP(+)
 FMSIM_BF_OP(-)
 FMSIM_BF_OP(*)
@@ -584,7 +586,9 @@ template <class T, class F> inline T fm_atomic_rmw(volatile atomic<T> *o, F f) {
     }
 FMSIM_ATOMIC_RMW(atomic_fetch_add_explicit, a + w)
 FMSIM_ATOMIC_RMW(atomic_fetch_sub_explicit, a - w)
+// clang-format off: clang-format reads `a & w` as a reference declaration
 FMSIM_ATOMIC_RMW(atomic_fetch_and_explicit, a & w)
+// clang-format on
 FMSIM_ATOMIC_RMW(atomic_fetch_or_explicit, a | w)
 FMSIM_ATOMIC_RMW(atomic_fetch_xor_explicit, a ^ w)
 FMSIM_ATOMIC_RMW(atomic_fetch_min_explicit, a < w ? a : w)
@@ -744,10 +748,12 @@ template <class T, int I> inline bool is_function_constant_defined(const fmsim::
         operator T() const { return static_cast<T>(expr); }                \
     };                                                                     \
     static const fmsim_fce_##name name{};
+// clang-format off: clang-format cannot parse a reference-to-array declarator in a macro
 #define FMSIM_TG_ARRAY(T, name, n)                                                                         \
     T(&name)[(n)] = *static_cast<T(*)[(n)]>(::fmsim::tg_array(                                            \
         []() -> const void * { static const char fmsim_key = 0; return &fmsim_key; }(), sizeof(T[(n)]),   \
         alignof(T), #name, ::fmsim::Site::from(std::source_location::current())))
+// clang-format on
 #define FMSIM_TG_BUFFER(T, name, idx) ::fmsim::tg_buf<T, idx> name
 #define FMSIM_INSTANTIATE_KERNEL(hname, f, ...)                                                            \
     [[maybe_unused]] static const int FMSIM_CAT(fmsim_registered_, __COUNTER__) =                          \

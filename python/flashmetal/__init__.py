@@ -7,8 +7,9 @@ Every op uses one causal convention: query row i sits at ``q_offset + i``
 with ``q_offset = kv_len - qL`` by default (bottom-right, the queries are the
 newest tokens), and sees keys at positions ``<= q_offset + i``.
 
-Errors derive from :class:`Error` and carry ``.op`` (the public function)
-and ``.status``; each is also a ValueError, TypeError or RuntimeError.
+Errors derive from :class:`Error` and carry ``.op`` (the public function),
+``.argument`` (the parameter at fault, or None) and ``.status``; each is also
+a ValueError, TypeError or RuntimeError.
 """
 from ._errors import BackendError, Error, InternalError, InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._info import info

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
@@ -61,7 +62,7 @@ def as_index(x: Any, op: str, name: str) -> np.ndarray:
 
 
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
-              inputs: list[np.ndarray]) -> np.ndarray:
+              inputs: Sequence[np.ndarray | None]) -> np.ndarray:
     """Validates a caller-provided output (a numpy array or a torch CPU
     tensor): it is written in place, so this returns the numpy view of its
     memory to hand the library; the caller returns its own object."""
@@ -86,7 +87,7 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
 @functools.cache
 def dtype_code(dtype: np.dtype) -> int:
     """The library's FMDType code of a supported numpy dtype."""
-    return getattr(_loader.load()[1], _CODE_NAMES[dtype])
+    return int(getattr(_loader.load()[1], _CODE_NAMES[dtype]))
 
 
 @functools.cache

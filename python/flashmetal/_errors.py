@@ -1,18 +1,20 @@
 """The exceptions of flashmetal: one base class, one subclass per library
 status (FMStatus of flashmetal.h), each also a built-in exception so
 ``except ValueError`` keeps working. Every error carries the public function
-it came from (``.op``) and the library status (``.status``; None when Python
-raised it before calling the library)."""
+it came from (``.op``), the argument at fault (``.argument``; None when the
+error is not about one argument) and the library status (``.status``; None
+when Python raised it before calling the library)."""
 from __future__ import annotations
 
 
 class Error(Exception):
     """Base class of every flashmetal error."""
 
-    def __init__(self, op: str, message: str, status: int | None = None) -> None:
+    def __init__(self, op: str, message: str, status: int | None = None, argument: str | None = None) -> None:
         super().__init__(f"{op}: {message}" if op else message)
         self.op = op
         self.status = status
+        self.argument = argument
 
 
 class InvalidValueError(Error, ValueError):

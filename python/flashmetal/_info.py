@@ -26,7 +26,8 @@ def cpu_isa() -> str:
     with _declare_lock:  # declare once, even when threads race here
         if getattr(lib, "fm_cpu_isa", None) is None:
             ffi.cdef(_ISA_CDEF)
-    return ffi.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+    name: str = ffi.string(lib.fm_cpu_isa_name(lib.fm_cpu_isa())).decode()
+    return name
 
 
 def _cpu_model() -> str:

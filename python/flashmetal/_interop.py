@@ -8,7 +8,8 @@ module is then already loaded): flashmetal runs without torch installed.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -32,8 +33,10 @@ def _torch_to_numpy(t: Any, op: str, name: str) -> np.ndarray:
     t = t.detach()
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: view the bits as int16, then as ml_dtypes.bfloat16 (no copy).
-        return t.view(torch.int16).numpy().view(_BF16)
-    return t.numpy()
+        bits: np.ndarray = t.view(torch.int16).numpy().view(_BF16)
+        return bits
+    a: np.ndarray = t.numpy()
+    return a
 
 
 def to_numpy(x: Any, op: str, name: str) -> np.ndarray:

@@ -71,7 +71,7 @@ os.register_at_fork(after_in_child=_new_lock_in_child)
 def load() -> tuple[cffi.FFI, object]:
     """Returns (ffi, lib), loading and checking them once per process."""
     if "lib" in _state:  # loaded: no lock on the per-call path
-        return _state["ffi"], _state["lib"]  # type: ignore[return-value]
+        return _state["ffi"], _state["lib"]
     with _lock:
         if "lib" not in _state:
             path, header = library_path(), header_path()
@@ -86,4 +86,4 @@ def load() -> tuple[cffi.FFI, object]:
                 raise ImportError(f"flashmetal: {path} implements ABI version {found} but {header} "
                                   f"declares {lib.FM_ABI_VERSION}: rebuild (`make`) so they match")
             _state["ffi"], _state["lib"] = ffi, lib
-        return _state["ffi"], _state["lib"]  # type: ignore[return-value]
+        return _state["ffi"], _state["lib"]

@@ -4,16 +4,20 @@ structs. Everything else in the package calls through it.
 
 Validation lives in the library; Python checks only what cffi cannot say
 (an integer argument that is not an integer, a float that float32 cannot
-hold) and renames the library's op to the public function in messages.
+hold). Every call names its public function in FMError.public_op, and the
+library's errors come back as fields (status, op, argument, message): no
+message is parsed.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import operator
-import re
 import struct
 from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -23,11 +27,30 @@ from ._errors import STATUS_ERRORS, Error, InternalError, InvalidTypeError, Inva
 if TYPE_CHECKING:
     from .registry import Registry
 
-ERRLEN = 1024
 INT32 = (-(2**31), 2**31 - 1)
 _F32 = struct.Struct("f")
-# "<library op>: message" — the prefix every library message starts with.
-_LIB_OP = re.compile(r"^([a-z_]+): ")
+
+
+# The public function the running call was made through, when one public
+# function runs another (scaled_dot_product_attention runs flash_attn_prefill,
+# flash_attn_decode or sdpa): every error names the outer one.
+_PUBLIC_OP: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashmetal_public_op", default=None)
+
+
+@contextlib.contextmanager
+def running(op: str) -> Iterator[None]:
+    """Within it, every public function's errors name ``op``."""
+    token = _PUBLIC_OP.set(op)
+    try:
+        yield
+    finally:
+        _PUBLIC_OP.reset(token)
+
+
+def public_op(own: str) -> str:
+    """The name a public function's errors carry: ``own``, or the public
+    function running it (``running``)."""
+    return _PUBLIC_OP.get() or own
 
 
 def ffi() -> Any:
@@ -40,27 +63,41 @@ def lib() -> Any:
     return _loader.load()[1]
 
 
-def error_for(status: int, message: str, op: str | None) -> Error:
-    """The exception for a library status. With ``op`` (the public function),
-    the message's library op prefix is replaced by it."""
+def error_for(status: int, op: str, message: str, argument: str = "") -> Error:
+    """The exception of a library status, from the error's fields."""
     name = ffi().string(lib().fm_status_string(status)).decode()
     cls = STATUS_ERRORS.get(name, InternalError)
-    m = _LIB_OP.match(message)
-    lib_op, rest = (m.group(1), message[m.end():]) if m else ("", message)
-    return cls(op or lib_op, rest, status)
+    return cls(op, message, status, argument or None)
 
 
-def check(status: int, err: Any, op: str | None) -> None:
-    """Raises the exception of a non-OK status, with the message in ``err``."""
+@functools.cache
+def _op_name(op: str) -> Any:
+    """``op`` as a C string that lives as long as the process (FMError.public_op)."""
+    return ffi().new("char[]", op.encode())
+
+
+def new_error(op: str | None) -> Any:
+    """A new ``FMError *`` naming the public function ``op`` (None: the
+    library names its entry point's own op)."""
+    err = ffi().new(ctype("FMError *"))
+    if op:
+        err.public_op = _op_name(op)
+    return err
+
+
+def check(status: int, err: Any) -> None:
+    """Raises the exception of a non-OK status, built from the fields of ``err``."""
     if status == lib().FM_OK:
         return
-    message = ffi().string(err).decode(errors="replace")
+    f = ffi()
+    message = f.string(err.message).decode(errors="replace")
     if status == lib().FM_ERROR_INTERRUPTED:
         # A SIGINT cut the call short (outputs unspecified). Python's own
         # handler normally raised KeyboardInterrupt as the call returned; a
         # handler that does not raise still must not see a finished call.
         raise KeyboardInterrupt(message)
-    raise error_for(status, message, op)
+    raise error_for(status, f.string(err.op).decode(errors="replace"), message,
+                    f.string(err.argument).decode(errors="replace"))
 
 
 @functools.cache
@@ -74,41 +111,42 @@ def ctype(name: str) -> Any:
     return ffi().typeof(name)
 
 
-def call(reg: "Registry", fn_name: str, *args: Any, op: str | None = None, keep: tuple = ()) -> None:
-    """Calls ``fn_name(handle, *args, err, errlen)`` on a registry.
+def call(reg: Registry, fn_name: str, *args: Any, op: str | None = None, keep: tuple[Any, ...] = ()) -> None:
+    """Calls ``fn_name(handle, *args, err)`` on a registry; errors name ``op``,
+    the public function (None: the entry point's own op).
 
     ``keep``: the arrays the call reads or writes. Inside a batch scope the
     registry holds them until the scope ends (a deferring backend reads them
     only then); outside one nothing is kept.
     """
     handle = reg._live_handle(op or fn_name.removeprefix("fm_"))
-    err = ffi().new(ctype("char[]"), ERRLEN)
-    status = _entry(fn_name)(handle, *args, err, ERRLEN)
+    err = new_error(op)
+    status = _entry(fn_name)(handle, *args, err)
     if keep:
         reg._keep_for_batch(keep)
     if status:
-        check(status, err, op)
+        check(status, err)
 
 
 def call_static(fn_name: str, *args: Any, op: str | None = None) -> None:
-    """Calls ``fn_name(*args, err, errlen)``, an entry point without a registry."""
-    err = ffi().new("char[]", ERRLEN)
-    check(getattr(lib(), fn_name)(*args, err, ERRLEN), err, op)
+    """Calls ``fn_name(*args, err)``, an entry point without a registry."""
+    err = new_error(op)
+    check(getattr(lib(), fn_name)(*args, err), err)
 
 
 def index_arg(op: str, name: str, value: Any, lo: int = INT32[0], hi: int = INT32[1]) -> int:
     """An integer argument (``operator.index``: 7.9 is an error, not 7) in [lo, hi]."""
     if isinstance(value, (bool, np.bool_)):  # operator.index takes True as 1: `window=True` is a mistake, not 1
-        raise InvalidTypeError(op, f"{name} must be an integer, got {value!r}")
+        raise InvalidTypeError(op, f"{name} must be an integer, got {value!r}", argument=name)
     try:
         v = operator.index(value)
     except TypeError:
-        raise InvalidTypeError(op, f"{name} must be an integer, got {value!r}") from None
+        raise InvalidTypeError(op, f"{name} must be an integer, got {value!r}", argument=name) from None
     if not lo <= v <= hi:
         if INT32[0] <= v <= INT32[1] and lo in (0, 1):
-            raise InvalidValueError(op, f"{name} must be {'> 0' if lo else '>= 0'}, got {v}")
+            raise InvalidValueError(op, f"{name} must be {'> 0' if lo else '>= 0'}, got {v}", argument=name)
         bits = "int32" if (lo, hi) == INT32 or hi == INT32[1] else "int64"
-        raise InvalidValueError(op, f"{name} ({v}) is out of the {bits} range")
+        raise InvalidValueError(op, f"{name} ({v}) is out of the {bits} range", argument=name)
     return v
 
 
@@ -117,7 +155,7 @@ def float32_arg(op: str, name: str, value: Any) -> float:
     or to inf in float32 is an error, not a silent 0 or overflow; inf and
     NaN pass to the library, which validates the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InvalidTypeError(op, f"{name} must be a real number, got {value!r}")
+        raise InvalidTypeError(op, f"{name} must be a real number, got {value!r}", argument=name)
     f = float(value)
     if not math.isfinite(f):
         return f  # the library says what it accepts
@@ -126,17 +164,23 @@ def float32_arg(op: str, name: str, value: Any) -> float:
     except OverflowError:
         f32 = math.inf
     if not math.isfinite(f32):
-        raise InvalidValueError(op, f"{name} ({value!r}) overflows float32")
+        raise InvalidValueError(op, f"{name} ({value!r}) overflows float32", argument=name)
     if f != 0 and f32 == 0:
-        raise InvalidValueError(op, f"{name} ({value!r}) rounds to 0 in float32")
-    return f32
+        raise InvalidValueError(op, f"{name} ({value!r}) rounds to 0 in float32", argument=name)
+    return float(f32)
 
 
-def scale_arg(op: str, scale: Any, head_dim: int) -> float:
-    """The scale field of an options struct; None is the default 1/sqrt(D)."""
+def default_scale(head_dim: int) -> float:
+    """The score scale every op defaults to: 1/sqrt(D) (1 for a D the
+    library will reject anyway)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def scale_arg(op: str, scale: Any, head_dim: int, name: str = "scale") -> float:
+    """The scale field of an options struct; None is ``default_scale``."""
     if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    return float32_arg(op, "scale", scale)
+        return default_scale(head_dim)
+    return float32_arg(op, name, scale)
 
 
 def options(type_name: str, **fields: Any) -> Any:
@@ -147,12 +191,13 @@ def options(type_name: str, **fields: Any) -> Any:
 @functools.cache
 def constant(name: str) -> int:
     """An integer constant of flashmetal.h (e.g. "FM_LAYOUT_BHLD")."""
-    return getattr(lib(), name)
+    return int(getattr(lib(), name))
 
 
 def head_dims(op: str) -> tuple[int, ...]:
-    """The head dims with a kernel for "flash_attn_prefill" or "flash_attn_vec",
-    from the library's capability tables."""
+    """The head dims with a kernel for "flash_attn_prefill" or
+    "flash_attn_decode" (alias "flash_attn_vec"), from the library's
+    capability tables."""
     if not isinstance(op, str):
         raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
     return _head_dims(op)
@@ -169,7 +214,7 @@ def _head_dims(op: str) -> tuple[int, ...]:
 
 @functools.cache
 def max_head_dim(op: str) -> int:
-    """The largest head dim of "flash_attn_prefill", "flash_attn_vec" or
+    """The largest head dim of "flash_attn_prefill", "flash_attn_decode" or
     "sdpa" (any head dim up to it), from the library's capability tables."""
     out = ffi().new("int32_t *")
     call_static("fm_max_head_dim", op.encode(), out, op="max_head_dim")

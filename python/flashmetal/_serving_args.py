@@ -65,12 +65,9 @@ def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, ca
                  max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
     """The FMAttnOptions of a call (the library checks the ranges)."""
     left, right = window(op, window_size)
-    if softmax_scale is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
-    else:
-        scale = _native.float32_arg(op, "softmax_scale", softmax_scale)
-        if not math.isfinite(scale):  # the library would name its own field, `scale`
-            raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}")
+    scale = _native.scale_arg(op, softmax_scale, head_dim, "softmax_scale")
+    if not math.isfinite(scale):  # the library would name its own field, `scale`
+        raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}", argument="softmax_scale")
     return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
                            causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
@@ -86,7 +83,7 @@ def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:
     return np.ascontiguousarray(a, dtype=F32)
 
 
-def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list]:
+def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list[Any]]:
     """An FMSeqTensors* whose fields point at the given arrays (NULL for None),
     and the FMTensor descriptors it points at: keep both until the call returns
     (cffi frees an owned descriptor with its last Python reference)."""

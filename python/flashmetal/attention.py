@@ -102,7 +102,7 @@ def _saturating_cast(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
     if m.dtype == dtype:
         return m
     f = m.astype(np.float32)
-    lim = float(ml_dtypes.finfo(dtype).max)
+    lim = float(ml_dtypes.finfo(dtype).max)  # type: ignore[no-untyped-call]
     big = np.isfinite(f) & (np.abs(f) > lim)
     if big.any():
         f = np.where(big, np.sign(f) * lim, f)
@@ -124,10 +124,13 @@ def _mask_operand(mask: Any, io: np.dtype, shape: tuple[int, int, int, int], cap
         raise InvalidValueError(_OP, f"attn_mask has rank {m.ndim}; it must broadcast to [B, H, qL, kL] "
                          f"= {[B, H, qL, kl]}")
     m = m.reshape((1,) * (4 - m.ndim) + m.shape)
-    if any(d not in (1, want) for d, want in zip(m.shape[:3], (B, H, qL))) or m.shape[3] not in (1, kl, cap):
+    dims: tuple[int, ...] = tuple(m.shape)
+    if any(d not in (1, want) for d, want in zip(dims[:3], (B, H, qL))) or dims[3] not in (1, kl, cap):
         raise InvalidValueError(_OP, f"attn_mask shape {given} does not broadcast to [B, H, qL, kL] "
                          f"= {[B, H, qL, kl]}")
-    m = m[tuple(slice(0, 1) if n > 1 and st == 0 else slice(None) for n, st in zip(m.shape[:3], m.strides[:3]))]
+    keep: tuple[slice, ...] = tuple(slice(0, 1) if n > 1 and st == 0 else slice(None)
+                                    for n, st in zip(dims[:3], m.strides[:3]))
+    m = m[keep]
     if m.shape[3] == cap != kl:
         m = m[..., :kl]  # a mask over the whole cache: the valid keys only
     if m.shape[3] == 1 and kl > 1:
@@ -152,8 +155,8 @@ class _Call:
     squeeze: bool  # rank-3 inputs: the batch axis was added here
 
 
-def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-          align) -> _Call:
+def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
+          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any) -> _Call:
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     if qa.dtype not in (F32, BF16, F16):
@@ -306,7 +309,8 @@ def scaled_dot_product_attention(
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align)
     reg = resolve(registry, _OP)
-    out = _run(call, scale, softcap, window, reg)
+    with _native.running(_OP):
+        out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
     return wrapper_like(query)(out[0] if call.squeeze else out)
 
@@ -317,21 +321,26 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     if kernel == "flash_attn_vec":
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
-        return o.astype(qa.dtype)[:, :, None, :]
+        decoded: np.ndarray = o.astype(qa.dtype)[:, :, None, :]
+        return decoded
     if kernel == "flash_attn_prefill" and c.pad_to:
         d = qa.shape[-1]
         padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
                        _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
                        c.squeeze)
-        out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
+        out = _run(padded, _native.default_scale(d) if scale is None else scale, softcap, window, reg)
         return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
         # The position matters only to causal and the window, both applied in the kernel.
         q_offset = c.q_offset if c.causal or window is not None else 0
-        return flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset, window=window,
-                                  scale=scale, softcap=softcap, kv_len=kl, registry=reg)
+        prefilled: np.ndarray = flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset,
+                                                   window=window, scale=scale, softcap=softcap, kv_len=kl,
+                                                   registry=reg)
+        return prefilled
     # The position only when it matters and is not sdpa's default (kv_len - qL): a call
     # without the extension parameters can take the cpu backend's fast float32 path.
     positioned = (c.causal or window is not None) and c.q_offset != kl - qa.shape[2]
-    return sdpa(qa, ka, va, mask=c.mask, causal=c.causal, scale=scale, kv_len=kl,
-                q_offset=c.q_offset if positioned else None, window=window, softcap=softcap, registry=reg)
+    general: np.ndarray = sdpa(qa, ka, va, mask=c.mask, causal=c.causal, scale=scale, kv_len=kl,
+                               q_offset=c.q_offset if positioned else None, window=window, softcap=softcap,
+                               registry=reg)
+    return general

@@ -1,4 +1,4 @@
-"""Tile-skip pre-pass (seed 001's op) for the prefill kernels."""
+"""Tile-skip pre-pass for the prefill kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -32,7 +32,7 @@ def tile_counts(op: str, q_len: int, kv_len: int, head_dim: int) -> tuple[int, i
     ffi = _native.ffi()
     t = ffi.new("FMTensor *")
     _native.call_static("fm_alloc_blk", q_len, kv_len, head_dim, t, op=op)
-    _native.lib().fm_free_blk(t, ffi.NULL, 0)
+    _native.lib().fm_free_blk(t, ffi.NULL)
     return int(t.shape[0]), int(t.shape[1])
 
 
@@ -79,7 +79,7 @@ def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) 
         nq, nk = int(t.shape[0]), int(t.shape[1])
         buf = np.frombuffer(ffi.buffer(t.data, int(t.nbytes)), dtype=U8).copy()
     finally:
-        _native.lib().fm_free_blk(t, ffi.NULL, 0)
-    result = buf[: nq * nk].reshape(nq, nk).view(BlkArray)
+        _native.lib().fm_free_blk(t, ffi.NULL)
+    result: BlkArray = buf[: nq * nk].reshape(nq, nk).view(BlkArray)
     result.made_for = (d, int(m.shape[0]), int(m.shape[1]))
     return result

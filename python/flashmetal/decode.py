@@ -1,4 +1,4 @@
-"""Split-KV decode (seed 002's vec op), with the fused FWHT sign undo (seed 004)."""
+"""Split-KV decode (the `vec` kernels), with the fused FWHT sign undo."""
 from __future__ import annotations
 
 from typing import Any
@@ -20,7 +20,7 @@ def flash_attn_decode(
     kv_len: int,
     *,
     scale: float | None = None,
-    causal: bool = True,
+    causal: bool = False,
     window: int | None = None,
     softcap: float = 0.0,
     fwht: bool = False,
@@ -35,7 +35,7 @@ def flash_attn_decode(
 
     Args:
         q: float32 ``[H, D]`` or ``[B, H, D]``; D is one of
-            ``supported_head_dims("flash_attn_vec")``.
+            ``supported_head_dims("flash_attn_decode")``.
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
         kv_len: valid cache length, ``1 <= kv_len <= cap``. The query sits at
@@ -43,6 +43,7 @@ def flash_attn_decode(
         scale: score scale; default ``1/sqrt(D)``.
         causal: the query sees keys up to its own position, i.e. all kv_len
             keys, so this equals no mask; ignored when a window is given.
+            Default False, as every op.
         window: sliding window w > 0: keys p with ``(kv_len - 1) - p < w``.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
         fwht: fuse the inverse FWHT sign undo into the reduce:
@@ -57,26 +58,27 @@ def flash_attn_decode(
     Returns:
         float32, shaped like q.
     """
-    reg = resolve(registry, _OP)
-    qa = as_input(q, _OP, "q")
-    ka = as_input(k_cache, _OP, "k_cache")
-    va = as_input(v_cache, _OP, "v_cache")
-    sa = None if fwht_signs is None else as_input(fwht_signs, _OP, "fwht_signs")
+    op = _native.public_op(_OP)
+    reg = resolve(registry, op)
+    qa = as_input(q, op, "q")
+    ka = as_input(k_cache, op, "k_cache")
+    va = as_input(v_cache, op, "v_cache")
+    sa = None if fwht_signs is None else as_input(fwht_signs, op, "fwht_signs")
     if out is None:
         out = dst = np.empty(qa.shape, dtype=F32)
     else:
-        dst = check_out(out, _OP, qa.shape, F32, [qa, ka, va, sa])
+        dst = check_out(out, op, qa.shape, F32, [qa, ka, va, sa])
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(
         "FMVecOptions",
-        scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
-        softcap=_native.float32_arg(_OP, "softcap", softcap),
+        scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),
+        softcap=_native.float32_arg(op, "softcap", softcap),
         mask_type=_native.constant(mask_type),
-        window=0 if window is None else _native.index_arg(_OP, "window", window),
-        kv_len=_native.index_arg(_OP, "kv_len", kv_len, 1),
+        window=0 if window is None else _native.index_arg(op, "window", window),
+        kv_len=_native.index_arg(op, "kv_len", kv_len, 1),
         fwht=1 if (fwht or sa is not None) else 0)
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
-                 ffi.NULL, tensor(ffi, dst), opts, op=_OP, keep=(qa, ka, va, sa, dst))
+                 ffi.NULL, tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, sa, dst))
     return out

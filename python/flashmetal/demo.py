@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -17,7 +17,7 @@ from .prefill import flash_attn_prefill
 from .registry import Registry
 
 
-# (atol, rtol) of each output dtype (DESIGN §6); decode returns float32, held to float32's.
+# (atol, rtol) of each output dtype (the tests' tolerances, tests/python/numerics.py); decode returns float32, held to float32's.
 _TOLERANCE = {"bfloat16": (5e-3, 2e-2), "float16": (1e-3, 5e-3), "float32": (1e-5, 1e-4)}
 _failures: list[str] = []
 

@@ -12,7 +12,7 @@ from .registry import RegistryLike, resolve
 _OP = "build_mask"
 
 
-def build_mask(q_len: int, kv_len: int, *, causal: bool = True, window: int | None = None,
+def build_mask(q_len: int, kv_len: int, *, causal: bool = False, window: int | None = None,
                q_offset: int | None = None, dtype: DTypeLike = BF16,
                registry: RegistryLike = None) -> np.ndarray:
     """An additive ``[q_len, kv_len]`` mask: 0 where a key is visible, -inf elsewhere.
@@ -22,7 +22,8 @@ def build_mask(q_len: int, kv_len: int, *, causal: bool = True, window: int | No
 
     Args:
         q_len, kv_len: mask shape, both > 0.
-        causal: hide keys after the query's position.
+        causal: hide keys after the query's position. Default False, as
+            every op: pass ``causal=True`` for a causal mask.
         window: sliding window w > 0 (llama.cpp SWA: ``t - p < w``), or None.
         q_offset: absolute position of query row 0, >= 0. Default
             ``max(kv_len - q_len, 0)`` (bottom-right, as every op).

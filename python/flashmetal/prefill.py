@@ -1,4 +1,4 @@
-"""Tiled flash-attention prefill (seed 000's op)."""
+"""Tiled flash-attention prefill."""
 from __future__ import annotations
 
 from typing import Any
@@ -64,26 +64,27 @@ def flash_attn_prefill(
     Returns:
         The attention output, shaped and typed like q (``out`` when given).
     """
-    reg = resolve(registry, _OP)
-    qa = as_input(q, _OP, "Q")
-    ka = as_input(k, _OP, "K")
-    va = as_input(v, _OP, "V")
-    ma = None if mask is None else as_input(mask, _OP, "mask")
-    ba = None if blk is None else as_input(blk, _OP, "blk")
+    op = _native.public_op(_OP)
+    reg = resolve(registry, op)
+    qa = as_input(q, op, "Q")
+    ka = as_input(k, op, "K")
+    va = as_input(v, op, "V")
+    ma = None if mask is None else as_input(mask, op, "mask")
+    ba = None if blk is None else as_input(blk, op, "blk")
     built = made_for(blk)
     if built is not None and ma is not None and ma.ndim == 2 and qa.ndim == 4 and (qa.shape[-1], *ma.shape) != built:
         # A blk of the right [NQ, NK] shape built for another mask shape has
         # the wrong classes; a wrong shape is the library's error.
-        if tile_counts(_OP, ma.shape[0], ma.shape[1], qa.shape[-1]) == tuple(ba.shape):
-            raise InvalidValueError(_OP, f"blk was built for head_dim {built[0]} and a {list(built[1:])} mask, "
+        if ba is not None and tile_counts(op, ma.shape[0], ma.shape[1], qa.shape[-1]) == tuple(ba.shape):
+            raise InvalidValueError(op, f"blk was built for head_dim {built[0]} and a {list(built[1:])} mask, "
                                     f"not head_dim {qa.shape[-1]} and a {list(ma.shape)} mask")
     if not isinstance(layout, str) or layout not in _LAYOUTS:
-        raise InvalidValueError(_OP, f"layout must be 'bhld' or 'blhd', got {layout!r}")
+        raise InvalidValueError(op, f"layout must be 'bhld' or 'blhd', got {layout!r}")
     if out is None:
         out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        dst = check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma, ba])
-    kl = None if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, 1)
+        dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma, ba])
+    kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.
         seq = 1 if layout == "blhd" else 2
@@ -92,14 +93,14 @@ def flash_attn_prefill(
         q_offset = max((cap if kl is None else kl) - ql, 0)
     opts = _native.options(
         "FMPrefillOptions",
-        scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
-        softcap=_native.float32_arg(_OP, "softcap", softcap),
+        scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),
+        softcap=_native.float32_arg(op, "softcap", softcap),
         causal=1 if causal else 0,
-        q_offset=_native.index_arg(_OP, "q_offset", q_offset),
+        q_offset=_native.index_arg(op, "q_offset", q_offset),
         kv_len=0 if kl is None else kl,
-        window=0 if window is None else _native.index_arg(_OP, "window", window, 1),
+        window=0 if window is None else _native.index_arg(op, "window", window, 1),
         layout=_native.constant(_LAYOUTS[layout]))
     _native.call(reg, "fm_dispatch_prefill", tensor(_native.ffi(), qa), tensor(_native.ffi(), ka),
                  tensor(_native.ffi(), va), tensor(_native.ffi(), ma), tensor(_native.ffi(), ba),
-                 tensor(_native.ffi(), dst), opts, op=_OP, keep=(qa, ka, va, ma, ba, dst))
+                 tensor(_native.ffi(), dst), opts, op=op, keep=(qa, ka, va, ma, ba, dst))
     return out

@@ -1,4 +1,4 @@
-"""float64 numpy reference, written from the math (DESIGN §2), not from a kernel.
+"""float64 numpy reference, written from the math (docs/ARCHITECTURE.md, numeric contract), not from a kernel.
 
 Inputs are taken as given (already rounded to their dtype); everything is
 computed in float64.
@@ -6,6 +6,7 @@ computed in float64.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,8 @@ def fwht_undo(o: np.ndarray, bits: np.ndarray | None = None) -> np.ndarray:
     """y = s ⊙ (H_D o) / sqrt(D) along the last axis."""
     o = _f64(o)
     d = o.shape[-1]
-    return sign_vector(bits, d) * (o @ hadamard(d).T) / math.sqrt(d)
+    y: np.ndarray = sign_vector(bits, d) * (o @ hadamard(d).T) / math.sqrt(d)
+    return y
 
 
 def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: float | None = None,
@@ -144,7 +146,7 @@ def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: f
     return o if batched else o[0]
 
 
-# ---- serving semantics (flash-attn's API; issue 14) -------------------------
+# ---- serving semantics (flash-attn's API) ----------------------------------
 # Token-major tensors as flash-attn lays them out: one sequence is [L, H, D].
 # Row i of a sequence with qL queries and kL keys sits at t = kL - qL + i
 # (bottom-right); window_size=(left, right) keeps keys t - left <= p <= t + right
@@ -200,7 +202,7 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
     return o.transpose(1, 0, 2), lse
 
 
-def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kw) -> tuple[np.ndarray, np.ndarray]:
+def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_func: q [B, qL, H, D], k/v [B, kL, Hkv, D] -> (out [B, qL, H, D], lse [B, H, qL]).
     Keywords as `attend_sequence`."""
     pairs = [attend_sequence(q[b], k[b], v[b], **kw) for b in range(np.shape(q)[0])]
@@ -212,12 +214,13 @@ def paged_rows(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
     [num_pages, page_size, Hkv, D] whose pages are `pages` (its block_table row)."""
     page_size = cache.shape[1]
     p = np.arange(length)
-    return cache[np.asarray(pages)[p // page_size], p % page_size]
+    rows: np.ndarray = cache[np.asarray(pages)[p // page_size], p % page_size]
+    return rows
 
 
 def flash_attn_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
                       cu_seqlens_k: np.ndarray, *, block_table: np.ndarray | None = None,
-                      **kw) -> tuple[np.ndarray, np.ndarray]:
+                      **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_varlen_func: q [total_q, H, D]; k/v [total_k, Hkv, D], or paged
     [num_pages, page_size, Hkv, D] with block_table (sequence b then has
     cu_seqlens_k[b+1] - cu_seqlens_k[b] keys read through its table row)
@@ -254,7 +257,7 @@ def kv_append(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.nda
 def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *,
                        k: np.ndarray | None = None, v: np.ndarray | None = None,
                        cache_seqlens: np.ndarray | int | None = None, block_table: np.ndarray | None = None,
-                       **kw) -> tuple[np.ndarray, np.ndarray]:
+                       **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_with_kvcache: q [B, qL, H, D] over caches [B, cap, Hkv, D] (or
     paged with block_table) holding cache_seqlens[b] keys (None: all of them),
     after appending k/v [B, n_new, Hkv, D] at cache_seqlens (on copies: the
@@ -265,6 +268,7 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
         cache_seqlens = np.full(batch, full)
     lens = np.broadcast_to(np.asarray(cache_seqlens), (batch,))
     if k is not None:
+        assert v is not None, "k and v are appended together"
         k_cache, v_cache = kv_append(k_cache, v_cache, k, v, lens, block_table)
         lens = lens + np.shape(k)[1]
     outs, lses = [], []

@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -44,11 +44,11 @@ class Registry:
         self._handle: Any = out[0]
         self._batch_lock = threading.Lock()
         self._batch_depth = 0
-        self._batch_keep: list[tuple] = []
+        self._batch_keep: list[tuple[Any, ...]] = []
         name = ffi.new("char[]", 64)
         status = _native.lib().fm_registry_backend(self._handle, name, 64)
         if status != _native.lib().FM_OK:
-            raise _native.error_for(status, "the new registry is not live", "registry_backend")
+            raise _native.error_for(status, "registry_backend", "the new registry is not live")
         self.backend: str = ffi.string(name).decode()
         self._defers_work = self.backend in DEFERRING_BACKENDS
 
@@ -62,7 +62,7 @@ class Registry:
         return _native.lib()
 
     def _call(self, fn_name: str, *args: Any) -> None:
-        """Calls an fm_* entry point that ends in (err, errlen); messages keep the library's op."""
+        """Calls an fm_* entry point that ends in an FMError *; errors name the library's op."""
         _native.call(self, fn_name, *args)
 
     def dispatch_prefill(self, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
@@ -114,10 +114,10 @@ class Registry:
             raise InvalidValueError(op, "registry is closed")
         return h
 
-    def _keep_for_batch(self, arrays: tuple) -> None:
+    def _keep_for_batch(self, arrays: tuple[Any, ...]) -> None:
         """Holds the arrays of a call made inside a batch scope until it ends,
         on a backend that reads them only then; elsewhere nothing is kept
-        (issue 12 item 8: a batch must not hoard memory it does not need)."""
+        (a batch must not hoard memory it does not need)."""
         if self._defers_work and self._batch_depth:
             with self._batch_lock:
                 if self._batch_depth:
@@ -142,7 +142,7 @@ class Registry:
         except Exception:
             pass
 
-    def __enter__(self) -> "Registry":
+    def __enter__(self) -> Registry:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -152,7 +152,7 @@ class Registry:
         return f"Registry(backend={self.backend!r})"
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator["Registry"]:
+    def batch(self) -> Iterator[Registry]:
         """A batch scope: the backend may defer work until the scope closes
         (Metal: one command buffer). Read outputs after the ``with`` block.
         On a deferring backend (Metal) the arrays of calls made inside
@@ -176,7 +176,7 @@ class Registry:
 
 
 def _free_host(ptr: Any) -> None:
-    _native.lib().fm_free_host(ptr, _native.ffi().NULL, 0)
+    _native.lib().fm_free_host(ptr, _native.ffi().NULL)
 
 
 def metal_sim_counters() -> dict[str, int]:
@@ -221,7 +221,7 @@ def default_registry(backend: str = "auto") -> Registry:
 
 
 #: What a ``registry=`` argument accepts: a Registry, a backend name, or None (auto).
-RegistryLike = Union[Registry, str, None]
+RegistryLike = Registry | str | None
 
 
 def resolve(registry: RegistryLike, op: str) -> Registry:

@@ -1,4 +1,4 @@
-"""Simple fused SDPA (seed 003's op): float32, float16 or bfloat16, any head dim (<= 65536)."""
+"""Simple fused SDPA: float32, float16 or bfloat16, any head dim (<= 65536)."""
 from __future__ import annotations
 
 from typing import Any
@@ -52,25 +52,26 @@ def sdpa(
             or a torch CPU tensor), filled in place and returned.
         registry: a Registry or a backend name; default ``Registry("auto")``.
     """
-    reg = resolve(registry, _OP)
-    qa = as_input(q, _OP, "Q")
-    ka = as_input(k, _OP, "K")
-    va = as_input(v, _OP, "V")
-    ma = None if mask is None else as_input(mask, _OP, "mask")
+    op = _native.public_op(_OP)
+    reg = resolve(registry, op)
+    qa = as_input(q, op, "Q")
+    ka = as_input(k, op, "K")
+    va = as_input(v, op, "V")
+    ma = None if mask is None else as_input(mask, op, "mask")
     if out is None:
         out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        dst = check_out(out, _OP, qa.shape, qa.dtype, [qa, ka, va, ma])
+        dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma])
     opts = _native.options(
         "FMSdpaOptions",
-        scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
+        scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),
         causal=1 if causal else 0,
-        kv_len=0 if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, 1),
+        kv_len=0 if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1),
         has_q_offset=0 if q_offset is None else 1,
-        q_offset=0 if q_offset is None else _native.index_arg(_OP, "q_offset", q_offset),
-        window=0 if window is None else _native.index_arg(_OP, "window", window, 1),
-        softcap=_native.float32_arg(_OP, "softcap", softcap))
+        q_offset=0 if q_offset is None else _native.index_arg(op, "q_offset", q_offset),
+        window=0 if window is None else _native.index_arg(op, "window", window, 1),
+        softcap=_native.float32_arg(op, "softcap", softcap))
     ffi = _native.ffi()
     _native.call(reg, "fm_dispatch_sdpa", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, ma),
-                 tensor(ffi, dst), opts, op=_OP, keep=(qa, ka, va, ma, dst))
+                 tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, ma, dst))
     return out

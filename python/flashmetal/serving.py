@@ -1,4 +1,4 @@
-"""flash-attn's serving API (issue 14): ``flash_attn_func``,
+"""flash-attn's serving API: ``flash_attn_func``,
 ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``, with flash-attn's
 argument names, order, defaults, shapes (token-major ``[B, L, H, D]``) and
 return values, on every backend.
@@ -7,7 +7,7 @@ Semantics (flash-attn's): row i of a sequence with qL queries and kL keys sits
 at ``t = kL - qL + i`` (bottom-right); ``causal`` keeps keys ``p <= t``;
 ``window_size=(left, right)`` keeps ``t - left <= p <= t + right`` (-1 =
 unbounded); ``softcap`` c > 0 applies ``c*tanh(s/c)`` to the scaled score;
-``sinks`` (ours, as gpt-oss and MLX): a float32 ``[H]`` logit per head that joins
+``sinks`` (as gpt-oss and MLX have them): a float32 ``[H]`` logit per head that joins
 every row's softmax denominator without a value. The softmax LSE is the
 natural log of that denominator, float32; a row that sees no key (and has no
 sink) outputs zeros and has LSE ``-inf`` (flash-attn's CUDA kernel writes
@@ -21,16 +21,15 @@ in the same batch scope, before the attention reads the cache.
 """
 from __future__ import annotations
 
-import contextlib
-import re
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import Error, InvalidTypeError, InvalidValueError
+from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
@@ -236,6 +235,7 @@ def flash_attn_with_kvcache(
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out_arr)
     else:
+        assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
@@ -243,29 +243,10 @@ def flash_attn_with_kvcache(
     result, lse = finish()
     wrap = wrapper_like(q)
     result = wrap(result) if out is None else out
-    return (result, wrap(lse)) if want_lse else result
-
-
-# The decode and append entry points serve several public functions and name
-# their arguments after their own C parameters; the messages users see use
-# the public function's names.
-_DECODE_NAMES = {
-    _FUNC: {"lse": "softmax_lse"},
-    _KVCACHE: {"k": "k_cache", "v": "v_cache", "seqlens_k": "cache_seqlens", "lse": "softmax_lse"},
-}
-
-
-@contextlib.contextmanager
-def _public_names(names: dict[str, str]) -> Iterator[None]:
-    """Re-raises a library error with its argument names replaced (whole
-    words only) by the public function's."""
-    try:
-        yield
-    except Error as e:
-        prefix = f"{e.op}: " if e.op else ""
-        text = str(e)[len(prefix):]
-        renamed = re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: names[m.group(1)], text)
-        raise type(e)(e.op, renamed, e.status) from None
+    if not want_lse:
+        return result
+    assert lse is not None
+    return result, wrap(lse)
 
 
 def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
@@ -313,7 +294,7 @@ def _require_disjoint(*arrays: tuple[str, np.ndarray]) -> None:
     for i, (name, cache) in enumerate(arrays[:2]):
         for other, a in arrays[i + 1:]:
             try:
-                shared = np.shares_memory(cache, a, max_work=_OVERLAP_WORK)
+                shared = np.shares_memory(cache, a, max_work=_OVERLAP_WORK)  # type: ignore[arg-type]
             except np.exceptions.TooHardError:
                 shared = True
             if shared:
@@ -360,10 +341,9 @@ def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.nd
     try:
         with reg.batch():
             ffi = _native.ffi()
-            with _public_names({"k_new": "k", "v_new": "v"}):
-                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                             tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
-                             keep=(ka, va, kc, vc, lens, table))
+            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
+                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
+                         keep=(ka, va, kc, vc, lens, table))
             appended = True
             return attend(_grown(lens, ka))
     except BaseException:
@@ -422,10 +402,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
-        with _public_names(_DECODE_NAMES[op]):
-            _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
-                         ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                        lse, o32, keep))
+        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
+                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
+                                                                    lse, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(qa.dtype)
@@ -434,9 +413,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))
         return finish_decode
     result = np.empty(qa.shape, dtype=qa.dtype) if out is None else out
-    lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32) if want_lse and qa.ndim == 4 else None
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+    rows_lse: np.ndarray | None = None
+    if want_lse and qa.ndim == 4:
+        rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse,
+                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
                                                          result, keep))
-    return lambda: (result, lse)
+    return lambda: (result, rows_lse)

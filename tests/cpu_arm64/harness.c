@@ -200,7 +200,7 @@ done:
  * flash-attn's: q/o [B, qmax, H, D] or packed [total_q, H, D] (varlen_q);
  * k/v [B, kcap, Hkv, D], packed [total_k, Hkv, D] (varlen_k) or pages
  * [num_pages, page_size, Hkv, D] through a shuffled block table (paged,
- * with seqlens_k). per_seq = 0 is the seeds' mode (B = 1, row i at qoff + i)
+ * with seqlens_k). per_seq = 0 is the plain mode (B = 1, row i at qoff + i)
  * with the in-kernel window. */
 typedef struct {
     int32_t D, dtype, H, Hkv, B;
@@ -399,7 +399,7 @@ static void run_serving_cases(int fast) {
     const ServeCase mixed = {128, FM_DTYPE_BF16, 4, 2, 4, 1, 0, 1, 1, 32, 0, 1, 10, 20, 1, 1, 0, 0.0f,
                              {5, 0, 40, 3}, {70, 9, 40, 0}};
     run_serving(&mixed, fast);
-    /* the seeds' mode with the in-kernel window (fm_dispatch_prefill window=): row i at qoff + i */
+    /* the plain mode with the in-kernel window (fm_dispatch_prefill window=): row i at qoff + i */
     const ServeCase seedwin = {64, FM_DTYPE_F16, 4, 2, 1, 0, 0, 0, 0, 0, 1, 1, 56, -1, 0, 0, 80, 0.0f,
                                {70}, {150}};
     run_serving(&seedwin, fast);

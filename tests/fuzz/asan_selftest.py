@@ -15,8 +15,8 @@ code = r"""
 import numpy as np
 from flashmetal import _loader
 ffi, lib = _loader.load()
-h = ffi.new("FMRegistry **"); err = ffi.new("char[]", 256)
-lib.fm_create_registry(b"cpu", h, err, 256)
+h = ffi.new("FMRegistry **"); err = ffi.new("FMError *")
+lib.fm_create_registry(b"cpu", h, err)
 small = np.zeros(16, np.uint16)               # 32 real bytes...
 big = np.zeros((1, 1, 64, 64), np.uint16)
 def T(a, shape, nbytes):
@@ -27,7 +27,7 @@ def T(a, shape, nbytes):
 o = ffi.new("FMPrefillOptions *"); o.scale = 0.1
 q = T(small, [1, 1, 64, 64], 8192)            # ...claimed as 8 KiB: a caller's lie
 s = lib.fm_dispatch_prefill(h[0], q, T(big, [1, 1, 64, 64], 8192), T(big, [1, 1, 64, 64], 8192),
-                            ffi.NULL, ffi.NULL, T(np.zeros_like(big), [1, 1, 64, 64], 8192), o, err, 256)
+                            ffi.NULL, ffi.NULL, T(np.zeros_like(big), [1, 1, 64, 64], 8192), o, err)
 print("NOT CAUGHT", s)
 """
 p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -476,13 +476,13 @@ class Registries:
     def __init__(self, backends):
         ffi, L = lib()
         self.live = {}
-        err = ffi.new("char[]", 256)
+        err = ffi.new("FMError *")
         for b in backends:
             h = ffi.new("FMRegistry **")
-            assert L.fm_create_registry(b.encode(), h, err, 256) == 0, ffi.string(err)
+            assert L.fm_create_registry(b.encode(), h, err) == 0, (ffi.string(err.op) + b": " + ffi.string(err.message))
             self.live[b] = h[0]
         h = ffi.new("FMRegistry **")
-        assert L.fm_create_registry(b"cpu", h, err, 256) == 0
+        assert L.fm_create_registry(b"cpu", h, err) == 0
         self.dead = h[0]
         assert L.fm_destroy_registry(self.dead) == 0
         self.garbage = ffi.cast("FMRegistry *", 0x12345678)
@@ -532,55 +532,55 @@ def _opts(ctype: str, fields: dict | None, keep: list):
 def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
     ffi, L = lib()
     keep: list = []
-    err = ffi.new("char[]", 1024)
+    err = ffi.new("FMError *")
     T = lambda n: _fm_tensor(case.tensors.get(n), keep)  # noqa: E731
     extra = None
     if case.op == "prefill":
         s = L.fm_dispatch_prefill(regs.get(case), T("q"), T("k"), T("v"), T("mask"), T("blk"), T("out"),
-                                  _opts("FMPrefillOptions *", case.opts, keep), err, 1024)
+                                  _opts("FMPrefillOptions *", case.opts, keep), err)
     elif case.op == "vec":
         s = L.fm_dispatch_vec(regs.get(case), T("q"), T("k"), T("v"), T("signs"), T("tmp"), T("out"),
-                              _opts("FMVecOptions *", case.opts, keep), err, 1024)
+                              _opts("FMVecOptions *", case.opts, keep), err)
     elif case.op == "sdpa":
         s = L.fm_dispatch_sdpa(regs.get(case), T("q"), T("k"), T("v"), ffi.NULL, T("out"),
-                               _opts("FMSdpaOptions *", case.opts, keep), err, 1024)
+                               _opts("FMSdpaOptions *", case.opts, keep), err)
     elif case.op == "attn":
         seq = ffi.new("FMSeqTensors *")
         keep.append(seq)
         for f in SEQ_FIELDS:
             setattr(seq, f, T(f))
         s = L.fm_dispatch_attn(regs.get(case), T("q"), T("k"), T("v"), seq, T("out"),
-                               _opts("FMAttnOptions *", case.opts, keep), err, 1024)
+                               _opts("FMAttnOptions *", case.opts, keep), err)
     elif case.op == "vec_seq":
         seq = ffi.new("FMSeqTensors *")
         keep.append(seq)
         for f in SEQ_FIELDS:
             setattr(seq, f, T(f))
         s = L.fm_dispatch_vec_seq(regs.get(case), T("q"), T("k"), T("v"), seq, ffi.NULL, T("out"),
-                                  _opts("FMAttnOptions *", case.opts, keep), err, 1024)
+                                  _opts("FMAttnOptions *", case.opts, keep), err)
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
-                                    T("cache_seqlens"), T("block_table"), err, 1024)
+                                    T("cache_seqlens"), T("block_table"), err)
     elif case.op == "mask":
-        s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err, 1024)
+        s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err)
     elif case.op == "blk":
-        s = L.fm_dispatch_blk(regs.get(case), T("mask"), T("blk_out"), case.args["head_dim"], err, 1024)
+        s = L.fm_dispatch_blk(regs.get(case), T("mask"), T("blk_out"), case.args["head_dim"], err)
     elif case.op == "blk_byte_len":
         out = ffi.new("size_t *")
-        s = L.fm_blk_byte_len(case.args["q_len"], case.args["k_len"], case.args["head_dim"], out, err, 1024)
+        s = L.fm_blk_byte_len(case.args["q_len"], case.args["k_len"], case.args["head_dim"], out, err)
         extra = int(out[0])
     else:  # alloc_blk + free_blk
         t = ffi.new("FMTensor *")
-        s = L.fm_alloc_blk(case.args["q_len"], case.args["k_len"], case.args["head_dim"], t, err, 1024)
+        s = L.fm_alloc_blk(case.args["q_len"], case.args["k_len"], case.args["head_dim"], t, err)
         if s == 0:
             nb = int(t.nbytes)  # may be GiBs of untouched calloc pages: read at most 1 MiB
             head = min(nb, 1 << 20)
             extra = (nb, int(t.shape[0]), int(t.shape[1]), bytes(ffi.buffer(t.data, head)) == bytes(head))
-            s2 = L.fm_free_blk(t, err, 1024)
-            assert s2 == 0, ffi.string(err)
+            s2 = L.fm_free_blk(t, err)
+            assert s2 == 0, (ffi.string(err.op) + b": " + ffi.string(err.message))
             assert t.data == ffi.NULL
-            assert L.fm_free_blk(t, err, 1024) == 0  # data NULL: no-op
-    return s, ffi.string(err).decode(errors="replace"), extra
+            assert L.fm_free_blk(t, err) == 0  # data NULL: no-op
+    return s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode(errors="replace"), extra
 
 
 # ---------------------------------------------------------------- reference
@@ -618,7 +618,7 @@ def expected(case: Case, extra: Any):
         if o["fwht"]:
             sg = t["signs"].array() if "signs" in t and not t["signs"].null else None
             e = reference.fwht_undo(e, sg)
-        # q stays float32 on every backend: decode is held to the f32 tolerance (DESIGN §6).
+        # q stays float32 on every backend: decode is held to the f32 tolerance.
         return e, "out", 0
     if case.op == "sdpa":
         q, k, v = t["q"].array(), t["k"].array(), t["v"].array()

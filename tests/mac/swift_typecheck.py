@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -119,7 +118,7 @@ class Checker:
         self.mods = work / "modules"
         for d in (self.sdk, self.mods):
             d.mkdir(parents=True, exist_ok=True)
-        # swiftc wants an SDK for an Apple target; ours is empty.
+        # swiftc wants an SDK for an Apple target; the stand-in SDK is empty.
         version = target.split("macosx")[-1]
         (self.sdk / "SDKSettings.json").write_text(json.dumps({
             "CanonicalName": f"macosx{version}", "DisplayName": "stand-in", "Version": version,

@@ -1,4 +1,4 @@
-"""Shared test helpers: dtypes, random inputs, tolerances (DESIGN §6)."""
+"""Shared test helpers: dtypes, random inputs, tolerances."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -18,6 +18,18 @@ TOLERANCE = {BF16: (5e-3, 2e-2), F16: (1e-3, 5e-3), F32: (1e-5, 1e-4)}
 def randn(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """Standard normal values rounded to dtype."""
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def qkv_of_shapes(rng: np.random.Generator, q_shape: tuple[int, ...], kv_shape: tuple[int, ...],
+                  dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q of q_shape, then k and v of kv_shape: standard normal values in dtype."""
+    return randn(rng, q_shape, dtype), randn(rng, kv_shape, dtype), randn(rng, kv_shape, dtype)
+
+
+def qkv(rng: np.random.Generator, dtype: np.dtype, *, b: int = 1, h: int = 2, hkv: int = 2, ql: int = 6,
+        kl: int = 20, d: int = 64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Head-major q [b, h, ql, d] and k, v [b, hkv, kl, d] (qkv_of_shapes)."""
+    return qkv_of_shapes(rng, (b, h, ql, d), (b, hkv, kl, d), dtype)
 
 
 def worst_element(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:

@@ -71,10 +71,6 @@ def paged(rng: np.random.Generator, caches: list[list[np.ndarray]], page_size: i
     return out, table
 
 
-def qkv(rng, q_shape, kv_shape, dtype):
-    return randn(rng, q_shape, dtype), randn(rng, kv_shape, dtype), randn(rng, kv_shape, dtype)
-
-
 def sinks_for(rng, heads: int) -> np.ndarray:
     """Sink logits around the scores' range, so they change the result."""
     return rng.uniform(-1.0, 2.0, heads).astype(np.float32)

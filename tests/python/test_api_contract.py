@@ -1,5 +1,5 @@
-"""One semantics across ops (issue 13 item 2), typed errors, argument checks
-(issue 12 item 12), the ABI version check and the typed facade (issue 15)."""
+"""One semantics across ops, typed errors with their fields, argument checks,
+the ABI version check and the typed facade."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import _loader, _native, reference
 from numerics import BF16, F32, assert_close, randn
+from cabi import err_text
 
 
 def test_error_hierarchy_carries_op_and_status(cpu):
@@ -28,6 +29,40 @@ def test_error_hierarchy_carries_op_and_status(cpu):
     assert isinstance(e.value, fm.InvalidTypeError) and e.value.status == lib.FM_ERROR_TYPE
     assert issubclass(fm.BackendError, fm.Error) and issubclass(fm.BackendError, RuntimeError)
     assert issubclass(fm.InternalError, RuntimeError)
+
+
+def test_errors_carry_the_argument_from_the_library(cpu):
+    """The library's error fields reach the exception as they are: the
+    argument is the public function's parameter name."""
+    q = np.zeros((1, 1, 1, 100), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_prefill(q, q, q, registry=cpu)
+    assert e.value.argument == "q" and "head_dim" in str(e.value)
+    k = np.zeros((2, 8, 64), F32)
+    with pytest.raises(ValueError) as e:
+        fm.flash_attn_decode(np.zeros((4, 64), F32), k, k, kv_len=9, registry=cpu)
+    assert e.value.argument == "kv_len"
+    kc = np.zeros((1, 32, 2, 64), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_with_kvcache(np.zeros((1, 1, 3, 64), BF16), kc, kc, cache_seqlens=5, registry=cpu)
+    assert e.value.op == "flash_attn_with_kvcache" and e.value.argument == "q"
+    assert "must be a multiple of the k_cache heads" in str(e.value)
+
+
+def test_an_inner_public_function_names_the_outer_one(cpu):
+    """A public function run by another (the front door runs prefill,
+    decode or sdpa) names the outer one in every error, library or Python."""
+    q = np.zeros((1, 1, 1, 100), BF16)
+    with _native.running("scaled_dot_product_attention"):
+        with pytest.raises(fm.InvalidValueError) as e:
+            fm.flash_attn_prefill(q, q, q, registry=cpu)
+        assert e.value.op == "scaled_dot_product_attention"
+        with pytest.raises(fm.InvalidValueError) as e:
+            fm.sdpa(q, q, q, window=0, registry=cpu)
+        assert e.value.op == "scaled_dot_product_attention" and e.value.argument == "window"
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_prefill(q, q, q, registry=cpu)
+    assert e.value.op == "flash_attn_prefill"
 
 
 def test_messages_name_the_public_function_and_kv_len(cpu):
@@ -103,7 +138,7 @@ def test_one_causal_convention(registry, rng):
     assert_close(fm.sdpa(q, k, v, registry=registry), full, BF16, "sdpa default")
     top_left = reference.attention(q, k, v, causal=True, q_offset=0)
     assert_close(fm.flash_attn_prefill(q, k, v, causal=True, q_offset=0, registry=registry), top_left, BF16, "tl")
-    m = fm.build_mask(8, 24, registry=registry)  # bottom-right by default too
+    m = fm.build_mask(8, 24, causal=True, registry=registry)  # bottom-right by default too
     assert np.array_equal(m.astype(np.float64), reference.mask_additive(8, 24, causal=True, q_offset=16))
 
 
@@ -130,9 +165,23 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
-    assert fm.supported_head_dims("flash_attn_vec") == (64, 80, 96, 128, 192, 256, 512)
-    with pytest.raises(ValueError, match="supported_head_dims: op must be"):
+    assert fm.supported_head_dims("flash_attn_decode") == (64, 80, 96, 128, 192, 256, 512)
+    assert fm.supported_head_dims("flash_attn_vec") == fm.supported_head_dims("flash_attn_decode")  # alias
+    assert _native.max_head_dim("flash_attn_decode") == _native.max_head_dim("flash_attn_vec") == 512
+    with pytest.raises(ValueError, match="supported_head_dims: op must be 'flash_attn_prefill' or 'flash_attn_decode'"):
         fm.supported_head_dims("nope")
+
+
+def test_no_op_is_causal_unless_asked(registry):
+    """One default for causal across the ops: off. build_mask gives an
+    all-zero mask, decode sees every key either way."""
+    assert np.array_equal(fm.build_mask(4, 6, registry=registry).astype(np.float64), np.zeros((4, 6)))
+    rng = np.random.default_rng(3)
+    q, k = randn(rng, (2, 64), F32), randn(rng, (1, 16, 64), F32)
+    a = fm.flash_attn_decode(q, k, k, kv_len=16, registry=registry)
+    b = fm.flash_attn_decode(q, k, k, kv_len=16, causal=True, registry=registry)
+    assert_close(a, reference.attention(q[None, :, None], k[None], k[None])[0, :, 0], F32, "decode default")
+    assert np.array_equal(a, b)
 
 
 def test_max_head_dim_comes_from_the_library(monkeypatch):
@@ -144,9 +193,9 @@ def test_max_head_dim_comes_from_the_library(monkeypatch):
         assert _native.max_head_dim(op) == max(fm.supported_head_dims(op))
     with pytest.raises(ValueError, match="^max_head_dim: op must be .*got 'nope'"):
         _native.max_head_dim("nope")
-    ffi, err = _native.ffi(), _native.ffi().new("char[]", 256)
-    assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err, 256) == _native.lib().FM_ERROR_VALUE
-    assert ffi.string(err) == b"max_head_dim: out is null"
+    ffi, err = _native.ffi(), _native.ffi().new("FMError *")
+    assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err) == _native.lib().FM_ERROR_VALUE
+    assert err_text(err) == b"max_head_dim: out is null"
     monkeypatch.setattr(_native, "max_head_dim", lambda op: {"sdpa": 600}[op])
     q = np.zeros((1, 1, 2, 640), np.float32)
     with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 640 is above 600"):

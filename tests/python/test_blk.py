@@ -8,6 +8,7 @@ import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, assert_bits_equal, assert_close, randn
+from cabi import err_text
 
 GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
 
@@ -15,7 +16,7 @@ GEOMETRY = {64: (32, 16), 128: (32, 16), 256: (32, 16), 512: (8, 8)}
 @pytest.mark.parametrize("d", [128, 512])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_causal_64x64(registry, d, dtype):
-    m = fm.build_mask(64, 64, dtype=dtype, registry=registry)
+    m = fm.build_mask(64, 64, causal=True, dtype=dtype, registry=registry)
     blk = fm.build_blk(m, d, registry=registry)
     want = reference.blk_classes(m, *GEOMETRY[d])
     assert blk.dtype == np.uint8 and blk.shape == want.shape
@@ -25,21 +26,21 @@ def test_causal_64x64(registry, d, dtype):
 
 @pytest.mark.parametrize("d", [256, 512])
 def test_window_64_256x256(registry, d):
-    m = fm.build_mask(256, 256, window=64, registry=registry)
+    m = fm.build_mask(256, 256, causal=True, window=64, registry=registry)
     blk = fm.build_blk(m, d, registry=registry)
     assert np.array_equal(blk, reference.blk_classes(m, *GEOMETRY[d]))
 
 
 def test_edges_and_values(registry, rng):
     # unaligned qL and kL: partial right-edge K tiles are 1; the last Q tile has 3 rows
-    m = fm.build_mask(35, 40, q_offset=5, registry=registry)
+    m = fm.build_mask(35, 40, causal=True, q_offset=5, registry=registry)
     blk = fm.build_blk(m, 128, registry=registry)
     assert np.array_equal(blk, reference.blk_classes(m, 32, 16))
     assert np.all(blk[:, -1] == 1)
     # finite biases, -0.0 (== 0), very negative finite values and NaN
     a = np.zeros((32, 64), np.float32)
     a[:, 16:32] = -np.inf                    # all -inf: class 0 (a finite -1e31 tile is 1:
-                                             # test_cpu_nonfinite, the skip rule of issue 12)
+                                             # test_cpu_nonfinite, the rule that only -inf cells are skipped)
     a[:, 32:48] = -0.0                       # exactly 0: class 2
     a[5, 48] = 0.5                           # a finite bias: class 1
     a[0:16, 0:16] = -np.inf
@@ -79,34 +80,33 @@ def test_byte_len_errors(cpu, args, msg):
 
 def test_alloc_and_free(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     t = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(100, 70, 512, t, err, 256) == 0, ffi.string(err)
+    assert lib.fm_alloc_blk(100, 70, 512, t, err) == 0, err_text(err)
     assert (t.ndim, t.shape[0], t.shape[1], t.dtype, t.nbytes) == (2, 13, 9, 4, 128)
     assert bytes(ffi.buffer(t.data, t.nbytes)) == bytes(128)
-    m = fm.build_mask(100, 70, q_offset=0, registry=cpu)
+    m = fm.build_mask(100, 70, causal=True, q_offset=0, registry=cpu)
     cpu._call("fm_dispatch_blk", tensor(ffi, m), t, 512)
     got = np.frombuffer(ffi.buffer(t.data, 13 * 9), np.uint8).reshape(13, 9)
     assert np.array_equal(got, reference.blk_classes(m, 8, 8))
     data = t.data
-    assert lib.fm_free_blk(t, err, 256) == 0
+    assert lib.fm_free_blk(t, err) == 0
     assert t.data == ffi.NULL and t.nbytes == 0
-    assert lib.fm_free_blk(t, err, 256) == 0  # NULL data: nothing to free
+    assert lib.fm_free_blk(t, err) == 0  # NULL data: nothing to free
     t.data = data  # double free is refused, not performed
-    assert lib.fm_free_blk(t, err, 256) == 1
-    assert b"free_blk: " in ffi.string(err) and b"is not a live buffer from fm_alloc_blk" in ffi.string(err)
+    assert lib.fm_free_blk(t, err) == 1
+    assert b"free_blk: " in err_text(err) and b"is not a live buffer from fm_alloc_blk" in err_text(err)
     own = np.zeros(32, np.uint8)
     t.data = ffi.cast("void *", own.ctypes.data)
-    assert lib.fm_free_blk(t, err, 256) == 1
-    assert lib.fm_free_blk(ffi.NULL, err, 256) == 1 and b"free_blk: blk is null" in ffi.string(err)
-    assert lib.fm_alloc_blk(0, 70, 512, t, err, 256) == 1 and b"q_len must be > 0" in ffi.string(err)
-    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err, 256) == 1 and b"alloc_blk: out is null" in ffi.string(err)
-    out = ffi.new("size_t *")
-    assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err, 256) == 1
+    assert lib.fm_free_blk(t, err) == 1
+    assert lib.fm_free_blk(ffi.NULL, err) == 1 and b"free_blk: blk is null" in err_text(err)
+    assert lib.fm_alloc_blk(0, 70, 512, t, err) == 1 and b"q_len must be > 0" in err_text(err)
+    assert lib.fm_alloc_blk(4, 4, 512, ffi.NULL, err) == 1 and b"alloc_blk: out is null" in err_text(err)
+    assert lib.fm_blk_byte_len(4, 4, 512, ffi.NULL, err) == 1
 
 
 def test_dispatch_errors(registry):
-    m = fm.build_mask(64, 64, registry=registry)
+    m = fm.build_mask(64, 64, causal=True, registry=registry)
     with pytest.raises(TypeError, match="build_blk: mask must be bfloat16 or float16 or bool, got float32"):
         fm.build_blk(m.astype(np.float32), 128, registry=registry)
     with pytest.raises(ValueError, match="build_blk: mask must have rank 2"):
@@ -135,9 +135,9 @@ def test_blk_bit_identical_to_no_blk(registry, rng, d, kind):
     v = randn(rng, (1, 1, kl, d), dtype)
     off = kl - ql
     if kind == "causal":
-        m = fm.build_mask(ql, kl, q_offset=off, dtype=dtype, registry=registry)
+        m = fm.build_mask(ql, kl, causal=True, q_offset=off, dtype=dtype, registry=registry)
     elif kind == "window":
-        m = fm.build_mask(ql, kl, q_offset=off, window=20, dtype=dtype, registry=registry)
+        m = fm.build_mask(ql, kl, causal=True, q_offset=off, window=20, dtype=dtype, registry=registry)
     else:
         keep = rng.random((ql, kl)) < 0.5
         keep[:, 16:32] = True

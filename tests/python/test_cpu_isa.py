@@ -128,6 +128,7 @@ SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfini
           "test_serving_prefill_cpu.py", "test_serving_decode_sim.py", "test_serving_decode_cpu.py"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ISAS + ["neon"])
 def test_suite_under_forced_isa(isa):
     """The prefill, sdpa, decode, non-finite and serving-prefill cpu suites

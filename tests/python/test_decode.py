@@ -11,6 +11,7 @@ import flashmetal as fm
 from flashmetal import reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from cabi import err_text
 
 HEAD_DIMS = [64, 128, 256, 512]
 KV_DTYPES = [F32, F16, BF16]
@@ -31,7 +32,7 @@ def run(registry, rng, *, b=None, h=4, hkv=2, cap=80, kv_len=70, d=128, kv=F16, 
     exp = reference.decode(q, k, v, kv_len, scale=scale, window=w, softcap=softcap)
     if fwht or signs is not None:
         exp = reference.fwht_undo(exp, signs)
-    # q stays float32 on every backend: decode is held to the f32 tolerance (DESIGN §6).
+    # q stays float32 on every backend: decode is held to the f32 tolerance.
     assert_close(out, exp, F32, f"{registry.backend} d={d} kv={kv} mask={mask} q*{q_mult:g}")
     return q, k, v, out
 
@@ -122,7 +123,7 @@ def test_fwht_all_ones_vs_zero_signs(registry, rng):
 
 
 def test_explicit_tmp(cpu, rng):
-    """A caller-provided tmp holds the seeds' layout: partial O, then (S, M) pairs.
+    """A caller-provided tmp holds mlx-native's layout: partial O, then (S, M) pairs.
     Keys are dealt in contiguous runs of FM_VEC_CHUNK = 32-key chunks (one chunk
     per workgroup here); a workgroup without keys writes S = 0 and leaves its O."""
     h, d, kvl = 2, 64, 70
@@ -198,15 +199,15 @@ def test_errors(registry, make, kwargs, exc, msg):
 
 def test_abi_errors(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     q, k, v = _qkv()
     out = np.zeros_like(q)
     opts = ffi.new("FMVecOptions *")
     opts.scale, opts.kv_len = 1.0, 16
 
     def call(*args):
-        st = lib.fm_dispatch_vec(cpu._handle, *args, err, 256)
-        return st, ffi.string(err).decode()
+        st = lib.fm_dispatch_vec(cpu._handle, *args, err)
+        return st, err_text(err).decode()
 
     T = lambda a: tensor(ffi, a)  # noqa: E731
     assert call(ffi.NULL, T(k), T(v), ffi.NULL, ffi.NULL, T(out), opts) == (1, "flash_attn_vec: q is null")

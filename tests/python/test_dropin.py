@@ -15,14 +15,9 @@ import pytest
 import flashmetal as fm
 from conftest import SIMULATED
 from flashmetal import attention, reference
-from numerics import BF16, F16, F32, assert_close, randn
+from numerics import BF16, F16, F32, assert_close, qkv
 
 SDPA = fm.scaled_dot_product_attention
-
-
-def qkv(rng, dtype, b=1, h=2, hkv=2, ql=6, kl=20, d=64):
-    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype),
-            randn(rng, (b, hkv, kl, d), dtype))
 
 
 def small(registry, big, little):
@@ -262,7 +257,7 @@ def test_mask_over_whole_cache_with_kv_len(cpu, rng):
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_window_prefill_builds_no_mask(registry, rng, monkeypatch, align, causal, with_mask):
     """The window goes into the prefill kernel: no [qL, kL] mask or blk is
-    built (issue 13 item 4), alone or beside a caller's broadcast mask."""
+    built, alone or beside a caller's broadcast mask."""
     from flashmetal import blk as blk_module, mask as mask_module
     for mod, name in ((mask_module, "build_mask"), (blk_module, "build_blk")):
         monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("a window mask was built"))

@@ -1,4 +1,4 @@
-"""Issue 12 item 10 on every backend (the Metal kernels under the sim, the
+"""Finite biases are not masks, on every backend (the Metal kernels under the sim, the
 cpu kernels): a finite mask value, however negative, is a bias and not a mask.
 
 (a) blk skips only tiles whose every cell is -inf: a tile of -1e30 or

@@ -2,6 +2,7 @@
 the same semantics whichever kernel runs. torch's own conventions: test_dropin.py."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
+import numerics
 from numerics import BF16, F16, F32, assert_close, randn
 
 
@@ -21,9 +23,7 @@ def SDPA(*args, return_kernel=False, **kwargs):
     return (out, fm.last_route().kernel) if return_kernel else out
 
 
-def qkv(rng, dtype, b=1, h=4, hkv=2, ql=6, cap=40, d=64):
-    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, cap, d), dtype),
-            randn(rng, (b, hkv, cap, d), dtype))
+qkv = functools.partial(numerics.qkv, h=4, kl=40)
 
 
 def expect(q, k, v, kl, *, causal, window=None, mask=None, softcap=0.0, scale=None):
@@ -53,7 +53,7 @@ def test_routes(registry, rng, dtype, ql, route, causal):
 @pytest.mark.parametrize("dtype,ql", [(BF16, 6), (F16, 40), (F32, 1), (BF16, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_window(registry, rng, dtype, ql, causal):
-    q, k, v = qkv(rng, dtype, ql=ql, cap=70, d=128)
+    q, k, v = qkv(rng, dtype, ql=ql, kl=70, d=128)
     out, ran = SDPA(q, k, v, is_causal=causal, window=9, kv_len=60, return_kernel=True, registry=registry)
     assert ran == ("flash_attn_vec" if ql == 1 else "flash_attn_prefill")
     assert_close(out, expect(q, k, v, 60, causal=causal, window=9), tol(dtype, ran), ran)
@@ -61,7 +61,7 @@ def test_window(registry, rng, dtype, ql, causal):
 
 def test_same_semantics_across_routes(registry, rng):
     """The one-row decode route and the prefill route agree for the same problem."""
-    q, k, v = qkv(rng, BF16, ql=3, cap=50, d=64)
+    q, k, v = qkv(rng, BF16, ql=3, kl=50, d=64)
     full = SDPA(q, k, v, is_causal=True, window=7, kv_len=45, softcap=3.0, registry=registry)
     last, ran = SDPA(q[:, :, 2:3], k, v, is_causal=True, window=7, kv_len=45, softcap=3.0,
                      return_kernel=True, registry=registry)
@@ -75,7 +75,7 @@ def test_same_semantics_across_routes(registry, rng):
 @pytest.mark.parametrize("causal", [False, True])
 def test_f32_mask_and_window_take_sdpa(registry, rng, kind, causal):
     """float32 with several rows: attn_mask and window go in as sdpa's mask."""
-    q, k, v = qkv(rng, F32, ql=8, cap=30)
+    q, k, v = qkv(rng, F32, ql=8, kl=30)
     shape = (8, 24) if kind.endswith("2") else (1, 4, 8, 24)
     keep = rng.random(shape) < 0.7
     keep[..., 0] = True
@@ -88,7 +88,7 @@ def test_f32_mask_and_window_take_sdpa(registry, rng, kind, causal):
 
 @pytest.mark.parametrize("kind", ["additive2", "bool4"])
 def test_attn_mask_prefill(registry, rng, kind):
-    q, k, v = qkv(rng, BF16, ql=8, cap=24)
+    q, k, v = qkv(rng, BF16, ql=8, kl=24)
     shape = (8, 24) if kind == "additive2" else (1, 4, 8, 24)
     keep = rng.random(shape) < 0.6
     keep[..., 0] = True
@@ -100,7 +100,7 @@ def test_attn_mask_prefill(registry, rng, kind):
 
 
 def test_one_row_with_mask_takes_prefill(registry, rng):
-    q, k, v = qkv(rng, F16, ql=1, cap=24)
+    q, k, v = qkv(rng, F16, ql=1, kl=24)
     m = np.zeros((1, 24), F16)
     m[0, 3:9] = -np.inf
     out, ran = SDPA(q, k, v, attn_mask=m, return_kernel=True, registry=registry)
@@ -109,14 +109,14 @@ def test_one_row_with_mask_takes_prefill(registry, rng):
 
 
 def test_scale_softcap_prefill(registry, rng):
-    q, k, v = qkv(rng, BF16, ql=5, cap=30, d=128)
+    q, k, v = qkv(rng, BF16, ql=5, kl=30, d=128)
     s = 4 / math.sqrt(128)
     out = SDPA(q, k, v, is_causal=True, scale=s, softcap=2.0, registry=registry)
     assert_close(out, expect(q, k, v, 30, causal=True, scale=s, softcap=2.0), BF16)
 
 
 def test_f32_non_vec_head_dim_one_row_takes_sdpa(registry, rng):
-    q, k, v = qkv(rng, F32, ql=1, cap=20, d=32)
+    q, k, v = qkv(rng, F32, ql=1, kl=20, d=32)
     out, ran = SDPA(q, k, v, is_causal=True, return_kernel=True, registry=registry)
     assert ran == "sdpa"
     assert_close(out, expect(q, k, v, 20, causal=True), F32)
@@ -163,7 +163,7 @@ def test_exports():
 
 @pytest.mark.parametrize("dtype,d", [(F32, 640), (BF16, 1024), (F16, 520)])
 def test_head_dims_above_512_take_the_general_kernel(registry, rng, dtype, d):
-    """Issue 13: the front door finds a path for any head dim; above 512 the
+    """The front door finds a path for any head dim; above 512 the
     general kernel walks the output in column blocks."""
     q = randn(rng, (1, 2, 5, d), dtype)
     k = randn(rng, (1, 1, 7, d), dtype)

@@ -1,4 +1,4 @@
-"""Fuzzing the serving API (issue 14) through hypothesis, as test_fuzz.py
+"""Fuzzing the serving API through hypothesis, as test_fuzz.py
 does the other ops: random shapes, lengths, tables and options, some of them
 wrong. Every call either succeeds -- matching the float64 serving reference,
 with the caches holding exactly the appended rows -- or raises ValueError /
@@ -7,6 +7,7 @@ array of the caller (caches, tables, lengths) unchanged; never a crash."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -105,6 +106,7 @@ def _kvcache(c, rng):
     return q, kc, vc, new, seqlens, table
 
 
+@pytest.mark.slow
 @base.FUZZ
 @given(c=serving_calls(), seed=st.integers(0, 2**32 - 1))
 def test_serving_api(cpu, c, seed):

@@ -1,4 +1,4 @@
-"""Issue 12 items 7-9 and issue 10's batch bullet: handles that are never
+"""Handles that are never
 reused, scratch that lives exactly as long as its work, blk geometry checks,
 and the arrays a batch keeps alive."""
 from __future__ import annotations
@@ -14,10 +14,11 @@ import flashmetal as fm
 from flashmetal import _native, reference
 from flashmetal._arrays import tensor
 from numerics import BF16, F16, F32, assert_close, randn
+from cabi import err_text
 
 
 def _err():
-    return _native.ffi().new("char[]", 512)
+    return _native.ffi().new("FMError *")
 
 
 def test_destroyed_registry_handle_is_never_another_registry():
@@ -25,23 +26,23 @@ def test_destroyed_registry_handle_is_never_another_registry():
     handles = []
     for _ in range(3):
         h = ffi.new("FMRegistry **")
-        assert lib.fm_create_registry(b"cpu", h, ffi.NULL, 0) == lib.FM_OK
+        assert lib.fm_create_registry(b"cpu", h, ffi.NULL) == lib.FM_OK
         handles.append(h[0])
     stale = handles[0]
     assert lib.fm_destroy_registry(stale) == lib.FM_OK
     fresh = ffi.new("FMRegistry **")
-    assert lib.fm_create_registry(b"cpu", fresh, ffi.NULL, 0) == lib.FM_OK
+    assert lib.fm_create_registry(b"cpu", fresh, ffi.NULL) == lib.FM_OK
     assert fresh[0] not in handles, "a handle value was handed out twice"
     err = _err()
-    assert lib.fm_begin_batch(stale, err, 512) == lib.FM_ERROR_VALUE
-    assert b"not a live registry" in ffi.string(err)
+    assert lib.fm_begin_batch(stale, err) == lib.FM_ERROR_VALUE
+    assert b"not a live registry" in err_text(err)
     assert lib.fm_destroy_registry(stale) == lib.FM_ERROR_VALUE  # double destroy
     name = ffi.new("char[]", b"garbage")
     assert lib.fm_registry_backend(stale, name, 8) == lib.FM_ERROR_VALUE
     assert ffi.string(name) == b"", "an error must not leave a message where the name goes"
     for h in handles[1:] + [fresh[0]]:  # the live ones are untouched
-        assert lib.fm_begin_batch(h, err, 512) == lib.FM_OK
-        assert lib.fm_end_batch(h, err, 512) == lib.FM_OK
+        assert lib.fm_begin_batch(h, err) == lib.FM_OK
+        assert lib.fm_end_batch(h, err) == lib.FM_OK
         assert lib.fm_destroy_registry(h) == lib.FM_OK
 
 
@@ -49,29 +50,29 @@ def test_stale_blk_descriptor_cannot_free_or_feed_a_live_buffer(cpu):
     ffi, lib = _native.ffi(), _native.lib()
     err = _err()
     t1 = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(64, 64, 128, t1, err, 512) == lib.FM_OK
+    assert lib.fm_alloc_blk(64, 64, 128, t1, err) == lib.FM_OK
     assert t1.tag != 0
     stale = ffi.new("FMTensor *")
     ffi.memmove(stale, t1, ffi.sizeof("FMTensor"))  # a copy of the descriptor
-    assert lib.fm_free_blk(t1, err, 512) == lib.FM_OK
+    assert lib.fm_free_blk(t1, err) == lib.FM_OK
     assert t1.tag == 0 and t1.data == ffi.NULL
     # Allocate until malloc hands the freed address out again (usually at once).
     live = []
     for _ in range(64):
         t = ffi.new("FMTensor *")
-        assert lib.fm_alloc_blk(64, 64, 128, t, err, 512) == lib.FM_OK
+        assert lib.fm_alloc_blk(64, 64, 128, t, err) == lib.FM_OK
         live.append(t)
         if t.data == stale.data:
             break
     reused = live[-1]
-    assert lib.fm_free_blk(stale, err, 512) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
-    assert b"free_blk:" in ffi.string(err) and b"not a live buffer" in ffi.string(err)
-    m = fm.build_mask(64, 64, registry=cpu)
-    st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err, 512)
-    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in ffi.string(err)
-    assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err, 512) == lib.FM_OK
+    assert lib.fm_free_blk(stale, err) == lib.FM_ERROR_VALUE, "stale copy freed a live buffer"
+    assert b"free_blk:" in err_text(err) and b"not a live buffer" in err_text(err)
+    m = fm.build_mask(64, 64, causal=True, registry=cpu)
+    st = lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), stale, 128, err)
+    assert st == lib.FM_ERROR_VALUE and b"not a live fm_alloc_blk buffer" in err_text(err)
+    assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), reused, 128, err) == lib.FM_OK
     for t in live:
-        assert lib.fm_free_blk(t, err, 512) == lib.FM_OK
+        assert lib.fm_free_blk(t, err) == lib.FM_OK
 
 
 @pytest.fixture
@@ -103,17 +104,17 @@ def test_tagged_blk_remembers_its_geometry(cpu, prefill_inputs):
     err = _err()
     m = fm.build_mask(64, 64, causal=True, registry=cpu)
     blk = ffi.new("FMTensor *")
-    assert lib.fm_alloc_blk(64, 64, 64, blk, err, 512) == lib.FM_OK
+    assert lib.fm_alloc_blk(64, 64, 64, blk, err) == lib.FM_OK
     try:
-        assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), blk, 64, err, 512) == lib.FM_OK
+        assert lib.fm_dispatch_blk(cpu._handle, tensor(ffi, m), blk, 64, err) == lib.FM_OK
         out = np.empty_like(q)
         opts = _native.options("FMPrefillOptions", scale=0.1, layout=lib.FM_LAYOUT_BHLD)
         st = lib.fm_dispatch_prefill(cpu._handle, tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), tensor(ffi, m),
-                                     blk, tensor(ffi, out), opts, err, 512)
+                                     blk, tensor(ffi, out), opts, err)
         assert st == lib.FM_ERROR_VALUE
-        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in ffi.string(err)
+        assert b"blk was built for head_dim 64 and a [64, 64] mask, not head_dim 128" in err_text(err)
     finally:
-        assert lib.fm_free_blk(blk, err, 512) == lib.FM_OK
+        assert lib.fm_free_blk(blk, err) == lib.FM_OK
 
 
 _SCRATCH_PROBE = """
@@ -154,7 +155,7 @@ def test_close_inside_a_batch_loses_nothing(registry_name, rng):
         out = fm.flash_attn_decode(q, k, v, 40, registry=reg)
         reg.close()  # ends the open scope: the work has run, nothing leaks
     assert reg._handle is None
-    # Decode is held to the f16 tolerance (DESIGN §6).
+    # Decode is held to the f16 tolerance.
     assert_close(out, reference.decode(q, k, v, 40, scale=1 / 8), F16, "decode inside a batch closed early")
     with pytest.raises(ValueError, match="flash_attn_decode: registry is closed"):
         fm.flash_attn_decode(q, k, v, 40, registry=reg)
@@ -166,7 +167,7 @@ def registry_name(request):
 
 
 def test_batch_keeps_temporary_copies_until_it_ends(registry_name, rng):
-    """Issue 10: a deferring backend reads inputs at commit, so the contiguous
+    """A deferring backend reads inputs at commit, so the contiguous
     copy Python makes of a strided input must outlive the call."""
     reg = fm.Registry(registry_name)
     q = randn(rng, (4, 128), F32)[:, ::2]  # strided: the library gets a copy

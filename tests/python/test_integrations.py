@@ -82,17 +82,17 @@ def build(make, attn, dtype):
 @pytest.mark.parametrize("make,reference_attn", [(tiny_llama, "sdpa"), (tiny_gemma2, "eager")])
 def test_hf_models_match(make, reference_attn):
     name = hf.register()
-    ours, ref = build(make, name, torch.float32), build(make, reference_attn, torch.float32)
+    flash, ref = build(make, name, torch.float32), build(make, reference_attn, torch.float32)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding on the second sequence
     with torch.no_grad():
-        lo = ours(input_ids=ids, attention_mask=mask).logits
+        lo = flash(input_ids=ids, attention_mask=mask).logits
         lr = ref(input_ids=ids, attention_mask=mask).logits
         keep = mask.bool()
         np.testing.assert_allclose(lo[keep].numpy(), lr[keep].numpy(), atol=2e-4, rtol=1e-3)
         kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
-        go = ours.generate(input_ids=ids, attention_mask=mask, **kw)
+        go = flash.generate(input_ids=ids, attention_mask=mask, **kw)
         gr = ref.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(go, gr), (go, gr)
     assert fm.last_route() is not None
@@ -101,10 +101,10 @@ def test_hf_models_match(make, reference_attn):
 @pytest.mark.parametrize("make,reference_attn", [(tiny_llama, "sdpa"), (tiny_gemma2, "eager")])
 def test_hf_models_bf16_take_the_prefill_kernel(make, reference_attn):
     name = hf.register()
-    ours, ref = build(make, name, torch.bfloat16), build(make, reference_attn, torch.bfloat16)
+    flash, ref = build(make, name, torch.bfloat16), build(make, reference_attn, torch.bfloat16)
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        lo = ours(input_ids=ids).logits.float()
+        lo = flash(input_ids=ids).logits.float()
         lr = ref(input_ids=ids).logits.float()
     assert fm.last_route().kernel == "flash_attn_prefill"
     scale = float(lr.abs().max())
@@ -119,10 +119,10 @@ def test_hf_gemma2_on_the_simulator():
         "ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))\n"
         "kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)\n"
         "with torch.no_grad():\n"
-        "    ours = t.build(t.tiny_gemma2, hf.register(), torch.float32).generate(input_ids=ids, **kw)\n"
+        "    flash = t.build(t.tiny_gemma2, hf.register(), torch.float32).generate(input_ids=ids, **kw)\n"
         "    ref = t.build(t.tiny_gemma2, 'eager', torch.float32).generate(input_ids=ids, **kw)\n"
         "assert fm.info()['backend'] == 'sim' and fm.last_route() is not None\n"
-        "assert torch.equal(ours, ref), (ours, ref)\n")
+        "assert torch.equal(flash, ref), (flash, ref)\n")
     env = dict(os.environ, FLASHMETAL_BACKEND="sim", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

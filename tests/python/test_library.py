@@ -7,6 +7,7 @@ import pytest
 from exports import exported_symbols
 
 from flashmetal import _loader
+from cabi import err_text
 
 EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
             "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch", "fm_abi_version",
@@ -31,40 +32,65 @@ def test_every_cdef_function_resolves():
 
 def test_null_and_stale_handles():
     ffi, lib = _loader.load()
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     opts = ffi.new("FMPrefillOptions *")
     st = lib.fm_dispatch_prefill(ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
-                                 opts, err, 256)
-    assert st == 1 and b"registry is null" in ffi.string(err)
+                                 opts, err)
+    assert st == 1 and b"registry is null" in err_text(err)
     h = ffi.new("FMRegistry **")
-    assert lib.fm_create_registry(b"cpu", h, err, 256) == 0
+    assert lib.fm_create_registry(b"cpu", h, err) == 0
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
-                                 opts, err, 256)
-    assert st == 1 and b"flash_attn_prefill: Q is null" in ffi.string(err)
+                                 opts, err)
+    assert st == 1 and b"flash_attn_prefill: Q is null" in err_text(err)
     assert lib.fm_destroy_registry(h[0]) == 0
     assert lib.fm_destroy_registry(h[0]) == 1  # double destroy is an error, not a crash
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
-                                 opts, err, 256)
-    assert st == 1 and b"not a live registry" in ffi.string(err)
-    assert lib.fm_create_registry(b"cpu", ffi.NULL, err, 256) == 1
+                                 opts, err)
+    assert st == 1 and b"not a live registry" in err_text(err)
+    assert lib.fm_create_registry(b"cpu", ffi.NULL, err) == 1
     assert lib.fm_destroy_registry(ffi.NULL) == 0
 
 
-def test_error_buffer_truncation():
+def test_error_fields_truncation():
+    """FMError's fields are NUL-terminated and truncated to fit; a NULL
+    FMError is allowed."""
     ffi, lib = _loader.load()
-    small = ffi.new("char[]", 8)
+    err = ffi.new("FMError *")
     h = ffi.new("FMRegistry **")
-    assert lib.fm_create_registry(b"no-such-backend", h, small, 8) == 1
-    assert len(ffi.string(small)) == 7
-    assert lib.fm_create_registry(b"no-such-backend", h, ffi.NULL, 0) == 1
+    assert lib.fm_create_registry(b"x" * 5000, h, err) == 1
+    assert err.status == 1 and ffi.string(err.op) == b"create_registry"
+    assert len(ffi.string(err.message)) == len(err.message) - 1
+    assert lib.fm_create_registry(b"no-such-backend", h, ffi.NULL) == 1
+
+
+def test_error_fields_name_the_public_op_and_argument():
+    """public_op in, (status, op, argument, message) out: the op is the
+    caller's public function and the message carries no op prefix."""
+    ffi, lib = _loader.load()
+    h = ffi.new("FMRegistry **")
+    assert lib.fm_create_registry(b"cpu", h, ffi.NULL) == 0
+    opts = ffi.new("FMPrefillOptions *")
+    for public, want in ((None, b"flash_attn_prefill"), (b"scaled_dot_product_attention", b"scaled_dot_product_attention")):
+        err = ffi.new("FMError *")
+        name = None if public is None else ffi.new("char[]", public)
+        if name is not None:
+            err.public_op = name
+        st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, opts, err)
+        assert st == err.status == lib.FM_ERROR_VALUE
+        assert ffi.string(err.op) == want and ffi.string(err.argument) == b"q"
+        assert ffi.string(err.message) == b"Q is null"
+    ok = ffi.new("FMError *")
+    assert lib.fm_begin_batch(h[0], ok) == 0 and lib.fm_end_batch(h[0], ok) == 0
+    assert (ok.status, ffi.string(ok.op), ffi.string(ok.argument), ffi.string(ok.message)) == (0, b"", b"", b"")
+    lib.fm_destroy_registry(h[0])
 
 
 @pytest.mark.parametrize("nbytes", [0, 100])
 def test_undersized_buffer_is_refused(nbytes):
     ffi, lib = _loader.load()
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     h = ffi.new("FMRegistry **")
-    assert lib.fm_create_registry(b"cpu", h, err, 256) == 0
+    assert lib.fm_create_registry(b"cpu", h, err) == 0
     buf = ffi.new("char[]", 4096)
     ts = []
     for shape in ([1, 1, 16, 64], [1, 1, 16, 64], [1, 1, 16, 64], [1, 1, 16, 64]):
@@ -79,8 +105,8 @@ def test_undersized_buffer_is_refused(nbytes):
     ts[1].nbytes = nbytes
     opts = ffi.new("FMPrefillOptions *")
     opts.scale = 0.125
-    st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err, 256)
-    assert st == 1 and b"K buffer too small" in ffi.string(err), ffi.string(err)
+    st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err)
+    assert st == 1 and b"K buffer too small" in err_text(err), err_text(err)
     lib.fm_destroy_registry(h[0])
 
 

@@ -7,14 +7,16 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16
+from cabi import err_text
 
 NEG_INF_BITS = {BF16: 0xFF80, F16: 0xFC00}
 
 
 def check(registry, ql, kl, dtype=BF16, **kw):
+    kw.setdefault("causal", True)
     m = fm.build_mask(ql, kl, dtype=dtype, registry=registry, **kw)
     assert m.shape == (ql, kl) and m.dtype == dtype
-    vis = reference.visible(ql, kl, causal=kw.get("causal", True), q_offset=kw.get("q_offset", 0),
+    vis = reference.visible(ql, kl, causal=kw["causal"], q_offset=kw.get("q_offset", 0),
                             window=kw.get("window"))
     bits = m.view(np.uint16)
     want = np.where(vis, 0, NEG_INF_BITS[np.dtype(dtype)]).astype(np.uint16)
@@ -67,21 +69,21 @@ def test_errors(registry, kwargs, exc, msg):
 
 def test_abi_errors(cpu):
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     opts = ffi.new("FMMaskOptions *")
-    assert lib.fm_build_mask(cpu._handle, ffi.NULL, opts, err, 256) == 1
-    assert b"flash_attn_prefill_mask: out is null" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, ffi.NULL, opts, err) == 1
+    assert b"flash_attn_prefill_mask: out is null" in err_text(err)
     out = np.empty((4, 4), np.float32)
     from flashmetal._arrays import tensor
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err, 256) == 2
-    assert b"out must be bfloat16 or float16" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 2
+    assert b"out must be bfloat16 or float16" in err_text(err)
     out = np.empty((4, 4), BF16)
     opts.causal = 2
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err, 256) == 1
-    assert b"causal must be 0 or 1" in ffi.string(err)
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), ffi.NULL, err, 256) == 1
-    assert b"options is null" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), opts, err) == 1
+    assert b"causal must be 0 or 1" in err_text(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out), ffi.NULL, err) == 1
+    assert b"options is null" in err_text(err)
     out3 = np.empty((2, 4, 4), BF16)
     opts.causal = 1
-    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out3), opts, err, 256) == 1
-    assert b"out must have rank 2" in ffi.string(err)
+    assert lib.fm_build_mask(cpu._handle, tensor(ffi, out3), opts, err) == 1
+    assert b"out must have rank 2" in err_text(err)

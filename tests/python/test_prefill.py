@@ -72,7 +72,7 @@ def test_matrix(registry, rng, d, dtype, mask, causal):
 @pytest.mark.parametrize("d,dtype,mask,causal",
                          list(itertools.product([80, 96, 192], DTYPES, ["none", "bool"], [False, True])))
 def test_serving_head_dims(registry, rng, d, dtype, mask, causal):
-    """Head dims 80, 96 and 192 (issue 14): the D <= 256 tile, D/8 fragments."""
+    """Head dims 80, 96 and 192 : the D <= 256 tile, D/8 fragments."""
     check(registry, rng, d=d, dtype=dtype, mask=mask, causal=causal)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import numerics
 from numerics import BF16, F16, F32, randn
 
 OP = "flash_attn_prefill"
@@ -12,8 +13,7 @@ OP = "flash_attn_prefill"
 
 @pytest.fixture
 def qkv(rng):
-    return (randn(rng, (1, 4, 8, 64), BF16), randn(rng, (1, 2, 16, 64), BF16),
-            randn(rng, (1, 2, 16, 64), BF16))
+    return numerics.qkv(rng, BF16, h=4, ql=8, kl=16)
 
 
 def raises(exc, match, fn, *args, **kwargs):

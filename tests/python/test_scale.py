@@ -1,4 +1,4 @@
-"""64-bit indexing (issue 7): products of dims past 2^31 elements on the cpu
+"""64-bit indexing: products of dims past 2^31 elements on the cpu
 backend, within ~4.5 GiB and a few seconds.
 
 - a [46341, 46341] bfloat16 window mask (2^31 + 4633 cells, 4 GiB) built by
@@ -20,6 +20,7 @@ from numerics import BF16, F16, F32, assert_close, randn
 N = 46341  # N * N > 2^31
 
 
+@pytest.mark.slow
 def test_long_window_mask_prefill(cpu, rng):
     w, d = 16, 64
     mask = fm.build_mask(N, N, causal=True, window=w, q_offset=0, dtype=BF16, registry=cpu)

@@ -8,7 +8,8 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn, wide_bool_bytes
+from numerics import BF16, F32, assert_bits_equal, assert_close, randn, wide_bool_bytes
+from cabi import err_text
 
 
 def run(registry, rng, *, b=1, h=2, hkv=2, ql=5, cap=40, kv_len=None, d=64, dtype=F32, causal=True,
@@ -100,27 +101,27 @@ def test_errors(registry, args, kwargs, exc, msg):
 def test_abi_errors(cpu):
     from flashmetal._arrays import tensor
     ffi, lib = cpu._ffi, cpu._lib
-    err = ffi.new("char[]", 256)
+    err = ffi.new("FMError *")
     a = z((1, 1, 4, 8))
     t = tensor(ffi, a)
     o = tensor(ffi, z((1, 1, 4, 8)))
     opts = ffi.new("FMSdpaOptions *")
     opts.scale, opts.causal = 1.0, 3
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: causal must be 0 or 1, got 3" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: causal must be 0 or 1, got 3" in err_text(err)
     opts.causal, opts.kv_len = 1, -2
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: kv_len must be >= 0" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err, 256) == 1
-    assert b"sdpa: output is null" in ffi.string(err)
-    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err, 256) == 1
-    assert b"sdpa: registry is null" in ffi.string(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: kv_len must be >= 0" in err_text(err)
+    assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err) == 1
+    assert b"sdpa: output is null" in err_text(err)
+    assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err) == 1
+    assert b"sdpa: registry is null" in err_text(err)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("kind", ["additive2", "additive4", "bool2", "bool4"])
 def test_mask(registry, rng, dtype, kind):
-    """An optional mask (ours; the seed had none), on a GQA batch with spare capacity."""
+    """An optional mask, on a GQA batch with spare capacity."""
     b, h, hkv, ql, cap, kl, d = 2, 4, 2, 37, 50, 45, 64
     q, k, v = randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, cap, d), dtype), randn(rng, (b, hkv, cap, d), dtype)
     shape = (ql, kl) if kind.endswith("2") else (b, h, ql, kl)

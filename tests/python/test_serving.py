@@ -1,4 +1,4 @@
-"""flash_attn_func / flash_attn_varlen_func numerics (issue 14) against the
+"""flash_attn_func / flash_attn_varlen_func numerics against the
 float64 serving reference, on cpu with every head dim and on sim with small
 shapes: every feature x dtype x head dim x GQA, ragged and paged batches."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from serving_cases import (BACKENDS, SIMULATED, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, qkv, randn,
+from numerics import qkv_of_shapes as qkv
+from serving_cases import (BACKENDS, SIMULATED, BF16, BK, BQ, DTYPES, F16, HEAD_DIMS, assert_out_lse, cu, paged, randn,
                            registry, sinks_for, with_sinks)
 
 FEATURES = {

@@ -93,13 +93,13 @@ def test_cpu_empty_rows_and_sink_only(rng):
 @pytest.mark.parametrize("kv", [F32, F16, BF16])
 def test_cpu_flash_attn_layout_gives_the_seeds_layout_bits(rng, d, kv):
     """flash-attn's [B, cap, Hkv, D] cache is decoded a tile of keys at a time
-    with every head inside (the heads of one key are adjacent), the seeds'
+    with every head inside (the heads of one key are adjacent), the plain
     [Hkv, cap, D] head by head: the same keys give the same bits either way."""
     h, hkv, n = 8, 4, 1000  # several 32-key tiles per workgroup, GQA 2
     q = randn(rng, (h, d), F32)
     k, v = randn(rng, (hkv, n, d), kv), randn(rng, (hkv, n, d), kv)
-    seeds = fm.flash_attn_decode(q, k, v, n, registry="cpu")
+    plain = fm.flash_attn_decode(q, k, v, n, registry="cpu")
     serving = fm.flash_attn_with_kvcache(q[None, None], np.ascontiguousarray(k.transpose(1, 0, 2))[None],
                                          np.ascontiguousarray(v.transpose(1, 0, 2))[None],
                                          cache_seqlens=np.array([n], np.int32), registry="cpu")
-    assert_bits_equal(serving[0, 0], seeds, f"D={d} {np.dtype(kv).name}")
+    assert_bits_equal(serving[0, 0], plain, f"D={d} {np.dtype(kv).name}")

@@ -225,13 +225,13 @@ def test_entry_point_errors(registry, rng):
 
 @pytest.mark.parametrize("d", [80, 96, 192])
 def test_seed_decode_new_head_dims(registry, rng, d):
-    """flash_attn_decode (the seed's entry point) at the head dims that are
+    """flash_attn_decode (the plain decode) at the head dims that are
     not powers of two: lanes own dims l, l + 32, ... with a partial last step
     at D = 80; the FWHT undo stays power-of-two only."""
     q = randn(rng, (2, 4, d), F32)
     k, v = randn(rng, (2, 2, 45, d), F16), randn(rng, (2, 2, 45, d), F16)
     out = fm.flash_attn_decode(q, k, v, 40, window=30, registry=registry)
-    assert_close(out, reference.decode(q, k, v, 40, window=30), F32, f"{registry.backend} seed decode D={d}")
+    assert_close(out, reference.decode(q, k, v, 40, window=30), F32, f"{registry.backend} plain decode D={d}")
     with pytest.raises(ValueError, match=f"power-of-two head_dim .*got {d}"):
         fm.flash_attn_decode(q, k, v, 40, fwht=True, registry=registry)
 

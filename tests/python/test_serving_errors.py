@@ -1,4 +1,4 @@
-"""Bad inputs to the serving API (issue 14): the exact error type, a message
+"""Bad inputs to the serving API: the exact error type, a message
 naming the public function, the argument and the bad value, and the
 caller's arrays (caches, tables, lengths) left exactly as they were."""
 from __future__ import annotations

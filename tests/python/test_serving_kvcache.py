@@ -1,4 +1,4 @@
-"""flash_attn_with_kvcache numerics (issue 14) against the float64 serving
+"""flash_attn_with_kvcache numerics against the float64 serving
 reference: per-sequence cache lengths, contiguous and paged caches, append
 then attend, LSE merge, and a paged decode loop; cpu and sim."""
 from __future__ import annotations

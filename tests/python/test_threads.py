@@ -1,4 +1,4 @@
-"""Thread safety (issue 7): 8 Python threads share one registry and run mixed
+"""Thread safety: 8 Python threads share one registry and run mixed
 ops for a bounded time; every result is bit-equal to the single-threaded one;
 the GIL is released while kernels run; the pipeline cache under contention."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
-from numerics import BF16, F16, F32, assert_bits_equal, randn
+from numerics import BF16, F16, F32, randn
 
 THREADS = 8
 
@@ -27,7 +27,7 @@ def _jobs(rng, small: bool):
                 jobs.append((f"prefill d{d} {dt} c{causal}",
                              lambda r, q=q, k=k, v=v, c=causal: fm.flash_attn_prefill(q, k, v, causal=c, q_offset=20,
                                                                                        registry=r)))
-            m = fm.build_mask(20, 40, window=7, q_offset=20, dtype=dt)
+            m = fm.build_mask(20, 40, causal=True, window=7, q_offset=20, dtype=dt)
             jobs.append((f"prefill mask d{d} {dt}",
                          lambda r, q=q, k=k, v=v, m=m: fm.flash_attn_prefill(q, k, v, mask=m, registry=r)))
             jobs.append((f"blk d{d} {dt}", lambda r, m=m, d=d: fm.build_blk(m, d, registry=r)))
@@ -36,7 +36,7 @@ def _jobs(rng, small: bool):
             jobs.append((f"vec d{d} {kv}", lambda r, q=q, k=k, v=v: fm.flash_attn_decode(q, k, v, 77, registry=r)))
             jobs.append((f"vec fwht d{d} {kv}",
                          lambda r, q=q, k=k, v=v: fm.flash_attn_decode(q, k, v, 90, window=9, fwht=True, registry=r)))
-    jobs.append(("mask", lambda r: fm.build_mask(33, 70, window=5, q_offset=30, registry=r)))
+    jobs.append(("mask", lambda r: fm.build_mask(33, 70, causal=True, window=5, q_offset=30, registry=r)))
     if not small:
         for dt in (F32, BF16):
             q, k = randn(rng, (1, 2, 9, 40), dt), randn(rng, (1, 1, 30, 40), dt)
@@ -82,11 +82,13 @@ def _hammer(registry, jobs, seconds):
     return sum(counts)
 
 
+@pytest.mark.slow
 def test_mixed_ops_cpu(cpu, rng):
     n = _hammer(cpu, _jobs(rng, small=False), 4.0)
     print(f"cpu: {n} calls from {THREADS} threads")
 
 
+@pytest.mark.slow
 def test_mixed_ops_sim(rng):
     try:
         sim = fm.Registry("sim")
@@ -138,6 +140,7 @@ def test_pipeline_cache_contention(rng):
         assert not errors, errors[:5]
 
 
+@pytest.mark.slow
 def test_gil_released(cpu, rng):
     """A Python thread keeps counting while one long kernel runs: with the GIL
     held during the call it could not run at all."""

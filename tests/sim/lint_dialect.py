@@ -2,7 +2,7 @@
 """lint_dialect.py — reject dialect violations in Resources/shaders/*.metal.
 
 The shaders compile twice: by the Metal compiler and as C++20 for the
-simulator (DESIGN §5). Constructs that only one side understands, or that
+simulator (docs/SIMULATOR.md). Constructs that only one side understands, or that
 mean different things on the two sides, are rejected here:
 
   raw-tg-array      threadgroup T x[n]           -> TG_ARRAY(T, x, n)

@@ -4,7 +4,7 @@ import FlashMetalShaders
 import XCTest
 
 /// The Swift enums that mirror C enums of flashmetal.h carry the same values,
-/// and the numeric constants are what DESIGN §2 says.
+/// and the numeric constants are what the numeric contract (docs/ARCHITECTURE.md) says.
 final class HeaderConstantsTests: XCTestCase {
     func testDTypeIsFMDType() {
         let c: [(DType, FMDType)] = [(.f32, FM_DTYPE_F32), (.f16, FM_DTYPE_F16), (.bf16, FM_DTYPE_BF16),
@@ -38,8 +38,8 @@ final class HeaderConstantsTests: XCTestCase {
         XCTAssertEqual(FM_OK.rawValue, 0)
     }
 
-    func testFunctionConstantIndicesAreTheSeeds() {
-        // Seeds 000/001 fix these indices; the rest are ours but must not collide.
+    func testFunctionConstantIndicesAreMLXNatives() {
+        // mlx-native's kernels fix these indices; the others must not collide with them.
         XCTAssertEqual(FunctionConstantIndex.alignQ, 200)
         XCTAssertEqual(FunctionConstantIndex.alignK, 201)
         XCTAssertEqual(FunctionConstantIndex.hasMask, 300)
@@ -69,7 +69,7 @@ final class HeaderConstantsTests: XCTestCase {
              SdpaBuffer.additiveMask, SdpaBuffer.boolMask],
         ]
         for s in sets { XCTAssertEqual(Set(s).count, s.count, "\(s)") }
-        // The seeds' prefill bindings.
+        // mlx-native's prefill bindings.
         XCTAssertEqual([PrefillBuffer.q, PrefillBuffer.k, PrefillBuffer.v, PrefillBuffer.out, PrefillBuffer.params,
                         PrefillBuffer.maskParams, PrefillBuffer.mask, PrefillBuffer.blk], Array(0...7))
     }

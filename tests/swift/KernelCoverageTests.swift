@@ -26,7 +26,7 @@ final class KernelCoverageTests: XCTestCase {
         return found
     }
 
-    func testNamesAreUniqueAndIncludeTheSeeds() {
+    func testNamesAreUniqueAndIncludeMLXNatives() {
         let names = Self.specs.map(\.name)
         XCTAssertEqual(Set(names).count, names.count, "two specs derive one name")
         for name in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d64_boolmask",

@@ -1,7 +1,7 @@
 import CFlashMetal
 import XCTest
 
-/// The parameter structs must match the seeds byte for byte: the GPU reads
+/// The parameter structs must match mlx-native's byte for byte: the GPU reads
 /// them as raw bytes.
 final class LayoutTests: XCTestCase {
     func testAttnParams() {

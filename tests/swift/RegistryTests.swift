@@ -5,7 +5,7 @@ import XCTest
 final class RegistryTests: XCTestCase {
     func testCacheMakesOnePipelinePerKey() throws {
         let r = Registry(backend: CPUBackend())
-        // The seeds' constants plus the serving extension's (302, 304-310), all off.
+        // mlx-native's constants plus the serving extension's (302, 304-310), all off.
         let consts = FunctionConstants([(200, .bool(true)), (201, .bool(true)), (300, .bool(false)),
                                         (301, .bool(false)), (303, .bool(false))]
                                        + [302, 304, 305, 306, 307, 308, 309, 310].map { ($0, .bool(false)) })
@@ -70,7 +70,7 @@ final class ScratchLifetimeTests: XCTestCase {
         XCTAssertThrowsError(try r.endBatch())
     }
 
-    /// Issue 12 item 8: a synchronous backend has run the work when the call
+    /// A synchronous backend has run the work when the call
     /// returns, so a batch keeps no scratch at all.
     func testSynchronousBackendKeepsNoScratchInABatch() throws {
         let r = Registry(backend: CPUBackend())

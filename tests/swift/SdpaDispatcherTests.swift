@@ -26,7 +26,7 @@ final class SdpaDispatcherTests: XCTestCase {
         XCTAssertEqual(p.scale, 0.0625)
         let d2 = try make(q: [1, 2, 1, 512], k: [1, 2, 5, 512])
         XCTAssertEqual(d2.kernel, "sdpa")
-        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).do_causal, 1)
+        XCTAssertEqual(try d2.params(4, as: SdpaParams.self).do_causal, 0)  // causal only when asked
         XCTAssertEqual(try d2.params(4, as: SdpaParams.self).kv_capacity, 5)
         XCTAssertEqual(d2.grid, Size3(1, 2, 1))
     }
@@ -108,7 +108,7 @@ final class SdpaDispatcherTests: XCTestCase {
         let e = try d.params(8, as: SdpaExtParams.self)
         XCTAssertEqual([e.q_offset, e.window], [0, 3])
         XCTAssertEqual(e.softcap, 30)
-        // A window alone keeps the seed's bottom-right position, now explicit.
+        // A window alone keeps the plain kernel's bottom-right position, now explicit.
         let w = try SdpaDispatcher.makeDispatch(q: q.ref, k: k.ref, v: v.ref, out: o.ref,
                                                 SdpaOptions(scale: 0.5, kvLen: 7, window: 2))
         XCTAssertEqual(try w.params(8, as: SdpaExtParams.self).q_offset, 7 - 5)

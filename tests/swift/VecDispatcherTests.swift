@@ -65,7 +65,7 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(try r.buffer(1).data, try m.buffer(4).data)
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
         XCTAssertTrue(r.threadgroupMemory.isEmpty)
-        // The seed's call: every serving constant off, nothing bound at their indices.
+        // The plain decode: every serving constant off, nothing bound at their indices.
         XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecHasSigns), false)
         XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecSinks), false)
         XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecLSE), false)

@@ -81,7 +81,7 @@ final class VecSeqDispatcherTests: XCTestCase {
         let sp = try m.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
         XCTAssertEqual([sp.K_strides.0, sp.K_strides.1, sp.K_strides.2], [32 * 2 * 128, 128, 2 * 128])
         XCTAssertEqual([sp.page_size, sp.max_pages], [32, 2])
-        // Neither sinks nor lse: the reduce is the seed's.
+        // Neither sinks nor lse: the reduce is the plain one.
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
         XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecSinks), false)
         XCTAssertEqual(r.constants.bool(FunctionConstantIndex.vecLSE), false)

@@ -10,7 +10,7 @@
  *     FM_CDEF markers with preprocessor lines removed. Keep that part free of
  *     macros, attributes and expressions cffi cannot parse.
  *
- * Struct layouts follow the mlx-native seeds field for field; sizes and
+ * Struct layouts follow mlx-native's kernels field for field; sizes and
  * offsets are pinned by static asserts in layout_checks.c and by swift tests.
  */
 #ifndef FLASHMETAL_H
@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-/* ---- numeric constants of the kernels (DESIGN §2) ------------------------
+/* ---- numeric constants of the kernels (docs/ARCHITECTURE.md) -------------
  * Outside the cffi part: cffi cannot parse float macros. */
 /* The running row max starts at the finite -FLT_MAX/2, so a -inf score gives
  * exp2(-inf - m) = 0 and m - m stays 0: never NaN. */
@@ -47,7 +47,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 4 };
+enum { FM_ABI_VERSION = 5 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -86,7 +86,7 @@ typedef enum FMPrefillBinding {
     FM_PREFILL_BUF_MASK_PARAMS = 5, /* AttnMaskParams, with a mask */
     FM_PREFILL_BUF_MASK = 6,
     FM_PREFILL_BUF_BLK = 7,
-    /* Serving extension (ours; see AttnSeqParams). */
+    /* Serving extension (see AttnSeqParams). */
     FM_PREFILL_BUF_SEQ_PARAMS = 8,   /* AttnSeqParams, with FM_FC_PREFILL_SEQ */
     FM_PREFILL_BUF_CU_SEQLENS_Q = 9, /* int32 [B+1], with FM_FC_VARLEN_Q */
     FM_PREFILL_BUF_CU_SEQLENS_K = 10,/* int32 [B+1], with FM_FC_VARLEN_K */
@@ -107,7 +107,7 @@ typedef enum FMMaskBuilderBinding {
 typedef enum FMVecBinding {
     FM_VEC_BUF_PARAMS = 0, /* FlashAttnVecParams */
     FM_VEC_BUF_Q = 1, FM_VEC_BUF_K = 2, FM_VEC_BUF_V = 3, FM_VEC_BUF_TMP = 4,
-    /* Serving extension (ours). */
+    /* Serving extension (see FlashAttnVecSeqParams). */
     FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
     FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
     FM_VEC_BUF_BLOCK_TABLE = 7  /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
@@ -118,7 +118,7 @@ typedef enum FMVecReduceBinding {
     FM_VEC_REDUCE_BUF_TMP = 1, FM_VEC_REDUCE_BUF_OUT = 2,
     FM_VEC_REDUCE_BUF_NWG = 3,    /* uint32 */
     FM_VEC_REDUCE_BUF_SIGNS = 4,  /* with FM_FC_VEC_HAS_SIGNS */
-    /* Serving extension of the plain reduce (ours). */
+    /* Serving extension of the plain reduce. */
     FM_VEC_REDUCE_BUF_SINKS = 5,  /* float32 [H], with FM_FC_VEC_SINKS */
     FM_VEC_REDUCE_BUF_LSE = 6,    /* float32 [rows] out, with FM_FC_VEC_LSE */
     FM_VEC_REDUCE_BUF_EXT = 7     /* FlashAttnVecReduceExtParams, with 504 or 505 */
@@ -170,7 +170,7 @@ enum { FM_VEC_CHUNK = 32 };
  * by tgid.z * FM_SDPA_TILE_Q + tid). */
 enum { FM_SDPA_TILE_Q = 32 };
 
-/* ---- kernel parameter structs (seeds 000-004) -------------------------- */
+/* ---- kernel parameter structs (mlx-native's layouts) -------------------------- */
 
 /* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
 typedef struct AttnParams {
@@ -240,10 +240,10 @@ typedef struct SdpaParams {
     uint32_t do_causal;
 } SdpaParams;
 
-/* Simple SDPA extension (ours): buffer(8) (FM_SDPA_BUF_EXT), bound only when
- * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays the seed's. 16 bytes. With it,
+/* Simple SDPA extension: buffer(8) (FM_SDPA_BUF_EXT), bound only when
+ * function constant 602 (FM_FC_SDPA_EXT) is true; SdpaParams stays mlx-native's. 16 bytes. With it,
  * query row i sits at absolute position t = q_offset + i (instead of the
- * seed's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
+ * plain kernel's bottom-right kv_len - qL + i), so q_offset = 0 is torch's top-left
  * causal alignment and kv_len - qL the KV-cache bottom-right one; it may be
  * negative (rows with t < 0 see no key under causal and output zeros).
  * Causal (SdpaParams.do_causal) keeps keys p <= t; window w > 0 keeps keys
@@ -257,8 +257,8 @@ typedef struct SdpaExtParams {
     int32_t _pad;
 } SdpaExtParams;
 
-/* ---- serving extension (ours; issue 14) ----------------------------------
- * The seeds' structs above stay byte for byte; serving adds these structs at
+/* ---- serving extension ---------------------------------------------------
+ * The structs above stay mlx-native's byte for byte; serving adds these structs at
  * new buffer indices, switched on by new function constants.
  *
  * Prefill, per-sequence mode (any of FM_FC_VARLEN_Q, FM_FC_VARLEN_K,
@@ -374,7 +374,7 @@ typedef enum FMDType {
     FM_DTYPE_I32 = 5
 } FMDType;
 
-/* Every entry point returns one of these; the message goes to `err`. */
+/* Every entry point returns one of these; the details go to `err` (FMError). */
 typedef enum FMStatus {
     FM_OK = 0,
     FM_ERROR_VALUE = 1,    /* a bad shape, size, length or option */
@@ -383,6 +383,22 @@ typedef enum FMStatus {
     FM_ERROR_INTERNAL = 4, /* a bug: please report */
     FM_ERROR_INTERRUPTED = 5 /* a SIGINT cancelled the call; outputs are unspecified */
 } FMStatus;
+
+/* The error of a call, every entry point's last parameter (NULL = not
+ * wanted). In: public_op, the public function the caller is running (NULL or
+ * "" = the entry point's own op): every error of the call names it, and the
+ * argument names follow that function's parameters. Out: the status, the op,
+ * the argument at fault ("" when the error is not about one argument) and
+ * what is wrong with it, naming the value (no op prefix); on success FM_OK
+ * and empty strings. Strings are NUL-terminated and truncated to fit. */
+typedef struct FMError {
+    const char *public_op;
+    int32_t status;
+    int32_t _pad;
+    char op[64];
+    char argument[64];
+    char message[1024];
+} FMError;
 
 /* Prefill layouts: head-major [B, H, L, D] or seq-major [B, L, H, D]. */
 typedef enum FMLayout {
@@ -409,7 +425,7 @@ typedef struct FMPrefillOptions {
     float scale;      /* finite; 1/sqrt(D) is the usual choice */
     float softcap;    /* 0 = off, else > 0 */
     int32_t causal;   /* 0 or 1 */
-    int32_t q_offset; /* absolute position of query row 0 (seeds: qL_off), >= 0 */
+    int32_t q_offset; /* absolute position of query row 0 (mlx-native's qL_off), >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
     int32_t window;   /* 0 = none, else keys p with t - p < window (in-kernel:
@@ -436,10 +452,10 @@ typedef struct FMVecOptions {
     int32_t fwht;      /* 1: reduce fused with the FWHT sign undo */
 } FMVecOptions;
 
-/* fm_dispatch_sdpa. Zeroed extension fields give the seed's kernel:
+/* fm_dispatch_sdpa. Zeroed extension fields give the plain kernel:
  * bottom-right positions, no softcap, no window. */
 typedef struct FMSdpaOptions {
-    float scale;      /* finite; NaN = the default 1/sqrt(D) */
+    float scale;      /* finite; 1/sqrt(D) is the usual choice */
     int32_t causal;   /* 0 or 1 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t has_q_offset; /* 0: query i at kv_len - qL + i (bottom-right);
@@ -450,7 +466,7 @@ typedef struct FMSdpaOptions {
     int32_t _pad;
 } FMSdpaOptions;
 
-/* ---- serving (flash-attn's API; issue 14) -------------------------------
+/* ---- serving (flash-attn's API) -----------------------------------------
  * The per-sequence tensors of a serving call; each may be NULL. Every index
  * in them is checked against the buffers before any kernel reads through it. */
 typedef struct FMSeqTensors {
@@ -489,55 +505,56 @@ typedef enum FMMetalSimCounter {
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
- * receives a NUL-terminated message of at most errlen bytes.
+ * receives the error (FMError).
  * Registry handles are never reused: a destroyed registry's handle (or any
  * other value) is an FM_ERROR_VALUE, never another registry. */
 int fm_abi_version(void);
 /* A static name for a status code ("FM_ERROR_VALUE"; "unknown status" else). */
 const char *fm_status_string(int status);
-int fm_create_registry(const char *backend, FMRegistry **out, char *err, size_t errlen);
+int fm_create_registry(const char *backend, FMRegistry **out, FMError *err);
 int fm_destroy_registry(FMRegistry *registry);
 /* The backend's name ("cpu", "sim", "metal"); "" with an error status when
  * the registry is not live. */
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
 /* A batch scope: until fm_end_batch a backend may defer work (Metal commits
  * one command buffer at the end); outputs are valid after fm_end_batch. */
-int fm_begin_batch(FMRegistry *registry, char *err, size_t errlen);
-int fm_end_batch(FMRegistry *registry, char *err, size_t errlen);
+int fm_begin_batch(FMRegistry *registry, FMError *err);
+int fm_end_batch(FMRegistry *registry, FMError *err);
 int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
                         const FMTensor *out, const FMPrefillOptions *options,
-                        char *err, size_t errlen);
+                        FMError *err);
 const char *fm_version(void);
-/* blk tile-skip pre-pass (seed 001). (BQ, BK) come from the head dim of the
+/* blk tile-skip pre-pass. (BQ, BK) come from the head dim of the
  * prefill that will consume the blk. Byte length: ceil(qL/BQ)*ceil(kL/BK)
  * rounded up to a multiple of 32, at least 32. */
 int fm_blk_byte_len(int64_t q_len, int64_t k_len, int32_t head_dim, size_t *out,
-                    char *err, size_t errlen);
+                    FMError *err);
 /* Fills *out with a zeroed, library-owned uint8 [NQ, NK] tensor of
  * fm_blk_byte_len bytes; release it with fm_free_blk. */
 int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
-                 char *err, size_t errlen);
+                 FMError *err);
 /* Frees a tensor from fm_alloc_blk and clears its data pointer and tag; a
  * tensor the library did not allocate, or a stale copy of one already freed
  * (even when its address was reused since), is an error. */
-int fm_free_blk(FMTensor *blk, char *err, size_t errlen);
-/* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_vec",
+int fm_free_blk(FMTensor *blk, FMError *err);
+/* The head dims with a kernel for op "flash_attn_prefill" or "flash_attn_decode"
+ * ("flash_attn_vec", the decode kernel's name, is an alias),
  * ascending: *count receives how many, out the first min(cap, count). */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
-                           char *err, size_t errlen);
-/* The largest head dim of op "flash_attn_prefill", "flash_attn_vec" or "sdpa"
+                           FMError *err);
+/* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
-int fm_max_head_dim(const char *op, int32_t *out, char *err, size_t errlen);
+int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
 /* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
  * shape for head_dim and the mask's shape), >= NQ*NK bytes. fm_dispatch_prefill
  * checks the blk's shape against its own geometry, and the head dim and mask
  * shape a tagged (fm_alloc_blk) blk was filled for. */
 int fm_dispatch_blk(FMRegistry *registry, const FMTensor *mask, const FMTensor *blk_out,
-                    int32_t head_dim, char *err, size_t errlen);
+                    int32_t head_dim, FMError *err);
 /* Fills out ([qL, kL] bfloat16 or float16) with 0 / -inf. */
 int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions *options,
-                  char *err, size_t errlen);
+                  FMError *err);
 /* Decode: q float32 [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
  * float16 or bfloat16; out float32 like q. fwht_signs: NULL (all +1) or
  * uint8 [D/8], used only with options->fwht. tmp: NULL (the library
@@ -545,14 +562,14 @@ int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions
  * scope) or float32 with >= B*H*32*(D+2)*4 bytes. */
 int fm_dispatch_vec(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                     const FMTensor *v, const FMTensor *fwht_signs, const FMTensor *tmp,
-                    const FMTensor *out, const FMVecOptions *options, char *err, size_t errlen);
+                    const FMTensor *out, const FMVecOptions *options, FMError *err);
 /* Simple SDPA: q/out [B, H, qL, D], k/v [B, Hkv, cap, D], all float32, all
  * float16 or all bfloat16; D <= fm_max_head_dim("sdpa"). mask: NULL, or additive (Q's dtype) or bool (true =
  * attend), [qL, kv_len], [H, qL, kv_len] or [B, H, qL, kv_len], where B, H and qL
  * may be 1 (read with stride 0; prefill's mask takes the same shapes). */
 int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMTensor *mask, const FMTensor *out,
-                     const FMSdpaOptions *options, char *err, size_t errlen);
+                     const FMSdpaOptions *options, FMError *err);
 /* Serving prefill (flash_attn_func / varlen / with_kvcache with qL > 1):
  * q/out bfloat16 or float16 [B, qL, H, D] (or [total_q, H, D] with
  * cu_seqlens_q); k/v like q's dtype: [B, cap, Hkv, D], [total_k, Hkv, D]
@@ -560,32 +577,32 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
  * seq may be NULL (every field NULL). */
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
-                     const FMAttnOptions *options, char *err, size_t errlen);
+                     const FMAttnOptions *options, FMError *err);
 /* Serving decode: q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
  * block_table, sinks, lse ([B, H]); cu_seqlens_* must be NULL. tmp as fm_dispatch_vec. */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
                         const FMTensor *out, const FMAttnOptions *options,
-                        char *err, size_t errlen);
+                        FMError *err);
 /* Writes k_new/v_new [B, n_new, Hkv, D] (the caches' dtype) into the caches
  * ([B, cap, Hkv, D], or [num_pages, page_size, Hkv, D] with block_table) at
  * rows cache_seqlens[b] .. + n_new. cache_seqlens is not changed. */
 int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMTensor *v_new,
                           const FMTensor *k_cache, const FMTensor *v_cache,
                           const FMTensor *cache_seqlens, const FMTensor *block_table,
-                          char *err, size_t errlen);
+                          FMError *err);
 /* Host memory for long-lived tensors (a KV cache): *out receives `bytes`
  * (> 0) zeroed bytes, aligned to and rounded up to 16 KiB, which the metal
  * backend wraps once for the allocation's lifetime instead of on every
  * call. Free it with fm_free_host (anything else there is an error). */
-int fm_alloc_host(size_t bytes, void **out, char *err, size_t errlen);
-int fm_free_host(void *p, char *err, size_t errlen);
+int fm_alloc_host(size_t bytes, void **out, FMError *err);
+int fm_free_host(void *p, FMError *err);
 /* The GPU a metal or metal-sim registry runs on; "" for other backends. */
 int fm_registry_device(const FMRegistry *registry, char *name, size_t namelen);
 /* metal-sim (Linux): the FM_MSIM_COUNTER_COUNT counters into out (cap >=
  * that); an FM_ERROR_VALUE where metal-sim is not built in. */
-int fm_metal_sim_counters(int64_t *out, size_t cap, char *err, size_t errlen);
+int fm_metal_sim_counters(int64_t *out, size_t cap, FMError *err);
 /* metal-sim: the last broken Metal rule, with its Apple documentation page
  * ("" for none). */
 int fm_metal_sim_last_violation(char *buf, size_t len);

@@ -15,7 +15,7 @@ extern "C" {
 
 /* The serving extension of a prefill dispatch (flashmetal.h, AttnSeqParams):
  * the tensors its function constants bind, NULL when unbound. Zeroed, the
- * dispatch is the seeds' prefill. Per-sequence mode is any of cu_seqlens_q,
+ * dispatch is the plain prefill. Per-sequence mode is any of cu_seqlens_q,
  * cu_seqlens_k, seqlens_k, block_table bound; then row i of sequence b sits at
  * t = kL_b - qL_b + i, else at AttnParams.qL_off + i. */
 typedef struct FMPrefillSeq {
@@ -122,7 +122,7 @@ void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_
  *   block_table: k + block_table[b*max_pages + p/page_size]*k_strides[0]
  *                  + g*k_strides[1] + (p % page_size)*k_strides[2]
  *   else:        k + b*k_strides[0] + g*k_strides[1] + p*k_strides[2]
- * (elements; V likewise). The seeds' [(B,) Hkv, cap, D] call is batch 1
+ * (elements; V likewise). The plain decode's [(B,) Hkv, cap, D] call is batch 1
  * with n_heads = B*H, n_kv_heads = B*Hkv, strides (0, cap*D, D).
  * kv_len_b = seqlens ? seqlens[b] : p.kv_seq_len; the query sits at
  * kv_len_b - 1 and sees keys [lo_b, kv_len_b), lo_b = kv_len_b - w for the
@@ -178,7 +178,7 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
                            float *lse, int64_t n_heads);
 
 /* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
- * BF16. ext: NULL (the seed's bottom-right positions) or the SdpaExtParams
+ * BF16. ext: NULL (bottom-right positions) or the SdpaExtParams
  * of flashmetal.h; use_softcap reads ext->softcap. mask_kind FM_MASK_*: an
  * additive mask has Q's dtype; mp holds its (batch, head, row) strides. */
 void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use_softcap, const void *q,

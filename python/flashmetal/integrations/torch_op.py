@@ -6,7 +6,6 @@ this module registers the op; it needs torch.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -15,10 +14,10 @@ from ..attention import scaled_dot_product_attention
 OP_NAME = "flashmetal::sdpa"
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-         is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, softcap: float = 0.0,
-         window: Optional[int] = None, bottom_right: bool = False) -> torch.Tensor:
+@torch.library.custom_op(OP_NAME, mutates_args=())  # type: ignore[untyped-decorator]
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, softcap: float = 0.0,
+         window: int | None = None, bottom_right: bool = False) -> torch.Tensor:
     """flashmetal.scaled_dot_product_attention on CPU tensors (no dropout);
     ``bottom_right`` selects the KV-cache causal alignment."""
     return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
@@ -26,7 +25,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
                                         align="bottom_right" if bottom_right else "top_left")
 
 
-@sdpa.register_fake
-def _sdpa_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap=0.0,
-               window=None, bottom_right=False):
+@sdpa.register_fake  # type: ignore[untyped-decorator]
+def _sdpa_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False, softcap: float = 0.0,
+               window: int | None = None, bottom_right: bool = False) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)

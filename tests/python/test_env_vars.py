@@ -1,4 +1,4 @@
-"""Issue 12 item 4: every FLASHMETAL_* integer variable is range-checked.
+"""Every FLASHMETAL_* integer variable is range-checked.
 A hostile value is ignored with one warning on stderr naming the variable,
 the value and the accepted range; the process computes correctly with the
 default (never an overflow, a crash or a hang)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 VARS = ["FLASHMETAL_NUM_THREADS", "FLASHMETAL_SIM_WORKERS", "FLASHMETAL_SIM_STACK_KB", "FLASHMETAL_SIM_SCRAMBLE"]
 

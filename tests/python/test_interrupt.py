@@ -1,4 +1,4 @@
-"""Issue 12 item 6: SIGINT cancels a long cpu or sim call within ~1 s with
+"""SIGINT cancels a long cpu or sim call within ~1 s with
 KeyboardInterrupt, and the registry keeps working (the interrupted call's
 output is unspecified)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 

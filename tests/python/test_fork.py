@@ -1,4 +1,4 @@
-"""Issue 12 item 1: a process holding a cpu (and a sim) Registry, used or not, can fork;
+"""A process holding a cpu (and a sim) Registry, used or not, can fork;
 the child computes, closes and exits without hanging, and nobody's CPU
 affinity is changed by the library (only the pool's own workers are pinned)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="affinity checks use Linux APIs")
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 COMPUTE = """
 reg = fm.Registry("cpu")

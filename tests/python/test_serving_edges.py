@@ -1,4 +1,4 @@
-"""The serving API (issue 14) as a strict flash-attn user meets it: gaps a
+"""The serving API as a strict flash-attn user meets it: gaps a
 review found (torch bfloat16 through every function and feature at the new
 head dims, a torch `out`, q rows no sequence owns, dtype and scale errors)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 item 2: one process-wide cpu worker pool, bounded by
+"""One process-wide cpu worker pool, bounded by
 FLASHMETAL_NUM_THREADS and started on first use, whatever the number of
 registries (threads counted in /proc/self/task)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 

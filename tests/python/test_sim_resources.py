@@ -1,4 +1,4 @@
-"""Issue 12 item 3: the simulator's fiber stacks and workers are bounded and
+"""The simulator's fiber stacks and workers are bounded and
 shared across concurrent calls (memory mappings stay under a budget, far from
 vm.max_map_count), allocation failures come back as BackendError and the
 process keeps working, and closing a registry frees the idle stacks."""
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts mappings in /proc")
 

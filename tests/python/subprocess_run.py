@@ -1,5 +1,5 @@
 """Runs a snippet in a fresh interpreter, for the fork, signal, thread-count
-and environment tests (test_robust_*.py): each needs a process of its own."""
+and environment tests (test_fork, test_interrupt, test_env_vars, ...): each needs a process of its own."""
 from __future__ import annotations
 
 import os

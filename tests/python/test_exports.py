@@ -1,4 +1,4 @@
-"""Issue 10 (smaller bullets): the library exports its C ABI (fm_*) and no
+"""The library exports its C ABI (fm_*) and no
 internal symbol: not the fiber switch, not the pool or the SIGINT hook, not
 the Swift modules' public symbols nor C++ template instances."""
 from __future__ import annotations

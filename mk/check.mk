@@ -1,0 +1,61 @@
+# mk/check.mk — `make check`: ruff, mypy (strict on python/flashmetal), and the
+# format checks of the Swift (swift format, from the toolchain) and the C, C++
+# and MSL sources (clang-format, from PyPI into .venv); `make quick`: build,
+# install, and pytest without the tests marked slow. And the stages of `make
+# test` with one summary line at the end (mk/stage_counts.py).
+#   lint-python   ruff (ruff.toml) over python, tests, bench; mypy (python/pyproject.toml)
+#   format-swift  swift format lint (.swift-format): every enabled rule, spacing,
+#                 blank lines and line length; not the continuation-line layout
+#                 (Indentation, AddLines, RemoveLine, TrailingComma), which
+#                 swift-format cannot express as the sources align it
+#   format-c      clang-format (.clang-format) spacing within lines, trailing
+#                 whitespace, tabs (tests/lint/clang_format_check.py)
+LINT_STAMP := $(VENV)/.lint-installed
+CHECK_STAGES := lint-python format-swift format-c
+SWIFT_FORMAT_PATHS := Sources tests/swift Package.swift Plugins
+C_FORMAT_FILES = $(shell find Sources Resources tests \( -name '*.c' -o -name '*.h' -o -name '*.cpp' -o -name '*.metal' \) \
+	-not -path 'tests/mac/stand-ins/*' | sort)
+TEST_SUMMARY := .build/test-summary.txt
+
+.PHONY: check quick lint-deps $(CHECK_STAGES)
+
+check: $(CHECK_STAGES)
+
+quick: python
+	$(PY) -m pytest tests/python -q -x -m "not slow" $(PYTEST_ARGS)
+
+lint-deps: $(LINT_STAMP)
+
+$(LINT_STAMP): python/requirements-lint.txt | venv
+	$(PY) -m pip install --quiet -r python/requirements-lint.txt
+	touch $@
+
+lint-python: lint-deps
+	$(VENV)/bin/ruff check python tests bench
+	cd python && ../$(VENV)/bin/mypy flashmetal
+
+format-swift:
+	@out=$$($(SWIFT) format lint --recursive $(SWIFT_FORMAT_PATHS) 2>&1 \
+		| grep -v -E '\[(Indentation|AddLines|RemoveLine|TrailingComma)\]'); \
+	if [ -n "$$out" ]; then echo "$$out"; exit 1; fi; echo "format-swift: passed"
+
+format-c: lint-deps
+	$(PY) tests/lint/clang_format_check.py $(VENV)/bin/clang-format $(C_FORMAT_FILES)
+
+# Every stage runs (a failure does not hide the later ones), each counted from
+# its log; the last line is "N passed, N failed, N skipped" and the exit status
+# is non-zero when any stage failed. A failed build stops the run. Before it,
+# tests/summary.py names where it ran and the backends the numeric tests used.
+TEST_STAGES = all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS) $(CHECK_STAGES)
+
+test:
+	@mkdir -p .build; rm -f $(TEST_SUMMARY); status=0; \
+	for t in $(TEST_STAGES); do \
+		echo "== make $$t"; \
+		$(MAKE) --no-print-directory $$t 2>&1 | tee .build/stage-$$t.log; rc=$${PIPESTATUS[0]}; \
+		$(PYTHON) mk/stage_counts.py $$t $$rc .build/stage-$$t.log >> $(TEST_SUMMARY) || rc=1; \
+		if [ $$rc -ne 0 ]; then status=1; [ $$t = all ] && break; fi; \
+	done; \
+	[ $$status -ne 0 ] || $(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $(TEST_STAGES) || status=1; \
+	$(PYTHON) mk/stage_counts.py --total $(TEST_SUMMARY) || status=1; \
+	exit $$status
