@@ -34,9 +34,8 @@ from . import reference
 from ._errors import Error
 from .attention import last_route, scaled_dot_product_attention
 from .demo import _TOLERANCE as TOLERANCE
-from .registry import Registry
+from .registry import BACKEND_NAMES as BACKENDS, Registry
 
-BACKENDS = ("cpu", "sim", "metal")
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
            "float32": np.dtype(np.float32)}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16", "fp32": "float32",

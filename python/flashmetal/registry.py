@@ -16,6 +16,9 @@ from ._errors import InvalidTypeError, InvalidValueError
 # Backends that defer work to the end of a batch scope (Metal commits one
 # command buffer then) and so read the call's arrays after the call returns.
 # cpu and sim run every call to completion before it returns.
+#: Every backend name a library build may offer ("auto" aside), in the order
+#: tools list them; which ones open depends on the build and the machine.
+BACKEND_NAMES = ("cpu", "sim", "metal-sim", "metal")
 DEFERRING_BACKENDS = frozenset({"metal", "metal-sim"})
 
 # The metal-sim runtime's counters, in the order of FMMetalSimCounter.

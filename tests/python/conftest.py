@@ -11,7 +11,7 @@ import flashmetal
 
 def available_backends() -> list[str]:
     names = []
-    for name in ("cpu", "sim", "metal-sim", "metal"):
+    for name in flashmetal.registry.BACKEND_NAMES:
         try:
             flashmetal.Registry(name).close()
         except (ValueError, flashmetal.BackendError):
