@@ -40,8 +40,10 @@ sustained at ETA_MMA of that; everything a SIMD group executes takes slots:
   t_issue   = slots / (SCHEDULERS * cores * clock * ETA_MMA)
   t_dram    = compulsory bytes / (bandwidth * ETA_BW)
               compulsory = distinct bytes read + distinct bytes written
-  t_reread  = (device bytes read - distinct bytes read) / (REREAD_BW_X * bandwidth)
-              re-reads served by the GPU's L2/system cache, not DRAM
+  t_reread  = (coalesced bytes read - distinct bytes read) / (REREAD_BW_X * bandwidth)
+              coalesced: per SIMD-group load instruction, the distinct bytes of each
+              line its lanes touch (lanes reading one address cost it once);
+              re-reads are served by the GPU's L2/system cache, not DRAM
   t_sync    = threadgroup barriers * BARRIER_CYCLES / (cores * resident * clock)
               a barrier stalls one threadgroup; `resident` groups per core overlap
   estimate  = sum over dispatches of max(t_dram + t_reread, t_issue) / busy + t_sync + LAUNCH_S
@@ -119,7 +121,7 @@ ADDITIVE = ["threadgroups", "constant_bytes_read", "constant_load_events", "tg_b
             "tg_load_events", "tg_store_events", "threadgroup_barriers", "simd_barriers", "simd_shuffles",
             "simd_reductions", "simd_votes", "mma_f16", "mma_bf16", "mma_f32", "special"]
 DEVICE = ["bytes_read", "bytes_written", "load_events", "store_events", "unique_bytes_read",
-          "unique_bytes_written", "unique_lines"]
+          "unique_bytes_written", "unique_lines", "load_requests", "load_request_bytes", "store_requests"]
 
 
 def flatten(rec: dict) -> dict:
@@ -355,7 +357,8 @@ def estimate(gpu: GPU, dispatches: list[dict], useful_flops: float) -> dict:
                               TG_MEMORY_PER_CORE // max(16, d["threadgroup_memory"])))
         busy = min(1.0, groups / (gpu.cores * resident))
         t_dram = (c["device.unique_bytes_read"] + c["device.unique_bytes_written"]) / (gpu.bandwidth * ETA_BW)
-        t_reread = max(0.0, c["device.bytes_read"] - c["device.unique_bytes_read"]) / (REREAD_BW_X * gpu.bandwidth)
+        t_reread = max(0.0, c["device.load_request_bytes"] - c["device.unique_bytes_read"]) \
+            / (REREAD_BW_X * gpu.bandwidth)
         # The attention's scalar FLOPs of an MMA-less op belong to its first dispatch.
         scalar = useful_flops if (mma == 0 and i == 0) else 0.0
         t_issue = issue_slots(c, scalar) / issue_rate
@@ -384,6 +387,8 @@ def summarize(dispatches: list[dict]) -> dict:
     return {
         "read": rd, "written": tot["device.bytes_written"], "unique_read": urd,
         "reread": rd / urd if urd else 0.0, "lines": tot["device.unique_lines"],
+        "reread_simd": tot["device.load_request_bytes"] / urd if urd else 0.0,
+        "req_b": tot["device.load_request_bytes"] / tot["device.load_requests"] if tot["device.load_requests"] else 0.0,
         "load_b": rd / loads if loads else 0.0, "store_b": tot["device.bytes_written"] / stores if stores else 0.0,
         "tg_bytes": tot["tg_bytes_read"] + tot["tg_bytes_written"],
         "mma": tot["mma_f16"] + tot["mma_bf16"] + tot["mma_f32"],
@@ -408,6 +413,46 @@ PEERS = [
     ("metal-flash-attention, M1 Max, worst case", "M1 Max", 0.83 * 10.62e12,
      "philipturner/metal-flash-attention: 83-94% of ALU on M1/M3 (lower end)"),
 ]
+
+
+def target_rows(rows):
+    """The issue's targets (M3 Max constants): (target, rows it covers, rows meeting it, worst row)."""
+    def eff(c):
+        return c.result["gpus"]["M3 Max"]["efficiency"]
+
+    def dim(c):
+        return int(c.label.split("D=")[1].split()[0])
+
+    def length(c):
+        return c.real_size
+    pre = [c for c in rows if c.group == "prefill"]
+    dec = [c for c in rows if c.group == "decode" and c.real_size >= 8192]
+    out = []
+
+    def add(name, sel, ok, value, higher_is_better=True):
+        sel = list(sel)
+        met = [c for c in sel if ok(c)]
+        worst = (min if higher_is_better else max)(sel, key=value) if sel else None
+        out.append((name, len(sel), len(met), f"{worst.label}: {value(worst):.3g}" if worst else "-"))
+    add("prefill bf16/f16 L>=4096 D 64/128/256 full+causal: efficiency >= 70%",
+        (c for c in pre if not c.label.startswith("f32") and length(c) >= 4096 and dim(c) in (64, 128, 256)
+         and " window " not in c.label), lambda c: eff(c) >= 0.70, eff)
+    add("prefill bf16/f16 L>=4096 D 80/96/192: efficiency >= 60%",
+        (c for c in pre if not c.label.startswith("f32") and length(c) >= 4096 and dim(c) in (80, 96, 192)),
+        lambda c: eff(c) >= 0.60, eff)
+    add("prefill bf16/f16 L>=4096 D 512: efficiency >= 60%",
+        (c for c in pre if not c.label.startswith("f32") and length(c) >= 4096 and dim(c) == 512),
+        lambda c: eff(c) >= 0.60, eff)
+    add("prefill float32 L>=4096: efficiency >= 50%", (c for c in pre if c.label.startswith("f32") and length(c) >= 4096),
+        lambda c: eff(c) >= 0.50, eff)
+    add("decode 8k-128k keys: efficiency >= 85%", dec, lambda c: eff(c) >= 0.85, eff)
+    add("decode: K/V read once per kv head (SIMD re-read <= 1.05)", dec,
+        lambda c: c.result["summary"]["reread_simd"] <= 1.05, lambda c: c.result["summary"]["reread_simd"], False)
+    add("decode: mean device load >= 8 bytes", dec, lambda c: c.result["summary"]["load_b"] >= 8,
+        lambda c: c.result["summary"]["load_b"])
+    add("prefill (tiled kernels): mean device load >= 8 bytes", (c for c in pre if not c.label.startswith("f32")),
+        lambda c: c.result["summary"]["load_b"] >= 8, lambda c: c.result["summary"]["load_b"])
+    return out
 
 
 def fmt_bytes(b: float) -> str:
@@ -552,11 +597,21 @@ def write_report(path, rows, validations, scaling, seconds):
     if scaling:
         w(f"| batch x kv-head scaling: {scaling[0]} (B=Hkv=2 vs 4 x B=Hkv=1, keys 1024) | | | {scaling[1]:.2e} |")
     w("")
+    w("## Targets (M3 Max constants)")
+    w("")
+    w("| target | rows | met | worst row |")
+    w("|---|---:|---:|---|")
+    for name, n, met, worst in target_rows(rows):
+        w(f"| {name} | {n} | {met} | {worst} |")
+    w("")
     w("## Today's kernels (before)")
     w("")
     w("Per case, summed over the op's dispatches at the real shape (B=1, H=32 unless stated; decode H=32 with")
-    w("Hkv=32/G). re-read = device bytes read / distinct bytes read; load B = mean bytes per device load")
-    w("event; barriers are per threadgroup of the first dispatch; res = threadgroups resident per core.")
+    w("Hkv=32/G). re-read = device bytes read by threads / distinct bytes read; re-read SIMD = the same with")
+    w("lanes of a SIMD group that read one address counted once (coalesced bytes / distinct bytes); load B =")
+    w("mean bytes per thread's device load; B/req = mean distinct bytes per coalesced request (one line of one")
+    w("SIMD-group load instruction); barriers are per threadgroup of the first dispatch; res = threadgroups")
+    w("resident per core.")
     w("Efficiency = physical minimum / estimate on each GPU.")
     for group in ("prefill", "decode", "serving", "sdpa"):
         rs = [c for c in rows if c.group == group]
@@ -565,14 +620,16 @@ def write_report(path, rows, validations, scaling, seconds):
         w("")
         w(f"### {group}")
         w("")
-        w("| case | kernels | dev read | dev written | re-read | lines | load B | store B | TG bytes | MMAs | "
-          "shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | M1 Max eff. | M3 Max eff. | "
-          "M4 Max eff. |")
-        w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
+          "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | M1 Max eff. | "
+          "M3 Max eff. | M4 Max eff. |")
+        w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+          "---:|---:|")
         for c in rs:
             s, g = c.result["summary"], c.result["gpus"]
             w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
-              f"{s['reread']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | {s['store_b']:.2f} | "
+              f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
+              f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
               f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
               f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
               f"{fmt_time(g['M3 Max']['estimate'])} | {g['M3 Max']['bound']} | "

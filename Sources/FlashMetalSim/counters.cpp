@@ -2,6 +2,7 @@
 // merging of per-worker counts (see counters.h).
 #include "counters.h"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -41,6 +42,9 @@ static void add_binding(FMSimBindingCounts &to, const FMSimBindingCounts &from) 
     to.unique_bytes_read += from.unique_bytes_read;
     to.unique_bytes_written += from.unique_bytes_written;
     to.unique_lines += from.unique_lines;
+    to.load_requests += from.load_requests;
+    to.load_request_bytes += from.load_request_bytes;
+    to.store_requests += from.store_requests;
 }
 
 void DispatchCounter::finish(FMSimCounts *out) {
@@ -89,6 +93,56 @@ void WorkerCounts::merge() {
     s.mma_f32 += ops[OP_MMA_F32] / 32;
 }
 
+void WorkerCounts::phase(int sg) {
+    if (sg < 0) {
+        for (auto &r : simd) r.reset();
+    } else if (size_t(sg) < simd.size()) {
+        simd[size_t(sg)].reset();
+    }
+}
+
+// One lane's access of n bytes at offset `off` of range `ri`: joins the
+// request of its instruction for that line, or opens one.
+static void coalesce(WorkerCounts *wc, FMSimBindingCounts &b, int ri, size_t off, unsigned n, bool write) {
+    const ThreadIds *ids = tl_ids;
+    if (!ids) return;
+    if (wc->simd.size() <= ids->simd) wc->simd.resize(ids->simd + 1);
+    SimdRequests &r = wc->simd[ids->simd];
+    const uint32_t k = r.ordinal[ids->lane]++;
+    if (k >= r.used.size()) {
+        r.used.resize(std::max(2 * r.used.size(), size_t(k) + 1024), SimdRequests::Used{0});
+        r.slots.resize(r.used.size() * SimdRequests::kLines);
+    }
+    if (k >= r.top) r.top = k + 1;
+    for (size_t lo = off; lo < off + n;) { // an access may straddle two lines
+        const size_t line = lo / 128, hi = (line + 1) * 128 < off + n ? (line + 1) * 128 : off + n;
+        const uint64_t key = (uint64_t(ri) << 56) | (uint64_t(line) << 1) | (write ? 1 : 0);
+        uint64_t add[2] = {0, 0};
+        for (size_t i = lo; i < hi; i++) add[(i % 128) / 64] |= uint64_t(1) << (i % 64);
+        SimdRequests::Line *slot = &r.slots[size_t(k) * SimdRequests::kLines];
+        SimdRequests::Line *hit = nullptr;
+        for (int i = 0; i < r.used[k].n; i++)
+            if (slot[i].key == key) hit = &slot[i];
+        if (!hit) {
+            if (write) b.store_requests++;
+            else b.load_requests++;
+            if (r.used[k].n < SimdRequests::kLines) {
+                hit = &slot[r.used[k].n++];
+                *hit = SimdRequests::Line{key, {0, 0}};
+            }
+        }
+        if (!write) {
+            const uint64_t n0 = add[0] & ~(hit ? hit->mask[0] : 0), n1 = add[1] & ~(hit ? hit->mask[1] : 0);
+            b.load_request_bytes += uint64_t(__builtin_popcountll(n0) + __builtin_popcountll(n1));
+        }
+        if (hit) {
+            hit->mask[0] |= add[0];
+            hit->mask[1] |= add[1];
+        }
+        lo = hi;
+    }
+}
+
 void count_collective(WorkerCounts *wc, const char *what) {
     FMSimCounts &c = wc->c;
     if (!strncmp(what, "simdgroup_multiply", 18)) return; // counted per element type by the shim
@@ -129,6 +183,7 @@ static inline void on_access(const void *p, unsigned n, bool write) {
         const size_t end = off + n < r.len ? off + n : r.len;
         for (size_t k = off; k < end; k++)
             bits[k / 64].fetch_or(uint64_t(1) << (k % 64), std::memory_order_relaxed);
+        coalesce(wc, b, i, off, unsigned(end - off), write);
         return;
     }
 }

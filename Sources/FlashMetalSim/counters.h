@@ -21,6 +21,7 @@
 
 #include <atomic>
 #include <memory>
+#include <vector>
 #include <mutex>
 #include <stddef.h>
 #include <stdint.h>
@@ -49,6 +50,31 @@ struct DispatchCounter {
     void finish(FMSimCounts *out);
 };
 
+// The accesses of one SIMD group since its last barrier or collective,
+// matched across lanes by their ordinal: the lanes' n-th accesses are one
+// instruction when control flow is uniform (divergent code is approximate).
+struct SimdRequests {
+    struct Line {
+        uint64_t key;     // binding, line, write
+        uint64_t mask[2]; // bytes touched in the line
+    };
+    static constexpr int kLines = 4; // distinct lines kept per instruction (more count without merging)
+    uint32_t ordinal[32]{};
+    uint32_t top = 0; // slots in use
+    // Lines in use per ordinal (a type of the simulator's own: instances of
+    // std::vector over std types would be exported from the library).
+    struct Used {
+        uint8_t n;
+    };
+    std::vector<Line> slots; // kLines per ordinal
+    std::vector<Used> used;
+    void reset() {
+        for (uint32_t k = 0; k < top; k++) used[k].n = 0;
+        for (auto &o : ordinal) o = 0;
+        top = 0;
+    }
+};
+
 // One worker's counts (no sharing on the hot path but the bitmaps).
 struct WorkerCounts {
     DispatchCounter *dc = nullptr;
@@ -56,7 +82,10 @@ struct WorkerCounts {
     size_t tg_len = 0;
     FMSimCounts c{};
     uint64_t ops[OP_COUNT]{};
+    std::vector<SimdRequests> simd;
     void merge();
+    // A barrier or collective ended SIMD group `sg`'s phase (-1: every group's).
+    void phase(int sg);
 };
 
 extern __thread WorkerCounts *tl_counts;

@@ -7,25 +7,34 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fcntl.h>
-#include <string>
 #include <unistd.h>
 
 namespace {
-void put(std::string &s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void put(std::string &s, const char *fmt, ...) {
-    char buf[512];
+// A line under construction (no std::string: its template instances would
+// be exported from the library).
+struct Line {
+    char buf[32768];
+    size_t n = 0;
+    bool overflow = false;
+};
+void put(Line &s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void put(Line &s, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    int n = vsnprintf(s.buf + s.n, sizeof s.buf - s.n, fmt, ap);
     va_end(ap);
-    if (n > 0) s.append(buf, size_t(n) < sizeof buf ? size_t(n) : sizeof buf - 1);
+    if (n < 0 || size_t(n) >= sizeof s.buf - s.n) s.overflow = true;
+    else s.n += size_t(n);
 }
-void put_binding(std::string &s, const FMSimBindingCounts &b) {
+void put_binding(Line &s, const FMSimBindingCounts &b) {
     put(s, "{\"bytes_read\":%llu,\"bytes_written\":%llu,\"load_events\":%llu,\"store_events\":%llu,"
-           "\"unique_bytes_read\":%llu,\"unique_bytes_written\":%llu,\"unique_lines\":%llu}",
+           "\"unique_bytes_read\":%llu,\"unique_bytes_written\":%llu,\"unique_lines\":%llu,"
+           "\"load_requests\":%llu,\"load_request_bytes\":%llu,\"store_requests\":%llu}",
         (unsigned long long)b.bytes_read, (unsigned long long)b.bytes_written, (unsigned long long)b.load_events,
         (unsigned long long)b.store_events, (unsigned long long)b.unique_bytes_read,
-        (unsigned long long)b.unique_bytes_written, (unsigned long long)b.unique_lines);
+        (unsigned long long)b.unique_bytes_written, (unsigned long long)b.unique_lines,
+        (unsigned long long)b.load_requests, (unsigned long long)b.load_request_bytes,
+        (unsigned long long)b.store_requests);
 }
 } // namespace
 
@@ -36,20 +45,22 @@ extern "C" const char *fmsim_counts_log_path(void) {
 
 extern "C" int fmsim_counts_append(const char *path, const FMSimDispatch *d, const FMSimCounts *c) {
     if (!path || !d || !c || !d->name) return -1;
-    try {
-        std::string s;
+    {
+        static thread_local Line s;
+        s.n = 0;
+        s.overflow = false;
         put(s, "{\"kernel\":\"%s\",\"grid\":[%u,%u,%u],\"threads\":[%u,%u,%u],\"constants\":[", d->name, d->grid[0],
             d->grid[1], d->grid[2], d->threads[0], d->threads[1], d->threads[2]);
         for (int i = 0; i < d->n_constants; i++)
             put(s, "%s[%d,%d]", i ? "," : "", d->constants[i].index, d->constants[i].value);
-        s += "],\"bindings\":[";
+        put(s, "],\"bindings\":[");
         for (int i = 0; i < d->n_bindings; i++)
             put(s, "%s[%d,%llu,%d]", i ? "," : "", d->bindings[i].index, (unsigned long long)d->bindings[i].length,
                 d->bindings[i].is_bytes);
         put(s, "],\"threadgroups\":%llu,\"threads_per_threadgroup\":%u,\"threadgroup_memory\":%u,\"device\":",
             (unsigned long long)c->threadgroups, c->threads_per_threadgroup, c->threadgroup_memory);
         put_binding(s, c->device);
-        s += ",\"binding\":{";
+        put(s, ",\"binding\":{");
         bool first = true;
         for (int i = 0; i < d->n_bindings; i++) {
             const FMSimBinding &b = d->bindings[i];
@@ -71,12 +82,11 @@ extern "C" int fmsim_counts_append(const char *path, const FMSimDispatch *d, con
             (unsigned long long)c->simd_votes, (unsigned long long)c->mma_f16, (unsigned long long)c->mma_bf16,
             (unsigned long long)c->mma_f32, (unsigned long long)c->special);
         // One write of the whole line: lines of concurrent dispatches never interleave.
+        if (s.overflow) return -1;
         int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
         if (fd < 0) return -1;
-        ssize_t w = write(fd, s.data(), s.size());
+        ssize_t w = write(fd, s.buf, s.n);
         close(fd);
-        return w == ssize_t(s.size()) ? 0 : -1;
-    } catch (...) {
-        return -1;
+        return w == ssize_t(s.n) ? 0 : -1;
     }
 }

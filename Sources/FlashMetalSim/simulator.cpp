@@ -165,7 +165,10 @@ void complete_simd(Worker *w, SimdSlot &s, Fiber *self) {
     s.arrived = 0;
     s.fn = nullptr;
     s.gen++;
-    if (tl_counts) count_collective(tl_counts, s.what);
+    if (tl_counts) {
+        count_collective(tl_counts, s.what);
+        tl_counts->phase(int(&s - w->simd.data()));
+    }
     fn(in, out, mask);
     for (int l = 0; l < 32; l++) {
         if (!((mask >> l) & 1)) continue;
@@ -175,7 +178,10 @@ void complete_simd(Worker *w, SimdSlot &s, Fiber *self) {
 }
 
 void release_barrier(Worker *w) {
-    if (tl_counts) tl_counts->c.threadgroup_barriers++;
+    if (tl_counts) {
+        tl_counts->c.threadgroup_barriers++;
+        tl_counts->phase(-1);
+    }
     for (auto &f : w->fibers)
         if (f.wait == Wait::Barrier) f.wait = Wait::Run;
     w->bar_count = 0;
@@ -359,6 +365,7 @@ bool run_group(Worker *w, DispatchState *ds, uint64_t gi) {
         if (w->live == 0) {
             if (WorkerCounts *wc = tl_counts) {
                 wc->c.threadgroups++;
+                wc->phase(-1);
                 if (w->tg_used > wc->c.threadgroup_memory) wc->c.threadgroup_memory = uint32_t(w->tg_used);
             }
             return true;

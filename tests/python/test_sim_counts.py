@@ -95,7 +95,8 @@ PINNED = {
     "mma_f16": 0, "mma_bf16": 0, "mma_f32": 1024, "special": 5120,
 }
 PINNED_DEVICE = {"bytes_read": 40960, "bytes_written": 8192, "load_events": 20480, "store_events": 4096,
-                 "unique_bytes_read": 24576, "unique_bytes_written": 8192, "unique_lines": 256}
+                 "unique_bytes_read": 24576, "unique_bytes_written": 8192, "unique_lines": 256,
+                 "load_requests": 640, "load_request_bytes": 40960, "store_requests": 2560}
 
 
 def test_tiny_prefill_counts_pinned(sim, rng, tmp_path):
@@ -115,7 +116,9 @@ def test_tiny_prefill_counts_pinned(sim, rng, tmp_path):
     assert b["3"]["bytes_written"] == b["3"]["unique_bytes_written"] == TILE_BYTES and b["3"]["bytes_read"] == 0
     assert all(b[i]["unique_lines"] == TILE_BYTES // 128 for i in "0123")
     assert r["mma_f32"] == (2 * 8 + 8 * 2) * 4 * 4 * 2
-    # The pin: today's loads are 2 bytes per thread per element.
+    # The pin: today's loads are 2 bytes per thread per element, 64 bytes per
+    # SIMD-group load (32 lanes, consecutive elements); the output's stores
+    # follow the MMA fragment layout, a few bytes per line.
     for key, want in PINNED.items():
         assert r[key] == want, f"{key}: {r[key]} counted, {want} pinned"
     for key, want in PINNED_DEVICE.items():

@@ -62,6 +62,10 @@ typedef struct FMSimBindingCounts {
     uint64_t load_events, store_events;
     uint64_t unique_bytes_read, unique_bytes_written; /* distinct addresses */
     uint64_t unique_lines;                            /* 128-byte lines read or written */
+    /* Coalesced: the lanes of a SIMD group running the same access (their
+     * n-th since the group's last barrier or collective) make one request
+     * per distinct line, bringing the distinct bytes they touch in it. */
+    uint64_t load_requests, load_request_bytes, store_requests;
 } FMSimBindingCounts;
 
 typedef struct FMSimCounts {
