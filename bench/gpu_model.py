@@ -46,12 +46,14 @@ sustained at ETA_MMA of that; everything a SIMD group executes takes slots:
               re-reads are served by the GPU's L2/system cache, not DRAM
   t_sync    = threadgroup barriers * BARRIER_CYCLES / (cores * resident * clock)
               a barrier stalls one threadgroup; `resident` groups per core overlap
-  estimate  = sum over dispatches of max(t_dram + t_reread, t_issue) / busy + t_sync + LAUNCH_S
+  estimate  = sum over dispatches of max(t_dram + t_reread, t_issue / busy) + t_sync + LAUNCH_S
   minimum   = max(compulsory bytes / bandwidth, attention FLOPs / fp32 peak)
   efficiency = minimum / estimate
 resident = min(MAX_THREADS_PER_CORE // threads, TG_MEMORY_PER_CORE // tg memory),
 at least 1; a grid of fewer threadgroups than cores * resident leaves cores
-idle (the estimate's compute and memory terms are divided by the busy fraction).
+idle: busy = min(1, threadgroups / (cores * resident)) divides the issue term
+(a per-core resource), not the memory terms (the memory system is shared by
+the chip; the model assumes the busy cores keep it saturated).
 """
 from __future__ import annotations
 
@@ -364,7 +366,7 @@ def estimate(gpu: GPU, dispatches: list[dict], useful_flops: float) -> dict:
         t_issue = issue_slots(c, scalar) / issue_rate
         t_mma = 16 * (c["mma_f16"] + c["mma_bf16"] + c["mma_f32"]) / issue_rate
         t_sync = c["threadgroup_barriers"] * BARRIER_CYCLES / (gpu.cores * gpu.clock_hz * resident)
-        t_total += max(t_dram + t_reread, t_issue) / busy + t_sync + LAUNCH_S
+        t_total += max(t_dram + t_reread, t_issue / busy) + t_sync + LAUNCH_S
         for k, v in (("dram", t_dram), ("reread", t_reread), ("issue", t_issue), ("mma", t_mma), ("sync", t_sync),
                      ("launch", LAUNCH_S)):
             parts[k] += v
