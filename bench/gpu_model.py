@@ -606,6 +606,24 @@ def write_report(path, rows, validations, scaling, seconds):
     for name, n, met, worst in target_rows(rows):
         w(f"| {name} | {n} | {met} | {worst} |")
     w("")
+    w("## Where the time goes (M3 Max)")
+    w("")
+    w("The roofline's terms for one row per kernel family (the largest of memory and issue counts,")
+    w("sync and launch add):")
+    w("")
+    w("| case | estimate | DRAM | re-read | issue (of it MMA) | sync | launch | efficiency |")
+    w("|---|---:|---:|---:|---:|---:|---:|---:|")
+    picks = ["f16 D=128 causal L=4096", "f16 D=512 causal L=4096", "f32 D=128 causal L=4096",
+             "f16 D=128 MHA B=1 keys=32768", "f16 D=128 GQA8 B=1 keys=32768", "f16 D=128 causal L=4096"]
+    seen = set()
+    for c in rows:
+        if c.label in picks and (c.group, c.label) not in seen:
+            seen.add((c.group, c.label))
+            g = c.result["gpus"]["M3 Max"]
+            w(f"| {c.group}: {c.label} | {fmt_time(g['estimate'])} | {fmt_time(g['dram'])} | "
+              f"{fmt_time(g['reread'])} | {fmt_time(g['issue'])} ({fmt_time(g['mma'])}) | {fmt_time(g['sync'])} | "
+              f"{fmt_time(g['launch'])} | {g['efficiency'] * 100:.0f}% |")
+    w("")
     w("## Today's kernels (before)")
     w("")
     w("Per case, summed over the op's dispatches at the real shape (B=1, H=32 unless stated; decode H=32 with")
