@@ -445,8 +445,8 @@ def target_rows(rows):
     add("prefill bf16/f16 L>=4096 D 512: efficiency >= 60%",
         (c for c in pre if not c.label.startswith("f32") and length(c) >= 4096 and dim(c) == 512),
         lambda c: eff(c) >= 0.60, eff)
-    add("prefill float32 L>=4096: efficiency >= 50%", (c for c in pre if c.label.startswith("f32") and length(c) >= 4096),
-        lambda c: eff(c) >= 0.50, eff)
+    add("prefill float32 L>=4096: efficiency >= 50%",
+        (c for c in pre if c.label.startswith("f32") and length(c) >= 4096), lambda c: eff(c) >= 0.50, eff)
     add("decode 8k-128k keys: efficiency >= 85%", dec, lambda c: eff(c) >= 0.85, eff)
     add("decode: K/V read once per kv head (SIMD re-read <= 1.05)", dec,
         lambda c: c.result["summary"]["reread_simd"] <= 1.05, lambda c: c.result["summary"]["reread_simd"], False)
@@ -508,7 +508,8 @@ def main() -> int:
             for p, g in zip(pred, got):
                 gf = flatten(g)
                 for k, v in gf.items():
-                    if k.startswith("b"):  # per binding: in the totals (a table's lines are a ceiling, not a polynomial)
+                    # Per binding counts are in the totals (a table's lines are a ceiling, not a polynomial).
+                    if k.startswith("b"):
                         continue
                     err = abs(p["counts"].get(k, 0.0) - v) / max(1.0, abs(v))
                     worst = max(worst, err)

@@ -30,7 +30,8 @@ bool DispatchCounter::add_range(const void *p, size_t len, int binding, bool dev
 // Set bits among the first n of a bitmap (bits past n are never set).
 static uint64_t popcount_bits(const std::atomic<uint64_t> *bits, size_t n) {
     uint64_t c = 0;
-    for (size_t w = 0; w < (n + 63) / 64; w++) c += uint64_t(__builtin_popcountll(bits[w].load(std::memory_order_relaxed)));
+    for (size_t w = 0; w < (n + 63) / 64; w++)
+        c += uint64_t(__builtin_popcountll(bits[w].load(std::memory_order_relaxed)));
     return c;
 }
 
