@@ -74,9 +74,20 @@ let package = Package(
                                             "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",
                                             "-fvisibility=hidden"])],
                 linkerSettings: [.linkedLibrary("stdc++", .when(platforms: [.linux]))]),
+        // The same shaders once more, every load and store traced
+        // (FlashMetalSim/counters.h): run only by dispatches that ask for
+        // counts (the GPU cost model), never by the others.
+        .target(name: "FlashMetalSimCounted", dependencies: ["FlashMetalSim"],
+                path: "Sources/FlashMetalSimCounted",
+                cxxSettings: [.headerSearchPath("../CFlashMetal/include"),
+                              .unsafeFlags(["-Xclang", "-ffloat16-excess-precision=none",
+                                            "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",
+                                            "-fvisibility=hidden",
+                                            "-fsanitize-coverage=edge,trace-loads,trace-stores",
+                                            "-fno-vectorize", "-fno-slp-vectorize"])]),
         // The "sim" backend: Dispatch values → the simulator.
         .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim",
-                                                         "FlashMetalCPUKernels"],
+                                                         "FlashMetalSimCounted", "FlashMetalCPUKernels"],
                 path: "Sources/FlashMetalSimBackend"),
         // The @_cdecl entry points that make up libflashmetal.
         .target(name: "FlashMetal", dependencies: ["FlashMetalCore", "FlashMetalCPU", "FlashMetalMetal",

@@ -20,7 +20,8 @@ endif
 SIM_CXXFLAGS := -ISources/CFlashMetal/include -std=c++20 -O2 -pthread -Xclang -ffloat16-excess-precision=none \
 	-Werror=double-promotion -Wno-unknown-attributes -Wall -Wno-unused-function
 SIM_SRC_DIR := Sources/FlashMetalSim
-SIM_RUNTIME := $(SIM_SRC_DIR)/simulator.cpp $(SIM_SRC_DIR)/registry.cpp $(SIM_SRC_DIR)/context_switch.cpp
+SIM_RUNTIME := $(SIM_SRC_DIR)/simulator.cpp $(SIM_SRC_DIR)/registry.cpp $(SIM_SRC_DIR)/context_switch.cpp \
+	$(SIM_SRC_DIR)/counters.cpp $(SIM_SRC_DIR)/counts_json.cpp
 SIM_KERNELS := $(wildcard $(SIM_SRC_DIR)/kernels/*.cpp)
 SIM_HEADERS := $(wildcard $(SIM_SRC_DIR)/*.h $(SIM_SRC_DIR)/include/*.h Resources/shaders/*.h \
 	Resources/shaders/*.metal tests/sim/*.h) Sources/CFlashMetal/include/flashmetal.h

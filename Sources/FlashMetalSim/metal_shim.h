@@ -20,6 +20,21 @@
 
 #include "simulator.h"
 
+// The counted copy of the kernels (compiled with FMSIM_COUNTED_COPY and
+// load/store tracing, see counters.h) puts every shim definition in an inline
+// namespace: its template instances then have names of their own and never
+// merge at link time with the plain copy's (which stay untraced). Source-level
+// names are the same in both.
+#ifdef FMSIM_COUNTED_COPY
+#define FMSIM_VARIANT_BEGIN inline namespace counted {
+#define FMSIM_VARIANT_END }
+#define FMSIM_COUNT_OP(kind) ::fmsim::count_op(kind)
+#else
+#define FMSIM_VARIANT_BEGIN
+#define FMSIM_VARIANT_END
+#define FMSIM_COUNT_OP(kind) ((void)0)
+#endif
+
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wuser-defined-literals"
 #pragma clang diagnostic ignored "-Wreserved-user-defined-literal"
@@ -32,6 +47,7 @@ typedef unsigned long ulong;
 typedef _Float16 half;
 
 namespace metal {
+FMSIM_VARIANT_BEGIN
 
 // bfloat: 16-bit storage, round-to-nearest-even narrowing. As strict as MSL
 // 3.1 (which rejects `bfloat b = 1.0f;` and math functions on bfloat): every
@@ -175,6 +191,14 @@ template <class T, class U> inline T as_type(const U &u) {
 // float overloads would make every call ambiguous; a template loses the tie
 // to libc++'s (same function, same result) and beats libstdc++'s double one.
 template <class T> concept fm_f32 = std::is_same_v<T, float>;
+#define FMSIM_UNARY_SPECIAL(name, fexpr)                                             \
+    template <fm_f32 F> inline F name(F x) { FMSIM_COUNT_OP(::fmsim::OP_SPECIAL); return fexpr; } \
+    inline half name(half x) { return half(name(float(x))); }                        \
+    template <class V, std::enable_if_t<(vec_n<V> > 0), int> = 0> inline V name(V v) { \
+        V r;                                                                         \
+        for (int i = 0; i < vec_n<V>; i++) r[i] = name(vec_elem<V>(v[i]));           \
+        return r;                                                                    \
+    }
 #define FMSIM_UNARY(name, fexpr)                                                     \
     template <fm_f32 F> inline F name(F x) { return fexpr; }                         \
     inline half name(half x) { return half(name(float(x))); }                        \
@@ -183,14 +207,14 @@ template <class T> concept fm_f32 = std::is_same_v<T, float>;
         for (int i = 0; i < vec_n<V>; i++) r[i] = name(vec_elem<V>(v[i]));           \
         return r;                                                                    \
     }
-FMSIM_UNARY(exp, __builtin_expf(x))
-FMSIM_UNARY(exp2, __builtin_exp2f(x))
-FMSIM_UNARY(exp10, __builtin_powf(10.0f, x))
-FMSIM_UNARY(log, __builtin_logf(x))
-FMSIM_UNARY(log2, __builtin_log2f(x))
-FMSIM_UNARY(log10, __builtin_log10f(x))
-FMSIM_UNARY(sqrt, __builtin_sqrtf(x))
-FMSIM_UNARY(rsqrt, 1.0f / __builtin_sqrtf(x))
+FMSIM_UNARY_SPECIAL(exp, __builtin_expf(x))
+FMSIM_UNARY_SPECIAL(exp2, __builtin_exp2f(x))
+FMSIM_UNARY_SPECIAL(exp10, __builtin_powf(10.0f, x))
+FMSIM_UNARY_SPECIAL(log, __builtin_logf(x))
+FMSIM_UNARY_SPECIAL(log2, __builtin_log2f(x))
+FMSIM_UNARY_SPECIAL(log10, __builtin_log10f(x))
+FMSIM_UNARY_SPECIAL(sqrt, __builtin_sqrtf(x))
+FMSIM_UNARY_SPECIAL(rsqrt, 1.0f / __builtin_sqrtf(x))
 FMSIM_UNARY(fabs, __builtin_fabsf(x))
 FMSIM_UNARY(abs, __builtin_fabsf(x))
 FMSIM_UNARY(floor, __builtin_floorf(x))
@@ -198,17 +222,18 @@ FMSIM_UNARY(ceil, __builtin_ceilf(x))
 FMSIM_UNARY(round, __builtin_roundf(x))
 FMSIM_UNARY(rint, __builtin_rintf(x))
 FMSIM_UNARY(trunc, __builtin_truncf(x))
-FMSIM_UNARY(sin, __builtin_sinf(x))
-FMSIM_UNARY(cos, __builtin_cosf(x))
-FMSIM_UNARY(tan, __builtin_tanf(x))
-FMSIM_UNARY(tanh, __builtin_tanhf(x))
-FMSIM_UNARY(sinh, __builtin_sinhf(x))
-FMSIM_UNARY(cosh, __builtin_coshf(x))
-FMSIM_UNARY(erf, __builtin_erff(x))
+FMSIM_UNARY_SPECIAL(sin, __builtin_sinf(x))
+FMSIM_UNARY_SPECIAL(cos, __builtin_cosf(x))
+FMSIM_UNARY_SPECIAL(tan, __builtin_tanf(x))
+FMSIM_UNARY_SPECIAL(tanh, __builtin_tanhf(x))
+FMSIM_UNARY_SPECIAL(sinh, __builtin_sinhf(x))
+FMSIM_UNARY_SPECIAL(cosh, __builtin_coshf(x))
+FMSIM_UNARY_SPECIAL(erf, __builtin_erff(x))
 FMSIM_UNARY(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : (x == x ? 0.0f : x)))
 FMSIM_UNARY(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
 FMSIM_UNARY(fract, x - __builtin_floorf(x))
 #undef FMSIM_UNARY
+#undef FMSIM_UNARY_SPECIAL
 
 #define FMSIM_BINARY(name, fexpr)                                                          \
     template <fm_f32 F> inline F name(F x, F y) { return fexpr; }                          \
@@ -523,12 +548,18 @@ void fm_mma(void *const *in, void *const *out, uint32_t mask) {
         }
     }
 }
+// The per-lane operation count of an MMA of element type T (counted copy).
+template <class T> constexpr int fm_mma_op() {
+    return std::is_same_v<T, float> ? ::fmsim::OP_MMA_F32 : std::is_same_v<T, half> ? ::fmsim::OP_MMA_F16
+                                                                                   : ::fmsim::OP_MMA_BF16;
+}
 // One element type for all four operands: the kernels never mix them, so
 // the simulator does not have to model how a mixed-type MMA rounds.
 template <class T>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8> &d, const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &a,
                                           const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &b,
                                           const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &c, FMSIM_LOC) {
+    FMSIM_COUNT_OP(fm_mma_op<T>());
     fm_lane_in<fm_mma_in> in{{&a, &b, &c}, 0};
     simdgroup_matrix<T, 8, 8> out;
     ::fmsim::collective(&in, &out, fm_mma<T, T, T, T>, "simdgroup_multiply_accumulate", ::fmsim::Site::from(l));
@@ -537,6 +568,7 @@ inline void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8> &d, const st
 template <class T>
 inline void simdgroup_multiply(simdgroup_matrix<T, 8, 8> &d, const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &a,
                                const std::type_identity_t<simdgroup_matrix<T, 8, 8>> &b, FMSIM_LOC) {
+    FMSIM_COUNT_OP(fm_mma_op<T>());
     fm_lane_in<fm_mma_in> in{{&a, &b, nullptr}, 0};
     simdgroup_matrix<T, 8, 8> out;
     ::fmsim::collective(&in, &out, fm_mma<T, T, T, T>, "simdgroup_multiply", ::fmsim::Site::from(l));
@@ -595,6 +627,7 @@ FMSIM_ATOMIC_RMW(atomic_fetch_min_explicit, a < w ? a : w)
 FMSIM_ATOMIC_RMW(atomic_fetch_max_explicit, a > w ? a : w)
 #undef FMSIM_ATOMIC_RMW
 
+FMSIM_VARIANT_END
 } // namespace metal
 
 using metal::bfloat;
@@ -619,6 +652,7 @@ FMSIM_VEC(bool, bool)
 
 // ---- kernel plumbing: builtins, function constants, threadgroup memory -----------
 namespace fmsim {
+FMSIM_VARIANT_BEGIN
 
 // A builtin converts only to the types MSL declares it with: uint or ushort,
 // and for the grid/threadgroup positions and sizes also their 2-/3-vectors.
@@ -727,9 +761,13 @@ template <class Fn, class L> int register_fn(const char *name, L) {
          ...);
     }(std::make_index_sequence<K>{});
     e.invoke = make_invoke<L, Tup>(std::make_index_sequence<K>{});
+#ifdef FMSIM_COUNTED_COPY
+    e.counted = true;
+#endif
     register_kernel(&e);
     return 0;
 }
+FMSIM_VARIANT_END
 } // namespace fmsim
 
 template <class T, int I> inline bool is_function_constant_defined(const fmsim::fconst<T, I> &) {

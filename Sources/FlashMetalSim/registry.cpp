@@ -13,14 +13,17 @@ namespace fmsim {
 namespace {
 std::mutex &reg_mu() { static std::mutex m; return m; }
 std::vector<const KernelEntry *> &reg() { static std::vector<const KernelEntry *> v; return v; }
+// The counted copies, apart: listing and plain lookups never see them.
+std::vector<const KernelEntry *> &reg_counted() { static std::vector<const KernelEntry *> v; return v; }
 } // namespace
 
 void register_kernel(const KernelEntry *e) {
     std::lock_guard<std::mutex> g(reg_mu());
-    for (auto &x : reg())
+    auto &table = e->counted ? reg_counted() : reg();
+    for (auto &x : table)
         if (strcmp(x->name, e->name) == 0) { x = e; return; }
     try {
-        reg().push_back(e);
+        table.push_back(e);
     } catch (...) {
         // Out of memory while loading: the kernel stays unknown, and a
         // dispatch of it reports so instead of the load aborting.
@@ -29,6 +32,12 @@ void register_kernel(const KernelEntry *e) {
 
 const KernelEntry *find_kernel(const char *name) {
     for (auto *x : reg())
+        if (strcmp(x->name, name) == 0) return x;
+    return nullptr;
+}
+
+const KernelEntry *find_counted_kernel(const char *name) {
+    for (auto *x : reg_counted())
         if (strcmp(x->name, name) == 0) return x;
     return nullptr;
 }
@@ -49,4 +58,8 @@ extern "C" int fmsim_kernel_param(const char *name, int index, int *kind, uint32
     if (kind) *kind = e->kinds[index];
     if (align) *align = e->aligns[index];
     return 1;
+}
+
+extern "C" int fmsim_has_counted_kernel(const char *name) {
+    return name && fmsim::find_counted_kernel(name) ? 1 : 0;
 }

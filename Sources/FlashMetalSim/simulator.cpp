@@ -11,6 +11,7 @@
 // mappings or threads all come back as a status and a message.
 #include "simulator.h"
 #include "simulator_internal.h"
+#include "counters.h"
 #include "include/fmsim.h"
 #include "../CFlashMetal/fm_env.h"
 
@@ -113,6 +114,7 @@ struct DispatchState {
     uint64_t seed = 0;
     int (*interrupted)(uint64_t) = nullptr;
     uint64_t interrupt_token = 0;
+    DispatchCounter *counter = nullptr; // a counted dispatch
     std::atomic<uint64_t> next{0};
     std::atomic<bool> failed{false};
     std::atomic<bool> stopped{false}; // by `interrupted`
@@ -163,6 +165,10 @@ void complete_simd(Worker *w, SimdSlot &s, Fiber *self) {
     s.arrived = 0;
     s.fn = nullptr;
     s.gen++;
+    if (tl_counts) {
+        count_collective(tl_counts, s.what);
+        tl_counts->phase(int(&s - w->simd.data()));
+    }
     fn(in, out, mask);
     for (int l = 0; l < 32; l++) {
         if (!((mask >> l) & 1)) continue;
@@ -172,6 +178,10 @@ void complete_simd(Worker *w, SimdSlot &s, Fiber *self) {
 }
 
 void release_barrier(Worker *w) {
+    if (tl_counts) {
+        tl_counts->c.threadgroup_barriers++;
+        tl_counts->phase(-1);
+    }
     for (auto &f : w->fibers)
         if (f.wait == Wait::Barrier) f.wait = Wait::Run;
     w->bar_count = 0;
@@ -352,7 +362,14 @@ bool run_group(Worker *w, DispatchState *ds, uint64_t gi) {
         }
         tl_ids = nullptr;
         if (w->failed) return false;
-        if (w->live == 0) return true;
+        if (w->live == 0) {
+            if (WorkerCounts *wc = tl_counts) {
+                wc->c.threadgroups++;
+                wc->phase(-1);
+                if (w->tg_used > wc->c.threadgroup_memory) wc->c.threadgroup_memory = uint32_t(w->tg_used);
+            }
+            return true;
+        }
         if (!progress) {
             census(w, w->err, sizeof w->err);
             w->failed = true;
@@ -478,8 +495,6 @@ bool constant_defined(int index) {
         if (ds->const_index[i] == index) return true;
     return false;
 }
-
-const KernelEntry *find_kernel(const char *name);
 
 } // namespace fmsim
 
@@ -625,6 +640,13 @@ void set_error(DispatchState *ds, const char *msg) {
 
 void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) noexcept {
     tl_worker = w;
+    WorkerCounts wc;
+    if (ds->counter) {
+        wc.dc = ds->counter;
+        wc.tg_lo = reinterpret_cast<uintptr_t>(w->tg_mem);
+        wc.tg_len = sizeof w->tg_mem;
+        tl_counts = &wc;
+    }
     w->rng = (ds->seed ? ds->seed : 0x9e3779b97f4a7c15ull) + wid * 0x2545F4914F6CDD1Dull;
     if (!w->rng) w->rng = 1;
     char buf[1024];
@@ -650,6 +672,10 @@ void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) noe
             set_error(ds, buf);
         }
     }
+    if (ds->counter) {
+        wc.merge();
+        tl_counts = nullptr;
+    }
     tl_worker = nullptr;
 }
 
@@ -662,6 +688,13 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
     if (!e) {
         snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->name);
         return FMSIM_ERROR_UNKNOWN_KERNEL;
+    }
+    if (d->counts) {
+        e = find_counted_kernel(d->name);
+        if (!e) {
+            snprintf(err, errlen, "sim: no counted copy of kernel '%s' is compiled into the simulator", d->name);
+            return FMSIM_ERROR_UNKNOWN_KERNEL;
+        }
     }
     auto ds = std::make_unique<DispatchState>();
     ds->entry = e;
@@ -715,6 +748,18 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
         }
         ds->args.ptr[b.index] = p;
     }
+    std::unique_ptr<DispatchCounter> counter;
+    if (d->counts) {
+        counter = std::make_unique<DispatchCounter>();
+        for (int i = 0; i < d->n_bindings; i++) {
+            const FMSimBinding &b = d->bindings[i];
+            if (!counter->add_range(ds->args.ptr[b.index], size_t(b.length), b.index, !b.is_bytes)) {
+                snprintf(err, errlen, "sim: out of memory for the counters of buffer %d", b.index);
+                return FMSIM_ERROR_RESOURCES;
+            }
+        }
+        ds->counter = counter.get();
+    }
     // Unbound struct references see zeros (the kernel must not read them).
     alignas(64) static const unsigned char zeros[4096] = {};
     for (int i = 0; i < e->n_params; i++) {
@@ -752,6 +797,7 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
     if (workers <= 0) workers = 1;
     if (workers > kMaxWorkers) workers = kMaxWorkers;
     if (uint64_t(workers) > ngroups) workers = long(ngroups);
+    if (d->counts) *d->counts = FMSimCounts{};
     if (ngroups == 0) return FMSIM_OK;
 
     HeldWorkers held;
@@ -788,6 +834,10 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
     if (ds->failed.load()) {
         snprintf(err, errlen, "%s", ds->err);
         return FMSIM_ERROR_KERNEL;
+    }
+    if (counter) {
+        counter->finish(d->counts);
+        d->counts->threads_per_threadgroup = uint32_t(nthreads);
     }
     return FMSIM_OK;
 }

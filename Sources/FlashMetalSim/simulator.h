@@ -53,6 +53,11 @@ void *tg_buffer(int index);
 int32_t constant_value(int index, bool is_bool, const char *name);
 bool constant_defined(int index);
 
+// Thread-level operations the counted copy of the kernels reports (per lane).
+enum CountedOp : int { OP_SPECIAL = 0, OP_MMA_F16 = 1, OP_MMA_BF16 = 2, OP_MMA_F32 = 3, OP_COUNT = 4 };
+// Adds one to `op` of the running fiber's counted dispatch (no-op otherwise).
+void count_op(int op);
+
 // A kernel as registered by INSTANTIATE_KERNEL.
 struct BoundArgs;
 struct KernelEntry {
@@ -64,10 +69,16 @@ struct KernelEntry {
     uint32_t aligns[32];          // alignof the pointee (kind 0) or struct (kind 1)
     int tg_index[32];             // kind 2: threadgroup index
     void (*invoke)(const BoundArgs &);
+    // The copy compiled with load/store tracing (FMSIM_COUNTED_COPY): run
+    // by dispatches that ask for counts, never by the others.
+    bool counted;
 };
 struct BoundArgs {
     void *ptr[32];                // by parameter position
 };
 void register_kernel(const KernelEntry *e);
+// The plain copy of a kernel, and the counted one (null when not compiled in).
+const KernelEntry *find_kernel(const char *name);
+const KernelEntry *find_counted_kernel(const char *name);
 
 } // namespace fmsim

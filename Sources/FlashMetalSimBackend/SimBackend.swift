@@ -12,6 +12,9 @@ import FlashMetalSim
 /// FlashMetalError.backend; a SIGINT stops a dispatch between scheduler
 /// passes and comes back as FM_ERROR_INTERRUPTED. The simulator's workers
 /// are shared by the process; closing a registry frees the idle ones.
+/// With FLASHMETAL_SIM_COUNTS=<file> in the environment, every dispatch runs
+/// the counted copy of its kernel (same results) and appends its counts to
+/// that file, one JSON line each: the input of the GPU cost model.
 public final class SimBackend: Backend, @unchecked Sendable {
     /// "sim".
     public let name = "sim"
@@ -111,6 +114,10 @@ public final class SimBackend: Backend, @unchecked Sendable {
         let threads = (try u32(d.threadgroup.x, "threads.x", d), try u32(d.threadgroup.y, "threads.y", d),
                        try u32(d.threadgroup.z, "threads.z", d))
         var err = [CChar](repeating: 0, count: 2048)
+        let countsLog = fmsim_counts_log_path()
+        let counts = UnsafeMutablePointer<FMSimCounts>.allocate(capacity: 1)
+        defer { counts.deallocate() }
+        var logFailed = false
         let status: Int32 = d.kernel.withCString { kname in
             constants.withUnsafeBufferPointer { cp in
                 bindings.withUnsafeBufferPointer { bp in
@@ -130,9 +137,14 @@ public final class SimBackend: Backend, @unchecked Sendable {
                         sd.seed = seed
                         sd.interrupted = { fm_interrupt_since($0) }
                         sd.interrupt_token = interruptToken
-                        return err.withUnsafeMutableBufferPointer { eb in
+                        sd.counts = countsLog != nil ? counts : nil
+                        let st = err.withUnsafeMutableBufferPointer { eb in
                             fmsim_dispatch(&sd, eb.baseAddress, eb.count)
                         }
+                        if st == 0, let path = countsLog {
+                            logFailed = fmsim_counts_append(path, &sd, counts) != 0
+                        }
+                        return st
                     }
                 }
             }
@@ -143,6 +155,10 @@ public final class SimBackend: Backend, @unchecked Sendable {
         if status != 0 {
             let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
             throw FlashMetalError.backend(msg.hasPrefix("sim") ? msg : "sim: \(msg)")
+        }
+        if logFailed {
+            throw FlashMetalError.backend("sim: \(d.kernel): cannot append counts to FLASHMETAL_SIM_COUNTS="
+                                          + String(cString: countsLog!))
         }
     }
 }

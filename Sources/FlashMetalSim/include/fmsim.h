@@ -49,6 +49,39 @@ typedef struct FMSimTGMemory {
     uint32_t length;  /* bytes */
 } FMSimTGMemory;
 
+/* What one counted dispatch did (see FMSimDispatch.counts). Device memory is
+ * every binding with is_bytes == 0, constant memory every is_bytes one.
+ * Loads and stores are those of the counted copy of the kernel: the source's
+ * accesses after the host compiler's scalar optimisation (no vectorisation),
+ * one event per thread per access of 1, 2, 4, 8 or 16 bytes. 128-byte lines
+ * count from the binding's start (as in a page-aligned Metal buffer). Threadgroup-wide and SIMD-group
+ * operations count once per group; `special` and the MMAs' element types count
+ * per thread. */
+typedef struct FMSimBindingCounts {
+    uint64_t bytes_read, bytes_written;
+    uint64_t load_events, store_events;
+    uint64_t unique_bytes_read, unique_bytes_written; /* distinct addresses */
+    uint64_t unique_lines;                            /* 128-byte lines read or written */
+    /* Coalesced: the lanes of a SIMD group running the same access (their
+     * n-th since the group's last barrier or collective) make one request
+     * per distinct line, bringing the distinct bytes they touch in it. */
+    uint64_t load_requests, load_request_bytes, store_requests;
+} FMSimBindingCounts;
+
+typedef struct FMSimCounts {
+    uint64_t threadgroups;                  /* run */
+    uint32_t threads_per_threadgroup;
+    uint32_t threadgroup_memory;            /* bytes one group holds (largest over groups) */
+    FMSimBindingCounts device;              /* all device bindings together */
+    FMSimBindingCounts binding[FMSIM_MAX_BINDINGS]; /* by buffer index (device bindings only) */
+    uint64_t constant_bytes_read, constant_load_events;
+    uint64_t tg_bytes_read, tg_bytes_written, tg_load_events, tg_store_events;
+    uint64_t threadgroup_barriers;          /* completed, per group */
+    uint64_t simd_barriers, simd_shuffles, simd_reductions, simd_votes; /* per SIMD group */
+    uint64_t mma_f16, mma_bf16, mma_f32;    /* 8x8x8 simdgroup MMAs, per SIMD group */
+    uint64_t special;                       /* exp, exp2, log, sqrt, rsqrt, ... per thread */
+} FMSimCounts;
+
 typedef struct FMSimDispatch {
     const char *name;                /* kernel host name */
     const FMSimConstant *constants;  int32_t n_constants;
@@ -62,6 +95,10 @@ typedef struct FMSimDispatch {
     /* Polled between threadgroups and scheduler passes (NULL: never). */
     int (*interrupted)(uint64_t token);
     uint64_t interrupt_token;
+    /* Non-NULL: run the counted copy of the kernel (same numerics, traced
+     * loads and stores; FMSIM_ERROR_UNKNOWN_KERNEL when none is compiled in)
+     * and fill *counts. NULL: the plain copy, nothing counted. */
+    FMSimCounts *counts;
 } FMSimDispatch;
 
 /* 1 when a kernel of that host name is compiled in. */
@@ -85,6 +122,16 @@ int fmsim_kernel_param(const char *name, int index, int *kind, uint32_t *align);
  * least one worker; it waits while other dispatches hold them all) and
  * gives them back. Safe to call from many threads at once. */
 int fmsim_dispatch(const FMSimDispatch *d, char *err, size_t errlen);
+/* 1 when a counted copy of that kernel is compiled in. */
+int fmsim_has_counted_kernel(const char *name);
+/* The file named by FLASHMETAL_SIM_COUNTS (read at each call), or NULL. When
+ * set, the sim backend runs every dispatch counted and appends its counts
+ * there (fmsim_counts_append): the input of the GPU cost model. */
+const char *fmsim_counts_log_path(void);
+/* Appends one JSON line describing dispatch `d` (kernel, grid, threads,
+ * constants, bindings) and its counts `c` to the file at `path`. Returns 0,
+ * or -1 when the file cannot be written. */
+int fmsim_counts_append(const char *path, const FMSimDispatch *d, const FMSimCounts *c);
 /* Frees the idle workers' stacks (the pool refills on demand). */
 void fmsim_release_idle(void);
 /* Workers (busy or idle) and the memory mappings their stacks hold. */

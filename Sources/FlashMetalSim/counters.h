@@ -1,0 +1,96 @@
+// counters.h — what a counted dispatch did, for the GPU cost model.
+//
+// The counted copy of each kernel is compiled with the host compiler's
+// load/store tracing (-fsanitize-coverage=trace-loads,trace-stores): every
+// load and store of 1, 2, 4, 8 or 16 bytes left after optimisation calls a
+// hook with its address. The hooks (counters.cpp) sort each address into a
+// device binding, a constant binding, the threadgroup's memory or none of
+// them (the fiber's own stack: registers on the GPU) and count it for the
+// fiber's worker. Barriers and SIMD-group collectives are counted by the
+// scheduler as they complete; MMAs and special functions by the counted
+// shim. Nothing here runs for a dispatch that asks for no counts.
+//
+// Limits: an access the tracing does not see is not counted: a block copy
+// (memcpy of a struct), or an access of another width (the kernels read no
+// 32-byte vectors). Widths are the host compiler's after scalar
+// optimisation, with vectorisation off: what the source asks for, not what
+// Apple's compiler may merge or split.
+#pragma once
+#include "include/fmsim.h"
+#include "simulator.h"
+
+#include <atomic>
+#include <memory>
+#include <vector>
+#include <mutex>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace fmsim {
+
+// One bound buffer the hooks watch.
+struct CountRange {
+    uintptr_t lo = 0;
+    size_t len = 0;
+    int binding = 0;
+    bool device = false; // false: constant (setBytes)
+    // Device only: a bit per byte read, a bit per byte written.
+    std::unique_ptr<std::atomic<uint64_t>[]> rbits, wbits;
+};
+
+// The part of a counted dispatch the workers share.
+struct DispatchCounter {
+    CountRange ranges[FMSIM_MAX_BINDINGS];
+    int n_ranges = 0;
+    std::mutex mu;
+    FMSimCounts sum{}; // additive counts merged from the workers
+    // Watches [p, p + len) as binding `binding`; false when out of memory.
+    bool add_range(const void *p, size_t len, int binding, bool device);
+    // Fills *out: the merged sums plus the unique bytes and lines.
+    void finish(FMSimCounts *out);
+};
+
+// The accesses of one SIMD group since its last barrier or collective,
+// matched across lanes by their ordinal: the lanes' n-th accesses are one
+// instruction when control flow is uniform (divergent code is approximate).
+struct SimdRequests {
+    struct Line {
+        uint64_t key;     // binding, line, write
+        uint64_t mask[2]; // bytes touched in the line
+    };
+    static constexpr int kLines = 4; // distinct lines kept per instruction (more count without merging)
+    uint32_t ordinal[32]{};
+    uint32_t top = 0; // slots in use
+    // Lines in use per ordinal (a type of the simulator's own: instances of
+    // std::vector over std types would be exported from the library).
+    struct Used {
+        uint8_t n;
+    };
+    std::vector<Line> slots; // kLines per ordinal
+    std::vector<Used> used;
+    void reset() {
+        for (uint32_t k = 0; k < top; k++) used[k].n = 0;
+        for (auto &o : ordinal) o = 0;
+        top = 0;
+    }
+};
+
+// One worker's counts (no sharing on the hot path but the bitmaps).
+struct WorkerCounts {
+    DispatchCounter *dc = nullptr;
+    uintptr_t tg_lo = 0;
+    size_t tg_len = 0;
+    FMSimCounts c{};
+    uint64_t ops[OP_COUNT]{};
+    std::vector<SimdRequests> simd;
+    void merge();
+    // A barrier or collective ended SIMD group `sg`'s phase (-1: every group's).
+    void phase(int sg);
+};
+
+extern __thread WorkerCounts *tl_counts;
+
+// A completed SIMD-group collective, by its name.
+void count_collective(WorkerCounts *wc, const char *what);
+
+} // namespace fmsim

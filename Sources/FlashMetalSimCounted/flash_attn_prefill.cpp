@@ -1,0 +1,6 @@
+// The counted copy of flash_attn_prefill.metal (traced loads and stores; see
+// FlashMetalSim/counters.h).
+#include "counted_prelude.h"
+namespace fmsim_counted {
+#include "../../Resources/shaders/flash_attn_prefill.metal"
+} // namespace fmsim_counted
