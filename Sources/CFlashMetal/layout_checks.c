@@ -29,3 +29,8 @@ _Static_assert(sizeof(KVAppendParams) == 72, "KVAppendParams is 72 bytes");
 _Static_assert(sizeof(FMAttnOptions) == 32, "FMAttnOptions is 32 bytes");
 _Static_assert(sizeof(FMPrefillOptions) == 32, "FMPrefillOptions is 32 bytes");
 FM_AT(FMTensor, tag, 88);
+_Static_assert(sizeof(KVCodecParams) == 32, "KVCodecParams is 32 bytes");
+FM_AT(KVCodecParams, head_dim, 8);
+FM_AT(KVCodecParams, row_bytes, 20);
+_Static_assert(sizeof(FMKVCodec) == 16, "FMKVCodec is 16 bytes");
+_Static_assert(sizeof(FMKVCodecLayout) == 16, "FMKVCodecLayout is 16 bytes");

@@ -359,6 +359,34 @@ typedef struct MaskParams {
     int32_t _pad;
 } MaskParams;
 
+/* ---- quantized KV codec (kv_encode / kv_dequantize) ----------------------
+ * Codec math and packing: Resources/shaders/kv_codec.h. Row r of x [R, D]
+ * (float32, float16 or bfloat16) becomes codes [R, row_bytes] (uint8, packed
+ * little-endian, zero padding to row_bytes) and norms [R, D / block]
+ * (float32, one per rotation block); kv_dequantize maps them back to float32
+ * [R, D]. Grid (R, 1, 1) of any number of threads along x; one row per
+ * threadgroup. 32 bytes. */
+typedef struct KVCodecParams {
+    uint64_t seed;      /* rotation signs: fm_kvq_sign_bit(seed, coordinate) */
+    int32_t head_dim;   /* D, a multiple of block, <= FM_KVQ_MAX_HEAD_DIM */
+    int32_t bits;       /* 2, 3, 4, 5, 6 or 8 */
+    int32_t block;      /* rotation block n: 16, 32, 64, 128, 256 or 512 */
+    int32_t row_bytes;  /* bytes per row of codes: D*bits/8 rounded up to 16 */
+    int32_t _pad[2];
+} KVCodecParams;
+
+enum { FM_KVQ_MAX_HEAD_DIM = 512 };
+
+typedef enum FMKVEncodeBinding {
+    FM_KVENC_BUF_PARAMS = 0, /* KVCodecParams */
+    FM_KVENC_BUF_X = 1, FM_KVENC_BUF_CODES = 2, FM_KVENC_BUF_NORMS = 3
+} FMKVEncodeBinding;
+
+typedef enum FMKVDequantizeBinding {
+    FM_KVDEQ_BUF_PARAMS = 0, /* KVCodecParams */
+    FM_KVDEQ_BUF_CODES = 1, FM_KVDEQ_BUF_NORMS = 2, FM_KVDEQ_BUF_OUT = 3
+} FMKVDequantizeBinding;
+
 /* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
 #ifndef __METAL_VERSION__
 
@@ -473,6 +501,21 @@ typedef struct FMAttnOptions {
     int32_t _pad;
 } FMAttnOptions;
 
+/* A quantized-KV codec (fm_kv_codec_layout, fm_dispatch_kv_encode/dequantize). */
+typedef struct FMKVCodec {
+    int32_t head_dim;
+    int32_t bits;
+    uint64_t seed;
+} FMKVCodec;
+
+/* The storage of one row (one token of one kv head) of a codec. */
+typedef struct FMKVCodecLayout {
+    int32_t block;      /* rotation block n */
+    int32_t num_blocks; /* head_dim / block: float32 norms per row */
+    int32_t row_bytes;  /* uint8 codes per row */
+    int32_t _pad;
+} FMKVCodecLayout;
+
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
@@ -562,6 +605,17 @@ int fm_dispatch_kv_append(FMRegistry *registry, const FMTensor *k_new, const FMT
                           const FMTensor *k_cache, const FMTensor *v_cache,
                           const FMTensor *cache_seqlens, const FMTensor *block_table,
                           char *err, size_t errlen);
+/* Quantized KV codec: validates a codec and returns its storage layout.
+ * head_dim 64, 128, 256 or 512 (one rotation block) or 80, 96, 192 (blocks
+ * of 16, 32, 64); bits 2, 3, 4, 5, 6 or 8; any seed. */
+int fm_kv_codec_layout(const FMKVCodec *codec, FMKVCodecLayout *out, char *err, size_t errlen);
+/* x [..., D] float32/float16/bfloat16 -> codes uint8 [..., row_bytes] and
+ * norms float32 [..., num_blocks] (same leading shape). */
+int fm_dispatch_kv_encode(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *x,
+                          const FMTensor *codes, const FMTensor *norms, char *err, size_t errlen);
+/* codes and norms as fm_dispatch_kv_encode writes them -> out float32 [..., D]. */
+int fm_dispatch_kv_dequantize(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *codes,
+                              const FMTensor *norms, const FMTensor *out, char *err, size_t errlen);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 
