@@ -34,3 +34,7 @@ FM_AT(KVCodecParams, head_dim, 8);
 FM_AT(KVCodecParams, row_bytes, 20);
 _Static_assert(sizeof(FMKVCodec) == 16, "FMKVCodec is 16 bytes");
 _Static_assert(sizeof(FMKVCodecLayout) == 16, "FMKVCodecLayout is 16 bytes");
+_Static_assert(sizeof(KVCodesDecodeParams) == 96, "KVCodesDecodeParams is 96 bytes");
+FM_AT(KVCodesDecodeParams, n_heads, 40);
+FM_AT(KVCodesDecodeParams, scale, 80);
+_Static_assert(sizeof(FMKVCodesDecodeOptions) == 16, "FMKVCodesDecodeOptions is 16 bytes");

@@ -58,3 +58,26 @@ public func fm_dispatch_kv_dequantize(
         }
     }
 }
+
+/// fm_dispatch_kv_codes_decode of flashmetal.h: decode over quantized caches.
+@_cdecl("fm_dispatch_kv_codes_decode")
+public func fm_dispatch_kv_codes_decode(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ kCodec: UnsafePointer<FMKVCodec>?,
+    _ kCodes: UnsafePointer<FMTensor>?, _ kNorms: UnsafePointer<FMTensor>?, _ vCodec: UnsafePointer<FMKVCodec>?,
+    _ vCodes: UnsafePointer<FMTensor>?, _ vNorms: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?,
+    _ options: UnsafePointer<FMKVCodesDecodeOptions>?, _ err: UnsafeMutablePointer<CChar>?, _ errlen: Int
+) -> Int32 {
+    guarded(err, errlen) {
+        let op = KVCodesDecodeDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL") }
+        let k = QuantizedCache(codec: try kvCodec(kCodec, op: op), codes: try TensorRef(kCodes, op: op, name: "k_cache codes"),
+                               norms: try TensorRef(kNorms, op: op, name: "k_cache norms"))
+        let v = QuantizedCache(codec: try kvCodec(vCodec, op: op), codes: try TensorRef(vCodes, op: op, name: "v_cache codes"),
+                               norms: try TensorRef(vNorms, op: op, name: "v_cache norms"))
+        let d = try KVCodesDecodeDispatcher.makeDispatch(
+            q: try TensorRef(q, op: op, name: "q"), k: k, v: v, out: try TensorRef(out, op: op, name: "out"),
+            options: options.pointee)
+        try reg.run([d])
+    }
+}

@@ -1,8 +1,11 @@
-/* The quantized-KV codec on the cpu, bit for bit the kv_codec.metal kernels:
+/* The quantized-KV codec on the cpu. Encode and dequantize are bit for bit
+ * the kv_codec.metal kernels:
  * the same Hadamard butterflies, the same pairwise tree for each block's sum
  * of squares (level 0 fmaf(a, a, b * b) over the two halves of the block,
  * then halving), the same divisions and the shared tables and code search of
- * kv_codec.h. Built with -ffp-contract=off, so no other product is fused. */
+ * kv_codec.h. Built with -ffp-contract=off, so no other product is fused.
+ * The decode over codes follows the kernel's math, not its summation order
+ * (it is held to a tolerance, not to bits). */
 #include <math.h>
 #include <string.h>
 
@@ -89,5 +92,60 @@ void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, con
             const float v = z[i] * (norms[row * nb + i / n] * inv_n);
             o[i] = fm_kvq_sign_bit(p->seed, (uint32_t)i) ? -v : v;
         }
+    }
+}
+
+/* Code i of a packed row of `bits`-bit codes (a code spans at most two bytes). */
+static inline uint32_t code_at(const uint8_t *row, int32_t i, int32_t bits) {
+    const int32_t bit = i * bits, byte = bit / 8, shift = bit % 8;
+    uint32_t w = row[byte];
+    if (shift + bits > 8) w |= (uint32_t)row[byte + 1] << 8;
+    return (w >> shift) & ((1u << bits) - 1u);
+}
+
+void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
+                                const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
+                                int64_t row) {
+    const int32_t d = p->head_dim, n = p->block, nb = d / n, kbits = p->k_bits, vbits = p->v_bits;
+    const int64_t b = row / p->n_heads, h = row % p->n_heads, g = h / (p->n_heads / p->n_kv_heads);
+    const float inv_n = 1.0f / (float)n;
+    float qz[FM_KVQ_MAX_HEAD_DIM], acc[FM_KVQ_MAX_HEAD_DIM], kc[FM_KVQ_MAX_HEAD_DIM];
+    for (int32_t i = 0; i < d; i++) {
+        const float v = q[row * d + i];
+        qz[i] = fm_kvq_sign_bit(p->k_seed, (uint32_t)i) ? -v : v;
+        acc[i] = 0.0f;
+    }
+    hadamard(qz, d, n);
+    float mx = FM_RUNNING_MAX_START, sum = 0.0f;
+    const int64_t base = b * p->kv_strides[0] + g * p->kv_strides[1];
+    const int32_t lo = p->window > 0 && p->kv_len > p->window ? p->kv_len - p->window : 0;
+    for (int32_t t = lo; t < p->kv_len; t++) {
+        const int64_t r = base + (int64_t)t * p->kv_strides[2];
+        const uint8_t *krow = k_codes + r * p->k_row_bytes, *vrow = v_codes + r * p->v_row_bytes;
+        for (int32_t i = 0; i < d; i++) kc[i] = fm_kvq_centroid(kbits, code_at(krow, i, kbits));
+        float dot = 0.0f;
+        for (int32_t k = 0; k < nb; k++) {
+            float part = 0.0f;
+            for (int32_t i = k * n; i < (k + 1) * n; i++) part += qz[i] * kc[i];
+            dot += part * k_norms[r * nb + k];
+        }
+        float s = dot * inv_n * p->scale;
+        if (p->softcap > 0.0f) s = p->softcap * tanhf(s / p->softcap);
+        const float m_new = s > mx ? s : mx;
+        const float corr = expf(mx - m_new), w = expf(s - m_new);
+        sum = sum * corr + w;
+        for (int32_t k = 0; k < nb; k++) {
+            const float wr = w * v_norms[r * nb + k];
+            for (int32_t i = k * n; i < (k + 1) * n; i++) {
+                acc[i] = acc[i] * corr + wr * fm_kvq_centroid(vbits, code_at(vrow, i, vbits));
+            }
+        }
+        mx = m_new;
+    }
+    hadamard(acc, d, n);
+    const float norm = sum > 0.0f ? inv_n / sum : 0.0f;
+    for (int32_t i = 0; i < d; i++) {
+        const float v = acc[i] * norm;
+        o[row * d + i] = fm_kvq_sign_bit(p->v_seed, (uint32_t)i) ? -v : v;
     }
 }

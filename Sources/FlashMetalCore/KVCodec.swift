@@ -59,7 +59,9 @@ public enum KVCodecCapability {
     /// The largest number of rows (threadgroups) of one dispatch.
     public static let maxRows = Int(Int32.max)
     /// Every kernel of the ops.
-    public static var kernels: [KernelSpec] { encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize] }
+    public static var kernels: [KernelSpec] {
+        encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize, .kvCodesDecode]
+    }
 }
 
 /// Buffer indices of kv_encode.

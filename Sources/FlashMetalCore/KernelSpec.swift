@@ -21,6 +21,8 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case kvEncode(input: DType)
     /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows (ours).
     case kvDequantize
+    /// `kv_codes_decode_f32`: decode attention over quantized K and V caches (ours).
+    case kvCodesDecode
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
     case simSelftest
@@ -38,6 +40,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return "kv_append_\(c.kernelSuffix)"
         case let .kvEncode(x): return "kv_encode_\(x.kernelSuffix)"
         case .kvDequantize: return "kv_dequantize_f32"
+        case .kvCodesDecode: return "kv_codes_decode_f32"
         case .simSelftest: return "fm_selftest_reduce"
         }
     }
@@ -72,6 +75,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return ("kv_append", [c.mslName, c.byteSize == 4 ? "uint" : "ushort"])
         case let .kvEncode(x): return ("kv_encode", [x.mslName])
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
+        case .kvCodesDecode: return ("kv_codes_decode", [DType.f32.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }
