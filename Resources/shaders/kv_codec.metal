@@ -159,8 +159,8 @@ kernel void kv_codes_decode(
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     kvq_hadamard(z, d, n, tid, nt);
-    float qz[FM_KVQ_MAX_HEAD_DIM / FM_KVQ_DECODE_THREADS];
-    float acc[FM_KVQ_MAX_HEAD_DIM / FM_KVQ_DECODE_THREADS];
+    float qz[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
+    float acc[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
     for (uint m = 0; m < per; m++) {
         const uint i = tid + m * nt;
         qz[m] = i < d ? z[i] : 0.0f;

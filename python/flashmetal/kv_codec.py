@@ -68,6 +68,10 @@ class KVCodec:
     def __hash__(self) -> int:
         return hash((self.head_dim, self.bits, self.seed))
 
+    def __reduce__(self) -> tuple:
+        # Pickled as its arguments (the cffi struct it holds is not picklable).
+        return (_codec, (self.head_dim, self.bits, self.seed))
+
     def bytes_per_row(self) -> int:
         """Bytes one row (one token of one kv head) takes: codes and norms."""
         return self.row_bytes + 4 * self.num_blocks
@@ -97,6 +101,10 @@ class KVCodec:
             raise InvalidTypeError(_EMPTY, f"shape must be a sequence of integers, got {shape!r}") from None
         return QuantizedKV(self, np.zeros(dims + (self.row_bytes,), dtype=U8),
                            np.zeros(dims + (self.num_blocks,), dtype=F32))
+
+
+def _codec(head_dim: int, bits: int, seed: int) -> KVCodec:
+    return KVCodec(head_dim, bits, seed=seed)
 
 
 class QuantizedKV:

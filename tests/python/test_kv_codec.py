@@ -191,6 +191,14 @@ def test_quality_on_gaussian_rows(registry, rng, bits):
     assert 1 / 1.15 <= ratio <= 1.15, f"{registry.backend} {bits} bits: {ratio:.3f}x the Lloyd–Max distortion"
 
 
+def test_pickle_round_trip(rng):
+    import pickle
+    q = fm.KVCodec(192, 6, seed=2**63 + 5).encode(rows(rng, (3, 192), F32), registry="cpu")
+    back = pickle.loads(pickle.dumps(q))
+    assert back.codec == q.codec and back.codec.row_bytes == q.codec.row_bytes
+    assert_bits_equal(back.dequantize(registry="cpu"), q.dequantize(registry="cpu"), "pickled cache")
+
+
 def test_seed_changes_the_rotation(registry, rng):
     x = rows(rng, (8, 128), F32)
     a = fm.KVCodec(128, 4, seed=0).encode(x, registry=registry)
