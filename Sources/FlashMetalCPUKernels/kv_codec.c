@@ -45,6 +45,29 @@ static void load_row(float *z, const void *x, int32_t dtype, int64_t row, int32_
     }
 }
 
+/* The centroids of a row of packed `bits`-bit codes (8 codes in `bits`
+ * bytes, little-endian), with the width a constant after inlining. */
+static inline __attribute__((always_inline)) void unpack_width(const uint8_t *row, int32_t d, const float *table,
+                                                              int32_t bits, float *out) {
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int32_t g = 0; g < d / 8; g++) {
+        uint64_t w = 0;
+        for (int32_t b = 0; b < bits; b++) w |= (uint64_t)row[g * bits + b] << (8 * b);
+        for (int32_t j = 0; j < 8; j++) out[g * 8 + j] = table[(w >> (bits * j)) & mask];
+    }
+}
+
+static void unpack_centroids(const uint8_t *row, int32_t d, int32_t bits, float *out) {
+    switch (bits) {
+    case 2: unpack_width(row, d, FM_KVQ_C2, 2, out); break;
+    case 3: unpack_width(row, d, FM_KVQ_C3, 3, out); break;
+    case 4: unpack_width(row, d, FM_KVQ_C4, 4, out); break;
+    case 5: unpack_width(row, d, FM_KVQ_C5, 5, out); break;
+    case 6: unpack_width(row, d, FM_KVQ_C6, 6, out); break;
+    default: unpack_width(row, d, FM_KVQ_C8, 8, out); break;
+    }
+}
+
 void fm_cpu_kv_encode_rows(const KVCodecParams *p, const void *x, int32_t dtype, uint8_t *codes, float *norms,
                            int64_t begin, int64_t end) {
     const int32_t d = p->head_dim, n = p->block, bits = p->bits, nb = d / n;
@@ -76,16 +99,10 @@ void fm_cpu_kv_encode_rows(const KVCodecParams *p, const void *x, int32_t dtype,
 void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, const float *norms, float *out,
                                int64_t begin, int64_t end) {
     const int32_t d = p->head_dim, n = p->block, bits = p->bits, nb = d / n;
-    const uint32_t mask = (1u << bits) - 1u;
     const float inv_n = 1.0f / (float)n;
     float z[FM_KVQ_MAX_HEAD_DIM];
     for (int64_t row = begin; row < end; row++) {
-        const uint8_t *in = codes + row * p->row_bytes;
-        for (int32_t g = 0; g < d / 8; g++) {
-            uint64_t w = 0;
-            for (int32_t b = 0; b < bits; b++) w |= (uint64_t)in[g * bits + b] << (8 * b);
-            for (int32_t j = 0; j < 8; j++) z[g * 8 + j] = fm_kvq_centroid(bits, (uint32_t)(w >> (bits * j)) & mask);
-        }
+        unpack_centroids(codes + row * p->row_bytes, d, bits, z);
         hadamard(z, d, n);
         float *o = out + row * d;
         for (int32_t i = 0; i < d; i++) {
@@ -95,21 +112,13 @@ void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, con
     }
 }
 
-/* Code i of a packed row of `bits`-bit codes (a code spans at most two bytes). */
-static inline uint32_t code_at(const uint8_t *row, int32_t i, int32_t bits) {
-    const int32_t bit = i * bits, byte = bit / 8, shift = bit % 8;
-    uint32_t w = row[byte];
-    if (shift + bits > 8) w |= (uint32_t)row[byte + 1] << 8;
-    return (w >> shift) & ((1u << bits) - 1u);
-}
-
 void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
                                 const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
                                 int64_t row) {
     const int32_t d = p->head_dim, n = p->block, nb = d / n, kbits = p->k_bits, vbits = p->v_bits;
     const int64_t b = row / p->n_heads, h = row % p->n_heads, g = h / (p->n_heads / p->n_kv_heads);
     const float inv_n = 1.0f / (float)n;
-    float qz[FM_KVQ_MAX_HEAD_DIM], acc[FM_KVQ_MAX_HEAD_DIM], kc[FM_KVQ_MAX_HEAD_DIM];
+    float qz[FM_KVQ_MAX_HEAD_DIM], acc[FM_KVQ_MAX_HEAD_DIM], kc[FM_KVQ_MAX_HEAD_DIM], vcv[FM_KVQ_MAX_HEAD_DIM];
     for (int32_t i = 0; i < d; i++) {
         const float v = q[row * d + i];
         qz[i] = fm_kvq_sign_bit(p->k_seed, (uint32_t)i) ? -v : v;
@@ -122,11 +131,14 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const float *q, co
     for (int32_t t = lo; t < p->kv_len; t++) {
         const int64_t r = base + (int64_t)t * p->kv_strides[2];
         const uint8_t *krow = k_codes + r * p->k_row_bytes, *vrow = v_codes + r * p->v_row_bytes;
-        for (int32_t i = 0; i < d; i++) kc[i] = fm_kvq_centroid(kbits, code_at(krow, i, kbits));
+        unpack_centroids(krow, d, kbits, kc);
         float dot = 0.0f;
         for (int32_t k = 0; k < nb; k++) {
-            float part = 0.0f;
-            for (int32_t i = k * n; i < (k + 1) * n; i++) part += qz[i] * kc[i];
+            float lane[8] = {0};  /* eight independent sums: vectorisable without reassociation */
+            for (int32_t i = k * n; i < (k + 1) * n; i += 8) {
+                for (int32_t j = 0; j < 8; j++) lane[j] += qz[i + j] * kc[i + j];
+            }
+            const float part = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
             dot += part * k_norms[r * nb + k];
         }
         float s = dot * inv_n * p->scale;
@@ -134,11 +146,10 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const float *q, co
         const float m_new = s > mx ? s : mx;
         const float corr = expf(mx - m_new), w = expf(s - m_new);
         sum = sum * corr + w;
+        unpack_centroids(vrow, d, vbits, vcv);
         for (int32_t k = 0; k < nb; k++) {
             const float wr = w * v_norms[r * nb + k];
-            for (int32_t i = k * n; i < (k + 1) * n; i++) {
-                acc[i] = acc[i] * corr + wr * fm_kvq_centroid(vbits, code_at(vrow, i, vbits));
-            }
+            for (int32_t i = k * n; i < (k + 1) * n; i++) acc[i] = acc[i] * corr + wr * vcv[i];
         }
         mx = m_new;
     }
