@@ -112,51 +112,67 @@ void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, con
     }
 }
 
-void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
-                                const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
-                                int64_t row) {
+void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
+                                 const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
+                                 int64_t item) {
     const int32_t d = p->head_dim, n = p->block, nb = d / n, kbits = p->k_bits, vbits = p->v_bits;
-    const int64_t b = row / p->n_heads, h = row % p->n_heads, g = h / (p->n_heads / p->n_kv_heads);
+    const int32_t group = p->n_heads / p->n_kv_heads;
+    const int32_t chunks = (group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
+    const int64_t bg = item / chunks, b = bg / p->n_kv_heads, g = bg % p->n_kv_heads;
+    const int32_t h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
+    const int32_t heads = group - h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - h0 : FM_CPU_KVQ_HEAD_CHUNK;
+    const int64_t row0 = b * p->n_heads + g * group + h0;
     const float inv_n = 1.0f / (float)n;
-    float qz[FM_KVQ_MAX_HEAD_DIM], acc[FM_KVQ_MAX_HEAD_DIM], kc[FM_KVQ_MAX_HEAD_DIM], vcv[FM_KVQ_MAX_HEAD_DIM];
-    for (int32_t i = 0; i < d; i++) {
-        const float v = q[row * d + i];
-        qz[i] = fm_kvq_sign_bit(p->k_seed, (uint32_t)i) ? -v : v;
-        acc[i] = 0.0f;
+    float qz[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM], acc[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM];
+    float kc[FM_KVQ_MAX_HEAD_DIM], vcv[FM_KVQ_MAX_HEAD_DIM], mx[FM_CPU_KVQ_HEAD_CHUNK], sum[FM_CPU_KVQ_HEAD_CHUNK];
+    float w[FM_CPU_KVQ_HEAD_CHUNK], corr[FM_CPU_KVQ_HEAD_CHUNK];
+    for (int32_t j = 0; j < heads; j++) {
+        for (int32_t i = 0; i < d; i++) {
+            const float v = q[(row0 + j) * d + i];
+            qz[j][i] = fm_kvq_sign_bit(p->k_seed, (uint32_t)i) ? -v : v;
+            acc[j][i] = 0.0f;
+        }
+        hadamard(qz[j], d, n);
+        mx[j] = FM_RUNNING_MAX_START;
+        sum[j] = 0.0f;
     }
-    hadamard(qz, d, n);
-    float mx = FM_RUNNING_MAX_START, sum = 0.0f;
     const int64_t base = b * p->kv_strides[0] + g * p->kv_strides[1];
     const int32_t lo = p->window > 0 && p->kv_len > p->window ? p->kv_len - p->window : 0;
     for (int32_t t = lo; t < p->kv_len; t++) {
         const int64_t r = base + (int64_t)t * p->kv_strides[2];
-        const uint8_t *krow = k_codes + r * p->k_row_bytes, *vrow = v_codes + r * p->v_row_bytes;
-        unpack_centroids(krow, d, kbits, kc);
-        float dot = 0.0f;
-        for (int32_t k = 0; k < nb; k++) {
-            float lane[8] = {0};  /* eight independent sums: vectorisable without reassociation */
-            for (int32_t i = k * n; i < (k + 1) * n; i += 8) {
-                for (int32_t j = 0; j < 8; j++) lane[j] += qz[i + j] * kc[i + j];
+        unpack_centroids(k_codes + r * p->k_row_bytes, d, kbits, kc);
+        for (int32_t j = 0; j < heads; j++) {
+            float dot = 0.0f;
+            for (int32_t k = 0; k < nb; k++) {
+                float lane[8] = {0};  /* eight independent sums: vectorisable without reassociation */
+                for (int32_t i = k * n; i < (k + 1) * n; i += 8) {
+                    for (int32_t l = 0; l < 8; l++) lane[l] += qz[j][i + l] * kc[i + l];
+                }
+                const float part = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+                dot += part * k_norms[r * nb + k];
             }
-            const float part = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-            dot += part * k_norms[r * nb + k];
+            float s = dot * inv_n * p->scale;
+            if (p->softcap > 0.0f) s = p->softcap * tanhf(s / p->softcap);
+            const float m_new = s > mx[j] ? s : mx[j];
+            corr[j] = expf(mx[j] - m_new);
+            w[j] = expf(s - m_new);
+            sum[j] = sum[j] * corr[j] + w[j];
+            mx[j] = m_new;
         }
-        float s = dot * inv_n * p->scale;
-        if (p->softcap > 0.0f) s = p->softcap * tanhf(s / p->softcap);
-        const float m_new = s > mx ? s : mx;
-        const float corr = expf(mx - m_new), w = expf(s - m_new);
-        sum = sum * corr + w;
-        unpack_centroids(vrow, d, vbits, vcv);
-        for (int32_t k = 0; k < nb; k++) {
-            const float wr = w * v_norms[r * nb + k];
-            for (int32_t i = k * n; i < (k + 1) * n; i++) acc[i] = acc[i] * corr + wr * vcv[i];
+        unpack_centroids(v_codes + r * p->v_row_bytes, d, vbits, vcv);
+        for (int32_t j = 0; j < heads; j++) {
+            for (int32_t k = 0; k < nb; k++) {
+                const float wr = w[j] * v_norms[r * nb + k];
+                for (int32_t i = k * n; i < (k + 1) * n; i++) acc[j][i] = acc[j][i] * corr[j] + wr * vcv[i];
+            }
         }
-        mx = m_new;
     }
-    hadamard(acc, d, n);
-    const float norm = sum > 0.0f ? inv_n / sum : 0.0f;
-    for (int32_t i = 0; i < d; i++) {
-        const float v = acc[i] * norm;
-        o[row * d + i] = fm_kvq_sign_bit(p->v_seed, (uint32_t)i) ? -v : v;
+    for (int32_t j = 0; j < heads; j++) {
+        hadamard(acc[j], d, n);
+        const float norm = sum[j] > 0.0f ? inv_n / sum[j] : 0.0f;
+        for (int32_t i = 0; i < d; i++) {
+            const float v = acc[j][i] * norm;
+            o[(row0 + j) * d + i] = fm_kvq_sign_bit(p->v_seed, (uint32_t)i) ? -v : v;
+        }
     }
 }

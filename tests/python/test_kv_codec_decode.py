@@ -46,7 +46,7 @@ def test_matches_float64_attention_over_the_dequantized_caches(registry, rng, d,
         assert_bits_equal(a, a0, f"{n} is not changed")
 
 
-@pytest.mark.parametrize("case", ["window", "softcap_scale", "unbatched_mqa", "one_key", "same_codec"])
+@pytest.mark.parametrize("case", ["window", "softcap_scale", "unbatched_mqa", "one_key", "same_codec", "wide_group"])
 def test_features(registry, rng, case):
     d, kv_len, kw = 80, 21, {}
     b, h, hkv = 2, 6, 3
@@ -58,6 +58,8 @@ def test_features(registry, rng, case):
         h, hkv = 4, 1
     elif case == "one_key":
         kv_len = 1
+    elif case == "wide_group":  # 10 query heads per kv head: the cpu's 8-head chunks and a partial one
+        h, hkv = 20, 2
     k = cache(rng, (b, hkv, 32), d, 4, 1, registry)
     v = k if case == "same_codec" else cache(rng, (b, hkv, 32), d, 8, 2, registry)
     q = rng.standard_normal((b, h, d)).astype(np.float32)
