@@ -24,6 +24,8 @@ public final class CPUBackend: Backend {
         case let .vecReduce(headDim, fwht): return try VecReduceKernel(key, headDim: headDim, fwht: fwht)
         case let .sdpa(io): return try SdpaKernel(key, io: io)
         case .kvAppend: return try KVAppendKernel(key)
+        case .kvEncode, .kvDequantize: return KVCodecKernel(key)
+        case .kvCodesDecode: return KVCodesDecodeKernel()
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }
     }

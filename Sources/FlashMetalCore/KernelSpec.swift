@@ -17,6 +17,12 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case sdpa(io: DType)
     /// `kv_append_{f32,f16,bf16}`: new K/V rows written into a (paged) cache.
     case kvAppend(cache: DType)
+    /// `kv_encode_{f32,f16,bf16}`: rows to quantized-KV codes and norms (ours).
+    case kvEncode(input: DType)
+    /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows (ours).
+    case kvDequantize
+    /// `kv_codes_decode_f32`: decode attention over quantized K and V caches (ours).
+    case kvCodesDecode
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
     case simSelftest
@@ -32,6 +38,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .vecReduce(d, fwht): return "flash_attn_vec_reduce_" + (fwht ? "tq_hb_undo_" : "") + "dk\(d)"
         case let .sdpa(io): return io == .f32 ? "sdpa" : "sdpa_\(io.kernelSuffix)"
         case let .kvAppend(c): return "kv_append_\(c.kernelSuffix)"
+        case let .kvEncode(x): return "kv_encode_\(x.kernelSuffix)"
+        case .kvDequantize: return "kv_dequantize_f32"
+        case .kvCodesDecode: return "kv_codes_decode_f32"
         case .simSelftest: return "fm_selftest_reduce"
         }
     }
@@ -44,6 +53,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     public static var all: [KernelSpec] {
         PrefillCapability.kernels + BlkCapability.kernels + MaskBuilderCapability.kernels
             + VecCapability.kernels + SdpaCapability.kernels + KVAppendCapability.kernels
+            + KVCodecCapability.kernels
     }
 
     /// What the kernel's `INSTANTIATE_KERNEL(name, function, args...)` line in
@@ -63,6 +73,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .sdpa(io): return ("sdpa", [io.mslName])
         // The element type and its bits, which the kernel moves: a copy, never a conversion.
         case let .kvAppend(c): return ("kv_append", [c.mslName, c.byteSize == 4 ? "uint" : "ushort"])
+        case let .kvEncode(x): return ("kv_encode", [x.mslName])
+        case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
+        case .kvCodesDecode: return ("kv_codes_decode", [DType.f32.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }

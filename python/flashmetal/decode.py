@@ -8,6 +8,8 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, as_input, check_out, tensor
+from .kv_codec import QuantizedKV
+from .kv_codec_decode import decode_over_codes
 from .registry import RegistryLike, resolve
 
 _OP = "flash_attn_decode"
@@ -38,6 +40,9 @@ def flash_attn_decode(
             ``supported_head_dims("flash_attn_decode")``.
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
+            Or both QuantizedKV (KVCodec.encode / KVCodec.empty) of leading
+            shape ``[Hkv, cap]`` or ``[B, Hkv, cap]``: the attention reads
+            their codes (q rotated like the keys, the output rotated back).
         kv_len: valid cache length, ``1 <= kv_len <= cap``. The query sits at
             position ``kv_len - 1`` (bottom-right, as every op).
         scale: score scale; default ``1/sqrt(D)``.
@@ -58,6 +63,9 @@ def flash_attn_decode(
     Returns:
         float32, shaped like q.
     """
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        return decode_over_codes(q, k_cache, v_cache, kv_len, scale=scale, window=window, softcap=softcap,
+                                 fwht=fwht, fwht_signs=fwht_signs, out=out, registry=registry)
     op = _native.public_op(_OP)
     reg = resolve(registry, op)
     qa = as_input(q, op, "q")

@@ -19,6 +19,8 @@ against the float64 reference):
            and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
            (constants 501-505)
   kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
+  kv codec encode {f32, f16, bf16} x D {80, 128}, dequantize, decode over
+           codes (no constants)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16, bool} x D (tile constants 400, 401)
@@ -37,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flashmetal as fm  # noqa: E402
-from flashmetal import reference  # noqa: E402
+from flashmetal import quant_reference, reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
@@ -185,6 +187,23 @@ def kv_append_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     return n
 
 
+def kv_codec_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    n = 0
+    for dtype, d in itertools.product((F32, F16, BF16), (80, 128)):
+        codec = fm.KVCodec(d, 4, seed=3)
+        x = randn(rng, (2, 8, d), dtype)
+        q = codec.encode(x, registry=reg)
+        _, norms, _ = quant_reference.encode(x.astype(np.float64), 4, 3)
+        assert np.allclose(q.norms, norms, rtol=1e-6, atol=0), f"kv_encode {dtype} D={d} norms"
+        deq = quant_reference.decode(quant_reference.unpack(q.codes, 4, d), q.norms, 4, 3)
+        assert_close(q.dequantize(registry=reg), deq, F32, f"kv_dequantize D={d}")
+        qr = randn(rng, (4, d), F32)  # [H, D] over caches [Hkv, cap] = [2, 8]
+        out = fm.flash_attn_decode(qr, q, q, 7, registry=reg)
+        assert_close(out, reference.decode(qr, deq, deq, 7), F32, f"kv_codes_decode D={d}")
+        n += 1
+    return n
+
+
 def sdpa_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
     ext_kinds = {"none": {}, "ext": dict(q_offset=0, window=3), "ext+softcap": dict(q_offset=2, window=4, softcap=2.0)}
@@ -232,6 +251,7 @@ def main() -> int:
         counts = {"prefill": prefill_cases(reg, rng), "serving prefill": serving_prefill_cases(reg, rng),
                   "decode": decode_cases(reg, rng),
                   "serving decode": serving_decode_cases(reg, rng), "kv_append": kv_append_cases(reg, rng),
+                  "kv codec": kv_codec_cases(reg, rng),
                   "sdpa": sdpa_cases(reg, rng), "mask+blk": mask_and_blk_cases(reg)}
     print(f"create_pipelines ({args.backend}): every case matched the reference: {counts} "
           f"in {time.time() - t0:.1f} s")

@@ -361,6 +361,72 @@ typedef struct MaskParams {
     int32_t _pad;
 } MaskParams;
 
+/* ---- quantized KV codec (kv_encode / kv_dequantize) ----------------------
+ * Codec math and packing: Resources/shaders/kv_codec.h. Row r of x [R, D]
+ * (float32, float16 or bfloat16) becomes codes [R, row_bytes] (uint8, packed
+ * little-endian, zero padding to row_bytes) and norms [R, D / block]
+ * (float32, one per rotation block); kv_dequantize maps them back to float32
+ * [R, D]. Grid (R, 1, 1) of any number of threads along x; one row per
+ * threadgroup. 32 bytes. */
+typedef struct KVCodecParams {
+    uint64_t seed;      /* rotation signs: fm_kvq_sign_bit(seed, coordinate) */
+    int32_t head_dim;   /* D, a multiple of block, <= FM_KVQ_MAX_HEAD_DIM */
+    int32_t bits;       /* 2, 3, 4, 5, 6 or 8 */
+    int32_t block;      /* rotation block n: 16, 32, 64, 128, 256 or 512 */
+    int32_t row_bytes;  /* bytes per row of codes: D*bits/8 rounded up to 16 */
+    int32_t _pad[2];
+} KVCodecParams;
+
+enum { FM_KVQ_MAX_HEAD_DIM = 512 };
+
+typedef enum FMKVEncodeBinding {
+    FM_KVENC_BUF_PARAMS = 0, /* KVCodecParams */
+    FM_KVENC_BUF_X = 1, FM_KVENC_BUF_CODES = 2, FM_KVENC_BUF_NORMS = 3
+} FMKVEncodeBinding;
+
+typedef enum FMKVDequantizeBinding {
+    FM_KVDEQ_BUF_PARAMS = 0, /* KVCodecParams */
+    FM_KVDEQ_BUF_CODES = 1, FM_KVDEQ_BUF_NORMS = 2, FM_KVDEQ_BUF_OUT = 3
+} FMKVDequantizeBinding;
+
+/* kv_codes_decode: one query row per head over quantized K and V caches
+ * (kv_encode's codes and norms), buffer(0). 96 bytes. Row r = b*n_heads + h
+ * of q [B, H, D] reads kv head g = h / (n_heads / n_kv_heads): key p of
+ * sequence b is storage row b*kv_strides[0] + g*kv_strides[1] + p*kv_strides[2]
+ * of both caches (codes at row*row_bytes, norms at row*(D/block)). It sees
+ * keys [kv_len - window, kv_len) (window 0: all kv_len). With qz = H(s_k ⊙ q)
+ * per block: s_p = scale * Σ_blocks (r_k/block) Σ_i qz_i c_k[code_i], softcap
+ * c > 0 gives c*tanh(s/c); o = s_v ⊙ H(Σ_p e^{s_p} c_v[code] r_v/block) / Σ_p e^{s_p}.
+ * Grid (B*H, 1, 1) of FM_KVQ_DECODE_THREADS threads (one SIMD group). */
+typedef struct KVCodesDecodeParams {
+    uint64_t k_seed;
+    uint64_t v_seed;
+    int64_t kv_strides[3]; /* storage rows between (sequence, kv head, key) */
+    int32_t n_heads;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t block;
+    int32_t k_bits;
+    int32_t v_bits;
+    int32_t k_row_bytes;
+    int32_t v_row_bytes;
+    int32_t kv_len;
+    int32_t window;        /* 0 = none, else the last `window` keys */
+    float scale;
+    float softcap;         /* 0 = off */
+    int32_t _pad[2];
+} KVCodesDecodeParams;
+
+enum { FM_KVQ_DECODE_THREADS = 32 };
+
+typedef enum FMKVCodesDecodeBinding {
+    FM_KVQD_BUF_PARAMS = 0, /* KVCodesDecodeParams */
+    FM_KVQD_BUF_Q = 1,      /* float32 [B, H, D] */
+    FM_KVQD_BUF_K_CODES = 2, FM_KVQD_BUF_K_NORMS = 3,
+    FM_KVQD_BUF_V_CODES = 4, FM_KVQD_BUF_V_NORMS = 5,
+    FM_KVQD_BUF_OUT = 6     /* float32 [B, H, D] */
+} FMKVCodesDecodeBinding;
+
 /* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
 #ifndef __METAL_VERSION__
 
@@ -502,6 +568,29 @@ typedef enum FMMetalSimCounter {
     FM_MSIM_NO_COPY_REFUSED = 10, FM_MSIM_COUNTER_COUNT = 11
 } FMMetalSimCounter;
 
+/* A quantized-KV codec (fm_kv_codec_layout, fm_dispatch_kv_encode/dequantize). */
+typedef struct FMKVCodec {
+    int32_t head_dim;
+    int32_t bits;
+    uint64_t seed;
+} FMKVCodec;
+
+/* The storage of one row (one token of one kv head) of a codec. */
+typedef struct FMKVCodecLayout {
+    int32_t block;      /* rotation block n */
+    int32_t num_blocks; /* head_dim / block: float32 norms per row */
+    int32_t row_bytes;  /* uint8 codes per row */
+    int32_t _pad;
+} FMKVCodecLayout;
+
+/* fm_dispatch_kv_codes_decode. */
+typedef struct FMKVCodesDecodeOptions {
+    float scale;     /* finite */
+    float softcap;   /* 0 = off, else > 0 */
+    int32_t kv_len;  /* valid keys, 1..cap */
+    int32_t window;  /* 0 = none, else keys p with (kv_len - 1) - p < window */
+} FMKVCodesDecodeOptions;
+
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
@@ -606,6 +695,25 @@ int fm_metal_sim_counters(int64_t *out, size_t cap, FMError *err);
 /* metal-sim: the last broken Metal rule, with its Apple documentation page
  * ("" for none). */
 int fm_metal_sim_last_violation(char *buf, size_t len);
+/* Quantized KV codec: validates a codec and returns its storage layout.
+ * head_dim 64, 128, 256 or 512 (one rotation block) or 80, 96, 192 (blocks
+ * of 16, 32, 64); bits 2, 3, 4, 5, 6 or 8; any seed. */
+int fm_kv_codec_layout(const FMKVCodec *codec, FMKVCodecLayout *out, FMError *err);
+/* x [..., D] float32/float16/bfloat16 -> codes uint8 [..., row_bytes] and
+ * norms float32 [..., num_blocks] (same leading shape). */
+int fm_dispatch_kv_encode(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *x,
+                          const FMTensor *codes, const FMTensor *norms, FMError *err);
+/* codes and norms as fm_dispatch_kv_encode writes them -> out float32 [..., D]. */
+int fm_dispatch_kv_dequantize(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *codes,
+                              const FMTensor *norms, const FMTensor *out, FMError *err);
+/* Decode over quantized caches (flash_attn_decode's layout): q/out float32
+ * [H, D] or [B, H, D]; each cache is the codes and norms of its codec with
+ * leading shape [Hkv, cap] or [B, Hkv, cap]. The codecs share the head dim
+ * D; widths and seeds may differ. */
+int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
+                                const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
+                                const FMTensor *v_codes, const FMTensor *v_norms, const FMTensor *out,
+                                const FMKVCodesDecodeOptions *options, FMError *err);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 

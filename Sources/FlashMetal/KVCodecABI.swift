@@ -1,0 +1,83 @@
+import CFlashMetal
+import FlashMetalCore
+
+/// The codec an FMKVCodec pointer describes; NULL is a value error.
+func kvCodec(_ c: UnsafePointer<FMKVCodec>?, op: String) throws -> KVCodec {
+    guard let c = c else { throw FlashMetalError.value(op, "codec must not be NULL") }
+    return try KVCodec(c.pointee, op: op)
+}
+
+/// fm_kv_codec_layout of flashmetal.h: a codec validated, its row layout out.
+@_cdecl("fm_kv_codec_layout")
+public func fm_kv_codec_layout(
+    _ codec: UnsafePointer<FMKVCodec>?, _ out: UnsafeMutablePointer<FMKVCodecLayout>?,
+    _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let c = try kvCodec(codec, op: KVCodec.op)
+        guard let out = out else { throw FlashMetalError.value(KVCodec.op, "out must not be NULL") }
+        out.pointee = FMKVCodecLayout(block: Int32(c.block), num_blocks: Int32(c.numBlocks),
+                                      row_bytes: Int32(c.rowBytes), _pad: 0)
+    }
+}
+
+/// fm_dispatch_kv_encode of flashmetal.h: rows to codes and norms.
+@_cdecl("fm_dispatch_kv_encode")
+public func fm_dispatch_kv_encode(
+    _ registry: OpaquePointer?, _ codec: UnsafePointer<FMKVCodec>?, _ x: UnsafePointer<FMTensor>?,
+    _ codes: UnsafePointer<FMTensor>?, _ norms: UnsafePointer<FMTensor>?,
+    _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let op = KVCodecDispatcher.encodeOp
+        let reg = try Handles.registry(registry, op: op)
+        let c = try kvCodec(codec, op: op)
+        if let d = try KVCodecDispatcher.encode(
+            c, x: try TensorRef(x, op: op, name: "x"), codes: try TensorRef(codes, op: op, name: "codes"),
+            norms: try TensorRef(norms, op: op, name: "norms")) {
+            try reg.run([d])
+        }
+    }
+}
+
+/// fm_dispatch_kv_dequantize of flashmetal.h: codes and norms back to float32 rows.
+@_cdecl("fm_dispatch_kv_dequantize")
+public func fm_dispatch_kv_dequantize(
+    _ registry: OpaquePointer?, _ codec: UnsafePointer<FMKVCodec>?, _ codes: UnsafePointer<FMTensor>?,
+    _ norms: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?,
+    _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let op = KVCodecDispatcher.dequantizeOp
+        let reg = try Handles.registry(registry, op: op)
+        let c = try kvCodec(codec, op: op)
+        if let d = try KVCodecDispatcher.dequantize(
+            c, codes: try TensorRef(codes, op: op, name: "codes"), norms: try TensorRef(norms, op: op, name: "norms"),
+            out: try TensorRef(out, op: op, name: "out")) {
+            try reg.run([d])
+        }
+    }
+}
+
+/// fm_dispatch_kv_codes_decode of flashmetal.h: decode over quantized caches.
+@_cdecl("fm_dispatch_kv_codes_decode")
+public func fm_dispatch_kv_codes_decode(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ kCodec: UnsafePointer<FMKVCodec>?,
+    _ kCodes: UnsafePointer<FMTensor>?, _ kNorms: UnsafePointer<FMTensor>?, _ vCodec: UnsafePointer<FMKVCodec>?,
+    _ vCodes: UnsafePointer<FMTensor>?, _ vNorms: UnsafePointer<FMTensor>?, _ out: UnsafePointer<FMTensor>?,
+    _ options: UnsafePointer<FMKVCodesDecodeOptions>?, _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let op = KVCodesDecodeDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL") }
+        let k = QuantizedCache(codec: try kvCodec(kCodec, op: op), codes: try TensorRef(kCodes, op: op, name: "k_cache codes"),
+                               norms: try TensorRef(kNorms, op: op, name: "k_cache norms"))
+        let v = QuantizedCache(codec: try kvCodec(vCodec, op: op), codes: try TensorRef(vCodes, op: op, name: "v_cache codes"),
+                               norms: try TensorRef(vNorms, op: op, name: "v_cache norms"))
+        let d = try KVCodesDecodeDispatcher.makeDispatch(
+            q: try TensorRef(q, op: op, name: "q"), k: k, v: v, out: try TensorRef(out, op: op, name: "out"),
+            options: options.pointee)
+        try reg.run([d])
+    }
+}

@@ -1,0 +1,35 @@
+/* The quantized-KV codec on the cpu (kv_codec.c): the rows [begin, end) of
+ * one kv_encode / kv_dequantize dispatch (KVCodecParams of flashmetal.h),
+ * and the query heads of one kv head of a decode over quantized caches. */
+#ifndef FM_KV_CODEC_CPU_H
+#define FM_KV_CODEC_CPU_H
+
+#include <stdint.h>
+#include "flashmetal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* x [R, D] of dtype FM_DTYPE_F32, _F16 or _BF16 -> codes [R, row_bytes], norms [R, D / block]. */
+void fm_cpu_kv_encode_rows(const KVCodecParams *p, const void *x, int32_t dtype, uint8_t *codes, float *norms,
+                           int64_t begin, int64_t end);
+
+/* codes, norms -> out float32 [R, D]. */
+void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, const float *norms, float *out,
+                               int64_t begin, int64_t end);
+
+/* Decode over quantized caches (KVCodesDecodeParams): work item `item` is
+ * up to FM_CPU_KVQ_HEAD_CHUNK query heads of one kv head of one sequence,
+ * which share every key's decoded codes; items = B * Hkv *
+ * ceil((H / Hkv) / FM_CPU_KVQ_HEAD_CHUNK), ordered (sequence, kv head, chunk). */
+enum { FM_CPU_KVQ_HEAD_CHUNK = 8 };
+void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
+                                 const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
+                                 int64_t item);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

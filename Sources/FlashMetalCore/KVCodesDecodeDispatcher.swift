@@ -1,0 +1,111 @@
+import CFlashMetal
+
+/// Buffer indices of kv_codes_decode.
+public enum KVCodesDecodeBuffer {
+    /// KVCodesDecodeParams.
+    public static let params = Int(FM_KVQD_BUF_PARAMS.rawValue)
+    /// float32 [B, H, D].
+    public static let q = Int(FM_KVQD_BUF_Q.rawValue)
+    /// uint8 codes of the K cache.
+    public static let kCodes = Int(FM_KVQD_BUF_K_CODES.rawValue)
+    /// float32 norms of the K cache.
+    public static let kNorms = Int(FM_KVQD_BUF_K_NORMS.rawValue)
+    /// uint8 codes of the V cache.
+    public static let vCodes = Int(FM_KVQD_BUF_V_CODES.rawValue)
+    /// float32 norms of the V cache.
+    public static let vNorms = Int(FM_KVQD_BUF_V_NORMS.rawValue)
+    /// float32 [B, H, D] out.
+    public static let out = Int(FM_KVQD_BUF_OUT.rawValue)
+}
+
+/// One quantized cache of a kv_codes_decode call: its codec and storage.
+public struct QuantizedCache {
+    public var codec: KVCodec
+    public var codes: TensorRef
+    public var norms: TensorRef
+
+    public init(codec: KVCodec, codes: TensorRef, norms: TensorRef) {
+        self.codec = codec; self.codes = codes; self.norms = norms
+    }
+}
+
+/// kv_codes_decode: flash_attn_decode over quantized K and V caches (layout
+/// [(B,) Hkv, cap] of rows), one query row per head, float32 q and out. The
+/// query is rotated with K's signs and Hadamard blocks, scores are taken
+/// against the codes, and the output is rotated back with V's; no cache row
+/// is ever dequantized to memory.
+public enum KVCodesDecodeDispatcher {
+    /// The op name errors carry.
+    public static let op = "kv_codes_decode"
+
+    /// `cache` is codes [lead..., row_bytes] and norms [lead..., num_blocks] of its codec.
+    static func requireStorage(_ c: QuantizedCache, _ name: String, lead: [Int]) throws {
+        try KVCodecDispatcher.require(c.codes, "\(name) codes", dtype: .u8, lead: lead, last: c.codec.rowBytes, op: op)
+        try KVCodecDispatcher.require(c.norms, "\(name) norms", dtype: .f32, lead: lead, last: c.codec.numBlocks, op: op)
+    }
+
+    /// Validates a call and builds its dispatch.
+    public static func makeDispatch(q: TensorRef, k: QuantizedCache, v: QuantizedCache, out: TensorRef,
+                                    options o: FMKVCodesDecodeOptions) throws -> Dispatch {
+        try q.requireDType([.f32], op: op, name: "q")
+        try q.requireRank([2, 3], op: op, name: "q")
+        try q.requireBytes(op: op, name: "q")
+        let batched = q.rank == 3
+        let (batch, heads, d) = (batched ? q.shape[0] : 1, q.shape[q.rank - 2], q.shape[q.rank - 1])
+        for (c, name) in [(k.codec, "k_cache"), (v.codec, "v_cache")] where c.headDim != d {
+            throw FlashMetalError.value(op, "\(name)'s codec head_dim \(c.headDim) must equal q's head dim \(d)")
+        }
+        try k.codes.requireDType([.u8], op: op, name: "k_cache codes")
+        guard k.codes.rank == q.rank + 1 else {
+            throw FlashMetalError.value(op, "k_cache must have leading shape \(batched ? "[B, Hkv, cap]" : "[Hkv, cap]") for q of rank \(q.rank), got codes shape \(k.codes.shape)")
+        }
+        let lead = Array(k.codes.shape.dropLast())
+        try requireStorage(k, "k_cache", lead: lead)
+        try requireStorage(v, "v_cache", lead: lead)
+        let (kvHeads, capacity) = (lead[lead.count - 2], lead[lead.count - 1])
+        if batched && lead[0] != batch {
+            throw FlashMetalError.value(op, "k_cache batch (\(lead[0])) must equal q batch (\(batch))")
+        }
+        if batch == 0 || heads == 0 || kvHeads == 0 {
+            throw FlashMetalError.value(op, "batch, num_heads and num_kv_heads must be > 0, got q shape \(q.shape) and k_cache shape \(lead)")
+        }
+        if heads % kvHeads != 0 {
+            throw FlashMetalError.value(op, "num_heads (\(heads)) must be a multiple of num_kv_heads (\(kvHeads))")
+        }
+        if o.kv_len < 1 || Int(o.kv_len) > capacity {
+            throw FlashMetalError.value(op, "kv_len must be in 1...\(capacity) (the cache capacity), got \(o.kv_len)")
+        }
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0, got \(o.window)") }
+        if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
+        if !o.softcap.isFinite || o.softcap < 0 {
+            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
+        }
+        try out.requireDType([.f32], op: op, name: "out")
+        try out.requireBytes(op: op, name: "out")
+        if out.shape != q.shape { throw FlashMetalError.value(op, "out shape \(out.shape) must be \(q.shape)") }
+        try KVCodecDispatcher.requireDisjoint(
+            writes: [(out, "out")],
+            reads: [(q, "q"), (k.codes, "k_cache codes"), (k.norms, "k_cache norms"), (v.codes, "v_cache codes"),
+                    (v.norms, "v_cache norms")], op: op)
+        let rows = try KVCodecDispatcher.rows([batch, heads], op: op)
+        if capacity > Int(Int32.max) || kvHeads > Int(Int32.max) {
+            throw FlashMetalError.value(op, "num_kv_heads and the cache capacity must fit int32")
+        }
+
+        let (hk, cap) = (Int64(kvHeads), Int64(capacity))
+        let params = KVCodesDecodeParams(
+            k_seed: k.codec.seed, v_seed: v.codec.seed, kv_strides: (hk * cap, cap, 1),
+            n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.codec.block),
+            k_bits: Int32(k.codec.bits), v_bits: Int32(v.codec.bits), k_row_bytes: Int32(k.codec.rowBytes),
+            v_row_bytes: Int32(v.codec.rowBytes), kv_len: o.kv_len, window: o.window, scale: o.scale,
+            softcap: o.softcap, _pad: (0, 0))
+        return Dispatch(
+            kernel: .kvCodesDecode, grid: Size3(rows, 1, 1), threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1),
+            bindings: [
+                KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q),
+                KVCodesDecodeBuffer.kCodes: .buffer(k.codes), KVCodesDecodeBuffer.kNorms: .buffer(k.norms),
+                KVCodesDecodeBuffer.vCodes: .buffer(v.codes), KVCodesDecodeBuffer.vNorms: .buffer(v.norms),
+                KVCodesDecodeBuffer.out: .buffer(out),
+            ], writes: [KVCodesDecodeBuffer.out])
+    }
+}

@@ -1,0 +1,110 @@
+"""flash_attn_decode over QuantizedKV caches on every backend: the output
+equals float64 attention over the dequantized caches K̂, V̂ (computed by the
+float64 codec reference from the library's codes and norms) within the
+float32 tolerance, so the kernel adds no error beyond the codec."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import quant_reference as qr
+from flashmetal import reference
+from numerics import F32, TOLERANCE, assert_bits_equal, worst_element
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+
+
+def cache(rng, shape, d, bits, seed, registry):
+    codec = fm.KVCodec(d, bits, seed=seed)
+    return codec.encode(rng.standard_normal(shape + (d,)).astype(np.float32), registry=registry)
+
+
+def dequantized(c):
+    """K̂ or V̂ in float64, from the codes by the reference decoder."""
+    return qr.decode(qr.unpack(c.codes, c.codec.bits, c.codec.head_dim), c.norms, c.codec.bits, c.codec.seed)
+
+
+def check(actual, expected, what):
+    atol, rtol = TOLERANCE[F32]
+    ok, ratio = reference.close(actual, expected, atol, rtol)
+    assert ok, f"{what}: {ratio:.3g}x the tolerance; " + worst_element(actual, expected, atol, rtol)
+
+
+@pytest.mark.parametrize("kbits,vbits", [(8, 4), (4, 4), (2, 3), (5, 6)])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_matches_float64_attention_over_the_dequantized_caches(registry, rng, d, kbits, vbits):
+    b, h, hkv, cap, kv_len = 2, 4, 2, 24, 19
+    k = cache(rng, (b, hkv, cap), d, kbits, 5, registry)
+    v = cache(rng, (b, hkv, cap), d, vbits, 6, registry)
+    q = (rng.standard_normal((b, h, d)) * 2.0).astype(np.float32)
+    q0, kc0, vc0 = q.copy(), k.codes.copy(), v.codes.copy()
+    o = fm.flash_attn_decode(q, k, v, kv_len, registry=registry)
+    assert o.shape == q.shape and o.dtype == np.float32
+    check(o, reference.decode(q, dequantized(k), dequantized(v), kv_len), f"{registry.backend} D={d} K{kbits}/V{vbits}")
+    for a, a0, n in ((q, q0, "q"), (k.codes, kc0, "k codes"), (v.codes, vc0, "v codes")):
+        assert_bits_equal(a, a0, f"{n} is not changed")
+
+
+@pytest.mark.parametrize("case", ["window", "softcap_scale", "unbatched_mqa", "one_key", "same_codec", "wide_group"])
+def test_features(registry, rng, case):
+    d, kv_len, kw = 80, 21, {}
+    b, h, hkv = 2, 6, 3
+    if case == "window":
+        kw = {"window": 5}
+    elif case == "softcap_scale":
+        kw = {"softcap": 2.0, "scale": 4 / np.sqrt(d)}
+    elif case == "unbatched_mqa":
+        h, hkv = 4, 1
+    elif case == "one_key":
+        kv_len = 1
+    elif case == "wide_group":  # 10 query heads per kv head: the cpu's 8-head chunks and a partial one
+        h, hkv = 20, 2
+    k = cache(rng, (b, hkv, 32), d, 4, 1, registry)
+    v = k if case == "same_codec" else cache(rng, (b, hkv, 32), d, 8, 2, registry)
+    q = rng.standard_normal((b, h, d)).astype(np.float32)
+    if case == "unbatched_mqa":
+        k, v, q = (fm.QuantizedKV(k.codec, k.codes[0], k.norms[0]), fm.QuantizedKV(v.codec, v.codes[0], v.norms[0]),
+                   q[0])
+    o = fm.flash_attn_decode(q, k, v, kv_len, registry=registry, **kw)
+    check(o, reference.decode(q, dequantized(k), dequantized(v), kv_len, **kw), f"{registry.backend} {case}")
+
+
+def test_out_and_codes_close_to_the_dense_decode(registry, rng):
+    """out= is filled in place; 8-bit caches give nearly the dense answer."""
+    d, kv_len = 128, 30
+    kx = rng.standard_normal((1, 2, 32, d)).astype(np.float32)
+    vx = rng.standard_normal((1, 2, 32, d)).astype(np.float32)
+    codec = fm.KVCodec(d, 8, seed=11)
+    q = rng.standard_normal((1, 4, d)).astype(np.float32)
+    out = np.empty_like(q)
+    got = fm.flash_attn_decode(q, codec.encode(kx, registry=registry), codec.encode(vx, registry=registry), kv_len,
+                               out=out, registry=registry)
+    assert got is out
+    dense = reference.decode(q, kx, vx, kv_len)
+    cos = np.sum(out * dense, -1) / (np.linalg.norm(out, axis=-1) * np.linalg.norm(dense, axis=-1))
+    assert cos.min() > 0.999
+
+
+def test_errors(registry, rng):
+    d = 64
+    k = cache(rng, (1, 2, 8), d, 4, 0, registry)
+    dense = np.zeros((1, 2, 8, d), np.float32)
+    q = np.zeros((1, 2, d), np.float32)
+    cases = [
+        ((q, k, dense, 4), {}, fm.InvalidTypeError, "v_cache must be a QuantizedKV"),
+        ((q, dense, k, 4), {}, fm.InvalidTypeError, "k_cache must be a QuantizedKV"),
+        ((q, k, k, 4), {"fwht": True}, fm.InvalidValueError, "fwht"),
+        ((q, k, k, 9), {}, fm.InvalidValueError, "kv_len must be in 1...8"),
+        ((q, k, k, 0), {}, fm.InvalidValueError, "kv_len"),
+        ((q, k, k, 4), {"window": 0}, fm.InvalidValueError, "window"),
+        ((q.astype(np.float16), k, k, 4), {}, fm.InvalidTypeError, "q must be float32"),
+        ((np.zeros((1, 3, d), np.float32), k, k, 4), {}, fm.InvalidValueError, "multiple of num_kv_heads"),
+        ((np.zeros((1, 2, 128), np.float32), k, k, 4), {}, fm.InvalidValueError, "head_dim 64 must equal q's head dim 128"),
+        ((q, k, cache(rng, (1, 2, 9), d, 4, 0, registry), 4), {}, fm.InvalidValueError, "v_cache codes shape"),
+        ((q, k, k, 4), {"softcap": -1.0}, fm.InvalidValueError, "softcap"),
+    ]
+    for args, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg) as e:
+            fm.flash_attn_decode(*args, registry=registry, **kw)
+        assert e.value.op == "flash_attn_decode", e.value
