@@ -21,10 +21,10 @@ public struct KVCodec: Equatable, Sendable {
     /// A validated codec; a bad head dim or width is a value error naming `op`.
     public init(headDim: Int, bits: Int, seed: UInt64, op: String = KVCodec.op) throws {
         guard Self.blocks[headDim] != nil else {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(Self.headDims)), got \(headDim)")
+            throw FlashMetalError.value(op, "head_dim must be \(oneOf(Self.headDims)), got \(headDim)", arg: "head_dim")
         }
         guard Self.widths.contains(bits) else {
-            throw FlashMetalError.value(op, "bits must be \(oneOf(Self.widths)), got \(bits)")
+            throw FlashMetalError.value(op, "bits must be \(oneOf(Self.widths)), got \(bits)", arg: "bits")
         }
         self.headDim = headDim
         self.bits = bits

@@ -28,7 +28,7 @@ public enum KVCodecDispatcher {
         try t.requireDType([dtype], op: op, name: name)
         try t.requireBytes(op: op, name: name)
         if t.shape != lead + [last] {
-            throw FlashMetalError.value(op, "\(name) shape \(t.shape) must be \(lead + [last])")
+            throw FlashMetalError.value(op, "\(name) shape \(t.shape) must be \(lead + [last])", arg: name)
         }
     }
 
