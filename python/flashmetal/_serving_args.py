@@ -62,9 +62,10 @@ def window(op: str, window_size: Any) -> tuple[int, int]:
 
 
 def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, causal: Any, window_size: Any,
-                 max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
+                 attention_chunk: Any = 0, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
     """The FMAttnOptions of a call (the library checks the ranges)."""
     left, right = window(op, window_size)
+    chunk = _native.index_arg(op, "attention_chunk", attention_chunk, 0)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
@@ -73,7 +74,7 @@ def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, ca
             raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}")
     return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
                            causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=chunk)
 
 
 def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:

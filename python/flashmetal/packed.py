@@ -9,7 +9,9 @@ tensors are dense (a data pointer and a shape, no strides), so each view that
 is not contiguous in the caller's layout (all of them, for an interleaved
 ``[..., 3, H, D]`` tensor) is copied once into its own array; the caller's
 tensor is never modified. Errors name the packed function and its arguments
-(``qkv[:, :, 1]`` for the keys of a qkv-packed batch).
+(``qkv[:, :, 1]`` for the keys of a qkv-packed batch). Keyword-only, as on
+the unpacked functions: ``sinks``, ``attention_chunk`` (flash-attn 3's) and
+``registry``.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """``flash_attn_func`` on ``qkv [B, L, 3, H, D]``: q, k and v are
@@ -58,7 +61,7 @@ def flash_attn_qkvpacked_func(
     with _as_packed(_QKV, names):
         result = flash_attn_func(a[:, :, 0], a[:, :, 1], a[:, :, 2], dropout_p, softmax_scale, causal,
                                  window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                 sinks=sinks, registry=registry)
+                                 sinks=sinks, attention_chunk=attention_chunk, registry=registry)
     return _like(qkv, result)
 
 
@@ -75,6 +78,7 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """``flash_attn_func`` on q ``[B, seqlen_q, H, D]`` and ``kv [B,
@@ -87,7 +91,7 @@ def flash_attn_kvpacked_func(
     with _as_packed(_KV, {"k": "kv[:, :, 0]", "v": "kv[:, :, 1]"}):
         return flash_attn_func(q, a[:, :, 0], a[:, :, 1], dropout_p, softmax_scale, causal, window_size,
                                softcap, alibi_slopes, deterministic, return_attn_probs, sinks=sinks,
-                               registry=registry)
+                               attention_chunk=attention_chunk, registry=registry)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -104,6 +108,7 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """``flash_attn_varlen_func`` on ``qkv [total, 3, H, D]``: q, k and v are
@@ -120,7 +125,8 @@ def flash_attn_varlen_qkvpacked_func(
     with _as_packed(_VARLEN_QKV, names):
         result = flash_attn_varlen_func(a[:, 0], a[:, 1], a[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        deterministic, return_attn_probs, sinks=sinks, registry=registry)
+                                        deterministic, return_attn_probs, sinks=sinks,
+                                        attention_chunk=attention_chunk, registry=registry)
     return _like(qkv, result)
 
 
@@ -141,6 +147,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """``flash_attn_varlen_func`` on q ``[total_q, H, D]`` and ``kv [total_k,
@@ -152,7 +159,8 @@ def flash_attn_varlen_kvpacked_func(
     with _as_packed(_VARLEN_KV, {"k": "kv[:, 0]", "v": "kv[:, 1]"}):
         return flash_attn_varlen_func(q, a[:, 0], a[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                      deterministic, return_attn_probs, sinks=sinks, registry=registry)
+                                      deterministic, return_attn_probs, sinks=sinks,
+                                      attention_chunk=attention_chunk, registry=registry)
 
 
 def _packed(x: Any, op: str, name: str, *, axis: int, count: int, layout: str) -> np.ndarray:

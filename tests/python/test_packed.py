@@ -160,7 +160,7 @@ def test_signatures_are_flash_attns():
         assert [p.name for p in positional] == names + [n for n, _ in common], fn.__name__
         assert [p.default for p in positional[len(names):]] == [d for _, d in common], fn.__name__
         assert all(p.default is inspect.Parameter.empty for p in positional[:len(names)]), fn.__name__
-        assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == ["sinks", "registry"], fn.__name__
+        assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == ["sinks", "attention_chunk", "registry"], fn.__name__
         assert fn.__name__ in fm.__all__
 
 
