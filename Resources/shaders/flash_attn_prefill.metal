@@ -120,7 +120,15 @@ struct PrefillSeq {
     long k_len;    // its keys
     long q_off;    // position of row 0
     int wl, wr;    // window bounds (keys t - wl <= p <= t + wr); -1 = unbounded
+    int chunk;     // attention chunk c > 0: keys p with floor(p / c) == floor(t / c); 0 = off
 };
+
+// The first position of the attention chunk of t: floor(t / c) * c (t < 0
+// when a sequence has more rows than keys).
+inline long chunk_start(long t, int c) {
+    const long q = t >= 0 ? t / long(c) : -((-t + long(c) - 1) / long(c));
+    return q * long(c);
+}
 
 // The tables the serving extension binds; each is read only under its constant.
 struct PrefillSeqBuffers {
@@ -142,12 +150,14 @@ inline PrefillSeq prefill_seq_of(constant AttnParams &p, thread const PrefillSeq
     s.q_off = per_seq ? s.k_len - s.q_len : long(p.qL_off);
     s.wl = has_window ? sb.sp->window_left : -1;
     s.wr = has_window ? sb.sp->window_right : -1;
+    s.chunk = has_window ? sb.sp->attention_chunk : 0;
     return s;
 }
 
 // Key tiles [lo, hi) a threadgroup of rows [r0, r1) visits: outside it no
-// row sees a key (p < k_len; causal p <= t; window t - wl <= p <= t + wr),
-// so skipping those tiles is exact (see the header). lo == hi: none.
+// row sees a key (p < k_len; causal p <= t; window t - wl <= p <= t + wr;
+// the chunk of t, whose bounds never decrease as t grows), so skipping those
+// tiles is exact (see the header). lo == hi: none.
 template <int BK>
 inline void prefill_key_range(thread const PrefillSeq &s, long r0, long r1, thread int &lo, thread int &hi) {
     const long t0 = s.q_off + r0;
@@ -157,6 +167,10 @@ inline void prefill_key_range(thread const PrefillSeq &s, long r0, long r1, thre
     if (do_causal) last = min(last, t1);
     if (s.wr >= 0) last = min(last, t1 + long(s.wr));
     if (s.wl >= 0) first = max(first, t0 - long(s.wl));
+    if (s.chunk > 0) {
+        first = max(first, chunk_start(t0, s.chunk));
+        last = min(last, chunk_start(t1, s.chunk) + long(s.chunk) - 1);
+    }
     lo = 0;
     hi = 0;
     if (first <= last) {
@@ -216,6 +230,10 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
             bool masked = !col_exists || (do_causal && col > q_pos);
             if (has_window) {
                 masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
+                if (sq.chunk > 0) {
+                    const long start = chunk_start(q_pos, sq.chunk);
+                    masked = masked || col < start || col >= start + long(sq.chunk);
+                }
             }
             if (has_mask && tile_class != 2 && col_exists && row_exists) {
                 const float bias = mask_bias(mask_row[col]);

@@ -37,7 +37,8 @@
 // keys spans at most two pages: the table is read once per half chunk, and
 // only for halves that start before kv_len_b (entries past it are never
 // checked by the host and never read here); chunks start at multiples of 32,
-// so each half lies in one page. The window applies per sequence.
+// so each half lies in one page. The window and the attention chunk apply
+// per sequence.
 //
 // Head dims that are not a multiple of 32 (80): lane l still owns dims
 // l, l + 32, ...; the last of them exist only for l < D % 32.
@@ -162,6 +163,11 @@ kernel void flash_attn_vec(
     // Visible keys: [lo, kv_len).
     long lo = 0;
     if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), 0L);
+    // The attention chunk of the query (at kv_len - 1) starts at (kv_len - 1) / c * c.
+    if (vec_seq && sp->attention_chunk > 0 && kv_len > 0) {
+        const long c = long(sp->attention_chunk);
+        lo = max(lo, (kv_len - 1) / c * c);
+    }
 
     float o[NE];
     for (int i = 0; i < NE; i++) o[i] = 0.0f;

@@ -90,6 +90,7 @@ final class VecKernel: CPUKernel {
         let sp = try d.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
         a.k_strides = sp.K_strides
         a.v_strides = sp.V_strides
+        a.attention_chunk = Int32(bitPattern: sp.attention_chunk)
         var capacity = Int64(p.kv_capacity)
         if paged {
             if sp.page_size == 0 { throw FlashMetalError.internalError("\(name): page size 0") }

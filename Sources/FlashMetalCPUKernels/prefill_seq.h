@@ -5,7 +5,8 @@
  *
  * Every visibility rule of a row is a bound on the key index, so the keys a
  * row sees form one range [lo, hi] (empty when lo > hi): kL_b, causal and
- * window_right bound hi, window_left bounds lo. Kernels skip key blocks
+ * window_right bound hi, window_left bounds lo, the attention chunk of t
+ * bounds both. Both ends never decrease as t grows. Kernels skip key blocks
  * outside the range and kill the cells of the blocks they cut; the mask of
  * the plain prefill's path is applied on top. */
 #ifndef FM_PREFILL_SEQ_H
@@ -41,6 +42,11 @@ static inline FMPfSeqDims fm_pf_seq_dims(const FMPrefillArgs *a, int64_t b) {
     return d;
 }
 
+/* floor(x / c) for c > 0. */
+static inline int64_t fm_floor_div(int64_t x, int64_t c) {
+    return x >= 0 ? x / c : -((-x + c - 1) / c);
+}
+
 /* Keys [*lo, *hi] visible to the row at position t of a sequence of kL keys. */
 static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, int64_t kL, int64_t *lo, int64_t *hi) {
     int64_t l = 0, h = kL - 1;
@@ -49,6 +55,12 @@ static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, int64_t kL,
         const int64_t wl = a->seq.sp.window_left, wr = a->seq.sp.window_right;
         if (wl >= 0 && t - wl > l) l = t - wl;
         if (wr >= 0 && t + wr < h) h = t + wr;
+        const int64_t c = a->seq.sp.attention_chunk;
+        if (c > 0) {
+            const int64_t start = fm_floor_div(t, c) * c; /* t < 0 (qL > kL) rounds down */
+            if (start > l) l = start;
+            if (start + c - 1 < h) h = start + c - 1;
+        }
     }
     *lo = l;
     *hi = h;

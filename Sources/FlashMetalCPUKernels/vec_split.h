@@ -39,13 +39,18 @@ static inline int fm_vec_key_major(const FMVecArgs *a) {
     return a->p.n_kv_heads > 1 && a->k_strides[1] < a->k_strides[2];
 }
 
-/* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1). */
+/* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1;
+ * its attention chunk starts at (kv_len_b - 1) / c * c). */
 static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {
     const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
     int64_t l = 0;
     if (a->p.mask_type == FM_VEC_MASK_WINDOW) {
         l = len - (int64_t)a->p.sliding_window;
         if (l < 0) l = 0;
+    }
+    if (a->attention_chunk > 0 && len > 0) {
+        const int64_t start = (len - 1) / a->attention_chunk * a->attention_chunk;
+        if (start > l) l = start;
     }
     *lo = l;
     *hi = len;

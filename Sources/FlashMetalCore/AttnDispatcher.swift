@@ -12,6 +12,8 @@ public struct AttnOptions: Sendable {
     public var windowLeft = -1, windowRight = -1
     /// Varlen: at least every sequence's length (flash-attn's max_seqlen_q/k).
     public var maxSeqlenQ = 0, maxSeqlenK = 0
+    /// Chunked local attention c > 0: keys p with floor(p / c) == floor(t / c); 0 = off.
+    public var attentionChunk = 0
 
     /// Options with every default but the scale.
     public init(scale: Float) { self.scale = scale }
@@ -28,6 +30,10 @@ public struct AttnOptions: Sendable {
         windowRight = Int(o.window_right)
         maxSeqlenQ = Int(o.max_seqlen_q)
         maxSeqlenK = Int(o.max_seqlen_k)
+        if o.attention_chunk < 0 {
+            throw FlashMetalError.value(op, "attention_chunk must be >= 0 (0 = off), got \(o.attention_chunk)")
+        }
+        attentionChunk = Int(o.attention_chunk)
     }
 
     /// A window bound is set (either side not -1).
@@ -149,10 +155,11 @@ public enum AttnDispatcher {
         ext.cuSeqlensQ = t.cuSeqlensQ; ext.cuSeqlensK = t.cuSeqlensK
         ext.seqlensK = t.seqlensK; ext.blockTable = t.blockTable
         ext.sinks = t.sinks; ext.lse = t.lse
-        if o.hasWindow {
+        if o.hasWindow || o.attentionChunk > 0 {
             ext.window = true
             ext.params.window_left = Int32(o.windowLeft)
             ext.params.window_right = Int32(o.windowRight)
+            ext.params.attention_chunk = Int32(o.attentionChunk)
         }
         // Element strides: (batch, head, row); a packed axis has batch stride 0
         // (the kernel adds cu_seqlens[b]); paged K/V step by page instead.

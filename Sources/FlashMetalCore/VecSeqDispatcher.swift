@@ -15,6 +15,8 @@ public struct VecSeqOptions: Sendable {
     /// flash-attn's window_size right; the decode query is the newest token,
     /// so no key lies right of it and this never hides one. -1 = unbounded.
     public var windowRight: Int = -1
+    /// Chunked local attention c > 0: the query at t sees keys from floor(t / c) * c; 0 = off.
+    public var attentionChunk: Int = 0
 
     /// Options with every default but the scale.
     public init(scale: Float) { self.scale = scale }
@@ -32,6 +34,10 @@ public struct VecSeqOptions: Sendable {
         self.causal = o.causal == 1
         self.windowLeft = Int(o.window_left)
         self.windowRight = Int(o.window_right)
+        if o.attention_chunk < 0 {
+            throw FlashMetalError.value(op, "attention_chunk must be >= 0 (0 = off), got \(o.attention_chunk)")
+        }
+        self.attentionChunk = Int(o.attention_chunk)
     }
 
     /// The decode mask: flash-attn's window_size left w is the sliding window
@@ -183,7 +189,7 @@ public enum VecSeqDispatcher {
         let seq = VecDispatcher.SeqBindings(
             params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
-                                          _pad: (0, 0)),
+                                          attention_chunk: UInt32(o.attentionChunk), _pad: 0),
             seqlensK: t.seqlensK, blockTable: t.blockTable)
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil

@@ -62,15 +62,16 @@ def window(op: str, window_size: Any) -> tuple[int, int]:
 
 
 def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, causal: Any, window_size: Any,
-                 max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
+                 attention_chunk: Any = 0, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
     """The FMAttnOptions of a call (the library checks the ranges)."""
     left, right = window(op, window_size)
+    chunk = _native.index_arg(op, "attention_chunk", attention_chunk, 0)
     scale = _native.scale_arg(op, softmax_scale, head_dim, "softmax_scale")
     if not math.isfinite(scale):  # the library would name its own field, `scale`
         raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}", argument="softmax_scale")
     return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
                            causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=chunk)
 
 
 def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:

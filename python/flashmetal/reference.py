@@ -150,15 +150,17 @@ def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_len: int, *, scale: f
 # Token-major tensors as flash-attn lays them out: one sequence is [L, H, D].
 # Row i of a sequence with qL queries and kL keys sits at t = kL - qL + i
 # (bottom-right); window_size=(left, right) keeps keys t - left <= p <= t + right
-# (-1 = unbounded); causal keeps p <= t. softcap c: c*tanh(s/c) on the scaled
-# score. A sink is a per-head logit in the denominator with no value (-inf: no
-# sink; +inf: it takes all the mass, the limit: output 0, LSE +inf; NaN: NaN).
+# (-1 = unbounded); causal keeps p <= t; attention_chunk c > 0 keeps only keys
+# in t's chunk, p // c == t // c (floor division; 0 = off). softcap c:
+# c*tanh(s/c) on the scaled score. A sink is a per-head logit in the
+# denominator with no value (-inf: no sink; +inf: it takes all the mass, the
+# limit: output 0, LSE +inf; NaN: NaN).
 # LSE is the natural log of the denominator, -inf for a row that sees nothing
 # and has no sink (its output is 0).
 
 
 def serving_visible(q_len: int, k_len: int, *, causal: bool = False,
-                    window_size: tuple[int, int] = (-1, -1)) -> np.ndarray:
+                    window_size: tuple[int, int] = (-1, -1), attention_chunk: int = 0) -> np.ndarray:
     """[qL, kL] bool: row i (at kL - qL + i) sees key p."""
     t = k_len - q_len + np.arange(q_len)[:, None]
     p = np.arange(k_len)[None, :]
@@ -170,12 +172,14 @@ def serving_visible(q_len: int, k_len: int, *, causal: bool = False,
         vis &= p >= t - left
     if right >= 0:
         vis &= p <= t + right
+    if attention_chunk > 0:
+        vis &= p // attention_chunk == t // attention_chunk
     return vis
 
 
 def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    sinks: np.ndarray | None = None, attention_chunk: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """One sequence: q [qL, H, D], k/v [kL, Hkv, D] (H % Hkv == 0; query head h
     reads kv head h // (H / Hkv)) -> (out [qL, H, D], lse [H, qL]), float64."""
     q, k, v = _f64(q), _f64(k), _f64(v)
@@ -188,7 +192,8 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
     s = scale * (q.transpose(1, 0, 2) @ kh.transpose(0, 2, 1))  # [H, qL, kL]
     if softcap:
         s = softcap * np.tanh(s / softcap)
-    s = np.where(serving_visible(q_len, k_len, causal=causal, window_size=window_size), s, -np.inf)
+    vis = serving_visible(q_len, k_len, causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+    s = np.where(vis, s, -np.inf)
     sink = np.full((heads, 1, 1), -np.inf) if sinks is None else _f64(sinks).reshape(heads, 1, 1)
     m = np.maximum(s.max(axis=-1, keepdims=True, initial=-np.inf), sink)
     m = np.where(np.isfinite(m), m, 0.0)

@@ -53,6 +53,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """Attention over a batch of equal-length sequences.
@@ -72,6 +73,10 @@ def flash_attn_func(
         return_attn_probs: also return the softmax LSE and flash-attn's
             ``S_dmask``, which (as flash-attn's with dropout_p == 0) is empty.
         sinks: float32 ``[H]`` sink logits, or None.
+        attention_chunk: chunked local attention (flash-attn 3's argument,
+            Llama 4's): with c > 0 the row at position t sees only keys p in
+            its own chunk, ``p // c == t // c``, on top of causal and the
+            window; 0 = off.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
@@ -83,7 +88,7 @@ def flash_attn_func(
     want_lse = training_arguments(_FUNC, dropout_p, alibi_slopes, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
     opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
-                        causal=causal, window_size=window_size)
+                        causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     _no_outer_scope_for_decode(reg, qa, _FUNC)
     out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
     return _with_probs(q, out, lse if want_lse else None)
@@ -108,6 +113,7 @@ def flash_attn_varlen_func(
     block_table: ArrayLike | None = None,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     registry: RegistryLike = None,
 ) -> Any:
     """Attention over packed sequences of different lengths (no padding).
@@ -136,7 +142,7 @@ def flash_attn_varlen_func(
     cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
     bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
     opts = attn_options(_VARLEN, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
-                        causal=causal, window_size=window_size,
+                        causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=_native.index_arg(_VARLEN, "max_seqlen_q", max_seqlen_q, 0),
                         max_seqlen_k=_native.index_arg(_VARLEN, "max_seqlen_k", max_seqlen_k, 0))
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
@@ -172,6 +178,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     sinks: ArrayLike | None = None,
+    attention_chunk: int = 0,
     out: Any = None,
     registry: RegistryLike = None,
 ) -> Any:
@@ -227,7 +234,7 @@ def flash_attn_with_kvcache(
     batch = qa.shape[0] if qa.ndim else 0
     lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
-                        causal=causal, window_size=window_size)
+                        causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     sk = sinks_arg(_KVCACHE, sinks)
     out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)

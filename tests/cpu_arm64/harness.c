@@ -201,20 +201,25 @@ done:
  * k/v [B, kcap, Hkv, D], packed [total_k, Hkv, D] (varlen_k) or pages
  * [num_pages, page_size, Hkv, D] through a shuffled block table (paged,
  * with seqlens_k). per_seq = 0 is the plain mode (B = 1, row i at qoff + i)
- * with the in-kernel window. */
+ * with the in-kernel window. chunk > 0 (with window = 1): the attention
+ * chunk, keys p with floor(p / chunk) == floor(t / chunk). */
 typedef struct {
     int32_t D, dtype, H, Hkv, B;
     int32_t varlen_q, varlen_k, kv_lens, paged, page_size;
     int32_t causal, window, wl, wr, sinks, lse, qoff;
     float softcap;
     int32_t qlens[4], klens[4];
+    int32_t chunk;
 } ServeCase;
+
+static int64_t floor_div(int64_t x, int64_t c) { return x >= 0 ? x / c : -((-x + c - 1) / c); }
 
 static int serve_visible(const ServeCase *c, int64_t t, int64_t p, int64_t kL) {
     if (p >= kL) return 0;
     if (c->causal && p > t) return 0;
     if (c->window && c->wl >= 0 && p < t - c->wl) return 0;
     if (c->window && c->wr >= 0 && p > t + c->wr) return 0;
+    if (c->window && c->chunk > 0 && floor_div(p, c->chunk) != floor_div(t, c->chunk)) return 0;
     return 1;
 }
 
@@ -297,6 +302,7 @@ static void run_serving(const ServeCase *c, int fast) {
     a.q = q.raw; a.k = k.raw; a.v = v.raw; a.o = o.raw;
     a.io_dtype = c->dtype; a.causal = c->causal; a.mask_kind = FM_MASK_NONE;
     a.seq.sp.window_left = c->wl; a.seq.sp.window_right = c->wr;
+    a.seq.sp.attention_chunk = c->chunk;
     a.seq.sp.page_size = ps; a.seq.sp.max_pages = max_pages;
     a.seq.sp.K_page_stride = a.seq.sp.V_page_stride = (int64_t)ps * Hkv * D;
     const int64_t ls[3] = {c->varlen_q ? 0 : (int64_t)H * qmax, c->varlen_q ? (int64_t)cuq[B] : qmax, 1};
@@ -372,9 +378,10 @@ static void run_serving(const ServeCase *c, int fast) {
     }
     CHECK(worst <= 1.0 && worst_lse <= 1.0 && untouched == 0,
           "serving %s %s D=%d dtype=%d B=%d varlen=%d/%d kv_lens=%d paged=%d(ps %d) causal=%d window=%d(%d,%d) "
-          "softcap=%g sinks=%d lse=%d: error %.3gx, lse %.3gx tolerance, %d padding rows written",
+          "chunk=%d softcap=%g sinks=%d lse=%d: error %.3gx, lse %.3gx tolerance, %d padding rows written",
           fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, c->dtype, B, c->varlen_q, c->varlen_k, c->kv_lens,
-          c->paged, ps, c->causal, c->window, c->wl, c->wr, c->softcap, c->sinks, c->lse, worst, worst_lse, untouched);
+          c->paged, ps, c->causal, c->window, c->wl, c->wr, c->chunk, c->softcap, c->sinks, c->lse, worst,
+          worst_lse, untouched);
     free(ref); free(Kr); free(Vr); free(vis);
 done:
     free(table); free(lse);
@@ -403,6 +410,14 @@ static void run_serving_cases(int fast) {
     const ServeCase seedwin = {64, FM_DTYPE_F16, 4, 2, 1, 0, 0, 0, 0, 0, 1, 1, 56, -1, 0, 0, 80, 0.0f,
                                {70}, {150}};
     run_serving(&seedwin, fast);
+    /* attention chunks: 7 (cuts every tile) with causal + window + sinks, varlen with more rows than keys
+     * (negative positions); 16 over a paged cache, no causal */
+    const ServeCase chunked = {64, FM_DTYPE_BF16, 4, 2, 4, 1, 1, 0, 0, 0, 1, 1, 20, -1, 1, 1, 0, 0.0f,
+                               {9, 40, 3, 20}, {50, 45, 0, 6}, 7};
+    run_serving(&chunked, fast);
+    const ServeCase chunked_paged = {128, FM_DTYPE_F16, 4, 1, 3, 0, 0, 1, 1, 16, 0, 1, -1, -1, 0, 1, 0, 0.0f,
+                                     {17, 17, 17}, {17, 100, 150}, 16};
+    run_serving(&chunked_paged, fast);
     if (fast) { /* float32 (sdpa's fast route) through the same code */
         const ServeCase f32 = {96, FM_DTYPE_F32, 4, 2, 3, 1, 1, 0, 0, 0, 1, 1, 40, 3, 1, 1, 0, 30.0f,
                                {31, 65, 70}, {33, 130, 70}};

@@ -321,7 +321,8 @@ def gen_attn(rng, backend):
     window = [(-1, -1), (-1, -1), (3, 0), (0, 2), (5, -1)][int(rng.integers(0, 5))]
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
                 causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1],
-                max_seqlen_q=max(q_lens) + int(rng.integers(0, 2)), max_seqlen_k=max(k_lens) + int(rng.integers(0, 2)))
+                max_seqlen_q=max(q_lens) + int(rng.integers(0, 2)), max_seqlen_k=max(k_lens) + int(rng.integers(0, 2)),
+                attention_chunk=int(rng.choice([0, 0, 0, 1, 5, 16])))
     case = Case("attn", backend, t, opts, finite=not nonfinite)
     case.args = dict(mode=mode, k_lens=k_lens)
     return case
@@ -365,7 +366,7 @@ def gen_vec_seq(rng, backend):
     left = int(rng.choice([-1, -1, 0, 3, 20]))
     opts = dict(scale=float(rng.choice([1 / math.sqrt(g["d"]), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
                 causal=int(rng.integers(0, 2)), window_left=left, window_right=int(rng.choice([-1, 0])),
-                max_seqlen_q=0, max_seqlen_k=0)
+                max_seqlen_q=0, max_seqlen_k=0, attention_chunk=int(rng.choice([0, 0, 0, 1, 5, 16])))
     return Case("vec_seq", backend, t, opts, finite=not nonfinite)
 
 
@@ -659,6 +660,7 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     i32 = lambda x: (x + 2**31) % 2**32 - 2**31  # noqa: E731 - the library saw the wrapped int32
     kw = dict(scale=o["scale"], causal=bool(o["causal"]), softcap=o["softcap"],
               window_size=(i32(o["window_left"]), i32(o["window_right"])),
+              attention_chunk=i32(o.get("attention_chunk", 0)),
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
@@ -666,11 +668,34 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
         lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
         out, lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lens, block_table=table, **kw)
         return out[:, 0], lse[..., 0]
+    if _seq_present(case, "cu_seqlens_q") and not _seq_present(case, "cu_seqlens_k"):
+        return _varlen_q_over_caches(case, q, k, v, table, kw)
     if _seq_present(case, "cu_seqlens_q"):
         return reference.flash_attn_varlen(q, k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
                                            block_table=table, **kw)
     lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
     return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, **kw)
+
+
+def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, np.ndarray]:
+    """Packed queries over per-sequence caches (cu_seqlens_q without
+    cu_seqlens_k): sequence b holds seqlens_k[b] keys, else every key its
+    cache (or its block-table row) has room for."""
+    t = case.tensors
+    cq = t["cu_seqlens_q"].array()
+    lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
+    out = np.zeros(q.shape, dtype=np.float64)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b in range(len(cq) - 1):
+        cap = k.shape[1] * (table.shape[1] if table is not None else 1)
+        n = int(lens[b]) if lens is not None else cap
+        if table is None:
+            kb, vb = k[b, :n], v[b, :n]
+        else:
+            kb, vb = reference.paged_rows(k, table[b], n), reference.paged_rows(v, table[b], n)
+        qs, qe = int(cq[b]), int(cq[b + 1])
+        out[qs:qe], lse[:, qs:qe] = reference.attend_sequence(q[qs:qe], kb, vb, **kw)
+    return out, lse
 
 
 def _kv_append_expected(case: Case) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
 
 MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
-            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype"]
+            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk"]
 
 
 @st.composite
@@ -40,6 +40,7 @@ def serving_calls(draw):
         causal=draw(st.booleans()),
         window=(-2, 0) if bad == "window" else draw(st.sampled_from([(-1, -1), (-1, -1), (4, 0), (0, 3), (-1, 2)])),
         softcap=-1.0 if bad == "softcap" else draw(st.sampled_from([0.0, 0.0, 3.0])),
+        chunk=-1 if bad == "chunk" else draw(st.sampled_from([0, 0, 0, 1, 5, 16])),
         sinks="short" if bad == "sinks_short" else draw(st.sampled_from(["none", "none", "ok"])),
         paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 16, 32, 24])),
         n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
@@ -111,7 +112,7 @@ def _kvcache(c, rng):
 @given(c=serving_calls(), seed=st.integers(0, 2**32 - 1))
 def test_serving_api(cpu, c, seed):
     rng = np.random.default_rng(seed)
-    kw = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"])
+    kw = dict(causal=c["causal"], window_size=c["window"], softcap=c["softcap"], attention_chunk=c["chunk"])
     if c["sinks"] != "none":
         kw["sinks"] = rng.uniform(-1, 1, c["h"] - (c["sinks"] == "short")).astype(np.float32)
     if c["fn"] == "func":

@@ -280,7 +280,9 @@ typedef struct SdpaExtParams {
  * Key p is visible to row i iff p < kL_b
  *   && (!do_causal || p <= t)
  *   && (!FM_FC_WINDOW || ((window_left < 0 || p >= t - window_left)
- *                      && (window_right < 0 || p <= t + window_right))).
+ *                      && (window_right < 0 || p <= t + window_right)
+ *                      && (attention_chunk == 0
+ *                          || floor(p / attention_chunk) == floor(t / attention_chunk)))).
  * Key tiles wholly invisible to a threadgroup's rows are never loaded.
  * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
@@ -298,7 +300,8 @@ typedef struct AttnSeqParams {
     int64_t K_page_stride; /* elements between pages of K (FM_FC_PAGED) */
     int64_t V_page_stride; /* elements between pages of V (FM_FC_PAGED) */
     int64_t lse_strides[3];/* (batch, head, row) of lse in elements (FM_FC_HAS_LSE) */
-    int64_t _pad;
+    int32_t attention_chunk; /* 0 = off, else > 0: keys in t's chunk (with FM_FC_WINDOW) */
+    int32_t _pad;
 } AttnSeqParams;
 
 /* Decode with per-sequence caches: vec buffer(5), with FM_FC_VEC_SEQ. 64
@@ -310,7 +313,9 @@ typedef struct AttnSeqParams {
  * (V likewise). kv_len_b = FM_FC_VEC_KV_LENS ? seqlens_k[b] : kv_seq_len; the
  * query sits at kv_len_b - 1; FlashAttnVecParams.mask_type/sliding_window
  * apply per sequence (flash-attn's window_size left w is sliding_window
- * w + 1). kv_len_b == 0: the row sees no key. page_size: any multiple of 16.
+ * w + 1); attention_chunk c > 0 further hides keys p < floor((kv_len_b - 1) / c) * c
+ * (outside the query's chunk). kv_len_b == 0: the row sees no key.
+ * page_size: any multiple of 16.
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
  * (H, Hkv); the grid's y (rows) is B * H and tmp holds B * H rows laid out as
  * without it; kv_capacity is the keys a sequence can hold (cap, or
@@ -320,7 +325,8 @@ typedef struct FlashAttnVecSeqParams {
     int64_t V_strides[3];
     uint32_t page_size;    /* FM_FC_VEC_PAGED */
     uint32_t max_pages;    /* FM_FC_VEC_PAGED: block_table row length */
-    uint32_t _pad[2];
+    uint32_t attention_chunk; /* 0 = off, else > 0 */
+    uint32_t _pad;
 } FlashAttnVecSeqParams;
 
 /* Plain decode reduce with sinks/LSE: reduce buffer(7). 16 bytes. Row r has
@@ -554,7 +560,7 @@ typedef struct FMAttnOptions {
     int32_t window_right; /* -1 = unbounded, else >= 0 */
     int32_t max_seqlen_q; /* varlen q: >= every sequence's length; else ignored */
     int32_t max_seqlen_k; /* varlen k: >= every sequence's length; else ignored */
-    int32_t _pad;
+    int32_t attention_chunk; /* 0 = off, else > 0: row t sees keys p with p / c == t / c (floor) */
 } FMAttnOptions;
 
 /* The metal-sim runtime's counters (Linux builds), process-wide and only
