@@ -3,7 +3,7 @@
 # natively on x86-64 and run once per ISA path (FLASHMETAL_CPU_ISA caps it;
 # a path the machine lacks runs as the best one it has). It checks the
 # kernels without the Swift dispatch, against its own double reference:
-# prefill (seeds' mode and the serving extension: varlen, paged, kv lens,
+# prefill (plain mode and the serving extension: varlen, paged, kv lens,
 # window, softcap, sinks, LSE, head dims 64-256 incl. 80/96/192), decode, blk
 # and the mask builder. A few seconds. Reuses ARM64_CC and ARM64_KERNELS of
 # mk/cpu-arm64.mk (included first: fragments load in name order).

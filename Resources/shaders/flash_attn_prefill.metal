@@ -29,7 +29,7 @@
 // V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
 // K/V 8x(128+8) in T, O 8x512 floats = 26,880 bytes for bf16/f16.
 //
-// Buffers (seed 000): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
+// Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
 // 301 do_causal, 303 has_blk.
 //
@@ -569,7 +569,7 @@ kernel void flash_attn_prefill(
                                               Os, tgid, sg, lane, tid);
 }
 
-// Seed 000's entry points plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
+// mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
 // WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)

@@ -1,4 +1,4 @@
-// flash_attn_prefill_blk.metal — the tile-skip pre-pass (seed 001).
+// flash_attn_prefill_blk.metal — the tile-skip pre-pass (mlx-native's flash_attn_prefill_blk).
 //
 // One SIMD group (32 threads) classifies one (BQ, BK) tile of an additive
 // [qL, kL] mask (or a bool one: true = 0, false = -inf) for the prefill that

@@ -1,4 +1,4 @@
-// flash_attn_vec.metal — split-KV decode (seeds 002, 004): one query row per
+// flash_attn_vec.metal — split-KV decode (mlx-native's flash_attn_vec and its reduce): one query row per
 // head, the KV range split over NWG = 32 workgroups, then a reduce.
 //
 // Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
@@ -13,7 +13,7 @@
 //   the 32 probabilities go through threadgroup memory and lane l
 //   accumulates output dims l, l + 32, ... over the chunk's V rows.
 // Each lane reads its dims of q (float32) straight into registers: q is
-// never narrowed (the seeds staged it in half, which lost ~3 digits and made
+// never narrowed (staging it in half would lose ~3 digits and make
 // |q| > 65504 infinite), so decode meets the float32 tolerance. The query sits at position
 // kv_len - 1: causal (mask_type 1) sees every valid key; a sliding window w
 // (mask_type 2) sees keys p with (kv_len - 1) - p < w. No key at or past
@@ -27,7 +27,7 @@
 // 4 tmp. Threadgroup buffer 0: PK + SH + 2 * PV halfs (VecDispatcher); this
 // kernel uses only the chunk's 32 probabilities (floats) at its start.
 //
-// Serving extension (issue 14; FlashAttnVecSeqParams in flashmetal.h). With
+// Serving extension (FlashAttnVecSeqParams in flashmetal.h). With
 // function constant 501 (vec_seq) row r = b * H + h reads kv head
 // g = h / (H / Hkv) of sequence b through the strides at buffer 5, and the
 // grid's y is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
@@ -139,7 +139,7 @@ kernel void flash_attn_vec(
     const long nwg = p.nwg;
     const long gqa = long(p.n_heads) / long(p.n_kv_heads);
     // (sequence, kv head) of the row and the (sequence or page, kv head, row)
-    // strides of K and V. The seed's call is one sequence of B * Hkv kv heads.
+    // strides of K and V. Without vec_seq the call is one sequence of B * Hkv kv heads.
     long b = 0;
     long g = row / gqa;
     long ks[3] = {0, long(p.kv_capacity) * D, D};

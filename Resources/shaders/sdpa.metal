@@ -1,10 +1,10 @@
-// sdpa.metal — simple fused attention (seed 003): one thread per query row,
+// sdpa.metal — simple fused attention (mlx-native's sdpa): one thread per query row,
 // TILE_Q = 32 rows per threadgroup, grid (B, H, ceil(qL / 32)).
 //
 // Each thread runs an online softmax over its row's visible keys in the exp2
 // domain (scores scale * q.k, times log2(e); the running max starts at the
-// finite -FLT_MAX / 2). Query i sits at t = kv_len - qL + i (the seed's
-// bottom-right) or, with SdpaExtParams (ours: buffer 8, constant 602), at
+// finite -FLT_MAX / 2). Query i sits at t = kv_len - qL + i
+// (bottom-right) or, with SdpaExtParams (buffer 8, constant 602), at
 // t = q_offset + i; causal keeps keys <= t, a window w keeps keys with
 // t - p < w, and (constant 603) the softcap c*tanh(s/c) applies to the
 // scaled score before the mask. A row that sees no key outputs zeros (the
@@ -18,7 +18,7 @@
 // scores (bit for bit), so every block sees the same running max and sum.
 //
 // Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32, f16
-// or bf16), 4 SdpaParams; with a mask (ours, not in the seed): 5 AttnMaskParams
+// or bf16), 4 SdpaParams; with a mask: 5 AttnMaskParams
 // (batch, head, row strides), 6 an additive mask in T (constant 601) or
 // 7 a bool mask, true = attend (constant 600). The mask is added to the
 // scaled score before the exp2-domain scaling, as in prefill. 8

@@ -17,11 +17,11 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case sdpa(io: DType)
     /// `kv_append_{f32,f16,bf16}`: new K/V rows written into a (paged) cache.
     case kvAppend(cache: DType)
-    /// `kv_encode_{f32,f16,bf16}`: rows to quantized-KV codes and norms (ours).
+    /// `kv_encode_{f32,f16,bf16}`: rows to quantized-KV codes and norms.
     case kvEncode(input: DType)
-    /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows (ours).
+    /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows.
     case kvDequantize
-    /// `kv_codes_decode_f32`: decode attention over quantized K and V caches (ours).
+    /// `kv_codes_decode_f32`: decode attention over quantized K and V caches.
     case kvCodesDecode
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
