@@ -14,11 +14,13 @@ public func fm_dispatch_kv_append(
     guarded(err, errlen) {
         let op = KVAppendDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        let t = KVAppendTensors(
-            kNew: try TensorRef(kNew, op: op, name: "k_new"), vNew: try TensorRef(vNew, op: op, name: "v_new"),
-            kCache: try TensorRef(kCache, op: op, name: "k_cache"), vCache: try TensorRef(vCache, op: op, name: "v_cache"),
-            seqlens: try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
-            blockTable: try optionalTensor(blockTable, op: op, name: "block_table"))
-        if let d = try KVAppendDispatcher.makeDispatch(t) { try reg.run([d]) }
+        let (kn, vn) = (try TensorRef(kNew, op: op, name: "k_new"), try TensorRef(vNew, op: op, name: "v_new"))
+        let (kc, vc) = (try TensorRef(kCache, op: op, name: "k_cache"), try TensorRef(vCache, op: op, name: "v_cache"))
+        let tables = [try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
+                      try optionalTensor(blockTable, op: op, name: "block_table")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            let t = KVAppendTensors(kNew: kn, vNew: vn, kCache: kc, vCache: vc, seqlens: c[0]!, blockTable: c[1])
+            if let d = try KVAppendDispatcher.makeDispatch(t) { try reg.run([d], op: op) }
+        }
     }
 }

@@ -20,11 +20,11 @@ public func fm_dispatch_prefill(
             blk: try optionalTensor(blk, op: op, name: "blk"))
         let o = try PrefillOptions(options.pointee)
         guard let bytes = try PrefillDispatcher.autoBlkBytes(tensors, o) else {
-            try reg.run(PrefillDispatcher.makeDispatches(tensors, o))
+            try reg.run(PrefillDispatcher.makeDispatches(tensors, o), op: op)
             return
         }
         try reg.withScratch(op: op, bytes: bytes) { scratch in
-            try reg.run(PrefillDispatcher.makeDispatches(tensors, o, blkMemory: scratch))
+            try reg.run(PrefillDispatcher.makeDispatches(tensors, o, blkMemory: scratch), op: op)
         }
     }
 }

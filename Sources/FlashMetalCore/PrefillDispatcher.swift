@@ -215,8 +215,8 @@ public enum PrefillDispatcher {
             throw FlashMetalError.internalError("\(op): auto-blk scratch of \(mem.byteCount) bytes < \(nq * nk)")
         }
         // The mask as the [qL, kL] it is read as (its B and H strides are 0).
-        let mask = TensorRef(data: m.data, byteCount: m.byteCount, dtype: m.dtype, shape: [Int(p.qL), Int(p.kL)])
-        let blk = TensorRef(data: mem.data, byteCount: nq * nk, dtype: .u8, shape: [nq, nk])
+        let mask = m.reshaped([Int(p.qL), Int(p.kL)])
+        let blk = mem.reshaped([nq, nk], dtype: .u8, byteCount: nq * nk)
         var withBlk = t
         withBlk.mask = mask
         withBlk.blk = blk
