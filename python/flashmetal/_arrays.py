@@ -60,6 +60,12 @@ def as_index(x: Any, op: str, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=I32) if a.ndim else np.asarray(a, dtype=I32)
 
 
+def empty_batch(a: np.ndarray, rank: int, axes: tuple[int, ...]) -> bool:
+    """Whether `a` (of `rank`) has a batch, head or query axis of 0: the
+    result is then empty and no kernel runs (as torch and flash-attn)."""
+    return a.ndim == rank and any(a.shape[i] == 0 for i in axes)
+
+
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
               inputs: list[np.ndarray]) -> np.ndarray:
     """Validates a caller-provided output (a numpy array or a torch CPU

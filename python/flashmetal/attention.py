@@ -27,7 +27,7 @@ import numpy as np
 
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
-from ._errors import InvalidTypeError, InvalidValueError
+from ._errors import Error, InvalidTypeError, InvalidValueError
 from ._serving_args import flag, no_dropout
 from ._interop import to_numpy, wrapper_like
 from .decode import flash_attn_decode
@@ -42,8 +42,9 @@ _OP = "scaled_dot_product_attention"
 #: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
-#: The kernel families the front door runs (``Route.kernel``).
-ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa")
+#: The kernel families the front door runs (``Route.kernel``); "none" for an
+#: empty batch (B, H or qL of 0), which runs no kernel.
+ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Route:
         return f"{self.kernel}: {self.reason}"
 
 
+_EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
 _last = threading.local()
 
 
@@ -178,10 +180,12 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     if hkv != H and not enable_gqa:
         raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
                          "attention")
+    if B == 0 or H == 0 or qL == 0:  # an empty result, as torch's; no kernel runs
+        return _Call(qa, ka, va, None, bool(is_causal), 0, cap, _EMPTY, None, squeeze)
     if hkv == 0 or H % hkv:
         raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
-    if qL == 0 or D == 0 or B == 0 or H == 0:
-        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty axis")
+    if D == 0:
+        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty head dim")
     kl = cap if kv_len is None else int(kv_len)
     if not 0 < kl <= cap:
         raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
@@ -306,7 +310,13 @@ def scaled_dot_product_attention(
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align)
     reg = resolve(registry, _OP)
-    out = _run(call, scale, softcap, window, reg)
+    try:
+        out = _run(call, scale, softcap, window, reg)
+    except Error as e:  # raised by the route's function: named after the one the caller called
+        if e.op == _OP:
+            raise
+        text = str(e)[len(f"{e.op}: "):] if e.op else str(e)
+        raise type(e)(_OP, text, e.status) from None
     _last.route = call.route
     return wrapper_like(query)(out[0] if call.squeeze else out)
 
@@ -314,6 +324,8 @@ def scaled_dot_product_attention(
 def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
+    if kernel == "none":
+        return np.empty(qa.shape, qa.dtype)
     if kernel == "flash_attn_vec":
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
