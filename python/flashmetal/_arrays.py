@@ -9,7 +9,7 @@ import numpy as np
 
 from . import _loader
 from ._errors import InvalidTypeError, InvalidValueError
-from ._interop import is_torch_tensor, to_numpy
+from ._interop import is_torch_tensor, refuse_grad_write, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -72,6 +72,7 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
     tensor): it is written in place, so this returns the numpy view of its
     memory to hand the library; the caller returns its own object."""
     if is_torch_tensor(out):
+        refuse_grad_write(out, op, "out")
         out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
         raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
 from ._errors import Error, InvalidTypeError, InvalidValueError
 from ._serving_args import flag, no_dropout
-from ._interop import to_numpy, wrapper_like
+from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
@@ -154,9 +155,28 @@ class _Call:
     squeeze: bool  # rank-3 inputs: the batch axis was added here
 
 
+def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
+    """torch's CausalBias (torch.nn.attention.bias.causal_upper_left /
+    causal_lower_right) as (align, seq_len_q, seq_len_kv): a causal mask
+    aligned top-left or bottom-right, whose storage holds nothing."""
+    if not is_torch_tensor(attn_mask) or type(attn_mask).__name__ != "CausalBias":
+        return None
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is None or not isinstance(attn_mask, bias.CausalBias):
+        return None
+    align = {bias.CausalVariant.UPPER_LEFT: "top_left", bias.CausalVariant.LOWER_RIGHT: "bottom_right"}.get(
+        attn_mask.variant)
+    if align is None:
+        raise InvalidValueError(_OP, f"attn_mask is a CausalBias of unknown variant {attn_mask.variant!r}")
+    return align, int(attn_mask.seq_len_q), int(attn_mask.seq_len_kv)
+
+
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
           align) -> _Call:
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
+    bias = _causal_bias(attn_mask)
+    if bias is not None:  # the causal pattern it means, not its (empty) storage
+        attn_mask, is_causal, align = None, True, bias[0]
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     if qa.dtype not in (F32, BF16, F16):
         raise InvalidTypeError(_OP, f"query must be float32, float16 or bfloat16, got {qa.dtype}")
@@ -177,6 +197,9 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     if ka.shape[0] != B:
         raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
     hkv, cap = ka.shape[1], ka.shape[2]
+    if bias is not None and (bias[1], bias[2]) != (qL, cap if kv_len is None else kv_len):
+        raise InvalidValueError(_OP, f"attn_mask is a CausalBias for ({bias[1]} queries, {bias[2]} keys), "
+                                f"not this call's ({qL}, {cap if kv_len is None else kv_len})")
     if hkv != H and not enable_gqa:
         raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
                          "attention")

@@ -31,7 +31,7 @@ from numpy.typing import ArrayLike
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import Error, InvalidTypeError, InvalidValueError
-from ._interop import to_numpy, wrapper_like
+from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
@@ -296,6 +296,7 @@ def _head_dim(qa: np.ndarray) -> int:
 
 def _in_place(cache: Any, name: str) -> np.ndarray:
     """A cache the append writes: the caller's own memory, never a copy."""
+    refuse_grad_write(cache, _KVCACHE, name)
     a = to_numpy(cache, _KVCACHE, name)
     if not a.flags.c_contiguous:
         raise InvalidValueError(_KVCACHE, f"{name} must be C-contiguous to append k/v into it in place")

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from .._errors import InvalidValueError
 from ..attention import scaled_dot_product_attention
 
 OP_NAME = "flashmetal::sdpa"
@@ -30,3 +31,17 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
 def _sdpa_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap=0.0,
                window=None, bottom_right=False):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def _refuse_grad(ctx, inputs, output):
+    # torch calls this only when an input requires grad in grad mode: there
+    # is no backward, so the call is refused rather than cut from the graph.
+    raise InvalidValueError(OP_NAME, "an input requires grad in grad mode, but flashmetal has no backward pass: "
+                            "call it under torch.no_grad() or torch.inference_mode()")
+
+
+def _no_backward(ctx, grad):  # never reached: _refuse_grad refuses first
+    raise InvalidValueError(OP_NAME, "flashmetal has no backward pass")
+
+
+sdpa.register_autograd(_no_backward, setup_context=_refuse_grad)
