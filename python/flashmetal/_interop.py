@@ -55,10 +55,20 @@ def _torch_to_numpy(t: Any, op: str, name: str) -> np.ndarray:
                                 "call it under torch.no_grad() or torch.inference_mode(), or pass "
                                 f"{name}.detach() to cut the graph on purpose")
     t = t.detach()
+    if t.layout != torch.strided:
+        raise InvalidTypeError(op, f"{name} is a {t.layout} tensor; flashmetal reads dense (strided) tensors: "
+                               "pass .to_dense()")
+    if t.is_neg() or t.is_conj():
+        raise InvalidTypeError(op, f"{name} is a lazily negated or conjugated view whose memory does not hold its "
+                               "values: pass .resolve_neg() / .resolve_conj()")
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: view the bits as int16, then as ml_dtypes.bfloat16 (no copy).
         return t.view(torch.int16).numpy().view(_BF16)
-    return t.numpy()
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:  # a dtype numpy has no counterpart for (float8, ...)
+        raise InvalidTypeError(op, f"{name} dtype {t.dtype} is not supported "
+                               "(use bfloat16, float16, float32, bool or uint8 as the op requires)") from e
 
 
 def to_numpy(x: Any, op: str, name: str) -> np.ndarray:
@@ -70,7 +80,7 @@ def to_numpy(x: Any, op: str, name: str) -> np.ndarray:
     if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
         try:
             return np.from_dlpack(x)
-        except (TypeError, BufferError, RuntimeError) as e:
+        except (TypeError, ValueError, BufferError, RuntimeError, AttributeError) as e:
             raise InvalidTypeError(op, f"{name} ({type(x).__name__}) could not be read through DLPack: {e}") from e
     try:
         return np.asarray(x)

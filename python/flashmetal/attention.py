@@ -28,8 +28,8 @@ import numpy as np
 
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
-from ._errors import Error, InvalidTypeError, InvalidValueError
-from ._serving_args import flag, no_dropout
+from ._errors import Error, InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._serving_args import flag, no_dropout, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
@@ -153,6 +153,7 @@ class _Call:
     route: Route
     pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
     squeeze: bool  # rank-3 inputs: the batch axis was added here
+    sinks: np.ndarray | None = None  # float32 [H] sink logits (prefill route only)
 
 
 def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
@@ -172,7 +173,7 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 
 
 def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-          align) -> _Call:
+          align, sinks=None) -> _Call:
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -215,17 +216,22 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
     causal = bool(is_causal)
-    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window)
-    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze)
+    sk = sinks_arg(_OP, sinks)
+    if sk is not None and sk.shape != (H,):
+        raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None)
+    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None) -> tuple[Route, int | None]:
+            window: int | None, *, sinks: bool = False) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem, and the head
-    dim to zero-pad q/k/v to for it (None: no padding)."""
+    dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
+    prefill kernel applies: a call it cannot take is refused, never run
+    without them."""
     vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and D in vec_dims and last_row:
+    if qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -247,6 +253,9 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
         extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
         return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
+    if sinks:
+        raise UnsupportedFeatureError(_OP, "sinks are applied by the prefill kernel only, which cannot take this "
+                                      f"call because of {'; '.join(why_not)}")
     if D > (sdpa_max := _native.max_head_dim("sdpa")):
         raise InvalidValueError(_OP, f"head dim {D} is above {sdpa_max}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
@@ -264,11 +273,11 @@ def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
             is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
             softcap: float = 0.0, window: int | None = None, kv_len: int | None = None,
-            align: str = "top_left") -> Route:
+            align: str = "top_left", sinks: Any = None) -> Route:
     """The route ``scaled_dot_product_attention`` would take for these
     arguments, without running it (the same checks and errors)."""
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align).route
+                 align, sinks).route
 
 
 def scaled_dot_product_attention(
@@ -285,6 +294,7 @@ def scaled_dot_product_attention(
     window: int | None = None,
     kv_len: int | None = None,
     align: str = "top_left",
+    sinks: Any = None,
     registry: RegistryLike = None,
 ) -> Any:
     """``torch.nn.functional.scaled_dot_product_attention``, same arguments in
@@ -324,6 +334,10 @@ def scaled_dot_product_attention(
             default kL.
         align: ``"top_left"`` (torch: query i at position i) or
             ``"bottom_right"`` (KV cache: query i at ``kv_len - qL + i``).
+        sinks: ``[H]`` per-head sink logits (gpt-oss; converted to float32),
+            or None: each joins its head's softmax denominators without a
+            value, beside the mask. Applied by the prefill kernel; a call it
+            cannot take (float32, an unsupported head dim) is refused.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
@@ -331,7 +345,7 @@ def scaled_dot_product_attention(
         the result's memory) for a torch query, else a numpy array.
     """
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align)
+                 align, sinks)
     reg = resolve(registry, _OP)
     try:
         out = _run(call, scale, softcap, window, reg)
@@ -357,14 +371,14 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         d = qa.shape[-1]
         padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
                        _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
-                       c.squeeze)
+                       c.squeeze, c.sinks)
         out = _run(padded, 1.0 / math.sqrt(d) if scale is None else scale, softcap, window, reg)
         return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
         # The position matters only to causal and the window, both applied in the kernel.
         q_offset = c.q_offset if c.causal or window is not None else 0
         return flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset, window=window,
-                                  scale=scale, softcap=softcap, kv_len=kl, registry=reg)
+                                  scale=scale, softcap=softcap, kv_len=kl, sinks=c.sinks, registry=reg)
     # The position only when it matters and is not sdpa's default (kv_len - qL): a call
     # without the extension parameters can take the cpu backend's fast float32 path.
     positioned = (c.causal or window is not None) and c.q_offset != kl - qa.shape[2]

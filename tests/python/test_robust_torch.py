@@ -90,3 +90,24 @@ def test_grad_requiring_out_and_cache_are_not_written(registry):
         fm.flash_attn_with_kvcache(_rand((1, 1, 2, 64), torch.bfloat16), kc, kc.detach().clone(), new, new,
                                    cache_seqlens=3, registry=registry)
     assert not kc.detach().any(), "k_cache was written"
+
+
+def test_unreadable_torch_and_dlpack_inputs_are_flashmetal_errors(registry):
+    """float8, sparse, lazily negated tensors and a __dlpack__ that returns no
+    capsule: an InvalidTypeError naming the public function and the argument
+    (before: bare TypeError / RuntimeError / ValueError from torch or numpy)."""
+    class NotACapsule:
+        def __dlpack__(self, **kw):
+            return 42
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    ok = np.zeros((1, 2, 4, 64), np.float32)
+    bad = {"float8": torch.zeros(1, 2, 4, 64).to(torch.float8_e4m3fn), "sparse": torch.zeros(1, 2, 4, 64).to_sparse(),
+           "negative bit": torch.zeros(1, 2, 4, 64)._neg_view(), "dlpack": NotACapsule()}
+    for what, x in bad.items():
+        with pytest.raises(fm.InvalidTypeError, match=r"^sdpa: Q "):
+            fm.sdpa(x, ok, ok, registry=registry)
+        with pytest.raises(fm.InvalidTypeError, match=r"^scaled_dot_product_attention: key "):
+            fm.scaled_dot_product_attention(ok, x, ok, registry=registry)

@@ -495,6 +495,13 @@ int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor 
                         const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
                         const FMTensor *out, const FMPrefillOptions *options,
                         char *err, size_t errlen);
+/* fm_dispatch_prefill with per-head sink logits: sinks float32 [H] (or
+ * NULL) joins each head's softmax denominators without a value, beside the
+ * mask, causal and window (gpt-oss). */
+int fm_dispatch_prefill_sinks(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                              const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
+                              const FMTensor *sinks, const FMTensor *out,
+                              const FMPrefillOptions *options, char *err, size_t errlen);
 const char *fm_version(void);
 /* Threads the cpu backend's worker pool uses, the caller included: what the
  * pool decided (FLASHMETAL_NUM_THREADS as the pool reads it, else the

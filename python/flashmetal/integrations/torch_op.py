@@ -19,17 +19,19 @@ OP_NAME = "flashmetal::sdpa"
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
          is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False, softcap: float = 0.0,
-         window: Optional[int] = None, bottom_right: bool = False) -> torch.Tensor:
+         window: Optional[int] = None, bottom_right: bool = False,
+         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """flashmetal.scaled_dot_product_attention on CPU tensors (no dropout);
-    ``bottom_right`` selects the KV-cache causal alignment."""
+    ``bottom_right`` selects the KV-cache causal alignment; ``sinks`` [H]
+    per-head sink logits."""
     return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale=scale,
                                         enable_gqa=enable_gqa, softcap=softcap, window=window,
-                                        align="bottom_right" if bottom_right else "top_left")
+                                        align="bottom_right" if bottom_right else "top_left", sinks=sinks)
 
 
 @sdpa.register_fake
 def _sdpa_fake(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap=0.0,
-               window=None, bottom_right=False):
+               window=None, bottom_right=False, sinks=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
