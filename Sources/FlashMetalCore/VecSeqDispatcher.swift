@@ -24,6 +24,7 @@ public struct VecSeqOptions: Sendable {
         guard o.causal == 0 || o.causal == 1 else {
             throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)")
         }
+        try AttnOptions.requireWindow(left: Int(o.window_left), right: Int(o.window_right), op: op)
         self.scale = o.scale
         self.softcap = o.softcap
         self.causal = o.causal == 1

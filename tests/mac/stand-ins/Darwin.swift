@@ -10,6 +10,8 @@ public func getenv(_ name: UnsafePointer<CChar>!) -> UnsafeMutablePointer<CChar>
 public func malloc(_ __size: Int) -> UnsafeMutableRawPointer! { fatalError() }
 public func calloc(_ __count: Int, _ __size: Int) -> UnsafeMutableRawPointer! { fatalError() }
 public func free(_ ptr: UnsafeMutableRawPointer!) { fatalError() }
+public func posix_memalign(_ __memptr: UnsafeMutablePointer<UnsafeMutableRawPointer?>!, _ __alignment: Int,
+                           _ __size: Int) -> Int32 { fatalError() }
 public func exit(_ status: Int32) -> Never { fatalError() }
 
 // <unistd.h>: _SC_* are macros on Darwin, imported as Int32 constants.
