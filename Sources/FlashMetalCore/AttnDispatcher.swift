@@ -191,6 +191,8 @@ struct SequenceLengths {
 
     init(_ t: AttnTensors, kind: AttnOp, batch: Int, bk: Int, o: AttnOptions, op: String) throws {
         let paged = t.blockTable != nil
+        // Its rank before its shape sizes the capacity (a rank-0 table has no dim 1).
+        try t.blockTable?.requireRank([2], op: op, name: "block_table")
         let qLens = try t.cuSeqlensQ.map {
             try SequenceTables.cuSeqlens($0, op: op, name: "cu_seqlens_q", tokens: t.q.shape[0], tokensName: "q",
                                          maxSeqlen: o.maxSeqlenQ, maxSeqlenName: "max_seqlen_q")

@@ -22,7 +22,7 @@ extension Dispatch {
             }
         }
         for (i, (out, written)) in args.enumerated() where written {
-            for (j, (other, _)) in args.enumerated() where j != i && out.overlaps(other) {
+            for (j, (other, _)) in args.enumerated() where j != i && out.writeOverlaps(other) {
                 // Two outputs that overlap are named once, in binding order.
                 if j < i && args[j].written { continue }
                 throw FlashMetalError.value(
@@ -38,6 +38,15 @@ extension TensorRef {
     /// caller memory), bound again.
     func isSameArgument(_ other: TensorRef) -> Bool {
         name == other.name && origin == other.origin && byteCount == other.byteCount
+    }
+
+    /// Whether this output, over all the bytes the caller gave it (kernels
+    /// size some outputs, blk and tmp, by bytes rather than by shape),
+    /// shares a byte with the memory `other`'s shape covers.
+    func writeOverlaps(_ other: TensorRef) -> Bool {
+        let (a, b) = (UInt(bitPattern: origin), UInt(bitPattern: other.origin))
+        let (na, nb) = (UInt(byteCount), UInt(other.usedByteCount))
+        return na > 0 && nb > 0 && a < b &+ nb && b < a &+ na
     }
 
     /// The name an overlap error gives.
