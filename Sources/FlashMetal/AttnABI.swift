@@ -21,13 +21,17 @@ public func fm_dispatch_attn(
         guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         var t = AttnTensors(q: try TensorRef(q, op: op, name: "q"), k: try TensorRef(k, op: op, name: kind.kName),
                             v: try TensorRef(v, op: op, name: kind.vName), out: try TensorRef(out, op: op, name: "out"))
-        t.cuSeqlensQ = try optionalTensor(s.cu_seqlens_q, op: op, name: "cu_seqlens_q")
-        t.cuSeqlensK = try optionalTensor(s.cu_seqlens_k, op: op, name: "cu_seqlens_k")
-        t.seqlensK = try optionalTensor(s.seqlens_k, op: op, name: kind.seqlensKName)
-        t.blockTable = try optionalTensor(s.block_table, op: op, name: "block_table")
         t.sinks = try optionalTensor(s.sinks, op: op, name: "sinks")
         t.lse = try optionalTensor(s.lse, op: op, name: "softmax_lse")
         t.kind = kind
-        try reg.run(AttnDispatcher.makeDispatches(t, try AttnOptions(options.pointee, op: op)))
+        let o = try AttnOptions(options.pointee, op: op)
+        let tables = [try optionalTensor(s.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
+                      try optionalTensor(s.cu_seqlens_k, op: op, name: "cu_seqlens_k"),
+                      try optionalTensor(s.seqlens_k, op: op, name: kind.seqlensKName),
+                      try optionalTensor(s.block_table, op: op, name: "block_table")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            (t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable) = (c[0], c[1], c[2], c[3])
+            try reg.run(AttnDispatcher.makeDispatches(t, o), op: op)
+        }
     }
 }

@@ -58,6 +58,6 @@ public func fm_dispatch_blk(_ registry: OpaquePointer?, _ mask: UnsafePointer<FM
         let reg = try Handles.registry(registry, op: op)
         let m = try TensorRef(mask, op: op, name: "mask")
         let b = try TensorRef(blkOut, op: op, name: "blk_out")
-        try reg.run([BlkDispatcher.makeDispatch(mask: m, blk: b, headDim: Int(headDim))])
+        try reg.run([BlkDispatcher.makeDispatch(mask: m, blk: b, headDim: Int(headDim))], op: op)
     }
 }

@@ -1,5 +1,19 @@
 import CFlashMetal
 import FlashMetalCore
+import FlashMetalCPU
+
+/// Whether a SIGINT may cut short a call of the main thread (1) or never
+/// (0); returns the previous setting. FLASHMETAL_INTERRUPT=0 starts it off.
+@_cdecl("fm_set_interrupt")
+public func fm_set_interrupt(_ enabled: Int32) -> Int32 {
+    CPUBackend.setInterruptible(enabled != 0) ? 1 : 0
+}
+
+/// The cpu worker pool's thread count, as the pool decided it.
+@_cdecl("fm_num_threads")
+public func fm_num_threads() -> Int32 {
+    Int32(CPUBackend.poolThreads)
+}
 
 // The capability queries: what the kernels take, read from the capability
 // tables so no caller keeps its own copy.

@@ -16,12 +16,14 @@ public func fm_dispatch_kv_append(
         let reg = try Handles.registry(registry, op: op)
         // flash_attn_with_kvcache calls the new rows k and v.
         let (kNewName, vNewName) = publicOp(err) == AttnOp.kvcache.name ? ("k", "v") : ("k_new", "v_new")
-        var t = KVAppendTensors(
-            kNew: try TensorRef(kNew, op: op, name: kNewName), vNew: try TensorRef(vNew, op: op, name: vNewName),
-            kCache: try TensorRef(kCache, op: op, name: "k_cache"), vCache: try TensorRef(vCache, op: op, name: "v_cache"),
-            seqlens: try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
-            blockTable: try optionalTensor(blockTable, op: op, name: "block_table"))
-        (t.kNewName, t.vNewName) = (kNewName, vNewName)
-        if let d = try KVAppendDispatcher.makeDispatch(t) { try reg.run([d]) }
+        let (kn, vn) = (try TensorRef(kNew, op: op, name: kNewName), try TensorRef(vNew, op: op, name: vNewName))
+        let (kc, vc) = (try TensorRef(kCache, op: op, name: "k_cache"), try TensorRef(vCache, op: op, name: "v_cache"))
+        let tables = [try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
+                      try optionalTensor(blockTable, op: op, name: "block_table")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            var t = KVAppendTensors(kNew: kn, vNew: vn, kCache: kc, vCache: vc, seqlens: c[0]!, blockTable: c[1])
+            (t.kNewName, t.vNewName) = (kNewName, vNewName)
+            if let d = try KVAppendDispatcher.makeDispatch(t) { try reg.run([d], op: op) }
+        }
     }
 }

@@ -35,7 +35,7 @@ public func fm_dispatch_kv_encode(
         if let d = try KVCodecDispatcher.encode(
             c, x: try TensorRef(x, op: op, name: "x"), codes: try TensorRef(codes, op: op, name: "codes"),
             norms: try TensorRef(norms, op: op, name: "norms")) {
-            try reg.run([d])
+            try reg.run([d], op: op)
         }
     }
 }
@@ -54,7 +54,7 @@ public func fm_dispatch_kv_dequantize(
         if let d = try KVCodecDispatcher.dequantize(
             c, codes: try TensorRef(codes, op: op, name: "codes"), norms: try TensorRef(norms, op: op, name: "norms"),
             out: try TensorRef(out, op: op, name: "out")) {
-            try reg.run([d])
+            try reg.run([d], op: op)
         }
     }
 }
@@ -70,7 +70,7 @@ public func fm_dispatch_kv_codes_decode(
     guarded(err) {
         let op = KVCodesDecodeDispatcher.op
         let reg = try Handles.registry(registry, op: op)
-        guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL") }
+        guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
         let k = QuantizedCache(codec: try kvCodec(kCodec, op: op), codes: try TensorRef(kCodes, op: op, name: "k_cache codes"),
                                norms: try TensorRef(kNorms, op: op, name: "k_cache norms"))
         let v = QuantizedCache(codec: try kvCodec(vCodec, op: op), codes: try TensorRef(vCodes, op: op, name: "v_cache codes"),
@@ -78,6 +78,6 @@ public func fm_dispatch_kv_codes_decode(
         let d = try KVCodesDecodeDispatcher.makeDispatch(
             q: try TensorRef(q, op: op, name: "q"), k: k, v: v, out: try TensorRef(out, op: op, name: "out"),
             options: options.pointee)
-        try reg.run([d])
+        try reg.run([d], op: op)
     }
 }

@@ -11,6 +11,6 @@ public func fm_build_mask(_ registry: OpaquePointer?, _ out: UnsafePointer<FMTen
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         let o = try TensorRef(out, op: op, name: "out")
-        try reg.run([MaskDispatcher.makeDispatch(out: o, try MaskOptions(options.pointee))])
+        try reg.run([MaskDispatcher.makeDispatch(out: o, try MaskOptions(options.pointee))], op: op)
     }
 }

@@ -17,6 +17,6 @@ public func fm_dispatch_sdpa(
             q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
             v: try TensorRef(v, op: op, name: "V"), mask: try optionalTensor(mask, op: op, name: "mask"),
             out: try TensorRef(out, op: op, name: "output"),
-            try SdpaOptions(options.pointee))])
+            try SdpaOptions(options.pointee))], op: op)
     }
 }

@@ -23,14 +23,14 @@ public func fm_dispatch_vec(
         let out = try TensorRef(out, op: op, name: "out")
         if let given = given {
             try reg.run(VecDispatcher.makeDispatches(
-                VecTensors(q: qt, k: kt, v: v, out: out, tmp: given, signs: sg), o))
+                VecTensors(q: qt, k: kt, v: v, out: out, tmp: given, signs: sg), o), op: op)
             return
         }
         // Sized from validated shapes; the full validation runs in makeDispatches.
         let s = try VecDispatcher.shapes(q: qt, k: kt)
         try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
             try reg.run(VecDispatcher.makeDispatches(
-                VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg), o))
+                VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg), o), op: op)
         }
     }
 }

@@ -27,24 +27,27 @@ public func fm_dispatch_vec_seq(
         let (qt, kt) = (try TensorRef(q, op: op, name: "q"), try TensorRef(k, op: op, name: kName))
         let (vt, outT) = (try TensorRef(v, op: op, name: vName), try TensorRef(out, op: op, name: "out"))
         let given = try optionalTensor(tmp, op: op, name: "tmp")
-        let seqlens = try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens")
-        let table = try optionalTensor(s?.block_table, op: op, name: "block_table")
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         let lse = try optionalTensor(s?.lse, op: op, name: lseName)
-        func tensors(_ tmp: TensorRef) -> VecSeqTensors {
-            var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
-                                  sinks: sinks, lse: lse)
-            (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
-            return t
-        }
-        if let given = given {
-            try reg.run(VecSeqDispatcher.makeDispatches(tensors(given), o))
-            return
-        }
-        // Sized from validated shapes; the full validation runs in makeDispatches.
-        let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table, kName: kName)
-        try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDim)) { scratch in
-            try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o))
+        let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
+                      try optionalTensor(s?.block_table, op: op, name: "block_table")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            let (seqlens, table) = (c[0], c[1])
+            func tensors(_ tmp: TensorRef) -> VecSeqTensors {
+                var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
+                                      sinks: sinks, lse: lse)
+                (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
+                return t
+            }
+            if let given = given {
+                try reg.run(VecSeqDispatcher.makeDispatches(tensors(given), o), op: op)
+                return
+            }
+            // Sized from validated shapes; the full validation runs in makeDispatches.
+            let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table, kName: kName)
+            try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDim)) { scratch in
+                try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
+            }
         }
     }
 }

@@ -1,4 +1,5 @@
 import FlashMetalCore
+import FlashMetalCPUKernels
 
 /// The native backend: maps each kernel spec and its function constants to
 /// a native kernel; the registry caches what it makes. Synchronous: every
@@ -9,6 +10,15 @@ public final class CPUBackend: Backend {
     /// Work never waits for a batch to end.
     public var defersWork: Bool { false }
     let pool = WorkerPool()
+
+    /// Threads the process's worker pool may use, the caller included, as
+    /// the pool decided them (FLASHMETAL_NUM_THREADS as it reads it, else
+    /// the online CPUs).
+    public static var poolThreads: Int { Int(fm_pool_threads()) }
+
+    /// Turns SIGINT interruption of the main thread's calls on or off;
+    /// returns the previous setting.
+    public static func setInterruptible(_ on: Bool) -> Bool { fm_interrupt_set_enabled(on ? 1 : 0) != 0 }
 
     /// A cpu backend on the shared worker pool.
     public init() {}

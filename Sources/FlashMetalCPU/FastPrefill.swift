@@ -12,33 +12,46 @@ import FlashMetalCore
 /// longest sequences of a ragged batch) start first.
 final class FastPrefill {
     /// One reusable buffer for panels + scratch (fresh pages cost a page
-    /// fault each); kept up to `maxCachedBytes`, taken by one call at a time.
+    /// fault each), taken by one call at a time. Policy: cache. The buffer is
+    /// kept whatever its size, so a long prefill repeated does not fault in
+    /// fresh pages every call; a call needing less than a quarter of a cached
+    /// buffer over `shrinkAboveBytes` frees it and takes its own size, so one
+    /// huge call does not pin its memory for the life of the process.
     private let cacheLock = Lock()
     private var cached: UnsafeMutableRawPointer? = nil
     private var cachedBytes = 0
-    private static let maxCachedBytes = 48 << 20
+    private static let shrinkAboveBytes = 48 << 20
     /// Packed panels per chunk: about one core's L2.
     private static let chunkBytes = 1 << 20
 
-    deinit { cached?.deallocate() }
+    deinit { if let c = cached { HostMemory.free(c) } }
 
     /// Whether the fast path covers this call on `isa`.
     static func covers(_ a: inout FMPrefillArgs, isa: Int32) -> Bool {
-        isa != Int32(FM_ISA_PORTABLE) && fm_cpu_prefill_pack_bytes(&a, isa) > 0
+        isa != Int32(FM_ISA_PORTABLE) && fm_cpu_prefill_fast_covers(&a, isa) != 0
     }
 
-    func run(_ a: inout FMPrefillArgs, isa: Int32, pool: WorkerPool) {
+    /// Runs a call `covers` accepted; `op` names it in errors (a buffer the
+    /// machine cannot give is a BackendError, nothing is written).
+    func run(_ a: inout FMPrefillArgs, isa: Int32, pool: WorkerPool, op: String) throws {
+        a.panel_blocks = fm_cpu_prefill_panel_blocks(&a)
+        let span = Int(a.panel_blocks)
         let packBytes = fm_cpu_prefill_pack_bytes(&a, isa)
         let rows = Int(fm_cpu_prefill_item_rows(isa))
-        let nkb = (Int(a.p.kL) + Int(FM_PF_KB) - 1) / Int(FM_PF_KB)
         let gqa = max(1, Int(a.p.gqa_factor))
         let hkv = Int(a.p.H) / gqa
         let groups = Int(a.p.B) * hkv
+        guard span > 0, groups > 0 else { return try runEmpty(&a, isa: isa, pool: pool, op: op) }
         let perChunk = max(1, min(groups, Self.chunkBytes / max(packBytes, 1)))
         let floats = fm_cpu_prefill_fast_scratch_floats(&a, isa)
         let workers = max(1, pool.threads)
-        let packedBytes = (packBytes * perChunk + 63) & ~63
-        let buf = takeBuffer(packedBytes + floats * workers * 4)
+        let (panels, o1) = packBytes.multipliedReportingOverflow(by: perChunk)
+        let packedBytes = (panels + 63) & ~63
+        let (total, o2) = packedBytes.addingReportingOverflow(floats * workers * 4)
+        if o1 || o2 || panels > Int.max - 63 {
+            throw FlashMetalError.backend("\(op): the packed keys of \(span) blocks of \(FM_PF_KB) are too large to allocate")
+        }
+        let buf = try takeBuffer(total, op: op)
         defer { giveBack(buf) }
         let packed = buf.0
         let scratch = (buf.0 + packedBytes).bindMemory(to: Float.self, capacity: floats * workers)
@@ -46,10 +59,10 @@ final class FastPrefill {
             var g0 = 0
             while g0 < groups {
                 let ng = min(perChunk, groups - g0)
-                pool.forEach(ng * nkb) { _, item in
-                    let g = g0 + item / nkb, kb = item % nkb
-                    fm_cpu_prefill_pack(args, isa, Int64(g / hkv), Int64(g % hkv), Int64(kb),
-                                        packed + (item / nkb) * packBytes)
+                pool.forEach(ng * span) { _, item in
+                    let g = g0 + item / span, j = item % span
+                    fm_cpu_prefill_pack(args, isa, Int64(g / hkv), Int64(g % hkv), Int64(j),
+                                        packed + (item / span) * packBytes)
                 }
                 let items = Self.heaviestFirst(args, groups: g0..<(g0 + ng), hkv: hkv, gqa: gqa, rows: rows)
                 items.withUnsafeBufferPointer { list in
@@ -98,17 +111,48 @@ final class FastPrefill {
         return items
     }
 
-    private func takeBuffer(_ bytes: Int) -> (UnsafeMutableRawPointer, Int) {
-        let hit: (UnsafeMutableRawPointer, Int)? = cacheLock.withLock {
-            guard let c = cached, cachedBytes >= bytes else { return nil }
-            cached = nil
-            return (c, cachedBytes)
+    /// A call where no row sees a key: the items write zero rows (and LSE
+    /// -inf, or the sinks' share) without reading a panel.
+    private func runEmpty(_ a: inout FMPrefillArgs, isa: Int32, pool: WorkerPool, op: String) throws {
+        let rows = Int(fm_cpu_prefill_item_rows(isa))
+        let floats = fm_cpu_prefill_fast_scratch_floats(&a, isa)
+        let scratch = try HostMemory.allocate(Float.self, count: floats, op: op, what: "prefill scratch")
+        defer { HostMemory.free(scratch) }
+        let b = Int(a.p.B), h = Int(a.p.H)
+        withUnsafePointer(to: &a) { args in
+            for s in 0..<b {
+                let qL = Int(fm_cpu_prefill_seq_rows(args, Int64(s)))
+                for head in 0..<h {
+                    for qi in 0..<((qL + rows - 1) / rows) {
+                        fm_cpu_prefill_fast_item(args, isa, Int64(s), Int64(head), Int64(qi), scratch, scratch)
+                    }
+                }
+            }
         }
-        return hit ?? (UnsafeMutableRawPointer.allocate(byteCount: bytes, alignment: 64), bytes)
     }
 
+    /// A buffer of at least `bytes`: the cached one when it fits (and is not
+    /// four times too big past `shrinkAboveBytes`), else a fresh one.
+    private func takeBuffer(_ bytes: Int, op: String) throws -> (UnsafeMutableRawPointer, Int) {
+        let (hit, drop): ((UnsafeMutableRawPointer, Int)?, UnsafeMutableRawPointer?) = cacheLock.withLock {
+            guard let c = cached else { return (nil, nil) }
+            let fits = cachedBytes >= bytes
+            let oversized = cachedBytes > Self.shrinkAboveBytes && bytes < cachedBytes / 4
+            if fits && !oversized {
+                cached = nil
+                return ((c, cachedBytes), nil)
+            }
+            // Freed before the fresh allocation, so the two never coexist.
+            cached = nil
+            return (nil, c)
+        }
+        if let hit { return hit }
+        if let drop { HostMemory.free(drop) }
+        return (try HostMemory.allocate(count: bytes, stride: 1, op: op, what: "packed keys and values"), bytes)
+    }
+
+    /// Keeps the larger of the returned and the cached buffer.
     private func giveBack(_ buf: (UnsafeMutableRawPointer, Int)) {
-        guard buf.1 <= Self.maxCachedBytes else { buf.0.deallocate(); return }
         let old: UnsafeMutableRawPointer? = cacheLock.withLock {
             if cached != nil, cachedBytes >= buf.1 { return buf.0 }
             let o = cached
@@ -116,7 +160,7 @@ final class FastPrefill {
             cachedBytes = buf.1
             return o
         }
-        old?.deallocate()
+        if let old { HostMemory.free(old) }
     }
 }
 
@@ -174,7 +218,7 @@ final class SdpaFastPath {
             a.mp = try d.params(SdpaBuffer.maskParams, as: AttnMaskParams.self)
             a.mask = UnsafeRawPointer(try d.buffer(maskKind == .bool ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask).data)
         }
-        fast.run(&a, isa: isa, pool: pool)
+        try fast.run(&a, isa: isa, pool: pool, op: "sdpa")
         return true
     }
 }

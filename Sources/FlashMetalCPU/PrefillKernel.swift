@@ -52,14 +52,15 @@ final class PrefillKernel: CPUKernel {
 
         let isa = fm_cpu_isa()
         if FastPrefill.covers(&a, isa: isa) {
-            fast.run(&a, isa: isa, pool: pool)
+            try fast.run(&a, isa: isa, pool: pool, op: name)
             return
         }
         let nq = d.grid.x, heads = d.grid.y
         let floats = fm_cpu_prefill_scratch_floats(a.bq, a.bk, a.p.D)
         let workers = min(pool.threads, d.grid.count)
-        let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * max(workers, 1))
-        defer { scratch.deallocate() }
+        let scratch = try HostMemory.allocate(Float.self, count: floats * max(workers, 1), op: name,
+                                              what: "prefill scratch")
+        defer { HostMemory.free(scratch) }
         withUnsafePointer(to: &a) { args in
             pool.forEach(d.grid.count) { w, item in
                 let qt = item % nq, h = (item / nq) % heads, b = item / (nq * heads)

@@ -43,8 +43,8 @@ final class SdpaKernel: CPUKernel {
         let tileQ = Int32(d.threadgroup.x)
         let floats = fm_cpu_sdpa_scratch_floats(Int32(p.head_dim))
         let workers = max(min(pool.threads, d.grid.count), 1)
-        let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
-        defer { scratch.deallocate() }
+        let scratch = try HostMemory.allocate(Float.self, count: floats * workers, op: name, what: "sdpa scratch")
+        defer { HostMemory.free(scratch) }
         let kind = maskKind.rawValue, withExt = hasExt
         let softcap: Int32 = useSoftcap ? 1 : 0
         withUnsafePointer(to: &p) { pp in

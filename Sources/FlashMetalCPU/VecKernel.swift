@@ -43,8 +43,8 @@ final class VecKernel: CPUKernel {
         // head inside when the heads of one key are adjacent in memory.
         let items = (keyMajor ? Int(a.batch) : kvRows) * active
         let workers = fmas < smallWork ? 1 : max(min(pool.threads, items), 1)
-        let scratch = UnsafeMutablePointer<Float>.allocate(capacity: floats * workers)
-        defer { scratch.deallocate() }
+        let scratch = try HostMemory.allocate(Float.self, count: floats * workers, op: name, what: "decode scratch")
+        defer { HostMemory.free(scratch) }
         withUnsafePointer(to: &a) { ap in
             pool.forEach(items, workers: workers) { w, item in
                 let (outer, wg) = (Int64(item / active), Int64(item % active))

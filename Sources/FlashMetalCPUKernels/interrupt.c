@@ -10,7 +10,12 @@
  * The handler is installed over a function handler only: under SIG_DFL a
  * SIGINT ends the process anyway, and under SIG_IGN it must stay ignored.
  * signal.signal() in Python replaces it; arming re-checks (a syscall) at most
- * every FM_INT_RECHECK_NS, so a replaced handler is chained again soon. */
+ * every FM_INT_RECHECK_NS, so a replaced handler is chained again soon.
+ *
+ * Only the main thread is armed: Python raises KeyboardInterrupt there and
+ * nowhere else, so a call another thread makes (a server's worker) runs to
+ * completion whatever the application does with the SIGINT. Interruption
+ * can be turned off: FLASHMETAL_INTERRUPT=0, or fm_interrupt_set_enabled. */
 #if !defined(_POSIX_C_SOURCE) && !defined(__APPLE__)
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -18,7 +23,13 @@
 #include <signal.h>
 #include <stddef.h>
 #include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+long syscall(long number, ...); /* hidden by _POSIX_C_SOURCE */
+#endif
 #include "fm_runtime.h"
+#include "../CFlashMetal/fm_env.h"
 
 #define FM_INT_RECHECK_NS 100000000LL
 
@@ -31,6 +42,34 @@ static struct sigaction fm_int_prev[2];
 static int fm_int_prev_slot = -1;
 static pthread_mutex_t fm_int_mu = PTHREAD_MUTEX_INITIALIZER;
 static int64_t fm_int_checked_ns = -FM_INT_RECHECK_NS;
+static pthread_once_t fm_int_once = PTHREAD_ONCE_INIT;
+static int fm_int_enabled = 1;
+static __thread int fm_int_main = -1; /* this thread is the process's first: -1 unknown */
+
+static void fm_int_read_env(void) {
+    static int warned;
+    long long on = 1;
+    fm_env_int("FLASHMETAL_INTERRUPT", 0, 1, &on, &warned);
+    __atomic_store_n(&fm_int_enabled, (int)on, __ATOMIC_RELAXED);
+}
+
+int fm_interrupt_set_enabled(int enabled) {
+    pthread_once(&fm_int_once, fm_int_read_env);
+    return __atomic_exchange_n(&fm_int_enabled, enabled ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+static int fm_int_on_main_thread(void) {
+    if (fm_int_main < 0) {
+#if defined(__APPLE__)
+        fm_int_main = pthread_main_np() != 0;
+#elif defined(__linux__)
+        fm_int_main = syscall(SYS_gettid) == getpid();
+#else
+        fm_int_main = 1;
+#endif
+    }
+    return fm_int_main;
+}
 
 static void fm_int_handler(int sig, siginfo_t *info, void *uctx) {
     __atomic_add_fetch(&fm_int_gen, 1, __ATOMIC_SEQ_CST);
@@ -77,6 +116,8 @@ static int64_t fm_int_coarse_ns(void) {
 uint64_t fm_interrupt_arm(void) {
     const uint64_t previous = fm_int_armed;
     if (previous) return previous; /* nested: the outer call's start counts */
+    pthread_once(&fm_int_once, fm_int_read_env);
+    if (!__atomic_load_n(&fm_int_enabled, __ATOMIC_RELAXED) || !fm_int_on_main_thread()) return previous;
     const int64_t now = fm_int_coarse_ns();
     if (now - __atomic_load_n(&fm_int_checked_ns, __ATOMIC_RELAXED) >= FM_INT_RECHECK_NS &&
         pthread_mutex_trylock(&fm_int_mu) == 0) {

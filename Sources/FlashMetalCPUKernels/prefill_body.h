@@ -5,7 +5,9 @@
  * fm_dpbf16(acc, a_pairs, b_pairs); then includes simd.h and this file.
  *
  * K/V of one (batch, kv head) are packed once into panels of FM_PF_KB keys,
- * shared by the GQA heads and all q items, each cut into the register
+ * shared by the GQA heads and all q items: only the blocks some row of the
+ * sequence sees (fm_pf_seq_blocks; a->panel_blocks panels, so a window over
+ * a long cache packs the window, not the cache), each cut into the register
  * block's column blocks so that a micro-kernel reads one contiguous run
  * (CW = NC * FM_VL keys of K; a column block of w <= CW dims of V):
  *   f32 panels (any io dtype): K as [KB/CW][D][CW] f32, V as column blocks
@@ -65,7 +67,7 @@ static void FM_SFX(pf_cvt_row)(float *dst, const void *src, int32_t n, int32_t d
 int32_t FM_SFX(fm_pf_item_rows)(void) { return QI; }
 
 size_t FM_SFX(fm_pf_pack_bytes)(const FMPrefillArgs *a) {
-    return 2 * (size_t)fm_pf_nkb(a) * KB * a->p.D * (FM_SFX(pf_bf16_panels)(a) ? 2 : 4);
+    return 2 * (size_t)a->panel_blocks * KB * a->p.D * (FM_SFX(pf_bf16_panels)(a) ? 2 : 4);
 }
 
 size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
@@ -100,13 +102,14 @@ static inline void FM_SFX(pf_prefetch_key)(const FMPrefillArgs *a, int64_t b, in
     }
 }
 
-static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t kc,
-                                void *packed) {
+/* Packs key block kb of (b, kvh), its kc keys, as panel j. */
+static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
+                                int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
     const int32_t D = p->D;
     const int64_t c0 = kb * KB;
-    float *Kf = (float *)packed + (size_t)kb * D * KB;
-    float *Vf = (float *)packed + (size_t)fm_pf_nkb(a) * D * KB + (size_t)kb * KB * D;
+    float *Kf = (float *)packed + (size_t)j_panel * D * KB;
+    float *Vf = (float *)packed + (size_t)a->panel_blocks * D * KB + (size_t)j_panel * KB * D;
     float row[FM_PF_DMAX];
     const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
@@ -129,13 +132,13 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
     }
 }
 
-static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t kc,
-                                  void *packed) {
+static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
+                                  int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
     const int32_t D = p->D, D2 = D / 2;
     const int64_t c0 = kb * KB;
-    uint32_t *Kp = (uint32_t *)packed + (size_t)kb * D2 * KB;
-    uint32_t *Vp = (uint32_t *)packed + (size_t)fm_pf_nkb(a) * D2 * KB + (size_t)kb * (KB / 2) * D;
+    uint32_t *Kp = (uint32_t *)packed + (size_t)j_panel * D2 * KB;
+    uint32_t *Vp = (uint32_t *)packed + (size_t)a->panel_blocks * D2 * KB + (size_t)j_panel * (KB / 2) * D;
     uint32_t row[FM_PF_DMAX / 2];
     const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
@@ -162,17 +165,16 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
     }
 }
 
-void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed) {
+void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t j, void *packed) {
     const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
+    int64_t kb0, kb1;
+    fm_pf_seq_blocks(a, &sd, &kb0, &kb1);
+    const int64_t kb = kb0 + j;
+    if (kb >= kb1 || j >= a->panel_blocks) return;
     const int64_t c0 = kb * KB, kc = (sd.kL - c0) < KB ? (sd.kL - c0) : KB;
-    if (kc <= 0 || sd.qL <= 0) return;
-    /* Ranges grow with t: no row sees a block outside [row 0's lo, the last row's hi]. */
-    int64_t lo, hi, lo2, hi2;
-    fm_pf_row_keys(a, sd.t0, sd.kL, &lo, &hi);
-    fm_pf_row_keys(a, sd.t0 + sd.qL - 1, sd.kL, &lo2, &hi2);
-    if (c0 > hi2 || c0 + kc - 1 < lo) return;
-    if (FM_SFX(pf_bf16_panels)(a)) FM_SFX(pf_pack_pairs)(a, b, kvh, kb, kc, packed);
-    else FM_SFX(pf_pack_f32)(a, b, kvh, kb, kc, packed);
+    if (kc <= 0) return;
+    if (FM_SFX(pf_bf16_panels)(a)) FM_SFX(pf_pack_pairs)(a, b, kvh, kb, j, kc, packed);
+    else FM_SFX(pf_pack_f32)(a, b, kvh, kb, j, kc, packed);
 }
 
 /* ---- micro-kernels: R rows x (NC vectors) ------------------------------ */
@@ -460,7 +462,8 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     if (r0 >= sd.qL) return;
     const int64_t nrows = (sd.qL - r0) < QI ? (sd.qL - r0) : QI;
     const int64_t ngroups = (nrows + R - 1) / R;
-    const int64_t nkb = fm_pf_nkb(a);
+    int64_t kb0, kb1; /* the sequence's packed blocks: panel i holds block kb0 + i */
+    fm_pf_seq_blocks(a, &sd, &kb0, &kb1);
 
     float *O = scratch;
     float *Qf = O + (size_t)QI * D;
@@ -494,16 +497,18 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
 
     const size_t panel = (size_t)KB * D * (bfp ? 2 : 4);
     const char *Kpan = (const char *)packed;
-    const char *Vpan = Kpan + (size_t)nkb * panel;
+    const char *Vpan = Kpan + (size_t)a->panel_blocks * panel;
     /* Ranges grow with the row: the item's keys are [lo[0], hi[last]], a
      * group's [lo[first], hi[last]]; blocks outside them add nothing. */
-    const int64_t kb_end = hi[nrows - 1] < 0 ? 0 : hi[nrows - 1] / KB + 1;
+    /* Within the sequence's packed blocks: a row that sees nothing (lo > hi)
+     * may name a block outside them. */
+    const int64_t kb_end = hi[nrows - 1] < 0 ? 0 : hi[nrows - 1] / KB + 1 < kb1 ? hi[nrows - 1] / KB + 1 : kb1;
 
-    for (int64_t kb = lo[0] / KB; kb < kb_end; kb++) {
+    for (int64_t kb = lo[0] / KB > kb0 ? lo[0] / KB : kb0; kb < kb_end; kb++) {
         const int64_t c0 = kb * KB;
         const int64_t kc = (sd.kL - c0) < KB ? (sd.kL - c0) : KB;
-        const void *Kb = Kpan + (size_t)kb * panel;
-        const void *Vb = Vpan + (size_t)kb * panel;
+        const void *Kb = Kpan + (size_t)(kb - kb0) * panel;
+        const void *Vb = Vpan + (size_t)(kb - kb0) * panel;
         for (int64_t g = 0; g < ngroups; g++) {
             const int64_t ga = R * g;
             const int64_t glast = rowid[ga + R - 1];

@@ -52,6 +52,22 @@ static int fm_pf_covers(const FMPrefillArgs *a) {
            (io == FM_DTYPE_F32 || io == FM_DTYPE_F16 || io == FM_DTYPE_BF16);
 }
 
+int fm_cpu_prefill_fast_covers(const FMPrefillArgs *a, int isa) {
+    return fm_pf_pack_bytes_for(isa) != NULL && fm_pf_covers(a);
+}
+
+int64_t fm_cpu_prefill_panel_blocks(const FMPrefillArgs *a) {
+    const int64_t nseq = fm_pf_per_sequence(a) ? a->p.B : 1; /* outside it every sequence is alike */
+    int64_t most = 0;
+    for (int64_t b = 0; b < nseq; b++) {
+        const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
+        int64_t kb0, kb1;
+        fm_pf_seq_blocks(a, &sd, &kb0, &kb1);
+        if (kb1 - kb0 > most) most = kb1 - kb0;
+    }
+    return most;
+}
+
 size_t fm_cpu_prefill_pack_bytes(const FMPrefillArgs *a, int isa) {
     const fm_pf_size_fn f = fm_pf_pack_bytes_for(isa);
     return f && fm_pf_covers(a) ? f(a) : 0;
@@ -67,10 +83,10 @@ size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a, int isa) {
     return f ? f(a) : 0;
 }
 
-void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t kb,
+void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t j,
                          void *packed) {
     const fm_pf_pack_fn f = fm_pf_pack_for(isa);
-    if (f) f(a, b, kvh, kb, packed);
+    if (f) f(a, b, kvh, j, packed);
 }
 
 void fm_cpu_prefill_fast_item(const FMPrefillArgs *a, int isa, int64_t b, int64_t h, int64_t qi,

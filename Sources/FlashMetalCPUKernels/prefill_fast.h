@@ -10,7 +10,19 @@
 /* Largest head dim of the fast path (row buffers on the stack are this big). */
 #define FM_PF_DMAX 512
 
-static inline int64_t fm_pf_nkb(const FMPrefillArgs *a) { return ((int64_t)a->p.kL + FM_PF_KB - 1) / FM_PF_KB; }
+/* Key blocks [*kb0, *kb1) some row of sequence `sd` sees: a row's range
+ * grows with its position, so the union runs from row 0's lo to the last
+ * row's hi (empty: kb0 == kb1). */
+static inline void fm_pf_seq_blocks(const FMPrefillArgs *a, const FMPfSeqDims *sd, int64_t *kb0, int64_t *kb1) {
+    *kb0 = *kb1 = 0;
+    if (sd->qL <= 0 || sd->kL <= 0) return;
+    int64_t lo, hi, lo2, hi2;
+    fm_pf_row_keys(a, sd->t0, sd->kL, &lo, &hi);
+    fm_pf_row_keys(a, sd->t0 + sd->qL - 1, sd->kL, &lo2, &hi2);
+    if (lo > hi2) return;
+    *kb0 = lo / FM_PF_KB;
+    *kb1 = hi2 / FM_PF_KB + 1;
+}
 
 /* True when every (BQ, BK) tile that rows [ra, rb] x keys [c0, c0 + kc) touch is class 0. */
 int fm_pf_blk_all_skip(const FMPrefillArgs *a, int64_t ra, int64_t rb, int64_t c0, int64_t kc);
@@ -19,7 +31,7 @@ int fm_pf_blk_all_skip(const FMPrefillArgs *a, int64_t ra, int64_t rb, int64_t c
     int32_t fm_pf_item_rows_##sfx(void);                                                            \
     size_t fm_pf_pack_bytes_##sfx(const FMPrefillArgs *a);                                          \
     size_t fm_pf_scratch_floats_##sfx(const FMPrefillArgs *a);                                      \
-    void fm_pf_pack_##sfx(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, void *packed); \
+    void fm_pf_pack_##sfx(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t j, void *packed);  \
     void fm_pf_item_##sfx(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi,                 \
                           const void *packed, float *scratch);
 

@@ -38,6 +38,15 @@ public struct AttnOptions: Sendable {
 
     /// A window bound is set (either side not -1).
     var hasWindow: Bool { windowLeft >= 0 || windowRight >= 0 }
+
+    /// The one window rule of every serving route (prefill and decode):
+    /// each bound -1 (unbounded) or any int32 >= 0; a bound past every key
+    /// simply hides none.
+    public static func requireWindow(left: Int, right: Int, op: String) throws {
+        for (w, n) in [(left, "window_size[0]"), (right, "window_size[1]")] where w < -1 || w > Int(Int32.max) {
+            throw FlashMetalError.value(op, "\(n) must be -1 (unbounded) or >= 0, got \(w)", arg: n)
+        }
+    }
 }
 
 /// The tensors of one serving prefill call (FMSeqTensors plus q, k, v, out).
@@ -130,9 +139,7 @@ public enum AttnDispatcher {
             throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))", arg: "q")
         }
         try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
-        for (w, n) in [(o.windowLeft, "window_size[0]"), (o.windowRight, "window_size[1]")] where w < -1 {
-            throw FlashMetalError.value(op, "\(n) must be -1 (unbounded) or >= 0, got \(w)", arg: n)
-        }
+        try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
         for d in qs + ks where d > Int(Int32.max) {
             throw FlashMetalError.value(op, "dimension \(d) exceeds the int32 range of AttnParams")
         }
@@ -200,6 +207,8 @@ struct SequenceLengths {
 
     init(_ t: AttnTensors, kind: AttnOp, batch: Int, bk: Int, o: AttnOptions, op: String) throws {
         let paged = t.blockTable != nil
+        // Its rank before its shape sizes the capacity (a rank-0 table has no dim 1).
+        try t.blockTable?.requireRank([2], op: op, name: "block_table")
         let qLens = try t.cuSeqlensQ.map {
             try SequenceTables.cuSeqlens($0, op: op, name: "cu_seqlens_q", tokens: t.q.shape[0], tokensName: "q",
                                          maxSeqlen: o.maxSeqlenQ, maxSeqlenName: "max_seqlen_q")

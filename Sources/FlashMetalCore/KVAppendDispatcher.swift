@@ -35,20 +35,6 @@ public enum KVAppendDispatcher {
     /// The op name errors carry.
     public static let op = "kv_append"
 
-    /// The caches are written while every other argument is read: a cache
-    /// sharing bytes with the other cache, the new rows or a table would
-    /// corrupt the caller's data, so any overlap is refused before the dispatch.
-    static func requireDisjoint(_ t: KVAppendTensors) throws {
-        var read: [(TensorRef, String)] = [(t.vCache, "v_cache"), (t.kNew, t.kNewName), (t.vNew, t.vNewName),
-                                           (t.seqlens, "cache_seqlens")]
-        if let bt = t.blockTable { read.append((bt, "block_table")) }
-        for (cache, name) in [(t.kCache, "k_cache"), (t.vCache, "v_cache")] {
-            for (x, n) in read where n != name && x.overlaps(cache) {
-                throw FlashMetalError.value(op, "\(name) and \(n) overlap in memory; the append writes \(name), so they must not share bytes", arg: name)
-            }
-        }
-    }
-
     /// Validates a call and builds its dispatch; nil when there is nothing to
     /// write (n_new == 0), after the same validation.
     public static func makeDispatch(_ t: KVAppendTensors) throws -> Dispatch? {
@@ -60,7 +46,6 @@ public enum KVAppendDispatcher {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
-        try requireDisjoint(t)
         if t.vNew.shape != t.kNew.shape {
             throw FlashMetalError.value(op, "\(t.vNewName) shape \(t.vNew.shape) must equal \(t.kNewName) shape \(t.kNew.shape)", arg: t.vNewName)
         }
@@ -105,6 +90,8 @@ public enum KVAppendDispatcher {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
                                                  numPages: t.kCache.shape[0], pageSize: cacheRows, tile: 1,
                                                  cacheName: "k_cache")
+            try SequenceTables.requireDistinctWrites(bt, op: op, name: "block_table", starts: starts, count: nNew,
+                                                     pageSize: cacheRows)
         }
         if nNew == 0 { return nil }
 

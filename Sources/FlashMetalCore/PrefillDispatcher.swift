@@ -54,11 +54,14 @@ public struct PrefillTensors {
     public var mask: TensorRef? = nil
     /// uint8 [NQ, NK] tile classes from the blk pre-pass (needs a rank-2 mask).
     public var blk: TensorRef? = nil
+    /// float32 [H] per-head sink logits (gpt-oss): each joins its head's
+    /// softmax denominators without a value, beside any mask.
+    public var sinks: TensorRef? = nil
 
-    /// The tensors of a call; mask and blk are optional.
+    /// The tensors of a call; mask, blk and sinks are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef,
-                mask: TensorRef? = nil, blk: TensorRef? = nil) {
-        self.q = q; self.k = k; self.v = v; self.out = out; self.mask = mask; self.blk = blk
+                mask: TensorRef? = nil, blk: TensorRef? = nil, sinks: TensorRef? = nil) {
+        self.q = q; self.k = k; self.v = v; self.out = out; self.mask = mask; self.blk = blk; self.sinks = sinks
     }
 }
 
@@ -175,6 +178,14 @@ public enum PrefillDispatcher {
             ext.window = true
             ext.params.window_left = Int32(o.window - 1)
         }
+        if let s = t.sinks {
+            try s.requireDType([.f32], op: op, name: "sinks")
+            if s.shape != [nHeads] {
+                throw FlashMetalError.value(op, "sinks must have shape [\(nHeads)] (the heads of Q), got \(s.shape)")
+            }
+            try s.requireBytes(op: op, name: "sinks")
+            ext.sinks = s
+        }
         return assemble(t, params: params, maskParams: maskParams, geometry: geo, causal: o.causal, ext: ext)
     }
 
@@ -217,8 +228,8 @@ public enum PrefillDispatcher {
             throw FlashMetalError.internalError("\(op): auto-blk scratch of \(mem.byteCount) bytes < \(nq * nk)")
         }
         // The mask as the [qL, kL] it is read as (its B and H strides are 0).
-        let mask = TensorRef(data: m.data, byteCount: m.byteCount, dtype: m.dtype, shape: [Int(p.qL), Int(p.kL)])
-        let blk = TensorRef(data: mem.data, byteCount: nq * nk, dtype: .u8, shape: [nq, nk])
+        let mask = m.reshaped([Int(p.qL), Int(p.kL)])
+        let blk = mem.reshaped([nq, nk], dtype: .u8, byteCount: nq * nk)
         var withBlk = t
         withBlk.mask = mask
         withBlk.blk = blk

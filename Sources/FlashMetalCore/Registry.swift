@@ -49,8 +49,11 @@ public final class Registry: @unchecked Sendable {
     /// Library-owned scratch blocks waiting for a deferring backend's batch.
     public var deferredScratchCount: Int { lock.withLock { deferredScratch.count } }
 
-    /// Runs a sequence of dispatches (e.g. decode, then its reduce).
-    public func run(_ dispatches: [Dispatch]) throws {
+    /// Runs a sequence of dispatches (e.g. decode, then its reduce): the
+    /// work of one call of `op`, whose outputs must not overlap anything
+    /// else it binds (Dispatch.requireDisjointOutputs).
+    public func run(_ dispatches: [Dispatch], op: String) throws {
+        try Dispatch.requireDisjointOutputs(dispatches, op: op)
         let pipelines = try dispatches.map { try pipeline($0.pipeline) }
         try backend.run(dispatches, pipelines: pipelines)
     }
@@ -102,8 +105,42 @@ public final class Registry: @unchecked Sendable {
     /// deferring backend runs it when the open batch ends, so it is kept
     /// until then. An allocation the machine cannot satisfy is an error.
     public func withScratch(op: String, bytes: Int, _ body: (TensorRef) throws -> Void) throws {
-        guard let p = malloc(max(bytes, 1)) else {
-            throw FlashMetalError.value(op, "cannot allocate \(bytes) bytes of scratch memory")
+        try withOwnedMemory(op: op, bytes: bytes, what: "scratch memory") { p in
+            try body(TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4], name: "tmp"))
+        }
+    }
+
+    /// Runs `body` with private copies of `tables` (nil stays nil), made
+    /// before anything reads them: the dispatchers validate the copies and
+    /// the kernels read them, so a caller (or another thread) rewriting a
+    /// table during the call cannot make a kernel follow an entry nobody
+    /// checked. Each copy still stands for the caller's memory in overlap
+    /// checks, and lives as long as the work (withScratch).
+    public func withPrivateCopies(op: String, _ tables: [TensorRef?],
+                                  _ body: ([TensorRef?]) throws -> Void) throws {
+        var offsets: [Int] = []
+        var total = 0
+        for t in tables {
+            offsets.append(total)
+            total += ((t?.usedByteCount ?? 0) + 63) & ~63
+        }
+        try withOwnedMemory(op: op, bytes: total, what: "table copies") { p in
+            let copies = zip(tables, offsets).map { t, offset -> TensorRef? in
+                guard let t else { return nil }
+                let dst = p + offset
+                dst.copyMemory(from: t.data, byteCount: t.usedByteCount)
+                return t.copied(to: dst)
+            }
+            try body(copies)
+        }
+    }
+
+    /// `bytes` of library memory for the work `body` starts, freed when that
+    /// work has run (see withScratch).
+    private func withOwnedMemory(op: String, bytes: Int, what: String,
+                                 _ body: (UnsafeMutableRawPointer) throws -> Void) throws {
+        guard bytes >= 0, let p = malloc(max(bytes, 1)) else {
+            throw FlashMetalError.backend("\(op): cannot allocate \(bytes) bytes of \(what)")
         }
         defer {
             let keep = backend.defersWork && lock.withLock {
@@ -112,6 +149,6 @@ public final class Registry: @unchecked Sendable {
             }
             if !keep { free(p) }
         }
-        try body(TensorRef(data: p, byteCount: bytes, dtype: .f32, shape: [bytes / 4]))
+        try body(p)
     }
 }

@@ -121,4 +121,37 @@ public enum SequenceTables {
         }
         return maxPages
     }
+
+    /// Refuses a page table (already checked by `blockTable`) under which
+    /// two writes of an append land on one cache slot: rows [starts[b],
+    /// starts[b] + count) of every sequence b go through its table row, and
+    /// two entries naming the same page (of two sequences, or twice in one
+    /// row) whose written rows of it meet would leave the slot to whichever
+    /// write lands last (a race on a GPU). The error names both entries.
+    public static func requireDistinctWrites(_ t: TensorRef, op: String, name: String, starts: [Int], count: Int,
+                                             pageSize: Int) throws {
+        guard count > 0 else { return }
+        let maxPages = t.shape[1]
+        // (page, first row, last row written in it, sequence, table column)
+        var writes: [(page: Int, lo: Int, hi: Int, b: Int, j: Int)] = []
+        for (b, start) in starts.enumerated() {
+            let end = start + count - 1
+            for j in (start / pageSize)...(end / pageSize) {
+                let lo = max(start, j * pageSize) - j * pageSize, hi = min(end, j * pageSize + pageSize - 1) - j * pageSize
+                writes.append((int32(t, b * maxPages + j), lo, hi, b, j))
+            }
+        }
+        writes.sort { ($0.page, $0.lo) < ($1.page, $1.lo) }
+        var last: (page: Int, lo: Int, hi: Int, b: Int, j: Int)? = nil
+        for w in writes {
+            if let p = last, p.page == w.page, w.lo <= p.hi {
+                throw FlashMetalError.value(
+                    op, "\(name)[\(p.b), \(p.j)] and \(name)[\(w.b), \(w.j)] both name page \(w.page), and the "
+                        + "append writes row \(w.lo) of it through both (cache_seqlens[\(p.b)] = \(starts[p.b]), "
+                        + "cache_seqlens[\(w.b)] = \(starts[w.b]), \(count) new rows each): two sequences may not "
+                        + "share the slots an append writes")
+            }
+            if last == nil || last!.page != w.page || w.hi > last!.hi { last = w }
+        }
+    }
 }

@@ -13,14 +13,38 @@ public struct TensorRef: @unchecked Sendable {
     public let shape: [Int]
     /// FMTensor.tag: 0 for caller memory, else a live fm_alloc_blk buffer.
     public let tag: UInt64
+    /// The argument this tensor was passed as ("" for library memory): what
+    /// an overlap error names.
+    public let name: String
+    /// The caller memory this tensor stands for: `data`, or for a private
+    /// copy (`Registry.withPrivateCopies`) the caller's tensor it was copied
+    /// from. Overlap checks compare these.
+    public let origin: UnsafeMutableRawPointer
 
     /// A tensor over memory the caller keeps alive.
-    public init(data: UnsafeMutableRawPointer, byteCount: Int, dtype: DType, shape: [Int], tag: UInt64 = 0) {
+    public init(data: UnsafeMutableRawPointer, byteCount: Int, dtype: DType, shape: [Int], tag: UInt64 = 0,
+                name: String = "", origin: UnsafeMutableRawPointer? = nil) {
         self.data = data
         self.byteCount = byteCount
         self.dtype = dtype
         self.shape = shape
         self.tag = tag
+        self.name = name
+        self.origin = origin ?? data
+    }
+
+    /// The same memory, argument and origin read as another shape (at most
+    /// `byteCount` bytes).
+    public func reshaped(_ shape: [Int], dtype: DType? = nil, byteCount: Int? = nil) -> TensorRef {
+        TensorRef(data: data, byteCount: byteCount ?? self.byteCount, dtype: dtype ?? self.dtype, shape: shape,
+                  tag: tag, name: name, origin: origin)
+    }
+
+    /// This tensor read from `copy` (a private copy of its bytes), still
+    /// standing for the caller's memory.
+    public func copied(to copy: UnsafeMutableRawPointer) -> TensorRef {
+        TensorRef(data: copy, byteCount: usedByteCount, dtype: dtype, shape: shape, tag: 0, name: name,
+                  origin: origin)
     }
 
     /// The number of dimensions.
@@ -46,7 +70,7 @@ public struct TensorRef: @unchecked Sendable {
         }
         guard let data = t.data else { throw FlashMetalError.value(op, "\(name) data pointer is null", arg: name) }
         try BlkAllocations.validate(tag: t.tag, data: data, byteCount: Int(t.nbytes), op: op, name: name)
-        self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape, tag: t.tag)
+        self.init(data: data, byteCount: Int(t.nbytes), dtype: dtype, shape: shape, tag: t.tag, name: name)
         // The buffer covers the shape before any dispatcher looks at the dims
         // (a huge dim with a tiny buffer must not reach size arithmetic).
         try requireBytes(op: op, name: name)
@@ -64,16 +88,16 @@ public struct TensorRef: @unchecked Sendable {
     }
 
     /// The bytes a kernel may touch: the shape's, at most the buffer's.
-    var usedByteCount: Int {
+    public var usedByteCount: Int {
         guard let n = elementCount, case let (bytes, false) = n.multipliedReportingOverflow(by: dtype.byteSize)
         else { return byteCount }
         return min(bytes, byteCount)
     }
 
-    /// Whether this tensor and `other` share a byte of the memory their
-    /// shapes cover.
+    /// Whether this tensor and `other` share a byte of the caller memory
+    /// their shapes cover.
     public func overlaps(_ other: TensorRef) -> Bool {
-        let (a, b) = (UInt(bitPattern: data), UInt(bitPattern: other.data))
+        let (a, b) = (UInt(bitPattern: origin), UInt(bitPattern: other.origin))
         let (na, nb) = (UInt(usedByteCount), UInt(other.usedByteCount))
         return na > 0 && nb > 0 && a < b &+ nb && b < a &+ na
     }

@@ -27,8 +27,7 @@ public struct VecSeqOptions: Sendable {
         guard o.causal == 0 || o.causal == 1 else {
             throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }
-        if o.window_left < -1 { throw FlashMetalError.value(op, "window_left must be >= -1 (-1 = unbounded), got \(o.window_left)", arg: "window_left") }
-        if o.window_right < -1 { throw FlashMetalError.value(op, "window_right must be >= -1 (-1 = unbounded), got \(o.window_right)", arg: "window_right") }
+        try AttnOptions.requireWindow(left: Int(o.window_left), right: Int(o.window_right), op: op)
         self.scale = o.scale
         self.softcap = o.softcap
         self.causal = o.causal == 1
@@ -41,9 +40,11 @@ public struct VecSeqOptions: Sendable {
     }
 
     /// The decode mask: flash-attn's window_size left w is the sliding window
-    /// w + 1 of FlashAttnVecParams ((kv_len_b - 1) - p < w + 1).
+    /// w + 1 of FlashAttnVecParams ((kv_len_b - 1) - p < w + 1). A left
+    /// bound at or past Int32.max - 1 is held there: no key of an int32-long
+    /// cache lies that far from the query, so it hides none either way.
     var mask: (type: VecMaskType, window: Int) {
-        if windowLeft >= 0 { return (.window, windowLeft + 1) }
+        if windowLeft >= 0 { return (.window, min(windowLeft, Int(Int32.max) - 1) + 1) }
         return (causal ? .causal : .none, 0)
     }
 }
@@ -149,9 +150,7 @@ public enum VecSeqDispatcher {
         }
         if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
         try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
-        if o.windowLeft < -1 || o.windowRight < -1 || o.windowLeft >= Int(Int32.max) {
-            throw FlashMetalError.value(op, "window_size must be (-1 or >= 0, -1 or >= 0), got (\(o.windowLeft), \(o.windowRight))", arg: "window_size")
-        }
+        try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
         try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sinks = t.sinks {
             try sinks.requireDType([.f32], op: op, name: "sinks")

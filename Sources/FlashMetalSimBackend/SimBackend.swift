@@ -83,7 +83,7 @@ public final class SimBackend: Backend, @unchecked Sendable {
         }
         // .bytes payloads are copied into memory that outlives the call.
         var owned: [UnsafeMutableRawPointer] = []
-        defer { owned.forEach { $0.deallocate() } }
+        defer { owned.forEach { HostMemory.free($0) } }
         var bindings: [FMSimBinding] = []
         for (index, b) in d.bindings.sorted(by: { $0.key < $1.key }) {
             guard index >= 0, index < FMSIM_MAX_BINDINGS else {
@@ -95,7 +95,8 @@ public final class SimBackend: Backend, @unchecked Sendable {
                 bindings.append(FMSimBinding(index: Int32(index), is_bytes: 0, data: t.data,
                                              length: UInt64(t.byteCount)))
             case .bytes(let bytes):
-                let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes.count, 1), alignment: 16)
+                let p = try HostMemory.allocate(count: bytes.count, stride: 1, op: "sim: \(d.kernel)",
+                                                what: "parameter bytes")
                 owned.append(p)
                 bytes.withUnsafeBytes { src in
                     if let base = src.baseAddress { p.copyMemory(from: base, byteCount: bytes.count) }

@@ -25,14 +25,15 @@ from .packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_
                      flash_attn_varlen_qkvpacked_func)
 from .registry import Registry, default_registry
 from .kv_codec import KVCodec, QuantizedKV
-from ._native import abi_version, head_dims as supported_head_dims
+from ._native import abi_version, set_interrupt, head_dims as supported_head_dims
 
 __all__ = ["Error", "InvalidValueError", "InvalidTypeError", "BackendError", "InternalError", "Registry",
            "default_registry", "flash_attn_prefill", "scaled_dot_product_attention", "Route", "explain",
            "last_route", "info", "blk_byte_len", "build_blk", "flash_attn_decode", "build_mask", "sdpa",
            "supported_head_dims", "abi_version", "UnsupportedFeatureError", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "KVCodec", "QuantizedKV"]
+           "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "KVCodec", "QuantizedKV",
+           "set_interrupt"]
 
 
 def __getattr__(name: str) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _loader
 from ._errors import InvalidTypeError, InvalidValueError
-from ._interop import is_torch_tensor, to_numpy
+from ._interop import is_torch_tensor, refuse_grad_write, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -61,12 +61,19 @@ def as_index(x: Any, op: str, name: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=I32) if a.ndim else np.asarray(a, dtype=I32)
 
 
+def empty_batch(a: np.ndarray, rank: int, axes: tuple[int, ...]) -> bool:
+    """Whether `a` (of `rank`) has a batch, head or query axis of 0: the
+    result is then empty and no kernel runs (as torch and flash-attn)."""
+    return a.ndim == rank and any(a.shape[i] == 0 for i in axes)
+
+
 def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
               inputs: Sequence[np.ndarray | None]) -> np.ndarray:
     """Validates a caller-provided output (a numpy array or a torch CPU
     tensor): it is written in place, so this returns the numpy view of its
     memory to hand the library; the caller returns its own object."""
     if is_torch_tensor(out):
+        refuse_grad_write(out, op, "out")
         out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
         raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")

@@ -2,7 +2,6 @@
 path, threads, library and ABI versions — read from the loaded library."""
 from __future__ import annotations
 
-import os
 import platform
 import threading
 from typing import Any
@@ -41,14 +40,6 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _threads() -> int:
-    """The cpu backend's worker count: FLASHMETAL_NUM_THREADS, else the online cores (as its pool)."""
-    env = os.environ.get("FLASHMETAL_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return min(int(env), 1024)
-    return max(1, os.sysconf("SC_NPROCESSORS_ONLN"))
-
-
 def info(registry: RegistryLike = None) -> dict[str, Any]:
     """Backend, device, cpu ISA path, threads, library and ABI versions.
 
@@ -69,7 +60,7 @@ def info(registry: RegistryLike = None) -> dict[str, Any]:
         "device": devices.get(reg.backend, reg.backend),
         "cpu_isa": isa,
         "cpu_isa_portable": isa == _PORTABLE,
-        "threads": _threads(),
+        "threads": int(lib.fm_num_threads()),
         "library": str(_loader.library_path()),
         "library_version": ffi.string(lib.fm_version()).decode(),
         "abi_version": _native.abi_version(),

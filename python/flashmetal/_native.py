@@ -15,7 +15,9 @@ import contextvars
 import functools
 import math
 import operator
+import signal
 import struct
+import threading
 from typing import TYPE_CHECKING, Any
 from collections.abc import Iterator
 
@@ -122,10 +124,32 @@ def call(reg: Registry, fn_name: str, *args: Any, op: str | None = None, keep: t
     handle = reg._live_handle(op or fn_name.removeprefix("fm_"))
     err = new_error(op)
     status = _entry(fn_name)(handle, *args, err)
+    while status and status == lib().FM_ERROR_INTERRUPTED and not _sigint_raises():
+        # The application's SIGINT handler does not raise: the call was cut
+        # short for nothing, so it runs again (its outputs overlap none of
+        # its inputs, so a second run gives the same result).
+        status = _entry(fn_name)(handle, *args, err)
     if keep:
         reg._keep_for_batch(keep)
     if status:
         check(status, err)
+
+
+def _sigint_raises() -> bool:
+    """Whether Python raises KeyboardInterrupt for a SIGINT in this thread."""
+    return (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
+def set_interrupt(enabled: bool) -> bool:
+    """Whether a SIGINT may cut a long flashmetal call short (with
+    KeyboardInterrupt). Only calls of the main thread, where Python raises
+    KeyboardInterrupt, are ever cut short; ``set_interrupt(False)`` (or
+    FLASHMETAL_INTERRUPT=0 in the environment) lets every call run to
+    completion. Returns the previous setting."""
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise InvalidTypeError("set_interrupt", f"enabled must be a bool, got {type(enabled).__name__}")
+    return bool(lib().fm_set_interrupt(1 if enabled else 0))
 
 
 def call_static(fn_name: str, *args: Any, op: str | None = None) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +28,9 @@ import numpy as np
 
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
-from ._errors import InvalidTypeError, InvalidValueError
-from ._serving_args import flag, no_dropout
-from ._interop import to_numpy, wrapper_like
+from ._errors import Error, InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._serving_args import flag, no_dropout, sinks_arg
+from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
@@ -42,8 +43,9 @@ _OP = "scaled_dot_product_attention"
 #: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
-#: The kernel families the front door runs (``Route.kernel``).
-ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa")
+#: The kernel families the front door runs (``Route.kernel``); "none" for an
+#: empty batch (B, H or qL of 0), which runs no kernel.
+ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Route:
         return f"{self.kernel}: {self.reason}"
 
 
+_EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
 _last = threading.local()
 
 
@@ -153,11 +156,31 @@ class _Call:
     route: Route
     pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
     squeeze: bool  # rank-3 inputs: the batch axis was added here
+    sinks: np.ndarray | None = None  # float32 [H] sink logits (prefill route only)
+
+
+def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
+    """torch's CausalBias (torch.nn.attention.bias.causal_upper_left /
+    causal_lower_right) as (align, seq_len_q, seq_len_kv): a causal mask
+    aligned top-left or bottom-right, whose storage holds nothing."""
+    if not is_torch_tensor(attn_mask) or type(attn_mask).__name__ != "CausalBias":
+        return None
+    bias = sys.modules.get("torch.nn.attention.bias")
+    if bias is None or not isinstance(attn_mask, bias.CausalBias):
+        return None
+    align = {bias.CausalVariant.UPPER_LEFT: "top_left", bias.CausalVariant.LOWER_RIGHT: "bottom_right"}.get(
+        attn_mask.variant)
+    if align is None:
+        raise InvalidValueError(_OP, f"attn_mask is a CausalBias of unknown variant {attn_mask.variant!r}")
+    return align, int(attn_mask.seq_len_q), int(attn_mask.seq_len_kv)
 
 
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
-          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any) -> _Call:
+          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
+    bias = _causal_bias(attn_mask)
+    if bias is not None:  # the causal pattern it means, not its (empty) storage
+        attn_mask, is_causal, align = None, True, bias[0]
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
     if qa.dtype not in (F32, BF16, F16):
         raise InvalidTypeError(_OP, f"query must be float32, float16 or bfloat16, got {qa.dtype}")
@@ -178,30 +201,40 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if ka.shape[0] != B:
         raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
     hkv, cap = ka.shape[1], ka.shape[2]
+    if bias is not None and (bias[1], bias[2]) != (qL, cap if kv_len is None else kv_len):
+        raise InvalidValueError(_OP, f"attn_mask is a CausalBias for ({bias[1]} queries, {bias[2]} keys), "
+                                f"not this call's ({qL}, {cap if kv_len is None else kv_len})")
     if hkv != H and not enable_gqa:
         raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
                          "attention")
+    if B == 0 or H == 0 or qL == 0:  # an empty result, as torch's; no kernel runs
+        return _Call(qa, ka, va, None, bool(is_causal), 0, cap, _EMPTY, None, squeeze)
     if hkv == 0 or H % hkv:
         raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
-    if qL == 0 or D == 0 or B == 0 or H == 0:
-        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty axis")
+    if D == 0:
+        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty head dim")
     kl = cap if kv_len is None else int(kv_len)
     if not 0 < kl <= cap:
         raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
     causal = bool(is_causal)
-    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window)
-    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze)
+    sk = sinks_arg(_OP, sinks)
+    if sk is not None and sk.shape != (H,):
+        raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None)
+    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None) -> tuple[Route, int | None]:
+            window: int | None, *, sinks: bool = False) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem, and the head
-    dim to zero-pad q/k/v to for it (None: no padding)."""
+    dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
+    prefill kernel applies: a call it cannot take is refused, never run
+    without them."""
     vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and D in vec_dims and last_row:
+    if qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -223,6 +256,9 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
         extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
         return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
+    if sinks:
+        raise UnsupportedFeatureError(_OP, "sinks are applied by the prefill kernel only, which cannot take this "
+                                      f"call because of {'; '.join(why_not)}")
     if D > (sdpa_max := _native.max_head_dim("sdpa")):
         raise InvalidValueError(_OP, f"head dim {D} is above {sdpa_max}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
@@ -240,11 +276,11 @@ def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
             is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
             softcap: float = 0.0, window: int | None = None, kv_len: int | None = None,
-            align: str = "top_left") -> Route:
+            align: str = "top_left", sinks: Any = None) -> Route:
     """The route ``scaled_dot_product_attention`` would take for these
     arguments, without running it (the same checks and errors)."""
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align).route
+                 align, sinks).route
 
 
 def scaled_dot_product_attention(
@@ -261,6 +297,7 @@ def scaled_dot_product_attention(
     window: int | None = None,
     kv_len: int | None = None,
     align: str = "top_left",
+    sinks: Any = None,
     registry: RegistryLike = None,
 ) -> Any:
     """``torch.nn.functional.scaled_dot_product_attention``, same arguments in
@@ -300,6 +337,10 @@ def scaled_dot_product_attention(
             default kL.
         align: ``"top_left"`` (torch: query i at position i) or
             ``"bottom_right"`` (KV cache: query i at ``kv_len - qL + i``).
+        sinks: ``[H]`` per-head sink logits (gpt-oss; converted to float32),
+            or None: each joins its head's softmax denominators without a
+            value, beside the mask. Applied by the prefill kernel; a call it
+            cannot take (float32, an unsupported head dim) is refused.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
@@ -307,7 +348,7 @@ def scaled_dot_product_attention(
         the result's memory) for a torch query, else a numpy array.
     """
     call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align)
+                 align, sinks)
     reg = resolve(registry, _OP)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
@@ -318,6 +359,8 @@ def scaled_dot_product_attention(
 def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
+    if kernel == "none":
+        return np.empty(qa.shape, qa.dtype)
     if kernel == "flash_attn_vec":
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
@@ -327,7 +370,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         d = qa.shape[-1]
         padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
                        _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
-                       c.squeeze)
+                       c.squeeze, c.sinks)
         out = _run(padded, _native.default_scale(d) if scale is None else scale, softcap, window, reg)
         return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
@@ -335,7 +378,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         q_offset = c.q_offset if c.causal or window is not None else 0
         prefilled: np.ndarray = flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset,
                                                    window=window, scale=scale, softcap=softcap, kv_len=kl,
-                                                   registry=reg)
+                                                   sinks=c.sinks, registry=reg)
         return prefilled
     # The position only when it matters and is not sdpa's default (kv_len - qL): a call
     # without the extension parameters can take the cpu backend's fast float32 path.

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import F32, as_input, check_out, tensor
+from ._arrays import F32, as_input, check_out, empty_batch, tensor
 from .kv_codec import QuantizedKV
 from .kv_codec_decode import decode_over_codes
 from .registry import RegistryLike, resolve
@@ -76,6 +76,8 @@ def flash_attn_decode(
         out = dst = np.empty(qa.shape, dtype=F32)
     else:
         dst = check_out(out, op, qa.shape, F32, [qa, ka, va, sa])
+    if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype == F32:
+        return out  # [H, D] or [B, H, D] with no head or no sequence
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(

@@ -7,7 +7,8 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import as_input, check_out, tensor
+from ._arrays import BF16, F16, as_input, check_out, empty_batch, tensor
+from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
 from ._errors import InvalidValueError
 from .registry import RegistryLike, resolve
@@ -31,6 +32,7 @@ def flash_attn_prefill(
     kv_len: int | None = None,
     out: Any = None,
     blk: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
     registry: RegistryLike = None,
 ) -> Any:
     """Flash attention over a block of query rows.
@@ -59,6 +61,9 @@ def flash_attn_prefill(
             or a torch CPU tensor), filled in place and returned.
         blk: optional tile classes from ``build_blk`` for this head dim and
             mask shape (needs a rank-2 mask).
+        sinks: float32 ``[H]`` per-head sink logits (gpt-oss), or None: each
+            joins its head's softmax denominators without a value, beside the
+            mask, causal and window.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
@@ -71,6 +76,7 @@ def flash_attn_prefill(
     va = as_input(v, op, "V")
     ma = None if mask is None else as_input(mask, op, "mask")
     ba = None if blk is None else as_input(blk, op, "blk")
+    sa = sinks_arg(op, sinks)
     built = made_for(blk)
     if built is not None and ma is not None and ma.ndim == 2 and qa.ndim == 4 and (qa.shape[-1], *ma.shape) != built:
         # A blk of the right [NQ, NK] shape built for another mask shape has
@@ -83,8 +89,10 @@ def flash_attn_prefill(
     if out is None:
         out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
-        dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma, ba])
+        dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma, ba, sa])
     kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16):
+        return out
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.
         seq = 1 if layout == "blhd" else 2
@@ -100,7 +108,12 @@ def flash_attn_prefill(
         kv_len=0 if kl is None else kl,
         window=0 if window is None else _native.index_arg(op, "window", window, 1),
         layout=_native.constant(_LAYOUTS[layout]))
-    _native.call(reg, "fm_dispatch_prefill", tensor(_native.ffi(), qa), tensor(_native.ffi(), ka),
-                 tensor(_native.ffi(), va), tensor(_native.ffi(), ma), tensor(_native.ffi(), ba),
-                 tensor(_native.ffi(), dst), opts, op=op, keep=(qa, ka, va, ma, ba, dst))
+    ffi = _native.ffi()
+    if sa is None:
+        _native.call(reg, "fm_dispatch_prefill", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va),
+                     tensor(ffi, ma), tensor(ffi, ba), tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, ma, ba, dst))
+    else:
+        _native.call(reg, "fm_dispatch_prefill_sinks", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va),
+                     tensor(ffi, ma), tensor(ffi, ba), tensor(ffi, sa), tensor(ffi, dst), opts, op=op,
+                     keep=(qa, ka, va, ma, ba, sa, dst))
     return out

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import as_input, check_out, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, tensor
 from .registry import RegistryLike, resolve
 
 _OP = "sdpa"
@@ -62,6 +62,8 @@ def sdpa(
         out = dst = np.empty(qa.shape, dtype=qa.dtype)
     else:
         dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma])
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (F32, BF16, F16):
+        return out
     opts = _native.options(
         "FMSdpaOptions",
         scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),

@@ -29,8 +29,8 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import InvalidTypeError, InvalidValueError
-from ._interop import to_numpy, wrapper_like
+from ._errors import Error, InvalidTypeError, InvalidValueError
+from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
 
@@ -224,9 +224,9 @@ def flash_attn_with_kvcache(
     appending = k is not None
     qa = as_input(q, _KVCACHE, "q")
     if appending:
+        # The library refuses caches that overlap each other, k, v or a table;
+        # a strided k/v is copied here first, so the append reads the copy.
         kc, vc = _in_place(k_cache, "k_cache"), _in_place(v_cache, "v_cache")
-        _require_disjoint(("k_cache", kc), ("v_cache", vc), ("k", to_numpy(k, _KVCACHE, "k")),
-                          ("v", to_numpy(v, _KVCACHE, "v")))
         ka, va = as_input(k, _KVCACHE, "k"), as_input(v, _KVCACHE, "v")
     else:
         kc, vc = as_input(k_cache, _KVCACHE, "k_cache"), as_input(v_cache, _KVCACHE, "v_cache")
@@ -236,7 +236,7 @@ def flash_attn_with_kvcache(
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     sk = sinks_arg(_KVCACHE, sinks)
-    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk])
+    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk, lens])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
@@ -284,33 +284,13 @@ def _head_dim(qa: np.ndarray) -> int:
 
 def _in_place(cache: Any, name: str) -> np.ndarray:
     """A cache the append writes: the caller's own memory, never a copy."""
+    refuse_grad_write(cache, _KVCACHE, name)
     a = to_numpy(cache, _KVCACHE, name)
     if not a.flags.c_contiguous:
         raise InvalidValueError(_KVCACHE, f"{name} must be C-contiguous to append k/v into it in place")
     if not a.flags.writeable:
         raise InvalidValueError(_KVCACHE, f"{name} is read-only; appending k/v writes into it")
     return as_input(a, _KVCACHE, name)
-
-
-def _require_disjoint(*arrays: tuple[str, np.ndarray]) -> None:
-    """The append writes the first two arrays (the caches, the caller's own
-    memory) while reading all of them: any byte two of them share would be
-    corrupted or read half-written, so an overlap is refused. (Torch tensors
-    arrive as numpy views of their memory.) A layout too costly to decide
-    exactly counts as overlapping."""
-    for i, (name, cache) in enumerate(arrays[:2]):
-        for other, a in arrays[i + 1:]:
-            try:
-                shared = np.shares_memory(cache, a, max_work=_OVERLAP_WORK)  # type: ignore[arg-type]
-            except np.exceptions.TooHardError:
-                shared = True
-            if shared:
-                raise InvalidValueError(_KVCACHE, f"{name} and {other} overlap in memory; appending k/v writes "
-                                                  f"{name}, so they must be separate arrays")
-
-
-# Enough for any strided view against a contiguous cache; beyond it np.shares_memory gives up.
-_OVERLAP_WORK = 100_000
 
 
 def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_table: np.ndarray | None,

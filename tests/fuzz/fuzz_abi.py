@@ -389,10 +389,35 @@ GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": 
 # --------------------------------------------------------------- mutations
 
 
+def kind_alias(case: Case, rng: np.random.Generator, chosen: bool) -> bool:
+    """When `chosen`: an output (out, lse, tmp, a cache the append writes)
+    and another argument (an input or a table) made to share one buffer, the
+    smaller one's claim inside the larger one's bytes: the library must
+    refuse it, naming both. Returns whether a mutation was made."""
+    if not chosen:
+        return False
+    outs = sorted(n for n, t in case.tensors.items() if t.role != "in" and t.buf is not None)
+    others = sorted(n for n, t in case.tensors.items() if t.role == "in" and t.buf is not None)
+    if not outs or not others:
+        return False
+    o, x = case.tensors[str(rng.choice(outs))], case.tensors[str(rng.choice(others))]
+    small, big = (x, o) if x.buf.n <= o.buf.n else (o, x)
+    if small.buf.n == 0:
+        return False
+    big.buf.raw[G:G + small.buf.n] = small.buf.mid()  # the smaller one's bytes, now inside the larger buffer
+    big.buf.snap[:] = big.buf.raw
+    small.buf = big.buf
+    case.mutations.append(f"alias:{[n for n, t in case.tensors.items() if t is o][0]}~"
+                          f"{[n for n, t in case.tensors.items() if t is x][0]}")
+    return True
+
+
 def mutate(case: Case, rng: np.random.Generator) -> None:
-    kinds = ["tensor"] * 6 + ["opts"] * 2 + ["registry"]
+    kinds = ["tensor"] * 6 + ["opts"] * 2 + ["registry", "alias"]
     if case.op in ("blk_byte_len", "alloc_blk"):
         return  # already extreme scalars
+    if kind_alias(case, rng, rng.choice(kinds) == "alias"):
+        return
     if case.op == "blk":
         kinds += ["arg"]
     kind = rng.choice(kinds)
@@ -733,6 +758,9 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
             assert b.unchanged(), f"{n} modified by a failed call: {ctx}"
         return
     assert status == 0
+    # (Another mutation may leave nothing to write, e.g. an empty out.)
+    assert not (case.mutations and all(m.startswith("alias:") for m in case.mutations)), \
+        f"an output sharing memory was accepted: {ctx}"
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
         assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in prefill_dims(), ctx

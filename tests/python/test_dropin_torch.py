@@ -149,5 +149,8 @@ def test_numpy_in_numpy_out_and_errors(cpu, gen):
     with pytest.raises(ValueError, match="dropout_p must be 0.0"):
         fm.scaled_dot_product_attention(q, q, q, None, 0.5, registry=cpu)
     g = rand((1, 2, 4, 64), torch.float32, gen).requires_grad_()
-    out = fm.scaled_dot_product_attention(g, g, g, registry=cpu)  # read through .detach()
+    with pytest.raises(ValueError, match="query requires grad in grad mode"):  # no backward: never a silent cut
+        fm.scaled_dot_product_attention(g, g, g, registry=cpu)
+    with torch.no_grad():
+        out = fm.scaled_dot_product_attention(g, g, g, registry=cpu)
     assert not out.requires_grad

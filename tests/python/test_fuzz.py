@@ -177,7 +177,7 @@ s = lib.fm_dispatch_vec(reg, q, k, k, ffi.NULL, ffi.NULL, q, o, err)
 print(s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode())
 """)
     assert p.returncode == 0, p.stderr[-1500:]
-    assert p.stdout.startswith("1 flash_attn_vec: cannot allocate"), p.stdout
+    assert p.stdout.startswith("3 flash_attn_vec: cannot allocate"), p.stdout  # FM_ERROR_BACKEND
 
 
 def test_alloc_blk_names_its_op():
@@ -439,7 +439,7 @@ def test_mask_blk_api(cpu, ql, kl, causal, window, q_off, dt, d):
 
 @pytest.mark.slow
 @FUZZ
-@given(dt=st.sampled_from([BF16, F16, F32]), d=st.sampled_from([64, 128, 512]), ql=st.integers(1, 20),
+@given(dt=st.sampled_from([BF16, F16, F32]), d=st.sampled_from([64, 128, 512]), ql=st.integers(0, 20),
        kl=st.integers(1, 40), is_causal=st.booleans(), window=st.one_of(st.none(), st.integers(1, 40)),
        mask=st.sampled_from([None, "add", "bool"]), softcap=st.sampled_from([0.0, 5.0]),
        kv_len=st.one_of(st.none(), st.integers(0, 42)), seed=st.integers(0, 2**32 - 1))
@@ -457,6 +457,9 @@ def test_front_door_api(cpu, dt, d, ql, kl, is_causal, window, mask, softcap, kv
                                                        registry=cpu),
                [x for x in (q, k, v, m) if x is not None], None, OPS)
     if res is None:
+        return
+    if ql == 0:  # no query row: an empty result of q's shape, as torch's
+        assert res.shape == q.shape and res.dtype == q.dtype
         return
     mm = None if m is None else (m if m.dtype == np.bool_ else m.astype(np.float64))
     e = reference.attention(q, k[:, :, :L], v[:, :, :L], causal=is_causal, q_offset=L - ql, mask=mm,

@@ -20,7 +20,8 @@ OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
 
 MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
-            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk"]
+            "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
+            "out_over_seqlens", "shared_slot"]  # the last two: a crash, or last-writer-wins, before
 
 
 @st.composite
@@ -91,6 +92,9 @@ def _kvcache(c, rng):
             table = _bad_table(table, rng, num_pages, [n + n_new for n in lens], ps)
         elif c["bad"] == "table_short" and per > 1:
             table = np.ascontiguousarray(table[:, :per - 1])
+        elif c["bad"] == "shared_slot" and n_new and b > 1:
+            lens = [lens[0]] * b  # every sequence appends at the same rows of the same pages
+            table[1:] = table[0]
     else:
         cap = max(lens) + n_new + 1
         kc, vc = base._values(rng, (b, cap, hkv, d), dt), base._values(rng, (b, cap, hkv, d), dt)
@@ -134,15 +138,23 @@ def test_serving_api(cpu, c, seed):
             _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
         return
     q, kc, vc, new, seqlens, table = _kvcache(c, rng)
+    out = None
+    refused = c["bad"] == "shared_slot" and new is not None and c["b"] > 1 and table is not None
+    if c["bad"] == "out_over_seqlens":  # the lengths live in out's first bytes
+        out = np.empty(q.shape, q.dtype)
+        held = out.reshape(-1).view(np.uint8)[:4 * seqlens.size].view(np.int32)
+        held[:] = seqlens
+        seqlens, refused = held, True
     watched = [q, seqlens] + ([] if table is None else [table]) + ([] if new is None else list(new))
     before_k, before_v = np.array(kc, copy=True), np.array(vc, copy=True)
     args = () if new is None else new
     try:
         res = base._run(lambda: fm.flash_attn_with_kvcache(q, kc, vc, *args, cache_seqlens=seqlens,
-                                                           block_table=table, return_softmax_lse=True,
+                                                           block_table=table, return_softmax_lse=True, out=out,
                                                            registry=cpu, **kw), watched, None, OPS)
     except NotImplementedError:
         raise AssertionError("an UnsupportedFeatureError for a supported call") from None
+    assert not (refused and res is not None), f"a {c['bad']} call was accepted"
     if res is None:
         assert kc.tobytes() == before_k.tobytes() and vc.tobytes() == before_v.tobytes(), \
             "a failed call modified the caches"

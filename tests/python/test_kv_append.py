@@ -137,8 +137,10 @@ def _kv_buffer(rng, lead=2):
 def test_overlapping_caches_and_rows_are_refused_cpu(rng):
     """The append writes k_cache and v_cache while reading k/v: the same array,
     two overlapping views of one buffer, or new rows that live inside a cache
-    are a ValueError naming flash_attn_with_kvcache and both arguments, and
-    nothing is written. Adjacent, disjoint views of one buffer are fine."""
+    are a ValueError naming flash_attn_with_kvcache and both arguments (the
+    library's check), and nothing is written. Adjacent, disjoint views of one
+    buffer are fine, and so is a strided k/v view into a cache: it is copied
+    before the append, which then writes the values it held before the call."""
     buf = _kv_buffer(rng, 3)
     flat = buf.reshape(-1)
     q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
@@ -151,8 +153,6 @@ def test_overlapping_caches_and_rows_are_refused_cpu(rng):
         ((flat[:buf[0].size].reshape(buf[0].shape), flat[64:64 + buf[0].size].reshape(buf[0].shape), kn, vn),
          "k_cache and v_cache"),
         ((buf[0], buf[1], inside, vn), "k_cache and k"),
-        ((buf[0], buf[1], kn, buf[1][:, 4:5]), "v_cache and v"),  # a strided view into v_cache
-        ((buf[0], buf[1], kn, buf[0][:, ::16]), "k_cache and v"),
     ]
     for (kc, vc, k, v), names in cases:
         before = buf.copy()
@@ -164,6 +164,12 @@ def test_overlapping_caches_and_rows_are_refused_cpu(rng):
     fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, registry="cpu")
     assert_bits_equal(buf[0], want_k, "adjacent caches of one buffer: k_cache")
     assert_bits_equal(buf[1], want_v, "adjacent caches of one buffer: v_cache")
+    for v_view in (buf[1][:, 4:5], buf[0][:, ::16]):  # strided views into a cache: copied first
+        before_v = v_view.copy()
+        want_k, want_v = expected(buf[0], kn, lens), expected(buf[1], before_v, lens)
+        fm.flash_attn_with_kvcache(q, buf[0], buf[1], kn, v_view, cache_seqlens=lens, registry="cpu")
+        assert_bits_equal(buf[0], want_k, "strided v view: k_cache")
+        assert_bits_equal(buf[1], want_v, "strided v view: v_cache holds the view's values from before the call")
 
 
 def test_overlapping_torch_caches_are_refused_cpu(rng):
@@ -173,7 +179,7 @@ def test_overlapping_torch_caches_are_refused_cpu(rng):
     kn, vn = torch.randn(2, 1, 2, 64).half(), torch.randn(2, 1, 2, 64).half()
     lens = torch.tensor([3, 7], dtype=torch.int32)
     for args, names in (((buf[0], buf[0], kn, vn), "k_cache and v_cache"),
-                        ((buf[0], buf[1], buf[0][:, 9:10], vn), "k_cache and k"),
+                        ((buf[0], buf[1], buf[0].view(-1)[:kn.numel()].view(kn.shape), vn), "k_cache and k"),
                         ((buf[0], buf[1], kn, buf[1].view(-1)[:kn.numel()].view(kn.shape)), "v_cache and v")):
         before = buf.clone()
         with pytest.raises(ValueError, match=rf"^flash_attn_with_kvcache: {names} overlap in memory"):
@@ -193,6 +199,7 @@ def test_c_abi_refuses_overlap(registry, rng):
     lens = np.array([3, 7], np.int32)
     rows_in_v = flat[buf[0].size + 64: buf[0].size + 64 + kn.size].reshape(kn.shape)
     lens_in_k = flat[: 4].view(np.int32)  # two int32 over k_cache's first bytes
+    lens_in_k[:] = lens  # valid lengths: only the overlap is wrong
     before = buf.copy()
     for (k, v, kc, vc, sl), names in (((kn, vn, buf[0], buf[0], lens), "k_cache and v_cache"),
                                       ((rows_in_v, vn, buf[0], buf[1], lens), "v_cache and k_new"),

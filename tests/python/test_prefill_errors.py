@@ -53,11 +53,10 @@ def test_shapes(cpu, rng, qkv):
     raises(ValueError, "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 100", fm.flash_attn_prefill,
            randn(rng, (1, 4, 8, 100), BF16), randn(rng, (1, 2, 16, 100), BF16),
            randn(rng, (1, 2, 16, 100), BF16), registry=cpu)
-    raises(ValueError, "q_len must be > 0", fm.flash_attn_prefill, q[:, :, :0], k, v, registry=cpu)
     raises(ValueError, "the K/V capacity must be > 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
            registry=cpu)
-    raises(ValueError, "n_heads must be > 0", fm.flash_attn_prefill, q[:, :0], k, v, registry=cpu)
-    raises(ValueError, "batch must be > 0", fm.flash_attn_prefill, q[:0], k[:0], v[:0], registry=cpu)
+    # No query row, head or sequence: an empty result (test_robust_reports.py).
+    assert fm.flash_attn_prefill(q[:, :, :0], k, v, registry=cpu).shape == q[:, :, :0].shape
     raises(ValueError, "out shape (1, 4, 8, 32) must be (1, 4, 8, 64)", fm.flash_attn_prefill, q, k, v, out=np.zeros((1, 4, 8, 32), BF16), registry=cpu)
 
 

@@ -61,7 +61,7 @@ final class ScratchLifetimeTests: XCTestCase {
         try r.beginBatch()
         try r.withScratch(op: "test", bytes: 64) { tmp in
             try r.run([Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
-                                bindings: [0: .buffer(tmp)])])
+                                bindings: [0: .buffer(tmp)])], op: "test")
         }
         XCTAssertEqual(backend.pending.count, 1)
         try r.endBatch()  // writes into the scratch: must still be allocated (ASan would catch it)
@@ -102,7 +102,7 @@ final class ScratchLifetimeTests: XCTestCase {
         try r.beginBatch()
         try r.withScratch(op: "test", bytes: 64) { tmp in
             try r.run([Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
-                                bindings: [0: .buffer(tmp)])])
+                                bindings: [0: .buffer(tmp)])], op: "test")
         }
         XCTAssertEqual(r.deferredScratchCount, 1)
         try r.close()

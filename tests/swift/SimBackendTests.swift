@@ -33,7 +33,7 @@ final class SimBackendTests: XCTestCase {
                 try output.withUnsafeMutableBufferPointer { op in
                     let d = selftestDispatch(rows: rows, n: n, threads: threads, input: ip.baseAddress!,
                                              output: op.baseAddress!, constants: FunctionConstants([(700, .int(3))]))
-                    try registry.run([d])
+                    try registry.run([d], op: "test")
                 }
             }
             for r in 0..<rows {
@@ -51,7 +51,7 @@ final class SimBackendTests: XCTestCase {
         XCTAssertThrowsError(try input.withUnsafeMutableBufferPointer { ip in
             try output.withUnsafeMutableBufferPointer { op in
                 try registry.run([selftestDispatch(rows: 1, n: 64, threads: 32, input: ip.baseAddress!,
-                                                   output: op.baseAddress!, constants: FunctionConstants())])
+                                                   output: op.baseAddress!, constants: FunctionConstants())], op: "test")
             }
         }) { error in
             guard let e = error as? FlashMetalError else { return XCTFail("not a FlashMetalError: \(error)") }
@@ -68,13 +68,13 @@ final class SimBackendTests: XCTestCase {
         let t = TensorRef(data: out, byteCount: 16, dtype: .f32, shape: [4])
         let bad = Dispatch(kernel: .simSelftest, constants: FunctionConstants([(700, .int(1))]),
                            grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1), bindings: [40: .buffer(t)])
-        XCTAssertThrowsError(try registry.run([bad])) { error in
+        XCTAssertThrowsError(try registry.run([bad], op: "test")) { error in
             XCTAssertTrue("\(error)".contains("out of range"), "\(error)")
         }
         let big = Dispatch(kernel: .simSelftest, constants: FunctionConstants([(700, .int(1))]),
                            grid: Size3(1, 1, 1), threadgroup: Size3(32, 1, 1), bindings: [1: .buffer(t)],
                            threadgroupMemory: [0: 40000])
-        XCTAssertThrowsError(try registry.run([big])) { error in
+        XCTAssertThrowsError(try registry.run([big], op: "test")) { error in
             XCTAssertTrue("\(error)".contains("32 KiB"), "\(error)")
         }
     }

@@ -129,7 +129,7 @@ final class VecSeqDispatcherTests: XCTestCase {
         o.softcap = -1
         expectFMError(op, contains: "softcap must be 0 (off)") { _ = try dispatches(Case(), o) }
         o.softcap = 0; o.windowLeft = -2
-        expectFMError(op, contains: "window_size must be") { _ = try dispatches(Case(), o) }
+        expectFMError(op, contains: "window_size[0] must be -1 (unbounded) or >= 0") { _ = try dispatches(Case(), o) }
     }
 
     func testOptionsFromC() throws {
@@ -137,7 +137,7 @@ final class VecSeqDispatcherTests: XCTestCase {
         c.scale = 1; c.causal = 2
         expectFMError(VecSeqDispatcher.op, contains: "causal must be 0 or 1, got 2") { _ = try VecSeqOptions(c) }
         c.causal = 1; c.window_left = -2
-        expectFMError(VecSeqDispatcher.op, contains: "window_left must be >= -1") { _ = try VecSeqOptions(c) }
+        expectFMError(VecSeqDispatcher.op, contains: "window_size[0] must be -1 (unbounded) or >= 0, got -2") { _ = try VecSeqOptions(c) }
         c.window_left = 0; c.window_right = -1
         let o = try VecSeqOptions(c)
         XCTAssertEqual(o.windowLeft, 0)

@@ -619,7 +619,23 @@ int fm_dispatch_prefill(FMRegistry *registry, const FMTensor *q, const FMTensor 
                         const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
                         const FMTensor *out, const FMPrefillOptions *options,
                         FMError *err);
+/* fm_dispatch_prefill with per-head sink logits: sinks float32 [H] (or
+ * NULL) joins each head's softmax denominators without a value, beside the
+ * mask, causal and window (gpt-oss). */
+int fm_dispatch_prefill_sinks(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
+                              const FMTensor *v, const FMTensor *mask, const FMTensor *blk,
+                              const FMTensor *sinks, const FMTensor *out,
+                              const FMPrefillOptions *options, FMError *err);
 const char *fm_version(void);
+/* Threads the cpu backend's worker pool uses, the caller included: what the
+ * pool decided (FLASHMETAL_NUM_THREADS as the pool reads it, else the
+ * online CPUs). */
+int32_t fm_num_threads(void);
+/* SIGINT cuts short a call only in the process's main thread (where Python
+ * raises KeyboardInterrupt; the call returns FM_ERROR_INTERRUPTED), and only
+ * while enabled: 1 enables, 0 disables; returns the previous setting.
+ * FLASHMETAL_INTERRUPT=0 starts disabled. */
+int32_t fm_set_interrupt(int32_t enabled);
 /* blk tile-skip pre-pass. (BQ, BK) come from the head dim of the
  * prefill that will consume the blk. Byte length: ceil(qL/BQ)*ceil(kL/BK)
  * rounded up to a multiple of 32, at least 32. */

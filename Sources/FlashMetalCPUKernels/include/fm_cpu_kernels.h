@@ -46,6 +46,8 @@ typedef struct FMPrefillArgs {
     int32_t bq;         /* tile geometry of the dispatch */
     int32_t bk;
     FMPrefillSeq seq;   /* zeroed: none of the serving extension */
+    int64_t panel_blocks; /* fast path: key blocks packed per (sequence, kv head),
+                             fm_cpu_prefill_panel_blocks; set by the driver */
 } FMPrefillArgs;
 
 /* Rows of sequence b (AttnParams.qL outside per-sequence mode). */
@@ -88,13 +90,22 @@ int64_t fm_atomic_fetch_add_i64(int64_t *p, int64_t v);
  * and key blocks start at absolute multiples of FM_PF_KB, so results do not
  * depend on the item split, the thread count or the dispatch's q offset. */
 #define FM_PF_KB 64
-/* Bytes of packed K+V for one (b, kv head); 0: no fast path for this call. */
+/* Whether the fast path covers this call on `isa` (head dim, dtype, ISA). */
+int fm_cpu_prefill_fast_covers(const FMPrefillArgs *a, int isa);
+/* Key blocks the panels of one (b, kv head) hold: only blocks some row of
+ * the sequence sees (its rows' visible ranges: length, causal, window), the
+ * most over the dispatch's sequences. Set a->panel_blocks to it before
+ * asking for pack bytes, packing or running items. */
+int64_t fm_cpu_prefill_panel_blocks(const FMPrefillArgs *a);
+/* Bytes of packed K+V for one (b, kv head): a->panel_blocks panels; 0 when
+ * the fast path does not cover the call. */
 size_t fm_cpu_prefill_pack_bytes(const FMPrefillArgs *a, int isa);
 int32_t fm_cpu_prefill_item_rows(int isa);
-/* Packs key block kb (FM_PF_KB keys) of (b, kvh) into `packed` (gathered
- * through the block table when paged); a block no row of sequence b can see
- * is left unpacked (no item reads it). */
-void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t kb,
+/* Packs the j-th visible key block (FM_PF_KB keys) of (b, kvh) into
+ * `packed` (gathered through the block table when paged); j past the
+ * sequence's visible blocks, or a block no row sees, is left unpacked (no
+ * item reads it). */
+void fm_cpu_prefill_pack(const FMPrefillArgs *a, int isa, int64_t b, int64_t kvh, int64_t j,
                          void *packed);
 /* Floats of scratch one fast work item needs. */
 size_t fm_cpu_prefill_fast_scratch_floats(const FMPrefillArgs *a, int isa);

@@ -32,8 +32,13 @@ FM_RUNTIME_API int32_t fm_pool_started_threads(void);
  * fm_interrupt_pending() between units of work, and disarms on return. It
  * is installed only over a handler that is a function (never over SIG_DFL
  * or SIG_IGN), and put back when someone (signal.signal) replaced it. */
+/* Only the process's main thread (where Python raises KeyboardInterrupt) is
+ * ever armed, and only while interruption is enabled: FLASHMETAL_INTERRUPT=0
+ * turns it off at start, fm_interrupt_set_enabled at any time. */
 /* Arms the calling thread; returns the previous arming for fm_interrupt_disarm. */
 FM_RUNTIME_API uint64_t fm_interrupt_arm(void);
+/* Enables (1) or disables (0) interruption; returns the previous setting. */
+FM_RUNTIME_API int fm_interrupt_set_enabled(int enabled);
 FM_RUNTIME_API void fm_interrupt_disarm(uint64_t previous);
 /* 1 when a SIGINT arrived since the calling thread was armed. */
 FM_RUNTIME_API int fm_interrupt_pending(void);

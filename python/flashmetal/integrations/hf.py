@@ -9,7 +9,9 @@ name contains "flash" as flash-attention (its masks and packed-sequence
 paths) and one containing "sdpa" as torch's sdpa. Masks come from transformers'
 sdpa mask builder (bool ``[B, 1, qL, kL]``, the sliding window and padding
 included, or None for a plain causal block), so the window of Gemma-2's
-local layers arrives in the mask; the logit softcap arrives as ``softcap``.
+local layers arrives in the mask; the logit softcap arrives as ``softcap``,
+gpt-oss's attention sinks as ``s_aux`` (applied beside the mask). What the
+backend cannot honour (dropout, a head mask) is an error, never dropped.
 GQA heads are not repeated: the kernels read the shared K/V heads.
 """
 from __future__ import annotations
@@ -27,11 +29,14 @@ NAME = "fm_attention"
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, softcap: float | None = None,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: q ``[B, H, qL, D]``, k/v
-    ``[B, Hkv, kL, D]``; returns ``([B, qL, H, D], None)``."""
+    ``[B, Hkv, kL, D]``; returns ``([B, qL, H, D], None)``. ``s_aux``: the
+    per-head sink logits ``[H]`` (gpt-oss)."""
     if dropout:
         raise InvalidValueError(NAME, f"dropout ({dropout}) is not supported (call model.eval())")
+    if kwargs.get("head_mask") is not None:
+        raise InvalidValueError(NAME, "head_mask is not supported")
     q_len = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -41,7 +46,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = _sdpa_op(query, key, value, attention_mask, is_causal=causal, scale=scaling,
-                   enable_gqa=key.shape[1] != query.shape[1], softcap=float(softcap or 0.0))
+                   enable_gqa=key.shape[1] != query.shape[1], softcap=float(softcap or 0.0), sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
