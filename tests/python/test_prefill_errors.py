@@ -55,7 +55,7 @@ def test_shapes(cpu, rng, qkv):
            randn(rng, (1, 2, 16, 100), BF16), registry=cpu)
     raises(ValueError, "the K/V capacity must be > 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
            registry=cpu)
-    # No query row, head or sequence: an empty result (test_robust_reports.py).
+    # No query row, head or sequence: an empty result (test_reports.py).
     assert fm.flash_attn_prefill(q[:, :, :0], k, v, registry=cpu).shape == q[:, :, :0].shape
     raises(ValueError, "out shape (1, 4, 8, 32) must be (1, 4, 8, 64)", fm.flash_attn_prefill, q, k, v, out=np.zeros((1, 4, 8, 32), BF16), registry=cpu)
 

@@ -15,7 +15,7 @@ import pytest
 import flashmetal as fm
 from conftest import BACKENDS
 from numerics import F16, assert_bits_equal, randn
-from robust_run import run_python
+from subprocess_run import run_python
 from serving_native import KV_APPEND_OP, kv_append
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))

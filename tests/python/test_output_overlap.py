@@ -11,7 +11,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import _native
 from numerics import F16, F32, assert_bits_equal, randn
-from robust_run import run_python
+from subprocess_run import run_python
 from serving_native import VEC_SEQ_OP, tensor
 
 

@@ -12,7 +12,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import F16, F32, assert_close, randn
-from robust_run import run_python
+from subprocess_run import run_python
 
 
 def test_one_window_rule_for_both_kvcache_routes(registry, rng):

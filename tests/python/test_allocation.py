@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from robust_run import run_python
+from subprocess_run import run_python
 
 # A paged cache whose one sequence has 2^31 - 1 keys on two alternating
 # pages of 2^16 keys, q rows at its end; `window` and the reference over the
