@@ -28,7 +28,7 @@ import numpy as np
 
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
-from ._errors import Error, InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._serving_args import flag, no_dropout, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode

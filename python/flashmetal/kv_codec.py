@@ -68,7 +68,7 @@ class KVCodec:
     def __hash__(self) -> int:
         return hash((self.head_dim, self.bits, self.seed))
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its arguments (the cffi struct it holds is not picklable).
         return (_codec, (self.head_dim, self.bits, self.seed))
 
@@ -76,7 +76,7 @@ class KVCodec:
         """Bytes one row (one token of one kv head) takes: codes and norms."""
         return self.row_bytes + 4 * self.num_blocks
 
-    def encode(self, x: ArrayLike, *, registry: RegistryLike = None) -> "QuantizedKV":
+    def encode(self, x: ArrayLike, *, registry: RegistryLike = None) -> QuantizedKV:
         """Encodes ``x`` ``[..., head_dim]`` (bfloat16, float16 or float32) into
         a new QuantizedKV of shape ``x.shape[:-1]``."""
         reg = resolve(registry, _ENCODE)
@@ -89,7 +89,7 @@ class KVCodec:
                      tensor(ffi, norms), op=_ENCODE, keep=(xa, codes, norms))
         return QuantizedKV(self, codes, norms)
 
-    def empty(self, shape: Any) -> "QuantizedKV":
+    def empty(self, shape: Any) -> QuantizedKV:
         """Zeroed storage of leading shape ``shape`` (a cache ``[B, capacity,
         Hkv]`` or a paged one ``[num_pages, page_size, Hkv]``); every row
         dequantizes to zeros until written."""

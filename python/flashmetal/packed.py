@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 from numpy.typing import ArrayLike

@@ -48,7 +48,7 @@ def hadamard(n: int) -> np.ndarray:
     h = np.ones((1, 1))
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
+    return np.asarray(h / np.sqrt(n))
 
 
 def row_bytes(head_dim: int, bits: int) -> int:
@@ -65,7 +65,7 @@ def rotate(x: np.ndarray, seed: int) -> np.ndarray:
     """y = Ĥ(s ⊙ x) per block, float64 [..., num_blocks, n]."""
     d = x.shape[-1]
     xb = _blocks(np.asarray(x, np.float64) * signs(seed, d), d)
-    return xb @ hadamard(BLOCKS[d]).T
+    return np.asarray(xb @ hadamard(BLOCKS[d]).T)
 
 
 def encode(x: np.ndarray, bits: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -88,7 +88,7 @@ def decode(codes: np.ndarray, norms: np.ndarray, bits: int, seed: int) -> np.nda
     n = BLOCKS[d]
     centroids, _, _ = design(bits)
     w = _blocks(centroids[codes], d) * (np.asarray(norms, np.float64)[..., None] / np.sqrt(n))
-    return (w @ hadamard(n)).reshape(codes.shape) * signs(seed, d)
+    return np.asarray((w @ hadamard(n)).reshape(codes.shape) * signs(seed, d))
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -106,4 +106,4 @@ def unpack(packed: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
     """int64 codes [..., head_dim] of packed rows (the inverse of pack)."""
     stream = np.unpackbits(packed, axis=-1, bitorder="little")[..., :head_dim * bits]
     planes = stream.reshape(packed.shape[:-1] + (head_dim, bits)).astype(np.int64)
-    return (planes << np.arange(bits)).sum(axis=-1)
+    return np.asarray((planes << np.arange(bits)).sum(axis=-1))

@@ -96,11 +96,12 @@ class Registry:
         nbytes = count * dt.itemsize
         if nbytes > 2**62:
             raise InvalidValueError(op, f"shape {dims} of {dt} needs {nbytes} bytes, more than any allocation")
-        ffi, lib = _native.ffi(), _native.lib()
+        ffi, _lib = _native.ffi(), _native.lib()
         out = ffi.new("void **")
         _native.call_static("fm_alloc_host", max(nbytes, 1), out, op=op)
         ptr = ffi.gc(out[0], _free_host)
-        return np.frombuffer(ffi.buffer(ptr, max(nbytes, 1)), dtype=np.uint8)[:nbytes].view(dt).reshape(dims)
+        arr: np.ndarray = np.frombuffer(ffi.buffer(ptr, max(nbytes, 1)), dtype=np.uint8)[:nbytes].view(dt).reshape(dims)
+        return arr
 
     def metal_counters(self) -> dict[str, int]:
         """The metal-sim runtime's counters (process-wide, since the library
@@ -196,7 +197,8 @@ def metal_sim_last_violation() -> str:
     ffi = _native.ffi()
     buf = ffi.new("char[]", 2048)
     _native.lib().fm_metal_sim_last_violation(buf, 2048)
-    return ffi.string(buf).decode(errors="replace")
+    text: str = ffi.string(buf).decode(errors="replace")
+    return text
 
 
 _defaults: dict[str, Registry] = {}

@@ -29,7 +29,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import Error, InvalidTypeError, InvalidValueError
+from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve

@@ -4,7 +4,6 @@ scaled_dot_product_attention named after it, and empty batches (B, H or qL
 of 0) returning empty results as torch does."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest

@@ -391,7 +391,7 @@ final class MetalSimRuntimeTests: XCTestCase {
             let enc = cb.makeComputeCommandEncoder(dispatchType: type)!
             reduce(enc, pso, input, mid, rows: 2, n: 2)  // mid = [3, 7]
             if barrier { enc.memoryBarrier(scope: .buffers) }
-            reduce(enc, pso, mid, out, rows: 1, n: 2)    // out = 10
+            reduce(enc, pso, mid, out, rows: 1, n: 2)  // out = 10
             enc.endEncoding()
             cb.commit()
             XCTAssertEqual(cb.status, .completed)

@@ -132,7 +132,7 @@ final class SimCommandBuffer: MTLCommandBuffer {
         guard p.dispatchType == .concurrent else { return groups.flatMap { $0 } }
         let order = getenv("FLASHMETAL_METAL_SIM_ORDER").map { String(cString: $0) } ?? "reverse"
         if order.hasPrefix("shuffle:"), var seed = UInt64(order.dropFirst(8)) {
-            seed = seed == 0 ? 0x9E3779B97F4A7C15 : seed
+            seed = seed == 0 ? 0x9E37_79B9_7F4A_7C15 : seed
             return groups.flatMap { g -> [Pass.Recorded] in
                 var g = g
                 for i in stride(from: g.count - 1, to: 0, by: -1) {

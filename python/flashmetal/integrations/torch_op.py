@@ -6,6 +6,8 @@ this module registers the op; it needs torch.
 """
 from __future__ import annotations
 
+from typing import Any
+
 
 import torch
 
@@ -36,14 +38,14 @@ def _sdpa_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-def _refuse_grad(ctx, inputs, output):
+def _refuse_grad(ctx: Any, inputs: Any, output: Any) -> None:
     # torch calls this only when an input requires grad in grad mode: there
     # is no backward, so the call is refused rather than cut from the graph.
     raise InvalidValueError(OP_NAME, "an input requires grad in grad mode, but flashmetal has no backward pass: "
                             "call it under torch.no_grad() or torch.inference_mode()")
 
 
-def _no_backward(ctx, grad):  # never reached: _refuse_grad refuses first
+def _no_backward(ctx: Any, grad: Any) -> Any:  # never reached: _refuse_grad refuses first
     raise InvalidValueError(OP_NAME, "flashmetal has no backward pass")
 
 
