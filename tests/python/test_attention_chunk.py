@@ -12,7 +12,8 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, assert_bits_equal, randn
-from serving_cases import BK, assert_out_lse, cu, paged, qkv, with_sinks
+from numerics import qkv_of_shapes as qkv
+from serving_cases import BK, assert_out_lse, cu, paged, with_sinks
 
 FEATURES = {
     "plain": {},

@@ -35,18 +35,18 @@ final class MetalSimBackendTests: XCTestCase {
         XCTAssertEqual(registry.backend.name, "metal-sim")
         var input = (0..<40).map(Float.init), output = [Float](repeating: 0, count: 4)
         let c0 = MetalSim.counters
-        try registry.run([])
+        try registry.run([], op: "test")
         XCTAssertEqual(MetalSim.counters, c0, "an empty dispatch list makes no command buffer")
         try input.withUnsafeMutableBufferPointer { ip in
             try output.withUnsafeMutableBufferPointer { op in
-                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)])
+                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)], op: "test")
                 let c1 = MetalSim.counters
                 XCTAssertEqual(c1.commandBuffers - c0.commandBuffers, 1)
                 XCTAssertEqual(c1.liveCommandBuffers, c0.liveCommandBuffers, "released when the call returned")
                 try registry.beginBatch()
-                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)])
-                try registry.run([])
-                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)])
+                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)], op: "test")
+                try registry.run([], op: "test")
+                try registry.run([selftest(ip.baseAddress!, op.baseAddress!, rows: 4, n: 10)], op: "test")
                 XCTAssertEqual(MetalSim.counters.liveCommandBuffers, c0.liveCommandBuffers + 1, "the batch's")
                 try registry.endBatch()
                 let c2 = MetalSim.counters
@@ -90,10 +90,10 @@ final class MetalSimBackendTests: XCTestCase {
         let ip = input.base.assumingMemoryBound(to: Float.self), op = output.base.assumingMemoryBound(to: Float.self)
         for i in 0..<n { ip[i] = 1 }
         let c0 = MetalSim.counters
-        try registry.run([selftest(ip, op, rows: 4, n: n / 4)])
+        try registry.run([selftest(ip, op, rows: 4, n: n / 4)], op: "test")
         let c1 = MetalSim.counters
         XCTAssertEqual(c1.bytesWrapped - c0.bytesWrapped, input.length + output.length)
-        for _ in 0..<3 { try registry.run([selftest(ip, op, rows: 4, n: n / 4)]) }
+        for _ in 0..<3 { try registry.run([selftest(ip, op, rows: 4, n: n / 4)], op: "test") }
         let c2 = MetalSim.counters
         XCTAssertEqual(c2.bytesWrapped, c1.bytesWrapped, "wrapped once")
         XCTAssertEqual(c2.bytesCopiedIn, c0.bytesCopiedIn)
