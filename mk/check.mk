@@ -17,7 +17,7 @@ C_FORMAT_FILES = $(shell find Sources Resources tests \( -name '*.c' -o -name '*
 	-not -path 'tests/mac/stand-ins/*' | sort)
 TEST_SUMMARY := .build/test-summary.txt
 
-.PHONY: check quick lint-deps $(CHECK_STAGES)
+.PHONY: check quick lint-deps test-plan $(CHECK_STAGES)
 
 check: $(CHECK_STAGES)
 
@@ -47,6 +47,14 @@ format-c: lint-deps
 # is non-zero when any stage failed. A failed build stops the run. Before it,
 # tests/summary.py names where it ran and the backends the numeric tests used.
 TEST_STAGES = all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS) $(CHECK_STAGES)
+
+# `make -n test-plan` prints every command of every stage of `make test`
+# without running any (mk/mac-plan.mk's dry run reads it): `make -n test`
+# would run test's recipe, since it calls $(MAKE).
+.SECONDEXPANSION:
+test-plan: $$(TEST_STAGES)
+	$(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $(TEST_STAGES)
+	$(PYTHON) mk/stage_counts.py --total $(TEST_SUMMARY)
 
 test:
 	@mkdir -p .build; rm -f $(TEST_SUMMARY); status=0; \

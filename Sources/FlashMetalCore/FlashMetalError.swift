@@ -52,6 +52,12 @@ public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
         }
     }
 
+    /// A backend failure (FM_ERROR_BACKEND) of a public op, such as memory
+    /// the machine cannot give it.
+    public static func backend(_ op: String, _ what: String) -> FlashMetalError {
+        FlashMetalError(FM_ERROR_BACKEND, op: op, argument: "", what: what)
+    }
+
     /// A backend could not be created or failed to run a kernel.
     public static func backend(_ what: String) -> FlashMetalError {
         FlashMetalError(FM_ERROR_BACKEND, what)

@@ -13,11 +13,11 @@ public enum HostMemory {
     public static func allocate(count: Int, stride: Int, op: String, what: String) throws -> UnsafeMutableRawPointer {
         let (bytes, overflow) = count.multipliedReportingOverflow(by: stride)
         guard !overflow, count >= 0, stride >= 0 else {
-            throw FlashMetalError.backend("\(op): cannot allocate \(count) x \(stride) bytes of \(what) (too large)")
+            throw FlashMetalError.backend(op, "cannot allocate \(count) x \(stride) bytes of \(what) (too large)")
         }
         var p: UnsafeMutableRawPointer? = nil
         guard posix_memalign(&p, 64, max(bytes, 1)) == 0, let p else {
-            throw FlashMetalError.backend("\(op): cannot allocate \(bytes) bytes of \(what)")
+            throw FlashMetalError.backend(op, "cannot allocate \(bytes) bytes of \(what)")
         }
         return p
     }

@@ -140,7 +140,7 @@ public final class Registry: @unchecked Sendable {
     private func withOwnedMemory(op: String, bytes: Int, what: String,
                                  _ body: (UnsafeMutableRawPointer) throws -> Void) throws {
         guard bytes >= 0, let p = malloc(max(bytes, 1)) else {
-            throw FlashMetalError.backend("\(op): cannot allocate \(bytes) bytes of \(what)")
+            throw FlashMetalError.backend(op, "cannot allocate \(bytes) bytes of \(what)")
         }
         defer {
             let keep = backend.defersWork && lock.withLock {

@@ -2,8 +2,8 @@
 """plan_check.py — `make test` as an Apple-silicon Mac plans it, checked for
 commands that exist only on Linux.
 
-Runs `make -n -B test UNAME=Darwin ARCH=arm64` (every recipe printed, none
-run, as on a clean clone) with a stand-in `uname` answering Darwin / arm64
+Runs `make -n -B test-plan UNAME=Darwin ARCH=arm64` (every stage of `make
+test` as a prerequisite, every recipe printed, none run, as on a clean clone) with a stand-in `uname` answering Darwin / arm64
 first on PATH, and fails on any planned line that a Mac cannot run: Debian's
 package tools, qemu, ELF-only tools and checks, Linux targets, sysroots and
 paths, ELF shared objects. It also fails unless the plan builds and tests the
@@ -79,7 +79,7 @@ def plan(os_name: str = "Darwin", arch: str = "arm64", extra_makefile: str | Non
             planted = Path(tmp, "planted.mk")
             planted.write_text(extra_makefile)
             cmd += ["-f", "Makefile", "-f", str(planted)]
-        cmd += ["test", f"UNAME={os_name}", f"ARCH={arch}"]
+        cmd += ["test-plan", f"UNAME={os_name}", f"ARCH={arch}"]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"plan_check: `{' '.join(cmd)}` failed ({r.returncode}):\n{r.stderr[-3000:]}")
@@ -151,7 +151,7 @@ PLANTED_LINES = [
 ]
 # A fragment of the kind the check exists for: a Debian step that reaches a
 # Mac's `make test`.
-PLANTED_FRAGMENT = """test: planted-debian-step
+PLANTED_FRAGMENT = """EXTRA_TESTS += planted-debian-step
 planted-debian-step:
 \tapt-get install -y -qq libfoo-dev
 """

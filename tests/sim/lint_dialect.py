@@ -56,6 +56,11 @@ RE_HALF_H = re.compile(r"(?<![\w.])(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?H\b")
 RE_VEC_CALL = re.compile(r"\b(?:metal::)?vec\s*<[^<>;()]*>\s*\(")
 RE_ALIAS_USING = re.compile(r"\busing\s+([A-Za-z_]\w*)\s*=\s*(?:metal::)?(?:vec\s*<|" + VEC_NAMES + r"\b)")
 RE_ALIAS_TYPEDEF = re.compile(r"\btypedef\s+(?:metal::)?(?:vec\s*<[^;]*>|" + VEC_NAMES + r")\s+([A-Za-z_]\w*)\s*;")
+# Headers the embed step inlines into a shader's source (Sources/ShaderEmbedder):
+# flashmetal.h and every header beside the shaders.
+INLINED_HEADERS = {"flashmetal.h"} | {
+    f for f in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "Resources", "shaders"))
+    if f.endswith(".h") and f != "dialect.h"}
 RE_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 RE_KERNEL = re.compile(r"\bkernel\s+void\s+([A-Za-z_]\w*)\s*\(")
 RE_BUFFER = re.compile(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)")
@@ -214,8 +219,8 @@ def lint_text(text, name="<text>"):
     for m in RE_INCLUDE.finditer(raw):
         inc = m.group(2)
         if m.group(1) == "<" or os.path.basename(inc) != "dialect.h":
-            if os.path.basename(inc) in ("flashmetal.h",):
-                continue  # the shared param structs (inlined by the embed step)
+            if m.group(1) == '"' and os.path.basename(inc) in INLINED_HEADERS:
+                continue  # the shared param structs and the shaders' own headers (inlined by the embed step)
             err(m.start(), "include", "shaders include \"dialect.h\" only, not %s" % inc)
     for m in RE_TG_ARRAY.finditer(code):
         err(m.start(), "raw-tg-array", "raw threadgroup array '%s': use TG_ARRAY(T, %s, n)" % (m.group(1), m.group(1)))
