@@ -49,7 +49,7 @@ final class FastPrefill {
         let packedBytes = (panels + 63) & ~63
         let (total, o2) = packedBytes.addingReportingOverflow(floats * workers * 4)
         if o1 || o2 || panels > Int.max - 63 {
-            throw FlashMetalError.backend("\(op): the packed keys of \(span) blocks of \(FM_PF_KB) are too large to allocate")
+            throw FlashMetalError.backend(op, "the packed keys of \(span) blocks of \(FM_PF_KB) are too large to allocate")
         }
         let buf = try takeBuffer(total, op: op)
         defer { giveBack(buf) }

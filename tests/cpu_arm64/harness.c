@@ -144,10 +144,11 @@ static void run_prefill(const PrefillCase *c, int fast) {
 
     const int isa = fm_cpu_isa();
     if (fast) {
+        a.panel_blocks = fm_cpu_prefill_panel_blocks(&a);
         const size_t pb = fm_cpu_prefill_pack_bytes(&a, isa);
         CHECK(pb > 0, "%s: no fast path for D=%d dtype=%d", fm_cpu_isa_name(isa), D, c->dtype);
         if (pb == 0) goto done;
-        const int64_t nkb = (kL + FM_PF_KB - 1) / FM_PF_KB, rows = fm_cpu_prefill_item_rows(isa);
+        const int64_t nkb = a.panel_blocks, rows = fm_cpu_prefill_item_rows(isa);
         char *packed = malloc(pb * Hkv);
         float *scratch = malloc(sizeof(float) * fm_cpu_prefill_fast_scratch_floats(&a, isa));
         for (int32_t g = 0; g < Hkv; g++)
@@ -317,10 +318,11 @@ static void run_serving(const ServeCase *c, int fast) {
 
     const int isa = fm_cpu_isa();
     if (fast) {
+        a.panel_blocks = fm_cpu_prefill_panel_blocks(&a);
         const size_t pb = fm_cpu_prefill_pack_bytes(&a, isa);
         CHECK(pb > 0, "%s: no fast path for serving D=%d dtype=%d", fm_cpu_isa_name(isa), D, c->dtype);
         if (pb == 0) goto done;
-        const int64_t nkb = (a.p.kL + FM_PF_KB - 1) / FM_PF_KB, rows = fm_cpu_prefill_item_rows(isa);
+        const int64_t nkb = a.panel_blocks, rows = fm_cpu_prefill_item_rows(isa);
         char *packed = malloc(pb * Hkv);
         float *scratch = malloc(sizeof(float) * fm_cpu_prefill_fast_scratch_floats(&a, isa));
         for (int32_t b = 0; b < B; b++) {
