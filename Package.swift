@@ -21,7 +21,7 @@ let exportOnlyCABI: [LinkerSetting] = [
 // On macOS the SDK's Metal is used.
 #if os(Linux)
 let metalRuntime: [Target] = [
-    .target(name: "Metal", dependencies: ["FlashMetalSim"], path: "Sources/MetalSim/Metal"),
+    .target(name: "Metal", dependencies: ["FlashMetalSim", "FlashMetalSimDispatch"], path: "Sources/MetalSim/Metal"),
 ]
 let metalRuntimeDeps: [Target.Dependency] = ["Metal"]
 #else
@@ -85,8 +85,11 @@ let package = Package(
                                             "-fvisibility=hidden",
                                             "-fsanitize-coverage=edge,trace-loads,trace-stores",
                                             "-fno-vectorize", "-fno-slp-vectorize"])]),
+        // One simulator dispatch from Swift values (the sim backend's and metal-sim's).
+        .target(name: "FlashMetalSimDispatch", dependencies: ["FlashMetalSim"],
+                path: "Sources/FlashMetalSimDispatch"),
         // The "sim" backend: Dispatch values → the simulator.
-        .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim",
+        .target(name: "FlashMetalSimBackend", dependencies: ["FlashMetalCore", "FlashMetalSim", "FlashMetalSimDispatch",
                                                          "FlashMetalSimCounted", "FlashMetalCPUKernels"],
                 path: "Sources/FlashMetalSimBackend"),
         // The @_cdecl entry points that make up libflashmetal.

@@ -3,7 +3,11 @@
 #include "counters.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#if defined(__linux__)
+#include <link.h>
+#endif
 #include <new>
 
 namespace fmsim {
@@ -17,7 +21,7 @@ bool DispatchCounter::add_range(const void *p, size_t len, int binding, bool dev
     r.len = len;
     r.binding = binding;
     r.device = device;
-    if (device) {
+    if (device && counting) {
         size_t words = (len + 63) / 64;
         r.rbits.reset(new (std::nothrow) std::atomic<uint64_t>[words]());
         r.wbits.reset(new (std::nothrow) std::atomic<uint64_t>[words]());
@@ -157,22 +161,104 @@ void count_op(int op) {
     if (WorkerCounts *wc = tl_counts; wc && op >= 0 && op < OP_COUNT) wc->ops[op]++;
 }
 
-// The hook of every traced access: device, constant, threadgroup or none.
+void DispatchCounter::out_of_bounds(uintptr_t a, unsigned n, bool write) {
+    std::lock_guard<std::mutex> g(mu);
+    oob_count++;
+    if (oob.load(std::memory_order_relaxed)) return;
+    oob_addr = a;
+    oob_bytes = n;
+    oob_write = write;
+    oob.store(true);
+}
+
+void DispatchCounter::describe_oob(const char *kernel, char *buf, size_t len) {
+    std::lock_guard<std::mutex> g(mu);
+    const CountRange *near = nullptr;
+    uintptr_t best = UINTPTR_MAX;
+    for (int i = 0; i < n_ranges; i++) {
+        const CountRange &r = ranges[i];
+        const uintptr_t d = oob_addr < r.lo ? r.lo - oob_addr : oob_addr - r.lo < r.len ? 0 : oob_addr - (r.lo + r.len);
+        if (d < best) { best = d; near = &r; }
+    }
+    const char *what = oob_write ? "wrote" : "read";
+    if (!near) {
+        snprintf(buf, len, "%s %s %u bytes at %#lx with no buffer bound (%llu access(es) out of bounds)", kernel,
+                 what, oob_bytes, (unsigned long)oob_addr, (unsigned long long)oob_count);
+        return;
+    }
+    snprintf(buf, len, "%s %s %u bytes at offset %lld of the %zu-byte %s bound at index %d (%llu access(es) out of "
+             "bounds)", kernel, what, oob_bytes, (long long)(intptr_t)(oob_addr - near->lo), near->len,
+             near->device ? "buffer" : "setBytes data", near->binding, (unsigned long long)oob_count);
+}
+
+// The loaded segments of the object the simulator is linked into (ELF
+// only: elsewhere fmsim_dispatch refuses check_bounds).
+#if defined(__linux__)
+namespace {
+struct ImageRanges {
+    uintptr_t lo[16], hi[16];
+    int n = 0;
+};
+const ImageRanges &image_ranges() {
+    static const ImageRanges r = [] {
+        ImageRanges out;
+        dl_iterate_phdr(
+            [](struct dl_phdr_info *info, size_t, void *data) -> int {
+                auto *o = static_cast<ImageRanges *>(data);
+                const uintptr_t self = reinterpret_cast<uintptr_t>(&image_ranges);
+                ImageRanges mine;
+                bool has_self = false;
+                for (int i = 0; i < info->dlpi_phnum; i++) {
+                    const ElfW(Phdr) &ph = info->dlpi_phdr[i];
+                    if (ph.p_type != PT_LOAD || mine.n == 16) continue;
+                    const uintptr_t lo = info->dlpi_addr + ph.p_vaddr, hi = lo + ph.p_memsz;
+                    mine.lo[mine.n] = lo;
+                    mine.hi[mine.n++] = hi;
+                    if (self - lo < hi - lo) has_self = true;
+                }
+                if (!has_self) return 0;
+                *o = mine;
+                return 1;
+            },
+            &out);
+        return out;
+    }();
+    return r;
+}
+} // namespace
+
+static bool in_image(uintptr_t a) {
+    const ImageRanges &r = image_ranges();
+    for (int i = 0; i < r.n; i++)
+        if (a - r.lo[i] < r.hi[i] - r.lo[i]) return true;
+    return false;
+}
+#else
+static bool in_image(uintptr_t) { return false; }
+#endif
+
+// The hook of every traced access: threadgroup memory, the fiber stacks, a
+// device or constant binding, or else (checked dispatches) out of bounds
+// unless the simulator's own memory.
 static inline void on_access(const void *p, unsigned n, bool write) {
     WorkerCounts *wc = tl_counts;
     if (!wc) return;
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     FMSimCounts &c = wc->c;
+    DispatchCounter *dc = wc->dc;
     if (a - wc->tg_lo < wc->tg_len) {
+        if (!dc->counting) return;
         if (write) { c.tg_bytes_written += n; c.tg_store_events++; }
         else { c.tg_bytes_read += n; c.tg_load_events++; }
         return;
     }
-    DispatchCounter *dc = wc->dc;
+    if (a - wc->stack_lo < wc->stack_len) return;
     for (int i = 0; i < dc->n_ranges; i++) {
         CountRange &r = dc->ranges[i];
         const uintptr_t off = a - r.lo;
         if (off >= r.len) continue;
+        if (dc->checking && r.len - off < n) dc->out_of_bounds(a, n, write); // runs past the end
+        if (!dc->counting) return;
         if (!r.device) {
             if (!write) { c.constant_bytes_read += n; c.constant_load_events++; }
             return;
@@ -187,6 +273,7 @@ static inline void on_access(const void *p, unsigned n, bool write) {
         coalesce(wc, b, i, off, unsigned(end - off), write);
         return;
     }
+    if (dc->checking && !in_image(a) && !simulator_owns(a)) dc->out_of_bounds(a, n, write);
 }
 
 } // namespace fmsim

@@ -38,17 +38,34 @@ struct CountRange {
     std::unique_ptr<std::atomic<uint64_t>[]> rbits, wbits;
 };
 
-// The part of a counted dispatch the workers share.
+// The part of a traced dispatch the workers share: its counts, its bounds
+// check, or both.
 struct DispatchCounter {
     CountRange ranges[FMSIM_MAX_BINDINGS];
     int n_ranges = 0;
+    bool counting = true; // fill FMSimCounts
+    bool checking = false; // flag accesses outside every range
     std::mutex mu;
     FMSimCounts sum{}; // additive counts merged from the workers
+    // The first access outside every range (under mu once `oob` is set).
+    std::atomic<bool> oob{false};
+    uintptr_t oob_addr = 0;
+    unsigned oob_bytes = 0;
+    bool oob_write = false;
+    uint64_t oob_count = 0; // accesses outside, all workers (under mu)
     // Watches [p, p + len) as binding `binding`; false when out of memory.
     bool add_range(const void *p, size_t len, int binding, bool device);
     // Fills *out: the merged sums plus the unique bytes and lines.
     void finish(FMSimCounts *out);
+    void out_of_bounds(uintptr_t a, unsigned n, bool write);
+    // The first access outside, described against the nearest range.
+    void describe_oob(const char *kernel, char *buf, size_t len);
 };
+
+// Memory a traced kernel may touch that is no binding: the simulator's own
+// (defined in simulator.cpp: the running worker and its per-group state)
+// and the library's static data (function constants, tables, literals).
+bool simulator_owns(uintptr_t a);
 
 // The accesses of one SIMD group since its last barrier or collective,
 // matched across lanes by their ordinal: the lanes' n-th accesses are one
@@ -80,6 +97,8 @@ struct WorkerCounts {
     DispatchCounter *dc = nullptr;
     uintptr_t tg_lo = 0;
     size_t tg_len = 0;
+    uintptr_t stack_lo = 0; // the worker's fiber stacks (thread-private memory)
+    size_t stack_len = 0;
     FMSimCounts c{};
     uint64_t ops[OP_COUNT]{};
     std::vector<SimdRequests> simd;

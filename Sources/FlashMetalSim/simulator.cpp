@@ -496,6 +496,19 @@ bool constant_defined(int index) {
     return false;
 }
 
+// The simulator's own memory a traced kernel reads: the running fiber's ids
+// (through the thread-local tl_ids), the dispatch's state (the bound
+// arguments its invocation loads), the running worker's, and the per-group
+// fibers and SIMD-group slots a traced collective reads (other lanes'
+// values live on their stacks).
+bool simulator_owns(uintptr_t a) {
+    const Worker *w = tl_worker;
+    if (!w) return false;
+    auto in = [a](const void *p, size_t n) { return a - reinterpret_cast<uintptr_t>(p) < n; };
+    return in(&tl_ids, sizeof tl_ids) || in(w->ds, sizeof *w->ds) || in(w, sizeof *w) ||
+           in(w->simd.data(), w->simd.size() * sizeof(SimdSlot)) ||
+           in(w->fibers.data(), w->fibers.size() * sizeof(Fiber));
+}
 } // namespace fmsim
 
 using namespace fmsim;
@@ -645,6 +658,8 @@ void worker_loop(DispatchState *ds, Worker *w, uint64_t total, uint64_t wid) noe
         wc.dc = ds->counter;
         wc.tg_lo = reinterpret_cast<uintptr_t>(w->tg_mem);
         wc.tg_len = sizeof w->tg_mem;
+        wc.stack_lo = reinterpret_cast<uintptr_t>(w->stacks);
+        wc.stack_len = w->stacks_bytes;
         tl_counts = &wc;
     }
     w->rng = (ds->seed ? ds->seed : 0x9e3779b97f4a7c15ull) + wid * 0x2545F4914F6CDD1Dull;
@@ -689,7 +704,13 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
         snprintf(err, errlen, "sim: no kernel named '%s' is compiled into the simulator", d->name);
         return FMSIM_ERROR_UNKNOWN_KERNEL;
     }
-    if (d->counts) {
+#if !defined(__linux__)
+    if (d->check_bounds) {
+        snprintf(err, errlen, "%s: check_bounds needs the ELF image map (Linux only)", d->name);
+        return FMSIM_ERROR_INVALID;
+    }
+#endif
+    if (d->counts || d->check_bounds) {
         e = find_counted_kernel(d->name);
         if (!e) {
             snprintf(err, errlen, "sim: no counted copy of kernel '%s' is compiled into the simulator", d->name);
@@ -749,8 +770,10 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
         ds->args.ptr[b.index] = p;
     }
     std::unique_ptr<DispatchCounter> counter;
-    if (d->counts) {
+    if (d->counts || d->check_bounds) {
         counter = std::make_unique<DispatchCounter>();
+        counter->counting = d->counts != nullptr;
+        counter->checking = d->check_bounds != 0;
         for (int i = 0; i < d->n_bindings; i++) {
             const FMSimBinding &b = d->bindings[i];
             if (!counter->add_range(ds->args.ptr[b.index], size_t(b.length), b.index, !b.is_bytes)) {
@@ -835,9 +858,13 @@ int dispatch(const FMSimDispatch *d, char *err, size_t errlen) {
         snprintf(err, errlen, "%s", ds->err);
         return FMSIM_ERROR_KERNEL;
     }
-    if (counter) {
+    if (counter && counter->counting) {
         counter->finish(d->counts);
         d->counts->threads_per_threadgroup = uint32_t(nthreads);
+    }
+    if (counter && counter->oob.load()) {
+        counter->describe_oob(e->name, err, errlen);
+        return FMSIM_ERROR_BOUNDS;
     }
     return FMSIM_OK;
 }

@@ -2,6 +2,7 @@ import CFlashMetal
 import FlashMetalCore
 import FlashMetalCPUKernels
 import FlashMetalSim
+import FlashMetalSimDispatch
 
 /// The "sim" backend: runs Dispatch values on the GPU simulator, against the
 /// .metal kernels compiled as C++ into FlashMetalSim and registered by host
@@ -81,80 +82,45 @@ public final class SimBackend: Backend, @unchecked Sendable {
             case .int(let i): constants.append(FMSimConstant(index: Int32(e.index), is_bool: 0, value: i))
             }
         }
-        // .bytes payloads are copied into memory that outlives the call.
-        var owned: [UnsafeMutableRawPointer] = []
-        defer { owned.forEach { HostMemory.free($0) } }
-        var bindings: [FMSimBinding] = []
+        var sd = SimDispatch(kernel: d.kernel)
+        sd.constants = constants
         for (index, b) in d.bindings.sorted(by: { $0.key < $1.key }) {
             guard index >= 0, index < FMSIM_MAX_BINDINGS else {
                 throw FlashMetalError.backend(
                     "sim: \(d.kernel): binding index \(index) is out of range 0..\(FMSIM_MAX_BINDINGS - 1)")
             }
             switch b {
-            case .buffer(let t):
-                bindings.append(FMSimBinding(index: Int32(index), is_bytes: 0, data: t.data,
-                                             length: UInt64(t.byteCount)))
-            case .bytes(let bytes):
-                let p = try HostMemory.allocate(count: bytes.count, stride: 1, op: "sim: \(d.kernel)",
-                                                what: "parameter bytes")
-                owned.append(p)
-                bytes.withUnsafeBytes { src in
-                    if let base = src.baseAddress { p.copyMemory(from: base, byteCount: bytes.count) }
-                }
-                bindings.append(FMSimBinding(index: Int32(index), is_bytes: 1, data: p, length: UInt64(bytes.count)))
+            case .buffer(let t): sd.buffers.append((index, t.data, t.byteCount))
+            case .bytes(let bytes): sd.bytes.append((index, bytes))
             }
         }
-        var tg: [FMSimTGMemory] = []
-        for (index, len) in d.threadgroupMemory.sorted(by: { $0.key < $1.key }) {
+        for (index, len) in d.threadgroupMemory {
             guard index >= 0, index < FMSIM_MAX_BINDINGS else {
                 throw FlashMetalError.backend("sim: \(d.kernel): threadgroup memory index \(index) is out of range")
             }
-            tg.append(FMSimTGMemory(index: Int32(index), length: try u32(len, "threadgroup memory length", d)))
+            sd.threadgroupMemory[index] = try u32(len, "threadgroup memory length", d)
         }
-        let grid = (try u32(d.grid.x, "grid.x", d), try u32(d.grid.y, "grid.y", d), try u32(d.grid.z, "grid.z", d))
-        let threads = (try u32(d.threadgroup.x, "threads.x", d), try u32(d.threadgroup.y, "threads.y", d),
-                       try u32(d.threadgroup.z, "threads.z", d))
-        var err = [CChar](repeating: 0, count: 2048)
+        sd.grid = (try u32(d.grid.x, "grid.x", d), try u32(d.grid.y, "grid.y", d), try u32(d.grid.z, "grid.z", d))
+        sd.threads = (try u32(d.threadgroup.x, "threads.x", d), try u32(d.threadgroup.y, "threads.y", d),
+                      try u32(d.threadgroup.z, "threads.z", d))
         let countsLog = fmsim_counts_log_path()
         let counts = UnsafeMutablePointer<FMSimCounts>.allocate(capacity: 1)
         defer { counts.deallocate() }
         var logFailed = false
-        let status: Int32 = d.kernel.withCString { kname in
-            constants.withUnsafeBufferPointer { cp in
-                bindings.withUnsafeBufferPointer { bp in
-                    tg.withUnsafeBufferPointer { tp in
-                        var sd = FMSimDispatch()
-                        sd.name = kname
-                        sd.constants = cp.baseAddress
-                        sd.n_constants = Int32(cp.count)
-                        sd.bindings = bp.baseAddress
-                        sd.n_bindings = Int32(bp.count)
-                        sd.tg_memory = tp.baseAddress
-                        sd.n_tg_memory = Int32(tp.count)
-                        sd.grid = grid
-                        sd.threads = threads
-                        sd.workers = Int32(clamping: workers)
-                        sd.scramble = scramble ? 1 : 0
-                        sd.seed = seed
-                        sd.interrupted = { fm_interrupt_since($0) }
-                        sd.interrupt_token = interruptToken
-                        sd.counts = countsLog != nil ? counts : nil
-                        let st = err.withUnsafeMutableBufferPointer { eb in
-                            fmsim_dispatch(&sd, eb.baseAddress, eb.count)
-                        }
-                        if st == 0, let path = countsLog {
-                            logFailed = fmsim_counts_append(path, &sd, counts) != 0
-                        }
-                        return st
-                    }
-                }
-            }
-        }
+        let (status, msg) = sd.run(configure: {
+            $0.workers = Int32(clamping: workers)
+            $0.scramble = scramble ? 1 : 0
+            $0.seed = seed
+            $0.interrupted = { fm_interrupt_since($0) }
+            $0.interrupt_token = interruptToken
+            $0.counts = countsLog != nil ? counts : nil
+        }, completed: { p, st in
+            if st == 0, let path = countsLog { logFailed = fmsim_counts_append(path, p, counts) != 0 }
+        })
         if status == Int32(FMSIM_INTERRUPTED.rawValue) {
             throw FlashMetalError(FM_ERROR_INTERRUPTED, "sim: \(d.kernel): interrupted by SIGINT (the output is unspecified)")
         }
         if status != 0 {
-            let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
             throw FlashMetalError.backend(msg.hasPrefix("sim") ? msg : "sim: \(msg)")
         }
         if logFailed {

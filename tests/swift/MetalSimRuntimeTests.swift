@@ -267,17 +267,72 @@ final class MetalSimRuntimeTests: XCTestCase {
         }
     }
 
-    func testKernelWritingPastABufferFails() throws {
+    /// Runs one reduce over `input` bound at `offset` and returns the error
+    /// of its command buffer (nil when it completed).
+    private func reduceError(_ input: MTLBuffer, offset: Int = 0, out: MTLBuffer? = nil, rows: Int,
+                             n: Int) throws -> MTLCommandBufferError? {
         let pso = try pipeline()
-        autoreleasepool {
-            let input = floats([Float](repeating: 1, count: 12)), out = floats([0])  // 3 rows, room for 1
+        return autoreleasepool {
             let cb = queue.makeCommandBuffer()!
             let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
-            reduce(enc, pso, input, out, rows: 3, n: 4)
+            reduce(enc, pso, input, out ?? floats([Float](repeating: 0, count: rows)), rows: rows, n: n)
+            enc.setBuffer(input, offset: offset, index: 0)
+            enc.dispatchThreadgroups(MTLSize(width: rows, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 64, height: 1, depth: 1))
             enc.endEncoding()
             cb.commit()
-            broke(.outOfBounds)
-            XCTAssertEqual(cb.status, .error)
+            XCTAssertEqual(cb.status, cb.error == nil ? .completed : .error)
+            return cb.error as? MTLCommandBufferError
+        }
+    }
+
+    private func assertOutOfBounds(_ e: MTLCommandBufferError?, _ says: String, file: StaticString = #filePath,
+                                   line: UInt = #line) {
+        XCTAssertEqual(e?.code, .pageFault, file: file, line: line)
+        broke(.outOfBounds, file: file, line: line)
+        let msg = MetalSim.lastViolation?.message ?? ""
+        XCTAssertTrue(msg.hasPrefix("fm_selftest_reduce " + says), msg, file: file, line: line)
+        seen = []
+    }
+
+    func testKernelWritingPastABufferFails() throws {
+        let out = floats([0])  // 3 rows, room for 1
+        assertOutOfBounds(try reduceError(floats([Float](repeating: 1, count: 12)), out: out, rows: 3, n: 4),
+                          "wrote 4 bytes at offset 4 of the 4-byte buffer bound at index 1")
+    }
+
+    func testKernelReadingOneElementPastACopyFails() throws {
+        // 2 rows of 3 need 6 floats; the buffer holds 5.
+        assertOutOfBounds(try reduceError(floats([1, 2, 3, 4, 5]), rows: 2, n: 3),
+                          "read 4 bytes at offset 20 of the 20-byte buffer bound at index 0")
+        XCTAssertNil(try reduceError(floats([1, 2, 3, 4, 5, 6]), rows: 2, n: 3))
+        XCTAssertTrue(seen.isEmpty, "\(seen)")
+    }
+
+    func testKernelReadingPastABindingOffsetFails() throws {
+        // Bound at offset 16 of 32 bytes: 4 floats visible, the kernel reads 5.
+        let input = floats([1, 2, 3, 4, 5, 6, 7, 8])
+        assertOutOfBounds(try reduceError(input, offset: 16, rows: 1, n: 5),
+                          "read 4 bytes at offset 16 of the 16-byte buffer bound at index 0")
+        XCTAssertNil(try reduceError(input, offset: 16, rows: 1, n: 4))
+        XCTAssertTrue(seen.isEmpty, "\(seen)")
+    }
+
+    func testKernelReadingPastAWrapOfCallerMemoryFails() throws {
+        // Two pages of caller memory, the first wrapped: the second is
+        // mapped and readable, but no buffer covers it.
+        var p: UnsafeMutableRawPointer?
+        XCTAssertEqual(posix_memalign(&p, 16384, 2 * 16384), 0)
+        let mem = try XCTUnwrap(p)
+        defer { free(mem) }
+        mem.initializeMemory(as: Float.self, repeating: 1, count: 2 * 4096)
+        try autoreleasepool {
+            let wrap = try XCTUnwrap(device.makeBuffer(bytesNoCopy: mem, length: 16384, options: .storageModeShared,
+                                                       deallocator: nil))
+            XCTAssertNil(try reduceError(wrap, rows: 1, n: 4096))
+            XCTAssertTrue(seen.isEmpty, "\(seen)")
+            assertOutOfBounds(try reduceError(wrap, rows: 1, n: 4097),
+                              "read 4 bytes at offset 16384 of the 16384-byte buffer bound at index 0")
         }
     }
 
@@ -356,27 +411,51 @@ final class MetalSimRuntimeTests: XCTestCase {
         let lib = try device.makeLibrary(source: source, options: options())
         XCTAssertThrowsError(try lib.makeFunction(name: "flash_attn_prefill_bf16_d128", constantValues: MTLFunctionConstantValues()),
                              "a kernel of another library")
-        XCTAssertThrowsError(try pipeline(type: .uint), "the kernel declares an int, not a uint")
-        // Set as a bool, or not at all: the dispatch fails like the kernel's read.
-        for values in [MTLFunctionConstantValues(), { () -> MTLFunctionConstantValues in
-            let v = MTLFunctionConstantValues()
-            var b = true
-            v.setConstantValue(&b, type: .bool, index: 700)
-            return v
-        }()] {
-            let pso = try device.makeComputePipelineState(
-                function: try lib.makeFunction(name: "fm_selftest_reduce", constantValues: values))
-            autoreleasepool {
-                let input = floats([1, 2]), out = floats([0])
-                let cb = queue.makeCommandBuffer()!
-                let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
-                reduce(enc, pso, input, out, rows: 1, n: 2)
-                enc.endEncoding()
-                cb.commit()
-                XCTAssertEqual(cb.status, .error)
-                XCTAssertTrue("\(String(describing: cb.error))".contains("selftest_scale"), "\(String(describing: cb.error))")
+        // Unset, or set with another type than declared: makeFunction fails
+        // and names the constant.
+        let bool = MTLFunctionConstantValues()
+        var b = true
+        bool.setConstantValue(&b, type: .bool, index: 700)
+        for (values, says) in [(MTLFunctionConstantValues(), "has no value"), (bool, "is declared int and set as bool")] {
+            XCTAssertThrowsError(try lib.makeFunction(name: "fm_selftest_reduce", constantValues: values)) {
+                let e = $0 as? MTLLibraryError
+                XCTAssertEqual(e?.code, .compileFailure)
+                XCTAssertTrue(e?.message.contains("'selftest_scale' (index 700") ?? false, "\($0)")
+                XCTAssertTrue(e?.message.contains(says) ?? false, "\($0)")
             }
         }
+        XCTAssertThrowsError(try pipeline(type: .uint), "the kernel declares an int, not a uint")
+        // A value at an index the kernel does not declare is ignored.
+        var s: Int32 = 2
+        bool.setConstantValue(&s, type: .int, index: 700)
+        bool.setConstantValue(&b, type: .bool, index: 123)
+        XCTAssertNoThrow(try lib.makeFunction(name: "fm_selftest_reduce", constantValues: bool))
+    }
+
+    /// Each kernel reads the constants its function, the functions it calls
+    /// and the constant expressions it reads name.
+    func testConstantsEachKernelReads() throws {
+        func names(_ kernel: String) -> [String] {
+            FunctionConstantTable(source: Shaders.source(forKernel: kernel)!.text).required(byKernel: kernel).map(\.name)
+        }
+        XCTAssertEqual(names("fm_selftest_reduce"), ["selftest_scale"])
+        XCTAssertEqual(names("flash_attn_vec_reduce_dk64"), ["vec_has_signs", "vec_sinks", "vec_lse"])
+        XCTAssertEqual(names("kv_append_f32"), ["append_paged"])
+        let t = FunctionConstantTable(source: """
+            FUNCTION_CONSTANT(bool, a, 1)
+            FUNCTION_CONSTANT(int, b, 2)
+            FUNCTION_CONSTANT(bool, c, 3)
+            FUNCTION_CONSTANT_EXPR(bool, ab, a && b > 0)
+            // c named in a comment
+            template <typename T> void helper(device T *x) { if (ab) { x[0] = 0; } }
+            template <typename T>
+            kernel void k(device T *x [[buffer(0)]]) {
+                if (is_function_constant_defined(c)) { helper(x); }
+            }
+            INSTANTIATE_KERNEL("k_f32", k, float)
+            """)
+        XCTAssertEqual(t.required(byKernel: "k_f32").map(\.name), ["a", "b"])
+        XCTAssertEqual(t.required(byKernel: "unknown").map(\.name), [])
     }
 
     // MARK: ordering

@@ -28,7 +28,8 @@ typedef enum FMSimStatus {
     FMSIM_ERROR_INVALID = 2, /* bad dispatch: geometry, binding index, sizes */
     FMSIM_ERROR_KERNEL = 3,  /* the kernel failed at run time (see message) */
     FMSIM_ERROR_RESOURCES = 4, /* no memory, mappings or threads for the dispatch */
-    FMSIM_INTERRUPTED = 5    /* `interrupted` returned non-zero: the dispatch stopped */
+    FMSIM_INTERRUPTED = 5,   /* `interrupted` returned non-zero: the dispatch stopped */
+    FMSIM_ERROR_BOUNDS = 6   /* check_bounds: the kernel accessed memory outside every binding */
 } FMSimStatus;
 
 typedef struct FMSimConstant {
@@ -99,6 +100,14 @@ typedef struct FMSimDispatch {
      * loads and stores; FMSIM_ERROR_UNKNOWN_KERNEL when none is compiled in)
      * and fill *counts. NULL: the plain copy, nothing counted. */
     FMSimCounts *counts;
+    /* 1: run the counted copy of the kernel and check every load and store
+     * it makes outside its threadgroup memory and its own stack against the
+     * bindings: an access outside all of them (past a buffer's end, before
+     * its start, or into memory no binding covers) completes the dispatch
+     * and then fails it with FMSIM_ERROR_BOUNDS, the message naming the
+     * kernel, the access and the nearest binding (index and offset). Works
+     * with or without `counts`. Linux only (FMSIM_ERROR_INVALID elsewhere). */
+    int32_t check_bounds;
 } FMSimDispatch;
 
 /* 1 when a kernel of that host name is compiled in. */

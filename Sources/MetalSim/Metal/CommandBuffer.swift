@@ -1,4 +1,5 @@
 import FlashMetalSim
+import FlashMetalSimDispatch
 import Glibc
 
 /// One compute pass as recorded by its encoder.
@@ -145,51 +146,30 @@ final class SimCommandBuffer: MTLCommandBuffer {
         return groups.flatMap { $0.reversed() }
     }
 
-    /// Runs one dispatch on the simulator; the error that fails the command
-    /// buffer, if any.
+    /// Runs one dispatch on the simulator, every device access checked
+    /// against the buffers bound (FLASHMETAL_METAL_SIM_BOUNDS=0: unchecked);
+    /// the error that fails the command buffer, if any.
     private func run(_ d: Pass.Recorded) -> MTLCommandBufferError? {
         let fn = d.pipeline.function
-        let constants = fn.constants.sorted { $0.key < $1.key }.map {
+        var sd = SimDispatch(kernel: fn.name)
+        sd.constants = fn.constants.sorted { $0.key < $1.key }.map {
             FMSimConstant(index: Int32($0.key), is_bool: $0.value.type == .bool ? 1 : 0, value: $0.value.int)
         }
-        var bindings: [FMSimBinding] = []
-        var owned: [UnsafeMutableRawPointer] = []
-        defer { owned.forEach { $0.deallocate() } }
-        for (i, (b, off)) in d.buffers {
-            bindings.append(FMSimBinding(index: Int32(i), is_bytes: 0, data: b.base + off,
-                                         length: UInt64(b.length - off)))
-        }
-        for (i, bytes) in d.bytes {
-            let p = UnsafeMutableRawPointer.allocate(byteCount: max(bytes.count, 1), alignment: 16)
-            owned.append(p)
-            bytes.withUnsafeBytes { if let s = $0.baseAddress { p.copyMemory(from: s, byteCount: bytes.count) } }
-            bindings.append(FMSimBinding(index: Int32(i), is_bytes: 1, data: p, length: UInt64(bytes.count)))
-        }
-        let tg = d.threadgroupMemory.sorted { $0.key < $1.key }.map {
-            FMSimTGMemory(index: Int32($0.key), length: UInt32($0.value))
-        }
-        var err = [CChar](repeating: 0, count: 2048)
-        let status: Int32 = fn.name.withCString { kname in
-            constants.withUnsafeBufferPointer { cp in
-                bindings.withUnsafeBufferPointer { bp in
-                    tg.withUnsafeBufferPointer { tp in
-                        var sd = FMSimDispatch()
-                        sd.name = kname
-                        sd.constants = cp.baseAddress
-                        sd.n_constants = Int32(cp.count)
-                        sd.bindings = bp.baseAddress
-                        sd.n_bindings = Int32(bp.count)
-                        sd.tg_memory = tp.baseAddress
-                        sd.n_tg_memory = Int32(tp.count)
-                        sd.grid = (UInt32(d.grid.width), UInt32(d.grid.height), UInt32(d.grid.depth))
-                        sd.threads = (UInt32(d.threads.width), UInt32(d.threads.height), UInt32(d.threads.depth))
-                        return err.withUnsafeMutableBufferPointer { fmsim_dispatch(&sd, $0.baseAddress, $0.count) }
-                    }
-                }
-            }
+        sd.buffers = d.buffers.map { (i, bo) in (i, bo.0.base + bo.1, bo.0.length - bo.1) }
+        sd.bytes = d.bytes.map { ($0.key, $0.value) }
+        sd.threadgroupMemory = d.threadgroupMemory.mapValues { UInt32($0) }
+        sd.grid = (UInt32(d.grid.width), UInt32(d.grid.height), UInt32(d.grid.depth))
+        sd.threads = (UInt32(d.threads.width), UInt32(d.threads.height), UInt32(d.threads.depth))
+        let check: Int32 = MetalSim.env("FLASHMETAL_METAL_SIM_BOUNDS", 1) != 0 ? 1 : 0
+        let (status, msg) = sd.run(configure: { $0.check_bounds = check })
+        // An access outside every bound buffer: a GPU reads garbage or
+        // faults; Metal reports a page fault when it faults.
+        // https://developer.apple.com/documentation/metal/mtlcommandbuffererror/code/pagefault
+        if status == Int32(FMSIM_ERROR_BOUNDS.rawValue) {
+            let v = MetalSim.violate(.outOfBounds, msg)
+            return MTLCommandBufferError(code: .pageFault, message: v.description)
         }
         if status != 0 {
-            let msg = err.withUnsafeBufferPointer { String(cString: $0.baseAddress!) }
             return MTLCommandBufferError(code: .internal, message: "\(fn.name): \(msg)")
         }
         // Writes just outside a runtime-owned copy land in its red zones.

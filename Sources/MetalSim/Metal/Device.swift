@@ -173,7 +173,11 @@ final class SimBuffer: MTLBuffer {
 
 final class SimLibrary: MTLLibrary {
     let source: String
-    init(source: String) { self.source = source }
+    let constants: FunctionConstantTable
+    init(source: String) {
+        self.source = source
+        constants = FunctionConstantTable(source: source)
+    }
 
     func makeFunction(name: String, constantValues: MTLFunctionConstantValues) throws -> MTLFunction {
         // The kernel must be in this library's source (its host name in an
@@ -181,12 +185,17 @@ final class SimLibrary: MTLLibrary {
         guard source.contains("\"\(name)\""), fmsim_has_kernel(name) != 0 else {
             throw MTLLibraryError(code: .functionNotFound, message: "no function named '\(name)' in the library")
         }
-        // The kernels declare bool and int function constants only; a value
-        // of another type cannot match its declaration.
-        // https://developer.apple.com/documentation/metal/mtlfunctionconstantvalues/setconstantvalue(_:type:index:)
-        for (index, v) in constantValues.values where v.type != .bool && v.type != .int {
-            throw MTLLibraryError(code: .compileFailure,
-                                  message: "function constant \(index) of '\(name)' is set as \(v.type); the kernels declare bool and int constants only")
+        // Every constant the kernel reads is set, with its declared type
+        // (values at other indices are ignored, as Metal does).
+        for d in constants.required(byKernel: name) {
+            guard let v = constantValues.values[d.index] else {
+                throw MTLLibraryError(code: .compileFailure, message:
+                    "function constant '\(d.name)' (index \(d.index), \(d.type)) of '\(name)' has no value")
+            }
+            guard FunctionConstantTable.dataType(d.type) == v.type else {
+                throw MTLLibraryError(code: .compileFailure, message:
+                    "function constant '\(d.name)' (index \(d.index)) of '\(name)' is declared \(d.type) and set as \(v.type)")
+            }
         }
         return SimFunction(name: name, constants: constantValues.values)
     }

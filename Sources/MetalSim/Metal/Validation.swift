@@ -11,6 +11,8 @@ import Glibc
 //                                     order of barrier-free concurrent dispatches
 //   FLASHMETAL_METAL_SIM_DROP_BARRIER n: ignore each encoder's n-th memoryBarrier
 //   FLASHMETAL_METAL_SIM_WRAP         0: refuse every bytesNoCopy wrap
+//   FLASHMETAL_METAL_SIM_BOUNDS       0: leave kernels' loads and stores
+//                                     unchecked against the bound buffers
 
 /// Not Metal API: the metal-sim runtime's own controls and observations.
 /// Every rule the runtime enforces is a `MetalSim.Rule`; a broken rule is a
@@ -32,7 +34,7 @@ public enum MetalSim {
         case queueDeadlock = "autorelease.queue-deadlock"
         case bufferOffset = "buffers.offset"
         case setBytesLength = "buffers.set-bytes-length"
-        case outOfBounds = "buffers.out-of-bounds-write"
+        case outOfBounds = "buffers.out-of-bounds"
         case noPipeline = "pipelines.no-pipeline-state"
         case threadsPerThreadgroup = "pipelines.threads-per-threadgroup"
         case threadgroupMemoryLength = "pipelines.threadgroup-memory-length"

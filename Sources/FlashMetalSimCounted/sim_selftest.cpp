@@ -1,0 +1,6 @@
+// The counted copy of sim_selftest.metal (traced loads and stores; see
+// FlashMetalSim/counters.h).
+#include "counted_prelude.h"
+namespace fmsim_counted {
+#include "../../Resources/shaders/sim_selftest.metal"
+} // namespace fmsim_counted
