@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tests/mac/metal_fake.sh: builds Sources/FlashMetalMetal (unchanged) on Linux
-# against the Metal stand-in (tests/mac/stand-ins/Metal.swift) and a Darwin
+# against the Metal stand-in (tests/mac/stand-ins/Metal.swift with the
+# protocols of Sources/MetalSim/Metal/Protocols.swift) and a Darwin
 # that re-exports Glibc, links it with tests/mac/metal_fake/main.swift (a
 # fake Metal device) and runs it. Needs a Linux `swift build` first (the
 # generated EmbeddedShaders.swift).
@@ -18,7 +19,7 @@ lib() { # module sources...
     swiftc -parse-as-library -emit-library -static -emit-module -module-name "$m" \
         -emit-module-path "$out/$m.swiftmodule" -o "$out/lib$m.a" "${common[@]}" "$@"
 }
-lib Metal tests/mac/stand-ins/Metal.swift
+lib Metal tests/mac/stand-ins/Metal.swift Sources/MetalSim/Metal/Protocols.swift
 lib Darwin "$out/Darwin.swift"
 lib FlashMetalCore Sources/FlashMetalCore/*.swift
 lib FlashMetalShaders Sources/FlashMetalShaders/*.swift "$embedded"

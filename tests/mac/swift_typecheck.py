@@ -42,6 +42,8 @@ SKIPPED_TYPES = {"test", "plugin"}
 # Targets Package.swift adds on Linux only (the metal-sim runtime's Metal):
 # on macOS the SDK's module, here the stand-in, takes its place.
 LINUX_ONLY = {"Metal"}
+# Sources a stand-in shares with the metal-sim runtime (one declaration each).
+STAND_IN_SHARED = {"Metal": [ROOT / "Sources" / "MetalSim" / "Metal" / "Protocols.swift"]}
 
 
 def toolchain_bin() -> Path:
@@ -141,7 +143,7 @@ class Checker:
 
     def stand_ins(self) -> None:
         for name in ("Darwin", "Metal"):
-            diag = Checker.swiftc(self, name, [STAND_INS / f"{name}.swift"], True)
+            diag = Checker.swiftc(self, name, [STAND_INS / f"{name}.swift", *STAND_IN_SHARED.get(name, [])], True)
             if diag:
                 fail(f"stand-in {name} does not compile:\n{diag}")
 

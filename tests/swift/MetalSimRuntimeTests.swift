@@ -222,7 +222,7 @@ final class MetalSimRuntimeTests: XCTestCase {
                                        deallocator: nil))
         XCTAssertNil(device.makeBuffer(bytesNoCopy: mem, length: 0, options: .storageModeShared, deallocator: nil))
         var byte: UInt8 = 0
-        XCTAssertNil(device.makeBuffer(bytes: &byte, length: device.maxBufferLength + 1, options: .storageModeShared))
+        XCTAssertNil(device.makeBuffer(bytes: &byte, length: (device as! SimDevice).maxBufferLength + 1, options: .storageModeShared))
     }
 
     func testSetBytesOverFourKiB() {

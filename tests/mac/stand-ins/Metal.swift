@@ -3,7 +3,10 @@
 // API Sources/FlashMetalMetal calls, with the signatures, argument labels,
 // optionality, `throws` and macOS availability of Apple's documentation
 // (developer.apple.com/documentation/metal). Enum raw values are Apple's.
-// ObjC protocols become class-bound Swift protocols; nothing here runs.
+// Nothing here runs. Value types and classes stay apart from the metal-sim
+// runtime's (Sources/MetalSim/Metal/Types.swift): here they carry only what
+// the backend uses, each with its macOS availability; there they carry every
+// case and Apple's defaults, which the runtime acts on.
 
 @available(macOS 10.11, *)
 public struct MTLSize {
@@ -79,72 +82,9 @@ public enum MTLCommandBufferStatus: UInt, Sendable {
     case notEnqueued = 0, enqueued, committed, scheduled, completed, error
 }
 
-@available(macOS 10.11, *)
-public protocol MTLResource: AnyObject {}
-
-@available(macOS 10.11, *)
-public protocol MTLBuffer: MTLResource {
-    var length: Int { get }
-    func contents() -> UnsafeMutableRawPointer
-}
-
-@available(macOS 10.11, *)
-public protocol MTLFunction: AnyObject {}
-
-@available(macOS 10.11, *)
-public protocol MTLLibrary: AnyObject {
-    @available(macOS 10.12, *)
-    func makeFunction(name: String, constantValues: MTLFunctionConstantValues) throws -> MTLFunction
-}
-
-@available(macOS 10.11, *)
-public protocol MTLComputePipelineState: AnyObject {
-    var maxTotalThreadsPerThreadgroup: Int { get }
-}
-
-@available(macOS 10.11, *)
-public protocol MTLCommandEncoder: AnyObject {
-    func endEncoding()
-}
-
-@available(macOS 10.11, *)
-public protocol MTLComputeCommandEncoder: MTLCommandEncoder {
-    func setComputePipelineState(_ state: MTLComputePipelineState)
-    func setBytes(_ bytes: UnsafeRawPointer, length: Int, index: Int)
-    func setBuffer(_ buffer: MTLBuffer?, offset: Int, index: Int)
-    func setThreadgroupMemoryLength(_ length: Int, index: Int)
-    func dispatchThreadgroups(_ threadgroupsPerGrid: MTLSize, threadsPerThreadgroup: MTLSize)
-    @available(macOS 10.14, *)
-    func memoryBarrier(scope: MTLBarrierScope)
-}
-
-@available(macOS 10.11, *)
-public protocol MTLCommandBuffer: AnyObject {
-    var status: MTLCommandBufferStatus { get }
-    var error: Error? { get }
-    @available(macOS 10.14, *)
-    func makeComputeCommandEncoder(dispatchType: MTLDispatchType) -> MTLComputeCommandEncoder?
-    func commit()
-    func waitUntilCompleted()
-}
-
-@available(macOS 10.11, *)
-public protocol MTLCommandQueue: AnyObject {
-    func makeCommandBuffer() -> MTLCommandBuffer?
-}
-
-@available(macOS 10.11, *)
-public protocol MTLDevice: AnyObject {
-    var name: String { get }
-    @available(macOS 10.15, *)
-    func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool
-    func makeCommandQueue() -> MTLCommandQueue?
-    func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer?
-    func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
-                    deallocator: ((UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer?
-    func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary
-    func makeComputePipelineState(function computeFunction: MTLFunction) throws -> MTLComputePipelineState
-}
+// The protocols (MTLDevice, MTLBuffer, the encoders, ...) are compiled in
+// from Sources/MetalSim/Metal/Protocols.swift: one declaration for this
+// stand-in and the metal-sim runtime.
 
 @available(macOS 10.11, *)
 open class MTLCompileOptions {
