@@ -8,7 +8,10 @@
 // them (the fiber's own stack: registers on the GPU) and count it for the
 // fiber's worker. Barriers and SIMD-group collectives are counted by the
 // scheduler as they complete; MMAs and special functions by the counted
-// shim. Nothing here runs for a dispatch that asks for no counts.
+// shim. A dispatch with check_bounds runs the same hooks to flag every
+// access that falls in none of those places, the simulator's own state or
+// the library's static data (fmsim.h). Nothing here runs for a dispatch that
+// asks for neither.
 //
 // Limits: an access the tracing does not see is not counted: a block copy
 // (memcpy of a struct), or an access of another width (the kernels read no

@@ -2,6 +2,7 @@
 import CFlashMetal
 import FlashMetalCore
 import FlashMetalShaders
+import FlashMetalSim
 import Glibc
 @testable import Metal
 import XCTest
@@ -333,6 +334,15 @@ final class MetalSimRuntimeTests: XCTestCase {
             XCTAssertTrue(seen.isEmpty, "\(seen)")
             assertOutOfBounds(try reduceError(wrap, rows: 1, n: 4097),
                               "read 4 bytes at offset 16384 of the 16384-byte buffer bound at index 0")
+        }
+    }
+
+    /// metal-sim runs each kernel's counted copy to check its accesses.
+    func testEveryKernelHasACountedCopy() {
+        XCTAssertGreaterThan(fmsim_kernel_count(), 0)
+        for i in 0..<fmsim_kernel_count() {
+            let name = fmsim_kernel_name(i)!
+            XCTAssertEqual(fmsim_has_counted_kernel(name), 1, String(cString: name))
         }
     }
 
