@@ -337,6 +337,56 @@ final class MetalSimRuntimeTests: XCTestCase {
         }
     }
 
+    /// The decode reduce (D = 64, one row, one workgroup, a sink) with its
+    /// FlashAttnVecReduceExtParams (16 bytes) given as `extBytes` bytes of
+    /// setBytes; the output row, or the command buffer's error.
+    private func reduceWithSink(extBytes: Int) throws -> ([Float], MTLCommandBufferError?) {
+        let kernel = "flash_attn_vec_reduce_dk64"
+        let lib = try device.makeLibrary(source: Shaders.source(forKernel: kernel)!.text, options: options())
+        let values = MTLFunctionConstantValues()
+        var no = false, yes = true
+        values.setConstantValue(&no, type: .bool, index: 500)
+        values.setConstantValue(&yes, type: .bool, index: 504)
+        values.setConstantValue(&no, type: .bool, index: 505)
+        let pso = try device.makeComputePipelineState(function: try lib.makeFunction(name: kernel, constantValues: values))
+        return autoreleasepool {
+            // One workgroup's partial O (ones) and its (S, M) = (1, 0).
+            let tmp = floats([Float](repeating: 1, count: 64) + [1, 0]), out = floats([Float](repeating: 0, count: 64))
+            let sinks = floats([0])
+            var nrows: UInt32 = 1, nwg: UInt32 = 1
+            var ext = [UInt32](repeating: 0, count: 4)
+            ext[0] = 1  // n_heads
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.setComputePipelineState(pso)
+            enc.setBytes(&nrows, length: 4, index: 0)
+            enc.setBuffer(tmp, offset: 0, index: 1)
+            enc.setBuffer(out, offset: 0, index: 2)
+            enc.setBytes(&nwg, length: 4, index: 3)
+            enc.setBuffer(sinks, offset: 0, index: 5)
+            enc.setBytes(&ext, length: extBytes, index: 7)
+            enc.dispatchThreadgroups(MTLSize(width: 1, height: 1, depth: 1),
+                                     threadsPerThreadgroup: MTLSize(width: 32, height: 1, depth: 1))
+            enc.endEncoding()
+            cb.commit()
+            return (read(out, 64), cb.error as? MTLCommandBufferError)
+        }
+    }
+
+    func testKernelReadingPastSetBytesFails() throws {
+        let (good, none) = try reduceWithSink(extBytes: 16)
+        XCTAssertNil(none)
+        // S = 1 + e^(sink - M) = 2 with the sink: each output is 1 / 2.
+        XCTAssertEqual(good, [Float](repeating: 0.5, count: 64))
+        XCTAssertTrue(seen.isEmpty, "\(seen)")
+        let (_, e) = try reduceWithSink(extBytes: 2)
+        XCTAssertEqual(e?.code, .pageFault)
+        broke(.outOfBounds)
+        let msg = MetalSim.lastViolation?.message ?? ""
+        XCTAssertTrue(msg.hasPrefix("flash_attn_vec_reduce_dk64 read 4 bytes at offset 0 of the 2-byte setBytes data bound at index 7"),
+                      msg)
+    }
+
     /// metal-sim runs each kernel's counted copy to check its accesses.
     func testEveryKernelHasACountedCopy() {
         XCTAssertGreaterThan(fmsim_kernel_count(), 0)
