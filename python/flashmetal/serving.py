@@ -158,6 +158,7 @@ def flash_attn_varlen_func(
     return _with_probs(q, out, lse if want_lse else None)
 
 
+@layout_hint(_KVCACHE, q="q", k="k_cache", v="v_cache", expected="blhd")
 def flash_attn_with_kvcache(
     q: ArrayLike,
     k_cache: ArrayLike,

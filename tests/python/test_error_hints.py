@@ -135,6 +135,19 @@ def test_flash_attn_func_head_major_given(cpu, rng):
     _transposed(e, "flash_attn_func", "q", [q.shape, k.shape], "read as [B, H, L, D]")
 
 
+def test_kvcache_head_major_caches_given(cpu, rng):
+    """flash_attn_with_kvcache's caches are [B, cap, Hkv, D]; a head-major
+    cache (Hugging Face's) is named, and transposing it as the hint says
+    gives the reference."""
+    q = randn(rng, (2, 1, 8, 64), BF16)
+    kc, vc = randn(rng, (2, 2, 40, 64), BF16), randn(rng, (2, 2, 40, 64), BF16)
+    e = _error(fm.InvalidValueError, fm.flash_attn_with_kvcache, q, kc, vc, cache_seqlens=30, registry=cpu)
+    _transposed(e, "flash_attn_with_kvcache", "k_cache", [kc.shape], "swap axes 1 and 2 of k_cache and v_cache")
+    kt, vt = kc.swapaxes(1, 2), vc.swapaxes(1, 2)
+    out = fm.flash_attn_with_kvcache(q, kt, vt, cache_seqlens=30, registry=cpu)
+    assert_close(out[:, 0], reference.decode(q[:, 0].astype(F32), kc, vc, 30), BF16, "after the hint's transpose")
+
+
 # --- dtypes ---------------------------------------------------------------------------------------------------------
 
 def _call(op, arg, dtype, cpu, rng):
