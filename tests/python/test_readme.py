@@ -110,7 +110,14 @@ def test_every_python_block_is_found():
     assert len(readme) >= 8, [b.where for b in readme]
 
 
-@pytest.mark.parametrize("block", [b for b in PYTHON if b.skip is None], ids=lambda b: b.where)
+def _param(block: Block, heavy: bool) -> object:
+    """A block that imports a framework (seconds each) runs in `make test`, not `make quick`."""
+    return pytest.param(block, marks=pytest.mark.slow, id=block.where) if heavy else \
+        pytest.param(block, id=block.where)
+
+
+@pytest.mark.parametrize("block", [_param(b, bool(_imports(b.code) & set(OPTIONAL)))
+                                   for b in PYTHON if b.skip is None])
 def test_python_block_runs(block):
     for name in sorted(_imports(block.code) & set(OPTIONAL)):
         if importlib.util.find_spec(name) is None:
@@ -155,7 +162,9 @@ def test_the_command_line_section_is_found():
     assert len(CLI) >= 3, CLI
 
 
-@pytest.mark.parametrize("block,line", CLI, ids=[f"{b.where}:{line.split()[1]}" for b, line in CLI])
+@pytest.mark.parametrize("block,line", [pytest.param(b, line, id=f"{b.where}:{line.split()[1]}",
+                                                    marks=[pytest.mark.slow] if line.split()[1] == "bench" else [])
+                                       for b, line in CLI])
 def test_command_line_runs(block, line):
     r = subprocess.run(shlex.split(line, comments=True), capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=_venv_env())
