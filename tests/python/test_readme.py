@@ -176,3 +176,16 @@ def test_relative_links_resolve():
         for target in re.findall(r"\]\(([^)#]+)\)", path.read_text()):
             if "://" not in target:
                 assert (path.parent / target).exists(), f"{path.relative_to(ROOT)} links to missing {target}"
+
+
+def test_the_checks_catch_what_they_look_for():
+    """A REPL block whose output differs, and a print whose expectation is
+    not met, fail; matching ones pass."""
+    def run(code):
+        return subprocess.run([sys.executable, "-c", _doctest_runner(code)], capture_output=True, text=True,
+                              timeout=120).returncode
+    assert run(">>> import flashmetal as fm\n>>> fm.abi_version() == fm.info()['abi_version']\nTrue\n") == 0
+    assert run(">>> 1 + 1\n3\n") == 1
+    assert _expected_prints("x = 1\nprint(x)  # -> 1\nprint(2)  # two\n") == ["1"]
+    assert _matches("... looks transposed: ...", "op: a. The layout looks transposed: swap")
+    assert not _matches("... looks transposed", "op: shapes differ")
