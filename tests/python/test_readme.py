@@ -189,3 +189,23 @@ def test_the_checks_catch_what_they_look_for():
     assert _expected_prints("x = 1\nprint(x)  # -> 1\nprint(2)  # two\n") == ["1"]
     assert _matches("... looks transposed: ...", "op: a. The layout looks transposed: swap")
     assert not _matches("... looks transposed", "op: shapes differ")
+
+
+def _make_targets() -> set[str]:
+    text = "\n".join(p.read_text() for p in [ROOT / "Makefile", *sorted((ROOT / "mk").glob("*.mk"))])
+    return {m.group(1) for m in re.finditer(r"^([A-Za-z][\w-]*)\s*:(?!=)", text, re.M)}
+
+
+def test_make_lines_name_real_targets():
+    """`make demo`, `make test`, `make wheel` ... exist, and the wheel lands
+    where the install section says."""
+    targets = _make_targets()
+    for b in SHELL:
+        for line in _shell_lines(b):
+            words = shlex.split(line, comments=True)
+            if words[0] == "make":
+                for target in words[1:] or ["all"]:
+                    assert target in targets, f"{b.where}: make {target} is no target"
+    readme = (ROOT / "README.md").read_text()
+    wheel_dir = re.search(r"^WHEEL_DIR\s*[:?]?=\s*(\S+)", (ROOT / "mk" / "wheel.mk").read_text(), re.M)
+    assert wheel_dir and f"pip install {wheel_dir.group(1)}/flashmetal-*.whl" in readme
