@@ -209,3 +209,10 @@ def test_make_lines_name_real_targets():
     readme = (ROOT / "README.md").read_text()
     wheel_dir = re.search(r"^WHEEL_DIR\s*[:?]?=\s*(\S+)", (ROOT / "mk" / "wheel.mk").read_text(), re.M)
     assert wheel_dir and f"pip install {wheel_dir.group(1)}/flashmetal-*.whl" in readme
+
+
+def test_readme_stays_a_newcomers_page():
+    """What it is, install, the two commands, a tour and links: reference
+    material belongs in docs/API.md and the other docs/ pages."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 260, f"README.md has {len(lines)} lines; move reference material to docs/"
