@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _loader
 from ._errors import InvalidTypeError, InvalidValueError
+from ._hints import unsupported_dtype
 from ._interop import is_torch_tensor, refuse_grad_write, to_numpy
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -35,8 +36,7 @@ def as_input(x: Any, op: str, name: str) -> np.ndarray:
     array is never modified)."""
     a = to_numpy(x, op, name)
     if a.dtype not in DTYPE_NAMES:
-        raise InvalidTypeError(op, f"{name} dtype {a.dtype} is not supported "
-                        "(use bfloat16, float16, float32, bool or uint8 as the op requires)")
+        raise unsupported_dtype(op, name, a.dtype)
     if a.ndim > MAX_RANK:
         raise InvalidValueError(op, f"{name} has rank {a.ndim}; at most {MAX_RANK} is supported")
     return np.ascontiguousarray(a)

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from ._errors import InvalidTypeError, InvalidValueError
+from ._hints import dlpack_unreadable, unsupported_dtype
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -69,9 +70,7 @@ def _torch_to_numpy(t: Any, op: str, name: str) -> np.ndarray:
     try:
         a: np.ndarray = t.numpy()
     except (TypeError, RuntimeError) as e:  # a dtype numpy has no counterpart for (float8, ...)
-        raise InvalidTypeError(op, f"{name} dtype {t.dtype} is not supported "
-                               "(use bfloat16, float16, float32, bool or uint8 as the op requires)",
-                               argument=name) from e
+        raise unsupported_dtype(op, name, t.dtype) from e
     return a
 
 
@@ -85,7 +84,7 @@ def to_numpy(x: Any, op: str, name: str) -> np.ndarray:
         try:
             return np.from_dlpack(x)
         except (TypeError, ValueError, BufferError, RuntimeError, AttributeError) as e:
-            raise InvalidTypeError(op, f"{name} ({type(x).__name__}) could not be read through DLPack: {e}") from e
+            raise dlpack_unreadable(op, name, x, e) from e
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as e:

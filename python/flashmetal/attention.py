@@ -29,6 +29,7 @@ import numpy as np
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._hints import layout_hint
 from ._serving_args import flag, no_dropout, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
@@ -175,6 +176,7 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
     return align, int(attn_mask.seq_len_q), int(attn_mask.seq_len_kv)
 
 
+@layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
           enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)

@@ -7,6 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
+from ._hints import layout_hint
 from ._arrays import F32, as_input, check_out, empty_batch, tensor
 from .kv_codec import QuantizedKV
 from .kv_codec_decode import decode_over_codes
@@ -15,6 +16,7 @@ from .registry import RegistryLike, resolve
 _OP = "flash_attn_decode"
 
 
+@layout_hint(_OP, q="q", k="k_cache", v="v_cache", decode=True)
 def flash_attn_decode(
     q: ArrayLike,
     k_cache: ArrayLike,

@@ -11,12 +11,14 @@ from ._arrays import BF16, F16, as_input, check_out, empty_batch, tensor
 from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
 from ._errors import InvalidValueError
+from ._hints import layout_hint
 from .registry import RegistryLike, resolve
 
 _OP = "flash_attn_prefill"
 _LAYOUTS = {"bhld": "FM_LAYOUT_BHLD", "blhd": "FM_LAYOUT_BLHD"}  # FMLayout of flashmetal.h
 
 
+@layout_hint(_OP, q="q", k="k", v="v", mask="mask", layout="layout", q_within_keys=True)
 def flash_attn_prefill(
     q: ArrayLike,
     k: ArrayLike,

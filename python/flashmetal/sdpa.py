@@ -7,12 +7,14 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
+from ._hints import layout_hint
 from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, tensor
 from .registry import RegistryLike, resolve
 
 _OP = "sdpa"
 
 
+@layout_hint(_OP, q="q", k="k", v="v", mask="mask")
 def sdpa(
     q: ArrayLike,
     k: ArrayLike,

@@ -30,6 +30,7 @@ from numpy.typing import ArrayLike
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError
+from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .registry import Registry, RegistryLike, resolve
@@ -39,6 +40,7 @@ _VARLEN = "flash_attn_varlen_func"
 _KVCACHE = "flash_attn_with_kvcache"
 
 
+@layout_hint(_FUNC, q="q", k="k", v="v", expected="blhd")
 def flash_attn_func(
     q: ArrayLike,
     k: ArrayLike,
@@ -156,6 +158,7 @@ def flash_attn_varlen_func(
     return _with_probs(q, out, lse if want_lse else None)
 
 
+@layout_hint(_KVCACHE, q="q", k="k_cache", v="v_cache", expected="blhd")
 def flash_attn_with_kvcache(
     q: ArrayLike,
     k_cache: ArrayLike,
