@@ -84,13 +84,14 @@ def flash_attn_func(
         seqlen_q] float32, S_dmask)`` with return_attn_probs; the caller's
         array type (torch in, torch out).
     """
-    reg = resolve(registry, _FUNC)
-    want_lse = training_arguments(_FUNC, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
-    opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+    op = _native.public_op(_FUNC)  # a packed function running this one names itself
+    reg = resolve(registry, op)
+    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
+    opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
-    _no_outer_scope_for_decode(reg, qa, _FUNC)
-    out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
+    _no_outer_scope_for_decode(reg, qa, op)
+    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse)()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -136,23 +137,24 @@ def flash_attn_varlen_func(
         S_dmask)`` with return_attn_probs (S_dmask empty, as flash-attn's
         without dropout).
     """
-    reg = resolve(registry, _VARLEN)
-    want_lse = training_arguments(_VARLEN, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
-    cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
-    bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
-    opts = attn_options(_VARLEN, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+    op = _native.public_op(_VARLEN)  # a packed function running this one names itself
+    reg = resolve(registry, op)
+    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
+    cq, ck = as_index(cu_seqlens_q, op, "cu_seqlens_q"), as_index(cu_seqlens_k, op, "cu_seqlens_k")
+    bt = None if block_table is None else as_index(block_table, op, "block_table")
+    opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
-                        max_seqlen_q=_native.index_arg(_VARLEN, "max_seqlen_q", max_seqlen_q, 0),
-                        max_seqlen_k=_native.index_arg(_VARLEN, "max_seqlen_k", max_seqlen_k, 0))
+                        max_seqlen_q=_native.index_arg(op, "max_seqlen_q", max_seqlen_q, 0),
+                        max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(qa.shape, dtype=qa.dtype)
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
-                            sinks=sinks_arg(_VARLEN, sinks), lse=lse)
+                            sinks=sinks_arg(op, sinks), lse=lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=_VARLEN, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
