@@ -359,7 +359,7 @@ def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndar
             raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{b}] = {r} is out of range [0, {rows}) "
                                     "(k_cache's dim 0)", argument="cache_batch_idx")
     if k_new is not None and len(set(idx.tolist())) < batch:
-        first = {}
+        first: dict[int, int] = {}
         for b, r in enumerate(idx.tolist()):
             if r in first:
                 raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{first[r]}] and cache_batch_idx[{b}] both name "
