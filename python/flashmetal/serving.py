@@ -248,15 +248,16 @@ def flash_attn_with_kvcache(
             raise InvalidValueError(_KVCACHE, "cache_batch_idx cannot be combined with block_table "
                                     "(a paged KV cache does not support cache_batch_idx)", argument="cache_batch_idx")
         bt, kc, vc = _rows_as_pages(cache_batch_idx, batch, kc, vc, ka if appending else None)
-    lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
+    lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
     if cache_batch_idx is not None and lens is not None and lens.ndim == 1:
         _require_row_room(lens, ka.shape[1] if appending and ka.ndim == 4 else 0, kc.shape[1])
     if cache_leftpad is not None:
-        lens = _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
+        given_lens, lens = lens, _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     sk = sinks_arg(_KVCACHE, sinks)
-    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk, lens])
+    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype,
+                                                 [qa, kc, vc, bt, sk, lens, given_lens])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
