@@ -348,7 +348,10 @@ def scaled_dot_product_attention(
     the best flashmetal kernel. Always finds a kernel:
 
     - ``flash_attn_vec`` (split-KV decode): one query row at the newest
-      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512};
+      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512}; or
+      one query row whose ``attn_mask`` (bool, or 0/-inf) keeps one key
+      range per batch row, the same for every head (left padding, a sliding
+      window, causal), without sinks (``key_ranges``);
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
       {64, 80, 96, 128, 192, 256, 512} (other D below 512 zero-padded to the next one when
       there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
