@@ -393,7 +393,8 @@ def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_tabl
     cache_seqlens[b]."""
     lp = _table(cache_leftpad, batch, "cache_leftpad")
     if cache.ndim != 4:
-        return lp  # the library refuses the cache's shape
+        raise InvalidValueError(_KVCACHE, f"k_cache must have rank 4 ([B, cap, Hkv, D] or [num_pages, page_size, "
+                                f"Hkv, D]), got shape {list(cache.shape)}", argument="k_cache")
     capacity = cache.shape[1] * (1 if block_table is None or block_table.ndim != 2 else block_table.shape[1])
     capacity = min(capacity, 2**31 - 1)
     for b, f in enumerate(lp.tolist()):
@@ -402,7 +403,8 @@ def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_tabl
                                     "(the keys a sequence's cache holds)", argument="cache_leftpad")
     ends = np.full(batch, capacity, dtype=I32) if lens is None else lens
     if ends.shape != (batch,):
-        return ends  # the library names cache_seqlens' shape
+        raise InvalidValueError(_KVCACHE, f"cache_seqlens must have shape [{batch}] (q's batch), got "
+                                f"{list(ends.shape)}", argument="cache_seqlens")
     return np.ascontiguousarray(np.stack([ends, lp]))
 
 

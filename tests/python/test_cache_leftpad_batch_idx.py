@@ -200,3 +200,16 @@ def test_c_abi_checks_the_starts_row(rng):
                                                        softcap=0.0, causal=False, window_size=(-1, -1)),
                                sinks=None, want_lse=False, seqlens_k=table)()
         assert e.value.argument == "cache_leftpad"
+
+
+def test_leftpad_with_bad_cache_or_lengths_shape(rng):
+    q = randn(rng, (2, 1, 2, D), BF16)
+    k3 = randn(rng, (2, 32, D), BF16)
+    with pytest.raises(fm.InvalidValueError, match="k_cache must have rank 4") as e:
+        fm.flash_attn_with_kvcache(q, k3, k3, cache_leftpad=np.zeros(2, np.int32), registry="cpu")
+    assert e.value.argument == "k_cache"
+    k4 = randn(rng, (2, 32, 1, D), BF16)
+    with pytest.raises(fm.InvalidValueError, match=r"cache_seqlens must have shape \[2\]") as e:
+        fm.flash_attn_with_kvcache(q, k4, k4, cache_seqlens=np.array([1, 2, 3], np.int32),
+                                   cache_leftpad=np.zeros(2, np.int32), registry="cpu")
+    assert e.value.argument == "cache_seqlens"
