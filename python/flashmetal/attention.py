@@ -177,7 +177,10 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 
 
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
-          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
+          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None,
+          decode: bool = True) -> _Call:
+    """Checks a call and picks its route; `decode` False keeps it off the
+    decode kernel (whose float32 result is converted after the work ran)."""
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -224,13 +227,14 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
     ranges = None
-    if qL == 1 and ma is not None and sk is None and D in _native.head_dims("flash_attn_vec"):
+    if decode and qL == 1 and ma is not None and sk is None and D in _native.head_dims("flash_attn_vec"):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     if ranges is not None:
         route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
                       "(padding, window, causal): split-KV decode over per-row key ranges")
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
-    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None)
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
+                            decode=decode)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
@@ -270,14 +274,14 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None, *, sinks: bool = False) -> tuple[Route, int | None]:
+            window: int | None, *, sinks: bool = False, decode: bool = True) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem, and the head
     dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
     prefill kernel applies: a call it cannot take is refused, never run
     without them."""
     vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
+    if decode and qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -393,9 +397,12 @@ def scaled_dot_product_attention(
         ``[B, H, qL, D]`` in query's dtype and type: a torch tensor (sharing
         the result's memory) for a torch query, else a numpy array.
     """
-    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align, sinks)
     reg = resolve(registry, _OP)
+    # Inside a batch scope on a deferring backend (Metal) work runs when the
+    # scope ends: the decode kernel's result, converted here, is not there yet.
+    decode = not (reg._defers_work and reg._batch_depth)
+    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
+                 align, sinks, decode)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route

@@ -127,3 +127,22 @@ def test_key_ranges():
     holed[0, 0, 0, 5] = False
     assert key_ranges(holed) is None
     assert key_ranges(np.zeros((1, 1, 2, 10), dtype=bool)) is None  # two query rows
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_inside_a_batch_scope_on_metal(rng, dtype, masked):
+    """On a deferring backend the work of a batch scope runs when it ends, so
+    a call inside one cannot convert the decode kernel's float32 result: it
+    takes a route that writes its output in place (prefill or sdpa), and the
+    output read after the scope is right. Outside a scope: the decode kernel."""
+    reg = fm.Registry("metal-sim")
+    q, k, v = _qkv(rng, dtype)
+    m = _padding(CAP, [0, 5, 17]) if masked else None
+    with reg.batch():
+        out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
+    assert last_route().kernel in ("flash_attn_prefill", "sdpa"), last_route()
+    expected = reference.attention(q, k, v, mask=m)
+    assert_close(out, expected, dtype, f"batch scope masked={masked} {dtype}")
+    fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
+    assert last_route().kernel == "flash_attn_vec"
