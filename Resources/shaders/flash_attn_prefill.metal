@@ -120,7 +120,8 @@ struct PrefillSeq {
     long k_len;    // its keys
     long q_off;    // position of row 0
     int wl, wr;    // window bounds (keys t - wl <= p <= t + wr); -1 = unbounded
-    int chunk;     // attention chunk c > 0: keys p with floor(p / c) == floor(t / c); 0 = off
+    int chunk;     // attention chunk c > 0: keys p with floor((p - f) / c) == floor((t - f) / c); 0 = off
+    long first;    // its first visible key f (cache_leftpad), else 0
 };
 
 // The first position of the attention chunk of t: floor(t / c) * c (t < 0
@@ -151,6 +152,7 @@ inline PrefillSeq prefill_seq_of(constant AttnParams &p, thread const PrefillSeq
     s.wl = has_window ? sb.sp->window_left : -1;
     s.wr = has_window ? sb.sp->window_right : -1;
     s.chunk = has_window ? sb.sp->attention_chunk : 0;
+    s.first = kv_lens && sb.sp->key_starts_at > 0 ? long(sb.seqlens_k[long(sb.sp->key_starts_at) + b]) : 0;
     return s;
 }
 
@@ -162,14 +164,14 @@ template <int BK>
 inline void prefill_key_range(thread const PrefillSeq &s, long r0, long r1, thread int &lo, thread int &hi) {
     const long t0 = s.q_off + r0;
     const long t1 = s.q_off + r1 - 1;
-    long first = 0;
+    long first = s.first;
     long last = s.k_len - 1;
     if (do_causal) last = min(last, t1);
     if (s.wr >= 0) last = min(last, t1 + long(s.wr));
     if (s.wl >= 0) first = max(first, t0 - long(s.wl));
     if (s.chunk > 0) {
-        first = max(first, chunk_start(t0, s.chunk));
-        last = min(last, chunk_start(t1, s.chunk) + long(s.chunk) - 1);
+        first = max(first, s.first + chunk_start(t0 - s.first, s.chunk));
+        last = min(last, s.first + chunk_start(t1 - s.first, s.chunk) + long(s.chunk) - 1);
     }
     lo = 0;
     hi = 0;
@@ -227,11 +229,11 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
             const bool col_exists = align_K || col < sq.k_len;
             float x = s[j].thread_elements()[e] * p.scale;
             if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
-            bool masked = !col_exists || (do_causal && col > q_pos);
+            bool masked = !col_exists || col < sq.first || (do_causal && col > q_pos);
             if (has_window) {
                 masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
                 if (sq.chunk > 0) {
-                    const long start = chunk_start(q_pos, sq.chunk);
+                    const long start = sq.first + chunk_start(q_pos - sq.first, sq.chunk);
                     masked = masked || col < start || col >= start + long(sq.chunk);
                 }
             }

@@ -160,13 +160,16 @@ kernel void flash_attn_vec(
     float qv[NE];  // this lane's dims of q: l, l + 32, ...
     for (int i = 0; i < NE; i++) qv[i] = vec_lane_dim<D>(lane, i) ? q[row * D + int(lane) + 32 * i] : 0.0f;
 
-    // Visible keys: [lo, kv_len).
-    long lo = 0;
-    if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), 0L);
-    // The attention chunk of the query (at kv_len - 1) starts at (kv_len - 1) / c * c.
-    if (vec_seq && sp->attention_chunk > 0 && kv_len > 0) {
+    // Visible keys: [lo, kv_len), from the sequence's first key f (cache_leftpad,
+    // after the lengths in seqlens_k).
+    const long first = vec_seq && vec_kv_lens && sp->key_starts_at > 0
+        ? long(seqlens_k[long(sp->key_starts_at) + b]) : 0L;
+    long lo = first;
+    if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), lo);
+    // The attention chunk of the query (at kv_len - 1) starts at f + (kv_len - 1 - f) / c * c.
+    if (vec_seq && sp->attention_chunk > 0 && kv_len > first) {
         const long c = long(sp->attention_chunk);
-        lo = max(lo, (kv_len - 1) / c * c);
+        lo = max(lo, first + (kv_len - 1 - first) / c * c);
     }
 
     float o[NE];

@@ -27,6 +27,8 @@ _Static_assert(sizeof(FlashAttnVecSeqParams) == 64, "FlashAttnVecSeqParams is 64
 FM_AT(AttnSeqParams, attention_chunk, 56);
 FM_AT(FlashAttnVecSeqParams, attention_chunk, 56);
 FM_AT(FMAttnOptions, attention_chunk, 28);
+FM_AT(AttnSeqParams, key_starts_at, 60);
+FM_AT(FlashAttnVecSeqParams, key_starts_at, 60);
 _Static_assert(sizeof(FlashAttnVecReduceExtParams) == 16, "FlashAttnVecReduceExtParams is 16 bytes");
 _Static_assert(sizeof(KVAppendParams) == 72, "KVAppendParams is 72 bytes");
 _Static_assert(sizeof(FMAttnOptions) == 32, "FMAttnOptions is 32 bytes");

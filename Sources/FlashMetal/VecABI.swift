@@ -15,22 +15,38 @@ public func fm_dispatch_vec(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         let o = try VecOptions(options.pointee)
+        // The public function the caller runs names the caches its own way.
+        let (kName, vName) = vecCacheNames(publicOp(err))
         let qt = try TensorRef(q, op: op, name: "q")
-        let kt = try TensorRef(k, op: op, name: "k")
+        let kt = try TensorRef(k, op: op, name: kName)
         let given = try optionalTensor(tmp, op: op, name: "tmp")
         let sg = try optionalTensor(signs, op: op, name: "fwht_signs")
-        let v = try TensorRef(v, op: op, name: "v")
+        let v = try TensorRef(v, op: op, name: vName)
         let out = try TensorRef(out, op: op, name: "out")
+        func tensors(_ tmp: TensorRef) -> VecTensors {
+            var t = VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg)
+            (t.kName, t.vName) = (kName, vName)
+            return t
+        }
         if let given = given {
-            try reg.run(VecDispatcher.makeDispatches(
-                VecTensors(q: qt, k: kt, v: v, out: out, tmp: given, signs: sg), o), op: op)
+            try reg.run(VecDispatcher.makeDispatches(tensors(given), o), op: op)
             return
         }
         // Sized from validated shapes; the full validation runs in makeDispatches.
-        let s = try VecDispatcher.shapes(q: qt, k: kt)
+        let s = try VecDispatcher.shapes(q: qt, k: kt, kName: kName)
         try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
-            try reg.run(VecDispatcher.makeDispatches(
-                VecTensors(q: qt, k: kt, v: v, out: out, tmp: tmp, signs: sg), o), op: op)
+            try reg.run(VecDispatcher.makeDispatches(tensors(tmp), o), op: op)
         }
+    }
+}
+
+/// The names of k and v in the errors of the public function `op` that runs
+/// the decode: flash_attn_decode's k_cache/v_cache, the drop-in's key/value,
+/// else the C function's own k/v.
+func vecCacheNames(_ op: String?) -> (String, String) {
+    switch op {
+    case VecDispatcher.publicName?: return ("k_cache", "v_cache")
+    case "scaled_dot_product_attention"?: return ("key", "value")
+    default: return ("k", "v")
     }
 }

@@ -103,6 +103,13 @@ struct PrefillServingConstants {
         s.cu_seqlens_k = try ints(varlenK, PrefillBuffer.cuSeqlensK)
         s.seqlens_k = try ints(kvLens, PrefillBuffer.seqlensK)
         s.block_table = try ints(paged, PrefillBuffer.blockTable)
+        if s.sp.key_starts_at > 0 {
+            // The first keys follow the lengths in the seqlens_k table.
+            let lens = try d.buffer(PrefillBuffer.seqlensK)
+            if !kvLens || lens.dtype != .i32 || lens.byteCount < 2 * Int(s.sp.key_starts_at) * 4 {
+                throw FlashMetalError.internalError("\(d.kernel): key starts at \(s.sp.key_starts_at) do not fit seqlens_k")
+            }
+        }
         if sinks {
             s.sinks = UnsafePointer(try d.buffer(PrefillBuffer.sinks).data.assumingMemoryBound(to: Float.self))
         }

@@ -108,6 +108,17 @@ final class VecKernel: CPUKernel {
                 throw FlashMetalError.internalError("\(name): seqlens_k[\(b)] = \(l[b]) outside [0, \(capacity)]")
             }
             a.seqlens = l
+            if sp.key_starts_at > 0 {
+                // The first keys follow the lengths in the same table.
+                let at = Int(sp.key_starts_at)
+                if at != Int(a.batch) || lens.byteCount < 2 * at * 4 {
+                    throw FlashMetalError.internalError("\(name): key starts at \(at) do not fit seqlens_k \(lens.shape)")
+                }
+                for b in 0..<at where l[at + b] < 0 || Int64(l[at + b]) > capacity {
+                    throw FlashMetalError.internalError("\(name): key start \(b) = \(l[at + b]) outside [0, \(capacity)]")
+                }
+                a.key_starts = l + at
+            }
         } else if Int64(p.kv_seq_len) > capacity {
             throw FlashMetalError.internalError("\(name): kv_seq_len \(p.kv_seq_len) > capacity \(capacity)")
         }

@@ -40,8 +40,8 @@ int64_t fm_cpu_prefill_rows_keys(const FMPrefillArgs *a, int64_t b, int64_t r0, 
     if (n <= 0) return 0;
     /* lo and hi grow with t: the union spans the first row's lo to the last's hi. */
     int64_t lo, hi, lo2, hi2;
-    fm_pf_row_keys(a, sd.t0 + r0, sd.kL, &lo, &hi);
-    fm_pf_row_keys(a, sd.t0 + r0 + n - 1, sd.kL, &lo2, &hi2);
+    fm_pf_row_keys(a, sd.t0 + r0, &sd, &lo, &hi);
+    fm_pf_row_keys(a, sd.t0 + r0 + n - 1, &sd, &lo2, &hi2);
     return hi2 >= lo ? hi2 - lo + 1 : 0;
 }
 
@@ -73,8 +73,8 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
 
     /* The keys of the tile: the union of its rows' ranges (they grow with t). */
     int64_t first_lo, first_hi, last_lo, last_hi;
-    fm_pf_row_keys(a, sd.t0 + r0, sd.kL, &first_lo, &first_hi);
-    fm_pf_row_keys(a, sd.t0 + r0 + nrows - 1, sd.kL, &last_lo, &last_hi);
+    fm_pf_row_keys(a, sd.t0 + r0, &sd, &first_lo, &first_hi);
+    fm_pf_row_keys(a, sd.t0 + r0 + nrows - 1, &sd, &last_lo, &last_hi);
     for (int64_t r = 0; r < nrows; r++) {
         fm_load_row(Qt + r * D, (const uint16_t *)(q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides)), D,
                     is_bf16);
@@ -104,7 +104,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
         }
         for (int64_t r = 0; r < nrows; r++) {
             int64_t lo, hi;
-            fm_pf_row_keys(a, sd.t0 + r0 + r, sd.kL, &lo, &hi);
+            fm_pf_row_keys(a, sd.t0 + r0 + r, &sd, &lo, &hi);
             const void *mrow = mbase ? mbase + msz * (r0 + r) * a->mp.M_strides[2] : NULL;
             float mx = M[r];
             for (int64_t j = 0; j < kc; j++) {

@@ -485,7 +485,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     for (int64_t r = 0; r < ngroups * R; r++) {
         const int64_t rr = r < nrows ? r : nrows - 1; /* padding rows repeat the last */
         rowid[r] = r0 + rr;
-        fm_pf_row_keys(a, sd.t0 + r0 + rr, sd.kL, &lo[r], &hi[r]);
+        fm_pf_row_keys(a, sd.t0 + r0 + rr, &sd, &lo[r], &hi[r]);
         qrow[r] = (const uint16_t *)((const char *)a->q + esz * fm_pf_row_offset(&sd, b, h, r0 + rr, p->Q_strides));
         mrow[r] = mbase ? mbase + msz * (r0 + rr) * a->mp.M_strides[2] : NULL;
         if (!bfp) FM_SFX(pf_cvt_row)(Qf + (size_t)r * D, qrow[r], D, a->io_dtype);

@@ -17,8 +17,8 @@ static inline void fm_pf_seq_blocks(const FMPrefillArgs *a, const FMPfSeqDims *s
     *kb0 = *kb1 = 0;
     if (sd->qL <= 0 || sd->kL <= 0) return;
     int64_t lo, hi, lo2, hi2;
-    fm_pf_row_keys(a, sd->t0, sd->kL, &lo, &hi);
-    fm_pf_row_keys(a, sd->t0 + sd->qL - 1, sd->kL, &lo2, &hi2);
+    fm_pf_row_keys(a, sd->t0, sd, &lo, &hi);
+    fm_pf_row_keys(a, sd->t0 + sd->qL - 1, sd, &lo2, &hi2);
     if (lo > hi2) return;
     *kb0 = lo / FM_PF_KB;
     *kb1 = hi2 / FM_PF_KB + 1;

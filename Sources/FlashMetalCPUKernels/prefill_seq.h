@@ -5,8 +5,8 @@
  *
  * Every visibility rule of a row is a bound on the key index, so the keys a
  * row sees form one range [lo, hi] (empty when lo > hi): kL_b, causal and
- * window_right bound hi, window_left bounds lo, the attention chunk of t
- * bounds both. Both ends never decrease as t grows. Kernels skip key blocks
+ * window_right bound hi, window_left and the sequence's first key bound lo,
+ * the attention chunk of t bounds both. Both ends never decrease as t grows. Kernels skip key blocks
  * outside the range and kill the cells of the blocks they cut; the mask of
  * the plain prefill's path is applied on top. */
 #ifndef FM_PREFILL_SEQ_H
@@ -21,6 +21,7 @@ typedef struct FMPfSeqDims {
     int64_t kL; /* its keys */
     int64_t qs; /* its first row in q/o/lse (varlen q), else 0 */
     int64_t t0; /* position of its row 0 */
+    int64_t f0; /* its first key (cache_leftpad: keys before it are hidden), else 0 */
 } FMPfSeqDims;
 
 static inline int fm_pf_per_sequence(const FMPrefillArgs *a) {
@@ -30,13 +31,14 @@ static inline int fm_pf_per_sequence(const FMPrefillArgs *a) {
 
 static inline FMPfSeqDims fm_pf_seq_dims(const FMPrefillArgs *a, int64_t b) {
     const FMPrefillSeq *s = &a->seq;
-    FMPfSeqDims d = {a->p.qL, a->p.kL, 0, a->p.qL_off};
+    FMPfSeqDims d = {a->p.qL, a->p.kL, 0, a->p.qL_off, 0};
     if (!fm_pf_per_sequence(a)) return d;
     if (s->cu_seqlens_q) {
         d.qs = s->cu_seqlens_q[b];
         d.qL = (int64_t)s->cu_seqlens_q[b + 1] - d.qs;
     }
     if (s->seqlens_k) d.kL = s->seqlens_k[b];
+    if (s->seqlens_k && s->sp.key_starts_at > 0) d.f0 = s->seqlens_k[s->sp.key_starts_at + b];
     else if (s->cu_seqlens_k) d.kL = (int64_t)s->cu_seqlens_k[b + 1] - s->cu_seqlens_k[b];
     d.t0 = d.kL - d.qL;
     return d;
@@ -47,9 +49,10 @@ static inline int64_t fm_floor_div(int64_t x, int64_t c) {
     return x >= 0 ? x / c : -((-x + c - 1) / c);
 }
 
-/* Keys [*lo, *hi] visible to the row at position t of a sequence of kL keys. */
-static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, int64_t kL, int64_t *lo, int64_t *hi) {
-    int64_t l = 0, h = kL - 1;
+/* Keys [*lo, *hi] visible to the row at position t of sequence sd. */
+static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, const FMPfSeqDims *sd, int64_t *lo,
+                                  int64_t *hi) {
+    int64_t l = sd->f0, h = sd->kL - 1;
     if (a->causal && t < h) h = t;
     if (a->seq.window) {
         const int64_t wl = a->seq.sp.window_left, wr = a->seq.sp.window_right;
@@ -57,7 +60,8 @@ static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, int64_t kL,
         if (wr >= 0 && t + wr < h) h = t + wr;
         const int64_t c = a->seq.sp.attention_chunk;
         if (c > 0) {
-            const int64_t start = fm_floor_div(t, c) * c; /* t < 0 (qL > kL) rounds down */
+            /* chunks count from the first key; t < f0 (qL > kL) rounds down */
+            const int64_t start = sd->f0 + fm_floor_div(t - sd->f0, c) * c;
             if (start > l) l = start;
             if (start + c - 1 < h) h = start + c - 1;
         }

@@ -40,19 +40,20 @@ static inline int fm_vec_key_major(const FMVecArgs *a) {
 }
 
 /* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1;
- * its attention chunk starts at (kv_len_b - 1) / c * c). */
+ * keys before the sequence's first key f_b are hidden; its attention chunk
+ * starts at f_b + (kv_len_b - 1 - f_b) / c * c). */
 static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {
     const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
-    int64_t l = 0;
-    if (a->p.mask_type == FM_VEC_MASK_WINDOW) {
+    const int64_t first = a->key_starts ? (int64_t)a->key_starts[b] : 0;
+    int64_t l = first;
+    if (a->p.mask_type == FM_VEC_MASK_WINDOW && len - (int64_t)a->p.sliding_window > l) {
         l = len - (int64_t)a->p.sliding_window;
-        if (l < 0) l = 0;
     }
-    if (a->attention_chunk > 0 && len > 0) {
-        const int64_t start = (len - 1) / a->attention_chunk * a->attention_chunk;
+    if (a->attention_chunk > 0 && len > first) {
+        const int64_t start = first + (len - 1 - first) / a->attention_chunk * a->attention_chunk;
         if (start > l) l = start;
     }
-    *lo = l;
+    *lo = l < len ? l : len;
     *hi = len;
 }
 

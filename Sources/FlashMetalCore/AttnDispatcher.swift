@@ -162,6 +162,7 @@ public enum AttnDispatcher {
         ext.cuSeqlensQ = t.cuSeqlensQ; ext.cuSeqlensK = t.cuSeqlensK
         ext.seqlensK = t.seqlensK; ext.blockTable = t.blockTable
         ext.sinks = t.sinks; ext.lse = t.lse
+        if lens.keyStarts { ext.params.key_starts_at = Int32(batch) }
         if o.hasWindow || o.attentionChunk > 0 {
             ext.window = true
             ext.params.window_left = Int32(o.windowLeft)
@@ -204,6 +205,8 @@ public enum AttnDispatcher {
 struct SequenceLengths {
     /// The longest query and key sequence.
     let maxQ: Int, maxK: Int
+    /// seqlens_k is [2, B]: each sequence's first key follows the lengths.
+    var keyStarts = false
 
     init(_ t: AttnTensors, kind: AttnOp, batch: Int, bk: Int, o: AttnOptions, op: String) throws {
         let paged = t.blockTable != nil
@@ -229,8 +232,10 @@ struct SequenceLengths {
             let holds = paged ? SequenceTables.pagedCapacity(pages: capacity / pageSize, pageSize: pageSize,
                                                              table: "block_table", cache: kind.kName)
                 : "the keys \(kind.kName) holds"
-            let lens = try SequenceTables.seqlens(s, op: op, name: kind.seqlensKName, batch: batch, capacity: bound,
-                                                  capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
+            let (lens, starts) = try SequenceTables.seqlensAndStarts(
+                s, op: op, name: kind.seqlensKName, startsName: "cache_leftpad", batch: batch, capacity: bound,
+                capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
+            keyStarts = starts
             for b in 0..<batch where lens[b] > kLens[b] {
                 throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)", arg: kind.seqlensKName)
             }

@@ -9,7 +9,7 @@ public struct PrefillExtension {
     /// Window bounds, paging and lse strides; -1 window bounds = unbounded.
     public var params = AttnSeqParams(window_left: -1, window_right: -1, page_size: 0, max_pages: 0,
                                       K_page_stride: 0, V_page_stride: 0, lse_strides: (0, 0, 0), attention_chunk: 0,
-                                      _pad: 0)
+                                      key_starts_at: 0)
     /// params.window_left/right and attention_chunk apply (FM_FC_WINDOW).
     public var window = false
     /// int32 [B+1]: q/out/lse packed (FM_FC_VARLEN_Q).

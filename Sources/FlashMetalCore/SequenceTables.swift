@@ -80,6 +80,35 @@ public enum SequenceTables {
         }
     }
 
+    /// Validates a seqlens_k table that may carry each sequence's first key:
+    /// int32 [B] (lengths) or [2, B] (lengths, then first keys: flash-attn's
+    /// cache_leftpad, named `startsName`), every entry in 0...capacity. A
+    /// first key at or past its length leaves the sequence no key. Returns
+    /// the lengths and whether first keys follow them.
+    public static func seqlensAndStarts(_ t: TensorRef, op: String, name: String, startsName: String,
+                                        batch: Int, capacity: Int,
+                                        capacityName: String) throws -> (lengths: [Int], starts: Bool) {
+        if t.shape.count != 2 {
+            return (try seqlens(t, op: op, name: name, batch: batch, capacity: capacity,
+                                capacityName: capacityName), false)
+        }
+        try requireInt32(t, shape: [2, batch], op: op, name: name)
+        var lengths = [Int]()
+        lengths.reserveCapacity(batch)
+        for row in 0..<2 {
+            let what = row == 0 ? name : startsName
+            for b in 0..<batch {
+                let n = int32(t, row * batch + b)
+                if n < 0 || n > capacity {
+                    throw FlashMetalError.value(
+                        op, "\(what)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))", arg: what)
+                }
+                if row == 0 { lengths.append(n) }
+            }
+        }
+        return (lengths, true)
+    }
+
     /// How a paged cache's capacity reads in a message: the table's pages
     /// times the cache's page size, each named as the caller passed it.
     public static func pagedCapacity(pages: Int, pageSize: Int, table: String, cache: String) -> String {

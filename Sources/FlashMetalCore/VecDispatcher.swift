@@ -41,6 +41,9 @@ public struct VecTensors {
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef
     /// uint8 [D/8] FWHT sign bitmask, or nil for all +1.
     public var signs: TensorRef? = nil
+    /// The caller's names of k and v in errors (flash_attn_decode calls them
+    /// k_cache and v_cache).
+    public var kName = "k", vName = "v"
 
     /// The tensors of a call; signs are optional.
     public init(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef, signs: TensorRef? = nil) {
@@ -86,18 +89,18 @@ public enum VecDispatcher {
     }
 
     /// Shape facts of a call, validated: (rows, kvRows, heads, kvHeads, capacity, headDim).
-    public static func shapes(q: TensorRef, k: TensorRef) throws -> (rows: Int, kvRows: Int, heads: Int, kvHeads: Int, capacity: Int, headDim: Int) {
+    public static func shapes(q: TensorRef, k: TensorRef, kName: String = "k") throws -> (rows: Int, kvRows: Int, heads: Int, kvHeads: Int, capacity: Int, headDim: Int) {
         try q.requireRank([2, 3], op: op, name: "q")
-        try k.requireRank([q.rank + 1], op: op, name: "k")
+        try k.requireRank([q.rank + 1], op: op, name: kName)
         let batch = q.rank == 3 ? q.shape[0] : 1
         let (heads, d) = (q.shape[q.rank - 2], q.shape[q.rank - 1])
         let kb = k.rank == 4 ? k.shape[0] : 1
         let (kvHeads, cap, kd) = (k.shape[k.rank - 3], k.shape[k.rank - 2], k.shape[k.rank - 1])
-        if kb != batch { throw FlashMetalError.value(op, "k batch (\(kb)) must equal q batch (\(batch))", arg: "k") }
-        if kd != d { throw FlashMetalError.value(op, "k head_dim (\(kd)) must equal q head_dim (\(d))", arg: "k") }
+        if kb != batch { throw FlashMetalError.value(op, "\(kName) batch (\(kb)) must equal q batch (\(batch))", arg: kName) }
+        if kd != d { throw FlashMetalError.value(op, "\(kName) head_dim (\(kd)) must equal q head_dim (\(d))", arg: kName) }
         try VecCapability.requireHeadDim(d, op: op)
-        try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op)
-        if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0", arg: "k") }
+        try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
+        if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0", arg: kName) }
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         let (kvRows, o2) = batch.multipliedReportingOverflow(by: kvHeads)
         if o1 || o2 || rows > Int(UInt32.max) || kvRows > Int(UInt32.max) || cap > Int(UInt32.max)
@@ -113,9 +116,11 @@ public enum VecDispatcher {
     /// a known mask type with a window > 0 for the window mask, a finite
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
-        try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op)
-        let s = try shapes(q: t.q, k: t.k)
-        if t.v.shape != t.k.shape { throw FlashMetalError.value(op, "v shape \(t.v.shape) must equal k shape \(t.k.shape)", arg: "v") }
+        try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op, kName: t.kName, vName: t.vName)
+        let s = try shapes(q: t.q, k: t.k, kName: t.kName)
+        if t.v.shape != t.k.shape {
+            throw FlashMetalError.value(op, "\(t.vName) shape \(t.v.shape) must equal \(t.kName) shape \(t.k.shape)", arg: t.vName)
+        }
         if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
         let kvLen = o.kvLen ?? s.capacity
         if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }

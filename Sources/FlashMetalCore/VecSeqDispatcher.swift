@@ -54,7 +54,8 @@ public struct VecSeqTensors {
     /// q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D]; tmp float32 scratch (VecDispatcher.tmpByteCount).
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef
-    /// int32 [B] valid keys per sequence; nil = every sequence holds its capacity.
+    /// int32 [B] valid keys per sequence, or [2, B]: those, then each
+    /// sequence's first key (cache_leftpad); nil = every sequence holds its capacity.
     public var seqlensK: TensorRef? = nil
     /// int32 [B, max_pages]: k/v are paged.
     public var blockTable: TensorRef? = nil
@@ -169,10 +170,11 @@ public enum VecSeqDispatcher {
         // Tables last: their contents are read only once every shape is known good.
         let capacityName = t.blockTable == nil ? "the cache capacity, \(t.kName)'s dim 1"
             : SequenceTables.pagedCapacity(pages: s.maxPages, pageSize: s.pageSize, table: "block_table", cache: t.kName)
-        let lengths = try t.seqlensK.map {
-            try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: s.batch,
-                                              capacity: s.capacity, capacityName: capacityName)
-        } ?? Array(repeating: s.capacity, count: s.batch)
+        let checked = try t.seqlensK.map {
+            try SequenceTables.seqlensAndStarts($0, op: op, name: "cache_seqlens", startsName: "cache_leftpad",
+                                                batch: s.batch, capacity: s.capacity, capacityName: capacityName)
+        }
+        let lengths = checked?.lengths ?? Array(repeating: s.capacity, count: s.batch)
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
                                                  numPages: s.numPages, pageSize: s.pageSize, tile: pageTile,
@@ -188,7 +190,8 @@ public enum VecSeqDispatcher {
         let seq = VecDispatcher.SeqBindings(
             params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
-                                          attention_chunk: UInt32(o.attentionChunk), _pad: 0),
+                                          attention_chunk: UInt32(o.attentionChunk),
+                                          key_starts_at: checked?.starts == true ? UInt32(s.batch) : 0),
             seqlensK: t.seqlensK, blockTable: t.blockTable)
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil

@@ -27,10 +27,10 @@ import ml_dtypes
 import numpy as np
 
 from . import _native
-from ._arrays import BF16, BOOL, F16, F32, as_input
+from ._arrays import BF16, BOOL, F16, F32, as_input, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
-from ._serving_args import flag, no_dropout, sinks_arg
+from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
@@ -158,6 +158,7 @@ class _Call:
     pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
     squeeze: bool  # rank-3 inputs: the batch axis was added here
     sinks: np.ndarray | None = None  # float32 [H] sink logits (prefill route only)
+    key_ranges: np.ndarray | None = None  # int32 [2, B]: each row's visible keys [start, end) (masked decode)
 
 
 def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
@@ -178,7 +179,10 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 
 @layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
-          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
+          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None,
+          decode: bool = True) -> _Call:
+    """Checks a call and picks its route; `decode` False keeps it off the
+    decode kernel (whose float32 result is converted after the work ran)."""
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -224,19 +228,62 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     sk = sinks_arg(_OP, sinks)
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
-    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None)
+    ranges = None
+    if decode and qL == 1 and ma is not None and sk is None and D in _native.head_dims("flash_attn_vec"):
+        ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
+    if ranges is not None:
+        route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
+                      "(padding, window, causal): split-KV decode over per-row key ranges")
+        return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
+    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
+                            decode=decode)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
+def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
+               window: int | None = None) -> np.ndarray | None:
+    """The keys a single query row at position `q_pos` sees under `mask`
+    ([B or 1, H or 1, 1, kL], bool or additive), causal and the window, as
+    int32 [2, B] (row 0 each batch row's end, row 1 its start) when they are
+    one contiguous range [start, end) per batch row, the same for every
+    head, with no bias other than 0 on them; else None (a hole, a finite
+    bias, heads that differ). A row that sees nothing is the range [0, 0)."""
+    if mask.ndim != 4 or mask.shape[2] != 1:
+        return None
+    m = mask[:, :, 0, :]
+    if m.dtype == BOOL:
+        vis = m
+    else:
+        vis = m == 0
+        if not (vis | np.isneginf(m)).all():
+            return None  # a finite bias the decode kernel does not add
+    if vis.shape[1] > 1:
+        if not (vis == vis[:, :1]).all():
+            return None
+    vis = vis[:, 0]
+    kl = vis.shape[1]
+    pos = np.arange(kl)
+    if causal:
+        vis = vis & (pos <= q_pos)
+    if window is not None:
+        vis = vis & (q_pos - pos < window)
+    count = vis.sum(axis=1)
+    start = np.where(count > 0, vis.argmax(axis=1), 0)
+    end = np.where(count > 0, kl - vis[:, ::-1].argmax(axis=1), 0)
+    if not (end - start == count).all():
+        return None  # a hole inside some row's range
+    return np.ascontiguousarray(np.stack([end, start]), dtype=np.int32)
+
+
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None, *, sinks: bool = False) -> tuple[Route, int | None]:
+            window: int | None, *, sinks: bool = False, decode: bool = True) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem, and the head
     dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
     prefill kernel applies: a call it cannot take is refused, never run
     without them."""
     vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
+    if decode and qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -307,7 +354,10 @@ def scaled_dot_product_attention(
     the best flashmetal kernel. Always finds a kernel:
 
     - ``flash_attn_vec`` (split-KV decode): one query row at the newest
-      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512};
+      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512}; or
+      one query row whose ``attn_mask`` (bool, or 0/-inf) keeps one key
+      range per batch row, the same for every head (left padding, a sliding
+      window, causal), without sinks (``key_ranges``);
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
       {64, 80, 96, 128, 192, 256, 512} (other D below 512 zero-padded to the next one when
       there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
@@ -349,9 +399,12 @@ def scaled_dot_product_attention(
         ``[B, H, qL, D]`` in query's dtype and type: a torch tensor (sharing
         the result's memory) for a torch query, else a numpy array.
     """
-    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align, sinks)
     reg = resolve(registry, _OP)
+    # Inside a batch scope on a deferring backend (Metal) work runs when the
+    # scope ends: the decode kernel's result, converted here, is not there yet.
+    decode = not (reg._defers_work and reg._batch_depth)
+    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
+                 align, sinks, decode)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
@@ -363,6 +416,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     kernel = c.route.kernel
     if kernel == "none":
         return np.empty(qa.shape, qa.dtype)
+    if kernel == "flash_attn_vec" and c.key_ranges is not None:
+        return _decode_ranges(c, scale, softcap, reg)
     if kernel == "flash_attn_vec":
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
@@ -389,3 +444,31 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
                                q_offset=c.q_offset if positioned else None, window=window, softcap=softcap,
                                registry=reg)
     return general
+
+
+def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:
+    """One query row per (batch row, head) over each batch row's key range
+    [start, end) on the serving decode kernel, without copying K/V: the
+    caches [B, Hkv, cap, D] are B * Hkv sequences of one kv head
+    ([B * Hkv, cap, 1, D]) whose queries are that kv head's G = H / Hkv query
+    heads (adjacent in q), each with its batch row's range."""
+    qa, ka, va = c.q, c.k, c.v
+    assert c.key_ranges is not None
+    b, h, _, d = qa.shape
+    hkv, cap = ka.shape[1], ka.shape[2]
+    ka, va = np.ascontiguousarray(ka), np.ascontiguousarray(va)
+    q32 = np.ascontiguousarray(qa.reshape(b * hkv, h // hkv, d), dtype=F32)
+    o32 = np.empty(q32.shape, dtype=F32)
+    ranges = c.key_ranges
+    if ranges.shape[1] != b:  # a mask broadcast over the batch
+        ranges = np.broadcast_to(ranges, (2, b))
+    table = np.ascontiguousarray(np.repeat(ranges, hkv, axis=1), dtype=np.int32)
+    ffi = _native.ffi()
+    opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=False,
+                        window_size=(-1, -1))
+    seq, keep = seq_tensors(ffi, seqlens_k=table)
+    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, d)
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
+                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, table, o32, keep))
+    decoded: np.ndarray = o32.reshape(b, h, 1, d).astype(qa.dtype)
+    return decoded

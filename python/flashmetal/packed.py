@@ -8,21 +8,22 @@ apart and runs ``flash_attn_func`` / ``flash_attn_varlen_func``. The library's
 tensors are dense (a data pointer and a shape, no strides), so each view that
 is not contiguous in the caller's layout (all of them, for an interleaved
 ``[..., 3, H, D]`` tensor) is copied once into its own array; the caller's
-tensor is never modified. Errors name the packed function and its arguments
-(``qkv[:, :, 1]`` for the keys of a qkv-packed batch). Keyword-only, as on
+tensor is never modified. Errors name the packed function, and their
+argument field the packed argument (``qkv[:, :, 1]`` for the keys of a
+qkv-packed batch). Keyword-only, as on
 the unpacked functions: ``sinks``, ``attention_chunk`` (flash-attn 3's) and
 ``registry``.
 """
 from __future__ import annotations
 
 import contextlib
-import re
 from typing import Any
 from collections.abc import Iterator
 
 import numpy as np
 from numpy.typing import ArrayLike
 
+from . import _native
 from ._errors import Error, InvalidValueError
 from ._interop import to_numpy, wrapper_like
 from .registry import RegistryLike
@@ -178,17 +179,19 @@ def _packed(x: Any, op: str, name: str, *, axis: int, count: int, layout: str) -
 
 @contextlib.contextmanager
 def _as_packed(op: str, names: dict[str, str]) -> Iterator[None]:
-    """Re-raises an error of the unpacked function as the packed function's,
-    with the unpacked argument names (whole words) replaced by the packed ones."""
+    """Runs the unpacked function as `op`: its errors name `op` (the library
+    and Python alike, through the public-op context), their argument field
+    names the packed argument (``qkv[:, :, 1]`` for k), and the message,
+    written with the unpacked function's names, says what they are here."""
     try:
-        yield
+        with _native.running(op):
+            yield
     except Error as e:
+        if not e.argument or e.argument not in names:
+            raise
         prefix = f"{e.op}: " if e.op else ""
-        text = str(e)[len(prefix):]
-        renamed = re.sub(r"(?<![\w\[])(" + "|".join(map(re.escape, names)) + r")\b",
-                         lambda m: names[m.group(1)], text)
-        argument = names.get(e.argument, e.argument) if e.argument else None
-        raise type(e)(op, renamed, e.status, argument) from e
+        message = f"{str(e)[len(prefix):]} ({e.argument} is {names[e.argument]})"
+        raise type(e)(e.op, message, e.status, names[e.argument]) from e
 
 
 def _like(x: Any, result: Any) -> Any:

@@ -262,12 +262,20 @@ def kv_append(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.nda
 def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, *,
                        k: np.ndarray | None = None, v: np.ndarray | None = None,
                        cache_seqlens: np.ndarray | int | None = None, block_table: np.ndarray | None = None,
+                       cache_batch_idx: np.ndarray | None = None, cache_leftpad: np.ndarray | None = None,
                        **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_with_kvcache: q [B, qL, H, D] over caches [B, cap, Hkv, D] (or
     paged with block_table) holding cache_seqlens[b] keys (None: all of them),
     after appending k/v [B, n_new, Hkv, D] at cache_seqlens (on copies: the
-    arguments are not modified) -> (out [B, qL, H, D], lse [B, H, qL])."""
+    arguments are not modified) -> (out [B, qL, H, D], lse [B, H, qL]).
+    cache_batch_idx: sequence b's cache is row cache_batch_idx[b];
+    cache_leftpad: sequence b's keys start at row cache_leftpad[b] and its
+    positions count from there (flash-attn's key_leftpad)."""
     batch = np.shape(q)[0]
+    if cache_batch_idx is not None:
+        rows = np.asarray(cache_batch_idx, dtype=np.int64)
+        k_cache, v_cache = np.asarray(k_cache)[rows], np.asarray(v_cache)[rows]
+    first = np.zeros(batch, dtype=np.int64) if cache_leftpad is None else np.asarray(cache_leftpad, dtype=np.int64)
     if cache_seqlens is None:
         full = np.shape(k_cache)[1] * (1 if block_table is None else np.shape(block_table)[1])
         cache_seqlens = np.full(batch, full)
@@ -283,7 +291,7 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
             kb, vb = k_cache[b, :n], v_cache[b, :n]
         else:
             kb, vb = paged_rows(k_cache, block_table[b], n), paged_rows(v_cache, block_table[b], n)
-        o, lse = attend_sequence(q[b], kb, vb, **kw)
+        o, lse = attend_sequence(q[b], kb[first[b]:], vb[first[b]:], **kw)
         outs.append(o)
         lses.append(lse)
     return np.stack(outs), np.stack(lses)

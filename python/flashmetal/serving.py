@@ -29,7 +29,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
-from ._errors import InvalidTypeError, InvalidValueError
+from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
@@ -86,13 +86,14 @@ def flash_attn_func(
         seqlen_q] float32, S_dmask)`` with return_attn_probs; the caller's
         array type (torch in, torch out).
     """
-    reg = resolve(registry, _FUNC)
-    want_lse = training_arguments(_FUNC, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, _FUNC, "q"), as_input(k, _FUNC, "k"), as_input(v, _FUNC, "v")
-    opts = attn_options(_FUNC, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+    op = _native.public_op(_FUNC)  # a packed function running this one names itself
+    reg = resolve(registry, op)
+    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
+    opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
-    _no_outer_scope_for_decode(reg, qa, _FUNC)
-    out, lse = _attend(reg, _FUNC, qa, ka, va, opts, sinks=sinks_arg(_FUNC, sinks), want_lse=want_lse)()
+    _no_outer_scope_for_decode(reg, qa, op)
+    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse)()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -138,23 +139,24 @@ def flash_attn_varlen_func(
         S_dmask)`` with return_attn_probs (S_dmask empty, as flash-attn's
         without dropout).
     """
-    reg = resolve(registry, _VARLEN)
-    want_lse = training_arguments(_VARLEN, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
-    cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
-    bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
-    opts = attn_options(_VARLEN, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+    op = _native.public_op(_VARLEN)  # a packed function running this one names itself
+    reg = resolve(registry, op)
+    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
+    cq, ck = as_index(cu_seqlens_q, op, "cu_seqlens_q"), as_index(cu_seqlens_k, op, "cu_seqlens_k")
+    bt = None if block_table is None else as_index(block_table, op, "block_table")
+    opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
-                        max_seqlen_q=_native.index_arg(_VARLEN, "max_seqlen_q", max_seqlen_q, 0),
-                        max_seqlen_k=_native.index_arg(_VARLEN, "max_seqlen_k", max_seqlen_k, 0))
+                        max_seqlen_q=_native.index_arg(op, "max_seqlen_q", max_seqlen_q, 0),
+                        max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(qa.shape, dtype=qa.dtype)
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
-                            sinks=sinks_arg(_VARLEN, sinks), lse=lse)
+                            sinks=sinks_arg(op, sinks), lse=lse)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=_VARLEN, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -203,10 +205,20 @@ def flash_attn_with_kvcache(
             of the cache (all ``max_pages * page_size`` when paged); needed
             with k/v. Not modified.
         block_table: int32 ``[B, max_pages]`` page indices, or None.
+        cache_batch_idx: int32 ``[B]`` or None: sequence b uses cache row
+            ``cache_batch_idx[b]`` of caches ``[batch_cache, cap, Hkv, D]``
+            (read, and appended to, in place); each index in
+            ``[0, batch_cache)``, distinct when appending; cap a multiple of
+            16. Not with block_table (as flash-attn).
+        cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
+            cache row ``cache_leftpad[b]`` (left padding): it sees rows
+            ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
+            positions (causal, window, attention_chunk) counted from there;
+            k/v are appended at ``cache_seqlens[b]``. Paged caches too.
         num_splits: accepted (>= 0) and ignored: decode splits every row's
             keys over 32 workgroups and reduces them.
-        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi_slopes:
-            not supported (must be None); rotary_interleaved is then unused.
+        rotary_cos, rotary_sin, alibi_slopes: not supported (must be None);
+            rotary_interleaved is then unused.
         sinks: float32 ``[H]`` sink logits, or None.
         out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
             (a numpy array or a torch CPU tensor), filled in place and returned.
@@ -217,8 +229,7 @@ def flash_attn_with_kvcache(
         float32)`` with return_softmax_lse.
     """
     reg = resolve(registry, _KVCACHE)
-    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_batch_idx=cache_batch_idx,
-                cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
     flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
     _native.index_arg(_KVCACHE, "num_splits", num_splits, 0)
     want_lse = flag(_KVCACHE, "return_softmax_lse", return_softmax_lse)
@@ -235,11 +246,21 @@ def flash_attn_with_kvcache(
         kc, vc = as_input(k_cache, _KVCACHE, "k_cache"), as_input(v_cache, _KVCACHE, "v_cache")
     bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
     batch = qa.shape[0] if qa.ndim else 0
-    lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
+    if cache_batch_idx is not None:
+        if bt is not None:  # as flash-attn: a paged cache's rows are its block table's
+            raise InvalidValueError(_KVCACHE, "cache_batch_idx cannot be combined with block_table "
+                                    "(a paged KV cache does not support cache_batch_idx)", argument="cache_batch_idx")
+        bt, kc, vc = _rows_as_pages(cache_batch_idx, batch, kc, vc, ka if appending else None)
+    lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
+    if cache_batch_idx is not None and lens is not None and lens.ndim == 1:
+        _require_row_room(lens, ka.shape[1] if appending and ka.ndim == 4 else 0, kc.shape[1])
+    if cache_leftpad is not None:
+        given_lens, lens = lens, _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     sk = sinks_arg(_KVCACHE, sinks)
-    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype, [qa, kc, vc, bt, sk, lens])
+    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype,
+                                                 [qa, kc, vc, bt, sk, lens, given_lens])
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
@@ -311,6 +332,85 @@ def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_tabl
     return np.full(batch, int(lens), dtype=I32) if lens.ndim == 0 else lens
 
 
+#: A cache row addressed by cache_batch_idx is read as one page of the cache
+#: (the kernels' pages hold a multiple of this many keys).
+_PAGE_TILE = 16
+
+
+def _table(x: Any, batch: int, name: str) -> np.ndarray:
+    """A per-sequence int32 [B] table as a private copy, so the values checked
+    are the values the kernels read."""
+    a = np.array(as_index(x, _KVCACHE, name), dtype=I32, copy=True)
+    if a.shape != (batch,):
+        raise InvalidValueError(_KVCACHE, f"{name} must have shape [{batch}] (q's batch), got {list(a.shape)}",
+                                argument=name)
+    return a
+
+
+def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndarray,
+                   k_new: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cache_batch_idx (sequence b uses cache row cache_batch_idx[b]) as a
+    block table: a cache [batch_cache, cap, Hkv, D] is batch_cache pages of
+    cap keys, and sequence b's one page is its row. Every index is checked
+    here, before anything reads through it. Returns (table, k_cache, v_cache)."""
+    idx = _table(cache_batch_idx, batch, "cache_batch_idx")
+    if kc.ndim != 4:
+        raise InvalidValueError(_KVCACHE, f"k_cache must be [batch_cache, cap, Hkv, D] with cache_batch_idx, "
+                                f"got shape {list(kc.shape)}", argument="k_cache")
+    rows, cap = kc.shape[0], kc.shape[1]
+    for b, r in enumerate(idx.tolist()):
+        if not 0 <= r < rows:
+            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{b}] = {r} is out of range [0, {rows}) "
+                                    "(k_cache's dim 0)", argument="cache_batch_idx")
+    if k_new is not None and len(set(idx.tolist())) < batch:
+        first: dict[int, int] = {}
+        for b, r in enumerate(idx.tolist()):
+            if r in first:
+                raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{first[r]}] and cache_batch_idx[{b}] both name "
+                                        f"cache row {r}: appending k/v would write it twice",
+                                        argument="cache_batch_idx")
+            first[r] = b
+    if cap == 0 or cap % _PAGE_TILE:
+        raise UnsupportedFeatureError(_KVCACHE, f"cache_batch_idx needs a cache capacity (k_cache's dim 1) that is "
+                                      f"a positive multiple of {_PAGE_TILE}, got {cap}", argument="cache_batch_idx")
+    return idx.reshape(batch, 1), kc, vc
+
+
+def _require_row_room(lens: np.ndarray, n_new: int, cap: int) -> None:
+    """With cache_batch_idx each sequence's keys (and appended rows) stay in
+    its own cache row of cap keys."""
+    for b, n in enumerate(lens.tolist()):
+        if not 0 <= n <= cap - n_new:
+            room = f"[0, {cap - n_new}] (k_cache's dim 1, {cap}, less the {n_new} appended rows)" if n_new else \
+                f"[0, {cap}] (k_cache's dim 1)"
+            raise InvalidValueError(_KVCACHE, f"cache_seqlens[{b}] = {n} is out of range {room}",
+                                    argument="cache_seqlens")
+
+
+def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_table: np.ndarray | None,
+                   lens: np.ndarray | None) -> np.ndarray:
+    """The [2, B] seqlens table the kernels read with flash-attn's
+    cache_leftpad: row 0 each sequence's end (cache_seqlens; every slot when
+    None), row 1 its first key. Sequence b is the cache rows [leftpad[b],
+    end[b]), its positions counted from leftpad[b]; k/v are still appended at
+    cache_seqlens[b]."""
+    lp = _table(cache_leftpad, batch, "cache_leftpad")
+    if cache.ndim != 4:
+        raise InvalidValueError(_KVCACHE, f"k_cache must have rank 4 ([B, cap, Hkv, D] or [num_pages, page_size, "
+                                f"Hkv, D]), got shape {list(cache.shape)}", argument="k_cache")
+    capacity = cache.shape[1] * (1 if block_table is None or block_table.ndim != 2 else block_table.shape[1])
+    capacity = min(capacity, 2**31 - 1)
+    for b, f in enumerate(lp.tolist()):
+        if not 0 <= f <= capacity:
+            raise InvalidValueError(_KVCACHE, f"cache_leftpad[{b}] = {f} is out of range [0, {capacity}] "
+                                    "(the keys a sequence's cache holds)", argument="cache_leftpad")
+    ends = np.full(batch, capacity, dtype=I32) if lens is None else lens
+    if ends.shape != (batch,):
+        raise InvalidValueError(_KVCACHE, f"cache_seqlens must have shape [{batch}] (q's batch), got "
+                                f"{list(ends.shape)}", argument="cache_seqlens")
+    return np.ascontiguousarray(np.stack([ends, lp]))
+
+
 def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
     """The lengths after appending k_new's rows (the append checked that they
     fit the cache, so they fit int32)."""
@@ -325,6 +425,9 @@ def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.nd
     own arguments before writing; if the attention then fails (a bad q, head
     dim, dtype, sinks...), the cache rows the append overwrote are restored
     once the scope has ended, so a failed call leaves the caches as they were."""
+    starts = None
+    if lens.ndim == 2 and lens.shape[0] == 2:  # the ends, then each sequence's first key (cache_leftpad)
+        lens, starts = np.ascontiguousarray(lens[0]), lens[1]
     slots = _append_slots(kc, lens, ka, table)
     saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
     appended = False
@@ -335,7 +438,8 @@ def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.nd
                          tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
                          keep=(ka, va, kc, vc, lens, table))
             appended = True
-            return attend(_grown(lens, ka))
+            grown = _grown(lens, ka)
+            return attend(grown if starts is None else np.ascontiguousarray(np.stack([grown, starts])))
     except BaseException:
         if appended and saved is not None:
             kc[slots], vc[slots] = saved

@@ -203,7 +203,9 @@ done:
  * [num_pages, page_size, Hkv, D] through a shuffled block table (paged,
  * with seqlens_k). per_seq = 0 is the plain mode (B = 1, row i at qoff + i)
  * with the in-kernel window. chunk > 0 (with window = 1): the attention
- * chunk, keys p with floor(p / chunk) == floor(t / chunk). */
+ * chunk, keys p with floor((p - f) / chunk) == floor((t - f) / chunk).
+ * first[b] (with kv_lens): sequence b's first key f (cache_leftpad), passed
+ * after the lengths in seqlens_k; keys before it are hidden. */
 typedef struct {
     int32_t D, dtype, H, Hkv, B;
     int32_t varlen_q, varlen_k, kv_lens, paged, page_size;
@@ -211,16 +213,17 @@ typedef struct {
     float softcap;
     int32_t qlens[4], klens[4];
     int32_t chunk;
+    int32_t first[4];
 } ServeCase;
 
 static int64_t floor_div(int64_t x, int64_t c) { return x >= 0 ? x / c : -((-x + c - 1) / c); }
 
-static int serve_visible(const ServeCase *c, int64_t t, int64_t p, int64_t kL) {
-    if (p >= kL) return 0;
+static int serve_visible(const ServeCase *c, int64_t t, int64_t p, int64_t kL, int64_t f) {
+    if (p >= kL || p < f) return 0;
     if (c->causal && p > t) return 0;
     if (c->window && c->wl >= 0 && p < t - c->wl) return 0;
     if (c->window && c->wr >= 0 && p > t + c->wr) return 0;
-    if (c->window && c->chunk > 0 && floor_div(p, c->chunk) != floor_div(t, c->chunk)) return 0;
+    if (c->window && c->chunk > 0 && floor_div(p - f, c->chunk) != floor_div(t - f, c->chunk)) return 0;
     return 1;
 }
 
@@ -310,7 +313,15 @@ static void run_serving(const ServeCase *c, int fast) {
     memcpy(a.seq.sp.lse_strides, ls, sizeof ls);
     a.seq.cu_seqlens_q = c->varlen_q ? cuq : NULL;
     a.seq.cu_seqlens_k = c->varlen_k ? cuk : NULL;
-    a.seq.seqlens_k = c->kv_lens ? c->klens : NULL;
+    int32_t ktab[8]; /* lengths, then first keys */
+    int has_first = 0;
+    for (int32_t b = 0; b < B; b++) {
+        ktab[b] = c->klens[b];
+        ktab[B + b] = c->first[b];
+        has_first |= c->first[b] != 0;
+    }
+    a.seq.seqlens_k = c->kv_lens ? ktab : NULL;
+    a.seq.sp.key_starts_at = c->kv_lens && has_first ? B : 0;
     a.seq.block_table = table;
     a.seq.sinks = c->sinks ? sinks : NULL;
     a.seq.lse = c->lse ? lse : NULL;
@@ -359,7 +370,7 @@ static void run_serving(const ServeCase *c, int fast) {
             }
             for (int32_t i = 0; i < qL; i++) {
                 const size_t qrow = c->varlen_q ? (size_t)cuq[b] + i : (size_t)b * qmax + i;
-                for (int32_t p = 0; p < kL; p++) vis[p] = serve_visible(c, t0 + i, p, kL);
+                for (int32_t p = 0; p < kL; p++) vis[p] = serve_visible(c, t0 + i, p, kL, c->kv_lens ? c->first[b] : 0);
                 const double l = ref_row_serving(q.val + (qrow * H + h) * D, Kr, Vr, vis, kL, D, a.p.scale,
                                                  c->softcap, c->sinks ? sinks[h] : NAN, ref);
                 for (int32_t d = 0; d < D; d++) {
@@ -420,6 +431,14 @@ static void run_serving_cases(int fast) {
     const ServeCase chunked_paged = {128, FM_DTYPE_F16, 4, 1, 3, 0, 0, 1, 1, 16, 0, 1, -1, -1, 0, 1, 0, 0.0f,
                                      {17, 17, 17}, {17, 100, 150}, 16};
     run_serving(&chunked_paged, fast);
+    /* first keys (cache_leftpad) after the lengths: causal + window + chunk 7 (counted from the first key) +
+     * sinks over a cache, one sequence whose first key is its length (sees nothing); and over a paged cache */
+    const ServeCase leftpad = {64, FM_DTYPE_BF16, 4, 2, 4, 0, 0, 1, 0, 0, 1, 1, 30, -1, 1, 1, 0, 0.0f,
+                               {9, 9, 9, 9}, {50, 45, 20, 70}, 7, {13, 0, 20, 69}};
+    run_serving(&leftpad, fast);
+    const ServeCase leftpad_paged = {128, FM_DTYPE_F16, 4, 1, 3, 0, 0, 1, 1, 16, 1, 0, -1, -1, 0, 1, 0, 0.0f,
+                                     {17, 17, 17}, {17, 100, 150}, 0, {5, 33, 149}};
+    run_serving(&leftpad_paged, fast);
     if (fast) { /* float32 (sdpa's fast route) through the same code */
         const ServeCase f32 = {96, FM_DTYPE_F32, 4, 2, 3, 1, 1, 0, 0, 0, 1, 1, 40, 3, 1, 1, 0, 30.0f,
                                {31, 65, 70}, {33, 130, 70}};
@@ -433,6 +452,7 @@ typedef struct {
     int32_t D, dtype, window; /* window 0: none, else keys p with (len - 1) - p < window */
     int32_t paged, sinks, lse;
     float softcap;
+    int32_t leftpad; /* sequences start at first keys {0, 1, 30, 5} (cache_leftpad) */
 } DecodeCase;
 
 /* B sequences of the lengths below, H = 4 query heads over Hkv = 2 kv heads,
@@ -453,7 +473,9 @@ static void run_decode(const DecodeCase *c) {
     a.p = (FlashAttnVecParams){H, Hkv, (uint32_t)D, 0, CAP, 1.0f / sqrtf((float)D), c->window ? 2 : 1,
                                (uint32_t)c->window, c->softcap, NWG};
     a.q = (const float *)q.raw;
+    const int32_t starts[B] = {0, 1, 30, 5};
     a.seqlens = lens;
+    a.key_starts = c->leftpad ? starts : NULL;
     a.batch = B;
     a.kv_dtype = dt;
     for (int i = 0; i < 2; i++) {
@@ -504,7 +526,8 @@ static void run_decode(const DecodeCase *c) {
     for (int b = 0; b < B; b++)
         for (int h = 0; h < H; h++) {
             const int g = h / (H / Hkv), len = lens[b];
-            const int lo = c->window && len - c->window > 0 ? len - c->window : 0;
+            int lo = c->window && len - c->window > 0 ? len - c->window : 0;
+            if (c->leftpad && starts[b] > lo) lo = starts[b];
             double mx = c->sinks ? sinks[h] : -INFINITY, sum = 0;
             for (int p = lo; p < len; p++) {
                 double dot = 0;
@@ -533,8 +556,9 @@ static void run_decode(const DecodeCase *c) {
             }
         }
     CHECK(worst <= 1.0 && worst_lse <= 1.0,
-          "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g: error %.3gx tolerance (lse %.3gx)",
-          fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, worst, worst_lse);
+          "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g leftpad=%d: error %.3gx tolerance (lse %.3gx)",
+          fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, c->leftpad, worst,
+          worst_lse);
     for (int i = 1; i < (c->paged ? 4 : 2); i++)
         CHECK(memcmp(out[0], out[i], nout * sizeof(float)) == 0 && memcmp(lse[0], lse[i], B * H * sizeof(float)) == 0,
               "decode %s D=%d dtype=%d: %s %s differs in its bits from contiguous head-major",
@@ -616,6 +640,8 @@ int main(int argc, char **argv) {
             run_decode(&plain);
             const DecodeCase serving = {dec_dims[i], dts[di], i % 3 ? 20 : 0, 1, 1, 1, i == 3 ? 5.0f : 0.0f};
             run_decode(&serving);
+            const DecodeCase leftpad = {dec_dims[i], dts[di], i % 2 ? 40 : 0, 1, 1, 1, 0.0f, 1};
+            run_decode(&leftpad);
         }
     run_serving_cases(fast);
     run_blk_and_mask();

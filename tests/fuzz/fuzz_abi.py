@@ -310,7 +310,7 @@ def gen_attn(rng, backend):
         if mode == "func":
             k_lens = [k_shape[1]] * b
     if mode.startswith("kvcache"):
-        t["seqlens_k"] = _tensor(rng, 5, [b], values=np.array(k_lens))
+        t["seqlens_k"] = _seqlens_table(rng, k_lens)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
              v=_tensor(rng, dt, k_shape), out=_tensor(rng, dt, q_shape, role="out"))
@@ -352,10 +352,27 @@ def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int])
     return t, lens, shape, dict(d=d, b=b, h=h, hkv=hkv, dt=dt, room=room)
 
 
+def _seqlens_table(rng, lens: list[int]) -> TSpec:
+    """seqlens_k: int32 [B] lengths, or (30%) [2, B]: the lengths, then each
+    sequence's first key (cache_leftpad), up to one past its length."""
+    if rng.random() < 0.3:
+        starts = [int(rng.integers(0, n + 2)) for n in lens]
+        return _tensor(rng, 5, [2, len(lens)], values=np.array([lens, starts]))
+    return _tensor(rng, 5, [len(lens)], values=np.array(lens))
+
+
+def _lens_and_starts(case: Case) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The accepted seqlens_k table as (lengths, first keys or None)."""
+    if not _seq_present(case, "seqlens_k"):
+        return None, None
+    a = case.tensors["seqlens_k"].array()
+    return (a[0], a[1]) if a.ndim == 2 else (a, None)
+
+
 def gen_vec_seq(rng, backend):
     """fm_dispatch_vec_seq: float32 q [B, H, D] over per-sequence caches."""
     t, lens, shape, g = _cache_case(rng, backend != "cpu", [0, 1, 2], [1, 2, 4])
-    t["seqlens_k"] = _tensor(rng, 5, [g["b"]], values=np.array(lens))
+    t["seqlens_k"] = _seqlens_table(rng, lens)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, 0, [g["b"], g["h"], g["d"]], nonfinite=nonfinite), k=_tensor(rng, g["dt"], shape),
              v=_tensor(rng, g["dt"], shape), out=_tensor(rng, 0, [g["b"], g["h"], g["d"]], role="out"))
@@ -689,17 +706,17 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    lens, starts = _lens_and_starts(case)
     if case.op == "vec_seq":  # one query row per sequence: q [B, H, D] is [B, 1, H, D]
-        lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
-        out, lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lens, block_table=table, **kw)
+        out, lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lens, block_table=table,
+                                                cache_leftpad=starts, **kw)
         return out[:, 0], lse[..., 0]
     if _seq_present(case, "cu_seqlens_q") and not _seq_present(case, "cu_seqlens_k"):
         return _varlen_q_over_caches(case, q, k, v, table, kw)
     if _seq_present(case, "cu_seqlens_q"):
         return reference.flash_attn_varlen(q, k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
                                            block_table=table, **kw)
-    lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
-    return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, **kw)
+    return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, cache_leftpad=starts, **kw)
 
 
 def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, np.ndarray]:
@@ -708,7 +725,7 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
     cache (or its block-table row) has room for."""
     t = case.tensors
     cq = t["cu_seqlens_q"].array()
-    lens = t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None
+    lens, starts = _lens_and_starts(case)
     out = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for b in range(len(cq) - 1):
@@ -719,7 +736,8 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
         else:
             kb, vb = reference.paged_rows(k, table[b], n), reference.paged_rows(v, table[b], n)
         qs, qe = int(cq[b]), int(cq[b + 1])
-        out[qs:qe], lse[:, qs:qe] = reference.attend_sequence(q[qs:qe], kb, vb, **kw)
+        f = 0 if starts is None else int(starts[b])
+        out[qs:qe], lse[:, qs:qe] = reference.attend_sequence(q[qs:qe], kb[f:], vb[f:], **kw)
     return out, lse
 
 

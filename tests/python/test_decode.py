@@ -163,7 +163,7 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
 
 @pytest.mark.parametrize("make,kwargs,exc,msg", [
     (lambda: _qkv(d=48), {}, ValueError, "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 48"),
-    (lambda: _qkv(h=6, hkv=4), {}, ValueError, r"the q heads \(6\) must be a multiple of the k heads \(4\)"),
+    (lambda: _qkv(h=6, hkv=4), {}, ValueError, r"the q heads \(6\) must be a multiple of the k_cache heads \(4\)"),
     (lambda: _qkv(hkv=0), {}, ValueError, "num_heads and num_kv_heads must be > 0"),
     (lambda: _qkv(), dict(kv_len=17), ValueError, r"kv_len \(17\) must be <= the cache capacity \(16\)"),
     (lambda: _qkv(), dict(kv_len=0), ValueError, "kv_len must be > 0"),
@@ -172,15 +172,15 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
     (lambda: _qkv(), dict(softcap=float("inf")), ValueError, "softcap must be 0"),
     (lambda: _qkv(), dict(scale=float("nan")), ValueError, "scale must be finite"),
     (lambda: (np.zeros((4, 64), F16),) + _qkv()[1:], {}, TypeError, "q must be float32"),
-    (lambda: _qkv(kv=np.dtype(np.uint8)), {}, TypeError, "k must be float32 or float16 or bfloat16"),
-    (lambda: (_qkv()[0], _qkv()[1], _qkv(kv=F16)[2]), {}, TypeError, "v dtype float16 does not match k dtype float32"),
-    (lambda: (_qkv()[0], _qkv()[1], np.zeros((2, 15, 64), F32)), {}, ValueError, "v shape"),
+    (lambda: _qkv(kv=np.dtype(np.uint8)), {}, TypeError, "k_cache must be float32 or float16 or bfloat16"),
+    (lambda: (_qkv()[0], _qkv()[1], _qkv(kv=F16)[2]), {}, TypeError, "v_cache dtype float16 does not match k_cache dtype float32"),
+    (lambda: (_qkv()[0], _qkv()[1], np.zeros((2, 15, 64), F32)), {}, ValueError, "v_cache shape"),
     (lambda: (np.zeros((1, 4, 64, 1), F32),) + _qkv()[1:], {}, ValueError, "q must have rank 2 or 3"),
     (lambda: (_qkv()[0], np.zeros((1, 2, 16, 64), F32), np.zeros((1, 2, 16, 64), F32)), {}, ValueError,
-     "k must have rank 3"),
-    (lambda: (np.zeros((2, 4, 64), F32),) + _qkv(b=3)[1:], {}, ValueError, r"k batch \(3\) must equal q batch \(2\)"),
+     "k_cache must have rank 3"),
+    (lambda: (np.zeros((2, 4, 64), F32),) + _qkv(b=3)[1:], {}, ValueError, r"k_cache batch \(3\) must equal q batch \(2\)"),
     (lambda: (_qkv()[0], np.zeros((2, 16, 128), F32), np.zeros((2, 16, 128), F32)), {}, ValueError,
-     r"k head_dim \(128\) must equal q head_dim \(64\)"),
+     r"k_cache head_dim \(128\) must equal q head_dim \(64\)"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(4, np.uint8)), ValueError,
      r"flash_attn_decode: fwht_signs must hold head_dim/8 = 8 bytes"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(8, np.int8)), TypeError, "fwht_signs"),
@@ -195,6 +195,8 @@ def test_errors(registry, make, kwargs, exc, msg):
     assert str(e.value).startswith("flash_attn_decode: ")
     if isinstance(e.value, fm.Error):  # _arrays' own checks still raise the built-in types
         assert e.value.op == "flash_attn_decode"
+        # The caches are named as the signature names them, never the C function's k/v.
+        assert e.value.argument not in ("k", "v"), e.value.argument
 
 
 def test_abi_errors(cpu):

@@ -21,7 +21,8 @@ OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 
 MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
             "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
-            "out_over_seqlens", "shared_slot"]  # the last two: a crash, or last-writer-wins, before
+            "out_over_seqlens", "shared_slot",  # these two: a crash, or last-writer-wins, before
+            "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice"]
 
 
 @st.composite
@@ -45,6 +46,8 @@ def serving_calls(draw):
         sinks="short" if bad == "sinks_short" else draw(st.sampled_from(["none", "none", "ok"])),
         paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 16, 32, 24])),
         n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
+        leftpad=bad.startswith("leftpad") or draw(st.booleans()),
+        batch_idx=bad.startswith("batch_idx") or draw(st.booleans()),
     )
 
 
@@ -95,10 +98,29 @@ def _kvcache(c, rng):
         elif c["bad"] == "shared_slot" and n_new and b > 1:
             lens = [lens[0]] * b  # every sequence appends at the same rows of the same pages
             table[1:] = table[0]
+        idx = None
+        if c["bad"] == "batch_idx_paged":  # flash-attn refuses cache rows by index with a block table
+            idx = np.arange(b, dtype=np.int32)
     else:
         cap = max(lens) + n_new + 1
-        kc, vc = base._values(rng, (b, cap, hkv, d), dt), base._values(rng, (b, cap, hkv, d), dt)
+        rows = b
+        idx = None
+        if c["batch_idx"]:  # sequence b on cache row idx[b] of a larger cache (rows of a multiple of 16 keys)
+            cap, rows = -(-cap // 16) * 16, 2 * b
+            idx = rng.permutation(rows)[:b].astype(np.int32)
+            if c["bad"] == "batch_idx_range":
+                idx[-1] = int(rng.choice([rows, -1, 2**31 - 1]))
+            elif c["bad"] == "batch_idx_twice" and b > 1 and n_new:
+                idx[1] = idx[0]
+        kc, vc = base._values(rng, (rows, cap, hkv, d), dt), base._values(rng, (rows, cap, hkv, d), dt)
     seqlens = np.array(lens, np.int32)
+    leftpad = None
+    if c["leftpad"]:  # each sequence's first key, up to its length (or past it: it then sees nothing)
+        leftpad = np.array([int(rng.integers(0, n + 2)) for n in lens], np.int32)
+        if c["bad"] == "leftpad_high":
+            leftpad[-1] = (table.shape[1] * ps if c["paged"] else kc.shape[1]) + 1
+        elif c["bad"] == "leftpad_neg":
+            leftpad[0] = -3
     if c["bad"] == "seqlens_high":
         seqlens[-1] = (table.shape[1] * ps if c["paged"] else kc.shape[1]) + 1
     elif c["bad"] == "seqlens_neg":
@@ -108,7 +130,7 @@ def _kvcache(c, rng):
         new = (base._values(rng, (b, n_new, hkv, d), dt), base._values(rng, (b, n_new, hkv, d), dt))
     if c["bad"] == "noncontig" and n_new:
         kc = np.repeat(kc, 2, axis=-1)[..., ::2]
-    return q, kc, vc, new, seqlens, table
+    return q, kc, vc, new, seqlens, table, leftpad, idx
 
 
 @pytest.mark.slow
@@ -137,20 +159,24 @@ def test_serving_api(cpu, c, seed):
         if res is not None:
             _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
         return
-    q, kc, vc, new, seqlens, table = _kvcache(c, rng)
+    q, kc, vc, new, seqlens, table, leftpad, idx = _kvcache(c, rng)
     out = None
     refused = c["bad"] == "shared_slot" and new is not None and c["b"] > 1 and table is not None
+    refused |= c["bad"] in ("leftpad_high", "leftpad_neg") or (c["bad"] == "batch_idx_paged" and table is not None) or (
+        c["bad"] == "batch_idx_range" and idx is not None) or (
+        c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1)
     if c["bad"] == "out_over_seqlens":  # the lengths live in out's first bytes
         out = np.empty(q.shape, q.dtype)
         held = out.reshape(-1).view(np.uint8)[:4 * seqlens.size].view(np.int32)
         held[:] = seqlens
         seqlens, refused = held, True
-    watched = [q, seqlens] + ([] if table is None else [table]) + ([] if new is None else list(new))
+    watched = [q, seqlens] + [t for t in (table, leftpad, idx) if t is not None] + ([] if new is None else list(new))
     before_k, before_v = np.array(kc, copy=True), np.array(vc, copy=True)
     args = () if new is None else new
     try:
         res = base._run(lambda: fm.flash_attn_with_kvcache(q, kc, vc, *args, cache_seqlens=seqlens,
-                                                           block_table=table, return_softmax_lse=True, out=out,
+                                                           block_table=table, cache_leftpad=leftpad,
+                                                           cache_batch_idx=idx, return_softmax_lse=True, out=out,
                                                            registry=cpu, **kw), watched, None, OPS)
     except NotImplementedError:
         raise AssertionError("an UnsupportedFeatureError for a supported call") from None
@@ -161,9 +187,11 @@ def test_serving_api(cpu, c, seed):
         return
     exp = reference.flash_attn_kvcache(q, before_k, before_v, k=None if new is None else new[0],
                                        v=None if new is None else new[1], cache_seqlens=seqlens,
-                                       block_table=table, **kw)
+                                       block_table=table, cache_leftpad=leftpad, cache_batch_idx=idx, **kw)
     if new is not None:
-        ek, ev = reference.kv_append(before_k, before_v, *new, seqlens, table)
+        ek, ev = np.array(before_k), np.array(before_v)
+        rows = slice(None) if idx is None else idx.astype(np.int64)
+        ek[rows], ev[rows] = reference.kv_append(before_k[rows], before_v[rows], *new, seqlens, table)
         assert kc.tobytes() == ek.tobytes() and vc.tobytes() == ev.tobytes(), "the caches differ from the append"
     _check(res[0], res[1], exp, c["dt"], "kvcache")
 

@@ -175,8 +175,6 @@ def test_append_needs_cache_seqlens(cache):
 
 
 @pytest.mark.parametrize("name,value", [("rotary_cos", np.zeros((4, 16))), ("rotary_sin", np.zeros((4, 16))),
-                                        ("cache_batch_idx", np.array([1, 0], np.int32)),
-                                        ("cache_leftpad", np.array([0, 0], np.int32)),
                                         ("alibi_slopes", np.zeros(4, np.float32))])
 def test_unsupported_kvcache_features(cache, name, value):
     c = cache

@@ -97,6 +97,22 @@ final class AttnDispatcherTests: XCTestCase {
         expectError({ try AttnDispatcher.makeDispatches(t, o) }, "flash_attn_varlen_func", "sequence 1 has length 20 (cu_seqlens_k[2] - cu_seqlens_k[1]) > max_seqlen_k = 19")
     }
 
+    func testFirstKeysFollowTheLengths() throws {
+        // seqlens_k [2, B]: the lengths, then each sequence's first key (cache_leftpad).
+        let q = HostTensor([2, 5, 2, 64], .bf16), out = HostTensor([2, 5, 2, 64], .bf16)
+        let k = HostTensor([2, 32, 2, 64], .bf16), v = HostTensor([2, 32, 2, 64], .bf16)
+        var t = AttnTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref)
+        let table = ints([20, 32, 3, 32], shape: [2, 2])
+        t.seqlensK = table.ref
+        let d = try AttnDispatcher.makeDispatches(t, AttnOptions(scale: 1))[0]
+        XCTAssertEqual(try d.params(PrefillBuffer.seqParams, as: AttnSeqParams.self).key_starts_at, 2)
+        XCTAssertEqual(try d.buffer(PrefillBuffer.seqlensK).data, table.data)
+        let bad = ints([20, 32, 3, 33], shape: [2, 2])
+        t.seqlensK = bad.ref
+        expectError({ try AttnDispatcher.makeDispatches(t, AttnOptions(scale: 1)) },
+                    "flash_attn_with_kvcache", "cache_leftpad[1] = 33 is out of range [0, 32]")
+    }
+
     func testTableErrorsNameTheFunctionAndValue() {
         let q = HostTensor([2, 20, 2, 64], .bf16), out = HostTensor([2, 20, 2, 64], .bf16)
         let k = HostTensor([4, 16, 2, 64], .bf16), v = HostTensor([4, 16, 2, 64], .bf16)

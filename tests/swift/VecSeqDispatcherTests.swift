@@ -106,6 +106,22 @@ final class VecSeqDispatcherTests: XCTestCase {
         }
     }
 
+    func testFirstKeysFollowTheLengths() throws {
+        // seqlens_k [2, B]: the lengths, then each sequence's first key (cache_leftpad).
+        let table = ints([2, 3], [5, 17, 64, 0, 17, 40])
+        let m = try dispatches(Case(), seqlens: table)[0]
+        XCTAssertEqual(try m.buffer(VecBuffer.seqlensK).data, table.data)
+        XCTAssertEqual(try m.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self).key_starts_at, 3)
+        let plain = try dispatches(Case(), seqlens: ints([3], [5, 17, 64]))[0]
+        XCTAssertEqual(try plain.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self).key_starts_at, 0)
+        expectFMError(VecSeqDispatcher.op, contains: "cache_leftpad[2] = 65 is out of range [0, 64]") {
+            _ = try dispatches(Case(), seqlens: ints([2, 3], [5, 17, 64, 0, 0, 65]))
+        }
+        expectFMError(VecSeqDispatcher.op, contains: "cache_seqlens must have shape [2, 3]") {
+            _ = try dispatches(Case(), seqlens: ints([3, 3], Array(repeating: 0, count: 9)))
+        }
+    }
+
     func testValidation() {
         let op = VecSeqDispatcher.op
         expectFMError(op, contains: "cache_seqlens[0] = -1 is out of range [0, 64]") {

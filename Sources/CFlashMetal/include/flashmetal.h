@@ -266,6 +266,9 @@ typedef struct SdpaExtParams {
  *   qL_b = VARLEN_Q ? cu_seqlens_q[b+1] - cu_seqlens_q[b] : AttnParams.qL
  *   kL_b = KV_LENS ? seqlens_k[b]
  *        : VARLEN_K ? cu_seqlens_k[b+1] - cu_seqlens_k[b] : AttnParams.kL
+ *   f_b  = KV_LENS && key_starts_at > 0 ? seqlens_k[key_starts_at + b] : 0
+ *          (the sequence's first key: flash-attn's cache_leftpad; the
+ *          seqlens_k table then holds B lengths followed by B first keys)
  *   row i of q (and o, lse) is at  base + b*S[0] + h*S[1] + (qs + i)*S[2],
  *     qs = VARLEN_Q ? cu_seqlens_q[b] : 0 (the dispatcher sets S[0] = 0 then);
  *   key p of k (and v), kv head g:
@@ -277,12 +280,12 @@ typedef struct SdpaExtParams {
  *   convention); outside per-sequence mode t = AttnParams.qL_off + i.
  *   AttnParams.qL/kL then hold the largest lengths (grid bound: NQ tiles);
  *   align_Q = align_K = false; no mask, no blk.
- * Key p is visible to row i iff p < kL_b
+ * Key p is visible to row i iff f_b <= p < kL_b
  *   && (!do_causal || p <= t)
  *   && (!FM_FC_WINDOW || ((window_left < 0 || p >= t - window_left)
  *                      && (window_right < 0 || p <= t + window_right)
  *                      && (attention_chunk == 0
- *                          || floor(p / attention_chunk) == floor(t / attention_chunk)))).
+ *                          || floor((p - f_b) / attention_chunk) == floor((t - f_b) / attention_chunk)))).
  * Key tiles wholly invisible to a threadgroup's rows are never loaded.
  * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
@@ -301,7 +304,7 @@ typedef struct AttnSeqParams {
     int64_t V_page_stride; /* elements between pages of V (FM_FC_PAGED) */
     int64_t lse_strides[3];/* (batch, head, row) of lse in elements (FM_FC_HAS_LSE) */
     int32_t attention_chunk; /* 0 = off, else > 0: keys in t's chunk (with FM_FC_WINDOW) */
-    int32_t _pad;
+    int32_t key_starts_at;   /* 0 = every f_b is 0, else B: seqlens_k[B + b] is f_b (with FM_FC_KV_LENS) */
 } AttnSeqParams;
 
 /* Decode with per-sequence caches: vec buffer(5), with FM_FC_VEC_SEQ. 64
@@ -313,8 +316,11 @@ typedef struct AttnSeqParams {
  * (V likewise). kv_len_b = FM_FC_VEC_KV_LENS ? seqlens_k[b] : kv_seq_len; the
  * query sits at kv_len_b - 1; FlashAttnVecParams.mask_type/sliding_window
  * apply per sequence (flash-attn's window_size left w is sliding_window
- * w + 1); attention_chunk c > 0 further hides keys p < floor((kv_len_b - 1) / c) * c
- * (outside the query's chunk). kv_len_b == 0: the row sees no key.
+ * w + 1). f_b = key_starts_at > 0 (with FM_FC_VEC_KV_LENS) ? seqlens_k[key_starts_at + b]
+ * : 0 is the sequence's first key (flash-attn's cache_leftpad): keys p < f_b are
+ * hidden, and attention_chunk c > 0 further hides keys
+ * p < f_b + floor((kv_len_b - 1 - f_b) / c) * c (outside the query's chunk).
+ * f_b >= kv_len_b or kv_len_b == 0: the row sees no key.
  * page_size: any multiple of 16.
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
  * (H, Hkv); the grid's y (rows) is B * H and tmp holds B * H rows laid out as
@@ -326,7 +332,7 @@ typedef struct FlashAttnVecSeqParams {
     uint32_t page_size;    /* FM_FC_VEC_PAGED */
     uint32_t max_pages;    /* FM_FC_VEC_PAGED: block_table row length */
     uint32_t attention_chunk; /* 0 = off, else > 0 */
-    uint32_t _pad;
+    uint32_t key_starts_at;   /* 0 = every f_b is 0, else B: seqlens_k[B + b] is f_b */
 } FlashAttnVecSeqParams;
 
 /* Plain decode reduce with sinks/LSE: reduce buffer(7). 16 bytes. Row r has
@@ -544,7 +550,9 @@ typedef struct FMSdpaOptions {
 typedef struct FMSeqTensors {
     const FMTensor *cu_seqlens_q; /* int32 [B+1]: q/out packed [total_q, H, D] */
     const FMTensor *cu_seqlens_k; /* int32 [B+1]: k/v packed [total_k, Hkv, D] */
-    const FMTensor *seqlens_k;    /* int32 [B]: valid keys of each cache row */
+    const FMTensor *seqlens_k;    /* int32 [B]: valid keys of each cache row; or [2, B]: row 0
+                                   * as [B], row 1 each sequence's first key (flash-attn's
+                                   * cache_leftpad: keys [row1[b], row0[b]) are the sequence) */
     const FMTensor *block_table;  /* int32 [B, max_pages]: k/v [num_pages, page_size, Hkv, D] */
     const FMTensor *sinks;        /* float32 [H]: per-head sink logit */
     const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */

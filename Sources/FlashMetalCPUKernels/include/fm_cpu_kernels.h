@@ -137,8 +137,8 @@ void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_
  * with n_heads = B*H, n_kv_heads = B*Hkv, strides (0, cap*D, D).
  * kv_len_b = seqlens ? seqlens[b] : p.kv_seq_len; the query sits at
  * kv_len_b - 1 and sees keys [lo_b, kv_len_b), lo_b = kv_len_b - w for the
- * sliding window w (mask_type 2), else 0, raised to its chunk's start with
- * attention_chunk. Every seqlens/block_table value
+ * sliding window w (mask_type 2), else 0, raised to the sequence's first key
+ * f_b and to its chunk's start with attention_chunk. Every seqlens/block_table value
  * was validated by the host. */
 typedef struct FMVecArgs {
     FlashAttnVecParams p;
@@ -154,7 +154,8 @@ typedef struct FMVecArgs {
     int64_t max_pages;          /* with block_table */
     int64_t batch;
     int32_t kv_dtype;           /* FMDType: f32, f16 or bf16 */
-    int32_t attention_chunk;    /* c > 0: keys before floor((kv_len_b - 1) / c) * c are hidden; 0 = off */
+    int32_t attention_chunk;    /* c > 0: keys before f_b + floor((kv_len_b - 1 - f_b) / c) * c are hidden; 0 = off */
+    const int32_t *key_starts;  /* NULL: f_b = 0, else f_b = key_starts[b] (cache_leftpad): keys < f_b hidden */
 } FMVecArgs;
 
 /* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal.h. */
