@@ -83,10 +83,6 @@ public enum KVCodesDecodeDispatcher {
         try out.requireDType([.f32], op: op, name: "out")
         try out.requireBytes(op: op, name: "out")
         if out.shape != q.shape { throw FlashMetalError.value(op, "out shape \(out.shape) must be \(q.shape)") }
-        try KVCodecDispatcher.requireDisjoint(
-            writes: [(out, "out")],
-            reads: [(q, "q"), (k.codes, "k_cache codes"), (k.norms, "k_cache norms"), (v.codes, "v_cache codes"),
-                    (v.norms, "v_cache norms")], op: op)
         let rows = try KVCodecDispatcher.rows([batch, heads], op: op)
         if capacity > Int(Int32.max) || kvHeads > Int(Int32.max) {
             throw FlashMetalError.value(op, "num_kv_heads and the cache capacity must fit int32")

@@ -87,6 +87,10 @@ final class KVCodecDispatcherTests: XCTestCase {
         expectFMError(KVCodesDecodeDispatcher.op, contains: "kv_len must be in 1...10 (the cache capacity), got 11") {
             _ = try make(kvLen: 11)
         }
-        expectFMError(KVCodesDecodeDispatcher.op, contains: "out and q overlap") { _ = try make(out: q) }
+        // Registry.run owns the overlap check: the dispatch over shared bytes is built, then refused there.
+        let shared = try make(out: q)
+        expectFMError(KVCodesDecodeDispatcher.op, contains: "out and q overlap") {
+            try Dispatch.requireDisjointOutputs([shared], op: KVCodesDecodeDispatcher.op)
+        }
     }
 }
