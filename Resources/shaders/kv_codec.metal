@@ -29,23 +29,17 @@ inline void kvq_hadamard(threadgroup float *z, uint d, uint block, uint tid, uin
     }
 }
 
+// Encodes the row x (D values of T) into `out` (row_bytes codes) and
+// `norms_out` (D / block norms): the codec of kv_codec.h, every thread of
+// the threadgroup taking part. z, t and r are threadgroup scratch of D, D/2
+// and D/16 floats; the function starts and ends at a barrier.
 template <typename T>
-kernel void kv_encode(
-    constant KVCodecParams &p [[buffer(0)]],
-    const device T *x [[buffer(1)]],
-    device uchar *codes [[buffer(2)]],
-    device float *norms [[buffer(3)]],
-    uint3 tgid BUILTIN(threadgroup_position_in_grid),
-    uint tid BUILTIN(thread_index_in_threadgroup),
-    uint3 tpg BUILTIN(threads_per_threadgroup)) {
-    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
-    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
-    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
-    const long row = long(tgid.x);
-    const uint d = uint(p.head_dim), n = uint(p.block), nt = tpg.x, half_n = n / 2, nb = d / n;
+inline void kvq_encode_row(KVCodecParams p, const device T *x, device uchar *out, device float *norms_out,
+                           threadgroup float *z, threadgroup float *t, threadgroup float *r, uint tid, uint nt) {
+    const uint d = uint(p.head_dim), n = uint(p.block), half_n = n / 2, nb = d / n;
     const int bits = p.bits;
     for (uint i = tid; i < d; i += nt) {
-        const float v = float(x[row * long(d) + long(i)]);
+        const float v = float(x[i]);
         z[i] = fm_kvq_sign_bit(p.seed, i) != 0u ? -v : v;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -70,12 +64,11 @@ kernel void kv_encode(
     for (uint k = tid; k < nb; k += nt) {
         const float rk = sqrt(t[k * half_n] * inv_n);
         r[k] = rk;
-        norms[row * long(nb) + long(k)] = rk;
+        norms_out[k] = rk;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Codes, 8 coordinates (one block's) to `bits` bytes per item.
-    device uchar *out = codes + row * long(p.row_bytes);
     for (uint g = tid; g < d / 8; g += nt) {
         const float rk = r[(g * 8) / n];
         ulong w = 0;
@@ -86,6 +79,65 @@ kernel void kv_encode(
         for (uint b = 0; b < uint(bits); b++) out[g * uint(bits) + b] = uchar(w >> (8 * b));
     }
     for (uint b = d * uint(bits) / 8 + tid; b < uint(p.row_bytes); b += nt) out[b] = uchar(0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+template <typename T>
+kernel void kv_encode(
+    constant KVCodecParams &p [[buffer(0)]],
+    const device T *x [[buffer(1)]],
+    device uchar *codes [[buffer(2)]],
+    device float *norms [[buffer(3)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup)) {
+    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
+    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
+    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
+    const long row = long(tgid.x);
+    const long d = long(p.head_dim), nb = d / long(p.block);
+    kvq_encode_row(p, x + row * d, codes + row * long(p.row_bytes), norms + row * nb, z, t, r, tid, tpg.x);
+}
+
+FUNCTION_CONSTANT(bool, kvq_append_paged, 804)
+
+// kv_codes_append (KVCodesAppendParams): new row i of kv head g of sequence b
+// (the threadgroup (i, g, b)) encoded into the K and the V code caches at
+// key seqlens[b] + i. The host checked every key against the capacity and
+// every table entry used against the pages.
+template <typename T>
+kernel void kv_codes_append(
+    constant KVCodesAppendParams &p [[buffer(0)]],
+    const device T *k_new [[buffer(1)]],
+    const device T *v_new [[buffer(2)]],
+    device uchar *k_codes [[buffer(3)]],
+    device float *k_norms [[buffer(4)]],
+    device uchar *v_codes [[buffer(5)]],
+    device float *v_norms [[buffer(6)]],
+    const device int *seqlens [[buffer(7)]],
+    const device int *block_table [[buffer(8), function_constant(kvq_append_paged)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup)) {
+    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
+    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
+    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
+    const long i = long(tgid.x), g = long(tgid.y), b = long(tgid.z);
+    const long key = long(seqlens[b]) + i;
+    long row = 0;
+    if (kvq_append_paged) {
+        const long page = long(block_table[b * long(p.max_pages) + key / long(p.page_size)]);
+        row = page * p.cache_strides[0] + (key % long(p.page_size)) * p.cache_strides[1];
+    } else {
+        row = b * p.cache_strides[0] + key * p.cache_strides[1];
+    }
+    row += g * p.cache_strides[2];
+    const long src = b * p.new_strides[0] + i * p.new_strides[1] + g * p.new_strides[2];
+    const long d = long(p.k.head_dim);
+    kvq_encode_row(p.k, k_new + src, k_codes + row * long(p.k.row_bytes), k_norms + row * (d / long(p.k.block)),
+                   z, t, r, tid, tpg.x);
+    kvq_encode_row(p.v, v_new + src, v_codes + row * long(p.v.row_bytes), v_norms + row * (d / long(p.v.block)),
+                   z, t, r, tid, tpg.x);
 }
 
 template <typename T>
@@ -121,6 +173,9 @@ INSTANTIATE_KERNEL("kv_encode_f32", kv_encode, float)
 INSTANTIATE_KERNEL("kv_encode_f16", kv_encode, half)
 INSTANTIATE_KERNEL("kv_encode_bf16", kv_encode, bfloat)
 INSTANTIATE_KERNEL("kv_dequantize_f32", kv_dequantize, float)
+INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float)
+INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half)
+INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat)
 
 // Code i of a packed row of `bits`-bit codes (a code spans at most two bytes).
 inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
@@ -130,7 +185,18 @@ inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
     return (w >> shift) & ((1u << bits) - 1u);
 }
 
-// Decode over quantized caches (KVCodesDecodeParams): one query row per
+FUNCTION_CONSTANT(bool, kvq_lens, 800)
+FUNCTION_CONSTANT(bool, kvq_paged, 801)
+FUNCTION_CONSTANT(bool, kvq_sinks, 802)
+FUNCTION_CONSTANT(bool, kvq_lse, 803)
+
+// floor(a / b) for b > 0 (a row's position may be negative).
+inline int kvq_floor_div(int a, int b) {
+    const int q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// Attention over quantized caches (KVCodesDecodeParams): one query row per
 // threadgroup of one SIMD group. The query is rotated like the keys (in
 // threadgroup memory), each thread keeps its coordinates of the rotated
 // query and of the output accumulator, scores are reduced with simd_sum, and
@@ -144,13 +210,18 @@ kernel void kv_codes_decode(
     const device uchar *v_codes [[buffer(4)]],
     const device float *v_norms [[buffer(5)]],
     device T *o [[buffer(6)]],
+    const device int *seqlens [[buffer(7), function_constant(kvq_lens)]],
+    const device int *block_table [[buffer(8), function_constant(kvq_paged)]],
+    const device float *sinks [[buffer(9), function_constant(kvq_sinks)]],
+    device float *lse [[buffer(10), function_constant(kvq_lse)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup)) {
     TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
-    const uint row = tgid.x, heads = uint(p.n_heads);
+    const uint row = tgid.x, heads = uint(p.n_heads), q_len = uint(p.q_len);
     const uint d = uint(p.head_dim), n = uint(p.block), nt = tpg.x, nb = d / n, per = (d + nt - 1) / nt;
-    const uint b = row / heads, h = row - b * heads, g = h / (heads / uint(p.n_kv_heads));
+    const uint bi = row / heads, h = row - bi * heads, b = bi / q_len, qi = bi - b * q_len;
+    const uint g = h / (heads / uint(p.n_kv_heads));
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);
     for (uint i = tid; i < d; i += nt) {
@@ -168,11 +239,29 @@ kernel void kv_codes_decode(
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
+    // The keys this row sees: [lo, hi).
+    int kl = p.kv_len;
+    if (kvq_lens) kl = seqlens[b];
+    const int pos = kl - int(q_len) + int(qi);
+    int lo = 0, hi = kl;
+    if (p.causal != 0) hi = min(hi, pos + 1);
+    if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
+    if (p.attention_chunk > 0) {
+        const int c0 = kvq_floor_div(pos, p.attention_chunk) * p.attention_chunk;
+        lo = max(lo, c0);
+        hi = min(hi, c0 + p.attention_chunk);
+    }
+
     float mx = FM_RUNNING_MAX_START, sum = 0.0f;
-    const long base = long(b) * p.kv_strides[0] + long(g) * p.kv_strides[1];
-    const int lo = p.window > 0 ? max(0, p.kv_len - p.window) : 0;
-    for (int t = lo; t < p.kv_len; t++) {
-        const long r = base + long(t) * p.kv_strides[2];
+    for (int t = lo; t < hi; t++) {
+        long r = long(g) * p.kv_strides[1];
+        if (kvq_paged) {
+            const long page = long(block_table[long(b) * long(p.max_pages) + long(t / p.page_size)]);
+            r += page * p.kv_strides[0] + long(t % p.page_size) * p.kv_strides[2];
+        } else {
+            r += long(b) * p.kv_strides[0] + long(t) * p.kv_strides[2];
+        }
         const device uchar *kc = k_codes + r * long(p.k_row_bytes);
         const device uchar *vc = v_codes + r * long(p.v_row_bytes);
         float part = 0.0f;
@@ -194,6 +283,19 @@ kernel void kv_codes_decode(
             }
         }
         mx = m_new;
+    }
+    if (kvq_sinks) {
+        // The sink joins the denominator without a value.
+        // A +inf sink takes the whole row: output 0, lse +inf.
+        const float s = sinks[h];
+        const float m_new = max(mx, s);
+        const float corr = s == INFINITY ? 0.0f : exp(mx - m_new);
+        sum = s == INFINITY ? INFINITY : sum * corr + exp(s - m_new);
+        for (uint m = 0; m < per; m++) acc[m] *= corr;
+        mx = m_new;
+    }
+    if (kvq_lse && tid == 0) {
+        lse[(long(b) * long(heads) + long(h)) * long(q_len) + long(qi)] = sum > 0.0f ? mx + precise::log(sum) : -INFINITY;
     }
 
     for (uint m = 0; m < per; m++) {

@@ -36,6 +36,7 @@ public final class CPUBackend: Backend {
         case .kvAppend: return try KVAppendKernel(key)
         case .kvEncode, .kvDequantize: return KVCodecKernel(key)
         case .kvCodesDecode: return KVCodesDecodeKernel()
+        case .kvCodesAppend: return KVCodesAppendKernel(key)
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }
     }

@@ -61,6 +61,7 @@ public enum KVCodecCapability {
     /// Every kernel of the ops.
     public static var kernels: [KernelSpec] {
         encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize, .kvCodesDecode]
+            + encodeTypes.map { .kvCodesAppend(input: $0) }
     }
 }
 

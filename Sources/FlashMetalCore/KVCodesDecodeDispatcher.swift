@@ -16,6 +16,14 @@ public enum KVCodesDecodeBuffer {
     public static let vNorms = Int(FM_KVQD_BUF_V_NORMS.rawValue)
     /// float32 [B, H, D] out.
     public static let out = Int(FM_KVQD_BUF_OUT.rawValue)
+    /// int32 [B] keys per sequence (FunctionConstantIndex.kvqLens).
+    public static let seqlens = Int(FM_KVQD_BUF_SEQLENS.rawValue)
+    /// int32 [B, max_pages] (FunctionConstantIndex.kvqPaged).
+    public static let blockTable = Int(FM_KVQD_BUF_BLOCK_TABLE.rawValue)
+    /// float32 [H] (FunctionConstantIndex.kvqSinks).
+    public static let sinks = Int(FM_KVQD_BUF_SINKS.rawValue)
+    /// float32 [B, H, qL] out (FunctionConstantIndex.kvqLSE).
+    public static let lse = Int(FM_KVQD_BUF_LSE.rawValue)
 }
 
 /// One quantized cache of a kv_codes_decode call: its codec and storage.
@@ -93,15 +101,34 @@ public enum KVCodesDecodeDispatcher {
             k_seed: k.codec.seed, v_seed: v.codec.seed, kv_strides: (hk * cap, cap, 1),
             n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.codec.block),
             k_bits: Int32(k.codec.bits), v_bits: Int32(v.codec.bits), k_row_bytes: Int32(k.codec.rowBytes),
-            v_row_bytes: Int32(v.codec.rowBytes), kv_len: o.kv_len, window: o.window, scale: o.scale,
-            softcap: o.softcap, _pad: (0, 0))
-        return Dispatch(
-            kernel: .kvCodesDecode, grid: Size3(rows, 1, 1), threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1),
-            bindings: [
-                KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q),
-                KVCodesDecodeBuffer.kCodes: .buffer(k.codes), KVCodesDecodeBuffer.kNorms: .buffer(k.norms),
-                KVCodesDecodeBuffer.vCodes: .buffer(v.codes), KVCodesDecodeBuffer.vNorms: .buffer(v.norms),
-                KVCodesDecodeBuffer.out: .buffer(out),
-            ], writes: [KVCodesDecodeBuffer.out])
+            v_row_bytes: Int32(v.codec.rowBytes), kv_len: o.kv_len, q_len: 1, scale: o.scale, softcap: o.softcap,
+            causal: 0, window_left: o.window > 0 ? o.window - 1 : -1, window_right: -1, attention_chunk: 0,
+            page_size: Int32(capacity), max_pages: 0)
+        return dispatch(params, rows: rows, q: q, k: k, v: v, out: out)
+    }
+
+    /// The kv_codes_decode launch of validated arguments: one threadgroup per
+    /// query row, each optional table bound with its function constant set.
+    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, q: TensorRef, k: QuantizedCache, v: QuantizedCache,
+                         out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
+                         sinks: TensorRef? = nil, lse: TensorRef? = nil) -> Dispatch {
+        var bindings: [Int: Binding] = [
+            KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q),
+            KVCodesDecodeBuffer.kCodes: .buffer(k.codes), KVCodesDecodeBuffer.kNorms: .buffer(k.norms),
+            KVCodesDecodeBuffer.vCodes: .buffer(v.codes), KVCodesDecodeBuffer.vNorms: .buffer(v.norms),
+            KVCodesDecodeBuffer.out: .buffer(out),
+        ]
+        var writes: Set<Int> = [KVCodesDecodeBuffer.out]
+        let optional: [(TensorRef?, Int)] = [(seqlens, KVCodesDecodeBuffer.seqlens),
+                                             (blockTable, KVCodesDecodeBuffer.blockTable),
+                                             (sinks, KVCodesDecodeBuffer.sinks), (lse, KVCodesDecodeBuffer.lse)]
+        for (t, i) in optional { if let t = t { bindings[i] = .buffer(t) } }
+        if lse != nil { writes.insert(KVCodesDecodeBuffer.lse) }
+        let constants = FunctionConstants([
+            (FunctionConstantIndex.kvqLens, .bool(seqlens != nil)), (FunctionConstantIndex.kvqPaged, .bool(blockTable != nil)),
+            (FunctionConstantIndex.kvqSinks, .bool(sinks != nil)), (FunctionConstantIndex.kvqLSE, .bool(lse != nil)),
+        ])
+        return Dispatch(kernel: .kvCodesDecode, constants: constants, grid: Size3(rows, 1, 1),
+                        threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
     }
 }

@@ -32,6 +32,8 @@ from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
+from .kv_codec import QuantizedKV
+from .kv_codec_kvcache import kvcache_over_codes
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -190,7 +192,11 @@ def flash_attn_with_kvcache(
             converted to float32, the output back to q's dtype; float32 q
             allowed); longer blocks the prefill kernel (bfloat16/float16).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
-            Hkv, D]`` with block_table. Updated in place when k/v are given:
+            Hkv, D]`` with block_table. Or both QuantizedKV (KVCodec.empty of
+            leading shape ``[B, cap, Hkv]`` or ``[num_pages, page_size, Hkv]``;
+            K and V widths and seeds may differ): k/v are then encoded into
+            the codes and the attention reads the codes (q converted to
+            float32, the output back to q's dtype). Updated in place when k/v are given:
             they must then be C-contiguous and writeable (numpy arrays or
             torch CPU tensors).
         k, v: ``[B, seqlen_new, Hkv, D]`` in the caches' dtype, written at rows
@@ -223,6 +229,16 @@ def flash_attn_with_kvcache(
         raise InvalidValueError(_KVCACHE, "k and v must be given together (or both None)")
     appending = k is not None
     qa = as_input(q, _KVCACHE, "q")
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        ka = None if k is None else as_input(k, _KVCACHE, "k")
+        va = None if v is None else as_input(v, _KVCACHE, "v")
+        bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
+        codes = k_cache.codes if isinstance(k_cache, QuantizedKV) else v_cache.codes
+        lens = _cache_seqlens(cache_seqlens, qa.shape[0] if qa.ndim else 0, codes, bt, required=appending)
+        opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                            causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+        return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
+                                  want_lse, out, _append_slots)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.

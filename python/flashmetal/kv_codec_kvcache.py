@@ -1,0 +1,95 @@
+"""flash_attn_with_kvcache over quantized caches (QuantizedKV for k_cache and
+v_cache): appended k/v are encoded into the code caches by one dispatch, then
+the attention reads the codes; no cache row is dequantized."""
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Callable
+
+import numpy as np
+
+from . import _native
+from ._arrays import F32, as_input, check_out, tensor
+from ._errors import InvalidTypeError, InvalidValueError
+from ._interop import wrapper_like
+from ._serving_args import seq_tensors
+from .kv_codec import QuantizedKV
+from .registry import Registry
+
+_OP = "flash_attn_with_kvcache"
+
+
+def _storage(cache: Any, name: str, appending: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, norms) of a QuantizedKV cache; the caller's own arrays when the
+    append writes them."""
+    if not isinstance(cache, QuantizedKV):
+        raise InvalidTypeError(_OP, f"{name} must be a QuantizedKV when the other cache is one (a dense cache "
+                                    f"beside a quantized one is not supported), got {type(cache).__name__}")
+    if not appending:
+        return as_input(cache.codes, _OP, f"{name} codes"), as_input(cache.norms, _OP, f"{name} norms")
+    arrays = []
+    for a, part in ((cache.codes, "codes"), (cache.norms, "norms")):
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
+            raise InvalidValueError(_OP, f"{name} {part} must be a C-contiguous, writeable numpy array to append "
+                                         f"k/v into it in place")
+        arrays.append(as_input(a, _OP, f"{name} {part}"))
+    return arrays[0], arrays[1]
+
+
+def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
+                       va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
+                       sinks: np.ndarray | None, want_lse: bool, out: Any,
+                       append_slots: Callable[..., Any]) -> Any:
+    """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
+    there; arguments already read by it). q is converted to float32 for the
+    kernel and the output back to q's dtype."""
+    appending = ka is not None
+    kc, kn = _storage(k_cache, "k_cache", appending)
+    vc, vn = _storage(v_cache, "v_cache", appending)
+    if reg._defers_work and reg._batch_depth:
+        raise InvalidValueError(_OP, "calls over QuantizedKV caches convert their float32 result after the work "
+                                     "ran: call them outside a batch scope on metal")
+    if qa.ndim != 4:
+        raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
+    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens])
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.empty(qa.shape, dtype=F32)
+    b, ql, h, _ = qa.shape
+    lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
+    ffi = _native.ffi()
+    kcodec, vcodec = k_cache.codec._c, v_cache.codec._c
+
+    def attend(seqlens: np.ndarray | None) -> None:
+        seq, keep = seq_tensors(ffi, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
+        _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                     vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=_OP,
+                     keep=(q32, kc, kn, vc, vn, seqlens, bt, sinks, lse, o32, keep))
+
+    if not appending:
+        attend(lens)
+    else:
+        assert lens is not None and va is not None
+        # A failed attention restores the rows the append overwrote.
+        slots = append_slots(kc, lens, ka, bt)
+        saved = None if slots is None else (kc[slots], kn[slots], vc[slots], vn[slots])
+        appended = False
+        try:
+            with reg.batch():
+                _native.call(reg, "fm_dispatch_kv_codes_append", tensor(ffi, ka), tensor(ffi, va), kcodec,
+                             tensor(ffi, kc), tensor(ffi, kn), vcodec, tensor(ffi, vc), tensor(ffi, vn),
+                             tensor(ffi, lens), tensor(ffi, bt), op=_OP, keep=(ka, va, kc, kn, vc, vn, lens, bt))
+                appended = True
+                attend((lens.astype(np.int64) + (ka.shape[1] if ka.ndim == 4 else 0)).astype(np.int32))
+        except BaseException:
+            if appended and saved is not None:
+                kc[slots], kn[slots], vc[slots], vn[slots] = saved
+            raise
+    result = o32.astype(qa.dtype)
+    if out_arr is not None:
+        out_arr[...] = result
+    wrap = wrapper_like(q)
+    final = wrap(result) if out is None else out
+    if not want_lse:
+        return final
+    assert lse is not None
+    return final, wrap(lse)
