@@ -100,25 +100,41 @@ kernel void kv_encode(
 }
 
 FUNCTION_CONSTANT(bool, kvq_append_paged, 804)
+FUNCTION_CONSTANT(bool, kvq_append_k_dense, 807)
+FUNCTION_CONSTANT(bool, kvq_append_v_dense, 808)
+FUNCTION_CONSTANT_EXPR(bool, kvq_append_k_codes, !kvq_append_k_dense)
+FUNCTION_CONSTANT_EXPR(bool, kvq_append_v_codes, !kvq_append_v_dense)
+
+// The row's D values copied as their bits W (never converted), from src to
+// dst: a dense side of a cache beside a quantized one.
+template <typename W>
+inline void kvq_copy_row(const device W *src, device W *dst, long d, uint tid, uint nt) {
+    for (long i = tid; i < d; i += long(nt)) dst[i] = src[i];
+}
 
 // kv_codes_append (KVCodesAppendParams): new row i of kv head g of sequence b
 // (the threadgroup (i, g, b)) encoded into the K and the V code caches at
-// key seqlens[b] + i. The host checked every key against the capacity and
-// every table entry used against the pages.
-template <typename T>
+// key seqlens[b] + i; a dense side (kvq_append_k_dense / _v_dense, a cache
+// of T with the codes' rows) receives the row's bits instead. The host
+// checked every key against the capacity and every table entry used
+// against the pages.
+template <typename T, typename W>
 kernel void kv_codes_append(
     constant KVCodesAppendParams &p [[buffer(0)]],
     const device T *k_new [[buffer(1)]],
     const device T *v_new [[buffer(2)]],
-    device uchar *k_codes [[buffer(3)]],
-    device float *k_norms [[buffer(4)]],
-    device uchar *v_codes [[buffer(5)]],
-    device float *v_norms [[buffer(6)]],
+    device uchar *k_codes [[buffer(3), function_constant(kvq_append_k_codes)]],
+    device float *k_norms [[buffer(4), function_constant(kvq_append_k_codes)]],
+    device uchar *v_codes [[buffer(5), function_constant(kvq_append_v_codes)]],
+    device float *v_norms [[buffer(6), function_constant(kvq_append_v_codes)]],
     const device int *seqlens [[buffer(7)]],
     const device int *block_table [[buffer(8), function_constant(kvq_append_paged)]],
+    device W *k_dense [[buffer(9), function_constant(kvq_append_k_dense)]],
+    device W *v_dense [[buffer(10), function_constant(kvq_append_v_dense)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup)) {
+    static_assert(sizeof(T) == sizeof(W), "W holds T's bits");
     TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
     TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
     TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
@@ -134,10 +150,18 @@ kernel void kv_codes_append(
     row += g * p.cache_strides[2];
     const long src = b * p.new_strides[0] + i * p.new_strides[1] + g * p.new_strides[2];
     const long d = long(p.k.head_dim);
-    kvq_encode_row(p.k, k_new + src, k_codes + row * long(p.k.row_bytes), k_norms + row * (d / long(p.k.block)),
-                   z, t, r, tid, tpg.x);
-    kvq_encode_row(p.v, v_new + src, v_codes + row * long(p.v.row_bytes), v_norms + row * (d / long(p.v.block)),
-                   z, t, r, tid, tpg.x);
+    if (kvq_append_k_dense) {
+        kvq_copy_row(reinterpret_cast<const device W *>(k_new) + src, k_dense + row * d, d, tid, tpg.x);
+    } else {
+        kvq_encode_row(p.k, k_new + src, k_codes + row * long(p.k.row_bytes), k_norms + row * (d / long(p.k.block)),
+                       z, t, r, tid, tpg.x);
+    }
+    if (kvq_append_v_dense) {
+        kvq_copy_row(reinterpret_cast<const device W *>(v_new) + src, v_dense + row * d, d, tid, tpg.x);
+    } else {
+        kvq_encode_row(p.v, v_new + src, v_codes + row * long(p.v.row_bytes), v_norms + row * (d / long(p.v.block)),
+                       z, t, r, tid, tpg.x);
+    }
 }
 
 template <typename T>
@@ -173,9 +197,9 @@ INSTANTIATE_KERNEL("kv_encode_f32", kv_encode, float)
 INSTANTIATE_KERNEL("kv_encode_f16", kv_encode, half)
 INSTANTIATE_KERNEL("kv_encode_bf16", kv_encode, bfloat)
 INSTANTIATE_KERNEL("kv_dequantize_f32", kv_dequantize, float)
-INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float)
-INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half)
-INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat)
+INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float, uint)
+INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half, ushort)
+INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat, ushort)
 
 // Code i of a packed row of `bits`-bit codes (a code spans at most two bytes).
 inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
@@ -189,6 +213,10 @@ FUNCTION_CONSTANT(bool, kvq_lens, 800)
 FUNCTION_CONSTANT(bool, kvq_paged, 801)
 FUNCTION_CONSTANT(bool, kvq_sinks, 802)
 FUNCTION_CONSTANT(bool, kvq_lse, 803)
+FUNCTION_CONSTANT(bool, kvq_k_dense, 805)
+FUNCTION_CONSTANT(bool, kvq_v_dense, 806)
+FUNCTION_CONSTANT_EXPR(bool, kvq_k_codes, !kvq_k_dense)
+FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
 
 // floor(a / b) for b > 0 (a row's position may be negative).
 inline int kvq_floor_div(int a, int b) {
@@ -201,19 +229,24 @@ inline int kvq_floor_div(int a, int b) {
 // threadgroup memory), each thread keeps its coordinates of the rotated
 // query and of the output accumulator, scores are reduced with simd_sum, and
 // the accumulator (in V's rotated basis) is rotated back once at the end.
-template <typename T>
+// Either side may instead be a dense cache of KV (kvq_k_dense / kvq_v_dense,
+// same rows, D values each): the query is then not rotated (dense K), or the
+// accumulator is already in the output basis (dense V).
+template <typename T, typename KV>
 kernel void kv_codes_decode(
     constant KVCodesDecodeParams &p [[buffer(0)]],
     const device T *q [[buffer(1)]],
-    const device uchar *k_codes [[buffer(2)]],
-    const device float *k_norms [[buffer(3)]],
-    const device uchar *v_codes [[buffer(4)]],
-    const device float *v_norms [[buffer(5)]],
+    const device uchar *k_codes [[buffer(2), function_constant(kvq_k_codes)]],
+    const device float *k_norms [[buffer(3), function_constant(kvq_k_codes)]],
+    const device uchar *v_codes [[buffer(4), function_constant(kvq_v_codes)]],
+    const device float *v_norms [[buffer(5), function_constant(kvq_v_codes)]],
     device T *o [[buffer(6)]],
     const device int *seqlens [[buffer(7), function_constant(kvq_lens)]],
     const device int *block_table [[buffer(8), function_constant(kvq_paged)]],
     const device float *sinks [[buffer(9), function_constant(kvq_sinks)]],
     device float *lse [[buffer(10), function_constant(kvq_lse)]],
+    const device KV *k_dense [[buffer(11), function_constant(kvq_k_dense)]],
+    const device KV *v_dense [[buffer(12), function_constant(kvq_v_dense)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup)) {
@@ -226,10 +259,11 @@ kernel void kv_codes_decode(
     const float inv_n = 1.0f / float(n);
     for (uint i = tid; i < d; i += nt) {
         const float v = float(q[long(row) * long(d) + long(i)]);
-        z[i] = fm_kvq_sign_bit(p.k_seed, i) != 0u ? -v : v;
+        z[i] = (kvq_k_codes && fm_kvq_sign_bit(p.k_seed, i) != 0u) ? -v : v;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kvq_hadamard(z, d, n, tid, nt);
+    if (kvq_k_codes) kvq_hadamard(z, d, n, tid, nt);
+    const float k_unit = kvq_k_codes ? inv_n : 1.0f;
     float qz[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
     float acc[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
     for (uint m = 0; m < per; m++) {
@@ -262,16 +296,19 @@ kernel void kv_codes_decode(
         } else {
             r += long(b) * p.kv_strides[0] + long(t) * p.kv_strides[2];
         }
-        const device uchar *kc = k_codes + r * long(p.k_row_bytes);
-        const device uchar *vc = v_codes + r * long(p.v_row_bytes);
         float part = 0.0f;
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
             if (i < d) {
-                part += qz[m] * (fm_kvq_centroid(int(kbits), kvq_code_at(kc, i, kbits)) * k_norms[r * long(nb) + long(i / n)]);
+                if (kvq_k_dense) {
+                    part += qz[m] * float(k_dense[r * long(d) + long(i)]);
+                } else {
+                    const device uchar *kc = k_codes + r * long(p.k_row_bytes);
+                    part += qz[m] * (fm_kvq_centroid(int(kbits), kvq_code_at(kc, i, kbits)) * k_norms[r * long(nb) + long(i / n)]);
+                }
             }
         }
-        float s = simd_sum(part) * inv_n * p.scale;
+        float s = simd_sum(part) * k_unit * p.scale;
         if (p.softcap > 0.0f) s = p.softcap * tanh(s / p.softcap);
         const float m_new = max(mx, s);
         const float corr = exp(mx - m_new), w = exp(s - m_new);
@@ -279,7 +316,14 @@ kernel void kv_codes_decode(
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
             if (i < d) {
-                acc[m] = acc[m] * corr + w * (fm_kvq_centroid(int(vbits), kvq_code_at(vc, i, vbits)) * v_norms[r * long(nb) + long(i / n)]);
+                float x = 0.0f;
+                if (kvq_v_dense) {
+                    x = float(v_dense[r * long(d) + long(i)]);
+                } else {
+                    const device uchar *vc = v_codes + r * long(p.v_row_bytes);
+                    x = fm_kvq_centroid(int(vbits), kvq_code_at(vc, i, vbits)) * v_norms[r * long(nb) + long(i / n)];
+                }
+                acc[m] = acc[m] * corr + w * x;
             }
         }
         mx = m_new;
@@ -303,12 +347,14 @@ kernel void kv_codes_decode(
         if (i < d) z[i] = acc[m];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kvq_hadamard(z, d, n, tid, nt);
-    const float norm = sum > 0.0f ? inv_n / sum : 0.0f;
+    if (kvq_v_codes) kvq_hadamard(z, d, n, tid, nt);
+    const float norm = sum > 0.0f ? (kvq_v_codes ? inv_n : 1.0f) / sum : 0.0f;
     for (uint i = tid; i < d; i += nt) {
         const float v = z[i] * norm;
-        o[long(row) * long(d) + long(i)] = T(fm_kvq_sign_bit(p.v_seed, i) != 0u ? -v : v);
+        o[long(row) * long(d) + long(i)] = T((kvq_v_codes && fm_kvq_sign_bit(p.v_seed, i) != 0u) ? -v : v);
     }
 }
 
-INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float)
+INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float, float)
+INSTANTIATE_KERNEL("kv_codes_decode_f16kv", kv_codes_decode, float, half)
+INSTANTIATE_KERNEL("kv_codes_decode_bf16kv", kv_codes_decode, float, bfloat)

@@ -82,11 +82,18 @@ public func fm_dispatch_kv_codes_decode(
     }
 }
 
-/// The codec and storage of one quantized cache argument.
-func quantizedCache(_ codec: UnsafePointer<FMKVCodec>?, _ codes: UnsafePointer<FMTensor>?,
-                    _ norms: UnsafePointer<FMTensor>?, name: String, op: String) throws -> QuantizedCache {
-    QuantizedCache(codec: try kvCodec(codec, op: op), codes: try TensorRef(codes, op: op, name: "\(name) codes"),
-                   norms: try TensorRef(norms, op: op, name: "\(name) norms"))
+/// One cache argument: its codec and storage, or with a NULL codec a dense
+/// cache passed as `codes` (norms then NULL).
+func kvSide(_ codec: UnsafePointer<FMKVCodec>?, _ codes: UnsafePointer<FMTensor>?,
+            _ norms: UnsafePointer<FMTensor>?, name: String, op: String) throws -> KVSide {
+    if codec == nil {
+        if norms != nil {
+            throw FlashMetalError.value(op, "\(name) norms must be NULL for a dense \(name) (NULL codec)", arg: name)
+        }
+        return .dense(try TensorRef(codes, op: op, name: name))
+    }
+    return .codes(QuantizedCache(codec: try kvCodec(codec, op: op), codes: try TensorRef(codes, op: op, name: "\(name) codes"),
+                                 norms: try TensorRef(norms, op: op, name: "\(name) norms")))
 }
 
 /// fm_dispatch_kv_codes_attn of flashmetal.h: flash_attn_with_kvcache's
@@ -108,8 +115,8 @@ public func fm_dispatch_kv_codes_attn(
         }
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(
-            q: try TensorRef(q, op: op, name: "q"), k: try quantizedCache(kCodec, kCodes, kNorms, name: "k_cache", op: op),
-            v: try quantizedCache(vCodec, vCodes, vNorms, name: "v_cache", op: op), out: try TensorRef(out, op: op, name: "out"))
+            q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
+            v: try kvSide(vCodec, vCodes, vNorms, name: "v_cache", op: op), out: try TensorRef(out, op: op, name: "out"))
         t.sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
         t.lseName = lseName
@@ -138,8 +145,8 @@ public func fm_dispatch_kv_codes_append(
         // flash_attn_with_kvcache calls the new rows k and v.
         let (kName, vName) = publicOp(err) == nil ? ("k_new", "v_new") : ("k", "v")
         let (kn, vn) = (try TensorRef(kNew, op: op, name: kName), try TensorRef(vNew, op: op, name: vName))
-        let k = try quantizedCache(kCodec, kCodes, kNorms, name: "k_cache", op: op)
-        let v = try quantizedCache(vCodec, vCodes, vNorms, name: "v_cache", op: op)
+        let k = try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op)
+        let v = try kvSide(vCodec, vCodes, vNorms, name: "v_cache", op: op)
         let tables = [try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
                       try optionalTensor(blockTable, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in

@@ -6,6 +6,13 @@ import FlashMetalCore
 /// the query heads that share a kv head in one query row, so each key's
 /// codes are unpacked once for all of them.
 final class KVCodesDecodeKernel: CPUKernel {
+    /// The dtype of a dense side, when one is.
+    let dense: DType
+
+    init(_ key: PipelineKey) {
+        if case let .kvCodesDecode(d) = key.spec { dense = d } else { dense = .f32 }
+    }
+
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         func input<T>(_ i: Int, _ t: T.Type) throws -> UnsafePointer<T> {
@@ -16,15 +23,18 @@ final class KVCodesDecodeKernel: CPUKernel {
         }
         var a = FMCPUKVCodesAttnArgs(
             q: try input(KVCodesDecodeBuffer.q, Float.self),
-            k_codes: try input(KVCodesDecodeBuffer.kCodes, UInt8.self),
-            k_norms: try input(KVCodesDecodeBuffer.kNorms, Float.self),
-            v_codes: try input(KVCodesDecodeBuffer.vCodes, UInt8.self),
-            v_norms: try input(KVCodesDecodeBuffer.vNorms, Float.self),
+            k_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.kCodes, UInt8.self)),
+            k_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.kNorms, Float.self)),
+            v_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.vCodes, UInt8.self)),
+            v_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.vNorms, Float.self)),
             o: try d.buffer(KVCodesDecodeBuffer.out).data.assumingMemoryBound(to: Float.self),
             seqlens: UnsafePointer(try optional(KVCodesDecodeBuffer.seqlens, Int32.self)),
             block_table: UnsafePointer(try optional(KVCodesDecodeBuffer.blockTable, Int32.self)),
             sinks: UnsafePointer(try optional(KVCodesDecodeBuffer.sinks, Float.self)),
-            lse: try optional(KVCodesDecodeBuffer.lse, Float.self))
+            lse: try optional(KVCodesDecodeBuffer.lse, Float.self),
+            k_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.kDense, UInt8.self)),
+            v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
+            dense_dtype: dense.rawValue)
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         withUnsafePointer(to: &p) { pp in
@@ -49,14 +59,19 @@ final class KVCodesAppendKernel: CPUKernel {
         func out<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T> {
             try d.buffer(i).data.assumingMemoryBound(to: T.self)
         }
+        func opt<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T>? {
+            d.bindings[i] == nil ? nil : try out(i, t)
+        }
         var a = FMCPUKVCodesAppendArgs(
             k_new: UnsafeRawPointer(try d.buffer(KVCodesAppendBuffer.kNew).data),
             v_new: UnsafeRawPointer(try d.buffer(KVCodesAppendBuffer.vNew).data), dtype: input.rawValue,
-            k_codes: try out(KVCodesAppendBuffer.kCodes, UInt8.self), k_norms: try out(KVCodesAppendBuffer.kNorms, Float.self),
-            v_codes: try out(KVCodesAppendBuffer.vCodes, UInt8.self), v_norms: try out(KVCodesAppendBuffer.vNorms, Float.self),
+            k_codes: try opt(KVCodesAppendBuffer.kCodes, UInt8.self), k_norms: try opt(KVCodesAppendBuffer.kNorms, Float.self),
+            v_codes: try opt(KVCodesAppendBuffer.vCodes, UInt8.self), v_norms: try opt(KVCodesAppendBuffer.vNorms, Float.self),
             seqlens: UnsafePointer(try out(KVCodesAppendBuffer.seqlens, Int32.self)),
             block_table: d.bindings[KVCodesAppendBuffer.blockTable] == nil ? nil
-                : UnsafePointer(try out(KVCodesAppendBuffer.blockTable, Int32.self)))
+                : UnsafePointer(try out(KVCodesAppendBuffer.blockTable, Int32.self)),
+            k_dense: d.bindings[KVCodesAppendBuffer.kDense] == nil ? nil : try d.buffer(KVCodesAppendBuffer.kDense).data,
+            v_dense: d.bindings[KVCodesAppendBuffer.vDense] == nil ? nil : try d.buffer(KVCodesAppendBuffer.vDense).data)
         let kvHeads = Int32(d.grid.y)
         withUnsafePointer(to: &p) { pp in
             withUnsafePointer(to: &a) { ap in

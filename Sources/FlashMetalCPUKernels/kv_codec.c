@@ -116,12 +116,23 @@ void fm_cpu_kv_codes_append_item(const KVCodesAppendParams *p, const FMCPUKVCode
     row += g * p->cache_strides[2];
     const int64_t src = b * p->new_strides[0] + i * p->new_strides[1] + g * p->new_strides[2];
     const int32_t d = p->k.head_dim;
+    const size_t esize = a->dtype == FM_DTYPE_F32 ? 4 : 2;
     float z[FM_KVQ_MAX_HEAD_DIM];
     /* src is a multiple of d, so it is a row index of the [*, D] view. */
-    load_row(z, a->k_new, a->dtype, src / d, d);
-    encode_row(&p->k, z, a->k_codes + row * p->k.row_bytes, a->k_norms + row * (d / p->k.block));
-    load_row(z, a->v_new, a->dtype, src / d, d);
-    encode_row(&p->v, z, a->v_codes + row * p->v.row_bytes, a->v_norms + row * (d / p->v.block));
+    if (a->k_dense != NULL) {
+        memcpy((char *)a->k_dense + (size_t)(row * d) * esize, (const char *)a->k_new + (size_t)src * esize,
+               (size_t)d * esize);
+    } else {
+        load_row(z, a->k_new, a->dtype, src / d, d);
+        encode_row(&p->k, z, a->k_codes + row * p->k.row_bytes, a->k_norms + row * (d / p->k.block));
+    }
+    if (a->v_dense != NULL) {
+        memcpy((char *)a->v_dense + (size_t)(row * d) * esize, (const char *)a->v_new + (size_t)src * esize,
+               (size_t)d * esize);
+    } else {
+        load_row(z, a->v_new, a->dtype, src / d, d);
+        encode_row(&p->v, z, a->v_codes + row * p->v.row_bytes, a->v_norms + row * (d / p->v.block));
+    }
 }
 
 void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, const float *norms, float *out,
@@ -155,16 +166,19 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
     const int32_t heads = group - h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - h0 : FM_CPU_KVQ_HEAD_CHUNK;
     const int64_t row0 = bi * p->n_heads + g * group + h0;
     const float inv_n = 1.0f / (float)n;
+    /* A dense side reads as one block of norm 1 in the output basis. */
+    const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
+    const float k_unit = a->k_dense != NULL ? 1.0f : inv_n;
     float qz[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM], acc[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM];
     float kc[FM_KVQ_MAX_HEAD_DIM], vcv[FM_KVQ_MAX_HEAD_DIM], mx[FM_CPU_KVQ_HEAD_CHUNK], sum[FM_CPU_KVQ_HEAD_CHUNK];
     float w[FM_CPU_KVQ_HEAD_CHUNK], corr[FM_CPU_KVQ_HEAD_CHUNK];
     for (int32_t j = 0; j < heads; j++) {
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[(row0 + j) * d + i];
-            qz[j][i] = fm_kvq_sign_bit(p->k_seed, (uint32_t)i) ? -v : v;
+            qz[j][i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
             acc[j][i] = 0.0f;
         }
-        hadamard(qz[j], d, n);
+        if (a->k_dense == NULL) hadamard(qz[j], d, n);
         mx[j] = FM_RUNNING_MAX_START;
         sum[j] = 0.0f;
     }
@@ -188,18 +202,22 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
         } else {
             r += b * p->kv_strides[0] + (int64_t)t * p->kv_strides[2];
         }
-        unpack_centroids(a->k_codes + r * p->k_row_bytes, d, kbits, kc);
+        if (a->k_dense != NULL) {
+            load_row(kc, a->k_dense, a->dense_dtype, r, d);
+        } else {
+            unpack_centroids(a->k_codes + r * p->k_row_bytes, d, kbits, kc);
+        }
         for (int32_t j = 0; j < heads; j++) {
             float dot = 0.0f;
-            for (int32_t k = 0; k < nb; k++) {
+            for (int32_t k = 0; k < d / kn; k++) {
                 float lane[8] = {0};  /* eight independent sums: vectorisable without reassociation */
-                for (int32_t i = k * n; i < (k + 1) * n; i += 8) {
+                for (int32_t i = k * kn; i < (k + 1) * kn; i += 8) {
                     for (int32_t l = 0; l < 8; l++) lane[l] += qz[j][i + l] * kc[i + l];
                 }
                 const float part = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-                dot += part * a->k_norms[r * nb + k];
+                dot += a->k_dense != NULL ? part : part * a->k_norms[r * nb + k];
             }
-            float s = dot * inv_n * p->scale;
+            float s = dot * k_unit * p->scale;
             if (p->softcap > 0.0f) s = p->softcap * tanhf(s / p->softcap);
             const float m_new = s > mx[j] ? s : mx[j];
             corr[j] = expf(mx[j] - m_new);
@@ -207,11 +225,15 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
             sum[j] = sum[j] * corr[j] + w[j];
             mx[j] = m_new;
         }
-        unpack_centroids(a->v_codes + r * p->v_row_bytes, d, vbits, vcv);
+        if (a->v_dense != NULL) {
+            load_row(vcv, a->v_dense, a->dense_dtype, r, d);
+        } else {
+            unpack_centroids(a->v_codes + r * p->v_row_bytes, d, vbits, vcv);
+        }
         for (int32_t j = 0; j < heads; j++) {
-            for (int32_t k = 0; k < nb; k++) {
-                const float wr = w[j] * a->v_norms[r * nb + k];
-                for (int32_t i = k * n; i < (k + 1) * n; i++) acc[j][i] = acc[j][i] * corr[j] + wr * vcv[i];
+            for (int32_t k = 0; k < d / vn; k++) {
+                const float wr = a->v_dense != NULL ? w[j] : w[j] * a->v_norms[r * nb + k];
+                for (int32_t i = k * vn; i < (k + 1) * vn; i++) acc[j][i] = acc[j][i] * corr[j] + wr * vcv[i];
             }
         }
     }
@@ -229,11 +251,12 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
         if (a->lse != NULL) {
             a->lse[(b * p->n_heads + h) * p->q_len + qi] = sum[j] > 0.0f ? mx[j] + logf(sum[j]) : -INFINITY;
         }
-        hadamard(acc[j], d, n);
-        const float norm = sum[j] > 0.0f ? inv_n / sum[j] : 0.0f;
+        const int v_codes = a->v_dense == NULL;
+        if (v_codes) hadamard(acc[j], d, n);
+        const float norm = sum[j] > 0.0f ? (v_codes ? inv_n : 1.0f) / sum[j] : 0.0f;
         for (int32_t i = 0; i < d; i++) {
             const float v = acc[j][i] * norm;
-            a->o[(row0 + j) * d + i] = fm_kvq_sign_bit(p->v_seed, (uint32_t)i) ? -v : v;
+            a->o[(row0 + j) * d + i] = (v_codes && fm_kvq_sign_bit(p->v_seed, (uint32_t)i)) ? -v : v;
         }
     }
 }

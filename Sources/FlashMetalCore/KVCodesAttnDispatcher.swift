@@ -5,8 +5,9 @@ import CFlashMetal
 public struct KVCodesAttnTensors {
     /// float32 [B, qL, H, D].
     public var q: TensorRef
-    /// Leading shape [B, cap, Hkv], or paged [num_pages, page_size, Hkv].
-    public var k: QuantizedCache, v: QuantizedCache
+    /// Leading shape [B, cap, Hkv], or paged [num_pages, page_size, Hkv]; at
+    /// most one side dense.
+    public var k: KVSide, v: KVSide
     /// float32 [B, qL, H, D] out.
     public var out: TensorRef
     /// int32 [B] keys per sequence; nil: the whole capacity.
@@ -20,7 +21,7 @@ public struct KVCodesAttnTensors {
     /// The caller's name of lse in errors.
     public var lseName = "lse"
 
-    public init(q: TensorRef, k: QuantizedCache, v: QuantizedCache, out: TensorRef) {
+    public init(q: TensorRef, k: KVSide, v: KVSide, out: TensorRef) {
         self.q = q; self.k = k; self.v = v; self.out = out
     }
 }
@@ -39,16 +40,7 @@ public enum KVCodesAttnDispatcher {
         try q.requireRank([4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
         let (batch, qLen, heads, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
-        for (c, name) in [(t.k.codec, "k_cache"), (t.v.codec, "v_cache")] where c.headDim != d {
-            throw FlashMetalError.value(op, "\(name)'s codec head_dim \(c.headDim) must equal q's head dim \(d)", arg: name)
-        }
-        try t.k.codes.requireDType([.u8], op: op, name: "k_cache codes")
-        guard t.k.codes.rank == 4 else {
-            throw FlashMetalError.value(op, "k_cache must have leading shape [B, cap, Hkv] (or [num_pages, page_size, Hkv] with block_table), got codes shape \(t.k.codes.shape)", arg: "k_cache")
-        }
-        let lead = Array(t.k.codes.shape.dropLast())
-        try KVCodesDecodeDispatcher.requireStorage(t.k, "k_cache", lead: lead)
-        try KVCodesDecodeDispatcher.requireStorage(t.v, "v_cache", lead: lead)
+        let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
         let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
         if batch == 0 || heads == 0 || kvHeads == 0 || qLen == 0 {
             throw FlashMetalError.value(op, "batch, seqlen_q, num_heads and num_kv_heads must be > 0, got q shape \(q.shape) and k_cache shape \(lead)", arg: "q")
@@ -111,7 +103,7 @@ public enum KVCodesAttnDispatcher {
         }
 
         let (hk, cap) = (Int64(kvHeads), Int64(rows))
-        let (k, v) = (t.k.codec, t.v.codec)
+        let (k, v) = (t.k.quantized?.codec ?? codec, t.v.quantized?.codec ?? codec)
         let params = KVCodesDecodeParams(
             k_seed: k.seed, v_seed: v.seed, kv_strides: (cap * hk, 1, hk),
             n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.block),

@@ -60,6 +60,14 @@ public enum FunctionConstantIndex {
     public static let kvqLSE = Int(FM_FC_KVQ_LSE.rawValue)
     /// kv_codes_append: the caches are paged, block_table is bound.
     public static let kvqAppendPaged = Int(FM_FC_KVQ_APPEND_PAGED.rawValue)
+    /// kv_codes_decode: K is a dense cache, not codes.
+    public static let kvqKDense = Int(FM_FC_KVQ_K_DENSE.rawValue)
+    /// kv_codes_decode: V is a dense cache, not codes.
+    public static let kvqVDense = Int(FM_FC_KVQ_V_DENSE.rawValue)
+    /// kv_codes_append: K is a dense cache, not codes.
+    public static let kvqAppendKDense = Int(FM_FC_KVQ_APPEND_K_DENSE.rawValue)
+    /// kv_codes_append: V is a dense cache, not codes.
+    public static let kvqAppendVDense = Int(FM_FC_KVQ_APPEND_V_DENSE.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -82,7 +90,9 @@ public enum FunctionConstantIndex {
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
-        ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged),
+        ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
+        ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),
+        ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense),
     ]
 }
 

@@ -1,5 +1,6 @@
-"""flash_attn_with_kvcache over quantized caches (QuantizedKV for k_cache and
-v_cache): appended k/v are encoded into the code caches by one dispatch, then
+"""flash_attn_with_kvcache over quantized caches (a QuantizedKV for k_cache
+and/or v_cache, the other side possibly a dense cache): appended k/v are
+encoded into the code caches (copied into a dense one) by one dispatch, then
 the attention reads the codes; no cache row is dequantized."""
 from __future__ import annotations
 
@@ -13,18 +14,27 @@ from ._arrays import F32, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import wrapper_like
 from ._serving_args import seq_tensors
-from .kv_codec import QuantizedKV
+from .kv_codec import KVCodec, QuantizedKV
 from .registry import Registry
 
 _OP = "flash_attn_with_kvcache"
 
 
-def _storage(cache: Any, name: str, appending: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, norms) of a QuantizedKV cache; the caller's own arrays when the
-    append writes them."""
-    if not isinstance(cache, QuantizedKV):
-        raise InvalidTypeError(_OP, f"{name} must be a QuantizedKV when the other cache is one (a dense cache "
-                                    f"beside a quantized one is not supported), got {type(cache).__name__}")
+def _storage(cache: Any, name: str, appending: bool,
+             in_place: Callable[[Any, str], np.ndarray]) -> tuple[Any, np.ndarray, np.ndarray | None]:
+    """(codec or NULL, codes or the dense cache, norms or None) of one cache
+    argument; the caller's own arrays when the append writes them (a dense
+    one checked by serving's `in_place`)."""
+    ffi = _native.ffi()
+    if isinstance(cache, QuantizedKV):
+        return (cache.codec._c,) + _codes(cache, name, appending)
+    if isinstance(cache, KVCodec):
+        raise InvalidTypeError(_OP, f"{name} must be a QuantizedKV or a dense cache array, got a KVCodec")
+    dense = in_place(cache, name) if appending else as_input(cache, _OP, name)
+    return ffi.NULL, dense, None
+
+
+def _codes(cache: QuantizedKV, name: str, appending: bool) -> tuple[np.ndarray, np.ndarray]:
     if not appending:
         return as_input(cache.codes, _OP, f"{name} codes"), as_input(cache.norms, _OP, f"{name} norms")
     arrays = []
@@ -39,13 +49,13 @@ def _storage(cache: Any, name: str, appending: bool) -> tuple[np.ndarray, np.nda
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
-                       append_slots: Callable[..., Any]) -> Any:
+                       append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray]) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
     there; arguments already read by it). q is converted to float32 for the
     kernel and the output back to q's dtype."""
     appending = ka is not None
-    kc, kn = _storage(k_cache, "k_cache", appending)
-    vc, vn = _storage(v_cache, "v_cache", appending)
+    kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
+    vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
     if reg._defers_work and reg._batch_depth:
         raise InvalidValueError(_OP, "calls over QuantizedKV caches convert their float32 result after the work "
                                      "ran: call them outside a batch scope on metal")
@@ -57,7 +67,6 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     ffi = _native.ffi()
-    kcodec, vcodec = k_cache.codec._c, v_cache.codec._c
 
     def attend(seqlens: np.ndarray | None) -> None:
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
@@ -71,7 +80,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
         assert lens is not None and va is not None
         # A failed attention restores the rows the append overwrote.
         slots = append_slots(kc, lens, ka, bt)
-        saved = None if slots is None else (kc[slots], kn[slots], vc[slots], vn[slots])
+        arrays = [a for a in (kc, kn, vc, vn) if a is not None]
+        saved = None if slots is None else [a[slots] for a in arrays]
         appended = False
         try:
             with reg.batch():
@@ -82,7 +92,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
                 attend((lens.astype(np.int64) + (ka.shape[1] if ka.ndim == 4 else 0)).astype(np.int32))
         except BaseException:
             if appended and saved is not None:
-                kc[slots], kn[slots], vc[slots], vn[slots] = saved
+                for a, old in zip(arrays, saved):
+                    a[slots] = old
             raise
     result = o32.astype(qa.dtype)
     if out_arr is not None:

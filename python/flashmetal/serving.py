@@ -238,7 +238,7 @@ def flash_attn_with_kvcache(
         opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
-                                  want_lse, out, _append_slots)
+                                  want_lse, out, _append_slots, _in_place)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.

@@ -181,9 +181,12 @@ def test_out_and_torch_style_return(registry, rng):
 def test_errors_name_the_function_argument_and_value(registry, rng):
     s = Setup(rng, registry, paged=True)
     q = randn(rng, (2, 1, 4, 64), F32)
-    dense = np.zeros((2, 16, 2, 64), np.float32)
-    with pytest.raises(TypeError, match=f"^{OP}: v_cache must be a QuantizedKV when the other cache is one"):
-        fm.flash_attn_with_kvcache(q, s.k, dense, registry=registry)
+    dense = np.zeros(s.k.shape + (32,), np.float16)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*v_cache shape \[9, 4, 2, 32\] must be \[9, 4, 2, 64\]"):
+        fm.flash_attn_with_kvcache(q, s.k, dense, cache_seqlens=s.lens, block_table=s.table, registry=registry)
+    with pytest.raises(TypeError, match=rf"^{OP}: .*v_cache dtype float16 does not match k dtype float32"):
+        fm.flash_attn_with_kvcache(q, s.k, np.zeros(s.k.shape + (64,), np.float16), k=s.k_new, v=s.v_new,
+                                   cache_seqlens=s.lens, block_table=s.table, registry=registry)
     bad = s.table.copy()
     bad[0, 0] = 99
     with pytest.raises(ValueError, match=rf"^{OP}: .*block_table\[0, 0\] = 99 is out of range"):
@@ -221,3 +224,37 @@ def test_a_failed_attention_leaves_the_caches_as_they_were(registry, rng):
         s.run(q, sinks=np.zeros(3, np.float32))
     for a, b0, n in zip((s.k.codes, s.k.norms, s.v.codes, s.v.norms), before, ("kc", "kn", "vc", "vn")):
         assert_bits_equal(a, b0, f"{n} restored")
+
+
+@pytest.mark.parametrize("dense_side", ["k", "v"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_side_dense(registry, rng, dense_side, dtype, paged):
+    """K8 codes beside a dense V (or a dense K beside 4-bit V codes), in the
+    new rows' dtype: the append copies the dense side's rows bit for bit and
+    encodes the other; attention reads each side as it is stored."""
+    s = Setup(rng, registry, paged=paged, dtype=dtype, kbits=8, vbits=4)
+    lead = s.k.shape
+    dense = np.zeros(lead + (64,), dtype)
+    quantized = s.k if dense_side == "v" else s.v
+    # The dense side's past rows: the values its quantized twin decodes to.
+    dense[...] = dequantized(s.v if dense_side == "v" else s.k).astype(dtype)
+    k_cache, v_cache = (quantized, dense) if dense_side == "v" else (dense, quantized)
+    q = randn(rng, (2, 2, 4, 64), dtype)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k=s.k_new, v=s.v_new, cache_seqlens=s.lens,
+                                        block_table=s.table, causal=True, sinks=sinks, return_softmax_lse=True,
+                                        registry=registry)
+    new = s.v_new if dense_side == "v" else s.k_new
+    for bi, start in enumerate(s.lens.tolist()):
+        for i in range(new.shape[1]):
+            assert_bits_equal(dense[s.slot(bi, start + i)], new[bi, i], f"dense {dense_side} row {bi},{i}")
+    enc = quantized.codec.encode(s.k_new if dense_side == "v" else s.v_new, registry=registry)
+    idx = s.slot(1, int(s.lens[1]))
+    assert_bits_equal(quantized.codes[idx], enc.codes[1, 0], "the quantized side's appended codes")
+    kk = dequantized(s.k) if dense_side == "v" else dense.astype(np.float64)
+    vv = dense.astype(np.float64) if dense_side == "v" else dequantized(s.v)
+    eo, el = reference.flash_attn_kvcache(q, kk, vv, cache_seqlens=s.lens + 2, block_table=s.table, causal=True,
+                                          sinks=sinks)
+    check(o, eo, dtype, f"{registry.backend} dense {dense_side} {dtype} paged={paged}")
+    check_lse(lse, el, f"{registry.backend} dense {dense_side} lse")

@@ -81,7 +81,11 @@ typedef enum FMFunctionConstant {
     FM_FC_KVQ_PAGED = 801,          /* kv_codes_decode: caches paged, block_table bound */
     FM_FC_KVQ_SINKS = 802,          /* kv_codes_decode: sinks bound */
     FM_FC_KVQ_LSE = 803,            /* kv_codes_decode: lse output bound */
-    FM_FC_KVQ_APPEND_PAGED = 804    /* kv_codes_append: caches paged, block_table bound */
+    FM_FC_KVQ_APPEND_PAGED = 804,   /* kv_codes_append: caches paged, block_table bound */
+    FM_FC_KVQ_K_DENSE = 805,        /* kv_codes_decode: K is a dense cache (buffer 11), not codes */
+    FM_FC_KVQ_V_DENSE = 806,        /* kv_codes_decode: V is a dense cache (buffer 12), not codes */
+    FM_FC_KVQ_APPEND_K_DENSE = 807, /* kv_codes_append: K is a dense cache (buffer 9), not codes */
+    FM_FC_KVQ_APPEND_V_DENSE = 808  /* kv_codes_append: V is a dense cache (buffer 10), not codes */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -452,7 +456,9 @@ typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_SEQLENS = 7,     /* int32 [B], with FM_FC_KVQ_LENS */
     FM_KVQD_BUF_BLOCK_TABLE = 8, /* int32 [B, max_pages], with FM_FC_KVQ_PAGED */
     FM_KVQD_BUF_SINKS = 9,       /* float32 [H], with FM_FC_KVQ_SINKS */
-    FM_KVQD_BUF_LSE = 10         /* float32 [B, H, q_len] out, with FM_FC_KVQ_LSE */
+    FM_KVQD_BUF_LSE = 10,        /* float32 [B, H, q_len] out, with FM_FC_KVQ_LSE */
+    FM_KVQD_BUF_K_DENSE = 11,    /* dense K [rows, D] (f32/f16/bf16), with FM_FC_KVQ_K_DENSE; codes unbound */
+    FM_KVQD_BUF_V_DENSE = 12     /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
 } FMKVCodesDecodeBinding;
 
 /* kv_codes_append: row i of sequence b of k_new/v_new [B, n_new, Hkv, D]
@@ -479,7 +485,9 @@ typedef enum FMKVCodesAppendBinding {
     FM_KVQA_BUF_K_CODES = 3, FM_KVQA_BUF_K_NORMS = 4,
     FM_KVQA_BUF_V_CODES = 5, FM_KVQA_BUF_V_NORMS = 6,
     FM_KVQA_BUF_SEQLENS = 7,     /* int32 [B] */
-    FM_KVQA_BUF_BLOCK_TABLE = 8  /* int32 [B, max_pages], with FM_FC_KVQ_APPEND_PAGED */
+    FM_KVQA_BUF_BLOCK_TABLE = 8, /* int32 [B, max_pages], with FM_FC_KVQ_APPEND_PAGED */
+    FM_KVQA_BUF_K_DENSE = 9,     /* dense K cache of k_new's dtype, with FM_FC_KVQ_APPEND_K_DENSE */
+    FM_KVQA_BUF_V_DENSE = 10     /* dense V cache, with FM_FC_KVQ_APPEND_V_DENSE */
 } FMKVCodesAppendBinding;
 
 /* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
@@ -787,7 +795,9 @@ int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const F
                                 const FMKVCodesDecodeOptions *options, FMError *err);
 /* flash_attn_with_kvcache over quantized caches: q/out float32 [B, qL, H, D];
  * each cache the codes and norms of its codec with leading shape
- * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table. seq:
+ * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table; at
+ * most one side dense: a NULL codec, its cache [..., Hkv, D] (float32,
+ * float16 or bfloat16) as codes and NULL norms. seq:
  * seqlens_k, block_table, sinks, lse ([B, H, qL]); cu_seqlens_* must be NULL.
  * options as fm_dispatch_attn's (max_seqlen_* ignored). */
 int fm_dispatch_kv_codes_attn(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
@@ -797,7 +807,8 @@ int fm_dispatch_kv_codes_attn(FMRegistry *registry, const FMTensor *q, const FMK
 /* Encodes k_new/v_new [B, n_new, Hkv, D] (float32, float16 or bfloat16) into
  * the code caches (leading shape [B, cap, Hkv] or paged [num_pages,
  * page_size, Hkv] with block_table) at rows cache_seqlens[b] .. + n_new, in
- * one dispatch. cache_seqlens is not changed. */
+ * one dispatch; a dense side (NULL codec, as fm_dispatch_kv_codes_attn's) of
+ * k_new's dtype receives the rows' bits. cache_seqlens is not changed. */
 int fm_dispatch_kv_codes_append(FMRegistry *registry, const FMTensor *k_new, const FMTensor *v_new,
                                 const FMKVCodec *k_codec, const FMTensor *k_codes, const FMTensor *k_norms,
                                 const FMKVCodec *v_codec, const FMTensor *v_codes, const FMTensor *v_norms,

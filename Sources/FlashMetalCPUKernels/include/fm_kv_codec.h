@@ -37,6 +37,9 @@ typedef struct FMCPUKVCodesAttnArgs {
     const int32_t *block_table;
     const float *sinks;
     float *lse;
+    const void *k_dense;  /* a dense K cache [rows, D] of dense_dtype instead of codes, or NULL */
+    const void *v_dense;  /* likewise for V */
+    int32_t dense_dtype;  /* FM_DTYPE_F32, _F16 or _BF16 */
 } FMCPUKVCodesAttnArgs;
 void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item);
 
@@ -53,6 +56,8 @@ typedef struct FMCPUKVCodesAppendArgs {
     float *v_norms;
     const int32_t *seqlens;
     const int32_t *block_table;
+    void *k_dense;  /* a dense K cache of dtype instead of codes (the row's bits copied), or NULL */
+    void *v_dense;  /* likewise for V */
 } FMCPUKVCodesAppendArgs;
 void fm_cpu_kv_codes_append_item(const KVCodesAppendParams *p, const FMCPUKVCodesAppendArgs *a, int32_t n_kv_heads,
                                  int64_t item);
