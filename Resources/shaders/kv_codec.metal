@@ -34,7 +34,7 @@ inline void kvq_hadamard(threadgroup float *z, uint d, uint block, uint tid, uin
 // the threadgroup taking part. z, t and r are threadgroup scratch of D, D/2
 // and D/16 floats; the function starts and ends at a barrier.
 template <typename T>
-inline void kvq_encode_row(KVCodecParams p, const device T *x, device uchar *out, device float *norms_out,
+inline void kvq_encode_row(constant KVCodecParams &p, const device T *x, device uchar *out, device float *norms_out,
                            threadgroup float *z, threadgroup float *t, threadgroup float *r, uint tid, uint nt) {
     const uint d = uint(p.head_dim), n = uint(p.block), half_n = n / 2, nb = d / n;
     const int bits = p.bits;
@@ -152,13 +152,15 @@ kernel void kv_codes_append(
     const long d = long(p.k.head_dim);
     if (kvq_append_k_dense) {
         kvq_copy_row(reinterpret_cast<const device W *>(k_new) + src, k_dense + row * d, d, tid, tpg.x);
-    } else {
+    }
+    if (kvq_append_k_codes) {
         kvq_encode_row(p.k, k_new + src, k_codes + row * long(p.k.row_bytes), k_norms + row * (d / long(p.k.block)),
                        z, t, r, tid, tpg.x);
     }
     if (kvq_append_v_dense) {
         kvq_copy_row(reinterpret_cast<const device W *>(v_new) + src, v_dense + row * d, d, tid, tpg.x);
-    } else {
+    }
+    if (kvq_append_v_codes) {
         kvq_encode_row(p.v, v_new + src, v_codes + row * long(p.v.row_bytes), v_norms + row * (d / long(p.v.block)),
                        z, t, r, tid, tpg.x);
     }
@@ -300,9 +302,8 @@ kernel void kv_codes_decode(
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
             if (i < d) {
-                if (kvq_k_dense) {
-                    part += qz[m] * float(k_dense[r * long(d) + long(i)]);
-                } else {
+                if (kvq_k_dense) part += qz[m] * float(k_dense[r * long(d) + long(i)]);
+                if (kvq_k_codes) {
                     const device uchar *kc = k_codes + r * long(p.k_row_bytes);
                     part += qz[m] * (fm_kvq_centroid(int(kbits), kvq_code_at(kc, i, kbits)) * k_norms[r * long(nb) + long(i / n)]);
                 }
@@ -317,9 +318,8 @@ kernel void kv_codes_decode(
             const uint i = tid + m * nt;
             if (i < d) {
                 float x = 0.0f;
-                if (kvq_v_dense) {
-                    x = float(v_dense[r * long(d) + long(i)]);
-                } else {
+                if (kvq_v_dense) x = float(v_dense[r * long(d) + long(i)]);
+                if (kvq_v_codes) {
                     const device uchar *vc = v_codes + r * long(p.v_row_bytes);
                     x = fm_kvq_centroid(int(vbits), kvq_code_at(vc, i, vbits)) * v_norms[r * long(nb) + long(i / n)];
                 }
