@@ -11,6 +11,7 @@ format stores per token (all kv heads, K and V).
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -37,7 +38,7 @@ def bytes_per_token(kbits: int | None, vbits: int | None) -> int:
 
 
 def rows(reg, runs: int, lengths: list[int]) -> list[str]:
-    lines = [f"| keys | format | bytes/token | ms | bf16 ms | bf16 / format (median of rounds) |",
+    lines = ["| keys | format | bytes/token | ms | bf16 ms | bf16 / format (median of rounds) |",
              "|---|---|---:|---:|---:|---:|"]
     for n in lengths:
         rng = np.random.default_rng(n)
@@ -45,7 +46,7 @@ def rows(reg, runs: int, lengths: list[int]) -> list[str]:
         v = common.rand(rng, (1, n, HKV, D), BF16)
         q = common.rand(rng, (1, 1, H, D), BF16)
         seqlens = np.array([n], np.int32)
-        peers = {"bf16": lambda: fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, registry=reg)}
+        peers = {"bf16": lambda k=k, v=v: fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, registry=reg)}
         for name, (kb, vb) in FORMATS.items():
             kq = fm.KVCodec(D, kb, seed=1).encode(k, registry=reg)
             vq = fm.KVCodec(D, vb, seed=2).encode(v, registry=reg)
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--long", action="store_true", help="also 128k keys")
     args, _ = ap.parse_known_args()  # bench.py's other options (e.g. --only) are not this script's
     reg = fm.Registry("cpu")
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()[0]
     lengths = [1024] if args.quick else [8192, 32768] + ([131072] if args.long else [])
     table = rows(reg, args.runs, lengths)
     text = "\n".join([
@@ -76,7 +77,9 @@ def main() -> None:
         f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu; medians of {args.runs} interleaved "
         f"rounds of 2 back-to-back calls{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. "
         f"flash_attn_with_kvcache, B=1, H={H}, Hkv={HKV}, D={D}, one query row; bf16 q. Ratio > 1: the "
-        "format decodes faster than the bf16 cache.", "", *table, ""])
+        "format decodes faster than the bf16 cache.", "",
+        f"Load average (1 min) {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
+        f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "", *table, ""])
     (HERE / "CODES_RESULTS.md").write_text(text)
     print(f"wrote {HERE / 'CODES_RESULTS.md'}")
 

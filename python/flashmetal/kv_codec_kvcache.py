@@ -77,7 +77,7 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     if not appending:
         attend(lens)
     else:
-        assert lens is not None and va is not None
+        assert lens is not None and ka is not None and va is not None
         # A failed attention restores the rows the append overwrote.
         slots = append_slots(kc, lens, ka, bt)
         arrays = [a for a in (kc, kn, vc, vn) if a is not None]
