@@ -219,6 +219,8 @@ FUNCTION_CONSTANT(bool, kvq_k_dense, 805)
 FUNCTION_CONSTANT(bool, kvq_v_dense, 806)
 FUNCTION_CONSTANT_EXPR(bool, kvq_k_codes, !kvq_k_dense)
 FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
+FUNCTION_CONSTANT(bool, kvq_varlen_q, 809)
+FUNCTION_CONSTANT(bool, kvq_varlen_k, 810)
 
 // floor(a / b) for b > 0 (a row's position may be negative).
 inline int kvq_floor_div(int a, int b) {
@@ -249,13 +251,28 @@ kernel void kv_codes_decode(
     device float *lse [[buffer(10), function_constant(kvq_lse)]],
     const device KV *k_dense [[buffer(11), function_constant(kvq_k_dense)]],
     const device KV *v_dense [[buffer(12), function_constant(kvq_v_dense)]],
+    const device int *cu_q [[buffer(13), function_constant(kvq_varlen_q)]],
+    const device int *cu_k [[buffer(14), function_constant(kvq_varlen_k)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup)) {
     TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
     const uint row = tgid.x, heads = uint(p.n_heads), q_len = uint(p.q_len);
     const uint d = uint(p.head_dim), n = uint(p.block), nt = tpg.x, nb = d / n, per = (d + nt - 1) / nt;
-    const uint bi = row / heads, h = row - bi * heads, b = bi / q_len, qi = bi - b * q_len;
+    const uint bi = row / heads, h = row - bi * heads;
+    uint b = bi / q_len, qi = bi - b * q_len, rows_b = q_len;
+    if (kvq_varlen_q) {
+        // The sequence holding token bi: the last b with cu_q[b] <= bi.
+        uint lo_b = 0, hi_b = uint(p.batch);
+        while (hi_b - lo_b > 1) {
+            const uint mid = (lo_b + hi_b) / 2;
+            if (uint(cu_q[mid]) <= bi) lo_b = mid; else hi_b = mid;
+        }
+        if (bi >= uint(cu_q[p.batch])) return;  // past the last sequence: no row to write
+        b = lo_b;
+        qi = bi - uint(cu_q[b]);
+        rows_b = uint(cu_q[b + 1] - cu_q[b]);
+    }
     const uint g = h / (heads / uint(p.n_kv_heads));
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);
@@ -278,7 +295,8 @@ kernel void kv_codes_decode(
     // The keys this row sees: [lo, hi).
     int kl = p.kv_len;
     if (kvq_lens) kl = seqlens[b];
-    const int pos = kl - int(q_len) + int(qi);
+    if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
+    const int pos = kl - int(rows_b) + int(qi);
     int lo = 0, hi = kl;
     if (p.causal != 0) hi = min(hi, pos + 1);
     if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
@@ -339,7 +357,9 @@ kernel void kv_codes_decode(
         mx = m_new;
     }
     if (kvq_lse && tid == 0) {
-        lse[(long(b) * long(heads) + long(h)) * long(q_len) + long(qi)] = sum > 0.0f ? mx + precise::log(sum) : -INFINITY;
+        const long at = kvq_varlen_q ? long(h) * long(q_len) + long(bi)
+                                     : (long(b) * long(heads) + long(h)) * long(q_len) + long(qi);
+        lse[at] = sum > 0.0f ? mx + precise::log(sum) : -INFINITY;
     }
 
     for (uint m = 0; m < per; m++) {

@@ -110,9 +110,6 @@ public func fm_dispatch_kv_codes_attn(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
         let s = seq?.pointee
-        if s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil {
-            throw FlashMetalError.value(op, "cu_seqlens_q/cu_seqlens_k must be NULL: q is [B, qL, H, D] over a cache per sequence", arg: "cu_seqlens_q")
-        }
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(
             q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
@@ -121,9 +118,11 @@ public func fm_dispatch_kv_codes_attn(
         t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
         t.lseName = lseName
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
-                      try optionalTensor(s?.block_table, op: op, name: "block_table")]
+                      try optionalTensor(s?.block_table, op: op, name: "block_table"),
+                      try optionalTensor(s?.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
+                      try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            (t.seqlens, t.blockTable) = (c[0], c[1])
+            (t.seqlens, t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[0], c[1], c[2], c[3])
             try reg.run([try KVCodesAttnDispatcher.makeDispatch(t, options.pointee)], op: op)
         }
     }

@@ -34,7 +34,9 @@ final class KVCodesDecodeKernel: CPUKernel {
             lse: try optional(KVCodesDecodeBuffer.lse, Float.self),
             k_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.kDense, UInt8.self)),
             v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
-            dense_dtype: dense.rawValue)
+            dense_dtype: dense.rawValue,
+            cu_seqlens_q: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensQ, Int32.self)),
+            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         withUnsafePointer(to: &p) { pp in

@@ -161,7 +161,19 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
     const int32_t group = p->n_heads / p->n_kv_heads;
     const int32_t chunks = (group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
     const int64_t big = item / chunks, bi = big / p->n_kv_heads, g = big % p->n_kv_heads;
-    const int64_t b = bi / p->q_len, qi = bi % p->q_len;
+    int64_t b = bi / p->q_len, qi = bi % p->q_len, rows_b = p->q_len;
+    if (a->cu_seqlens_q != NULL) {
+        /* The sequence holding token bi: the last b with cu_q[b] <= bi. */
+        if (bi >= a->cu_seqlens_q[p->batch]) return;  /* past the last sequence: no row to write */
+        int64_t lo = 0, hi = p->batch;
+        while (hi - lo > 1) {
+            const int64_t mid = (lo + hi) / 2;
+            if (a->cu_seqlens_q[mid] <= bi) lo = mid; else hi = mid;
+        }
+        b = lo;
+        qi = bi - a->cu_seqlens_q[b];
+        rows_b = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
+    }
     const int32_t h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
     const int32_t heads = group - h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - h0 : FM_CPU_KVQ_HEAD_CHUNK;
     const int64_t row0 = bi * p->n_heads + g * group + h0;
@@ -183,8 +195,9 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
         sum[j] = 0.0f;
     }
     /* The keys this row sees: [lo, hi). */
-    const int32_t kl = a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
-    const int32_t pos = kl - p->q_len + (int32_t)qi;
+    int32_t kl = a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
+    if (a->cu_seqlens_k != NULL) kl = a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b];
+    const int32_t pos = kl - (int32_t)rows_b + (int32_t)qi;
     int32_t lo = 0, hi = kl;
     if (p->causal && pos + 1 < hi) hi = pos + 1;
     if (p->window_left >= 0 && pos - p->window_left > lo) lo = pos - p->window_left;
@@ -249,7 +262,8 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
             mx[j] = m_new;
         }
         if (a->lse != NULL) {
-            a->lse[(b * p->n_heads + h) * p->q_len + qi] = sum[j] > 0.0f ? mx[j] + logf(sum[j]) : -INFINITY;
+            const int64_t at = a->cu_seqlens_q != NULL ? (int64_t)h * p->q_len + bi : (b * p->n_heads + h) * p->q_len + qi;
+            a->lse[at] = sum[j] > 0.0f ? mx[j] + logf(sum[j]) : -INFINITY;
         }
         const int v_codes = a->v_dense == NULL;
         if (v_codes) hadamard(acc[j], d, n);

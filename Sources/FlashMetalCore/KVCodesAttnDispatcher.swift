@@ -16,8 +16,13 @@ public struct KVCodesAttnTensors {
     public var blockTable: TensorRef? = nil
     /// float32 [H] sink logits.
     public var sinks: TensorRef? = nil
-    /// float32 [B, H, qL] out.
+    /// float32 [B, H, qL] out ([H, total_q] varlen).
     public var lse: TensorRef? = nil
+    /// int32 [B+1]: q and out packed [total_q, H, D] (varlen); needs
+    /// cuSeqlensK and a block table.
+    public var cuSeqlensQ: TensorRef? = nil
+    /// int32 [B+1]: sequence b has cu[b+1] - cu[b] keys in the paged caches.
+    public var cuSeqlensK: TensorRef? = nil
     /// The caller's name of lse in errors.
     public var lseName = "lse"
 
@@ -36,10 +41,17 @@ public enum KVCodesAttnDispatcher {
 
     public static func makeDispatch(_ t: KVCodesAttnTensors, _ o: FMAttnOptions) throws -> Dispatch {
         let q = t.q
+        let varlen = t.cuSeqlensQ != nil
         try q.requireDType([.f32], op: op, name: "q")
-        try q.requireRank([4], op: op, name: "q")
+        try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
-        let (batch, qLen, heads, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
+        if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) || (varlen && t.seqlens != nil) {
+            throw FlashMetalError.value(op, "varlen attention over quantized caches takes cu_seqlens_q, cu_seqlens_k and block_table together (paged caches; no cache_seqlens)", arg: "cu_seqlens_k")
+        }
+        // Varlen: q [total_q, H, D] as one "sequence" of total_q rows for the shapes below.
+        let (batch, qLen, heads, d) = varlen
+            ? (max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1, q.shape[0], q.shape[1], q.shape[2])
+            : (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
         let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
         if batch == 0 || heads == 0 || kvHeads == 0 || qLen == 0 {
@@ -77,8 +89,9 @@ public enum KVCodesAttnDispatcher {
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: t.lseName)
             try lse.requireBytes(op: op, name: t.lseName)
-            if lse.shape != [batch, heads, qLen] {
-                throw FlashMetalError.value(op, "\(t.lseName) must have shape [\(batch), \(heads), \(qLen)] ([B, H, seqlen_q]), got \(lse.shape)", arg: t.lseName)
+            let want = varlen ? [heads, qLen] : [batch, heads, qLen]
+            if lse.shape != want {
+                throw FlashMetalError.value(op, "\(t.lseName) must have shape \(want) (\(varlen ? "[H, total_q]" : "[B, H, seqlen_q]")), got \(lse.shape)", arg: t.lseName)
             }
         }
         let limit = Int(Int32.max)
@@ -90,11 +103,18 @@ public enum KVCodesAttnDispatcher {
         // Tables last: their contents are read only once every shape is known good.
         let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1"
             : SequenceTables.pagedCapacity(pages: maxPages, pageSize: rows, table: "block_table", cache: "k_cache")
-        let lengths = try t.seqlens.map {
+        var lengths = try t.seqlens.map {
             try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
                                        capacityName: capacityName)
         } ?? Array(repeating: capacity, count: batch)
-        if t.seqlens == nil && capacity > limit {
+        if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
+            _ = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
+                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
+            lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
+                                                   tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
+                                                   maxSeqlenName: "max_seqlen_k")
+        }
+        if t.seqlens == nil && !varlen && capacity > limit {
             throw FlashMetalError.value(op, "without cache_seqlens every sequence has \(capacityName) = \(capacity) keys, more than int32 holds", arg: "cache_seqlens")
         }
         if let bt = t.blockTable {
@@ -108,11 +128,13 @@ public enum KVCodesAttnDispatcher {
             k_seed: k.seed, v_seed: v.seed, kv_strides: (cap * hk, 1, hk),
             n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.block),
             k_bits: Int32(k.bits), v_bits: Int32(v.bits), k_row_bytes: Int32(k.rowBytes), v_row_bytes: Int32(v.rowBytes),
-            kv_len: Int32(t.seqlens == nil ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
+            kv_len: Int32(t.seqlens == nil && !varlen ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
             causal: o.causal, window_left: o.window_left, window_right: o.window_right,
-            attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages))
-        return KVCodesDecodeDispatcher.dispatch(params, rows: batch * qLen * heads, q: q, k: t.k, v: t.v, out: t.out,
-                                                seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks, lse: t.lse)
+            attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages), batch: Int32(batch),
+            _pad: 0)
+        return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, q: q, k: t.k, v: t.v,
+                                                out: t.out, seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
+                                                lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {

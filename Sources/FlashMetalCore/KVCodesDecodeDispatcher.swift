@@ -28,6 +28,10 @@ public enum KVCodesDecodeBuffer {
     public static let kDense = Int(FM_KVQD_BUF_K_DENSE.rawValue)
     /// A dense V cache (FunctionConstantIndex.kvqVDense; codes unbound).
     public static let vDense = Int(FM_KVQD_BUF_V_DENSE.rawValue)
+    /// int32 [B+1] (FunctionConstantIndex.kvqVarlenQ).
+    public static let cuSeqlensQ = Int(FM_KVQD_BUF_CU_SEQLENS_Q.rawValue)
+    /// int32 [B+1] (FunctionConstantIndex.kvqVarlenK).
+    public static let cuSeqlensK = Int(FM_KVQD_BUF_CU_SEQLENS_K.rawValue)
 }
 
 /// One side (K or V) of an attention over quantized caches: codes, or a
@@ -121,7 +125,7 @@ public enum KVCodesDecodeDispatcher {
             k_bits: Int32(k.codec.bits), v_bits: Int32(v.codec.bits), k_row_bytes: Int32(k.codec.rowBytes),
             v_row_bytes: Int32(v.codec.rowBytes), kv_len: o.kv_len, q_len: 1, scale: o.scale, softcap: o.softcap,
             causal: 0, window_left: o.window > 0 ? o.window - 1 : -1, window_right: -1, attention_chunk: 0,
-            page_size: Int32(capacity), max_pages: 0)
+            page_size: Int32(capacity), max_pages: 0, batch: Int32(batch), _pad: 0)
         return dispatch(params, rows: rows, q: q, k: .codes(k), v: .codes(v), out: out)
     }
 
@@ -129,7 +133,8 @@ public enum KVCodesDecodeDispatcher {
     /// query row, each optional table bound with its function constant set.
     static func dispatch(_ params: KVCodesDecodeParams, rows: Int, q: TensorRef, k: KVSide, v: KVSide,
                          out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
-                         sinks: TensorRef? = nil, lse: TensorRef? = nil) -> Dispatch {
+                         sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
+                         cuSeqlensK: TensorRef? = nil) -> Dispatch {
         var bindings: [Int: Binding] = [
             KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q),
             KVCodesDecodeBuffer.out: .buffer(out),
@@ -149,7 +154,9 @@ public enum KVCodesDecodeDispatcher {
         var writes: Set<Int> = [KVCodesDecodeBuffer.out]
         let optional: [(TensorRef?, Int)] = [(seqlens, KVCodesDecodeBuffer.seqlens),
                                              (blockTable, KVCodesDecodeBuffer.blockTable),
-                                             (sinks, KVCodesDecodeBuffer.sinks), (lse, KVCodesDecodeBuffer.lse)]
+                                             (sinks, KVCodesDecodeBuffer.sinks), (lse, KVCodesDecodeBuffer.lse),
+                                             (cuSeqlensQ, KVCodesDecodeBuffer.cuSeqlensQ),
+                                             (cuSeqlensK, KVCodesDecodeBuffer.cuSeqlensK)]
         for (t, i) in optional { if let t = t { bindings[i] = .buffer(t) } }
         if lse != nil { writes.insert(KVCodesDecodeBuffer.lse) }
         let constants = FunctionConstants([
@@ -157,6 +164,8 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqSinks, .bool(sinks != nil)), (FunctionConstantIndex.kvqLSE, .bool(lse != nil)),
             (FunctionConstantIndex.kvqKDense, .bool(k.quantized == nil)),
             (FunctionConstantIndex.kvqVDense, .bool(v.quantized == nil)),
+            (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
+            (FunctionConstantIndex.kvqVarlenK, .bool(cuSeqlensK != nil)),
         ])
         return Dispatch(kernel: .kvCodesDecode(dense: dense), constants: constants, grid: Size3(rows, 1, 1),
                         threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)

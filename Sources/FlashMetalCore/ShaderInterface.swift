@@ -68,6 +68,10 @@ public enum FunctionConstantIndex {
     public static let kvqAppendKDense = Int(FM_FC_KVQ_APPEND_K_DENSE.rawValue)
     /// kv_codes_append: V is a dense cache, not codes.
     public static let kvqAppendVDense = Int(FM_FC_KVQ_APPEND_V_DENSE.rawValue)
+    /// kv_codes_decode: q/out/lse packed, cu_seqlens_q bound.
+    public static let kvqVarlenQ = Int(FM_FC_KVQ_VARLEN_Q.rawValue)
+    /// kv_codes_decode: key counts from cu_seqlens_k.
+    public static let kvqVarlenK = Int(FM_FC_KVQ_VARLEN_K.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -92,7 +96,8 @@ public enum FunctionConstantIndex {
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
         ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),
-        ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense),
+        ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense), ("FM_FC_KVQ_VARLEN_Q", kvqVarlenQ),
+        ("FM_FC_KVQ_VARLEN_K", kvqVarlenK),
     ]
 }
 

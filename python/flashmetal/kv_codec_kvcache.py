@@ -104,3 +104,36 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
         return final
     assert lse is not None
     return final, wrap(lse)
+
+
+def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndarray, ck: np.ndarray,
+                      bt: np.ndarray | None, opts: Any, sinks: np.ndarray | None,
+                      want_lse: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """flash_attn_varlen_func's route when k or v is a QuantizedKV page pool
+    (leading shape [num_pages, page_size, Hkv]; block_table required): (out
+    [total_q, H, D] in q's dtype, lse [H, total_q] or None). Rows past the
+    last sequence read as rows that see nothing (0, lse -inf)."""
+    op = "flash_attn_varlen_func"
+    kcodec, kc, kn = _side(k, "k", op)
+    vcodec, vc, vn = _side(v, "v", op)
+    if bt is None:
+        raise InvalidValueError(op, "a QuantizedKV k/v is a page pool: block_table is required (packed quantized "
+                                    "k/v are not supported)")
+    if qa.ndim != 3:
+        raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.zeros(qa.shape, dtype=F32)
+    lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks, lse=lse)
+    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
+                 keep=(q32, kc, kn, vc, vn, cq, ck, bt, sinks, lse, o32, keep))
+    return o32.astype(qa.dtype), lse
+
+
+def _side(cache: Any, name: str, op: str) -> tuple[Any, np.ndarray, np.ndarray | None]:
+    """(codec or NULL, codes or the dense pool, norms or None), read only."""
+    if isinstance(cache, QuantizedKV):
+        return cache.codec._c, as_input(cache.codes, op, f"{name} codes"), as_input(cache.norms, op, f"{name} norms")
+    return _native.ffi().NULL, as_input(cache, op, name), None

@@ -33,7 +33,7 @@ from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .kv_codec import QuantizedKV
-from .kv_codec_kvcache import kvcache_over_codes
+from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -125,7 +125,10 @@ def flash_attn_varlen_func(
             back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
         k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
             block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where
-            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys.
+            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys; with
+            block_table also QuantizedKV page pools ``[num_pages, page_size,
+            Hkv]`` (one side may stay dense), read as codes (q converted to
+            float32 for the kernel, the output back to q's dtype).
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths
             (integer arrays are converted once), starting at 0, non-decreasing.
         max_seqlen_q, max_seqlen_k: at least every sequence's length.
@@ -140,13 +143,21 @@ def flash_attn_varlen_func(
     """
     reg = resolve(registry, _VARLEN)
     want_lse = training_arguments(_VARLEN, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, _VARLEN, "q"), as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
+    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
+    qa = as_input(q, _VARLEN, "q")
     cq, ck = as_index(cu_seqlens_q, _VARLEN, "cu_seqlens_q"), as_index(cu_seqlens_k, _VARLEN, "cu_seqlens_k")
     bt = None if block_table is None else as_index(block_table, _VARLEN, "block_table")
     opts = attn_options(_VARLEN, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=_native.index_arg(_VARLEN, "max_seqlen_q", max_seqlen_q, 0),
                         max_seqlen_k=_native.index_arg(_VARLEN, "max_seqlen_k", max_seqlen_k, 0))
+    if quantized:
+        if reg._defers_work and reg._batch_depth:
+            raise InvalidValueError(_VARLEN, "calls over QuantizedKV caches convert their float32 result after the "
+                                             "work ran: call them outside a batch scope on metal")
+        qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(_VARLEN, sinks), want_lse)
+        return _with_probs(q, qout, qlse)
+    ka, va = as_input(k, _VARLEN, "k"), as_input(v, _VARLEN, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(qa.shape, dtype=qa.dtype)
     _clear_rows_after_the_last_sequence(out, lse, cq)

@@ -258,3 +258,37 @@ def test_one_side_dense(registry, rng, dense_side, dtype, paged):
                                           sinks=sinks)
     check(o, eo, dtype, f"{registry.backend} dense {dense_side} {dtype} paged={paged}")
     check_lse(lse, el, f"{registry.backend} dense {dense_side} lse")
+
+
+@pytest.mark.parametrize("dense_v", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_varlen_over_quantized_pages(registry, rng, dense_v, dtype):
+    """flash_attn_varlen_func over QuantizedKV page pools: ragged query and
+    key lengths (one sequence with no queries, one with more queries than
+    keys), q padded past the last sequence, causal + window + sinks + LSE."""
+    d, hkv, h, page = 64, 2, 4, 4
+    kcodec, vcodec = fm.KVCodec(d, 8, seed=5), fm.KVCodec(d, 4, seed=6)
+    k = kcodec.encode(randn(rng, (7, page, hkv, d), dtype), registry=registry)
+    v_rows = randn(rng, (7, page, hkv, d), dtype)
+    v = v_rows if dense_v else vcodec.encode(v_rows, registry=registry)
+    cq = np.array([0, 3, 3, 8], np.int32)        # 3, 0 and 5 queries
+    ck = np.array([0, 6, 8, 12], np.int32)       # 6, 2 and 4 keys
+    table = np.array([[5, 2], [0, 6], [3, 1]], np.int32)
+    q = randn(rng, (10, h, d), dtype)            # 2 rows past cu_seqlens_q[-1]
+    sinks = rng.standard_normal(h).astype(np.float32)
+    kw = dict(causal=True, window_size=(3, -1))
+    o, lse, _ = fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, block_table=table, sinks=sinks,
+                                          return_attn_probs=True, registry=registry, **kw)
+    vv = v_rows.astype(np.float64) if dense_v else dequantized(v)
+    eo, el = reference.flash_attn_varlen(q, dequantized(k), vv, cq, ck, block_table=table, sinks=sinks, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (h, 10)
+    check(o, eo, dtype, f"{registry.backend} varlen dense_v={dense_v} {dtype}")
+    check_lse(lse, el, f"{registry.backend} varlen lse")
+    assert not np.any(np.asarray(o[8:], np.float64)), "rows past the last sequence are zero"
+    with pytest.raises(ValueError, match="^flash_attn_varlen_func: .*block_table is required"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, registry=registry)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: .*sequence 2 has length 5 .* > max_seqlen_q = 4"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 4, 6, block_table=table, registry=registry)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: .*block_table\[2, 0\] = 9 is out of range \[0, 7\)"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, block_table=np.array([[5, 2], [0, 6], [9, 1]], np.int32),
+                                  registry=registry)

@@ -83,7 +83,7 @@ final class KVCodecDispatcherTests: XCTestCase {
         XCTAssertEqual([p.n_heads, p.n_kv_heads, p.block, p.k_bits, p.v_bits, p.k_row_bytes, p.v_row_bytes],
                        [6, 3, 32, 8, 4, 96, 48])
         XCTAssertEqual([p.k_seed, p.v_seed], [1, 2])
-        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 112)
+        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 120)
         XCTAssertEqual([p.q_len, p.causal, p.window_left, p.window_right, p.kv_len], [1, 0, -1, -1, 7])
         let w = try make(window: 7).params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         XCTAssertEqual(w.window_left, 6, "the last 7 keys: window_size left 6")

@@ -85,7 +85,9 @@ typedef enum FMFunctionConstant {
     FM_FC_KVQ_K_DENSE = 805,        /* kv_codes_decode: K is a dense cache (buffer 11), not codes */
     FM_FC_KVQ_V_DENSE = 806,        /* kv_codes_decode: V is a dense cache (buffer 12), not codes */
     FM_FC_KVQ_APPEND_K_DENSE = 807, /* kv_codes_append: K is a dense cache (buffer 9), not codes */
-    FM_FC_KVQ_APPEND_V_DENSE = 808  /* kv_codes_append: V is a dense cache (buffer 10), not codes */
+    FM_FC_KVQ_APPEND_V_DENSE = 808, /* kv_codes_append: V is a dense cache (buffer 10), not codes */
+    FM_FC_KVQ_VARLEN_Q = 809,       /* kv_codes_decode: q/out/lse packed, cu_seqlens_q bound */
+    FM_FC_KVQ_VARLEN_K = 810        /* kv_codes_decode: key counts from cu_seqlens_k (paged caches) */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -405,7 +407,7 @@ typedef enum FMKVDequantizeBinding {
 } FMKVDequantizeBinding;
 
 /* kv_codes_decode: attention of query rows over quantized K and V caches
- * (kv_encode's codes and norms), buffer(0). 112 bytes. Row r = (b*q_len +
+ * (kv_encode's codes and norms), buffer(0). Row r = (b*q_len +
  * i)*n_heads + h of q [B, q_len, H, D] reads kv head g = h / (n_heads /
  * n_kv_heads). Sequence b has kL = seqlens_k[b] keys (kv_len when
  * FM_FC_KVQ_LENS is off); row i sits at t = kL - q_len + i and sees key p
@@ -420,7 +422,12 @@ typedef enum FMKVDequantizeBinding {
  * Σ_i qz_i c_k[code_i], softcap c > 0 gives c*tanh(s/c); a sink logit joins
  * the denominator without a value; o = s_v ⊙ H(Σ_p e^{s_p} c_v[code]
  * r_v/block) / denominator; lse [B, H, q_len] = log(denominator) (-inf when
- * empty). Grid (B*q_len*H, 1, 1) of FM_KVQ_DECODE_THREADS threads. */
+ * empty). Varlen (FM_FC_KVQ_VARLEN_Q): q/out [q_len = total_q, H, D] packed,
+ * row r = token*H + h, sequence b the one with cu_seqlens_q[b] <= token <
+ * cu_seqlens_q[b+1] (a token past cu_seqlens_q[B] is not written), its rows
+ * cu_seqlens_q[b+1] - cu_seqlens_q[b]; lse [H, total_q]. FM_FC_KVQ_VARLEN_K:
+ * kL = cu_seqlens_k[b+1] - cu_seqlens_k[b]. 120 bytes.
+ * Grid (B*q_len*H, 1, 1) (varlen: total_q*H) of FM_KVQ_DECODE_THREADS threads. */
 typedef struct KVCodesDecodeParams {
     uint64_t k_seed;
     uint64_t v_seed;
@@ -443,6 +450,8 @@ typedef struct KVCodesDecodeParams {
     int32_t attention_chunk; /* 0 = off */
     int32_t page_size;     /* keys per page (paged) */
     int32_t max_pages;     /* block_table's dim 1 (paged) */
+    int32_t batch;         /* sequences (B) */
+    int32_t _pad;
 } KVCodesDecodeParams;
 
 enum { FM_KVQ_DECODE_THREADS = 32 };
@@ -458,7 +467,9 @@ typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_SINKS = 9,       /* float32 [H], with FM_FC_KVQ_SINKS */
     FM_KVQD_BUF_LSE = 10,        /* float32 [B, H, q_len] out, with FM_FC_KVQ_LSE */
     FM_KVQD_BUF_K_DENSE = 11,    /* dense K [rows, D] (f32/f16/bf16), with FM_FC_KVQ_K_DENSE; codes unbound */
-    FM_KVQD_BUF_V_DENSE = 12     /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
+    FM_KVQD_BUF_V_DENSE = 12,    /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
+    FM_KVQD_BUF_CU_SEQLENS_Q = 13, /* int32 [B+1], with FM_FC_KVQ_VARLEN_Q */
+    FM_KVQD_BUF_CU_SEQLENS_K = 14  /* int32 [B+1], with FM_FC_KVQ_VARLEN_K */
 } FMKVCodesDecodeBinding;
 
 /* kv_codes_append: row i of sequence b of k_new/v_new [B, n_new, Hkv, D]
@@ -798,8 +809,10 @@ int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const F
  * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table; at
  * most one side dense: a NULL codec, its cache [..., Hkv, D] (float32,
  * float16 or bfloat16) as codes and NULL norms. seq:
- * seqlens_k, block_table, sinks, lse ([B, H, qL]); cu_seqlens_* must be NULL.
- * options as fm_dispatch_attn's (max_seqlen_* ignored). */
+ * seqlens_k, block_table, sinks, lse ([B, H, qL]). Varlen: cu_seqlens_q
+ * with q/out [total_q, H, D] and lse [H, total_q], and cu_seqlens_k (key
+ * counts; the caches must then be paged) in place of seqlens_k; options as
+ * fm_dispatch_attn's (max_seqlen_* bound the varlen lengths). */
 int fm_dispatch_kv_codes_attn(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
                               const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
                               const FMTensor *v_codes, const FMTensor *v_norms, const FMSeqTensors *seq,

@@ -40,6 +40,8 @@ typedef struct FMCPUKVCodesAttnArgs {
     const void *k_dense;  /* a dense K cache [rows, D] of dense_dtype instead of codes, or NULL */
     const void *v_dense;  /* likewise for V */
     int32_t dense_dtype;  /* FM_DTYPE_F32, _F16 or _BF16 */
+    const int32_t *cu_seqlens_q;  /* varlen q (q_len = total_q), or NULL */
+    const int32_t *cu_seqlens_k;  /* key counts of varlen sequences, or NULL */
 } FMCPUKVCodesAttnArgs;
 void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item);
 
