@@ -42,4 +42,11 @@ bench-serving: python bench-deps
 	$(PY) bench/serving_bench.py $(BENCH_ARGS)
 bench: bench-serving
 
+# Decode over quantized KV caches (tq8, tq4, K8/V4) vs the bf16 cache;
+# bench/CODES_RESULTS.md. Part of `make bench`.
+.PHONY: bench-codes
+bench-codes: python bench-deps
+	$(PY) bench/codes_bench.py $(BENCH_ARGS)
+bench: bench-codes
+
 .DEFAULT_GOAL := $(_BENCH_SAVED_GOAL)

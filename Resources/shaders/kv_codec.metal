@@ -29,23 +29,17 @@ inline void kvq_hadamard(threadgroup float *z, uint d, uint block, uint tid, uin
     }
 }
 
+// Encodes the row x (D values of T) into `out` (row_bytes codes) and
+// `norms_out` (D / block norms): the codec of kv_codec.h, every thread of
+// the threadgroup taking part. z, t and r are threadgroup scratch of D, D/2
+// and D/16 floats; the function starts and ends at a barrier.
 template <typename T>
-kernel void kv_encode(
-    constant KVCodecParams &p [[buffer(0)]],
-    const device T *x [[buffer(1)]],
-    device uchar *codes [[buffer(2)]],
-    device float *norms [[buffer(3)]],
-    uint3 tgid BUILTIN(threadgroup_position_in_grid),
-    uint tid BUILTIN(thread_index_in_threadgroup),
-    uint3 tpg BUILTIN(threads_per_threadgroup)) {
-    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
-    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
-    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
-    const long row = long(tgid.x);
-    const uint d = uint(p.head_dim), n = uint(p.block), nt = tpg.x, half_n = n / 2, nb = d / n;
+inline void kvq_encode_row(constant KVCodecParams &p, const device T *x, device uchar *out, device float *norms_out,
+                           threadgroup float *z, threadgroup float *t, threadgroup float *r, uint tid, uint nt) {
+    const uint d = uint(p.head_dim), n = uint(p.block), half_n = n / 2, nb = d / n;
     const int bits = p.bits;
     for (uint i = tid; i < d; i += nt) {
-        const float v = float(x[row * long(d) + long(i)]);
+        const float v = float(x[i]);
         z[i] = fm_kvq_sign_bit(p.seed, i) != 0u ? -v : v;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -70,12 +64,11 @@ kernel void kv_encode(
     for (uint k = tid; k < nb; k += nt) {
         const float rk = sqrt(t[k * half_n] * inv_n);
         r[k] = rk;
-        norms[row * long(nb) + long(k)] = rk;
+        norms_out[k] = rk;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Codes, 8 coordinates (one block's) to `bits` bytes per item.
-    device uchar *out = codes + row * long(p.row_bytes);
     for (uint g = tid; g < d / 8; g += nt) {
         const float rk = r[(g * 8) / n];
         ulong w = 0;
@@ -86,6 +79,91 @@ kernel void kv_encode(
         for (uint b = 0; b < uint(bits); b++) out[g * uint(bits) + b] = uchar(w >> (8 * b));
     }
     for (uint b = d * uint(bits) / 8 + tid; b < uint(p.row_bytes); b += nt) out[b] = uchar(0);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+template <typename T>
+kernel void kv_encode(
+    constant KVCodecParams &p [[buffer(0)]],
+    const device T *x [[buffer(1)]],
+    device uchar *codes [[buffer(2)]],
+    device float *norms [[buffer(3)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup)) {
+    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
+    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
+    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
+    const long row = long(tgid.x);
+    const long d = long(p.head_dim), nb = d / long(p.block);
+    kvq_encode_row(p, x + row * d, codes + row * long(p.row_bytes), norms + row * nb, z, t, r, tid, tpg.x);
+}
+
+FUNCTION_CONSTANT(bool, kvq_append_paged, 804)
+FUNCTION_CONSTANT(bool, kvq_append_k_dense, 807)
+FUNCTION_CONSTANT(bool, kvq_append_v_dense, 808)
+FUNCTION_CONSTANT_EXPR(bool, kvq_append_k_codes, !kvq_append_k_dense)
+FUNCTION_CONSTANT_EXPR(bool, kvq_append_v_codes, !kvq_append_v_dense)
+
+// The row's D values copied as their bits W (never converted), from src to
+// dst: a dense side of a cache beside a quantized one.
+template <typename W>
+inline void kvq_copy_row(const device W *src, device W *dst, long d, uint tid, uint nt) {
+    for (long i = tid; i < d; i += long(nt)) dst[i] = src[i];
+}
+
+// kv_codes_append (KVCodesAppendParams): new row i of kv head g of sequence b
+// (the threadgroup (i, g, b)) encoded into the K and the V code caches at
+// key seqlens[b] + i; a dense side (kvq_append_k_dense / _v_dense, a cache
+// of T with the codes' rows) receives the row's bits instead. The host
+// checked every key against the capacity and every table entry used
+// against the pages.
+template <typename T, typename W>
+kernel void kv_codes_append(
+    constant KVCodesAppendParams &p [[buffer(0)]],
+    const device T *k_new [[buffer(1)]],
+    const device T *v_new [[buffer(2)]],
+    device uchar *k_codes [[buffer(3), function_constant(kvq_append_k_codes)]],
+    device float *k_norms [[buffer(4), function_constant(kvq_append_k_codes)]],
+    device uchar *v_codes [[buffer(5), function_constant(kvq_append_v_codes)]],
+    device float *v_norms [[buffer(6), function_constant(kvq_append_v_codes)]],
+    const device int *seqlens [[buffer(7)]],
+    const device int *block_table [[buffer(8), function_constant(kvq_append_paged)]],
+    device W *k_dense [[buffer(9), function_constant(kvq_append_k_dense)]],
+    device W *v_dense [[buffer(10), function_constant(kvq_append_v_dense)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint3 tpg BUILTIN(threads_per_threadgroup)) {
+    static_assert(sizeof(T) == sizeof(W), "W holds T's bits");
+    TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
+    TG_ARRAY(float, t, FM_KVQ_MAX_HEAD_DIM / 2);
+    TG_ARRAY(float, r, FM_KVQ_MAX_HEAD_DIM / 16);
+    const long i = long(tgid.x), g = long(tgid.y), b = long(tgid.z);
+    const long key = long(seqlens[b]) + i;
+    long row = 0;
+    if (kvq_append_paged) {
+        const long page = long(block_table[b * long(p.max_pages) + key / long(p.page_size)]);
+        row = page * p.cache_strides[0] + (key % long(p.page_size)) * p.cache_strides[1];
+    } else {
+        row = b * p.cache_strides[0] + key * p.cache_strides[1];
+    }
+    row += g * p.cache_strides[2];
+    const long src = b * p.new_strides[0] + i * p.new_strides[1] + g * p.new_strides[2];
+    const long d = long(p.k.head_dim);
+    if (kvq_append_k_dense) {
+        kvq_copy_row(reinterpret_cast<const device W *>(k_new) + src, k_dense + row * d, d, tid, tpg.x);
+    }
+    if (kvq_append_k_codes) {
+        kvq_encode_row(p.k, k_new + src, k_codes + row * long(p.k.row_bytes), k_norms + row * (d / long(p.k.block)),
+                       z, t, r, tid, tpg.x);
+    }
+    if (kvq_append_v_dense) {
+        kvq_copy_row(reinterpret_cast<const device W *>(v_new) + src, v_dense + row * d, d, tid, tpg.x);
+    }
+    if (kvq_append_v_codes) {
+        kvq_encode_row(p.v, v_new + src, v_codes + row * long(p.v.row_bytes), v_norms + row * (d / long(p.v.block)),
+                       z, t, r, tid, tpg.x);
+    }
 }
 
 template <typename T>
@@ -121,6 +199,9 @@ INSTANTIATE_KERNEL("kv_encode_f32", kv_encode, float)
 INSTANTIATE_KERNEL("kv_encode_f16", kv_encode, half)
 INSTANTIATE_KERNEL("kv_encode_bf16", kv_encode, bfloat)
 INSTANTIATE_KERNEL("kv_dequantize_f32", kv_dequantize, float)
+INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float, uint)
+INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half, ushort)
+INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat, ushort)
 
 // Code i of a packed row of `bits`-bit codes (a code spans at most two bytes).
 inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
@@ -130,35 +211,78 @@ inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
     return (w >> shift) & ((1u << bits) - 1u);
 }
 
-// Decode over quantized caches (KVCodesDecodeParams): one query row per
+FUNCTION_CONSTANT(bool, kvq_lens, 800)
+FUNCTION_CONSTANT(bool, kvq_paged, 801)
+FUNCTION_CONSTANT(bool, kvq_sinks, 802)
+FUNCTION_CONSTANT(bool, kvq_lse, 803)
+FUNCTION_CONSTANT(bool, kvq_k_dense, 805)
+FUNCTION_CONSTANT(bool, kvq_v_dense, 806)
+FUNCTION_CONSTANT_EXPR(bool, kvq_k_codes, !kvq_k_dense)
+FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
+FUNCTION_CONSTANT(bool, kvq_varlen_q, 809)
+FUNCTION_CONSTANT(bool, kvq_varlen_k, 810)
+
+// floor(a / b) for b > 0 (a row's position may be negative).
+inline int kvq_floor_div(int a, int b) {
+    const int q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// Attention over quantized caches (KVCodesDecodeParams): one query row per
 // threadgroup of one SIMD group. The query is rotated like the keys (in
 // threadgroup memory), each thread keeps its coordinates of the rotated
 // query and of the output accumulator, scores are reduced with simd_sum, and
 // the accumulator (in V's rotated basis) is rotated back once at the end.
-template <typename T>
+// Either side may instead be a dense cache of KV (kvq_k_dense / kvq_v_dense,
+// same rows, D values each): the query is then not rotated (dense K), or the
+// accumulator is already in the output basis (dense V).
+template <typename T, typename KV>
 kernel void kv_codes_decode(
     constant KVCodesDecodeParams &p [[buffer(0)]],
     const device T *q [[buffer(1)]],
-    const device uchar *k_codes [[buffer(2)]],
-    const device float *k_norms [[buffer(3)]],
-    const device uchar *v_codes [[buffer(4)]],
-    const device float *v_norms [[buffer(5)]],
+    const device uchar *k_codes [[buffer(2), function_constant(kvq_k_codes)]],
+    const device float *k_norms [[buffer(3), function_constant(kvq_k_codes)]],
+    const device uchar *v_codes [[buffer(4), function_constant(kvq_v_codes)]],
+    const device float *v_norms [[buffer(5), function_constant(kvq_v_codes)]],
     device T *o [[buffer(6)]],
+    const device int *seqlens [[buffer(7), function_constant(kvq_lens)]],
+    const device int *block_table [[buffer(8), function_constant(kvq_paged)]],
+    const device float *sinks [[buffer(9), function_constant(kvq_sinks)]],
+    device float *lse [[buffer(10), function_constant(kvq_lse)]],
+    const device KV *k_dense [[buffer(11), function_constant(kvq_k_dense)]],
+    const device KV *v_dense [[buffer(12), function_constant(kvq_v_dense)]],
+    const device int *cu_q [[buffer(13), function_constant(kvq_varlen_q)]],
+    const device int *cu_k [[buffer(14), function_constant(kvq_varlen_k)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup)) {
     TG_ARRAY(float, z, FM_KVQ_MAX_HEAD_DIM);
-    const uint row = tgid.x, heads = uint(p.n_heads);
+    const uint row = tgid.x, heads = uint(p.n_heads), q_len = uint(p.q_len);
     const uint d = uint(p.head_dim), n = uint(p.block), nt = tpg.x, nb = d / n, per = (d + nt - 1) / nt;
-    const uint b = row / heads, h = row - b * heads, g = h / (heads / uint(p.n_kv_heads));
+    const uint bi = row / heads, h = row - bi * heads;
+    uint b = bi / q_len, qi = bi - b * q_len, rows_b = q_len;
+    if (kvq_varlen_q) {
+        // The sequence holding token bi: the last b with cu_q[b] <= bi.
+        uint lo_b = 0, hi_b = uint(p.batch);
+        while (hi_b - lo_b > 1) {
+            const uint mid = (lo_b + hi_b) / 2;
+            if (uint(cu_q[mid]) <= bi) lo_b = mid; else hi_b = mid;
+        }
+        if (bi >= uint(cu_q[p.batch])) return;  // past the last sequence: no row to write
+        b = lo_b;
+        qi = bi - uint(cu_q[b]);
+        rows_b = uint(cu_q[b + 1] - cu_q[b]);
+    }
+    const uint g = h / (heads / uint(p.n_kv_heads));
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);
     for (uint i = tid; i < d; i += nt) {
         const float v = float(q[long(row) * long(d) + long(i)]);
-        z[i] = fm_kvq_sign_bit(p.k_seed, i) != 0u ? -v : v;
+        z[i] = (kvq_k_codes && fm_kvq_sign_bit(p.k_seed, i) != 0u) ? -v : v;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kvq_hadamard(z, d, n, tid, nt);
+    if (kvq_k_codes) kvq_hadamard(z, d, n, tid, nt);
+    const float k_unit = kvq_k_codes ? inv_n : 1.0f;
     float qz[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
     float acc[int(FM_KVQ_MAX_HEAD_DIM) / int(FM_KVQ_DECODE_THREADS)];
     for (uint m = 0; m < per; m++) {
@@ -168,21 +292,42 @@ kernel void kv_codes_decode(
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
+    // The keys this row sees: [lo, hi).
+    int kl = p.kv_len;
+    if (kvq_lens) kl = seqlens[b];
+    if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
+    const int pos = kl - int(rows_b) + int(qi);
+    int lo = 0, hi = kl;
+    if (p.causal != 0) hi = min(hi, pos + 1);
+    if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
+    if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
+    if (p.attention_chunk > 0) {
+        const int c0 = kvq_floor_div(pos, p.attention_chunk) * p.attention_chunk;
+        lo = max(lo, c0);
+        hi = min(hi, c0 + p.attention_chunk);
+    }
+
     float mx = FM_RUNNING_MAX_START, sum = 0.0f;
-    const long base = long(b) * p.kv_strides[0] + long(g) * p.kv_strides[1];
-    const int lo = p.window > 0 ? max(0, p.kv_len - p.window) : 0;
-    for (int t = lo; t < p.kv_len; t++) {
-        const long r = base + long(t) * p.kv_strides[2];
-        const device uchar *kc = k_codes + r * long(p.k_row_bytes);
-        const device uchar *vc = v_codes + r * long(p.v_row_bytes);
+    for (int t = lo; t < hi; t++) {
+        long r = long(g) * p.kv_strides[1];
+        if (kvq_paged) {
+            const long page = long(block_table[long(b) * long(p.max_pages) + long(t / p.page_size)]);
+            r += page * p.kv_strides[0] + long(t % p.page_size) * p.kv_strides[2];
+        } else {
+            r += long(b) * p.kv_strides[0] + long(t) * p.kv_strides[2];
+        }
         float part = 0.0f;
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
             if (i < d) {
-                part += qz[m] * (fm_kvq_centroid(int(kbits), kvq_code_at(kc, i, kbits)) * k_norms[r * long(nb) + long(i / n)]);
+                if (kvq_k_dense) part += qz[m] * float(k_dense[r * long(d) + long(i)]);
+                if (kvq_k_codes) {
+                    const device uchar *kc = k_codes + r * long(p.k_row_bytes);
+                    part += qz[m] * (fm_kvq_centroid(int(kbits), kvq_code_at(kc, i, kbits)) * k_norms[r * long(nb) + long(i / n)]);
+                }
             }
         }
-        float s = simd_sum(part) * inv_n * p.scale;
+        float s = simd_sum(part) * k_unit * p.scale;
         if (p.softcap > 0.0f) s = p.softcap * tanh(s / p.softcap);
         const float m_new = max(mx, s);
         const float corr = exp(mx - m_new), w = exp(s - m_new);
@@ -190,10 +335,31 @@ kernel void kv_codes_decode(
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
             if (i < d) {
-                acc[m] = acc[m] * corr + w * (fm_kvq_centroid(int(vbits), kvq_code_at(vc, i, vbits)) * v_norms[r * long(nb) + long(i / n)]);
+                float x = 0.0f;
+                if (kvq_v_dense) x = float(v_dense[r * long(d) + long(i)]);
+                if (kvq_v_codes) {
+                    const device uchar *vc = v_codes + r * long(p.v_row_bytes);
+                    x = fm_kvq_centroid(int(vbits), kvq_code_at(vc, i, vbits)) * v_norms[r * long(nb) + long(i / n)];
+                }
+                acc[m] = acc[m] * corr + w * x;
             }
         }
         mx = m_new;
+    }
+    if (kvq_sinks) {
+        // The sink joins the denominator without a value.
+        // A +inf sink takes the whole row: output 0, lse +inf.
+        const float s = sinks[h];
+        const float m_new = max(mx, s);
+        const float corr = s == INFINITY ? 0.0f : exp(mx - m_new);
+        sum = s == INFINITY ? INFINITY : sum * corr + exp(s - m_new);
+        for (uint m = 0; m < per; m++) acc[m] *= corr;
+        mx = m_new;
+    }
+    if (kvq_lse && tid == 0) {
+        const long at = kvq_varlen_q ? long(h) * long(q_len) + long(bi)
+                                     : (long(b) * long(heads) + long(h)) * long(q_len) + long(qi);
+        lse[at] = sum > 0.0f ? mx + precise::log(sum) : -INFINITY;
     }
 
     for (uint m = 0; m < per; m++) {
@@ -201,12 +367,14 @@ kernel void kv_codes_decode(
         if (i < d) z[i] = acc[m];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kvq_hadamard(z, d, n, tid, nt);
-    const float norm = sum > 0.0f ? inv_n / sum : 0.0f;
+    if (kvq_v_codes) kvq_hadamard(z, d, n, tid, nt);
+    const float norm = sum > 0.0f ? (kvq_v_codes ? inv_n : 1.0f) / sum : 0.0f;
     for (uint i = tid; i < d; i += nt) {
         const float v = z[i] * norm;
-        o[long(row) * long(d) + long(i)] = T(fm_kvq_sign_bit(p.v_seed, i) != 0u ? -v : v);
+        o[long(row) * long(d) + long(i)] = T((kvq_v_codes && fm_kvq_sign_bit(p.v_seed, i) != 0u) ? -v : v);
     }
 }
 
-INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float)
+INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float, float)
+INSTANTIATE_KERNEL("kv_codes_decode_f16kv", kv_codes_decode, float, half)
+INSTANTIATE_KERNEL("kv_codes_decode_bf16kv", kv_codes_decode, float, bfloat)

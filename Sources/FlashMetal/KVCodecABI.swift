@@ -81,3 +81,78 @@ public func fm_dispatch_kv_codes_decode(
         try reg.run([d], op: op)
     }
 }
+
+/// One cache argument: its codec and storage, or with a NULL codec a dense
+/// cache passed as `codes` (norms then NULL).
+func kvSide(_ codec: UnsafePointer<FMKVCodec>?, _ codes: UnsafePointer<FMTensor>?,
+            _ norms: UnsafePointer<FMTensor>?, name: String, op: String) throws -> KVSide {
+    if codec == nil {
+        if norms != nil {
+            throw FlashMetalError.value(op, "\(name) norms must be NULL for a dense \(name) (NULL codec)", arg: name)
+        }
+        return .dense(try TensorRef(codes, op: op, name: name))
+    }
+    return .codes(QuantizedCache(codec: try kvCodec(codec, op: op), codes: try TensorRef(codes, op: op, name: "\(name) codes"),
+                                 norms: try TensorRef(norms, op: op, name: "\(name) norms")))
+}
+
+/// fm_dispatch_kv_codes_attn of flashmetal.h: flash_attn_with_kvcache's
+/// attention over quantized caches (lengths, pages, sinks, LSE).
+@_cdecl("fm_dispatch_kv_codes_attn")
+public func fm_dispatch_kv_codes_attn(
+    _ registry: OpaquePointer?, _ q: UnsafePointer<FMTensor>?, _ kCodec: UnsafePointer<FMKVCodec>?,
+    _ kCodes: UnsafePointer<FMTensor>?, _ kNorms: UnsafePointer<FMTensor>?, _ vCodec: UnsafePointer<FMKVCodec>?,
+    _ vCodes: UnsafePointer<FMTensor>?, _ vNorms: UnsafePointer<FMTensor>?, _ seq: UnsafePointer<FMSeqTensors>?,
+    _ out: UnsafePointer<FMTensor>?, _ options: UnsafePointer<FMAttnOptions>?, _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let op = KVCodesAttnDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
+        let s = seq?.pointee
+        let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
+        var t = KVCodesAttnTensors(
+            q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
+            v: try kvSide(vCodec, vCodes, vNorms, name: "v_cache", op: op), out: try TensorRef(out, op: op, name: "out"))
+        t.sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
+        t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
+        t.lseName = lseName
+        let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
+                      try optionalTensor(s?.block_table, op: op, name: "block_table"),
+                      try optionalTensor(s?.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
+                      try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            (t.seqlens, t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[0], c[1], c[2], c[3])
+            try reg.run([try KVCodesAttnDispatcher.makeDispatch(t, options.pointee)], op: op)
+        }
+    }
+}
+
+/// fm_dispatch_kv_codes_append of flashmetal.h: new K/V rows encoded into
+/// quantized caches at each sequence's current length, in one dispatch.
+@_cdecl("fm_dispatch_kv_codes_append")
+public func fm_dispatch_kv_codes_append(
+    _ registry: OpaquePointer?, _ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?,
+    _ kCodec: UnsafePointer<FMKVCodec>?, _ kCodes: UnsafePointer<FMTensor>?, _ kNorms: UnsafePointer<FMTensor>?,
+    _ vCodec: UnsafePointer<FMKVCodec>?, _ vCodes: UnsafePointer<FMTensor>?, _ vNorms: UnsafePointer<FMTensor>?,
+    _ cacheSeqlens: UnsafePointer<FMTensor>?, _ blockTable: UnsafePointer<FMTensor>?,
+    _ err: UnsafeMutablePointer<FMError>?
+) -> Int32 {
+    guarded(err) {
+        let op = KVCodesAppendDispatcher.op
+        let reg = try Handles.registry(registry, op: op)
+        // flash_attn_with_kvcache calls the new rows k and v.
+        let (kName, vName) = publicOp(err) == nil ? ("k_new", "v_new") : ("k", "v")
+        let (kn, vn) = (try TensorRef(kNew, op: op, name: kName), try TensorRef(vNew, op: op, name: vName))
+        let k = try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op)
+        let v = try kvSide(vCodec, vCodes, vNorms, name: "v_cache", op: op)
+        let tables = [try TensorRef(cacheSeqlens, op: op, name: "cache_seqlens"),
+                      try optionalTensor(blockTable, op: op, name: "block_table")]
+        try reg.withPrivateCopies(op: op, tables) { c in
+            if let d = try KVCodesAppendDispatcher.makeDispatch(kNew: kn, vNew: vn, k: k, v: v, seqlens: c[0]!,
+                                                                blockTable: c[1], kNewName: kName, vNewName: vName) {
+                try reg.run([d], op: op)
+            }
+        }
+    }
+}

@@ -35,7 +35,8 @@ public final class CPUBackend: Backend {
         case let .sdpa(io): return try SdpaKernel(key, io: io)
         case .kvAppend: return try KVAppendKernel(key)
         case .kvEncode, .kvDequantize: return KVCodecKernel(key)
-        case .kvCodesDecode: return KVCodesDecodeKernel()
+        case .kvCodesDecode: return KVCodesDecodeKernel(key)
+        case .kvCodesAppend: return KVCodesAppendKernel(key)
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }
     }

@@ -3,23 +3,81 @@ import FlashMetalCPUKernels
 import FlashMetalCore
 
 /// `kv_codes_decode_f32` on the cpu (kv_codec.c): one work item per chunk of
-/// the query heads that share a kv head, so each key's codes are unpacked
-/// once for all of them.
+/// the query heads that share a kv head in one query row, so each key's
+/// codes are unpacked once for all of them.
 final class KVCodesDecodeKernel: CPUKernel {
+    /// The dtype of a dense side, when one is.
+    let dense: DType
+
+    init(_ key: PipelineKey) {
+        if case let .kvCodesDecode(d) = key.spec { dense = d } else { dense = .f32 }
+    }
+
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         func input<T>(_ i: Int, _ t: T.Type) throws -> UnsafePointer<T> {
             UnsafePointer(try d.buffer(i).data.assumingMemoryBound(to: T.self))
         }
-        let q = try input(KVCodesDecodeBuffer.q, Float.self)
-        let kc = try input(KVCodesDecodeBuffer.kCodes, UInt8.self), kn = try input(KVCodesDecodeBuffer.kNorms, Float.self)
-        let vc = try input(KVCodesDecodeBuffer.vCodes, UInt8.self), vn = try input(KVCodesDecodeBuffer.vNorms, Float.self)
-        let o = try d.buffer(KVCodesDecodeBuffer.out).data.assumingMemoryBound(to: Float.self)
+        func optional<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T>? {
+            d.bindings[i] == nil ? nil : try d.buffer(i).data.assumingMemoryBound(to: T.self)
+        }
+        var a = FMCPUKVCodesAttnArgs(
+            q: try input(KVCodesDecodeBuffer.q, Float.self),
+            k_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.kCodes, UInt8.self)),
+            k_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.kNorms, Float.self)),
+            v_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.vCodes, UInt8.self)),
+            v_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.vNorms, Float.self)),
+            o: try d.buffer(KVCodesDecodeBuffer.out).data.assumingMemoryBound(to: Float.self),
+            seqlens: UnsafePointer(try optional(KVCodesDecodeBuffer.seqlens, Int32.self)),
+            block_table: UnsafePointer(try optional(KVCodesDecodeBuffer.blockTable, Int32.self)),
+            sinks: UnsafePointer(try optional(KVCodesDecodeBuffer.sinks, Float.self)),
+            lse: try optional(KVCodesDecodeBuffer.lse, Float.self),
+            k_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.kDense, UInt8.self)),
+            v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
+            dense_dtype: dense.rawValue,
+            cu_seqlens_q: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensQ, Int32.self)),
+            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         withUnsafePointer(to: &p) { pp in
-            pool.forEach(items) { _, item in
-                fm_cpu_kv_codes_decode_item(pp, q, kc, kn, vc, vn, o, Int64(item))
+            withUnsafePointer(to: &a) { ap in
+                pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item)) }
+            }
+        }
+    }
+}
+
+/// `kv_codes_append_*` on the cpu (kv_codec.c): one work item per new row of
+/// one kv head of one sequence.
+final class KVCodesAppendKernel: CPUKernel {
+    let input: DType
+
+    init(_ key: PipelineKey) {
+        if case let .kvCodesAppend(x) = key.spec { input = x } else { input = .f32 }
+    }
+
+    func run(_ d: Dispatch, pool: WorkerPool) throws {
+        var p = try d.params(KVCodesAppendBuffer.params, as: KVCodesAppendParams.self)
+        func out<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T> {
+            try d.buffer(i).data.assumingMemoryBound(to: T.self)
+        }
+        func opt<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T>? {
+            d.bindings[i] == nil ? nil : try out(i, t)
+        }
+        var a = FMCPUKVCodesAppendArgs(
+            k_new: UnsafeRawPointer(try d.buffer(KVCodesAppendBuffer.kNew).data),
+            v_new: UnsafeRawPointer(try d.buffer(KVCodesAppendBuffer.vNew).data), dtype: input.rawValue,
+            k_codes: try opt(KVCodesAppendBuffer.kCodes, UInt8.self), k_norms: try opt(KVCodesAppendBuffer.kNorms, Float.self),
+            v_codes: try opt(KVCodesAppendBuffer.vCodes, UInt8.self), v_norms: try opt(KVCodesAppendBuffer.vNorms, Float.self),
+            seqlens: UnsafePointer(try out(KVCodesAppendBuffer.seqlens, Int32.self)),
+            block_table: d.bindings[KVCodesAppendBuffer.blockTable] == nil ? nil
+                : UnsafePointer(try out(KVCodesAppendBuffer.blockTable, Int32.self)),
+            k_dense: d.bindings[KVCodesAppendBuffer.kDense] == nil ? nil : try d.buffer(KVCodesAppendBuffer.kDense).data,
+            v_dense: d.bindings[KVCodesAppendBuffer.vDense] == nil ? nil : try d.buffer(KVCodesAppendBuffer.vDense).data)
+        let kvHeads = Int32(d.grid.y)
+        withUnsafePointer(to: &p) { pp in
+            withUnsafePointer(to: &a) { ap in
+                pool.forEach(d.grid.count) { _, item in fm_cpu_kv_codes_append_item(pp, ap, kvHeads, Int64(item)) }
             }
         }
     }

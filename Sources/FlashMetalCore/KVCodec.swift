@@ -60,7 +60,8 @@ public enum KVCodecCapability {
     public static let maxRows = Int(Int32.max)
     /// Every kernel of the ops.
     public static var kernels: [KernelSpec] {
-        encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize, .kvCodesDecode]
+        encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize]
+            + encodeTypes.map { .kvCodesDecode(dense: $0) } + encodeTypes.map { .kvCodesAppend(input: $0) }
     }
 }
 

@@ -2,8 +2,8 @@ import CFlashMetal
 
 /// kv_encode and kv_dequantize: rows [..., D] to codes [..., row_bytes] and
 /// norms [..., num_blocks] of a KVCodec, and back to float32 [..., D]. The
-/// leading shapes must agree; outputs must not share bytes with any other
-/// argument. Zero rows make no dispatch.
+/// leading shapes must agree. Registry.run refuses outputs that share bytes
+/// with another argument. Zero rows make no dispatch.
 public enum KVCodecDispatcher {
     /// The op name encode errors carry.
     public static let encodeOp = "kv_encode"
@@ -32,16 +32,6 @@ public enum KVCodecDispatcher {
         }
     }
 
-    /// Refuses any output that shares bytes with another argument.
-    static func requireDisjoint(writes: [(TensorRef, String)], reads: [(TensorRef, String)], op: String) throws {
-        let all = writes + reads
-        for (w, wn) in writes {
-            for (x, xn) in all where xn != wn && w.overlaps(x) {
-                throw FlashMetalError.value(op, "\(wn) and \(xn) overlap in memory; \(op) writes \(wn), so they must not share bytes")
-            }
-        }
-    }
-
     static func dispatch(_ kernel: KernelSpec, _ codec: KVCodec, rows: Int, bindings: [Int: Binding],
                          writes: Set<Int>) -> Dispatch {
         Dispatch(kernel: kernel, grid: Size3(rows, 1, 1), threadgroup: Size3(KVCodecCapability.threads, 1, 1),
@@ -59,7 +49,6 @@ public enum KVCodecDispatcher {
         let lead = Array(x.shape.dropLast())
         try require(codes, "codes", dtype: .u8, lead: lead, last: codec.rowBytes, op: op)
         try require(norms, "norms", dtype: .f32, lead: lead, last: codec.numBlocks, op: op)
-        try requireDisjoint(writes: [(codes, "codes"), (norms, "norms")], reads: [(x, "x")], op: op)
         let n = try rows(lead, op: op)
         if n == 0 { return nil }
         return dispatch(.kvEncode(input: x.dtype), codec, rows: n, bindings: [
@@ -80,7 +69,6 @@ public enum KVCodecDispatcher {
         let lead = Array(codes.shape.dropLast())
         try require(norms, "norms", dtype: .f32, lead: lead, last: codec.numBlocks, op: op)
         try require(out, "out", dtype: .f32, lead: lead, last: codec.headDim, op: op)
-        try requireDisjoint(writes: [(out, "out")], reads: [(codes, "codes"), (norms, "norms")], op: op)
         let n = try rows(lead, op: op)
         if n == 0 { return nil }
         return dispatch(.kvDequantize, codec, rows: n, bindings: [

@@ -21,8 +21,11 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case kvEncode(input: DType)
     /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows.
     case kvDequantize
-    /// `kv_codes_decode_f32`: decode attention over quantized K and V caches.
-    case kvCodesDecode
+    /// `kv_codes_decode_{f32,f16kv,bf16kv}`: attention over quantized K and V
+    /// caches, one side possibly a dense cache of `dense` (f32 when none is).
+    case kvCodesDecode(dense: DType)
+    /// `kv_codes_append_{f32,f16,bf16}`: new K/V rows encoded into quantized caches.
+    case kvCodesAppend(input: DType)
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
     case simSelftest
@@ -40,7 +43,8 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return "kv_append_\(c.kernelSuffix)"
         case let .kvEncode(x): return "kv_encode_\(x.kernelSuffix)"
         case .kvDequantize: return "kv_dequantize_f32"
-        case .kvCodesDecode: return "kv_codes_decode_f32"
+        case let .kvCodesDecode(dense): return "kv_codes_decode_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
+        case let .kvCodesAppend(x): return "kv_codes_append_\(x.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
         }
     }
@@ -75,7 +79,8 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return ("kv_append", [c.mslName, c.byteSize == 4 ? "uint" : "ushort"])
         case let .kvEncode(x): return ("kv_encode", [x.mslName])
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
-        case .kvCodesDecode: return ("kv_codes_decode", [DType.f32.mslName])
+        case let .kvCodesDecode(dense): return ("kv_codes_decode", [DType.f32.mslName, dense.mslName])
+        case let .kvCodesAppend(x): return ("kv_codes_append", [x.mslName, x.byteSize == 4 ? "uint" : "ushort"])
         case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }

@@ -50,6 +50,28 @@ public enum FunctionConstantIndex {
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
+    /// kv_codes_decode: seqlens_k is bound.
+    public static let kvqLens = Int(FM_FC_KVQ_LENS.rawValue)
+    /// kv_codes_decode: the caches are paged, block_table is bound.
+    public static let kvqPaged = Int(FM_FC_KVQ_PAGED.rawValue)
+    /// kv_codes_decode: sinks are bound.
+    public static let kvqSinks = Int(FM_FC_KVQ_SINKS.rawValue)
+    /// kv_codes_decode: the lse output is bound.
+    public static let kvqLSE = Int(FM_FC_KVQ_LSE.rawValue)
+    /// kv_codes_append: the caches are paged, block_table is bound.
+    public static let kvqAppendPaged = Int(FM_FC_KVQ_APPEND_PAGED.rawValue)
+    /// kv_codes_decode: K is a dense cache, not codes.
+    public static let kvqKDense = Int(FM_FC_KVQ_K_DENSE.rawValue)
+    /// kv_codes_decode: V is a dense cache, not codes.
+    public static let kvqVDense = Int(FM_FC_KVQ_V_DENSE.rawValue)
+    /// kv_codes_append: K is a dense cache, not codes.
+    public static let kvqAppendKDense = Int(FM_FC_KVQ_APPEND_K_DENSE.rawValue)
+    /// kv_codes_append: V is a dense cache, not codes.
+    public static let kvqAppendVDense = Int(FM_FC_KVQ_APPEND_V_DENSE.rawValue)
+    /// kv_codes_decode: q/out/lse packed, cu_seqlens_q bound.
+    public static let kvqVarlenQ = Int(FM_FC_KVQ_VARLEN_Q.rawValue)
+    /// kv_codes_decode: key counts from cu_seqlens_k.
+    public static let kvqVarlenK = Int(FM_FC_KVQ_VARLEN_K.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -71,6 +93,11 @@ public enum FunctionConstantIndex {
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
+        ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
+        ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
+        ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),
+        ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense), ("FM_FC_KVQ_VARLEN_Q", kvqVarlenQ),
+        ("FM_FC_KVQ_VARLEN_K", kvqVarlenK),
     ]
 }
 

@@ -33,6 +33,8 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
+from .kv_codec import QuantizedKV
+from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -126,7 +128,10 @@ def flash_attn_varlen_func(
             back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
         k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
             block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where
-            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys.
+            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys; with
+            block_table also QuantizedKV page pools ``[num_pages, page_size,
+            Hkv]`` (one side may stay dense), read as codes (q converted to
+            float32 for the kernel, the output back to q's dtype).
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths
             (integer arrays are converted once), starting at 0, non-decreasing.
         max_seqlen_q, max_seqlen_k: at least every sequence's length.
@@ -142,13 +147,21 @@ def flash_attn_varlen_func(
     op = _native.public_op(_VARLEN)  # a packed function running this one names itself
     reg = resolve(registry, op)
     want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
-    qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
+    quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
+    qa = as_input(q, op, "q")
     cq, ck = as_index(cu_seqlens_q, op, "cu_seqlens_q"), as_index(cu_seqlens_k, op, "cu_seqlens_k")
     bt = None if block_table is None else as_index(block_table, op, "block_table")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=_native.index_arg(op, "max_seqlen_q", max_seqlen_q, 0),
                         max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
+    if quantized:
+        if reg._defers_work and reg._batch_depth:
+            raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
+                                        "work ran: call them outside a batch scope on metal")
+        qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(op, sinks), want_lse)
+        return _with_probs(q, qout, qlse)
+    ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(qa.shape, dtype=qa.dtype)
     _clear_rows_after_the_last_sequence(out, lse, cq)
@@ -195,7 +208,11 @@ def flash_attn_with_kvcache(
             converted to float32, the output back to q's dtype; float32 q
             allowed); longer blocks the prefill kernel (bfloat16/float16).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
-            Hkv, D]`` with block_table. Updated in place when k/v are given:
+            Hkv, D]`` with block_table. Or both QuantizedKV (KVCodec.empty of
+            leading shape ``[B, cap, Hkv]`` or ``[num_pages, page_size, Hkv]``;
+            K and V widths and seeds may differ): k/v are then encoded into
+            the codes and the attention reads the codes (q converted to
+            float32, the output back to q's dtype). Updated in place when k/v are given:
             they must then be C-contiguous and writeable (numpy arrays or
             torch CPU tensors).
         k, v: ``[B, seqlen_new, Hkv, D]`` in the caches' dtype, written at rows
@@ -237,6 +254,16 @@ def flash_attn_with_kvcache(
         raise InvalidValueError(_KVCACHE, "k and v must be given together (or both None)")
     appending = k is not None
     qa = as_input(q, _KVCACHE, "q")
+    if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        ka = None if k is None else as_input(k, _KVCACHE, "k")
+        va = None if v is None else as_input(v, _KVCACHE, "v")
+        bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
+        codes = k_cache.codes if isinstance(k_cache, QuantizedKV) else v_cache.codes
+        lens = _cache_seqlens(cache_seqlens, qa.shape[0] if qa.ndim else 0, codes, bt, required=appending)
+        opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                            causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+        return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
+                                  want_lse, out, _append_slots, _in_place)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.

@@ -20,7 +20,8 @@ against the float64 reference):
            (constants 501-505)
   kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
   kv codec encode {f32, f16, bf16} x D {80, 128}, dequantize, decode over
-           codes (no constants)
+           codes; with_kvcache over codes: new-row dtype x paged x {dense K,
+           dense V, neither} x {sinks + lse, neither} (constants 800-808)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16, bool} x D (tile constants 400, 401)
@@ -200,6 +201,40 @@ def kv_codec_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         qr = randn(rng, (4, d), F32)  # [H, D] over caches [Hkv, cap] = [2, 8]
         out = fm.flash_attn_decode(qr, q, q, 7, registry=reg)
         assert_close(out, reference.decode(qr, deq, deq, 7), F32, f"kv_codes_decode D={d}")
+        n += 1
+    n += kv_codes_kvcache_cases(reg, rng)
+    return n
+
+
+def kv_codes_kvcache_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    """flash_attn_with_kvcache over codes: append x paged x {both quantized,
+    dense K, dense V} x {sinks + lse, neither} (constants 800-808)."""
+    n = 0
+    codec = fm.KVCodec(64, 4, seed=1)
+    for dtype, paged, dense, ext in itertools.product((F32, F16, BF16), (False, True), (None, "k", "v"),
+                                                      (False, True)):
+        lead = (5, 4, 2) if paged else (2, 8, 2)
+        table = np.array([[3, 0], [1, 4]], np.int32) if paged else None
+        kq, vq = codec.empty(lead), codec.empty(lead)
+        kd, vd = np.zeros(lead + (64,), dtype), np.zeros(lead + (64,), dtype)
+        k_cache = kd if dense == "k" else kq
+        v_cache = vd if dense == "v" else vq
+        kn, vn = randn(rng, (2, 3, 2, 64), dtype), randn(rng, (2, 3, 2, 64), dtype)
+        q = randn(rng, (2, 2, 4, 64), dtype)
+        lens = np.array([2, 0], np.int32)
+        sinks = randn(rng, (4,), F32) if ext else None
+        o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                            causal=True, sinks=sinks, return_softmax_lse=True, registry=reg)
+
+        def rows(c: object, d: np.ndarray) -> np.ndarray:
+            if isinstance(c, fm.QuantizedKV):
+                return quant_reference.decode(quant_reference.unpack(c.codes, 4, 64), c.norms, 4, 1)
+            return d.astype(np.float64)
+        eo, el = reference.flash_attn_kvcache(q, rows(k_cache, kd), rows(v_cache, vd), cache_seqlens=lens + 3,
+                                              block_table=table, causal=True, sinks=sinks)
+        what = f"kv_codes kvcache {dtype} paged={paged} dense={dense} ext={ext}"
+        assert_close(o, eo, np.dtype(dtype), what)
+        assert_close(lse, el, F32, what + " lse")
         n += 1
     return n
 

@@ -66,11 +66,11 @@ final class KVCodecDispatcherTests: XCTestCase {
         let q = HostTensor([2, 6, 96], .f32), out = HostTensor([2, 6, 96], .f32)
         let k = (HostTensor([2, 3, 10, 96], .u8), HostTensor([2, 3, 10, 3], .f32))
         let v = (HostTensor([2, 3, 10, 48], .u8), HostTensor([2, 3, 10, 3], .f32))
-        func make(kvLen: Int32 = 7, window: Int32 = 0, out o: HostTensor? = nil) throws -> Dispatch {
+        func make(kvLen: Int32 = 7, window: Int32 = 0) throws -> Dispatch {
             try withExtendedLifetime([q, out, k.0, k.1, v.0, v.1]) {
                 try KVCodesDecodeDispatcher.makeDispatch(
                     q: q.ref, k: QuantizedCache(codec: kc, codes: k.0.ref, norms: k.1.ref),
-                    v: QuantizedCache(codec: vc, codes: v.0.ref, norms: v.1.ref), out: (o ?? out).ref,
+                    v: QuantizedCache(codec: vc, codes: v.0.ref, norms: v.1.ref), out: out.ref,
                     options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: kvLen, window: window))
             }
         }
@@ -83,10 +83,25 @@ final class KVCodecDispatcherTests: XCTestCase {
         XCTAssertEqual([p.n_heads, p.n_kv_heads, p.block, p.k_bits, p.v_bits, p.k_row_bytes, p.v_row_bytes],
                        [6, 3, 32, 8, 4, 96, 48])
         XCTAssertEqual([p.k_seed, p.v_seed], [1, 2])
-        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 96)
+        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 120)
+        XCTAssertEqual([p.q_len, p.causal, p.window_left, p.window_right, p.kv_len], [1, 0, -1, -1, 7])
+        let w = try make(window: 7).params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+        XCTAssertEqual(w.window_left, 6, "the last 7 keys: window_size left 6")
         expectFMError(KVCodesDecodeDispatcher.op, contains: "kv_len must be in 1...10 (the cache capacity), got 11") {
             _ = try make(kvLen: 11)
         }
-        expectFMError(KVCodesDecodeDispatcher.op, contains: "out and q overlap") { _ = try make(out: q) }
+        // Registry.run owns the overlap check: the dispatch over shared bytes is built, then refused there.
+        func named(_ t: HostTensor, _ n: String) -> TensorRef {
+            TensorRef(data: t.data, byteCount: t.ref.byteCount, dtype: t.ref.dtype, shape: t.ref.shape, name: n)
+        }
+        let shared = try withExtendedLifetime([q, k.0, k.1, v.0, v.1]) {
+            try KVCodesDecodeDispatcher.makeDispatch(
+                q: named(q, "q"), k: QuantizedCache(codec: kc, codes: k.0.ref, norms: k.1.ref),
+                v: QuantizedCache(codec: vc, codes: v.0.ref, norms: v.1.ref), out: named(q, "out"),
+                options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: 7, window: 0))
+        }
+        expectFMError(KVCodesDecodeDispatcher.op, contains: "out and q overlap") {
+            try Dispatch.requireDisjointOutputs([shared], op: KVCodesDecodeDispatcher.op)
+        }
     }
 }

@@ -76,7 +76,18 @@ typedef enum FMFunctionConstant {
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
     FM_FC_SDPA_SOFTCAP = 603,       /* sdpa: apply SdpaExtParams.softcap */
-    FM_FC_APPEND_PAGED = 700        /* kv_append: cache paged, block_table bound */
+    FM_FC_APPEND_PAGED = 700,       /* kv_append: cache paged, block_table bound */
+    FM_FC_KVQ_LENS = 800,           /* kv_codes_decode: seqlens_k bound */
+    FM_FC_KVQ_PAGED = 801,          /* kv_codes_decode: caches paged, block_table bound */
+    FM_FC_KVQ_SINKS = 802,          /* kv_codes_decode: sinks bound */
+    FM_FC_KVQ_LSE = 803,            /* kv_codes_decode: lse output bound */
+    FM_FC_KVQ_APPEND_PAGED = 804,   /* kv_codes_append: caches paged, block_table bound */
+    FM_FC_KVQ_K_DENSE = 805,        /* kv_codes_decode: K is a dense cache (buffer 11), not codes */
+    FM_FC_KVQ_V_DENSE = 806,        /* kv_codes_decode: V is a dense cache (buffer 12), not codes */
+    FM_FC_KVQ_APPEND_K_DENSE = 807, /* kv_codes_append: K is a dense cache (buffer 9), not codes */
+    FM_FC_KVQ_APPEND_V_DENSE = 808, /* kv_codes_append: V is a dense cache (buffer 10), not codes */
+    FM_FC_KVQ_VARLEN_Q = 809,       /* kv_codes_decode: q/out/lse packed, cu_seqlens_q bound */
+    FM_FC_KVQ_VARLEN_K = 810        /* kv_codes_decode: key counts from cu_seqlens_k (paged caches) */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -401,19 +412,32 @@ typedef enum FMKVDequantizeBinding {
     FM_KVDEQ_BUF_CODES = 1, FM_KVDEQ_BUF_NORMS = 2, FM_KVDEQ_BUF_OUT = 3
 } FMKVDequantizeBinding;
 
-/* kv_codes_decode: one query row per head over quantized K and V caches
- * (kv_encode's codes and norms), buffer(0). 96 bytes. Row r = b*n_heads + h
- * of q [B, H, D] reads kv head g = h / (n_heads / n_kv_heads): key p of
- * sequence b is storage row b*kv_strides[0] + g*kv_strides[1] + p*kv_strides[2]
- * of both caches (codes at row*row_bytes, norms at row*(D/block)). It sees
- * keys [kv_len - window, kv_len) (window 0: all kv_len). With qz = H(s_k ⊙ q)
- * per block: s_p = scale * Σ_blocks (r_k/block) Σ_i qz_i c_k[code_i], softcap
- * c > 0 gives c*tanh(s/c); o = s_v ⊙ H(Σ_p e^{s_p} c_v[code] r_v/block) / Σ_p e^{s_p}.
- * Grid (B*H, 1, 1) of FM_KVQ_DECODE_THREADS threads (one SIMD group). */
+/* kv_codes_decode: attention of query rows over quantized K and V caches
+ * (kv_encode's codes and norms), buffer(0). Row r = (b*q_len +
+ * i)*n_heads + h of q [B, q_len, H, D] reads kv head g = h / (n_heads /
+ * n_kv_heads). Sequence b has kL = seqlens_k[b] keys (kv_len when
+ * FM_FC_KVQ_LENS is off); row i sits at t = kL - q_len + i and sees key p
+ * when (!causal || p <= t), window_left < 0 || p >= t - window_left,
+ * window_right < 0 || p <= t + window_right and (attention_chunk == 0 ||
+ * floor(p / c) == floor(t / c)). Key p is storage row
+ * b*kv_strides[0] + p*kv_strides[2] + g*kv_strides[1] of both caches, or
+ * when paged block_table[b*max_pages + p / page_size]*kv_strides[0] +
+ * (p % page_size)*kv_strides[2] + g*kv_strides[1]; codes at row*row_bytes,
+ * norms at row*(D/block).
+ * With qz = H(s_k ⊙ q) per block: s_p = scale * Σ_blocks (r_k/block)
+ * Σ_i qz_i c_k[code_i], softcap c > 0 gives c*tanh(s/c); a sink logit joins
+ * the denominator without a value; o = s_v ⊙ H(Σ_p e^{s_p} c_v[code]
+ * r_v/block) / denominator; lse [B, H, q_len] = log(denominator) (-inf when
+ * empty). Varlen (FM_FC_KVQ_VARLEN_Q): q/out [q_len = total_q, H, D] packed,
+ * row r = token*H + h, sequence b the one with cu_seqlens_q[b] <= token <
+ * cu_seqlens_q[b+1] (a token past cu_seqlens_q[B] is not written), its rows
+ * cu_seqlens_q[b+1] - cu_seqlens_q[b]; lse [H, total_q]. FM_FC_KVQ_VARLEN_K:
+ * kL = cu_seqlens_k[b+1] - cu_seqlens_k[b]. 120 bytes.
+ * Grid (B*q_len*H, 1, 1) (varlen: total_q*H) of FM_KVQ_DECODE_THREADS threads. */
 typedef struct KVCodesDecodeParams {
     uint64_t k_seed;
     uint64_t v_seed;
-    int64_t kv_strides[3]; /* storage rows between (sequence, kv head, key) */
+    int64_t kv_strides[3]; /* storage rows between (sequence or page, kv head, key) */
     int32_t n_heads;
     int32_t n_kv_heads;
     int32_t head_dim;
@@ -422,22 +446,66 @@ typedef struct KVCodesDecodeParams {
     int32_t v_bits;
     int32_t k_row_bytes;
     int32_t v_row_bytes;
-    int32_t kv_len;
-    int32_t window;        /* 0 = none, else the last `window` keys */
+    int32_t kv_len;        /* keys of every sequence when seqlens_k is not bound */
+    int32_t q_len;         /* query rows per sequence */
     float scale;
     float softcap;         /* 0 = off */
-    int32_t _pad[2];
+    int32_t causal;        /* 0 or 1 */
+    int32_t window_left;   /* -1 = unbounded */
+    int32_t window_right;  /* -1 = unbounded */
+    int32_t attention_chunk; /* 0 = off */
+    int32_t page_size;     /* keys per page (paged) */
+    int32_t max_pages;     /* block_table's dim 1 (paged) */
+    int32_t batch;         /* sequences (B) */
+    int32_t _pad;
 } KVCodesDecodeParams;
 
 enum { FM_KVQ_DECODE_THREADS = 32 };
 
 typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_PARAMS = 0, /* KVCodesDecodeParams */
-    FM_KVQD_BUF_Q = 1,      /* float32 [B, H, D] */
+    FM_KVQD_BUF_Q = 1,      /* float32 [B, q_len, H, D] */
     FM_KVQD_BUF_K_CODES = 2, FM_KVQD_BUF_K_NORMS = 3,
     FM_KVQD_BUF_V_CODES = 4, FM_KVQD_BUF_V_NORMS = 5,
-    FM_KVQD_BUF_OUT = 6     /* float32 [B, H, D] */
+    FM_KVQD_BUF_OUT = 6,    /* float32 [B, q_len, H, D] */
+    FM_KVQD_BUF_SEQLENS = 7,     /* int32 [B], with FM_FC_KVQ_LENS */
+    FM_KVQD_BUF_BLOCK_TABLE = 8, /* int32 [B, max_pages], with FM_FC_KVQ_PAGED */
+    FM_KVQD_BUF_SINKS = 9,       /* float32 [H], with FM_FC_KVQ_SINKS */
+    FM_KVQD_BUF_LSE = 10,        /* float32 [B, H, q_len] out, with FM_FC_KVQ_LSE */
+    FM_KVQD_BUF_K_DENSE = 11,    /* dense K [rows, D] (f32/f16/bf16), with FM_FC_KVQ_K_DENSE; codes unbound */
+    FM_KVQD_BUF_V_DENSE = 12,    /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
+    FM_KVQD_BUF_CU_SEQLENS_Q = 13, /* int32 [B+1], with FM_FC_KVQ_VARLEN_Q */
+    FM_KVQD_BUF_CU_SEQLENS_K = 14  /* int32 [B+1], with FM_FC_KVQ_VARLEN_K */
 } FMKVCodesDecodeBinding;
+
+/* kv_codes_append: row i of sequence b of k_new/v_new [B, n_new, Hkv, D]
+ * (float32, float16 or bfloat16) encoded into both code caches at key
+ * t = seqlens[b] + i, storage row b*cache_strides[0] + t*cache_strides[1] +
+ * g*cache_strides[2], or through block_table when paged (page_size > 0):
+ * block_table[b*max_pages + t / page_size]*cache_strides[0] + (t %
+ * page_size)*cache_strides[1] + g*cache_strides[2]. Bits as kv_encode's.
+ * Grid (n_new, Hkv, B) of any number of threads. 128 bytes. */
+typedef struct KVCodesAppendParams {
+    KVCodecParams k;
+    KVCodecParams v;
+    int64_t new_strides[3];   /* elements between (sequence, new row, kv head) of k_new/v_new */
+    int64_t cache_strides[3]; /* storage rows between (sequence or page, key, kv head) */
+    int32_t n_new;
+    int32_t page_size;        /* 0 = not paged */
+    int32_t max_pages;
+    int32_t _pad;
+} KVCodesAppendParams;
+
+typedef enum FMKVCodesAppendBinding {
+    FM_KVQA_BUF_PARAMS = 0, /* KVCodesAppendParams */
+    FM_KVQA_BUF_K_NEW = 1, FM_KVQA_BUF_V_NEW = 2,
+    FM_KVQA_BUF_K_CODES = 3, FM_KVQA_BUF_K_NORMS = 4,
+    FM_KVQA_BUF_V_CODES = 5, FM_KVQA_BUF_V_NORMS = 6,
+    FM_KVQA_BUF_SEQLENS = 7,     /* int32 [B] */
+    FM_KVQA_BUF_BLOCK_TABLE = 8, /* int32 [B, max_pages], with FM_FC_KVQ_APPEND_PAGED */
+    FM_KVQA_BUF_K_DENSE = 9,     /* dense K cache of k_new's dtype, with FM_FC_KVQ_APPEND_K_DENSE */
+    FM_KVQA_BUF_V_DENSE = 10     /* dense V cache, with FM_FC_KVQ_APPEND_V_DENSE */
+} FMKVCodesAppendBinding;
 
 /* ---- C ABI (hidden from the Metal compiler) ----------------------------- */
 #ifndef __METAL_VERSION__
@@ -744,6 +812,28 @@ int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const F
                                 const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
                                 const FMTensor *v_codes, const FMTensor *v_norms, const FMTensor *out,
                                 const FMKVCodesDecodeOptions *options, FMError *err);
+/* flash_attn_with_kvcache over quantized caches: q/out float32 [B, qL, H, D];
+ * each cache the codes and norms of its codec with leading shape
+ * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table; at
+ * most one side dense: a NULL codec, its cache [..., Hkv, D] (float32,
+ * float16 or bfloat16) as codes and NULL norms. seq:
+ * seqlens_k, block_table, sinks, lse ([B, H, qL]). Varlen: cu_seqlens_q
+ * with q/out [total_q, H, D] and lse [H, total_q], and cu_seqlens_k (key
+ * counts; the caches must then be paged) in place of seqlens_k; options as
+ * fm_dispatch_attn's (max_seqlen_* bound the varlen lengths). */
+int fm_dispatch_kv_codes_attn(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
+                              const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
+                              const FMTensor *v_codes, const FMTensor *v_norms, const FMSeqTensors *seq,
+                              const FMTensor *out, const FMAttnOptions *options, FMError *err);
+/* Encodes k_new/v_new [B, n_new, Hkv, D] (float32, float16 or bfloat16) into
+ * the code caches (leading shape [B, cap, Hkv] or paged [num_pages,
+ * page_size, Hkv] with block_table) at rows cache_seqlens[b] .. + n_new, in
+ * one dispatch; a dense side (NULL codec, as fm_dispatch_kv_codes_attn's) of
+ * k_new's dtype receives the rows' bits. cache_seqlens is not changed. */
+int fm_dispatch_kv_codes_append(FMRegistry *registry, const FMTensor *k_new, const FMTensor *v_new,
+                                const FMKVCodec *k_codec, const FMTensor *k_codes, const FMTensor *k_norms,
+                                const FMKVCodec *v_codec, const FMTensor *v_codes, const FMTensor *v_norms,
+                                const FMTensor *cache_seqlens, const FMTensor *block_table, FMError *err);
 #endif /* !__swift__ */
 #endif /* !__METAL_VERSION__ */
 

@@ -19,13 +19,49 @@ void fm_cpu_kv_encode_rows(const KVCodecParams *p, const void *x, int32_t dtype,
 void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, const float *norms, float *out,
                                int64_t begin, int64_t end);
 
-/* Decode over quantized caches (KVCodesDecodeParams): work item `item` is
- * up to FM_CPU_KVQ_HEAD_CHUNK query heads of one kv head of one sequence,
- * which share every key's decoded codes; items = B * Hkv *
- * ceil((H / Hkv) / FM_CPU_KVQ_HEAD_CHUNK), ordered (sequence, kv head, chunk). */
+/* Attention over quantized caches (KVCodesDecodeParams): work item `item`
+ * is up to FM_CPU_KVQ_HEAD_CHUNK query heads of one kv head of one query row
+ * of one sequence, which share every key's decoded codes; items = B * q_len
+ * * Hkv * ceil((H / Hkv) / FM_CPU_KVQ_HEAD_CHUNK), ordered (sequence, query
+ * row, kv head, chunk). seqlens, block_table, sinks and lse are NULL when
+ * not bound. */
 enum { FM_CPU_KVQ_HEAD_CHUNK = 8 };
-void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const float *q, const uint8_t *k_codes,
-                                 const float *k_norms, const uint8_t *v_codes, const float *v_norms, float *o,
+typedef struct FMCPUKVCodesAttnArgs {
+    const float *q;
+    const uint8_t *k_codes;
+    const float *k_norms;
+    const uint8_t *v_codes;
+    const float *v_norms;
+    float *o;
+    const int32_t *seqlens;
+    const int32_t *block_table;
+    const float *sinks;
+    float *lse;
+    const void *k_dense;  /* a dense K cache [rows, D] of dense_dtype instead of codes, or NULL */
+    const void *v_dense;  /* likewise for V */
+    int32_t dense_dtype;  /* FM_DTYPE_F32, _F16 or _BF16 */
+    const int32_t *cu_seqlens_q;  /* varlen q (q_len = total_q), or NULL */
+    const int32_t *cu_seqlens_k;  /* key counts of varlen sequences, or NULL */
+} FMCPUKVCodesAttnArgs;
+void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item);
+
+/* kv_codes_append (KVCodesAppendParams): work item `item` = (b * n_new + i)
+ * * Hkv + g encodes new row i of kv head g of sequence b into both code
+ * caches. block_table is NULL when not paged. */
+typedef struct FMCPUKVCodesAppendArgs {
+    const void *k_new;
+    const void *v_new;
+    int32_t dtype;
+    uint8_t *k_codes;
+    float *k_norms;
+    uint8_t *v_codes;
+    float *v_norms;
+    const int32_t *seqlens;
+    const int32_t *block_table;
+    void *k_dense;  /* a dense K cache of dtype instead of codes (the row's bits copied), or NULL */
+    void *v_dense;  /* likewise for V */
+} FMCPUKVCodesAppendArgs;
+void fm_cpu_kv_codes_append_item(const KVCodesAppendParams *p, const FMCPUKVCodesAppendArgs *a, int32_t n_kv_heads,
                                  int64_t item);
 
 #ifdef __cplusplus

@@ -1,0 +1,145 @@
+import CFlashMetal
+
+/// The tensors of one attention over quantized caches
+/// (flash_attn_with_kvcache's layout).
+public struct KVCodesAttnTensors {
+    /// float32 [B, qL, H, D].
+    public var q: TensorRef
+    /// Leading shape [B, cap, Hkv], or paged [num_pages, page_size, Hkv]; at
+    /// most one side dense.
+    public var k: KVSide, v: KVSide
+    /// float32 [B, qL, H, D] out.
+    public var out: TensorRef
+    /// int32 [B] keys per sequence; nil: the whole capacity.
+    public var seqlens: TensorRef? = nil
+    /// int32 [B, max_pages]: the caches are paged.
+    public var blockTable: TensorRef? = nil
+    /// float32 [H] sink logits.
+    public var sinks: TensorRef? = nil
+    /// float32 [B, H, qL] out ([H, total_q] varlen).
+    public var lse: TensorRef? = nil
+    /// int32 [B+1]: q and out packed [total_q, H, D] (varlen); needs
+    /// cuSeqlensK and a block table.
+    public var cuSeqlensQ: TensorRef? = nil
+    /// int32 [B+1]: sequence b has cu[b+1] - cu[b] keys in the paged caches.
+    public var cuSeqlensK: TensorRef? = nil
+    /// The caller's name of lse in errors.
+    public var lseName = "lse"
+
+    public init(q: TensorRef, k: KVSide, v: KVSide, out: TensorRef) {
+        self.q = q; self.k = k; self.v = v; self.out = out
+    }
+}
+
+/// kv_codes_decode over flash_attn_with_kvcache's caches: every query row of
+/// every sequence (bottom-right causal, window, chunk, softcap, sinks, LSE,
+/// GQA), keys read through the block table when paged. Every length and
+/// every table entry the kernel reads is checked first.
+public enum KVCodesAttnDispatcher {
+    /// The op name errors carry.
+    public static let op = "kv_codes_attn"
+
+    public static func makeDispatch(_ t: KVCodesAttnTensors, _ o: FMAttnOptions) throws -> Dispatch {
+        let q = t.q
+        let varlen = t.cuSeqlensQ != nil
+        try q.requireDType([.f32], op: op, name: "q")
+        try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
+        try q.requireBytes(op: op, name: "q")
+        if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) || (varlen && t.seqlens != nil) {
+            throw FlashMetalError.value(op, "varlen attention over quantized caches takes cu_seqlens_q, cu_seqlens_k and block_table together (paged caches; no cache_seqlens)", arg: "cu_seqlens_k")
+        }
+        // Varlen: q [total_q, H, D] as one "sequence" of total_q rows for the shapes below.
+        let (batch, qLen, heads, d) = varlen
+            ? (max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1, q.shape[0], q.shape[1], q.shape[2])
+            : (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
+        let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
+        let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
+        if batch == 0 || heads == 0 || kvHeads == 0 || qLen == 0 {
+            throw FlashMetalError.value(op, "batch, seqlen_q, num_heads and num_kv_heads must be > 0, got q shape \(q.shape) and k_cache shape \(lead)", arg: "q")
+        }
+        if heads % kvHeads != 0 {
+            throw FlashMetalError.value(op, "num_heads (\(heads)) must be a multiple of num_kv_heads (\(kvHeads))", arg: "q")
+        }
+        var maxPages = 0, capacity = rows
+        if let bt = t.blockTable {
+            try bt.requireRank([2], op: op, name: "block_table")
+            maxPages = bt.shape[1]
+            if rows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache") }
+            let (c, o) = maxPages.multipliedReportingOverflow(by: rows)
+            capacity = o ? Int.max : c
+        } else if first != batch {
+            throw FlashMetalError.value(op, "k_cache batch (\(first)) must equal q batch (\(batch))", arg: "k_cache")
+        }
+        try out(t, shape: q.shape)
+        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        guard o.causal == 0 || o.causal == 1 else {
+            throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
+        }
+        try AttnOptions.requireWindow(left: Int(o.window_left), right: Int(o.window_right), op: op)
+        if o.attention_chunk < 0 {
+            throw FlashMetalError.value(op, "attention_chunk must be >= 0 (0 = off), got \(o.attention_chunk)", arg: "attention_chunk")
+        }
+        if let sinks = t.sinks {
+            try sinks.requireDType([.f32], op: op, name: "sinks")
+            try sinks.requireBytes(op: op, name: "sinks")
+            if sinks.shape != [heads] {
+                throw FlashMetalError.value(op, "sinks must have shape [\(heads)] (num_heads), got \(sinks.shape)", arg: "sinks")
+            }
+        }
+        if let lse = t.lse {
+            try lse.requireDType([.f32], op: op, name: t.lseName)
+            try lse.requireBytes(op: op, name: t.lseName)
+            let want = varlen ? [heads, qLen] : [batch, heads, qLen]
+            if lse.shape != want {
+                throw FlashMetalError.value(op, "\(t.lseName) must have shape \(want) (\(varlen ? "[H, total_q]" : "[B, H, seqlen_q]")), got \(lse.shape)", arg: t.lseName)
+            }
+        }
+        let limit = Int(Int32.max)
+        if [qLen, heads, kvHeads, rows, maxPages].contains(where: { $0 > limit }) {
+            throw FlashMetalError.value(op, "seqlen_q, num_heads, num_kv_heads, the cache's dim 1 and max_pages must fit int32", arg: "q")
+        }
+        _ = try KVCodecDispatcher.rows([batch, qLen, heads], op: op)
+
+        // Tables last: their contents are read only once every shape is known good.
+        let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1"
+            : SequenceTables.pagedCapacity(pages: maxPages, pageSize: rows, table: "block_table", cache: "k_cache")
+        var lengths = try t.seqlens.map {
+            try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
+                                       capacityName: capacityName)
+        } ?? Array(repeating: capacity, count: batch)
+        if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
+            _ = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
+                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
+            lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
+                                                   tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
+                                                   maxSeqlenName: "max_seqlen_k")
+        }
+        if t.seqlens == nil && !varlen && capacity > limit {
+            throw FlashMetalError.value(op, "without cache_seqlens every sequence has \(capacityName) = \(capacity) keys, more than int32 holds", arg: "cache_seqlens")
+        }
+        if let bt = t.blockTable {
+            try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths, numPages: first,
+                                          pageSize: rows, tile: 1, cacheName: "k_cache")
+        }
+
+        let (hk, cap) = (Int64(kvHeads), Int64(rows))
+        let (k, v) = (t.k.quantized?.codec ?? codec, t.v.quantized?.codec ?? codec)
+        let params = KVCodesDecodeParams(
+            k_seed: k.seed, v_seed: v.seed, kv_strides: (cap * hk, 1, hk),
+            n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.block),
+            k_bits: Int32(k.bits), v_bits: Int32(v.bits), k_row_bytes: Int32(k.rowBytes), v_row_bytes: Int32(v.rowBytes),
+            kv_len: Int32(t.seqlens == nil && !varlen ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
+            causal: o.causal, window_left: o.window_left, window_right: o.window_right,
+            attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages), batch: Int32(batch),
+            _pad: 0)
+        return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, q: q, k: t.k, v: t.v,
+                                                out: t.out, seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
+                                                lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+    }
+
+    static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {
+        try t.out.requireDType([.f32], op: op, name: "out")
+        try t.out.requireBytes(op: op, name: "out")
+        if t.out.shape != shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must be \(shape)", arg: "out") }
+    }
+}

@@ -1,0 +1,88 @@
+"""Decode over quantized KV caches vs the bf16 cache, interleaved in one
+process like bench.py: flash_attn_with_kvcache with one query row per
+sequence (B=1, H=16, Hkv=8, D=128) over the same number of keys held as
+bf16, as tq8 (K and V 8-bit codes), tq4 and K8/V4, plus the bytes each
+format stores per token (all kv heads, K and V).
+
+    python bench/codes_bench.py [--runs N] [--quick] [--long]
+
+--long adds 128k keys. Writes bench/CODES_RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench as common  # noqa: E402  (private library copy, timing helpers)
+import numpy as np  # noqa: E402
+
+import flashmetal as fm  # noqa: E402
+from flashmetal._arrays import BF16  # noqa: E402
+
+H, HKV, D = 16, 8, 128
+FORMATS = {"tq8": (8, 8), "tq4": (4, 4), "K8/V4": (8, 4)}
+
+
+def bytes_per_token(kbits: int | None, vbits: int | None) -> int:
+    """K and V bytes of one token over all kv heads (None: bf16)."""
+    side = [2 * D if b is None else fm.KVCodec(D, b).bytes_per_row() for b in (kbits, vbits)]
+    return HKV * sum(side)
+
+
+def rows(reg, runs: int, lengths: list[int]) -> list[str]:
+    lines = ["| keys | format | bytes/token | ms | bf16 ms | bf16 / format (median of rounds) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for n in lengths:
+        rng = np.random.default_rng(n)
+        k = common.rand(rng, (1, n, HKV, D), BF16)
+        v = common.rand(rng, (1, n, HKV, D), BF16)
+        q = common.rand(rng, (1, 1, H, D), BF16)
+        seqlens = np.array([n], np.int32)
+        peers = {"bf16": lambda k=k, v=v: fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, registry=reg)}
+        for name, (kb, vb) in FORMATS.items():
+            kq = fm.KVCodec(D, kb, seed=1).encode(k, registry=reg)
+            vq = fm.KVCodec(D, vb, seed=2).encode(v, registry=reg)
+            peers[name] = (lambda kq=kq, vq=vq:
+                           fm.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=seqlens, registry=reg))
+        t = common.timed(peers, runs, burst=2)
+        for name, (kb, vb) in [("bf16", (None, None))] + list(FORMATS.items()):
+            ratio = statistics.median(b / f for b, f in zip(t.raw["bf16"], t.raw[name]))
+            lines.append(f"| {n} | {name} | {bytes_per_token(kb, vb)} | {t[name] * 1e3:.3f} | "
+                         f"{t['bf16'] * 1e3:.3f} | {ratio:.2f}x |")
+            print(lines[-1], flush=True)
+        del k, v, peers
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--long", action="store_true", help="also 128k keys")
+    args, _ = ap.parse_known_args()  # bench.py's other options (e.g. --only) are not this script's
+    reg = fm.Registry("cpu")
+    t0, load0 = time.time(), os.getloadavg()[0]
+    lengths = [1024] if args.quick else [8192, 32768] + ([131072] if args.long else [])
+    table = rows(reg, args.runs, lengths)
+    text = "\n".join([
+        "# Decode over quantized KV caches (bench/codes_bench.py)", "",
+        f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu; medians of {args.runs} interleaved "
+        f"rounds of 2 back-to-back calls{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. "
+        f"flash_attn_with_kvcache, B=1, H={H}, Hkv={HKV}, D={D}, one query row; bf16 q. Ratio > 1: the "
+        "format decodes faster than the bf16 cache.", "",
+        f"Load average (1 min) {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
+        f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "", *table, ""])
+    (HERE / "CODES_RESULTS.md").write_text(text)
+    print(f"wrote {HERE / 'CODES_RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""flash_attn_with_kvcache over quantized caches (a QuantizedKV for k_cache
+and/or v_cache, the other side possibly a dense cache): appended k/v are
+encoded into the code caches (copied into a dense one) by one dispatch, then
+the attention reads the codes; no cache row is dequantized."""
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Callable
+
+import numpy as np
+
+from . import _native
+from ._arrays import F32, as_input, check_out, tensor
+from ._errors import InvalidTypeError, InvalidValueError
+from ._interop import wrapper_like
+from ._serving_args import seq_tensors
+from .kv_codec import KVCodec, QuantizedKV
+from .registry import Registry
+
+_OP = "flash_attn_with_kvcache"
+
+
+def _storage(cache: Any, name: str, appending: bool,
+             in_place: Callable[[Any, str], np.ndarray]) -> tuple[Any, np.ndarray, np.ndarray | None]:
+    """(codec or NULL, codes or the dense cache, norms or None) of one cache
+    argument; the caller's own arrays when the append writes them (a dense
+    one checked by serving's `in_place`)."""
+    ffi = _native.ffi()
+    if isinstance(cache, QuantizedKV):
+        return (cache.codec._c,) + _codes(cache, name, appending)
+    if isinstance(cache, KVCodec):
+        raise InvalidTypeError(_OP, f"{name} must be a QuantizedKV or a dense cache array, got a KVCodec")
+    dense = in_place(cache, name) if appending else as_input(cache, _OP, name)
+    return ffi.NULL, dense, None
+
+
+def _codes(cache: QuantizedKV, name: str, appending: bool) -> tuple[np.ndarray, np.ndarray]:
+    if not appending:
+        return as_input(cache.codes, _OP, f"{name} codes"), as_input(cache.norms, _OP, f"{name} norms")
+    arrays = []
+    for a, part in ((cache.codes, "codes"), (cache.norms, "norms")):
+        if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
+            raise InvalidValueError(_OP, f"{name} {part} must be a C-contiguous, writeable numpy array to append "
+                                         f"k/v into it in place")
+        arrays.append(as_input(a, _OP, f"{name} {part}"))
+    return arrays[0], arrays[1]
+
+
+def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
+                       va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
+                       sinks: np.ndarray | None, want_lse: bool, out: Any,
+                       append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray]) -> Any:
+    """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
+    there; arguments already read by it). q is converted to float32 for the
+    kernel and the output back to q's dtype."""
+    appending = ka is not None
+    kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
+    vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
+    if reg._defers_work and reg._batch_depth:
+        raise InvalidValueError(_OP, "calls over QuantizedKV caches convert their float32 result after the work "
+                                     "ran: call them outside a batch scope on metal")
+    if qa.ndim != 4:
+        raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
+    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens])
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.empty(qa.shape, dtype=F32)
+    b, ql, h, _ = qa.shape
+    lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
+    ffi = _native.ffi()
+
+    def attend(seqlens: np.ndarray | None) -> None:
+        seq, keep = seq_tensors(ffi, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
+        _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                     vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=_OP,
+                     keep=(q32, kc, kn, vc, vn, seqlens, bt, sinks, lse, o32, keep))
+
+    if not appending:
+        attend(lens)
+    else:
+        assert lens is not None and ka is not None and va is not None
+        # A failed attention restores the rows the append overwrote.
+        slots = append_slots(kc, lens, ka, bt)
+        arrays = [a for a in (kc, kn, vc, vn) if a is not None]
+        saved = None if slots is None else [a[slots] for a in arrays]
+        appended = False
+        try:
+            with reg.batch():
+                _native.call(reg, "fm_dispatch_kv_codes_append", tensor(ffi, ka), tensor(ffi, va), kcodec,
+                             tensor(ffi, kc), tensor(ffi, kn), vcodec, tensor(ffi, vc), tensor(ffi, vn),
+                             tensor(ffi, lens), tensor(ffi, bt), op=_OP, keep=(ka, va, kc, kn, vc, vn, lens, bt))
+                appended = True
+                attend((lens.astype(np.int64) + (ka.shape[1] if ka.ndim == 4 else 0)).astype(np.int32))
+        except BaseException:
+            if appended and saved is not None:
+                for a, old in zip(arrays, saved):
+                    a[slots] = old
+            raise
+    result = o32.astype(qa.dtype)
+    if out_arr is not None:
+        out_arr[...] = result
+    wrap = wrapper_like(q)
+    final = wrap(result) if out is None else out
+    if not want_lse:
+        return final
+    assert lse is not None
+    return final, wrap(lse)
+
+
+def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndarray, ck: np.ndarray,
+                      bt: np.ndarray | None, opts: Any, sinks: np.ndarray | None,
+                      want_lse: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """flash_attn_varlen_func's route when k or v is a QuantizedKV page pool
+    (leading shape [num_pages, page_size, Hkv]; block_table required): (out
+    [total_q, H, D] in q's dtype, lse [H, total_q] or None). Rows past the
+    last sequence read as rows that see nothing (0, lse -inf)."""
+    op = "flash_attn_varlen_func"
+    kcodec, kc, kn = _side(k, "k", op)
+    vcodec, vc, vn = _side(v, "v", op)
+    if bt is None:
+        raise InvalidValueError(op, "a QuantizedKV k/v is a page pool: block_table is required (packed quantized "
+                                    "k/v are not supported)")
+    if qa.ndim != 3:
+        raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.zeros(qa.shape, dtype=F32)
+    lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks, lse=lse)
+    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
+                 keep=(q32, kc, kn, vc, vn, cq, ck, bt, sinks, lse, o32, keep))
+    return o32.astype(qa.dtype), lse
+
+
+def _side(cache: Any, name: str, op: str) -> tuple[Any, np.ndarray, np.ndarray | None]:
+    """(codec or NULL, codes or the dense pool, norms or None), read only."""
+    if isinstance(cache, QuantizedKV):
+        return cache.codec._c, as_input(cache.codes, op, f"{name} codes"), as_input(cache.norms, op, f"{name} norms")
+    return _native.ffi().NULL, as_input(cache, op, name), None

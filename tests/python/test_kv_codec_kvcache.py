@@ -1,0 +1,294 @@
+"""flash_attn_with_kvcache over QuantizedKV caches on every backend.
+
+The appended rows' codes and norms equal KVCodec.encode of the same rows
+(bits); the output and LSE equal float64 attention (reference.flash_attn_kvcache)
+over the dequantized caches K̂, V̂ (the float64 codec reference's decode of
+the library's codes) within the output dtype's tolerance, so the kernels add
+no error beyond the codec, with every feature of the dense path."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import quant_reference as qr
+from flashmetal import reference
+from numerics import BF16, F16, F32, TOLERANCE, assert_bits_equal, randn, worst_element
+
+OP = "flash_attn_with_kvcache"
+HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+
+
+def dequantized(c: fm.QuantizedKV) -> np.ndarray:
+    """K̂ or V̂ in float64, from the codes by the reference decoder."""
+    return qr.decode(qr.unpack(c.codes, c.codec.bits, c.codec.head_dim), c.norms, c.codec.bits, c.codec.seed)
+
+
+def check(actual, expected, dtype, what):
+    atol, rtol = TOLERANCE[np.dtype(dtype)]
+    ok, ratio = reference.close(np.asarray(actual, np.float64), expected, atol, rtol)
+    assert ok, f"{what}: {ratio:.3g}x the tolerance; " + worst_element(actual, expected, atol, rtol)
+
+
+def check_lse(actual, expected, what):
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.array_equal(np.isinf(a), np.isinf(e)) and np.array_equal(a[np.isinf(a)], e[np.isinf(e)]), what
+    fin = np.isfinite(e)
+    assert np.allclose(a[fin], e[fin], atol=1e-4, rtol=1e-4), f"{what}: lse off by {np.abs(a[fin] - e[fin]).max()}"
+
+
+class Setup:
+    """Quantized caches holding `lens` encoded keys per sequence (written
+    by the library's own encode), contiguous [B, cap, Hkv] or paged through a
+    shuffled block table, plus the new rows to append."""
+
+    def __init__(self, rng, registry, *, d=64, b=2, hkv=2, cap=16, page=4, paged=False, kbits=8, vbits=4,
+                 lens=(5, 9), n_new=2, dtype=F32):
+        self.kcodec, self.vcodec = fm.KVCodec(d, kbits, seed=3), fm.KVCodec(d, vbits, seed=4)
+        self.table = None
+        if paged:
+            per = cap // page
+            self.table = rng.permutation(b * per + 1)[:b * per].reshape(b, per).astype(np.int32)
+            lead = (b * per + 1, page, hkv)
+        else:
+            lead = (b, cap, hkv)
+        self.k, self.v = self.kcodec.empty(lead), self.vcodec.empty(lead)
+        self.lens = np.array(lens, np.int32)
+        # The past: encoded rows written where the kernel will look for them.
+        for bi, n in enumerate(lens):
+            for t in range(n):
+                idx = (bi, t) if not paged else (self.table[bi, t // page], t % page)
+                for cache, seed_rows in ((self.k, rng), (self.v, rng)):
+                    enc = cache.codec.encode(randn(seed_rows, (hkv, d), dtype), registry=registry)
+                    cache.codes[idx], cache.norms[idx] = enc.codes, enc.norms
+        self.k_new = randn(rng, (b, n_new, hkv, d), dtype) if n_new else None
+        self.v_new = randn(rng, (b, n_new, hkv, d), dtype) if n_new else None
+        self.registry = registry
+
+    def slot(self, bi, t):
+        if self.table is None:
+            return bi, t
+        page = self.k.codes.shape[1]
+        return self.table[bi, t // page], t % page
+
+    def run(self, q, **kw):
+        return fm.flash_attn_with_kvcache(q, self.k, self.v, k=self.k_new, v=self.v_new, cache_seqlens=self.lens,
+                                          block_table=self.table, registry=self.registry, **kw)
+
+    def expected(self, q, **kw):
+        """float64 attention over K̂, V̂ of the caches as they are now (after
+        the call appended), lengths grown by the new rows."""
+        grown = self.lens + (0 if self.k_new is None else self.k_new.shape[1])
+        if "softmax_scale" in kw:
+            kw = dict(kw, scale=kw.pop("softmax_scale"))
+        return reference.flash_attn_kvcache(q, dequantized(self.k), dequantized(self.v), cache_seqlens=grown,
+                                            block_table=self.table, **kw)
+
+    def check_appended(self):
+        if self.k_new is None:
+            return
+        for cache, new, name in ((self.k, self.k_new, "k"), (self.v, self.v_new, "v")):
+            enc = cache.codec.encode(new, registry=self.registry)
+            for bi, start in enumerate(self.lens.tolist()):
+                for i in range(new.shape[1]):
+                    idx = self.slot(bi, start + i)
+                    assert_bits_equal(cache.codes[idx], enc.codes[bi, i], f"{name} codes of new row {bi},{i}")
+                    assert_bits_equal(cache.norms[idx], enc.norms[bi, i], f"{name} norms of new row {bi},{i}")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("ql", [1, 3])
+def test_append_then_attend(registry, rng, paged, dtype, ql):
+    s = Setup(rng, registry, paged=paged, dtype=dtype, d=80 if paged else 64)
+    q = randn(rng, (2, ql, 4, s.kcodec.head_dim), dtype)
+    q0, lens0 = q.copy(), s.lens.copy()
+    o, lse = s.run(q, causal=True, return_softmax_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 4, ql) and lse.dtype == np.float32
+    s.check_appended()
+    eo, el = s.expected(q, causal=True)
+    check(o, eo, dtype, f"{registry.backend} paged={paged} {dtype} ql={ql}")
+    check_lse(lse, el, f"{registry.backend} lse")
+    assert_bits_equal(q, q0, "q is not changed")
+    assert_bits_equal(s.lens, lens0, "cache_seqlens is not changed")
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_every_head_dim(registry, rng, d):
+    s = Setup(rng, registry, d=d, b=1, hkv=1, cap=8, lens=(4,), n_new=1, kbits=4, vbits=8)
+    q = randn(rng, (1, 1, 2, d), BF16)
+    o = s.run(q)
+    s.check_appended()
+    check(o, s.expected(q)[0], BF16, f"{registry.backend} D={d}")
+
+
+@pytest.mark.parametrize("case", ["window", "window_right", "softcap_scale", "sinks", "inf_sink", "chunk",
+                                  "mqa_wide_group", "no_append", "no_lengths", "rows_see_nothing", "k2v3"])
+def test_features(registry, rng, case):
+    setup_kw = {}
+    kw = {}
+    h, ql = 4, 2
+    if case == "window":
+        kw = {"causal": True, "window_size": (3, 0)}
+    elif case == "window_right":
+        kw = {"window_size": (2, 1)}
+    elif case == "softcap_scale":
+        kw = {"softcap": 1.5, "softmax_scale": 0.4}
+    elif case in ("sinks", "inf_sink"):
+        sinks = rng.standard_normal(h).astype(np.float32)
+        if case == "inf_sink":
+            sinks[1] = np.inf
+        kw = {"sinks": sinks, "causal": True}
+    elif case == "chunk":
+        kw = {"attention_chunk": 4, "causal": True}
+    elif case == "mqa_wide_group":  # 10 query heads on one kv head: the cpu's 8-head chunks and a partial one
+        h, setup_kw = 10, {"hkv": 1}
+    elif case == "no_append":
+        setup_kw = {"n_new": 0}
+    elif case == "no_lengths":
+        setup_kw = {"n_new": 0, "lens": (16, 16)}
+    elif case == "rows_see_nothing":  # more query rows than keys: the first rows see no key
+        ql, setup_kw, kw = 6, {"lens": (0, 3), "n_new": 1}, {"causal": True}
+    elif case == "k2v3":
+        setup_kw = {"kbits": 2, "vbits": 3}
+    s = Setup(rng, registry, **setup_kw)
+    if case == "no_append":
+        s.k_new = s.v_new = None
+    if case == "no_lengths":
+        s.k_new = s.v_new = None
+    q = randn(rng, (2, ql, h, 64), F32)
+    if case == "no_lengths":
+        o, lse = fm.flash_attn_with_kvcache(q, s.k, s.v, return_softmax_lse=True, registry=registry, **kw)
+    else:
+        o, lse = s.run(q, return_softmax_lse=True, **kw)
+    eo, el = s.expected(q, **kw)
+    check(o, eo, F32, f"{registry.backend} {case}")
+    check_lse(lse, el, f"{registry.backend} {case} lse")
+    s.check_appended()
+
+
+def test_out_and_torch_style_return(registry, rng):
+    s = Setup(rng, registry)
+    q = randn(rng, (2, 1, 4, 64), BF16)
+    out = np.empty_like(q)
+    r = s.run(q, out=out)
+    assert r is out
+    check(out, s.expected(q)[0], BF16, registry.backend)
+
+
+def test_errors_name_the_function_argument_and_value(registry, rng):
+    s = Setup(rng, registry, paged=True)
+    q = randn(rng, (2, 1, 4, 64), F32)
+    dense = np.zeros(s.k.shape + (32,), np.float16)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*v_cache shape \[9, 4, 2, 32\] must be \[9, 4, 2, 64\]"):
+        fm.flash_attn_with_kvcache(q, s.k, dense, cache_seqlens=s.lens, block_table=s.table, registry=registry)
+    with pytest.raises(TypeError, match=rf"^{OP}: .*v_cache dtype float16 does not match k dtype float32"):
+        fm.flash_attn_with_kvcache(q, s.k, np.zeros(s.k.shape + (64,), np.float16), k=s.k_new, v=s.v_new,
+                                   cache_seqlens=s.lens, block_table=s.table, registry=registry)
+    bad = s.table.copy()
+    bad[0, 0] = 99
+    with pytest.raises(ValueError, match=rf"^{OP}: .*block_table\[0, 0\] = 99 is out of range"):
+        fm.flash_attn_with_kvcache(q, s.k, s.v, k=s.k_new, v=s.v_new, cache_seqlens=s.lens, block_table=bad,
+                                   registry=registry)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*cache_seqlens\[1\] \+ the new rows of k .* = 15 \+ 2 = 17 exceeds"):
+        fm.flash_attn_with_kvcache(q, s.k, s.v, k=s.k_new, v=s.v_new, cache_seqlens=np.array([1, 15], np.int32),
+                                   block_table=s.table, registry=registry)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*cache_seqlens\[0\] = 17 is out of range \[0, 16\]"):
+        fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=np.array([17, 1], np.int32), block_table=s.table,
+                                   registry=registry)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        fm.flash_attn_with_kvcache(q[:, :, :3], s.k, s.v, cache_seqlens=s.lens, block_table=s.table,
+                                   registry=registry)
+    other = fm.KVCodec(128, 8).empty(s.k.shape)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*v_cache's codec head_dim 128 must equal q's head dim 64"):
+        fm.flash_attn_with_kvcache(q, s.k, other, cache_seqlens=s.lens, block_table=s.table, registry=registry)
+    with pytest.raises(ValueError, match=rf"^{OP}: .*window"):
+        fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, block_table=s.table, window_size=(-3, 0),
+                                   registry=registry)
+    ro = fm.QuantizedKV(s.k.codec, s.k.codes.copy(), s.k.norms.copy())
+    ro.codes.flags.writeable = False
+    with pytest.raises(ValueError, match=f"^{OP}: k_cache codes must be a C-contiguous, writeable numpy array"):
+        fm.flash_attn_with_kvcache(q, ro, s.v, k=s.k_new, v=s.v_new, cache_seqlens=s.lens, block_table=s.table,
+                                   registry=registry)
+
+
+def test_a_failed_attention_leaves_the_caches_as_they_were(registry, rng):
+    """The append runs first; when the attention then refuses its arguments
+    (sinks of the wrong shape), the code rows it overwrote are restored."""
+    s = Setup(rng, registry)
+    before = [a.copy() for a in (s.k.codes, s.k.norms, s.v.codes, s.v.norms)]
+    q = randn(rng, (2, 1, 4, 64), F32)
+    with pytest.raises(ValueError, match=re.escape("sinks must have shape [4] (num_heads), got [3]")):
+        s.run(q, sinks=np.zeros(3, np.float32))
+    for a, b0, n in zip((s.k.codes, s.k.norms, s.v.codes, s.v.norms), before, ("kc", "kn", "vc", "vn")):
+        assert_bits_equal(a, b0, f"{n} restored")
+
+
+@pytest.mark.parametrize("dense_side", ["k", "v"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_side_dense(registry, rng, dense_side, dtype, paged):
+    """K8 codes beside a dense V (or a dense K beside 4-bit V codes), in the
+    new rows' dtype: the append copies the dense side's rows bit for bit and
+    encodes the other; attention reads each side as it is stored."""
+    s = Setup(rng, registry, paged=paged, dtype=dtype, kbits=8, vbits=4)
+    lead = s.k.shape
+    dense = np.zeros(lead + (64,), dtype)
+    quantized = s.k if dense_side == "v" else s.v
+    # The dense side's past rows: the values its quantized twin decodes to.
+    dense[...] = dequantized(s.v if dense_side == "v" else s.k).astype(dtype)
+    k_cache, v_cache = (quantized, dense) if dense_side == "v" else (dense, quantized)
+    q = randn(rng, (2, 2, 4, 64), dtype)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k=s.k_new, v=s.v_new, cache_seqlens=s.lens,
+                                        block_table=s.table, causal=True, sinks=sinks, return_softmax_lse=True,
+                                        registry=registry)
+    new = s.v_new if dense_side == "v" else s.k_new
+    for bi, start in enumerate(s.lens.tolist()):
+        for i in range(new.shape[1]):
+            assert_bits_equal(dense[s.slot(bi, start + i)], new[bi, i], f"dense {dense_side} row {bi},{i}")
+    enc = quantized.codec.encode(s.k_new if dense_side == "v" else s.v_new, registry=registry)
+    idx = s.slot(1, int(s.lens[1]))
+    assert_bits_equal(quantized.codes[idx], enc.codes[1, 0], "the quantized side's appended codes")
+    kk = dequantized(s.k) if dense_side == "v" else dense.astype(np.float64)
+    vv = dense.astype(np.float64) if dense_side == "v" else dequantized(s.v)
+    eo, el = reference.flash_attn_kvcache(q, kk, vv, cache_seqlens=s.lens + 2, block_table=s.table, causal=True,
+                                          sinks=sinks)
+    check(o, eo, dtype, f"{registry.backend} dense {dense_side} {dtype} paged={paged}")
+    check_lse(lse, el, f"{registry.backend} dense {dense_side} lse")
+
+
+@pytest.mark.parametrize("dense_v", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_varlen_over_quantized_pages(registry, rng, dense_v, dtype):
+    """flash_attn_varlen_func over QuantizedKV page pools: ragged query and
+    key lengths (one sequence with no queries, one with more queries than
+    keys), q padded past the last sequence, causal + window + sinks + LSE."""
+    d, hkv, h, page = 64, 2, 4, 4
+    kcodec, vcodec = fm.KVCodec(d, 8, seed=5), fm.KVCodec(d, 4, seed=6)
+    k = kcodec.encode(randn(rng, (7, page, hkv, d), dtype), registry=registry)
+    v_rows = randn(rng, (7, page, hkv, d), dtype)
+    v = v_rows if dense_v else vcodec.encode(v_rows, registry=registry)
+    cq = np.array([0, 3, 3, 8], np.int32)        # 3, 0 and 5 queries
+    ck = np.array([0, 6, 8, 12], np.int32)       # 6, 2 and 4 keys
+    table = np.array([[5, 2], [0, 6], [3, 1]], np.int32)
+    q = randn(rng, (10, h, d), dtype)            # 2 rows past cu_seqlens_q[-1]
+    sinks = rng.standard_normal(h).astype(np.float32)
+    kw = dict(causal=True, window_size=(3, -1))
+    o, lse, _ = fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, block_table=table, sinks=sinks,
+                                          return_attn_probs=True, registry=registry, **kw)
+    vv = v_rows.astype(np.float64) if dense_v else dequantized(v)
+    eo, el = reference.flash_attn_varlen(q, dequantized(k), vv, cq, ck, block_table=table, sinks=sinks, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (h, 10)
+    check(o, eo, dtype, f"{registry.backend} varlen dense_v={dense_v} {dtype}")
+    check_lse(lse, el, f"{registry.backend} varlen lse")
+    assert not np.any(np.asarray(o[8:], np.float64)), "rows past the last sequence are zero"
+    with pytest.raises(ValueError, match="^flash_attn_varlen_func: .*block_table is required"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, registry=registry)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: .*sequence 2 has length 5 .* > max_seqlen_q = 4"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 4, 6, block_table=table, registry=registry)
+    with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: .*block_table\[2, 0\] = 9 is out of range \[0, 7\)"):
+        fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, block_table=np.array([[5, 2], [0, 6], [9, 1]], np.int32),
+                                  registry=registry)

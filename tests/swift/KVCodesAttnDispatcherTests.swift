@@ -1,0 +1,102 @@
+import CFlashMetal
+import FlashMetalCore
+import XCTest
+
+/// kv_codes_decode over flash_attn_with_kvcache's caches and kv_codes_append:
+/// what the dispatches bind, the constants they set, and what they refuse.
+final class KVCodesAttnDispatcherTests: XCTestCase {
+    let codec = try! KVCodec(headDim: 64, bits: 4, seed: 9)
+
+    func int32s(_ values: [Int32], shape: [Int]) -> HostTensor {
+        let t = HostTensor(shape, .i32)
+        for (i, x) in values.enumerated() { t.data.storeBytes(of: x, toByteOffset: 4 * i, as: Int32.self) }
+        return t
+    }
+
+    func options(causal: Int32 = 1) -> FMAttnOptions {
+        FMAttnOptions(scale: 0.125, softcap: 0, causal: causal, window_left: 3, window_right: -1, max_seqlen_q: 0,
+                      max_seqlen_k: 0, attention_chunk: 0)
+    }
+
+    func testPagedAttentionWithADenseV() throws {
+        // 5 pages of 4 keys, Hkv 2; K 4-bit codes, V a dense bf16 cache.
+        let q = HostTensor([2, 3, 4, 64], .f32), out = HostTensor([2, 3, 4, 64], .f32)
+        let kc = HostTensor([5, 4, 2, 32], .u8), kn = HostTensor([5, 4, 2, 1], .f32)
+        let vd = HostTensor([5, 4, 2, 64], .bf16)
+        let lens = int32s([6, 3], shape: [2]), table = int32s([4, 1, 0, 2], shape: [2, 2])
+        let lse = HostTensor([2, 4, 3], .f32)
+        func make(table bt: HostTensor? = nil, lens l: HostTensor? = nil, v: KVSide? = nil) throws -> Dispatch {
+            try withExtendedLifetime([q, out, kc, kn, vd, lens, table, lse]) {
+                var t = KVCodesAttnTensors(q: q.ref, k: .codes(QuantizedCache(codec: codec, codes: kc.ref, norms: kn.ref)),
+                                           v: v ?? .dense(vd.ref), out: out.ref)
+                (t.seqlens, t.blockTable, t.lse) = ((l ?? lens).ref, (bt ?? table).ref, lse.ref)
+                return try KVCodesAttnDispatcher.makeDispatch(t, options())
+            }
+        }
+        let d = try make()
+        XCTAssertEqual(d.kernel, "kv_codes_decode_bf16kv")
+        XCTAssertEqual(d.grid, Size3(24, 1, 1))
+        XCTAssertEqual(d.writes, [KVCodesDecodeBuffer.out, KVCodesDecodeBuffer.lse])
+        XCTAssertNil(d.bindings[KVCodesDecodeBuffer.vCodes])
+        XCTAssertNotNil(d.bindings[KVCodesDecodeBuffer.vDense])
+        for (index, value) in [(FunctionConstantIndex.kvqLens, true), (FunctionConstantIndex.kvqPaged, true),
+                               (FunctionConstantIndex.kvqSinks, false), (FunctionConstantIndex.kvqLSE, true),
+                               (FunctionConstantIndex.kvqKDense, false), (FunctionConstantIndex.kvqVDense, true)] {
+            XCTAssertEqual(d.constants.bool(index), value, "constant \(index)")
+        }
+        let p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+        XCTAssertEqual([p.kv_strides.0, p.kv_strides.1, p.kv_strides.2], [8, 1, 2])
+        XCTAssertEqual([p.q_len, p.causal, p.window_left, p.window_right, p.page_size, p.max_pages], [3, 1, 3, -1, 4, 2])
+
+        expectFMError(KVCodesAttnDispatcher.op, contains: "block_table[0, 0] = 7 is out of range [0, 5)") {
+            _ = try make(table: self.int32s([7, 1, 0, 2], shape: [2, 2]))
+        }
+        expectFMError(KVCodesAttnDispatcher.op, contains: "cache_seqlens[1] = 9 is out of range [0, 8]") {
+            _ = try make(lens: self.int32s([6, 9], shape: [2]))
+        }
+        let wrong = HostTensor([5, 4, 2, 32], .bf16)
+        expectFMError(KVCodesAttnDispatcher.op, contains: "v_cache shape [5, 4, 2, 32] must be [5, 4, 2, 64]") {
+            _ = try withExtendedLifetime(wrong) { try make(v: .dense(wrong.ref)) }
+        }
+    }
+
+    func testAppendEncodesOneSideAndCopiesTheOther() throws {
+        let kNew = HostTensor([2, 3, 2, 64], .f16), vNew = HostTensor([2, 3, 2, 64], .f16)
+        let kd = HostTensor([2, 8, 2, 64], .f16)
+        let vc = HostTensor([2, 8, 2, 32], .u8), vn = HostTensor([2, 8, 2, 1], .f32)
+        let lens = int32s([0, 5], shape: [2])
+        func make(k: KVSide? = nil, lens l: HostTensor? = nil) throws -> Dispatch? {
+            try withExtendedLifetime([kNew, vNew, kd, vc, vn, lens]) {
+                try KVCodesAppendDispatcher.makeDispatch(
+                    kNew: kNew.ref, vNew: vNew.ref, k: k ?? .dense(kd.ref),
+                    v: .codes(QuantizedCache(codec: codec, codes: vc.ref, norms: vn.ref)), seqlens: (l ?? lens).ref,
+                    blockTable: nil)
+            }
+        }
+        let d = try XCTUnwrap(try make())
+        XCTAssertEqual(d.kernel, "kv_codes_append_f16")
+        XCTAssertEqual(d.grid, Size3(3, 2, 2))
+        XCTAssertEqual(d.writes, [KVCodesAppendBuffer.kDense, KVCodesAppendBuffer.vCodes, KVCodesAppendBuffer.vNorms])
+        XCTAssertEqual(d.constants.bool(FunctionConstantIndex.kvqAppendKDense), true)
+        XCTAssertEqual(d.constants.bool(FunctionConstantIndex.kvqAppendVDense), false)
+        XCTAssertEqual(d.constants.bool(FunctionConstantIndex.kvqAppendPaged), false)
+        let p = try d.params(KVCodesAppendBuffer.params, as: KVCodesAppendParams.self)
+        XCTAssertEqual([p.cache_strides.0, p.cache_strides.1, p.cache_strides.2], [16, 2, 1])
+        XCTAssertEqual(MemoryLayout<KVCodesAppendParams>.size, 128)
+
+        expectFMError(KVCodesAppendDispatcher.op, contains: "cache_seqlens[1] + the new rows of k_new (its dim 1) = 6 + 3 = 9 exceeds") {
+            _ = try make(lens: self.int32s([0, 6], shape: [2]))
+        }
+        let f32 = HostTensor([2, 8, 2, 64], .f32)
+        expectFMError(KVCodesAppendDispatcher.op, status: FM_ERROR_TYPE, contains: "k_cache dtype float32 does not match k_new dtype float16") {
+            _ = try withExtendedLifetime(f32) { try make(k: .dense(f32.ref)) }
+        }
+        let vd = HostTensor([2, 8, 2, 64], .f16)
+        expectFMError(KVCodesAppendDispatcher.op, contains: "k_cache or v_cache must be quantized") {
+            _ = try withExtendedLifetime([vd]) {
+                try KVCodesAppendDispatcher.makeDispatch(kNew: kNew.ref, vNew: vNew.ref, k: .dense(kd.ref), v: .dense(vd.ref),
+                                                         seqlens: lens.ref, blockTable: nil)
+            }
+        }
+    }
+}
