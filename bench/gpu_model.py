@@ -474,6 +474,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="D 64/128 only, f16, fewer lengths")
     ap.add_argument("--validate", action="store_true", help="also run a larger size of some cases and compare")
     ap.add_argument("--json", help="also write every row's numbers here")
+    ap.add_argument("--only", choices=["prefill", "decode", "serving", "sdpa"],
+                    help="run one kernel family (write --out elsewhere: the report then holds only it)")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -484,6 +486,8 @@ def main() -> int:
     keys = [4096, 131072] if args.quick else [4096, 16384, 32768, 131072]
     cases = (prefill_cases(reg, dims, dtypes, lengths) + decode_cases(reg, keys)
              + serving_cases(reg, lengths) + sdpa_cases(reg, lengths))
+    if args.only:
+        cases = [c for c in cases if c.group == args.only]
     validations = []
     if args.validate:
         for c in cases:

@@ -98,7 +98,7 @@ constexpr int vec_stage_rows() {
 }
 
 // VW consecutive elements at p as floats: one vector load, or VW scalar
-// loads when the host found K or V not aligned to a vector (506). Both give
+// loads when the host found q, K or V not aligned to a vector (506). Both give
 // the same values.
 template <int VW>
 inline void vec_load(thread float *f, const device float *p) {
@@ -277,11 +277,8 @@ kernel void flash_attn_vec(
     threadgroup float *stage = tgm + 32 * hg;       // RS rows of K or V (HG > 1)
 
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
-    for (int i = 0; i < NV; i++) {
-        for (int t = 0; t < VW; t++) {
-            qv[VW * i + t] = vec_lane_vec<D>(lane, i) ? q[row * D + VW * (int(lane) + 32 * i) + t] : 0.0f;
-        }
-    }
+    vec_row_device<float, D>(qv, q + row * D, lane);
+    const float scale = p.scale, softcap = p.softcap;
 
     // Visible keys: [lo, kv_len).
     long lo = 0;
@@ -346,8 +343,8 @@ kernel void flash_attn_vec(
         const long pos = c + long(lane);
         float s = -INFINITY;
         if (pos < kv_len && pos >= lo) {
-            s = p.scale * dot;
-            if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
+            s = scale * dot;
+            if (softcap > 0.0f) s = softcap * precise::tanh(s / softcap);
             s *= FM_LOG2E;
         }
         const float m_new = max(m, simd_max(s));

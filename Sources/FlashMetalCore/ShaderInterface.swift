@@ -48,7 +48,7 @@ public enum FunctionConstantIndex {
     public static let vecSinks = Int(FM_FC_VEC_SINKS.rawValue)
     /// Decode plain reduce: the lse output and FlashAttnVecReduceExtParams are bound.
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
-    /// Decode: K or V is not aligned to the kernel's vector loads (it loads scalars).
+    /// Decode: q, K or V is not aligned to the kernel's vector loads (it loads scalars).
     public static let vecKVUnaligned = Int(FM_FC_VEC_KV_UNALIGNED.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)

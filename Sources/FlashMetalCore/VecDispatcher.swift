@@ -222,12 +222,14 @@ public enum VecDispatcher {
         public var blockTable: TensorRef?
     }
 
-    /// K and V start on a vector load's boundary and every stride keeps rows
-    /// on one (else the kernel loads scalars: FunctionConstantIndex.vecKVUnaligned).
-    static func vectorAligned(k: TensorRef, v: TensorRef, headDim: Int, seq: FlashAttnVecSeqParams?) -> Bool {
+    /// q, K and V start on a vector load's boundary and every stride keeps
+    /// rows on one (else the kernel loads scalars: FunctionConstantIndex.vecKVUnaligned).
+    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, headDim: Int,
+                              seq: FlashAttnVecSeqParams?) -> Bool {
         let w = vectorWidth(headDim: headDim)
         let bytes = w * k.dtype.byteSize
-        if Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0 { return false }
+        if Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
+            || Int(bitPattern: q.data) % (w * 4) != 0 { return false }
         guard let sp = seq else { return true }  // plain: rows are D elements apart
         let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
         return strides.allSatisfy { Int($0) % w == 0 }
@@ -250,7 +252,7 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecSeq, .bool(seq != nil)),
             (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
-            (FunctionConstantIndex.vecKVUnaligned, .bool(!vectorAligned(k: k, v: v, headDim: Int(params.head_dim),
+            (FunctionConstantIndex.vecKVUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, headDim: Int(params.head_dim),
                                                                          seq: seq?.params))),
         ])
         let d = Int(params.head_dim)
