@@ -34,8 +34,9 @@
 // Buffers: 0 FlashAttnVecParams, 1 q (f32), 2 k, 3 v (f32, f16 or bf16),
 // 4 tmp. Threadgroup buffer 0 (VecDispatcher.threadgroupMemoryBytes): 32
 // probabilities (floats) per SIMD group, then with HG > 1 RS * D floats of
-// staged rows. Function constant 506 (vec_kv_unaligned): K or V is not
-// aligned to a vector; every load is then scalar (same values).
+// staged rows. Function constant 506 (vec_unaligned): q, K, V or tmp is not
+// aligned to a vector (16 bytes for tmp); every access to them is then
+// scalar (same values).
 //
 // Serving extension (FlashAttnVecSeqParams in flashmetal.h). With
 // function constant 501 (vec_seq) row r = b * H + h reads kv head
@@ -53,7 +54,8 @@
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
 //
-// Reduce, grid (rows, 1, 1), 32 * NWG threads: rescales partial w by
+// Reduce, grid (rows, 1, 1), 32 * NWG threads, each thread 4 dims of the
+// row (float4 reads of tmp; scalar with 506): rescales partial w by
 // exp(M_w - M) (0 for a workgroup with S_w = 0, whose O is never read),
 // normalises by the combined S (S == 0: a row that sees no key outputs
 // zeros). The fused variant then applies the inverse normalised
@@ -77,7 +79,7 @@ FUNCTION_CONSTANT(bool, vec_kv_lens, 502)
 FUNCTION_CONSTANT(bool, vec_paged, 503)
 FUNCTION_CONSTANT(bool, vec_sinks, 504)
 FUNCTION_CONSTANT(bool, vec_lse, 505)
-FUNCTION_CONSTANT(bool, vec_kv_unaligned, 506)
+FUNCTION_CONSTANT(bool, vec_unaligned, 506)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
@@ -98,11 +100,11 @@ constexpr int vec_stage_rows() {
 }
 
 // VW consecutive elements at p as floats: one vector load, or VW scalar
-// loads when the host found q, K or V not aligned to a vector (506). Both give
+// loads when the host found a buffer off a vector boundary (506). Both give
 // the same values.
 template <int VW>
 inline void vec_load(thread float *f, const device float *p) {
-    if (vec_kv_unaligned) {
+    if (vec_unaligned) {
         for (int t = 0; t < VW; t++) f[t] = p[t];
     } else if (VW == 4) {
         const float4 x = *reinterpret_cast<const device float4 *>(p);
@@ -115,7 +117,7 @@ inline void vec_load(thread float *f, const device float *p) {
 
 template <int VW>
 inline void vec_load(thread float *f, const device half *p) {
-    if (vec_kv_unaligned) {
+    if (vec_unaligned) {
         for (int t = 0; t < VW; t++) f[t] = float(p[t]);
     } else if (VW == 4) {
         const half4 x = *reinterpret_cast<const device half4 *>(p);
@@ -129,7 +131,7 @@ inline void vec_load(thread float *f, const device half *p) {
 // bfloat widens to float exactly by placing its 16 bits on top.
 template <int VW>
 inline void vec_load(thread float *f, const device bfloat *p) {
-    if (vec_kv_unaligned) {
+    if (vec_unaligned) {
         for (int t = 0; t < VW; t++) f[t] = float(p[t]);
     } else if (VW == 4) {
         const ushort4 x = *reinterpret_cast<const device ushort4 *>(p);
@@ -137,6 +139,18 @@ inline void vec_load(thread float *f, const device bfloat *p) {
     } else {
         const ushort2 x = *reinterpret_cast<const device ushort2 *>(p);
         for (int t = 0; t < 2; t++) f[t] = as_type<float>(uint(x[t]) << 16);
+    }
+}
+
+// VW floats from f to p: one vector store, or VW scalar ones (506).
+template <int VW>
+inline void vec_store(device float *p, thread const float *f) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) p[t] = f[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<device float4 *>(p) = float4(f[0], f[1], f[2], f[3]);
+    } else {
+        *reinterpret_cast<device float2 *>(p) = float2(f[0], f[1]);
     }
 }
 
@@ -381,13 +395,11 @@ kernel void flash_attn_vec(
 
     device float *o_part = tmp + (row * nwg + wg) * D;
     for (int i = 0; i < NV; i++) {
-        if (!vec_lane_vec<D>(lane, i)) continue;
-        for (int t = 0; t < VW; t++) o_part[VW * (int(lane) + 32 * i) + t] = o[VW * i + t];
+        if (vec_lane_vec<D>(lane, i)) vec_store<VW>(o_part + VW * (int(lane) + 32 * i), o + VW * i);
     }
     if (lane == 0) {
-        device float *sm = tmp + nrows * nwg * D + (row * nwg + wg) * 2;
-        sm[0] = s_sum;
-        sm[1] = m * VEC_LN2;  // natural-log units, like the cpu kernel
+        const float sm[2] = {s_sum, m * VEC_LN2};  // M in natural-log units, like the cpu kernel
+        vec_store<2>(tmp + nrows * nwg * D + (row * nwg + wg) * 2, sm);
     }
 }
 
@@ -402,8 +414,9 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
         const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
         const bool has = lane < nwg;
-        const float m_w = has ? sm[2 * lane + 1] : FM_RUNNING_MAX_START;
-        const float s_w = has ? sm[2 * lane] : 0.0f;
+        float sw[2] = {0.0f, FM_RUNNING_MAX_START};  // (S, M) of workgroup `lane`
+        if (has) vec_load<2>(sw, sm + 2 * lane);
+        const float s_w = sw[0], m_w = sw[1];
         float m = simd_max(m_w);
         // A workgroup without keys (S = 0) has weight 0: its O is not read.
         float f = s_w != 0.0f ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
@@ -426,17 +439,22 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Output dim d of a row: the weighted sum of the partials, normalised.
-// Partials of weight 0 are skipped (a workgroup without keys leaves its O
-// unspecified, flashmetal.h); for a finite partial fma(x, 0, y) == y, so
-// skipping changes no bits.
+// Output dims d .. d + 3 of a row: the weighted sum of the partials,
+// normalised, read as float4s (each dim's own fma chain, as one dim at a
+// time would give). Partials of weight 0 are skipped (a workgroup without
+// keys leaves its O unspecified, flashmetal.h); for a finite partial
+// fma(x, 0, y) == y, so skipping changes no bits.
 template <int D>
-inline float vec_reduce_dim(const device float *tmp, long row, uint nwg, uint d, const threadgroup float *weights) {
-    float y = 0.0f;
+inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, uint nwg, uint d,
+                            const threadgroup float *weights) {
+    for (int t = 0; t < 4; t++) y[t] = 0.0f;
     for (uint w = 0; w < nwg; w++) {
-        if (weights[w] != 0.0f) y = fma(tmp[(row * long(nwg) + long(w)) * D + d], weights[w], y);
+        if (weights[w] == 0.0f) continue;
+        float x[4];
+        vec_load<4>(x, tmp + (row * long(nwg) + long(w)) * D + d);
+        for (int t = 0; t < 4; t++) y[t] = fma(x[t], weights[w], y[t]);
     }
-    return y * weights[32];
+    for (int t = 0; t < 4; t++) y[t] *= weights[32];
 }
 
 template <int D>
@@ -460,7 +478,12 @@ kernel void flash_attn_vec_reduce(
     device float *lse_out = nullptr;
     if (vec_lse) lse_out = lse;
     vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, vec_sinks, sink, lse_out);
-    for (uint d = tid; d < uint(D); d += tpg.x) out[row * D + d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+    static_assert(D % 4 == 0, "whole float4s");
+    for (uint d = 4 * tid; d < uint(D); d += 4 * tpg.x) {
+        float y[4];
+        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
+        for (int t = 0; t < 4; t++) out[row * D + d + t] = y[t];
+    }
 }
 
 template <int D>
@@ -483,7 +506,11 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     const uint nthreads = tpg.x;
     threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
     vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, false, 0.0f, nullptr);
-    for (uint d = tid; d < uint(D); d += nthreads) ys[d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+    for (uint d = 4 * tid; d < uint(D); d += 4 * nthreads) {
+        float y[4];
+        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
+        for (int t = 0; t < 4; t++) ys[d + t] = y[t];
+    }
 
     // In-place butterflies, natural (Sylvester) order: stage h pairs i, i + h.
     for (uint h = 1; h < uint(D); h <<= 1) {

@@ -49,7 +49,7 @@ public enum FunctionConstantIndex {
     /// Decode plain reduce: the lse output and FlashAttnVecReduceExtParams are bound.
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
     /// Decode: q, K or V is not aligned to the kernel's vector loads (it loads scalars).
-    public static let vecKVUnaligned = Int(FM_FC_VEC_KV_UNALIGNED.rawValue)
+    public static let vecUnaligned = Int(FM_FC_VEC_UNALIGNED.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// sdpa: a bool mask is bound.
@@ -72,7 +72,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
-        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_KV_UNALIGNED", vecKVUnaligned),
+        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
         ("FM_FC_APPEND_PAGED", appendPaged),
     ]
 }

@@ -222,14 +222,19 @@ public enum VecDispatcher {
         public var blockTable: TensorRef?
     }
 
-    /// q, K and V start on a vector load's boundary and every stride keeps
-    /// rows on one (else the kernel loads scalars: FunctionConstantIndex.vecKVUnaligned).
-    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, headDim: Int,
+    /// tmp starts on a float4 boundary (else the kernels move it in scalars:
+    /// FunctionConstantIndex.vecUnaligned).
+    static func tmpAligned(_ tmp: TensorRef) -> Bool { Int(bitPattern: tmp.data) % 16 == 0 }
+
+    /// q, K and V start on a vector load's boundary, every stride keeps rows
+    /// on one, and tmp is aligned (else the kernel moves them in scalars:
+    /// FunctionConstantIndex.vecUnaligned).
+    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, tmp: TensorRef, headDim: Int,
                               seq: FlashAttnVecSeqParams?) -> Bool {
         let w = vectorWidth(headDim: headDim)
         let bytes = w * k.dtype.byteSize
         if Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
-            || Int(bitPattern: q.data) % (w * 4) != 0 { return false }
+            || Int(bitPattern: q.data) % (w * 4) != 0 || !tmpAligned(tmp) { return false }
         guard let sp = seq else { return true }  // plain: rows are D elements apart
         let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
         return strides.allSatisfy { Int($0) % w == 0 }
@@ -252,7 +257,7 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecSeq, .bool(seq != nil)),
             (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
-            (FunctionConstantIndex.vecKVUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, headDim: Int(params.head_dim),
+            (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
                                                                          seq: seq?.params))),
         ])
         let d = Int(params.head_dim)
@@ -293,7 +298,8 @@ public enum VecDispatcher {
         if fwht {
             if ext != nil { throw FlashMetalError.internalError("\(rop): sinks/lse need the plain reduce") }
             if let s = signs { bindings[VecReduceBuffer.signs] = .buffer(s) }
-            constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil))])
+            constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil)),
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
             tgMem[0] = headDim * 4
         } else {
             if let e = ext {
@@ -308,7 +314,8 @@ public enum VecDispatcher {
             // 500 false: the plain reduce's buffer 4 only keeps the buffer positions.
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(false)),
                                            (FunctionConstantIndex.vecSinks, .bool(ext?.sinks != nil)),
-                                           (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil))])
+                                           (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil)),
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
         }
         return Dispatch(kernel: .vecReduce(headDim: headDim, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),

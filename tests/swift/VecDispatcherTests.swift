@@ -67,7 +67,7 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(m.threadgroup, Size3(64, 1, 1))
         XCTAssertEqual(VecDispatcher.rows(of: m), 16)
         XCTAssertEqual(m.threadgroupMemory, [0: (64 + 16 * 256) * 4])
-        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecKVUnaligned), false)
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecUnaligned), false)
         XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4])
         let p = try m.params(0, as: FlashAttnVecParams.self)
         XCTAssertEqual([p.n_heads, p.n_kv_heads, p.head_dim, p.kv_seq_len, p.kv_capacity, p.mask_type,

@@ -72,7 +72,7 @@ typedef enum FMFunctionConstant {
     FM_FC_VEC_PAGED = 503,          /* decode: block_table bound */
     FM_FC_VEC_SINKS = 504,          /* decode plain reduce: sinks + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
-    FM_FC_VEC_KV_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
+    FM_FC_VEC_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
