@@ -128,17 +128,21 @@ inline void vec_load(thread float *f, const device half *p) {
     }
 }
 
-// bfloat widens to float exactly by placing its 16 bits on top.
+// bfloat widens to float exactly by placing its 16 bits on top. The vector
+// is read as one 64-bit (32-bit) word and split by shifts: element t holds
+// bits 16 t .. 16 t + 15 (little-endian, as on every Apple GPU and the
+// simulator's hosts).
 template <int VW>
 inline void vec_load(thread float *f, const device bfloat *p) {
     if (vec_unaligned) {
         for (int t = 0; t < VW; t++) f[t] = float(p[t]);
     } else if (VW == 4) {
-        const ushort4 x = *reinterpret_cast<const device ushort4 *>(p);
-        for (int t = 0; t < 4; t++) f[t] = as_type<float>(uint(x[t]) << 16);
+        const ulong x = *reinterpret_cast<const device ulong *>(p);
+        for (int t = 0; t < 4; t++) f[t] = as_type<float>(uint(x >> (16 * t)) << 16);
     } else {
-        const ushort2 x = *reinterpret_cast<const device ushort2 *>(p);
-        for (int t = 0; t < 2; t++) f[t] = as_type<float>(uint(x[t]) << 16);
+        const uint x = *reinterpret_cast<const device uint *>(p);
+        f[0] = as_type<float>(x << 16);
+        f[1] = as_type<float>(x & 0xffff0000u);
     }
 }
 
