@@ -152,9 +152,13 @@ inline void vec_store(device float *p, thread const float *f) {
     if (vec_unaligned) {
         for (int t = 0; t < VW; t++) p[t] = f[t];
     } else if (VW == 4) {
-        *reinterpret_cast<device float4 *>(p) = float4(f[0], f[1], f[2], f[3]);
+        float4 x = float4(0.0f);
+        for (int t = 0; t < 4; t++) x[t] = f[t];
+        *reinterpret_cast<device float4 *>(p) = x;
     } else {
-        *reinterpret_cast<device float2 *>(p) = float2(f[0], f[1]);
+        float2 x = float2(0.0f);
+        for (int t = 0; t < 2; t++) x[t] = f[t];
+        *reinterpret_cast<device float2 *>(p) = x;
     }
 }
 
