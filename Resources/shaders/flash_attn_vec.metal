@@ -17,9 +17,10 @@
 //   lane accumulates its output elements over the chunk's V rows.
 // With HG = 1 the lanes load K and V rows straight from device memory. With
 // HG > 1 the threadgroup reads each K (then V) row once: all its threads copy
-// RS rows (vec_stage_rows) into threadgroup memory as floats, a barrier, then
-// every SIMD group reads them there, a barrier. Either way each lane sums
-// the same floats in the same order, so HG changes no bit of the result.
+// RS rows (vec_stage_rows) into one of two threadgroup stages unchanged, a
+// barrier, then every SIMD group reads them there (one barrier per stage:
+// the stages alternate). Either way each lane sums the same floats in the
+// same order, so HG changes no bit of the result.
 // Each lane reads its dims of q (float32) straight into registers: q is
 // never narrowed (staging it in half would lose ~3 digits and make
 // |q| > 65504 infinite), so decode meets the float32 tolerance. The query sits at position
@@ -33,8 +34,8 @@
 //
 // Buffers: 0 FlashAttnVecParams, 1 q (f32), 2 k, 3 v (f32, f16 or bf16),
 // 4 tmp. Threadgroup buffer 0 (VecDispatcher.threadgroupMemoryBytes): 32
-// probabilities (floats) per SIMD group, then with HG > 1 RS * D floats of
-// staged rows. Function constant 506 (vec_unaligned): q, K, V or tmp is not
+// probabilities (floats) per SIMD group, then with HG > 1 two stages of
+// RS * D K/V elements. Function constant 506 (vec_unaligned): q, K, V or tmp is not
 // aligned to a vector (16 bytes for tmp); every access to them is then
 // scalar (same values).
 //
@@ -92,11 +93,14 @@ constexpr int vec_width() {
 }
 
 // Key rows staged in threadgroup memory at a time when a threadgroup serves
-// several query heads: the largest power of two <= 32 whose float rows fit
-// in 16 KiB (VecDispatcher.stageRows computes the same).
-template <int D>
+// several query heads: the largest power of two <= 32 such that two stages
+// of rows (double buffering) fit in 16 KiB (VecDispatcher.stageRows).
+template <typename KV, int D>
 constexpr int vec_stage_rows() {
-    return 4096 / D >= 32 ? 32 : (4096 / D >= 16 ? 16 : 8);
+    return 8192 / (D * int(sizeof(KV))) >= 32   ? 32
+           : 8192 / (D * int(sizeof(KV))) >= 16 ? 16
+           : 8192 / (D * int(sizeof(KV))) >= 8  ? 8
+                                                : 4;
 }
 
 // VW consecutive elements at p as floats: one vector load, or VW scalar
@@ -162,6 +166,42 @@ inline void vec_store(device float *p, thread const float *f) {
     }
 }
 
+// VW elements from device to threadgroup memory unchanged: one vector move,
+// or VW scalar ones (506).
+template <int VW>
+inline void vec_copy(threadgroup float *d, const device float *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup float4 *>(d) = *reinterpret_cast<const device float4 *>(p);
+    } else {
+        *reinterpret_cast<threadgroup float2 *>(d) = *reinterpret_cast<const device float2 *>(p);
+    }
+}
+
+template <int VW>
+inline void vec_copy(threadgroup half *d, const device half *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup half4 *>(d) = *reinterpret_cast<const device half4 *>(p);
+    } else {
+        *reinterpret_cast<threadgroup half2 *>(d) = *reinterpret_cast<const device half2 *>(p);
+    }
+}
+
+// bfloat moves as raw 64-bit (32-bit) words.
+template <int VW>
+inline void vec_copy(threadgroup bfloat *d, const device bfloat *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup ulong *>(d) = *reinterpret_cast<const device ulong *>(p);
+    } else {
+        *reinterpret_cast<threadgroup uint *>(d) = *reinterpret_cast<const device uint *>(p);
+    }
+}
+
 // The chunk's partial dots: part[j] over this lane's dims of key j. After
 // the reduce-scatter lane j holds sum over lanes of part[j]: at the stage of
 // distance h a lane keeps the half of its indices whose bit h equals its own
@@ -216,23 +256,24 @@ inline void vec_row_device(thread float *x, const device KV *row, uint lane) {
     }
 }
 
-// The same elements of a row staged (as floats) in threadgroup memory.
-template <int D>
-inline void vec_row_staged(thread float *x, const threadgroup float *row, uint lane) {
+// The same elements of a row staged in threadgroup memory (converted to
+// float as they are read: the values vec_row_device gives).
+template <typename KV, int D>
+inline void vec_row_staged(thread float *x, const threadgroup KV *row, uint lane) {
     constexpr int VW = vec_width<D>();
     constexpr int NV = (D / VW + 31) / 32;
     for (int i = 0; i < NV; i++) {
         for (int t = 0; t < VW; t++) {
-            x[VW * i + t] = vec_lane_vec<D>(lane, i) ? row[VW * (int(lane) + 32 * i) + t] : 0.0f;
+            x[VW * i + t] = vec_lane_vec<D>(lane, i) ? float(row[VW * (int(lane) + 32 * i) + t]) : 0.0f;
         }
     }
 }
 
 // Stages rows j in [j0, j1) (chunk-relative, j0 >= s0) of the chunk's K or V
-// into stage[(j - s0) * D ...] as floats, all threads of the group copying
+// into stage[(j - s0) * D ...] unchanged, all threads of the group copying
 // vectors (base: the tensor; off: the half chunks' row offsets; rs: the row stride).
 template <typename KV, int D>
-inline void vec_stage(threadgroup float *stage, const device KV *base, thread const long *off, long rs, int s0,
+inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long rs, int s0,
                       int j0, int j1, uint tid, uint nthreads) {
     constexpr int VW = vec_width<D>();
     constexpr int NVR = D / VW;  // vectors per row
@@ -240,9 +281,7 @@ inline void vec_stage(threadgroup float *stage, const device KV *base, thread co
     for (int idx = int(tid); idx < n; idx += int(nthreads)) {
         const int j = j0 + idx / NVR;
         const int e = (idx % NVR) * VW;
-        float x[VW];
-        vec_load<VW>(x, base + off[j >> 4] + long(j & 15) * rs + e);
-        for (int t = 0; t < VW; t++) stage[(j - s0) * D + e + t] = x[t];
+        vec_copy<VW>(stage + (j - s0) * D + e, base + off[j >> 4] + long(j & 15) * rs + e);
     }
 }
 
@@ -256,7 +295,7 @@ kernel void flash_attn_vec(
     constant FlashAttnVecSeqParams *sp [[buffer(5), function_constant(vec_seq)]],
     const device int *seqlens_k [[buffer(6), function_constant(vec_kv_lens)]],
     const device int *block_table [[buffer(7), function_constant(vec_paged)]],
-    TG_BUFFER(float, tgm, 0),  // probabilities [HG][32], then the staged rows (HG > 1)
+    TG_BUFFER(float, tgm, 0),  // probabilities [HG][32], then two stages of rows (HG > 1)
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint3 ngroups BUILTIN(threadgroups_per_grid),
     uint3 tpg BUILTIN(threads_per_threadgroup),
@@ -266,7 +305,7 @@ kernel void flash_attn_vec(
     constexpr int VW = vec_width<D>();
     constexpr int NV = (D / VW + 31) / 32;  // vectors per lane (the last maybe absent)
     constexpr int NE = NV * VW;             // elements per lane
-    constexpr int RS = vec_stage_rows<D>();
+    constexpr int RS = vec_stage_rows<KV, D>();
     static_assert(FM_VEC_CHUNK == 32, "one key of a chunk per lane");
     static_assert(D % VW == 0 && 32 % RS == 0, "whole vectors and whole stages");
 
@@ -296,7 +335,10 @@ kernel void flash_attn_vec(
     constant FlashAttnVecSeqParams *seq = vec_seq ? sp : nullptr;
     const device int *table = vec_paged ? block_table : nullptr;
     threadgroup float *probs = tgm + 32 * int(sg);  // this head's chunk probabilities
-    threadgroup float *stage = tgm + 32 * hg;       // RS rows of K or V (HG > 1)
+    // Two stages of RS rows of K or V (HG > 1), used in turn: the barrier
+    // after writing one also orders every read of the other before its next write.
+    threadgroup KV *stages = reinterpret_cast<threadgroup KV *>(tgm + 32 * hg);
+    int nstage = 0;
 
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
     vec_row_device<float, D>(qv, q + row * D, lane);
@@ -350,15 +392,15 @@ kernel void flash_attn_vec(
             for (int s0 = 0; s0 < FM_VEC_CHUNK; s0 += RS) {
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
+                threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
                 vec_stage<KV, D>(stage, k, koff, ks[2], s0, a, z, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int r = 0; r < RS; r++) {
                     const int j = s0 + r;
                     if (j < a || j >= z) continue;
-                    vec_row_staged<D>(x, stage + r * D, lane);
+                    vec_row_staged<KV, D>(x, stage + r * D, lane);
                     for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
                 }
-                threadgroup_barrier(mem_flags::mem_threadgroup);  // the stage is rewritten next
             }
         }
         const float dot = vec_reduce_scatter(part, lane);
@@ -388,14 +430,14 @@ kernel void flash_attn_vec(
             for (int s0 = 0; s0 < FM_VEC_CHUNK; s0 += RS) {
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
+                threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
                 vec_stage<KV, D>(stage, v, voff, vs[2], s0, a, z, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int j = a; j < z; j++) {
                     const float pj = probs[j];
-                    vec_row_staged<D>(x, stage + (j - s0) * D, lane);
+                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane);
                     for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
                 }
-                threadgroup_barrier(mem_flags::mem_threadgroup);
             }
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk

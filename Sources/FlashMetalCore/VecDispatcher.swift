@@ -90,10 +90,12 @@ public enum VecDispatcher {
     }
 
     /// Key rows the main kernel stages in threadgroup memory at a time when
-    /// it serves several heads: the largest power of two <= 32 whose float
-    /// rows fit in 16 KiB (the kernel's vec_stage_rows).
-    public static func stageRows(headDim: Int) -> Int {
-        4096 / headDim >= 32 ? 32 : (4096 / headDim >= 16 ? 16 : 8)
+    /// it serves several heads: the largest power of two <= 32 such that two
+    /// stages of rows of `elementBytes`-byte elements fit in 16 KiB (the
+    /// kernel's vec_stage_rows).
+    public static func stageRows(headDim: Int, elementBytes: Int) -> Int {
+        let rows = 8192 / (headDim * elementBytes)
+        return rows >= 32 ? 32 : rows >= 16 ? 16 : rows >= 8 ? 8 : 4
     }
 
     /// Elements of one lane's vector load of K/V (the kernel's vec_width).
@@ -101,11 +103,12 @@ public enum VecDispatcher {
         headDim % 128 == 0 ? 4 : (headDim % 64 == 0 ? 2 : 4)
     }
 
-    /// Main-kernel threadgroup memory for `heads` query heads per group:
-    /// 32 probability floats per head, plus the staged rows (RS x D floats)
-    /// when several heads share the group.
-    public static func threadgroupMemoryBytes(headDim: Int, heads: Int = 1) -> Int {
-        (32 * heads + (heads > 1 ? stageRows(headDim: headDim) * headDim : 0)) * 4
+    /// Main-kernel threadgroup memory for `heads` query heads per group over
+    /// K/V of `elementBytes`-byte elements: 32 probability floats per head,
+    /// plus two stages of RS x D elements when several heads share the group.
+    public static func threadgroupMemoryBytes(headDim: Int, heads: Int = 1, elementBytes: Int) -> Int {
+        let stages = heads > 1 ? 2 * stageRows(headDim: headDim, elementBytes: elementBytes) * headDim * elementBytes : 0
+        return 32 * heads * 4 + stages
     }
 
     /// Query rows of a main dispatch: the grid's y times the heads per threadgroup.
@@ -265,7 +268,7 @@ public enum VecDispatcher {
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
             grid: Size3(1, rows / hg, nwg), threadgroup: Size3(32 * hg, 1, 1), bindings: bindings,
-            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: d, heads: hg)], writes: [VecBuffer.tmp])
+            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: d, heads: hg, elementBytes: k.dtype.byteSize)], writes: [VecBuffer.tmp])
     }
 
     /// The serving extension of the plain reduce (FunctionConstantIndex.vecSinks/vecLSE).

@@ -25,15 +25,22 @@ final class VecDispatcherTests: XCTestCase {
     func testTmpAndSharedMemory() {
         XCTAssertEqual(VecDispatcher.tmpByteCount(rows: 16, headDim: 256), 16 * 32 * 258 * 4)  // 528384
         XCTAssertEqual(VecDispatcher.tmpByteCount(rows: 16, headDim: 256), 528384)
-        // 32 probabilities per head, plus RS staged float rows when heads share a group.
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256), 32 * 4)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256, heads: 2), (64 + 16 * 256) * 4)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 512, heads: 8), (256 + 8 * 512) * 4)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 64, heads: 4), (128 + 32 * 64) * 4)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 128, heads: 8), (256 + 32 * 128) * 4)
+        // 32 probabilities per head, plus two stages of RS rows when heads share a group.
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256, elementBytes: 4), 32 * 4)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256, heads: 2, elementBytes: 2),
+                       64 * 4 + 2 * 16 * 256 * 2)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 512, heads: 8, elementBytes: 4),
+                       256 * 4 + 2 * 4 * 512 * 4)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 64, heads: 4, elementBytes: 2),
+                       128 * 4 + 2 * 32 * 64 * 2)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 128, heads: 8, elementBytes: 2),
+                       256 * 4 + 2 * 32 * 128 * 2)
         for d in VecCapability.headDims {
-            XCTAssertLessThanOrEqual(VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: 8), 32768, "D=\(d)")
-            XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: 8) % 16, 0, "D=\(d)")
+            for eb in [2, 4] {
+                let bytes = VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: 8, elementBytes: eb)
+                XCTAssertLessThanOrEqual(bytes, 32768, "D=\(d)")
+                XCTAssertEqual(bytes % 16, 0, "D=\(d)")
+            }
         }
         XCTAssertEqual(VecDispatcher.nwg, 32)
     }
@@ -41,7 +48,10 @@ final class VecDispatcherTests: XCTestCase {
     func testHeadsPerGroupStageRowsAndVectorWidth() {
         XCTAssertEqual([1, 2, 3, 4, 6, 8, 12, 16, 32].map { VecDispatcher.headsPerGroup(gqa: $0) },
                        [1, 2, 1, 4, 2, 8, 4, 8, 8])
-        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0) }, [32, 32, 32, 32, 16, 16, 8])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 2) },
+                       [32, 32, 32, 32, 16, 16, 8])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 4) },
+                       [32, 16, 16, 16, 8, 8, 4])
         XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.vectorWidth(headDim: $0) }, [2, 4, 4, 4, 2, 4, 4])
     }
 
@@ -66,7 +76,7 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(m.grid, Size3(1, 8, 32))
         XCTAssertEqual(m.threadgroup, Size3(64, 1, 1))
         XCTAssertEqual(VecDispatcher.rows(of: m), 16)
-        XCTAssertEqual(m.threadgroupMemory, [0: (64 + 16 * 256) * 4])
+        XCTAssertEqual(m.threadgroupMemory, [0: 64 * 4 + 2 * 16 * 256 * 2])
         XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecUnaligned), false)
         XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4])
         let p = try m.params(0, as: FlashAttnVecParams.self)
