@@ -42,7 +42,7 @@
 // Serving extension (FlashAttnVecSeqParams in flashmetal.h). With
 // function constant 501 (vec_seq) row r = b * H + h reads kv head
 // g = h / (H / Hkv) of sequence b through the strides at buffer 5, and the
-// grid's y is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
+// grid's y times HG is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
 // b holds seqlens_k[b] keys (buffer 6) instead of kv_seq_len; 0 sees nothing.
 // 503 (vec_paged): key p lives in page block_table[b * max_pages + p /
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32

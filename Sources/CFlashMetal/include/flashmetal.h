@@ -318,7 +318,8 @@ typedef struct AttnSeqParams {
  * (outside the query's chunk). kv_len_b == 0: the row sees no key.
  * page_size: any multiple of 16.
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
- * (H, Hkv); the grid's y (rows) is B * H and tmp holds B * H rows laid out as
+ * (H, Hkv); rows = B * H (the grid's y times the query heads per threadgroup)
+ * and tmp holds B * H rows laid out as
  * without it; kv_capacity is the keys a sequence can hold (cap, or
  * max_pages * page_size when paged) and bounds every seqlens_k[b]. */
 typedef struct FlashAttnVecSeqParams {
