@@ -214,23 +214,24 @@ def prefill_cases(reg, dims, dtypes, lengths, heads=32):
     return cases
 
 
-def decode_cases(reg, keys, groups=(1, 4, 8), batches=(1, 16), d=128, heads=32, dt="f16"):
+def decode_cases(reg, keys, groups=(1, 4, 8), batches=(1, 16), d=128, heads=32, dtypes=("f16", "bf16")):
     cases = []
-    for g in groups:
-        for b in batches:
-            for kl in keys:
-                def run(size, batch, hkv, g=g):
-                    rng = np.random.default_rng(size)
-                    q = rng.standard_normal((batch, hkv * g, d)).astype(np.float32)
-                    kc = randn(rng, (batch, hkv, size, d), dt)
-                    vc = randn(rng, (batch, hkv, size, d), dt)
-                    fm.flash_attn_decode(q, kc, vc, size, registry=reg)
+    for dt in dtypes:
+        for g in groups:
+            for b in batches:
+                for kl in keys:
+                    def run(size, batch, hkv, g=g, dt=dt):
+                        rng = np.random.default_rng(size)
+                        q = rng.standard_normal((batch, hkv * g, d)).astype(np.float32)
+                        kc = randn(rng, (batch, hkv, size, d), dt)
+                        vc = randn(rng, (batch, hkv, size, d), dt)
+                        fm.flash_attn_decode(q, kc, vc, size, registry=reg)
 
-                def flops(size, g=g):
-                    return 4 * d * size * g
-                name = "MHA" if g == 1 else f"GQA{g}"
-                cases.append(Case("decode", f"{dt} D={d} {name} B={b} keys={kl}", "flash_attn_vec + reduce", run,
-                                  [1024, 2048], 1, kl, b, heads // g, flops))
+                    def flops(size, g=g):
+                        return 4 * d * size * g
+                    name = "MHA" if g == 1 else f"GQA{g}"
+                    cases.append(Case("decode", f"{dt} D={d} {name} B={b} keys={kl}", "flash_attn_vec + reduce",
+                                      run, [1024, 2048], 1, kl, b, heads // g, flops))
     return cases
 
 

@@ -1,17 +1,26 @@
 // flash_attn_vec.metal — split-KV decode (mlx-native's flash_attn_vec and its reduce): one query row per
 // head, the KV range split over NWG = 32 workgroups, then a reduce.
 //
-// Main kernel, grid (1, rows, NWG), one SIMD group (32 threads) per
-// (row, workgroup). Workgroup wg takes a contiguous run of 32-key chunks
-// (FM_VEC_CHUNK: the split flashmetal.h defines for every backend). Per chunk:
-//   every lane dots its dims (l, l + 32, ...) of q with each of the chunk's
-//   32 keys (coalesced K reads), then a butterfly reduce-scatter over the
-//   SIMD group (31 shuffles) leaves the full q.k of key c + j in lane j;
-//   lane j scores key c + j: s = scale * q.k, softcap, then s * log2(e);
-//   online softmax in the exp2 domain (the running max starts at the finite
-//   -FLT_MAX / 2, so a masked key (-inf) gives exp2(-inf) = 0, never NaN);
-//   the 32 probabilities go through threadgroup memory and lane l
-//   accumulates output dims l, l + 32, ... over the chunk's V rows.
+// Main kernel, grid (1, rows / HG, NWG), HG SIMD groups (32 * HG threads)
+// per threadgroup: the HG query heads of one kv head (HG divides H / Hkv;
+// VecDispatcher.headsPerGroup), one SIMD group each, over one workgroup's
+// keys. Workgroup wg takes a contiguous run of 32-key chunks (FM_VEC_CHUNK:
+// the split flashmetal.h defines for every backend). Per chunk:
+//   lane l owns the elements VW * (l + 32 i) + t, t < VW (vec_width: VW = 4
+//   or 2, so K and V come in 8-byte half4 / 16-byte float4 loads) and dots
+//   them with each of the chunk's 32 keys, then a butterfly reduce-scatter
+//   over the SIMD group (31 shuffles) leaves the full q.k of key c + j in
+//   lane j; lane j scores key c + j: s = scale * q.k, softcap, then
+//   s * log2(e); online softmax in the exp2 domain (the running max starts
+//   at the finite -FLT_MAX / 2, so a masked key (-inf) gives exp2(-inf) = 0,
+//   never NaN); the 32 probabilities go through threadgroup memory and each
+//   lane accumulates its output elements over the chunk's V rows.
+// With HG = 1 the lanes load K and V rows straight from device memory. With
+// HG > 1 the threadgroup reads each K (then V) row once: all its threads copy
+// RS rows (vec_stage_rows) into one of two threadgroup stages unchanged, a
+// barrier, then every SIMD group reads them there (one barrier per stage:
+// the stages alternate). Either way each lane sums the same floats in the
+// same order, so HG changes no bit of the result.
 // Each lane reads its dims of q (float32) straight into registers: q is
 // never narrowed (staging it in half would lose ~3 digits and make
 // |q| > 65504 infinite), so decode meets the float32 tolerance. The query sits at position
@@ -24,13 +33,16 @@
 // kernel writes them, so the two backends' tmp buffers mean the same thing.
 //
 // Buffers: 0 FlashAttnVecParams, 1 q (f32), 2 k, 3 v (f32, f16 or bf16),
-// 4 tmp. Threadgroup buffer 0: PK + SH + 2 * PV halfs (VecDispatcher); this
-// kernel uses only the chunk's 32 probabilities (floats) at its start.
+// 4 tmp. Threadgroup buffer 0 (VecDispatcher.threadgroupMemoryBytes): 32
+// probabilities (floats) per SIMD group, then with HG > 1 two stages of
+// RS * D K/V elements. Function constant 506 (vec_unaligned): q, K, V or tmp is not
+// aligned to a vector (16 bytes for tmp); every access to them is then
+// scalar (same values).
 //
 // Serving extension (FlashAttnVecSeqParams in flashmetal.h). With
 // function constant 501 (vec_seq) row r = b * H + h reads kv head
 // g = h / (H / Hkv) of sequence b through the strides at buffer 5, and the
-// grid's y is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
+// grid's y times HG is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
 // b holds seqlens_k[b] keys (buffer 6) instead of kv_seq_len; 0 sees nothing.
 // 503 (vec_paged): key p lives in page block_table[b * max_pages + p /
 // page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
@@ -40,10 +52,11 @@
 // so each half lies in one page. The window and the attention chunk apply
 // per sequence.
 //
-// Head dims that are not a multiple of 32 (80): lane l still owns dims
-// l, l + 32, ...; the last of them exist only for l < D % 32.
+// Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
+// vector i only if l + 32 i < D / VW.
 //
-// Reduce, grid (rows, 1, 1), 32 * NWG threads: rescales partial w by
+// Reduce, grid (rows, 1, 1), 32 * NWG threads, each thread 4 dims of the
+// row (float4 reads of tmp; scalar with 506): rescales partial w by
 // exp(M_w - M) (0 for a workgroup with S_w = 0, whose O is never read),
 // normalises by the combined S (S == 0: a row that sees no key outputs
 // zeros). The fused variant then applies the inverse normalised
@@ -67,14 +80,126 @@ FUNCTION_CONSTANT(bool, vec_kv_lens, 502)
 FUNCTION_CONSTANT(bool, vec_paged, 503)
 FUNCTION_CONSTANT(bool, vec_sinks, 504)
 FUNCTION_CONSTANT(bool, vec_lse, 505)
+FUNCTION_CONSTANT(bool, vec_unaligned, 506)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
 
-// Threadgroup memory of the main kernel as VecDispatcher sizes it, in halfs.
+// Elements of one lane's K/V load (a half4 is 8 bytes): 4, or 2 where that
+// keeps every lane busy (D = 64: 32 lanes x 2; D = 192: 3 x 2 per lane).
 template <int D>
-constexpr int vec_tg_halfs() {
-    return ((D + 127) & ~127) * 3 + 4 * 32;
+constexpr int vec_width() {
+    return D % 128 == 0 ? 4 : (D % 64 == 0 ? 2 : 4);
+}
+
+// Key rows staged in threadgroup memory at a time when a threadgroup serves
+// several query heads: the largest power of two <= 32 such that two stages
+// of rows (double buffering) fit in 16 KiB (VecDispatcher.stageRows).
+template <typename KV, int D>
+constexpr int vec_stage_rows() {
+    return 8192 / (D * int(sizeof(KV))) >= 32   ? 32
+           : 8192 / (D * int(sizeof(KV))) >= 16 ? 16
+           : 8192 / (D * int(sizeof(KV))) >= 8  ? 8
+                                                : 4;
+}
+
+// VW consecutive elements at p as floats: one vector load, or VW scalar
+// loads when the host found a buffer off a vector boundary (506). Both give
+// the same values.
+template <int VW>
+inline void vec_load(thread float *f, const device float *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) f[t] = p[t];
+    } else if (VW == 4) {
+        const float4 x = *reinterpret_cast<const device float4 *>(p);
+        for (int t = 0; t < 4; t++) f[t] = x[t];
+    } else {
+        const float2 x = *reinterpret_cast<const device float2 *>(p);
+        for (int t = 0; t < 2; t++) f[t] = x[t];
+    }
+}
+
+template <int VW>
+inline void vec_load(thread float *f, const device half *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) f[t] = float(p[t]);
+    } else if (VW == 4) {
+        const half4 x = *reinterpret_cast<const device half4 *>(p);
+        for (int t = 0; t < 4; t++) f[t] = float(x[t]);
+    } else {
+        const half2 x = *reinterpret_cast<const device half2 *>(p);
+        for (int t = 0; t < 2; t++) f[t] = float(x[t]);
+    }
+}
+
+// bfloat widens to float exactly by placing its 16 bits on top. The vector
+// is read as one 64-bit (32-bit) word and split by shifts: element t holds
+// bits 16 t .. 16 t + 15 (little-endian, as on every Apple GPU and the
+// simulator's hosts).
+template <int VW>
+inline void vec_load(thread float *f, const device bfloat *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) f[t] = float(p[t]);
+    } else if (VW == 4) {
+        const ulong x = *reinterpret_cast<const device ulong *>(p);
+        for (int t = 0; t < 4; t++) f[t] = as_type<float>(uint(x >> (16 * t)) << 16);
+    } else {
+        const uint x = *reinterpret_cast<const device uint *>(p);
+        f[0] = as_type<float>(x << 16);
+        f[1] = as_type<float>(x & 0xffff0000u);
+    }
+}
+
+// VW floats from f to p: one vector store, or VW scalar ones (506).
+template <int VW>
+inline void vec_store(device float *p, thread const float *f) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) p[t] = f[t];
+    } else if (VW == 4) {
+        float4 x = float4(0.0f);
+        for (int t = 0; t < 4; t++) x[t] = f[t];
+        *reinterpret_cast<device float4 *>(p) = x;
+    } else {
+        float2 x = float2(0.0f);
+        for (int t = 0; t < 2; t++) x[t] = f[t];
+        *reinterpret_cast<device float2 *>(p) = x;
+    }
+}
+
+// VW elements from device to threadgroup memory unchanged: one vector move,
+// or VW scalar ones (506).
+template <int VW>
+inline void vec_copy(threadgroup float *d, const device float *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup float4 *>(d) = *reinterpret_cast<const device float4 *>(p);
+    } else {
+        *reinterpret_cast<threadgroup float2 *>(d) = *reinterpret_cast<const device float2 *>(p);
+    }
+}
+
+template <int VW>
+inline void vec_copy(threadgroup half *d, const device half *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup half4 *>(d) = *reinterpret_cast<const device half4 *>(p);
+    } else {
+        *reinterpret_cast<threadgroup half2 *>(d) = *reinterpret_cast<const device half2 *>(p);
+    }
+}
+
+// bfloat moves as raw 64-bit (32-bit) words.
+template <int VW>
+inline void vec_copy(threadgroup bfloat *d, const device bfloat *p) {
+    if (vec_unaligned) {
+        for (int t = 0; t < VW; t++) d[t] = p[t];
+    } else if (VW == 4) {
+        *reinterpret_cast<threadgroup ulong *>(d) = *reinterpret_cast<const device ulong *>(p);
+    } else {
+        *reinterpret_cast<threadgroup uint *>(d) = *reinterpret_cast<const device uint *>(p);
+    }
 }
 
 // The chunk's partial dots: part[j] over this lane's dims of key j. After
@@ -94,10 +219,12 @@ inline float vec_reduce_scatter(thread float *part, uint lane) {
     return part[0];
 }
 
-// Lane `lane`'s i-th dim (lane + 32 i) exists: always when D % 32 == 0.
+// Lane `lane`'s i-th vector (elements VW * (lane + 32 i) ...) exists: always
+// when D is a multiple of 32 * VW.
 template <int D>
-inline bool vec_lane_dim(uint lane, int i) {
-    return D % 32 == 0 || int(lane) + 32 * i < D;
+inline bool vec_lane_vec(uint lane, int i) {
+    constexpr int VW = vec_width<D>();
+    return D % (32 * VW) == 0 || int(lane) + 32 * i < D / VW;
 }
 
 // Element offset of the row of key c + 16 * half's page start (the keys of a
@@ -114,6 +241,50 @@ inline long vec_half_offset(long c, int half, long b, long g, constant FlashAttn
     return b * s[0] + g * s[1] + p * s[2];
 }
 
+// This lane's elements of one K or V row (row points at its element 0),
+// from device memory: one vector load per lane vector, 0 past D.
+template <typename KV, int D>
+inline void vec_row_device(thread float *x, const device KV *row, uint lane) {
+    constexpr int VW = vec_width<D>();
+    constexpr int NV = (D / VW + 31) / 32;
+    for (int i = 0; i < NV; i++) {
+        if (vec_lane_vec<D>(lane, i)) {
+            vec_load<VW>(x + VW * i, row + VW * (int(lane) + 32 * i));
+        } else {
+            for (int t = 0; t < VW; t++) x[VW * i + t] = 0.0f;
+        }
+    }
+}
+
+// The same elements of a row staged in threadgroup memory (converted to
+// float as they are read: the values vec_row_device gives).
+template <typename KV, int D>
+inline void vec_row_staged(thread float *x, const threadgroup KV *row, uint lane) {
+    constexpr int VW = vec_width<D>();
+    constexpr int NV = (D / VW + 31) / 32;
+    for (int i = 0; i < NV; i++) {
+        for (int t = 0; t < VW; t++) {
+            x[VW * i + t] = vec_lane_vec<D>(lane, i) ? float(row[VW * (int(lane) + 32 * i) + t]) : 0.0f;
+        }
+    }
+}
+
+// Stages rows j in [j0, j1) (chunk-relative, j0 >= s0) of the chunk's K or V
+// into stage[(j - s0) * D ...] unchanged, all threads of the group copying
+// vectors (base: the tensor; off: the half chunks' row offsets; rs: the row stride).
+template <typename KV, int D>
+inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long rs, int s0,
+                      int j0, int j1, uint tid, uint nthreads) {
+    constexpr int VW = vec_width<D>();
+    constexpr int NVR = D / VW;  // vectors per row
+    const int n = (j1 - j0) * NVR;
+    for (int idx = int(tid); idx < n; idx += int(nthreads)) {
+        const int j = j0 + idx / NVR;
+        const int e = (idx % NVR) * VW;
+        vec_copy<VW>(stage + (j - s0) * D + e, base + off[j >> 4] + long(j & 15) * rs + e);
+    }
+}
+
 template <typename KV, int D>
 kernel void flash_attn_vec(
     constant FlashAttnVecParams &p [[buffer(0)]],
@@ -124,18 +295,25 @@ kernel void flash_attn_vec(
     constant FlashAttnVecSeqParams *sp [[buffer(5), function_constant(vec_seq)]],
     const device int *seqlens_k [[buffer(6), function_constant(vec_kv_lens)]],
     const device int *block_table [[buffer(7), function_constant(vec_paged)]],
-    TG_BUFFER(float, probs, 0),  // the chunk's 32 probabilities
+    TG_BUFFER(float, tgm, 0),  // probabilities [HG][32], then two stages of rows (HG > 1)
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint3 ngroups BUILTIN(threadgroups_per_grid),
+    uint3 tpg BUILTIN(threads_per_threadgroup),
+    uint tid BUILTIN(thread_index_in_threadgroup),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
-    constexpr int NE = (D + 31) / 32;  // output dims per lane (the last maybe partial)
+    constexpr int VW = vec_width<D>();
+    constexpr int NV = (D / VW + 31) / 32;  // vectors per lane (the last maybe absent)
+    constexpr int NE = NV * VW;             // elements per lane
+    constexpr int RS = vec_stage_rows<KV, D>();
     static_assert(FM_VEC_CHUNK == 32, "one key of a chunk per lane");
-    static_assert(32 * 4 <= vec_tg_halfs<D>() * 2, "uses no more than the dispatcher binds");
-    static_assert(vec_tg_halfs<D>() * 2 <= 32768, "threadgroup memory over 32 KiB");
+    static_assert(D % VW == 0 && 32 % RS == 0, "whole vectors and whole stages");
 
-    const long row = tgid.y;
+    // HG query heads of one kv head share the threadgroup, one SIMD group each.
+    const int hg = int(tpg.x) / 32;
+    const long row = long(tgid.y) * hg + long(sg);
     const long wg = tgid.z;
-    const long nrows = vec_seq ? long(ngroups.y) : long(p.n_heads);
+    const long nrows = vec_seq ? long(ngroups.y) * hg : long(p.n_heads);
     const long nwg = p.nwg;
     const long gqa = long(p.n_heads) / long(p.n_kv_heads);
     // (sequence, kv head) of the row and the (sequence or page, kv head, row)
@@ -156,9 +334,15 @@ kernel void flash_attn_vec(
     // An argument whose constant is false is not there: never read, only null.
     constant FlashAttnVecSeqParams *seq = vec_seq ? sp : nullptr;
     const device int *table = vec_paged ? block_table : nullptr;
+    threadgroup float *probs = tgm + 32 * int(sg);  // this head's chunk probabilities
+    // Two stages of RS rows of K or V (HG > 1), used in turn: the barrier
+    // after writing one also orders every read of the other before its next write.
+    threadgroup KV *stages = reinterpret_cast<threadgroup KV *>(tgm + 32 * hg);
+    int nstage = 0;
 
-    float qv[NE];  // this lane's dims of q: l, l + 32, ...
-    for (int i = 0; i < NE; i++) qv[i] = vec_lane_dim<D>(lane, i) ? q[row * D + int(lane) + 32 * i] : 0.0f;
+    float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
+    vec_row_device<float, D>(qv, q + row * D, lane);
+    const float scale = p.scale, softcap = p.softcap;
 
     // Visible keys: [lo, kv_len), from the sequence's first key f (cache_leftpad,
     // after the lengths in seqlens_k).
@@ -173,18 +357,20 @@ kernel void flash_attn_vec(
     }
 
     float o[NE];
-    for (int i = 0; i < NE; i++) o[i] = 0.0f;
+    for (int e = 0; e < NE; e++) o[e] = 0.0f;
     float m = FM_RUNNING_MAX_START;  // log2 domain
     float s_sum = 0.0f;
 
     // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal.h).
+    // Every SIMD group of the threadgroup has the same sequence, hence the
+    // same run and the same visible keys: the barriers below are uniform.
     const long c0 = lo / FM_VEC_CHUNK;
     const long chunks = kv_len > lo ? (kv_len + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0 : 0;
     const long busy = min(chunks, nwg);
     const long c_begin = wg < busy ? (c0 + chunks * wg / busy) * FM_VEC_CHUNK : 0;
     const long c_end = wg < busy ? (c0 + chunks * (wg + 1) / busy) * FM_VEC_CHUNK : 0;
     for (long c = c_begin; c < c_end; c += FM_VEC_CHUNK) {
-        // Row offsets of the chunk's two half chunks (uniform over the SIMD group).
+        // Row offsets of the chunk's two half chunks (uniform over the threadgroup).
         long koff[2] = {0, 0};
         long voff[2] = {0, 0};
         for (int hf = 0; hf < 2; hf++) {
@@ -192,22 +378,40 @@ kernel void flash_attn_vec(
             koff[hf] = vec_half_offset(c, hf, b, g, seq, table, ks);
             voff[hf] = vec_half_offset(c, hf, b, g, seq, table, vs);
         }
+        // Visible keys of the chunk: [j0, j1).
+        const int j0 = int(max(lo - c, 0L));
+        const int j1 = int(min(long(FM_VEC_CHUNK), kv_len - c));
         float part[FM_VEC_CHUNK];
-        for (int j = 0; j < FM_VEC_CHUNK; j++) {
-            part[j] = 0.0f;
-            const long pj = c + j;
-            if (pj >= kv_len || pj < lo) continue;  // uniform over the SIMD group
-            const device KV *kr = k + koff[j >> 4] + long(j & 15) * ks[2] + lane;
-            for (int i = 0; i < NE; i++) {
-                if (vec_lane_dim<D>(lane, i)) part[j] = fma(qv[i], float(kr[32 * i]), part[j]);
+        for (int j = 0; j < FM_VEC_CHUNK; j++) part[j] = 0.0f;
+        float x[NE];
+        if (hg == 1) {
+            for (int j = 0; j < FM_VEC_CHUNK; j++) {  // constant bounds: part stays in registers
+                if (j < j0 || j >= j1) continue;         // uniform over the SIMD group
+                vec_row_device<KV, D>(x, k + koff[j >> 4] + long(j & 15) * ks[2], lane);
+                for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
+            }
+        } else {
+            // K read once for the HG heads: staged RS rows at a time.
+            for (int s0 = 0; s0 < FM_VEC_CHUNK; s0 += RS) {
+                const int a = max(j0, s0), z = min(j1, s0 + RS);
+                if (a >= z) continue;
+                threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
+                vec_stage<KV, D>(stage, k, koff, ks[2], s0, a, z, tid, tpg.x);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                for (int r = 0; r < RS; r++) {
+                    const int j = s0 + r;
+                    if (j < a || j >= z) continue;
+                    vec_row_staged<KV, D>(x, stage + r * D, lane);
+                    for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
+                }
             }
         }
         const float dot = vec_reduce_scatter(part, lane);
         const long pos = c + long(lane);
         float s = -INFINITY;
         if (pos < kv_len && pos >= lo) {
-            s = p.scale * dot;
-            if (p.softcap > 0.0f) s = p.softcap * precise::tanh(s / p.softcap);
+            s = scale * dot;
+            if (softcap > 0.0f) s = softcap * precise::tanh(s / softcap);
             s *= FM_LOG2E;
         }
         const float m_new = max(m, simd_max(s));
@@ -218,27 +422,37 @@ kernel void flash_attn_vec(
 
         probs[lane] = pr;
         simdgroup_barrier(mem_flags::mem_threadgroup);
-        for (int i = 0; i < NE; i++) o[i] *= factor;
-        const long j0 = max(lo - c, 0L);
-        const long j1 = min(long(FM_VEC_CHUNK), kv_len - c);
-        for (long j = j0; j < j1; j++) {
-            const float pj = probs[j];
-            const device KV *vr = v + voff[j >> 4] + (j & 15) * vs[2] + lane;
-            for (int i = 0; i < NE; i++) {
-                if (vec_lane_dim<D>(lane, i)) o[i] = fma(pj, float(vr[32 * i]), o[i]);
+        for (int e = 0; e < NE; e++) o[e] *= factor;
+        if (hg == 1) {
+            for (int j = j0; j < j1; j++) {
+                const float pj = probs[j];
+                vec_row_device<KV, D>(x, v + voff[j >> 4] + long(j & 15) * vs[2], lane);
+                for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
+            }
+        } else {
+            for (int s0 = 0; s0 < FM_VEC_CHUNK; s0 += RS) {
+                const int a = max(j0, s0), z = min(j1, s0 + RS);
+                if (a >= z) continue;
+                threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
+                vec_stage<KV, D>(stage, v, voff, vs[2], s0, a, z, tid, tpg.x);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                for (int j = a; j < z; j++) {
+                    const float pj = probs[j];
+                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane);
+                    for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
+                }
             }
         }
         simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk
     }
 
     device float *o_part = tmp + (row * nwg + wg) * D;
-    for (int i = 0; i < NE; i++) {
-        if (vec_lane_dim<D>(lane, i)) o_part[int(lane) + 32 * i] = o[i];
+    for (int i = 0; i < NV; i++) {
+        if (vec_lane_vec<D>(lane, i)) vec_store<VW>(o_part + VW * (int(lane) + 32 * i), o + VW * i);
     }
     if (lane == 0) {
-        device float *sm = tmp + nrows * nwg * D + (row * nwg + wg) * 2;
-        sm[0] = s_sum;
-        sm[1] = m * VEC_LN2;  // natural-log units, like the cpu kernel
+        const float sm[2] = {s_sum, m * VEC_LN2};  // M in natural-log units, like the cpu kernel
+        vec_store<2>(tmp + nrows * nwg * D + (row * nwg + wg) * 2, sm);
     }
 }
 
@@ -253,8 +467,9 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
         const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
         const bool has = lane < nwg;
-        const float m_w = has ? sm[2 * lane + 1] : FM_RUNNING_MAX_START;
-        const float s_w = has ? sm[2 * lane] : 0.0f;
+        float sw[2] = {0.0f, FM_RUNNING_MAX_START};  // (S, M) of workgroup `lane`
+        if (has) vec_load<2>(sw, sm + 2 * lane);
+        const float s_w = sw[0], m_w = sw[1];
         float m = simd_max(m_w);
         // A workgroup without keys (S = 0) has weight 0: its O is not read.
         float f = s_w != 0.0f ? exp2((m_w - m) * FM_LOG2E) : 0.0f;
@@ -277,17 +492,22 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Output dim d of a row: the weighted sum of the partials, normalised.
-// Partials of weight 0 are skipped (a workgroup without keys leaves its O
-// unspecified, flashmetal.h); for a finite partial fma(x, 0, y) == y, so
-// skipping changes no bits.
+// Output dims d .. d + 3 of a row: the weighted sum of the partials,
+// normalised, read as float4s (each dim's own fma chain, as one dim at a
+// time would give). Partials of weight 0 are skipped (a workgroup without
+// keys leaves its O unspecified, flashmetal.h); for a finite partial
+// fma(x, 0, y) == y, so skipping changes no bits.
 template <int D>
-inline float vec_reduce_dim(const device float *tmp, long row, uint nwg, uint d, const threadgroup float *weights) {
-    float y = 0.0f;
+inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, uint nwg, uint d,
+                            const threadgroup float *weights) {
+    for (int t = 0; t < 4; t++) y[t] = 0.0f;
     for (uint w = 0; w < nwg; w++) {
-        if (weights[w] != 0.0f) y = fma(tmp[(row * long(nwg) + long(w)) * D + d], weights[w], y);
+        if (weights[w] == 0.0f) continue;
+        float x[4];
+        vec_load<4>(x, tmp + (row * long(nwg) + long(w)) * D + d);
+        for (int t = 0; t < 4; t++) y[t] = fma(x[t], weights[w], y[t]);
     }
-    return y * weights[32];
+    for (int t = 0; t < 4; t++) y[t] *= weights[32];
 }
 
 template <int D>
@@ -311,7 +531,12 @@ kernel void flash_attn_vec_reduce(
     device float *lse_out = nullptr;
     if (vec_lse) lse_out = lse;
     vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, vec_sinks, sink, lse_out);
-    for (uint d = tid; d < uint(D); d += tpg.x) out[row * D + d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+    static_assert(D % 4 == 0, "whole float4s");
+    for (uint d = 4 * tid; d < uint(D); d += 4 * tpg.x) {
+        float y[4];
+        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
+        for (int t = 0; t < 4; t++) out[row * D + d + t] = y[t];
+    }
 }
 
 template <int D>
@@ -334,7 +559,11 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     const uint nthreads = tpg.x;
     threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
     vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, false, 0.0f, nullptr);
-    for (uint d = tid; d < uint(D); d += nthreads) ys[d] = vec_reduce_dim<D>(tmp, row, nwg, d, weights);
+    for (uint d = 4 * tid; d < uint(D); d += 4 * nthreads) {
+        float y[4];
+        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
+        for (int t = 0; t < 4; t++) ys[d + t] = y[t];
+    }
 
     // In-place butterflies, natural (Sylvester) order: stage h pairs i, i + h.
     for (uint h = 1; h < uint(D); h <<= 1) {

@@ -6,7 +6,7 @@ import FlashMetalCore
 private let smallWork = 1 << 18
 
 /// `flash_attn_vec_*` on the cpu: one work item per (kv row, workgroup) of
-/// the grid (1, rows, NWG), covering the GQA group's rows so K/V are read
+/// the grid's rows (VecDispatcher.rows) and NWG, covering the GQA group's rows so K/V are read
 /// once per group; each row's partial (O, S, M) goes into tmp. With the
 /// serving constants (501-503) the strides, per-sequence lengths and block
 /// table come from the dispatch (flashmetal.h, FlashAttnVecSeqParams).
@@ -69,8 +69,9 @@ final class VecKernel: CPUKernel {
         if Int(p.nwg) != d.grid.z {
             throw FlashMetalError.internalError("\(name): params nwg \(p.nwg) != grid z \(d.grid.z)")
         }
-        if p.n_heads == 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 || d.grid.y % Int(p.n_heads) != 0 {
-            throw FlashMetalError.internalError("\(name): heads \(p.n_heads)/\(p.n_kv_heads) do not divide rows \(d.grid.y)")
+        let rows = VecDispatcher.rows(of: d)
+        if p.n_heads == 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 || rows % Int(p.n_heads) != 0 {
+            throw FlashMetalError.internalError("\(name): heads \(p.n_heads)/\(p.n_kv_heads) do not divide rows \(rows)")
         }
         var a = FMVecArgs()
         a.p = p
@@ -79,7 +80,7 @@ final class VecKernel: CPUKernel {
         a.v = UnsafeRawPointer(v.data)
         a.tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
         a.kv_dtype = k.dtype.rawValue
-        a.batch = Int64(d.grid.y / Int(p.n_heads))
+        a.batch = Int64(rows / Int(p.n_heads))
         let dk = Int64(p.head_dim)
         guard seq else {
             // The plain decode's [(B,) Hkv, cap, D]: batch folded into the heads.

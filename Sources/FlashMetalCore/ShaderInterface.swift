@@ -48,6 +48,8 @@ public enum FunctionConstantIndex {
     public static let vecSinks = Int(FM_FC_VEC_SINKS.rawValue)
     /// Decode plain reduce: the lse output and FlashAttnVecReduceExtParams are bound.
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
+    /// Decode: q, K or V is not aligned to the kernel's vector loads (it loads scalars).
+    public static let vecUnaligned = Int(FM_FC_VEC_UNALIGNED.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// kv_codes_decode: seqlens_k is bound.
@@ -92,7 +94,8 @@ public enum FunctionConstantIndex {
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
-        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_APPEND_PAGED", appendPaged),
+        ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
+        ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
         ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),

@@ -62,7 +62,8 @@ public struct VecTensors {
 /// Its absence (all signs +1) is signalled by the function constant
 /// FunctionConstantIndex.vecHasSigns = false, so no dummy buffer is bound.
 ///
-/// Main grid (1, rows, NWG) of 32 threads, buffers VecBuffer; reduce grid
+/// Main grid (1, rows / HG, NWG) of 32 * HG threads (HG query heads of one
+/// kv head per threadgroup), buffers VecBuffer; reduce grid
 /// (rows, 1, 1) of 32*NWG threads, buffers VecReduceBuffer.
 public enum VecDispatcher {
     /// The op name errors carry.
@@ -82,11 +83,39 @@ public enum VecDispatcher {
         rows * nwg * (headDim + 2) * 4
     }
 
-    /// Main-kernel threadgroup memory: PK + SH + 2*PV halfs, PK = PV = pad(D, 128), SH = 128.
-    public static func threadgroupMemoryBytes(headDim: Int) -> Int {
-        let pk = (headDim + 127) & ~127
-        return (pk + 4 * 32 + 2 * pk) * 2
+    /// Query heads one main threadgroup serves (one SIMD group each), sharing
+    /// their kv head's K/V reads: the largest power of two <= 8 dividing the
+    /// GQA group size `gqa` (H / Hkv).
+    public static func headsPerGroup(gqa: Int) -> Int {
+        var hg = 1
+        while hg < 8 && gqa % (2 * hg) == 0 { hg *= 2 }
+        return hg
     }
+
+    /// Key rows the main kernel stages in threadgroup memory at a time when
+    /// it serves several heads: the largest power of two <= 32 such that two
+    /// stages of rows of `elementBytes`-byte elements fit in 16 KiB (the
+    /// kernel's vec_stage_rows).
+    public static func stageRows(headDim: Int, elementBytes: Int) -> Int {
+        let rows = 8192 / (headDim * elementBytes)
+        return rows >= 32 ? 32 : rows >= 16 ? 16 : rows >= 8 ? 8 : 4
+    }
+
+    /// Elements of one lane's vector load of K/V (the kernel's vec_width).
+    public static func vectorWidth(headDim: Int) -> Int {
+        headDim % 128 == 0 ? 4 : (headDim % 64 == 0 ? 2 : 4)
+    }
+
+    /// Main-kernel threadgroup memory for `heads` query heads per group over
+    /// K/V of `elementBytes`-byte elements: 32 probability floats per head,
+    /// plus two stages of RS x D elements when several heads share the group.
+    public static func threadgroupMemoryBytes(headDim: Int, heads: Int = 1, elementBytes: Int) -> Int {
+        let stages = heads > 1 ? 2 * stageRows(headDim: headDim, elementBytes: elementBytes) * headDim * elementBytes : 0
+        return 32 * heads * 4 + stages
+    }
+
+    /// Query rows of a main dispatch: the grid's y times the heads per threadgroup.
+    public static func rows(of d: Dispatch) -> Int { d.grid.y * (d.threadgroup.x / 32) }
 
     /// Shape facts of a call, validated: (rows, kvRows, heads, kvHeads, capacity, headDim).
     public static func shapes(q: TensorRef, k: TensorRef, kName: String = "k") throws -> (rows: Int, kvRows: Int, heads: Int, kvHeads: Int, capacity: Int, headDim: Int) {
@@ -201,7 +230,26 @@ public enum VecDispatcher {
         public var blockTable: TensorRef?
     }
 
-    /// The decode main dispatch: grid (1, rows, NWG) of 32 threads. Without
+    /// tmp starts on a float4 boundary (else the kernels move it in scalars:
+    /// FunctionConstantIndex.vecUnaligned).
+    static func tmpAligned(_ tmp: TensorRef) -> Bool { Int(bitPattern: tmp.data) % 16 == 0 }
+
+    /// q, K and V start on a vector load's boundary, every stride keeps rows
+    /// on one, and tmp is aligned (else the kernel moves them in scalars:
+    /// FunctionConstantIndex.vecUnaligned).
+    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, tmp: TensorRef, headDim: Int,
+                              seq: FlashAttnVecSeqParams?) -> Bool {
+        let w = vectorWidth(headDim: headDim)
+        let bytes = w * k.dtype.byteSize
+        if Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
+            || Int(bitPattern: q.data) % (w * 4) != 0 || !tmpAligned(tmp) { return false }
+        guard let sp = seq else { return true }  // plain: rows are D elements apart
+        let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
+        return strides.allSatisfy { Int($0) % w == 0 }
+    }
+
+    /// The decode main dispatch: grid (1, rows / HG, NWG) of 32 * HG threads
+    /// (HG = headsPerGroup: query heads sharing one kv head's K/V reads). Without
     /// `seq` it is the plain decode (constants 501-503 false, nothing bound at 5-7).
     static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
                              tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
@@ -217,12 +265,15 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecSeq, .bool(seq != nil)),
             (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
+            (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
+                                                                         seq: seq?.params))),
         ])
         let d = Int(params.head_dim)
+        let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads))
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
-            grid: Size3(1, rows, nwg), threadgroup: Size3(32, 1, 1), bindings: bindings,
-            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: d)], writes: [VecBuffer.tmp])
+            grid: Size3(1, rows / hg, nwg), threadgroup: Size3(32 * hg, 1, 1), bindings: bindings,
+            threadgroupMemory: [0: threadgroupMemoryBytes(headDim: d, heads: hg, elementBytes: k.dtype.byteSize)], writes: [VecBuffer.tmp])
     }
 
     /// The serving extension of the plain reduce (FunctionConstantIndex.vecSinks/vecLSE).
@@ -255,7 +306,8 @@ public enum VecDispatcher {
         if fwht {
             if ext != nil { throw FlashMetalError.internalError("\(rop): sinks/lse need the plain reduce") }
             if let s = signs { bindings[VecReduceBuffer.signs] = .buffer(s) }
-            constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil))])
+            constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil)),
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
             tgMem[0] = headDim * 4
         } else {
             if let e = ext {
@@ -270,7 +322,8 @@ public enum VecDispatcher {
             // 500 false: the plain reduce's buffer 4 only keeps the buffer positions.
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(false)),
                                            (FunctionConstantIndex.vecSinks, .bool(ext?.sinks != nil)),
-                                           (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil))])
+                                           (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil)),
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
         }
         return Dispatch(kernel: .vecReduce(headDim: headDim, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),

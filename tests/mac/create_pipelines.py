@@ -14,7 +14,8 @@ against the float64 reference):
            paged k, prefill window + mask + blk} (constants 302, 304-310)
   decode   K/V {f32, f16, bf16} x D {64, 80, 96, 128, 192, 256, 512} x reduce
            {plain, FWHT undo, FWHT undo with signs} (constant has_signs; the
-           FWHT undo at the power-of-two D only)
+           FWHT undo at the power-of-two D only); plain also with K/V off a
+           vector boundary (constant 506)
   serving decode  K/V {f32, f16, bf16} x D with every serving constant on,
            and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
            (constants 501-505)
@@ -146,7 +147,20 @@ def decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
             e = reference.fwht_undo(e, signs)
         assert_close(out, e, F32, f"decode K/V {dtype} D={d} {reduce_kind}")
         n += 1
+        if reduce_kind == "plain":  # K/V off a vector boundary: constant 506, scalar loads, same bits
+            shifted = fm.flash_attn_decode(q, _off_vector(k), _off_vector(v), 37, registry=reg)
+            assert_bits_equal(shifted, out, f"decode K/V {dtype} D={d} unaligned")
+            n += 1
     return n
+
+
+def _off_vector(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` starting one element past a 64-byte boundary."""
+    buf = np.zeros(a.nbytes + 64 + a.itemsize, np.uint8)
+    start = (-buf.ctypes.data) % 64 + a.itemsize
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def serving_decode_cases(reg: fm.Registry, rng: np.random.Generator) -> int:

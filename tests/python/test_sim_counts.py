@@ -137,3 +137,21 @@ def test_counts_scale_with_heads(sim, rng, tmp_path):
             assert two[0][key] == 2 * one[0][key], key
     for key in PINNED_DEVICE:
         assert two[0]["device"][key] == 2 * one[0]["device"][key], key
+
+
+@pytest.mark.parametrize("kv", [F16, BF16])
+def test_decode_gqa_reads_kv_once_in_vectors(sim, rng, tmp_path, kv):
+    """The decode main kernel serves a kv head's query heads (here 8) in one
+    threadgroup: K and V are read once (bytes read == distinct bytes, every
+    visible key row once), in 8-byte loads (half4: 4 elements per lane)."""
+    d, keys, window = 128, 300, 200
+    q = rng.standard_normal((1, 8, d)).astype(np.float32)
+    kc, vc = (randn(rng, (1, 1, 320, d), kv) for _ in range(2))
+    _, recs = run_counted(tmp_path, lambda: fm.flash_attn_decode(q, kc, vc, keys, window=window, registry=sim))
+    main = recs[0]
+    assert main["kernel"].startswith("flash_attn_vec_") and main["threads_per_threadgroup"] == 8 * 32
+    # Visible keys [100, 300) sit in the 32-key chunks from 96; rows < 100 are never read.
+    for binding in ("2", "3"):
+        b = main["binding"][binding]
+        assert b["bytes_read"] == b["unique_bytes_read"] == window * d * 2, (binding, b)
+        assert b["bytes_read"] == 8 * b["load_events"], (binding, b)

@@ -25,10 +25,34 @@ final class VecDispatcherTests: XCTestCase {
     func testTmpAndSharedMemory() {
         XCTAssertEqual(VecDispatcher.tmpByteCount(rows: 16, headDim: 256), 16 * 32 * 258 * 4)  // 528384
         XCTAssertEqual(VecDispatcher.tmpByteCount(rows: 16, headDim: 256), 528384)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256), (256 + 128 + 512) * 2)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 512), (512 + 128 + 1024) * 2)
-        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 64), (128 + 128 + 256) * 2)
+        // 32 probabilities per head, plus two stages of RS rows when heads share a group.
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256, elementBytes: 4), 32 * 4)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 256, heads: 2, elementBytes: 2),
+                       64 * 4 + 2 * 16 * 256 * 2)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 512, heads: 8, elementBytes: 4),
+                       256 * 4 + 2 * 4 * 512 * 4)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 64, heads: 4, elementBytes: 2),
+                       128 * 4 + 2 * 32 * 64 * 2)
+        XCTAssertEqual(VecDispatcher.threadgroupMemoryBytes(headDim: 128, heads: 8, elementBytes: 2),
+                       256 * 4 + 2 * 32 * 128 * 2)
+        for d in VecCapability.headDims {
+            for eb in [2, 4] {
+                let bytes = VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: 8, elementBytes: eb)
+                XCTAssertLessThanOrEqual(bytes, 32768, "D=\(d)")
+                XCTAssertEqual(bytes % 16, 0, "D=\(d)")
+            }
+        }
         XCTAssertEqual(VecDispatcher.nwg, 32)
+    }
+
+    func testHeadsPerGroupStageRowsAndVectorWidth() {
+        XCTAssertEqual([1, 2, 3, 4, 6, 8, 12, 16, 32].map { VecDispatcher.headsPerGroup(gqa: $0) },
+                       [1, 2, 1, 4, 2, 8, 4, 8, 8])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 2) },
+                       [32, 32, 32, 32, 16, 16, 8])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 4) },
+                       [32, 16, 16, 16, 8, 8, 4])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.vectorWidth(headDim: $0) }, [2, 4, 4, 4, 2, 4, 4])
     }
 
     func testKernelNames() {
@@ -48,9 +72,12 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(ds.count, 2)
         let (m, r) = (ds[0], ds[1])
         XCTAssertEqual(m.kernel, "flash_attn_vec_f16kv_dk256")
-        XCTAssertEqual(m.grid, Size3(1, 16, 32))
-        XCTAssertEqual(m.threadgroup, Size3(32, 1, 1))
-        XCTAssertEqual(m.threadgroupMemory, [0: 1792])
+        // H / Hkv = 2: two query heads per threadgroup share their K/V reads.
+        XCTAssertEqual(m.grid, Size3(1, 8, 32))
+        XCTAssertEqual(m.threadgroup, Size3(64, 1, 1))
+        XCTAssertEqual(VecDispatcher.rows(of: m), 16)
+        XCTAssertEqual(m.threadgroupMemory, [0: 64 * 4 + 2 * 16 * 256 * 2])
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecUnaligned), false)
         XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4])
         let p = try m.params(0, as: FlashAttnVecParams.self)
         XCTAssertEqual([p.n_heads, p.n_kv_heads, p.head_dim, p.kv_seq_len, p.kv_capacity, p.mask_type,
@@ -84,7 +111,8 @@ final class VecDispatcherTests: XCTestCase {
         let p = try ds[0].params(0, as: FlashAttnVecParams.self)
         XCTAssertEqual([p.n_heads, p.n_kv_heads], [12, 6])
         XCTAssertEqual(ds[0].kernel, "flash_attn_vec_bf16kv_dk128")
-        XCTAssertEqual(ds[0].grid, Size3(1, 12, 32))
+        XCTAssertEqual(ds[0].grid, Size3(1, 6, 32))  // pairs of query heads per kv head
+        XCTAssertEqual(VecDispatcher.rows(of: ds[0]), 12)
         XCTAssertEqual(ds[1].grid, Size3(12, 1, 1))
     }
 

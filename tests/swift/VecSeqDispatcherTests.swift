@@ -37,7 +37,8 @@ final class VecSeqDispatcherTests: XCTestCase {
         let ds = try dispatches(Case(), o, seqlens: lens, sinks: sinks, lse: lse)
         let (m, r) = (ds[0], ds[1])
         XCTAssertEqual(m.kernel, "flash_attn_vec_f16kv_dk128")
-        XCTAssertEqual(m.grid, Size3(1, 24, 32))
+        XCTAssertEqual(m.grid, Size3(1, 6, 32))  // 4 query heads per kv head share a threadgroup
+        XCTAssertEqual(m.threadgroup, Size3(128, 1, 1))
         XCTAssertEqual(Set(m.bindings.keys), [0, 1, 2, 3, 4, 5, 6])
         XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecSeq), true)
         XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecKVLens), true)

@@ -72,6 +72,7 @@ typedef enum FMFunctionConstant {
     FM_FC_VEC_PAGED = 503,          /* decode: block_table bound */
     FM_FC_VEC_SINKS = 504,          /* decode plain reduce: sinks + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
+    FM_FC_VEC_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
@@ -334,7 +335,8 @@ typedef struct AttnSeqParams {
  * f_b >= kv_len_b or kv_len_b == 0: the row sees no key.
  * page_size: any multiple of 16.
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
- * (H, Hkv); the grid's y (rows) is B * H and tmp holds B * H rows laid out as
+ * (H, Hkv); rows = B * H (the grid's y times the query heads per threadgroup)
+ * and tmp holds B * H rows laid out as
  * without it; kv_capacity is the keys a sequence can hold (cap, or
  * max_pages * page_size when paged) and bounds every seqlens_k[b]. */
 typedef struct FlashAttnVecSeqParams {
