@@ -61,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -474,6 +475,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="D 64/128 only, f16, fewer lengths")
     ap.add_argument("--validate", action="store_true", help="also run a larger size of some cases and compare")
     ap.add_argument("--json", help="also write every row's numbers here")
+    ap.add_argument("--only", metavar="REGEX",
+                    help="model only the cases whose 'group label' matches (re.search), e.g. '^prefill '; "
+                         "pair with --out elsewhere: the report then holds only those rows")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -484,6 +488,9 @@ def main() -> int:
     keys = [4096, 131072] if args.quick else [4096, 16384, 32768, 131072]
     cases = (prefill_cases(reg, dims, dtypes, lengths) + decode_cases(reg, keys)
              + serving_cases(reg, lengths) + sdpa_cases(reg, lengths))
+    if args.only:
+        pattern = re.compile(args.only)
+        cases = [c for c in cases if pattern.search(f"{c.group} {c.label}")]
     validations = []
     if args.validate:
         for c in cases:
