@@ -82,8 +82,9 @@ inline void frag_coord(uint lane, thread short &row, thread short &col) {
 }
 
 // Threadgroup tiles hold their T elements two to a 32-bit word, the lower
-// column (or row, for K^T views) in the low half: a fragment's two
-// neighbouring elements are one threadgroup load, a copied pair one store.
+// column in the low half; K is held transposed (row = head-dim column, a
+// word = two consecutive keys): a fragment's two neighbouring elements are
+// one threadgroup load, a copied pair one store.
 // The bits move unchanged, so the values are those of the T elements.
 template <typename T> inline uint pack2(T a, T b) {
     return uint(as_type<ushort>(a)) | (uint(as_type<ushort>(b)) << 16);
@@ -101,16 +102,15 @@ inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src,
     f.thread_elements()[1] = high_of<T>(w);
 }
 
-// A[r][c] = tile[row0 + c][col0 + r]: a transposed view (K^T); the two
-// elements lie in consecutive rows, one load each.
+// A[r][c] = K[key0 + c][col0 + r] from a transposed tile (row = head-dim
+// column, `ldw` words apart, a word = keys 2i and 2i + 1): this lane's two
+// keys key0 + fc and key0 + fc + 1 (fc even) share one word.
 template <typename T>
-inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int row0, int col0,
+inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int key0, int col0,
                         short fr, short fc) {
-    const int col = col0 + fr;
-    const uint w0 = src[(row0 + fc) * ldw + col / 2];
-    const uint w1 = src[(row0 + fc + 1) * ldw + col / 2];
-    f.thread_elements()[0] = (col & 1) != 0 ? high_of<T>(w0) : low_of<T>(w0);
-    f.thread_elements()[1] = (col & 1) != 0 ? high_of<T>(w1) : low_of<T>(w1);
+    const uint w = src[(col0 + fr) * ldw + (key0 + fc) / 2];
+    f.thread_elements()[0] = low_of<T>(w);
+    f.thread_elements()[1] = high_of<T>(w);
 }
 
 // Copies rows [row0, row0 + ROWS) of a [len, BD] slab (row stride `stride`)
@@ -139,6 +139,35 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
         const int c = (i % PAIRS) * 2;
         const device T *at = base + long(r) * stride + c;
         dst[r * LDW + c / 2] = r < rows ? pack2(at[0], at[1]) : 0u;
+    }
+}
+
+// Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
+// threadgroup memory transposed: row d (LDW words apart) holds column d, a
+// pair of keys per word; keys past `len` become zeros. Consecutive threads
+// take consecutive columns, so a SIMD group's reads stay within a few rows.
+template <typename T, int KEYS, int BD, int LDW, int THREADS>
+inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
+    static_assert(KEYS % 2 == 0, "keys come in pairs");
+    constexpr int PAIRS = KEYS / 2;
+    if (aligned || len >= KEYS) {
+        for (int i = int(tid); i < PAIRS * BD; i += THREADS) {
+            const int d = i % BD;
+            const int kp = i / BD;
+            const device T *at = src + long(2 * kp) * stride + d;
+            dst[d * LDW + kp] = pack2(at[0], at[stride]);
+        }
+        return;
+    }
+    const int keys = len > 0 ? int(len) : 0;
+    for (int i = int(tid); i < PAIRS * BD; i += THREADS) {
+        const int d = i % BD;
+        const int kp = i / BD;
+        const device T *at = src + long(2 * kp) * stride + d;
+        const T zero = T(0.0f);
+        const T a = 2 * kp < keys ? at[0] : zero;
+        const T b = 2 * kp + 1 < keys ? at[stride] : zero;
+        dst[d * LDW + kp] = pack2(a, b);
     }
 }
 
@@ -301,7 +330,8 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
 }
 
 // S[j] += Q[rows, c0 .. c0 + 8 * TD) . K[keys j * 8 .., same columns]^T, with
-// Q at column offset c0 of its tile and the K tile holding just those columns.
+// Q at column offset c0 of its tile and the transposed K tile (load_tile_t,
+// rows ldk words apart) holding just those columns.
 template <typename T, int TK, int TD>
 inline void prefill_qk(thread simdgroup_float8x8 *s, const threadgroup uint *Qs, int ldq, int c0,
                        const threadgroup uint *Ks, int ldk, int row0, short fr, short fc) {
@@ -325,8 +355,9 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
     return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
-// Threadgroup memory of one prefill threadgroup, by head dim. D <= 256: the
-// Q tile and a K/V tile, each row padded by 8 (Os is a 1-float stub). D > 256
+// Threadgroup memory of one prefill threadgroup, by head dim, in 32-bit
+// words of two elements. D <= 256: the Q tile and a K/V tile, each row
+// padded by 8 elements (Os is a 1-float stub); K^T reuses the K/V words. D > 256
 // ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
 template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr bool wide = BD > 256;
@@ -336,6 +367,9 @@ template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr int LDQW = LDQ / 2;  // the same pitches in 32-bit words (two elements each)
     static constexpr int LDCW = LDC / 2;
     static constexpr int q_words = BQ * LDQW;
+    // K^T: a row per column, BK / 2 words, one more against bank conflicts
+    // where that still fits in the V tile's words (D = 64).
+    static constexpr int LDKW = DC * (BK / 2 + 1) <= BK * LDCW ? BK / 2 + 1 : BK / 2;
     static constexpr int kv_words = BK * LDCW;
     static constexpr int o_floats = wide ? BQ * BD : 1;
     static constexpr int bytes = (q_words + kv_words) * 4 + o_floats * 4;
@@ -384,7 +418,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
                          threadgroup uint *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
     constexpr int TK = BK / 8;  // score fragments per 8-row block
     constexpr int TD = BD / 8;  // output fragments per 8-row block
-    constexpr int LDW = (BD + 8) / 2;  // padded row pitch of the tiles, in words
+    typedef PrefillTiles<T, BQ, BK, BD> G;
+    constexpr int LDW = G::LDQW;  // padded row pitch of the Q and V tiles, in words
+    constexpr int LDKW = G::LDKW; // of the K^T tile
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
@@ -421,13 +457,13 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
                                              w.kvh, k0);
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LDW, THREADS>(KVs, Kt, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
+        load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         simdgroup_float8x8 s[TK];
         FA_UNROLL
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        prefill_qk<T, TK, TD>(s, Qs, LDW, 0, KVs, LDW, row0, fr, fc);
+        prefill_qk<T, TK, TD>(s, Qs, LDW, 0, KVs, LDKW, row0, fr, fc);
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
                                                       row_max, row_sum);
         FA_UNROLL
@@ -477,6 +513,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     constexpr int TC = DC / 8;   // output fragments per chunk
     constexpr int LDQW = G::LDQW;
     constexpr int LDCW = G::LDCW;
+    constexpr int LDKW = G::LDKW;
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
@@ -520,9 +557,9 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDCW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDCW, row0, fr, fc);
+            prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
         }
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
                                                       row_max, row_sum);
@@ -585,6 +622,7 @@ kernel void flash_attn_prefill(
     uint tid BUILTIN(thread_index_in_threadgroup)) {
     typedef PrefillTiles<T, BQ, BK, BD> G;
     static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
+    static_assert(G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
     TG_ARRAY(uint, Qs, G::q_words);
     TG_ARRAY(uint, KVs, G::kv_words);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
