@@ -543,6 +543,21 @@ def main() -> int:
     return 0
 
 
+# Sections of the report written by hand (measured before/after tables of a
+# kernel change): kept across regenerations, from their heading to the end.
+KEPT_HEADING = "## Before and after"
+
+
+def kept_sections(path) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    at = text.find("\n" + KEPT_HEADING)
+    return text[at + 1:].rstrip("\n") if at >= 0 else ""
+
+
 def write_report(path, rows, validations, scaling, seconds):
     L = []
     w = L.append
@@ -672,6 +687,10 @@ def write_report(path, rows, validations, scaling, seconds):
     w("splits the loads counted here (counts are the source's access widths).")
     w("")
     w(f"_Generated in {seconds:.0f} s of simulation._")
+    kept = kept_sections(path)
+    if kept:
+        w("")
+        w(kept)
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 

@@ -144,30 +144,24 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
 
 // Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
 // threadgroup memory transposed: row d (LDW words apart) holds column d, a
-// pair of keys per word; keys past `len` become zeros. Consecutive threads
-// take consecutive columns, so a SIMD group's reads stay within a few rows.
+// pair of keys per word; keys past `len` become zeros. A thread takes two
+// keys by two columns: it reads each key's column pair as one word (as
+// load_tile does) and swaps halves into the two columns' words.
+// Consecutive threads take consecutive column pairs of the same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
-    static_assert(KEYS % 2 == 0, "keys come in pairs");
-    constexpr int PAIRS = KEYS / 2;
-    if (aligned || len >= KEYS) {
-        for (int i = int(tid); i < PAIRS * BD; i += THREADS) {
-            const int d = i % BD;
-            const int kp = i / BD;
-            const device T *at = src + long(2 * kp) * stride + d;
-            dst[d * LDW + kp] = pack2(at[0], at[stride]);
-        }
-        return;
-    }
-    const int keys = len > 0 ? int(len) : 0;
-    for (int i = int(tid); i < PAIRS * BD; i += THREADS) {
-        const int d = i % BD;
-        const int kp = i / BD;
+    static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
+    constexpr int CP = BD / 2;
+    constexpr int ITEMS = KEYS / 2 * CP;
+    const int keys = aligned || len >= KEYS ? KEYS : len > 0 ? int(len) : 0;
+    for (int i = int(tid); i < ITEMS; i += THREADS) {
+        const int d = (i % CP) * 2;
+        const int kp = i / CP;
         const device T *at = src + long(2 * kp) * stride + d;
-        const T zero = T(0.0f);
-        const T a = 2 * kp < keys ? at[0] : zero;
-        const T b = 2 * kp + 1 < keys ? at[stride] : zero;
-        dst[d * LDW + kp] = pack2(a, b);
+        const uint a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
+        const uint b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
+        dst[d * LDW + kp] = (a & 0xffffu) | (b << 16);
+        dst[(d + 1) * LDW + kp] = (a >> 16) | (b & 0xffff0000u);
     }
 }
 
