@@ -604,8 +604,9 @@ def write_report(path, rows, validations, scaling, seconds):
     w(f"  {MAX_THREADS_PER_CORE} threads and {TG_MEMORY_PER_CORE // 1024} KiB threadgroup memory per core for "
       "residency ([PT]: 768-3072 threads by register use, 64 KB).")
     w("- Not observable: scalar ALU work. Index arithmetic, bounds checks and softmax scalars of MMA kernels")
-    w("  cost nothing here, so their estimates are optimistic (the 64-bit index math per copied element the")
-    w("  prefill tile loader does is invisible); kernels without MMAs are charged the attention's own FLOPs,")
+    w("  cost nothing here, so their estimates are optimistic (the prefill tile loaders' index math and the")
+    w("  unpacking of two elements from each threadgroup word are invisible); kernels without MMAs are charged")
+    w("  the attention's own FLOPs,")
     w("  so one that recomputes (sdpa) is estimated too fast. Efficiencies are upper bounds.")
     w("- Overall: issue-bound rows about +-15% plus the unobserved scalar work, memory-bound rows about")
     w("  +-25%, rows whose largest term is barriers or launch cost a factor of 2 either way.")

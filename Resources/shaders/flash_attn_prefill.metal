@@ -592,7 +592,11 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     }
 }
 
+// The thread cap tells Apple's compiler the threadgroup is exactly WM * WN
+// simdgroups, so it may give each thread the registers the O accumulator
+// needs (64 floats per thread at D = 256) instead of planning for 1024.
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+[[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
     const device T *Q [[buffer(0)]],
     const device T *K [[buffer(1)]],
