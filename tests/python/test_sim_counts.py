@@ -116,8 +116,9 @@ def test_tiny_prefill_counts_pinned(sim, rng, tmp_path):
     assert b["3"]["bytes_written"] == b["3"]["unique_bytes_written"] == TILE_BYTES and b["3"]["bytes_read"] == 0
     assert all(b[i]["unique_lines"] == TILE_BYTES // 128 for i in "0123")
     assert r["mma_f32"] == (2 * 8 + 8 * 2) * 4 * 4 * 2
-    # The pin: the tile loaders copy a column pair per thread (4-byte device
-    # loads, 128 bytes per SIMD-group load) into 32-bit threadgroup words, and
+    # The pin: the tile loaders copy a column pair per thread (read as two
+    # adjacent elements, which the host compiler merges into one 4-byte load:
+    # 128 bytes per SIMD-group load) into 32-bit threadgroup words, and
     # every MMA fragment load is one word; the output's stores follow the MMA
     # fragment layout, a few bytes per line.
     for key, want in PINNED.items():
