@@ -61,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -475,8 +476,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="D 64/128 only, f16, fewer lengths")
     ap.add_argument("--validate", action="store_true", help="also run a larger size of some cases and compare")
     ap.add_argument("--json", help="also write every row's numbers here")
-    ap.add_argument("--only", choices=["prefill", "decode", "serving", "sdpa"],
-                    help="run one kernel family (write --out elsewhere: the report then holds only it)")
+    ap.add_argument("--only", metavar="REGEX",
+                    help="model only the cases whose 'group label' matches (re.search), e.g. '^prefill '; "
+                         "pair with --out elsewhere: the report then holds only those rows")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -488,7 +490,8 @@ def main() -> int:
     cases = (prefill_cases(reg, dims, dtypes, lengths) + decode_cases(reg, keys)
              + serving_cases(reg, lengths) + sdpa_cases(reg, lengths))
     if args.only:
-        cases = [c for c in cases if c.group == args.only]
+        pattern = re.compile(args.only)
+        cases = [c for c in cases if pattern.search(f"{c.group} {c.label}")]
     validations = []
     if args.validate:
         for c in cases:
@@ -541,6 +544,21 @@ def main() -> int:
     return 0
 
 
+# Sections of the report written by hand (measured before/after tables of a
+# kernel change): kept across regenerations, from their heading to the end.
+KEPT_HEADING = "## Before and after"
+
+
+def kept_sections(path) -> str:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    at = text.find("\n" + KEPT_HEADING)
+    return text[at + 1:].rstrip("\n") if at >= 0 else ""
+
+
 def write_report(path, rows, validations, scaling, seconds):
     L = []
     w = L.append
@@ -587,8 +605,9 @@ def write_report(path, rows, validations, scaling, seconds):
     w(f"  {MAX_THREADS_PER_CORE} threads and {TG_MEMORY_PER_CORE // 1024} KiB threadgroup memory per core for "
       "residency ([PT]: 768-3072 threads by register use, 64 KB).")
     w("- Not observable: scalar ALU work. Index arithmetic, bounds checks and softmax scalars of MMA kernels")
-    w("  cost nothing here, so their estimates are optimistic (the 64-bit index math per copied element the")
-    w("  prefill tile loader does is invisible); kernels without MMAs are charged the attention's own FLOPs,")
+    w("  cost nothing here, so their estimates are optimistic (the prefill tile loaders' index math and the")
+    w("  unpacking of two elements from each threadgroup word are invisible); kernels without MMAs are charged")
+    w("  the attention's own FLOPs,")
     w("  so one that recomputes (sdpa) is estimated too fast. Efficiencies are upper bounds.")
     w("- Overall: issue-bound rows about +-15% plus the unobserved scalar work, memory-bound rows about")
     w("  +-25%, rows whose largest term is barriers or launch cost a factor of 2 either way.")
@@ -670,6 +689,10 @@ def write_report(path, rows, validations, scaling, seconds):
     w("splits the loads counted here (counts are the source's access widths).")
     w("")
     w(f"_Generated in {seconds:.0f} s of simulation._")
+    kept = kept_sections(path)
+    if kept:
+        w("")
+        w(kept)
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
 

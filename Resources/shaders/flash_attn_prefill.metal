@@ -81,33 +81,87 @@ inline void frag_coord(uint lane, thread short &row, thread short &col) {
     col = short((q & 2) * 2 + short(lane % 2) * 2);
 }
 
-// A[r][c] = src[(row0 + r) * ld + col0 + c]
+// Threadgroup tiles hold their T elements two to a 32-bit word, the lower
+// column in the low half; K is held transposed (row = head-dim column, a
+// word = two consecutive keys): a fragment's two neighbouring elements are
+// one threadgroup load, a copied pair one store.
+// The bits move unchanged, so the values are those of the T elements.
+template <typename T> inline uint pack2(T a, T b) {
+    return uint(as_type<ushort>(a)) | (uint(as_type<ushort>(b)) << 16);
+}
+template <typename T> inline float low_of(uint w) { return float(as_type<T>(ushort(w & 0xffffu))); }
+template <typename T> inline float high_of(uint w) { return float(as_type<T>(ushort(w >> 16))); }
+
+// A[r][c] = tile[row0 + r][col0 + c], the tile's rows `ldw` words apart;
+// col0 and this lane's fc are even, so its two elements share one word.
 template <typename T>
-inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup T *src, int ld, int row0, int col0,
+inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int row0, int col0,
                       short fr, short fc) {
-    const int i = (row0 + fr) * ld + col0 + fc;
-    f.thread_elements()[0] = float(src[i]);
-    f.thread_elements()[1] = float(src[i + 1]);
+    const uint w = src[(row0 + fr) * ldw + (col0 + fc) / 2];
+    f.thread_elements()[0] = low_of<T>(w);
+    f.thread_elements()[1] = high_of<T>(w);
 }
 
-// A[r][c] = src[(row0 + c) * ld + col0 + r]: a transposed view (K^T).
+// A[r][c] = K[key0 + c][col0 + r] from a transposed tile (row = head-dim
+// column, `ldw` words apart, a word = keys 2i and 2i + 1): this lane's two
+// keys key0 + fc and key0 + fc + 1 (fc even) share one word.
 template <typename T>
-inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup T *src, int ld, int row0, int col0,
+inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int key0, int col0,
                         short fr, short fc) {
-    f.thread_elements()[0] = float(src[(row0 + fc) * ld + col0 + fr]);
-    f.thread_elements()[1] = float(src[(row0 + fc + 1) * ld + col0 + fr]);
+    const uint w = src[(col0 + fr) * ldw + (key0 + fc) / 2];
+    f.thread_elements()[0] = low_of<T>(w);
+    f.thread_elements()[1] = high_of<T>(w);
 }
 
 // Copies rows [row0, row0 + ROWS) of a [len, BD] slab (row stride `stride`)
-// into threadgroup memory with row pitch LD; rows past `len` become zeros.
-template <typename T, int ROWS, int BD, int LD, int THREADS>
-inline void load_tile(threadgroup T *dst, const device T *src, long stride, long row0, long len, bool aligned,
+// into threadgroup memory with row pitch LDW words, a column pair per word;
+// rows past `len` become zeros. A tile wholly inside (`aligned`) takes the
+// loop without the row check. Column and row indices are 32-bit; only the
+// row's offset in device memory is 64-bit.
+template <typename T, int ROWS, int BD, int LDW, int THREADS>
+inline void load_tile(threadgroup uint *dst, const device T *src, long stride, long row0, long len, bool aligned,
                       uint tid) {
-    for (int i = int(tid); i < ROWS * BD; i += THREADS) {
-        const int r = i / BD;
-        const int d = i % BD;
-        const long row = row0 + r;
-        dst[r * LD + d] = (aligned || row < len) ? src[row * stride + d] : T(0.0f);
+    static_assert(BD % 2 == 0, "rows are whole column pairs");
+    constexpr int PAIRS = BD / 2;
+    const device T *base = src + row0 * stride;
+    if (aligned || row0 + ROWS <= len) {
+        for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
+            const int r = i / PAIRS;
+            const int c = (i % PAIRS) * 2;
+            const device T *at = base + long(r) * stride + c;
+            dst[r * LDW + c / 2] = pack2(at[0], at[1]);
+        }
+        return;
+    }
+    const int rows = len > row0 ? int(len - row0) : 0;
+    for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
+        const int r = i / PAIRS;
+        const int c = (i % PAIRS) * 2;
+        const device T *at = base + long(r) * stride + c;
+        dst[r * LDW + c / 2] = r < rows ? pack2(at[0], at[1]) : 0u;
+    }
+}
+
+// Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
+// threadgroup memory transposed: row d (LDW words apart) holds column d, a
+// pair of keys per word; keys past `len` become zeros. A thread takes two
+// keys by two columns: it reads each key's column pair as one word (as
+// load_tile does) and swaps halves into the two columns' words.
+// Consecutive threads take consecutive column pairs of the same keys.
+template <typename T, int KEYS, int BD, int LDW, int THREADS>
+inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
+    static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
+    constexpr int CP = BD / 2;
+    constexpr int ITEMS = KEYS / 2 * CP;
+    const int keys = aligned || len >= KEYS ? KEYS : len > 0 ? int(len) : 0;
+    for (int i = int(tid); i < ITEMS; i += THREADS) {
+        const int d = (i % CP) * 2;
+        const int kp = i / CP;
+        const device T *at = src + long(2 * kp) * stride + d;
+        const uint a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
+        const uint b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
+        dst[d * LDW + kp] = (a & 0xffffu) | (b << 16);
+        dst[(d + 1) * LDW + kp] = (a >> 16) | (b & 0xffff0000u);
     }
 }
 
@@ -272,18 +326,19 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
 }
 
 // S[j] += Q[rows, c0 .. c0 + 8 * TD) . K[keys j * 8 .., same columns]^T, with
-// Q at column offset c0 of its tile and the K tile holding just those columns.
+// Q at column offset c0 of its tile and the transposed K tile (load_tile_t,
+// rows ldk words apart) holding just those columns.
 template <typename T, int TK, int TD>
-inline void prefill_qk(thread simdgroup_float8x8 *s, const threadgroup T *Qs, int ldq, int c0,
-                       const threadgroup T *Ks, int ldk, int row0, short fr, short fc) {
+inline void prefill_qk(thread simdgroup_float8x8 *s, const threadgroup uint *Qs, int ldq, int c0,
+                       const threadgroup uint *Ks, int ldk, int row0, short fr, short fc) {
     FA_UNROLL
     for (int j = 0; j < TK; j++) {
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
             simdgroup_float8x8 qf;
             simdgroup_float8x8 kf;
-            load_frag(qf, Qs, ldq, row0, c0 + d * 8, fr, fc);
-            load_frag_t(kf, Ks, ldk, j * 8, d * 8, fr, fc);
+            load_frag<T>(qf, Qs, ldq, row0, c0 + d * 8, fr, fc);
+            load_frag_t<T>(kf, Ks, ldk, j * 8, d * 8, fr, fc);
             simdgroup_multiply_accumulate(s[j], qf, kf, s[j]);
         }
     }
@@ -296,18 +351,24 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
     return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
-// Threadgroup memory of one prefill threadgroup, by head dim. D <= 256: the
-// Q tile and a K/V tile, each row padded by 8 (Os is a 1-float stub). D > 256
+// Threadgroup memory of one prefill threadgroup, by head dim, in 32-bit
+// words of two elements. D <= 256: the Q tile and a K/V tile, each row
+// padded by 8 elements (Os is a 1-float stub); K^T reuses the K/V words. D > 256
 // ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
 template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr bool wide = BD > 256;
     static constexpr int DC = wide ? 128 : BD;  // K/V columns held at a time
     static constexpr int LDQ = BD + 8;
     static constexpr int LDC = DC + 8;
-    static constexpr int q_elems = BQ * LDQ;
-    static constexpr int kv_elems = BK * LDC;
+    static constexpr int LDQW = LDQ / 2;  // the same pitches in 32-bit words (two elements each)
+    static constexpr int LDCW = LDC / 2;
+    static constexpr int q_words = BQ * LDQW;
+    // K^T: a row per column, BK / 2 words, one more against bank conflicts
+    // where that still fits in the V tile's words (D = 64).
+    static constexpr int LDKW = DC * (BK / 2 + 1) <= BK * LDCW ? BK / 2 + 1 : BK / 2;
+    static constexpr int kv_words = BK * LDCW;
     static constexpr int o_floats = wide ? BQ * BD : 1;
-    static constexpr int bytes = (q_elems + kv_elems) * int(sizeof(T)) + o_floats * 4;
+    static constexpr int bytes = (q_words + kv_words) * 4 + o_floats * 4;
 };
 template <bool Wide> struct PrefillBody {};  // picks prefill_body's overload (C++14: no if constexpr)
 
@@ -349,18 +410,20 @@ inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
-                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup T *Qs,
-                         threadgroup T *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
+                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
+                         threadgroup uint *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
     constexpr int TK = BK / 8;  // score fragments per 8-row block
     constexpr int TD = BD / 8;  // output fragments per 8-row block
-    constexpr int LD = BD + 8;  // padded row pitch of the tiles
+    typedef PrefillTiles<T, BQ, BK, BD> G;
+    constexpr int LDW = G::LDQW;  // padded row pitch of the Q and V tiles, in words
+    constexpr int LDKW = G::LDKW; // of the K^T tile
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
-    load_tile<T, BQ, BD, LD, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
+    load_tile<T, BQ, BD, LDW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
@@ -390,13 +453,13 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
                                              w.kvh, k0);
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LD, THREADS>(KVs, Kt, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
+        load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         simdgroup_float8x8 s[TK];
         FA_UNROLL
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        prefill_qk<T, TK, TD>(s, Qs, LD, 0, KVs, LD, row0, fr, fc);
+        prefill_qk<T, TK, TD>(s, Qs, LDW, 0, KVs, LDKW, row0, fr, fc);
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
                                                       row_max, row_sum);
         FA_UNROLL
@@ -406,7 +469,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         }
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LD, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+        load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         FA_UNROLL
@@ -414,7 +477,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
             FA_UNROLL
             for (int d = 0; d < TD; d++) {
                 simdgroup_float8x8 vf;
-                load_frag(vf, KVs, LD, j * 8, d * 8, fr, fc);
+                load_frag<T>(vf, KVs, LDW, j * 8, d * 8, fr, fc);
                 simdgroup_multiply_accumulate(acc[d], s[j], vf, acc[d]);
             }
         }
@@ -437,22 +500,23 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
-                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup T *Qs,
-                         threadgroup T *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
+                         const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
+                         threadgroup uint *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
     typedef PrefillTiles<T, BQ, BK, BD> G;
     constexpr int DC = G::DC;    // K/V columns per chunk
     constexpr int NC = BD / DC;  // chunks per tile
     constexpr int TK = BK / 8;
     constexpr int TC = DC / 8;   // output fragments per chunk
-    constexpr int LDQ = G::LDQ;
-    constexpr int LDC = G::LDC;
+    constexpr int LDQW = G::LDQW;
+    constexpr int LDCW = G::LDCW;
+    constexpr int LDKW = G::LDKW;
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
     static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
-    load_tile<T, BQ, BD, LDQ, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
+    load_tile<T, BQ, BD, LDQW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
@@ -489,16 +553,16 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDC, THREADS>(KVs, Kt + c * DC, p.K_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            prefill_qk<T, TK, TC>(s, Qs, LDQ, c * DC, KVs, LDC, row0, fr, fc);
+            prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
         }
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
                                                       row_max, row_sum);
 
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDC, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
             FA_UNROLL
             for (int d = 0; d < TC; d++) {
@@ -509,7 +573,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
                 FA_UNROLL
                 for (int j = 0; j < TK; j++) {
                     simdgroup_float8x8 vf;
-                    load_frag(vf, KVs, LDC, j * 8, d * 8, fr, fc);
+                    load_frag<T>(vf, KVs, LDCW, j * 8, d * 8, fr, fc);
                     simdgroup_multiply_accumulate(acc, s[j], vf, acc);
                 }
                 o2[0] = acc.thread_elements()[0];
@@ -530,7 +594,11 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     }
 }
 
+// The thread cap tells Apple's compiler the threadgroup is exactly WM * WN
+// simdgroups, so it may give each thread the registers the O accumulator
+// needs (64 floats per thread at D = 256) instead of planning for 1024.
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+[[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
     const device T *Q [[buffer(0)]],
     const device T *K [[buffer(1)]],
@@ -554,8 +622,9 @@ kernel void flash_attn_prefill(
     uint tid BUILTIN(thread_index_in_threadgroup)) {
     typedef PrefillTiles<T, BQ, BK, BD> G;
     static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
-    TG_ARRAY(T, Qs, G::q_elems);
-    TG_ARRAY(T, KVs, G::kv_elems);  // the K tile (or chunk), then the V tile (or chunk)
+    static_assert(G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
+    TG_ARRAY(uint, Qs, G::q_words);
+    TG_ARRAY(uint, KVs, G::kv_words);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
     // An argument whose constant is false is not there: never read, only null.
     PrefillSeqBuffers sb;
