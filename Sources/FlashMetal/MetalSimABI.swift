@@ -25,6 +25,8 @@ public func fm_metal_sim_counters(_ out: UnsafeMutablePointer<Int64>?, _ cap: In
         set(FM_MSIM_VIOLATIONS, c.violations)
         set(FM_MSIM_LIVE_COMMAND_BUFFERS, c.liveCommandBuffers)
         set(FM_MSIM_NO_COPY_REFUSED, c.noCopyRefused)
+        set(FM_MSIM_WRAPS, c.wraps)
+        set(FM_MSIM_COPY_BUFFERS, c.copyBuffers)
         guard let out, cap >= values.count else {
             throw FlashMetalError.value("metal_sim_counters", "out must hold \(values.count) values, cap is \(cap)")
         }

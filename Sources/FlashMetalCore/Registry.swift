@@ -13,9 +13,11 @@ public final class Registry: @unchecked Sendable {
     private let lock = Lock()
     private var cache: [PipelineKey: AnyObject] = [:]
     private var batchDepth = 0
-    /// Scratch of work a deferring backend has not run yet: freed when the
-    /// outermost batch scope ends (and the work ran).
-    private var deferredScratch: [UnsafeMutableRawPointer] = []
+    /// Scratch of work a deferring backend has not run yet: given back to
+    /// `scratch` when the outermost batch scope ends (and the work ran).
+    private var deferredScratch: [HostAllocations.Allocation] = []
+    /// Blocks for scratch and table copies, reused from call to call.
+    private let scratch = ScratchPool()
 
     /// A registry with an empty pipeline cache on `backend`.
     public init(backend: Backend) {
@@ -24,7 +26,8 @@ public final class Registry: @unchecked Sendable {
 
     deinit {
         // close() normally ran; this only covers a registry dropped without it.
-        deferredScratch.forEach { free($0) }
+        deferredScratch.forEach(scratch.give)
+        scratch.drain()
     }
 
     /// The cached pipeline for a key, made on first use.
@@ -48,6 +51,9 @@ public final class Registry: @unchecked Sendable {
 
     /// Library-owned scratch blocks waiting for a deferring backend's batch.
     public var deferredScratchCount: Int { lock.withLock { deferredScratch.count } }
+
+    /// Idle scratch blocks kept for the next calls.
+    public var idleScratchCount: Int { scratch.idleCount }
 
     /// Runs a sequence of dispatches (e.g. decode, then its reduce): the
     /// work of one call of `op`, whose outputs must not overlap anything
@@ -93,7 +99,7 @@ public final class Registry: @unchecked Sendable {
         batchDepth -= 1
         guard batchDepth == 0 else { return }
         defer {
-            deferredScratch.forEach { free($0) }
+            deferredScratch.forEach(scratch.give)
             deferredScratch = []
         }
         try backend.endBatch()
@@ -135,20 +141,18 @@ public final class Registry: @unchecked Sendable {
         }
     }
 
-    /// `bytes` of library memory for the work `body` starts, freed when that
-    /// work has run (see withScratch).
+    /// `bytes` of library memory (a block of `scratch`) for the work `body`
+    /// starts, given back when that work has run (see withScratch).
     private func withOwnedMemory(op: String, bytes: Int, what: String,
                                  _ body: (UnsafeMutableRawPointer) throws -> Void) throws {
-        guard bytes >= 0, let p = malloc(max(bytes, 1)) else {
-            throw FlashMetalError.backend(op, "cannot allocate \(bytes) bytes of \(what)")
-        }
+        let block = try scratch.take(bytes, op: op, what: what)
         defer {
             let keep = backend.defersWork && lock.withLock {
-                if batchDepth > 0 { deferredScratch.append(p); return true }
+                if batchDepth > 0 { deferredScratch.append(block); return true }
                 return false
             }
-            if !keep { free(p) }
+            if !keep { scratch.give(block) }
         }
-        try body(p)
+        try body(block.base)
     }
 }

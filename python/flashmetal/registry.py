@@ -24,7 +24,7 @@ DEFERRING_BACKENDS = frozenset({"metal", "metal-sim"})
 # The metal-sim runtime's counters, in the order of FMMetalSimCounter.
 METAL_SIM_COUNTERS = ("command_buffers", "commits", "encoders", "dispatches", "barriers", "bytes_wrapped",
                       "bytes_copied_in", "bytes_copied_out", "violations", "live_command_buffers",
-                      "no_copy_refused")
+                      "no_copy_refused", "wraps", "copy_buffers")
 
 
 class Registry:
@@ -107,7 +107,8 @@ class Registry:
         """The metal-sim runtime's counters (process-wide, since the library
         loaded): command buffers, commits, encoders, dispatches, barriers,
         bytes wrapped without a copy, bytes copied in and out, broken Metal
-        rules (violations), live command buffers, refused no-copy wraps.
+        rules (violations), live command buffers, refused no-copy wraps,
+        buffers made over host memory without a copy (wraps) and by a copy.
         Take the difference of two readings for one call. ValueError where
         the library has no metal-sim runtime (macOS)."""
         return metal_sim_counters()

@@ -122,3 +122,66 @@ extension ScratchLifetimeTests {
         }
     }
 }
+
+/// Scratch blocks are the registry's own (HostAllocations), reused from call
+/// to call so a backend that wraps host memory wraps each block once.
+final class ScratchPoolTests: XCTestCase {
+    private func address(_ r: Registry, bytes: Int) throws -> UInt {
+        var a: UInt = 0
+        try r.withScratch(op: "test", bytes: bytes) { a = UInt(bitPattern: $0.data) }
+        return a
+    }
+
+    func testCallsReuseOneBlockThatTheBackendCanWrapOnce() throws {
+        let r = Registry(backend: CPUBackend())
+        let first = try address(r, bytes: 1000)
+        for _ in 0..<5 { XCTAssertEqual(try address(r, bytes: 4000), first) }
+        XCTAssertEqual(r.idleScratchCount, 1)
+        let block = try XCTUnwrap(HostAllocations.containing(first, first + 4000))
+        XCTAssertEqual(block.address % UInt(HostAllocations.granule), 0)
+        // A larger request gets a block that holds it.
+        let big = try address(r, bytes: 3 * HostAllocations.granule)
+        XCTAssertNotNil(HostAllocations.containing(big, big + UInt(3 * HostAllocations.granule)))
+    }
+
+    func testWorkDeferredInABatchGetsDistinctBlocksReusedByTheNextBatch() throws {
+        let backend = ScratchLifetimeTests.DeferringBackend()
+        let r = Registry(backend: backend)
+        func batch() throws -> Set<UInt> {
+            try r.beginBatch()
+            var seen = Set<UInt>()
+            for _ in 0..<4 {
+                try r.withScratch(op: "test", bytes: 64) { tmp in
+                    seen.insert(UInt(bitPattern: tmp.data))
+                    try r.run([Dispatch(kernel: .sdpa(io: .f32), grid: Size3(1, 1, 1), threadgroup: Size3(1, 1, 1),
+                                        bindings: [0: .buffer(tmp)])], op: "test")
+                }
+            }
+            XCTAssertEqual(r.deferredScratchCount, 4)
+            try r.endBatch()
+            return seen
+        }
+        let one = try batch()
+        XCTAssertEqual(one.count, 4, "pending work never shares scratch")
+        XCTAssertEqual(r.idleScratchCount, 4)
+        XCTAssertEqual(try batch(), one, "the next batch reuses the same blocks")
+    }
+
+    func testIdleBlocksAreBoundedAndFreedWithTheRegistry() throws {
+        var addresses: [UInt] = []
+        do {
+            let backend = ScratchLifetimeTests.DeferringBackend()
+            let r = Registry(backend: backend)
+            try r.beginBatch()
+            for _ in 0..<(ScratchPool.keptBlocks + 3) {
+                try r.withScratch(op: "test", bytes: 64) { addresses.append(UInt(bitPattern: $0.data)) }
+            }
+            try r.endBatch()
+            XCTAssertEqual(r.idleScratchCount, ScratchPool.keptBlocks)
+            XCTAssertEqual(addresses.filter { HostAllocations.containing($0, $0 + 64) != nil }.count,
+                           ScratchPool.keptBlocks)
+        }
+        XCTAssertTrue(addresses.allSatisfy { HostAllocations.containing($0, $0 + 64) == nil },
+                      "a released registry frees its blocks")
+    }
+}

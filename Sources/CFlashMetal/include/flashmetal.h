@@ -644,12 +644,14 @@ typedef struct FMAttnOptions {
 /* The metal-sim runtime's counters (Linux builds), process-wide and only
  * growing (but LIVE_COMMAND_BUFFERS), in the order fm_metal_sim_counters
  * writes them. BYTES_COPIED_OUT: bytes of copied buffers the host read back
- * after their command buffer completed. */
+ * after their command buffer completed. WRAPS: buffers made over host memory
+ * without a copy; COPY_BUFFERS: buffers made by copying host memory. */
 typedef enum FMMetalSimCounter {
     FM_MSIM_COMMAND_BUFFERS = 0, FM_MSIM_COMMITS = 1, FM_MSIM_ENCODERS = 2, FM_MSIM_DISPATCHES = 3,
     FM_MSIM_BARRIERS = 4, FM_MSIM_BYTES_WRAPPED = 5, FM_MSIM_BYTES_COPIED_IN = 6,
     FM_MSIM_BYTES_COPIED_OUT = 7, FM_MSIM_VIOLATIONS = 8, FM_MSIM_LIVE_COMMAND_BUFFERS = 9,
-    FM_MSIM_NO_COPY_REFUSED = 10, FM_MSIM_COUNTER_COUNT = 11
+    FM_MSIM_NO_COPY_REFUSED = 10, FM_MSIM_WRAPS = 11, FM_MSIM_COPY_BUFFERS = 12,
+    FM_MSIM_COUNTER_COUNT = 13
 } FMMetalSimCounter;
 
 /* A quantized-KV codec (fm_kv_codec_layout, fm_dispatch_kv_encode/dequantize). */

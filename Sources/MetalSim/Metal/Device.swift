@@ -67,7 +67,7 @@ final class SimDevice: MTLDevice {
     func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer? {
         guard length > 0, length <= maxBufferLength else { return nil }
         guard let b = SimBuffer(copying: pointer, length: length) else { return nil }
-        MetalSim.count { $0.bytesCopiedIn += length }
+        MetalSim.count { $0.bytesCopiedIn += length; $0.copyBuffers += 1 }
         return b
     }
 
@@ -80,7 +80,7 @@ final class SimDevice: MTLDevice {
             MetalSim.count { $0.noCopyRefused += 1 }
             return nil
         }
-        MetalSim.count { $0.bytesWrapped += length }
+        MetalSim.count { $0.bytesWrapped += length; $0.wraps += 1 }
         return SimBuffer(wrapping: pointer, length: length, deallocator: deallocator)
     }
 

@@ -88,6 +88,10 @@ public enum MetalSim {
         public var liveCommandBuffers = 0
         /// makeBuffer(bytesNoCopy:) calls refused (unaligned, too long).
         public var noCopyRefused = 0
+        /// Buffers made by makeBuffer(bytesNoCopy:) (wraps of host memory).
+        public var wraps = 0
+        /// Buffers made by makeBuffer(bytes:) (copies of host memory).
+        public var copyBuffers = 0
     }
 
     nonisolated(unsafe) private static var state = Counters()
