@@ -49,4 +49,11 @@ bench-codes: python bench-deps
 	$(PY) bench/codes_bench.py $(BENCH_ARGS)
 bench: bench-codes
 
+# Hugging Face generate() with flashmetal's backend vs sdpa, and one masked
+# decode step's attention; bench/HF_RESULTS.md. Part of `make bench`.
+.PHONY: bench-hf
+bench-hf: python bench-deps test-deps
+	$(PY) bench/hf_generate_bench.py $(BENCH_ARGS)
+bench: bench-hf
+
 .DEFAULT_GOAL := $(_BENCH_SAVED_GOAL)
