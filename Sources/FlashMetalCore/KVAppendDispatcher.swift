@@ -60,17 +60,9 @@ public enum KVAppendDispatcher {
         if batch == 0 || kvHeads == 0 || d == 0 {
             throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got \(t.kNewName) shape \(t.kNew.shape)", arg: t.kNewName)
         }
-        var capacity = cacheRows
-        var maxPages = 0
-        if let bt = t.blockTable {
-            try bt.requireRank([2], op: op, name: "block_table")
-            maxPages = bt.shape[1]
-            if cacheRows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache") }
-            let (c, o) = maxPages.multipliedReportingOverflow(by: cacheRows)
-            capacity = o ? Int.max : c
-        } else if t.kCache.shape[0] != batch {
-            throw FlashMetalError.value(op, "k_cache batch (\(t.kCache.shape[0])) must equal \(t.kNewName) batch (\(batch))", arg: "k_cache")
-        }
+        let cache = try CacheCapacity(op: op, cacheShape: t.kCache.shape, blockTable: t.blockTable, batch: batch,
+                                      batchName: t.kNewName)
+        let (capacity, maxPages) = (cache.rows, cache.maxPages)
         let limit = Int(Int32.max)
         if [nNew, kvHeads, d, cacheRows, maxPages].contains(where: { $0 > limit }) {
             throw FlashMetalError.value(op, "n_new, num_kv_heads, head_dim, the page size and max_pages must fit int32", arg: t.kNewName)

@@ -91,16 +91,8 @@ public enum KVCodesAppendDispatcher {
         if batch == 0 || kvHeads == 0 {
             throw FlashMetalError.value(op, "batch and num_kv_heads must be > 0, got \(kNewName) shape \(kNew.shape)", arg: kNewName)
         }
-        var capacity = rows, maxPages = 0
-        if let bt = blockTable {
-            try bt.requireRank([2], op: op, name: "block_table")
-            maxPages = bt.shape[1]
-            if rows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache") }
-            let (c, o) = maxPages.multipliedReportingOverflow(by: rows)
-            capacity = o ? Int.max : c
-        } else if first != batch {
-            throw FlashMetalError.value(op, "k_cache batch (\(first)) must equal \(kNewName) batch (\(batch))", arg: "k_cache")
-        }
+        let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: blockTable, batch: batch, batchName: kNewName)
+        let (capacity, maxPages) = (cache.rows, cache.maxPages)
         let limit = Int(Int32.max)
         if [nNew, kvHeads, rows, maxPages, batch].contains(where: { $0 > limit }) {
             throw FlashMetalError.value(op, "batch, n_new, num_kv_heads, the page size and max_pages must fit int32", arg: kNewName)

@@ -60,16 +60,8 @@ public enum KVCodesAttnDispatcher {
         if heads % kvHeads != 0 {
             throw FlashMetalError.value(op, "num_heads (\(heads)) must be a multiple of num_kv_heads (\(kvHeads))", arg: "q")
         }
-        var maxPages = 0, capacity = rows
-        if let bt = t.blockTable {
-            try bt.requireRank([2], op: op, name: "block_table")
-            maxPages = bt.shape[1]
-            if rows == 0 { throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache") }
-            let (c, o) = maxPages.multipliedReportingOverflow(by: rows)
-            capacity = o ? Int.max : c
-        } else if first != batch {
-            throw FlashMetalError.value(op, "k_cache batch (\(first)) must equal q batch (\(batch))", arg: "k_cache")
-        }
+        let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: t.blockTable, batch: batch, batchName: "q")
+        let (capacity, maxPages) = (cache.rows, cache.maxPages)
         try out(t, shape: q.shape)
         try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
         guard o.causal == 0 || o.causal == 1 else {
