@@ -42,11 +42,17 @@ final class KVCodesDecodeKernel: CPUKernel {
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         // Keys split so every worker has work: shares of at least
-        // KVCodesDecodeKernel.minKeys keys, enough for 4 per worker.
+        // minKeys keys, enough for 4 per worker. When the kv heads of one key
+        // sit side by side (flash-attn's [B, cap, Hkv] and its pages), a work
+        // item is a query row's share of keys over every kv head, read in
+        // memory order; otherwise one chunk of heads of one kv head.
+        let rows = items / max(kvHeads * ((heads / kvHeads + chunk - 1) / chunk), 1)
+        let byRow = p.kv_strides.1 < p.kv_strides.2 && items > rows
+        let units = byRow ? rows : items
         let keys = maxKeys(d, p)
-        let want = (4 * pool.threads + items - 1) / max(items, 1)
+        let want = (4 * pool.threads + units - 1) / max(units, 1)
         let nsplit = max(1, min(want, keys / Self.minKeys, Self.maxSplits))
-        if nsplit == 1 {
+        if nsplit == 1 && !byRow {
             withUnsafePointer(to: &p) { pp in
                 withUnsafePointer(to: &a) { ap in
                     pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item), 0, 1, nil) }
@@ -60,8 +66,12 @@ final class KVCodesDecodeKernel: CPUKernel {
         defer { HostMemory.free(parts) }
         withUnsafePointer(to: &p) { pp in
             withUnsafePointer(to: &a) { ap in
-                pool.forEach(items * nsplit) { _, i in
-                    fm_cpu_kv_codes_decode_item(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                pool.forEach(units * nsplit) { _, i in
+                    if byRow {
+                        fm_cpu_kv_codes_decode_row(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                    } else {
+                        fm_cpu_kv_codes_decode_item(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                    }
                 }
                 pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_merge(pp, ap, Int64(item), Int32(nsplit), parts) }
             }

@@ -239,7 +239,62 @@ static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *
 }
 
 int64_t fm_cpu_kv_codes_part_floats(const KVCodesDecodeParams *p) {
-    return (int64_t)FM_CPU_KVQ_HEAD_CHUNK * (p->head_dim + 2);
+    return (int64_t)FM_CPU_KVQ_HEAD_CHUNK * (2 * p->head_dim + 2);
+}
+
+/* The query of an item's heads in the K side's basis, and its softmax state
+ * zeroed, in `state`: acc [CHUNK, D], mx [CHUNK], sum [CHUNK], qz [CHUNK, D]. */
+static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const ItemPlace *at,
+                       float *state) {
+    const int32_t d = p->head_dim;
+    float *acc = state, *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
+    float *qz = sum + FM_CPU_KVQ_HEAD_CHUNK;
+    for (int32_t j = 0; j < at->heads; j++) {
+        for (int32_t i = 0; i < d; i++) {
+            const float v = a->q[(at->row0 + j) * d + i];
+            qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
+            acc[j * d + i] = 0.0f;
+        }
+        if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
+        mx[j] = FM_RUNNING_MAX_START;
+        sum[j] = 0.0f;
+    }
+}
+
+static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const FMKVQTables *tables,
+                     const ItemPlace *at, float *state, int32_t start, int32_t end) {
+    const int32_t d = p->head_dim;
+    float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
+    const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
+                         state};
+    keys_route(&k);
+}
+
+void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t bi,
+                                int32_t split, int32_t nsplit, float *parts) {
+    const int32_t group = p->n_heads / p->n_kv_heads;
+    const int64_t per = (int64_t)p->n_kv_heads * ((group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK);
+    const int64_t stride = fm_cpu_kv_codes_part_floats(p);
+    ItemPlace at;
+    if (!place_item(p, a, bi * per, &at)) return;
+    /* Every item of the row sees the same keys; this share of them. */
+    const int64_t len = at.hi - at.lo;
+    const int32_t s0 = (int32_t)(at.lo + len * split / nsplit), s1 = (int32_t)(at.lo + len * (split + 1) / nsplit);
+    for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
+        place_item(p, a, item, &at);
+        start_item(p, a, &at, parts + (item * nsplit + split) * stride);
+    }
+    FMKVQTables tables;
+    build_tables(&tables);
+    /* Blocks of keys, every kv head's rows of a block read before the next
+     * block: the heads of one key sit side by side in memory. */
+    for (int32_t k0 = s0; k0 < s1; k0 += FM_KVQ_ROW_BLOCK) {
+        const int32_t k1 = s1 - k0 < FM_KVQ_ROW_BLOCK ? s1 : k0 + FM_KVQ_ROW_BLOCK;
+        for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
+            place_item(p, a, item, &at);
+            run_keys(p, a, &tables, &at, parts + (item * nsplit + split) * stride, k0, k1);
+        }
+    }
 }
 
 /* Sinks, LSE, the V rotation undone and the output rows of one item, from
@@ -279,30 +334,20 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
                                  int32_t split, int32_t nsplit, float *parts) {
     ItemPlace at;
     if (!place_item(p, a, item, &at)) return;
-    const int32_t d = p->head_dim, n = p->block;
-    float qz[FM_CPU_KVQ_HEAD_CHUNK * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float local[FM_CPU_KVQ_HEAD_CHUNK * (FM_KVQ_MAX_HEAD_DIM + 2)] __attribute__((aligned(64)));
+    const int32_t d = p->head_dim;
+    float local[FM_CPU_KVQ_HEAD_CHUNK * (2 * FM_KVQ_MAX_HEAD_DIM + 2)] __attribute__((aligned(64)));
     float *state = nsplit > 1 ? parts + (item * nsplit + split) * fm_cpu_kv_codes_part_floats(p) : local;
-    float *acc = state, *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
-    for (int32_t j = 0; j < at.heads; j++) {
-        for (int32_t i = 0; i < d; i++) {
-            const float v = a->q[(at.row0 + j) * d + i];
-            qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
-            acc[j * d + i] = 0.0f;
-        }
-        if (a->k_dense == NULL) hadamard(qz + j * d, d, n);
-        mx[j] = FM_RUNNING_MAX_START;
-        sum[j] = 0.0f;
-    }
+    start_item(p, a, &at, state);
     /* Split `split` of nsplit: a contiguous share of [lo, hi). */
     const int64_t len = at.hi - at.lo;
     FMKVQTables tables;
     build_tables(&tables);
-    const FMKVQKeys k = {p, a, &tables, at.b, at.g, at.heads,
-                         (int32_t)(at.lo + len * split / nsplit), (int32_t)(at.lo + len * (split + 1) / nsplit),
-                         qz, mx, sum, acc};
-    keys_route(&k);
-    if (nsplit == 1) finish_item(p, a, &at, mx, sum, acc);
+    run_keys(p, a, &tables, &at, state, (int32_t)(at.lo + len * split / nsplit),
+             (int32_t)(at.lo + len * (split + 1) / nsplit));
+    if (nsplit == 1) {
+        float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
+        finish_item(p, a, &at, mx, mx + FM_CPU_KVQ_HEAD_CHUNK, state);
+    }
 }
 
 void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,

@@ -4,8 +4,8 @@
  * width: keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to
  * float once (whole bytes through lookup tables), every head's scores of
  * the tile taken before one online-softmax rescale per tile, then the V
- * rows decoded and accumulated. Dot products keep FM_KVQ_LANES independent
- * sums, so they vectorise without reassociation (-ffp-contract=off). */
+ * rows decoded and accumulated. Dot products run in the ISA's vectors
+ * (simd.h). */
 #include <math.h>
 #include <string.h>
 
@@ -21,6 +21,22 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
     }
 }
 
+#if defined(__x86_64__) && FM_VL == 8
+#include <immintrin.h>
+/* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
+ * as their centroids c (16 entries for 4 bits, 4 for 2): each code picks
+ * from the two 8-entry halves of the table by vpermps, bit 3 choosing. */
+static inline __m256 FM_SFX(kvq_codes8)(uint32_t w, int32_t bits, __m256 lo, __m256 hi) {
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts),
+                                         _mm256_set1_epi32((1 << bits) - 1));
+    const __m256 a = _mm256_permutevar8x32_ps(lo, idx);
+    if (bits == 2) return a;
+    return _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+#endif
+
 /* One row of `bits`-bit codes as centroids: 8 codes per `bits` bytes,
  * little-endian; 4-bit and 2-bit by whole bytes through t (the centroids of
  * every byte value), 8-bit straight from its table. */
@@ -28,6 +44,25 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
                                                                      const FMKVQTables *t, float *out) {
     if (bits == 8) {
         for (int32_t i = 0; i < d; i++) out[i] = t->c8[row[i]];
+#if defined(__x86_64__) && FM_VL == 8
+    } else if (bits == 4 || bits == 2) {
+        float tab[16] = {0};
+        memcpy(tab, t->c[bits], sizeof(float) << bits);
+        const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
+        if (bits == 4) {
+            for (int32_t i = 0; i < d; i += 8) {
+                uint32_t w;
+                memcpy(&w, row + i / 2, 4);
+                _mm256_storeu_ps(out + i, FM_SFX(kvq_codes8)(w, 4, lo, hi));
+            }
+        } else {
+            for (int32_t i = 0; i < d; i += 8) {
+                uint16_t w;
+                memcpy(&w, row + i / 4, 2);
+                _mm256_storeu_ps(out + i, FM_SFX(kvq_codes8)(w, 2, lo, hi));
+            }
+        }
+#endif
     } else if (bits == 4) {
         for (int32_t i = 0; i < d / 2; i++) memcpy(out + 2 * i, t->by4[row[i]], 2 * sizeof(float));
     } else if (bits == 2) {
@@ -43,16 +78,16 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
     }
 }
 
-/* sum x[i] * y[i] over n (a multiple of FM_KVQ_LANES) in FM_KVQ_LANES lanes. */
+/* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL) in vector lanes. */
 static inline float FM_SFX(kvq_dot)(const float *x, const float *y, int32_t n) {
-    float lane[FM_KVQ_LANES] = {0};
-    for (int32_t i = 0; i < n; i += FM_KVQ_LANES) {
-        for (int32_t l = 0; l < FM_KVQ_LANES; l++) lane[l] += x[i + l] * y[i + l];
+    fm_v s0 = fm_v_splat(0.0f), s1 = fm_v_splat(0.0f);
+    int32_t i = 0;
+    for (; i + 2 * FM_VL <= n; i += 2 * FM_VL) {
+        s0 += fm_v_load(x + i) * fm_v_load(y + i);
+        s1 += fm_v_load(x + i + FM_VL) * fm_v_load(y + i + FM_VL);
     }
-    for (int32_t s = FM_KVQ_LANES / 2; s >= 1; s >>= 1) {
-        for (int32_t l = 0; l < s; l++) lane[l] += lane[l + s];
-    }
-    return lane[0];
+    for (; i < n; i += FM_VL) s0 += fm_v_load(x + i) * fm_v_load(y + i);
+    return fm_v_sum(s0 + s1);
 }
 
 /* The storage row of key `key` of the run's kv head. */
@@ -92,7 +127,6 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
     float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float vc[FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float s[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
     int64_t rows[FM_KVQ_TILE];
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
@@ -142,12 +176,18 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 for (int32_t i = 0; i < d; i++) acc[i] *= corr;
             }
         }
+        /* The tile's V rows are all decoded (into the K buffer, whose scores
+         * are taken) before any is read back: reading a row right after its
+         * narrow stores would stall on store forwarding. */
         for (int32_t t = 0; t < nt; t++) {
             if (a->v_dense != NULL) {
-                FM_SFX(kvq_load_dense)(vc, a->v_dense, a->dense_dtype, rows[t], d);
+                FM_SFX(kvq_load_dense)(kc[t], a->v_dense, a->dense_dtype, rows[t], d);
             } else {
-                FM_SFX(kvq_unpack)(a->v_codes + rows[t] * p->v_row_bytes, d, p->v_bits, tab, vc);
+                FM_SFX(kvq_unpack)(a->v_codes + rows[t] * p->v_row_bytes, d, p->v_bits, tab, kc[t]);
             }
+        }
+        for (int32_t t = 0; t < nt; t++) {
+            const float *vc = kc[t];
             for (int32_t j = 0; j < heads; j++) {
                 float *acc = k->acc + (int64_t)j * d;
                 for (int32_t blk = 0; blk < d / vn; blk++) {

@@ -9,9 +9,10 @@
 /* Keys per tile: each tile's K rows are decoded once into a stack buffer of
  * FM_KVQ_TILE * FM_KVQ_MAX_HEAD_DIM floats (32 KiB). */
 #define FM_KVQ_TILE 16
-/* Independent partial sums of a dot product: a whole vector or more at every
- * ISA's width, and no more than the smallest rotation block. */
-#define FM_KVQ_LANES 16
+/* Keys per block when one work item reads every kv head of its keys
+ * (fm_cpu_kv_codes_decode_row): a block of every head's rows stays cached
+ * while each head takes its turn. */
+#define FM_KVQ_ROW_BLOCK 64
 
 /* Centroids by whole code bytes: by4[b] = (c4[b & 15], c4[b >> 4]), by2[b]
  * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table. */

@@ -296,10 +296,11 @@ def test_varlen_over_quantized_pages(registry, rng, dense_v, dtype):
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_long_caches_split_over_keys(registry, rng, paged):
-    """Thousands of keys per sequence, one empty: the cpu splits each row's
+    """Thousands of keys per sequence, one empty, kv heads side by side: the
+    cpu reads every kv head of a share of keys in one work item, splits each row's
     keys across workers and merges the shares' softmax states (sinks and LSE
     applied after the merge); equal to float64 attention over K̂, V̂."""
-    b, cap, hkv, h, d, page = 2, 2560, 1, 2, 64, 256
+    b, cap, hkv, h, d, page = 2, 2560, 2, 4, 64, 256
     kcodec, vcodec = fm.KVCodec(d, 4, seed=3), fm.KVCodec(d, 8, seed=4)
     k = kcodec.encode(randn(rng, (b, cap, hkv, d), F32), registry=registry)
     v = vcodec.encode(randn(rng, (b, cap, hkv, d), F32), registry=registry)

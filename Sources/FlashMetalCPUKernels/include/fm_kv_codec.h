@@ -51,6 +51,12 @@ typedef struct FMCPUKVCodesAttnArgs {
 int64_t fm_cpu_kv_codes_part_floats(const KVCodesDecodeParams *p);
 void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
                                  int32_t split, int32_t nsplit, float *parts);
+/* The same for every item of query row bi (its kv heads and head chunks,
+ * items bi * per .. (bi + 1) * per - 1) at once, key block by key block, so
+ * a cache whose kv heads sit side by side is read in order; always writes
+ * parts (nsplit may be 1), finished by fm_cpu_kv_codes_decode_merge. */
+void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t bi,
+                                int32_t split, int32_t nsplit, float *parts);
 void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
                                   int32_t nsplit, const float *parts);
 
