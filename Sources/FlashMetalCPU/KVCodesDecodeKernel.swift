@@ -8,8 +8,10 @@ import FlashMetalCore
 final class KVCodesDecodeKernel: CPUKernel {
     /// The dtype of a dense side, when one is.
     let dense: DType
+    let name: String
 
     init(_ key: PipelineKey) {
+        name = key.kernel
         if case let .kvCodesDecode(d) = key.spec { dense = d } else { dense = .f32 }
     }
 
@@ -39,11 +41,61 @@ final class KVCodesDecodeKernel: CPUKernel {
             cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
+        // Keys split so every worker has work: shares of at least
+        // minKeys keys, enough for 4 per worker. When the kv heads of one key
+        // sit side by side (flash-attn's [B, cap, Hkv] and its pages), a work
+        // item is a query row's share of keys over every kv head, read in
+        // memory order; otherwise one chunk of heads of one kv head.
+        let rows = items / max(kvHeads * ((heads / kvHeads + chunk - 1) / chunk), 1)
+        let byRow = p.kv_strides.1 < p.kv_strides.2 && items > rows
+        let units = byRow ? rows : items
+        let keys = maxKeys(d, p)
+        let want = (4 * pool.threads + units - 1) / max(units, 1)
+        let nsplit = max(1, min(want, keys / Self.minKeys, Self.maxSplits))
+        if nsplit == 1 && !byRow {
+            withUnsafePointer(to: &p) { pp in
+                withUnsafePointer(to: &a) { ap in
+                    pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item), 0, 1, nil) }
+                }
+            }
+            return
+        }
+        let floats = Int(withUnsafePointer(to: &p) { fm_cpu_kv_codes_part_floats($0) })
+        let parts = try HostMemory.allocate(Float.self, count: floats * items * nsplit, op: name,
+                                            what: "decode-over-codes partials")
+        defer { HostMemory.free(parts) }
         withUnsafePointer(to: &p) { pp in
             withUnsafePointer(to: &a) { ap in
-                pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item)) }
+                pool.forEach(units * nsplit) { _, i in
+                    if byRow {
+                        fm_cpu_kv_codes_decode_row(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                    } else {
+                        fm_cpu_kv_codes_decode_item(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                    }
+                }
+                pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_merge(pp, ap, Int64(item), Int32(nsplit), parts) }
             }
         }
+    }
+
+    /// The fewest keys worth a share of their own, and the most shares.
+    static let minKeys = 512
+    static let maxSplits = 64
+
+    /// The most keys one sequence has: its bound lengths (per-sequence
+    /// counts, or varlen offsets), else kv_len.
+    private func maxKeys(_ d: Dispatch, _ p: KVCodesDecodeParams) -> Int {
+        var m = 0
+        if d.bindings[KVCodesDecodeBuffer.cuSeqlensK] != nil,
+           let c = try? d.buffer(KVCodesDecodeBuffer.cuSeqlensK).data.assumingMemoryBound(to: Int32.self) {
+            for b in 0..<Int(p.batch) { m = max(m, Int(c[b + 1]) - Int(c[b])) }
+        } else if d.bindings[KVCodesDecodeBuffer.seqlens] != nil,
+                  let s = try? d.buffer(KVCodesDecodeBuffer.seqlens).data.assumingMemoryBound(to: Int32.self) {
+            for b in 0..<Int(p.batch) { m = max(m, Int(s[b])) }
+        } else {
+            m = Int(p.kv_len)
+        }
+        return m
     }
 }
 

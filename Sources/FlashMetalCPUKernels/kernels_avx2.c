@@ -13,5 +13,6 @@
 #include "simd.h"
 #include "prefill_body.h"
 #include "vec_body.h"
+#include "kv_codes_body.h"
 #pragma clang attribute pop
 #endif

@@ -13,4 +13,5 @@
 #include "simd.h"
 #include "prefill_body.h"
 #include "vec_body.h"
+#include "kv_codes_body.h"
 #endif

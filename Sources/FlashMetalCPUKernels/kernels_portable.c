@@ -6,3 +6,4 @@
 #define FM_SFX(n) n##_portable
 #include "simd.h"
 #include "vec_body.h"
+#include "kv_codes_body.h"

@@ -11,6 +11,8 @@
 
 #include "fm_kv_codec.h"
 #include "half_convert.h"
+#include "fm_cpu_kernels.h"
+#include "kv_codes_keys.h"
 #include "../../Resources/shaders/kv_codec.h"
 
 /* The unnormalised Hadamard transform of every block of z. */
@@ -156,15 +158,53 @@ static int32_t floor_div(int32_t a, int32_t b) {
     return (a % b != 0 && a < 0) ? q - 1 : q;
 }
 
-void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item) {
-    const int32_t d = p->head_dim, n = p->block, nb = d / n, kbits = p->k_bits, vbits = p->v_bits;
+static void build_tables(FMKVQTables *t) {
+    for (int32_t v = 0; v < 256; v++) {
+        t->by4[v][0] = FM_KVQ_C4[v & 15];
+        t->by4[v][1] = FM_KVQ_C4[v >> 4];
+        for (int32_t j = 0; j < 4; j++) t->by2[v][j] = FM_KVQ_C2[(v >> (2 * j)) & 3];
+    }
+    t->c8 = FM_KVQ_C8;
+    for (int32_t b = 0; b < 9; b++) t->c[b] = NULL;
+    t->c[2] = FM_KVQ_C2;
+    t->c[3] = FM_KVQ_C3;
+    t->c[4] = FM_KVQ_C4;
+    t->c[5] = FM_KVQ_C5;
+    t->c[6] = FM_KVQ_C6;
+    t->c[8] = FM_KVQ_C8;
+}
+
+static void keys_route(const FMKVQKeys *k) {
+#if defined(__x86_64__)
+    switch (fm_cpu_isa()) {
+    case FM_ISA_AVX2: fm_kvq_keys_avx2(k); return;
+    case FM_ISA_AVX512:
+    case FM_ISA_AVX512BF16: fm_kvq_keys_avx512(k); return;
+    default: fm_kvq_keys_portable(k); return;
+    }
+#elif defined(__aarch64__)
+    if (fm_cpu_isa() == FM_ISA_NEON) fm_kvq_keys_neon(k); else fm_kvq_keys_portable(k);
+#else
+    fm_kvq_keys_portable(k);
+#endif
+}
+
+/* Where a work item sits: sequence b, its query row qi of rows_b, kv head
+ * g, its query heads [h0, h0 + heads) of the group, and the keys [lo, hi)
+ * the row sees. 0 when the item is past the last varlen sequence. */
+typedef struct ItemPlace {
+    int64_t b, qi, bi, g, row0;
+    int32_t h0, heads, lo, hi;
+} ItemPlace;
+
+static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item, ItemPlace *o) {
     const int32_t group = p->n_heads / p->n_kv_heads;
     const int32_t chunks = (group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
     const int64_t big = item / chunks, bi = big / p->n_kv_heads, g = big % p->n_kv_heads;
     int64_t b = bi / p->q_len, qi = bi % p->q_len, rows_b = p->q_len;
     if (a->cu_seqlens_q != NULL) {
         /* The sequence holding token bi: the last b with cu_q[b] <= bi. */
-        if (bi >= a->cu_seqlens_q[p->batch]) return;  /* past the last sequence: no row to write */
+        if (bi >= a->cu_seqlens_q[p->batch]) return 0;  /* past the last sequence: no row to write */
         int64_t lo = 0, hi = p->batch;
         while (hi - lo > 1) {
             const int64_t mid = (lo + hi) / 2;
@@ -174,27 +214,13 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
         qi = bi - a->cu_seqlens_q[b];
         rows_b = a->cu_seqlens_q[b + 1] - a->cu_seqlens_q[b];
     }
-    const int32_t h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
-    const int32_t heads = group - h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - h0 : FM_CPU_KVQ_HEAD_CHUNK;
-    const int64_t row0 = bi * p->n_heads + g * group + h0;
-    const float inv_n = 1.0f / (float)n;
-    /* A dense side reads as one block of norm 1 in the output basis. */
-    const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
-    const float k_unit = a->k_dense != NULL ? 1.0f : inv_n;
-    float qz[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM], acc[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_MAX_HEAD_DIM];
-    float kc[FM_KVQ_MAX_HEAD_DIM], vcv[FM_KVQ_MAX_HEAD_DIM], mx[FM_CPU_KVQ_HEAD_CHUNK], sum[FM_CPU_KVQ_HEAD_CHUNK];
-    float w[FM_CPU_KVQ_HEAD_CHUNK], corr[FM_CPU_KVQ_HEAD_CHUNK];
-    for (int32_t j = 0; j < heads; j++) {
-        for (int32_t i = 0; i < d; i++) {
-            const float v = a->q[(row0 + j) * d + i];
-            qz[j][i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
-            acc[j][i] = 0.0f;
-        }
-        if (a->k_dense == NULL) hadamard(qz[j], d, n);
-        mx[j] = FM_RUNNING_MAX_START;
-        sum[j] = 0.0f;
-    }
-    /* The keys this row sees: [lo, hi). */
+    o->b = b;
+    o->qi = qi;
+    o->bi = bi;
+    o->g = g;
+    o->h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
+    o->heads = group - o->h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - o->h0 : FM_CPU_KVQ_HEAD_CHUNK;
+    o->row0 = bi * p->n_heads + g * group + o->h0;
     int32_t kl = a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
     if (a->cu_seqlens_k != NULL) kl = a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b];
     const int32_t pos = kl - (int32_t)rows_b + (int32_t)qi;
@@ -207,70 +233,147 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
         if (c0 > lo) lo = c0;
         if (c0 + p->attention_chunk < hi) hi = c0 + p->attention_chunk;
     }
-    for (int32_t t = lo; t < hi; t++) {
-        int64_t r = g * p->kv_strides[1];
-        if (a->block_table != NULL) {
-            r += (int64_t)a->block_table[b * p->max_pages + t / p->page_size] * p->kv_strides[0]
-                 + (int64_t)(t % p->page_size) * p->kv_strides[2];
-        } else {
-            r += b * p->kv_strides[0] + (int64_t)t * p->kv_strides[2];
+    o->lo = lo;
+    o->hi = hi < lo ? lo : hi;
+    return 1;
+}
+
+int64_t fm_cpu_kv_codes_part_floats(const KVCodesDecodeParams *p) {
+    return (int64_t)FM_CPU_KVQ_HEAD_CHUNK * (2 * p->head_dim + 2);
+}
+
+/* The query of an item's heads in the K side's basis, and its softmax state
+ * zeroed, in `state`: acc [CHUNK, D], mx [CHUNK], sum [CHUNK], qz [CHUNK, D]. */
+static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const ItemPlace *at,
+                       float *state) {
+    const int32_t d = p->head_dim;
+    float *acc = state, *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
+    float *qz = sum + FM_CPU_KVQ_HEAD_CHUNK;
+    for (int32_t j = 0; j < at->heads; j++) {
+        for (int32_t i = 0; i < d; i++) {
+            const float v = a->q[(at->row0 + j) * d + i];
+            qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
+            acc[j * d + i] = 0.0f;
         }
-        if (a->k_dense != NULL) {
-            load_row(kc, a->k_dense, a->dense_dtype, r, d);
-        } else {
-            unpack_centroids(a->k_codes + r * p->k_row_bytes, d, kbits, kc);
-        }
-        for (int32_t j = 0; j < heads; j++) {
-            float dot = 0.0f;
-            for (int32_t k = 0; k < d / kn; k++) {
-                float lane[8] = {0};  /* eight independent sums: vectorisable without reassociation */
-                for (int32_t i = k * kn; i < (k + 1) * kn; i += 8) {
-                    for (int32_t l = 0; l < 8; l++) lane[l] += qz[j][i + l] * kc[i + l];
-                }
-                const float part = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-                dot += a->k_dense != NULL ? part : part * a->k_norms[r * nb + k];
-            }
-            float s = dot * k_unit * p->scale;
-            if (p->softcap > 0.0f) s = p->softcap * tanhf(s / p->softcap);
-            const float m_new = s > mx[j] ? s : mx[j];
-            corr[j] = expf(mx[j] - m_new);
-            w[j] = expf(s - m_new);
-            sum[j] = sum[j] * corr[j] + w[j];
-            mx[j] = m_new;
-        }
-        if (a->v_dense != NULL) {
-            load_row(vcv, a->v_dense, a->dense_dtype, r, d);
-        } else {
-            unpack_centroids(a->v_codes + r * p->v_row_bytes, d, vbits, vcv);
-        }
-        for (int32_t j = 0; j < heads; j++) {
-            for (int32_t k = 0; k < d / vn; k++) {
-                const float wr = a->v_dense != NULL ? w[j] : w[j] * a->v_norms[r * nb + k];
-                for (int32_t i = k * vn; i < (k + 1) * vn; i++) acc[j][i] = acc[j][i] * corr[j] + wr * vcv[i];
-            }
+        if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
+        mx[j] = FM_RUNNING_MAX_START;
+        sum[j] = 0.0f;
+    }
+}
+
+static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const FMKVQTables *tables,
+                     const ItemPlace *at, float *state, int32_t start, int32_t end) {
+    const int32_t d = p->head_dim;
+    float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
+    const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
+                         state};
+    keys_route(&k);
+}
+
+void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t bi,
+                                int32_t split, int32_t nsplit, float *parts) {
+    const int32_t group = p->n_heads / p->n_kv_heads;
+    const int64_t per = (int64_t)p->n_kv_heads * ((group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK);
+    const int64_t stride = fm_cpu_kv_codes_part_floats(p);
+    ItemPlace at;
+    if (!place_item(p, a, bi * per, &at)) return;
+    /* Every item of the row sees the same keys; this share of them. */
+    const int64_t len = at.hi - at.lo;
+    const int32_t s0 = (int32_t)(at.lo + len * split / nsplit), s1 = (int32_t)(at.lo + len * (split + 1) / nsplit);
+    for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
+        place_item(p, a, item, &at);
+        start_item(p, a, &at, parts + (item * nsplit + split) * stride);
+    }
+    FMKVQTables tables;
+    build_tables(&tables);
+    /* Blocks of keys, every kv head's rows of a block read before the next
+     * block: the heads of one key sit side by side in memory. */
+    for (int32_t k0 = s0; k0 < s1; k0 += FM_KVQ_ROW_BLOCK) {
+        const int32_t k1 = s1 - k0 < FM_KVQ_ROW_BLOCK ? s1 : k0 + FM_KVQ_ROW_BLOCK;
+        for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
+            place_item(p, a, item, &at);
+            run_keys(p, a, &tables, &at, parts + (item * nsplit + split) * stride, k0, k1);
         }
     }
-    for (int32_t j = 0; j < heads; j++) {
-        const int32_t h = (int32_t)(g * group + h0 + j);
+}
+
+/* Sinks, LSE, the V rotation undone and the output rows of one item, from
+ * its softmax state. */
+static void finish_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const ItemPlace *at, float *mx,
+                        float *sum, float *acc) {
+    const int32_t d = p->head_dim, n = p->block, group = p->n_heads / p->n_kv_heads;
+    const float inv_n = 1.0f / (float)n;
+    for (int32_t j = 0; j < at->heads; j++) {
+        float *aj = acc + (int64_t)j * d;
+        const int32_t h = (int32_t)(at->g * group + at->h0 + j);
         if (a->sinks != NULL) {
             /* The sink joins the denominator without a value; +inf takes the row. */
             const float s = a->sinks[h];
             const float m_new = s > mx[j] ? s : mx[j];
             const float c = s == INFINITY ? 0.0f : expf(mx[j] - m_new);
             sum[j] = s == INFINITY ? INFINITY : sum[j] * c + expf(s - m_new);
-            for (int32_t i = 0; i < d; i++) acc[j][i] *= c;
+            for (int32_t i = 0; i < d; i++) aj[i] *= c;
             mx[j] = m_new;
         }
         if (a->lse != NULL) {
-            const int64_t at = a->cu_seqlens_q != NULL ? (int64_t)h * p->q_len + bi : (b * p->n_heads + h) * p->q_len + qi;
-            a->lse[at] = sum[j] > 0.0f ? mx[j] + logf(sum[j]) : -INFINITY;
+            const int64_t o = a->cu_seqlens_q != NULL ? (int64_t)h * p->q_len + at->bi
+                                                      : (at->b * p->n_heads + h) * p->q_len + at->qi;
+            a->lse[o] = sum[j] > 0.0f ? mx[j] + logf(sum[j]) : -INFINITY;
         }
         const int v_codes = a->v_dense == NULL;
-        if (v_codes) hadamard(acc[j], d, n);
+        if (v_codes) hadamard(aj, d, n);
         const float norm = sum[j] > 0.0f ? (v_codes ? inv_n : 1.0f) / sum[j] : 0.0f;
         for (int32_t i = 0; i < d; i++) {
-            const float v = acc[j][i] * norm;
-            a->o[(row0 + j) * d + i] = (v_codes && fm_kvq_sign_bit(p->v_seed, (uint32_t)i)) ? -v : v;
+            const float v = aj[i] * norm;
+            a->o[(at->row0 + j) * d + i] = (v_codes && fm_kvq_sign_bit(p->v_seed, (uint32_t)i)) ? -v : v;
         }
     }
+}
+
+void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
+                                 int32_t split, int32_t nsplit, float *parts) {
+    ItemPlace at;
+    if (!place_item(p, a, item, &at)) return;
+    const int32_t d = p->head_dim;
+    float local[FM_CPU_KVQ_HEAD_CHUNK * (2 * FM_KVQ_MAX_HEAD_DIM + 2)] __attribute__((aligned(64)));
+    float *state = nsplit > 1 ? parts + (item * nsplit + split) * fm_cpu_kv_codes_part_floats(p) : local;
+    start_item(p, a, &at, state);
+    /* Split `split` of nsplit: a contiguous share of [lo, hi). */
+    const int64_t len = at.hi - at.lo;
+    FMKVQTables tables;
+    build_tables(&tables);
+    run_keys(p, a, &tables, &at, state, (int32_t)(at.lo + len * split / nsplit),
+             (int32_t)(at.lo + len * (split + 1) / nsplit));
+    if (nsplit == 1) {
+        float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
+        finish_item(p, a, &at, mx, mx + FM_CPU_KVQ_HEAD_CHUNK, state);
+    }
+}
+
+void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
+                                  int32_t nsplit, const float *parts) {
+    ItemPlace at;
+    if (!place_item(p, a, item, &at)) return;
+    const int32_t d = p->head_dim;
+    const int64_t stride = fm_cpu_kv_codes_part_floats(p);
+    float acc[FM_CPU_KVQ_HEAD_CHUNK * FM_KVQ_MAX_HEAD_DIM], mx[FM_CPU_KVQ_HEAD_CHUNK], sum[FM_CPU_KVQ_HEAD_CHUNK];
+    const float *first = parts + item * nsplit * stride;
+    for (int32_t j = 0; j < at.heads; j++) {
+        float m = FM_RUNNING_MAX_START;
+        for (int32_t s = 0; s < nsplit; s++) {
+            const float ms = first[s * stride + FM_CPU_KVQ_HEAD_CHUNK * d + j];
+            if (ms > m) m = ms;
+        }
+        float total = 0.0f;
+        for (int32_t i = 0; i < d; i++) acc[j * d + i] = 0.0f;
+        for (int32_t s = 0; s < nsplit; s++) {
+            const float *part = first + s * stride;
+            const float c = expf(part[FM_CPU_KVQ_HEAD_CHUNK * d + j] - m);
+            total += part[FM_CPU_KVQ_HEAD_CHUNK * (d + 1) + j] * c;
+            for (int32_t i = 0; i < d; i++) acc[j * d + i] += part[j * d + i] * c;
+        }
+        mx[j] = m;
+        sum[j] = total;
+    }
+    finish_item(p, a, &at, mx, sum, acc);
 }

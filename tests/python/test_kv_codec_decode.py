@@ -70,6 +70,20 @@ def test_features(registry, rng, case):
     check(o, reference.decode(q, dequantized(k), dequantized(v), kv_len, **kw), f"{registry.backend} {case}")
 
 
+@pytest.mark.parametrize("kbits,vbits,kw", [(8, 4, {}), (4, 2, {"window": 1700}), (3, 8, {"softcap": 3.0})])
+def test_long_caches_split_over_keys(registry, rng, kbits, vbits, kw):
+    """Thousands of keys for one kv head: the cpu splits each row's keys
+    across workers and merges the shares (a share's length is not a multiple
+    of its key tile); the output is still float64 attention over K̂, V̂."""
+    b, h, hkv, cap, kv_len, d = 1, 3, 1, 3100, 3001, 64
+    k = cache(rng, (b, hkv, cap), d, kbits, 7, registry)
+    v = cache(rng, (b, hkv, cap), d, vbits, 8, registry)
+    q = (rng.standard_normal((b, h, d)) * 2.0).astype(np.float32)
+    o = fm.flash_attn_decode(q, k, v, kv_len, registry=registry, **kw)
+    check(o, reference.decode(q, dequantized(k), dequantized(v), kv_len, **kw),
+          f"{registry.backend} K{kbits}/V{vbits} {kw}")
+
+
 def test_out_and_codes_close_to_the_dense_decode(registry, rng):
     """out= is filled in place; 8-bit caches give nearly the dense answer."""
     d, kv_len = 128, 30

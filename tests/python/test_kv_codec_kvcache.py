@@ -292,3 +292,33 @@ def test_varlen_over_quantized_pages(registry, rng, dense_v, dtype):
     with pytest.raises(ValueError, match=r"^flash_attn_varlen_func: .*block_table\[2, 0\] = 9 is out of range \[0, 7\)"):
         fm.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, block_table=np.array([[5, 2], [0, 6], [9, 1]], np.int32),
                                   registry=registry)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_long_caches_split_over_keys(registry, rng, paged):
+    """Thousands of keys per sequence, one empty, kv heads side by side: the
+    cpu reads every kv head of a share of keys in one work item, splits each row's
+    keys across workers and merges the shares' softmax states (sinks and LSE
+    applied after the merge); equal to float64 attention over K̂, V̂."""
+    b, cap, hkv, h, d, page = 2, 2560, 2, 4, 64, 256
+    kcodec, vcodec = fm.KVCodec(d, 4, seed=3), fm.KVCodec(d, 8, seed=4)
+    k = kcodec.encode(randn(rng, (b, cap, hkv, d), F32), registry=registry)
+    v = vcodec.encode(randn(rng, (b, cap, hkv, d), F32), registry=registry)
+    table = None
+    if paged:  # the same rows, scattered over shuffled pages
+        per = cap // page
+        table = rng.permutation(b * per).reshape(b, per).astype(np.int32)
+        kp, vp = kcodec.empty((b * per, page, hkv)), vcodec.empty((b * per, page, hkv))
+        for src, dst in ((k, kp), (v, vp)):
+            dst.codes[table.reshape(-1)] = src.codes.reshape(b * per, page, hkv, -1)
+            dst.norms[table.reshape(-1)] = src.norms.reshape(b * per, page, hkv, -1)
+        k, v = kp, vp
+    lens = np.array([2333, 0], np.int32)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    q = randn(rng, (b, 1, h, d), F32)
+    o, lse = fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, sinks=sinks,
+                                        return_softmax_lse=True, registry=registry)
+    eo, el = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=lens, block_table=table,
+                                          sinks=sinks)
+    check(o, eo, F32, f"{registry.backend} paged={paged}")
+    check_lse(lse, el, f"{registry.backend} paged={paged} lse")

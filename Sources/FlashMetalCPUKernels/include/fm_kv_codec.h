@@ -43,7 +43,22 @@ typedef struct FMCPUKVCodesAttnArgs {
     const int32_t *cu_seqlens_q;  /* varlen q (q_len = total_q), or NULL */
     const int32_t *cu_seqlens_k;  /* key counts of varlen sequences, or NULL */
 } FMCPUKVCodesAttnArgs;
-void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item);
+/* nsplit == 1: the item whole, its output rows written. nsplit > 1: share
+ * `split` of the item's keys (contiguous, split-major within the item), its
+ * softmax state written to parts [items * nsplit, part_floats]; then
+ * fm_cpu_kv_codes_decode_merge combines the item's nsplit shares and writes
+ * its rows. */
+int64_t fm_cpu_kv_codes_part_floats(const KVCodesDecodeParams *p);
+void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
+                                 int32_t split, int32_t nsplit, float *parts);
+/* The same for every item of query row bi (its kv heads and head chunks,
+ * items bi * per .. (bi + 1) * per - 1) at once, key block by key block, so
+ * a cache whose kv heads sit side by side is read in order; always writes
+ * parts (nsplit may be 1), finished by fm_cpu_kv_codes_decode_merge. */
+void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t bi,
+                                int32_t split, int32_t nsplit, float *parts);
+void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
+                                  int32_t nsplit, const float *parts);
 
 /* kv_codes_append (KVCodesAppendParams): work item `item` = (b * n_new + i)
  * * Hkv + g encodes new row i of kv head g of sequence b into both code

@@ -1,0 +1,200 @@
+/* The key loop of attention over quantized caches (kv_codec.c), compiled
+ * once per ISA like vec_body.h: the including file defines FM_SFX and the
+ * target. Plain C whose inner loops the compiler vectorises at the target's
+ * width: keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to
+ * float once (whole bytes through lookup tables), every head's scores of
+ * the tile taken before one online-softmax rescale per tile, then the V
+ * rows decoded and accumulated. Dot products run in the ISA's vectors
+ * (simd.h). */
+#include <math.h>
+#include <string.h>
+
+#include "fm_kv_codec.h"
+#include "half_convert.h"
+#include "kv_codes_keys.h"
+
+static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype, int64_t row, int32_t d) {
+    if (dtype == FM_DTYPE_F32) {
+        memcpy(z, (const float *)x + row * d, (size_t)d * sizeof(float));
+    } else {
+        fm_load_row(z, (const uint16_t *)x + row * d, d, dtype == FM_DTYPE_BF16);
+    }
+}
+
+#if defined(__x86_64__) && FM_VL == 8
+#include <immintrin.h>
+/* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
+ * as their centroids c (16 entries for 4 bits, 4 for 2): each code picks
+ * from the two 8-entry halves of the table by vpermps, bit 3 choosing. */
+static inline __m256 FM_SFX(kvq_codes8)(uint32_t w, int32_t bits, __m256 lo, __m256 hi) {
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shifts),
+                                         _mm256_set1_epi32((1 << bits) - 1));
+    const __m256 a = _mm256_permutevar8x32_ps(lo, idx);
+    if (bits == 2) return a;
+    return _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+#endif
+
+/* One row of `bits`-bit codes as centroids: 8 codes per `bits` bytes,
+ * little-endian; 4-bit and 2-bit by whole bytes through t (the centroids of
+ * every byte value), 8-bit straight from its table. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8_t *row, int32_t d, int32_t bits,
+                                                                     const FMKVQTables *t, float *out) {
+    if (bits == 8) {
+        for (int32_t i = 0; i < d; i++) out[i] = t->c8[row[i]];
+#if defined(__x86_64__) && FM_VL == 8
+    } else if (bits == 4 || bits == 2) {
+        float tab[16] = {0};
+        memcpy(tab, t->c[bits], sizeof(float) << bits);
+        const __m256 lo = _mm256_loadu_ps(tab), hi = _mm256_loadu_ps(tab + 8);
+        if (bits == 4) {
+            for (int32_t i = 0; i < d; i += 8) {
+                uint32_t w;
+                memcpy(&w, row + i / 2, 4);
+                _mm256_storeu_ps(out + i, FM_SFX(kvq_codes8)(w, 4, lo, hi));
+            }
+        } else {
+            for (int32_t i = 0; i < d; i += 8) {
+                uint16_t w;
+                memcpy(&w, row + i / 4, 2);
+                _mm256_storeu_ps(out + i, FM_SFX(kvq_codes8)(w, 2, lo, hi));
+            }
+        }
+#endif
+    } else if (bits == 4) {
+        for (int32_t i = 0; i < d / 2; i++) memcpy(out + 2 * i, t->by4[row[i]], 2 * sizeof(float));
+    } else if (bits == 2) {
+        for (int32_t i = 0; i < d / 4; i++) memcpy(out + 4 * i, t->by2[row[i]], 4 * sizeof(float));
+    } else {
+        const uint32_t mask = (1u << bits) - 1u;
+        const float *c = t->c[bits];
+        for (int32_t g = 0; g < d / 8; g++) {
+            uint64_t w = 0;
+            for (int32_t b = 0; b < bits; b++) w |= (uint64_t)row[g * bits + b] << (8 * b);
+            for (int32_t j = 0; j < 8; j++) out[g * 8 + j] = c[(w >> (bits * j)) & mask];
+        }
+    }
+}
+
+/* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL) in vector lanes. */
+static inline float FM_SFX(kvq_dot)(const float *x, const float *y, int32_t n) {
+    fm_v s0 = fm_v_splat(0.0f), s1 = fm_v_splat(0.0f);
+    int32_t i = 0;
+    for (; i + 2 * FM_VL <= n; i += 2 * FM_VL) {
+        s0 += fm_v_load(x + i) * fm_v_load(y + i);
+        s1 += fm_v_load(x + i + FM_VL) * fm_v_load(y + i + FM_VL);
+    }
+    for (; i < n; i += FM_VL) s0 += fm_v_load(x + i) * fm_v_load(y + i);
+    return fm_v_sum(s0 + s1);
+}
+
+/* The storage row of key `key` of the run's kv head. */
+static inline int64_t FM_SFX(kvq_row)(const FMKVQKeys *k, int32_t key) {
+    const KVCodesDecodeParams *p = k->p;
+    int64_t r = k->g * p->kv_strides[1];
+    if (k->a->block_table != NULL) {
+        r += (int64_t)k->a->block_table[k->b * p->max_pages + key / p->page_size] * p->kv_strides[0]
+             + (int64_t)(key % p->page_size) * p->kv_strides[2];
+    } else {
+        r += k->b * p->kv_strides[0] + (int64_t)key * p->kv_strides[2];
+    }
+    return r;
+}
+
+/* Requests the cache lines of row r of one side (codes, else dense). */
+static inline void FM_SFX(kvq_prefetch)(const uint8_t *codes, const void *dense, int32_t dtype, int64_t r,
+                                        int32_t row_bytes, int32_t d) {
+    const char *at;
+    int64_t bytes;
+    if (codes != NULL) {
+        at = (const char *)codes + r * row_bytes;
+        bytes = row_bytes;
+    } else {
+        const int64_t esize = dtype == FM_DTYPE_F32 ? 4 : 2;
+        at = (const char *)dense + r * d * esize;
+        bytes = d * esize;
+    }
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
+}
+
+void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
+    const KVCodesDecodeParams *p = k->p;
+    const FMCPUKVCodesAttnArgs *a = k->a;
+    const FMKVQTables *tab = k->tables;
+    const int32_t d = p->head_dim, n = p->block, nb = d / n, heads = k->heads;
+    const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
+    const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
+    float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float s[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
+    int64_t rows[FM_KVQ_TILE];
+    for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
+        const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
+        /* The next tile's rows are requested now: a kv head's rows sit
+         * Hkv rows apart, too sparse for the hardware prefetcher. */
+        for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
+            const int64_t r = FM_SFX(kvq_row)(k, key);
+            FM_SFX(kvq_prefetch)(a->k_codes, a->k_dense, a->dense_dtype, r, p->k_row_bytes, d);
+            FM_SFX(kvq_prefetch)(a->v_codes, a->v_dense, a->dense_dtype, r, p->v_row_bytes, d);
+            if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb);
+            if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb);
+        }
+        for (int32_t t = 0; t < nt; t++) {
+            const int64_t r = FM_SFX(kvq_row)(k, t0 + t);
+            rows[t] = r;
+            if (a->k_dense != NULL) {
+                FM_SFX(kvq_load_dense)(kc[t], a->k_dense, a->dense_dtype, r, d);
+            } else {
+                FM_SFX(kvq_unpack)(a->k_codes + r * p->k_row_bytes, d, p->k_bits, tab, kc[t]);
+            }
+        }
+        for (int32_t j = 0; j < heads; j++) {
+            const float *q = k->qz + (int64_t)j * d;
+            float m_tile = k->mx[j];
+            for (int32_t t = 0; t < nt; t++) {
+                float dot = 0.0f;
+                for (int32_t blk = 0; blk < d / kn; blk++) {
+                    const float part = FM_SFX(kvq_dot)(q + blk * kn, kc[t] + blk * kn, kn);
+                    dot += a->k_dense != NULL ? part : part * a->k_norms[rows[t] * nb + blk];
+                }
+                float sc = dot * k_unit;
+                if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
+                s[j][t] = sc;
+                if (sc > m_tile) m_tile = sc;
+            }
+            const float corr = expf(k->mx[j] - m_tile);
+            float tile_sum = 0.0f;
+            for (int32_t t = 0; t < nt; t++) {
+                s[j][t] = expf(s[j][t] - m_tile);
+                tile_sum += s[j][t];
+            }
+            k->sum[j] = k->sum[j] * corr + tile_sum;
+            k->mx[j] = m_tile;
+            if (corr != 1.0f) {
+                float *acc = k->acc + (int64_t)j * d;
+                for (int32_t i = 0; i < d; i++) acc[i] *= corr;
+            }
+        }
+        /* The tile's V rows are all decoded (into the K buffer, whose scores
+         * are taken) before any is read back: reading a row right after its
+         * narrow stores would stall on store forwarding. */
+        for (int32_t t = 0; t < nt; t++) {
+            if (a->v_dense != NULL) {
+                FM_SFX(kvq_load_dense)(kc[t], a->v_dense, a->dense_dtype, rows[t], d);
+            } else {
+                FM_SFX(kvq_unpack)(a->v_codes + rows[t] * p->v_row_bytes, d, p->v_bits, tab, kc[t]);
+            }
+        }
+        for (int32_t t = 0; t < nt; t++) {
+            const float *vc = kc[t];
+            for (int32_t j = 0; j < heads; j++) {
+                float *acc = k->acc + (int64_t)j * d;
+                for (int32_t blk = 0; blk < d / vn; blk++) {
+                    const float wr = a->v_dense != NULL ? s[j][t] : s[j][t] * a->v_norms[rows[t] * nb + blk];
+                    for (int32_t i = blk * vn; i < (blk + 1) * vn; i++) acc[i] += wr * vc[i];
+                }
+            }
+        }
+    }
+}
