@@ -15,7 +15,8 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, F32, randn
-from serving_cases import SIMULATED, assert_out_lse, paged
+from serving_cases import BACKENDS, SIMULATED, assert_out_lse, paged
+from serving_cases import registry as registry_for
 
 B, H, HKV, D, CAP = 2, 4, 2, 64, 48
 LENS = np.array([5, 29], dtype=np.int32)
@@ -65,12 +66,13 @@ def grid(simulated: bool):
             (3, 2, 32, False, "plain", BF16), (3, 2, 16, True, "window", F16), (3, 3, D, False, "chunk", BF16)]
 
 
-@pytest.mark.parametrize("case", range(len(grid(False))))
-def test_rotary_contiguous(registry, rng, case):
-    cells = grid(registry.backend in SIMULATED)
-    if case >= len(cells):
-        pytest.skip("the simulators run the first few cells of the grid")
-    ql, n_new, rd, inter, feat, dtype = cells[case]
+CELLS = [(backend, cell) for backend in BACKENDS for cell in grid(backend in SIMULATED)]
+
+
+@pytest.mark.parametrize("backend,cell", CELLS)
+def test_rotary_contiguous(rng, backend, cell):
+    reg = registry_for(backend)
+    ql, n_new, rd, inter, feat, dtype = cell
     kw, per_row = FEATURES[feat]
     k_cache, v_cache = randn(rng, (B, CAP, HKV, D), dtype), randn(rng, (B, CAP, HKV, D), dtype)
     q, k, v = randn(rng, (B, ql, H, D), dtype), randn(rng, (B, n_new, HKV, D), dtype), randn(rng, (B, n_new, HKV, D), dtype)
@@ -78,10 +80,10 @@ def test_rotary_contiguous(registry, rng, case):
     q0, k0, kc0 = q.copy(), k.copy(), k_cache.copy()
     out, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
                                           cache_seqlens=LENS, rotary_interleaved=inter, return_softmax_lse=True,
-                                          registry=registry, **kw)
+                                          registry=reg, **kw)
     q_ro, k_ro = expected_rotated(q, k, cos, sin, LENS, interleaved=inter, per_row=per_row)
     e_out, e_lse = reference.flash_attn_kvcache(q_ro, kc0, v_cache, k=k_ro, v=v, cache_seqlens=LENS, **kw)
-    what = f"{registry.backend} qL={ql} new={n_new} rd={rd} interleaved={inter} {feat} {dtype}"
+    what = f"{backend} qL={ql} new={n_new} rd={rd} interleaved={inter} {feat} {dtype}"
     assert_out_lse(out, lse, e_out, e_lse, dtype, what)
     # The caller's q and k are untouched; the cache holds the rotated keys (one rounding).
     np.testing.assert_array_equal(q, q0)
