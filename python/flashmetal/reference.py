@@ -309,7 +309,7 @@ def apply_rotary_emb(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offsets: n
     half = c64.shape[1]
     pos = np.broadcast_to(np.asarray(offsets, dtype=np.int64), (batch,))[:, None] + np.arange(rows)
     c, s = c64[pos][:, :, None, :], s64[pos][:, :, None, :]  # [B, L, 1, half]
-    out = x64.copy()
+    out: np.ndarray = x64.copy()
     if interleaved:
         x1, x2 = x64[..., 0:2 * half:2], x64[..., 1:2 * half:2]
         out[..., 0:2 * half:2], out[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c

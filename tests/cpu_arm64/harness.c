@@ -601,8 +601,10 @@ static void run_rotary(int32_t xdt, int32_t cdt, int32_t interleaved, int32_t pe
                     const size_t ic = row + (size_t)(interleaved ? 2 * j + 1 : j + half);
                     const double c = cs.val[t * half + j], s = sn.val[t * half + j];
                     const double y1 = x.val[ia] * c - x.val[ic] * s, y2 = x.val[ia] * s + x.val[ic] * c;
-                    bad += fabs(to_double(xdt, out.raw, ia) - y1) > rel * (fabs(y1) + 1e-3);
-                    bad += fabs(to_double(xdt, out.raw, ic) - y2) > rel * (fabs(y2) + 1e-3);
+                    /* float32 products, then one rounding: the error scales with the terms */
+                    const double scale = fabs(x.val[ia]) + fabs(x.val[ic]) + 1e-30;
+                    bad += fabs(to_double(xdt, out.raw, ia) - y1) > rel * scale;
+                    bad += fabs(to_double(xdt, out.raw, ic) - y2) > rel * scale;
                 }
                 bad += memcmp((char *)out.raw + (row + 2 * half) * elem, (char *)x.raw + (row + 2 * half) * elem,
                               (size_t)(D - 2 * half) * elem) != 0;
