@@ -219,7 +219,8 @@ def _rotary(c, rng, q, kc, new, seqlens, table, kw):
     if c["rotary"] is None or c["d"] < 2:
         return {}, q, new
     rd = min(c["rotary_dim"] or c["d"], c["d"]) // 2 * 2
-    ro = table.shape[1] * kc.shape[1] if table is not None else kc.shape[1]
+    # Every cache position, and q's rows past the last key (causal q rows sit at cache_seqlens[b] + i).
+    ro = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1]) + q.shape[1]
     if c["bad"] == "rotary_short" and new is not None:
         ro = int(np.max(seqlens)) + new[0].shape[1] - 1
     angle = rng.random((max(ro, 0), rd // 2)) * 2 * np.pi
