@@ -217,3 +217,27 @@ def test_rotary_quantized_refused(cpu, rng):
                                    randn(rng, (B, 1, HKV, D), F32), rotary_cos=cos, rotary_sin=sin,
                                    cache_seqlens=LENS, registry=cpu)
     assert e.value.argument == "rotary_cos" and OP in str(e.value)
+
+
+def test_rotary_torch_tensors_equal_numpy(cpu, rng):
+    """torch CPU tensors (bfloat16 rows, float32 tables) give the numpy
+    call's result bit for bit, and the torch q and k stay as they were."""
+    torch = pytest.importorskip("torch")
+    k_cache, v_cache = randn(rng, (B, CAP, HKV, D), BF16), randn(rng, (B, CAP, HKV, D), BF16)
+    q, k, v = randn(rng, (B, 2, H, D), BF16), randn(rng, (B, 2, HKV, D), BF16), randn(rng, (B, 2, HKV, D), BF16)
+    cos, sin = tables(rng, CAP, 32, F32)
+    kc_np = k_cache.copy()
+    want = fm.flash_attn_with_kvcache(q, kc_np, v_cache.copy(), k, v, rotary_cos=cos, rotary_sin=sin,
+                                      cache_seqlens=LENS, causal=True, registry=cpu)
+
+    def t(a):
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16) if a.dtype == BF16 else \
+            torch.from_numpy(a.copy())
+    tq, tk, tkc = t(q), t(k), t(k_cache)
+    got = fm.flash_attn_with_kvcache(tq, tkc, t(v_cache), tk, t(v), rotary_cos=t(cos), rotary_sin=t(sin),
+                                     cache_seqlens=torch.from_numpy(LENS), causal=True, registry=cpu)
+    assert isinstance(got, torch.Tensor)
+    np.testing.assert_array_equal(got.view(torch.uint16).numpy(), np.asarray(want).view(np.uint16))
+    np.testing.assert_array_equal(tkc.view(torch.uint16).numpy(), kc_np.view(np.uint16))
+    np.testing.assert_array_equal(tq.view(torch.uint16).numpy(), q.view(np.uint16))
+    np.testing.assert_array_equal(tk.view(torch.uint16).numpy(), k.view(np.uint16))
