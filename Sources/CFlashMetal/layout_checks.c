@@ -31,6 +31,7 @@ FM_AT(AttnSeqParams, key_starts_at, 60);
 FM_AT(FlashAttnVecSeqParams, key_starts_at, 60);
 _Static_assert(sizeof(FlashAttnVecReduceExtParams) == 16, "FlashAttnVecReduceExtParams is 16 bytes");
 _Static_assert(sizeof(KVAppendParams) == 72, "KVAppendParams is 72 bytes");
+_Static_assert(sizeof(RotaryParams) == 24, "RotaryParams is 24 bytes");
 _Static_assert(sizeof(FMAttnOptions) == 32, "FMAttnOptions is 32 bytes");
 _Static_assert(sizeof(FMPrefillOptions) == 32, "FMPrefillOptions is 32 bytes");
 FM_AT(FMTensor, tag, 88);

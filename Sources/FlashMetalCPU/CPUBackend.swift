@@ -34,6 +34,7 @@ public final class CPUBackend: Backend {
         case let .vecReduce(headDim, fwht): return try VecReduceKernel(key, headDim: headDim, fwht: fwht)
         case let .sdpa(io): return try SdpaKernel(key, io: io)
         case .kvAppend: return try KVAppendKernel(key)
+        case .rotary: return RotaryKernel(key)
         case .kvEncode, .kvDequantize: return KVCodecKernel(key)
         case .kvCodesDecode: return KVCodesDecodeKernel(key)
         case .kvCodesAppend: return KVCodesAppendKernel(key)

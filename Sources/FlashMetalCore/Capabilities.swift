@@ -106,6 +106,17 @@ public enum SdpaCapability {
     public static var kernels: [KernelSpec] { ioTypes.map { .sdpa(io: $0) } }
 }
 
+/// rotary: rotary embedding of rows of any head dim, x and the cos/sin tables
+/// each in any of these dtypes.
+public enum RotaryCapability {
+    /// Dtypes of x (and out) and, separately, of the cos/sin tables.
+    public static let types: [DType] = [.f32, .f16, .bf16]
+    /// Threads per threadgroup; loops cover the pairs and dims past them.
+    public static let threads = 64
+    /// Every kernel of the op, enumerated from the table.
+    public static var kernels: [KernelSpec] { types.flatMap { x in types.map { .rotary(x: x, tables: $0) } } }
+}
+
 /// kv_append: copies rows of any head dim into caches of these dtypes (the
 /// decode caches' and the prefill caches' dtypes).
 public enum KVAppendCapability {

@@ -26,6 +26,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case kvCodesDecode(dense: DType)
     /// `kv_codes_append_{f32,f16,bf16}`: new K/V rows encoded into quantized caches.
     case kvCodesAppend(input: DType)
+    /// `rotary_{x}_{cs}`: rotary embedding of x (x's dtype) with cos/sin
+    /// tables of `tables`.
+    case rotary(x: DType, tables: DType)
     /// `fm_selftest_reduce` (sim_selftest.metal): the simulator's own test
     /// kernel. No op dispatches it and only the sim backend runs it.
     case simSelftest
@@ -45,6 +48,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case .kvDequantize: return "kv_dequantize_f32"
         case let .kvCodesDecode(dense): return "kv_codes_decode_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
         case let .kvCodesAppend(x): return "kv_codes_append_\(x.kernelSuffix)"
+        case let .rotary(x, c): return "rotary_\(x.kernelSuffix)_\(c.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
         }
     }
@@ -57,7 +61,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     public static var all: [KernelSpec] {
         PrefillCapability.kernels + BlkCapability.kernels + MaskBuilderCapability.kernels
             + VecCapability.kernels + SdpaCapability.kernels + KVAppendCapability.kernels
-            + KVCodecCapability.kernels
+            + KVCodecCapability.kernels + RotaryCapability.kernels
     }
 
     /// What the kernel's `INSTANTIATE_KERNEL(name, function, args...)` line in
@@ -81,6 +85,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
         case let .kvCodesDecode(dense): return ("kv_codes_decode", [DType.f32.mslName, dense.mslName])
         case let .kvCodesAppend(x): return ("kv_codes_append", [x.mslName, x.byteSize == 4 ? "uint" : "ushort"])
+        case let .rotary(x, c): return ("rotary", [x.mslName, c.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])
         }
     }

@@ -196,6 +196,22 @@ public enum VecReduceBuffer {
     public static let ext = Int(FM_VEC_REDUCE_BUF_EXT.rawValue)
 }
 
+/// Buffer indices of the rotary kernels.
+public enum RotaryBuffer {
+    /// RotaryParams.
+    public static let params = Int(FM_ROT_BUF_PARAMS.rawValue)
+    /// x [B, L, H, D].
+    public static let x = Int(FM_ROT_BUF_X.rawValue)
+    /// cos [seqlen_ro, rotary_dim / 2].
+    public static let cos = Int(FM_ROT_BUF_COS.rawValue)
+    /// sin [seqlen_ro, rotary_dim / 2].
+    public static let sin = Int(FM_ROT_BUF_SIN.rawValue)
+    /// int32 [B]: each sequence's first position.
+    public static let offsets = Int(FM_ROT_BUF_OFFSETS.rawValue)
+    /// out [B, L, H, D], x's dtype.
+    public static let out = Int(FM_ROT_BUF_OUT.rawValue)
+}
+
 /// Buffer indices of the kv_append kernels.
 public enum KVAppendBuffer {
     /// KVAppendParams.

@@ -297,6 +297,28 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     return np.stack(outs), np.stack(lses)
 
 
+def apply_rotary_emb(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offsets: np.ndarray | int = 0, *,
+                     interleaved: bool = False) -> np.ndarray:
+    """flash-attn's apply_rotary_emb in float64: x [B, L, H, D], cos/sin
+    [seqlen_ro, rotary_dim / 2]; row i of sequence b at position offsets[b] + i.
+    The pair (j, j + rotary_dim/2) (interleaved: (2j, 2j+1)) of the first
+    rotary_dim dims is rotated by the angle whose cos/sin the tables hold;
+    the other dims are unchanged."""
+    x64, c64, s64 = _f64(x), _f64(cos), _f64(sin)
+    batch, rows = x64.shape[0], x64.shape[1]
+    half = c64.shape[1]
+    pos = np.broadcast_to(np.asarray(offsets, dtype=np.int64), (batch,))[:, None] + np.arange(rows)
+    c, s = c64[pos][:, :, None, :], s64[pos][:, :, None, :]  # [B, L, 1, half]
+    out: np.ndarray = x64.copy()
+    if interleaved:
+        x1, x2 = x64[..., 0:2 * half:2], x64[..., 1:2 * half:2]
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = x64[..., :half], x64[..., half:2 * half]
+        out[..., :half], out[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return out
+
+
 def merge_lse(o_a: np.ndarray, lse_a: np.ndarray, o_b: np.ndarray,
               lse_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Combines two partial attentions over disjoint key sets: o [..., qL, H, D]

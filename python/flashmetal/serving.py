@@ -32,7 +32,8 @@ from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
-from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
+from ._rotary import per_row_positions, rotary_tables, rotate
+from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported, window
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -234,8 +235,20 @@ def flash_attn_with_kvcache(
             k/v are appended at ``cache_seqlens[b]``. Paged caches too.
         num_splits: accepted (>= 0) and ignored: decode splits every row's
             keys over 32 workgroups and reduces them.
-        rotary_cos, rotary_sin, alibi_slopes: not supported (must be None);
-            rotary_interleaved is then unused.
+        rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]`` (float32,
+            float16 or bfloat16, one dtype), or None: rotary embedding of
+            the appended k and of q (flash-attn's apply_rotary_emb on the
+            first rotary_dim <= D dims, the rest unchanged), in float32,
+            rounded once to the input's dtype; needs k/v. k's row i of
+            sequence b sits at position ``cache_seqlens[b] + i`` (its cache
+            row, whatever cache_leftpad says), q's rows likewise when causal,
+            a window or attention_chunk is set, else all at
+            ``cache_seqlens[b]``; each position must be < seqlen_ro. The
+            caller's q and k are not modified (rotated copies are attended
+            and appended). Not with QuantizedKV caches.
+        rotary_interleaved: rotate dims (2j, 2j+1) (GPT-J) if True, else
+            (j, j + rotary_dim/2) (GPT-NeoX).
+        alibi_slopes: not supported (must be None).
         sinks: float32 ``[H]`` sink logits, or None.
         out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
             (a numpy array or a torch CPU tensor), filled in place and returned.
@@ -246,15 +259,19 @@ def flash_attn_with_kvcache(
         float32)`` with return_softmax_lse.
     """
     reg = resolve(registry, _KVCACHE)
-    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
-    flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
+    unsupported(_KVCACHE, alibi_slopes=alibi_slopes)
+    interleaved = flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
     _native.index_arg(_KVCACHE, "num_splits", num_splits, 0)
     want_lse = flag(_KVCACHE, "return_softmax_lse", return_softmax_lse)
     if (k is None) != (v is None):
         raise InvalidValueError(_KVCACHE, "k and v must be given together (or both None)")
     appending = k is not None
+    tables = rotary_tables(_KVCACHE, rotary_cos, rotary_sin, appending=appending)
     qa = as_input(q, _KVCACHE, "q")
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        if tables is not None:
+            raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
+                                          argument="rotary_cos")
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
@@ -292,12 +309,32 @@ def flash_attn_with_kvcache(
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out_arr)
-    else:
+    elif tables is None:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
                                                            out=out_arr))
+    else:
+        assert lens is not None and given_lens is not None  # required when appending
+        per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
+                                    int(attention_chunk))
+        decode = qa.ndim == 4 and qa.shape[1] == 1
+        if decode:
+            _decode_dtypes(_KVCACHE, qa, kc)
+        # The decode kernel reads q as float32: its rotated copy is float32 too.
+        q_in = np.ascontiguousarray(qa, dtype=F32) if decode else qa
+        rotated: dict[str, np.ndarray] = {}
+
+        def rotate_q_and_k() -> np.ndarray:
+            rotated["q"] = rotate(reg, _KVCACHE, q_in, tables, given_lens, interleaved=interleaved,
+                                  per_row=per_row, name="q")
+            return rotate(reg, _KVCACHE, ka, tables, given_lens, interleaved=interleaved, per_row=True, name="k")
+
+        finish = _append_then_attend(reg, kc, vc, rotate_q_and_k, va, lens, bt,
+                                     lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
+                                                           want_lse=want_lse, seqlens_k=grown, block_table=bt,
+                                                           out=out_arr, out_dtype=qa.dtype))
     result, lse = finish()
     wrap = wrapper_like(q)
     result = wrap(result) if out is None else out
@@ -444,22 +481,27 @@ def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
     return (lens.astype(np.int64) + (k_new.shape[1] if k_new.ndim == 4 else 0)).astype(I32)
 
 
-def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.ndarray,
-                        va: np.ndarray, lens: np.ndarray, table: np.ndarray | None,
-                        attend: Callable[[np.ndarray], Any]) -> Any:
+def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray,
+                        ka: np.ndarray | Callable[[], np.ndarray], va: np.ndarray, lens: np.ndarray,
+                        table: np.ndarray | None, attend: Callable[[np.ndarray], Any]) -> Any:
     """Appends k/v at `lens`, then `attend(lens + n_new)`, in one batch scope
-    (a deferring backend, Metal, orders the two). The append validates its
+    (a deferring backend, Metal, orders them). `ka` may be a function that
+    dispatches the work making k (the rotary kernel) in that scope and
+    returns it. The append validates its
     own arguments before writing; if the attention then fails (a bad q, head
     dim, dtype, sinks...), the cache rows the append overwrote are restored
     once the scope has ended, so a failed call leaves the caches as they were."""
     starts = None
     if lens.ndim == 2 and lens.shape[0] == 2:  # the ends, then each sequence's first key (cache_leftpad)
         lens, starts = np.ascontiguousarray(lens[0]), lens[1]
-    slots = _append_slots(kc, lens, ka, table)
-    saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
     appended = False
+    slots = saved = None
     try:
         with reg.batch():
+            if callable(ka):
+                ka = ka()
+            slots = _append_slots(kc, lens, ka, table)
+            saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
             ffi = _native.ffi()
             _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
                          tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
@@ -468,7 +510,7 @@ def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray, ka: np.nd
             grown = _grown(lens, ka)
             return attend(grown if starts is None else np.ascontiguousarray(np.stack([grown, starts])))
     except BaseException:
-        if appended and saved is not None:
+        if appended and saved is not None and slots is not None:
             kc[slots], vc[slots] = saved
         raise
 
@@ -505,19 +547,25 @@ def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:
                                 "call them outside a batch scope on metal")
 
 
+def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> None:
+    """The decode route's dtype rule (q float32, or q's dtype equal to the
+    cache's), worded as the prefill route says it for the same call."""
+    if qa.dtype != F32 and ka.dtype != qa.dtype:
+        name = "k_cache" if op == _KVCACHE else "k"
+        raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
+
+
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
-            block_table: np.ndarray | None = None, out: np.ndarray | None = None
-            ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+            block_table: np.ndarray | None = None, out: np.ndarray | None = None,
+            out_dtype: np.dtype | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1,
     else prefill. Returns a function to call once the work ran (after the
-    batch scope the call is in) that gives (out [B, qL, H, D] in q's dtype,
-    lse [B, H, qL] float32 or None)."""
+    batch scope the call is in) that gives (out [B, qL, H, D] in out_dtype,
+    default q's, lse [B, H, qL] float32 or None)."""
     ffi = _native.ffi()
     if qa.ndim == 4 and qa.shape[1] == 1:
-        if qa.dtype != F32 and ka.dtype != qa.dtype:  # as the prefill route says for the same call with qL > 1
-            name = "k_cache" if op == _KVCACHE else "k"
-            raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
+        _decode_dtypes(op, qa, ka)
         b, _, h, d = qa.shape
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
         o32 = np.empty((b, h, d), dtype=F32)
@@ -528,7 +576,7 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
                                                                     lse, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
-            result = o32.reshape(qa.shape).astype(qa.dtype)
+            result = o32.reshape(qa.shape).astype(out_dtype or qa.dtype)
             if out is not None:
                 out[...] = result
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))

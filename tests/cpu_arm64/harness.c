@@ -569,6 +569,51 @@ static void run_decode(const DecodeCase *c) {
     buf_free(&k); buf_free(&v); buf_free(&q);
 }
 
+/* ---- rotary ------------------------------------------------------------- */
+
+/* x [B, L, H, D] rotated by fm_cpu_rotary_row against the double rotation:
+ * pairs (j, j + half) or (2j, 2j+1) of the first 2*half dims, the rest
+ * copied bit for bit; positions offsets[b] + (per_row ? i : 0). */
+static void run_rotary(int32_t xdt, int32_t cdt, int32_t interleaved, int32_t per_row) {
+    const int32_t B = 2, L = 3, H = 2, D = 80, half = 24, R = 20;
+    const int32_t offsets[2] = {4, 17};
+    const size_t n = (size_t)B * L * H * D;
+    Buf x = buf_new(xdt, n, 1), out = buf_new(xdt, n, 0);
+    Buf cs = buf_new(cdt, (size_t)R * half, 0), sn = buf_new(cdt, (size_t)R * half, 0);
+    for (size_t k = 0; k < (size_t)R * half; k++) {
+        const double a = urand() * 6.283185307179586;
+        put(&cs, k, (float)cos(a));
+        put(&sn, k, (float)sin(a));
+    }
+    const RotaryParams p = {L, H, D, half, interleaved, per_row};
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++) fm_cpu_rotary_row(&p, x.raw, cs.raw, sn.raw, offsets, out.raw, xdt, cdt, b, i);
+    const size_t elem = xdt == FM_DTYPE_F32 ? 4 : 2;
+    const double rel = xdt == FM_DTYPE_F32 ? 1e-6 : xdt == FM_DTYPE_F16 ? 1e-3 : 8e-3;
+    int bad = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++)
+            for (int64_t h = 0; h < H; h++) {
+                const size_t row = (size_t)(((b * L + i) * H + h) * D);
+                const int64_t t = offsets[b] + (per_row ? i : 0);
+                for (int64_t j = 0; j < half; j++) {
+                    const size_t ia = row + (size_t)(interleaved ? 2 * j : j);
+                    const size_t ic = row + (size_t)(interleaved ? 2 * j + 1 : j + half);
+                    const double c = cs.val[t * half + j], s = sn.val[t * half + j];
+                    const double y1 = x.val[ia] * c - x.val[ic] * s, y2 = x.val[ia] * s + x.val[ic] * c;
+                    /* float32 products, then one rounding: the error scales with the terms */
+                    const double scale = fabs(x.val[ia]) + fabs(x.val[ic]) + 1e-30;
+                    bad += fabs(to_double(xdt, out.raw, ia) - y1) > rel * scale;
+                    bad += fabs(to_double(xdt, out.raw, ic) - y2) > rel * scale;
+                }
+                bad += memcmp((char *)out.raw + (row + 2 * half) * elem, (char *)x.raw + (row + 2 * half) * elem,
+                              (size_t)(D - 2 * half) * elem) != 0;
+            }
+    CHECK(bad == 0, "rotary x dtype %d tables %d interleaved %d per_row %d: %d elements off", xdt, cdt, interleaved,
+          per_row, bad);
+    buf_free(&x); buf_free(&out); buf_free(&cs); buf_free(&sn);
+}
+
 /* ---- blk and mask builder ------------------------------------------------ */
 
 static void run_blk_and_mask(void) {
@@ -645,6 +690,8 @@ int main(int argc, char **argv) {
         }
     run_serving_cases(fast);
     run_blk_and_mask();
+    for (int xi = 0; xi < 3; xi++)
+        for (int ci = 0; ci < 3; ci++) run_rotary(dts[xi], dts[ci], (xi + ci) % 2, xi != 1);
     printf("cpu-arm64: %s: %s\n", fm_cpu_isa_name(isa), failures ? "FAILED" : "all checks passed");
     return failures ? 1 : 0;
 }

@@ -72,6 +72,7 @@ OPS = {
     "attn": ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"),
     "vec_seq": ("flash_attn_vec_seq", "flash_attn_vec", "flash_attn_vec_reduce"),
     "kv_append": ("kv_append",),
+    "rotary": ("rotary",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse")
 # Values a mutated int32 index entry takes (out of range for any table here).
@@ -398,10 +399,26 @@ def gen_kv_append(rng, backend):
     return Case("kv_append", backend, t)
 
 
+def gen_rotary(rng, backend):
+    """fm_dispatch_rotary: x [B, L, H, D] rotated at offsets[b] (+ i per row)."""
+    b, rows, h = int(rng.integers(1, 3)), int(rng.integers(0, 4)), int(rng.integers(1, 3))
+    d = int(rng.choice([8, 64, 80]))
+    half = int(rng.integers(1, d // 2 + 1))
+    per_row, interleaved = int(rng.integers(0, 2)), int(rng.integers(0, 2))
+    offsets = rng.integers(0, 12, b).astype(np.int32)
+    ro = int(offsets.max()) + (rows if per_row else 1) + int(rng.integers(0, 3))
+    dt, ct = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+    angle = rng.random((ro, half)) * 2 * np.pi
+    t = dict(x=_tensor(rng, dt, [b, rows, h, d]), cos=_tensor(rng, ct, [ro, half], values=np.cos(angle)),
+             sin=_tensor(rng, ct, [ro, half], values=np.sin(angle)),
+             offsets=_tensor(rng, 5, [b], values=offsets), out=_tensor(rng, dt, [b, rows, h, d], role="out"))
+    return Case("rotary", backend, t, args=dict(interleaved=interleaved, per_row=per_row))
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
               "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn, "vec_seq": gen_vec_seq,
-              "kv_append": gen_kv_append}
+              "kv_append": gen_kv_append, "rotary": gen_rotary}
 
 # --------------------------------------------------------------- mutations
 
@@ -604,6 +621,9 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
                                     T("cache_seqlens"), T("block_table"), err)
+    elif case.op == "rotary":
+        s = L.fm_dispatch_rotary(regs.get(case), T("x"), T("cos"), T("sin"), T("offsets"), T("out"),
+                                 case.args["interleaved"], case.args["per_row"], ffi.NULL, err)
     elif case.op == "mask":
         s = L.fm_build_mask(regs.get(case), T("out"), _opts("FMMaskOptions *", case.opts, keep), err)
     elif case.op == "blk":
@@ -677,6 +697,18 @@ def expected(case: Case, extra: Any):
         return _attn_expected(case), "out", 0  # float32 q and out: the float32 tolerance
     if case.op == "kv_append":
         return _kv_append_expected(case), "k_cache", -3
+    if case.op == "rotary":
+        x, cos, sin = t["x"].array(), t["cos"].array(), t["sin"].array()
+        off = t["offsets"].array()
+        if x.size == 0:  # no rows: no position is read
+            return x.astype(np.float64), "out", t["x"].dtype
+        if case.args["per_row"]:
+            return reference.apply_rotary_emb(x, cos, sin, off, interleaved=bool(case.args["interleaved"])), "out", \
+                t["x"].dtype
+        b, rows, h, d = x.shape
+        e = reference.apply_rotary_emb(x.reshape(b, 1, rows * h, d), cos, sin, off,
+                                       interleaved=bool(case.args["interleaved"])).reshape(x.shape)
+        return e, "out", t["x"].dtype
     if case.op == "mask":
         ql, kl = t["out"].shape
         w = o["window"] or None
@@ -831,7 +863,7 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6], float)  # in GENERATORS' order
+        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5], float)  # in GENERATORS' order
         op = str(rng.choice(list(GENERATORS), p=weights / weights.sum()))
     case = GENERATORS[op](rng, backend)
     if nmut is None:

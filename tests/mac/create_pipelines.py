@@ -20,6 +20,8 @@ against the float64 reference):
            and on one (dtype, D) kv_lens x paged x {no ext, sinks, lse, both}
            (constants 501-505)
   kv_append {f32, f16, bf16} x {contiguous, paged} (constant 700)
+  rotary   rows {f32, f16, bf16} x tables {f32, f16, bf16} (flash_attn_with_kvcache's
+           rotary_cos/rotary_sin on the appended keys)
   kv codec encode {f32, f16, bf16} x D {80, 128}, dequantize, decode over
            codes; with_kvcache over codes: new-row dtype x paged x {dense K,
            dense V, neither} x {sinks + lse, neither} (constants 800-808)
@@ -202,6 +204,29 @@ def kv_append_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     return n
 
 
+def rotary_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
+    """Every rotary pipeline: the appended keys' dtype x the tables' dtype
+    (decode route, causal, half the dims rotated, both pair layouts)."""
+    n = 0
+    lens = np.array([3, 0], np.int32)
+    for dtype, tables in itertools.product((F32, F16, BF16), (F32, F16, BF16)):
+        kc, vc = randn(rng, (2, 16, 2, 64), dtype), randn(rng, (2, 16, 2, 64), dtype)
+        kn, vn = randn(rng, (2, 1, 2, 64), dtype), randn(rng, (2, 1, 2, 64), dtype)
+        q = randn(rng, (2, 1, 4, 64), dtype)
+        angle = rng.random((16, 16)) * 2 * np.pi
+        cos, sin = np.cos(angle).astype(tables), np.sin(angle).astype(tables)
+        interleaved = bool(n % 2)
+        kc0 = kc.copy()
+        o = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                       causal=True, rotary_interleaved=interleaved, registry=reg)
+        q_ro = reference.apply_rotary_emb(q, cos, sin, lens, interleaved=interleaved).astype(F32)
+        k_ro = reference.apply_rotary_emb(kn, cos, sin, lens, interleaved=interleaved).astype(dtype)
+        eo, _ = reference.flash_attn_kvcache(q_ro, kc0, vc, k=k_ro, v=vn, cache_seqlens=lens, causal=True)
+        assert_close(o, eo, np.dtype(dtype), f"rotary {dtype} tables {tables}")
+        n += 1
+    return n
+
+
 def kv_codec_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
     for dtype, d in itertools.product((F32, F16, BF16), (80, 128)):
@@ -300,6 +325,7 @@ def main() -> int:
         counts = {"prefill": prefill_cases(reg, rng), "serving prefill": serving_prefill_cases(reg, rng),
                   "decode": decode_cases(reg, rng),
                   "serving decode": serving_decode_cases(reg, rng), "kv_append": kv_append_cases(reg, rng),
+                  "rotary": rotary_cases(reg, rng),
                   "kv codec": kv_codec_cases(reg, rng),
                   "sdpa": sdpa_cases(reg, rng), "mask+blk": mask_and_blk_cases(reg)}
     print(f"create_pipelines ({args.backend}): every case matched the reference: {counts} "

@@ -22,7 +22,8 @@ OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
             "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
             "out_over_seqlens", "shared_slot",  # these two: a crash, or last-writer-wins, before
-            "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice"]
+            "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice",
+            "rotary_short", "rotary_no_k"]
 
 
 @st.composite
@@ -48,6 +49,9 @@ def serving_calls(draw):
         n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
         leftpad=bad.startswith("leftpad") or draw(st.booleans()),
         batch_idx=bad.startswith("batch_idx") or draw(st.booleans()),
+        rotary=draw(st.sampled_from(["neox", "gptj"])) if bad.startswith("rotary") else
+        draw(st.sampled_from([None, None, "neox", "gptj"])),
+        rotary_dim=draw(st.sampled_from([16, 32, 0])),  # 0: the whole head dim
     )
 
 
@@ -160,24 +164,29 @@ def test_serving_api(cpu, c, seed):
             _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
         return
     q, kc, vc, new, seqlens, table, leftpad, idx = _kvcache(c, rng)
+    if c["bad"] == "rotary_no_k":
+        new = None
+    rot, q_ro, new_ro = _rotary(c, rng, q, kc, new, seqlens, table, kw)
     out = None
     refused = c["bad"] == "shared_slot" and new is not None and c["b"] > 1 and table is not None
     refused |= c["bad"] in ("leftpad_high", "leftpad_neg") or (c["bad"] == "batch_idx_paged" and table is not None) or (
         c["bad"] == "batch_idx_range" and idx is not None) or (
-        c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1)
+        c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1) or (
+        c["bad"] == "rotary_no_k") or (c["bad"] == "rotary_short" and new is not None)
     if c["bad"] == "out_over_seqlens":  # the lengths live in out's first bytes
         out = np.empty(q.shape, q.dtype)
         held = out.reshape(-1).view(np.uint8)[:4 * seqlens.size].view(np.int32)
         held[:] = seqlens
         seqlens, refused = held, True
     watched = [q, seqlens] + [t for t in (table, leftpad, idx) if t is not None] + ([] if new is None else list(new))
+    watched += list(rot.values())
     before_k, before_v = np.array(kc, copy=True), np.array(vc, copy=True)
     args = () if new is None else new
     try:
         res = base._run(lambda: fm.flash_attn_with_kvcache(q, kc, vc, *args, cache_seqlens=seqlens,
                                                            block_table=table, cache_leftpad=leftpad,
                                                            cache_batch_idx=idx, return_softmax_lse=True, out=out,
-                                                           registry=cpu, **kw), watched, None, OPS)
+                                                           registry=cpu, **rot, **kw), watched, None, OPS)
     except NotImplementedError:
         raise AssertionError("an UnsupportedFeatureError for a supported call") from None
     assert not (refused and res is not None), f"a {c['bad']} call was accepted"
@@ -185,6 +194,7 @@ def test_serving_api(cpu, c, seed):
         assert kc.tobytes() == before_k.tobytes() and vc.tobytes() == before_v.tobytes(), \
             "a failed call modified the caches"
         return
+    q, new = q_ro, new_ro
     exp = reference.flash_attn_kvcache(q, before_k, before_v, k=None if new is None else new[0],
                                        v=None if new is None else new[1], cache_seqlens=seqlens,
                                        block_table=table, cache_leftpad=leftpad, cache_batch_idx=idx, **kw)
@@ -192,8 +202,45 @@ def test_serving_api(cpu, c, seed):
         ek, ev = np.array(before_k), np.array(before_v)
         rows = slice(None) if idx is None else idx.astype(np.int64)
         ek[rows], ev[rows] = reference.kv_append(before_k[rows], before_v[rows], *new, seqlens, table)
-        assert kc.tobytes() == ek.tobytes() and vc.tobytes() == ev.tobytes(), "the caches differ from the append"
+        if rot:  # the rotated keys: float32 arithmetic rounded once, vs float64 rounded once
+            assert np.allclose(kc.astype(np.float64), ek.astype(np.float64), rtol=2**-7, atol=1e-6, equal_nan=True), \
+                "the caches differ from the rotated append"
+            assert vc.tobytes() == ev.tobytes(), "the caches differ from the append"
+        else:
+            assert kc.tobytes() == ek.tobytes() and vc.tobytes() == ev.tobytes(), "the caches differ from the append"
     _check(res[0], res[1], exp, c["dt"], "kvcache")
+
+
+def _rotary(c, rng, q, kc, new, seqlens, table, kw):
+    """The rotary arguments of a kvcache call ({} without rotary) and the
+    q and (k, v) the reference then attends and appends: flash-attn's
+    rotation in float64, rounded once to the rows' dtype (q to float32 on
+    the decode route). rotary_short: tables one position short."""
+    if c["rotary"] is None or c["d"] < 2:
+        return {}, q, new
+    rd = min(c["rotary_dim"] or c["d"], c["d"]) // 2 * 2
+    # Every cache position, and q's rows past the last key (causal q rows sit at cache_seqlens[b] + i).
+    ro = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1]) + q.shape[1]
+    if c["bad"] == "rotary_short" and new is not None:
+        ro = int(np.max(seqlens)) + new[0].shape[1] - 1
+    angle = rng.random((max(ro, 0), rd // 2)) * 2 * np.pi
+    cos, sin = np.cos(angle).astype(c["dt"]), np.sin(angle).astype(c["dt"])
+    inter = c["rotary"] == "gptj"
+    rot = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=inter)
+    if new is None or np.any(seqlens < 0):
+        return rot, q, new
+    per_row = kw["causal"] or kw["window_size"] != (-1, -1) or kw["attention_chunk"] > 0
+    if np.any(seqlens.astype(np.int64) + (q.shape[1] if per_row else 1) > ro) or np.any(
+            seqlens.astype(np.int64) + new[0].shape[1] > ro):
+        return rot, q, new  # refused: a position past the tables
+    if per_row:
+        q_ro = reference.apply_rotary_emb(q, cos, sin, seqlens, interleaved=inter)
+    else:
+        b, s, h, d = q.shape
+        q_ro = reference.apply_rotary_emb(q.reshape(b, 1, s * h, d), cos, sin, seqlens,
+                                          interleaved=inter).reshape(q.shape)
+    k_ro = reference.apply_rotary_emb(new[0], cos, sin, seqlens, interleaved=inter).astype(new[0].dtype)
+    return rot, q_ro.astype(F32 if q.shape[1] == 1 else q.dtype), (k_ro, new[1])
 
 
 def _check(out, lse, exp, dt, what):

@@ -174,8 +174,7 @@ def test_append_needs_cache_seqlens(cache):
            lambda: fm.flash_attn_with_kvcache(c["q"], c["kc"], c["vc"], c["k"], c["v"], registry="cpu"), c["kc"])
 
 
-@pytest.mark.parametrize("name,value", [("rotary_cos", np.zeros((4, 16))), ("rotary_sin", np.zeros((4, 16))),
-                                        ("alibi_slopes", np.zeros(4, np.float32))])
+@pytest.mark.parametrize("name,value", [("alibi_slopes", np.zeros(4, np.float32))])
 def test_unsupported_kvcache_features(cache, name, value):
     c = cache
     raises(fm.UnsupportedFeatureError, KV, f"{name} is not supported",

@@ -386,6 +386,29 @@ typedef struct MaskParams {
     int32_t _pad;
 } MaskParams;
 
+/* ---- rotary embedding (flash_attn_with_kvcache's rotary_cos/rotary_sin) ----
+ * rotary_{x}_{cs}: x [B, L, H, D] (x = f32, f16 or bf16) -> out, same shape
+ * and dtype; cos/sin [seqlen_ro, rotary_half] (cs = f32, f16 or bf16).
+ * Row i of sequence b sits at position t = offsets[b] + (per_row ? i : 0);
+ * with c = cos[t, j], s = sin[t, j] for j < rotary_half, the pair (x1, x2)
+ * = (x[j], x[j + rotary_half]) (interleaved: (x[2j], x[2j + 1])) becomes
+ * (x1*c - x2*s, x1*s + x2*c), computed in float32 and rounded once to x's
+ * dtype; dims from 2*rotary_half on are copied. The host checked every t
+ * against seqlen_ro. Grid (L, H, B), any threads along x. 24 bytes. */
+typedef struct RotaryParams {
+    int32_t n_rows;      /* L */
+    int32_t n_heads;     /* H */
+    int32_t head_dim;    /* D */
+    int32_t rotary_half; /* rotary_dim / 2, >= 1, 2*rotary_half <= D */
+    int32_t interleaved; /* 0: halves (GPT-NeoX); 1: even/odd pairs (GPT-J) */
+    int32_t per_row;     /* 1: row i at offsets[b] + i; 0: every row at offsets[b] */
+} RotaryParams;
+
+typedef enum FMRotaryBinding {
+    FM_ROT_BUF_PARAMS = 0, /* RotaryParams */
+    FM_ROT_BUF_X = 1, FM_ROT_BUF_COS = 2, FM_ROT_BUF_SIN = 3, FM_ROT_BUF_OFFSETS = 4, FM_ROT_BUF_OUT = 5
+} FMRotaryBinding;
+
 /* ---- quantized KV codec (kv_encode / kv_dequantize) ----------------------
  * Codec math and packing: Resources/shaders/kv_codec.h. Row r of x [R, D]
  * (float32, float16 or bfloat16) becomes codes [R, row_bytes] (uint8, packed
@@ -803,6 +826,15 @@ int fm_metal_sim_last_violation(char *buf, size_t len);
 int fm_kv_codec_layout(const FMKVCodec *codec, FMKVCodecLayout *out, FMError *err);
 /* x [..., D] float32/float16/bfloat16 -> codes uint8 [..., row_bytes] and
  * norms float32 [..., num_blocks] (same leading shape). */
+/* Rotary embedding (flash-attn's apply_rotary_emb with seqlen_offsets) of x
+ * [B, L, H, D] into out (same shape and dtype, not overlapping x): cos/sin
+ * [seqlen_ro, rotary_dim / 2] of one float dtype, rotary_dim <= D; offsets
+ * int32 [B]; row i of sequence b at offsets[b] + (per_row ? i : 0), which
+ * must be < seqlen_ro. interleaved: pairs (2j, 2j+1), else (j, j +
+ * rotary_dim/2). x_name names x in errors (NULL: "x"). */
+int fm_dispatch_rotary(FMRegistry *registry, const FMTensor *x, const FMTensor *cos, const FMTensor *sin,
+                       const FMTensor *offsets, const FMTensor *out, int32_t interleaved, int32_t per_row,
+                       const char *x_name, FMError *err);
 int fm_dispatch_kv_encode(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *x,
                           const FMTensor *codes, const FMTensor *norms, FMError *err);
 /* codes and norms as fm_dispatch_kv_encode writes them -> out float32 [..., D]. */

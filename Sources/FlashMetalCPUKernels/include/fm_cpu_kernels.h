@@ -207,6 +207,13 @@ void fm_cpu_kv_append_row(const KVAppendParams *p, const void *k_new, const void
                           void *v_cache, const int32_t *seqlens, const int32_t *block_table,
                           int32_t elem_bytes, int64_t b, int64_t i);
 
+/* ---- rotary: row i of sequence b of x [B, L, H, D] (every head) rotated
+ * into out (RotaryParams); x_dtype and cs_dtype are FMDType f32/f16/bf16 of
+ * x (and out) and of the cos/sin tables. */
+void fm_cpu_rotary_row(const RotaryParams *p, const void *x, const void *cos_table, const void *sin_table,
+                       const int32_t *offsets, void *out, int32_t x_dtype, int32_t cs_dtype, int64_t b,
+                       int64_t i);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,2 @@
+// The rotary shader compiled for the simulator.
+#include "../../../Resources/shaders/rotary.metal"
