@@ -32,6 +32,8 @@ public enum FunctionConstantIndex {
     public static let paged = Int(FM_FC_PAGED.rawValue)
     /// Prefill serving extension: the lse output bound.
     public static let hasLSE = Int(FM_FC_HAS_LSE.rawValue)
+    /// Prefill serving extension: ALiBi slopes bound.
+    public static let hasAlibi = Int(FM_FC_HAS_ALIBI.rawValue)
     /// blk: BQ of the prefill that consumes the blk (int).
     public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
     /// blk: BK of the prefill that consumes the blk (int).
@@ -92,7 +94,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
         ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
-        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
+        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE), ("FM_FC_HAS_ALIBI", hasAlibi),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
         ("FM_FC_APPEND_PAGED", appendPaged),
@@ -136,6 +138,8 @@ public enum PrefillBuffer {
     public static let sinks = Int(FM_PREFILL_BUF_SINKS.rawValue)
     /// float32 out (with hasLSE).
     public static let lse = Int(FM_PREFILL_BUF_LSE.rawValue)
+    /// float32 [B, H] ALiBi slopes (with hasAlibi).
+    public static let alibi = Int(FM_PREFILL_BUF_ALIBI.rawValue)
 }
 
 /// Buffer indices of the blk pre-pass.

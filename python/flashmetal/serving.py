@@ -32,7 +32,7 @@ from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
-from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
+from ._serving_args import alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -72,7 +72,10 @@ def flash_attn_func(
         causal: bottom-right causal mask.
         window_size: ``(left, right)`` sliding window, -1 = unbounded.
         softcap: ``c*tanh(s/c)`` on the scaled scores when > 0.
-        alibi_slopes: not supported (must be None).
+        alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None: key
+            j of query row i scores ``-slope * |i + seqlen_k - seqlen_q - j|``
+            more (after the softcap), flash-attn's bias; computed in the
+            kernel.
         deterministic: accepted; the forward pass is always deterministic.
         return_attn_probs: also return the softmax LSE and flash-attn's
             ``S_dmask``, which (as flash-attn's with dropout_p == 0) is empty.
@@ -90,12 +93,13 @@ def flash_attn_func(
     """
     op = _native.public_op(_FUNC)  # a packed function running this one names itself
     reg = resolve(registry, op)
-    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    want_lse = training_arguments(op, dropout_p, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     _no_outer_scope_for_decode(reg, qa, op)
-    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse)()
+    slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
+    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes)()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -146,7 +150,7 @@ def flash_attn_varlen_func(
     """
     op = _native.public_op(_VARLEN)  # a packed function running this one names itself
     reg = resolve(registry, op)
-    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    want_lse = training_arguments(op, dropout_p, deterministic, return_attn_probs)
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
     qa = as_input(q, op, "q")
     cq, ck = as_index(cu_seqlens_q, op, "cu_seqlens_q"), as_index(cu_seqlens_k, op, "cu_seqlens_k")
@@ -155,7 +159,10 @@ def flash_attn_varlen_func(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=_native.index_arg(op, "max_seqlen_q", max_seqlen_q, 0),
                         max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
+    slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
+                       qa.shape[-2] if qa.ndim >= 2 else 0)
     if quantized:
+        unsupported(op, alibi_slopes=alibi_slopes)  # not over QuantizedKV codes
         if reg._defers_work and reg._batch_depth:
             raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
                                         "work ran: call them outside a batch scope on metal")
@@ -167,9 +174,9 @@ def flash_attn_varlen_func(
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
-                            sinks=sinks_arg(op, sinks), lse=lse)
+                            sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, slopes, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -234,7 +241,9 @@ def flash_attn_with_kvcache(
             k/v are appended at ``cache_seqlens[b]``. Paged caches too.
         num_splits: accepted (>= 0) and ignored: decode splits every row's
             keys over 32 workgroups and reduces them.
-        rotary_cos, rotary_sin, alibi_slopes: not supported (must be None);
+        alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
+            in flash_attn_func, per sequence; not over QuantizedKV caches).
+        rotary_cos, rotary_sin: not supported (must be None);
             rotary_interleaved is then unused.
         sinks: float32 ``[H]`` sink logits, or None.
         out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
@@ -246,7 +255,7 @@ def flash_attn_with_kvcache(
         float32)`` with return_softmax_lse.
     """
     reg = resolve(registry, _KVCACHE)
-    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin, alibi_slopes=alibi_slopes)
+    unsupported(_KVCACHE, rotary_cos=rotary_cos, rotary_sin=rotary_sin)
     flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
     _native.index_arg(_KVCACHE, "num_splits", num_splits, 0)
     want_lse = flag(_KVCACHE, "return_softmax_lse", return_softmax_lse)
@@ -254,7 +263,9 @@ def flash_attn_with_kvcache(
         raise InvalidValueError(_KVCACHE, "k and v must be given together (or both None)")
     appending = k is not None
     qa = as_input(q, _KVCACHE, "q")
+    slopes = alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        unsupported(_KVCACHE, alibi_slopes=alibi_slopes)  # not over QuantizedKV codes
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
@@ -291,13 +302,13 @@ def flash_attn_with_kvcache(
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr)
+                         block_table=bt, out=out_arr, alibi=slopes)
     else:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr))
+                                                           out=out_arr, alibi=slopes))
     result, lse = finish()
     wrap = wrapper_like(q)
     result = wrap(result) if out is None else out
@@ -305,6 +316,11 @@ def flash_attn_with_kvcache(
         return result
     assert lse is not None
     return result, wrap(lse)
+
+
+def _batch_heads(qa: np.ndarray) -> tuple[int, int]:
+    """(B, H) of q [B, qL, H, D] (zeros for a misshapen q: the library names it)."""
+    return (qa.shape[0], qa.shape[2]) if qa.ndim == 4 else (0, 0)
 
 
 def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
@@ -507,14 +523,14 @@ def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:
 
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
-            block_table: np.ndarray | None = None, out: np.ndarray | None = None
-            ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1,
-    else prefill. Returns a function to call once the work ran (after the
+            block_table: np.ndarray | None = None, out: np.ndarray | None = None,
+            alibi: np.ndarray | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+    """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1
+    without ALiBi slopes (float32 [B, H]), else prefill. Returns a function to call once the work ran (after the
     batch scope the call is in) that gives (out [B, qL, H, D] in q's dtype,
     lse [B, H, qL] float32 or None)."""
     ffi = _native.ffi()
-    if qa.ndim == 4 and qa.shape[1] == 1:
+    if qa.ndim == 4 and qa.shape[1] == 1 and alibi is None:
         if qa.dtype != F32 and ka.dtype != qa.dtype:  # as the prefill route says for the same call with qL > 1
             name = "k_cache" if op == _KVCACHE else "k"
             raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
@@ -537,8 +553,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     rows_lse: np.ndarray | None = None
     if want_lse and qa.ndim == 4:
         rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse)
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse,
+                            alibi_slopes=alibi)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
                  tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
-                                                         result, keep))
+                                                         alibi, result, keep))
     return lambda: (result, rows_lse)

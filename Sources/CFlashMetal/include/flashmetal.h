@@ -64,6 +64,7 @@ typedef enum FMFunctionConstant {
     FM_FC_KV_LENS = 308,            /* prefill: seqlens_k bound */
     FM_FC_PAGED = 309,              /* prefill: k/v paged, block_table bound */
     FM_FC_HAS_LSE = 310,            /* prefill: lse output bound */
+    FM_FC_HAS_ALIBI = 311,          /* prefill: alibi slopes bound */
     FM_FC_BLK_BQ = 400,             /* blk: BQ of the consuming prefill (int) */
     FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
     FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
@@ -105,7 +106,8 @@ typedef enum FMPrefillBinding {
     FM_PREFILL_BUF_SEQLENS_K = 11,   /* int32 [B], with FM_FC_KV_LENS */
     FM_PREFILL_BUF_BLOCK_TABLE = 12, /* int32 [B, max_pages], with FM_FC_PAGED */
     FM_PREFILL_BUF_SINKS = 13,       /* float32 [H], with FM_FC_HAS_SINKS */
-    FM_PREFILL_BUF_LSE = 14          /* float32 out, with FM_FC_HAS_LSE */
+    FM_PREFILL_BUF_LSE = 14,         /* float32 out, with FM_FC_HAS_LSE */
+    FM_PREFILL_BUF_ALIBI = 15        /* float32 [B, H] slopes, with FM_FC_HAS_ALIBI */
 } FMPrefillBinding;
 
 typedef enum FMBlkBinding {
@@ -299,7 +301,8 @@ typedef struct SdpaExtParams {
  *                      && (attention_chunk == 0
  *                          || floor((p - f_b) / attention_chunk) == floor((t - f_b) / attention_chunk)))).
  * Key tiles wholly invisible to a threadgroup's rows are never loaded.
- * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
+ * s_p = softcap(scale * q.k_p) (natural units), then with ALiBi (FM_FC_HAS_ALIBI,
+ *   float32 slopes [B, H] at buffer 15): s_p -= slopes[b*H + h] * |t - p|. Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
  * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
  *   -inf for a row that sees no key and has no sink (its o_i is 0). A +inf sink
@@ -626,6 +629,8 @@ typedef struct FMSeqTensors {
     const FMTensor *block_table;  /* int32 [B, max_pages]: k/v [num_pages, page_size, Hkv, D] */
     const FMTensor *sinks;        /* float32 [H]: per-head sink logit */
     const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */
+    const FMTensor *alibi_slopes; /* float32 [B, H]: score of key p at row position t gains
+                                   * -slopes[b, h] * |t - p| after the softcap (flash-attn's ALiBi) */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are

@@ -26,6 +26,7 @@ typedef struct FMPrefillSeq {
     const int32_t *block_table;  /* [B, max_pages], FM_FC_PAGED: checked by the host */
     const float *sinks;          /* [H], FM_FC_HAS_SINKS */
     float *lse;                  /* FM_FC_HAS_LSE, at sp.lse_strides */
+    const float *alibi;          /* [B, H] slopes, FM_FC_HAS_ALIBI: score -= slope * |t - p| */
     int32_t window;              /* FM_FC_WINDOW: sp.window_left/right apply */
     int32_t _pad;
 } FMPrefillSeq;
