@@ -52,6 +52,8 @@ public enum FunctionConstantIndex {
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
     /// Decode: q, K or V is not aligned to the kernel's vector loads (it loads scalars).
     public static let vecUnaligned = Int(FM_FC_VEC_UNALIGNED.rawValue)
+    /// Decode: ALiBi slopes bound (with vecSeq).
+    public static let vecAlibi = Int(FM_FC_VEC_ALIBI.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// kv_codes_decode: seqlens_k is bound.
@@ -97,6 +99,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE), ("FM_FC_HAS_ALIBI", hasAlibi),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
+        ("FM_FC_VEC_ALIBI", vecAlibi),
         ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
@@ -178,6 +181,8 @@ public enum VecBuffer {
     public static let seqlensK = Int(FM_VEC_BUF_SEQLENS_K.rawValue)
     /// int32 [B, max_pages] (with FunctionConstantIndex.vecPaged).
     public static let blockTable = Int(FM_VEC_BUF_BLOCK_TABLE.rawValue)
+    /// float32 [B * H] ALiBi slopes (with vecAlibi).
+    public static let alibi = Int(FM_VEC_BUF_ALIBI.rawValue)
 }
 
 /// Buffer indices of the decode reduce kernels.

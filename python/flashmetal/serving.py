@@ -525,12 +525,12 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
             alibi: np.ndarray | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1
-    without ALiBi slopes (float32 [B, H]), else prefill. Returns a function to call once the work ran (after the
+    """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
+    None): the decode kernel for qL == 1, else prefill. Returns a function to call once the work ran (after the
     batch scope the call is in) that gives (out [B, qL, H, D] in q's dtype,
     lse [B, H, qL] float32 or None)."""
     ffi = _native.ffi()
-    if qa.ndim == 4 and qa.shape[1] == 1 and alibi is None:
+    if qa.ndim == 4 and qa.shape[1] == 1:
         if qa.dtype != F32 and ka.dtype != qa.dtype:  # as the prefill route says for the same call with qL > 1
             name = "k_cache" if op == _KVCACHE else "k"
             raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
@@ -538,10 +538,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
-        seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+        seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
+                                alibi_slopes=alibi)
         _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
                      ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                    lse, o32, keep))
+                                                                    lse, alibi, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(qa.dtype)

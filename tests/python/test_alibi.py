@@ -60,9 +60,9 @@ def test_func_shapes(registry, rng, shape):
         assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} alibi {shape} causal={causal}")
 
 
-@pytest.mark.parametrize("feature", ["plain", "causal", "softcap_sinks_causal"])
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "softcap_sinks_causal", "chunk"])
 def test_func_one_row(registry, rng, feature):
-    """seqlen_q == 1 (the query at kL - 1)."""
+    """seqlen_q == 1: the split-KV decode kernel (the query at kL - 1), GQA 4:1."""
     q, k, v = qkv(rng, (3, 1, 4, 64), (3, 45, 1, 64), BF16)
     kw = with_sinks(rng, FEATURES[feature], 4)
     al = slopes(rng, (3, 4))
@@ -71,9 +71,20 @@ def test_func_one_row(registry, rng, feature):
     assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} alibi one row {feature}")
 
 
-def test_zero_slopes_are_bit_identical_to_none(registry, rng):
-    """A zero slope adds -0 to every score: the same bits as no ALiBi."""
-    q, k, v = qkv(rng, (2, 11, 2, 64), (2, 40, 2, 64), BF16)
+@pytest.mark.parametrize("d", [80, 128])
+def test_func_one_row_head_dims(registry, rng, d):
+    """Decode head dims whose lanes own partial vectors (80) or 4-wide ones (128), GQA 2:1."""
+    q, k, v = qkv(rng, (2, 1, 4, d), (2, 70, 2, d), F16)
+    al = slopes(rng, (4,))
+    out, lse, _ = fm.flash_attn_func(q, k, v, alibi_slopes=al, return_attn_probs=True, registry=registry)
+    e_out, e_lse = reference.flash_attn(q, k, v, alibi_slopes=al)
+    assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} alibi one row d={d}")
+
+
+@pytest.mark.parametrize("ql", [11, 1])
+def test_zero_slopes_are_bit_identical_to_none(registry, rng, ql):
+    """A zero slope adds -0 to every score: the same bits as no ALiBi, prefill and decode."""
+    q, k, v = qkv(rng, (2, ql, 2, 64), (2, 40, 2, 64), BF16)
     for kw in (dict(causal=True), dict(window_size=(6, 1), softcap=3.0)):
         a, la, _ = fm.flash_attn_func(q, k, v, alibi_slopes=np.zeros(2, np.float32), return_attn_probs=True,
                                       registry=registry, **kw)

@@ -74,6 +74,7 @@ typedef enum FMFunctionConstant {
     FM_FC_VEC_SINKS = 504,          /* decode plain reduce: sinks + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
+    FM_FC_VEC_ALIBI = 507,          /* decode: alibi slopes bound (with FM_FC_VEC_SEQ) */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
@@ -124,7 +125,9 @@ typedef enum FMVecBinding {
     /* Serving extension (see FlashAttnVecSeqParams). */
     FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
     FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
-    FM_VEC_BUF_BLOCK_TABLE = 7  /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
+    FM_VEC_BUF_BLOCK_TABLE = 7, /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
+    FM_VEC_BUF_ALIBI = 8        /* float32 [B * H] slopes of rows b * H + h, with FM_FC_VEC_ALIBI:
+                                 * key p scores -slope * (kv_len_b - 1 - p) more, after the softcap */
 } FMVecBinding;
 
 typedef enum FMVecReduceBinding {
