@@ -22,7 +22,8 @@ OPS = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
 MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_start", "cu_order", "max_seqlen",
             "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
             "out_over_seqlens", "shared_slot",  # these two: a crash, or last-writer-wins, before
-            "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice"]
+            "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice",
+            "alibi_shape", "alibi_nan"]
 
 
 @st.composite
@@ -48,7 +49,21 @@ def serving_calls(draw):
         n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
         leftpad=bad.startswith("leftpad") or draw(st.booleans()),
         batch_idx=bad.startswith("batch_idx") or draw(st.booleans()),
+        alibi=draw(st.sampled_from(["h", "bh"] if bad.startswith("alibi") else ["none", "none", "h", "bh"])),
     )
+
+
+def _with_alibi(c, rng, kw, batch):
+    """kw with ALiBi slopes [H] or [B, H] when the call has them; a
+    mistake makes them one head short or puts a NaN in."""
+    if c["alibi"] == "none":
+        return kw
+    heads = c["h"] - (c["bad"] == "alibi_shape")
+    shape = (heads,) if c["alibi"] == "h" else (batch, heads)
+    slopes = rng.uniform(0.0, 0.7, shape).astype(np.float32)
+    if c["bad"] == "alibi_nan" and slopes.size:
+        slopes.reshape(-1)[-1] = np.nan
+    return {**kw, "alibi_slopes": slopes}
 
 
 def _bad_table(table, rng, num_pages, lens, page_size):
@@ -147,6 +162,7 @@ def test_serving_api(cpu, c, seed):
         q = base._values(rng, (b, ql, c["h"], d), dt)
         k = base._values(rng, (b, max(c["k_lens"][0], 1), c["hkv"], d), dt)
         v = base._values(rng, k.shape, dt)
+        kw = _with_alibi(c, rng, kw, b)
         res = base._run(lambda: fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=cpu, **kw),
                         [q, k, v], None, OPS)
         if res is not None:
@@ -154,17 +170,20 @@ def test_serving_api(cpu, c, seed):
         return
     if c["fn"] == "varlen":
         q, k, v, cq, ck, mq, mk = _varlen(c, rng)
+        kw = _with_alibi(c, rng, kw, len(cq) - 1)
         res = base._run(lambda: fm.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, return_attn_probs=True,
                                                           registry=cpu, **kw), [q, k, v, cq, ck], None, OPS)
         if res is not None:
             _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
         return
     q, kc, vc, new, seqlens, table, leftpad, idx = _kvcache(c, rng)
+    kw = _with_alibi(c, rng, kw, q.shape[0])
     out = None
     refused = c["bad"] == "shared_slot" and new is not None and c["b"] > 1 and table is not None
     refused |= c["bad"] in ("leftpad_high", "leftpad_neg") or (c["bad"] == "batch_idx_paged" and table is not None) or (
         c["bad"] == "batch_idx_range" and idx is not None) or (
-        c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1)
+        c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1) or (
+        c["bad"] in ("alibi_shape", "alibi_nan"))
     if c["bad"] == "out_over_seqlens":  # the lengths live in out's first bytes
         out = np.empty(q.shape, q.dtype)
         held = out.reshape(-1).view(np.uint8)[:4 * seqlens.size].view(np.int32)

@@ -47,7 +47,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 5 };
+enum { FM_ABI_VERSION = 6 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
