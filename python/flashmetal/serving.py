@@ -162,7 +162,7 @@ def flash_attn_varlen_func(
     slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
                        qa.shape[-2] if qa.ndim >= 2 else 0)
     if quantized:
-        unsupported(op, alibi_slopes=alibi_slopes)  # not over QuantizedKV codes
+        _no_alibi_over_codes(op, slopes)
         if reg._defers_work and reg._batch_depth:
             raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
                                         "work ran: call them outside a batch scope on metal")
@@ -265,7 +265,7 @@ def flash_attn_with_kvcache(
     qa = as_input(q, _KVCACHE, "q")
     slopes = alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
-        unsupported(_KVCACHE, alibi_slopes=alibi_slopes)  # not over QuantizedKV codes
+        _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
@@ -316,6 +316,13 @@ def flash_attn_with_kvcache(
         return result
     assert lse is not None
     return result, wrap(lse)
+
+
+def _no_alibi_over_codes(op: str, slopes: np.ndarray | None) -> None:
+    """The QuantizedKV kernels have no ALiBi term."""
+    if slopes is not None:
+        raise UnsupportedFeatureError(op, "alibi_slopes is not supported over QuantizedKV caches (pass None, "
+                                          "or dense caches)", argument="alibi_slopes")
 
 
 def _batch_heads(qa: np.ndarray) -> tuple[int, int]:
