@@ -244,7 +244,8 @@ def test_quantized_caches_refuse_slopes(rng):
     before = kc.codes.copy()
     q = randn(rng, (2, 1, 2, 64), np.float32)
     new = randn(rng, (2, 1, 2, 64), np.float32)
-    with pytest.raises(fm.UnsupportedFeatureError, match=r"^flash_attn_with_kvcache: alibi_slopes is not supported over QuantizedKV caches"):
+    with pytest.raises(fm.UnsupportedFeatureError,
+                       match=r"^flash_attn_with_kvcache: alibi_slopes is not supported over QuantizedKV caches"):
         fm.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=np.array([3, 5], np.int32),
                                    alibi_slopes=np.ones(2, np.float32), registry="cpu")
     assert np.array_equal(kc.codes, before)
