@@ -3,7 +3,8 @@
 // One threadgroup computes BQ query rows of one (batch, head): WM simdgroups,
 // each owning 8 rows, walk the key range in tiles of BK keys. Per tile:
 //   S = Q K^T            (8x8 simdgroup MMAs over the head dim, f32)
-//   s = log2(e) * (softcap(scale * S) + mask), floored at the running max's
+//   s = log2(e) * (softcap(scale * S) - slope * |t - p| + mask) (the ALiBi
+//       term only with has_alibi), floored at the running max's
 //       start; masked (-inf / false), causal and past-kL cells -> -inf
 //   online softmax in the exp2 domain (running max starts at -FLT_MAX/2, so
 //   a -inf score gives exp2(-inf) = 0 and never NaN)
@@ -62,6 +63,7 @@ FUNCTION_CONSTANT(bool, varlen_k, 307)
 FUNCTION_CONSTANT(bool, kv_lens, 308)
 FUNCTION_CONSTANT(bool, paged_kv, 309)
 FUNCTION_CONSTANT(bool, has_lse, 310)
+FUNCTION_CONSTANT(bool, has_alibi, 311)
 FUNCTION_CONSTANT_EXPR(bool, per_seq, varlen_q || varlen_k || kv_lens || paged_kv)
 
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
@@ -194,6 +196,7 @@ struct PrefillSeqBuffers {
     const device int *block_table;
     const device float *sinks;
     device float *lse;
+    const device float *alibi;  // [B, H] slopes
 };
 
 inline PrefillSeq prefill_seq_of(constant AttnParams &p, thread const PrefillSeqBuffers &sb, long b) {
@@ -273,7 +276,7 @@ inline float prefill_finish_row(float row_max, float row_sum, float sink, device
 template <int TK, typename MaskT>
 inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnParams &p, thread const PrefillSeq &sq,
                                   const device MaskT *mask_row, long k0, short fc, bool row_exists, long q_pos,
-                                  uchar tile_class, thread float &row_max, thread float &row_sum) {
+                                  uchar tile_class, float slope, thread float &row_max, thread float &row_sum) {
     float tile_max = row_max;
     FA_UNROLL
     for (int j = 0; j < TK; j++) {
@@ -283,6 +286,7 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
             const bool col_exists = align_K || col < sq.k_len;
             float x = s[j].thread_elements()[e] * p.scale;
             if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
+            if (has_alibi) x -= slope * float(q_pos >= col ? q_pos - col : col - q_pos);
             bool masked = !col_exists || col < sq.first || (do_causal && col > q_pos);
             if (has_window) {
                 masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
@@ -433,6 +437,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     const long q_pos = w.s.q_off + q_row;
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
     if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
+    const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
 
     simdgroup_float8x8 acc[TD];
     FA_UNROLL
@@ -461,7 +466,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         prefill_qk<T, TK, TD>(s, Qs, LDW, 0, KVs, LDKW, row0, fr, fc);
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
-                                                      row_max, row_sum);
+                                                      slope, row_max, row_sum);
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
             acc[d].thread_elements()[0] *= factor;
@@ -526,6 +531,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     const long q_pos = w.s.q_off + q_row;
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
     if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
+    const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
     // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
     threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
     FA_UNROLL
@@ -558,7 +564,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
             prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
         }
         const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
-                                                      row_max, row_sum);
+                                                      slope, row_max, row_sum);
 
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -616,6 +622,7 @@ kernel void flash_attn_prefill(
     const device int *block_table [[buffer(12), function_constant(paged_kv)]],
     const device float *sinks [[buffer(13), function_constant(has_sinks)]],
     device float *lse [[buffer(14), function_constant(has_lse)]],
+    const device float *alibi [[buffer(15), function_constant(has_alibi)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint sg BUILTIN(simdgroup_index_in_threadgroup),
     uint lane BUILTIN(thread_index_in_simdgroup),
@@ -635,6 +642,7 @@ kernel void flash_attn_prefill(
     sb.block_table = paged_kv ? block_table : nullptr;
     sb.sinks = has_sinks ? sinks : nullptr;
     sb.lse = has_lse ? lse : nullptr;
+    sb.alibi = has_alibi ? alibi : nullptr;
     prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
                                               has_mask ? mask : nullptr, has_blk ? blk : nullptr, sb, Qs, KVs,
                                               Os, tgid, sg, lane, tid);

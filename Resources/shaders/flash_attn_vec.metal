@@ -50,7 +50,8 @@
 // only for halves that start before kv_len_b (entries past it are never
 // checked by the host and never read here); chunks start at multiples of 32,
 // so each half lies in one page. The window and the attention chunk apply
-// per sequence.
+// per sequence. 507 (vec_alibi, with 501): row r's ALiBi slope is buffer 8's
+// float r; key p scores -slope * (kv_len_b - 1 - p) more, after the softcap.
 //
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
@@ -81,6 +82,7 @@ FUNCTION_CONSTANT(bool, vec_paged, 503)
 FUNCTION_CONSTANT(bool, vec_sinks, 504)
 FUNCTION_CONSTANT(bool, vec_lse, 505)
 FUNCTION_CONSTANT(bool, vec_unaligned, 506)
+FUNCTION_CONSTANT(bool, vec_alibi, 507)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 
 #define VEC_LN2 0.693147180559945309f
@@ -295,6 +297,7 @@ kernel void flash_attn_vec(
     constant FlashAttnVecSeqParams *sp [[buffer(5), function_constant(vec_seq)]],
     const device int *seqlens_k [[buffer(6), function_constant(vec_kv_lens)]],
     const device int *block_table [[buffer(7), function_constant(vec_paged)]],
+    const device float *alibi [[buffer(8), function_constant(vec_alibi)]],
     TG_BUFFER(float, tgm, 0),  // probabilities [HG][32], then two stages of rows (HG > 1)
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint3 ngroups BUILTIN(threadgroups_per_grid),
@@ -343,6 +346,7 @@ kernel void flash_attn_vec(
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
     vec_row_device<float, D>(qv, q + row * D, lane);
     const float scale = p.scale, softcap = p.softcap;
+    const float slope = vec_alibi ? alibi[row] : 0.0f;
 
     // Visible keys: [lo, kv_len), from the sequence's first key f (cache_leftpad,
     // after the lengths in seqlens_k).
@@ -412,6 +416,7 @@ kernel void flash_attn_vec(
         if (pos < kv_len && pos >= lo) {
             s = scale * dot;
             if (softcap > 0.0f) s = softcap * precise::tanh(s / softcap);
+            if (vec_alibi) s -= slope * float(kv_len - 1 - pos);
             s *= FM_LOG2E;
         }
         const float m_new = max(m, simd_max(s));

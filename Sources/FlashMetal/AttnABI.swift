@@ -23,6 +23,7 @@ public func fm_dispatch_attn(
                             v: try TensorRef(v, op: op, name: kind.vName), out: try TensorRef(out, op: op, name: "out"))
         t.sinks = try optionalTensor(s.sinks, op: op, name: "sinks")
         t.lse = try optionalTensor(s.lse, op: op, name: "softmax_lse")
+        t.alibiSlopes = try optionalTensor(s.alibi_slopes, op: op, name: "alibi_slopes")
         t.kind = kind
         let o = try AttnOptions(options.pointee, op: op)
         let tables = [try optionalTensor(s.cu_seqlens_q, op: op, name: "cu_seqlens_q"),

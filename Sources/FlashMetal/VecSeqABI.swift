@@ -29,6 +29,7 @@ public func fm_dispatch_vec_seq(
         let given = try optionalTensor(tmp, op: op, name: "tmp")
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         let lse = try optionalTensor(s?.lse, op: op, name: lseName)
+        let slopes = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in
@@ -37,6 +38,7 @@ public func fm_dispatch_vec_seq(
                 var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
                                       sinks: sinks, lse: lse)
                 (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
+                t.alibiSlopes = slopes
                 return t
             }
             if let given = given {

@@ -71,10 +71,10 @@ final class PrefillKernel: CPUKernel {
 }
 
 /// The serving extension's function constants of a prefill pipeline
-/// (flashmetal.h: 302, 304-310; the dispatchers set every one) and the
+/// (flashmetal.h: 302, 304-311; the dispatchers set every one) and the
 /// buffers they bind (PrefillBuffer.seqParams ... lse).
 struct PrefillServingConstants {
-    let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool
+    let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool, alibi: Bool
 
     init(_ c: FunctionConstants, kernel: String) throws {
         typealias F = FunctionConstantIndex
@@ -86,7 +86,8 @@ struct PrefillServingConstants {
         kvLens = try c.requireBool(F.kvLens, kernel: kernel)
         paged = try c.requireBool(F.paged, kernel: kernel)
         lse = try c.requireBool(F.hasLSE, kernel: kernel)
-        if !seq && (sinks || window || varlenQ || varlenK || kvLens || paged || lse) {
+        alibi = try c.requireBool(F.hasAlibi, kernel: kernel)
+        if !seq && (sinks || window || varlenQ || varlenK || kvLens || paged || lse || alibi) {
             throw FlashMetalError.backend("cpu backend: \(kernel): a serving constant is set without \(F.prefillSeq) (AttnSeqParams)")
         }
     }
@@ -112,6 +113,14 @@ struct PrefillServingConstants {
         }
         if sinks {
             s.sinks = UnsafePointer(try d.buffer(PrefillBuffer.sinks).data.assumingMemoryBound(to: Float.self))
+        }
+        if alibi {
+            let slopes = try d.buffer(PrefillBuffer.alibi)
+            let p = try d.params(PrefillBuffer.params, as: AttnParams.self)
+            if slopes.dtype != .f32 || slopes.byteCount < Int(p.B) * Int(p.H) * 4 {
+                throw FlashMetalError.internalError("\(d.kernel): alibi slopes \(slopes.shape) do not cover [\(p.B), \(p.H)]")
+            }
+            s.alibi = UnsafePointer(slopes.data.assumingMemoryBound(to: Float.self))
         }
         if lse {
             s.lse = try d.buffer(PrefillBuffer.lse).data.assumingMemoryBound(to: Float.self)

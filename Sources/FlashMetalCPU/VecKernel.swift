@@ -14,7 +14,7 @@ final class VecKernel: CPUKernel {
     let name: String
     /// FM_FC_VEC_SEQ, FM_FC_VEC_KV_LENS, FM_FC_VEC_PAGED; unset means false
     /// (the plain decode sets none of them).
-    let seq: Bool, kvLens: Bool, paged: Bool
+    let seq: Bool, kvLens: Bool, paged: Bool, alibi: Bool
 
     init(_ key: PipelineKey) throws {
         name = key.kernel
@@ -22,7 +22,8 @@ final class VecKernel: CPUKernel {
         seq = c.bool(FunctionConstantIndex.vecSeq) ?? false
         kvLens = c.bool(FunctionConstantIndex.vecKVLens) ?? false
         paged = c.bool(FunctionConstantIndex.vecPaged) ?? false
-        if (kvLens || paged) && !seq {
+        alibi = c.bool(FunctionConstantIndex.vecAlibi) ?? false
+        if (kvLens || paged || alibi) && !seq {
             throw FlashMetalError.backend("cpu backend: \(name): seqlens or paging without FlashAttnVecSeqParams (constant 501)")
         }
     }
@@ -92,6 +93,13 @@ final class VecKernel: CPUKernel {
         a.k_strides = sp.K_strides
         a.v_strides = sp.V_strides
         a.attention_chunk = Int32(bitPattern: sp.attention_chunk)
+        if alibi {
+            let slopes = try d.buffer(VecBuffer.alibi)
+            if slopes.dtype != .f32 || slopes.byteCount < rows * 4 {
+                throw FlashMetalError.internalError("\(name): alibi slopes \(slopes.shape) do not cover \(rows) rows")
+            }
+            a.alibi = UnsafePointer(slopes.data.assumingMemoryBound(to: Float.self))
+        }
         var capacity = Int64(p.kv_capacity)
         if paged {
             if sp.page_size == 0 { throw FlashMetalError.internalError("\(name): page size 0") }

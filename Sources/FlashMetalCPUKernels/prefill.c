@@ -1,7 +1,8 @@
 /* Prefill on the cpu: one query tile at a time, online softmax over key
  * tiles of the dispatch's BK, never more than O(BQ*D + BK*D) memory.
  *
- * Numerics (docs/ARCHITECTURE.md): s = scale*q.k, softcap, then the mask; the running
+ * Numerics (docs/ARCHITECTURE.md): s = scale*q.k, softcap, the ALiBi bias
+ * -slope*|t - p| (with slopes), then the mask; the running
  * max starts at FM_M_INIT = -FLT_MAX/2 so -inf scores give exp(-inf) = 0 and
  * never NaN; a row with no visible key outputs exact zeros. A masked cell
  * (mask -inf, bool false, causal) is -inf; any other cell's score is raised
@@ -56,6 +57,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     const int64_t kvh = h / p->gqa_factor;
     const int is_bf16 = a->io_dtype == FM_DTYPE_BF16;
     const float softcap = p->softcapping;
+    const float slope = fm_pf_alibi_slope(a, b, h);
     const size_t esz = 2;
 
     float *Qt = scratch;
@@ -110,6 +112,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
             for (int64_t j = 0; j < kc; j++) {
                 float s = p->scale * fm_dot(Qt + r * D, Kt + j * D, D);
                 if (softcap > 0) s = softcap * tanhf(s / softcap);
+                if (a->seq.alibi) s += fm_pf_alibi_bias(slope, sd.t0 + r0 + r, c0 + j);
                 int masked = c0 + j < lo || c0 + j > hi;
                 if (mrow && !skip_mask) {
                     const float m = fm_load_mask(a, mrow, c0 + j);

@@ -309,16 +309,21 @@ static fm_v FM_SFX(pf_mask_values)(const FMPrefillArgs *a, const char *mrow, int
 }
 
 /* Scores of FM_VL keys [j0, j0 + FM_VL) of one row from their raw dot
- * products: scale, softcap, mask (per blk class), the floor, then -inf for
- * masked cells (mask -inf, bool false, blk class 0, outside the row's keys
- * [c0 + jlo, c0 + jhi]: past kL, causal, window). */
+ * products: scale, softcap, the ALiBi bias of the row at position t (slope
+ * 0: none), mask (per blk class), the floor, then -inf for masked cells (mask
+ * -inf, bool false, blk class 0, outside the row's keys [c0 + jlo, c0 + jhi]:
+ * past kL, causal, window). */
 static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row, int64_t c0, int j0,
-                                     int64_t kc, int32_t jlo, int32_t jhi, const char *mrow) {
+                                     int64_t kc, int32_t jlo, int32_t jhi, const char *mrow, float slope,
+                                     int64_t t) {
     const AttnParams *p = &a->p;
     const float softcap = p->softcapping;
     s *= p->scale;
     if (softcap > 0) {
         for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
+    }
+    if (a->seq.alibi) {
+        for (int i = 0; i < FM_VL; i++) s[i] += fm_pf_alibi_bias(slope, t, c0 + j0 + i);
     }
     fm_vi iota;
     for (int i = 0; i < FM_VL; i++) iota[i] = i;
@@ -358,13 +363,13 @@ static inline fm_v FM_SFX(pf_scores)(const FMPrefillArgs *a, fm_v s, int64_t row
  * unrounded values for the LSE. The running max ignores NaN (s > m is
  * false). */
 static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row, int64_t c0, int64_t kc,
-                                   int64_t lo, int64_t hi, const char *mrow, float *M, float *L, float *LX,
-                                   float *F, uint16_t *P16) {
+                                   int64_t lo, int64_t hi, const char *mrow, float slope, int64_t t, float *M,
+                                   float *L, float *LX, float *F, uint16_t *P16) {
     fm_v s[KB / FM_VL];
     fm_v mv = fm_v_splat(*M);
     /* The common block (the row sees every key of it, no mask, no softcap)
      * needs only the scale and the floor. */
-    const int plain = !mrow && a->p.softcapping == 0 && kc == KB && lo <= c0 && hi >= c0 + KB - 1;
+    const int plain = !mrow && !a->seq.alibi && a->p.softcapping == 0 && kc == KB && lo <= c0 && hi >= c0 + KB - 1;
     /* The row's range relative to c0, clamped into [-1, KB]. */
     const int32_t jlo = lo - c0 < 0 ? 0 : lo - c0 > KB ? KB : (int32_t)(lo - c0);
     const int32_t jhi = hi - c0 < -1 ? -1 : hi - c0 >= KB ? KB - 1 : (int32_t)(hi - c0);
@@ -376,7 +381,8 @@ static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row
         }
     } else {
         for (int c = 0; c < KB / FM_VL; c++) {
-            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, jlo, jhi, mrow);
+            s[c] = FM_SFX(pf_scores)(a, fm_v_load(S + c * FM_VL), row, c0, c * FM_VL, kc, jlo, jhi, mrow, slope,
+                                     t);
             mv = fm_v_sel(s[c] > mv, s[c], mv);
         }
     }
@@ -406,7 +412,7 @@ static void FM_SFX(pf_row_softmax)(const FMPrefillArgs *a, float *S, int64_t row
 _Static_assert(FM_PF_R <= 8, "pf_group_softmax folds at most 8 rows");
 static int FM_SFX(pf_group_softmax)(const FMPrefillArgs *a, float *S, int64_t c0, int64_t kc, const int64_t *lo,
                                     const int64_t *hi, float *M, float *L, float *LX, float *F, uint16_t *P16) {
-    if (a->mask_kind != FM_MASK_NONE || a->p.softcapping != 0 || kc != KB) return 0;
+    if (a->mask_kind != FM_MASK_NONE || a->seq.alibi || a->p.softcapping != 0 || kc != KB) return 0;
     for (int r = 0; r < R; r++)
         if (lo[r] > c0 || hi[r] < c0 + KB - 1) return 0;
     fm_v fold[8];
@@ -474,6 +480,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     float *F = L + QI;
     float *LX = F + QI; /* unrounded row sums for the LSE of bf16 pair panels */
     const int exact_lse = bfp && a->seq.lse;
+    const float slope = fm_pf_alibi_slope(a, b, h);
 
     const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : esz;
     const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
@@ -526,7 +533,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
                                           exact_lse ? LX + ga : NULL, F + ga, Pg))
                 for (int r = 0; r < R; r++)
                     FM_SFX(pf_row_softmax)(a, Sg + (size_t)r * KB, rowid[ga + r], c0, kc, lo[ga + r], hi[ga + r],
-                                           mrow[ga + r], &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL,
+                                           mrow[ga + r], slope, sd.t0 + rowid[ga + r], &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL,
                                            &F[ga + r], Pg ? Pg + (size_t)r * 2 * KB : NULL);
 #if FM_PF_BF16DP
             if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, D,

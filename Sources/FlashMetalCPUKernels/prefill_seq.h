@@ -70,6 +70,16 @@ static inline void fm_pf_row_keys(const FMPrefillArgs *a, int64_t t, const FMPfS
     *hi = h;
 }
 
+/* The ALiBi slope of head h of sequence b (0 without slopes), and the bias
+ * it puts on key p of the row at position t: -slope * |t - p|, natural units,
+ * added after the softcap. */
+static inline float fm_pf_alibi_slope(const FMPrefillArgs *a, int64_t b, int64_t h) {
+    return a->seq.alibi ? a->seq.alibi[b * a->p.H + h] : 0.0f;
+}
+static inline float fm_pf_alibi_bias(float slope, int64_t t, int64_t p) {
+    return -slope * (float)(t >= p ? t - p : p - t);
+}
+
 /* Element offset of key p of kv head g of sequence b in K (strides, page
  * stride of K) or V. */
 static inline int64_t fm_pf_key_offset(const FMPrefillArgs *a, int64_t b, int64_t g, int64_t p,

@@ -148,14 +148,15 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
 }
 
-/* Scale, softcap, the floor, the online softmax of rows [0, NR) over n
+/* Scale, softcap, the ALiBi bias (slopes: NR slopes or NULL; key j sits d0
+ * - j before the query), the floor, the online softmax of rows [0, NR) over n
  * keys: sc (row stride FM_VT) holds raw dots on entry and p (0 past n, up
  * to a whole vector) on exit; f[r] receives the factor of row r's previous
  * O and S. The rows' horizontal max and sums fold together (fm_v_max8,
  * fm_v_sum8: one tree per row, as fm_v_max/fm_v_sum). */
 static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const FlashAttnVecParams *p, float *sc,
                                                                      int64_t n, float *M, float *S, float *f,
-                                                                     int NR) {
+                                                                     int NR, const float *slopes, int64_t d0) {
     const int64_t nv = (n + FM_VL - 1) / FM_VL * FM_VL;
     fm_vi lane;
     for (int i = 0; i < FM_VL; i++) lane[i] = i;
@@ -165,11 +166,12 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const Flas
         fold[r] = fm_v_splat(r < NR ? M[r] : 0.0f);
         if (r >= NR) continue;
         float *x_r = sc + r * FM_VT;
-        if (p->softcap > 0) {
+        if (p->softcap > 0 || slopes) {
             for (int64_t j = 0; j < nv; j++) {
                 float s = -INFINITY;
                 if (j < n) {
-                    s = p->softcap * tanhf(p->scale * x_r[j] / p->softcap);
+                    s = p->softcap > 0 ? p->softcap * tanhf(p->scale * x_r[j] / p->softcap) : p->scale * x_r[j];
+                    if (slopes) s -= slopes[r] * (float)(d0 - j);
                     s = s < FM_M_INIT ? FM_M_INIT : s;
                 }
                 x_r[j] = s;
@@ -177,7 +179,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const Flas
         }
         for (int64_t c = 0; c < nv; c += FM_VL) {
             fm_v x = fm_v_load(x_r + c);
-            if (!(p->softcap > 0)) {
+            if (!(p->softcap > 0) && !slopes) {
                 x = x * p->scale;
                 x = fm_v_sel(x < FM_M_INIT, fm_v_splat(FM_M_INIT), x);
                 x = fm_v_sel(lane + (int32_t)c < (int32_t)n, x, fm_v_splat(-INFINITY));
@@ -246,10 +248,11 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     }
 }
 
-/* Rows [row0, row0 + NR) over one tile of n keys. */
+/* Rows [row0, row0 + NR) over one tile of n keys, the first d0 keys before
+ * the query. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
-    int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype) {
+    int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype, int64_t d0) {
     const int32_t D = (int32_t)a->p.head_dim;
     const int64_t nwg = a->p.nwg, gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     const float *qr[4];
@@ -262,26 +265,27 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const int first = row0 % gqa == 0, long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
     const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv, first ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
-    FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR);
+    FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR, a->alibi ? a->alibi + row0 : NULL, d0);
     FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, D, NR);
 }
 
-/* Every row of kv row kvrow's group over one tile, in blocks of 4, 2, 1. */
+/* Every row of kv row kvrow's group over one tile (its first key d0 before
+ * the query), in blocks of 4, 2, 1. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
     const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
-    int64_t kvrow, int64_t wg, float *M, float *S, float *scores, int32_t dtype) {
+    int64_t kvrow, int64_t wg, float *M, float *S, float *scores, int32_t dtype, int64_t d0) {
     const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa;) {
         const int64_t left = gqa - i, row0 = kvrow * gqa + i;
         float *sc = scores + i * FM_VT;
         if (left >= 4) {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 4, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 4, dtype, d0);
             i += 4;
         } else if (left >= 2) {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 2, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 2, dtype, d0);
             i += 2;
         } else {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 1, dtype);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 1, dtype, d0);
             i += 1;
         }
     }
@@ -337,10 +341,11 @@ static void FM_SFX(vec_head_tile)(const FMVecArgs *a, int64_t b, int64_t g, int6
     }
     const char *const *kp = rows[0], *const *vp = rows[1];
     const FM_SFX(VecPrefetch) next = {NULL, shadow[0], shadow[1], nn};
+    const int64_t d0 = hi - 1 - t0; /* the query sits at hi - 1 */
     switch (a->kv_dtype) { /* constant inside: the loads specialise */
-    case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32); break;
-    case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16); break;
-    default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16); break;
+    case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32, d0); break;
+    case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16, d0); break;
+    default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16, d0); break;
     }
 }
 

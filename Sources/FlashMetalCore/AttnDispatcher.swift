@@ -59,6 +59,8 @@ public struct AttnTensors {
     public var seqlensK: TensorRef? = nil, blockTable: TensorRef? = nil
     /// float32 [H] sink logits; float32 lse output.
     public var sinks: TensorRef? = nil, lse: TensorRef? = nil
+    /// float32 [B, H] ALiBi slopes.
+    public var alibiSlopes: TensorRef? = nil
     /// The public function the caller runs, which names the arguments in
     /// errors; nil = the one the tables present imply.
     public var kind: AttnOp? = nil
@@ -105,8 +107,8 @@ public enum AttnOp {
 /// The serving prefill (flashmetal.h "serving extension"): the prefill
 /// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
-/// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), and
-/// function constants 302, 304-310. Shared pieces are PrefillDispatcher's.
+/// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), ALiBi slopes at 15, and
+/// function constants 302, 304-311. Shared pieces are PrefillDispatcher's.
 public enum AttnDispatcher {
     /// Validates a call and builds its dispatches: none when there is no
     /// query row, else one prefill.
@@ -148,6 +150,12 @@ public enum AttnDispatcher {
             try s.requireDType([.f32], op: op, name: "sinks")
             if s.shape != [nHeads] { throw FlashMetalError.value(op, "sinks shape \(s.shape) must be [\(nHeads)]", arg: "sinks") }
         }
+        if let a = t.alibiSlopes {
+            try a.requireDType([.f32], op: op, name: "alibi_slopes")
+            if a.shape != [batch, nHeads] {
+                throw FlashMetalError.value(op, "alibi_slopes shape \(a.shape) must be [\(batch), \(nHeads)]", arg: "alibi_slopes")
+            }
+        }
 
         // Lengths per sequence, every table index checked before a kernel reads through it.
         let lens = try SequenceLengths(t, kind: kind, batch: batch, bk: geo.bk, o: o, op: op)
@@ -161,7 +169,7 @@ public enum AttnDispatcher {
         var ext = PrefillExtension()
         ext.cuSeqlensQ = t.cuSeqlensQ; ext.cuSeqlensK = t.cuSeqlensK
         ext.seqlensK = t.seqlensK; ext.blockTable = t.blockTable
-        ext.sinks = t.sinks; ext.lse = t.lse
+        ext.sinks = t.sinks; ext.lse = t.lse; ext.alibi = t.alibiSlopes
         if lens.keyStarts { ext.params.key_starts_at = Int32(batch) }
         if o.hasWindow || o.attentionChunk > 0 {
             ext.window = true

@@ -2,7 +2,7 @@ import CFlashMetal
 
 /// The serving extension of one prefill dispatch (flashmetal.h's
 /// AttnSeqParams at PrefillBuffer.seqParams, the int32 tables, sinks and lse,
-/// and function constants 302, 304-310): everything the prefill kernel reads
+/// and function constants 302, 304-311): everything the prefill kernel reads
 /// beyond the plain prefill. Both prefill dispatchers fill one; an empty one
 /// binds nothing and sets every constant false: the plain prefill kernel.
 public struct PrefillExtension {
@@ -24,6 +24,8 @@ public struct PrefillExtension {
     public var sinks: TensorRef? = nil
     /// float32 log-sum-exp output (FM_FC_HAS_LSE).
     public var lse: TensorRef? = nil
+    /// float32 [B, H]: ALiBi slopes (FM_FC_HAS_ALIBI).
+    public var alibi: TensorRef? = nil
 
     /// No extension: the plain prefill kernel.
     public init() {}
@@ -32,15 +34,15 @@ public struct PrefillExtension {
     public var perSequence: Bool { cuSeqlensQ != nil || cuSeqlensK != nil || seqlensK != nil || blockTable != nil }
 
     /// AttnSeqParams is bound (FM_FC_PREFILL_SEQ).
-    public var isBound: Bool { window || perSequence || sinks != nil || lse != nil }
+    public var isBound: Bool { window || perSequence || sinks != nil || lse != nil || alibi != nil }
 
-    /// Function constants 302 and 304-310.
+    /// Function constants 302 and 304-311.
     var constants: [(Int, ConstantValue)] {
         typealias F = FunctionConstantIndex
         return [(F.hasSinks, .bool(sinks != nil)), (F.prefillSeq, .bool(isBound)), (F.window, .bool(window)),
                 (F.varlenQ, .bool(cuSeqlensQ != nil)), (F.varlenK, .bool(cuSeqlensK != nil)),
                 (F.kvLens, .bool(seqlensK != nil)), (F.paged, .bool(blockTable != nil)),
-                (F.hasLSE, .bool(lse != nil))]
+                (F.hasLSE, .bool(lse != nil)), (F.hasAlibi, .bool(alibi != nil))]
     }
 
     /// Adds the extension's buffers (and AttnSeqParams when bound).
@@ -50,7 +52,7 @@ public struct PrefillExtension {
         let tables: [(TensorRef?, Int)] = [
             (cuSeqlensQ, PrefillBuffer.cuSeqlensQ), (cuSeqlensK, PrefillBuffer.cuSeqlensK),
             (seqlensK, PrefillBuffer.seqlensK), (blockTable, PrefillBuffer.blockTable),
-            (sinks, PrefillBuffer.sinks), (lse, PrefillBuffer.lse),
+            (sinks, PrefillBuffer.sinks), (lse, PrefillBuffer.lse), (alibi, PrefillBuffer.alibi),
         ]
         for case let (t?, index) in tables { bindings[index] = .buffer(t) }
     }

@@ -32,6 +32,8 @@ public enum FunctionConstantIndex {
     public static let paged = Int(FM_FC_PAGED.rawValue)
     /// Prefill serving extension: the lse output bound.
     public static let hasLSE = Int(FM_FC_HAS_LSE.rawValue)
+    /// Prefill serving extension: ALiBi slopes bound.
+    public static let hasAlibi = Int(FM_FC_HAS_ALIBI.rawValue)
     /// blk: BQ of the prefill that consumes the blk (int).
     public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
     /// blk: BK of the prefill that consumes the blk (int).
@@ -50,6 +52,8 @@ public enum FunctionConstantIndex {
     public static let vecLSE = Int(FM_FC_VEC_LSE.rawValue)
     /// Decode: q, K or V is not aligned to the kernel's vector loads (it loads scalars).
     public static let vecUnaligned = Int(FM_FC_VEC_UNALIGNED.rawValue)
+    /// Decode: ALiBi slopes bound (with vecSeq).
+    public static let vecAlibi = Int(FM_FC_VEC_ALIBI.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// kv_codes_decode: seqlens_k is bound.
@@ -92,9 +96,10 @@ public enum FunctionConstantIndex {
         ("FM_FC_SDPA_EXT", sdpaExt), ("FM_FC_SDPA_SOFTCAP", sdpaSoftcap),
         ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
-        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE),
+        ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE), ("FM_FC_HAS_ALIBI", hasAlibi),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
+        ("FM_FC_VEC_ALIBI", vecAlibi),
         ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
@@ -136,6 +141,8 @@ public enum PrefillBuffer {
     public static let sinks = Int(FM_PREFILL_BUF_SINKS.rawValue)
     /// float32 out (with hasLSE).
     public static let lse = Int(FM_PREFILL_BUF_LSE.rawValue)
+    /// float32 [B, H] ALiBi slopes (with hasAlibi).
+    public static let alibi = Int(FM_PREFILL_BUF_ALIBI.rawValue)
 }
 
 /// Buffer indices of the blk pre-pass.
@@ -174,6 +181,8 @@ public enum VecBuffer {
     public static let seqlensK = Int(FM_VEC_BUF_SEQLENS_K.rawValue)
     /// int32 [B, max_pages] (with FunctionConstantIndex.vecPaged).
     public static let blockTable = Int(FM_VEC_BUF_BLOCK_TABLE.rawValue)
+    /// float32 [B * H] ALiBi slopes (with vecAlibi).
+    public static let alibi = Int(FM_VEC_BUF_ALIBI.rawValue)
 }
 
 /// Buffer indices of the decode reduce kernels.

@@ -228,6 +228,8 @@ public enum VecDispatcher {
         public var seqlensK: TensorRef?
         /// int32 [B, max_pages], or nil (K/V contiguous per sequence).
         public var blockTable: TensorRef?
+        /// float32 [B, H] ALiBi slopes, or nil.
+        public var alibi: TensorRef? = nil
     }
 
     /// tmp starts on a float4 boundary (else the kernels move it in scalars:
@@ -260,11 +262,13 @@ public enum VecDispatcher {
             bindings[VecBuffer.seqParams] = .bytes(bytesOf(seq.params))
             if let l = seq.seqlensK { bindings[VecBuffer.seqlensK] = .buffer(l) }
             if let b = seq.blockTable { bindings[VecBuffer.blockTable] = .buffer(b) }
+            if let s = seq.alibi { bindings[VecBuffer.alibi] = .buffer(s) }
         }
         let constants = FunctionConstants([
             (FunctionConstantIndex.vecSeq, .bool(seq != nil)),
             (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
+            (FunctionConstantIndex.vecAlibi, .bool(seq?.alibi != nil)),
             (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
                                                                          seq: seq?.params))),
         ])

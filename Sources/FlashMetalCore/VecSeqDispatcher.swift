@@ -63,6 +63,8 @@ public struct VecSeqTensors {
     public var sinks: TensorRef? = nil
     /// float32 [B, H] output: natural-log softmax denominators.
     public var lse: TensorRef? = nil
+    /// float32 [B, H] ALiBi slopes.
+    public var alibiSlopes: TensorRef? = nil
     /// The caller's names of k, v and lse in errors (flash_attn_with_kvcache
     /// calls them k_cache, v_cache and softmax_lse).
     public var kName = "k", vName = "v", lseName = "lse"
@@ -159,6 +161,13 @@ public enum VecSeqDispatcher {
                 throw FlashMetalError.value(op, "sinks must have shape [\(s.heads)] (num_heads), got \(sinks.shape)", arg: "sinks")
             }
         }
+        if let a = t.alibiSlopes {
+            try a.requireDType([.f32], op: op, name: "alibi_slopes")
+            if a.shape != [s.batch, s.heads] {
+                throw FlashMetalError.value(op, "alibi_slopes shape \(a.shape) must be [\(s.batch), \(s.heads)]", arg: "alibi_slopes")
+            }
+            try a.requireBytes(op: op, name: "alibi_slopes")
+        }
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: t.lseName)
             if lse.shape != [s.batch, s.heads] {
@@ -192,7 +201,7 @@ public enum VecSeqDispatcher {
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
                                           attention_chunk: UInt32(o.attentionChunk),
                                           key_starts_at: checked?.starts == true ? UInt32(s.batch) : 0),
-            seqlensK: t.seqlensK, blockTable: t.blockTable)
+            seqlensK: t.seqlensK, blockTable: t.blockTable, alibi: t.alibiSlopes)
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil
             : VecDispatcher.ReduceExt(heads: s.heads, sinks: t.sinks, lse: t.lse)

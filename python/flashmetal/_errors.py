@@ -44,5 +44,5 @@ STATUS_ERRORS: dict[str, type[Error]] = {
 
 class UnsupportedFeatureError(Error, NotImplementedError):
     """A flash-attn feature flashmetal does not implement (dropout masks,
-    ALiBi, rotary embedding); raised before
+    rotary embedding); raised before
     any work runs."""

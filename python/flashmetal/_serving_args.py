@@ -32,13 +32,11 @@ def no_dropout(op: str, dropout_p: Any) -> None:
                                 f"got {dropout_p}")
 
 
-def training_arguments(op: str, dropout_p: Any, alibi_slopes: Any, deterministic: Any,
-                       return_attn_probs: Any) -> bool:
+def training_arguments(op: str, dropout_p: Any, deterministic: Any, return_attn_probs: Any) -> bool:
     """flash_attn_func's and flash_attn_varlen_func's training-era arguments:
-    no dropout, no ALiBi, deterministic a bool (the forward always is).
+    no dropout, deterministic a bool (the forward always is).
     Returns return_attn_probs (whether the LSE is returned)."""
     no_dropout(op, dropout_p)
-    unsupported(op, alibi_slopes=alibi_slopes)
     flag(op, "deterministic", deterministic)
     return flag(op, "return_attn_probs", return_attn_probs)
 
@@ -95,3 +93,24 @@ def seq_tensors(ffi: Any, **arrays: np.ndarray | None) -> tuple[Any, list[Any]]:
         setattr(seq, name, t)
         descriptors.append(t)
     return seq, descriptors
+
+
+def alibi_arg(op: str, alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
+    """flash-attn's ALiBi slopes, float32 ``[H]`` or ``[B, H]``, as the
+    float32 ``[B, H]`` the kernels read (``[H]`` repeated per sequence: B*H
+    floats, no bias matrix). Each must be finite."""
+    if alibi_slopes is None:
+        return None
+    a = to_numpy(alibi_slopes, op, "alibi_slopes")
+    if a.dtype != F32:
+        raise InvalidTypeError(op, f"alibi_slopes must be float32, got dtype {a.dtype}", argument="alibi_slopes")
+    if a.shape not in ((heads,), (batch, heads)):
+        raise InvalidValueError(op, f"alibi_slopes must have shape [{heads}] or [{batch}, {heads}] "
+                                f"([num_heads] or [batch_size, num_heads]), got {list(a.shape)}",
+                                argument="alibi_slopes")
+    bad = np.flatnonzero(~np.isfinite(a.reshape(-1)))
+    if bad.size:
+        index = np.unravel_index(int(bad[0]), a.shape)
+        where = ", ".join(str(int(i)) for i in index)
+        raise InvalidValueError(op, f"alibi_slopes[{where}] must be finite, got {a[index]}", argument="alibi_slopes")
+    return np.ascontiguousarray(np.broadcast_to(a, (batch, heads)), dtype=F32)

@@ -179,9 +179,12 @@ def serving_visible(q_len: int, k_len: int, *, causal: bool = False,
 
 def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    sinks: np.ndarray | None = None, attention_chunk: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                    sinks: np.ndarray | None = None, attention_chunk: int = 0,
+                    alibi_slopes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One sequence: q [qL, H, D], k/v [kL, Hkv, D] (H % Hkv == 0; query head h
-    reads kv head h // (H / Hkv)) -> (out [qL, H, D], lse [H, qL]), float64."""
+    reads kv head h // (H / Hkv)) -> (out [qL, H, D], lse [H, qL]), float64.
+    alibi_slopes [H]: the score of key p for row i (at t = kL - qL + i) gains
+    -slope[h] * |t - p| after the softcap (ALiBi, flash-attn's convention)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     q_len, heads, d = q.shape
     k_len, kv_heads = k.shape[0], k.shape[1]
@@ -192,6 +195,10 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
     s = scale * (q.transpose(1, 0, 2) @ kh.transpose(0, 2, 1))  # [H, qL, kL]
     if softcap:
         s = softcap * np.tanh(s / softcap)
+    if alibi_slopes is not None:
+        t = k_len - q_len + np.arange(q_len)[:, None]
+        distance = np.abs(t - np.arange(k_len)[None, :]).astype(np.float64)
+        s = s - _f64(alibi_slopes).reshape(heads, 1, 1) * distance
     vis = serving_visible(q_len, k_len, causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     s = np.where(vis, s, -np.inf)
     sink = np.full((heads, 1, 1), -np.inf) if sinks is None else _f64(sinks).reshape(heads, 1, 1)
@@ -209,9 +216,17 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
 
 def flash_attn(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_func: q [B, qL, H, D], k/v [B, kL, Hkv, D] -> (out [B, qL, H, D], lse [B, H, qL]).
-    Keywords as `attend_sequence`."""
-    pairs = [attend_sequence(q[b], k[b], v[b], **kw) for b in range(np.shape(q)[0])]
+    Keywords as `attend_sequence`; alibi_slopes [H] or [B, H]."""
+    pairs = [attend_sequence(q[b], k[b], v[b], **_sequence_kw(kw, b)) for b in range(np.shape(q)[0])]
     return np.stack([o for o, _ in pairs]), np.stack([lse for _, lse in pairs])
+
+
+def _sequence_kw(kw: dict[str, Any], b: int) -> dict[str, Any]:
+    """attend_sequence's keywords for sequence b: alibi_slopes [B, H] -> its row."""
+    slopes = kw.get("alibi_slopes")
+    if slopes is None or np.ndim(slopes) == 1:
+        return kw
+    return {**kw, "alibi_slopes": np.asarray(slopes)[b]}
 
 
 def paged_rows(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
@@ -239,7 +254,7 @@ def flash_attn_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q:
             kb, vb = k[ks:ke], v[ks:ke]
         else:
             kb, vb = paged_rows(k, block_table[b], ke - ks), paged_rows(v, block_table[b], ke - ks)
-        out[qs:qe], lse[:, qs:qe] = attend_sequence(q[qs:qe], kb, vb, **kw)
+        out[qs:qe], lse[:, qs:qe] = attend_sequence(q[qs:qe], kb, vb, **_sequence_kw(kw, b))
     return out, lse
 
 
@@ -291,7 +306,7 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
             kb, vb = k_cache[b, :n], v_cache[b, :n]
         else:
             kb, vb = paged_rows(k_cache, block_table[b], n), paged_rows(v_cache, block_table[b], n)
-        o, lse = attend_sequence(q[b], kb[first[b]:], vb[first[b]:], **kw)
+        o, lse = attend_sequence(q[b], kb[first[b]:], vb[first[b]:], **_sequence_kw(kw, b))
         outs.append(o)
         lses.append(lse)
     return np.stack(outs), np.stack(lses)

@@ -33,7 +33,7 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
-from ._serving_args import attn_options, flag, seq_tensors, sinks_arg, training_arguments, unsupported, window
+from ._serving_args import alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, window
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -73,7 +73,10 @@ def flash_attn_func(
         causal: bottom-right causal mask.
         window_size: ``(left, right)`` sliding window, -1 = unbounded.
         softcap: ``c*tanh(s/c)`` on the scaled scores when > 0.
-        alibi_slopes: not supported (must be None).
+        alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None: key
+            j of query row i scores ``-slope * |i + seqlen_k - seqlen_q - j|``
+            more (after the softcap), flash-attn's bias; computed in the
+            kernel.
         deterministic: accepted; the forward pass is always deterministic.
         return_attn_probs: also return the softmax LSE and flash-attn's
             ``S_dmask``, which (as flash-attn's with dropout_p == 0) is empty.
@@ -91,12 +94,13 @@ def flash_attn_func(
     """
     op = _native.public_op(_FUNC)  # a packed function running this one names itself
     reg = resolve(registry, op)
-    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    want_lse = training_arguments(op, dropout_p, deterministic, return_attn_probs)
     qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     _no_outer_scope_for_decode(reg, qa, op)
-    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse)()
+    slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
+    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes)()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -147,7 +151,7 @@ def flash_attn_varlen_func(
     """
     op = _native.public_op(_VARLEN)  # a packed function running this one names itself
     reg = resolve(registry, op)
-    want_lse = training_arguments(op, dropout_p, alibi_slopes, deterministic, return_attn_probs)
+    want_lse = training_arguments(op, dropout_p, deterministic, return_attn_probs)
     quantized = isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV)
     qa = as_input(q, op, "q")
     cq, ck = as_index(cu_seqlens_q, op, "cu_seqlens_q"), as_index(cu_seqlens_k, op, "cu_seqlens_k")
@@ -156,7 +160,10 @@ def flash_attn_varlen_func(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=_native.index_arg(op, "max_seqlen_q", max_seqlen_q, 0),
                         max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
+    slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
+                       qa.shape[-2] if qa.ndim >= 2 else 0)
     if quantized:
+        _no_alibi_over_codes(op, slopes)
         if reg._defers_work and reg._batch_depth:
             raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
                                         "work ran: call them outside a batch scope on metal")
@@ -168,9 +175,9 @@ def flash_attn_varlen_func(
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
-                            sinks=sinks_arg(op, sinks), lse=lse)
+                            sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, slopes, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -248,7 +255,8 @@ def flash_attn_with_kvcache(
             and appended). Not with QuantizedKV caches.
         rotary_interleaved: rotate dims (2j, 2j+1) (GPT-J) if True, else
             (j, j + rotary_dim/2) (GPT-NeoX).
-        alibi_slopes: not supported (must be None).
+        alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
+            in flash_attn_func, per sequence; not over QuantizedKV caches).
         sinks: float32 ``[H]`` sink logits, or None.
         out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
             (a numpy array or a torch CPU tensor), filled in place and returned.
@@ -259,7 +267,6 @@ def flash_attn_with_kvcache(
         float32)`` with return_softmax_lse.
     """
     reg = resolve(registry, _KVCACHE)
-    unsupported(_KVCACHE, alibi_slopes=alibi_slopes)
     interleaved = flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
     _native.index_arg(_KVCACHE, "num_splits", num_splits, 0)
     want_lse = flag(_KVCACHE, "return_softmax_lse", return_softmax_lse)
@@ -268,10 +275,12 @@ def flash_attn_with_kvcache(
     appending = k is not None
     tables = rotary_tables(_KVCACHE, rotary_cos, rotary_sin, appending=appending)
     qa = as_input(q, _KVCACHE, "q")
+    slopes = alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
         if tables is not None:
             raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
                                           argument="rotary_cos")
+        _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
@@ -308,13 +317,13 @@ def flash_attn_with_kvcache(
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr)
+                         block_table=bt, out=out_arr, alibi=slopes)
     elif tables is None:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr))
+                                                           out=out_arr, alibi=slopes))
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
@@ -334,7 +343,7 @@ def flash_attn_with_kvcache(
         finish = _append_then_attend(reg, kc, vc, rotate_q_and_k, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, out_dtype=qa.dtype))
+                                                           out=out_arr, out_dtype=qa.dtype, alibi=slopes))
     result, lse = finish()
     wrap = wrapper_like(q)
     result = wrap(result) if out is None else out
@@ -342,6 +351,18 @@ def flash_attn_with_kvcache(
         return result
     assert lse is not None
     return result, wrap(lse)
+
+
+def _no_alibi_over_codes(op: str, slopes: np.ndarray | None) -> None:
+    """The QuantizedKV kernels have no ALiBi term."""
+    if slopes is not None:
+        raise UnsupportedFeatureError(op, "alibi_slopes is not supported over QuantizedKV caches (pass None, "
+                                          "or dense caches)", argument="alibi_slopes")
+
+
+def _batch_heads(qa: np.ndarray) -> tuple[int, int]:
+    """(B, H) of q [B, qL, H, D] (zeros for a misshapen q: the library names it)."""
+    return (qa.shape[0], qa.shape[2]) if qa.ndim == 4 else (0, 0)
 
 
 def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
@@ -558,11 +579,13 @@ def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> None:
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
-            out_dtype: np.dtype | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """Dispatches q [B, qL, H, D] over k/v: the decode kernel for qL == 1,
-    else prefill. Returns a function to call once the work ran (after the
-    batch scope the call is in) that gives (out [B, qL, H, D] in out_dtype,
-    default q's, lse [B, H, qL] float32 or None)."""
+            out_dtype: np.dtype | None = None,
+            alibi: np.ndarray | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+    """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
+    None): the decode kernel for qL == 1, else prefill. Returns a function to
+    call once the work ran (after the batch scope the call is in) that gives
+    (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
+    None)."""
     ffi = _native.ffi()
     if qa.ndim == 4 and qa.shape[1] == 1:
         _decode_dtypes(op, qa, ka)
@@ -570,10 +593,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
         o32 = np.empty((b, h, d), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
-        seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse)
+        seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
+                                alibi_slopes=alibi)
         _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
                      ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                    lse, o32, keep))
+                                                                    lse, alibi, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o32.reshape(qa.shape).astype(out_dtype or qa.dtype)
@@ -585,8 +609,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     rows_lse: np.ndarray | None = None
     if want_lse and qa.ndim == 4:
         rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse)
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse,
+                            alibi_slopes=alibi)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
                  tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
-                                                         result, keep))
+                                                         alibi, result, keep))
     return lambda: (result, rows_lse)

@@ -214,6 +214,7 @@ typedef struct {
     int32_t qlens[4], klens[4];
     int32_t chunk;
     int32_t first[4];
+    int32_t alibi; /* ALiBi slopes [B, H]: key p of the row at t scores -slope * |t - p| more */
 } ServeCase;
 
 static int64_t floor_div(int64_t x, int64_t c) { return x >= 0 ? x / c : -((-x + c - 1) / c); }
@@ -227,10 +228,12 @@ static int serve_visible(const ServeCase *c, int64_t t, int64_t p, int64_t kL, i
     return 1;
 }
 
-/* Softmax attention of one row in double with softcap, an optional sink
- * (NAN: none) and the natural-log LSE (-inf when nothing is seen). */
+/* Softmax attention of one row (at position t) in double with softcap, the
+ * ALiBi bias of `slope`, an optional sink (NAN: none) and the natural-log LSE
+ * (-inf when nothing is seen). */
 static double ref_row_serving(const double *q, const double *const *K, const double *const *V, const int *vis,
-                              int64_t kL, int32_t D, double scale, double softcap, double sink, double *out) {
+                              int64_t kL, int32_t D, double scale, double softcap, double slope, int64_t t,
+                              double sink, double *out) {
     double mx = isnan(sink) ? -INFINITY : sink, sum = 0;
     double *s = malloc(sizeof(double) * (size_t)(kL + 1));
     for (int64_t j = 0; j < kL; j++) {
@@ -238,6 +241,7 @@ static double ref_row_serving(const double *q, const double *const *K, const dou
         for (int32_t d = 0; d < D; d++) dot += q[d] * K[j][d];
         double x = scale * dot;
         if (softcap > 0) x = softcap * tanh(x / softcap);
+        x -= slope * fabs((double)(t - j));
         s[j] = vis[j] ? x : -INFINITY;
         if (s[j] > mx) mx = s[j];
     }
@@ -288,6 +292,8 @@ static void run_serving(const ServeCase *c, int fast) {
     float *lse = malloc(sizeof(float) * qrows * H), sinks[16];
     for (size_t i = 0; i < qrows * H; i++) lse[i] = 7.0f;
     for (int32_t h = 0; h < H; h++) sinks[h] = h == 0 ? -INFINITY : (float)(urand() * 3.0 - 1.0);
+    float slopes[64];
+    for (int32_t i = 0; i < B * H; i++) slopes[i] = (float)(urand() * 0.5);
 
     FMPrefillArgs a;
     memset(&a, 0, sizeof a);
@@ -325,6 +331,7 @@ static void run_serving(const ServeCase *c, int fast) {
     a.seq.block_table = table;
     a.seq.sinks = c->sinks ? sinks : NULL;
     a.seq.lse = c->lse ? lse : NULL;
+    a.seq.alibi = c->alibi ? slopes : NULL;
     a.seq.window = c->window;
 
     const int isa = fm_cpu_isa();
@@ -372,7 +379,8 @@ static void run_serving(const ServeCase *c, int fast) {
                 const size_t qrow = c->varlen_q ? (size_t)cuq[b] + i : (size_t)b * qmax + i;
                 for (int32_t p = 0; p < kL; p++) vis[p] = serve_visible(c, t0 + i, p, kL, c->kv_lens ? c->first[b] : 0);
                 const double l = ref_row_serving(q.val + (qrow * H + h) * D, Kr, Vr, vis, kL, D, a.p.scale,
-                                                 c->softcap, c->sinks ? sinks[h] : NAN, ref);
+                                                 c->softcap, c->alibi ? slopes[b * H + h] : 0.0, t0 + i,
+                                                 c->sinks ? sinks[h] : NAN, ref);
                 for (int32_t d = 0; d < D; d++) {
                     const double got = to_double(c->dtype, o.raw, (qrow * H + h) * D + d);
                     const double err = fabs(got - ref[d]) / (tol_atol(c->dtype) + 0.02 * fabs(ref[d]));
@@ -391,9 +399,9 @@ static void run_serving(const ServeCase *c, int fast) {
     }
     CHECK(worst <= 1.0 && worst_lse <= 1.0 && untouched == 0,
           "serving %s %s D=%d dtype=%d B=%d varlen=%d/%d kv_lens=%d paged=%d(ps %d) causal=%d window=%d(%d,%d) "
-          "chunk=%d softcap=%g sinks=%d lse=%d: error %.3gx, lse %.3gx tolerance, %d padding rows written",
+          "chunk=%d softcap=%g sinks=%d lse=%d alibi=%d: error %.3gx, lse %.3gx tolerance, %d padding rows written",
           fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, c->dtype, B, c->varlen_q, c->varlen_k, c->kv_lens,
-          c->paged, ps, c->causal, c->window, c->wl, c->wr, c->chunk, c->softcap, c->sinks, c->lse, worst,
+          c->paged, ps, c->causal, c->window, c->wl, c->wr, c->chunk, c->softcap, c->sinks, c->lse, c->alibi, worst,
           worst_lse, untouched);
     free(ref); free(Kr); free(Vr); free(vis);
 done:
@@ -439,6 +447,19 @@ static void run_serving_cases(int fast) {
     const ServeCase leftpad_paged = {128, FM_DTYPE_F16, 4, 1, 3, 0, 0, 1, 1, 16, 1, 0, -1, -1, 0, 1, 0, 0.0f,
                                      {17, 17, 17}, {17, 100, 150}, 0, {5, 33, 149}};
     run_serving(&leftpad_paged, fast);
+    /* ALiBi: varlen (more rows than keys: |t - p| both ways) with causal + window + softcap + sinks; a paged
+     * cache with first keys and no causal; the plain mode at qoff; every head dim class */
+    for (int di = 0; di < 6; di++) {
+        const ServeCase alibi = {dims[di], di % 2 ? FM_DTYPE_F16 : FM_DTYPE_BF16, 4, 2, 4, 1, 1, 0, 0, 0, 1, 1,
+                                 20, -1, 1, 1, 0, 30.0f, {9, 40, 3, 20}, {50, 45, 0, 6}, 0, {0}, 1};
+        run_serving(&alibi, fast);
+    }
+    const ServeCase alibi_paged = {128, FM_DTYPE_F16, 4, 1, 3, 0, 0, 1, 1, 16, 0, 1, 12, 4, 0, 1, 0, 0.0f,
+                                   {17, 17, 17}, {17, 100, 150}, 0, {5, 33, 0}, 1};
+    run_serving(&alibi_paged, fast);
+    const ServeCase alibi_plain = {64, FM_DTYPE_BF16, 4, 2, 1, 0, 0, 0, 0, 0, 0, 0, -1, -1, 0, 1, 80, 0.0f,
+                                   {70}, {150}, 0, {0}, 1};
+    run_serving(&alibi_plain, fast);
     if (fast) { /* float32 (sdpa's fast route) through the same code */
         const ServeCase f32 = {96, FM_DTYPE_F32, 4, 2, 3, 1, 1, 0, 0, 0, 1, 1, 40, 3, 1, 1, 0, 30.0f,
                                {31, 65, 70}, {33, 130, 70}};
@@ -453,6 +474,7 @@ typedef struct {
     int32_t paged, sinks, lse;
     float softcap;
     int32_t leftpad; /* sequences start at first keys {0, 1, 30, 5} (cache_leftpad) */
+    int32_t alibi;   /* ALiBi slopes per row: key p scores -slope * (len - 1 - p) more */
 } DecodeCase;
 
 /* B sequences of the lengths below, H = 4 query heads over Hkv = 2 kv heads,
@@ -468,6 +490,8 @@ static void run_decode(const DecodeCase *c) {
     Buf q = buf_new(FM_DTYPE_F32, (size_t)B * H * D, 1);
     float sinks[H];
     for (int h = 0; h < H; h++) sinks[h] = 2.0f * nrand();
+    float slopes[B * H];
+    for (int r = 0; r < B * H; r++) slopes[r] = (float)(urand() * 0.5);
     FMVecArgs a;
     memset(&a, 0, sizeof a);
     a.p = (FlashAttnVecParams){H, Hkv, (uint32_t)D, 0, CAP, 1.0f / sqrtf((float)D), c->window ? 2 : 1,
@@ -476,6 +500,7 @@ static void run_decode(const DecodeCase *c) {
     const int32_t starts[B] = {0, 1, 30, 5};
     a.seqlens = lens;
     a.key_starts = c->leftpad ? starts : NULL;
+    a.alibi = c->alibi ? slopes : NULL;
     a.batch = B;
     a.kv_dtype = dt;
     for (int i = 0; i < 2; i++) {
@@ -534,6 +559,7 @@ static void run_decode(const DecodeCase *c) {
                 for (int d = 0; d < D; d++) dot += q.val[((size_t)b * H + h) * D + d] * k.val[((size_t)b * CAP + p) * row + (size_t)g * D + d];
                 double x = a.p.scale * dot;
                 if (c->softcap > 0) x = c->softcap * tanh(x / c->softcap);
+                if (c->alibi) x -= slopes[b * H + h] * (double)(len - 1 - p);
                 s[p] = x;
                 if (x > mx) mx = x;
             }
@@ -556,8 +582,8 @@ static void run_decode(const DecodeCase *c) {
             }
         }
     CHECK(worst <= 1.0 && worst_lse <= 1.0,
-          "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g leftpad=%d: error %.3gx tolerance (lse %.3gx)",
-          fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, c->leftpad, worst,
+          "decode %s D=%d dtype=%d window=%d sinks=%d softcap=%g leftpad=%d alibi=%d: error %.3gx tolerance (lse %.3gx)",
+          fm_cpu_isa_name(fm_cpu_isa()), D, dt, c->window, c->sinks, (double)c->softcap, c->leftpad, c->alibi, worst,
           worst_lse);
     for (int i = 1; i < (c->paged ? 4 : 2); i++)
         CHECK(memcmp(out[0], out[i], nout * sizeof(float)) == 0 && memcmp(lse[0], lse[i], B * H * sizeof(float)) == 0,
@@ -687,6 +713,8 @@ int main(int argc, char **argv) {
             run_decode(&serving);
             const DecodeCase leftpad = {dec_dims[i], dts[di], i % 2 ? 40 : 0, 1, 1, 1, 0.0f, 1};
             run_decode(&leftpad);
+            const DecodeCase alibi = {dec_dims[i], dts[di], i % 2 ? 30 : 0, 1, i % 2, 1, i == 2 ? 4.0f : 0.0f, i % 3 == 0, 1};
+            run_decode(&alibi);
         }
     run_serving_cases(fast);
     run_blk_and_mask();

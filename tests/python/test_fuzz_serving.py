@@ -23,7 +23,7 @@ MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_sta
             "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
             "out_over_seqlens", "shared_slot",  # these two: a crash, or last-writer-wins, before
             "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice",
-            "rotary_short", "rotary_no_k"]
+            "rotary_short", "rotary_no_k", "alibi_shape", "alibi_nan"]
 
 
 @st.composite
@@ -52,7 +52,21 @@ def serving_calls(draw):
         rotary=draw(st.sampled_from(["neox", "gptj"])) if bad.startswith("rotary") else
         draw(st.sampled_from([None, None, "neox", "gptj"])),
         rotary_dim=draw(st.sampled_from([16, 32, 0])),  # 0: the whole head dim
+        alibi=draw(st.sampled_from(["h", "bh"] if bad.startswith("alibi") else ["none", "none", "h", "bh"])),
     )
+
+
+def _with_alibi(c, rng, kw, batch):
+    """kw with ALiBi slopes [H] or [B, H] when the call has them; a
+    mistake makes them one head short or puts a NaN in."""
+    if c["alibi"] == "none":
+        return kw
+    heads = c["h"] - (c["bad"] == "alibi_shape")
+    shape = (heads,) if c["alibi"] == "h" else (batch, heads)
+    slopes = rng.uniform(0.0, 0.7, shape).astype(np.float32)
+    if c["bad"] == "alibi_nan" and slopes.size:
+        slopes.reshape(-1)[-1] = np.nan
+    return {**kw, "alibi_slopes": slopes}
 
 
 def _bad_table(table, rng, num_pages, lens, page_size):
@@ -151,6 +165,7 @@ def test_serving_api(cpu, c, seed):
         q = base._values(rng, (b, ql, c["h"], d), dt)
         k = base._values(rng, (b, max(c["k_lens"][0], 1), c["hkv"], d), dt)
         v = base._values(rng, k.shape, dt)
+        kw = _with_alibi(c, rng, kw, b)
         res = base._run(lambda: fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=cpu, **kw),
                         [q, k, v], None, OPS)
         if res is not None:
@@ -158,6 +173,7 @@ def test_serving_api(cpu, c, seed):
         return
     if c["fn"] == "varlen":
         q, k, v, cq, ck, mq, mk = _varlen(c, rng)
+        kw = _with_alibi(c, rng, kw, len(cq) - 1)
         res = base._run(lambda: fm.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, return_attn_probs=True,
                                                           registry=cpu, **kw), [q, k, v, cq, ck], None, OPS)
         if res is not None:
@@ -167,12 +183,14 @@ def test_serving_api(cpu, c, seed):
     if c["bad"] == "rotary_no_k":
         new = None
     rot, q_ro, new_ro = _rotary(c, rng, q, kc, new, seqlens, table, kw)
+    kw = _with_alibi(c, rng, kw, q.shape[0])
     out = None
     refused = c["bad"] == "shared_slot" and new is not None and c["b"] > 1 and table is not None
     refused |= c["bad"] in ("leftpad_high", "leftpad_neg") or (c["bad"] == "batch_idx_paged" and table is not None) or (
         c["bad"] == "batch_idx_range" and idx is not None) or (
         c["bad"] == "batch_idx_twice" and idx is not None and new is not None and c["b"] > 1) or (
-        c["bad"] == "rotary_no_k") or (c["bad"] == "rotary_short" and new is not None)
+        c["bad"] == "rotary_no_k") or (c["bad"] == "rotary_short" and new is not None) or (
+        c["bad"] in ("alibi_shape", "alibi_nan"))
     if c["bad"] == "out_over_seqlens":  # the lengths live in out's first bytes
         out = np.empty(q.shape, q.dtype)
         held = out.reshape(-1).view(np.uint8)[:4 * seqlens.size].view(np.int32)

@@ -202,8 +202,8 @@ def test_errors_name_the_packed_function(case, rng):
 
 def test_unsupported_features_name_the_packed_function(rng):
     qkv = randn(rng, (1, 4, 3, 2, D), BF16)
-    with pytest.raises(fm.UnsupportedFeatureError, match=r"^flash_attn_qkvpacked_func: alibi_slopes"):
-        fm.flash_attn_qkvpacked_func(qkv, alibi_slopes=np.ones(2, np.float32), registry="cpu")
+    with pytest.raises(TypeError, match=r"^flash_attn_qkvpacked_func: alibi_slopes must be float32"):
+        fm.flash_attn_qkvpacked_func(qkv, alibi_slopes=np.ones(2, np.float64), registry="cpu")
     with pytest.raises(ValueError, match=r"^flash_attn_varlen_kvpacked_func: dropout_p"):
         fm.flash_attn_varlen_kvpacked_func(qkv[0, :, 0], qkv[0, :, 1:], cu([4]), cu([4]), 4, 4, 0.1,
                                            registry="cpu")

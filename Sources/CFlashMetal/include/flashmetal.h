@@ -47,7 +47,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 5 };
+enum { FM_ABI_VERSION = 6 };
 
 /* Metal function-constant indices ([[function_constant(i)]]). */
 typedef enum FMFunctionConstant {
@@ -64,6 +64,7 @@ typedef enum FMFunctionConstant {
     FM_FC_KV_LENS = 308,            /* prefill: seqlens_k bound */
     FM_FC_PAGED = 309,              /* prefill: k/v paged, block_table bound */
     FM_FC_HAS_LSE = 310,            /* prefill: lse output bound */
+    FM_FC_HAS_ALIBI = 311,          /* prefill: alibi slopes bound */
     FM_FC_BLK_BQ = 400,             /* blk: BQ of the consuming prefill (int) */
     FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
     FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
@@ -73,6 +74,7 @@ typedef enum FMFunctionConstant {
     FM_FC_VEC_SINKS = 504,          /* decode plain reduce: sinks + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
+    FM_FC_VEC_ALIBI = 507,          /* decode: alibi slopes bound (with FM_FC_VEC_SEQ) */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
@@ -105,7 +107,8 @@ typedef enum FMPrefillBinding {
     FM_PREFILL_BUF_SEQLENS_K = 11,   /* int32 [B], with FM_FC_KV_LENS */
     FM_PREFILL_BUF_BLOCK_TABLE = 12, /* int32 [B, max_pages], with FM_FC_PAGED */
     FM_PREFILL_BUF_SINKS = 13,       /* float32 [H], with FM_FC_HAS_SINKS */
-    FM_PREFILL_BUF_LSE = 14          /* float32 out, with FM_FC_HAS_LSE */
+    FM_PREFILL_BUF_LSE = 14,         /* float32 out, with FM_FC_HAS_LSE */
+    FM_PREFILL_BUF_ALIBI = 15        /* float32 [B, H] slopes, with FM_FC_HAS_ALIBI */
 } FMPrefillBinding;
 
 typedef enum FMBlkBinding {
@@ -122,7 +125,9 @@ typedef enum FMVecBinding {
     /* Serving extension (see FlashAttnVecSeqParams). */
     FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
     FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
-    FM_VEC_BUF_BLOCK_TABLE = 7  /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
+    FM_VEC_BUF_BLOCK_TABLE = 7, /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
+    FM_VEC_BUF_ALIBI = 8        /* float32 [B * H] slopes of rows b * H + h, with FM_FC_VEC_ALIBI:
+                                 * key p scores -slope * (kv_len_b - 1 - p) more, after the softcap */
 } FMVecBinding;
 
 typedef enum FMVecReduceBinding {
@@ -299,7 +304,8 @@ typedef struct SdpaExtParams {
  *                      && (attention_chunk == 0
  *                          || floor((p - f_b) / attention_chunk) == floor((t - f_b) / attention_chunk)))).
  * Key tiles wholly invisible to a threadgroup's rows are never loaded.
- * s_p = softcap(scale * q.k_p) (natural units). Sinks (FM_FC_HAS_SINKS):
+ * s_p = softcap(scale * q.k_p) (natural units), then with ALiBi (FM_FC_HAS_ALIBI,
+ *   float32 slopes [B, H] at buffer 15): s_p -= slopes[b*H + h] * |t - p|. Sinks (FM_FC_HAS_SINKS):
  *   o_i = sum_p e^{s_p} v_p / (sum_p e^{s_p} + e^{sinks[h]}); the sink has no value.
  * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
  *   -inf for a row that sees no key and has no sink (its o_i is 0). A +inf sink
@@ -649,6 +655,8 @@ typedef struct FMSeqTensors {
     const FMTensor *block_table;  /* int32 [B, max_pages]: k/v [num_pages, page_size, Hkv, D] */
     const FMTensor *sinks;        /* float32 [H]: per-head sink logit */
     const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */
+    const FMTensor *alibi_slopes; /* float32 [B, H]: score of key p at row position t gains
+                                   * -slopes[b, h] * |t - p| after the softcap (flash-attn's ALiBi) */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are

@@ -26,6 +26,7 @@ typedef struct FMPrefillSeq {
     const int32_t *block_table;  /* [B, max_pages], FM_FC_PAGED: checked by the host */
     const float *sinks;          /* [H], FM_FC_HAS_SINKS */
     float *lse;                  /* FM_FC_HAS_LSE, at sp.lse_strides */
+    const float *alibi;          /* [B, H] slopes, FM_FC_HAS_ALIBI: score -= slope * |t - p| */
     int32_t window;              /* FM_FC_WINDOW: sp.window_left/right apply */
     int32_t _pad;
 } FMPrefillSeq;
@@ -156,6 +157,8 @@ typedef struct FMVecArgs {
     int32_t kv_dtype;           /* FMDType: f32, f16 or bf16 */
     int32_t attention_chunk;    /* c > 0: keys before f_b + floor((kv_len_b - 1 - f_b) / c) * c are hidden; 0 = off */
     const int32_t *key_starts;  /* NULL: f_b = 0, else f_b = key_starts[b] (cache_leftpad): keys < f_b hidden */
+    const float *alibi;         /* NULL, or [rows] ALiBi slopes: key p of row r (query at kv_len_b - 1)
+                                   scores -alibi[r] * (kv_len_b - 1 - p) more, after the softcap */
 } FMVecArgs;
 
 /* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal.h. */

@@ -155,7 +155,11 @@ final class SimCommandBuffer: MTLCommandBuffer {
         sd.constants = fn.constants.sorted { $0.key < $1.key }.map {
             FMSimConstant(index: Int32($0.key), is_bool: $0.value.type == .bool ? 1 : 0, value: $0.value.int)
         }
-        sd.buffers = d.buffers.map { (i, bo) in (i, bo.0.base + bo.1, bo.0.length - bo.1) }
+        // Encoder bindings persist across dispatches: a buffer an earlier
+        // dispatch bound at an index this kernel does not declare is ignored,
+        // as Metal ignores it.
+        sd.buffers = d.buffers.filter { fmsim_kernel_param(fn.name, Int32($0.key), nil, nil) != 0 }
+            .map { (i, bo) in (i, bo.0.base + bo.1, bo.0.length - bo.1) }
         sd.bytes = d.bytes.map { ($0.key, $0.value) }
         sd.threadgroupMemory = d.threadgroupMemory.mapValues { UInt32($0) }
         sd.grid = (UInt32(d.grid.width), UInt32(d.grid.height), UInt32(d.grid.depth))
