@@ -46,7 +46,9 @@ public enum KVCodesAppendDispatcher {
         }
         try any.codes.requireDType([.u8], op: op, name: "\(k.quantized == nil ? "v_cache" : "k_cache") codes")
         guard any.codes.rank == 4 else {
-            throw FlashMetalError.value(op, "the caches must have leading shape [B, cap, Hkv] (or [num_pages, page_size, Hkv] with block_table), got codes shape \(any.codes.shape)", arg: k.quantized == nil ? "v_cache" : "k_cache")
+            throw FlashMetalError.value(
+                op, "the caches must have leading shape [B, cap, Hkv] (or [num_pages, page_size, Hkv] with block_table), "
+                    + "got codes shape \(any.codes.shape)", arg: k.quantized == nil ? "v_cache" : "k_cache")
         }
         let lead = Array(any.codes.shape.dropLast())
         for (side, name) in [(k, "k_cache"), (v, "v_cache")] {

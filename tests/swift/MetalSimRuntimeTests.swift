@@ -348,6 +348,7 @@ final class MetalSimRuntimeTests: XCTestCase {
         values.setConstantValue(&no, type: .bool, index: 500)
         values.setConstantValue(&yes, type: .bool, index: 504)
         values.setConstantValue(&no, type: .bool, index: 505)
+        values.setConstantValue(&no, type: .bool, index: 506)
         let pso = try device.makeComputePipelineState(function: try lib.makeFunction(name: kernel, constantValues: values))
         return autoreleasepool {
             // One workgroup's partial O (ones) and its (S, M) = (1, 0).
@@ -499,7 +500,7 @@ final class MetalSimRuntimeTests: XCTestCase {
             FunctionConstantTable(source: Shaders.source(forKernel: kernel)!.text).required(byKernel: kernel).map(\.name)
         }
         XCTAssertEqual(names("fm_selftest_reduce"), ["selftest_scale"])
-        XCTAssertEqual(names("flash_attn_vec_reduce_dk64"), ["vec_has_signs", "vec_sinks", "vec_lse"])
+        XCTAssertEqual(names("flash_attn_vec_reduce_dk64"), ["vec_has_signs", "vec_sinks", "vec_lse", "vec_unaligned"])
         XCTAssertEqual(names("kv_append_f32"), ["append_paged"])
         let t = FunctionConstantTable(source: """
             FUNCTION_CONSTANT(bool, a, 1)
