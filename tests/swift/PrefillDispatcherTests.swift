@@ -88,7 +88,7 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d.constants, FunctionConstants([
             (200, .bool(false)), (201, .bool(true)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
             (302, .bool(false)), (304, .bool(false)), (305, .bool(false)), (306, .bool(false)), (307, .bool(false)),
-            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)),
+            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)), (311, .bool(false)),
         ]))
         XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
     }
