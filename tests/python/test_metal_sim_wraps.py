@@ -13,6 +13,7 @@ import flashmetal as fm
 from conftest import BACKENDS
 from flashmetal import reference
 from flashmetal.registry import metal_sim_counters
+from metal_sim_delta import delta
 from numerics import F16, F32, assert_close, randn
 
 pytestmark = pytest.mark.skipif("metal-sim" not in BACKENDS, reason="this build has no metal-sim backend")
@@ -25,11 +26,6 @@ def msim() -> fm.Registry:
     r = fm.Registry("metal-sim")
     yield r
     r.close()
-
-
-def delta(before: dict[str, int]) -> dict[str, int]:
-    now = metal_sim_counters()
-    return {k: now[k] - before[k] for k in now}
 
 
 def library(reg, a):
