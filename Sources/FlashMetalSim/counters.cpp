@@ -164,7 +164,7 @@ void count_op(int op) {
 void DispatchCounter::out_of_bounds(uintptr_t a, unsigned n, bool write) {
     std::lock_guard<std::mutex> g(mu);
     oob_count++;
-    if (oob.load(std::memory_order_relaxed)) return;
+    if (oob.load(std::memory_order_relaxed) && a >= oob_addr) return;
     oob_addr = a;
     oob_bytes = n;
     oob_write = write;

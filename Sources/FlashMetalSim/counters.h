@@ -50,7 +50,9 @@ struct DispatchCounter {
     bool checking = false; // flag accesses outside every range
     std::mutex mu;
     FMSimCounts sum{}; // additive counts merged from the workers
-    // The first access outside every range (under mu once `oob` is set).
+    // The lowest-addressed access outside every range (under mu once `oob` is
+    // set): the lowest, not the first, so the report does not depend on which
+    // worker ran first.
     std::atomic<bool> oob{false};
     uintptr_t oob_addr = 0;
     unsigned oob_bytes = 0;
@@ -61,7 +63,7 @@ struct DispatchCounter {
     // Fills *out: the merged sums plus the unique bytes and lines.
     void finish(FMSimCounts *out);
     void out_of_bounds(uintptr_t a, unsigned n, bool write);
-    // The first access outside, described against the nearest range.
+    // The recorded access, described against the nearest range.
     void describe_oob(const char *kernel, char *buf, size_t len);
 };
 
