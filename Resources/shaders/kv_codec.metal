@@ -13,21 +13,7 @@
 #include "flashmetal.h"
 #include "kv_codec.h"
 using namespace metal;
-
-// z[i], z[i + h] <- z[i] + z[i + h], z[i] - z[i + h] for every i with bit h
-// clear: one stage of the unnormalised Hadamard transform of every block.
-inline void kvq_hadamard(threadgroup float *z, uint d, uint block, uint tid, uint nt) {
-    for (uint h = 1; h < block; h <<= 1) {
-        for (uint q = tid; q < d / 2; q += nt) {
-            const uint i = ((q & ~(h - 1)) << 1) | (q & (h - 1));
-            const float a = z[i];
-            const float b = z[i + h];
-            z[i] = a + b;
-            z[i + h] = a - b;
-        }
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-}
+#include "kv_codes_attn.h"
 
 // Encodes the row x (D values of T) into `out` (row_bytes codes) and
 // `norms_out` (D / block norms): the codec of kv_codec.h, every thread of
@@ -203,31 +189,6 @@ INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float, uint)
 INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half, ushort)
 INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat, ushort)
 
-// Code i of a packed row of `bits`-bit codes (a code spans at most two bytes).
-inline uint kvq_code_at(const device uchar *row, uint i, uint bits) {
-    const uint bit = i * bits, byte = bit / 8, shift = bit % 8;
-    uint w = uint(row[byte]);
-    if (shift + bits > 8) w |= uint(row[byte + 1]) << 8;
-    return (w >> shift) & ((1u << bits) - 1u);
-}
-
-FUNCTION_CONSTANT(bool, kvq_lens, 800)
-FUNCTION_CONSTANT(bool, kvq_paged, 801)
-FUNCTION_CONSTANT(bool, kvq_sinks, 802)
-FUNCTION_CONSTANT(bool, kvq_lse, 803)
-FUNCTION_CONSTANT(bool, kvq_k_dense, 805)
-FUNCTION_CONSTANT(bool, kvq_v_dense, 806)
-FUNCTION_CONSTANT_EXPR(bool, kvq_k_codes, !kvq_k_dense)
-FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
-FUNCTION_CONSTANT(bool, kvq_varlen_q, 809)
-FUNCTION_CONSTANT(bool, kvq_varlen_k, 810)
-
-// floor(a / b) for b > 0 (a row's position may be negative).
-inline int kvq_floor_div(int a, int b) {
-    const int q = a / b;
-    return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
 // Attention over quantized caches (KVCodesDecodeParams): one query row per
 // threadgroup of one SIMD group. The query is rotated like the keys (in
 // threadgroup memory), each thread keeps its coordinates of the rotated
@@ -296,26 +257,11 @@ kernel void kv_codes_decode(
     int kl = p.kv_len;
     if (kvq_lens) kl = seqlens[b];
     if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
-    const int pos = kl - int(rows_b) + int(qi);
-    int lo = 0, hi = kl;
-    if (p.causal != 0) hi = min(hi, pos + 1);
-    if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
-    if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
-    if (p.attention_chunk > 0) {
-        const int c0 = kvq_floor_div(pos, p.attention_chunk) * p.attention_chunk;
-        lo = max(lo, c0);
-        hi = min(hi, c0 + p.attention_chunk);
-    }
+    const int2 range = kvq_key_range(p, kl, int(rows_b), int(qi));
 
     float mx = FM_RUNNING_MAX_START, sum = 0.0f;
-    for (int t = lo; t < hi; t++) {
-        long r = long(g) * p.kv_strides[1];
-        if (kvq_paged) {
-            const long page = long(block_table[long(b) * long(p.max_pages) + long(t / p.page_size)]);
-            r += page * p.kv_strides[0] + long(t % p.page_size) * p.kv_strides[2];
-        } else {
-            r += long(b) * p.kv_strides[0] + long(t) * p.kv_strides[2];
-        }
+    for (int t = range.x; t < range.y; t++) {
+        const long r = kvq_storage_row(p, block_table, b, g, t);
         float part = 0.0f;
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;

@@ -37,6 +37,7 @@ public final class CPUBackend: Backend {
         case .rotary: return RotaryKernel(key)
         case .kvEncode, .kvDequantize: return KVCodecKernel(key)
         case .kvCodesDecode: return KVCodesDecodeKernel(key)
+        case .kvCodesPrefill: return KVCodesPrefillKernel(key)
         case .kvCodesAppend: return KVCodesAppendKernel(key)
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }

@@ -17,28 +17,7 @@ final class KVCodesDecodeKernel: CPUKernel {
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
-        func input<T>(_ i: Int, _ t: T.Type) throws -> UnsafePointer<T> {
-            UnsafePointer(try d.buffer(i).data.assumingMemoryBound(to: T.self))
-        }
-        func optional<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T>? {
-            d.bindings[i] == nil ? nil : try d.buffer(i).data.assumingMemoryBound(to: T.self)
-        }
-        var a = FMCPUKVCodesAttnArgs(
-            q: try input(KVCodesDecodeBuffer.q, Float.self),
-            k_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.kCodes, UInt8.self)),
-            k_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.kNorms, Float.self)),
-            v_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.vCodes, UInt8.self)),
-            v_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.vNorms, Float.self)),
-            o: try d.buffer(KVCodesDecodeBuffer.out).data.assumingMemoryBound(to: Float.self),
-            seqlens: UnsafePointer(try optional(KVCodesDecodeBuffer.seqlens, Int32.self)),
-            block_table: UnsafePointer(try optional(KVCodesDecodeBuffer.blockTable, Int32.self)),
-            sinks: UnsafePointer(try optional(KVCodesDecodeBuffer.sinks, Float.self)),
-            lse: try optional(KVCodesDecodeBuffer.lse, Float.self),
-            k_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.kDense, UInt8.self)),
-            v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
-            dense_dtype: dense.rawValue,
-            cu_seqlens_q: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensQ, Int32.self)),
-            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
+        var a = try Self.args(d, dense: dense)
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
         let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         // Keys split so every worker has work: shares of at least
@@ -78,6 +57,32 @@ final class KVCodesDecodeKernel: CPUKernel {
         }
     }
 
+    /// The kernel arguments of a kv_codes_decode / kv_codes_prefill dispatch.
+    static func args(_ d: Dispatch, dense: DType) throws -> FMCPUKVCodesAttnArgs {
+        func input<T>(_ i: Int, _ t: T.Type) throws -> UnsafePointer<T> {
+            UnsafePointer(try d.buffer(i).data.assumingMemoryBound(to: T.self))
+        }
+        func optional<T>(_ i: Int, _ t: T.Type) throws -> UnsafeMutablePointer<T>? {
+            d.bindings[i] == nil ? nil : try d.buffer(i).data.assumingMemoryBound(to: T.self)
+        }
+        return FMCPUKVCodesAttnArgs(
+            q: try input(KVCodesDecodeBuffer.q, Float.self),
+            k_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.kCodes, UInt8.self)),
+            k_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.kNorms, Float.self)),
+            v_codes: UnsafePointer(try optional(KVCodesDecodeBuffer.vCodes, UInt8.self)),
+            v_norms: UnsafePointer(try optional(KVCodesDecodeBuffer.vNorms, Float.self)),
+            o: try d.buffer(KVCodesDecodeBuffer.out).data.assumingMemoryBound(to: Float.self),
+            seqlens: UnsafePointer(try optional(KVCodesDecodeBuffer.seqlens, Int32.self)),
+            block_table: UnsafePointer(try optional(KVCodesDecodeBuffer.blockTable, Int32.self)),
+            sinks: UnsafePointer(try optional(KVCodesDecodeBuffer.sinks, Float.self)),
+            lse: try optional(KVCodesDecodeBuffer.lse, Float.self),
+            k_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.kDense, UInt8.self)),
+            v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
+            dense_dtype: dense.rawValue,
+            cu_seqlens_q: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensQ, Int32.self)),
+            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
+    }
+
     /// The fewest keys worth a share of their own, and the most shares.
     static let minKeys = 512
     static let maxSplits = 64
@@ -96,6 +101,30 @@ final class KVCodesDecodeKernel: CPUKernel {
             m = Int(p.kv_len)
         }
         return m
+    }
+}
+
+/// `kv_codes_prefill_*` on the cpu (kv_codec.c): one work item per
+/// threadgroup of the dispatch's grid (up to FM_KVQ_PREFILL_ROWS query rows
+/// and heads of one kv head sharing every decoded key tile).
+final class KVCodesPrefillKernel: CPUKernel {
+    let dense: DType
+
+    init(_ key: PipelineKey) {
+        if case let .kvCodesPrefill(d) = key.spec { dense = d } else { dense = .f32 }
+    }
+
+    func run(_ d: Dispatch, pool: WorkerPool) throws {
+        var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+        var a = try KVCodesDecodeKernel.args(d, dense: dense)
+        let (gx, gy) = (d.grid.x, d.grid.y)
+        withUnsafePointer(to: &p) { pp in
+            withUnsafePointer(to: &a) { ap in
+                pool.forEach(d.grid.count) { _, i in
+                    fm_cpu_kv_codes_prefill_group(pp, ap, Int64(i % gx), Int64(i / gx % gy), Int64(i / (gx * gy)))
+                }
+            }
+        }
     }
 }
 

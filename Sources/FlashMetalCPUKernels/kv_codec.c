@@ -189,6 +189,30 @@ static void keys_route(const FMKVQKeys *k) {
 #endif
 }
 
+/* The keys of sequence b. */
+static int32_t key_count(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b) {
+    if (a->cu_seqlens_k != NULL) return a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b];
+    return a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
+}
+
+/* The keys [lo, hi) (hi >= lo) query row qi of rows_b sees among kl keys:
+ * the row sits at kl - rows_b + qi (bottom-right aligned). */
+static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, int32_t qi, int32_t *lo_out,
+                      int32_t *hi_out) {
+    const int32_t pos = kl - rows_b + qi;
+    int32_t lo = 0, hi = kl;
+    if (p->causal && pos + 1 < hi) hi = pos + 1;
+    if (p->window_left >= 0 && pos - p->window_left > lo) lo = pos - p->window_left;
+    if (p->window_right >= 0 && pos + p->window_right + 1 < hi) hi = pos + p->window_right + 1;
+    if (p->attention_chunk > 0) {
+        const int32_t c0 = floor_div(pos, p->attention_chunk) * p->attention_chunk;
+        if (c0 > lo) lo = c0;
+        if (c0 + p->attention_chunk < hi) hi = c0 + p->attention_chunk;
+    }
+    *lo_out = lo;
+    *hi_out = hi < lo ? lo : hi;
+}
+
 /* Where a work item sits: sequence b, its query row qi of rows_b, kv head
  * g, its query heads [h0, h0 + heads) of the group, and the keys [lo, hi)
  * the row sees. 0 when the item is past the last varlen sequence. */
@@ -221,20 +245,7 @@ static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *
     o->h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
     o->heads = group - o->h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - o->h0 : FM_CPU_KVQ_HEAD_CHUNK;
     o->row0 = bi * p->n_heads + g * group + o->h0;
-    int32_t kl = a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
-    if (a->cu_seqlens_k != NULL) kl = a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b];
-    const int32_t pos = kl - (int32_t)rows_b + (int32_t)qi;
-    int32_t lo = 0, hi = kl;
-    if (p->causal && pos + 1 < hi) hi = pos + 1;
-    if (p->window_left >= 0 && pos - p->window_left > lo) lo = pos - p->window_left;
-    if (p->window_right >= 0 && pos + p->window_right + 1 < hi) hi = pos + p->window_right + 1;
-    if (p->attention_chunk > 0) {
-        const int32_t c0 = floor_div(pos, p->attention_chunk) * p->attention_chunk;
-        if (c0 > lo) lo = c0;
-        if (c0 + p->attention_chunk < hi) hi = c0 + p->attention_chunk;
-    }
-    o->lo = lo;
-    o->hi = hi < lo ? lo : hi;
+    key_range(p, key_count(p, a, b), (int32_t)rows_b, (int32_t)qi, &o->lo, &o->hi);
     return 1;
 }
 
@@ -266,7 +277,7 @@ static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state};
+                         state, NULL, NULL};
     keys_route(&k);
 }
 
@@ -376,4 +387,57 @@ void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCod
         sum[j] = total;
     }
     finish_item(p, a, &at, mx, sum, acc);
+}
+
+void fm_cpu_kv_codes_prefill_group(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t x, int64_t g,
+                                   int64_t b) {
+    enum { ROWS = FM_KVQ_PREFILL_ROWS };
+    const int32_t d = p->head_dim, group = p->n_heads / p->n_kv_heads;
+    int64_t rows_b = p->q_len, tok0 = b * p->q_len;
+    if (a->cu_seqlens_q != NULL) {
+        tok0 = a->cu_seqlens_q[b];
+        rows_b = a->cu_seqlens_q[b + 1] - tok0;
+    }
+    const int64_t first = x * ROWS, items = rows_b * group;
+    if (first >= items) return;
+    const int32_t count = items - first < ROWS ? (int32_t)(items - first) : ROWS;
+    const int32_t kl = key_count(p, a, b);
+    float qz[ROWS * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[ROWS * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float mx[ROWS], sum[ROWS];
+    int32_t lo[ROWS], hi[ROWS];
+    ItemPlace at[ROWS];
+    int32_t t_lo = INT32_MAX, t_hi = 0;
+    for (int32_t s = 0; s < count; s++) {
+        const int64_t item = first + s, qi = item / group, j = item % group;
+        ItemPlace *o = &at[s];
+        o->b = b;
+        o->qi = qi;
+        o->bi = tok0 + qi;
+        o->g = g;
+        o->h0 = (int32_t)j;
+        o->heads = 1;
+        o->row0 = o->bi * p->n_heads + g * group + j;
+        key_range(p, kl, (int32_t)rows_b, (int32_t)qi, &lo[s], &hi[s]);
+        if (lo[s] < hi[s]) {
+            if (lo[s] < t_lo) t_lo = lo[s];
+            if (hi[s] > t_hi) t_hi = hi[s];
+        }
+        float *q = qz + (int64_t)s * d;
+        for (int32_t i = 0; i < d; i++) {
+            const float v = a->q[o->row0 * d + i];
+            q[i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
+            acc[(int64_t)s * d + i] = 0.0f;
+        }
+        if (a->k_dense == NULL) hadamard(q, d, p->block);
+        mx[s] = FM_RUNNING_MAX_START;
+        sum[s] = 0.0f;
+    }
+    if (t_lo < t_hi) {
+        FMKVQTables tables;
+        build_tables(&tables);
+        const FMKVQKeys k = {p, a, &tables, b, g, count, t_lo, t_hi, qz, mx, sum, acc, lo, hi};
+        keys_route(&k);
+    }
+    for (int32_t s = 0; s < count; s++) finish_item(p, a, &at[s], &mx[s], &sum[s], acc + (int64_t)s * d);
 }

@@ -160,6 +160,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 }
                 float sc = dot * k_unit;
                 if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
+                if (k->lo != NULL && (t0 + t < k->lo[j] || t0 + t >= k->hi[j])) sc = -INFINITY;
                 s[j][t] = sc;
                 if (sc > m_tile) m_tile = sc;
             }

@@ -26,7 +26,8 @@ typedef struct FMKVQTables {
 /* One run of keys [start, end) of kv head g of sequence b, for `heads`
  * query heads: qz [heads, D] is the query in the K side's basis; mx, sum
  * and acc [heads, D] (the V side's basis, unnormalised) are the running
- * softmax state, updated in place. */
+ * softmax state, updated in place. With lo and hi, query j sees only the
+ * keys [lo[j], hi[j]) of the run (query rows of a prefill). */
 typedef struct FMKVQKeys {
     const KVCodesDecodeParams *p;
     const FMCPUKVCodesAttnArgs *a;
@@ -35,6 +36,7 @@ typedef struct FMKVQKeys {
     int32_t heads, start, end;
     const float *qz;
     float *mx, *sum, *acc;
+    const int32_t *lo, *hi;
 } FMKVQKeys;
 
 #define FM_KVQ_DECLARE(sfx) void fm_kvq_keys_##sfx(const FMKVQKeys *k);

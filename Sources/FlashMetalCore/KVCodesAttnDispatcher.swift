@@ -31,10 +31,12 @@ public struct KVCodesAttnTensors {
     }
 }
 
-/// kv_codes_decode over flash_attn_with_kvcache's caches: every query row of
-/// every sequence (bottom-right causal, window, chunk, softcap, sinks, LSE,
-/// GQA), keys read through the block table when paged. Every length and
-/// every table entry the kernel reads is checked first.
+/// Attention over flash_attn_with_kvcache's quantized caches: every query
+/// row of every sequence (bottom-right causal, window, chunk, softcap, sinks,
+/// LSE, GQA), keys read through the block table when paged; kv_codes_decode
+/// for one query row per sequence, kv_codes_prefill (the same bits, each key
+/// tile decoded once for many rows) for more. Every length and every table
+/// entry the kernel reads is checked first.
 public enum KVCodesAttnDispatcher {
     /// The op name errors carry.
     public static let op = "kv_codes_attn"
@@ -99,9 +101,10 @@ public enum KVCodesAttnDispatcher {
             try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
                                        capacityName: capacityName)
         } ?? Array(repeating: capacity, count: batch)
+        var rowsPerSequence = qLen
         if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
-            _ = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
-                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
+            rowsPerSequence = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
+                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q").max() ?? 0
             lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
                                                    tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
                                                    maxSeqlenName: "max_seqlen_k")
@@ -124,8 +127,13 @@ public enum KVCodesAttnDispatcher {
             causal: o.causal, window_left: o.window_left, window_right: o.window_right,
             attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages), batch: Int32(batch),
             _pad: 0)
-        return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, q: q, k: t.k, v: t.v,
-                                                out: t.out, seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
+        // Many query rows per sequence take the tiled prefill: threadgroups of
+        // FM_KVQ_PREFILL_ROWS (query row, head of the group) items of one kv head.
+        let prefill = rowsPerSequence > 1
+            ? Size3((rowsPerSequence * (heads / kvHeads) + Int(FM_KVQ_PREFILL_ROWS) - 1) / Int(FM_KVQ_PREFILL_ROWS),
+                    kvHeads, batch) : nil
+        return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, prefill: prefill,
+                                                q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
                                                 lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
     }
 

@@ -130,8 +130,9 @@ public enum KVCodesDecodeDispatcher {
     }
 
     /// The kv_codes_decode launch of validated arguments: one threadgroup per
-    /// query row, each optional table bound with its function constant set.
-    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, q: TensorRef, k: KVSide, v: KVSide,
+    /// query row, each optional table bound with its function constant set;
+    /// with `prefill`, kv_codes_prefill over that grid instead.
+    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, prefill: Size3? = nil, q: TensorRef, k: KVSide, v: KVSide,
                          out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
                          sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
                          cuSeqlensK: TensorRef? = nil) -> Dispatch {
@@ -167,6 +168,11 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
             (FunctionConstantIndex.kvqVarlenK, .bool(cuSeqlensK != nil)),
         ])
+        if let grid = prefill {
+            return Dispatch(kernel: .kvCodesPrefill(dense: dense), constants: constants, grid: grid,
+                            threadgroup: Size3(Int(FM_KVQ_PREFILL_ROWS) * Int(FM_KVQ_DECODE_THREADS), 1, 1),
+                            bindings: bindings, writes: writes)
+        }
         return Dispatch(kernel: .kvCodesDecode(dense: dense), constants: constants, grid: Size3(rows, 1, 1),
                         threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
     }

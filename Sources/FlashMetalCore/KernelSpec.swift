@@ -24,6 +24,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     /// `kv_codes_decode_{f32,f16kv,bf16kv}`: attention over quantized K and V
     /// caches, one side possibly a dense cache of `dense` (f32 when none is).
     case kvCodesDecode(dense: DType)
+    /// `kv_codes_prefill_{f32,f16kv,bf16kv}`: kv_codes_decode's attention for
+    /// many query rows, each key tile decoded once into threadgroup memory.
+    case kvCodesPrefill(dense: DType)
     /// `kv_codes_append_{f32,f16,bf16}`: new K/V rows encoded into quantized caches.
     case kvCodesAppend(input: DType)
     /// `rotary_{x}_{cs}`: rotary embedding of x (x's dtype) with cos/sin
@@ -47,6 +50,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvEncode(x): return "kv_encode_\(x.kernelSuffix)"
         case .kvDequantize: return "kv_dequantize_f32"
         case let .kvCodesDecode(dense): return "kv_codes_decode_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
+        case let .kvCodesPrefill(dense): return "kv_codes_prefill_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
         case let .kvCodesAppend(x): return "kv_codes_append_\(x.kernelSuffix)"
         case let .rotary(x, c): return "rotary_\(x.kernelSuffix)_\(c.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
@@ -84,6 +88,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvEncode(x): return ("kv_encode", [x.mslName])
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
         case let .kvCodesDecode(dense): return ("kv_codes_decode", [DType.f32.mslName, dense.mslName])
+        case let .kvCodesPrefill(dense): return ("kv_codes_prefill", [DType.f32.mslName, dense.mslName])
         case let .kvCodesAppend(x): return ("kv_codes_append", [x.mslName, x.byteSize == 4 ? "uint" : "ushort"])
         case let .rotary(x, c): return ("rotary", [x.mslName, c.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])

@@ -24,7 +24,9 @@ against the float64 reference):
            rotary_cos/rotary_sin on the appended keys)
   kv codec encode {f32, f16, bf16} x D {80, 128}, dequantize, decode over
            codes; with_kvcache over codes: new-row dtype x paged x {dense K,
-           dense V, neither} x {sinks + lse, neither} (constants 800-808)
+           dense V, neither} x {sinks + lse, neither} x query rows {1 (the
+           one-row decode), 2 (the tiled prefill)} (constants 800-808); varlen
+           over code pages x {dense V, neither} (constants 809, 810)
   sdpa     {f32, f16, bf16} x mask {none, additive, bool} x extension {none,
            q_offset + window, + softcap} (constants 600, 601, 602, 603)
   mask     {bf16, f16};  blk  mask {bf16, f16, bool} x D (tile constants 400, 401)
@@ -247,11 +249,13 @@ def kv_codec_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 
 def kv_codes_kvcache_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     """flash_attn_with_kvcache over codes: append x paged x {both quantized,
-    dense K, dense V} x {sinks + lse, neither} (constants 800-808)."""
+    dense K, dense V} x {sinks + lse, neither} x {one query row
+    (kv_codes_decode), two (kv_codes_prefill)} (constants 800-808), then
+    varlen over code pages."""
     n = 0
     codec = fm.KVCodec(64, 4, seed=1)
-    for dtype, paged, dense, ext in itertools.product((F32, F16, BF16), (False, True), (None, "k", "v"),
-                                                      (False, True)):
+    for dtype, paged, dense, ext, ql in itertools.product((F32, F16, BF16), (False, True), (None, "k", "v"),
+                                                          (False, True), (1, 2)):
         lead = (5, 4, 2) if paged else (2, 8, 2)
         table = np.array([[3, 0], [1, 4]], np.int32) if paged else None
         kq, vq = codec.empty(lead), codec.empty(lead)
@@ -259,7 +263,7 @@ def kv_codes_kvcache_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         k_cache = kd if dense == "k" else kq
         v_cache = vd if dense == "v" else vq
         kn, vn = randn(rng, (2, 3, 2, 64), dtype), randn(rng, (2, 3, 2, 64), dtype)
-        q = randn(rng, (2, 2, 4, 64), dtype)
+        q = randn(rng, (2, ql, 4, 64), dtype)
         lens = np.array([2, 0], np.int32)
         sinks = randn(rng, (4,), F32) if ext else None
         o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=lens, block_table=table,
@@ -271,9 +275,24 @@ def kv_codes_kvcache_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
             return d.astype(np.float64)
         eo, el = reference.flash_attn_kvcache(q, rows(k_cache, kd), rows(v_cache, vd), cache_seqlens=lens + 3,
                                               block_table=table, causal=True, sinks=sinks)
-        what = f"kv_codes kvcache {dtype} paged={paged} dense={dense} ext={ext}"
+        what = f"kv_codes kvcache {dtype} paged={paged} dense={dense} ext={ext} seqlen_q={ql}"
         assert_close(o, eo, np.dtype(dtype), what)
         assert_close(lse, el, F32, what + " lse")
+        n += 1
+    for dense_v in (False, True):
+        kc = codec.encode(randn(rng, (4, 4, 2, 64), F32), registry=reg)
+        v_rows = randn(rng, (4, 4, 2, 64), F32)
+        vc = v_rows if dense_v else codec.encode(v_rows, registry=reg)
+        cq, ck = np.array([0, 3, 5], np.int32), np.array([0, 6, 8], np.int32)
+        table = np.array([[2, 0], [3, 1]], np.int32)
+        q = randn(rng, (5, 4, 64), F32)
+        o = fm.flash_attn_varlen_func(q, kc, vc, cq, ck, 3, 6, block_table=table, causal=True, registry=reg)
+
+        def deq(c: fm.QuantizedKV) -> np.ndarray:
+            return quant_reference.decode(quant_reference.unpack(c.codes, 4, 64), c.norms, 4, 1)
+        vv = v_rows.astype(np.float64) if dense_v else deq(vc)
+        eo, _ = reference.flash_attn_varlen(q, deq(kc), vv, cq, ck, block_table=table, causal=True)
+        assert_close(o, eo, F32, f"kv_codes varlen dense_v={dense_v}")
         n += 1
     return n
 

@@ -33,9 +33,12 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
                 return try KVCodesAttnDispatcher.makeDispatch(t, options())
             }
         }
+        // 3 query rows per sequence: the tiled prefill, threadgroups of
+        // FM_KVQ_PREFILL_ROWS (row, head) items of one kv head of one sequence.
         let d = try make()
-        XCTAssertEqual(d.kernel, "kv_codes_decode_bf16kv")
-        XCTAssertEqual(d.grid, Size3(24, 1, 1))
+        XCTAssertEqual(d.kernel, "kv_codes_prefill_bf16kv")
+        XCTAssertEqual(d.grid, Size3(1, 2, 2))
+        XCTAssertEqual(d.threadgroup, Size3(Int(FM_KVQ_PREFILL_ROWS) * Int(FM_KVQ_DECODE_THREADS), 1, 1))
         XCTAssertEqual(d.writes, [KVCodesDecodeBuffer.out, KVCodesDecodeBuffer.lse])
         XCTAssertNil(d.bindings[KVCodesDecodeBuffer.vCodes])
         XCTAssertNotNil(d.bindings[KVCodesDecodeBuffer.vDense])
@@ -57,6 +60,28 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
         let wrong = HostTensor([5, 4, 2, 32], .bf16)
         expectFMError(KVCodesAttnDispatcher.op, contains: "v_cache shape [5, 4, 2, 32] must be [5, 4, 2, 64]") {
             _ = try withExtendedLifetime(wrong) { try make(v: .dense(wrong.ref)) }
+        }
+    }
+
+    func testOneQueryRowTakesTheDecodeAndManyRowsThePrefill() throws {
+        // GQA 8:2, 4-bit K and V codes, no cache_seqlens: one query row per
+        // sequence is kv_codes_decode (a threadgroup per row and head); 5 rows
+        // are kv_codes_prefill, ceil(5 * 4 / 8) = 3 threadgroups per kv head.
+        let kc = HostTensor([2, 16, 2, 32], .u8), kn = HostTensor([2, 16, 2, 1], .f32)
+        let vc = HostTensor([2, 16, 2, 32], .u8), vn = HostTensor([2, 16, 2, 1], .f32)
+        for (rows, kernel, grid) in [(1, "kv_codes_decode_f32", Size3(16, 1, 1)),
+                                     (5, "kv_codes_prefill_f32", Size3(3, 2, 2))] {
+            let q = HostTensor([2, rows, 8, 64], .f32), out = HostTensor([2, rows, 8, 64], .f32)
+            let d = try withExtendedLifetime([q, out, kc, kn, vc, vn]) {
+                try KVCodesAttnDispatcher.makeDispatch(
+                    KVCodesAttnTensors(q: q.ref, k: .codes(QuantizedCache(codec: codec, codes: kc.ref, norms: kn.ref)),
+                                       v: .codes(QuantizedCache(codec: codec, codes: vc.ref, norms: vn.ref)),
+                                       out: out.ref), options(causal: 0))
+            }
+            XCTAssertEqual(d.kernel, kernel)
+            XCTAssertEqual(d.grid, grid)
+            let p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+            XCTAssertEqual([p.q_len, p.kv_len, p.n_heads, p.n_kv_heads], [Int32(rows), 16, 8, 2])
         }
     }
 

@@ -493,6 +493,17 @@ typedef struct KVCodesDecodeParams {
 
 enum { FM_KVQ_DECODE_THREADS = 32 };
 
+/* kv_codes_prefill: the same params, buffers and function constants as
+ * kv_codes_decode, and the same result bits per row. Grid (ceil(rows *
+ * (H / Hkv) / FM_KVQ_PREFILL_ROWS), Hkv, B) of FM_KVQ_PREFILL_ROWS *
+ * FM_KVQ_DECODE_THREADS threads, rows = q_len (varlen: the most rows of any
+ * sequence): threadgroup (x, g, b) takes items x*FM_KVQ_PREFILL_ROWS + s
+ * (s < FM_KVQ_PREFILL_ROWS) of kv head g of sequence b, item = query row *
+ * (H / Hkv) + head within the group; each tile of keys is decoded into
+ * FM_KVQ_PREFILL_TILE_FLOATS floats of threadgroup memory (K then V rows,
+ * FM_KVQ_PREFILL_TILE_FLOATS / 2 / D keys). */
+enum { FM_KVQ_PREFILL_ROWS = 8, FM_KVQ_PREFILL_TILE_FLOATS = 4096 };
+
 typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_PARAMS = 0, /* KVCodesDecodeParams */
     FM_KVQD_BUF_Q = 1,      /* float32 [B, q_len, H, D] */

@@ -1,0 +1,156 @@
+"""The tiled prefill over quantized caches (kv_codes_prefill): attention of
+many query rows per sequence over QuantizedKV caches, each key tile decoded
+from its codes once for every query row and head of a kv head.
+
+Outputs and LSE equal float64 attention over the dequantized caches K̂, V̂
+(reference.flash_attn_kvcache / flash_attn_varlen) within the output dtype's
+tolerance, for every feature of flash_attn_with_kvcache and
+flash_attn_varlen_func; on every backend each row's bits equal the one-row
+decode's (kv_codes_decode) for the same keys, which the kernel promises."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from numerics import BF16, F16, F32, assert_bits_equal, randn
+from test_kv_codec_kvcache import check, check_lse, dequantized
+
+
+def caches(rng, registry, *, b, cap, hkv, d, kbits, vbits, page=None, dtype=F32):
+    """K and V code caches [B, cap, Hkv] of random rows (encoded by the
+    library), or the same rows scattered over shuffled pages of `page` keys
+    with their block table."""
+    kc, vc = fm.KVCodec(d, kbits, seed=11), fm.KVCodec(d, vbits, seed=12)
+    k = kc.encode(randn(rng, (b, cap, hkv, d), dtype), registry=registry)
+    v = vc.encode(randn(rng, (b, cap, hkv, d), dtype), registry=registry)
+    if page is None:
+        return k, v, None
+    per = cap // page
+    table = rng.permutation(b * per + 1)[:b * per].reshape(b, per).astype(np.int32)
+    kp, vp = kc.empty((b * per + 1, page, hkv)), vc.empty((b * per + 1, page, hkv))
+    for src, dst in ((k, kp), (v, vp)):
+        dst.codes[table.reshape(-1)] = src.codes.reshape(b * per, page, hkv, -1)
+        dst.norms[table.reshape(-1)] = src.norms.reshape(b * per, page, hkv, -1)
+    return kp, vp, table
+
+
+CASES = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "window": dict(causal=True, window_size=(3, -1)),
+    "window_both": dict(causal=False, window_size=(2, 1)),
+    "softcap_scale": dict(causal=True, softcap=2.0, softmax_scale=0.3),
+    "chunk": dict(causal=True, attention_chunk=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_features_against_float64(registry, rng, case, paged):
+    """GQA 8:2 (two query rows per threadgroup), 6 query rows (the last
+    threadgroup of a kv head half full), one sequence with fewer keys than
+    query rows (its first rows see nothing when causal), sinks and LSE."""
+    kw = CASES[case]
+    b, cap, hkv, h, d, ql = 2, 16, 2, 8, 64, 6
+    k, v, table = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=8, vbits=4, page=4 if paged else None)
+    lens = np.array([4, 13], np.int32)
+    q = randn(rng, (b, ql, h, d), F32)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    o, lse = fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, sinks=sinks,
+                                        return_softmax_lse=True, registry=registry, **kw)
+    ref_kw = {("scale" if name == "softmax_scale" else name): val for name, val in kw.items()}
+    eo, el = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=lens, block_table=table,
+                                          sinks=sinks, **ref_kw)
+    check(o, eo, F32, f"{registry.backend} {case} paged={paged}")
+    check_lse(lse, el, f"{registry.backend} {case} paged={paged} lse")
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256, 512])
+def test_every_head_dim(registry, rng, d):
+    """Every head dim (one rotation block, or blocks of 16/32/64), so every
+    key tile height (FM_KVQ_PREFILL_TILE_FLOATS / 2 / D keys), MHA with 3
+    query rows, bf16 q appended through the cache."""
+    b, cap, hkv, h, ql = 1, 24, 2, 2, 3
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=5, vbits=3)
+    lens = np.array([21], np.int32)
+    q = randn(rng, (b, ql, h, d), BF16)
+    o = fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True, registry=registry)
+    eo, _ = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=lens, causal=True)
+    assert o.dtype == BF16
+    check(o, eo, BF16, f"{registry.backend} D={d}")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_chunked_prefill_appends_then_attends(registry, rng, dtype):
+    """A chunk of 5 new tokens appended into 4-bit K / 2-bit V codes and
+    attended causally in the same call (GQA 6:2, 3 heads per kv head, so
+    items straddle query rows within a threadgroup)."""
+    b, cap, hkv, h, d, ql = 2, 16, 2, 6, 128, 5
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=4, vbits=2, dtype=dtype)
+    lens = np.array([3, 8], np.int32)
+    kn, vn = randn(rng, (b, ql, hkv, d), dtype), randn(rng, (b, ql, hkv, d), dtype)
+    q = randn(rng, (b, ql, h, d), dtype)
+    o = fm.flash_attn_with_kvcache(q, k, v, k=kn, v=vn, cache_seqlens=lens, causal=True, registry=registry)
+    enc = k.codec.encode(kn, registry=registry)
+    assert_bits_equal(k.codes[1, 8:13], enc.codes[1], "appended K codes")
+    eo, _ = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=lens + ql, causal=True)
+    check(o, eo, dtype, f"{registry.backend} chunked {dtype}")
+
+
+@pytest.mark.parametrize("dense_side", ["k", "v"])
+def test_one_side_dense(registry, rng, dense_side):
+    """8-bit K codes beside a bf16 V cache, or a bf16 K beside 4-bit V
+    codes: the tile holds the dense side's rows as they are stored."""
+    b, cap, hkv, h, d, ql = 1, 16, 1, 4, 64, 4
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=8, vbits=4)
+    dense = dequantized(v if dense_side == "v" else k).astype(BF16)
+    kk, vv = (k, dense) if dense_side == "v" else (dense, v)
+    lens = np.array([11], np.int32)
+    q = randn(rng, (b, ql, h, d), F32)
+    o = fm.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, causal=True, registry=registry)
+    k64 = dequantized(k) if dense_side == "v" else dense.astype(np.float64)
+    v64 = dense.astype(np.float64) if dense_side == "v" else dequantized(v)
+    eo, _ = reference.flash_attn_kvcache(q, k64, v64, cache_seqlens=lens, causal=True)
+    check(o, eo, F32, f"{registry.backend} dense {dense_side}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_many_rows(registry, rng, causal, paged):
+    """flash_attn_varlen_func over quantized page pools with 11, 0, 1 and 9
+    query rows per sequence, GQA 8:1 (one query row per threadgroup), D 128,
+    LSE in [H, total_q]."""
+    d, hkv, h, page = 128, 1, 8, 4
+    k, v, table = caches(rng, registry, b=4, cap=16, hkv=hkv, d=d, kbits=6, vbits=8, page=page)
+    cq = np.array([0, 11, 11, 12, 21], np.int32)
+    ck = np.array([0, 14, 17, 18, 27], np.int32)          # 14, 3, 1 and 9 keys
+    q = randn(rng, (21, h, d), F32)
+    o, lse, _ = fm.flash_attn_varlen_func(q, k, v, cq, ck, 11, 14, block_table=table, causal=causal,
+                                          return_attn_probs=True, registry=registry)
+    eo, el = reference.flash_attn_varlen(q, dequantized(k), dequantized(v), cq, ck, block_table=table, causal=causal)
+    check(o, eo, F32, f"{registry.backend} varlen causal={causal}")
+    check_lse(lse, el, f"{registry.backend} varlen lse")
+
+
+@pytest.mark.parametrize("case", ["causal", "full", "softcap_scale"])
+def test_rows_equal_the_one_row_decode(registry, rng, case):
+    """Each row of a 7-row call equals, bit for bit, a one-row call
+    (kv_codes_decode) that sees the same keys: cache_seqlens cut to the
+    row's causal horizon, or the whole cache without causal. Outputs and
+    LSE, with sinks, GQA 4:2."""
+    kw = CASES[case]
+    b, cap, hkv, h, d, ql = 2, 16, 2, 4, 64, 7
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=4, vbits=8)
+    lens = np.array([9, 16], np.int32)
+    q = randn(rng, (b, ql, h, d), F32)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    o, lse = fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, sinks=sinks, return_softmax_lse=True,
+                                        registry=registry, **kw)
+    for i in range(ql):
+        row_lens = lens - ql + 1 + i if kw["causal"] else lens
+        oi, li = fm.flash_attn_with_kvcache(q[:, i:i + 1], k, v, cache_seqlens=row_lens.astype(np.int32),
+                                            sinks=sinks, return_softmax_lse=True, registry=registry, **kw)
+        assert_bits_equal(o[:, i:i + 1], oi, f"{registry.backend} {case} row {i}")
+        assert_bits_equal(lse[:, :, i:i + 1], li, f"{registry.backend} {case} lse of row {i}")
