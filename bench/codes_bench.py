@@ -1,12 +1,14 @@
-"""Decode over quantized KV caches vs the bf16 cache, interleaved in one
-process like bench.py: flash_attn_with_kvcache with one query row per
-sequence (B=1, H=16, Hkv=8, D=128) over the same number of keys held as
-bf16, as tq8 (K and V 8-bit codes), tq4 and K8/V4, plus the bytes each
-format stores per token (all kv heads, K and V).
+"""Decode and chunked prefill over quantized KV caches vs the bf16 cache,
+interleaved in one process like bench.py: flash_attn_with_kvcache with one
+query row per sequence (decode), and with a causal chunk of query rows over
+a quantized past (the tiled prefill over codes), B=1, H=16, Hkv=8, D=128,
+over the same keys held as bf16, as tq8 (K and V 8-bit codes), tq4 and
+K8/V4, plus the bytes each format stores per token (all kv heads, K and V).
 
     python bench/codes_bench.py [--runs N] [--quick] [--long]
 
---long adds 128k keys. Writes bench/CODES_RESULTS.md.
+--long adds 128k keys to the decode table. Writes bench/CODES_RESULTS.md,
+keeping its hand-written "## Notes" section.
 """
 from __future__ import annotations
 
@@ -37,22 +39,26 @@ def bytes_per_token(kbits: int | None, vbits: int | None) -> int:
     return HKV * sum(side)
 
 
-def rows(reg, runs: int, lengths: list[int]) -> list[str]:
+def rows(reg, runs: int, lengths: list[int], chunk: int = 1) -> list[str]:
+    """One table row per (keys, format): `chunk` causal query rows at the
+    end of `keys` keys (1: a decode step)."""
     lines = ["| keys | format | bytes/token | ms | bf16 ms | bf16 / format (median of rounds) |",
              "|---|---|---:|---:|---:|---:|"]
     for n in lengths:
         rng = np.random.default_rng(n)
         k = common.rand(rng, (1, n, HKV, D), BF16)
         v = common.rand(rng, (1, n, HKV, D), BF16)
-        q = common.rand(rng, (1, 1, H, D), BF16)
+        q = common.rand(rng, (1, chunk, H, D), BF16)
         seqlens = np.array([n], np.int32)
-        peers = {"bf16": lambda k=k, v=v: fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, registry=reg)}
+        causal = chunk > 1
+        peers = {"bf16": lambda k=k, v=v: fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=causal,
+                                                                     registry=reg)}
         for name, (kb, vb) in FORMATS.items():
             kq = fm.KVCodec(D, kb, seed=1).encode(k, registry=reg)
             vq = fm.KVCodec(D, vb, seed=2).encode(v, registry=reg)
-            peers[name] = (lambda kq=kq, vq=vq:
-                           fm.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=seqlens, registry=reg))
-        t = common.timed(peers, runs, burst=2)
+            peers[name] = (lambda kq=kq, vq=vq: fm.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=seqlens,
+                                                                         causal=causal, registry=reg))
+        t = common.timed(peers, runs, burst=2 if chunk == 1 else 1)
         for name, (kb, vb) in [("bf16", (None, None))] + list(FORMATS.items()):
             ratio = statistics.median(b / f for b, f in zip(t.raw["bf16"], t.raw[name]))
             lines.append(f"| {n} | {name} | {bytes_per_token(kb, vb)} | {t[name] * 1e3:.3f} | "
@@ -60,6 +66,15 @@ def rows(reg, runs: int, lengths: list[int]) -> list[str]:
             print(lines[-1], flush=True)
         del k, v, peers
     return lines
+
+
+def notes(path: Path) -> list[str]:
+    """The hand-written "## Notes" section of the previous results, if any."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    at = text.find("\n## Notes")
+    return [text[at + 1:].rstrip("\n"), ""] if at >= 0 else []
 
 
 def main() -> None:
@@ -72,15 +87,20 @@ def main() -> None:
     t0, load0 = time.time(), os.getloadavg()[0]
     lengths = [1024] if args.quick else [8192, 32768] + ([131072] if args.long else [])
     table = rows(reg, args.runs, lengths)
+    chunk, past = (32, [512]) if args.quick else (128, [2048, 8192])
+    prefill = rows(reg, args.runs, past, chunk=chunk)
+    result = HERE / "CODES_RESULTS.md"
     text = "\n".join([
-        "# Decode over quantized KV caches (bench/codes_bench.py)", "",
+        "# Decode and chunked prefill over quantized KV caches (bench/codes_bench.py)", "",
         f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu; medians of {args.runs} interleaved "
-        f"rounds of 2 back-to-back calls{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. "
-        f"flash_attn_with_kvcache, B=1, H={H}, Hkv={HKV}, D={D}, one query row; bf16 q. Ratio > 1: the "
-        "format decodes faster than the bf16 cache.", "",
+        f"rounds{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. flash_attn_with_kvcache, B=1, "
+        f"H={H}, Hkv={HKV}, D={D}; bf16 q. Ratio > 1: the format runs faster than the bf16 cache.", "",
         f"Load average (1 min) {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
-        f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "", *table, ""])
-    (HERE / "CODES_RESULTS.md").write_text(text)
+        f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "",
+        "## Decode: one query row (2 back-to-back calls per round)", "", *table, "",
+        f"## Chunked prefill: {chunk} causal query rows at the end of the keys (the tiled prefill over codes "
+        "against the bf16 cache's prefill)", "", *prefill, "", *notes(result)])
+    result.write_text(text)
     print(f"wrote {HERE / 'CODES_RESULTS.md'}")
 
 

@@ -11,9 +11,9 @@ import numpy as np
 
 from . import _native
 from ._arrays import F32, as_input, check_out, tensor
-from ._errors import InvalidTypeError, InvalidValueError
+from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._interop import wrapper_like
-from ._serving_args import seq_tensors
+from ._serving_args import attn_options, seq_tensors, sinks_arg
 from .kv_codec import KVCodec, QuantizedKV
 from .registry import Registry
 
@@ -130,6 +130,74 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
                  vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
                  keep=(q32, kc, kn, vc, vn, cq, ck, bt, sinks, lse, o32, keep))
     return o32.astype(qa.dtype), lse
+
+
+def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: np.ndarray | None, opts: Any,
+                 sinks: np.ndarray | None, want_lse: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """flash_attn_func's and flash_attn_prefill's route when k or v is a
+    QuantizedKV of leading shape [B, seqlen_k, Hkv] (flash-attn's layout; the
+    other side may be a dense [B, seqlen_k, Hkv, D] cache): (out [B, qL, H, D]
+    in q's dtype, lse [B, H, qL] or None). lens: keys per sequence (int32
+    [B]), or None for all seqlen_k."""
+    kcodec, kc, kn = _side(k, "k", op)
+    vcodec, vc, vn = _side(v, "v", op)
+    if reg._defers_work and reg._batch_depth:
+        raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the work "
+                                    "ran: call them outside a batch scope on metal")
+    if qa.ndim != 4:
+        raise InvalidValueError(op, f"q must be [B, seqlen_q, H, D] over QuantizedKV k/v, got shape {qa.shape}")
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.empty(qa.shape, dtype=F32)
+    b, ql, h, _ = qa.shape
+    lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, seqlens_k=lens, sinks=sinks, lse=lse)
+    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
+                 keep=(q32, kc, kn, vc, vn, lens, sinks, lse, o32, keep))
+    return o32.astype(qa.dtype), lse
+
+
+def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: Any, causal: bool, q_offset: Any,
+                       scale: Any, softcap: Any, window: Any, layout: str, kv_len: Any, out: Any, blk: Any,
+                       sinks: Any) -> Any:
+    """flash_attn_prefill's route when k or v is a QuantizedKV (see there):
+    layout "blhd" only (codes of leading shape [B, cap, Hkv]), the query rows
+    the newest kv_len positions (q_offset kv_len - qL), causal and window,
+    no mask or blk."""
+    for name, value in (("mask", mask), ("blk", blk)):
+        if value is not None:
+            raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV k/v (causal and window "
+                                              f"are)", argument=name)
+    if layout != "blhd":
+        raise InvalidValueError(op, f"QuantizedKV k/v take layout='blhd' (q [B, qL, H, D], codes of leading shape "
+                                    f"[B, cap, Hkv]), got layout={layout!r}", argument="layout")
+    qa = as_input(q, op, "q")
+    if qa.ndim != 4:
+        raise InvalidValueError(op, f"q must be [B, qL, H, D] (layout 'blhd'), got shape {qa.shape}")
+    codes = k.codes if isinstance(k, QuantizedKV) else v.codes
+    cap = codes.shape[1] if codes.ndim >= 2 else 0
+    kl = cap if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
+    if kl > cap:
+        raise InvalidValueError(op, f"kv_len ({kl}) must be <= the cache capacity, k's dim 1 ({cap})",
+                                argument="kv_len")
+    ql = qa.shape[1]
+    offset = max(kl - ql, 0) if q_offset is None else _native.index_arg(op, "q_offset", q_offset)
+    if offset != kl - ql:
+        raise UnsupportedFeatureError(op, f"over QuantizedKV k/v the query rows are the newest of the kv_len keys: "
+                                          f"q_offset must be kv_len - qL = {kl - ql} (qL <= kv_len), got {offset}",
+                                      argument="q_offset")
+    d = qa.shape[3]
+    left = -1 if window is None else _native.index_arg(op, "window", window, 1) - 1
+    opts = attn_options(op, head_dim=d, softmax_scale=_native.scale_arg(op, scale, d), softcap=softcap,
+                        causal=causal, window_size=(left, -1))
+    lens = np.full(qa.shape[0], kl, dtype=np.int32)
+    o, _ = attend_codes(reg, op, qa, k, v, lens, opts, sinks_arg(op, sinks), False)
+    if out is None:
+        return o
+    dst = check_out(out, op, qa.shape, qa.dtype, [qa, codes])
+    dst[...] = o
+    return out
 
 
 def _side(cache: Any, name: str, op: str) -> tuple[Any, np.ndarray, np.ndarray | None]:

@@ -10,6 +10,8 @@ from . import _native
 from ._arrays import BF16, F16, as_input, check_out, empty_batch, tensor
 from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
+from .kv_codec import QuantizedKV
+from .kv_codec_kvcache import prefill_over_codes
 from ._errors import InvalidValueError
 from ._hints import layout_hint
 from .registry import RegistryLike, resolve
@@ -43,7 +45,10 @@ def flash_attn_prefill(
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
             bfloat16 or float16. D is one of ``supported_head_dims("flash_attn_prefill")``.
         k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, Q's dtype; H must
-            be a multiple of Hkv (GQA).
+            be a multiple of Hkv (GQA). Or a QuantizedKV of leading shape
+            ``[B, cap, Hkv]`` for either or both (layout "blhd"; the other
+            side a dense cache): the tiled prefill over codes, q of any float
+            dtype, the query rows the newest of kv_len keys, no mask or blk.
         mask: additive (Q's dtype: 0 attend, -inf masked, any finite bias) or
             bool (True = attend); ``[qL, kv_len]`` broadcast or ``[B, H, qL, kv_len]``.
         causal: query row i sits at ``q_offset + i`` and sees keys ``<= q_offset + i``.
@@ -73,6 +78,10 @@ def flash_attn_prefill(
     """
     op = _native.public_op(_OP)
     reg = resolve(registry, op)
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+        return prefill_over_codes(reg, op, q, k, v, mask=mask, causal=causal, q_offset=q_offset, scale=scale,
+                                  softcap=softcap, window=window, layout=layout, kv_len=kv_len, out=out, blk=blk,
+                                  sinks=sinks)
     qa = as_input(q, op, "Q")
     ka = as_input(k, op, "K")
     va = as_input(v, op, "V")

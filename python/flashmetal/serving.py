@@ -35,7 +35,7 @@ from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
 from ._serving_args import alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, window
 from .kv_codec import QuantizedKV
-from .kv_codec_kvcache import kvcache_over_codes, varlen_over_codes
+from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -67,7 +67,10 @@ def flash_attn_func(
         q: ``[B, seqlen_q, H, D]`` bfloat16 or float16 (float32 too when
             seqlen_q == 1: the decode kernel).
         k, v: ``[B, seqlen_k, Hkv, D]``, q's dtype; H a multiple of Hkv (GQA:
-            query head h reads kv head ``h // (H // Hkv)``).
+            query head h reads kv head ``h // (H // Hkv)``). Or a QuantizedKV
+            of leading shape ``[B, seqlen_k, Hkv]`` for either or both (the
+            other side a dense cache of float32/float16/bfloat16): attention
+            reads the codes (q of any float dtype; no ALiBi).
         dropout_p: must be 0.0 (inference only).
         softmax_scale: score scale; default ``1/sqrt(D)``.
         causal: bottom-right causal mask.
@@ -95,6 +98,13 @@ def flash_attn_func(
     op = _native.public_op(_FUNC)  # a packed function running this one names itself
     reg = resolve(registry, op)
     want_lse = training_arguments(op, dropout_p, deterministic, return_attn_probs)
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+        qa = as_input(q, op, "q")
+        opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                            causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+        _no_alibi_over_codes(op, alibi_arg(op, alibi_slopes, *_batch_heads(qa)))
+        qout, qlse = attend_codes(reg, op, qa, k, v, None, opts, sinks_arg(op, sinks), want_lse)
+        return _with_probs(q, qout, qlse)
     qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)

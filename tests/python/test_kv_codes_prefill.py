@@ -154,3 +154,52 @@ def test_rows_equal_the_one_row_decode(registry, rng, case):
                                             sinks=sinks, return_softmax_lse=True, registry=registry, **kw)
         assert_bits_equal(o[:, i:i + 1], oi, f"{registry.backend} {case} row {i}")
         assert_bits_equal(lse[:, :, i:i + 1], li, f"{registry.backend} {case} lse of row {i}")
+
+
+def test_flash_attn_func_over_codes(registry, rng):
+    """flash_attn_func with QuantizedKV k and v ([B, seqlen_k, Hkv]):
+    bottom-right causal over every key, window, softcap, sinks, LSE and
+    S_dmask as over dense k/v; ALiBi refused by name."""
+    b, sk, hkv, h, d, ql = 2, 12, 2, 4, 64, 5
+    k, v, _ = caches(rng, registry, b=b, cap=sk, hkv=hkv, d=d, kbits=8, vbits=6)
+    q = randn(rng, (b, ql, h, d), BF16)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    o, lse, s_dmask = fm.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=3.0, sinks=sinks,
+                                         return_attn_probs=True, registry=registry)
+    eo, el = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), causal=True, window_size=(4, -1),
+                                          softcap=3.0, sinks=sinks)
+    assert o.dtype == BF16 and lse.shape == (b, h, ql) and s_dmask.size == 0
+    check(o, eo, BF16, f"{registry.backend} flash_attn_func")
+    check_lse(lse, el, f"{registry.backend} flash_attn_func lse")
+    with pytest.raises(NotImplementedError, match="^flash_attn_func: alibi_slopes is not supported over QuantizedKV"):
+        fm.flash_attn_func(q, k, v, alibi_slopes=np.ones(h, np.float32), registry=registry)
+
+
+def test_flash_attn_prefill_over_codes(registry, rng):
+    """flash_attn_prefill with QuantizedKV k/v (layout 'blhd'): kv_len of the
+    capacity, the rows bottom-right, window w as flash_attn_prefill's (keys
+    p with pos - p < w), scale, sinks, out; mask, blk, 'bhld' and a top-left
+    q_offset refused by name."""
+    b, cap, hkv, h, d, ql = 1, 16, 2, 4, 96, 4
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=4, vbits=4)
+    q = randn(rng, (b, ql, h, d), F16)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    out = np.empty_like(q)
+    got = fm.flash_attn_prefill(q, k, v, causal=True, window=3, scale=0.2, kv_len=10, layout="blhd", sinks=sinks,
+                                out=out, registry=registry)
+    assert got is out
+    eo, _ = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=np.array([10], np.int32),
+                                         causal=True, window_size=(2, -1), scale=0.2, sinks=sinks)
+    check(out, eo, F16, f"{registry.backend} flash_attn_prefill")
+    full = fm.flash_attn_prefill(q, k, v, layout="blhd", q_offset=cap - ql, registry=registry)
+    ef, _ = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v))
+    check(full, ef, F16, f"{registry.backend} flash_attn_prefill without causal")
+    with pytest.raises(ValueError, match="^flash_attn_prefill: QuantizedKV k/v take layout='blhd'"):
+        fm.flash_attn_prefill(q, k, v, registry=registry)
+    with pytest.raises(NotImplementedError, match="^flash_attn_prefill: mask is not supported over QuantizedKV"):
+        fm.flash_attn_prefill(q, k, v, layout="blhd", mask=np.zeros((ql, cap), F16), registry=registry)
+    with pytest.raises(NotImplementedError, match=r"^flash_attn_prefill: .*q_offset must be kv_len - qL = 12 "
+                                                  r"\(qL <= kv_len\), got 0"):
+        fm.flash_attn_prefill(q, k, v, layout="blhd", q_offset=0, registry=registry)
+    with pytest.raises(ValueError, match=r"^flash_attn_prefill: kv_len \(17\) must be <= the cache capacity"):
+        fm.flash_attn_prefill(q, k, v, layout="blhd", kv_len=17, registry=registry)
