@@ -105,8 +105,9 @@ final class KVCodesDecodeKernel: CPUKernel {
 }
 
 /// `kv_codes_prefill_*` on the cpu (kv_codec.c): one work item per
-/// threadgroup of the dispatch's grid (up to FM_KVQ_PREFILL_ROWS query rows
-/// and heads of one kv head sharing every decoded key tile).
+/// FM_CPU_KVQ_PREFILL_ITEMS (query row, head) items of one kv head of one
+/// sequence (consecutive threadgroups of the grid along x), sharing every
+/// decoded key tile.
 final class KVCodesPrefillKernel: CPUKernel {
     let dense: DType
 
@@ -117,11 +118,12 @@ final class KVCodesPrefillKernel: CPUKernel {
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         var a = try KVCodesDecodeKernel.args(d, dense: dense)
-        let (gx, gy) = (d.grid.x, d.grid.y)
+        let items = Int(FM_CPU_KVQ_PREFILL_ITEMS), per = items / Int(FM_KVQ_PREFILL_ROWS)
+        let (gx, gy) = ((d.grid.x + per - 1) / per, d.grid.y)
         withUnsafePointer(to: &p) { pp in
             withUnsafePointer(to: &a) { ap in
-                pool.forEach(d.grid.count) { _, i in
-                    fm_cpu_kv_codes_prefill_group(pp, ap, Int64(i % gx), Int64(i / gx % gy), Int64(i / (gx * gy)))
+                pool.forEach(gx * gy * d.grid.z) { _, i in
+                    fm_cpu_kv_codes_prefill_items(pp, ap, Int64(i % gx * items), Int64(i / gx % gy), Int64(i / (gx * gy)))
                 }
             }
         }

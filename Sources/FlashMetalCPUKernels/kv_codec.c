@@ -389,16 +389,19 @@ void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCod
     finish_item(p, a, &at, mx, sum, acc);
 }
 
-void fm_cpu_kv_codes_prefill_group(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t x, int64_t g,
-                                   int64_t b) {
-    enum { ROWS = FM_KVQ_PREFILL_ROWS };
+_Static_assert(FM_CPU_KVQ_PREFILL_ITEMS <= FM_KVQ_MAX_QUERIES && FM_CPU_KVQ_PREFILL_ITEMS % FM_KVQ_PREFILL_ROWS == 0,
+               "a prefill work item is whole threadgroups, at most one run's queries");
+
+void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t first,
+                                   int64_t g, int64_t b) {
+    enum { ROWS = FM_CPU_KVQ_PREFILL_ITEMS };
     const int32_t d = p->head_dim, group = p->n_heads / p->n_kv_heads;
     int64_t rows_b = p->q_len, tok0 = b * p->q_len;
     if (a->cu_seqlens_q != NULL) {
         tok0 = a->cu_seqlens_q[b];
         rows_b = a->cu_seqlens_q[b + 1] - tok0;
     }
-    const int64_t first = x * ROWS, items = rows_b * group;
+    const int64_t items = rows_b * group;
     if (first >= items) return;
     const int32_t count = items - first < ROWS ? (int32_t)(items - first) : ROWS;
     const int32_t kl = key_count(p, a, b);

@@ -127,7 +127,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
     float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float s[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
+    float s[FM_KVQ_MAX_QUERIES][FM_KVQ_TILE];
     int64_t rows[FM_KVQ_TILE];
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;

@@ -9,6 +9,8 @@
 /* Keys per tile: each tile's K rows are decoded once into a stack buffer of
  * FM_KVQ_TILE * FM_KVQ_MAX_HEAD_DIM floats (32 KiB). */
 #define FM_KVQ_TILE 16
+/* The most query rows one run of keys serves (FMKVQKeys.heads). */
+#define FM_KVQ_MAX_QUERIES 32
 /* Keys per block when one work item reads every kv head of its keys
  * (fm_cpu_kv_codes_decode_row): a block of every head's rows stays cached
  * while each head takes its turn. */
@@ -24,7 +26,7 @@ typedef struct FMKVQTables {
 } FMKVQTables;
 
 /* One run of keys [start, end) of kv head g of sequence b, for `heads`
- * query heads: qz [heads, D] is the query in the K side's basis; mx, sum
+ * (<= FM_KVQ_MAX_QUERIES) query heads: qz [heads, D] is the query in the K side's basis; mx, sum
  * and acc [heads, D] (the V side's basis, unnormalised) are the running
  * softmax state, updated in place. With lo and hi, query j sees only the
  * keys [lo[j], hi[j]) of the run (query rows of a prefill). */
