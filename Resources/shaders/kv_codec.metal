@@ -257,10 +257,10 @@ kernel void kv_codes_decode(
     int kl = p.kv_len;
     if (kvq_lens) kl = seqlens[b];
     if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
-    const int2 range = kvq_key_range(p, kl, int(rows_b), int(qi));
+    const KVQKeyRange range = kvq_key_range(p, kl, int(rows_b), int(qi));
 
     float mx = FM_RUNNING_MAX_START, sum = 0.0f;
-    for (int t = range.x; t < range.y; t++) {
+    for (int t = range.lo; t < range.hi; t++) {
         const long r = kvq_storage_row(p, block_table, b, g, t);
         float part = 0.0f;
         for (uint m = 0; m < per; m++) {

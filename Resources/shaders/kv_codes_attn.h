@@ -48,10 +48,14 @@ FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
 FUNCTION_CONSTANT(bool, kvq_varlen_q, 809)
 FUNCTION_CONSTANT(bool, kvq_varlen_k, 810)
 
-// The keys [lo, hi) query row qi of rows_b of sequence b sees (kL keys;
-// bottom-right aligned: the row sits at kL - rows_b + qi), returned as
-// (lo, hi) with hi >= lo.
-inline int2 kvq_key_range(constant KVCodesDecodeParams &p, int kl, int rows_b, int qi) {
+// Keys [lo, hi) of one query row, hi >= lo.
+struct KVQKeyRange {
+    int lo, hi;
+};
+
+// The keys query row qi of rows_b of sequence b sees among its kl keys
+// (bottom-right aligned: the row sits at kl - rows_b + qi).
+inline KVQKeyRange kvq_key_range(constant KVCodesDecodeParams &p, int kl, int rows_b, int qi) {
     const int pos = kl - rows_b + qi;
     int lo = 0, hi = kl;
     if (p.causal != 0) hi = min(hi, pos + 1);
@@ -62,7 +66,10 @@ inline int2 kvq_key_range(constant KVCodesDecodeParams &p, int kl, int rows_b, i
         lo = max(lo, c0);
         hi = min(hi, c0 + p.attention_chunk);
     }
-    return int2(lo, max(lo, hi));
+    KVQKeyRange r;
+    r.lo = lo;
+    r.hi = max(lo, hi);
+    return r;
 }
 
 // The storage row of key t of kv head g of sequence b (through the block

@@ -63,7 +63,10 @@ kernel void kv_codes_prefill(
     int kl = p.kv_len;
     if (kvq_lens) kl = seqlens[b];
     if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
-    const int2 range = active ? kvq_key_range(p, kl, int(rows_b), int(qi)) : int2(0, 0);
+    KVQKeyRange range;
+    range.lo = 0;
+    range.hi = 0;
+    if (active) range = kvq_key_range(p, kl, int(rows_b), int(qi));
 
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);
@@ -73,8 +76,8 @@ kernel void kv_codes_prefill(
         z[i] = (kvq_k_codes && fm_kvq_sign_bit(p.k_seed, i) != 0u) ? -v : v;
     }
     if (lane == 0) {
-        ranges[2 * sg] = range.x;
-        ranges[2 * sg + 1] = range.y;
+        ranges[2 * sg] = range.lo;
+        ranges[2 * sg + 1] = range.hi;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (kvq_k_codes) kvq_hadamard(buf, uint(FM_KVQ_PREFILL_ROWS) * d, n, tid, nt);
@@ -121,8 +124,8 @@ kernel void kv_codes_prefill(
             vt[e] = vx;
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        const int a1 = min(t0 + nk, range.y);
-        for (int t = max(t0, range.x); t < a1; t++) {
+        const int a1 = min(t0 + nk, range.hi);
+        for (int t = max(t0, range.lo); t < a1; t++) {
             const threadgroup float *kr = kt + (t - t0) * int(d);
             const threadgroup float *vr = vt + (t - t0) * int(d);
             float part = 0.0f;
