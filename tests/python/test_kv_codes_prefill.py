@@ -5,8 +5,10 @@ from its codes once for every query row and head of a kv head.
 Outputs and LSE equal float64 attention over the dequantized caches K̂, V̂
 (reference.flash_attn_kvcache / flash_attn_varlen) within the output dtype's
 tolerance, for every feature of flash_attn_with_kvcache and
-flash_attn_varlen_func; on every backend each row's bits equal the one-row
-decode's (kv_codes_decode) for the same keys, which the kernel promises."""
+flash_attn_varlen_func. On sim and metal-sim each row's bits equal the
+one-row decode's (kv_codes_decode) for the same keys, as the kernel promises;
+the cpu's too where both start their key tiles at the same key (no window,
+one share of keys per row), as in test_rows_equal_the_one_row_decode."""
 from __future__ import annotations
 
 import numpy as np
@@ -139,7 +141,8 @@ def test_rows_equal_the_one_row_decode(registry, rng, case):
     """Each row of a 7-row call equals, bit for bit, a one-row call
     (kv_codes_decode) that sees the same keys: cache_seqlens cut to the
     row's causal horizon, or the whole cache without causal. Outputs and
-    LSE, with sinks, GQA 4:2."""
+    LSE, with sinks, GQA 4:2; every row's keys start at key 0, so the cpu's
+    key tiles line up with the decode's too."""
     kw = CASES[case]
     b, cap, hkv, h, d, ql = 2, 16, 2, 4, 64, 7
     k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=4, vbits=8)
