@@ -78,16 +78,24 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
     }
 }
 
-/* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL) in vector lanes. */
+/* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL): one vector
+ * accumulator, its lanes summed at the end. */
 static inline float FM_SFX(kvq_dot)(const float *x, const float *y, int32_t n) {
-    fm_v s0 = fm_v_splat(0.0f), s1 = fm_v_splat(0.0f);
-    int32_t i = 0;
-    for (; i + 2 * FM_VL <= n; i += 2 * FM_VL) {
-        s0 += fm_v_load(x + i) * fm_v_load(y + i);
-        s1 += fm_v_load(x + i + FM_VL) * fm_v_load(y + i + FM_VL);
+    fm_v s = fm_v_splat(0.0f);
+    for (int32_t i = 0; i < n; i += FM_VL) s += fm_v_load(x + i) * fm_v_load(y + i);
+    return fm_v_sum(s);
+}
+
+/* kvq_dot of x with the 8 rows y, y + stride, ... at once (8 independent
+ * accumulators keep the vector unit busy); each result has kvq_dot's bits. */
+static inline void FM_SFX(kvq_dot8)(const float *x, const float *y, int32_t stride, int32_t n, float *out) {
+    fm_v s[8];
+    for (int32_t r = 0; r < 8; r++) s[r] = fm_v_splat(0.0f);
+    for (int32_t i = 0; i < n; i += FM_VL) {
+        const fm_v xv = fm_v_load(x + i);
+        for (int32_t r = 0; r < 8; r++) s[r] += xv * fm_v_load(y + (int64_t)r * stride + i);
     }
-    for (; i < n; i += FM_VL) s0 += fm_v_load(x + i) * fm_v_load(y + i);
-    return fm_v_sum(s0 + s1);
+    for (int32_t r = 0; r < 8; r++) out[r] = fm_v_sum(s[r]);
 }
 
 /* The storage row of key `key` of the run's kv head. */
@@ -128,6 +136,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
     float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float s[FM_KVQ_MAX_QUERIES][FM_KVQ_TILE];
+    int32_t seen_lo[FM_KVQ_MAX_QUERIES], seen_hi[FM_KVQ_MAX_QUERIES];
     int64_t rows[FM_KVQ_TILE];
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
@@ -152,15 +161,26 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         for (int32_t j = 0; j < heads; j++) {
             const float *q = k->qz + (int64_t)j * d;
             float m_tile = k->mx[j];
+            float dot[FM_KVQ_TILE], part[FM_KVQ_TILE];
+            for (int32_t t = 0; t < nt; t++) dot[t] = 0.0f;
+            for (int32_t blk = 0; blk < d / kn; blk++) {
+                int32_t t = 0;
+                for (; t + 8 <= nt; t += 8) FM_SFX(kvq_dot8)(q + blk * kn, kc[t] + blk * kn, FM_KVQ_MAX_HEAD_DIM, kn, part + t);
+                for (; t < nt; t++) part[t] = FM_SFX(kvq_dot)(q + blk * kn, kc[t] + blk * kn, kn);
+                for (t = 0; t < nt; t++) dot[t] += a->k_dense != NULL ? part[t] : part[t] * a->k_norms[rows[t] * nb + blk];
+            }
+            /* The tile's keys query j sees: [seen_lo, seen_hi) (all without lo/hi). */
+            int32_t ta = 0, tb = nt;
+            if (k->lo != NULL) {
+                ta = k->lo[j] - t0 < 0 ? 0 : (k->lo[j] - t0 > nt ? nt : k->lo[j] - t0);
+                tb = k->hi[j] - t0 < ta ? ta : (k->hi[j] - t0 > nt ? nt : k->hi[j] - t0);
+            }
+            seen_lo[j] = ta;
+            seen_hi[j] = tb;
             for (int32_t t = 0; t < nt; t++) {
-                float dot = 0.0f;
-                for (int32_t blk = 0; blk < d / kn; blk++) {
-                    const float part = FM_SFX(kvq_dot)(q + blk * kn, kc[t] + blk * kn, kn);
-                    dot += a->k_dense != NULL ? part : part * a->k_norms[rows[t] * nb + blk];
-                }
-                float sc = dot * k_unit;
+                float sc = dot[t] * k_unit;
                 if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
-                if (k->lo != NULL && (t0 + t < k->lo[j] || t0 + t >= k->hi[j])) sc = -INFINITY;
+                if (t < ta || t >= tb) sc = -INFINITY;
                 s[j][t] = sc;
                 if (sc > m_tile) m_tile = sc;
             }
@@ -187,13 +207,37 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 FM_SFX(kvq_unpack)(a->v_codes + rows[t] * p->v_row_bytes, d, p->v_bits, tab, kc[t]);
             }
         }
-        for (int32_t t = 0; t < nt; t++) {
-            const float *vc = kc[t];
-            for (int32_t j = 0; j < heads; j++) {
-                float *acc = k->acc + (int64_t)j * d;
-                for (int32_t blk = 0; blk < d / vn; blk++) {
-                    const float wr = a->v_dense != NULL ? s[j][t] : s[j][t] * a->v_norms[rows[t] * nb + blk];
-                    for (int32_t i = blk * vn; i < (blk + 1) * vn; i++) acc[i] += wr * vc[i];
+        /* Per head, each vector of the accumulator stays in a register over
+         * the tile's keys it sees (added in key order, as one key at a time
+         * would); the keys it does not see are not read. */
+        for (int32_t j = 0; j < heads; j++) {
+            float *acc = k->acc + (int64_t)j * d;
+            for (int32_t blk = 0; blk < d / vn; blk++) {
+                float wr[FM_KVQ_TILE];
+                for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) {
+                    wr[t] = a->v_dense != NULL ? s[j][t] : s[j][t] * a->v_norms[rows[t] * nb + blk];
+                }
+                const int32_t end = (blk + 1) * vn;
+                int32_t i = blk * vn;
+                for (; i + 4 * FM_VL <= end; i += 4 * FM_VL) {
+                    fm_v x0 = fm_v_load(acc + i), x1 = fm_v_load(acc + i + FM_VL);
+                    fm_v x2 = fm_v_load(acc + i + 2 * FM_VL), x3 = fm_v_load(acc + i + 3 * FM_VL);
+                    for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) {
+                        const fm_v w = fm_v_splat(wr[t]);
+                        x0 += w * fm_v_load(kc[t] + i);
+                        x1 += w * fm_v_load(kc[t] + i + FM_VL);
+                        x2 += w * fm_v_load(kc[t] + i + 2 * FM_VL);
+                        x3 += w * fm_v_load(kc[t] + i + 3 * FM_VL);
+                    }
+                    fm_v_store(acc + i, x0);
+                    fm_v_store(acc + i + FM_VL, x1);
+                    fm_v_store(acc + i + 2 * FM_VL, x2);
+                    fm_v_store(acc + i + 3 * FM_VL, x3);
+                }
+                for (; i < end; i += FM_VL) {
+                    fm_v x = fm_v_load(acc + i);
+                    for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) x += fm_v_splat(wr[t]) * fm_v_load(kc[t] + i);
+                    fm_v_store(acc + i, x);
                 }
             }
         }
