@@ -206,3 +206,21 @@ def test_flash_attn_prefill_over_codes(registry, rng):
         fm.flash_attn_prefill(q, k, v, layout="blhd", q_offset=0, registry=registry)
     with pytest.raises(ValueError, match=r"^flash_attn_prefill: kv_len \(17\) must be <= the cache capacity"):
         fm.flash_attn_prefill(q, k, v, layout="blhd", kv_len=17, registry=registry)
+
+
+def test_rows_never_read_keys_they_do_not_see(registry, rng):
+    """window_size (0, 0): each of 6 query rows sees exactly its own key, so
+    a tile holds keys each row must skip. A NaN in the dense V row (or in
+    the dense K row) of the key only row 2 sees reaches row 2's output and
+    no other row's."""
+    b, cap, hkv, h, d, ql, kl = 1, 16, 1, 2, 64, 6, 11
+    k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=8, vbits=8)
+    kd, vd = dequantized(k).astype(F32), dequantized(v).astype(F32)
+    key = kl - ql + 2
+    kd[0, key, 0, 0], vd[0, key, 0, :] = np.nan, np.nan
+    q = randn(rng, (b, ql, h, d), F32)
+    lens = np.array([kl], np.int32)
+    for kk, vv, what in ((k, vd, "dense V"), (kd, v, "dense K")):
+        o = fm.flash_attn_with_kvcache(q, kk, vv, cache_seqlens=lens, window_size=(0, 0), registry=registry)
+        bad = ~np.isfinite(o).all(axis=(0, 2, 3))
+        assert bad.tolist() == [i == 2 for i in range(ql)], f"{registry.backend} {what}: non-finite rows {bad}"
