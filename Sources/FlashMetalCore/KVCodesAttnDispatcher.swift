@@ -103,8 +103,9 @@ public enum KVCodesAttnDispatcher {
         } ?? Array(repeating: capacity, count: batch)
         var rowsPerSequence = qLen
         if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
-            rowsPerSequence = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
-                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q").max() ?? 0
+            let rowCounts = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
+                                                         maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
+            rowsPerSequence = rowCounts.max() ?? 0
             lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
                                                    tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
                                                    maxSeqlenName: "max_seqlen_k")
@@ -133,8 +134,9 @@ public enum KVCodesAttnDispatcher {
             ? Size3((rowsPerSequence * (heads / kvHeads) + Int(FM_KVQ_PREFILL_ROWS) - 1) / Int(FM_KVQ_PREFILL_ROWS),
                     kvHeads, batch) : nil
         return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, prefill: prefill,
-                                                q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
-                                                lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+                                                q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens,
+                                                blockTable: t.blockTable, sinks: t.sinks, lse: t.lse,
+                                                cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {

@@ -132,8 +132,8 @@ public enum KVCodesDecodeDispatcher {
     /// The kv_codes_decode launch of validated arguments: one threadgroup per
     /// query row, each optional table bound with its function constant set;
     /// with `prefill`, kv_codes_prefill over that grid instead.
-    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, prefill: Size3? = nil, q: TensorRef, k: KVSide, v: KVSide,
-                         out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
+    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, prefill: Size3? = nil, q: TensorRef, k: KVSide,
+                         v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
                          sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
                          cuSeqlensK: TensorRef? = nil) -> Dispatch {
         var bindings: [Int: Binding] = [
