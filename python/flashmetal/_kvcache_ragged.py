@@ -19,7 +19,7 @@ kernel runs: the append then has nothing left to refuse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from collections.abc import Callable
 
 import numpy as np
@@ -29,6 +29,7 @@ from ._arrays import F32, I32, as_index, tensor
 from ._errors import InvalidValueError
 
 _KVCACHE = "flash_attn_with_kvcache"
+T = TypeVar("T")
 
 
 def _error(message: str, argument: str) -> InvalidValueError:
@@ -169,6 +170,7 @@ def token_slots(r: Ragged, lens: np.ndarray, table: np.ndarray | None, page_size
     """(page [T, 1], row [T]) of each new key: the cache page (or, with no
     table, the cache row b) and the row in it where it lands. Two keys
     landing on one slot (sequences sharing a page) are an error."""
+    assert r.cu_k is not None  # appending
     new = r.new_lens
     seq = np.repeat(np.arange(r.batch), new)
     pos = np.repeat(lens.astype(np.int64), new) + (np.arange(seq.shape[0]) - np.repeat(r.cu_k[:-1], new))
@@ -228,7 +230,7 @@ def rotate_rows(reg: Any, x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], 
 
 
 def append_then_attend(reg: Any, kc: np.ndarray, vc: np.ndarray, k_tok: Callable[[], np.ndarray] | np.ndarray,
-                       v: np.ndarray, page: np.ndarray, row: np.ndarray, attend: Callable[[], Any]) -> Any:
+                       v: np.ndarray, page: np.ndarray, row: np.ndarray, attend: Callable[[], T]) -> T:
     """Appends the new keys (k_tok may be a function dispatching the work
     that makes them, the rotation) in one kv_append over the token-major
     view, then `attend()`, in one batch scope; if anything fails after the
