@@ -236,8 +236,8 @@ def flash_attn_with_kvcache(
         cache_batch_idx: int32 ``[B]`` or None: sequence b uses cache row
             ``cache_batch_idx[b]`` of caches ``[batch_cache, cap, Hkv, D]``
             (read, and appended to, in place); each index in
-            ``[0, batch_cache)``, distinct when appending; cap a multiple of
-            16. Not with block_table (as flash-attn).
+            ``[0, batch_cache)``, distinct when appending. Not with
+            block_table (as flash-attn).
         cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
@@ -508,11 +508,6 @@ def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_tabl
     return np.full(batch, int(lens), dtype=I32) if lens.ndim == 0 else lens
 
 
-#: A cache row addressed by cache_batch_idx is read as one page of the cache
-#: (the kernels' pages hold a multiple of this many keys).
-_PAGE_TILE = 16
-
-
 def _table(x: Any, batch: int, name: str) -> np.ndarray:
     """A per-sequence int32 [B] table as a private copy, so the values checked
     are the values the kernels read."""
@@ -546,9 +541,9 @@ def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndar
                                         f"cache row {r}: appending k/v would write it twice",
                                         argument="cache_batch_idx")
             first[r] = b
-    if cap == 0 or cap % _PAGE_TILE:
-        raise UnsupportedFeatureError(_KVCACHE, f"cache_batch_idx needs a cache capacity (k_cache's dim 1) that is "
-                                      f"a positive multiple of {_PAGE_TILE}, got {cap}", argument="cache_batch_idx")
+    if cap == 0:  # a row is read as one page of the cache, and a page holds at least one key
+        raise InvalidValueError(_KVCACHE, "cache_batch_idx needs a cache capacity (k_cache's dim 1) of at least one "
+                                "key, got 0", argument="cache_batch_idx")
     return idx.reshape(batch, 1), kc, vc
 
 

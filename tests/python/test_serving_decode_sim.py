@@ -201,8 +201,8 @@ def test_errors_name_the_function_and_value(registry, rng):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=f"^{OP}: .*{re.escape(msg)}"):
             decode(registry, q, k, v, **kw)
-    with pytest.raises(ValueError, match=f"^{OP}: .*multiple of 16, got 8"):
-        decode(registry, q, k[:, :8].copy(), v[:, :8].copy(), cache_seqlens=ok, block_table=table)
+    with pytest.raises(ValueError, match=f"^{OP}: .*must be positive, got 0"):
+        decode(registry, q, k[:, :0].copy(), v[:, :0].copy(), cache_seqlens=np.zeros(2, np.int32), block_table=table)
 
 
 def test_entry_point_errors(registry, rng):
