@@ -62,8 +62,11 @@ def test_ragged_lengths(registry, rng, d, kv):
     check(registry, rng, d=d, kv=kv, b=2 if small else 4, cap=40, lengths=(0, 33) if small else (0, 1, 33, 40))
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 32, 1, 3, 24])
 def test_paged_shuffled_table(registry, rng, page_size):
+    """Any page size: pages of 1, 3 or 24 keys split the kernel's half
+    chunks, whose keys then read their own table entries (entries past a
+    sequence's pages are -1: never read)."""
     check(registry, rng, page_size=page_size, cap=64, lengths=(64, 1, 31), kv=BF16)
 
 
