@@ -237,7 +237,7 @@ struct SequenceLengths {
         }
         if let s = t.seqlensK {
             let bound = kLens.max() ?? 0
-            let holds = paged ? SequenceTables.pagedCapacity(pages: capacity / pageSize, pageSize: pageSize,
+            let holds = paged ? SequenceTables.pagedCapacity(pages: t.blockTable!.shape[1], pageSize: pageSize,
                                                              table: "block_table", cache: kind.kName)
                 : "the keys \(kind.kName) holds"
             let (lens, starts) = try SequenceTables.seqlensAndStarts(

@@ -420,6 +420,8 @@ def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.n
     if bt is not None and (bt.ndim != 2 or bt.shape[0] != rag.batch):
         raise InvalidValueError(_KVCACHE, f"block_table must be int32 [{rag.batch}, max_pages], got shape "
                                 f"{list(bt.shape)}", argument="block_table")
+    if bt is not None and kc.shape[1] == 0:
+        raise InvalidValueError(_KVCACHE, "k_cache page size 0 (its dim 1) must be positive", argument="k_cache")
     capacity = kc.shape[1] * (1 if bt is None else bt.shape[1])
     _ragged.check_room(rag, given_lens, capacity)
     grown = (given_lens.astype(np.int64) + rag.new_lens).astype(I32)

@@ -281,6 +281,15 @@ def test_ragged_bad_pages_append_nothing(rng):
         np.testing.assert_array_equal(kc, kc0)
 
 
+def test_ragged_page_size_zero(rng):
+    args = _error_case(rng)
+    empty = randn(rng, (2, 0, HKV, D), BF16)
+    with pytest.raises(fm.InvalidValueError, match="k_cache page size 0 .* must be positive") as e:
+        fm.flash_attn_with_kvcache(**dict(args, k_cache=empty, v_cache=empty.copy(), cache_seqlens=[0, 0]),
+                                   block_table=np.array([[0], [1]], np.int32), registry="cpu")
+    assert e.value.argument == "k_cache"
+
+
 def test_ragged_refusals(rng):
     args = _error_case(rng)
     with pytest.raises(fm.InvalidValueError, match="cu_seqlens_k_new is given without k and v") as e:

@@ -132,7 +132,8 @@ final class AttnDispatcherTests: XCTestCase {
         XCTAssertEqual(try AttnDispatcher.makeDispatches(t8, AttnOptions(scale: 1)).count, 1)  // pages of 8 keys
         let k0 = HostTensor([4, 0, 2, 64], .bf16), v0 = HostTensor([4, 0, 2, 64], .bf16)
         var t0 = AttnTensors(q: q.ref, k: k0.ref, v: v0.ref, out: out.ref)
-        t0.blockTable = table.ref
+        let none = ints([0, 0])  // with cache lengths too: their bound is named before the page size is checked
+        t0.blockTable = table.ref; t0.seqlensK = none.ref
         expectError({ try AttnDispatcher.makeDispatches(t0, AttnOptions(scale: 1)) },
                     "flash_attn_with_kvcache", "k_cache page size 0 (its dim 1) must be positive")
         var w = AttnOptions(scale: 1)
