@@ -238,17 +238,77 @@ inline void prefill_key_range(thread const PrefillSeq &s, long r0, long r1, thre
     }
 }
 
+// Key `key`'s row of kv head kvh of sequence b in a paged K or V (strides
+// st, page stride ps), through its block-table entry.
+template <typename T>
+inline const device T *prefill_paged_row(const device T *X, constant int64_t *st, long ps,
+                                         thread const PrefillSeqBuffers &sb, long b, long kvh, long key) {
+    const long page = sb.block_table[b * sb.sp->max_pages + key / sb.sp->page_size];
+    return X + page * ps + kvh * st[1] + (key % sb.sp->page_size) * st[2];
+}
+
 // The first key row of tile k0 of the sequence's kv head kvh in K or V
-// (strides st, page stride ps); a paged tile lies within one page.
+// (strides st, page stride ps). A paged tile lies within one page when the
+// page size is a multiple of BK; otherwise (prefill_split_pages) the
+// tile's keys are loaded one page lookup each by the *_paged loaders.
 template <typename T>
 inline const device T *prefill_kv_tile(const device T *X, constant int64_t *st, long ps,
                                        thread const PrefillSeqBuffers &sb, thread const PrefillSeq &s, long b,
                                        long kvh, long k0) {
-    if (paged_kv) {
-        const long page = sb.block_table[b * sb.sp->max_pages + k0 / sb.sp->page_size];
-        return X + page * ps + kvh * st[1] + (k0 % sb.sp->page_size) * st[2];
-    }
+    if (paged_kv) return prefill_paged_row(X, st, ps, sb, b, kvh, k0);
     return X + b * st[0] + kvh * st[1] + (s.k_start + k0) * st[2];
+}
+
+// Whether a key tile of BK keys may span pages: paged, with a page size
+// that is not a multiple of BK (uniform over the dispatch).
+template <int BK>
+inline bool prefill_split_pages(thread const PrefillSeqBuffers &sb) {
+    return paged_kv && sb.sp->page_size % BK != 0;
+}
+
+// load_tile over a paged K or V whose pages may split the tile: rows r <
+// len of keys k0 + r (columns [c0, c0 + BD)), each through its own page;
+// the rest zeros. Only keys below len read the block table.
+template <typename T, int ROWS, int BD, int LDW, int THREADS>
+inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
+                            thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
+                            uint tid) {
+    constexpr int PAIRS = BD / 2;
+    for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
+        const int r = i / PAIRS;
+        const int c = (i % PAIRS) * 2;
+        uint word = 0u;
+        if (r < len) {
+            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + r) + c0 + c;
+            word = pack2(at[0], at[1]);
+        }
+        dst[r * LDW + c / 2] = word;
+    }
+}
+
+// load_tile_t over a paged K or V whose pages may split the tile (as
+// load_tile_paged): the same transposed layout, each key through its page.
+template <typename T, int KEYS, int BD, int LDW, int THREADS>
+inline void load_tile_t_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
+                              thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
+                              uint tid) {
+    constexpr int CP = BD / 2;
+    constexpr int ITEMS = KEYS / 2 * CP;
+    for (int i = int(tid); i < ITEMS; i += THREADS) {
+        const int d = (i % CP) * 2;
+        const int kp = i / CP;
+        uint a = 0u, bw = 0u;
+        if (2 * kp < len) {
+            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp) + c0 + d;
+            a = pack2(at[0], at[1]);
+        }
+        if (2 * kp + 1 < len) {
+            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp + 1) + c0 + d;
+            bw = pack2(at[0], at[1]);
+        }
+        dst[d * LDW + kp] = (a & 0xffffu) | (bw << 16);
+        dst[(d + 1) * LDW + kp] = (a >> 16) | (bw & 0xffff0000u);
+    }
 }
 
 // A row's final scale 1/l (0 for a row that sees nothing), the sink joining
@@ -438,6 +498,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
     if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
     const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
+    const bool split_pages = prefill_split_pages<BK>(sb);
 
     simdgroup_float8x8 acc[TD];
     FA_UNROLL
@@ -458,7 +519,12 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
                                              w.kvh, k0);
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+        if (split_pages) {
+            load_tile_t_paged<T, BK, BD, LDKW, THREADS>(KVs, K, p.K_strides, sb.sp->K_page_stride, sb, w.b, w.kvh, k0,
+                                                        0, w.s.k_len - k0, tid);
+        } else {
+            load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         simdgroup_float8x8 s[TK];
@@ -474,7 +540,12 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         }
 
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+        if (split_pages) {
+            load_tile_paged<T, BK, BD, LDW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh, k0, 0,
+                                                     w.s.k_len - k0, tid);
+        } else {
+            load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         FA_UNROLL
@@ -532,6 +603,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
     if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
     const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
+    const bool split_pages = prefill_split_pages<BK>(sb);
     // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
     threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
     FA_UNROLL
@@ -559,7 +631,12 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+            if (split_pages) {
+                load_tile_t_paged<T, BK, DC, LDKW, THREADS>(KVs, K, p.K_strides, sb.sp->K_page_stride, sb, w.b, w.kvh,
+                                                            k0, c * DC, w.s.k_len - k0, tid);
+            } else {
+                load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+            }
             threadgroup_barrier(mem_flags::mem_threadgroup);
             prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
         }
@@ -568,7 +645,12 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 
         for (int c = 0; c < NC; c++) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            if (split_pages) {
+                load_tile_paged<T, BK, DC, LDCW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh,
+                                                          k0, c * DC, w.s.k_len - k0, tid);
+            } else {
+                load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            }
             threadgroup_barrier(mem_flags::mem_threadgroup);
             FA_UNROLL
             for (int d = 0; d < TC; d++) {

@@ -45,11 +45,12 @@
 // grid's y times HG is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
 // b holds seqlens_k[b] keys (buffer 6) instead of kv_seq_len; 0 sees nothing.
 // 503 (vec_paged): key p lives in page block_table[b * max_pages + p /
-// page_size] (buffer 7). page_size is a multiple of 16, so a chunk of 32
+// page_size] (buffer 7). When page_size is a multiple of 16 a chunk of 32
 // keys spans at most two pages: the table is read once per half chunk, and
 // only for halves that start before kv_len_b (entries past it are never
 // checked by the host and never read here); chunks start at multiples of 32,
-// so each half lies in one page. The window and the attention chunk apply
+// so each half lies in one page. Any other page size (1, 4, 24...): every
+// visible key reads its own entry (vec_key_offset). The window and the attention chunk apply
 // per sequence. 507 (vec_alibi, with 501): row r's ALiBi slope is buffer 8's
 // float r; key p scores -slope * (kv_len_b - 1 - p) more, after the softcap.
 //
@@ -243,6 +244,18 @@ inline long vec_half_offset(long c, int half, long b, long g, constant FlashAttn
     return b * s[0] + g * s[1] + p * s[2];
 }
 
+// Element offset of row j of chunk c (key c + j): from its half chunk's
+// row offset `off` when a half chunk lies in one page (or K/V are not
+// paged), else through the key's own block-table entry.
+inline long vec_key_offset(thread const long *off, long c, int j, long b, long g,
+                           constant FlashAttnVecSeqParams *sp, const device int *block_table, thread const long *s) {
+    if (vec_paged && sp->page_size % 16u != 0u) {
+        const long ps = long(sp->page_size), p = c + long(j);
+        return long(block_table[b * long(sp->max_pages) + p / ps]) * s[0] + g * s[1] + (p % ps) * s[2];
+    }
+    return off[j >> 4] + long(j & 15) * s[2];
+}
+
 // This lane's elements of one K or V row (row points at its element 0),
 // from device memory: one vector load per lane vector, 0 past D.
 template <typename KV, int D>
@@ -271,11 +284,12 @@ inline void vec_row_staged(thread float *x, const threadgroup KV *row, uint lane
     }
 }
 
-// Stages rows j in [j0, j1) (chunk-relative, j0 >= s0) of the chunk's K or V
+// Stages rows j in [j0, j1) (chunk-relative, j0 >= s0) of chunk c's K or V
 // into stage[(j - s0) * D ...] unchanged, all threads of the group copying
-// vectors (base: the tensor; off: the half chunks' row offsets; rs: the row stride).
+// vectors (base: the tensor; off, b, g, st: vec_key_offset's arguments).
 template <typename KV, int D>
-inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long rs, int s0,
+inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long c, long b, long g,
+                      thread const long *st, constant FlashAttnVecSeqParams *sp, const device int *block_table, int s0,
                       int j0, int j1, uint tid, uint nthreads) {
     constexpr int VW = vec_width<D>();
     constexpr int NVR = D / VW;  // vectors per row
@@ -283,7 +297,7 @@ inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const
     for (int idx = int(tid); idx < n; idx += int(nthreads)) {
         const int j = j0 + idx / NVR;
         const int e = (idx % NVR) * VW;
-        vec_copy<VW>(stage + (j - s0) * D + e, base + off[j >> 4] + long(j & 15) * rs + e);
+        vec_copy<VW>(stage + (j - s0) * D + e, base + vec_key_offset(off, c, j, b, g, sp, block_table, st) + e);
     }
 }
 
@@ -391,7 +405,7 @@ kernel void flash_attn_vec(
         if (hg == 1) {
             for (int j = 0; j < FM_VEC_CHUNK; j++) {  // constant bounds: part stays in registers
                 if (j < j0 || j >= j1) continue;         // uniform over the SIMD group
-                vec_row_device<KV, D>(x, k + koff[j >> 4] + long(j & 15) * ks[2], lane);
+                vec_row_device<KV, D>(x, k + vec_key_offset(koff, c, j, b, g, seq, table, ks), lane);
                 for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
             }
         } else {
@@ -400,7 +414,7 @@ kernel void flash_attn_vec(
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
-                vec_stage<KV, D>(stage, k, koff, ks[2], s0, a, z, tid, tpg.x);
+                vec_stage<KV, D>(stage, k, koff, c, b, g, ks, seq, table, s0, a, z, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int r = 0; r < RS; r++) {
                     const int j = s0 + r;
@@ -431,7 +445,7 @@ kernel void flash_attn_vec(
         if (hg == 1) {
             for (int j = j0; j < j1; j++) {
                 const float pj = probs[j];
-                vec_row_device<KV, D>(x, v + voff[j >> 4] + long(j & 15) * vs[2], lane);
+                vec_row_device<KV, D>(x, v + vec_key_offset(voff, c, j, b, g, seq, table, vs), lane);
                 for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
             }
         } else {
@@ -439,7 +453,7 @@ kernel void flash_attn_vec(
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
-                vec_stage<KV, D>(stage, v, voff, vs[2], s0, a, z, tid, tpg.x);
+                vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int j = a; j < z; j++) {
                     const float pj = probs[j];

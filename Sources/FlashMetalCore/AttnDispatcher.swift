@@ -158,7 +158,7 @@ public enum AttnDispatcher {
         }
 
         // Lengths per sequence, every table index checked before a kernel reads through it.
-        let lens = try SequenceLengths(t, kind: kind, batch: batch, bk: geo.bk, o: o, op: op)
+        let lens = try SequenceLengths(t, kind: kind, batch: batch, o: o, op: op)
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: "softmax_lse")
             let want = varlenQ ? [nHeads, qs[0]] : [batch, nHeads, qs[1]]
@@ -216,7 +216,7 @@ struct SequenceLengths {
     /// seqlens_k is [2, B]: each sequence's first key follows the lengths.
     var keyStarts = false
 
-    init(_ t: AttnTensors, kind: AttnOp, batch: Int, bk: Int, o: AttnOptions, op: String) throws {
+    init(_ t: AttnTensors, kind: AttnOp, batch: Int, o: AttnOptions, op: String) throws {
         let paged = t.blockTable != nil
         // Its rank before its shape sizes the capacity (a rank-0 table has no dim 1).
         try t.blockTable?.requireRank([2], op: op, name: "block_table")
@@ -237,7 +237,7 @@ struct SequenceLengths {
         }
         if let s = t.seqlensK {
             let bound = kLens.max() ?? 0
-            let holds = paged ? SequenceTables.pagedCapacity(pages: capacity / pageSize, pageSize: pageSize,
+            let holds = paged ? SequenceTables.pagedCapacity(pages: t.blockTable!.shape[1], pageSize: pageSize,
                                                              table: "block_table", cache: kind.kName)
                 : "the keys \(kind.kName) holds"
             let (lens, starts) = try SequenceTables.seqlensAndStarts(
@@ -251,7 +251,7 @@ struct SequenceLengths {
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: kLens, numPages: t.k.shape[0],
-                                          pageSize: pageSize, tile: bk, cacheName: kind.kName)
+                                          pageSize: pageSize, cacheName: kind.kName)
         }
         maxQ = qLens.max() ?? 0
         maxK = kLens.max() ?? 0

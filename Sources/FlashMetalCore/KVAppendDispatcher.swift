@@ -80,7 +80,7 @@ public enum KVAppendDispatcher {
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
-                                                 numPages: t.kCache.shape[0], pageSize: cacheRows, tile: 1,
+                                                 numPages: t.kCache.shape[0], pageSize: cacheRows,
                                                  cacheName: "k_cache")
             try SequenceTables.requireDistinctWrites(bt, op: op, name: "block_table", starts: starts, count: nNew,
                                                      pageSize: cacheRows)

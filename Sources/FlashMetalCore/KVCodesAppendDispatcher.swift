@@ -111,7 +111,7 @@ public enum KVCodesAppendDispatcher {
         }
         if let bt = blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: starts.map { $0 + nNew },
-                                          numPages: first, pageSize: rows, tile: 1, cacheName: "k_cache")
+                                          numPages: first, pageSize: rows, cacheName: "k_cache")
             try SequenceTables.requireDistinctWrites(bt, op: op, name: "block_table", starts: starts, count: nNew,
                                                      pageSize: rows)
         }

@@ -115,7 +115,7 @@ public enum KVCodesAttnDispatcher {
         }
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths, numPages: first,
-                                          pageSize: rows, tile: 1, cacheName: "k_cache")
+                                          pageSize: rows, cacheName: "k_cache")
         }
 
         let (hk, cap) = (Int64(kvHeads), Int64(rows))

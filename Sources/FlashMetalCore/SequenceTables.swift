@@ -117,19 +117,18 @@ public enum SequenceTables {
 
     /// Validates a page table, int32 [B, max_pages], for sequences of the
     /// given `lengths` over a paged cache of `numPages` pages of `pageSize`
-    /// keys: page_size is a positive multiple of `tile` (so no key tile
-    /// straddles two pages), max_pages * page_size >= each length, and every
+    /// keys: page_size is positive (any size: the kernels look a key's page
+    /// up per key where a page splits their key tile), max_pages * page_size >= each length, and every
     /// entry a sequence reads (the pages holding its keys < length) is in
     /// [0, numPages). Entries past a sequence's length are never read and
     /// may hold anything (e.g. -1 padding). Returns max_pages.
     @discardableResult
     public static func blockTable(_ t: TensorRef, op: String, name: String, lengths: [Int],
-                                  numPages: Int, pageSize: Int, tile: Int,
+                                  numPages: Int, pageSize: Int,
                                   cacheName: String) throws -> Int {
         try requireInt32(t, shape: [lengths.count, nil], op: op, name: name)
-        guard pageSize > 0 && pageSize % tile == 0 else {
-            throw FlashMetalError.value(
-                op, "\(cacheName) page size \(pageSize) (its dim 1) must be a positive multiple of \(tile)", arg: cacheName)
+        guard pageSize > 0 else {
+            throw FlashMetalError.value(op, "\(cacheName) page size \(pageSize) (its dim 1) must be positive", arg: cacheName)
         }
         let maxPages = t.shape[1]
         for (b, length) in lengths.enumerated() {

@@ -92,8 +92,6 @@ public struct VecSeqTensors {
 public enum VecSeqDispatcher {
     /// The op name errors carry.
     public static let op = "flash_attn_vec_seq"
-    /// page_size must be a multiple of this (the kernel's key chunk).
-    public static let pageTile = 16
 
     /// Shape facts of a call, validated before any table is read.
     public struct Shapes {
@@ -121,8 +119,8 @@ public enum VecSeqDispatcher {
         if let bt = blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
             (numPages, pageSize, maxPages) = (k.shape[0], k.shape[1], bt.shape[1])
-            if pageSize == 0 || pageSize % pageTile != 0 {
-                throw FlashMetalError.value(op, "the page size (\(kName)'s dim 1) must be a positive multiple of \(pageTile), got \(pageSize)", arg: kName)
+            if pageSize == 0 {
+                throw FlashMetalError.value(op, "the page size (\(kName)'s dim 1) must be positive, got 0", arg: kName)
             }
             if numPages == 0 { throw FlashMetalError.value(op, "a paged \(kName) must hold at least one page", arg: kName) }
             let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
@@ -186,7 +184,7 @@ public enum VecSeqDispatcher {
         let lengths = checked?.lengths ?? Array(repeating: s.capacity, count: s.batch)
         if let bt = t.blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: lengths,
-                                                 numPages: s.numPages, pageSize: s.pageSize, tile: pageTile,
+                                                 numPages: s.numPages, pageSize: s.pageSize,
                                                  cacheName: t.kName)
         }
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _native
+from . import _kvcache_ragged as _ragged, _native
 from ._arrays import F32, I32, as_index, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
@@ -215,6 +215,9 @@ def flash_attn_with_kvcache(
     *,
     sinks: ArrayLike | None = None,
     attention_chunk: int = 0,
+    cu_seqlens_q: ArrayLike | None = None,
+    cu_seqlens_k_new: ArrayLike | None = None,
+    max_seqlen_q: int | None = None,
     out: Any = None,
     registry: RegistryLike = None,
 ) -> Any:
@@ -243,8 +246,8 @@ def flash_attn_with_kvcache(
         cache_batch_idx: int32 ``[B]`` or None: sequence b uses cache row
             ``cache_batch_idx[b]`` of caches ``[batch_cache, cap, Hkv, D]``
             (read, and appended to, in place); each index in
-            ``[0, batch_cache)``, distinct when appending; cap a multiple of
-            16. Not with block_table (as flash-attn).
+            ``[0, batch_cache)``, distinct when appending. Not with
+            block_table (as flash-attn).
         cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
@@ -268,13 +271,29 @@ def flash_attn_with_kvcache(
         alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
             in flash_attn_func, per sequence; not over QuantizedKV caches).
         sinks: float32 ``[H]`` sink logits, or None.
-        out: optional C-contiguous output ``[B, seqlen_q, H, D]`` of q's dtype
+        cu_seqlens_q, max_seqlen_q: ragged queries (flash-attn 3's): q is
+            ``[total_q, H, D]``, sequence b its rows ``cu_seqlens_q[b] :
+            cu_seqlens_q[b+1]`` (int32 ``[B+1]``, from 0, non-decreasing,
+            ending at most at total_q; later rows of out read 0);
+            max_seqlen_q (required with it) at least every count. The
+            output is ``[total_q, H, D]``, the LSE ``[H, total_q]``.
+        cu_seqlens_k_new: int32 ``[B+1]``, ragged new keys: k/v are
+            ``[total_k_new, Hkv, D]`` (ending exactly at total_k_new) and
+            sequence b appends its rows ``cu_seqlens_k_new[b] : ...[b+1]``
+            at its cache rows ``cache_seqlens[b] ...``. Without it (and with
+            cu_seqlens_q) k/v stay ``[B, seqlen_new, Hkv, D]``. With any of
+            these three every sequence's queries attend to its cache prefix
+            plus its own new keys, bottom-right aligned per sequence, by the
+            prefill kernel (q bfloat16 or float16); every feature above
+            applies per sequence (not with QuantizedKV caches).
+        out: optional C-contiguous output shaped like q, of q's dtype
             (a numpy array or a torch CPU tensor), filled in place and returned.
         The other arguments as ``flash_attn_func``.
 
     Returns:
-        out ``[B, seqlen_q, H, D]``, or ``(out, softmax_lse [B, H, seqlen_q]
-        float32)`` with return_softmax_lse.
+        out ``[B, seqlen_q, H, D]`` (``[total_q, H, D]`` with cu_seqlens_q),
+        or ``(out, softmax_lse [B, H, seqlen_q] float32)`` (``[H, total_q]``
+        with cu_seqlens_q) with return_softmax_lse.
     """
     reg = resolve(registry, _KVCACHE)
     interleaved = flag(_KVCACHE, "rotary_interleaved", rotary_interleaved)
@@ -285,8 +304,14 @@ def flash_attn_with_kvcache(
     appending = k is not None
     tables = rotary_tables(_KVCACHE, rotary_cos, rotary_sin, appending=appending)
     qa = as_input(q, _KVCACHE, "q")
-    slopes = alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
+    ragged_args = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k_new": cu_seqlens_k_new, "max_seqlen_q": max_seqlen_q}
+    ragged = any(a is not None for a in ragged_args.values())
+    slopes = None if ragged else alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
+        if ragged:
+            given = next(n for n, a in ragged_args.items() if a is not None)
+            raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
+                                          "QuantizedKV caches", argument=given)
         if tables is not None:
             raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
                                           argument="rotary_cos")
@@ -308,22 +333,34 @@ def flash_attn_with_kvcache(
     else:
         kc, vc = as_input(k_cache, _KVCACHE, "k_cache"), as_input(v_cache, _KVCACHE, "v_cache")
     bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
-    batch = qa.shape[0] if qa.ndim else 0
+    rag = None
+    if ragged:
+        rag = _ragged.layout(qa, ka if appending else None, va if appending else None, cu_seqlens_q,
+                             cu_seqlens_k_new, max_seqlen_q)
+        slopes = alibi_arg(_KVCACHE, alibi_slopes, rag.batch, rag.q.shape[1])
+    batch = rag.batch if rag is not None else qa.shape[0] if qa.ndim else 0
     if cache_batch_idx is not None:
         if bt is not None:  # as flash-attn: a paged cache's rows are its block table's
             raise InvalidValueError(_KVCACHE, "cache_batch_idx cannot be combined with block_table "
                                     "(a paged KV cache does not support cache_batch_idx)", argument="cache_batch_idx")
         bt, kc, vc = _rows_as_pages(cache_batch_idx, batch, kc, vc, ka if appending else None)
     lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
-    if cache_batch_idx is not None and lens is not None and lens.ndim == 1:
+    if rag is None and cache_batch_idx is not None and lens is not None and lens.ndim == 1:
         _require_row_room(lens, ka.shape[1] if appending and ka.ndim == 4 else 0, kc.shape[1])
     if cache_leftpad is not None:
         given_lens, lens = lens, _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
-                        causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+                        causal=causal, window_size=window_size, attention_chunk=attention_chunk,
+                        max_seqlen_q=0 if rag is None else rag.max_seqlen_q)
     sk = sinks_arg(_KVCACHE, sinks)
     out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype,
                                                  [qa, kc, vc, bt, sk, lens, given_lens])
+    if rag is not None:
+        per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
+                                    int(attention_chunk))
+        result, lse = _ragged_kvcache(reg, rag, kc, vc, given_lens, lens, bt, tables, interleaved, per_row, opts,
+                                      sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
+        return _returned(q, out, result, lse if want_lse else None)
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
@@ -355,12 +392,68 @@ def flash_attn_with_kvcache(
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
                                                            out=out_arr, out_dtype=qa.dtype, alibi=slopes))
     result, lse = finish()
+    return _returned(q, out, result, lse if want_lse else None)
+
+
+def _returned(q: Any, out: Any, result: np.ndarray, lse: np.ndarray | None) -> Any:
+    """flash_attn_with_kvcache's return in the caller's array type: the
+    caller's own `out` when given, and the LSE when asked for."""
     wrap = wrapper_like(q)
-    result = wrap(result) if out is None else out
-    if not want_lse:
-        return result
-    assert lse is not None
-    return result, wrap(lse)
+    res = wrap(result) if out is None else out
+    return res if lse is None else (res, wrap(lse))
+
+
+def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.ndarray, given_lens: np.ndarray | None,
+                    lens: np.ndarray | None, bt: np.ndarray | None, tables: tuple[np.ndarray, np.ndarray] | None,
+                    interleaved: bool, per_row: bool, opts: Any, *, sinks: np.ndarray | None,
+                    alibi: np.ndarray | None, want_lse: bool, out: np.ndarray | None
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
+    """flash_attn_with_kvcache with cu_seqlens_q / cu_seqlens_k_new (the
+    arguments checked in _kvcache_ragged before any kernel runs): the new
+    keys appended per sequence, then the varlen prefill over the cache."""
+    out_flat = None if out is None else out.reshape(rag.q.shape)
+
+    def attend(q: np.ndarray, seqlens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        res, lse = _ragged.attend(reg, rag, q, kc, vc, seqlens, bt, opts, sinks=sinks, alibi=alibi,
+                                  want_lse=want_lse, out=out_flat)
+        return _ragged.unpack(rag, res, lse)
+
+    if rag.k is None or rag.v is None:
+        return attend(rag.q, lens)
+    assert given_lens is not None  # required when appending
+    if kc.ndim != 4:
+        raise InvalidValueError(_KVCACHE, f"k_cache must have rank 4 ([B, cap, Hkv, D] or [num_pages, page_size, "
+                                f"Hkv, D]), got shape {list(kc.shape)}", argument="k_cache")
+    if bt is None and kc.shape[0] != rag.batch:
+        raise InvalidValueError(_KVCACHE, f"k_cache batch ({kc.shape[0]}) must equal the {rag.batch} sequences of "
+                                "cu_seqlens_q (or q's batch)", argument="k_cache")
+    if bt is not None and (bt.ndim != 2 or bt.shape[0] != rag.batch):
+        raise InvalidValueError(_KVCACHE, f"block_table must be int32 [{rag.batch}, max_pages], got shape "
+                                f"{list(bt.shape)}", argument="block_table")
+    if bt is not None and kc.shape[1] == 0:
+        raise InvalidValueError(_KVCACHE, "k_cache page size 0 (its dim 1) must be positive", argument="k_cache")
+    capacity = kc.shape[1] * (1 if bt is None else bt.shape[1])
+    _ragged.check_room(rag, given_lens, capacity)
+    grown = (given_lens.astype(np.int64) + rag.new_lens).astype(I32)
+    if bt is not None:
+        _ragged.check_pages(bt, grown, kc.shape[0], kc.shape[1])
+    page, row = _ragged.token_slots(rag, given_lens, bt, kc.shape[1])
+    seqlens = grown if lens is None or lens.ndim == 1 else np.ascontiguousarray(np.stack([grown, lens[1]]))
+    if tables is None:
+        return _ragged.append_then_attend(reg, kc, vc, rag.k, rag.v, page, row, lambda: attend(rag.q, seqlens))
+    if tables[0].ndim == 2:
+        _ragged.check_rotary(rag, given_lens, tables[0].shape[0], per_row)
+    rotated: dict[str, np.ndarray] = {}
+
+    def rotate_q_and_k() -> np.ndarray:
+        assert rag.k is not None and rag.cu_k is not None
+        rotated["q"] = _ragged.rotate_rows(reg, rag.q, tables, _ragged.positions(
+            rag, given_lens, rows=rag.q_lens, cu=rag.cu_q, per_row=per_row), interleaved, "q")
+        return _ragged.rotate_rows(reg, rag.k, tables, _ragged.positions(
+            rag, given_lens, rows=rag.new_lens, cu=rag.cu_k, per_row=True), interleaved, "k")
+
+    return _ragged.append_then_attend(reg, kc, vc, rotate_q_and_k, rag.v, page, row,
+                                      lambda: attend(rotated["q"], seqlens))
 
 
 def _no_alibi_over_codes(op: str, slopes: np.ndarray | None) -> None:
@@ -427,11 +520,6 @@ def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_tabl
     return np.full(batch, int(lens), dtype=I32) if lens.ndim == 0 else lens
 
 
-#: A cache row addressed by cache_batch_idx is read as one page of the cache
-#: (the kernels' pages hold a multiple of this many keys).
-_PAGE_TILE = 16
-
-
 def _table(x: Any, batch: int, name: str) -> np.ndarray:
     """A per-sequence int32 [B] table as a private copy, so the values checked
     are the values the kernels read."""
@@ -465,9 +553,9 @@ def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndar
                                         f"cache row {r}: appending k/v would write it twice",
                                         argument="cache_batch_idx")
             first[r] = b
-    if cap == 0 or cap % _PAGE_TILE:
-        raise UnsupportedFeatureError(_KVCACHE, f"cache_batch_idx needs a cache capacity (k_cache's dim 1) that is "
-                                      f"a positive multiple of {_PAGE_TILE}, got {cap}", argument="cache_batch_idx")
+    if cap == 0:  # a row is read as one page of the cache, and a page holds at least one key
+        raise InvalidValueError(_KVCACHE, "cache_batch_idx needs a cache capacity (k_cache's dim 1) of at least one "
+                                "key, got 0", argument="cache_batch_idx")
     return idx.reshape(batch, 1), kc, vc
 
 

@@ -423,6 +423,10 @@ static void run_serving_cases(int fast) {
                                  {17, 17, 17}, {17, 100, 150}};
         run_serving(&paged, fast);
     }
+    /* pages of 3 keys (any page size): every key block and row block spans pages */
+    const ServeCase paged3 = {128, FM_DTYPE_BF16, 4, 1, 3, 0, 0, 1, 1, 3, 1, 0, -1, -1, 0, 1, 0, 0.0f,
+                              {17, 17, 17}, {17, 100, 150}};
+    run_serving(&paged3, fast);
     /* varlen q over a paged cache, window only (no causal), empty sequences, sinks */
     const ServeCase mixed = {128, FM_DTYPE_BF16, 4, 2, 4, 1, 0, 1, 1, 32, 0, 1, 10, 20, 1, 1, 0, 0.0f,
                              {5, 0, 40, 3}, {70, 9, 40, 0}};

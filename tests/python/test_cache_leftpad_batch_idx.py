@@ -177,12 +177,25 @@ def test_duplicate_rows_refused_when_appending(rng):
                                registry="cpu")
 
 
-def test_batch_idx_needs_tile_multiple_capacity(rng):
-    k_cache = randn(rng, (3, 20, 1, D), BF16)
-    with pytest.raises(fm.UnsupportedFeatureError, match="multiple of 16, got 20") as e:
-        fm.flash_attn_with_kvcache(randn(rng, (2, 1, 2, D), BF16), k_cache, k_cache,
-                                   cache_seqlens=np.array([3, 4], np.int32),
-                                   cache_batch_idx=np.array([0, 2], np.int32), registry="cpu")
+def test_batch_idx_any_capacity(registry, rng):
+    """Cache rows of any length (20: not a multiple of the kernels' key
+    tile) are read and appended to as one page each; a capacity of 0 is refused."""
+    k_cache, v_cache = randn(rng, (3, 20, HKV, D), BF16), randn(rng, (3, 20, HKV, D), BF16)
+    idx, lens = np.array([2, 0], np.int32), np.array([3, 17], np.int32)
+    for q_len in (1, 4):
+        kc, vc = k_cache.copy(), v_cache.copy()
+        q = randn(rng, (2, q_len, H, D), BF16)
+        k_new, v_new = randn(rng, (2, 2, HKV, D), BF16), randn(rng, (2, 2, HKV, D), BF16)
+        out, lse = fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx,
+                                              causal=True, return_softmax_lse=True, registry=registry)
+        k_ref, v_ref = reference.kv_append(k_cache[idx], v_cache[idx], k_new, v_new, lens)
+        np.testing.assert_array_equal(kc[idx], k_ref)
+        e_out, e_lse = _expected(q, k_ref, v_ref, lens + 2, np.zeros(2, np.int64), dict(causal=True))
+        assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} batch_idx cap 20 qL={q_len}")
+    empty = randn(rng, (3, 0, HKV, D), BF16)
+    with pytest.raises(fm.InvalidValueError, match="capacity .* of at least one key, got 0") as e:
+        fm.flash_attn_with_kvcache(randn(rng, (2, 1, H, D), BF16), empty, empty, cache_seqlens=np.zeros(2, np.int32),
+                                   cache_batch_idx=idx, registry="cpu")
     assert e.value.argument == "cache_batch_idx"
 
 

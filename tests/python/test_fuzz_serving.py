@@ -45,7 +45,7 @@ def serving_calls(draw):
         softcap=-1.0 if bad == "softcap" else draw(st.sampled_from([0.0, 0.0, 3.0])),
         chunk=-1 if bad == "chunk" else draw(st.sampled_from([0, 0, 0, 1, 5, 16])),
         sinks="short" if bad == "sinks_short" else draw(st.sampled_from(["none", "none", "ok"])),
-        paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 16, 32, 24])),
+        paged=draw(st.booleans()), page_size=draw(st.sampled_from([16, 32, 24, 1, 3, 4])),
         n_new=draw(st.sampled_from([0, 0, 1, 3])), bad=bad,
         leftpad=bad.startswith("leftpad") or draw(st.booleans()),
         batch_idx=bad.startswith("batch_idx") or draw(st.booleans()),
@@ -123,8 +123,8 @@ def _kvcache(c, rng):
         cap = max(lens) + n_new + 1
         rows = b
         idx = None
-        if c["batch_idx"]:  # sequence b on cache row idx[b] of a larger cache (rows of a multiple of 16 keys)
-            cap, rows = -(-cap // 16) * 16, 2 * b
+        if c["batch_idx"]:  # sequence b on cache row idx[b] of a larger cache
+            rows = 2 * b
             idx = rng.permutation(rows)[:b].astype(np.int32)
             if c["bad"] == "batch_idx_range":
                 idx[-1] = int(rng.choice([rows, -1, 2**31 - 1]))

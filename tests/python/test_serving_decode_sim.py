@@ -62,8 +62,11 @@ def test_ragged_lengths(registry, rng, d, kv):
     check(registry, rng, d=d, kv=kv, b=2 if small else 4, cap=40, lengths=(0, 33) if small else (0, 1, 33, 40))
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 32, 1, 3, 24])
 def test_paged_shuffled_table(registry, rng, page_size):
+    """Any page size: pages of 1, 3 or 24 keys split the kernel's half
+    chunks, whose keys then read their own table entries (entries past a
+    sequence's pages are -1: never read)."""
     check(registry, rng, page_size=page_size, cap=64, lengths=(64, 1, 31), kv=BF16)
 
 
@@ -201,8 +204,8 @@ def test_errors_name_the_function_and_value(registry, rng):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=f"^{OP}: .*{re.escape(msg)}"):
             decode(registry, q, k, v, **kw)
-    with pytest.raises(ValueError, match=f"^{OP}: .*multiple of 16, got 8"):
-        decode(registry, q, k[:, :8].copy(), v[:, :8].copy(), cache_seqlens=ok, block_table=table)
+    with pytest.raises(ValueError, match=f"^{OP}: .*must be positive, got 0"):
+        decode(registry, q, k[:, :0].copy(), v[:, :0].copy(), cache_seqlens=np.zeros(2, np.int32), block_table=table)
 
 
 def test_entry_point_errors(registry, rng):

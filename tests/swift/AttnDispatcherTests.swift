@@ -127,9 +127,15 @@ final class AttnDispatcherTests: XCTestCase {
                     "flash_attn_with_kvcache", "cache_seqlens[1] = 33 is out of range [0, 32] (block_table's 2 pages (its dim 1) of 16 keys (k_cache's dim 1))")
         let k8 = HostTensor([4, 8, 2, 64], .bf16), v8 = HostTensor([4, 8, 2, 64], .bf16)
         var t8 = AttnTensors(q: q.ref, k: k8.ref, v: v8.ref, out: out.ref)
-        t8.blockTable = table.ref
-        expectError({ try AttnDispatcher.makeDispatches(t8, AttnOptions(scale: 1)) },
-                    "flash_attn_with_kvcache", "k_cache page size 8 (its dim 1) must be a positive multiple of 16")
+        let table8 = ints([0, 1, 2, 3], shape: [2, 2])
+        t8.blockTable = table8.ref
+        XCTAssertEqual(try AttnDispatcher.makeDispatches(t8, AttnOptions(scale: 1)).count, 1)  // pages of 8 keys
+        let k0 = HostTensor([4, 0, 2, 64], .bf16), v0 = HostTensor([4, 0, 2, 64], .bf16)
+        var t0 = AttnTensors(q: q.ref, k: k0.ref, v: v0.ref, out: out.ref)
+        let none = ints([0, 0])  // with cache lengths too: their bound is named before the page size is checked
+        t0.blockTable = table.ref; t0.seqlensK = none.ref
+        expectError({ try AttnDispatcher.makeDispatches(t0, AttnOptions(scale: 1)) },
+                    "flash_attn_with_kvcache", "k_cache page size 0 (its dim 1) must be positive")
         var w = AttnOptions(scale: 1)
         w.windowLeft = -2
         let plain = AttnTensors(q: q.ref, k: HostTensor([2, 16, 2, 64], .bf16).ref, v: HostTensor([2, 16, 2, 64], .bf16).ref, out: out.ref)

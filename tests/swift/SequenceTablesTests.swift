@@ -79,12 +79,11 @@ final class SequenceTablesTests: XCTestCase {
         withExtendedLifetime(negative) {}
     }
 
-    func table(_ values: [Int32], _ shape: [Int], lengths: [Int], numPages: Int = 4, pageSize: Int = 16,
-               tile: Int = 16) throws -> Int {
+    func table(_ values: [Int32], _ shape: [Int], lengths: [Int], numPages: Int = 4, pageSize: Int = 16) throws -> Int {
         let t = int32s(values, shape)
         return try withExtendedLifetime(t) {
             try SequenceTables.blockTable(t.ref, op: "op", name: "block_table", lengths: lengths,
-                                          numPages: numPages, pageSize: pageSize, tile: tile, cacheName: "k_cache")
+                                          numPages: numPages, pageSize: pageSize, cacheName: "k_cache")
         }
     }
 
@@ -105,10 +104,11 @@ final class SequenceTablesTests: XCTestCase {
         expectValueError("sequence 0 has 33 keys but block_table holds 2 pages of 16 (32 keys)") {
             _ = try table([0, 1], [1, 2], lengths: [33])
         }
-        expectValueError("k_cache page size 24 (its dim 1) must be a positive multiple of 16") {
-            _ = try table([0, 1], [1, 2], lengths: [3], pageSize: 24)
+        XCTAssertEqual(try table([0, 1], [1, 2], lengths: [3], pageSize: 3), 2)  // any positive page size
+        expectValueError("sequence 0 has 7 keys but block_table holds 2 pages of 3 (6 keys)") {
+            _ = try table([0, 1], [1, 2], lengths: [7], pageSize: 3)
         }
-        expectValueError("k_cache page size 0") { _ = try table([0, 1], [1, 2], lengths: [0], pageSize: 0) }
+        expectValueError("k_cache page size 0 (its dim 1) must be positive") { _ = try table([0, 1], [1, 2], lengths: [0], pageSize: 0) }
         expectValueError("block_table must have shape [2, _], got [1, 2]") {
             _ = try table([0, 1], [1, 2], lengths: [3, 3])
         }

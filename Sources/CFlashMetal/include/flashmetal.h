@@ -310,8 +310,9 @@ typedef struct SdpaExtParams {
  * LSE (FM_FC_HAS_LSE): lse_i = log(sum_p e^{s_p} [+ e^{sinks[h]}]), natural log,
  *   -inf for a row that sees no key and has no sink (its o_i is 0). A +inf sink
  *   takes all the mass (the limit): o_i = 0, lse_i = +inf.
- * Paged: page_size is a multiple of the key tile BK (so a tile lies in one
- * page); every table entry a kernel reads was checked to be in
+ * Paged: page_size is any positive size (a key tile of a page size that is
+ * not a multiple of BK reads each key's page entry); every table entry a
+ * kernel reads was checked to be in
  * [0, num_pages) before the dispatch. Prefill buffer(8). 64 bytes. */
 typedef struct AttnSeqParams {
     int32_t window_left;   /* -1 = unbounded, else >= 0 (with FM_FC_WINDOW) */
@@ -339,7 +340,7 @@ typedef struct AttnSeqParams {
  * hidden, and attention_chunk c > 0 further hides keys
  * p < f_b + floor((kv_len_b - 1 - f_b) / c) * c (outside the query's chunk).
  * f_b >= kv_len_b or kv_len_b == 0: the row sees no key.
- * page_size: any multiple of 16.
+ * page_size: any positive size (not a multiple of 16: a page entry per key).
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
  * (H, Hkv); rows = B * H (the grid's y times the query heads per threadgroup)
  * and tmp holds B * H rows laid out as
