@@ -104,7 +104,7 @@ public enum AttnOp {
     public var seqlensKName: String { self == .kvcache ? "cache_seqlens" : "seqused_k" }
 }
 
-/// The serving prefill (flashmetal.h "serving extension"): the prefill
+/// The serving prefill (flashmetal_kernels.h "serving extension"): the prefill
 /// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
 /// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), ALiBi slopes at 15, and

@@ -212,7 +212,7 @@ def _layout_error(spec: _Spec, e: InvalidValueError, args: dict[str, Any]) -> In
     expected = args.get(spec.layout, spec.expected) if spec.layout else spec.expected
     if not isinstance(expected, str) or expected not in _TRANSPOSED:
         return None
-    reason = str(e).removeprefix(f"{e.op}: ")
+    reason = e.message
     unpassed_offset = e.argument == "q_offset" and "q_offset" in args and args["q_offset"] is None
     if _fits(spec, call, expected, expected) is None:
         other = _TRANSPOSED[expected]
