@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 6 };
+enum { FM_ABI_VERSION = 7 };
 
 /* FMVecOptions.mask_type (the kernels' FlashAttnVecParams.mask_type). */
 typedef enum FMVecMaskType {
@@ -219,6 +219,15 @@ int fm_destroy_registry(FMRegistry *registry);
 /* The backend's name ("cpu", "sim", "metal"); "" with an error status when
  * the registry is not live. */
 int fm_registry_backend(const FMRegistry *registry, char *name, size_t namelen);
+/* The backends this build can create, comma-separated ("cpu,metal-sim,sim"
+ * on Linux; "auto" aside), into names (NUL-terminated, truncated to len).
+ * One may still fail to open (a Mac whose session sees no GPU). */
+void fm_backend_names(char *names, size_t len);
+/* *out = 1 when the registry's backend defers the work of a batch scope to
+ * its end (Metal: one command buffer), so the caller must keep the memory
+ * of calls made inside the scope alive until fm_end_batch; else 0 (cpu and
+ * sim finish every call before it returns). */
+int fm_registry_defers_work(const FMRegistry *registry, int32_t *out, FMError *err);
 /* A batch scope: until fm_end_batch a backend may defer work (Metal commits
  * one command buffer at the end); outputs are valid after fm_end_batch. */
 int fm_begin_batch(FMRegistry *registry, FMError *err);
