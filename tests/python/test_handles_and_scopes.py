@@ -141,7 +141,7 @@ print(grown / (1024 * 1024 if sys.platform == "darwin" else 1024))  # MiB
 def test_synchronous_batch_keeps_no_scratch():
     """50 decodes needing 4 MiB of library scratch each, inside one batch:
     cpu has run each when it returns, so the peak RSS grows by about one
-    scratch, not 200 MiB (the batch used to hoard them all). A fresh process,
+    scratch, not 200 MiB (a batch that kept every call's scratch). A fresh process,
     so the peak is not an earlier test's."""
     r = subprocess.run([sys.executable, "-c", _SCRATCH_PROBE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
