@@ -33,7 +33,7 @@ extern "C" {
  * value of the header it ships. */
 enum { FM_ABI_VERSION = 7 };
 
-/* FMVecOptions.mask_type (the kernels' FlashAttnVecParams.mask_type). */
+/* FMVecOptions.mask_type. */
 typedef enum FMVecMaskType {
     FM_VEC_MASK_NONE = 0, FM_VEC_MASK_CAUSAL = 1, FM_VEC_MASK_WINDOW = 2
 } FMVecMaskType;
@@ -99,15 +99,16 @@ typedef struct FMPrefillOptions {
     float scale;      /* finite; 1/sqrt(D) is the usual choice */
     float softcap;    /* 0 = off, else > 0 */
     int32_t causal;   /* 0 or 1 */
-    int32_t q_offset; /* absolute position of query row 0 (mlx-native's qL_off), >= 0 */
+    int32_t q_offset; /* absolute position of query row 0, >= 0 */
     int32_t kv_len;   /* valid K/V length; 0 = all of K's sequence axis */
     int32_t layout;   /* FMLayout */
-    int32_t window;   /* 0 = none, else keys p with t - p < window (in-kernel:
-                         AttnSeqParams.window_left = window - 1, no mask) */
+    int32_t window;   /* 0 = none, else keys p with t - p < window */
     int32_t _pad;
 } FMPrefillOptions;
 
-/* fm_build_mask: see MaskParams. */
+/* fm_build_mask: cell (i, p) of out is 0 when key p is visible to query row
+ * i, else -inf; row i sits at t = q_offset + i and sees p when
+ * (!causal || p <= t) && (window == 0 || t - p < window). */
 typedef struct FMMaskOptions {
     int32_t causal;   /* 0 or 1 */
     int32_t window;   /* 0 = none, else > 0 */
