@@ -68,7 +68,7 @@ let package = Package(
         // The GPU simulator (C++20): the shaders of Resources/shaders compiled
         // for the host and run as fibers (docs/SIMULATOR.md).
         .target(name: "FlashMetalSim", path: "Sources/FlashMetalSim",
-                // flashmetal.h is read textually (the shaders include it), not as a module.
+                // flashmetal_kernels.h is read textually (the shaders include it), not as a module.
                 cxxSettings: [.headerSearchPath("../CFlashMetal/include"),
                               .unsafeFlags(["-Xclang", "-ffloat16-excess-precision=none",
                                             "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",

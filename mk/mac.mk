@@ -15,7 +15,7 @@
 #                        fake device built on the Metal stand-in (buffers,
 #                        copies, barriers, encoder endings, batches, fallback)
 #   mac-embedder-lines   a planted #error in sdpa.metal, dialect.h and
-#                        flashmetal.h is located at its own file:line in the
+#                        flashmetal_kernels.h is located at its own file:line in the
 #                        embedded source (the #line directives Metal reports by)
 #   mac-pipelines-sim    tests/mac/create_pipelines.py (the macOS job's pass
 #                        over every kernel x function-constant combination)

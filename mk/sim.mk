@@ -24,7 +24,7 @@ SIM_RUNTIME := $(SIM_SRC_DIR)/simulator.cpp $(SIM_SRC_DIR)/registry.cpp $(SIM_SR
 	$(SIM_SRC_DIR)/counters.cpp $(SIM_SRC_DIR)/counts_json.cpp
 SIM_KERNELS := $(wildcard $(SIM_SRC_DIR)/kernels/*.cpp)
 SIM_HEADERS := $(wildcard $(SIM_SRC_DIR)/*.h $(SIM_SRC_DIR)/include/*.h Resources/shaders/*.h \
-	Resources/shaders/*.metal tests/sim/*.h) Sources/CFlashMetal/include/flashmetal.h
+	Resources/shaders/*.metal tests/sim/*.h) Sources/CFlashMetal/include/flashmetal_kernels.h
 SIM_BIN := build-sim/sim-conformance
 
 .PHONY: sim-test sim-lint sim-bench sim-test-ucontext

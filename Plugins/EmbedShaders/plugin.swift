@@ -9,7 +9,7 @@ struct EmbedShaders: BuildToolPlugin {
     func createBuildCommands(context: PluginContext, target: Target) throws -> [Command] {
         let root = context.package.directoryURL
         let shaders = root.appendingPathComponent("Resources/shaders")
-        let header = root.appendingPathComponent("Sources/CFlashMetal/include/flashmetal.h")
+        let header = root.appendingPathComponent("Sources/CFlashMetal/include/flashmetal_kernels.h")
         let files = ((try? FileManager.default.contentsOfDirectory(atPath: shaders.path)) ?? [])
             .filter { $0.hasSuffix(".metal") || $0.hasSuffix(".h") }
             .sorted()

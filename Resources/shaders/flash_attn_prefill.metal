@@ -34,7 +34,7 @@
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
 // 301 do_causal, 303 has_blk.
 //
-// The serving extension (flashmetal.h, AttnSeqParams; constants 302,
+// The serving extension (flashmetal_kernels.h, AttnSeqParams; constants 302,
 // 304-310; buffers 8-14): each threadgroup first reads its sequence's
 // lengths (PrefillSeq: packed varlen rows, per-sequence key counts, paged
 // K/V through the block table), then walks only the key tiles that hold a
@@ -46,7 +46,7 @@
 // the end, in the exp2 domain (prefill_finish_row), which also writes the
 // natural-log LSE.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, align_Q, 200)
@@ -54,7 +54,7 @@ FUNCTION_CONSTANT(bool, align_K, 201)
 FUNCTION_CONSTANT(bool, has_mask, 300)
 FUNCTION_CONSTANT(bool, do_causal, 301)
 FUNCTION_CONSTANT(bool, has_blk, 303)
-// The serving extension (flashmetal.h, AttnSeqParams).
+// The serving extension (flashmetal_kernels.h, AttnSeqParams).
 FUNCTION_CONSTANT(bool, has_sinks, 302)
 FUNCTION_CONSTANT(bool, prefill_seq, 304)
 FUNCTION_CONSTANT(bool, has_window, 305)
@@ -167,7 +167,7 @@ inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride,
     }
 }
 
-// One threadgroup's sequence (flashmetal.h, serving extension). Outside
+// One threadgroup's sequence (flashmetal_kernels.h, serving extension). Outside
 // per-sequence mode it is the whole AttnParams problem.
 struct PrefillSeq {
     long q_start;  // first row of the sequence in Q, O and lse (varlen_q)

@@ -21,7 +21,7 @@
 // Buffers: 0 mask (bf16, f16 or bool, row stride mask_row_stride elements),
 // 1 blk (uchar), 2 BlkParams. Function constants 400 BQ, 401 BK.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(int, blk_bq, 400)

@@ -9,7 +9,7 @@
 // Grid (ceil(kL / 256), qL, 1), 256 threads, one cell per thread.
 // Buffers: 0 out (bf16 or f16), 1 MaskParams.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 template <typename T>

@@ -5,7 +5,7 @@
 // per threadgroup: the HG query heads of one kv head (HG divides H / Hkv;
 // VecDispatcher.headsPerGroup), one SIMD group each, over one workgroup's
 // keys. Workgroup wg takes a contiguous run of 32-key chunks (FM_VEC_CHUNK:
-// the split flashmetal.h defines for every backend). Per chunk:
+// the split flashmetal_kernels.h defines for every backend). Per chunk:
 //   lane l owns the elements VW * (l + 32 i) + t, t < VW (vec_width: VW = 4
 //   or 2, so K and V come in 8-byte half4 / 16-byte float4 loads) and dots
 //   them with each of the chunk's 32 keys, then a butterfly reduce-scatter
@@ -39,7 +39,7 @@
 // aligned to a vector (16 bytes for tmp); every access to them is then
 // scalar (same values).
 //
-// Serving extension (FlashAttnVecSeqParams in flashmetal.h). With
+// Serving extension (FlashAttnVecSeqParams in flashmetal_kernels.h). With
 // function constant 501 (vec_seq) row r = b * H + h reads kv head
 // g = h / (H / Hkv) of sequence b through the strides at buffer 5, and the
 // grid's y times HG is the row count (n_heads is H then). 502 (vec_kv_lens): sequence
@@ -73,7 +73,7 @@
 // buffer 7 give H (row r has head r % H). Its buffer 4 is never bound (the
 // dispatcher sets 500 false): it only keeps the buffer positions.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, vec_has_signs, 500)
@@ -379,7 +379,7 @@ kernel void flash_attn_vec(
     float m = FM_RUNNING_MAX_START;  // log2 domain
     float s_sum = 0.0f;
 
-    // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal.h).
+    // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal_kernels.h).
     // Every SIMD group of the threadgroup has the same sequence, hence the
     // same run and the same visible keys: the barriers below are uniform.
     const long c0 = lo / FM_VEC_CHUNK;
@@ -514,7 +514,7 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
 // Output dims d .. d + 3 of a row: the weighted sum of the partials,
 // normalised, read as float4s (each dim's own fma chain, as one dim at a
 // time would give). Partials of weight 0 are skipped (a workgroup without
-// keys leaves its O unspecified, flashmetal.h); for a finite partial
+// keys leaves its O unspecified, flashmetal_kernels.h); for a finite partial
 // fma(x, 0, y) == y, so skipping changes no bits.
 template <int D>
 inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, uint nwg, uint d,

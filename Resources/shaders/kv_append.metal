@@ -3,7 +3,7 @@
 // through a block table (function constant 700).
 //
 // Row i of sequence b of k_new/v_new [B, n_new, Hkv, D] goes to cache row
-// t = seqlens[b] + i (KVAppendParams in flashmetal.h). The host checked every
+// t = seqlens[b] + i (KVAppendParams in flashmetal_kernels.h). The host checked every
 // seqlens[b] + n_new against the capacity and every table entry used against
 // the pages, so no index here is checked again.
 //
@@ -16,7 +16,7 @@
 // Buffers: 0 KVAppendParams, 1 k_new, 2 v_new, 3 k_cache, 4 v_cache,
 // 5 seqlens (int32 [B]), 6 block_table (int32 [B, max_pages], when paged).
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, append_paged, 700)

@@ -10,7 +10,7 @@
 // Buffers (KVCodecParams at 0): kv_encode 1 x [R, D], 2 codes [R, row_bytes],
 // 3 norms [R, D / block]; kv_dequantize 1 codes, 2 norms, 3 out float [R, D].
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 #include "kv_codec.h"
 using namespace metal;
 #include "kv_codes_attn.h"

@@ -13,7 +13,7 @@
 // the accumulator rotated back with V's), so a row's output and LSE are the
 // bits the one-row decode gives.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 #include "kv_codec.h"
 using namespace metal;
 #include "kv_codes_attn.h"

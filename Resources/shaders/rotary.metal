@@ -1,6 +1,6 @@
 // rotary.metal — rotary position embedding (flash_attn_with_kvcache's
 // rotary_cos/rotary_sin) of x [B, L, H, D] into out, same shape and dtype
-// (RotaryParams in flashmetal.h has the formula).
+// (RotaryParams in flashmetal_kernels.h has the formula).
 //
 // Row i of sequence b sits at t = offsets[b] + (per_row ? i : 0); the host
 // checked every t against seqlen_ro, so no index is checked again. The
@@ -11,7 +11,7 @@
 // the copied tail). Buffers: 0 RotaryParams, 1 x, 2 cos, 3 sin, 4 offsets
 // (int32 [B]), 5 out.
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 template <typename T, typename C>

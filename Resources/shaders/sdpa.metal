@@ -24,7 +24,7 @@
 // scaled score before the exp2-domain scaling, as in prefill. 8
 // SdpaExtParams (constant 602).
 #include "dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"
 using namespace metal;
 
 FUNCTION_CONSTANT(bool, sdpa_bool_mask, 600)

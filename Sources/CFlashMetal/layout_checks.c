@@ -1,5 +1,6 @@
 // Compile-time proof that the parameter structs have mlx-native's layouts.
 #include "flashmetal.h"
+#include "flashmetal_kernels.h"
 
 #define FM_AT(T, f, off) _Static_assert(offsetof(T, f) == (off), #T "." #f " offset")
 

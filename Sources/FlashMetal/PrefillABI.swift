@@ -34,8 +34,8 @@ private func runPrefill(
     let reg = try Handles.registry(registry, op: op)
     guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
     let tensors = PrefillTensors(
-        q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
-        v: try TensorRef(v, op: op, name: "V"), out: try TensorRef(out, op: op, name: "out"),
+        q: try TensorRef(q, op: op, name: "q"), k: try TensorRef(k, op: op, name: "k"),
+        v: try TensorRef(v, op: op, name: "v"), out: try TensorRef(out, op: op, name: "out"),
         mask: try optionalTensor(mask, op: op, name: "mask"),
         blk: try optionalTensor(blk, op: op, name: "blk"),
         sinks: try optionalTensor(sinks, op: op, name: "sinks"))

@@ -66,6 +66,24 @@ public func fm_registry_backend(_ registry: OpaquePointer?, _ name: UnsafeMutabl
     return status
 }
 
+/// fm_backend_names of flashmetal.h: the backends this build can create,
+/// comma-separated ("auto" aside).
+@_cdecl("fm_backend_names")
+public func fm_backend_names(_ names: UnsafeMutablePointer<CChar>?, _ len: Int) {
+    writeMessage(BackendFactory.available.joined(separator: ","), names, len)
+}
+
+/// fm_registry_defers_work of flashmetal.h: whether the registry's backend
+/// runs the work of a batch scope only when the scope ends.
+@_cdecl("fm_registry_defers_work")
+public func fm_registry_defers_work(_ registry: OpaquePointer?, _ out: UnsafeMutablePointer<Int32>?,
+                                    _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        guard let out = out else { throw FlashMetalError.value("registry_defers_work", "out is null", arg: "out") }
+        out.pointee = try Handles.registry(registry, op: "registry_defers_work").backend.defersWork ? 1 : 0
+    }
+}
+
 /// fm_begin_batch of flashmetal.h: opens a (nestable) batch scope.
 @_cdecl("fm_begin_batch")
 public func fm_begin_batch(_ registry: OpaquePointer?, _ err: UnsafeMutablePointer<FMError>?) -> Int32 {

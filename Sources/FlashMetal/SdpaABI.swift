@@ -14,9 +14,9 @@ public func fm_dispatch_sdpa(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options is null", arg: "options") }
         try reg.run([SdpaDispatcher.makeDispatch(
-            q: try TensorRef(q, op: op, name: "Q"), k: try TensorRef(k, op: op, name: "K"),
-            v: try TensorRef(v, op: op, name: "V"), mask: try optionalTensor(mask, op: op, name: "mask"),
-            out: try TensorRef(out, op: op, name: "output"),
+            q: try TensorRef(q, op: op, name: "q"), k: try TensorRef(k, op: op, name: "k"),
+            v: try TensorRef(v, op: op, name: "v"), mask: try optionalTensor(mask, op: op, name: "mask"),
+            out: try TensorRef(out, op: op, name: "out"),
             try SdpaOptions(options.pointee))], op: op)
     }
 }

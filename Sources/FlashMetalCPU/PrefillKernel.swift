@@ -71,7 +71,7 @@ final class PrefillKernel: CPUKernel {
 }
 
 /// The serving extension's function constants of a prefill pipeline
-/// (flashmetal.h: 302, 304-311; the dispatchers set every one) and the
+/// (flashmetal_kernels.h: 302, 304-311; the dispatchers set every one) and the
 /// buffers they bind (PrefillBuffer.seqParams ... lse).
 struct PrefillServingConstants {
     let seq: Bool, sinks: Bool, window: Bool, varlenQ: Bool, varlenK: Bool, kvLens: Bool, paged: Bool, lse: Bool, alibi: Bool

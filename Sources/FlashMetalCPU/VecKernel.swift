@@ -9,7 +9,7 @@ private let smallWork = 1 << 18
 /// the grid's rows (VecDispatcher.rows) and NWG, covering the GQA group's rows so K/V are read
 /// once per group; each row's partial (O, S, M) goes into tmp. With the
 /// serving constants (501-503) the strides, per-sequence lengths and block
-/// table come from the dispatch (flashmetal.h, FlashAttnVecSeqParams).
+/// table come from the dispatch (flashmetal_kernels.h, FlashAttnVecSeqParams).
 final class VecKernel: CPUKernel {
     let name: String
     /// FM_FC_VEC_SEQ, FM_FC_VEC_KV_LENS, FM_FC_VEC_PAGED; unset means false

@@ -1,5 +1,5 @@
 /* Where a prefill's rows and keys are, and which keys each row sees: the
- * serving extension's rules (flashmetal.h, AttnSeqParams) in one place for
+ * serving extension's rules (flashmetal_kernels.h, AttnSeqParams) in one place for
  * the portable tile kernel (prefill.c) and every ISA instance of the fast
  * one (prefill_body.h).
  *

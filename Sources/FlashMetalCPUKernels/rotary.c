@@ -1,5 +1,5 @@
 /* rotary on the cpu: row i of sequence b of x [B, L, H, D] (every head)
- * rotated into out, as rotary.metal does (RotaryParams in flashmetal.h):
+ * rotated into out, as rotary.metal does (RotaryParams in flashmetal_kernels.h):
  * float32 arithmetic, one rounding to x's dtype, the tail dims copied
  * bit for bit. The host checked every position against the tables. */
 #include <string.h>

@@ -1,5 +1,5 @@
 /* Split-KV decode on the cpu (with the FWHT undo and the serving extension of
- * flashmetal.h): workgroup wg of NWG takes a contiguous run of each
+ * flashmetal_kernels.h): workgroup wg of NWG takes a contiguous run of each
  * sequence's visible keys (vec_split.h) and writes its partial
  * (O unnormalised, S, M) to tmp; the reduce then rescales the partials by
  * exp(M_w - M), adds the sink once and normalises.

@@ -104,7 +104,7 @@ public enum AttnOp {
     public var seqlensKName: String { self == .kvcache ? "cache_seqlens" : "seqused_k" }
 }
 
-/// The serving prefill (flashmetal.h "serving extension"): the prefill
+/// The serving prefill (flashmetal_kernels.h "serving extension"): the prefill
 /// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
 /// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), ALiBi slopes at 15, and
@@ -123,24 +123,15 @@ public enum AttnDispatcher {
         try t.k.requireRank([paged || !varlenK ? 4 : 3], op: op, name: kind.kName)
         try PrefillDispatcher.requireIOTypes(q: (t.q, "q"), others: [(t.k, kind.kName), (t.v, kind.vName), (t.out, "out")],
                                              op: op)
-        if t.out.shape != t.q.shape {
-            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out")
-        }
-        if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "\(kind.vName) shape \(t.v.shape) must equal \(kind.kName) shape \(t.k.shape)", arg: kind.vName)
-        }
+        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        try Checks.sameShape(t.v, kind.vName, as: t.k, kind.kName, op: op)
         let qs = t.q.shape, ks = t.k.shape
         let (nHeads, headDim) = (qs[qs.count - 2], qs[qs.count - 1])
         let (nKV, kDim) = (ks[ks.count - 2], ks[ks.count - 1])
-        if kDim != headDim {
-            throw FlashMetalError.value(op, "\(kind.kName) head_dim (\(kDim)) must equal q head_dim (\(headDim))", arg: kind.kName)
-        }
+        try Checks.sameDim("head_dim", kDim, of: kind.kName, as: headDim, of: "q", op: op)
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
-        if nHeads == 0 || nKV == 0 { throw FlashMetalError.value(op, "the head counts must be > 0, got q \(nHeads), \(kind.kName) \(nKV)", arg: "q") }
-        if nHeads % nKV != 0 {
-            throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))", arg: "q")
-        }
-        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try Checks.heads(nHeads, kvHeads: nKV, of: kind.kName, op: op, kvHeadsArg: "q")
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
         for d in qs + ks where d > Int(Int32.max) {
             throw FlashMetalError.value(op, "dimension \(d) exceeds the int32 range of AttnParams")
@@ -232,8 +223,8 @@ struct SequenceLengths {
             kLens = try SequenceTables.cuSeqlens(
                 c, op: op, name: "cu_seqlens_k", batch: batch, tokens: paged ? capacity * batch : t.k.shape[0],
                 tokensName: paged ? "block_table" : kind.kName, maxSeqlen: o.maxSeqlenK, maxSeqlenName: "max_seqlen_k")
-        } else if !paged && t.k.shape[0] != batch {
-            throw FlashMetalError.value(op, "\(kind.kName) batch (\(t.k.shape[0])) must equal q batch (\(batch))", arg: kind.kName)
+        } else if !paged {
+            try Checks.sameDim("batch", t.k.shape[0], of: kind.kName, as: batch, of: "q", op: op)
         }
         if let s = t.seqlensK {
             let bound = kLens.max() ?? 0

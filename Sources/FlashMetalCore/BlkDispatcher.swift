@@ -16,8 +16,8 @@ public enum BlkDispatcher {
 
     /// Tile counts (NQ, NK) for a [qL, kL] mask consumed by a prefill of `headDim`.
     public static func tiles(qL: Int, kL: Int, headDim: Int, op: String = sizeOp) throws -> (nq: Int, nk: Int) {
-        if qL <= 0 { throw FlashMetalError.value(op, "q_len must be > 0, got \(qL)", arg: "q_len") }
-        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)", arg: "kv_len") }
+        try Checks.positive("q_len", qL, op: op, arg: "q_len")
+        try Checks.positive("kv_len", kL, op: op, arg: "kv_len")
         if qL > Int(Int32.max) || kL > Int(Int32.max) {
             throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32", arg: "q_len")
         }

@@ -18,18 +18,13 @@ public struct CacheCapacity {
     public init(op: String, cacheShape: [Int], blockTable: TensorRef?, batch: Int, batchName: String) throws {
         let pageRows = cacheShape[1]
         guard let bt = blockTable else {
-            if cacheShape[0] != batch {
-                throw FlashMetalError.value(
-                    op, "k_cache batch (\(cacheShape[0])) must equal \(batchName) batch (\(batch))", arg: "k_cache")
-            }
+            try Checks.sameDim("batch", cacheShape[0], of: "k_cache", as: batch, of: batchName, op: op)
             rows = pageRows
             maxPages = 0
             return
         }
         try bt.requireRank([2], op: op, name: "block_table")
-        if pageRows == 0 {
-            throw FlashMetalError.value(op, "the page size (k_cache's dim 1) must be > 0", arg: "k_cache")
-        }
+        try Checks.positive("the page size (k_cache's dim 1)", pageRows, op: op, arg: "k_cache")
         maxPages = bt.shape[1]
         let (product, overflow) = maxPages.multipliedReportingOverflow(by: pageRows)
         rows = overflow ? Int.max : product

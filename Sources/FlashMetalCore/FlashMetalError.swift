@@ -31,25 +31,12 @@ public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
 
     /// A bad shape, size, length or option of `arg`.
     public static func value(_ op: String, _ what: String, arg: String = "") -> FlashMetalError {
-        FlashMetalError(FM_ERROR_VALUE, op: op, argument: parameterName(arg), what: what)
+        FlashMetalError(FM_ERROR_VALUE, op: op, argument: arg, what: what)
     }
 
     /// A bad dtype of `arg`.
     public static func type(_ op: String, _ what: String, arg: String = "") -> FlashMetalError {
-        FlashMetalError(FM_ERROR_TYPE, op: op, argument: parameterName(arg), what: what)
-    }
-
-    /// The parameter a message's name of a tensor stands for: prefill's and
-    /// sdpa's messages spell their tensors as the kernels' math does (Q, K,
-    /// V, output); the parameters are q, k, v and out.
-    static func parameterName(_ spelled: String) -> String {
-        switch spelled {
-        case "Q": return "q"
-        case "K": return "k"
-        case "V": return "v"
-        case "output": return "out"
-        default: return spelled
-        }
+        FlashMetalError(FM_ERROR_TYPE, op: op, argument: arg, what: what)
     }
 
     /// A backend failure (FM_ERROR_BACKEND) of a public op, such as memory

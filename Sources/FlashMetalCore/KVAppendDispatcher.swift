@@ -46,20 +46,16 @@ public enum KVAppendDispatcher {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
-        if t.vNew.shape != t.kNew.shape {
-            throw FlashMetalError.value(op, "\(t.vNewName) shape \(t.vNew.shape) must equal \(t.kNewName) shape \(t.kNew.shape)", arg: t.vNewName)
-        }
-        if t.vCache.shape != t.kCache.shape {
-            throw FlashMetalError.value(op, "v_cache shape \(t.vCache.shape) must equal k_cache shape \(t.kCache.shape)", arg: "v_cache")
-        }
+        try Checks.sameShape(t.vNew, t.vNewName, as: t.kNew, t.kNewName, op: op)
+        try Checks.sameShape(t.vCache, "v_cache", as: t.kCache, "k_cache", op: op)
         let (batch, nNew, kvHeads, d) = (t.kNew.shape[0], t.kNew.shape[1], t.kNew.shape[2], t.kNew.shape[3])
         let (cacheRows, cacheHeads, cacheD) = (t.kCache.shape[1], t.kCache.shape[2], t.kCache.shape[3])
         if cacheHeads != kvHeads || cacheD != d {
             throw FlashMetalError.value(op, "\(t.kNewName) [B, n_new, Hkv, D] = \(t.kNew.shape) must match k_cache's (Hkv, D) = (\(cacheHeads), \(cacheD))", arg: t.kNewName)
         }
-        if batch == 0 || kvHeads == 0 || d == 0 {
-            throw FlashMetalError.value(op, "batch, num_kv_heads and head_dim must be > 0, got \(t.kNewName) shape \(t.kNew.shape)", arg: t.kNewName)
-        }
+        try Checks.positive("batch", batch, op: op, arg: t.kNewName)
+        try Checks.positive("the \(t.kNewName) heads", kvHeads, op: op, arg: t.kNewName)
+        try Checks.positive("head_dim", d, op: op, arg: t.kNewName)
         let cache = try CacheCapacity(op: op, cacheShape: t.kCache.shape, blockTable: t.blockTable, batch: batch,
                                       batchName: t.kNewName)
         let (capacity, maxPages) = (cache.rows, cache.maxPages)

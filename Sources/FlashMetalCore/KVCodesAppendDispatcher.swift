@@ -76,9 +76,7 @@ public enum KVCodesAppendDispatcher {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
-        if vNew.shape != kNew.shape {
-            throw FlashMetalError.value(op, "\(vNewName) shape \(vNew.shape) must equal \(kNewName) shape \(kNew.shape)", arg: vNewName)
-        }
+        try Checks.sameShape(vNew, vNewName, as: kNew, kNewName, op: op)
         let (batch, nNew, kvHeads, d) = (kNew.shape[0], kNew.shape[1], kNew.shape[2], kNew.shape[3])
         let (lead, codec) = try requireSides(k, v, headDim: d, headDimOf: kNewName, op: op)
         for (side, name) in [(k, "k_cache"), (v, "v_cache")] {
@@ -90,9 +88,8 @@ public enum KVCodesAppendDispatcher {
         if cacheHeads != kvHeads {
             throw FlashMetalError.value(op, "\(kNewName) [B, n_new, Hkv, D] = \(kNew.shape) must match k_cache's Hkv = \(cacheHeads)", arg: kNewName)
         }
-        if batch == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "batch and num_kv_heads must be > 0, got \(kNewName) shape \(kNew.shape)", arg: kNewName)
-        }
+        try Checks.positive("batch", batch, op: op, arg: kNewName)
+        try Checks.positive("the \(kNewName) heads", kvHeads, op: op, arg: kNewName)
         let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: blockTable, batch: batch, batchName: kNewName)
         let (capacity, maxPages) = (cache.rows, cache.maxPages)
         let limit = Int(Int32.max)

@@ -56,16 +56,13 @@ public enum KVCodesAttnDispatcher {
             : (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
         let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
-        if batch == 0 || heads == 0 || kvHeads == 0 || qLen == 0 {
-            throw FlashMetalError.value(op, "batch, seqlen_q, num_heads and num_kv_heads must be > 0, got q shape \(q.shape) and k_cache shape \(lead)", arg: "q")
-        }
-        if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "num_heads (\(heads)) must be a multiple of num_kv_heads (\(kvHeads))", arg: "q")
-        }
+        try Checks.positive("batch", batch, op: op, arg: "q")
+        try Checks.positive("seqlen_q", qLen, op: op, arg: "q")
+        try Checks.heads(heads, kvHeads: kvHeads, of: "k_cache", op: op, kvHeadsArg: "q")
         let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: t.blockTable, batch: batch, batchName: "q")
         let (capacity, maxPages) = (cache.rows, cache.maxPages)
         try out(t, shape: q.shape)
-        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         guard o.causal == 0 || o.causal == 1 else {
             throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }

@@ -93,26 +93,15 @@ public enum KVCodesDecodeDispatcher {
         try requireStorage(k, "k_cache", lead: lead)
         try requireStorage(v, "v_cache", lead: lead)
         let (kvHeads, capacity) = (lead[lead.count - 2], lead[lead.count - 1])
-        if batched && lead[0] != batch {
-            throw FlashMetalError.value(op, "k_cache batch (\(lead[0])) must equal q batch (\(batch))")
-        }
-        if batch == 0 || heads == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "batch, num_heads and num_kv_heads must be > 0, got q shape \(q.shape) and k_cache shape \(lead)")
-        }
-        if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "num_heads (\(heads)) must be a multiple of num_kv_heads (\(kvHeads))")
-        }
-        if o.kv_len < 1 || Int(o.kv_len) > capacity {
-            throw FlashMetalError.value(op, "kv_len must be in 1...\(capacity) (the cache capacity), got \(o.kv_len)")
-        }
-        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0, got \(o.window)") }
-        if !o.scale.isFinite { throw FlashMetalError.value(op, "scale must be finite, got \(o.scale)") }
-        if !o.softcap.isFinite || o.softcap < 0 {
-            throw FlashMetalError.value(op, "softcap must be 0 (off) or a finite value > 0, got \(o.softcap)")
-        }
+        if batched { try Checks.sameDim("batch", lead[0], of: "k_cache", as: batch, of: "q", op: op) }
+        try Checks.positive("batch", batch, op: op, arg: "q")
+        try Checks.heads(heads, kvHeads: kvHeads, of: "k_cache", op: op, kvHeadsArg: "k_cache")
+        try Checks.kvLen(Int(o.kv_len), capacity: capacity, op: op)
+        if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0, got \(o.window)", arg: "window") }
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try out.requireDType([.f32], op: op, name: "out")
         try out.requireBytes(op: op, name: "out")
-        if out.shape != q.shape { throw FlashMetalError.value(op, "out shape \(out.shape) must be \(q.shape)") }
+        try Checks.sameShape(out, "out", as: q, "q", op: op)
         let rows = try KVCodecDispatcher.rows([batch, heads], op: op)
         if capacity > Int(Int32.max) || kvHeads > Int(Int32.max) {
             throw FlashMetalError.value(op, "num_kv_heads and the cache capacity must fit int32")

@@ -44,8 +44,8 @@ public enum MaskDispatcher {
         try out.requireRank([2], op: op, name: "out")
         try out.requireDType(MaskBuilderCapability.outTypes, op: op, name: "out")
         let (qL, kL) = (out.shape[0], out.shape[1])
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "q_len") }
-        if kL == 0 { throw FlashMetalError.value(op, "kv_len must be > 0", arg: "kv_len") }
+        try Checks.positive("q_len", qL, op: op, arg: "q_len")
+        try Checks.positive("kv_len", kL, op: op, arg: "kv_len")
         if qL > Int(Int32.max) || kL > Int(Int32.max) {
             throw FlashMetalError.value(op, "q_len (\(qL)) and kv_len (\(kL)) must fit in int32", arg: "q_len")
         }

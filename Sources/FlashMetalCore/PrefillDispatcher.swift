@@ -93,10 +93,10 @@ public enum PrefillDispatcher {
     /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
         let op = Self.op
-        for (x, n) in [(t.q, "Q"), (t.k, "K"), (t.v, "V"), (t.out, "out")] {
+        for (x, n) in [(t.q, "q"), (t.k, "k"), (t.v, "v"), (t.out, "out")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try requireIOTypes(q: (t.q, "Q"), others: [(t.k, "K"), (t.v, "V"), (t.out, "out")], op: op)
+        try requireIOTypes(q: (t.q, "q"), others: [(t.k, "k"), (t.v, "v"), (t.out, "out")], op: op)
 
         // Shapes by layout: Q/out [B, H, qL, D] or [B, qL, H, D]; K/V likewise with (Hkv, capacity).
         let seq = o.layout == .seqMajor
@@ -106,45 +106,31 @@ public enum PrefillDispatcher {
         let (kBatch, nKV, capacity, kDim) = seq
             ? (t.k.shape[0], t.k.shape[2], t.k.shape[1], t.k.shape[3])
             : (t.k.shape[0], t.k.shape[1], t.k.shape[2], t.k.shape[3])
-        if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "V shape \(t.v.shape) must equal K shape \(t.k.shape)", arg: "V")
-        }
-        if t.out.shape != t.q.shape {
-            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal Q shape \(t.q.shape)", arg: "out")
-        }
-        if kBatch != batch {
-            throw FlashMetalError.value(op, "K batch (\(kBatch)) must equal Q batch (\(batch))", arg: "K")
-        }
-        if kDim != headDim {
-            throw FlashMetalError.value(op, "K head_dim (\(kDim)) must equal Q head_dim (\(headDim))", arg: "K")
-        }
-        if nHeads == 0 { throw FlashMetalError.value(op, "n_heads must be > 0", arg: "Q") }
-        if nKV == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0", arg: "K") }
-        if nHeads % nKV != 0 {
-            throw FlashMetalError.value(op, "n_heads (\(nHeads)) must be divisible by n_kv_heads (\(nKV))", arg: "Q")
-        }
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "Q") }
-        if capacity == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0", arg: "K") }
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "Q") }
+        try Checks.sameShape(t.v, "v", as: t.k, "k", op: op)
+        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        try Checks.sameDim("batch", kBatch, of: "k", as: batch, of: "q", op: op)
+        try Checks.sameDim("head_dim", kDim, of: "k", as: headDim, of: "q", op: op)
+        try Checks.heads(nHeads, kvHeads: nKV, of: "k", op: op, kvHeadsArg: "k")
+        try Checks.positive("q_len", qL, op: op, arg: "q")
+        try Checks.positive("the cache capacity", capacity, op: op, arg: "k")
+        try Checks.positive("batch", batch, op: op, arg: "q")
         let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
         let kL = o.kvLen ?? capacity
-        if kL <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kL)", arg: "kv_len") }
-        if kL > capacity {
-            throw FlashMetalError.value(op, "kv_len (\(kL)) must be <= the K/V capacity (\(capacity))", arg: "kv_len")
-        }
+        try Checks.kvLen(kL, capacity: capacity, op: op)
         let qOffset = o.qOffset
         if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)", arg: "q_offset") }
         if qOffset + qL > kL {
             throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))", arg: "q_offset")
         }
-        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(o.window)", arg: "window") }
         // AttnParams carries int32 dims; every product is taken in 64 bits by the kernels.
-        for (v, n) in [(batch, "batch"), (nHeads, "n_heads"), (qL, "q_len"), (capacity, "K/V capacity")]
+        for (v, n, arg) in [(batch, "batch", "q"), (nHeads, "the q heads", "q"), (qL, "q_len", "q"),
+                            (capacity, "the cache capacity", "k")]
         where v > Int(Int32.max) {
-            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the int32 range of AttnParams", arg: n)
+            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the int32 range of AttnParams", arg: arg)
         }
-        for (x, n) in [(t.q, "Q"), (t.k, "K"), (t.v, "V"), (t.out, "out")] {
+        for (x, n) in [(t.q, "q"), (t.k, "k"), (t.v, "v"), (t.out, "out")] {
             try x.requireBytes(op: op, name: n)
         }
 
@@ -236,12 +222,10 @@ public enum PrefillDispatcher {
         return [try BlkDispatcher.makeDispatch(mask: mask, blk: blk, headDim: Int(p.D)), try makeDispatch(withBlk, o)]
     }
 
-    /// Q's dtype is a prefill I/O type and every other tensor has it.
+    /// q's dtype is a prefill I/O type and every other tensor has it.
     static func requireIOTypes(q: (TensorRef, String), others: [(TensorRef, String)], op: String) throws {
         try q.0.requireDType(PrefillCapability.ioTypes, op: op, name: q.1)
-        for (x, n) in others where x.dtype != q.0.dtype {
-            throw FlashMetalError.type(op, "\(n) dtype \(x.dtype.name) does not match \(q.1) dtype \(q.0.dtype.name)", arg: n)
-        }
+        for (x, n) in others { try Checks.sameDType(x, n, as: q.0, q.1, op: op) }
     }
 
     /// AttnParams of validated dims (each within int32); strides are (batch, head, seq) elements.

@@ -1,6 +1,6 @@
 import CFlashMetal
 
-/// The serving extension of one prefill dispatch (flashmetal.h's
+/// The serving extension of one prefill dispatch (flashmetal_kernels.h's
 /// AttnSeqParams at PrefillBuffer.seqParams, the int32 tables, sinks and lse,
 /// and function constants 302, 304-311): everything the prefill kernel reads
 /// beyond the plain prefill. Both prefill dispatchers fill one; an empty one
@@ -30,7 +30,7 @@ public struct PrefillExtension {
     /// No extension: the plain prefill kernel.
     public init() {}
 
-    /// Per-sequence lengths and positions (flashmetal.h): any table bound.
+    /// Per-sequence lengths and positions (flashmetal_kernels.h): any table bound.
     public var perSequence: Bool { cuSeqlensQ != nil || cuSeqlensK != nil || seqlensK != nil || blockTable != nil }
 
     /// AttnSeqParams is bound (FM_FC_PREFILL_SEQ).

@@ -54,17 +54,13 @@ public enum RotaryDispatcher {
             try x.requireRank([2], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
-        if t.out.shape != t.x.shape {
-            throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal \(t.xName) shape \(t.x.shape)", arg: "out")
-        }
-        if t.sin.shape != t.cos.shape {
-            throw FlashMetalError.value(op, "rotary_sin shape \(t.sin.shape) must equal rotary_cos shape \(t.cos.shape)", arg: "rotary_sin")
-        }
+        try Checks.sameShape(t.out, "out", as: t.x, t.xName, op: op)
+        try Checks.sameShape(t.sin, "rotary_sin", as: t.cos, "rotary_cos", op: op)
         let (batch, rows, heads, d) = (t.x.shape[0], t.x.shape[1], t.x.shape[2], t.x.shape[3])
         let (seqlenRo, half) = (t.cos.shape[0], t.cos.shape[1])
-        if batch == 0 || heads == 0 || d == 0 {
-            throw FlashMetalError.value(op, "batch, heads and head_dim of \(t.xName) must be > 0, got shape \(t.x.shape)", arg: t.xName)
-        }
+        try Checks.positive("batch", batch, op: op, arg: t.xName)
+        try Checks.positive("the \(t.xName) heads", heads, op: op, arg: t.xName)
+        try Checks.positive("head_dim", d, op: op, arg: t.xName)
         if half == 0 || half > d / 2 {
             throw FlashMetalError.value(
                 op, "rotary_cos must be [seqlen_ro, rotary_dim / 2] with 0 < rotary_dim <= head_dim (\(d)), got shape "

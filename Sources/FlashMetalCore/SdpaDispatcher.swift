@@ -68,42 +68,38 @@ public enum SdpaDispatcher {
     /// that cover their shapes, a mask as AttentionMask describes.
     public static func makeDispatch(q: TensorRef, k: TensorRef, v: TensorRef, mask: TensorRef? = nil,
                                     out: TensorRef, _ o: SdpaOptions) throws -> Dispatch {
-        for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
+        for (x, n) in [(q, "q"), (k, "k"), (v, "v"), (out, "out")] {
             try x.requireRank([4], op: op, name: n)
         }
-        try q.requireDType(SdpaCapability.ioTypes, op: op, name: "Q")
-        for (x, n) in [(k, "K"), (v, "V"), (out, "output")] where x.dtype != q.dtype {
-            throw FlashMetalError.type(op, "dtype mismatch: Q=\(q.dtype.name) != \(n)=\(x.dtype.name)", arg: n)
-        }
+        try q.requireDType(SdpaCapability.ioTypes, op: op, name: "q")
+        for (x, n) in [(k, "k"), (v, "v"), (out, "out")] { try Checks.sameDType(x, n, as: q, "q", op: op) }
         let (b, h, qL, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (kb, hkv, cap, kd) = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
-        if v.shape != k.shape { throw FlashMetalError.value(op, "V shape \(v.shape) must equal K shape \(k.shape)", arg: "V") }
-        if out.shape != q.shape { throw FlashMetalError.value(op, "output shape \(out.shape) must equal Q shape \(q.shape)", arg: "output") }
-        if kb != b { throw FlashMetalError.value(op, "K batch (\(kb)) must equal Q batch (\(b))", arg: "K") }
-        if kd != d { throw FlashMetalError.value(op, "K head_dim (\(kd)) must equal Q head_dim (\(d))", arg: "K") }
-        if d == 0 { throw FlashMetalError.value(op, "head_dim must be > 0", arg: "Q") }
-        if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)", arg: "Q") }
-        if h == 0 { throw FlashMetalError.value(op, "n_heads must be > 0", arg: "Q") }
-        if hkv == 0 { throw FlashMetalError.value(op, "n_kv_heads must be > 0", arg: "K") }
-        if h % hkv != 0 { throw FlashMetalError.value(op, "n_heads (\(h)) must be divisible by n_kv_heads (\(hkv))", arg: "Q") }
-        if qL == 0 { throw FlashMetalError.value(op, "q_len must be > 0", arg: "Q") }
-        if b == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "Q") }
-        if cap == 0 { throw FlashMetalError.value(op, "the K/V capacity must be > 0", arg: "K") }
+        try Checks.sameShape(v, "v", as: k, "k", op: op)
+        try Checks.sameShape(out, "out", as: q, "q", op: op)
+        try Checks.sameDim("batch", kb, of: "k", as: b, of: "q", op: op)
+        try Checks.sameDim("head_dim", kd, of: "k", as: d, of: "q", op: op)
+        try Checks.positive("head_dim", d, op: op, arg: "q")
+        if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)", arg: "q") }
+        try Checks.heads(h, kvHeads: hkv, of: "k", op: op, kvHeadsArg: "k")
+        try Checks.positive("q_len", qL, op: op, arg: "q")
+        try Checks.positive("batch", b, op: op, arg: "q")
+        try Checks.positive("the cache capacity", cap, op: op, arg: "k")
         let kvLen = o.kvLen ?? cap
-        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }
-        if kvLen > cap { throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the K/V capacity (\(cap))", arg: "kv_len") }
+        try Checks.kvLen(kvLen, capacity: cap, op: op)
         let scale = o.scale
-        try ScoreChecks.requireScaleAndSoftcap(scale, o.softcap, op: op)
+        try Checks.scaleAndSoftcap(scale, o.softcap, op: op)
         if let w = o.window, !(1...Int(Int32.max)).contains(w) {
             throw FlashMetalError.value(op, "window must be > 0 and fit in int32, got \(w)", arg: "window")
         }
         if let off = o.qOffset, !(Int(Int32.min)...Int(Int32.max)).contains(off) {
             throw FlashMetalError.value(op, "q_offset (\(off)) is out of the int32 range", arg: "q_offset")
         }
-        for (v, n) in [(b, "batch"), (h, "n_heads"), (qL, "q_len"), (cap, "K/V capacity")] where v > Int(UInt32.max) {
-            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams", arg: n)
+        for (v, n, arg) in [(b, "batch", "q"), (h, "the q heads", "q"), (qL, "q_len", "q"), (cap, "the cache capacity", "k")]
+        where v > Int(UInt32.max) {
+            throw FlashMetalError.value(op, "\(n) (\(v)) exceeds the uint32 range of SdpaParams", arg: arg)
         }
-        for (x, n) in [(q, "Q"), (k, "K"), (v, "V"), (out, "output")] {
+        for (x, n) in [(q, "q"), (k, "k"), (v, "v"), (out, "out")] {
             try x.requireBytes(op: op, name: n)
         }
         let maskParams = try mask.map {

@@ -1,6 +1,6 @@
 import CFlashMetal
 
-// The integers the shaders and the host agree on, read from flashmetal.h
+// The integers the shaders and the host agree on, read from flashmetal_kernels.h
 // (FMFunctionConstant and the FM*Binding enums): Swift names for them, no
 // second copy of the values.
 

@@ -125,11 +125,11 @@ public enum VecDispatcher {
         let (heads, d) = (q.shape[q.rank - 2], q.shape[q.rank - 1])
         let kb = k.rank == 4 ? k.shape[0] : 1
         let (kvHeads, cap, kd) = (k.shape[k.rank - 3], k.shape[k.rank - 2], k.shape[k.rank - 1])
-        if kb != batch { throw FlashMetalError.value(op, "\(kName) batch (\(kb)) must equal q batch (\(batch))", arg: kName) }
-        if kd != d { throw FlashMetalError.value(op, "\(kName) head_dim (\(kd)) must equal q head_dim (\(d))", arg: kName) }
+        try Checks.sameDim("batch", kb, of: kName, as: batch, of: "q", op: op)
+        try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
         try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
-        if cap == 0 { throw FlashMetalError.value(op, "the cache capacity must be > 0", arg: kName) }
+        try Checks.positive("the cache capacity", cap, op: op, arg: kName)
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         let (kvRows, o2) = batch.multipliedReportingOverflow(by: kvHeads)
         if o1 || o2 || rows > Int(UInt32.max) || kvRows > Int(UInt32.max) || cap > Int(UInt32.max)
@@ -147,22 +147,17 @@ public enum VecDispatcher {
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
         try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op, kName: t.kName, vName: t.vName)
         let s = try shapes(q: t.q, k: t.k, kName: t.kName)
-        if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "\(t.vName) shape \(t.v.shape) must equal \(t.kName) shape \(t.k.shape)", arg: t.vName)
-        }
-        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
+        try Checks.sameShape(t.v, t.vName, as: t.k, t.kName, op: op)
+        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
         let kvLen = o.kvLen ?? s.capacity
-        if kvLen <= 0 { throw FlashMetalError.value(op, "kv_len must be > 0, got \(kvLen)", arg: "kv_len") }
-        if kvLen > s.capacity {
-            throw FlashMetalError.value(op, "kv_len (\(kvLen)) must be <= the cache capacity (\(s.capacity))", arg: "kv_len")
-        }
+        try Checks.kvLen(kvLen, capacity: s.capacity, op: op)
         guard let maskType = VecMaskType(rawValue: o.maskType) else {
             throw FlashMetalError.value(op, "mask_type must be 0 (none), 1 (causal) or 2 (sliding window), got \(o.maskType)", arg: "mask_type")
         }
         if maskType == .window && (o.window <= 0 || o.window > Int(UInt32.max)) {
             throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)", arg: "window")
         }
-        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sg = t.signs {
             if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht", arg: "fwht_signs") }
@@ -190,9 +185,7 @@ public enum VecDispatcher {
                              op: String, kName: String = "k", vName: String = "v") throws {
         try q.requireDType([.f32], op: op, name: "q")
         try k.requireDType(VecCapability.kvTypes, op: op, name: kName)
-        if v.dtype != k.dtype {
-            throw FlashMetalError.type(op, "\(vName) dtype \(v.dtype.name) does not match \(kName) dtype \(k.dtype.name)", arg: vName)
-        }
+        try Checks.sameDType(v, vName, as: k, kName, op: op)
         try out.requireDType([.f32], op: op, name: "out")
         try tmp.requireDType([.f32], op: op, name: "tmp")
         for (x, n) in [(q, "q"), (k, kName), (v, vName), (out, "out")] {
@@ -200,16 +193,11 @@ public enum VecDispatcher {
         }
     }
 
-    /// A finite scale and a softcap of 0 (off) or a finite value > 0.
-    /// A non-empty batch and heads that group evenly over the kv heads.
+    /// A non-empty batch and heads that group evenly over the kv heads
+    /// (every error names q, which carries the batch and the heads).
     static func requireHeads(batch: Int, heads: Int, kvHeads: Int, op: String, kName: String = "k") throws {
-        if batch == 0 { throw FlashMetalError.value(op, "batch must be > 0", arg: "q") }
-        if heads == 0 || kvHeads == 0 {
-            throw FlashMetalError.value(op, "num_heads and num_kv_heads must be > 0, got \(heads) and \(kvHeads)", arg: "q")
-        }
-        if heads % kvHeads != 0 {
-            throw FlashMetalError.value(op, "the q heads (\(heads)) must be a multiple of the \(kName) heads (\(kvHeads))", arg: "q")
-        }
+        try Checks.positive("batch", batch, op: op, arg: "q")
+        try Checks.heads(heads, kvHeads: kvHeads, of: kName, op: op, kvHeadsArg: "q")
     }
 
     /// tmp holds the partials of `rows` rows.

@@ -112,7 +112,7 @@ public enum VecSeqDispatcher {
         try k.requireRank([4], op: op, name: kName)
         let (batch, heads, d) = (q.shape[0], q.shape[1], q.shape[2])
         let (kvHeads, kd) = (k.shape[2], k.shape[3])
-        if kd != d { throw FlashMetalError.value(op, "\(kName) head_dim (\(kd)) must equal q head_dim (\(d))", arg: kName) }
+        try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
         try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
         var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
@@ -125,8 +125,8 @@ public enum VecSeqDispatcher {
             if numPages == 0 { throw FlashMetalError.value(op, "a paged \(kName) must hold at least one page", arg: kName) }
             let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
             capacity = o ? Int.max : c
-        } else if k.shape[0] != batch {
-            throw FlashMetalError.value(op, "\(kName) batch (\(k.shape[0])) must equal q batch (\(batch))", arg: kName)
+        } else {
+            try Checks.sameDim("batch", k.shape[0], of: kName, as: batch, of: "q", op: op)
         }
         // A cache with room for no key (k's dim 1 or block_table's dim 1 is 0)
         // is attended as empty sequences: output 0, as the prefill route and
@@ -146,11 +146,9 @@ public enum VecSeqDispatcher {
         try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op,
                                        kName: t.kName, vName: t.vName)
         let s = try shapes(q: t.q, k: t.k, blockTable: t.blockTable, kName: t.kName)
-        if t.v.shape != t.k.shape {
-            throw FlashMetalError.value(op, "\(t.vName) shape \(t.v.shape) must equal \(t.kName) shape \(t.k.shape)", arg: t.vName)
-        }
-        if t.out.shape != t.q.shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must equal q shape \(t.q.shape)", arg: "out") }
-        try ScoreChecks.requireScaleAndSoftcap(o.scale, o.softcap, op: op)
+        try Checks.sameShape(t.v, t.vName, as: t.k, t.kName, op: op)
+        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
         try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
         if let sinks = t.sinks {

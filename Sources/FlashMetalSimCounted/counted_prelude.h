@@ -5,4 +5,4 @@
 #pragma once
 #define FMSIM_COUNTED_COPY 1
 #include "../../Resources/shaders/dialect.h"
-#include "flashmetal.h"
+#include "flashmetal_kernels.h"

@@ -5,7 +5,7 @@
 //   (the second form writes each embedded source to DIR/<file>.metal, so the
 //   macOS CI job can compile exactly what the library embeds)
 // Each .metal file becomes one source string in which `#include "x"` lines
-// naming flashmetal.h or a sibling .h file are replaced by that file's text
+// naming HEADER (flashmetal_kernels.h) or a sibling .h file are replaced by that file's text
 // (the Metal compiler cannot resolve quoted includes of a source-compiled
 // library). `#line` directives around every inlined file make a Metal compile
 // error name the real file and line. Kernel host names are read from
@@ -53,7 +53,7 @@ guard args.count >= 2 else { fail("usage: ShaderEmbedder [--sources] OUTPUT HEAD
 let output = args[0]
 let files = Array(args.dropFirst(2))
 
-var includable: [String: String] = ["flashmetal.h": args[1]]
+var includable: [String: String] = [fileName(args[1]): args[1]]
 for f in files where f.hasSuffix(".h") { includable[fileName(f)] = f }
 
 /// Where `needle` first occurs in `hay`, by UTF-8 bytes.

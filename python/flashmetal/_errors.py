@@ -13,6 +13,9 @@ class Error(Exception):
     def __init__(self, op: str, message: str, status: int | None = None, argument: str | None = None) -> None:
         super().__init__(f"{op}: {message}" if op else message)
         self.op = op
+        #: What is wrong, without the op: the library's FMError.message or
+        #: the text Python raised, so no caller has to cut it out of str(e).
+        self.message = message
         self.status = status
         self.argument = argument
 

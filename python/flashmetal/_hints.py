@@ -32,14 +32,14 @@ _SERVING_Q = f"{_HALF} (float32 too with one query row, the decode kernel)"
 #: test_error_hints.py runs every listed dtype and checks the library refuses
 #: the others, so the two cannot drift apart.
 TAKES: dict[tuple[str, str], str] = {
-    ("flash_attn_prefill", "Q"): _HALF,
-    ("flash_attn_prefill", "K"): f"Q's dtype ({_HALF})",
-    ("flash_attn_prefill", "V"): f"Q's dtype ({_HALF})",
-    ("flash_attn_prefill", "mask"): f"Q's dtype ({_HALF}; additive) or bool",
-    ("sdpa", "Q"): _IO,
-    ("sdpa", "K"): f"Q's dtype ({_IO})",
-    ("sdpa", "V"): f"Q's dtype ({_IO})",
-    ("sdpa", "mask"): f"Q's dtype ({_IO}; additive) or bool",
+    ("flash_attn_prefill", "q"): _HALF,
+    ("flash_attn_prefill", "k"): f"q's dtype ({_HALF})",
+    ("flash_attn_prefill", "v"): f"q's dtype ({_HALF})",
+    ("flash_attn_prefill", "mask"): f"q's dtype ({_HALF}; additive) or bool",
+    ("sdpa", "q"): _IO,
+    ("sdpa", "k"): f"q's dtype ({_IO})",
+    ("sdpa", "v"): f"q's dtype ({_IO})",
+    ("sdpa", "mask"): f"q's dtype ({_IO}; additive) or bool",
     ("scaled_dot_product_attention", "query"): _IO,
     ("scaled_dot_product_attention", "key"): f"query's dtype ({_IO})",
     ("scaled_dot_product_attention", "value"): f"query's dtype ({_IO})",
@@ -63,10 +63,9 @@ _ANY = f"{_IO} data (bool or uint8 for masks and tile tables)"
 
 
 def argument_name(name: str) -> str:
-    """The parameter an argument's message name stands for ("Q" is q,
-    "k_cache codes" is k_cache)."""
-    first = name.split()[0]
-    return first.lower() if first in ("Q", "K", "V") else first
+    """The parameter an argument's message name stands for ("k_cache
+    codes" is k_cache)."""
+    return name.split()[0]
 
 
 def unsupported_dtype(op: str, name: str, dtype: Any) -> InvalidTypeError:
@@ -212,7 +211,7 @@ def _layout_error(spec: _Spec, e: InvalidValueError, args: dict[str, Any]) -> In
     expected = args.get(spec.layout, spec.expected) if spec.layout else spec.expected
     if not isinstance(expected, str) or expected not in _TRANSPOSED:
         return None
-    reason = str(e).removeprefix(f"{e.op}: ")
+    reason = e.message
     unpassed_offset = e.argument == "q_offset" and "q_offset" in args and args["q_offset"] is None
     if _fits(spec, call, expected, expected) is None:
         other = _TRANSPOSED[expected]

@@ -34,7 +34,7 @@ from . import reference
 from ._errors import Error
 from .attention import last_route, scaled_dot_product_attention
 from .demo import _TOLERANCE as TOLERANCE
-from .registry import BACKEND_NAMES as BACKENDS, Registry
+from .registry import Registry, backend_names
 
 _DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
            "float32": np.dtype(np.float32)}
@@ -51,7 +51,7 @@ SIM_NS_PER_MAC = 11.0
 def available_backends() -> list[str]:
     """The backends that open on this machine."""
     names = []
-    for name in BACKENDS:
+    for name in backend_names():
         try:
             Registry(name).close()
         except Error:

@@ -189,8 +189,7 @@ def _as_packed(op: str, names: dict[str, str]) -> Iterator[None]:
     except Error as e:
         if not e.argument or e.argument not in names:
             raise
-        prefix = f"{e.op}: " if e.op else ""
-        message = f"{str(e)[len(prefix):]} ({e.argument} is {names[e.argument]})"
+        message = f"{e.message} ({e.argument} is {names[e.argument]})"
         raise type(e)(e.op, message, e.status, names[e.argument]) from e
 
 

@@ -44,12 +44,12 @@ def flash_attn_prefill(
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
             bfloat16 or float16. D is one of ``supported_head_dims("flash_attn_prefill")``.
-        k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, Q's dtype; H must
+        k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, q's dtype; H must
             be a multiple of Hkv (GQA). Or a QuantizedKV of leading shape
             ``[B, cap, Hkv]`` for either or both (layout "blhd"; the other
             side a dense cache): the tiled prefill over codes, q of any float
             dtype, the query rows the newest of kv_len keys, no mask or blk.
-        mask: additive (Q's dtype: 0 attend, -inf masked, any finite bias) or
+        mask: additive (q's dtype: 0 attend, -inf masked, any finite bias) or
             bool (True = attend); ``[qL, kv_len]`` broadcast or ``[B, H, qL, kv_len]``.
         causal: query row i sits at ``q_offset + i`` and sees keys ``<= q_offset + i``.
         q_offset: absolute position of query row 0. Default ``kv_len - qL``
@@ -64,7 +64,7 @@ def flash_attn_prefill(
         layout: "bhld" (head-major) or "blhd" (seq-major).
         kv_len: valid K/V length when k/v hold more slots (their length is
             the capacity); default all of them.
-        out: optional C-contiguous output of Q's shape and dtype (a numpy array
+        out: optional C-contiguous output of q's shape and dtype (a numpy array
             or a torch CPU tensor), filled in place and returned.
         blk: optional tile classes from ``build_blk`` for this head dim and
             mask shape (needs a rank-2 mask).
@@ -82,9 +82,9 @@ def flash_attn_prefill(
         return prefill_over_codes(reg, op, q, k, v, mask=mask, causal=causal, q_offset=q_offset, scale=scale,
                                   softcap=softcap, window=window, layout=layout, kv_len=kv_len, out=out, blk=blk,
                                   sinks=sinks)
-    qa = as_input(q, op, "Q")
-    ka = as_input(k, op, "K")
-    va = as_input(v, op, "V")
+    qa = as_input(q, op, "q")
+    ka = as_input(k, op, "k")
+    va = as_input(v, op, "v")
     ma = None if mask is None else as_input(mask, op, "mask")
     ba = None if blk is None else as_input(blk, op, "blk")
     sa = sinks_arg(op, sinks)

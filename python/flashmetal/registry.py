@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -13,13 +14,13 @@ from . import _native
 from ._errors import InvalidTypeError, InvalidValueError
 
 
-# Backends that defer work to the end of a batch scope (Metal commits one
-# command buffer then) and so read the call's arrays after the call returns.
-# cpu and sim run every call to completion before it returns.
-#: Every backend name a library build may offer ("auto" aside), in the order
-#: tools list them; which ones open depends on the build and the machine.
-BACKEND_NAMES = ("cpu", "sim", "metal-sim", "metal")
-DEFERRING_BACKENDS = frozenset({"metal", "metal-sim"})
+@functools.cache
+def backend_names() -> tuple[str, ...]:
+    """The backends the loaded library can create ("auto" aside), as the
+    library lists them; whether one opens also depends on the machine."""
+    buf = _native.ffi().new("char[]", 256)
+    _native.lib().fm_backend_names(buf, 256)
+    return tuple(n for n in _native.ffi().string(buf).decode().split(",") if n)
 
 # The metal-sim runtime's counters, in the order of FMMetalSimCounter.
 METAL_SIM_COUNTERS = ("command_buffers", "commits", "encoders", "dispatches", "barriers", "bytes_wrapped",
@@ -53,7 +54,11 @@ class Registry:
         if status != _native.lib().FM_OK:
             raise _native.error_for(status, "registry_backend", "the new registry is not live")
         self.backend: str = ffi.string(name).decode()
-        self._defers_work = self.backend in DEFERRING_BACKENDS
+        # A backend that defers work to the end of a batch scope (Metal)
+        # reads the call's arrays after the call returns: batch() keeps them.
+        defers = ffi.new("int32_t *")
+        _native.call(self, "fm_registry_defers_work", defers, op="registry_defers_work")
+        self._defers_work = bool(defers[0])
 
     # Kept for tests and benchmarks that drive entry points directly.
     @property

@@ -56,9 +56,9 @@ def sdpa(
     """
     op = _native.public_op(_OP)
     reg = resolve(registry, op)
-    qa = as_input(q, op, "Q")
-    ka = as_input(k, op, "K")
-    va = as_input(v, op, "V")
+    qa = as_input(q, op, "q")
+    ka = as_input(k, op, "k")
+    va = as_input(v, op, "v")
     ma = None if mask is None else as_input(mask, op, "mask")
     if out is None:
         out = dst = np.empty(qa.shape, dtype=qa.dtype)

@@ -195,7 +195,7 @@ done:
     buf_free(&q); buf_free(&k); buf_free(&v); buf_free(&o); buf_free(&m);
 }
 
-/* ---- prefill, serving extension (flashmetal.h AttnSeqParams) ------------- */
+/* ---- prefill, serving extension (flashmetal_kernels.h AttnSeqParams) ------------- */
 
 /* One case: B sequences with their own q and k lengths. Layouts are
  * flash-attn's: q/o [B, qmax, H, D] or packed [total_q, H, D] (varlen_q);

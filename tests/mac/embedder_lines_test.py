@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The embedded shader sources carry #line directives: a compile error in any
-file inlined into them (the .metal file, dialect.h, flashmetal.h) names that
+file inlined into them (the .metal file, dialect.h, flashmetal_kernels.h) names that
 file and its line. Plants an #error at a known line of each, embeds the copies
 with the embedder itself, preprocesses the result and checks the locations."""
 from __future__ import annotations
@@ -13,17 +13,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # (file, 1-based line the planted #error will occupy)
-PLANTS = [("sdpa.metal", 30), ("dialect.h", 3), ("flashmetal.h", 40)]
+PLANTS = [("sdpa.metal", 30), ("dialect.h", 3), ("flashmetal_kernels.h", 40)]
 
 
 def main(cxx: str) -> int:
     with tempfile.TemporaryDirectory(prefix="embed-lines-") as tmp:
         shaders, out = Path(tmp) / "shaders", Path(tmp) / "out"
         shutil.copytree(ROOT / "Resources" / "shaders", shaders)
-        header = Path(tmp) / "flashmetal.h"
-        shutil.copy(ROOT / "Sources" / "CFlashMetal" / "include" / "flashmetal.h", header)
+        header = Path(tmp) / "flashmetal_kernels.h"
+        shutil.copy(ROOT / "Sources" / "CFlashMetal" / "include" / "flashmetal_kernels.h", header)
         for name, line in PLANTS:
-            f = header if name == "flashmetal.h" else shaders / name
+            f = header if name == "flashmetal_kernels.h" else shaders / name
             lines = f.read_text().split("\n")
             lines.insert(line - 1, f"#error planted in {name}")
             f.write_text("\n".join(lines))

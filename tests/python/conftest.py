@@ -11,7 +11,7 @@ import flashmetal
 
 def available_backends() -> list[str]:
     names = []
-    for name in flashmetal.registry.BACKEND_NAMES:
+    for name in flashmetal.registry.backend_names():
         try:
             flashmetal.Registry(name).close()
         except (ValueError, flashmetal.BackendError):

@@ -71,7 +71,7 @@ def test_messages_name_the_public_function_and_kv_len(cpu):
     with pytest.raises(ValueError) as e:
         fm.flash_attn_decode(q, k, k, kv_len=9, registry=cpu)
     assert str(e.value) == "flash_attn_decode: kv_len (9) must be <= the cache capacity (8)"
-    with pytest.raises(ValueError, match=r"^sdpa: kv_len \(9\) must be <= the K/V capacity \(8\)$"):
+    with pytest.raises(ValueError, match=r"^sdpa: kv_len \(9\) must be <= the cache capacity \(8\)$"):
         fm.sdpa(np.zeros((1, 1, 2, 8), F32), np.zeros((1, 1, 8, 8), F32), np.zeros((1, 1, 8, 8), F32), kv_len=9,
                 registry=cpu)
 

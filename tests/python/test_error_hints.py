@@ -113,7 +113,7 @@ def test_prefill_rows_beyond_the_keys_name_q_not_an_unpassed_q_offset(cpu, rng):
 def test_no_hint_when_the_transpose_does_not_fit_either(cpu, rng):
     q, k = randn(rng, (1, 4, 6, 64), BF16), randn(rng, (1, 3, 8, 64), BF16)
     e = _error(fm.InvalidValueError, fm.flash_attn_prefill, q, k, k, registry=cpu)
-    assert "transposed" not in str(e) and str(e).endswith("n_heads (4) must be divisible by n_kv_heads (3)")
+    assert "transposed" not in str(e) and str(e).endswith("the q heads (4) must be a multiple of the k heads (3)")
     e = _error(fm.InvalidValueError, fm.scaled_dot_product_attention, q, k, k, enable_gqa=True, registry=cpu)
     assert "transposed" not in str(e) and str(e).endswith("must be a multiple of key heads (3)")
 
@@ -153,7 +153,7 @@ def test_kvcache_head_major_caches_given(cpu, rng):
 def _call(op, arg, dtype, cpu, rng):
     """Calls public function ``op`` with argument ``arg`` (as its messages
     name it) of ``dtype``, the other tensors of the same dtype when they
-    can take it (the rules say "Q's dtype"), else of one they take."""
+    can take it (the rules say "q's dtype"), else of one they take."""
     half = dtype if dtype in (BF16, F16) else BF16
     io = dtype if dtype in (F32, F16, BF16) else F32
 
@@ -161,11 +161,11 @@ def _call(op, arg, dtype, cpu, rng):
         return randn(rng, shape, dt) if dt in (F32, F16, BF16) else np.zeros(shape, dt)
 
     if op == "flash_attn_prefill":
-        qkv = {n: r((1, 2, 16, 64), dtype if n == arg else half) for n in "QKV"}
+        qkv = {n: r((1, 2, 16, 64), dtype if n == arg else half) for n in "qkv"}
         mask = r((16, 16), dtype) if arg == "mask" else None
-        return fm.flash_attn_prefill(qkv["Q"], qkv["K"], qkv["V"], mask=mask, registry=cpu)
+        return fm.flash_attn_prefill(qkv["q"], qkv["k"], qkv["v"], mask=mask, registry=cpu)
     if op in ("sdpa", DROPIN):
-        names = ("Q", "K", "V") if op == "sdpa" else ("query", "key", "value")
+        names = ("q", "k", "v") if op == "sdpa" else ("query", "key", "value")
         qkv = {n: r((1, 2, 16, 64), dtype if n == arg else io) for n in names}
         if op == DROPIN:
             return fm.scaled_dot_product_attention(*qkv.values(), registry=cpu)
@@ -227,7 +227,7 @@ def test_an_argument_without_an_entry_gets_every_dtype(cpu):
     assert isinstance(e, fm.InvalidTypeError) and "x takes float32, float16 or bfloat16 data" in str(e)
     e = _error(fm.InvalidTypeError, fm.sdpa, np.zeros((1, 2, 4, 64), np.int64), np.zeros((1, 2, 4, 64), F32),
                np.zeros((1, 2, 4, 64), F32), registry=cpu)
-    assert str(e) == "sdpa: Q dtype int64 is not supported; Q takes float32, float16 or bfloat16"
+    assert str(e) == "sdpa: q dtype int64 is not supported; q takes float32, float16 or bfloat16"
 
 
 def test_float64_torch_tensor(cpu):

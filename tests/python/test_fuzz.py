@@ -109,10 +109,9 @@ def T(dtype, shape, nbytes=64):
 
 
 def test_abi_prefill_huge_seq_len_small_buffer():
-    """Found by the fuzzer: q_offset + seq_len_q overflowed (Swift trap,
-    SIGILL) for a Q of seq_len 2^63-1 with a 64-byte buffer, because the
-    dispatcher did arithmetic on dims before proving the buffer covers them.
-    Fixed by TensorRef checking nbytes against the shape on entry."""
+    """A q of seq_len 2^63-1 over a 64-byte buffer is refused before any
+    arithmetic on its dims (q_offset + seq_len_q would overflow and trap):
+    TensorRef checks nbytes against the shape on entry."""
     p = _subprocess(_PRELUDE + """
 o = ffi.new("FMPrefillOptions *"); o.scale = 0.1; o.q_offset = 1
 q = T(2, [1, 1, 2**63 - 1, 64]); k = T(2, [1, 1, 4, 64])
@@ -121,7 +120,7 @@ print(s, (ffi.string(err.op) + b": " + ffi.string(err.message)).decode())
 """)
     assert p.returncode == 0, p.stderr[-2000:]
     status, msg = p.stdout.split(" ", 1)
-    assert status == "1" and msg.startswith("flash_attn_prefill: Q "), p.stdout
+    assert status == "1" and msg.startswith("flash_attn_prefill: q "), p.stdout
 
 
 def test_abi_vec_huge_heads_small_buffer():

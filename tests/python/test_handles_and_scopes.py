@@ -37,6 +37,9 @@ def test_destroyed_registry_handle_is_never_another_registry():
     assert lib.fm_begin_batch(stale, err) == lib.FM_ERROR_VALUE
     assert b"not a live registry" in err_text(err)
     assert lib.fm_destroy_registry(stale) == lib.FM_ERROR_VALUE  # double destroy
+    defers = ffi.new("int32_t *", 7)
+    assert lib.fm_registry_defers_work(stale, defers, err) == lib.FM_ERROR_VALUE
+    assert b"not a live registry" in err_text(err) and defers[0] == 7
     name = ffi.new("char[]", b"garbage")
     assert lib.fm_registry_backend(stale, name, 8) == lib.FM_ERROR_VALUE
     assert ffi.string(name) == b"", "an error must not leave a message where the name goes"
@@ -138,7 +141,7 @@ print(grown / (1024 * 1024 if sys.platform == "darwin" else 1024))  # MiB
 def test_synchronous_batch_keeps_no_scratch():
     """50 decodes needing 4 MiB of library scratch each, inside one batch:
     cpu has run each when it returns, so the peak RSS grows by about one
-    scratch, not 200 MiB (the batch used to hoard them all). A fresh process,
+    scratch, not 200 MiB (a batch that kept every call's scratch). A fresh process,
     so the peak is not an earlier test's."""
     r = subprocess.run([sys.executable, "-c", _SCRATCH_PROBE], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -187,3 +190,16 @@ def test_batch_keeps_temporary_copies_until_it_ends(registry_name, rng):
     assert reg._batch_keep == [], "outside a batch nothing is kept"
     reg.close()
     gc.collect()
+
+
+def test_the_library_says_which_backends_defer_work(registry):
+    """Only the Metal backend (metal, and metal-sim on Linux) runs a batch
+    scope's work at its end; Python keeps a scope's arrays alive only there."""
+    ffi, lib = _native.ffi(), _native.lib()
+    defers = ffi.new("int32_t *", 7)
+    err = _err()
+    assert lib.fm_registry_defers_work(registry._handle, defers, err) == lib.FM_OK
+    assert defers[0] == (1 if registry.backend in ("metal", "metal-sim") else 0)
+    assert registry._defers_work is bool(defers[0])
+    assert lib.fm_registry_defers_work(registry._handle, ffi.NULL, err) == lib.FM_ERROR_VALUE
+    assert ffi.string(err.argument) == b"out"

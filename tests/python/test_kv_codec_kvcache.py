@@ -198,7 +198,7 @@ def test_errors_name_the_function_argument_and_value(registry, rng):
     with pytest.raises(ValueError, match=rf"^{OP}: .*cache_seqlens\[0\] = 17 is out of range \[0, 16\]"):
         fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=np.array([17, 1], np.int32), block_table=s.table,
                                    registry=registry)
-    with pytest.raises(ValueError, match=rf"^{OP}: .*num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+    with pytest.raises(ValueError, match=rf"^{OP}: .*the q heads \(3\) must be a multiple of the k_cache heads \(2\)"):
         fm.flash_attn_with_kvcache(q[:, :, :3], s.k, s.v, cache_seqlens=s.lens, block_table=s.table,
                                    registry=registry)
     other = fm.KVCodec(128, 8).empty(s.k.shape)

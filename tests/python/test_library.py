@@ -9,7 +9,7 @@ from exports import exported_symbols
 from flashmetal import _loader
 from cabi import err_text
 
-EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend",
+EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend", "fm_registry_defers_work",
             "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch", "fm_abi_version",
             "fm_status_string", "fm_supported_head_dims", "fm_max_head_dim"]
 
@@ -41,7 +41,7 @@ def test_null_and_stale_handles():
     assert lib.fm_create_registry(b"cpu", h, err) == 0
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
                                  opts, err)
-    assert st == 1 and b"flash_attn_prefill: Q is null" in err_text(err)
+    assert st == 1 and b"flash_attn_prefill: q is null" in err_text(err)
     assert lib.fm_destroy_registry(h[0]) == 0
     assert lib.fm_destroy_registry(h[0]) == 1  # double destroy is an error, not a crash
     st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
@@ -78,7 +78,7 @@ def test_error_fields_name_the_public_op_and_argument():
         st = lib.fm_dispatch_prefill(h[0], ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, opts, err)
         assert st == err.status == lib.FM_ERROR_VALUE
         assert ffi.string(err.op) == want and ffi.string(err.argument) == b"q"
-        assert ffi.string(err.message) == b"Q is null"
+        assert ffi.string(err.message) == b"q is null"
     ok = ffi.new("FMError *")
     assert lib.fm_begin_batch(h[0], ok) == 0 and lib.fm_end_batch(h[0], ok) == 0
     assert (ok.status, ffi.string(ok.op), ffi.string(ok.argument), ffi.string(ok.message)) == (0, b"", b"", b"")
@@ -106,7 +106,7 @@ def test_undersized_buffer_is_refused(nbytes):
     opts = ffi.new("FMPrefillOptions *")
     opts.scale = 0.125
     st = lib.fm_dispatch_prefill(h[0], ts[0], ts[1], ts[2], ffi.NULL, ffi.NULL, ts[3], opts, err)
-    assert st == 1 and b"K buffer too small" in err_text(err), err_text(err)
+    assert st == 1 and b"k buffer too small" in err_text(err), err_text(err)
     lib.fm_destroy_registry(h[0])
 
 

@@ -113,7 +113,7 @@ def test_sdpa_out_over_its_mask_is_refused(registry, rng):
     mask = arena[96:128].reshape(1, 1, 4, 8)
     opts = ffi.new("FMSdpaOptions *", {"scale": 0.2, "causal": 0, "kv_len": 0})
     _refused(registry, "fm_dispatch_sdpa", (tensor(q), tensor(k), tensor(v), tensor(mask), tensor(out), opts),
-             (q, k, v, mask, out), "sdpa", "output and mask", arena)
+             (q, k, v, mask, out), "sdpa", "out and mask", arena)
 
 
 def test_public_out_over_cache_seqlens_is_refused():

@@ -8,16 +8,11 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, assert_bits_equal, assert_close, randn, wide_bool_bytes
+from numerics import BF16, F16, assert_bits_equal, assert_close, qkv, randn, wide_bool_bytes
 
 HEAD_DIMS = [64, 128, 256, 512]
 DTYPES = [BF16, F16]
 MASKS = ["none", "additive2", "additive4", "bool"]
-
-
-def make_qkv(rng, b, h, hkv, ql, kl, d, dtype):
-    return (randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype),
-            randn(rng, (b, hkv, kl, d), dtype))
 
 
 def make_mask(rng, kind, b, h, ql, kl, dtype):
@@ -35,7 +30,7 @@ def make_mask(rng, kind, b, h, ql, kl, dtype):
 
 def check(registry, rng, *, b=1, h=2, hkv=2, ql=50, kl=64, d=64, dtype=BF16, mask="none",
           causal=False, scale=None, q_offset=None, softcap=0.0):
-    q, k, v = make_qkv(rng, b, h, hkv, ql, kl, d, dtype)
+    q, k, v = qkv(rng, dtype, b=b, h=h, hkv=hkv, ql=ql, kl=kl, d=d)
     m = make_mask(rng, mask, b, h, ql, kl, dtype)
     off = (kl - ql) if q_offset is None else q_offset
     out = fm.flash_attn_prefill(q, k, v, mask=m, causal=causal, q_offset=off, scale=scale,
@@ -54,7 +49,7 @@ def test_bool_mask_reads_any_nonzero_byte_as_true(registry, rng, d, shared):
     and (for a mask shared by all heads, 3x2 key tiles) the auto-blk pass,
     reads nonzero as true: bit-identical to the 0/1 mask, and the reference."""
     b, h, ql, kl = 1, 2, 40, 48
-    q, k, v = make_qkv(rng, b, h, h, ql, kl, d, F16)
+    q, k, v = qkv(rng, F16, b=b, h=h, hkv=h, ql=ql, kl=kl, d=d)
     keep = rng.random((ql, kl) if shared else (b, h, ql, kl)) < 0.6
     keep[..., 0] = True
     wide = wide_bool_bytes(rng, keep)
@@ -98,7 +93,7 @@ def test_softcap(registry, rng):
 
 
 def test_all_neg_inf_mask_gives_exact_zeros(registry, rng):
-    q, k, v = make_qkv(rng, 1, 2, 2, 20, 24, 64, BF16)
+    q, k, v = qkv(rng, BF16, b=1, h=2, hkv=2, ql=20, kl=24, d=64)
     m = np.full((20, 24), -np.inf, dtype=BF16)
     m[:10, 3] = 0  # rows 0..9 see one key, rows 10.. see nothing
     out = fm.flash_attn_prefill(q, k, v, mask=m, registry=registry)
@@ -114,7 +109,7 @@ def test_all_neg_inf_mask_gives_exact_zeros(registry, rng):
 def test_resume_matches_one_shot_bitwise(registry, rng, d):
     """A chunk at q_offset over a slot with spare capacity equals those rows of the one-shot run."""
     total, cap, split = 70, 96, 37
-    q, k, v = make_qkv(rng, 1, 4, 2, total, cap, d, BF16)
+    q, k, v = qkv(rng, BF16, b=1, h=4, hkv=2, ql=total, kl=cap, d=d)
     full = fm.flash_attn_prefill(q, k[:, :, :total], v[:, :, :total], causal=True, registry=registry)
     chunk = fm.flash_attn_prefill(q[:, :, split:], k, v, causal=True, q_offset=split, kv_len=total,
                                   registry=registry)
@@ -126,7 +121,7 @@ def test_resume_matches_one_shot_bitwise(registry, rng, d):
 
 @pytest.mark.parametrize("d", [64, 128, 512])
 def test_seq_major_equals_head_major(registry, rng, d):
-    q, k, v = make_qkv(rng, 2, 4, 2, 24, 40, d, F16)
+    q, k, v = qkv(rng, F16, b=2, h=4, hkv=2, ql=24, kl=40, d=d)
     bh = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=16, registry=registry)
     t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
     bl = fm.flash_attn_prefill(t(q), t(k), t(v), causal=True, q_offset=16, layout="blhd", registry=registry)
@@ -134,7 +129,7 @@ def test_seq_major_equals_head_major(registry, rng, d):
 
 
 def test_seq_major_with_capacity(registry, rng):
-    q, k, v = make_qkv(rng, 1, 4, 2, 8, 32, 64, BF16)
+    q, k, v = qkv(rng, BF16, b=1, h=4, hkv=2, ql=8, kl=32, d=64)
     t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))
     out = fm.flash_attn_prefill(t(q), t(k), t(v), causal=True, q_offset=12, kv_len=20, layout="blhd",
                                 registry=registry)
@@ -143,14 +138,14 @@ def test_seq_major_with_capacity(registry, rng):
 
 
 def test_deterministic(registry, rng):
-    q, k, v = make_qkv(rng, 1, 4, 2, 45, 70, 128, BF16)
+    q, k, v = qkv(rng, BF16, b=1, h=4, hkv=2, ql=45, kl=70, d=128)
     a = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=25, registry=registry)
     b = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=25, registry=registry)
     assert_bits_equal(a, b, "two runs")
 
 
 def test_out_is_filled_in_place_and_inputs_untouched(registry, rng):
-    q, k, v = make_qkv(rng, 1, 2, 2, 16, 16, 64, BF16)
+    q, k, v = qkv(rng, BF16, b=1, h=2, hkv=2, ql=16, kl=16, d=64)
     copies = [x.copy() for x in (q, k, v)]
     out = np.full(q.shape, 7, dtype=BF16)
     res = fm.flash_attn_prefill(q, k, v, out=out, registry=registry)

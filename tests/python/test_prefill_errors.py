@@ -26,9 +26,9 @@ def raises(exc, match, fn, *args, **kwargs):
 
 def test_dtypes(cpu, rng, qkv):
     q, k, v = qkv
-    raises(TypeError, "Q must be bfloat16 or float16, got float32", fm.flash_attn_prefill,
+    raises(TypeError, "q must be bfloat16 or float16, got float32", fm.flash_attn_prefill,
            q.astype(F32), k, v, registry=cpu)
-    raises(TypeError, "K dtype float16 does not match Q dtype bfloat16", fm.flash_attn_prefill,
+    raises(TypeError, "k dtype float16 does not match q dtype bfloat16", fm.flash_attn_prefill,
            q, k.astype(F16), v, registry=cpu)
     raises(TypeError, "mask must be bfloat16 (additive) or bool, got float16", fm.flash_attn_prefill,
            q, k, v, mask=np.zeros((8, 16), F16), registry=cpu)
@@ -40,20 +40,20 @@ def test_dtypes(cpu, rng, qkv):
 
 def test_shapes(cpu, rng, qkv):
     q, k, v = qkv
-    raises(ValueError, "Q must have rank 4", fm.flash_attn_prefill, q[0], k, v, registry=cpu)
-    raises(ValueError, "K must have rank 4", fm.flash_attn_prefill, q, k[0], v, registry=cpu)
-    raises(ValueError, "V shape [1, 2, 15, 64] must equal K shape [1, 2, 16, 64]",
+    raises(ValueError, "q must have rank 4", fm.flash_attn_prefill, q[0], k, v, registry=cpu)
+    raises(ValueError, "k must have rank 4", fm.flash_attn_prefill, q, k[0], v, registry=cpu)
+    raises(ValueError, "v shape [1, 2, 15, 64] must equal k shape [1, 2, 16, 64]",
            fm.flash_attn_prefill, q, k, v[:, :, :15], registry=cpu)
-    raises(ValueError, "K head_dim (128) must equal Q head_dim (64)", fm.flash_attn_prefill,
+    raises(ValueError, "k head_dim (128) must equal q head_dim (64)", fm.flash_attn_prefill,
            q, randn(rng, (1, 2, 16, 128), BF16), randn(rng, (1, 2, 16, 128), BF16), registry=cpu)
-    raises(ValueError, "K batch (2) must equal Q batch (1)", fm.flash_attn_prefill,
+    raises(ValueError, "k batch (2) must equal q batch (1)", fm.flash_attn_prefill,
            q, np.concatenate([k, k]), np.concatenate([v, v]), registry=cpu)
-    raises(ValueError, "n_heads (4) must be divisible by n_kv_heads (3)", fm.flash_attn_prefill,
+    raises(ValueError, "the q heads (4) must be a multiple of the k heads (3)", fm.flash_attn_prefill,
            q, randn(rng, (1, 3, 16, 64), BF16), randn(rng, (1, 3, 16, 64), BF16), registry=cpu)
     raises(ValueError, "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 100", fm.flash_attn_prefill,
            randn(rng, (1, 4, 8, 100), BF16), randn(rng, (1, 2, 16, 100), BF16),
            randn(rng, (1, 2, 16, 100), BF16), registry=cpu)
-    raises(ValueError, "the K/V capacity must be > 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
+    raises(ValueError, "the cache capacity must be > 0, got 0", fm.flash_attn_prefill, q, k[:, :, :0], v[:, :, :0],
            registry=cpu)
     # No query row, head or sequence: an empty result (test_reports.py).
     assert fm.flash_attn_prefill(q[:, :, :0], k, v, registry=cpu).shape == q[:, :, :0].shape
@@ -84,7 +84,7 @@ def test_options(cpu, rng, qkv):
            q, k, v, q_offset=9, registry=cpu)
     raises(ValueError, "q_offset must be >= 0, got -1", fm.flash_attn_prefill,
            q, k, v, q_offset=-1, registry=cpu)
-    raises(ValueError, "kv_len (17) must be <= the K/V capacity (16)", fm.flash_attn_prefill,
+    raises(ValueError, "kv_len (17) must be <= the cache capacity (16)", fm.flash_attn_prefill,
            q, k, v, kv_len=17, registry=cpu)
     raises(ValueError, "kv_len must be > 0, got 0", fm.flash_attn_prefill, q, k, v, kv_len=0, registry=cpu)
     raises(ValueError, "q_offset (4294967296) is out of the int32 range", fm.flash_attn_prefill,

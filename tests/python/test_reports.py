@@ -36,8 +36,8 @@ def test_one_window_rule_for_both_kvcache_routes(registry, rng):
 @pytest.mark.parametrize("value", ["2000", " 1", "+1", "3", "1", "abc"])
 def test_info_threads_is_what_the_pool_uses(value):
     """info()["threads"] equals the threads the cpu pool runs a big job on
-    (its workers plus the caller), whatever FLASHMETAL_NUM_THREADS holds;
-    Python no longer parses the variable with rules of its own."""
+    (its workers plus the caller), whatever FLASHMETAL_NUM_THREADS holds:
+    the library reads the variable, Python has no rules of its own for it."""
     p = run_python("""
         reg = fm.Registry("cpu")
         before = len(os.listdir("/proc/self/task"))

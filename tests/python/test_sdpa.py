@@ -69,9 +69,9 @@ def z(shape, dt=F32):
 
 @pytest.mark.parametrize("args,kwargs,exc,msg", [
     ((z((1, 2, 4, 8)), z((1, 2, 4, 8), BF16), z((1, 2, 4, 8))), {}, TypeError,
-     "sdpa: dtype mismatch: Q=float32 != K=bfloat16"),
+     "sdpa: k dtype bfloat16 does not match q dtype float32"),
     ((z((1, 2, 4, 8), BF16), z((1, 2, 4, 8), BF16), z((1, 2, 4, 8))), {}, TypeError,
-     "sdpa: dtype mismatch: Q=bfloat16 != V=float32"),
+     "sdpa: v dtype float32 does not match q dtype bfloat16"),
     ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(out=z((1, 2, 4, 8), BF16)), TypeError,
      "sdpa: out dtype"),
     ((z((1, 2, 4, 8), np.int32), z((1, 2, 4, 8), np.int32), z((1, 2, 4, 8), np.int32)), {}, TypeError,
@@ -80,15 +80,15 @@ def z(shape, dt=F32):
      "sdpa: head_dim must be <= 65536, got 65537"),
     ((z((1, 2, 4, 0)), z((1, 2, 4, 0)), z((1, 2, 4, 0))), {}, ValueError, "sdpa: head_dim must be > 0"),
     ((z((1, 3, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError,
-     r"sdpa: n_heads \(3\) must be divisible by n_kv_heads \(2\)"),
+     r"sdpa: the q heads \(3\) must be a multiple of the k heads \(2\)"),
     ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(kv_len=5), ValueError,
-     r"sdpa: kv_len \(5\) must be <= the K/V capacity \(4\)"),
+     r"sdpa: kv_len \(5\) must be <= the cache capacity \(4\)"),
     ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(kv_len=0), ValueError, "sdpa: kv_len must be > 0"),
-    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 3, 8))), {}, ValueError, "sdpa: V shape"),
-    ((z((1, 2, 4, 8)), z((2, 2, 4, 8)), z((2, 2, 4, 8))), {}, ValueError, r"sdpa: K batch \(2\) must equal Q batch \(1\)"),
-    ((z((1, 2, 4, 8)), z((1, 2, 4, 4)), z((1, 2, 4, 4))), {}, ValueError, r"sdpa: K head_dim \(4\) must equal Q head_dim \(8\)"),
-    ((z((2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError, "sdpa: Q must have rank 4"),
-    ((z((1, 2, 4, 8)), z((2, 4, 8)), z((2, 4, 8))), {}, ValueError, "sdpa: K must have rank 4"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 3, 8))), {}, ValueError, "sdpa: v shape"),
+    ((z((1, 2, 4, 8)), z((2, 2, 4, 8)), z((2, 2, 4, 8))), {}, ValueError, r"sdpa: k batch \(2\) must equal q batch \(1\)"),
+    ((z((1, 2, 4, 8)), z((1, 2, 4, 4)), z((1, 2, 4, 4))), {}, ValueError, r"sdpa: k head_dim \(4\) must equal q head_dim \(8\)"),
+    ((z((2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), {}, ValueError, "sdpa: q must have rank 4"),
+    ((z((1, 2, 4, 8)), z((2, 4, 8)), z((2, 4, 8))), {}, ValueError, "sdpa: k must have rank 4"),
     ((z((1, 2, 4, 8)), z((1, 2, 4, 8)), z((1, 2, 4, 8))), dict(scale=float("inf")), ValueError,
      "sdpa: scale must be finite"),
 ])
@@ -112,7 +112,7 @@ def test_abi_errors(cpu):
     assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, o, opts, err) == 1
     assert b"sdpa: kv_len must be >= 0" in err_text(err)
     assert lib.fm_dispatch_sdpa(cpu._handle, t, t, t, ffi.NULL, ffi.NULL, opts, err) == 1
-    assert b"sdpa: output is null" in err_text(err)
+    assert b"sdpa: out is null" in err_text(err)
     assert lib.fm_dispatch_sdpa(ffi.NULL, t, t, t, ffi.NULL, o, opts, err) == 1
     assert b"sdpa: registry is null" in err_text(err)
 

@@ -1,4 +1,4 @@
-"""The cpu prefill's serving extension (flashmetal.h AttnSeqParams) through the
+"""The cpu prefill's serving extension (flashmetal_kernels.h AttnSeqParams) through the
 public serving functions, against the float64 serving reference: varlen q/k,
 per-sequence cache lengths, paged K/V (shuffled block tables, page sizes),
 bottom-right causal, window (left/right), softcap, sinks, LSE (and merging two

@@ -1,4 +1,4 @@
-"""The serving prefill kernel (fm_dispatch_attn; flashmetal.h "serving
+"""The serving prefill kernel (fm_dispatch_attn; flashmetal_kernels.h "serving
 extension") on the sim, through the public flash-attn API, against the float64
 serving reference: varlen q/k, per-sequence
 cache lengths, paged K/V through shuffled block tables, window (left/right,

@@ -125,7 +125,7 @@ def vec_with_tmp(reg, q, k, v, kvl, scale):
 def test_decode_tmp_layout_matches_cpu(cpu, sim, rng):
     """The sim's tmp means what the cpu's does: partial O (unnormalised), then
     (S, M) with M in natural-log units, workgroup by workgroup: both deal the
-    keys as flashmetal.h's split says (contiguous runs of FM_VEC_CHUNK = 32
+    keys as flashmetal_kernels.h's split says (contiguous runs of FM_VEC_CHUNK = 32
     keys), so each workgroup's partials agree across backends and combine
     into the float64 softmax sums; workgroups without keys hold S = 0 (and
     on the sim O = 0)."""

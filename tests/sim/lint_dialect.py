@@ -57,8 +57,8 @@ RE_VEC_CALL = re.compile(r"\b(?:metal::)?vec\s*<[^<>;()]*>\s*\(")
 RE_ALIAS_USING = re.compile(r"\busing\s+([A-Za-z_]\w*)\s*=\s*(?:metal::)?(?:vec\s*<|" + VEC_NAMES + r"\b)")
 RE_ALIAS_TYPEDEF = re.compile(r"\btypedef\s+(?:metal::)?(?:vec\s*<[^;]*>|" + VEC_NAMES + r")\s+([A-Za-z_]\w*)\s*;")
 # Headers the embed step inlines into a shader's source (Sources/ShaderEmbedder):
-# flashmetal.h and every header beside the shaders.
-INLINED_HEADERS = {"flashmetal.h"} | {
+# flashmetal_kernels.h and every header beside the shaders.
+INLINED_HEADERS = {"flashmetal_kernels.h"} | {
     f for f in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "Resources", "shaders"))
     if f.endswith(".h") and f != "dialect.h"}
 RE_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)

@@ -1,7 +1,7 @@
 // test_kernels.h — the conformance suite's own kernels, written in the
 // portable dialect (they would compile for Metal too).
 #include "../../Resources/shaders/dialect.h"
-#include "flashmetal.h"  // the shaders' parameter structs, for dispatching them directly
+#include "flashmetal_kernels.h"  // the shaders' parameter structs, for dispatching them directly
 using namespace metal;
 
 struct TParams {

@@ -2,7 +2,7 @@ import CFlashMetal
 import FlashMetalCore
 import XCTest
 
-/// The serving prefill's Dispatch per flashmetal.h: AttnParams with the
+/// The serving prefill's Dispatch per flashmetal_kernels.h: AttnParams with the
 /// largest lengths, AttnSeqParams, the tables at 9-12, sinks 13, lse 14,
 /// constants 302/304-310; and table validation naming the function.
 final class AttnDispatcherTests: XCTestCase {

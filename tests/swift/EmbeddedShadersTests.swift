@@ -6,7 +6,7 @@ import XCTest
 final class EmbeddedShadersTests: XCTestCase {
     func testEverySourceIsSelfContained() {
         for (file, text) in EmbeddedShaders.sources {
-            XCTAssertFalse(text.contains("#include \"flashmetal.h\""), "\(file) still includes the header")
+            XCTAssertFalse(text.contains("#include \"flashmetal_kernels.h\""), "\(file) still includes the header")
             XCTAssertFalse(text.contains("metal_shim.h\"\n") && !text.contains("__METAL_VERSION__"),
                            "\(file) pulls the host shim outside a host-only branch")
             if text.contains("AttnParams") {

@@ -3,7 +3,7 @@ import FlashMetalCore
 import FlashMetalShaders
 import XCTest
 
-/// The Swift enums that mirror C enums of flashmetal.h carry the same values,
+/// The Swift enums that mirror C enums of flashmetal.h and flashmetal_kernels.h carry the same values,
 /// and the numeric constants are what the numeric contract (docs/ARCHITECTURE.md) says.
 final class HeaderConstantsTests: XCTestCase {
     func testDTypeIsFMDType() {

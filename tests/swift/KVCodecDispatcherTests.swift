@@ -87,7 +87,7 @@ final class KVCodecDispatcherTests: XCTestCase {
         XCTAssertEqual([p.q_len, p.causal, p.window_left, p.window_right, p.kv_len], [1, 0, -1, -1, 7])
         let w = try make(window: 7).params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         XCTAssertEqual(w.window_left, 6, "the last 7 keys: window_size left 6")
-        expectFMError(KVCodesDecodeDispatcher.op, contains: "kv_len must be in 1...10 (the cache capacity), got 11") {
+        expectFMError(KVCodesDecodeDispatcher.op, contains: "kv_len (11) must be <= the cache capacity (10)") {
             _ = try make(kvLen: 11)
         }
         // Registry.run owns the overlap check: the dispatch over shared bytes is built, then refused there.

@@ -80,9 +80,9 @@ final class KernelCoverageTests: XCTestCase {
                     .split(separator: ",").map { trim($0, " ") }
                 let idx = parts[2]
                 if idx.hasPrefix("FM_FC_") {
-                    XCTAssertNotNil(known[idx], "\(file): \(idx) is not in flashmetal.h")
+                    XCTAssertNotNil(known[idx], "\(file): \(idx) is not in flashmetal_kernels.h")
                 } else if let n = Int(idx), parts[1] != "selftest_scale" {
-                    XCTAssertTrue(values.contains(n), "\(file): constant \(parts[1]) at \(n) is not in flashmetal.h")
+                    XCTAssertTrue(values.contains(n), "\(file): constant \(parts[1]) at \(n) is not in flashmetal_kernels.h")
                 }
                 seen += 1
             }

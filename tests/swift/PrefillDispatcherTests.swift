@@ -147,20 +147,20 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testSeedValidationErrors() {
-        expectError(Case(h: 0), contains: "n_heads must be > 0")
-        expectError(Case(h: 4, hkv: 0), contains: "n_kv_heads must be > 0")
-        expectError(Case(h: 6, hkv: 4), contains: "n_heads (6) must be divisible by n_kv_heads (4)")
+        expectError(Case(h: 0), contains: "the q heads must be > 0")
+        expectError(Case(h: 4, hkv: 0), contains: "the k heads must be > 0")
+        expectError(Case(h: 6, hkv: 4), contains: "the q heads (6) must be a multiple of the k heads (4)")
         expectError(Case(qL: 0), contains: "q_len must be > 0")
-        expectError(Case(kL: 0), contains: "the K/V capacity must be > 0")
+        expectError(Case(kL: 0), contains: "the cache capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
         expectError(Case(d: 160), contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 160")
-        expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "Q must be bfloat16 or float16, got float32")
+        expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16, got float32")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
         expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
         var over = PrefillOptions(scale: 0.1)
         over.kvLen = 65
-        expectError(Case(kL: 64), over, contains: "kv_len (65) must be <= the K/V capacity (64)")
+        expectError(Case(kL: 64), over, contains: "kv_len (65) must be <= the cache capacity (64)")
         let m = HostTensor([50, 64], .bf16)
         let blk = HostTensor([32], .u8)
         expectError(Case(), blk: blk, contains: "blk requires mask")
@@ -184,7 +184,7 @@ final class PrefillDispatcherTests: XCTestCase {
         _ = c
         XCTAssertThrowsError(try PrefillDispatcher.makeDispatch(
             PrefillTensors(q: q.ref, k: k.ref, v: v.ref, out: o.ref), PrefillOptions(scale: 1))) { e in
-            XCTAssertTrue((e as! FlashMetalError).message.contains("Q buffer too small"), "\(e)")
+            XCTAssertTrue((e as! FlashMetalError).message.contains("q buffer too small"), "\(e)")
         }
     }
 

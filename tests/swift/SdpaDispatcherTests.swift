@@ -33,26 +33,26 @@ final class SdpaDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = SdpaDispatcher.op
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=float32 != K=bfloat16") {
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "k dtype bfloat16 does not match q dtype float32") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.f32, .bf16, .f32, .f32])
         }
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "dtype mismatch: Q=bfloat16 != output=float32") {
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "out dtype float32 does not match q dtype bfloat16") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bf16, .bf16, .bf16, .f32])
         }
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "Q must be float32 or float16 or bfloat16, got bool") {
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "q must be float32 or float16 or bfloat16, got bool") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], dtypes: [.bool, .bool, .bool, .bool])
         }
         expectFMError(op, contains: "head_dim must be <= 65536, got 65537") { _ = try make(q: [1, 1, 1, 65537], k: [1, 1, 1, 65537]) }
         expectFMError(op, contains: "head_dim must be > 0") { _ = try make(q: [1, 2, 4, 0], k: [1, 2, 4, 0]) }
-        expectFMError(op, contains: "n_heads (6) must be divisible by n_kv_heads (4)") { _ = try make(q: [1, 6, 4, 8], k: [1, 4, 4, 8]) }
-        expectFMError(op, contains: "n_kv_heads must be > 0") { _ = try make(q: [1, 6, 4, 8], k: [1, 0, 4, 8]) }
+        expectFMError(op, contains: "the q heads (6) must be a multiple of the k heads (4)") { _ = try make(q: [1, 6, 4, 8], k: [1, 4, 4, 8]) }
+        expectFMError(op, contains: "the k heads must be > 0") { _ = try make(q: [1, 6, 4, 8], k: [1, 0, 4, 8]) }
         expectFMError(op, contains: "q_len must be > 0") { _ = try make(q: [1, 2, 0, 8], k: [1, 2, 4, 8]) }
-        expectFMError(op, contains: "the K/V capacity must be > 0") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 0, 8]) }
-        expectFMError(op, contains: "kv_len (9) must be <= the K/V capacity (4)") {
+        expectFMError(op, contains: "the cache capacity must be > 0") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 0, 8]) }
+        expectFMError(op, contains: "kv_len (9) must be <= the cache capacity (4)") {
             _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], SdpaOptions(scale: 1, kvLen: 9))
         }
-        expectFMError(op, contains: "Q buffer too small") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], qBytes: 10) }
-        expectFMError(op, contains: "Q must have rank 4") { _ = try make(q: [2, 4, 8], k: [1, 2, 4, 8]) }
+        expectFMError(op, contains: "q buffer too small") { _ = try make(q: [1, 2, 4, 8], k: [1, 2, 4, 8], qBytes: 10) }
+        expectFMError(op, contains: "q must have rank 4") { _ = try make(q: [2, 4, 8], k: [1, 2, 4, 8]) }
         expectFMError(op, contains: "causal must be 0 or 1, got 2") {
             _ = try SdpaOptions(FMSdpaOptions(scale: 1, causal: 2, kv_len: 0, has_q_offset: 0, q_offset: 0,
                                               window: 0, softcap: 0, _pad: 0))

@@ -144,7 +144,7 @@ final class VecDispatcherTests: XCTestCase {
         let op = VecDispatcher.op
         expectFMError(op, contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 48") { _ = try dispatches(Case(d: 48)) }
         expectFMError(op, contains: "the q heads (16) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
-        expectFMError(op, contains: "num_heads and num_kv_heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
+        expectFMError(op, contains: "the k heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)
         o.kvLen = 2000
         expectFMError(op, contains: "kv_len (2000) must be <= the cache capacity (1024)") { _ = try dispatches(Case(), o) }

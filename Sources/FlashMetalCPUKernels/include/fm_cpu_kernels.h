@@ -7,13 +7,14 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "flashmetal.h"
+#include "flashmetal_kernels.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 
-/* The serving extension of a prefill dispatch (flashmetal.h, AttnSeqParams):
+/* The serving extension of a prefill dispatch (flashmetal_kernels.h, AttnSeqParams):
  * the tensors its function constants bind, NULL when unbound. Zeroed, the
  * dispatch is the plain prefill. Per-sequence mode is any of cu_seqlens_q,
  * cu_seqlens_k, seqlens_k, block_table bound; then row i of sequence b sits at
@@ -161,7 +162,7 @@ typedef struct FMVecArgs {
                                    scores -alibi[r] * (kv_len_b - 1 - p) more, after the softcap */
 } FMVecArgs;
 
-/* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal.h. */
+/* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal_kernels.h. */
 
 /* The partials of one (kv row = b * n_kv_heads + g, workgroup) into tmp,
  * for every query row of that kv head's GQA group: K and V are read once
@@ -195,7 +196,7 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
 
 /* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
  * BF16. ext: NULL (bottom-right positions) or the SdpaExtParams
- * of flashmetal.h; use_softcap reads ext->softcap. mask_kind FM_MASK_*: an
+ * of flashmetal_kernels.h; use_softcap reads ext->softcap. mask_kind FM_MASK_*: an
  * additive mask has Q's dtype; mp holds its (batch, head, row) strides. */
 void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use_softcap, const void *q,
                       const void *k, const void *v, void *o, int32_t dtype, const void *mask,

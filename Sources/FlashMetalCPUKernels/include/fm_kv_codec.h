@@ -1,11 +1,12 @@
 /* The quantized-KV codec on the cpu (kv_codec.c): the rows [begin, end) of
- * one kv_encode / kv_dequantize dispatch (KVCodecParams of flashmetal.h),
+ * one kv_encode / kv_dequantize dispatch (KVCodecParams of flashmetal_kernels.h),
  * and the query heads of one kv head of a decode over quantized caches. */
 #ifndef FM_KV_CODEC_CPU_H
 #define FM_KV_CODEC_CPU_H
 
 #include <stdint.h>
 #include "flashmetal.h"
+#include "flashmetal_kernels.h"
 
 #ifdef __cplusplus
 extern "C" {
