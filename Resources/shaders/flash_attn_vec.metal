@@ -298,7 +298,9 @@ inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const
         if (e + VW <= DR) {
             vec_copy<VW>(to, from);
         } else {
-            for (int t = 0; e + t < DR; t++) to[t] = from[t];
+            for (int t = 0; t < VW; t++) {  // a fixed count: element moves, never a block copy
+                if (e + t < DR) to[t] = from[t];
+            }
         }
     }
 }
@@ -475,7 +477,9 @@ kernel void flash_attn_vec(
         if (e0 + VW <= DR) {
             vec_store<VW>(o_part + e0, o + VW * i);
         } else {
-            for (int t = 0; e0 + t < DR; t++) o_part[e0 + t] = o[VW * i + t];
+            for (int t = 0; t < VW; t++) {
+                if (e0 + t < DR) o_part[e0 + t] = o[VW * i + t];
+            }
         }
     }
     if (lane == 0) {
@@ -569,7 +573,9 @@ kernel void flash_attn_vec_reduce(
     for (uint d = 4 * tid; d < uint(DR); d += 4 * tpg.x) {
         float y[4];
         vec_reduce_dims(y, tmp, row, nwg, DR, d, weights);
-        for (int t = 0; t < 4 && int(d) + t < DR; t++) out[row * DR + d + t] = y[t];
+        for (int t = 0; t < 4; t++) {
+            if (int(d) + t < DR) out[row * DR + d + t] = y[t];
+        }
     }
 }
 
