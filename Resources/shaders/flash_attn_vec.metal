@@ -288,6 +288,16 @@ template <typename KV, int D>
 inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long rs, int s0,
                       int j0, int j1, int DR, uint tid, uint nthreads) {
     constexpr int VW = vec_width<D>();
+    constexpr int NVR = D / VW;  // vectors per row of the tile width
+    if (DR == D) {               // the row's width is the tile's: constant divisors
+        const int n = (j1 - j0) * NVR;
+        for (int idx = int(tid); idx < n; idx += int(nthreads)) {
+            const int j = j0 + idx / NVR;
+            const int e = (idx % NVR) * VW;
+            vec_copy<VW>(stage + (j - s0) * D + e, base + off[j >> 4] + long(j & 15) * rs + e);
+        }
+        return;
+    }
     const int nvr = (DR + VW - 1) / VW;  // vectors per row, the last maybe partial
     const int n = (j1 - j0) * nvr;
     for (int idx = int(tid); idx < n; idx += int(nthreads)) {

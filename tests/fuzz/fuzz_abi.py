@@ -219,7 +219,7 @@ def gen_vec(rng, backend):
     nonfinite = rng.random() < 0.05
     t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks), "v": _tensor(rng, kv, ks),
          "out": _tensor(rng, 0, qs, role="out")}
-    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0)  # the FWHT reduce: power-of-two dims only
+    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0 and d in vec_dims())  # the FWHT reduce: power-of-two tiles
     if fwht and rng.random() < 0.6:
         t["signs"] = _tensor(rng, 4, [d // 8])
     if rng.random() < 0.3:
