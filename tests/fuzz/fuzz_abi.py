@@ -314,7 +314,8 @@ def gen_attn(rng, backend):
         if mode == "func":
             k_lens = [k_shape[1]] * b
     if mode.startswith("kvcache"):
-        t["seqlens_k"] = _seqlens_table(rng, k_lens)
+        cap = k_shape[1] * (table.shape[1] if mode.endswith("paged") else 1)
+        t["seqlens_k"] = _seqlens_table(rng, k_lens, cap)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
              v=_tensor(rng, dt, k_shape), out=_tensor(rng, dt, q_shape, role="out"))
@@ -356,11 +357,12 @@ def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int])
     return t, lens, shape, dict(d=d, b=b, h=h, hkv=hkv, dt=dt, room=room)
 
 
-def _seqlens_table(rng, lens: list[int]) -> TSpec:
+def _seqlens_table(rng, lens: list[int], cap: int | None = None) -> TSpec:
     """seqlens_k: int32 [B] lengths, or (30%) [2, B]: the lengths, then each
-    sequence's first key (cache_leftpad), up to one past its length."""
+    sequence's first key (cache_leftpad), up to one past its length where the
+    cache has room for it (`cap` keys per sequence; None: room for every length + 1)."""
     if rng.random() < 0.3:
-        starts = [int(rng.integers(0, n + 2)) for n in lens]
+        starts = [int(rng.integers(0, (n + 2) if cap is None else min(n + 2, cap + 1))) for n in lens]
         return _tensor(rng, 5, [2, len(lens)], values=np.array([lens, starts]))
     return _tensor(rng, 5, [len(lens)], values=np.array(lens))
 
