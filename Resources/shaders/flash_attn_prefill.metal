@@ -115,18 +115,26 @@ inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *sr
     f.thread_elements()[1] = high_of<T>(w);
 }
 
-// Copies rows [row0, row0 + ROWS) of a [len, BD] slab (row stride `stride`)
+// The word of columns c, c + 1 of a row at `at` (its column c) holding D
+// columns: both when c + 1 < D, column c and a zero when c + 1 == D (an odd
+// D), zeros when c >= D. Nothing at or past column D is read.
+template <typename T> inline uint load_pair(const device T *at, int c, int D) {
+    return c + 1 < D ? pack2(at[0], at[1]) : c < D ? pack2(at[0], T(0.0f)) : 0u;
+}
+
+// Copies rows [row0, row0 + ROWS) of a [len, D] slab (row stride `stride`)
 // into threadgroup memory with row pitch LDW words, a column pair per word;
-// rows past `len` become zeros. A tile wholly inside (`aligned`) takes the
-// loop without the row check. Column and row indices are 32-bit; only the
-// row's offset in device memory is 64-bit.
+// rows past `len` and columns past D (D <= BD: a head dim padded to the
+// kernel's tile width BD) become zeros. A tile wholly inside (`aligned`)
+// and D == BD take the loop without checks. Column and row indices are
+// 32-bit; only the row's offset in device memory is 64-bit.
 template <typename T, int ROWS, int BD, int LDW, int THREADS>
 inline void load_tile(threadgroup uint *dst, const device T *src, long stride, long row0, long len, bool aligned,
-                      uint tid) {
+                      int D, uint tid) {
     static_assert(BD % 2 == 0, "rows are whole column pairs");
     constexpr int PAIRS = BD / 2;
     const device T *base = src + row0 * stride;
-    if (aligned || row0 + ROWS <= len) {
+    if (D == BD && (aligned || row0 + ROWS <= len)) {
         for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
             const int r = i / PAIRS;
             const int c = (i % PAIRS) * 2;
@@ -135,23 +143,25 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
         }
         return;
     }
-    const int rows = len > row0 ? int(len - row0) : 0;
+    const int rows = aligned || row0 + ROWS <= len ? ROWS : len > row0 ? int(len - row0) : 0;
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
         const int c = (i % PAIRS) * 2;
         const device T *at = base + long(r) * stride + c;
-        dst[r * LDW + c / 2] = r < rows ? pack2(at[0], at[1]) : 0u;
+        dst[r * LDW + c / 2] = r < rows ? load_pair(at, c, D) : 0u;
     }
 }
 
-// Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
+// Copies keys [0, KEYS) of a [len, D] slab (row stride `stride`) into
 // threadgroup memory transposed: row d (LDW words apart) holds column d, a
-// pair of keys per word; keys past `len` become zeros. A thread takes two
-// keys by two columns: it reads each key's column pair as one word (as
-// load_tile does) and swaps halves into the two columns' words.
-// Consecutive threads take consecutive column pairs of the same keys.
+// pair of keys per word; keys past `len` and columns past D (D <= BD) become
+// zeros. A thread takes two keys by two columns: it reads each key's column
+// pair as one word (as load_tile does) and swaps halves into the two
+// columns' words. Consecutive threads take consecutive column pairs of the
+// same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
-inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
+inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, int D,
+                        uint tid) {
     static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
     constexpr int CP = BD / 2;
     constexpr int ITEMS = KEYS / 2 * CP;
@@ -160,8 +170,14 @@ inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride,
         const int d = (i % CP) * 2;
         const int kp = i / CP;
         const device T *at = src + long(2 * kp) * stride + d;
-        const uint a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
-        const uint b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
+        uint a = 0u, b = 0u;
+        if (D == BD) {
+            a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
+            b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
+        } else {
+            a = 2 * kp < keys ? load_pair(at, d, D) : 0u;
+            b = 2 * kp + 1 < keys ? load_pair(at + stride, d, D) : 0u;
+        }
         dst[d * LDW + kp] = (a & 0xffffu) | (b << 16);
         dst[(d + 1) * LDW + kp] = (a >> 16) | (b & 0xffff0000u);
     }
@@ -267,12 +283,12 @@ inline bool prefill_split_pages(thread const PrefillSeqBuffers &sb) {
 }
 
 // load_tile over a paged K or V whose pages may split the tile: rows r <
-// len of keys k0 + r (columns [c0, c0 + BD)), each through its own page;
-// the rest zeros. Only keys below len read the block table.
+// len of keys k0 + r (columns [c0, c0 + BD), those past D zeros), each
+// through its own page; the rest zeros. Only keys below len read the block table.
 template <typename T, int ROWS, int BD, int LDW, int THREADS>
 inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
                             thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
-                            uint tid) {
+                            int D, uint tid) {
     constexpr int PAIRS = BD / 2;
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
@@ -280,7 +296,7 @@ inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant i
         uint word = 0u;
         if (r < len) {
             const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + r) + c0 + c;
-            word = pack2(at[0], at[1]);
+            word = D == BD ? pack2(at[0], at[1]) : load_pair(at, c, D);
         }
         dst[r * LDW + c / 2] = word;
     }
@@ -291,7 +307,7 @@ inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant i
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
                               thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
-                              uint tid) {
+                              int D, uint tid) {
     constexpr int CP = BD / 2;
     constexpr int ITEMS = KEYS / 2 * CP;
     for (int i = int(tid); i < ITEMS; i += THREADS) {
@@ -300,11 +316,11 @@ inline void load_tile_t_paged(threadgroup uint *dst, const device T *X, constant
         uint a = 0u, bw = 0u;
         if (2 * kp < len) {
             const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp) + c0 + d;
-            a = pack2(at[0], at[1]);
+            a = D == BD ? pack2(at[0], at[1]) : load_pair(at, d, D);
         }
         if (2 * kp + 1 < len) {
             const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp + 1) + c0 + d;
-            bw = pack2(at[0], at[1]);
+            bw = D == BD ? pack2(at[0], at[1]) : load_pair(at, d, D);
         }
         dst[d * LDW + kp] = (a & 0xffffu) | (bw << 16);
         dst[(d + 1) * LDW + kp] = (a >> 16) | (bw & 0xffff0000u);
@@ -487,7 +503,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
-    load_tile<T, BQ, BD, LDW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
+    load_tile<T, BQ, BD, LDW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, p.D, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
@@ -521,9 +537,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (split_pages) {
             load_tile_t_paged<T, BK, BD, LDKW, THREADS>(KVs, K, p.K_strides, sb.sp->K_page_stride, sb, w.b, w.kvh, k0,
-                                                        0, w.s.k_len - k0, tid);
+                                                        0, w.s.k_len - k0, p.D, tid);
         } else {
-            load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+            load_tile_t<T, BK, BD, LDKW, THREADS>(KVs, Kt, p.K_strides[2], w.s.k_len - k0, align_K, p.D, tid);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -542,9 +558,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (split_pages) {
             load_tile_paged<T, BK, BD, LDW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh, k0, 0,
-                                                     w.s.k_len - k0, tid);
+                                                     w.s.k_len - k0, p.D, tid);
         } else {
-            load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+            load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, p.D, tid);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -565,8 +581,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         device T *out_row = w.Ob + q_row * p.O_strides[2];
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
-            out_row[d * 8 + fc] = T(acc[d].thread_elements()[0] * inv);
-            out_row[d * 8 + fc + 1] = T(acc[d].thread_elements()[1] * inv);
+            const int c = d * 8 + fc;  // columns at or past the true D are padding: not stored
+            if (c < p.D) out_row[c] = T(acc[d].thread_elements()[0] * inv);
+            if (c + 1 < p.D) out_row[c + 1] = T(acc[d].thread_elements()[1] * inv);
         }
     }
 }
@@ -592,7 +609,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
-    load_tile<T, BQ, BD, LDQW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, tid);
+    load_tile<T, BQ, BD, LDQW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, BD, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
@@ -633,9 +650,9 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (split_pages) {
                 load_tile_t_paged<T, BK, DC, LDKW, THREADS>(KVs, K, p.K_strides, sb.sp->K_page_stride, sb, w.b, w.kvh,
-                                                            k0, c * DC, w.s.k_len - k0, tid);
+                                                            k0, c * DC, w.s.k_len - k0, DC, tid);
             } else {
-                load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, tid);
+                load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, DC, tid);
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
             prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
@@ -647,9 +664,9 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
             threadgroup_barrier(mem_flags::mem_threadgroup);
             if (split_pages) {
                 load_tile_paged<T, BK, DC, LDCW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh,
-                                                          k0, c * DC, w.s.k_len - k0, tid);
+                                                          k0, c * DC, w.s.k_len - k0, DC, tid);
             } else {
-                load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, tid);
+                load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, DC, tid);
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
             FA_UNROLL

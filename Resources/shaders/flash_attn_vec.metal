@@ -57,6 +57,13 @@
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
 //
+// The kernels are instantiated for tile widths D; a head dim DR < D (any
+// DR <= 256: FlashAttnVecParams.head_dim, FlashAttnVecReduceParams.head_dim)
+// runs the next tile up. Elements at or past DR load as zeros and are never
+// stored; q, tmp and the plain K/V rows are DR elements apart. A DR off the
+// vector width makes the host set 506 (its rows are off vector boundaries);
+// a lane's vector that straddles DR moves element by element.
+//
 // Reduce, grid (rows, 1, 1), 32 * NWG threads, each thread 4 dims of the
 // row (float4 reads of tmp; scalar with 506): rescales partial w by
 // exp(M_w - M) (0 for a workgroup with S_w = 0, whose O is never read),
@@ -256,17 +263,18 @@ inline long vec_key_offset(thread const long *off, long c, int j, long b, long g
     return off[j >> 4] + long(j & 15) * s[2];
 }
 
-// This lane's elements of one K or V row (row points at its element 0),
-// from device memory: one vector load per lane vector, 0 past D.
+// This lane's elements of one K or V row (row points at its element 0) of
+// DR elements, from device memory: one vector load per lane vector, 0 past DR.
 template <typename KV, int D>
-inline void vec_row_device(thread float *x, const device KV *row, uint lane) {
+inline void vec_row_device(thread float *x, const device KV *row, uint lane, int DR) {
     constexpr int VW = vec_width<D>();
     constexpr int NV = (D / VW + 31) / 32;
     for (int i = 0; i < NV; i++) {
-        if (vec_lane_vec<D>(lane, i)) {
-            vec_load<VW>(x + VW * i, row + VW * (int(lane) + 32 * i));
+        const int e0 = VW * (int(lane) + 32 * i);
+        if (vec_lane_vec<D>(lane, i) && e0 + VW <= DR) {
+            vec_load<VW>(x + VW * i, row + e0);
         } else {
-            for (int t = 0; t < VW; t++) x[VW * i + t] = 0.0f;
+            for (int t = 0; t < VW; t++) x[VW * i + t] = vec_lane_vec<D>(lane, i) && e0 + t < DR ? float(row[e0 + t]) : 0.0f;
         }
     }
 }
@@ -274,30 +282,50 @@ inline void vec_row_device(thread float *x, const device KV *row, uint lane) {
 // The same elements of a row staged in threadgroup memory (converted to
 // float as they are read: the values vec_row_device gives).
 template <typename KV, int D>
-inline void vec_row_staged(thread float *x, const threadgroup KV *row, uint lane) {
+inline void vec_row_staged(thread float *x, const threadgroup KV *row, uint lane, int DR) {
     constexpr int VW = vec_width<D>();
     constexpr int NV = (D / VW + 31) / 32;
     for (int i = 0; i < NV; i++) {
         for (int t = 0; t < VW; t++) {
-            x[VW * i + t] = vec_lane_vec<D>(lane, i) ? float(row[VW * (int(lane) + 32 * i) + t]) : 0.0f;
+            const int e = VW * (int(lane) + 32 * i) + t;
+            x[VW * i + t] = vec_lane_vec<D>(lane, i) && e < DR ? float(row[e]) : 0.0f;
         }
     }
 }
 
 // Stages rows j in [j0, j1) (chunk-relative, j0 >= s0) of chunk c's K or V
 // into stage[(j - s0) * D ...] unchanged, all threads of the group copying
-// vectors (base: the tensor; off, b, g, st: vec_key_offset's arguments).
+// vectors (base: the tensor; off, b, g, st: vec_key_offset's arguments);
+// only the first DR elements of a row (the rest is never read).
 template <typename KV, int D>
 inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const long *off, long c, long b, long g,
                       thread const long *st, constant FlashAttnVecSeqParams *sp, const device int *block_table, int s0,
-                      int j0, int j1, uint tid, uint nthreads) {
+                      int j0, int j1, int DR, uint tid, uint nthreads) {
     constexpr int VW = vec_width<D>();
-    constexpr int NVR = D / VW;  // vectors per row
-    const int n = (j1 - j0) * NVR;
+    constexpr int NVR = D / VW;  // vectors per row of the tile width
+    if (DR == D) {               // the row's width is the tile's: constant divisors
+        const int n = (j1 - j0) * NVR;
+        for (int idx = int(tid); idx < n; idx += int(nthreads)) {
+            const int j = j0 + idx / NVR;
+            const int e = (idx % NVR) * VW;
+            vec_copy<VW>(stage + (j - s0) * D + e, base + vec_key_offset(off, c, j, b, g, sp, block_table, st) + e);
+        }
+        return;
+    }
+    const int nvr = (DR + VW - 1) / VW;  // vectors per row, the last maybe partial
+    const int n = (j1 - j0) * nvr;
     for (int idx = int(tid); idx < n; idx += int(nthreads)) {
-        const int j = j0 + idx / NVR;
-        const int e = (idx % NVR) * VW;
-        vec_copy<VW>(stage + (j - s0) * D + e, base + vec_key_offset(off, c, j, b, g, sp, block_table, st) + e);
+        const int j = j0 + idx / nvr;
+        const int e = (idx % nvr) * VW;
+        threadgroup KV *to = stage + (j - s0) * D + e;
+        const device KV *from = base + vec_key_offset(off, c, j, b, g, sp, block_table, st) + e;
+        if (e + VW <= DR) {
+            vec_copy<VW>(to, from);
+        } else {
+            for (int t = 0; t < VW; t++) {  // a fixed count: element moves, never a block copy
+                if (e + t < DR) to[t] = from[t];
+            }
+        }
     }
 }
 
@@ -337,8 +365,9 @@ kernel void flash_attn_vec(
     // strides of K and V. Without vec_seq the call is one sequence of B * Hkv kv heads.
     long b = 0;
     long g = row / gqa;
-    long ks[3] = {0, long(p.kv_capacity) * D, D};
-    long vs[3] = {0, long(p.kv_capacity) * D, D};
+    const int DR = int(p.head_dim);  // the true head dim, <= D
+    long ks[3] = {0, long(p.kv_capacity) * DR, DR};
+    long vs[3] = {0, long(p.kv_capacity) * DR, DR};
     if (vec_seq) {
         b = row / long(p.n_heads);
         g = (row % long(p.n_heads)) / gqa;
@@ -358,7 +387,7 @@ kernel void flash_attn_vec(
     int nstage = 0;
 
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
-    vec_row_device<float, D>(qv, q + row * D, lane);
+    vec_row_device<float, D>(qv, q + row * DR, lane, DR);
     const float scale = p.scale, softcap = p.softcap;
     const float slope = vec_alibi ? alibi[row] : 0.0f;
 
@@ -405,7 +434,7 @@ kernel void flash_attn_vec(
         if (hg == 1) {
             for (int j = 0; j < FM_VEC_CHUNK; j++) {  // constant bounds: part stays in registers
                 if (j < j0 || j >= j1) continue;         // uniform over the SIMD group
-                vec_row_device<KV, D>(x, k + vec_key_offset(koff, c, j, b, g, seq, table, ks), lane);
+                vec_row_device<KV, D>(x, k + vec_key_offset(koff, c, j, b, g, seq, table, ks), lane, DR);
                 for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
             }
         } else {
@@ -414,12 +443,12 @@ kernel void flash_attn_vec(
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
-                vec_stage<KV, D>(stage, k, koff, c, b, g, ks, seq, table, s0, a, z, tid, tpg.x);
+                vec_stage<KV, D>(stage, k, koff, c, b, g, ks, seq, table, s0, a, z, DR, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int r = 0; r < RS; r++) {
                     const int j = s0 + r;
                     if (j < a || j >= z) continue;
-                    vec_row_staged<KV, D>(x, stage + r * D, lane);
+                    vec_row_staged<KV, D>(x, stage + r * D, lane, DR);
                     for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
                 }
             }
@@ -445,7 +474,7 @@ kernel void flash_attn_vec(
         if (hg == 1) {
             for (int j = j0; j < j1; j++) {
                 const float pj = probs[j];
-                vec_row_device<KV, D>(x, v + vec_key_offset(voff, c, j, b, g, seq, table, vs), lane);
+                vec_row_device<KV, D>(x, v + vec_key_offset(voff, c, j, b, g, seq, table, vs), lane, DR);
                 for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
             }
         } else {
@@ -453,11 +482,11 @@ kernel void flash_attn_vec(
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
-                vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, tid, tpg.x);
+                vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, DR, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int j = a; j < z; j++) {
                     const float pj = probs[j];
-                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane);
+                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane, DR);
                     for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
                 }
             }
@@ -465,13 +494,21 @@ kernel void flash_attn_vec(
         simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk
     }
 
-    device float *o_part = tmp + (row * nwg + wg) * D;
+    device float *o_part = tmp + (row * nwg + wg) * DR;
     for (int i = 0; i < NV; i++) {
-        if (vec_lane_vec<D>(lane, i)) vec_store<VW>(o_part + VW * (int(lane) + 32 * i), o + VW * i);
+        const int e0 = VW * (int(lane) + 32 * i);
+        if (!vec_lane_vec<D>(lane, i) || e0 >= DR) continue;
+        if (e0 + VW <= DR) {
+            vec_store<VW>(o_part + e0, o + VW * i);
+        } else {
+            for (int t = 0; t < VW; t++) {
+                if (e0 + t < DR) o_part[e0 + t] = o[VW * i + t];
+            }
+        }
     }
     if (lane == 0) {
         const float sm[2] = {s_sum, m * VEC_LN2};  // M in natural-log units, like the cpu kernel
-        vec_store<2>(tmp + nrows * nwg * D + (row * nwg + wg) * 2, sm);
+        vec_store<2>(tmp + nrows * nwg * DR + (row * nwg + wg) * 2, sm);
     }
 }
 
@@ -480,11 +517,10 @@ kernel void flash_attn_vec(
 // zeros). With a sink logit (natural units; NaN = none) it joins M and S once
 // without a value; with `lse` lane 0 writes M + log(S) (-inf when S == 0).
 // Called by every thread; ends with the barrier that publishes the weights.
-template <int D>
-inline void vec_reduce_weights(const device float *tmp, long nrows, long row, uint nwg, uint sg, uint lane,
+inline void vec_reduce_weights(const device float *tmp, long nrows, long row, uint nwg, int DR, uint sg, uint lane,
                                threadgroup float *weights, bool has_sink, float sink, device float *lse) {
     if (sg == 0) {  // uniform per SIMD group: all 32 lanes reach the collectives
-        const device float *sm = tmp + nrows * long(nwg) * D + row * long(nwg) * 2;
+        const device float *sm = tmp + nrows * long(nwg) * DR + row * long(nwg) * 2;
         const bool has = lane < nwg;
         float sw[2] = {0.0f, FM_RUNNING_MAX_START};  // (S, M) of workgroup `lane`
         if (has) vec_load<2>(sw, sm + 2 * lane);
@@ -511,19 +547,25 @@ inline void vec_reduce_weights(const device float *tmp, long nrows, long row, ui
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Output dims d .. d + 3 of a row: the weighted sum of the partials,
-// normalised, read as float4s (each dim's own fma chain, as one dim at a
-// time would give). Partials of weight 0 are skipped (a workgroup without
-// keys leaves its O unspecified, flashmetal_kernels.h); for a finite partial
+// Output dims d .. d + 3 of a row of DR dims: the weighted sum of the
+// partials, normalised, read as float4s (each dim's own fma chain, as one
+// dim at a time would give); dims at or past DR read as zeros, and a DR off
+// a multiple of 4 reads element by element (its rows are off float4
+// boundaries). Partials of weight 0 are skipped (a workgroup without keys
+// leaves its O unspecified, flashmetal_kernels.h); for a finite partial
 // fma(x, 0, y) == y, so skipping changes no bits.
-template <int D>
-inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, uint nwg, uint d,
+inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, uint nwg, int DR, uint d,
                             const threadgroup float *weights) {
     for (int t = 0; t < 4; t++) y[t] = 0.0f;
     for (uint w = 0; w < nwg; w++) {
         if (weights[w] == 0.0f) continue;
         float x[4];
-        vec_load<4>(x, tmp + (row * long(nwg) + long(w)) * D + d);
+        const device float *at = tmp + (row * long(nwg) + long(w)) * DR + d;
+        if (DR % 4 == 0) {
+            vec_load<4>(x, at);
+        } else {
+            for (int t = 0; t < 4; t++) x[t] = int(d) + t < DR ? at[t] : 0.0f;
+        }
         for (int t = 0; t < 4; t++) y[t] = fma(x[t], weights[w], y[t]);
     }
     for (int t = 0; t < 4; t++) y[t] *= weights[32];
@@ -549,12 +591,15 @@ kernel void flash_attn_vec_reduce(
     const float sink = vec_sinks ? sinks[row % long(ext->n_heads)] : 0.0f;
     device float *lse_out = nullptr;
     if (vec_lse) lse_out = lse;
-    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, vec_sinks, sink, lse_out);
+    const int DR = int(p.head_dim);  // the true head dim, <= D
+    vec_reduce_weights(tmp, long(p.nrows), row, nwg, DR, sg, lane, weights, vec_sinks, sink, lse_out);
     static_assert(D % 4 == 0, "whole float4s");
-    for (uint d = 4 * tid; d < uint(D); d += 4 * tpg.x) {
+    for (uint d = 4 * tid; d < uint(DR); d += 4 * tpg.x) {
         float y[4];
-        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
-        for (int t = 0; t < 4; t++) out[row * D + d + t] = y[t];
+        vec_reduce_dims(y, tmp, row, nwg, DR, d, weights);
+        for (int t = 0; t < 4; t++) {
+            if (int(d) + t < DR) out[row * DR + d + t] = y[t];
+        }
     }
 }
 
@@ -577,10 +622,11 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     const long row = tgid.x;
     const uint nthreads = tpg.x;
     threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
-    vec_reduce_weights<D>(tmp, long(p.nrows), row, nwg, sg, lane, weights, false, 0.0f, nullptr);
+    // The FWHT needs the whole power-of-two row: the host runs it only with head_dim == D.
+    vec_reduce_weights(tmp, long(p.nrows), row, nwg, D, sg, lane, weights, false, 0.0f, nullptr);
     for (uint d = 4 * tid; d < uint(D); d += 4 * nthreads) {
         float y[4];
-        vec_reduce_dims<D>(y, tmp, row, nwg, d, weights);
+        vec_reduce_dims(y, tmp, row, nwg, D, d, weights);
         for (int t = 0; t < 4; t++) ys[d + t] = y[t];
     }
 

@@ -16,7 +16,7 @@ _Static_assert(sizeof(AttnMaskParams) == 24, "AttnMaskParams is 24 bytes");
 _Static_assert(sizeof(BlkParams) == 16, "BlkParams is 16 bytes");
 _Static_assert(sizeof(FlashAttnVecParams) == 40, "FlashAttnVecParams is 40 bytes");
 FM_AT(FlashAttnVecParams, nwg, 36);
-_Static_assert(sizeof(FlashAttnVecReduceParams) == 4, "FlashAttnVecReduceParams is 4 bytes");
+_Static_assert(sizeof(FlashAttnVecReduceParams) == 8, "FlashAttnVecReduceParams is 8 bytes");
 _Static_assert(sizeof(SdpaParams) == 32, "SdpaParams is 32 bytes");
 FM_AT(SdpaParams, do_causal, 28);
 _Static_assert(sizeof(SdpaExtParams) == 16, "SdpaExtParams is 16 bytes");

@@ -174,7 +174,13 @@ final class VecReduceKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        let rows = Int(try d.params(VecReduceBuffer.params, as: FlashAttnVecReduceParams.self).nrows)
+        let rp = try d.params(VecReduceBuffer.params, as: FlashAttnVecReduceParams.self)
+        let rows = Int(rp.nrows)
+        // The true D (the kernel is named for its tile width, which may be wider).
+        let dk = Int32(rp.head_dim)
+        if dk <= 0 || dk > headDim || (fwht && dk != headDim) {
+            throw FlashMetalError.internalError("\(name): head_dim \(rp.head_dim) does not fit the kernel's \(headDim)")
+        }
         let nwg = Int32(try d.params(VecReduceBuffer.nwg, as: UInt32.self))
         if nwg <= 0 { throw FlashMetalError.internalError("\(name): nwg must be > 0") }
         let tmp = UnsafePointer(try d.buffer(VecReduceBuffer.tmp).data.assumingMemoryBound(to: Float.self))
@@ -205,7 +211,7 @@ final class VecReduceKernel: CPUKernel {
                 lsePtr = l.data.assumingMemoryBound(to: Float.self)
             }
         }
-        let (dk, fwht) = (headDim, Int32(self.fwht ? 1 : 0))
+        let fwht = Int32(self.fwht ? 1 : 0)
         pool.forEach(rows, workers: rows * Int(nwg) * Int(dk) < smallWork ? 1 : Int.max) { _, r in
             fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
         }

@@ -59,6 +59,26 @@ static inline fm_v fm_v_load_any(const void *p, int64_t i, int32_t dtype) {
     return fm_v_from_bf16((const uint16_t *)p + i);
 }
 
+/* The first n (0 < n <= FM_VL) elements at p, zeros in the lanes past them:
+ * a row's last, partial vector when D is not a multiple of FM_VL. Nothing
+ * past element n - 1 is read or written. */
+static inline fm_v fm_v_load_n(const float *p, int32_t n) {
+    float t[FM_VL] = {0};
+    memcpy(t, p, sizeof(float) * (size_t)n);
+    return fm_v_load(t);
+}
+static inline fm_v fm_v_load_any_n(const void *p, int64_t i, int32_t n, int32_t dtype) {
+    if (dtype == 0) return fm_v_load_n((const float *)p + i, n);
+    uint16_t t[FM_VL] = {0}; /* +0 in f16 and bf16 */
+    memcpy(t, (const uint16_t *)p + i, sizeof(uint16_t) * (size_t)n);
+    return dtype == 1 ? fm_v_from_f16(t) : fm_v_from_bf16(t);
+}
+static inline void fm_v_store_n(float *p, fm_v v, int32_t n) {
+    float t[FM_VL];
+    fm_v_store(t, v);
+    memcpy(p, t, sizeof(float) * (size_t)n);
+}
+
 /* Round to bf16 (nearest even) and keep the value as f32; NaN stays NaN. */
 static inline fm_v fm_v_round_bf16(fm_v x) {
     fm_vu u = (fm_vu)x;

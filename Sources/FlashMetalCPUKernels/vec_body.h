@@ -75,14 +75,19 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_span)(cons
     for (int64_t c = (c0 + 63) & ~(int64_t)63; c < c1; c += 64) __builtin_prefetch(row + c, 0, 2);
 }
 
-/* Key j's FM_VL elements at d, after a prefetch of the same bytes of the
- * tile ahead (the shadow). */
+/* Key j's FM_VL elements at d (zeros past D), after a prefetch of the same
+ * bytes of the tile ahead (the shadow). */
 static inline __attribute__((always_inline)) fm_v FM_SFX(vec_load_k)(const FM_SFX(VecPrefetch) *pf,
                                                                     const char *const *kp, int64_t j, int32_t d,
-                                                                    int32_t dtype) {
+                                                                    int32_t D, int32_t dtype) {
     const int64_t esz = FM_SFX(vec_esz)(dtype);
     if (j < pf->nn) FM_SFX(vec_prefetch_span)(pf->nk[j], d * esz, (d + FM_VL) * esz);
-    return fm_v_load_any(kp[j], d, dtype);
+    return D - d >= FM_VL ? fm_v_load_any(kp[j], d, dtype) : fm_v_load_any_n(kp[j], d, D - d, dtype);
+}
+
+/* q's FM_VL elements at d, zeros past D. */
+static inline __attribute__((always_inline)) fm_v FM_SFX(vec_load_q)(const float *q, int32_t d, int32_t D) {
+    return D - d >= FM_VL ? fm_v_load(q + d) : fm_v_load_n(q + d, D - d);
 }
 
 static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_v_row)(const FM_SFX(VecPrefetch) *pf,
@@ -116,18 +121,18 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
             for (int i = 0; i < 8; i++) acc[i] = fm_v_splat(0.0f);
             for (int32_t d = 0; d < D; d += FM_VL)
                 for (int t = 0; t < KJ; t++) {
-                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, dtype);
+                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, D, dtype);
                     for (int r = 0; r < NR; r++)
-                        acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
+                        acc[r * KJ + t] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r * KJ + t]);
                 }
         } else {
             for (int t = 0; t < KJ; t++) {
                 FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
                 for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
                 for (int32_t d = 0; d < D; d += FM_VL) {
-                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, dtype);
+                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, D, dtype);
                     for (int r = 0; r < NR; r++)
-                        acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r * KJ + t]);
+                        acc[r * KJ + t] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r * KJ + t]);
                 }
             }
         }
@@ -141,8 +146,8 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
         FM_SFX(vec_prefetch_v_row)(pf, j, rowbytes);
         for (int r = 0; r < NR; r++) acc[r] = fm_v_splat(0.0f);
         for (int32_t d = 0; d < D; d += FM_VL) {
-            const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j, d, dtype);
-            for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_load(qr[r] + d), kv, acc[r]);
+            const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j, d, D, dtype);
+            for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r]);
         }
         for (int r = 0; r < NR; r++) sc[r * FM_VT + j] = fm_v_sum(acc[r]);
     }
@@ -237,14 +242,20 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
             for (int i = 0; i < NV; i++) fm_v_store(o[r] + d + i * FM_VL, acc[r][i]);
     }
     for (; d < D; d += FM_VL) {
+        /* The row's last vector may be partial (D not a multiple of FM_VL):
+         * its lanes past D load zeros and are never stored. */
+        const int32_t w = D - d < FM_VL ? D - d : FM_VL;
         fm_v acc[4];
-        for (int r = 0; r < NR; r++) acc[r] = fm_v_load(o[r] + d) * f[r];
+        for (int r = 0; r < NR; r++) acc[r] = (w == FM_VL ? fm_v_load(o[r] + d) : fm_v_load_n(o[r] + d, w)) * f[r];
         for (int64_t t = 0; t < n; t++) {
             if (t < pf->nn) FM_SFX(vec_prefetch_span)(pf->nv[t], d * esz, (d + FM_VL) * esz);
-            const fm_v vv = fm_v_load_any(vp[t], d, dtype);
+            const fm_v vv = w == FM_VL ? fm_v_load_any(vp[t], d, dtype) : fm_v_load_any_n(vp[t], d, w, dtype);
             for (int r = 0; r < NR; r++) acc[r] = fm_v_fma(fm_v_splat(pr[r * FM_VT + t]), vv, acc[r]);
         }
-        for (int r = 0; r < NR; r++) fm_v_store(o[r] + d, acc[r]);
+        for (int r = 0; r < NR; r++) {
+            if (w == FM_VL) fm_v_store(o[r] + d, acc[r]);
+            else fm_v_store_n(o[r] + d, acc[r], w);
+        }
     }
 }
 

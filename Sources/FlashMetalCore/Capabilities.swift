@@ -6,6 +6,28 @@ import CFlashMetal
 /// Python package routes by (fm_supported_head_dims) and the shader test all
 /// derive from these rows. Adding a head dim is one row here plus one
 /// INSTANTIATE_KERNEL line per variant in the shaders.
+///
+/// The prefill and decode rows are tile widths: any head dim D in
+/// 1...maxPaddedHeadDim runs the kernel of the smallest tile Dt >= D with the
+/// true D in its params (loads past D read zeros, stores past D are skipped,
+/// strides use D); dims above it run only where they have a row of their own.
+
+/// Head dims up to this run on the next tile width up (prefill and decode).
+public let maxPaddedHeadDim = 256
+
+/// The tile width of `d` among `tiles` (ascending): the smallest tile >= d
+/// for 1 <= d <= maxPaddedHeadDim, d itself above that when it is a tile, else nil.
+func tileHeadDim(_ d: Int, tiles: [Int]) -> Int? {
+    if d >= 1 && d <= maxPaddedHeadDim { return tiles.first { $0 >= d } }
+    return tiles.contains(d) ? d : nil
+}
+
+/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or 512, got 300".
+func headDimMessage(_ d: Int, tiles: [Int]) -> String {
+    let above = tiles.filter { $0 > maxPaddedHeadDim }
+    let extra = above.isEmpty ? "" : " or " + oneOf(above)
+    return "head_dim must be in 1...\(maxPaddedHeadDim)\(extra), got \(d)"
+}
 
 /// Prefill: head dim → tile geometry.
 public enum PrefillCapability {
@@ -25,8 +47,10 @@ public enum PrefillCapability {
         256: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         512: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
     ]
-    /// The head dims with a kernel, ascending.
+    /// The head dims with a kernel (tile widths), ascending.
     public static var headDims: [Int] { geometry.keys.sorted() }
+    /// The tile width whose kernel runs head dim `d`, or nil when none does.
+    public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
     /// Q/K/V/out dtypes (an additive mask has the same dtype).
     public static let ioTypes: [DType] = [.bf16, .f16]
 
@@ -37,10 +61,10 @@ public enum PrefillCapability {
         }
     }
 
-    /// The geometry for `headDim`, or a ValueError naming `op` and the choices.
+    /// The geometry of the kernel that runs `headDim`, or a ValueError naming `op` and the range.
     static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
-        guard let g = geometry[headDim] else {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(headDim)", arg: "q")
+        guard let t = tileHeadDim(headDim), let g = geometry[t] else {
+            throw FlashMetalError.value(op, headDimMessage(headDim, tiles: headDims), arg: "q")
         }
         return g
     }
@@ -64,10 +88,12 @@ public enum MaskBuilderCapability {
 
 /// Split-KV decode.
 public enum VecCapability {
-    /// Head dims of the decode and the plain reduce kernels. Each lane of the
+    /// Head dims (tile widths) of the decode and the plain reduce kernels. Each lane of the
     /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
     /// is not a multiple of 32: 80); threadgroup memory pads D to 128.
     public static let headDims = [64, 80, 96, 128, 192, 256, 512]
+    /// The tile width whose kernels run head dim `d`, or nil when none does.
+    public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
     /// Head dims of the FWHT-undo reduce: the Hadamard transform needs a power of two.
     public static var fwhtHeadDims: [Int] { headDims.filter { $0 & ($0 - 1) == 0 } }
     /// K/V cache dtypes; q, tmp and out are float32.
@@ -82,13 +108,17 @@ public enum VecCapability {
             + fwhtHeadDims.map { KernelSpec.vecReduce(headDim: $0, fwht: true) }
     }
 
-    static func requireHeadDim(_ d: Int, fwht: Bool = false, op: String) throws {
-        if !headDims.contains(d) {
-            throw FlashMetalError.value(op, "head_dim must be \(oneOf(headDims)), got \(d)", arg: "q")
+    /// The tile width that runs `d`, or a ValueError naming `op` and the range
+    /// (with `fwht`, one of fwhtHeadDims).
+    @discardableResult
+    static func requireHeadDim(_ d: Int, fwht: Bool = false, op: String) throws -> Int {
+        guard let t = tileHeadDim(d) else {
+            throw FlashMetalError.value(op, headDimMessage(d, tiles: headDims), arg: "q")
         }
         if fwht && !fwhtHeadDims.contains(d) {
             throw FlashMetalError.value(op, "the FWHT undo needs a power-of-two head_dim (\(oneOf(fwhtHeadDims))), got \(d)", arg: "fwht")
         }
+        return t
     }
 }
 

@@ -87,8 +87,8 @@ public enum PrefillDispatcher {
 
     /// Validates a call and builds its dispatch. Preconditions (each a
     /// ValueError/TypeError naming the op and the value otherwise): rank-4
-    /// tensors of one dtype in PrefillCapability.ioTypes, a head dim with a
-    /// kernel, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
+    /// tensors of one dtype in PrefillCapability.ioTypes, a head dim in
+    /// 1...256 or 512, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
     /// q_offset + qL <= kv_len, a finite scale, softcap 0 or > 0, window >= 0, buffers that
     /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
@@ -264,7 +264,9 @@ public enum PrefillDispatcher {
         }
         if let b = t.blk { bindings[PrefillBuffer.blk] = .buffer(b) }
         ext.bind(&bindings)
-        let spec = KernelSpec.prefill(io: t.q.dtype, headDim: Int(p.D), boolMask: t.mask?.dtype == .bool)
+        // The kernel of D's tile width; p.D carries the true D (its loads and stores stop there).
+        let tile = PrefillCapability.tileHeadDim(Int(p.D)) ?? Int(p.D)
+        let spec = KernelSpec.prefill(io: t.q.dtype, headDim: tile, boolMask: t.mask?.dtype == .bool)
         return Dispatch(kernel: spec, constants: constants,
                         grid: Size3(Int(p.NQ), Int(p.H), Int(p.B)), threadgroup: geo.threadsPerGroup,
                         bindings: bindings, writes: Set([PrefillBuffer.out] + ext.writes))

@@ -18,8 +18,10 @@ public struct PrefillGeometry: Equatable, Sendable {
     /// The head dims that have a prefill kernel.
     public static var headDims: [Int] { PrefillCapability.headDims }
 
-    /// The geometry of `d`'s kernel; nil for a head dim without one.
-    public static func forHeadDim(_ d: Int) -> PrefillGeometry? { PrefillCapability.geometry[d] }
+    /// The geometry of the kernel that runs head dim `d`; nil when none does.
+    public static func forHeadDim(_ d: Int) -> PrefillGeometry? {
+        PrefillCapability.tileHeadDim(d).flatMap { PrefillCapability.geometry[$0] }
+    }
 
     /// Threads per threadgroup: one simdgroup of 32 per (WM, WN) cell.
     public var threadsPerGroup: Size3 { Size3(32, wm, wn) }

@@ -141,7 +141,7 @@ public enum VecDispatcher {
 
     /// Validates a call and builds its two dispatches (decode, then reduce).
     /// Preconditions: float32 q/out/tmp, k and v of one dtype in
-    /// VecCapability.kvTypes, a head dim with a kernel, 0 < kv_len <= capacity,
+    /// VecCapability.kvTypes, a head dim in 1...256 or 512, 0 < kv_len <= capacity,
     /// a known mask type with a window > 0 for the window mask, a finite
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
@@ -229,11 +229,13 @@ public enum VecDispatcher {
     /// FunctionConstantIndex.vecUnaligned).
     static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, tmp: TensorRef, headDim: Int,
                               seq: FlashAttnVecSeqParams?) -> Bool {
-        let w = vectorWidth(headDim: headDim)
+        let w = vectorWidth(headDim: VecCapability.tileHeadDim(headDim) ?? headDim)
         let bytes = w * k.dtype.byteSize
-        if Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
+        // Rows of q, tmp and the plain K/V are D elements apart: a D off the
+        // vector width (a padded head dim, e.g. 59) puts them off a vector boundary.
+        if headDim % w != 0 || Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
             || Int(bitPattern: q.data) % (w * 4) != 0 || !tmpAligned(tmp) { return false }
-        guard let sp = seq else { return true }  // plain: rows are D elements apart
+        guard let sp = seq else { return true }
         let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
         return strides.allSatisfy { Int($0) % w == 0 }
     }
@@ -260,7 +262,8 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
                                                                          seq: seq?.params))),
         ])
-        let d = Int(params.head_dim)
+        // The kernel of D's tile width; params.head_dim carries the true D.
+        let d = VecCapability.tileHeadDim(Int(params.head_dim)) ?? Int(params.head_dim)
         let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads))
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
@@ -285,10 +288,10 @@ public enum VecDispatcher {
                                       fwht: Bool, signs: TensorRef?, ext: ReduceExt? = nil) throws -> Dispatch {
         let rop = fwht ? reduceOp : "flash_attn_vec_reduce"
         if nwg <= 0 || nwg > 32 { throw FlashMetalError.value(rop, "nwg must be > 0 and <= 32, got \(nwg)") }
-        try VecCapability.requireHeadDim(headDim, fwht: fwht, op: rop)
+        let tile = try VecCapability.requireHeadDim(headDim, fwht: fwht, op: rop)
         let nwg32 = UInt32(nwg)
         var bindings: [Int: Binding] = [
-            VecReduceBuffer.params: .bytes(bytesOf(FlashAttnVecReduceParams(nrows: UInt32(rows)))),
+            VecReduceBuffer.params: .bytes(bytesOf(FlashAttnVecReduceParams(nrows: UInt32(rows), head_dim: UInt32(headDim)))),
             VecReduceBuffer.tmp: .buffer(tmp), VecReduceBuffer.out: .buffer(out),
             VecReduceBuffer.nwg: .bytes(bytesOf(nwg32)),
         ]
@@ -317,7 +320,7 @@ public enum VecDispatcher {
                                            (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil)),
                                            (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
         }
-        return Dispatch(kernel: .vecReduce(headDim: headDim, fwht: fwht), constants: constants,
+        return Dispatch(kernel: .vecReduce(headDim: tile, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),
                         bindings: bindings, threadgroupMemory: tgMem,
                         // Correct for any multiple of 32 threads: Metal may allow fewer than 1024.

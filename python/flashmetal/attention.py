@@ -38,10 +38,11 @@ from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-#: A bfloat16/float16 head dim the prefill kernel lacks (80, 96, ...) is
-#: zero-padded to the next one it has when there are at least this many query
-#: rows: the tiled kernel on the padded problem beats the one-thread-per-row
-#: sdpa kernel (D=80, L=512: ~10x) once the copies of q/k/v are amortised.
+#: A bfloat16/float16 head dim above 256 that the prefill kernel lacks (300,
+#: ...) is zero-padded to the next one it has (512) when there are at least
+#: this many query rows: the tiled kernel on the padded problem beats the
+#: one-thread-per-row sdpa kernel once the copies of q/k/v are amortised.
+#: Head dims up to 256 need no copy: the kernels run them on their next tile.
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
@@ -229,7 +230,7 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
     ranges = None
-    if decode and qL == 1 and ma is not None and sk is None and D in _native.head_dims("flash_attn_vec"):
+    if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dim("flash_attn_vec", D):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     if ranges is not None:
         route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
@@ -281,9 +282,9 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
     prefill kernel applies: a call it cannot take is refused, never run
     without them."""
-    vec_dims, prefill_dims = _native.head_dims("flash_attn_vec"), _native.head_dims("flash_attn_prefill")
+    prefill_dims = _native.head_dims("flash_attn_prefill")
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if decode and qL == 1 and mask is None and D in vec_dims and last_row and not sinks:
+    if decode and qL == 1 and mask is None and _native.runs_head_dim("flash_attn_vec", D) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if dtype not in (BF16, F16):
@@ -293,14 +294,15 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
     pad_to = None
-    if D not in prefill_dims:
+    if not _native.runs_head_dim("flash_attn_prefill", D):
         bigger = [d for d in prefill_dims if d > D]
         if bigger and qL >= PAD_MIN_QUERY_ROWS:
             pad_to = bigger[0]
         else:
-            has = ", ".join(map(str, prefill_dims))
-            why_not.append(f"head dim {D} (prefill has {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
-                           if bigger else f"head dim {D} (prefill has {has})")
+            has = f"1...{_native.PADDED_HEAD_DIM_MAX} or " + ", ".join(
+                str(d) for d in prefill_dims if d > _native.PADDED_HEAD_DIM_MAX)
+            why_not.append(f"head dim {D} (prefill runs {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
+                           if bigger else f"head dim {D} (prefill runs {has})")
     if not why_not:
         extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
         padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""

@@ -38,8 +38,8 @@ def flash_attn_decode(
     are combined by a second (reduce) dispatch.
 
     Args:
-        q: float32 ``[H, D]`` or ``[B, H, D]``; D is one of
-            ``supported_head_dims("flash_attn_decode")``.
+        q: float32 ``[H, D]`` or ``[B, H, D]``; any D from 1 to 256, or 512
+            (``supported_head_dims("flash_attn_decode")`` lists the tiled ones).
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
             Or both QuantizedKV (KVCodec.encode / KVCodec.empty) of leading

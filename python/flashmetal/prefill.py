@@ -43,7 +43,8 @@ def flash_attn_prefill(
 
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
-            bfloat16 or float16. D is one of ``supported_head_dims("flash_attn_prefill")``.
+            bfloat16 or float16. Any D from 1 to 256, or 512
+            (``supported_head_dims("flash_attn_prefill")`` lists the tiled ones).
         k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, q's dtype; H must
             be a multiple of Hkv (GQA). Or a QuantizedKV of leading shape
             ``[B, cap, Hkv]`` for either or both (layout "blhd"; the other

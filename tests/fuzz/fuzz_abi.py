@@ -54,7 +54,10 @@ def vec_dims() -> tuple[int, ...]:
 
 def pick_dim(rng, dims: tuple[int, ...]) -> int:
     """A head dim of `dims`: 64 (the cheapest) 40% of the time, 512 (the
-    dearest) 10%, the others evenly."""
+    dearest) 10%, the others evenly; or (15%) one without a tile of its own
+    that runs on the next tile up (flash-attn's 32, 40, 59, 111, 160, 224, or any D <= 256)."""
+    if rng.random() < 0.15:
+        return int(rng.choice([32, 40, 59, 111, 160, 224, int(rng.integers(1, 257))]))
     w = np.array([0.4 if d == 64 else 0.1 if d == 512 else 0.0 for d in dims])
     rest = [i for i, d in enumerate(dims) if d not in (64, 512)]
     w[rest] = (1.0 - w.sum()) / max(len(rest), 1)
@@ -216,7 +219,7 @@ def gen_vec(rng, backend):
     nonfinite = rng.random() < 0.05
     t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks), "v": _tensor(rng, kv, ks),
          "out": _tensor(rng, 0, qs, role="out")}
-    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0)  # the FWHT reduce: power-of-two dims only
+    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0 and d in vec_dims())  # the FWHT reduce: power-of-two tiles
     if fwht and rng.random() < 0.6:
         t["signs"] = _tensor(rng, 4, [d // 8])
     if rng.random() < 0.3:
@@ -270,7 +273,7 @@ def gen_ints(rng, backend, op):
     ext = [0, 1, -1, 7, 64, 300, 2**31 - 1, 2**31, 2**40, -2**63, INT64_MAX]
     ql = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
     kl = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
-    hd = pick_dim(rng, prefill_dims()) if rng.random() < 0.8 else int(rng.choice([0, -1, 32, 65, 2**31 - 1, -2**31]))
+    hd = pick_dim(rng, prefill_dims()) if rng.random() < 0.8 else int(rng.choice([0, -1, 257, 300, 511, 2**31 - 1, -2**31]))
     return Case(op, backend, {}, args=dict(q_len=ql, k_len=kl, head_dim=hd))
 
 
@@ -311,7 +314,8 @@ def gen_attn(rng, backend):
         if mode == "func":
             k_lens = [k_shape[1]] * b
     if mode.startswith("kvcache"):
-        t["seqlens_k"] = _seqlens_table(rng, k_lens)
+        cap = k_shape[1] * (table.shape[1] if mode.endswith("paged") else 1)
+        t["seqlens_k"] = _seqlens_table(rng, k_lens, cap)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
              v=_tensor(rng, dt, k_shape), out=_tensor(rng, dt, q_shape, role="out"))
@@ -353,11 +357,12 @@ def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int])
     return t, lens, shape, dict(d=d, b=b, h=h, hkv=hkv, dt=dt, room=room)
 
 
-def _seqlens_table(rng, lens: list[int]) -> TSpec:
+def _seqlens_table(rng, lens: list[int], cap: int | None = None) -> TSpec:
     """seqlens_k: int32 [B] lengths, or (30%) [2, B]: the lengths, then each
-    sequence's first key (cache_leftpad), up to one past its length."""
+    sequence's first key (cache_leftpad), up to one past its length where the
+    cache has room for it (`cap` keys per sequence; None: room for every length + 1)."""
     if rng.random() < 0.3:
-        starts = [int(rng.integers(0, n + 2)) for n in lens]
+        starts = [int(rng.integers(0, (n + 2) if cap is None else min(n + 2, cap + 1))) for n in lens]
         return _tensor(rng, 5, [2, len(lens)], values=np.array([lens, starts]))
     return _tensor(rng, 5, [len(lens)], values=np.array(lens))
 
@@ -813,7 +818,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         f"an output sharing memory was accepted: {ctx}"
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
-        assert 0 < ql < 2**31 and 0 < kl < 2**31 and d in prefill_dims(), ctx
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and (0 < d <= 256 or d in prefill_dims()), ctx
         assert extra == _blk_expect(ql, kl, d)[1], ctx
         return
     if case.op == "alloc_blk":

@@ -19,7 +19,7 @@ from cabi import err_text
 
 def test_error_hierarchy_carries_op_and_status(cpu):
     lib = _native.lib()
-    q = np.zeros((1, 1, 1, 100), BF16)
+    q = np.zeros((1, 1, 1, 300), BF16)
     with pytest.raises(fm.Error) as e:
         fm.flash_attn_prefill(q, q, q, registry=cpu)
     assert isinstance(e.value, ValueError) and isinstance(e.value, fm.InvalidValueError)
@@ -34,7 +34,7 @@ def test_error_hierarchy_carries_op_and_status(cpu):
 def test_errors_carry_the_argument_from_the_library(cpu):
     """The library's error fields reach the exception as they are: the
     argument is the public function's parameter name."""
-    q = np.zeros((1, 1, 1, 100), BF16)
+    q = np.zeros((1, 1, 1, 300), BF16)
     with pytest.raises(fm.InvalidValueError) as e:
         fm.flash_attn_prefill(q, q, q, registry=cpu)
     assert e.value.argument == "q" and "head_dim" in str(e.value)
@@ -52,7 +52,7 @@ def test_errors_carry_the_argument_from_the_library(cpu):
 def test_an_inner_public_function_names_the_outer_one(cpu):
     """A public function run by another (the front door runs prefill,
     decode or sdpa) names the outer one in every error, library or Python."""
-    q = np.zeros((1, 1, 1, 100), BF16)
+    q = np.zeros((1, 1, 1, 300), BF16)
     with _native.running("scaled_dot_product_attention"):
         with pytest.raises(fm.InvalidValueError) as e:
             fm.flash_attn_prefill(q, q, q, registry=cpu)

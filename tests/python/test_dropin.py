@@ -140,7 +140,7 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
     q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
     out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
     route = fm.last_route()
-    native = d in fm.supported_head_dims("flash_attn_prefill")
+    native = d <= 256 or d in fm.supported_head_dims("flash_attn_prefill")
     padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS
     prefill = dtype != F32 and (native or padded)
     assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
@@ -150,13 +150,14 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
 
 
 def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
-    """The zero-padded prefill keeps every other feature: mask, window, kv_len, scale, softcap."""
-    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=160)
+    """The zero-padded prefill (a head dim above 256 with no tile of its own)
+    keeps every other feature: mask, window, kv_len, scale, softcap."""
+    q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=320)
     keep = rng.random((1, 1, 36, 44)) < 0.8
     keep[..., 0] = True
     out = SDPA(q, k, v, keep, is_causal=True, enable_gqa=True, kv_len=44, align="bottom_right", window=9,
                scale=0.2, softcap=4.0, registry=registry)
-    assert "zero-padded to 192" in fm.last_route().reason
+    assert "zero-padded to 512" in fm.last_route().reason
     exp = reference.attention(q, k[:, :, :44], v[:, :, :44], mask=keep, causal=True, q_offset=8, window=9,
                               scale=0.2, softcap=4.0)
     assert_close(out, exp, BF16)
@@ -172,15 +173,15 @@ def test_more_queries_than_keys_bf16(registry, rng):
 
 
 def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
-    q, k, v = qkv(rng, BF16, d=48)
+    q, k, v = qkv(rng, BF16, d=300)
     with monkeypatch.context() as m:
         m.setattr(attention, "_run", lambda *a: pytest.fail("explain ran a kernel"))
         route = fm.explain(q, k, v, is_causal=True)
-    assert route.kernel == "sdpa" and "head dim 48" in route.reason
+    assert route.kernel == "sdpa" and "head dim 300" in route.reason
     assert isinstance(route, fm.Route) and str(route).startswith("sdpa: ")
     SDPA(q, k, v, is_causal=True, registry=cpu)
     assert fm.last_route() == route
-    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=48: no decode kernel
+    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=300: no decode kernel
     q64, k64, v64 = qkv(rng, BF16, ql=1)
     assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_vec"
     # top-left causal puts the one row at position 0: not the decode kernel's newest position

@@ -493,7 +493,7 @@ static void t_vec_reduce_group_sizes() {
             std::vector<float> ref;
             for (uint32_t threads : {1024u, 32u, 96u, 160u, 512u}) {
                 std::vector<float> out(size_t(nrows) * D, std::nanf(""));
-                FlashAttnVecReduceParams p{nrows};
+                FlashAttnVecReduceParams p{nrows, uint32_t(D)};
                 Run r;
                 r.bytes(0, p).buf(1, tmp).buf(2, out).bytes(3, nwg).g(nrows).tg(threads);
                 if (fwht) {

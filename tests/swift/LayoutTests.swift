@@ -38,8 +38,9 @@ final class LayoutTests: XCTestCase {
     }
 
     func testFlashAttnVecReduceParams() {
-        XCTAssertEqual(MemoryLayout<FlashAttnVecReduceParams>.size, 4)
+        XCTAssertEqual(MemoryLayout<FlashAttnVecReduceParams>.size, 8)
         XCTAssertEqual(MemoryLayout<FlashAttnVecReduceParams>.offset(of: \.nrows), 0)
+        XCTAssertEqual(MemoryLayout<FlashAttnVecReduceParams>.offset(of: \.head_dim), 4)
     }
 
     func testSdpaParams() {

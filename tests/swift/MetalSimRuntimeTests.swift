@@ -354,13 +354,14 @@ final class MetalSimRuntimeTests: XCTestCase {
             // One workgroup's partial O (ones) and its (S, M) = (1, 0).
             let tmp = floats([Float](repeating: 1, count: 64) + [1, 0]), out = floats([Float](repeating: 0, count: 64))
             let sinks = floats([0])
-            var nrows: UInt32 = 1, nwg: UInt32 = 1
+            var params: [UInt32] = [1, 64]  // FlashAttnVecReduceParams: nrows, head_dim
+            var nwg: UInt32 = 1
             var ext = [UInt32](repeating: 0, count: 4)
             ext[0] = 1  // n_heads
             let cb = queue.makeCommandBuffer()!
             let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
             enc.setComputePipelineState(pso)
-            enc.setBytes(&nrows, length: 4, index: 0)
+            enc.setBytes(&params, length: 8, index: 0)
             enc.setBuffer(tmp, offset: 0, index: 1)
             enc.setBuffer(out, offset: 0, index: 2)
             enc.setBytes(&nwg, length: 4, index: 3)

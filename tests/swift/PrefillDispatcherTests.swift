@@ -54,7 +54,24 @@ final class PrefillDispatcherTests: XCTestCase {
             XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
         }
         XCTAssertEqual(PrefillGeometry.forHeadDim(512), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
-        for d in [0, 32, 48, 160, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+        // Any other head dim up to 256 runs on the next tile (the same geometry).
+        for d in [1, 32, 48, 59, 160, 255] {
+            XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
+        }
+        for d in [0, -1, 257, 300, 511, 513, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+        XCTAssertEqual([1, 64, 65, 80, 81, 111, 129, 160, 193, 224, 256, 512].map { PrefillCapability.tileHeadDim($0) },
+                       [64, 64, 80, 80, 96, 128, 192, 192, 256, 256, 256, 512])
+    }
+
+    func testPaddedHeadDimRunsTheNextTileWithTheTrueD() throws {
+        // D = 59 (odd): the d64 kernel, params and strides of the true D.
+        let d = try dispatch(Case(d: 59))
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_bf16_d64")
+        let p = try d.params(PrefillBuffer.params, as: AttnParams.self)
+        XCTAssertEqual(p.D, 59)
+        XCTAssertEqual([p.Q_strides.0, p.Q_strides.1, p.Q_strides.2], [4 * 50 * 59, 50 * 59, 59])
+        XCTAssertEqual([p.K_strides.0, p.K_strides.1, p.K_strides.2], [2 * 64 * 59, 64 * 59, 59])
+        XCTAssertEqual(try dispatch(Case(d: 224)).kernel, "flash_attn_prefill_bf16_d256")
     }
 
     func testTileCounts() {
@@ -153,7 +170,8 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(qL: 0), contains: "q_len must be > 0")
         expectError(Case(kL: 0), contains: "the cache capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
-        expectError(Case(d: 160), contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 160")
+        expectError(Case(d: 300), contains: "head_dim must be in 1...256 or 512, got 300")
+        expectError(Case(d: 0), contains: "head_dim must be in 1...256 or 512, got 0")
         expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16, got float32")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20

@@ -65,6 +65,25 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(VecCapability.fwhtHeadDims, [64, 128, 256, 512])
     }
 
+    func testPaddedHeadDimRunsTheNextTileWithTheTrueD() throws {
+        // D = 111 (odd): the dk128 kernels with head_dim 111, scalar loads (506) as its rows are off
+        // vector boundaries, threadgroup staging of the tile's width.
+        let ds = try dispatches(Case(d: 111, kv: .bf16))
+        let (m, r) = (ds[0], ds[1])
+        XCTAssertEqual(m.kernel, "flash_attn_vec_bf16kv_dk128")
+        XCTAssertEqual(try m.params(0, as: FlashAttnVecParams.self).head_dim, 111)
+        XCTAssertEqual(m.constants.bool(FunctionConstantIndex.vecUnaligned), true)
+        XCTAssertEqual(m.threadgroupMemory, [0: VecDispatcher.threadgroupMemoryBytes(headDim: 128, heads: 2, elementBytes: 2)])
+        XCTAssertEqual(r.kernel, "flash_attn_vec_reduce_dk128")
+        XCTAssertEqual(try r.params(0, as: FlashAttnVecReduceParams.self).head_dim, 111)
+        // D = 40 keeps the vector loads (a multiple of the d64 kernel's width 2).
+        let m40 = try dispatches(Case(d: 40))[0]
+        XCTAssertEqual(m40.kernel, "flash_attn_vec_dk64")
+        XCTAssertEqual(m40.constants.bool(FunctionConstantIndex.vecUnaligned), false)
+        XCTAssertEqual(VecCapability.tileHeadDim(160), 192)
+        XCTAssertNil(VecCapability.tileHeadDim(257))
+    }
+
     func testMainAndReduce() throws {
         var o = VecOptions(scale: 0.5)
         o.kvLen = 100; o.maskType = 2; o.window = 64; o.softcap = 30
@@ -88,6 +107,7 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(r.grid, Size3(16, 1, 1))
         XCTAssertEqual(r.threadgroup, Size3(1024, 1, 1))
         XCTAssertEqual(try r.params(0, as: FlashAttnVecReduceParams.self).nrows, 16)
+        XCTAssertEqual(try r.params(0, as: FlashAttnVecReduceParams.self).head_dim, 256)
         XCTAssertEqual(try r.params(3, as: UInt32.self), 32)
         XCTAssertEqual(try r.buffer(1).data, try m.buffer(4).data)
         XCTAssertEqual(Set(r.bindings.keys), [0, 1, 2, 3])
@@ -142,7 +162,8 @@ final class VecDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = VecDispatcher.op
-        expectFMError(op, contains: "head_dim must be 64, 80, 96, 128, 192, 256 or 512, got 48") { _ = try dispatches(Case(d: 48)) }
+        expectFMError(op, contains: "head_dim must be in 1...256 or 512, got 300") { _ = try dispatches(Case(d: 300)) }
+        expectFMError(op, contains: "head_dim must be in 1...256 or 512, got 0") { _ = try dispatches(Case(d: 0)) }
         expectFMError(op, contains: "the q heads (16) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "the k heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)

@@ -217,9 +217,12 @@ typedef struct FlashAttnVecParams {
     uint32_t nwg;
 } FlashAttnVecParams;
 
-/* Decode reduce (plain and FWHT-undo): buffer(0). 4 bytes. */
+/* Decode reduce (plain and FWHT-undo): buffer(0). 8 bytes. head_dim is the
+ * true D (the kernel may be instantiated for a wider tile): the row stride of
+ * tmp's partials and of out. */
 typedef struct FlashAttnVecReduceParams {
     uint32_t nrows;
+    uint32_t head_dim;
 } FlashAttnVecReduceParams;
 
 /* Simple SDPA: buffer(4). 32 bytes. */
