@@ -74,6 +74,7 @@ FUNCTION_CONSTANT_EXPR(bool, per_seq, varlen_q || varlen_k || kv_lens || paged_k
 inline float mask_bias(uchar attend) { return attend != 0 ? 0.0f : -INFINITY; }
 inline float mask_bias(half m) { return float(m); }
 inline float mask_bias(bfloat m) { return float(m); }
+inline float mask_bias(float m) { return m; }
 
 // The (row, column) of a lane's first element in an 8x8 simdgroup fragment;
 // its second element is (row, column + 1).
@@ -86,22 +87,66 @@ inline void frag_coord(uint lane, thread short &row, thread short &col) {
 // Threadgroup tiles hold their T elements two to a 32-bit word, the lower
 // column in the low half; K is held transposed (row = head-dim column, a
 // word = two consecutive keys): a fragment's two neighbouring elements are
-// one threadgroup load, a copied pair one store.
+// one threadgroup load, a copied pair one store. A float tile holds one
+// element per word (the same layout with one element in place of a pair).
 // The bits move unchanged, so the values are those of the T elements.
+template <typename T> struct TileWords {
+    static constexpr int per_word = 4 / int(sizeof(T));  // elements per 32-bit word
+};
 template <typename T> inline uint pack2(T a, T b) {
     return uint(as_type<ushort>(a)) | (uint(as_type<ushort>(b)) << 16);
 }
 template <typename T> inline float low_of(uint w) { return float(as_type<T>(ushort(w & 0xffffu))); }
 template <typename T> inline float high_of(uint w) { return float(as_type<T>(ushort(w >> 16))); }
 
+// Elements i and i + 1 (i even) of a tile row into a fragment's two elements.
+template <typename T> inline void read_pair(thread simdgroup_float8x8 &f, const threadgroup uint *row, int i) {
+    const uint w = row[i / 2];
+    f.thread_elements()[0] = low_of<T>(w);
+    f.thread_elements()[1] = high_of<T>(w);
+}
+template <> inline void read_pair<float>(thread simdgroup_float8x8 &f, const threadgroup uint *row, int i) {
+    f.thread_elements()[0] = as_type<float>(row[i]);
+    f.thread_elements()[1] = as_type<float>(row[i + 1]);
+}
+
+// Elements at[0], at[1] into elements c, c + 1 (c even) of a tile row; zeros
+// unless `valid` (at is then never read).
+template <typename T> inline void copy_pair(threadgroup uint *row, int c, const device T *at, bool valid) {
+    row[c / 2] = valid ? pack2(at[0], at[1]) : 0u;
+}
+template <> inline void copy_pair<float>(threadgroup uint *row, int c, const device float *at, bool valid) {
+    row[c] = valid ? as_type<uint>(at[0]) : 0u;
+    row[c + 1] = valid ? as_type<uint>(at[1]) : 0u;
+}
+
+// Columns d, d + 1 of keys 2kp (at) and 2kp + 1 (at + stride) into rows d and
+// d + 1 of a transposed tile (rows ldw words apart), elements 2kp and 2kp + 1;
+// a key that is not valid becomes zeros (and is never read). Two-byte
+// elements: each key's column pair is read as one word and the halves swapped.
+template <typename T>
+inline void copy_quad_t(threadgroup uint *dst, int ldw, int d, int kp, const device T *at, long stride, bool va,
+                        bool vb) {
+    const uint a = va ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
+    const uint b = vb ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
+    dst[d * ldw + kp] = (a & 0xffffu) | (b << 16);
+    dst[(d + 1) * ldw + kp] = (a >> 16) | (b & 0xffff0000u);
+}
+template <>
+inline void copy_quad_t<float>(threadgroup uint *dst, int ldw, int d, int kp, const device float *at, long stride,
+                               bool va, bool vb) {
+    dst[d * ldw + 2 * kp] = va ? as_type<uint>(at[0]) : 0u;
+    dst[d * ldw + 2 * kp + 1] = vb ? as_type<uint>(at[stride]) : 0u;
+    dst[(d + 1) * ldw + 2 * kp] = va ? as_type<uint>(at[1]) : 0u;
+    dst[(d + 1) * ldw + 2 * kp + 1] = vb ? as_type<uint>(at[stride + 1]) : 0u;
+}
+
 // A[r][c] = tile[row0 + r][col0 + c], the tile's rows `ldw` words apart;
 // col0 and this lane's fc are even, so its two elements share one word.
 template <typename T>
 inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int row0, int col0,
                       short fr, short fc) {
-    const uint w = src[(row0 + fr) * ldw + (col0 + fc) / 2];
-    f.thread_elements()[0] = low_of<T>(w);
-    f.thread_elements()[1] = high_of<T>(w);
+    read_pair<T>(f, src + (row0 + fr) * ldw, col0 + fc);
 }
 
 // A[r][c] = K[key0 + c][col0 + r] from a transposed tile (row = head-dim
@@ -110,13 +155,11 @@ inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src,
 template <typename T>
 inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int key0, int col0,
                         short fr, short fc) {
-    const uint w = src[(col0 + fr) * ldw + (key0 + fc) / 2];
-    f.thread_elements()[0] = low_of<T>(w);
-    f.thread_elements()[1] = high_of<T>(w);
+    read_pair<T>(f, src + (col0 + fr) * ldw, key0 + fc);
 }
 
 // Copies rows [row0, row0 + ROWS) of a [len, BD] slab (row stride `stride`)
-// into threadgroup memory with row pitch LDW words, a column pair per word;
+// into threadgroup memory with row pitch LDW words (copy_pair's layout);
 // rows past `len` become zeros. A tile wholly inside (`aligned`) takes the
 // loop without the row check. Column and row indices are 32-bit; only the
 // row's offset in device memory is 64-bit.
@@ -130,8 +173,7 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
         for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
             const int r = i / PAIRS;
             const int c = (i % PAIRS) * 2;
-            const device T *at = base + long(r) * stride + c;
-            dst[r * LDW + c / 2] = pack2(at[0], at[1]);
+            copy_pair<T>(dst + r * LDW, c, base + long(r) * stride + c, true);
         }
         return;
     }
@@ -139,17 +181,14 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
         const int c = (i % PAIRS) * 2;
-        const device T *at = base + long(r) * stride + c;
-        dst[r * LDW + c / 2] = r < rows ? pack2(at[0], at[1]) : 0u;
+        copy_pair<T>(dst + r * LDW, c, base + long(r) * stride + c, r < rows);
     }
 }
 
 // Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
-// threadgroup memory transposed: row d (LDW words apart) holds column d, a
-// pair of keys per word; keys past `len` become zeros. A thread takes two
-// keys by two columns: it reads each key's column pair as one word (as
-// load_tile does) and swaps halves into the two columns' words.
-// Consecutive threads take consecutive column pairs of the same keys.
+// threadgroup memory transposed: row d (LDW words apart) holds column d
+// (copy_quad_t's layout); keys past `len` become zeros. A thread takes two
+// keys by two columns. Consecutive threads take consecutive column pairs of the same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
     static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
@@ -159,11 +198,7 @@ inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride,
     for (int i = int(tid); i < ITEMS; i += THREADS) {
         const int d = (i % CP) * 2;
         const int kp = i / CP;
-        const device T *at = src + long(2 * kp) * stride + d;
-        const uint a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
-        const uint b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
-        dst[d * LDW + kp] = (a & 0xffffu) | (b << 16);
-        dst[(d + 1) * LDW + kp] = (a >> 16) | (b & 0xffff0000u);
+        copy_quad_t<T>(dst, LDW, d, kp, src + long(2 * kp) * stride + d, stride, 2 * kp < keys, 2 * kp + 1 < keys);
     }
 }
 
@@ -356,7 +391,7 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
 }
 
 // Threadgroup memory of one prefill threadgroup, by head dim, in 32-bit
-// words of two elements. D <= 256: the Q tile and a K/V tile, each row
+// words of EPW elements (two, or one for float). D <= 256: the Q tile and a K/V tile, each row
 // padded by 8 elements (Os is a 1-float stub); K^T reuses the K/V words. D > 256
 // ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
 template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
@@ -364,12 +399,13 @@ template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr int DC = wide ? 128 : BD;  // K/V columns held at a time
     static constexpr int LDQ = BD + 8;
     static constexpr int LDC = DC + 8;
-    static constexpr int LDQW = LDQ / 2;  // the same pitches in 32-bit words (two elements each)
-    static constexpr int LDCW = LDC / 2;
+    static constexpr int EPW = TileWords<T>::per_word;
+    static constexpr int LDQW = LDQ / EPW;  // the same pitches in 32-bit words
+    static constexpr int LDCW = LDC / EPW;
     static constexpr int q_words = BQ * LDQW;
-    // K^T: a row per column, BK / 2 words, one more against bank conflicts
-    // where that still fits in the V tile's words (D = 64).
-    static constexpr int LDKW = DC * (BK / 2 + 1) <= BK * LDCW ? BK / 2 + 1 : BK / 2;
+    // K^T: a row per column, BK / EPW words, one more against bank conflicts
+    // where that still fits in the V tile's words.
+    static constexpr int LDKW = DC * (BK / EPW + 1) <= BK * LDCW ? BK / EPW + 1 : BK / EPW;
     static constexpr int kv_words = BK * LDCW;
     static constexpr int o_floats = wide ? BQ * BD : 1;
     static constexpr int bytes = (q_words + kv_words) * 4 + o_floats * 4;
@@ -411,7 +447,7 @@ inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const
 }
 
 // D <= 256: the O accumulator in registers (Os unused).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -448,7 +484,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(tgid.x) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * BQ / BQB * p.NK + kt * BK / BKB];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
@@ -502,7 +538,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
 
 // D = 512: O in threadgroup memory (Os, row pitch BD), K and V streamed in
 // DC-column chunks through KVs (see the header).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -545,7 +581,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(tgid.x) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * BQ / BQB * p.NK + kt * BK / BKB];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
@@ -603,7 +639,11 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 // The thread cap tells Apple's compiler the threadgroup is exactly WM * WN
 // simdgroups, so it may give each thread the registers the O accumulator
 // needs (64 floats per thread at D = 256) instead of planning for 1024.
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+//
+// The blk tiles are BQB x BKB (the head dim's tile-skip geometry; by
+// default the kernel's own): a kernel tile lies inside one blk tile
+// (BQB, BKB multiples of BQ, BK), whose class then holds for it too.
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
 [[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
     const device T *Q [[buffer(0)]],
@@ -630,6 +670,7 @@ kernel void flash_attn_prefill(
     typedef PrefillTiles<T, BQ, BK, BD> G;
     static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
     static_assert(G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
+    static_assert(BQB % BQ == 0 && BKB % BK == 0, "a kernel tile lies inside one blk tile");
     TG_ARRAY(uint, Qs, G::q_words);
     TG_ARRAY(uint, KVs, G::kv_words);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
@@ -643,13 +684,14 @@ kernel void flash_attn_prefill(
     sb.sinks = has_sinks ? sinks : nullptr;
     sb.lse = has_lse ? lse : nullptr;
     sb.alibi = has_alibi ? alibi : nullptr;
-    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN, BQB, BKB>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
                                               has_mask ? mask : nullptr, has_blk ? blk : nullptr, sb, Qs, KVs,
                                               Os, tgid, sg, lane, tid);
 }
 
 // mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
-// WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
+// WM, WN[, BQB, BKB]). The geometry must match PrefillCapability in Sources/FlashMetalCore
+// (float32: its f32Geometry, with the blk tile where that differs).
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
@@ -678,3 +720,15 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64", flash_attn_prefill, float, float, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64_boolmask", flash_attn_prefill, float, uchar, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80", flash_attn_prefill, float, float, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80_boolmask", flash_attn_prefill, float, uchar, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d96", flash_attn_prefill, float, float, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d96_boolmask", flash_attn_prefill, float, uchar, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128", flash_attn_prefill, float, float, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128_boolmask", flash_attn_prefill, float, uchar, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192", flash_attn_prefill, float, float, 32, 8, 192, 4, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192_boolmask", flash_attn_prefill, float, uchar, 32, 8, 192, 4, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256", flash_attn_prefill, float, float, 16, 8, 256, 2, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256_boolmask", flash_attn_prefill, float, uchar, 16, 8, 256, 2, 1, 32, 16)

@@ -135,7 +135,7 @@ public enum AttnDispatcher {
         if kDim != headDim {
             throw FlashMetalError.value(op, "\(kind.kName) head_dim (\(kDim)) must equal q head_dim (\(headDim))", arg: kind.kName)
         }
-        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
+        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: headDim, op: op)
         if nHeads == 0 || nKV == 0 { throw FlashMetalError.value(op, "the head counts must be > 0, got q \(nHeads), \(kind.kName) \(nKV)", arg: "q") }
         if nHeads % nKV != 0 {
             throw FlashMetalError.value(op, "the q heads (\(nHeads)) must be a multiple of the \(kind.kName) heads (\(nKV))", arg: "q")

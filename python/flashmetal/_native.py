@@ -219,9 +219,9 @@ def constant(name: str) -> int:
 
 
 def head_dims(op: str) -> tuple[int, ...]:
-    """The head dims with a kernel for "flash_attn_prefill" or
-    "flash_attn_decode" (alias "flash_attn_vec"), from the library's
-    capability tables."""
+    """The head dims with a kernel for "flash_attn_prefill",
+    "flash_attn_prefill_f32" (its float32 I/O) or "flash_attn_decode"
+    (alias "flash_attn_vec"), from the library's capability tables."""
     if not isinstance(op, str):
         raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
     return _head_dims(op)

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import BF16, F16, as_input, check_out, empty_batch, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, tensor
 from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
 from ._errors import InvalidValueError
@@ -41,7 +41,9 @@ def flash_attn_prefill(
 
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
-            bfloat16 or float16. D is one of ``supported_head_dims("flash_attn_prefill")``.
+            bfloat16, float16 or float32. D is one of
+            ``supported_head_dims("flash_attn_prefill")`` (float32:
+            ``supported_head_dims("flash_attn_prefill_f32")``).
         k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, Q's dtype; H must
             be a multiple of Hkv (GQA).
         mask: additive (Q's dtype: 0 attend, -inf masked, any finite bias) or
@@ -93,7 +95,7 @@ def flash_attn_prefill(
     else:
         dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma, ba, sa])
     kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
-    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16):
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16, F32):
         return out
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.
