@@ -72,15 +72,15 @@ final class PrefillDispatcherTests: XCTestCase {
     /// the alignment constants its 16 x 8 tiles; AttnParams' NQ/NK stay the
     /// tile-skip (blk) grid of 32 x 16 tiles.
     func testFloat32GridAndParams() throws {
-        let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 40, d: 256, dtype: .f32))
+        let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 256, dtype: .f32))
         let p = try d.params(4, as: AttnParams.self)
-        XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [2, 3, 16, 8])
+        XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [2, 4, 16, 8])
         XCTAssertEqual(d.grid, Size3(3, 2, 1))
         XCTAssertEqual(d.threadgroup, Size3(32, 2, 1))
         XCTAssertEqual(d.kernel, "flash_attn_prefill_f32_d256")
         XCTAssertEqual(d.constants.bool(200), true, "48 rows: whole 16-row tiles")
-        XCTAssertEqual(d.constants.bool(201), true, "40 keys: whole 8-key tiles")
-        let d192 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 40, d: 192, dtype: .f32))
+        XCTAssertEqual(d.constants.bool(201), true, "56 keys: whole 8-key tiles")
+        let d192 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 192, dtype: .f32))
         XCTAssertEqual(d192.grid, Size3(2, 2, 1))
         XCTAssertEqual(d192.threadgroup, Size3(32, 4, 1))
         XCTAssertEqual(d192.constants.bool(200), false, "48 rows: a partial 32-row tile")
