@@ -500,7 +500,7 @@ def main() -> int:
         for c in cases:
             if c.group == "prefill" and c.real_size == lengths[0] and c.label.startswith(("f16 D=64 ", "f16 D=128 ",
                                                                                          "f32 D=64 ")):
-                c.validate_size = 256 if c.label.startswith("f32") else 512
+                c.validate_size = 512
             if c.group == "decode" and c.real_size == keys[0] and c.batch == 1:
                 c.validate_size = 4096
             if c.group in ("serving", "sdpa") and c.real_size == lengths[0] and "D=72" not in c.label:

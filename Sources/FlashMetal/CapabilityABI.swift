@@ -34,7 +34,9 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
         case PrefillDispatcher.f32Name: dims = PrefillCapability.headDims(io: .f32)
         case VecDispatcher.publicName, VecDispatcher.op: dims = VecCapability.headDims
         default:
-            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)' or '\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
+            throw FlashMetalError.value(
+                "supported_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)' or "
+                    + "'\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
         }
         guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null", arg: "count") }
         count.pointee = dims.count
