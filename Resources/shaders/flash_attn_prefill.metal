@@ -29,6 +29,8 @@
 // only its own fragment elements (so O needs no barrier), and streams K and
 // V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
 // K/V 8x(128+8) in T, O 8x512 floats = 26,880 bytes for bf16/f16.
+// Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
+// are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
 //
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
@@ -142,7 +144,8 @@ inline void copy_quad_t<float>(threadgroup uint *dst, int ldw, int d, int kp, co
 }
 
 // A[r][c] = tile[row0 + r][col0 + c], the tile's rows `ldw` words apart;
-// col0 and this lane's fc are even, so its two elements share one word.
+// col0 and this lane's fc are even, so its two elements share one word
+// (two-byte T; a float tile's are neighbouring words).
 template <typename T>
 inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int row0, int col0,
                       short fr, short fc) {
@@ -151,7 +154,7 @@ inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src,
 
 // A[r][c] = K[key0 + c][col0 + r] from a transposed tile (row = head-dim
 // column, `ldw` words apart, a word = keys 2i and 2i + 1): this lane's two
-// keys key0 + fc and key0 + fc + 1 (fc even) share one word.
+// keys key0 + fc and key0 + fc + 1 (fc even) share one word (two-byte T).
 template <typename T>
 inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int key0, int col0,
                         short fr, short fc) {
@@ -188,7 +191,8 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
 // Copies keys [0, KEYS) of a [len, BD] slab (row stride `stride`) into
 // threadgroup memory transposed: row d (LDW words apart) holds column d
 // (copy_quad_t's layout); keys past `len` become zeros. A thread takes two
-// keys by two columns. Consecutive threads take consecutive column pairs of the same keys.
+// keys by two columns; consecutive threads take consecutive column pairs of
+// the same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, uint tid) {
     static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
