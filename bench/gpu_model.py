@@ -190,27 +190,30 @@ def pairs_visible(ql: int, kl: int, causal: bool, window: int | None) -> int:
 
 def prefill_cases(reg, dims, dtypes, lengths, heads=32):
     cases = []
+    f32_dims = fm.supported_head_dims("flash_attn_prefill_f32")
     for dt in dtypes:
         for d in dims:
+            # float32 at a head dim without a tiled float32 kernel (512) runs on sdpa.
+            tiled = dt != "f32" or d in f32_dims
             for mask in ("full", "causal", "window"):
-                def run(size, batch, hkv, dt=dt, d=d, mask=mask):
+                def run(size, batch, hkv, dt=dt, d=d, mask=mask, tiled=tiled):
                     rng = np.random.default_rng(size)
                     q = randn(rng, (batch, hkv, size, d), dt)
                     k = randn(rng, (batch, hkv, size, d), dt)
                     v = randn(rng, (batch, hkv, size, d), dt)
                     causal = mask != "full"
                     window = size // 4 if mask == "window" else None
-                    if dt == "f32":  # float32 prefill runs on sdpa (no tiled float32 kernel)
-                        fm.sdpa(q, k, v, causal=causal, window=window, registry=reg)
-                    else:
+                    if tiled:
                         fm.flash_attn_prefill(q, k, v, causal=causal, window=window, registry=reg)
+                    else:
+                        fm.sdpa(q, k, v, causal=causal, window=window, registry=reg)
 
                 def flops(size, d=d, mask=mask):
                     return 4 * d * pairs_visible(size, size, mask != "full", size // 4 if mask == "window" else None)
-                small = [64, 128, 192] if dt == "f32" else [128, 256, 384]
+                small = [128, 256, 384] if tiled else [64, 128, 192]
                 for L in lengths:
                     cases.append(Case("prefill", f"{dt} D={d} {mask} L={L}",
-                                      "sdpa" if dt == "f32" else "flash_attn_prefill", run, small, 2, L, 1, heads,
+                                      "flash_attn_prefill" if tiled else "sdpa", run, small, 2, L, 1, heads,
                                       flops))
     return cases
 
@@ -497,7 +500,7 @@ def main() -> int:
         for c in cases:
             if c.group == "prefill" and c.real_size == lengths[0] and c.label.startswith(("f16 D=64 ", "f16 D=128 ",
                                                                                          "f32 D=64 ")):
-                c.validate_size = 256 if c.label.startswith("f32") else 512
+                c.validate_size = 512
             if c.group == "decode" and c.real_size == keys[0] and c.batch == 1:
                 c.validate_size = 4096
             if c.group in ("serving", "sdpa") and c.real_size == lengths[0] and "D=72" not in c.label:

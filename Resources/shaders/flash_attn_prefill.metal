@@ -29,6 +29,8 @@
 // only its own fragment elements (so O needs no barrier), and streams K and
 // V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
 // K/V 8x(128+8) in T, O 8x512 floats = 26,880 bytes for bf16/f16.
+// Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
+// are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
 //
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
@@ -74,6 +76,7 @@ FUNCTION_CONSTANT_EXPR(bool, per_seq, varlen_q || varlen_k || kv_lens || paged_k
 inline float mask_bias(uchar attend) { return attend != 0 ? 0.0f : -INFINITY; }
 inline float mask_bias(half m) { return float(m); }
 inline float mask_bias(bfloat m) { return float(m); }
+inline float mask_bias(float m) { return m; }
 
 // The (row, column) of a lane's first element in an 8x8 simdgroup fragment;
 // its second element is (row, column + 1).
@@ -86,44 +89,85 @@ inline void frag_coord(uint lane, thread short &row, thread short &col) {
 // Threadgroup tiles hold their T elements two to a 32-bit word, the lower
 // column in the low half; K is held transposed (row = head-dim column, a
 // word = two consecutive keys): a fragment's two neighbouring elements are
-// one threadgroup load, a copied pair one store.
+// one threadgroup load, a copied pair one store. A float tile holds one
+// element per word (the same layout with one element in place of a pair).
 // The bits move unchanged, so the values are those of the T elements.
+template <typename T> struct TileWords {
+    static constexpr int per_word = 4 / int(sizeof(T));  // elements per 32-bit word
+};
 template <typename T> inline uint pack2(T a, T b) {
     return uint(as_type<ushort>(a)) | (uint(as_type<ushort>(b)) << 16);
 }
 template <typename T> inline float low_of(uint w) { return float(as_type<T>(ushort(w & 0xffffu))); }
 template <typename T> inline float high_of(uint w) { return float(as_type<T>(ushort(w >> 16))); }
 
+// Elements i and i + 1 (i even) of a tile row into a fragment's two elements.
+template <typename T> inline void read_pair(thread simdgroup_float8x8 &f, const threadgroup uint *row, int i) {
+    const uint w = row[i / 2];
+    f.thread_elements()[0] = low_of<T>(w);
+    f.thread_elements()[1] = high_of<T>(w);
+}
+template <> inline void read_pair<float>(thread simdgroup_float8x8 &f, const threadgroup uint *row, int i) {
+    f.thread_elements()[0] = as_type<float>(row[i]);
+    f.thread_elements()[1] = as_type<float>(row[i + 1]);
+}
+
+// Elements at[0], at[1] into elements c, c + 1 (c even) of a tile row: the
+// first n of them (0, 1 or 2) read, the rest zeros (nothing past them is
+// read: n < 2 at the end of a row of odd width or past a padded head dim).
+template <typename T> inline void copy_pair(threadgroup uint *row, int c, const device T *at, int n) {
+    row[c / 2] = n >= 2 ? pack2(at[0], at[1]) : n == 1 ? pack2(at[0], T(0.0f)) : 0u;
+}
+template <> inline void copy_pair<float>(threadgroup uint *row, int c, const device float *at, int n) {
+    row[c] = n >= 1 ? as_type<uint>(at[0]) : 0u;
+    row[c + 1] = n >= 2 ? as_type<uint>(at[1]) : 0u;
+}
+
+// How many of columns c, c + 1 lie in a row of D columns: 2, 1 or 0.
+inline int pair_columns(int c, int D) { return D - c >= 2 ? 2 : D - c == 1 ? 1 : 0; }
+
+// Columns d, d + 1 of keys 2kp (ka: its column d) and 2kp + 1 (kb) into rows
+// d and d + 1 of a transposed tile (rows ldw words apart), elements 2kp and
+// 2kp + 1; of each key the first na (nb) columns of the two are read (0, 1
+// or 2), the rest become zeros. Two-byte elements: each key's column pair is
+// read as one word and the halves swapped.
+template <typename T>
+inline void copy_quad_t(threadgroup uint *dst, int ldw, int d, int kp, const device T *ka, const device T *kb, int na,
+                        int nb) {
+    const uint a = na >= 2 ? pack2(ka[0], ka[1]) : na == 1 ? pack2(ka[0], T(0.0f)) : 0u;
+    const uint b = nb >= 2 ? pack2(kb[0], kb[1]) : nb == 1 ? pack2(kb[0], T(0.0f)) : 0u;
+    dst[d * ldw + kp] = (a & 0xffffu) | (b << 16);
+    dst[(d + 1) * ldw + kp] = (a >> 16) | (b & 0xffff0000u);
+}
+template <>
+inline void copy_quad_t<float>(threadgroup uint *dst, int ldw, int d, int kp, const device float *ka,
+                               const device float *kb, int na, int nb) {
+    dst[d * ldw + 2 * kp] = na >= 1 ? as_type<uint>(ka[0]) : 0u;
+    dst[d * ldw + 2 * kp + 1] = nb >= 1 ? as_type<uint>(kb[0]) : 0u;
+    dst[(d + 1) * ldw + 2 * kp] = na >= 2 ? as_type<uint>(ka[1]) : 0u;
+    dst[(d + 1) * ldw + 2 * kp + 1] = nb >= 2 ? as_type<uint>(kb[1]) : 0u;
+}
+
 // A[r][c] = tile[row0 + r][col0 + c], the tile's rows `ldw` words apart;
-// col0 and this lane's fc are even, so its two elements share one word.
+// col0 and this lane's fc are even, so its two elements share one word
+// (two-byte T; a float tile's are neighbouring words).
 template <typename T>
 inline void load_frag(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int row0, int col0,
                       short fr, short fc) {
-    const uint w = src[(row0 + fr) * ldw + (col0 + fc) / 2];
-    f.thread_elements()[0] = low_of<T>(w);
-    f.thread_elements()[1] = high_of<T>(w);
+    read_pair<T>(f, src + (row0 + fr) * ldw, col0 + fc);
 }
 
 // A[r][c] = K[key0 + c][col0 + r] from a transposed tile (row = head-dim
 // column, `ldw` words apart, a word = keys 2i and 2i + 1): this lane's two
-// keys key0 + fc and key0 + fc + 1 (fc even) share one word.
+// keys key0 + fc and key0 + fc + 1 (fc even) share one word (two-byte T).
 template <typename T>
 inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *src, int ldw, int key0, int col0,
                         short fr, short fc) {
-    const uint w = src[(col0 + fr) * ldw + (key0 + fc) / 2];
-    f.thread_elements()[0] = low_of<T>(w);
-    f.thread_elements()[1] = high_of<T>(w);
-}
-
-// The word of columns c, c + 1 of a row at `at` (its column c) holding D
-// columns: both when c + 1 < D, column c and a zero when c + 1 == D (an odd
-// D), zeros when c >= D. Nothing at or past column D is read.
-template <typename T> inline uint load_pair(const device T *at, int c, int D) {
-    return c + 1 < D ? pack2(at[0], at[1]) : c < D ? pack2(at[0], T(0.0f)) : 0u;
+    read_pair<T>(f, src + (col0 + fr) * ldw, key0 + fc);
 }
 
 // Copies rows [row0, row0 + ROWS) of a [len, D] slab (row stride `stride`)
-// into threadgroup memory with row pitch LDW words, a column pair per word;
+// into threadgroup memory with row pitch LDW words (copy_pair's layout);
 // rows past `len` and columns past D (D <= BD: a head dim padded to the
 // kernel's tile width BD) become zeros. A tile wholly inside (`aligned`)
 // and D == BD take the loop without checks. Column and row indices are
@@ -138,8 +182,7 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
         for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
             const int r = i / PAIRS;
             const int c = (i % PAIRS) * 2;
-            const device T *at = base + long(r) * stride + c;
-            dst[r * LDW + c / 2] = pack2(at[0], at[1]);
+            copy_pair<T>(dst + r * LDW, c, base + long(r) * stride + c, 2);
         }
         return;
     }
@@ -147,18 +190,15 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
         const int c = (i % PAIRS) * 2;
-        const device T *at = base + long(r) * stride + c;
-        dst[r * LDW + c / 2] = r < rows ? load_pair(at, c, D) : 0u;
+        copy_pair<T>(dst + r * LDW, c, base + long(r) * stride + c, r < rows ? pair_columns(c, D) : 0);
     }
 }
 
 // Copies keys [0, KEYS) of a [len, D] slab (row stride `stride`) into
-// threadgroup memory transposed: row d (LDW words apart) holds column d, a
-// pair of keys per word; keys past `len` and columns past D (D <= BD) become
-// zeros. A thread takes two keys by two columns: it reads each key's column
-// pair as one word (as load_tile does) and swaps halves into the two
-// columns' words. Consecutive threads take consecutive column pairs of the
-// same keys.
+// threadgroup memory transposed: row d (LDW words apart) holds column d
+// (copy_quad_t's layout); keys past `len` and columns past D (D <= BD)
+// become zeros. A thread takes two keys by two columns; consecutive threads
+// take consecutive column pairs of the same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, int D,
                         uint tid) {
@@ -169,17 +209,9 @@ inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride,
     for (int i = int(tid); i < ITEMS; i += THREADS) {
         const int d = (i % CP) * 2;
         const int kp = i / CP;
+        const int n = D == BD ? 2 : pair_columns(d, D);
         const device T *at = src + long(2 * kp) * stride + d;
-        uint a = 0u, b = 0u;
-        if (D == BD) {
-            a = 2 * kp < keys ? pack2(at[0], at[1]) : 0u;                    // key 2kp: columns d, d + 1
-            b = 2 * kp + 1 < keys ? pack2(at[stride], at[stride + 1]) : 0u;  // key 2kp + 1
-        } else {
-            a = 2 * kp < keys ? load_pair(at, d, D) : 0u;
-            b = 2 * kp + 1 < keys ? load_pair(at + stride, d, D) : 0u;
-        }
-        dst[d * LDW + kp] = (a & 0xffffu) | (b << 16);
-        dst[(d + 1) * LDW + kp] = (a >> 16) | (b & 0xffff0000u);
+        copy_quad_t<T>(dst, LDW, d, kp, at, at + stride, 2 * kp < keys ? n : 0, 2 * kp + 1 < keys ? n : 0);
     }
 }
 
@@ -293,12 +325,8 @@ inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant i
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
         const int c = (i % PAIRS) * 2;
-        uint word = 0u;
-        if (r < len) {
-            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + r) + c0 + c;
-            word = D == BD ? pack2(at[0], at[1]) : load_pair(at, c, D);
-        }
-        dst[r * LDW + c / 2] = word;
+        const device T *at = r < len ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + r) + c0 + c : X;
+        copy_pair<T>(dst + r * LDW, c, at, r < len ? pair_columns(c, D) : 0);
     }
 }
 
@@ -313,17 +341,11 @@ inline void load_tile_t_paged(threadgroup uint *dst, const device T *X, constant
     for (int i = int(tid); i < ITEMS; i += THREADS) {
         const int d = (i % CP) * 2;
         const int kp = i / CP;
-        uint a = 0u, bw = 0u;
-        if (2 * kp < len) {
-            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp) + c0 + d;
-            a = D == BD ? pack2(at[0], at[1]) : load_pair(at, d, D);
-        }
-        if (2 * kp + 1 < len) {
-            const device T *at = prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp + 1) + c0 + d;
-            bw = D == BD ? pack2(at[0], at[1]) : load_pair(at, d, D);
-        }
-        dst[d * LDW + kp] = (a & 0xffffu) | (bw << 16);
-        dst[(d + 1) * LDW + kp] = (a >> 16) | (bw & 0xffff0000u);
+        const int n = pair_columns(d, D);
+        const bool va = 2 * kp < len, vb = 2 * kp + 1 < len;
+        const device T *ka = va ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp) + c0 + d : X;
+        const device T *kb = vb ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp + 1) + c0 + d : X;
+        copy_quad_t<T>(dst, LDW, d, kp, ka, kb, va ? n : 0, vb ? n : 0);
     }
 }
 
@@ -432,7 +454,7 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
 }
 
 // Threadgroup memory of one prefill threadgroup, by head dim, in 32-bit
-// words of two elements. D <= 256: the Q tile and a K/V tile, each row
+// words of EPW elements (two, or one for float). D <= 256: the Q tile and a K/V tile, each row
 // padded by 8 elements (Os is a 1-float stub); K^T reuses the K/V words. D > 256
 // ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
 template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
@@ -440,12 +462,13 @@ template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr int DC = wide ? 128 : BD;  // K/V columns held at a time
     static constexpr int LDQ = BD + 8;
     static constexpr int LDC = DC + 8;
-    static constexpr int LDQW = LDQ / 2;  // the same pitches in 32-bit words (two elements each)
-    static constexpr int LDCW = LDC / 2;
+    static constexpr int EPW = TileWords<T>::per_word;
+    static constexpr int LDQW = LDQ / EPW;  // the same pitches in 32-bit words
+    static constexpr int LDCW = LDC / EPW;
     static constexpr int q_words = BQ * LDQW;
-    // K^T: a row per column, BK / 2 words, one more against bank conflicts
-    // where that still fits in the V tile's words (D = 64).
-    static constexpr int LDKW = DC * (BK / 2 + 1) <= BK * LDCW ? BK / 2 + 1 : BK / 2;
+    // K^T: a row per column, BK / EPW words, one more against bank conflicts
+    // where that still fits in the V tile's words.
+    static constexpr int LDKW = DC * (BK / EPW + 1) <= BK * LDCW ? BK / EPW + 1 : BK / EPW;
     static constexpr int kv_words = BK * LDCW;
     static constexpr int o_floats = wide ? BQ * BD : 1;
     static constexpr int bytes = (q_words + kv_words) * 4 + o_floats * 4;
@@ -487,7 +510,7 @@ inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const
 }
 
 // D <= 256: the O accumulator in registers (Os unused).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -525,7 +548,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(tgid.x) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * BQ / BQB * p.NK + kt * BK / BKB];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
@@ -590,7 +613,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
 
 // D = 512: O in threadgroup memory (Os, row pitch BD), K and V streamed in
 // DC-column chunks through KVs (see the header).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -634,7 +657,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(tgid.x) * p.NK + kt];
+            tile_class = blk[long(tgid.x) * BQ / BQB * p.NK + kt * BK / BKB];
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
@@ -702,7 +725,11 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 // The thread cap tells Apple's compiler the threadgroup is exactly WM * WN
 // simdgroups, so it may give each thread the registers the O accumulator
 // needs (64 floats per thread at D = 256) instead of planning for 1024.
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN>
+//
+// The blk tiles are BQB x BKB (the head dim's tile-skip geometry; by
+// default the kernel's own): a kernel tile lies inside one blk tile
+// (BQB, BKB multiples of BQ, BK), whose class then holds for it too.
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
 [[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
     const device T *Q [[buffer(0)]],
@@ -729,6 +756,7 @@ kernel void flash_attn_prefill(
     typedef PrefillTiles<T, BQ, BK, BD> G;
     static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
     static_assert(G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
+    static_assert(BQB % BQ == 0 && BKB % BK == 0, "a kernel tile lies inside one blk tile");
     TG_ARRAY(uint, Qs, G::q_words);
     TG_ARRAY(uint, KVs, G::kv_words);  // the K tile (or chunk), then the V tile (or chunk)
     TG_ARRAY(float, Os, G::o_floats);
@@ -742,13 +770,14 @@ kernel void flash_attn_prefill(
     sb.sinks = has_sinks ? sinks : nullptr;
     sb.lse = has_lse ? lse : nullptr;
     sb.alibi = has_alibi ? alibi : nullptr;
-    prefill_body<T, MaskT, BQ, BK, BD, WM, WN>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN, BQB, BKB>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
                                               has_mask ? mask : nullptr, has_blk ? blk : nullptr, sb, Qs, KVs,
                                               Os, tgid, sg, lane, tid);
 }
 
 // mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
-// WM, WN). The geometry must match PrefillCapability in Sources/FlashMetalCore.
+// WM, WN[, BQB, BKB]). The geometry must match PrefillCapability in Sources/FlashMetalCore
+// (float32: its f32Geometry, with the blk tile where that differs).
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
@@ -777,3 +806,15 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64", flash_attn_prefill, float, float, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64_boolmask", flash_attn_prefill, float, uchar, 32, 16, 64, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80", flash_attn_prefill, float, float, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80_boolmask", flash_attn_prefill, float, uchar, 32, 16, 80, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d96", flash_attn_prefill, float, float, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d96_boolmask", flash_attn_prefill, float, uchar, 32, 16, 96, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128", flash_attn_prefill, float, float, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128_boolmask", flash_attn_prefill, float, uchar, 32, 16, 128, 4, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192", flash_attn_prefill, float, float, 32, 8, 192, 4, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192_boolmask", flash_attn_prefill, float, uchar, 32, 8, 192, 4, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256", flash_attn_prefill, float, float, 16, 8, 256, 2, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256_boolmask", flash_attn_prefill, float, uchar, 16, 8, 256, 2, 1, 32, 16)

@@ -18,7 +18,7 @@
 // has no native 64-bit divide); only the row offset into the mask is 64-bit.
 //
 // Grid (NK, NQ, 1): threadgroup (kt, qt) writes blk[qt * NK + kt].
-// Buffers: 0 mask (bf16, f16 or bool, row stride mask_row_stride elements),
+// Buffers: 0 mask (bf16, f16, f32 or bool, row stride mask_row_stride elements),
 // 1 blk (uchar), 2 BlkParams. Function constants 400 BQ, 401 BK.
 #include "dialect.h"
 #include "flashmetal_kernels.h"
@@ -33,6 +33,7 @@ FUNCTION_CONSTANT(int, blk_bk, 401)
 inline float blk_cell(const device uchar *m, long i) { return m[i] != 0 ? 0.0f : -INFINITY; }
 inline float blk_cell(const device half *m, long i) { return float(m[i]); }
 inline float blk_cell(const device bfloat *m, long i) { return float(m[i]); }
+inline float blk_cell(const device float *m, long i) { return m[i]; }
 
 template <typename MaskT>
 kernel void flash_attn_prefill_blk(
@@ -81,4 +82,5 @@ kernel void flash_attn_prefill_blk(
 
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bf16", flash_attn_prefill_blk, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f16", flash_attn_prefill_blk, half)
+INSTANTIATE_KERNEL("flash_attn_prefill_blk_f32", flash_attn_prefill_blk, float)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bool", flash_attn_prefill_blk, uchar)

@@ -18,8 +18,9 @@ public func fm_num_threads() -> Int32 {
 // The capability queries: what the kernels take, read from the capability
 // tables so no caller keeps its own copy.
 
-/// The head dims that have a kernel for `op` ("flash_attn_prefill" or
-/// "flash_attn_decode", alias "flash_attn_vec"), ascending, from the capability tables: the Python
+/// The head dims that have a kernel for `op` ("flash_attn_prefill",
+/// "flash_attn_prefill_f32" for its float32 I/O, or "flash_attn_decode",
+/// alias "flash_attn_vec"), ascending, from the capability tables: the Python
 /// package routes by them instead of keeping its own list.
 @_cdecl("fm_supported_head_dims")
 public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
@@ -30,9 +31,12 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
         let dims: [Int]
         switch name {
         case PrefillDispatcher.op: dims = PrefillCapability.headDims
+        case PrefillDispatcher.f32Name: dims = PrefillCapability.headDims(io: .f32)
         case VecDispatcher.publicName, VecDispatcher.op: dims = VecCapability.headDims
         default:
-            throw FlashMetalError.value("supported_head_dims", "op must be '\(PrefillDispatcher.op)' or '\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
+            throw FlashMetalError.value(
+                "supported_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)' or "
+                    + "'\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
         }
         guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null", arg: "count") }
         count.pointee = dims.count

@@ -55,14 +55,17 @@ final class PrefillKernel: CPUKernel {
             try fast.run(&a, isa: isa, pool: pool, op: name)
             return
         }
-        let nq = d.grid.x, heads = d.grid.y
+        // Tiles of the tile-skip geometry (AttnParams' NQ), which the blk
+        // indexes; the grid may be a float32 kernel's finer one.
+        let nq = Int(a.p.NQ), heads = d.grid.y
+        let items = nq * heads * d.grid.z
         let floats = fm_cpu_prefill_scratch_floats(a.bq, a.bk, a.p.D)
-        let workers = min(pool.threads, d.grid.count)
+        let workers = min(pool.threads, items)
         let scratch = try HostMemory.allocate(Float.self, count: floats * max(workers, 1), op: name,
                                               what: "prefill scratch")
         defer { HostMemory.free(scratch) }
         withUnsafePointer(to: &a) { args in
-            pool.forEach(d.grid.count) { w, item in
+            pool.forEach(items) { w, item in
                 let qt = item % nq, h = (item / nq) % heads, b = item / (nq * heads)
                 fm_cpu_prefill_tile(args, Int64(b), Int64(h), Int64(qt), scratch + w * floats)
             }

@@ -9,11 +9,12 @@
 #include <math.h>
 #include "half_convert.h"
 
-enum { BLK_F16, BLK_BF16, BLK_BOOL };
+enum { BLK_F16, BLK_BF16, BLK_BOOL, BLK_F32 };
 
 /* Cell (r, j) of the mask as an additive value: a bool cell is 0 (attend) or -inf. */
 static inline float blk_cell(const void *mask, int kind, int64_t i) {
     if (kind == BLK_BOOL) return ((const uint8_t *)mask)[i] ? 0.0f : -INFINITY;
+    if (kind == BLK_F32) return ((const float *)mask)[i];
     const uint16_t x = ((const uint16_t *)mask)[i];
     return kind == BLK_BF16 ? fm_bf16_to_f32(x) : fm_f16_to_f32(x);
 }
@@ -45,4 +46,9 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
 void fm_cpu_blk_tile_bool(const BlkParams *p, const uint8_t *mask, uint8_t *blk, int32_t bq, int32_t bk,
                           int64_t nk, int64_t qt, int64_t kt) {
     blk_tile(p, mask, BLK_BOOL, blk, bq, bk, nk, qt, kt);
+}
+
+void fm_cpu_blk_tile_f32(const BlkParams *p, const float *mask, uint8_t *blk, int32_t bq, int32_t bk,
+                         int64_t nk, int64_t qt, int64_t kt) {
+    blk_tile(p, mask, BLK_F32, blk, bq, bk, nk, qt, kt);
 }

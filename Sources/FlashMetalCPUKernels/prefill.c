@@ -29,8 +29,18 @@ size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d) {
 
 static float fm_load_mask(const FMPrefillArgs *a, const void *row, int64_t col) {
     if (a->mask_kind == FM_MASK_BOOL) return ((const uint8_t *)row)[col] ? 0.0f : -INFINITY;
+    if (a->io_dtype == FM_DTYPE_F32) return ((const float *)row)[col];
     uint16_t h = ((const uint16_t *)row)[col];
     return a->io_dtype == FM_DTYPE_BF16 ? fm_bf16_to_f32(h) : fm_f16_to_f32(h);
+}
+
+/* A row of the I/O dtype (f32, bf16 or f16) as floats. */
+static void fm_pf_load_row(const FMPrefillArgs *a, float *dst, const char *src, int32_t n) {
+    if (a->io_dtype == FM_DTYPE_F32) {
+        for (int32_t i = 0; i < n; i++) dst[i] = ((const float *)src)[i];
+    } else {
+        fm_load_row(dst, (const uint16_t *)src, n, a->io_dtype == FM_DTYPE_BF16);
+    }
 }
 
 int64_t fm_cpu_prefill_seq_rows(const FMPrefillArgs *a, int64_t b) { return fm_pf_seq_dims(a, b).qL; }
@@ -58,7 +68,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     const int is_bf16 = a->io_dtype == FM_DTYPE_BF16;
     const float softcap = p->softcapping;
     const float slope = fm_pf_alibi_slope(a, b, h);
-    const size_t esz = 2;
+    const size_t esz = a->io_dtype == FM_DTYPE_F32 ? 4 : 2;
 
     float *Qt = scratch;
     float *Ot = Qt + (size_t)bq * D;
@@ -69,7 +79,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     float *L = M + bq;
 
     const char *q = (const char *)a->q, *k = (const char *)a->k, *v = (const char *)a->v;
-    const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : 2;
+    const size_t msz = a->mask_kind == FM_MASK_BOOL ? 1 : esz;
     const char *mbase = a->mask_kind == FM_MASK_NONE ? NULL
         : (const char *)a->mask + msz * (b * a->mp.M_strides[0] + h * a->mp.M_strides[1]);
 
@@ -78,8 +88,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     fm_pf_row_keys(a, sd.t0 + r0, &sd, &first_lo, &first_hi);
     fm_pf_row_keys(a, sd.t0 + r0 + nrows - 1, &sd, &last_lo, &last_hi);
     for (int64_t r = 0; r < nrows; r++) {
-        fm_load_row(Qt + r * D, (const uint16_t *)(q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides)), D,
-                    is_bf16);
+        fm_pf_load_row(a, Qt + r * D, q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides), D);
         for (int32_t d = 0; d < D; d++) Ot[r * D + d] = 0.0f;
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
@@ -97,12 +106,10 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
         }
         const int64_t kc = (sd.kL - c0) < bk ? (sd.kL - c0) : bk;
         for (int64_t j = 0; j < kc; j++) {
-            fm_load_row(Kt + j * D, (const uint16_t *)(k + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->K_strides,
-                                                                                   a->seq.sp.K_page_stride)),
-                        D, is_bf16);
-            fm_load_row(Vt + j * D, (const uint16_t *)(v + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->V_strides,
-                                                                                   a->seq.sp.V_page_stride)),
-                        D, is_bf16);
+            fm_pf_load_row(a, Kt + j * D,
+                           k + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride), D);
+            fm_pf_load_row(a, Vt + j * D,
+                           v + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride), D);
         }
         for (int64_t r = 0; r < nrows; r++) {
             int64_t lo, hi;
@@ -142,9 +149,12 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
         float lse;
         const float inv = fm_pf_finish_row(a, h, M[r], L[r], L[r], &lse);
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
-        uint16_t *dst = (uint16_t *)((char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides));
+        char *row = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
+        uint16_t *dst = (uint16_t *)row;
         const float *o = Ot + r * D;
-        if (is_bf16) {
+        if (a->io_dtype == FM_DTYPE_F32) {
+            for (int32_t d = 0; d < D; d++) ((float *)row)[d] = o[d] * inv;
+        } else if (is_bf16) {
             for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_bf16(o[d] * inv);
         } else {
             for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_f16(o[d] * inv);

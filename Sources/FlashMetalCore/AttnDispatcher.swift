@@ -129,7 +129,7 @@ public enum AttnDispatcher {
         let (nHeads, headDim) = (qs[qs.count - 2], qs[qs.count - 1])
         let (nKV, kDim) = (ks[ks.count - 2], ks[ks.count - 1])
         try Checks.sameDim("head_dim", kDim, of: kind.kName, as: headDim, of: "q", op: op)
-        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
+        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: headDim, op: op)
         try Checks.heads(nHeads, kvHeads: nKV, of: kind.kName, op: op, kvHeadsArg: "q")
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)

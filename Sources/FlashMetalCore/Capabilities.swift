@@ -47,17 +47,42 @@ public enum PrefillCapability {
         256: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         512: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
     ]
+    /// Float32 kernels' own tiles where the two-byte ones do not fit:
+    /// a float32 tile takes a 32-bit word per element, 4 * (BQ + BK) * (D + 8)
+    /// bytes: 13,824 (D=64) ... 26,112 (128) at the two-byte geometry;
+    /// 32,000 at D = 192 with 8-key tiles; 25,344 at D = 256 with 16 query
+    /// rows (2 simdgroups) and 8 keys. Each tile lies inside one of the head
+    /// dim's `geometry` tile, which stays the grid of the tile-skip classes
+    /// (blk) and of AttnParams' NQ/NK. D = 512 has none: its O tile alone
+    /// (8 x 512 floats) and a float32 Q tile exceed 32 KiB; float32 at
+    /// D = 512 takes the general kernel.
+    public static let f32Geometry: [Int: PrefillGeometry] = [
+        64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        96: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        128: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
+        192: PrefillGeometry(bq: 32, bk: 8, wm: 4, wn: 1),
+        256: PrefillGeometry(bq: 16, bk: 8, wm: 2, wn: 1),
+    ]
     /// The head dims with a kernel (tile widths), ascending.
     public static var headDims: [Int] { geometry.keys.sorted() }
     /// The tile width whose kernel runs head dim `d`, or nil when none does.
     public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
     /// Q/K/V/out dtypes (an additive mask has the same dtype).
-    public static let ioTypes: [DType] = [.bf16, .f16]
+    public static let ioTypes: [DType] = [.bf16, .f16, .f32]
+
+    /// The head dims with a kernel for `io`, ascending.
+    public static func headDims(io: DType) -> [Int] { io == .f32 ? f32Geometry.keys.sorted() : headDims }
+
+    /// The threadgroup tile of `io`'s kernel at `headDim` (nil: no kernel).
+    public static func kernelGeometry(io: DType, headDim: Int) -> PrefillGeometry? {
+        io == .f32 ? f32Geometry[headDim] : geometry[headDim]
+    }
 
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] {
         ioTypes.flatMap { t in
-            headDims.flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
+            headDims(io: t).flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
         }
     }
 
@@ -68,12 +93,23 @@ public enum PrefillCapability {
         }
         return g
     }
+
+    /// The tile-skip geometry for `headDim` of `io`'s kernel, or a ValueError
+    /// naming `op` and the head dims `io` has.
+    static func geometry(io: DType, headDim: Int, op: String) throws -> PrefillGeometry {
+        let dims = headDims(io: io)
+        guard FlashMetalCore.tileHeadDim(headDim, tiles: dims) != nil else {
+            let what = io == .f32 ? "head_dim of float32 I/O" : "head_dim"
+            throw FlashMetalError.value(op, "\(what) \(headDimMessage(headDim, tiles: dims).dropFirst(9))", arg: "q")
+        }
+        return try geometry(headDim: headDim, op: op)
+    }
 }
 
 /// The blk pre-pass: any prefill head dim, these mask dtypes.
 public enum BlkCapability {
     /// Mask dtypes with a blk kernel (bool: true = 0, false = -inf).
-    public static let maskTypes: [DType] = [.bf16, .f16, .bool]
+    public static let maskTypes: [DType] = [.bf16, .f16, .f32, .bool]
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] { maskTypes.map { .blk(mask: $0) } }
 }

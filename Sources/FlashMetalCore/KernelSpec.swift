@@ -2,9 +2,9 @@
 /// the op and the facts that select its instantiation. The kernel's name is
 /// derived from it, never parsed back; backends switch on it.
 public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
-    /// `flash_attn_prefill_{bf16,f16}_d{D}[_boolmask]`.
+    /// `flash_attn_prefill_{bf16,f16,f32}_d{D}[_boolmask]`.
     case prefill(io: DType, headDim: Int, boolMask: Bool)
-    /// `flash_attn_prefill_blk_{bf16,f16}`: the tile-skip pre-pass.
+    /// `flash_attn_prefill_blk_{bf16,f16,f32,bool}`: the tile-skip pre-pass.
     case blk(mask: DType)
     /// `flash_attn_prefill_mask_{bf16,f16}`: the causal/window mask builder.
     case maskBuilder(out: DType)
@@ -74,9 +74,13 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     public var instantiation: (function: String, args: [String]) {
         switch self {
         case let .prefill(io, d, boolMask):
-            let g = PrefillCapability.geometry[d]!
-            return ("flash_attn_prefill", [io.mslName, boolMask ? DType.bool.mslName : io.mslName,
-                                           "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"])
+            let g = PrefillCapability.kernelGeometry(io: io, headDim: d)!
+            let args = [io.mslName, boolMask ? DType.bool.mslName : io.mslName,
+                        "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"]
+            // The blk tile, where it is not the kernel's own.
+            let blk = PrefillCapability.geometry[d]!
+            if blk.bq == g.bq && blk.bk == g.bk { return ("flash_attn_prefill", args) }
+            return ("flash_attn_prefill", args + ["\(blk.bq)", "\(blk.bk)"])
         case let .blk(m): return ("flash_attn_prefill_blk", [m.mslName])
         case let .maskBuilder(o): return ("flash_attn_prefill_mask", [o.mslName])
         case let .vec(kv, d): return ("flash_attn_vec", [kv.mslName, "\(d)"])

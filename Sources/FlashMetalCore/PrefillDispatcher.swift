@@ -75,6 +75,8 @@ public struct PrefillTensors {
 public enum PrefillDispatcher {
     /// The op name errors carry.
     public static let op = "flash_attn_prefill"
+    /// The name the head-dim query takes for the prefill's float32 I/O.
+    public static let f32Name = "flash_attn_prefill_f32"
 
     /// (batch, head, seq) element strides of a rank-4 tensor in `layout`.
     static func strides(_ layout: PrefillLayout, heads: Int, len: Int, dim: Int) -> [Int64] {
@@ -114,7 +116,7 @@ public enum PrefillDispatcher {
         try Checks.positive("q_len", qL, op: op, arg: "q")
         try Checks.positive("the cache capacity", capacity, op: op, arg: "k")
         try Checks.positive("batch", batch, op: op, arg: "q")
-        let geo = try PrefillCapability.geometry(headDim: headDim, op: op)
+        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: headDim, op: op)
         let kL = o.kvLen ?? capacity
         try Checks.kvLen(kL, capacity: capacity, op: op)
         let qOffset = o.qOffset
@@ -243,13 +245,19 @@ public enum PrefillDispatcher {
     }
 
     /// The Dispatch of a validated prefill: every function constant the
-    /// kernel declares (200, 201, 300-310), grid (NQ, H, B), the bindings.
+    /// kernel declares (200, 201, 300-310), a grid of the kernel's query
+    /// tiles (NQ of its own geometry, which for float32 may be finer than
+    /// AttnParams' tile-skip NQ) by H by B, the bindings.
     /// Per-sequence mode is never aligned (its lengths differ per sequence).
     static func assemble(_ t: PrefillTensors, params p: AttnParams, maskParams: AttnMaskParams?,
-                         geometry geo: PrefillGeometry, causal: Bool, ext: PrefillExtension) -> Dispatch {
+                         geometry: PrefillGeometry, causal: Bool, ext: PrefillExtension) -> Dispatch {
+        // The kernel of D's tile width; p.D carries the true D (its loads and stores stop there).
+        let tile = PrefillCapability.tileHeadDim(Int(p.D)) ?? Int(p.D)
+        let geo = PrefillCapability.kernelGeometry(io: t.q.dtype, headDim: tile) ?? geometry
+        let tiles = geo.tiles(qL: Int(p.qL), kL: Int(p.kL))
         let constants = FunctionConstants([
-            (FunctionConstantIndex.alignQ, .bool(p.qL_rem == 0 && !ext.perSequence)),
-            (FunctionConstantIndex.alignK, .bool(p.kL_rem == 0 && !ext.perSequence)),
+            (FunctionConstantIndex.alignQ, .bool(tiles.qLRem == 0 && !ext.perSequence)),
+            (FunctionConstantIndex.alignK, .bool(tiles.kLRem == 0 && !ext.perSequence)),
             (FunctionConstantIndex.hasMask, .bool(t.mask != nil)),
             (FunctionConstantIndex.doCausal, .bool(causal)),
             (FunctionConstantIndex.hasBlk, .bool(t.blk != nil)),
@@ -264,11 +272,9 @@ public enum PrefillDispatcher {
         }
         if let b = t.blk { bindings[PrefillBuffer.blk] = .buffer(b) }
         ext.bind(&bindings)
-        // The kernel of D's tile width; p.D carries the true D (its loads and stores stop there).
-        let tile = PrefillCapability.tileHeadDim(Int(p.D)) ?? Int(p.D)
         let spec = KernelSpec.prefill(io: t.q.dtype, headDim: tile, boolMask: t.mask?.dtype == .bool)
         return Dispatch(kernel: spec, constants: constants,
-                        grid: Size3(Int(p.NQ), Int(p.H), Int(p.B)), threadgroup: geo.threadsPerGroup,
+                        grid: Size3(tiles.nq, Int(p.H), Int(p.B)), threadgroup: geo.threadsPerGroup,
                         bindings: bindings, writes: Set([PrefillBuffer.out] + ext.writes))
     }
 }

@@ -23,19 +23,17 @@ import numpy as np
 
 from ._errors import InvalidTypeError, InvalidValueError
 
-_HALF = "bfloat16 or float16"
 _IO = "float32, float16 or bfloat16"
-_SERVING_Q = f"{_HALF} (float32 too with one query row, the decode kernel)"
 
 #: The dtypes each data argument takes, by (public function, the argument as
 #: its messages name it). The library enforces them; tests/python/
 #: test_error_hints.py runs every listed dtype and checks the library refuses
 #: the others, so the two cannot drift apart.
 TAKES: dict[tuple[str, str], str] = {
-    ("flash_attn_prefill", "q"): _HALF,
-    ("flash_attn_prefill", "k"): f"q's dtype ({_HALF})",
-    ("flash_attn_prefill", "v"): f"q's dtype ({_HALF})",
-    ("flash_attn_prefill", "mask"): f"q's dtype ({_HALF}; additive) or bool",
+    ("flash_attn_prefill", "q"): _IO,
+    ("flash_attn_prefill", "k"): f"q's dtype ({_IO})",
+    ("flash_attn_prefill", "v"): f"q's dtype ({_IO})",
+    ("flash_attn_prefill", "mask"): f"q's dtype ({_IO}; additive) or bool",
     ("sdpa", "q"): _IO,
     ("sdpa", "k"): f"q's dtype ({_IO})",
     ("sdpa", "v"): f"q's dtype ({_IO})",
@@ -46,16 +44,16 @@ TAKES: dict[tuple[str, str], str] = {
     ("flash_attn_decode", "q"): "float32",
     ("flash_attn_decode", "k_cache"): _IO,
     ("flash_attn_decode", "v_cache"): _IO,
-    ("flash_attn_func", "q"): _SERVING_Q,
+    ("flash_attn_func", "q"): _IO,
     ("flash_attn_func", "k"): f"q's dtype ({_IO})",
     ("flash_attn_func", "v"): f"q's dtype ({_IO})",
-    ("flash_attn_varlen_func", "q"): _HALF,
-    ("flash_attn_varlen_func", "k"): f"q's dtype ({_HALF})",
-    ("flash_attn_varlen_func", "v"): f"q's dtype ({_HALF})",
-    ("flash_attn_with_kvcache", "q"): _SERVING_Q,
+    ("flash_attn_varlen_func", "q"): _IO,
+    ("flash_attn_varlen_func", "k"): f"q's dtype ({_IO})",
+    ("flash_attn_varlen_func", "v"): f"q's dtype ({_IO})",
+    ("flash_attn_with_kvcache", "q"): _IO,
     ("flash_attn_with_kvcache", "k_cache"): _IO,
     ("flash_attn_with_kvcache", "v_cache"): _IO,
-    ("build_blk", "mask"): f"{_HALF} (additive) or bool",
+    ("build_blk", "mask"): f"{_IO} (additive) or bool",
     ("KVCodec.encode", "x"): _IO,
 }
 #: What flashmetal reads at all, for an argument missing from TAKES.

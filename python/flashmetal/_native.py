@@ -224,10 +224,11 @@ PADDED_HEAD_DIM_MAX = 256
 
 
 def head_dims(op: str) -> tuple[int, ...]:
-    """The natively tiled head dims of "flash_attn_prefill" or
-    "flash_attn_decode" (alias "flash_attn_vec"), from the library's
-    capability tables. Any head dim from 1 to 256 runs too (on the kernel
-    of the next tiled dim up); above 256 only these."""
+    """The natively tiled head dims of "flash_attn_prefill",
+    "flash_attn_prefill_f32" (its float32 I/O) or "flash_attn_decode" (alias
+    "flash_attn_vec"), from the library's capability tables. Any head dim
+    from 1 to 256 runs too (on the kernel of the next tiled dim up); above
+    256 only these."""
     if not isinstance(op, str):
         raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
     return _head_dims(op)

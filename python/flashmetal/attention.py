@@ -282,25 +282,25 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
     prefill kernel applies: a call it cannot take is refused, never run
     without them."""
-    prefill_dims = _native.head_dims("flash_attn_prefill")
+    prefill_op = "flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill"
+    prefill_dims = _native.head_dims(prefill_op)
     last_row = q_offset == kl - 1 or (not causal and window is None)
     if decode and qL == 1 and mask is None and _native.runs_head_dim("flash_attn_vec", D) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
-    if dtype not in (BF16, F16):
-        why_not.append(f"{dtype} I/O (prefill takes bfloat16/float16)")
     if causal and not 0 <= q_offset <= kl - qL:
         why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
     pad_to = None
-    if not _native.runs_head_dim("flash_attn_prefill", D):
+    if not _native.runs_head_dim(prefill_op, D):
         bigger = [d for d in prefill_dims if d > D]
         if bigger and qL >= PAD_MIN_QUERY_ROWS:
             pad_to = bigger[0]
         else:
-            has = f"1...{_native.PADDED_HEAD_DIM_MAX} or " + ", ".join(
-                str(d) for d in prefill_dims if d > _native.PADDED_HEAD_DIM_MAX)
+            has = f"1...{_native.PADDED_HEAD_DIM_MAX}" + "".join(
+                f" or {d}" for d in prefill_dims if d > _native.PADDED_HEAD_DIM_MAX)
+            has += " for float32" if dtype == F32 else ""
             why_not.append(f"head dim {D} (prefill runs {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
                            if bigger else f"head dim {D} (prefill runs {has})")
     if not why_not:
@@ -361,11 +361,12 @@ def scaled_dot_product_attention(
       range per batch row, the same for every head (left padding, a sliding
       window, causal), without sinks (``key_ranges``);
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
-      {64, 80, 96, 128, 192, 256, 512} (other D below 512 zero-padded to the next one when
+      {64, 80, 96, 128, 192, 256, 512}, float32 D in {64, 80, 96, 128, 192,
+      256} (other D below the largest zero-padded to the next one when
       there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
       the keys;
-    - ``sdpa`` (the general kernel) for everything else: float32, any head dim
-      (48, 160, 640, 1024, ... up to 65536), qL > kL, softcap, window.
+    - ``sdpa`` (the general kernel) for everything else: any head dim
+      (48, 160, 640, 1024, ... up to 65536; float32 at 512), qL > kL.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
@@ -394,7 +395,7 @@ def scaled_dot_product_attention(
         sinks: ``[H]`` per-head sink logits (gpt-oss; converted to float32),
             or None: each joins its head's softmax denominators without a
             value, beside the mask. Applied by the prefill kernel; a call it
-            cannot take (float32, an unsupported head dim) is refused.
+            cannot take (an unsupported head dim, qL > kL) is refused.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:

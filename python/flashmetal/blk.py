@@ -53,7 +53,7 @@ def build_blk(mask: ArrayLike, head_dim: int, *, registry: RegistryLike = None) 
     """Classifies each (BQ, BK) tile of a mask for ``flash_attn_prefill``.
 
     Args:
-        mask: ``[qL, kL]`` additive mask, bfloat16 or float16 (0 attend, -inf
+        mask: ``[qL, kL]`` additive mask, bfloat16, float16 or float32 (0 attend, -inf
             masked), or bool (True = attend, read as 0 / -inf).
         head_dim: head dim of the prefill that will consume the blk; it fixes
             (BQ, BK) and so the blk's shape, which prefill checks.

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import BF16, F16, as_input, check_out, empty_batch, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, tensor
 from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
 from .kv_codec import QuantizedKV
@@ -43,8 +43,9 @@ def flash_attn_prefill(
 
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
-            bfloat16 or float16. Any D from 1 to 256, or 512
-            (``supported_head_dims("flash_attn_prefill")`` lists the tiled ones).
+            bfloat16, float16 or float32. Any D from 1 to 256, or 512 for
+            bfloat16/float16 (``supported_head_dims("flash_attn_prefill")``
+            lists the tiled ones; float32: ``"flash_attn_prefill_f32"``).
         k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, q's dtype; H must
             be a multiple of Hkv (GQA). Or a QuantizedKV of leading shape
             ``[B, cap, Hkv]`` for either or both (layout "blhd"; the other
@@ -103,7 +104,7 @@ def flash_attn_prefill(
     else:
         dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma, ba, sa])
     kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
-    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16):
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16, F32):
         return out
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.

@@ -64,8 +64,8 @@ def flash_attn_func(
     """Attention over a batch of equal-length sequences.
 
     Args:
-        q: ``[B, seqlen_q, H, D]`` bfloat16 or float16 (float32 too when
-            seqlen_q == 1: the decode kernel).
+        q: ``[B, seqlen_q, H, D]`` bfloat16, float16 or float32 (float32
+            D up to 256 when seqlen_q > 1).
         k, v: ``[B, seqlen_k, Hkv, D]``, q's dtype; H a multiple of Hkv (GQA:
             query head h reads kv head ``h // (H // Hkv)``). Or a QuantizedKV
             of leading shape ``[B, seqlen_k, Hkv]`` for either or both (the
@@ -139,7 +139,7 @@ def flash_attn_varlen_func(
     """Attention over packed sequences of different lengths (no padding).
 
     Args:
-        q: ``[total_q, H, D]`` bfloat16 or float16: the B sequences' queries
+        q: ``[total_q, H, D]`` bfloat16, float16 or float32 (D up to 256): the B sequences' queries
             back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
         k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
             block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where
@@ -227,7 +227,8 @@ def flash_attn_with_kvcache(
     Args:
         q: ``[B, seqlen_q, H, D]``. seqlen_q == 1 runs the decode kernel (q
             converted to float32, the output back to q's dtype; float32 q
-            allowed); longer blocks the prefill kernel (bfloat16/float16).
+            allowed); longer blocks the prefill kernel (bfloat16, float16,
+            float32 up to D 256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
             Hkv, D]`` with block_table. Or both QuantizedKV (KVCodec.empty of
             leading shape ``[B, cap, Hkv]`` or ``[num_pages, page_size, Hkv]``;

@@ -25,7 +25,7 @@ def test_error_hierarchy_carries_op_and_status(cpu):
     assert isinstance(e.value, ValueError) and isinstance(e.value, fm.InvalidValueError)
     assert e.value.op == "flash_attn_prefill" and e.value.status == lib.FM_ERROR_VALUE
     with pytest.raises(TypeError) as e:
-        fm.flash_attn_prefill(q.astype(F32), q.astype(F32), q.astype(F32), registry=cpu)
+        fm.flash_attn_prefill(q.astype(F32), q, q, registry=cpu)
     assert isinstance(e.value, fm.InvalidTypeError) and e.value.status == lib.FM_ERROR_TYPE
     assert issubclass(fm.BackendError, fm.Error) and issubclass(fm.BackendError, RuntimeError)
     assert issubclass(fm.InternalError, RuntimeError)
@@ -165,10 +165,12 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
+    assert fm.supported_head_dims("flash_attn_prefill_f32") == (64, 80, 96, 128, 192, 256)
     assert fm.supported_head_dims("flash_attn_decode") == (64, 80, 96, 128, 192, 256, 512)
     assert fm.supported_head_dims("flash_attn_vec") == fm.supported_head_dims("flash_attn_decode")  # alias
     assert _native.max_head_dim("flash_attn_decode") == _native.max_head_dim("flash_attn_vec") == 512
-    with pytest.raises(ValueError, match="supported_head_dims: op must be 'flash_attn_prefill' or 'flash_attn_decode'"):
+    with pytest.raises(ValueError, match="supported_head_dims: op must be 'flash_attn_prefill', "
+                                         "'flash_attn_prefill_f32' or 'flash_attn_decode'"):
         fm.supported_head_dims("nope")
 
 

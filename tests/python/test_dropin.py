@@ -140,9 +140,10 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
     q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
     out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
     route = fm.last_route()
-    native = d <= 256 or d in fm.supported_head_dims("flash_attn_prefill")
-    padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS
-    prefill = dtype != F32 and (native or padded)
+    dims = fm.supported_head_dims("flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill")
+    native = d <= 256 or d in dims
+    padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS and d < max(dims)
+    prefill = native or padded
     assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
     assert ("zero-padded" in route.reason) == (prefill and padded), route
     assert out.shape == q.shape and out.flags.c_contiguous

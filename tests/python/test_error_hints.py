@@ -154,14 +154,13 @@ def _call(op, arg, dtype, cpu, rng):
     """Calls public function ``op`` with argument ``arg`` (as its messages
     name it) of ``dtype``, the other tensors of the same dtype when they
     can take it (the rules say "q's dtype"), else of one they take."""
-    half = dtype if dtype in (BF16, F16) else BF16
     io = dtype if dtype in (F32, F16, BF16) else F32
 
     def r(shape, dt):
         return randn(rng, shape, dt) if dt in (F32, F16, BF16) else np.zeros(shape, dt)
 
     if op == "flash_attn_prefill":
-        qkv = {n: r((1, 2, 16, 64), dtype if n == arg else half) for n in "qkv"}
+        qkv = {n: r((1, 2, 16, 64), dtype if n == arg else io) for n in "qkv"}
         mask = r((16, 16), dtype) if arg == "mask" else None
         return fm.flash_attn_prefill(qkv["q"], qkv["k"], qkv["v"], mask=mask, registry=cpu)
     if op in ("sdpa", DROPIN):
@@ -176,17 +175,14 @@ def _call(op, arg, dtype, cpu, rng):
         kc, vc = (r((2, 16, 64), dtype if n == arg else io) for n in ("k_cache", "v_cache"))
         return fm.flash_attn_decode(q, kc, vc, kv_len=16, registry=cpu)
     if op in ("flash_attn_func", "flash_attn_with_kvcache"):
-        # float32 q only with one query row (the decode kernel).
-        qdt = dtype if arg == "q" else io
-        rows = 1 if qdt == F32 else 4
-        q = r((1, rows, 2, 64), qdt)
+        q = r((1, 4, 2, 64), dtype if arg == "q" else io)
         names = ("k", "v") if op == "flash_attn_func" else ("k_cache", "v_cache")
-        k, v = (r((1, 16, 2, 64), dtype if n == arg else (io if arg == "q" else io)) for n in names)
+        k, v = (r((1, 16, 2, 64), dtype if n == arg else io) for n in names)
         if op == "flash_attn_func":
             return fm.flash_attn_func(q, k, v, registry=cpu)
         return fm.flash_attn_with_kvcache(q, k, v, cache_seqlens=8, registry=cpu)
     if op == "flash_attn_varlen_func":
-        qkv = {n: r((16, 2, 64), dtype if n == arg else half) for n in "qkv"}
+        qkv = {n: r((16, 2, 64), dtype if n == arg else io) for n in "qkv"}
         return fm.flash_attn_varlen_func(*qkv.values(), [0, 16], [0, 16], 16, 16, registry=cpu)
     if op == "build_blk":
         return fm.build_blk(r((32, 32), dtype), 64)

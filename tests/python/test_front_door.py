@@ -37,7 +37,7 @@ def tol(dtype, route):
 
 
 @pytest.mark.parametrize("dtype,ql,route", [
-    (BF16, 6, "flash_attn_prefill"), (F16, 6, "flash_attn_prefill"), (F32, 6, "sdpa"),
+    (BF16, 6, "flash_attn_prefill"), (F16, 6, "flash_attn_prefill"), (F32, 6, "flash_attn_prefill"),
     (F32, 1, "flash_attn_vec"), (BF16, 1, "flash_attn_vec"), (F16, 1, "flash_attn_vec"),
 ])
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,8 +73,8 @@ def test_same_semantics_across_routes(registry, rng):
 
 @pytest.mark.parametrize("kind", ["additive2", "bool2", "additive4", "bool4"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_f32_mask_and_window_take_sdpa(registry, rng, kind, causal):
-    """float32 with several rows: attn_mask and window go in as sdpa's mask."""
+def test_f32_mask_and_window_take_prefill(registry, rng, kind, causal):
+    """float32 with several rows: the tiled prefill applies attn_mask and window."""
     q, k, v = qkv(rng, F32, ql=8, kl=30)
     shape = (8, 24) if kind.endswith("2") else (1, 4, 8, 24)
     keep = rng.random(shape) < 0.7
@@ -82,8 +82,8 @@ def test_f32_mask_and_window_take_sdpa(registry, rng, kind, causal):
     mask = keep if kind.startswith("bool") else np.where(keep, rng.uniform(-1, 1, shape), -np.inf).astype(F32)
     out, ran = SDPA(q, k, v, attn_mask=mask, is_causal=causal, window=11, kv_len=24, return_kernel=True,
                     registry=registry)
-    assert ran == "sdpa"
-    assert_close(out, expect(q, k, v, 24, causal=causal, window=11, mask=mask), F32, f"sdpa {kind}")
+    assert ran == "flash_attn_prefill"
+    assert_close(out, expect(q, k, v, 24, causal=causal, window=11, mask=mask), F32, f"prefill {kind}")
 
 
 @pytest.mark.parametrize("kind", ["additive2", "bool4"])

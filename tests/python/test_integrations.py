@@ -111,6 +111,19 @@ def test_hf_models_bf16_take_the_prefill_kernel(make, reference_attn):
     assert float((lo - lr).abs().max()) <= 0.05 * scale
 
 
+@pytest.mark.parametrize("make,reference_attn", [(tiny_llama, "sdpa"), (tiny_gemma2, "eager")])
+def test_hf_models_float32_take_the_prefill_kernel(make, reference_attn):
+    """A float32 model's prefill runs on the tiled kernel, not the general one."""
+    name = hf.register()
+    flash, ref = build(make, name, torch.float32), build(make, reference_attn, torch.float32)
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        lo = flash(input_ids=ids).logits
+        lr = ref(input_ids=ids).logits
+    assert fm.last_route().kernel == "flash_attn_prefill"
+    np.testing.assert_allclose(lo.numpy(), lr.numpy(), atol=2e-4, rtol=1e-3)
+
+
 def test_hf_gemma2_on_the_simulator():
     """The same model through the Metal kernels (run by the simulator): same greedy tokens as eager."""
     code = (

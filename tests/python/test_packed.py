@@ -12,7 +12,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, F32, randn
+from numerics import BF16, F16, randn
 from serving_cases import assert_out_lse, cu, with_sinks
 
 FEATURES = {
@@ -175,7 +175,7 @@ ERRORS = [
      ["kv", "dim 1", "got 3"]),
     # errors of the unpacked function, in its words, with what its argument is here
     ("flash_attn_kvpacked_func", lambda a: (a["q"], a["kv"].astype(F16)), TypeError, ["kv[:, :, 0]", "float16"]),
-    ("flash_attn_qkvpacked_func", lambda a: (a["qkv"].astype(F32),), TypeError, ["qkv[:, :, 0]", "float32"]),
+    ("flash_attn_qkvpacked_func", lambda a: (a["qkv"].astype(np.int32),), TypeError, ["qkv[:, :, 0]", "int32"]),
     ("flash_attn_kvpacked_func", lambda a: (a["q"], a["kv"][:, :, :, :1].repeat(3, axis=3)), ValueError,
      ["k heads (3)"]),
     ("flash_attn_varlen_qkvpacked_func", lambda a: (a["qkv"][0], np.array([0, 9], np.int32), 9), ValueError,
@@ -211,7 +211,7 @@ def test_unsupported_features_name_the_packed_function(rng):
 
 @pytest.mark.parametrize("name,args,argument", [
     ("flash_attn_kvpacked_func", lambda a: (a["q"], a["kv"].astype(F16)), "kv[:, :, 0]"),
-    ("flash_attn_qkvpacked_func", lambda a: (a["qkv"].astype(F32),), "qkv[:, :, 0]"),
+    ("flash_attn_qkvpacked_func", lambda a: (a["qkv"].astype(np.int32),), "qkv[:, :, 0]"),
     ("flash_attn_varlen_qkvpacked_func", lambda a: (a["qkv"][0], np.array([0, 9], np.int32), 9), "cu_seqlens"),
     ("flash_attn_varlen_kvpacked_func", lambda a: (a["q"][0], a["kv"][0], cu([4]), cu([4]), 4, -1), "max_seqlen_k"),
 ])

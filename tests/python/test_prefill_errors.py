@@ -26,7 +26,7 @@ def raises(exc, match, fn, *args, **kwargs):
 
 def test_dtypes(cpu, rng, qkv):
     q, k, v = qkv
-    raises(TypeError, "q must be bfloat16 or float16, got float32", fm.flash_attn_prefill,
+    raises(TypeError, "k dtype bfloat16 does not match q dtype float32", fm.flash_attn_prefill,
            q.astype(F32), k, v, registry=cpu)
     raises(TypeError, "k dtype float16 does not match q dtype bfloat16", fm.flash_attn_prefill,
            q, k.astype(F16), v, registry=cpu)

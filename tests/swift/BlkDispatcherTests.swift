@@ -69,8 +69,8 @@ final class BlkDispatcherTests: XCTestCase {
     func testValidation() {
         let op = BlkDispatcher.op
         let blk = HostTensor([1000], .u8)
-        expectFMError(op, status: FM_ERROR_TYPE, contains: "mask must be bfloat16 or float16 or bool, got float32") {
-            _ = try BlkDispatcher.makeDispatch(mask: HostTensor([8, 8], .f32).ref, blk: blk.ref, headDim: 128)
+        expectFMError(op, status: FM_ERROR_TYPE, contains: "mask must be bfloat16 or float16 or float32 or bool, got int32") {
+            _ = try BlkDispatcher.makeDispatch(mask: HostTensor([8, 8], .i32).ref, blk: blk.ref, headDim: 128)
         }
         expectFMError(op, contains: "mask must have rank 2") {
             _ = try BlkDispatcher.makeDispatch(mask: HostTensor([1, 8, 8], .bf16).ref, blk: blk.ref, headDim: 128)

@@ -74,6 +74,35 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(try dispatch(Case(d: 224)).kernel, "flash_attn_prefill_bf16_d256")
     }
 
+    func testFloat32Geometry() {
+        XCTAssertEqual(PrefillCapability.headDims(io: .f32), [64, 80, 96, 128, 192, 256])
+        for d in [64, 80, 96, 128] {
+            XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: d), PrefillGeometry.forHeadDim(d))
+        }
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 192), PrefillGeometry(bq: 32, bk: 8, wm: 4, wn: 1))
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 256), PrefillGeometry(bq: 16, bk: 8, wm: 2, wn: 1))
+        XCTAssertNil(PrefillCapability.kernelGeometry(io: .f32, headDim: 512))
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .bf16, headDim: 256), PrefillGeometry.forHeadDim(256))
+    }
+
+    /// A float32 D = 256 call: the grid counts the kernel's 16-row tiles and
+    /// the alignment constants its 16 x 8 tiles; AttnParams' NQ/NK stay the
+    /// tile-skip (blk) grid of 32 x 16 tiles.
+    func testFloat32GridAndParams() throws {
+        let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 256, dtype: .f32))
+        let p = try d.params(4, as: AttnParams.self)
+        XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [2, 4, 16, 8])
+        XCTAssertEqual(d.grid, Size3(3, 2, 1))
+        XCTAssertEqual(d.threadgroup, Size3(32, 2, 1))
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_f32_d256")
+        XCTAssertEqual(d.constants.bool(200), true, "48 rows: whole 16-row tiles")
+        XCTAssertEqual(d.constants.bool(201), true, "56 keys: whole 8-key tiles")
+        let d192 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 192, dtype: .f32))
+        XCTAssertEqual(d192.grid, Size3(2, 2, 1))
+        XCTAssertEqual(d192.threadgroup, Size3(32, 4, 1))
+        XCTAssertEqual(d192.constants.bool(200), false, "48 rows: a partial 32-row tile")
+    }
+
     func testTileCounts() {
         let g = PrefillGeometry.forHeadDim(256)!
         XCTAssertEqual(g.tiles(qL: 50, kL: 64),
@@ -172,7 +201,8 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(b: 0), contains: "batch must be > 0")
         expectError(Case(d: 300), contains: "head_dim must be in 1...256 or 512, got 300")
         expectError(Case(d: 0), contains: "head_dim must be in 1...256 or 512, got 0")
-        expectError(Case(dtype: .f32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16, got float32")
+        expectError(Case(dtype: .i32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16 or float32, got int32")
+        expectError(Case(d: 512, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256, got 512")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
         expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
@@ -208,8 +238,9 @@ final class PrefillDispatcherTests: XCTestCase {
 
     func testKernelNames() {
         let names = Set(PrefillCapability.kernels.map(\.name))
-        XCTAssertEqual(names.count, 28)
-        for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask"] {
+        XCTAssertEqual(names.count, 28 + 12)
+        for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask",
+                     "flash_attn_prefill_f32_d64", "flash_attn_prefill_f32_d256_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
         }
     }

@@ -124,6 +124,9 @@ void fm_cpu_blk_tile(const BlkParams *p, const uint16_t *mask, int32_t mask_is_b
 /* The same for a bool mask (1 byte per cell, true = attend: 0, false: -inf). */
 void fm_cpu_blk_tile_bool(const BlkParams *p, const uint8_t *mask, uint8_t *blk, int32_t bq, int32_t bk,
                           int64_t nk, int64_t qt, int64_t kt);
+/* The same for a float32 additive mask. */
+void fm_cpu_blk_tile_f32(const BlkParams *p, const float *mask, uint8_t *blk, int32_t bq, int32_t bk,
+                         int64_t nk, int64_t qt, int64_t kt);
 
 /* ---- mask builder: one row i of a [qL, kL] 16-bit mask (0 / -inf). */
 void fm_cpu_mask_row(const MaskParams *p, uint16_t *out, int32_t is_bf16, int64_t i);
