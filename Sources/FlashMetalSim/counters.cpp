@@ -237,9 +237,31 @@ static bool in_image(uintptr_t a) {
 static bool in_image(uintptr_t) { return false; }
 #endif
 
+// Counts an access at offset `off` of range i (clipped to its end).
+static inline void count_in_range(WorkerCounts *wc, DispatchCounter *dc, int i, uintptr_t off, unsigned n,
+                                  bool write) {
+    if (!dc->counting) return;
+    FMSimCounts &c = wc->c;
+    CountRange &r = dc->ranges[i];
+    if (!r.device) {
+        if (!write) { c.constant_bytes_read += n; c.constant_load_events++; }
+        return;
+    }
+    FMSimBindingCounts &b = c.binding[r.binding];
+    std::atomic<uint64_t> *bits;
+    if (write) { b.bytes_written += n; b.store_events++; bits = r.wbits.get(); }
+    else { b.bytes_read += n; b.load_events++; bits = r.rbits.get(); }
+    const size_t end = off + n < r.len ? off + n : r.len;
+    for (size_t k = off; k < end; k++)
+        bits[k / 64].fetch_or(uint64_t(1) << (k % 64), std::memory_order_relaxed);
+    coalesce(wc, b, i, off, unsigned(end - off), write);
+}
+
 // The hook of every traced access: threadgroup memory, the fiber stacks, a
 // device or constant binding, or else (checked dispatches) out of bounds
-// unless the simulator's own memory.
+// unless the simulator's own memory. Bindings may overlap (no-copy wraps
+// reach to their page's end, over the next tensor): an access is in bounds
+// when one binding holds all of it, and counts against that one.
 static inline void on_access(const void *p, unsigned n, bool write) {
     WorkerCounts *wc = tl_counts;
     if (!wc) return;
@@ -253,24 +275,20 @@ static inline void on_access(const void *p, unsigned n, bool write) {
         return;
     }
     if (a - wc->stack_lo < wc->stack_len) return;
+    int partial = -1; // the first binding the access starts in but runs past
     for (int i = 0; i < dc->n_ranges; i++) {
-        CountRange &r = dc->ranges[i];
-        const uintptr_t off = a - r.lo;
-        if (off >= r.len) continue;
-        if (dc->checking && r.len - off < n) dc->out_of_bounds(a, n, write); // runs past the end
-        if (!dc->counting) return;
-        if (!r.device) {
-            if (!write) { c.constant_bytes_read += n; c.constant_load_events++; }
-            return;
+        const uintptr_t off = a - dc->ranges[i].lo;
+        if (off >= dc->ranges[i].len) continue;
+        if (dc->ranges[i].len - off < n) {
+            if (partial < 0) partial = i;
+            continue;
         }
-        FMSimBindingCounts &b = c.binding[r.binding];
-        std::atomic<uint64_t> *bits;
-        if (write) { b.bytes_written += n; b.store_events++; bits = r.wbits.get(); }
-        else { b.bytes_read += n; b.load_events++; bits = r.rbits.get(); }
-        const size_t end = off + n < r.len ? off + n : r.len;
-        for (size_t k = off; k < end; k++)
-            bits[k / 64].fetch_or(uint64_t(1) << (k % 64), std::memory_order_relaxed);
-        coalesce(wc, b, i, off, unsigned(end - off), write);
+        count_in_range(wc, dc, i, off, n, write);
+        return;
+    }
+    if (partial >= 0) {
+        if (dc->checking) dc->out_of_bounds(a, n, write); // runs past the end
+        count_in_range(wc, dc, partial, a - dc->ranges[partial].lo, n, write);
         return;
     }
     if (dc->checking && !in_image(a) && !simulator_owns(a)) dc->out_of_bounds(a, n, write);

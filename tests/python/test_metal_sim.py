@@ -321,3 +321,30 @@ def test_copy_path_when_metal_refuses_to_wrap():
     env = dict(os.environ, FLASHMETAL_METAL_SIM_WRAP="0")
     p = subprocess.run([sys.executable, "-c", COPY_PATH], capture_output=True, text=True, env=env, timeout=300)
     assert p.stdout.split() == ["True", "True", "True", "0", "True", "True", "0"], p.stdout + p.stderr
+
+
+def test_an_access_inside_one_wrap_and_past_another_is_in_bounds(msim, rng):
+    """No-copy wraps reach to their page's end, over the next tensor in the
+    same page: K's first column pair of head 1 (odd D, so a 4-byte load at an
+    odd element) is placed across a page boundary right after q, whose wrap
+    ends there. The access lies wholly inside K's binding: no violation, and
+    the result matches the reference."""
+    d = 111
+    arena = np.zeros(4 * PAGE, np.uint8)
+    page = (-arena.ctypes.data) % PAGE + 2 * PAGE  # a page boundary inside the arena
+
+    def at(offset: int, shape: tuple[int, ...]) -> np.ndarray:
+        x = np.ndarray(shape, F16, buffer=arena, offset=offset)
+        x[...] = randn(rng, shape, F16)
+        return x
+
+    k_shape = (2, 17, 2, d)
+    k = at(page - 2 * (d + 1), k_shape)  # element d (head 1, column 0) starts 2 bytes before the boundary
+    q = at(page - 2 * (d + 1) - 2 * 2 * 6 * 2 * d, (2, 6, 2, d))  # q ends where k starts, in the same page
+    v = randn(rng, k_shape, F16)
+    before = metal_sim_counters()["violations"]
+    kw = dict(causal=True, window_size=(5, 0), softcap=2.0)
+    out, lse, _ = fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=msim, **kw)
+    assert metal_sim_counters()["violations"] == before
+    e_out, _ = reference.flash_attn(q, k, v, **kw)
+    assert_close(out, e_out, F16, "odd D across a page boundary")
