@@ -115,8 +115,9 @@ def test_scale_softcap_prefill(registry, rng):
     assert_close(out, expect(q, k, v, 30, causal=True, scale=s, softcap=2.0), BF16)
 
 
-def test_f32_non_vec_head_dim_one_row_takes_sdpa(registry, rng):
-    q, k, v = qkv(rng, F32, ql=1, kl=20, d=32)
+def test_f32_head_dim_no_decode_kernel_runs_one_row_takes_sdpa(registry, rng):
+    """D = 300: above the padded range (1...256) and not 512, so no decode kernel runs it."""
+    q, k, v = qkv(rng, F32, ql=1, kl=20, d=300)
     out, ran = SDPA(q, k, v, is_causal=True, return_kernel=True, registry=registry)
     assert ran == "sdpa"
     assert_close(out, expect(q, k, v, 20, causal=True), F32)
