@@ -174,6 +174,7 @@ class Case:
     kv_heads: int
     flops: object    # flops(size) for B = Hkv = 1: attention FLOPs (4*D per visited pair)
     validate_size: int | None = None
+    min_bytes: object = None  # min_bytes(size) for B = Hkv = 1: the bytes a bandwidth-bound op must move, if stated
     result: dict = field(default_factory=dict)
 
 
@@ -236,6 +237,84 @@ def decode_cases(reg, keys, groups=(1, 4, 8), batches=(1, 16), d=128, heads=32, 
                     name = "MHA" if g == 1 else f"GQA{g}"
                     cases.append(Case("decode", f"{dt} D={d} {name} B={b} keys={kl}", "flash_attn_vec + reduce",
                                       run, [1024, 2048], 1, kl, b, heads // g, flops))
+    return cases
+
+
+def code_caches(rng, shape, d, kbits, vbits):
+    """K and V QuantizedKV caches of leading shape `shape`, filled with random
+    codes and norms directly (no encode dispatch is run, so none is counted)."""
+    out = []
+    for bits, seed in ((kbits, 11), (vbits, 12)):
+        c = fm.KVCodec(d, bits, seed=seed).empty(shape)
+        c.codes[...] = rng.integers(0, 256, c.codes.shape, dtype=np.uint8)
+        c.norms[...] = rng.uniform(0.5, 2.0, c.norms.shape).astype(np.float32) * np.sqrt(d)
+        out.append(c)
+    return out
+
+
+def kv_row_bytes(d, kbits, vbits):
+    """Bytes of one key's K and V rows of one kv head: codes and norms, or bf16 (bits 0)."""
+    return sum(fm.KVCodec(d, b).bytes_per_row() if b else 2 * d for b in (kbits, vbits))
+
+
+CODE_FORMATS = (("tq8", 8, 8), ("tq4", 4, 4), ("K8/V4", 8, 4), ("bf16", 0, 0))
+
+
+def codes_cases(reg, keys, groups=(1, 4), d=128, heads=32, prefill_rows=128, prefill_keys=(2048,)):
+    """Attention over QuantizedKV caches: decode over codes (kv_codes_decode and
+    its reduce) and chunked prefill over codes (kv_codes_prefill), each beside
+    the same call on bf16 caches. min_bytes is the caches' bytes (codes and
+    norms) plus the query read and the output written: the bandwidth-bound
+    minimum the target is stated against."""
+    cases = []
+    for g in groups:
+        name = "MHA" if g == 1 else f"GQA{g}"
+        for fmt, kb, vb in CODE_FORMATS:
+            def run(size, batch, hkv, g=g, kb=kb, vb=vb):
+                rng = np.random.default_rng(size)
+                q = rng.standard_normal((batch, hkv * g, d)).astype(np.float32)
+                if kb:
+                    kc, vc = code_caches(rng, (batch, hkv, size), d, kb, vb)
+                else:
+                    kc = randn(rng, (batch, hkv, size, d), "bf16")
+                    vc = randn(rng, (batch, hkv, size, d), "bf16")
+                fm.flash_attn_decode(q, kc, vc, size, registry=reg)
+
+            def flops(size, g=g):
+                return 4 * d * size * g
+
+            def min_bytes(size, g=g, kb=kb, vb=vb):
+                return size * kv_row_bytes(d, kb, vb) + 2 * 4 * g * d
+            for kl in keys:
+                cases.append(Case("codes decode", f"{fmt} D={d} {name} B=1 keys={kl}",
+                                  "kv_codes_decode + reduce" if kb else "flash_attn_vec + reduce",
+                                  run, [1024, 2048], 1, kl, 1, heads // g, flops, min_bytes=min_bytes))
+    # Chunked prefill: `prefill_rows` new query rows (the newest keys, causal)
+    # over a cache of `size` keys: every count is linear in the keys at a
+    # fixed row count.
+    for g in groups:
+        name = "MHA" if g == 1 else f"GQA{g}"
+        for fmt, kb, vb in CODE_FORMATS:
+            def prun(size, batch, hkv, g=g, kb=kb, vb=vb):
+                rng = np.random.default_rng(size)
+                q = randn(rng, (batch, prefill_rows, hkv * g, d), "bf16")
+                if kb:
+                    kc, vc = code_caches(rng, (batch, size, hkv), d, kb, vb)
+                else:
+                    kc = randn(rng, (batch, size, hkv, d), "bf16")
+                    vc = randn(rng, (batch, size, hkv, d), "bf16")
+                fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.full(batch, size, np.int32), causal=True,
+                                           registry=reg)
+
+            def pflops(size, g=g):
+                return 4 * d * g * pairs_visible(prefill_rows, size, True, None)
+
+            def pmin_bytes(size, g=g, kb=kb, vb=vb):
+                return size * kv_row_bytes(d, kb, vb) + 2 * 2 * prefill_rows * g * d
+            for kl in prefill_keys:
+                cases.append(Case("codes prefill", f"{fmt} D={d} {name} {prefill_rows} rows causal over keys={kl}",
+                                  "kv_codes_prefill" if kb else "flash_attn_prefill", prun, [512, 1024], 1, kl, 1,
+                                  heads // g, pflops, min_bytes=pmin_bytes))
     return cases
 
 
@@ -422,6 +501,18 @@ PEERS = [
 ]
 
 
+CODES_TARGET = "decode over codes 8k-128k keys: >= 80% of the bandwidth-bound minimum of its bytes"
+
+
+def codes_eff(c):
+    return c.result["gpus"]["M3 Max"]["bw_efficiency"]
+
+
+def codes_target_rows(rows):
+    return [c for c in rows if c.group == "codes decode" and not c.label.startswith("bf16")
+            and 8192 <= c.real_size <= 131072]
+
+
 def target_rows(rows):
     """The issue's targets (M3 Max constants): (target, rows it covers, rows meeting it, worst row)."""
     def eff(c):
@@ -434,6 +525,7 @@ def target_rows(rows):
         return c.real_size
     pre = [c for c in rows if c.group == "prefill"]
     dec = [c for c in rows if c.group == "decode" and c.real_size >= 8192]
+    codes = codes_target_rows(rows)
     out = []
 
     def add(name, sel, ok, value, higher_is_better=True):
@@ -453,6 +545,8 @@ def target_rows(rows):
     add("prefill float32 L>=4096: efficiency >= 50%",
         (c for c in pre if c.label.startswith("f32") and length(c) >= 4096), lambda c: eff(c) >= 0.50, eff)
     add("decode 8k-128k keys: efficiency >= 85%", dec, lambda c: eff(c) >= 0.85, eff)
+    if codes:
+        add(CODES_TARGET, codes, lambda c: codes_eff(c) >= 0.80, codes_eff)
     add("decode: K/V read once per kv head (SIMD re-read <= 1.05)", dec,
         lambda c: c.result["summary"]["reread_simd"] <= 1.05, lambda c: c.result["summary"]["reread_simd"], False)
     add("decode: mean device load >= 8 bytes", dec, lambda c: c.result["summary"]["load_b"] >= 8,
@@ -481,7 +575,10 @@ def main() -> int:
     ap.add_argument("--json", help="also write every row's numbers here")
     ap.add_argument("--only", metavar="REGEX",
                     help="model only the cases whose 'group label' matches (re.search), e.g. '^prefill '; "
-                         "pair with --out elsewhere: the report then holds only those rows")
+                         "pair with --out elsewhere (the report then holds only those rows) or with --merge")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only the sections of the modelled groups (and their validation rows) in the "
+                         "existing --out, keeping the rest of it")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -490,8 +587,9 @@ def main() -> int:
     dtypes = ["f16"] if args.quick else ["bf16", "f16", "f32"]
     lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
     keys = [4096, 131072] if args.quick else [4096, 16384, 32768, 131072]
+    codes_keys = [8192, 131072] if args.quick else [8192, 32768, 131072]
     cases = (prefill_cases(reg, dims, dtypes, lengths) + decode_cases(reg, keys)
-             + serving_cases(reg, lengths) + sdpa_cases(reg, lengths))
+             + serving_cases(reg, lengths) + sdpa_cases(reg, lengths) + codes_cases(reg, codes_keys))
     if args.only:
         pattern = re.compile(args.only)
         cases = [c for c in cases if pattern.search(f"{c.group} {c.label}")]
@@ -505,12 +603,23 @@ def main() -> int:
                 c.validate_size = 4096
             if c.group in ("serving", "sdpa") and c.real_size == lengths[0] and "D=72" not in c.label:
                 c.validate_size = 256 if c.group == "sdpa" else 1024
+            if c.group == "codes decode" and c.real_size == codes_keys[0]:
+                c.validate_size = 4096
+            if c.group == "codes prefill":
+                c.validate_size = 2048
     rows = []
     for i, c in enumerate(cases):
         disp = scaled(fit(c, c.real_size), c.batch * c.kv_heads)
         flops = c.flops(c.real_size) * c.batch * c.kv_heads
         c.result = {"summary": summarize(disp), "gpus": {g.name: estimate(g, disp, flops) for g in GPUS},
                     "flops": flops}
+        if c.min_bytes:
+            nbytes = c.min_bytes(c.real_size) * c.batch * c.kv_heads
+            c.result["min_bytes"] = nbytes
+            for g in GPUS:
+                r = c.result["gpus"][g.name]
+                r["bw_minimum"] = max(nbytes / g.bandwidth, flops / g.fp32_peak)
+                r["bw_efficiency"] = r["bw_minimum"] / r["estimate"]
         rows.append(c)
         if c.validate_size:
             pred = fit(c, c.validate_size)
@@ -539,7 +648,10 @@ def main() -> int:
                             if not k.startswith("b"))
                 scaling = (c.label, worst)
                 break
-    write_report(args.out, rows, validations, scaling, time.time() - t0)
+    if args.merge:
+        merge_report(args.out, rows, validations)
+    else:
+        write_report(args.out, rows, validations, scaling, time.time() - t0)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"group": c.group, "label": c.label, **c.result} for c in rows], f, indent=1)
@@ -560,6 +672,132 @@ def kept_sections(path) -> str:
         return ""
     at = text.find("\n" + KEPT_HEADING)
     return text[at + 1:].rstrip("\n") if at >= 0 else ""
+
+
+GROUPS = ("prefill", "decode", "serving", "sdpa", "codes decode", "codes prefill")
+MAC_HEADING = "## What only a Mac can measure"
+
+
+def group_lines(group, rs):
+    """One group's section of the report: its heading and its table."""
+    if group.startswith("codes "):
+        return codes_lines(group, rs)
+    L = [f"### {group}", ""]
+    w = L.append
+    w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
+      "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | M1 Max eff. | "
+      "M3 Max eff. | M4 Max eff. |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+      "---:|---:|")
+    for c in rs:
+        s, g = c.result["summary"], c.result["gpus"]
+        w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
+          f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
+          f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
+          f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
+          f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
+          f"{fmt_time(g['M3 Max']['estimate'])} | {g['M3 Max']['bound']} | "
+          f"{g['M1 Max']['efficiency'] * 100:.0f}% | {g['M3 Max']['efficiency'] * 100:.0f}% | "
+          f"{g['M4 Max']['efficiency'] * 100:.0f}% |")
+    return L
+
+
+def codes_lines(group, rs):
+    """A quantized-KV section: the decode table's columns, then the bytes the
+    op must move (codes and norms of K and V, q, out; bf16 rows: the bf16
+    caches), the minimum they set (or the FLOPs, if larger), the efficiency
+    against it per GPU, and the M3 Max roofline terms."""
+    L = [f"### {group}", ""]
+    w = L.append
+    if group == "codes decode":
+        w("QuantizedKV caches [B, Hkv, keys] (random codes and norms; D = 128, H = 32, B = 1): tq8 = 8-bit K and V")
+        w("(132 B per row), tq4 = 4-bit (68 B), K8/V4; bf16 = the dense decode on bf16 caches (256 B per row).")
+    else:
+        w("flash_attn_with_kvcache with 128 new query rows (bf16, causal: the newest rows) over caches of")
+        w("[B, keys, Hkv] QuantizedKV (D = 128, H = 32, B = 1), beside the same call on bf16 caches.")
+    w("min bytes = the caches' bytes (codes + norms, or bf16) + q read + out written; BW min = min bytes /")
+    w("bandwidth (or the attention FLOPs / fp32 peak if larger); eff. = BW min / estimate. Roofline terms on")
+    w("M3 Max: DRAM (distinct bytes incl. the split partials) / re-read / issue (scalar FLOPs charged 4*D per")
+    w("pair; the unpacking of codes and centroid lookups are not observable) / sync / launch.")
+    w("")
+    w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
+      "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | min bytes | "
+      "M3 BW min | M1 Max eff. | M3 Max eff. | M4 Max eff. | DRAM | re-read | issue | sync | launch |")
+    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
+      "---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c in rs:
+        s, g = c.result["summary"], c.result["gpus"]
+        m3 = g["M3 Max"]
+        w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
+          f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
+          f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
+          f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
+          f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
+          f"{fmt_time(m3['estimate'])} | {m3['bound']} | {fmt_bytes(c.result['min_bytes'])} | "
+          f"{fmt_time(m3['bw_minimum'])} | "
+          f"{g['M1 Max']['bw_efficiency'] * 100:.0f}% | {m3['bw_efficiency'] * 100:.0f}% | "
+          f"{g['M4 Max']['bw_efficiency'] * 100:.0f}% | {fmt_time(m3['dram'])} | {fmt_time(m3['reread'])} | "
+          f"{fmt_time(m3['issue'])} | {fmt_time(m3['sync'])} | {fmt_time(m3['launch'])} |")
+    sel = codes_target_rows(rs)
+    if sel:
+        met = [c for c in sel if codes_eff(c) >= 0.80]
+        worst = min(sel, key=codes_eff)
+        w("")
+        w(f"Target ({CODES_TARGET}, M3 Max): {len(met)} of {len(sel)} rows meet it; worst "
+          f"{worst.label}: {codes_eff(worst) * 100:.0f}%.")
+    return L
+
+
+def split_sections(text):
+    """The report's lines cut at every heading: [(heading line or '', lines)]."""
+    out = [("", [])]
+    for line in text.split("\n"):
+        if line.startswith("#"):
+            out.append((line, [line]))
+        else:
+            out[-1][1].append(line)
+    return out
+
+
+def upsert_row(lines, key, row):
+    """Replaces the table row of `lines` whose first cell is `key`, or adds it
+    after the table's last row before any 'batch x kv-head' row."""
+    prefix = f"| {key} |"
+    for i, line in enumerate(lines):
+        if line.startswith(prefix):
+            lines[i] = row
+            return
+    rows = [i for i, line in enumerate(lines) if line.startswith("| ") and not line.startswith("| batch x")]
+    lines.insert(rows[-1] + 1 if rows else len(lines), row)
+
+
+def merge_report(path, rows, validations):
+    """Rewrites only the sections of the modelled groups in the report at
+    `path` (a missing one goes before the Mac section), their validation rows
+    and the targets they decide; everything else is kept as it is."""
+    with open(path) as f:
+        sections = split_sections(f.read().rstrip("\n"))
+    for group in GROUPS:
+        rs = [c for c in rows if c.group == group]
+        if not rs:
+            continue
+        new = group_lines(group, rs) + [""]
+        at = next((i for i, (h, _) in enumerate(sections) if h == f"### {group}"), None)
+        if at is not None:
+            sections[at] = (sections[at][0], new)
+        else:
+            mac = next(i for i, (h, _) in enumerate(sections) if h == MAC_HEADING)
+            sections.insert(mac, (f"### {group}", new))
+    for h, lines in sections:
+        if h == "## Scaling from simulated sizes (validation)":
+            for label, sizes, at, err in validations:
+                upsert_row(lines, label, f"| {label} | {', '.join(map(str, sizes))} | {at} | {err:.2e} |")
+        if h == "## Targets (M3 Max constants)":
+            for name, n, met, worst in target_rows(rows):
+                if name == CODES_TARGET:
+                    upsert_row(lines, name, f"| {name} | {n} | {met} | {worst} |")
+    with open(path, "w") as f:
+        f.write("\n".join(line for _, lines in sections for line in lines) + "\n")
 
 
 def write_report(path, rows, validations, scaling, seconds):
@@ -661,28 +899,11 @@ def write_report(path, rows, validations, scaling, seconds):
     w("SIMD-group load instruction); barriers are per threadgroup of the first dispatch; res = threadgroups")
     w("resident per core.")
     w("Efficiency = physical minimum / estimate on each GPU.")
-    for group in ("prefill", "decode", "serving", "sdpa"):
+    for group in GROUPS:
         rs = [c for c in rows if c.group == group]
-        if not rs:
-            continue
-        w("")
-        w(f"### {group}")
-        w("")
-        w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
-          "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | M1 Max eff. | "
-          "M3 Max eff. | M4 Max eff. |")
-        w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
-          "---:|---:|")
-        for c in rs:
-            s, g = c.result["summary"], c.result["gpus"]
-            w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
-              f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
-              f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
-              f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
-              f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
-              f"{fmt_time(g['M3 Max']['estimate'])} | {g['M3 Max']['bound']} | "
-              f"{g['M1 Max']['efficiency'] * 100:.0f}% | {g['M3 Max']['efficiency'] * 100:.0f}% | "
-              f"{g['M4 Max']['efficiency'] * 100:.0f}% |")
+        if rs:
+            w("")
+            L.extend(group_lines(group, rs))
     w("")
     w("## What only a Mac can measure")
     w("")
