@@ -435,7 +435,7 @@ def estimate(gpu: GPU, dispatches: list[dict], useful_flops: float) -> dict:
     mma = tot["mma_f16"] + tot["mma_bf16"] + tot["mma_f32"]
     issue_rate = SCHEDULERS * gpu.cores * gpu.clock_hz * ETA_MMA  # slots per second, sustained
     t_total = 0.0
-    parts = {"dram": 0.0, "reread": 0.0, "issue": 0.0, "mma": 0.0, "sync": 0.0, "launch": 0.0}
+    parts = {"dram": 0.0, "reread": 0.0, "issue": 0.0, "mma": 0.0, "sync": 0.0, "launch": 0.0, "issue_busy": 0.0}
     for i, d in enumerate(dispatches):
         c = d["counts"]
         groups = max(1.0, c["threadgroups"])
@@ -451,6 +451,7 @@ def estimate(gpu: GPU, dispatches: list[dict], useful_flops: float) -> dict:
         t_mma = 16 * (c["mma_f16"] + c["mma_bf16"] + c["mma_f32"]) / issue_rate
         t_sync = c["threadgroup_barriers"] * BARRIER_CYCLES / (gpu.cores * gpu.clock_hz * resident)
         t_total += max(t_dram + t_reread, t_issue / busy) + t_sync + LAUNCH_S
+        parts["issue_busy"] += t_issue / busy
         for k, v in (("dram", t_dram), ("reread", t_reread), ("issue", t_issue), ("mma", t_mma), ("sync", t_sync),
                      ("launch", LAUNCH_S)):
             parts[k] += v
@@ -717,14 +718,15 @@ def codes_lines(group, rs):
         w("[B, keys, Hkv] QuantizedKV (D = 128, H = 32, B = 1), beside the same call on bf16 caches.")
     w("min bytes = the caches' bytes (codes + norms, or bf16) + q read + out written; BW min = min bytes /")
     w("bandwidth (or the attention FLOPs / fp32 peak if larger); eff. = BW min / estimate. Roofline terms on")
-    w("M3 Max: DRAM (distinct bytes incl. the split partials) / re-read / issue (scalar FLOPs charged 4*D per")
+    w("M3 Max: DRAM (distinct bytes, split partials included) / re-read / issue (scalar FLOPs charged 4*D per")
     w("pair; the unpacking of codes and centroid lookups are not observable) / sync / launch.")
     w("")
     w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
       "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | min bytes | "
-      "M3 BW min | M1 Max eff. | M3 Max eff. | M4 Max eff. | DRAM | re-read | issue | sync | launch |")
+      "M3 BW min | M1 Max eff. | M3 Max eff. | M4 Max eff. | DRAM | re-read | issue | issue / busy | sync | launch | "
+      "decides |")
     w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
-      "---:|---:|---:|---:|---:|---:|---:|---:|")
+      "---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for c in rs:
         s, g = c.result["summary"], c.result["gpus"]
         m3 = g["M3 Max"]
@@ -737,7 +739,8 @@ def codes_lines(group, rs):
           f"{fmt_time(m3['bw_minimum'])} | "
           f"{g['M1 Max']['bw_efficiency'] * 100:.0f}% | {m3['bw_efficiency'] * 100:.0f}% | "
           f"{g['M4 Max']['bw_efficiency'] * 100:.0f}% | {fmt_time(m3['dram'])} | {fmt_time(m3['reread'])} | "
-          f"{fmt_time(m3['issue'])} | {fmt_time(m3['sync'])} | {fmt_time(m3['launch'])} |")
+          f"{fmt_time(m3['issue'])} | {fmt_time(m3['issue_busy'])} | {fmt_time(m3['sync'])} | "
+          f"{fmt_time(m3['launch'])} | {deciding_term(m3)} |")
     sel = codes_target_rows(rs)
     if sel:
         met = [c for c in sel if codes_eff(c) >= 0.80]
@@ -745,7 +748,66 @@ def codes_lines(group, rs):
         w("")
         w(f"Target ({CODES_TARGET}, M3 Max): {len(met)} of {len(sel)} rows meet it; worst "
           f"{worst.label}: {codes_eff(worst) * 100:.0f}%.")
+    coded = [c for c in rs if not c.label.startswith("bf16")]
+    if coded:
+        L.extend(codes_findings(group, coded))
     return L
+
+
+def span(values, fmt):
+    """'a' or 'a-b' of the smallest and largest of values."""
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def pct(x):
+    return f"{x * 100:.0f}%"
+
+
+def codes_findings(group, rs):
+    """Where the time of the quantized rows goes (M3 Max), from their numbers."""
+    g = next(x for x in GPUS if x.name == "M3 Max")
+    s = rs[0].result["summary"]
+    m3 = [c.result["gpus"]["M3 Max"] for c in rs]
+    decides = " / ".join(sorted({deciding_term(r) for r in m3}))
+    share = span([r["issue_busy"] / r["estimate"] for r in m3], pct)
+    if group == "codes decode":
+        gqa = [c.result["summary"]["reread_simd"] for c in rs if "GQA" in c.label]
+        busy = s["groups"] / (g.cores * s["resident"])
+        # A lone SIMD group on a core can use at most one of its SCHEDULERS at
+        # full rate: the model's even share over `resident` slots, made that
+        # much faster, bounds what a better occupancy model could give.
+        x = s["resident"] / SCHEDULERS
+        best = [r["bw_minimum"] / (max(r["dram"] + r["reread"], r["issue_busy"] / x) + r["sync"] + r["launch"])
+                for r in m3]
+        return ["", " ".join([
+            f"Where the time goes: the estimate is set by {decides} in every quantized row (issue / busy =",
+            f"{share} of it). {s['kernels']} runs one threadgroup of {s['threads']} threads (one SIMD group) per",
+            f"query row: {s['groups']:.0f} threadgroups at B = 1 against {g.cores} cores x {s['resident']} resident",
+            f"groups, so {busy:.3f} of the GPU issues, and the per-row scalar work (4*D FLOPs and one SIMD",
+            "reduction per key, plus the code unpacking the model cannot see) runs on that sliver, while the",
+            f"bytes alone would take {span([r['bw_minimum'] for r in m3], fmt_time)}. Were a lone SIMD group to",
+            f"issue at a whole scheduler's rate ({x:.0f}x the model's share), the rows would still reach only",
+            f"{span(best, pct)}. There is no split over keys and no reduce for codes (the bf16 decode splits the",
+            "keys over many threadgroups and reduces), and each query head of a GQA group reads its kv head's",
+            "codes again" + (f" (re-read SIMD {span(gqa, lambda v: f'{v:.2f}')})." if gqa else "."),
+            "Meeting 80% needs a split-KV grid (keys over threadgroups, then a reduce) and the G heads of a kv",
+            "head sharing one read of the codes, as the bf16 decode does."])]
+    return ["", " ".join([
+        f"Where the time goes: set by {decides} (issue / busy = {share} of the estimate). {s['kernels']} has",
+        "no MMAs: every (row, key) pair's 4*D scalar FLOPs, one SIMD reduction per key per item",
+        f"({s['reductions']:.3g} in all) and the decoded tiles' threadgroup reads ({fmt_bytes(s['tg_bytes'])})",
+        "issue on the SIMD groups; the dense prefill's MMAs do the same FLOPs in a fraction of the slots.",
+        "The codes' DRAM bytes are small beside that; the minimum here is the FLOPs at fp32 peak."])]
+
+
+def deciding_term(r):
+    """The roofline term that sets an estimate: memory (DRAM + re-read), issue
+    (at full occupancy), or occupancy (issue over the busy fraction of the GPU,
+    when a small grid leaves cores idle), beside sync and launch."""
+    if r["issue_busy"] > r["dram"] + r["reread"]:
+        return "occupancy" if r["issue_busy"] > 1.5 * r["issue"] else "issue"
+    return "memory"
 
 
 def split_sections(text):
