@@ -261,7 +261,7 @@ kernel void kv_codes_decode(
 
     float mx = FM_RUNNING_MAX_START, sum = 0.0f;
     for (int t = range.lo; t < range.hi; t++) {
-        const long r = kvq_storage_row(p, block_table, b, g, t);
+        const long r = kvq_storage_row(p, kvq_paged ? block_table : nullptr, b, g, t);
         float part = 0.0f;
         for (uint m = 0; m < per; m++) {
             const uint i = tid + m * nt;
