@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .._errors import InvalidValueError, UnsupportedFeatureError
 from ..kv_codec import KVCodec, QuantizedKV
+from ..registry import RegistryLike
 from ..serving import flash_attn_with_kvcache
 from . import hf
 
@@ -40,8 +41,10 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, k_bits: int, v_bits: int, k_seed: int, v_seed: int, chunk: int) -> None:
+    def __init__(self, k_bits: int, v_bits: int, k_seed: int, v_seed: int, chunk: int,
+                 registry: RegistryLike = None) -> None:
         super().__init__()
+        self.registry = registry
         self.k_bits, self.v_bits, self.k_seed, self.v_seed, self.chunk = k_bits, v_bits, k_seed, v_seed, chunk
         self.k_codes: QuantizedKV | None = None
         self.v_codes: QuantizedKV | None = None
@@ -135,9 +138,12 @@ class QuantizedKVCache(Cache):
     flashmetal attention backend (``flashmetal.integrations.hf``). ``config``:
     the model's config; its ``_attn_implementation`` must be the backend's
     registered name. ``seed``: K's rotation signs (V's use ``seed + 1``).
-    ``chunk``: code rows added per layer whenever the cache grows."""
+    ``chunk``: code rows added per layer whenever the cache grows.
+    ``registry``: where the attention runs (a Registry or backend name;
+    None: the default)."""
 
-    def __init__(self, config: Any, k_bits: int = 8, v_bits: int = 4, *, seed: int = 0, chunk: int = 256) -> None:
+    def __init__(self, config: Any, k_bits: int = 8, v_bits: int = 4, *, seed: int = 0, chunk: int = 256,
+                 registry: RegistryLike = None) -> None:
         impl = getattr(config, "_attn_implementation", None)
         if impl not in hf.registered_names():
             raise InvalidValueError(_CACHE, f"the model's attention implementation is {impl!r}; the codes are read "
@@ -150,7 +156,7 @@ class QuantizedKVCache(Cache):
             if isinstance(bits, bool) or bits not in _WIDTHS:
                 raise InvalidValueError(_CACHE, f"{name} must be one of {_WIDTHS}, got {bits!r}", argument=name)
         self.k_bits, self.v_bits, self.seed = k_bits, v_bits, seed
-        layers = [QuantizedKVLayer(k_bits, v_bits, seed, seed + 1, chunk)
+        layers = [QuantizedKVLayer(k_bits, v_bits, seed, seed + 1, chunk, registry)
                   for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
 
@@ -184,7 +190,8 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
     lens = np.full(q.shape[0], layer.start, dtype=np.int32)
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
     out = flash_attn_with_kvcache(q, layer.k_codes, layer.v_codes, k=k, v=v, cache_seqlens=lens,
-                                  softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk)
+                                  softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk,
+                                  registry=layer.registry)
     return torch.from_numpy(out).to(query.dtype)
 
 
