@@ -33,7 +33,7 @@ _TAG = hf.CODES_TAG
 _WIDTHS = (2, 3, 4, 5, 6, 8)
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
     """One layer's K and V codes, ``[B, capacity, Hkv]`` each; ``length``
     rows are in use (counting those the next attention call appends)."""
 
@@ -132,7 +132,7 @@ def _grow(c: QuantizedKV, capacity: int, used: int) -> QuantizedKV:
     return bigger
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(Cache):  # type: ignore[misc]
     """A ``transformers`` cache whose layers keep K at ``k_bits`` and V at
     ``v_bits`` (2, 3, 4, 5, 6 or 8) flashmetal codes, read directly by the
     flashmetal attention backend (``flashmetal.integrations.hf``). ``config``:
@@ -182,14 +182,20 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
         raise InvalidValueError(op, f"{key.shape[2]} new keys for {t} query rows (the codes cache appends one key "
                                 "per query row)")
     if attention_mask is not None:
-        _require_causal_block(attention_mask, layer.start, t, op)
+        try:
+            _require_causal_block(attention_mask, layer.start, t, op)
+        except UnsupportedFeatureError:
+            layer.length = layer.start  # the rows update() reserved stay free
+            raise
     assert layer.k_codes is not None and layer.v_codes is not None
     q = query.transpose(1, 2).to(torch.float32).contiguous().numpy()
     k = key.transpose(1, 2).to(torch.float32).contiguous().numpy()
     v = value.transpose(1, 2).to(torch.float32).contiguous().numpy()
     lens = np.full(q.shape[0], layer.start, dtype=np.int32)
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
-    out = flash_attn_with_kvcache(q, layer.k_codes, layer.v_codes, k=k, v=v, cache_seqlens=lens,
+    kc: Any = layer.k_codes  # the signature's ArrayLike does not name QuantizedKV
+    vc: Any = layer.v_codes
+    out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens,
                                   softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk,
                                   registry=layer.registry)
     return torch.from_numpy(out).to(query.dtype)
