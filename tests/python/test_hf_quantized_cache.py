@@ -32,7 +32,8 @@ def _codec_reference(bits: tuple[int, int], seed: int):
         kd = qref.decode(*qref.encode(key.numpy(), kb, seed)[:2], kb, seed)
         vd = qref.decode(*qref.encode(value.numpy(), vb, seed + 1)[:2], vb, seed + 1)
         ql, kl = query.shape[2], key.shape[2]
-        o = reference.attention(query.numpy(), kd, vd, scale=scaling, causal=True, q_offset=kl - ql)
+        mask = None if attention_mask is None else attention_mask[..., :kl].numpy()
+        o = reference.attention(query.numpy(), kd, vd, scale=scaling, causal=True, q_offset=kl - ql, mask=mask)
         return torch.from_numpy(o.astype(np.float32)).transpose(1, 2).contiguous(), None
     return forward
 
@@ -51,7 +52,7 @@ def _prompt(batch=2):
 
 def _steps(model, ids, **kw):
     with torch.no_grad():
-        out = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+        out = model.generate(input_ids=ids, attention_mask=kw.pop("attention_mask", torch.ones_like(ids)), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True, **kw)
     return out.sequences[:, PROMPT:], torch.stack(out.logits, 1)
 
@@ -79,8 +80,9 @@ def test_generate_over_codes(bits, monkeypatch):
         for c, b in ((layer.k_codes, bits[0]), (layer.v_codes, bits[1])):
             assert isinstance(c, fm.QuantizedKV) and c.codec.bits == b
             assert c.codes.dtype == np.uint8 and c.shape == (2, 32, 2)  # 16 rows, grown once by 16
-        tensors = [v for v in vars(layer).values() if isinstance(v, (torch.Tensor, np.ndarray))]
-        assert not tensors, tensors
+        dense = [v for v in vars(layer).values()
+                 if isinstance(v, torch.Tensor) or isinstance(v, np.ndarray) and v.dtype.kind == "f"]
+        assert not dense, dense
 
     # Each step's logits: float64 attention over the reference codec's K̂, V̂.
     _register_reference(bits)
@@ -112,14 +114,39 @@ def test_prefill_logits_over_codes(registry):
     np.testing.assert_allclose(torch.cat(got, 1).numpy(), want.numpy(), atol=2e-4, rtol=1e-3)
 
 
-def test_left_padding_refused():
+@pytest.mark.slow
+def test_left_padded_generate_over_codes():
+    """Each sequence stores only its real tokens; tokens and logits equal
+    the reference model's with the same mask."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    _register_reference((8, 4))
+    ref = build(tiny_llama, REF, torch.float32)
+    ids = _prompt(3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    cache = QuantizedKVCache(model.config, 8, 4, chunk=8)
+    tokens, logits = _steps(model, ids, attention_mask=mask, cache=cache)
+    ref_tokens, ref_logits = _steps(ref, ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
+    assert cache.layers[0].pad.tolist() == [0, 3, 7]
+
+
+def test_masks_with_holes_refused():
     name = hf.register()
     model = build(tiny_llama, name, torch.float32)
     ids = _prompt()
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad(), pytest.raises(fm.UnsupportedFeatureError, match="attention_mask|causal block"):
-        model(input_ids=ids, attention_mask=mask, cache=QuantizedKVCache(model.config, 8, 4))
+    mask[1, 5] = 0  # a hole, not left padding
+    cache = QuantizedKVCache(model.config, 8, 4)
+    with torch.no_grad(), pytest.raises(fm.UnsupportedFeatureError, match="^fm_attention: the attention mask "
+                                        "keeps keys other than a causal block after left padding") as err:
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+    assert err.value.argument == "attention_mask"
+    assert cache.get_seq_length() == 0  # the refused call stored nothing
 
 
 def test_bad_arguments():

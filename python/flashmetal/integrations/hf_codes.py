@@ -11,8 +11,9 @@ with the layer; the flashmetal attention backend sees the tag and calls
 the codes and attends over the codes in one call. No dense copy of the cache
 exists at any point. The model must use the flashmetal backend (checked when
 the cache is made), since another attention would see only the new tokens.
-Masks other than the plain causal block (left padding, sliding windows) are
-refused by name.
+A left-padded batch keeps only each sequence's real tokens (the mask's first
+kept key per sequence); other masks (sliding windows, holes) are refused by
+name.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
         self.v_codes: QuantizedKV | None = None
         self.length = 0
         self.start = 0  # where the pending k/v go: the rows before them
+        self.pad: np.ndarray | None = None  # each sequence's left padding (rows not stored), int32 [B]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, hkv, _, dim = key_states.shape
@@ -99,6 +101,7 @@ class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
 
     def reset(self) -> None:
         self.k_codes = self.v_codes = None
+        self.pad = None
         self.length = self.start = 0
         self.is_initialized = False
 
@@ -114,6 +117,8 @@ class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
         if self.k_codes is None or self.v_codes is None:
             return
         idx = np.asarray(indices.cpu().numpy(), dtype=np.int64)
+        if self.pad is not None:
+            self.pad = self.pad[idx]
         self.k_codes, self.v_codes = (QuantizedKV(c.codec, np.ascontiguousarray(c.codes[idx]),
                                                   np.ascontiguousarray(c.norms[idx]))
                                       for c in (self.k_codes, self.v_codes))
@@ -176,39 +181,71 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
                  sinks: torch.Tensor | None, op: str) -> torch.Tensor:
     """Appends the new ``key``/``value`` ``[B, Hkv, T, D]`` to the layer's
     codes and attends ``query`` ``[B, H, T, D]`` over them; returns
-    ``[B, T, H, D]`` in the query's dtype."""
+    ``[B, T, H, D]`` in the query's dtype. A left-padded sequence keeps only
+    its real tokens: its rows start at cache row 0, and its padding query
+    rows (which see no key) read zeros."""
     t = query.shape[2]
     if key.shape[2] != t:
         raise InvalidValueError(op, f"{key.shape[2]} new keys for {t} query rows (the codes cache appends one key "
                                 "per query row)")
-    if attention_mask is not None:
-        try:
-            _require_causal_block(attention_mask, layer.start, t, op)
-        except UnsupportedFeatureError:
-            layer.length = layer.start  # the rows update() reserved stay free
-            raise
+    try:
+        first = _first_keys(attention_mask, query.shape[0], layer.start, t, op)
+        if layer.pad is None:
+            layer.pad = first
+        elif not np.array_equal(first, layer.pad):
+            raise UnsupportedFeatureError(op, f"the attention mask's first kept keys {first.tolist()} moved from "
+                                          f"{layer.pad.tolist()} (only left padding fixed at the prompt is "
+                                          "supported by QuantizedKVCache)", argument="attention_mask")
+    except UnsupportedFeatureError:
+        layer.length = layer.start  # the rows update() reserved stay free
+        raise
     assert layer.k_codes is not None and layer.v_codes is not None
     q = query.transpose(1, 2).to(torch.float32).contiguous().numpy()
     k = key.transpose(1, 2).to(torch.float32).contiguous().numpy()
     v = value.transpose(1, 2).to(torch.float32).contiguous().numpy()
-    lens = np.full(q.shape[0], layer.start, dtype=np.int32)
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
+    kw: dict[str, Any] = dict(softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk, registry=layer.registry)
     kc: Any = layer.k_codes  # the signature's ArrayLike does not name QuantizedKV
     vc: Any = layer.v_codes
-    out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens,
-                                  softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk,
-                                  registry=layer.registry)
+    skip = np.maximum(layer.pad - layer.start, 0)  # new rows that are padding, per sequence
+    if not skip.any():
+        lens = (layer.start - layer.pad).astype(np.int32)
+        out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, **kw)
+        return torch.from_numpy(out).to(query.dtype)
+    # Sequences append different counts of real rows: one call each.
+    out = np.zeros(q.shape, np.float32)
+    for b in range(q.shape[0]):
+        r = int(skip[b])
+        if r == t:
+            continue
+        rows = slice(b, b + 1)
+        kb: Any = QuantizedKV(kc.codec, kc.codes[rows], kc.norms[rows])
+        vb: Any = QuantizedKV(vc.codec, vc.codes[rows], vc.norms[rows])
+        lens = np.array([layer.start + r - int(layer.pad[b])], np.int32)
+        out[b, r:] = flash_attn_with_kvcache(q[rows, r:], kb, vb, k=np.ascontiguousarray(k[rows, r:]),
+                                             v=np.ascontiguousarray(v[rows, r:]), cache_seqlens=lens, **kw)[0]
     return torch.from_numpy(out).to(query.dtype)
 
 
-def _require_causal_block(mask: torch.Tensor, past: int, rows: int, op: str) -> None:
-    """The codes path attends each query row to every key up to its own
-    position; a mask that keeps anything else is refused."""
+def _first_keys(mask: torch.Tensor | None, batch: int, past: int, rows: int, op: str) -> np.ndarray:
+    """Each sequence's first kept key, int32 ``[B]``, when the mask keeps,
+    for every query row at position ``past + i``, exactly the keys ``first
+    ... past + i`` (causal over a left-padded sequence); other masks are
+    refused."""
+    if mask is None:
+        return np.zeros(batch, np.int32)
     keep = mask if mask.dtype == torch.bool else mask == 0
     keep = keep[..., : past + rows]
+    if keep.shape[-1] != past + rows or keep.shape[1] != 1:
+        raise UnsupportedFeatureError(op, f"an attention mask of shape {tuple(mask.shape)} (one head-independent "
+                                      f"mask over {past + rows} keys expected)", argument="attention_mask")
+    keep = keep[:, 0].expand(batch, rows, past + rows)
+    last = keep[:, -1]
+    first = torch.where(last.any(-1), last.int().argmax(-1), past + rows)
     pos = torch.arange(past + rows)
-    causal = pos[None, :] <= (past + torch.arange(rows))[:, None]
-    if keep.shape[-1] != past + rows or not bool((keep == causal).all()):
-        raise UnsupportedFeatureError(op, "the attention mask keeps keys other than the causal block (left padding "
-                                      "or a sliding window), which the QuantizedKVCache path does not support: "
-                                      "generate unpadded sequences, or use a dense cache", argument="attention_mask")
+    want = (pos[None, None, :] >= first[:, None, None]) & (pos[None, None, :] <= (past + torch.arange(rows))[None, :, None])
+    if not bool((keep == want).all()):
+        raise UnsupportedFeatureError(op, "the attention mask keeps keys other than a causal block after left "
+                                      "padding (a sliding window, or holes), which QuantizedKVCache does not "
+                                      "support: use a dense cache", argument="attention_mask")
+    return np.asarray(first.numpy(), np.int32)
