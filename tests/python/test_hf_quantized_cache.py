@@ -135,6 +135,23 @@ def test_left_padded_generate_over_codes():
     assert cache.layers[0].pad.tolist() == [0, 3, 7]
 
 
+def test_crop_drops_the_newest_rows():
+    """After crop(-n), the next forward sees the first tokens only: its
+    logits equal a fresh cache's over the same tokens."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    ids = _prompt()
+    cache, fresh = QuantizedKVCache(model.config, 8, 4), QuantizedKVCache(model.config, 8, 4)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        cache.crop(-4)
+        cache.crop(0)
+        assert cache.get_seq_length() == PROMPT - 4
+        got = model(input_ids=ids[:, -4:], cache=cache).logits
+        want = model(input_ids=ids, cache=fresh).logits[:, -4:]
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
 def test_masks_with_holes_refused():
     name = hf.register()
     model = build(tiny_llama, name, torch.float32)

@@ -1,7 +1,7 @@
 """A Hugging Face cache that keeps K and V as flashmetal codes.
 
     cache = QuantizedKVCache(model.config, k_bits=8, v_bits=4)
-    model.generate(ids, past_key_values=cache, ...)
+    model.generate(ids, cache=cache, ...)   # past_key_values= before transformers 5
 
 Each layer holds two ``QuantizedKV`` stores ``[B, capacity, Hkv]`` (K and V
 widths and seeds separate) that grow in chunks of code rows. The layer's
@@ -105,10 +105,16 @@ class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
         self.length = self.start = 0
         self.is_initialized = False
 
-    def crop(self, max_length: int) -> None:
-        """Keeps the first ``max_length`` tokens (counted from the end when negative)."""
-        keep = self.length + max_length if max_length < 0 else max_length
-        self.length = self.start = max(0, min(self.length, keep))
+    def crop(self, tokens: int) -> None:
+        """Removes ``-tokens`` tokens when negative; keeps the first
+        ``tokens`` when positive (transformers' older meaning); 0: nothing."""
+        if tokens == 0:
+            return
+        keep = max(0, min(self.length, self.length + tokens if tokens < 0 else tokens))
+        if self.pad is not None and keep < int(self.pad.max(initial=0)):
+            raise UnsupportedFeatureError(_CACHE, f"crop to {keep} tokens would cut into a sequence's left padding "
+                                          f"({self.pad.tolist()})", argument="tokens")
+        self.length = self.start = keep
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
