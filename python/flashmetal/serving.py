@@ -248,12 +248,13 @@ def flash_attn_with_kvcache(
             ``cache_batch_idx[b]`` of caches ``[batch_cache, cap, Hkv, D]``
             (read, and appended to, in place); each index in
             ``[0, batch_cache)``, distinct when appending. Not with
-            block_table (as flash-attn).
+            block_table (as flash-attn), nor with QuantizedKV caches.
         cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
             positions (causal, window, attention_chunk) counted from there;
-            k/v are appended at ``cache_seqlens[b]``. Paged caches too.
+            k/v are appended at ``cache_seqlens[b]``. Paged caches too; not
+            QuantizedKV caches.
         num_splits: accepted (>= 0) and ignored: decode splits every row's
             keys over 32 workgroups and reduces them.
         rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]`` (float32,
@@ -316,6 +317,10 @@ def flash_attn_with_kvcache(
         if tables is not None:
             raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
                                           argument="rotary_cos")
+        for name, given in (("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
+            if given is not None:
+                raise UnsupportedFeatureError(_KVCACHE, f"{name} is not supported with QuantizedKV caches (pass "
+                                              "None)", argument=name)
         _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")

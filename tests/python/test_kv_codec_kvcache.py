@@ -322,3 +322,13 @@ def test_long_caches_split_over_keys(registry, rng, paged):
                                           sinks=sinks)
     check(o, eo, F32, f"{registry.backend} paged={paged}")
     check_lse(lse, el, f"{registry.backend} paged={paged} lse")
+
+
+@pytest.mark.parametrize("name", ["cache_leftpad", "cache_batch_idx"])
+def test_leftpad_and_batch_idx_refused_over_codes(registry, rng, name):
+    """Neither is implemented over codes: refused by name, never ignored."""
+    s = Setup(rng, registry, paged=False)
+    q = randn(rng, (2, 1, 4, 64), F32)
+    with pytest.raises(fm.UnsupportedFeatureError, match=rf"^{OP}: .*{name} is not supported with QuantizedKV"):
+        fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, registry=registry,
+                                   **{name: np.zeros(2, np.int32)})

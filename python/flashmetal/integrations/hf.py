@@ -13,6 +13,10 @@ local layers arrives in the mask; the logit softcap arrives as ``softcap``,
 gpt-oss's attention sinks as ``s_aux`` (applied beside the mask). What the
 backend cannot honour (dropout, a head mask) is an error, never dropped.
 GQA heads are not repeated: the kernels read the shared K/V heads.
+
+``QuantizedKVCache(model.config, k_bits, v_bits)`` (passed to ``generate``
+as ``past_key_values``) keeps K and V as codes this backend attends over
+directly (module ``hf_codes``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ from .._errors import InvalidValueError
 from .torch_op import sdpa as _sdpa_op
 
 NAME = "fm_attention"
+_registered: set[str] = set()
+# The attribute QuantizedKVCache's update() sets on the new keys it returns:
+# the layer whose codes the attention appends them to and reads.
+CODES_TAG = "_flashmetal_codes_layer"
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -38,6 +46,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("head_mask") is not None:
         raise InvalidValueError(NAME, "head_mask is not supported")
     q_len = query.shape[2]
+    if hasattr(key, CODES_TAG):
+        from .hf_codes import attend_codes, codes_layer
+
+        layer = codes_layer(key)
+        assert layer is not None
+        return attend_codes(layer, query, key, value, attention_mask, scaling, float(softcap or 0.0), s_aux,
+                            NAME), None
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # As transformers' sdpa backend: a given mask carries the causal pattern; a
@@ -62,4 +77,18 @@ def register(name: str = NAME) -> str:
                                 "routes to its own kernels")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
+    _registered.add(name)
     return name
+
+
+def registered_names() -> frozenset[str]:
+    """The names register() has registered the backend under."""
+    return frozenset(_registered)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "QuantizedKVCache":  # imported on use: it needs transformers
+        from .hf_codes import QuantizedKVCache
+
+        return QuantizedKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,257 @@
+"""A Hugging Face cache that keeps K and V as flashmetal codes.
+
+    cache = QuantizedKVCache(model.config, k_bits=8, v_bits=4)
+    model.generate(ids, cache=cache, ...)   # past_key_values= before transformers 5
+
+Each layer holds two ``QuantizedKV`` stores ``[B, capacity, Hkv]`` (K and V
+widths and seeds separate) that grow in chunks of code rows. The layer's
+``update()`` reserves rows for the new tokens and returns the new k/v tagged
+with the layer; the flashmetal attention backend sees the tag and calls
+``flash_attn_with_kvcache`` with them as ``k``/``v``, which encodes them into
+the codes and attends over the codes in one call. No dense copy of the cache
+exists at any point. The model must use the flashmetal backend (checked when
+the cache is made), since another attention would see only the new tokens.
+A left-padded batch keeps only each sequence's real tokens (the mask's first
+kept key per sequence); other masks (sliding windows, holes) are refused by
+name.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .._errors import InvalidValueError, UnsupportedFeatureError
+from ..kv_codec import KVCodec, QuantizedKV
+from ..registry import RegistryLike
+from ..serving import flash_attn_with_kvcache
+from . import hf
+
+_CACHE = "QuantizedKVCache"
+_TAG = hf.CODES_TAG
+_WIDTHS = (2, 3, 4, 5, 6, 8)
+
+
+class QuantizedKVLayer(CacheLayerMixin):  # type: ignore[misc]
+    """One layer's K and V codes, ``[B, capacity, Hkv]`` each; ``length``
+    rows are in use (counting those the next attention call appends)."""
+
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, k_bits: int, v_bits: int, k_seed: int, v_seed: int, chunk: int,
+                 registry: RegistryLike = None) -> None:
+        super().__init__()
+        self.registry = registry
+        self.k_bits, self.v_bits, self.k_seed, self.v_seed, self.chunk = k_bits, v_bits, k_seed, v_seed, chunk
+        self.k_codes: QuantizedKV | None = None
+        self.v_codes: QuantizedKV | None = None
+        self.length = 0
+        self.start = 0  # where the pending k/v go: the rows before them
+        self.pad: np.ndarray | None = None  # each sequence's left padding (rows not stored), int32 [B]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, hkv, _, dim = key_states.shape
+        self.device = key_states.device
+        if self.device.type != "cpu":
+            raise InvalidValueError(_CACHE, f"key states on {self.device} (the codes live in host memory: cpu "
+                                    "tensors only)")
+        if value_states.shape[-1] != dim:
+            raise InvalidValueError(_CACHE, f"value head dim {value_states.shape[-1]} differs from the key head "
+                                    f"dim {dim}")
+        self.k_codes = KVCodec(dim, self.k_bits, seed=self.k_seed).empty((batch, self.chunk, hkv))
+        self.v_codes = KVCodec(dim, self.v_bits, seed=self.v_seed).empty((batch, self.chunk, hkv))
+        self.is_initialized = True
+
+    def _reserve(self, rows: int) -> None:
+        assert self.k_codes is not None and self.v_codes is not None
+        cap = self.k_codes.shape[1]
+        if rows <= cap:
+            return
+        grown = -(-rows // self.chunk) * self.chunk
+        self.k_codes, self.v_codes = (_grow(c, grown, self.length) for c in (self.k_codes, self.v_codes))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserves rows for the new tokens; returns them tagged with this
+        layer for the attention backend, which appends and attends."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.k_codes is not None
+        if key_states.shape[0] != self.k_codes.shape[0] or key_states.shape[1] != self.k_codes.shape[2]:
+            raise InvalidValueError(_CACHE, f"key states {tuple(key_states.shape)} do not match the cache's batch "
+                                    f"and kv heads {self.k_codes.shape[0], self.k_codes.shape[2]}")
+        self.start = self.length
+        self._reserve(self.length + key_states.shape[2])
+        self.length += key_states.shape[2]
+        setattr(key_states, _TAG, self)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.k_codes = self.v_codes = None
+        self.pad = None
+        self.length = self.start = 0
+        self.is_initialized = False
+
+    def crop(self, tokens: int) -> None:
+        """Removes ``-tokens`` tokens when negative; keeps the first
+        ``tokens`` when positive (transformers' older meaning); 0: nothing."""
+        if tokens == 0:
+            return
+        keep = max(0, min(self.length, self.length + tokens if tokens < 0 else tokens))
+        if self.pad is not None and keep < int(self.pad.max(initial=0)):
+            raise UnsupportedFeatureError(_CACHE, f"crop to {keep} tokens would cut into a sequence's left padding "
+                                          f"({self.pad.tolist()})", argument="tokens")
+        self.length = self.start = keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.k_codes is None or self.v_codes is None:
+            return
+        idx = np.asarray(indices.cpu().numpy(), dtype=np.int64)
+        if self.pad is not None:
+            self.pad = self.pad[idx]
+        self.k_codes, self.v_codes = (QuantizedKV(c.codec, np.ascontiguousarray(c.codes[idx]),
+                                                  np.ascontiguousarray(c.norms[idx]))
+                                      for c in (self.k_codes, self.v_codes))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self.k_codes.shape[0] if self.k_codes else 0)
+                                  .repeat_interleave(repeats))
+
+
+def _grow(c: QuantizedKV, capacity: int, used: int) -> QuantizedKV:
+    """The same codes in storage of ``capacity`` rows (the first ``used`` copied)."""
+    b, _, hkv = c.shape
+    bigger = c.codec.empty((b, capacity, hkv))
+    bigger.codes[:, :used] = c.codes[:, :used]
+    bigger.norms[:, :used] = c.norms[:, :used]
+    return bigger
+
+
+class QuantizedKVCache(Cache):  # type: ignore[misc]
+    """A ``transformers`` cache whose layers keep K at ``k_bits`` and V at
+    ``v_bits`` (2, 3, 4, 5, 6 or 8) flashmetal codes, read directly by the
+    flashmetal attention backend (``flashmetal.integrations.hf``). ``config``:
+    the model's config; its ``_attn_implementation`` must be the backend's
+    registered name. ``seed``: K's rotation signs (V's use ``seed + 1``).
+    ``chunk``: code rows added per layer whenever the cache grows.
+    ``registry``: where the attention runs (a Registry or backend name;
+    None: the default)."""
+
+    def __init__(self, config: Any, k_bits: int = 8, v_bits: int = 4, *, seed: int = 0, chunk: int = 256,
+                 registry: RegistryLike = None) -> None:
+        impl = getattr(config, "_attn_implementation", None)
+        if impl not in hf.registered_names():
+            raise InvalidValueError(_CACHE, f"the model's attention implementation is {impl!r}; the codes are read "
+                                    "only by flashmetal's backend (register it with flashmetal.integrations.hf."
+                                    f"register() and load the model with attn_implementation={hf.NAME!r})",
+                                    argument="config")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise InvalidValueError(_CACHE, f"chunk must be a positive int, got {chunk!r}", argument="chunk")
+        for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
+            if isinstance(bits, bool) or bits not in _WIDTHS:
+                raise InvalidValueError(_CACHE, f"{name} must be one of {_WIDTHS}, got {bits!r}", argument=name)
+        self.k_bits, self.v_bits, self.seed = k_bits, v_bits, seed
+        layers = [QuantizedKVLayer(k_bits, v_bits, seed, seed + 1, chunk, registry)
+                  for _ in range(config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V codes and norms held by every layer."""
+        return sum(c.nbytes for layer in self.layers for c in (layer.k_codes, layer.v_codes) if c is not None)
+
+
+def codes_layer(key: torch.Tensor) -> QuantizedKVLayer | None:
+    """The QuantizedKVLayer whose update() returned ``key``, or None."""
+    return getattr(key, _TAG, None)
+
+
+def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None, softcap: float,
+                 sinks: torch.Tensor | None, op: str) -> torch.Tensor:
+    """Appends the new ``key``/``value`` ``[B, Hkv, T, D]`` to the layer's
+    codes and attends ``query`` ``[B, H, T, D]`` over them; returns
+    ``[B, T, H, D]`` in the query's dtype. A left-padded sequence keeps only
+    its real tokens: its rows start at cache row 0, and its padding query
+    rows (which see no key) read zeros."""
+    t = query.shape[2]
+    if key.shape[2] != t:
+        raise InvalidValueError(op, f"{key.shape[2]} new keys for {t} query rows (the codes cache appends one key "
+                                "per query row)")
+    try:
+        first = _first_keys(attention_mask, query.shape[0], layer.start, t, op)
+        if layer.pad is None:
+            layer.pad = first
+        elif not np.array_equal(first, layer.pad):
+            raise UnsupportedFeatureError(op, f"the attention mask's first kept keys {first.tolist()} moved from "
+                                          f"{layer.pad.tolist()} (only left padding fixed at the prompt is "
+                                          "supported by QuantizedKVCache)", argument="attention_mask")
+    except UnsupportedFeatureError:
+        layer.length = layer.start  # the rows update() reserved stay free
+        raise
+    assert layer.k_codes is not None and layer.v_codes is not None
+    q = query.transpose(1, 2).to(torch.float32).contiguous().numpy()
+    k = key.transpose(1, 2).to(torch.float32).contiguous().numpy()
+    v = value.transpose(1, 2).to(torch.float32).contiguous().numpy()
+    sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
+    kw: dict[str, Any] = dict(softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk, registry=layer.registry)
+    kc: Any = layer.k_codes  # the signature's ArrayLike does not name QuantizedKV
+    vc: Any = layer.v_codes
+    skip = np.maximum(layer.pad - layer.start, 0)  # new rows that are padding, per sequence
+    if not skip.any():
+        lens = (layer.start - layer.pad).astype(np.int32)
+        out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, **kw)
+        return torch.from_numpy(out).to(query.dtype)
+    # Sequences append different counts of real rows: one call each.
+    out = np.zeros(q.shape, np.float32)
+    for b in range(q.shape[0]):
+        r = int(skip[b])
+        if r == t:
+            continue
+        rows = slice(b, b + 1)
+        kb: Any = QuantizedKV(kc.codec, kc.codes[rows], kc.norms[rows])
+        vb: Any = QuantizedKV(vc.codec, vc.codes[rows], vc.norms[rows])
+        lens = np.array([layer.start + r - int(layer.pad[b])], np.int32)
+        out[b, r:] = flash_attn_with_kvcache(q[rows, r:], kb, vb, k=np.ascontiguousarray(k[rows, r:]),
+                                             v=np.ascontiguousarray(v[rows, r:]), cache_seqlens=lens, **kw)[0]
+    return torch.from_numpy(out).to(query.dtype)
+
+
+def _first_keys(mask: torch.Tensor | None, batch: int, past: int, rows: int, op: str) -> np.ndarray:
+    """Each sequence's first kept key, int32 ``[B]``, when the mask keeps,
+    for every query row at position ``past + i``, exactly the keys ``first
+    ... past + i`` (causal over a left-padded sequence); other masks are
+    refused."""
+    if mask is None:
+        return np.zeros(batch, np.int32)
+    keep = mask if mask.dtype == torch.bool else mask == 0
+    keep = keep[..., : past + rows]
+    if keep.shape[-1] != past + rows or keep.shape[1] != 1:
+        raise UnsupportedFeatureError(op, f"an attention mask of shape {tuple(mask.shape)} (one head-independent "
+                                      f"mask over {past + rows} keys expected)", argument="attention_mask")
+    keep = keep[:, 0].expand(batch, rows, past + rows)
+    last = keep[:, -1]
+    first = torch.where(last.any(-1), last.int().argmax(-1), past + rows)
+    pos = torch.arange(past + rows)
+    want = (pos[None, None, :] >= first[:, None, None]) & (pos[None, None, :] <= (past + torch.arange(rows))[None, :, None])
+    if not bool((keep == want).all()):
+        raise UnsupportedFeatureError(op, "the attention mask keeps keys other than a causal block after left "
+                                      "padding (a sliding window, or holes), which QuantizedKVCache does not "
+                                      "support: use a dense cache", argument="attention_mask")
+    return np.asarray(first.numpy(), np.int32)

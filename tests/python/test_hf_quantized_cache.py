@@ -1,0 +1,180 @@
+"""QuantizedKVCache: generate() of a tiny random-weight Llama keeps K and V
+as flashmetal codes and the attention reads them. Every step's logits equal
+(float32 tolerance) a float64 reference model whose attention runs over the
+reference codec's K̂, V̂ of the same rows; the greedy tokens' agreement with
+the dense cache is reported (and bounded below for K8/V8)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import flashmetal as fm  # noqa: E402
+from flashmetal import quant_reference as qref  # noqa: E402
+from flashmetal import reference  # noqa: E402
+from flashmetal.integrations import hf  # noqa: E402
+from flashmetal.integrations.hf_codes import QuantizedKVCache  # noqa: E402
+from test_integrations import build, tiny_llama  # noqa: E402
+
+REF = "fm_codec_reference"
+PROMPT, NEW = 12, 16
+
+
+def _codec_reference(bits: tuple[int, int], seed: int):
+    """transformers attention over K̂, V̂ of the reference codec, float64."""
+    def forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        kb, vb = bits
+        kd = qref.decode(*qref.encode(key.numpy(), kb, seed)[:2], kb, seed)
+        vd = qref.decode(*qref.encode(value.numpy(), vb, seed + 1)[:2], vb, seed + 1)
+        ql, kl = query.shape[2], key.shape[2]
+        mask = None if attention_mask is None else attention_mask[..., :kl].numpy()
+        o = reference.attention(query.numpy(), kd, vd, scale=scaling, causal=True, q_offset=kl - ql, mask=mask)
+        return torch.from_numpy(o.astype(np.float32)).transpose(1, 2).contiguous(), None
+    return forward
+
+
+def _register_reference(bits, seed=0):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REF, _codec_reference(bits, seed))
+    AttentionMaskInterface.register(REF, sdpa_mask)
+
+
+def _prompt(batch=2):
+    return torch.randint(1, 96, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
+
+
+def _steps(model, ids, **kw):
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=kw.pop("attention_mask", torch.ones_like(ids)), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[:, PROMPT:], torch.stack(out.logits, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [(8, 8), (8, 4)])
+def test_generate_over_codes(bits, monkeypatch):
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    ids = _prompt()
+    dense_tokens, _ = _steps(model, ids)
+
+    def no_dense_copy(self, *a, **k):
+        raise AssertionError("a cache row was dequantized")
+
+    monkeypatch.setattr(fm.QuantizedKV, "dequantize", no_dense_copy)
+    cache = QuantizedKVCache(model.config, *bits, chunk=16)
+    tokens, logits = _steps(model, ids, cache=cache)
+    monkeypatch.undo()
+
+    # The cache holds codes only: uint8 rows and float32 norms, as many as the tokens seen.
+    assert cache.get_seq_length() == PROMPT + NEW - 1
+    for layer in cache.layers:
+        assert layer.keys is None and layer.values is None
+        for c, b in ((layer.k_codes, bits[0]), (layer.v_codes, bits[1])):
+            assert isinstance(c, fm.QuantizedKV) and c.codec.bits == b
+            assert c.codes.dtype == np.uint8 and c.shape == (2, 32, 2)  # 16 rows, grown once by 16
+        dense = [v for v in vars(layer).values()
+                 if isinstance(v, torch.Tensor) or isinstance(v, np.ndarray) and v.dtype.kind == "f"]
+        assert not dense, dense
+
+    # Each step's logits: float64 attention over the reference codec's K̂, V̂.
+    _register_reference(bits)
+    ref = build(tiny_llama, REF, torch.float32)
+    ref_tokens, ref_logits = _steps(ref, ids)
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
+
+    agree = (tokens == dense_tokens).float().mean().item()
+    print(f"K{bits[0]}/V{bits[1]}: {agree:.1%} of {tokens.numel()} greedy tokens equal the dense cache's")
+    if bits == (8, 8):
+        assert agree >= 0.9
+
+
+def test_prefill_logits_over_codes(registry):
+    """One forward of the prompt through the cache (prefill over codes) and
+    one decode step after it, on every backend."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    _register_reference((8, 4))
+    ref = build(tiny_llama, REF, torch.float32)
+    ids = _prompt()
+    cache = QuantizedKVCache(model.config, 8, 4, registry=registry)
+    nxt = torch.tensor([[5], [7]])
+    with torch.no_grad():
+        got = [model(input_ids=ids, cache=cache).logits, model(input_ids=nxt, cache=cache).logits]
+        want = ref(input_ids=torch.cat([ids, nxt], 1)).logits
+    assert cache.get_seq_length() == PROMPT + 1
+    np.testing.assert_allclose(torch.cat(got, 1).numpy(), want.numpy(), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_left_padded_generate_over_codes():
+    """Each sequence stores only its real tokens; tokens and logits equal
+    the reference model's with the same mask."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    _register_reference((8, 4))
+    ref = build(tiny_llama, REF, torch.float32)
+    ids = _prompt(3)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    cache = QuantizedKVCache(model.config, 8, 4, chunk=8)
+    tokens, logits = _steps(model, ids, attention_mask=mask, cache=cache)
+    ref_tokens, ref_logits = _steps(ref, ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
+    assert cache.layers[0].pad.tolist() == [0, 3, 7]
+
+
+def test_crop_drops_the_newest_rows():
+    """After crop(-n), the next forward sees the first tokens only: its
+    logits equal a fresh cache's over the same tokens."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    ids = _prompt()
+    cache, fresh = QuantizedKVCache(model.config, 8, 4), QuantizedKVCache(model.config, 8, 4)
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache)
+        cache.crop(-4)
+        cache.crop(0)
+        assert cache.get_seq_length() == PROMPT - 4
+        got = model(input_ids=ids[:, -4:], cache=cache).logits
+        want = model(input_ids=ids, cache=fresh).logits[:, -4:]
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_masks_with_holes_refused():
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    ids = _prompt()
+    mask = torch.ones_like(ids)
+    mask[1, 5] = 0  # a hole, not left padding
+    cache = QuantizedKVCache(model.config, 8, 4)
+    with torch.no_grad(), pytest.raises(fm.UnsupportedFeatureError, match="^fm_attention: the attention mask "
+                                        "keeps keys other than a causal block after left padding") as err:
+        model(input_ids=ids, attention_mask=mask, cache=cache)
+    assert err.value.argument == "attention_mask"
+    assert cache.get_seq_length() == 0  # the refused call stored nothing
+
+
+def test_bad_arguments():
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*k_bits.*7"):
+        QuantizedKVCache(model.config, 7, 4)
+    with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*v_bits"):
+        QuantizedKVCache(model.config, 8, True)
+    with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*chunk"):
+        QuantizedKVCache(model.config, 8, 4, chunk=0)
+    sdpa = build(tiny_llama, "sdpa", torch.float32)
+    with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*'sdpa'"):
+        QuantizedKVCache(sdpa.config, 8, 4)
