@@ -214,11 +214,11 @@ static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t DP, float
 /* The column blocks of P.V: NC vectors while they fit, then the tail of a
  * head dim that is not a multiple of NC vectors (80, 96 on AVX-512) with
  * fewer. `cols(dc, nv)` must inline with nv constant. */
-#define FM_PF_FOR_COLUMN_BLOCKS(DP, cols)                                   \
+#define FM_PF_FOR_COLUMN_BLOCKS(D, cols)                                   \
     do {                                                                   \
         int32_t dc_ = 0;                                                   \
-        for (; dc_ + NC * FM_VL <= (DP); dc_ += NC * FM_VL) cols(dc_, NC);  \
-        const int rem_ = ((DP) - dc_) / FM_VL;                              \
+        for (; dc_ + NC * FM_VL <= (D); dc_ += NC * FM_VL) cols(dc_, NC);  \
+        const int rem_ = ((D) - dc_) / FM_VL;                              \
         if (NC > 1 && rem_ == 1) cols(dc_, 1);                             \
         if (NC > 2 && rem_ == 2) cols(dc_, 2);                             \
         if (NC > 3 && rem_ == 3) cols(dc_, 3);                             \
