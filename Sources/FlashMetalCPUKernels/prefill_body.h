@@ -10,11 +10,16 @@
  * a long cache packs the window, not the cache), each cut into the register
  * block's column blocks so that a micro-kernel reads one contiguous run
  * (CW = NC * FM_VL keys of K; a column block of w <= CW dims of V):
- *   f32 panels (any io dtype): K as [KB/CW][D][CW] f32, V as column blocks
+ *   f32 panels (any io dtype): K as [KB/CW][DP][CW] f32, V as column blocks
  *     [KB][w] f32;
- *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [KB/CW][D/2][CW] bf16
+ *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [KB/CW][DP/2][CW] bf16
  *     pairs, V as column blocks [KB/2][w] bf16 pairs; P is rounded to bf16
  *     (RNE) and the row sum uses the rounded values.
+ * DP is the head dim D rounded up to a multiple of 16 (fm_pf_dp): panels,
+ * the item's q rows and its O accumulators hold zeros in dims [D, DP), read
+ * from nothing past a row's D elements, so the micro-kernels always see whole
+ * vectors; the zeros add exactly +0 to every score, and the output stores
+ * stop at D.
  * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head of one
  * sequence. Where a sequence's rows and keys are and the key range [lo, hi]
  * each row sees (length, causal, window) come from prefill_seq.h; blocks
@@ -60,19 +65,27 @@ static int FM_SFX(pf_bf16_panels)(const FMPrefillArgs *a) {
 
 static size_t FM_SFX(pf_esz)(const FMPrefillArgs *a) { return a->io_dtype == FM_DTYPE_F32 ? 4 : 2; }
 
-static void FM_SFX(pf_cvt_row)(float *dst, const void *src, int32_t n, int32_t dtype) {
-    for (int32_t i = 0; i < n; i += FM_VL) fm_v_store(dst + i, fm_v_load_any(src, i, dtype));
+/* n elements of src as floats at dst, then zeros up to dp (a multiple of
+ * FM_VL); nothing past src's element n - 1 is read. */
+static void FM_SFX(pf_cvt_row)(float *dst, const void *src, int32_t n, int32_t dp, int32_t dtype) {
+    int32_t i = 0;
+    for (; i + FM_VL <= n; i += FM_VL) fm_v_store(dst + i, fm_v_load_any(src, i, dtype));
+    if (i < n) {
+        fm_v_store(dst + i, fm_v_load_any_n(src, i, n - i, dtype));
+        i += FM_VL;
+    }
+    for (; i < dp; i += FM_VL) fm_v_store(dst + i, fm_v_splat(0.0f));
 }
 
 int32_t FM_SFX(fm_pf_item_rows)(void) { return QI; }
 
 size_t FM_SFX(fm_pf_pack_bytes)(const FMPrefillArgs *a) {
-    return 2 * (size_t)a->panel_blocks * KB * a->p.D * (FM_SFX(pf_bf16_panels)(a) ? 2 : 4);
+    return 2 * (size_t)a->panel_blocks * KB * fm_pf_dp(a) * (FM_SFX(pf_bf16_panels)(a) ? 2 : 4);
 }
 
 size_t FM_SFX(fm_pf_scratch_floats)(const FMPrefillArgs *a) {
     /* O, Qf, S, P, then M, L, F, LX */
-    return (size_t)QI * a->p.D * 2 + (size_t)QI * KB * 2 + QI * 4;
+    return (size_t)QI * fm_pf_dp(a) * 2 + (size_t)QI * KB * 2 + QI * 4;
 }
 
 /* Key p of (b, kvh) in K or V (through the block table when paged). */
@@ -106,27 +119,27 @@ static inline void FM_SFX(pf_prefetch_key)(const FMPrefillArgs *a, int64_t b, in
 static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                 int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D;
+    const int32_t D = p->D, DP = fm_pf_dp(a);
     const int64_t c0 = kb * KB;
-    float *Kf = (float *)packed + (size_t)j_panel * D * KB;
-    float *Vf = (float *)packed + (size_t)a->panel_blocks * D * KB + (size_t)j_panel * KB * D;
+    float *Kf = (float *)packed + (size_t)j_panel * DP * KB;
+    float *Vf = (float *)packed + (size_t)a->panel_blocks * DP * KB + (size_t)j_panel * KB * DP;
     float row[FM_PF_DMAX];
     const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
-        float *kj = Kf + (size_t)(j / CW) * CW * D + j % CW; /* key j's column, stride CW */
+        float *kj = Kf + (size_t)(j / CW) * CW * DP + j % CW; /* key j's column, stride CW */
         if (strided && j + FM_PF_PACK_AHEAD < kc) FM_SFX(pf_prefetch_key)(a, b, kvh, c0 + j + FM_PF_PACK_AHEAD);
         if (j < kc) {
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
-                               D, a->io_dtype);
-            for (int32_t d = 0; d < D; d++) kj[(size_t)d * CW] = row[d];
+                               D, DP, a->io_dtype);
+            for (int32_t d = 0; d < DP; d++) kj[(size_t)d * CW] = row[d];
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride),
-                               D, a->io_dtype);
+                               D, DP, a->io_dtype);
         } else {
-            for (int32_t d = 0; d < D; d++) kj[(size_t)d * CW] = 0.0f;
-            memset(row, 0, sizeof(float) * D);
+            for (int32_t d = 0; d < DP; d++) kj[(size_t)d * CW] = 0.0f;
+            memset(row, 0, sizeof(float) * DP);
         }
-        for (int32_t dc = 0; dc < D; dc += CW) {
-            const int32_t w = FM_SFX(pf_cw)(D, dc);
+        for (int32_t dc = 0; dc < DP; dc += CW) {
+            const int32_t w = FM_SFX(pf_cw)(DP, dc);
             memcpy(Vf + (size_t)dc * KB + (size_t)j * w, row + dc, sizeof(float) * w);
         }
     }
@@ -135,18 +148,18 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
 static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                   int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, D2 = D / 2;
+    const int32_t D = p->D, DP = fm_pf_dp(a), D2 = DP / 2;
     const int64_t c0 = kb * KB;
     uint32_t *Kp = (uint32_t *)packed + (size_t)j_panel * D2 * KB;
-    uint32_t *Vp = (uint32_t *)packed + (size_t)a->panel_blocks * D2 * KB + (size_t)j_panel * (KB / 2) * D;
+    uint32_t *Vp = (uint32_t *)packed + (size_t)a->panel_blocks * D2 * KB + (size_t)j_panel * (KB / 2) * DP;
     uint32_t row[FM_PF_DMAX / 2];
     const int strided = FM_SFX(pf_rows_strided)(a);
     for (int64_t j = 0; j < KB; j++) {
         if (strided && j + FM_PF_PACK_AHEAD < kc) FM_SFX(pf_prefetch_key)(a, b, kvh, c0 + j + FM_PF_PACK_AHEAD);
+        memset(row, 0, sizeof(uint16_t) * DP);
         if (j < kc)
             memcpy(row, FM_SFX(pf_key)(a, a->k, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride),
                    sizeof(uint16_t) * D);
-        else memset(row, 0, sizeof(uint16_t) * D);
         for (int32_t q = 0; q < D2; q++) Kp[(size_t)(j / CW) * CW * D2 + (size_t)q * CW + j % CW] = row[q];
     }
     for (int64_t t = 0; t < KB / 2; t++) {
@@ -157,10 +170,10 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
         const uint16_t *v1 = j1 < kc ? (const uint16_t *)FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j1, p->V_strides,
                                                                           a->seq.sp.V_page_stride)
                                      : NULL;
-        for (int32_t d = 0; d < D; d++) {
-            const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(D, dc);
+        for (int32_t d = 0; d < DP; d++) {
+            const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(DP, dc);
             Vp[(size_t)dc * (KB / 2) + (size_t)t * w + d - dc] =
-                (uint32_t)(v0 ? v0[d] : 0) | ((uint32_t)(v1 ? v1[d] : 0) << 16);
+                (uint32_t)(v0 && d < D ? v0[d] : 0) | ((uint32_t)(v1 && d < D ? v1[d] : 0) << 16);
         }
     }
 }
@@ -179,17 +192,17 @@ void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t 
 
 /* ---- micro-kernels: R rows x (NC vectors) ------------------------------ */
 
-/* S[r][0..KB) = Q[r] . K[key] for the R rows of Q (stride D). */
-static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t D, float *S) {
+/* S[r][0..KB) = Q[r] . K[key] for the R rows of Q (stride DP). */
+static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t DP, float *S) {
     for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
         fm_v acc[R][NC];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
-        for (int32_t d = 0; d < D; d++) {
+        for (int32_t d = 0; d < DP; d++) {
             fm_v k[NC];
-            for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)c0 * D + (size_t)d * CW + i * FM_VL);
+            for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)c0 * DP + (size_t)d * CW + i * FM_VL);
             for (int r = 0; r < R; r++) {
-                const fm_v qb = fm_v_splat(Q[(size_t)r * D + d]);
+                const fm_v qb = fm_v_splat(Q[(size_t)r * DP + d]);
                 for (int i = 0; i < NC; i++) acc[r][i] = fm_v_fma(qb, k[i], acc[r][i]);
             }
         }
@@ -213,12 +226,12 @@ static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t D, float 
 
 /* Columns [dc, dc + nv * FM_VL) of O[r] = O[r] * F[r] + sum_j P[r][j] V[j]
  * over the first nk keys. */
-static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const float *P, const float *Vf, int32_t D,
+static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const float *P, const float *Vf, int32_t DP,
                                                                           int nk, const float *F, float *O,
                                                                           int32_t dc, const int nv) {
     fm_v acc[R][NC];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * DP + dc + i * FM_VL) * F[r];
     for (int j = 0; j < nk; j++) {
         fm_v v[NC];
         for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vf + (size_t)dc * KB + (size_t)j * nv * FM_VL + i * FM_VL);
@@ -228,13 +241,13 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const f
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * DP + dc + i * FM_VL, acc[r][i]);
 }
 
-static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t D, int nk, const float *F,
+static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t DP, int nk, const float *F,
                               float *O) {
-#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_f32)(P, Vf, D, nk, F, O, dc, nv)
-    FM_PF_FOR_COLUMN_BLOCKS(D, FM_PF_COLS);
+#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_f32)(P, Vf, DP, nk, F, O, dc, nv)
+    FM_PF_FOR_COLUMN_BLOCKS(DP, FM_PF_COLS);
 #undef FM_PF_COLS
 }
 
@@ -245,15 +258,15 @@ static inline fm_vi FM_SFX(pf_pair)(const uint16_t *p) {
     return (fm_vi)(int32_t)w;
 }
 
-static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, int32_t D, float *S) {
+static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, int32_t DP, float *S) {
     for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
         fm_v acc[R][NC];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
-        for (int32_t pi = 0; pi < D / 2; pi++) {
+        for (int32_t pi = 0; pi < DP / 2; pi++) {
             fm_vi k[NC];
             for (int i = 0; i < NC; i++)
-                memcpy(&k[i], Kp + (size_t)c0 * (D / 2) + (size_t)pi * CW + i * FM_VL, sizeof k[i]);
+                memcpy(&k[i], Kp + (size_t)c0 * (DP / 2) + (size_t)pi * CW + i * FM_VL, sizeof k[i]);
             for (int r = 0; r < R; r++) {
                 const fm_vi qb = FM_SFX(pf_pair)(q[r] + 2 * pi);
                 for (int i = 0; i < NC; i++) acc[r][i] = fm_dpbf16(acc[r][i], qb, k[i]);
@@ -266,11 +279,11 @@ static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, 
 
 /* P: per row KB bf16 values at P + r * 2 * KB (uint16 units). */
 static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_pairs)(const uint16_t *P, const uint32_t *Vp,
-                                                                            int32_t D, int npairs, const float *F,
+                                                                            int32_t DP, int npairs, const float *F,
                                                                             float *O, int32_t dc, const int nv) {
     fm_v acc[R][NC];
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * D + dc + i * FM_VL) * F[r];
+        for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * DP + dc + i * FM_VL) * F[r];
     for (int t = 0; t < npairs; t++) {
         fm_vi v[NC];
         for (int i = 0; i < nv; i++)
@@ -281,13 +294,13 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_pairs)(const
         }
     }
     for (int r = 0; r < R; r++)
-        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * D + dc + i * FM_VL, acc[r][i]);
+        for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * DP + dc + i * FM_VL, acc[r][i]);
 }
 
-static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t D, int npairs,
+static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t DP, int npairs,
                                 const float *F, float *O) {
-#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_pairs)(P, Vp, D, npairs, F, O, dc, nv)
-    FM_PF_FOR_COLUMN_BLOCKS(D, FM_PF_COLS);
+#define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_pairs)(P, Vp, DP, npairs, F, O, dc, nv)
+    FM_PF_FOR_COLUMN_BLOCKS(DP, FM_PF_COLS);
 #undef FM_PF_COLS
 }
 #endif
@@ -460,7 +473,7 @@ static int FM_SFX(pf_group_softmax)(const FMPrefillArgs *a, float *S, int64_t c0
 void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi, const void *packed,
                         float *scratch) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D;
+    const int32_t D = p->D, DP = fm_pf_dp(a);
     const int bfp = FM_SFX(pf_bf16_panels)(a);
     const size_t esz = FM_SFX(pf_esz)(a);
     const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
@@ -472,8 +485,8 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
     fm_pf_seq_blocks(a, &sd, &kb0, &kb1);
 
     float *O = scratch;
-    float *Qf = O + (size_t)QI * D;
-    float *S = Qf + (size_t)QI * D;
+    float *Qf = O + (size_t)QI * DP; /* q rows as f32, or (bf16 pair panels) as bf16 */
+    float *S = Qf + (size_t)QI * DP;
     float *P = S + (size_t)QI * KB;
     float *M = P + (size_t)QI * KB;
     float *L = M + QI;
@@ -493,16 +506,25 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
         const int64_t rr = r < nrows ? r : nrows - 1; /* padding rows repeat the last */
         rowid[r] = r0 + rr;
         fm_pf_row_keys(a, sd.t0 + r0 + rr, &sd, &lo[r], &hi[r]);
-        qrow[r] = (const uint16_t *)((const char *)a->q + esz * fm_pf_row_offset(&sd, b, h, r0 + rr, p->Q_strides));
+        const void *qsrc = (const char *)a->q + esz * fm_pf_row_offset(&sd, b, h, r0 + rr, p->Q_strides);
         mrow[r] = mbase ? mbase + msz * (r0 + rr) * a->mp.M_strides[2] : NULL;
-        if (!bfp) FM_SFX(pf_cvt_row)(Qf + (size_t)r * D, qrow[r], D, a->io_dtype);
-        memset(O + (size_t)r * D, 0, sizeof(float) * D);
+        if (bfp) {
+            /* the row's D bf16 values, then zeros up to DP */
+            uint16_t *qb = (uint16_t *)(Qf + (size_t)r * DP);
+            memcpy(qb, qsrc, sizeof(uint16_t) * D);
+            memset(qb + D, 0, sizeof(uint16_t) * (DP - D));
+            qrow[r] = qb;
+        } else {
+            FM_SFX(pf_cvt_row)(Qf + (size_t)r * DP, qsrc, D, DP, a->io_dtype);
+            qrow[r] = NULL;
+        }
+        memset(O + (size_t)r * DP, 0, sizeof(float) * DP);
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
         LX[r] = 0.0f;
     }
 
-    const size_t panel = (size_t)KB * D * (bfp ? 2 : 4);
+    const size_t panel = (size_t)KB * DP * (bfp ? 2 : 4);
     const char *Kpan = (const char *)packed;
     const char *Vpan = Kpan + (size_t)a->panel_blocks * panel;
     /* Ranges grow with the row: the item's keys are [lo[0], hi[last]], a
@@ -523,10 +545,10 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
             if (a->blk && fm_pf_blk_all_skip(a, rowid[ga], glast, c0, kc)) continue;
             float *Sg = S + (size_t)ga * KB;
 #if FM_PF_BF16DP
-            if (bfp) FM_SFX(pf_qk_pairs)(qrow + ga, (const uint32_t *)Kb, D, Sg);
+            if (bfp) FM_SFX(pf_qk_pairs)(qrow + ga, (const uint32_t *)Kb, DP, Sg);
             else
 #endif
-                FM_SFX(pf_qk_f32)(Qf + (size_t)ga * D, (const float *)Kb, D, Sg);
+                FM_SFX(pf_qk_f32)(Qf + (size_t)ga * DP, (const float *)Kb, DP, Sg);
             /* bf16 pair panels: p goes to P as bf16, row r at P + (ga + r) * KB floats. */
             uint16_t *Pg = bfp ? (uint16_t *)(P + (size_t)ga * KB) : NULL;
             if (!FM_SFX(pf_group_softmax)(a, Sg, c0, kc, lo + ga, hi + ga, M + ga, L + ga,
@@ -536,11 +558,11 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
                                            mrow[ga + r], slope, sd.t0 + rowid[ga + r], &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL,
                                            &F[ga + r], Pg ? Pg + (size_t)r * 2 * KB : NULL);
 #if FM_PF_BF16DP
-            if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, D,
-                                         (int)((kc + 1) / 2), F + ga, O + (size_t)ga * D);
+            if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, DP,
+                                         (int)((kc + 1) / 2), F + ga, O + (size_t)ga * DP);
             else
 #endif
-                FM_SFX(pf_pv_f32)(Sg, (const float *)Vb, D, (int)kc, F + ga, O + (size_t)ga * D);
+                FM_SFX(pf_pv_f32)(Sg, (const float *)Vb, DP, (int)kc, F + ga, O + (size_t)ga * DP);
         }
     }
 
@@ -549,7 +571,7 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
         const float inv = fm_pf_finish_row(a, h, M[r], L[r], exact_lse ? LX[r] : L[r], &lse);
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
         char *dst = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
-        const float *o = O + (size_t)r * D;
+        const float *o = O + (size_t)r * DP; /* its first D dims */
         if (a->io_dtype == FM_DTYPE_F32) {
             for (int32_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
         } else if (a->io_dtype == FM_DTYPE_BF16) {

@@ -42,13 +42,12 @@ static fm_pf_rows_fn fm_pf_rows_for(int isa) { FM_PF_ROUTE(isa, item_rows, NULL)
 static fm_pf_pack_fn fm_pf_pack_for(int isa) { FM_PF_ROUTE(isa, pack, NULL) }
 static fm_pf_item_fn fm_pf_item_for(int isa) { FM_PF_ROUTE(isa, item, NULL) }
 
-/* The shapes the instances cover: D a multiple of the widest vector (16
- * floats; a register block's tail takes fewer vectors) up to FM_PF_DMAX,
- * bf16 pairs needing even D (implied). */
+/* The shapes the instances cover: any D up to FM_PF_DMAX (the panels pad it
+ * to fm_pf_dp, a multiple of the widest vector). */
 static int fm_pf_covers(const FMPrefillArgs *a) {
     const int32_t D = a->p.D;
     const int io = a->io_dtype;
-    return D > 0 && D <= FM_PF_DMAX && D % 16 == 0 &&
+    return D > 0 && D <= FM_PF_DMAX &&
            (io == FM_DTYPE_F32 || io == FM_DTYPE_F16 || io == FM_DTYPE_BF16);
 }
 

@@ -10,6 +10,11 @@
 /* Largest head dim of the fast path (row buffers on the stack are this big). */
 #define FM_PF_DMAX 512
 
+/* The head dim of the packed panels, q rows and O accumulators: D rounded up
+ * to a multiple of 16 (the widest vector), zeros past D, so any D runs on
+ * whole vectors. */
+static inline int32_t fm_pf_dp(const FMPrefillArgs *a) { return (a->p.D + 15) & ~15; }
+
 /* Key blocks [*kb0, *kb1) some row of sequence `sd` sees: a row's range
  * grows with its position, so the union runs from row 0's lo to the last
  * row's hi (empty: kb0 == kb1). */

@@ -105,7 +105,7 @@ def test_all_neg_inf_mask_gives_exact_zeros(registry, rng):
     assert np.all(bool_out.astype(np.float32) == 0)
 
 
-@pytest.mark.parametrize("d", [128, 256, 512])
+@pytest.mark.parametrize("d", [59, 128, 256, 512])
 def test_resume_matches_one_shot_bitwise(registry, rng, d):
     """A chunk at q_offset over a slot with spare capacity equals those rows of the one-shot run."""
     total, cap, split = 70, 96, 37
@@ -119,7 +119,7 @@ def test_resume_matches_one_shot_bitwise(registry, rng, d):
     assert_bits_equal(first, full[:, :, :split], f"first chunk d={d}")
 
 
-@pytest.mark.parametrize("d", [64, 128, 512])
+@pytest.mark.parametrize("d", [59, 64, 128, 512])
 def test_seq_major_equals_head_major(registry, rng, d):
     q, k, v = qkv(rng, F16, b=2, h=4, hkv=2, ql=24, kl=40, d=d)
     bh = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=16, registry=registry)
@@ -135,6 +135,23 @@ def test_seq_major_with_capacity(registry, rng):
                                 registry=registry)
     exp = reference.attention(q, k[:, :, :20], v[:, :, :20], causal=True, q_offset=12)
     assert_close(t(out), exp, BF16, "seq-major capacity")
+
+
+@pytest.mark.parametrize("d,dtype,mask", [(40, BF16, "additive4"), (59, BF16, "bool"), (59, F16, "additive2"),
+                                          (111, BF16, "none"), (111, np.dtype(np.float32), "none")])
+def test_head_dim_off_the_vector(registry, rng, d, dtype, mask):
+    """Head dims that are not a multiple of 16 over several key blocks (the last partial), query rows
+    spanning several work items, GQA 2:1, causal with an offset; inputs untouched, two runs bit-equal."""
+    q, k, v = qkv(rng, dtype, b=1, h=4, hkv=2, ql=70, kl=150, d=d)
+    copies = [x.copy() for x in (q, k, v)]
+    m = make_mask(rng, mask, 1, 4, 70, 150, dtype)
+    out = fm.flash_attn_prefill(q, k, v, mask=m, causal=True, q_offset=80, registry=registry)
+    exp = reference.attention(q, k, v, causal=True, q_offset=80, mask=m)
+    assert_close(out, exp, dtype, f"{registry.backend} d={d} {dtype} mask={mask}")
+    again = fm.flash_attn_prefill(q, k, v, mask=m, causal=True, q_offset=80, registry=registry)
+    assert_bits_equal(again, out, f"two runs d={d}")
+    for a, c in zip((q, k, v), copies):
+        assert_bits_equal(a, c, "input modified")
 
 
 def test_deterministic(registry, rng):
