@@ -59,9 +59,9 @@ test-plan: $$(TEST_STAGES)
 test:
 	@mkdir -p .build; rm -f $(TEST_SUMMARY); status=0; \
 	for t in $(TEST_STAGES); do \
-		echo "== make $$t"; \
+		echo "== make $$t"; start=$$(date +%s); \
 		$(MAKE) --no-print-directory $$t 2>&1 | tee .build/stage-$$t.log; rc=$${PIPESTATUS[0]}; \
-		$(PYTHON) mk/stage_counts.py $$t $$rc .build/stage-$$t.log >> $(TEST_SUMMARY) || rc=1; \
+		$(PYTHON) mk/stage_counts.py $$t $$rc .build/stage-$$t.log $$(( $$(date +%s) - start )) >> $(TEST_SUMMARY) || rc=1; \
 		if [ $$rc -ne 0 ]; then status=1; [ $$t = all ] && break; fi; \
 	done; \
 	[ $$status -ne 0 ] || $(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $(TEST_STAGES) || status=1; \

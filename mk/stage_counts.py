@@ -1,8 +1,10 @@
 """The counts of one `make test` stage, and the total of them all.
 
-    stage_counts.py STAGE STATUS LOG   prints "STAGE PASSED FAILED SKIPPED"
-    stage_counts.py --total SUMMARY    prints each stage, then the one line
-                                       "N passed, N failed, N skipped"; exit 1
+    stage_counts.py STAGE STATUS LOG SECONDS
+                                       prints "STAGE PASSED FAILED SKIPPED SECONDS"
+    stage_counts.py --total SUMMARY    prints each stage with its wall time and
+                                       the total time, then the one line "N
+                                       passed, N failed, N skipped"; exit 1
                                        when anything failed
 
 A stage's counts are its pytest summaries ("3 passed, 1 skipped in 2.0s")
@@ -48,12 +50,13 @@ def counts(status: int, log: str) -> tuple[int, int, int]:
 
 
 def total(summary: str) -> int:
-    p = f = s = 0
+    p = f = s = t = 0
     with open(summary, encoding="utf-8") as fh:
         for line in fh:
-            name, a, b, c = line.split()
-            print(f"  {name}: {a} passed, {b} failed, {c} skipped")
-            p, f, s = p + int(a), f + int(b), s + int(c)
+            name, a, b, c, secs = line.split()
+            print(f"  {name}: {a} passed, {b} failed, {c} skipped ({secs} s)")
+            p, f, s, t = p + int(a), f + int(b), s + int(c), t + int(secs)
+    print(f"  wall time: {t / 60:.1f} min")
     print(f"{p} passed, {f} failed, {s} skipped")
     return 1 if f else 0
 
@@ -61,10 +64,10 @@ def total(summary: str) -> int:
 def main(argv: list[str]) -> int:
     if argv[1] == "--total":
         return total(argv[2])
-    stage, status, path = argv[1], int(argv[2]), argv[3]
+    stage, status, path, secs = argv[1], int(argv[2]), argv[3], int(argv[4])
     with open(path, encoding="utf-8", errors="replace") as fh:
         p, f, s = counts(status, fh.read())
-    print(f"{stage} {p} {f} {s}")
+    print(f"{stage} {p} {f} {s} {secs}")
     return 0
 
 
