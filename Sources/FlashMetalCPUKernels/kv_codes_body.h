@@ -35,16 +35,19 @@ static inline __m256 FM_SFX(kvq_codes8)(uint32_t w, int32_t bits, __m256 lo, __m
     if (bits == 2) return a;
     return _mm256_blendv_ps(a, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
-#endif
 
 /* One row of `bits`-bit codes as centroids: 8 codes per `bits` bytes,
- * little-endian; 4-bit and 2-bit by whole bytes through t (the centroids of
- * every byte value), 8-bit straight from its table. */
+ * little-endian. AVX2: 4- and 2-bit codes through vpermps, every other
+ * width by gathers from its table. */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8_t *row, int32_t d, int32_t bits,
                                                                      const FMKVQTables *t, float *out) {
     if (bits == 8) {
-        for (int32_t i = 0; i < d; i++) out[i] = t->c8[row[i]];
-#if defined(__x86_64__) && FM_VL == 8
+        /* 8 codes widened to 32-bit indices, their centroids gathered from
+         * the 1 KiB table (L1-resident). */
+        for (int32_t i = 0; i < d; i += 8) {
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
+            _mm256_storeu_ps(out + i, _mm256_i32gather_ps(t->c8, idx, 4));
+        }
     } else if (bits == 4 || bits == 2) {
         float tab[16] = {0};
         memcpy(tab, t->c[bits], sizeof(float) << bits);
@@ -62,7 +65,31 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
                 _mm256_storeu_ps(out + i, FM_SFX(kvq_codes8)(w, 2, lo, hi));
             }
         }
+    } else {
+        /* 8 codes in `bits` (3, 5 or 6) bytes: codes 0-3 lie in the low 32
+         * bits of the group, codes 4-7 in the 32 bits from 4 * bits up. */
+        const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits, 3 * bits);
+        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+        for (int32_t g = 0; g < d / 8; g++) {
+            uint64_t w = 0;
+            memcpy(&w, row + g * bits, (size_t)bits);
+            const __m256i words = _mm256_set_m128i(_mm_set1_epi32((int)(uint32_t)(w >> (4 * bits))),
+                                                   _mm_set1_epi32((int)(uint32_t)w));
+            const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask);
+            _mm256_storeu_ps(out + g * 8, _mm256_i32gather_ps(t->c[bits], idx, 4));
+        }
+    }
+}
 #endif
+
+#if !(defined(__x86_64__) && FM_VL == 8)
+/* One row of `bits`-bit codes as centroids: 8 codes per `bits` bytes,
+ * little-endian; 4-bit and 2-bit by whole bytes through t (the centroids of
+ * every byte value), the rest code by code. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8_t *row, int32_t d, int32_t bits,
+                                                                     const FMKVQTables *t, float *out) {
+    if (bits == 8) {
+        for (int32_t i = 0; i < d; i++) out[i] = t->c8[row[i]];
     } else if (bits == 4) {
         for (int32_t i = 0; i < d / 2; i++) memcpy(out + 2 * i, t->by4[row[i]], 2 * sizeof(float));
     } else if (bits == 2) {
@@ -77,6 +104,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
         }
     }
 }
+#endif
 
 /* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL): one vector
  * accumulator, its lanes summed at the end. */
@@ -98,35 +126,6 @@ static inline void FM_SFX(kvq_dot8)(const float *x, const float *y, int32_t stri
     for (int32_t r = 0; r < 8; r++) out[r] = fm_v_sum(s[r]);
 }
 
-/* The storage row of key `key` of the run's kv head. */
-static inline int64_t FM_SFX(kvq_row)(const FMKVQKeys *k, int32_t key) {
-    const KVCodesDecodeParams *p = k->p;
-    int64_t r = k->g * p->kv_strides[1];
-    if (k->a->block_table != NULL) {
-        r += (int64_t)k->a->block_table[k->b * p->max_pages + key / p->page_size] * p->kv_strides[0]
-             + (int64_t)(key % p->page_size) * p->kv_strides[2];
-    } else {
-        r += k->b * p->kv_strides[0] + (int64_t)key * p->kv_strides[2];
-    }
-    return r;
-}
-
-/* Requests the cache lines of row r of one side (codes, else dense). */
-static inline void FM_SFX(kvq_prefetch)(const uint8_t *codes, const void *dense, int32_t dtype, int64_t r,
-                                        int32_t row_bytes, int32_t d) {
-    const char *at;
-    int64_t bytes;
-    if (codes != NULL) {
-        at = (const char *)codes + r * row_bytes;
-        bytes = row_bytes;
-    } else {
-        const int64_t esize = dtype == FM_DTYPE_F32 ? 4 : 2;
-        at = (const char *)dense + r * d * esize;
-        bytes = d * esize;
-    }
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
-}
-
 void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const KVCodesDecodeParams *p = k->p;
     const FMCPUKVCodesAttnArgs *a = k->a;
@@ -143,14 +142,11 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         /* The next tile's rows are requested now: a kv head's rows sit
          * Hkv rows apart, too sparse for the hardware prefetcher. */
         for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
-            const int64_t r = FM_SFX(kvq_row)(k, key);
-            FM_SFX(kvq_prefetch)(a->k_codes, a->k_dense, a->dense_dtype, r, p->k_row_bytes, d);
-            FM_SFX(kvq_prefetch)(a->v_codes, a->v_dense, a->dense_dtype, r, p->v_row_bytes, d);
-            if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb);
-            if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb);
+            const int64_t r = fm_kvq_row(p, a, k->b, k->g, key);
+            fm_kvq_prefetch_row(p, a, r);
         }
         for (int32_t t = 0; t < nt; t++) {
-            const int64_t r = FM_SFX(kvq_row)(k, t0 + t);
+            const int64_t r = fm_kvq_row(p, a, k->b, k->g, t0 + t);
             rows[t] = r;
             if (a->k_dense != NULL) {
                 FM_SFX(kvq_load_dense)(kc[t], a->k_dense, a->dense_dtype, r, d);

@@ -41,6 +41,45 @@ typedef struct FMKVQKeys {
     const int32_t *lo, *hi;
 } FMKVQKeys;
 
+/* The storage row of key `key` of kv head g of sequence b (paged or not). */
+static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
+                                 int32_t key) {
+    int64_t r = g * p->kv_strides[1];
+    if (a->block_table != NULL) {
+        r += (int64_t)a->block_table[b * p->max_pages + key / p->page_size] * p->kv_strides[0]
+             + (int64_t)(key % p->page_size) * p->kv_strides[2];
+    } else {
+        r += b * p->kv_strides[0] + (int64_t)key * p->kv_strides[2];
+    }
+    return r;
+}
+
+/* Requests the cache lines of row r of one side (codes, else dense). */
+static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense, int32_t dtype, int64_t r,
+                                        int32_t row_bytes, int32_t d) {
+    const char *at;
+    int64_t bytes;
+    if (codes != NULL) {
+        at = (const char *)codes + r * row_bytes;
+        bytes = row_bytes;
+    } else {
+        const int64_t esize = dtype == FM_DTYPE_F32 ? 4 : 2;
+        at = (const char *)dense + r * d * esize;
+        bytes = d * esize;
+    }
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
+}
+
+/* Requests every cache line attention reads of storage row r: K and V
+ * (codes or dense) and their norms. */
+static inline void fm_kvq_prefetch_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
+    const int32_t d = p->head_dim, nb = d / p->block;
+    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, p->k_row_bytes, d);
+    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, p->v_row_bytes, d);
+    if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb);
+    if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb);
+}
+
 #define FM_KVQ_DECLARE(sfx) void fm_kvq_keys_##sfx(const FMKVQKeys *k);
 FM_KVQ_DECLARE(portable)
 #if defined(__x86_64__)
