@@ -16,7 +16,8 @@
 // Limits: an access the tracing does not see is not counted: a block copy
 // (memcpy of a struct), or an access of another width (the kernels read no
 // 32-byte vectors). Widths are the host compiler's after scalar
-// optimisation, with vectorisation off: what the source asks for, not what
+// optimisation, with vectorisation off and a source vector load kept one
+// load (not split into its lanes): what the source asks for, not what
 // Apple's compiler may merge or split.
 #pragma once
 #include "include/fmsim.h"
