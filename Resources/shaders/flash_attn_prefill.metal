@@ -35,7 +35,7 @@
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
 // 301 do_causal, 303 has_blk, 312 tile_load_bytes (the tile loaders' device
-// load width; see load_tile_runs).
+// load width; see the comment on runs above read_run).
 //
 // The serving extension (flashmetal_kernels.h, AttnSeqParams; constants 302,
 // 304-310; buffers 8-14): each threadgroup first reads its sequence's
