@@ -84,7 +84,10 @@ let package = Package(
                                             "-Wno-unknown-attributes", "-Werror=double-promotion", "-O2",
                                             "-fvisibility=hidden",
                                             "-fsanitize-coverage=edge,trace-loads,trace-stores",
-                                            "-fno-vectorize", "-fno-slp-vectorize"])]),
+                                            "-fno-vectorize", "-fno-slp-vectorize",
+                                            // A vector load stays one access (the pass would split
+                                            // one whose lanes are only extracted into scalar loads).
+                                            "-mllvm", "-disable-vector-combine"])]),
         // One simulator dispatch from Swift values (the sim backend's and metal-sim's).
         .target(name: "FlashMetalSimDispatch", dependencies: ["FlashMetalSim"],
                 path: "Sources/FlashMetalSimDispatch"),

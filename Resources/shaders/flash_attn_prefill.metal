@@ -34,7 +34,8 @@
 //
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
-// 301 do_causal, 303 has_blk.
+// 301 do_causal, 303 has_blk, 312 tile_load_bytes (the tile loaders' device
+// load width; see the comment on runs above read_run).
 //
 // The serving extension (flashmetal_kernels.h, AttnSeqParams; constants 302,
 // 304-310; buffers 8-14): each threadgroup first reads its sequence's
@@ -56,6 +57,7 @@ FUNCTION_CONSTANT(bool, align_K, 201)
 FUNCTION_CONSTANT(bool, has_mask, 300)
 FUNCTION_CONSTANT(bool, do_causal, 301)
 FUNCTION_CONSTANT(bool, has_blk, 303)
+FUNCTION_CONSTANT(int, tile_load_bytes, 312)
 // The serving extension (flashmetal_kernels.h, AttnSeqParams).
 FUNCTION_CONSTANT(bool, has_sinks, 302)
 FUNCTION_CONSTANT(bool, prefill_seq, 304)
@@ -126,6 +128,20 @@ template <> inline void copy_pair<float>(threadgroup uint *row, int c, const dev
 // How many of columns c, c + 1 lie in a row of D columns: 2, 1 or 0.
 inline int pair_columns(int c, int D) { return D - c >= 2 ? 2 : D - c == 1 ? 1 : 0; }
 
+// One word of each of keys 2kp (a) and 2kp + 1 (b), both holding the same
+// column(s) from d, into a transposed tile (rows ldw words apart). Two-byte
+// elements: a word holds columns d and d + 1 (the lower in its low half);
+// rows d and d + 1 get word kp, the two keys' halves of one column each.
+// Float: a word is column d; row d gets words 2kp and 2kp + 1.
+template <typename T> inline void put_word_t(threadgroup uint *dst, int ldw, int d, int kp, uint a, uint b) {
+    dst[d * ldw + kp] = (a & 0xffffu) | (b << 16);
+    dst[(d + 1) * ldw + kp] = (a >> 16) | (b & 0xffff0000u);
+}
+template <> inline void put_word_t<float>(threadgroup uint *dst, int ldw, int d, int kp, uint a, uint b) {
+    dst[d * ldw + 2 * kp] = a;
+    dst[d * ldw + 2 * kp + 1] = b;
+}
+
 // Columns d, d + 1 of keys 2kp (ka: its column d) and 2kp + 1 (kb) into rows
 // d and d + 1 of a transposed tile (rows ldw words apart), elements 2kp and
 // 2kp + 1; of each key the first na (nb) columns of the two are read (0, 1
@@ -136,16 +152,13 @@ inline void copy_quad_t(threadgroup uint *dst, int ldw, int d, int kp, const dev
                         int nb) {
     const uint a = na >= 2 ? pack2(ka[0], ka[1]) : na == 1 ? pack2(ka[0], T(0.0f)) : 0u;
     const uint b = nb >= 2 ? pack2(kb[0], kb[1]) : nb == 1 ? pack2(kb[0], T(0.0f)) : 0u;
-    dst[d * ldw + kp] = (a & 0xffffu) | (b << 16);
-    dst[(d + 1) * ldw + kp] = (a >> 16) | (b & 0xffff0000u);
+    put_word_t<T>(dst, ldw, d, kp, a, b);
 }
 template <>
 inline void copy_quad_t<float>(threadgroup uint *dst, int ldw, int d, int kp, const device float *ka,
                                const device float *kb, int na, int nb) {
-    dst[d * ldw + 2 * kp] = na >= 1 ? as_type<uint>(ka[0]) : 0u;
-    dst[d * ldw + 2 * kp + 1] = nb >= 1 ? as_type<uint>(kb[0]) : 0u;
-    dst[(d + 1) * ldw + 2 * kp] = na >= 2 ? as_type<uint>(ka[1]) : 0u;
-    dst[(d + 1) * ldw + 2 * kp + 1] = nb >= 2 ? as_type<uint>(kb[1]) : 0u;
+    put_word_t<float>(dst, ldw, d, kp, na >= 1 ? as_type<uint>(ka[0]) : 0u, nb >= 1 ? as_type<uint>(kb[0]) : 0u);
+    put_word_t<float>(dst, ldw, d + 1, kp, na >= 2 ? as_type<uint>(ka[1]) : 0u, nb >= 2 ? as_type<uint>(kb[1]) : 0u);
 }
 
 // A[r][c] = tile[row0 + r][col0 + c], the tile's rows `ldw` words apart;
@@ -166,16 +179,113 @@ inline void load_frag_t(thread simdgroup_float8x8 &f, const threadgroup uint *sr
     read_pair<T>(f, src + (col0 + fr) * ldw, key0 + fc);
 }
 
+// Runs (tile_load_bytes 8 or 16): the host found the base of Q, K and V and
+// every stride of theirs (page strides too) a multiple of that many bytes,
+// and the true head dim a multiple of a run's elements, so every run a
+// loader copies starts on a run boundary and lies wholly below D or wholly
+// past it. Each thread then copies one run with one vector load (uint2 or
+// uint4, V below) into as many tile words; with 4 the loaders copy column
+// pairs (copy_pair, copy_quad_t). The bits move unchanged: a two-byte
+// tile word holds two neighbouring columns, the lower in its low half, which
+// is what a little-endian word load of them reads (pack2's word); a float
+// tile word is one element. So both give the same tiles.
+
+// The sizeof(V) bytes at `at` (a run boundary) as 32-bit words w[0...]:
+// one device load; zeros when !valid (nothing is read).
+template <typename V, typename T> inline void read_run(thread uint *w, const device T *at, bool valid) {
+    constexpr int W = int(sizeof(V)) / 4;
+    if (valid) {
+        const V x = *reinterpret_cast<const device V *>(at);
+        FA_UNROLL
+        for (int j = 0; j < W; j++) w[j] = x[j];
+    } else {
+        FA_UNROLL
+        for (int j = 0; j < W; j++) w[j] = 0u;
+    }
+}
+
+// A run of V: its T elements and its 32-bit words (tile words too).
+template <typename T, typename V> struct TileRun {
+    static constexpr int elems = int(sizeof(V)) / int(sizeof(T));
+    static constexpr int words = int(sizeof(V)) / 4;
+};
+// The host chose BYTES-byte runs and a row of BD columns is whole runs.
+template <typename T, int BD, int BYTES> inline bool runs_fit() {
+    return tile_load_bytes == BYTES && BD % (BYTES / int(sizeof(T))) == 0;
+}
+
+// A run's words w (columns c...) into tile row `row` (row-major, copy_pair's layout).
+template <typename T, int W> inline void put_run(threadgroup uint *row, int c, thread const uint *w) {
+    threadgroup uint *to = row + c / TileWords<T>::per_word;
+    FA_UNROLL
+    for (int j = 0; j < W; j++) to[j] = w[j];
+}
+
+// Runs a (key 2kp) and b (key 2kp + 1), columns d..., into a transposed tile.
+template <typename T, int W>
+inline void put_runs_t(threadgroup uint *dst, int ldw, int d, int kp, thread const uint *a, thread const uint *b) {
+    FA_UNROLL
+    for (int j = 0; j < W; j++) put_word_t<T>(dst, ldw, d + j * TileWords<T>::per_word, kp, a[j], b[j]);
+}
+
+// load_tile by runs of V: rows past `len` and runs past D read nothing and
+// become zeros. Row and column indices are 32-bit.
+template <typename T, typename V, int ROWS, int BD, int LDW, int THREADS>
+inline void load_tile_runs(threadgroup uint *dst, const device T *src, long stride, long row0, long len,
+                           bool aligned, int D, uint tid) {
+    typedef TileRun<T, V> R;
+    constexpr int RUNS = BD / R::elems;  // per row
+    const device T *base = src + row0 * stride;
+    const bool whole = aligned || row0 + ROWS <= len;
+    const int rows = whole ? ROWS : len > row0 ? int(len - row0) : 0;
+    const bool full = whole && D == BD;  // every run read: no checks
+    for (int i = int(tid); i < ROWS * RUNS; i += THREADS) {
+        const int r = i / RUNS;
+        const int c = (i % RUNS) * R::elems;
+        uint w[R::words];
+        read_run<V>(w, base + long(r) * stride + c, full || (r < rows && c < D));
+        put_run<T, R::words>(dst + r * LDW, c, w);
+    }
+}
+
+// load_tile_t by runs of V: a thread takes two keys by one run of columns;
+// consecutive threads take consecutive runs of the same keys.
+template <typename T, typename V, int KEYS, int BD, int LDW, int THREADS>
+inline void load_tile_t_runs(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, int D,
+                             uint tid) {
+    typedef TileRun<T, V> R;
+    constexpr int RUNS = BD / R::elems;  // per key
+    const int keys = aligned || len >= KEYS ? KEYS : len > 0 ? int(len) : 0;
+    for (int i = int(tid); i < KEYS / 2 * RUNS; i += THREADS) {
+        const int d = (i % RUNS) * R::elems;
+        const int kp = i / RUNS;
+        const device T *at = src + long(2 * kp) * stride + d;
+        uint a[R::words], b[R::words];
+        read_run<V>(a, at, 2 * kp < keys && d < D);
+        read_run<V>(b, at + stride, 2 * kp + 1 < keys && d < D);
+        put_runs_t<T, R::words>(dst, LDW, d, kp, a, b);
+    }
+}
+
 // Copies rows [row0, row0 + ROWS) of a [len, D] slab (row stride `stride`)
 // into threadgroup memory with row pitch LDW words (copy_pair's layout);
 // rows past `len` and columns past D (D <= BD: a head dim padded to the
-// kernel's tile width BD) become zeros. A tile wholly inside (`aligned`)
-// and D == BD take the loop without checks. Column and row indices are
-// 32-bit; only the row's offset in device memory is 64-bit.
+// kernel's tile width BD) become zeros. A thread copies a run
+// (load_tile_runs) or a column pair. A tile wholly inside (`aligned`) and
+// D == BD take the loop without checks. Column and row indices are 32-bit;
+// only the row's offset in device memory is 64-bit.
 template <typename T, int ROWS, int BD, int LDW, int THREADS>
 inline void load_tile(threadgroup uint *dst, const device T *src, long stride, long row0, long len, bool aligned,
                       int D, uint tid) {
     static_assert(BD % 2 == 0, "rows are whole column pairs");
+    if (runs_fit<T, BD, 16>()) {
+        load_tile_runs<T, uint4, ROWS, BD, LDW, THREADS>(dst, src, stride, row0, len, aligned, D, tid);
+        return;
+    }
+    if (runs_fit<T, BD, 8>()) {
+        load_tile_runs<T, uint2, ROWS, BD, LDW, THREADS>(dst, src, stride, row0, len, aligned, D, tid);
+        return;
+    }
     constexpr int PAIRS = BD / 2;
     const device T *base = src + row0 * stride;
     if (D == BD && (aligned || row0 + ROWS <= len)) {
@@ -197,12 +307,21 @@ inline void load_tile(threadgroup uint *dst, const device T *src, long stride, l
 // Copies keys [0, KEYS) of a [len, D] slab (row stride `stride`) into
 // threadgroup memory transposed: row d (LDW words apart) holds column d
 // (copy_quad_t's layout); keys past `len` and columns past D (D <= BD)
-// become zeros. A thread takes two keys by two columns; consecutive threads
-// take consecutive column pairs of the same keys.
+// become zeros. A thread takes two keys by one run (load_tile_t_runs) or
+// by two columns; consecutive threads take consecutive column pairs of the
+// same keys.
 template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t(threadgroup uint *dst, const device T *src, long stride, long len, bool aligned, int D,
                         uint tid) {
     static_assert(KEYS % 2 == 0 && BD % 2 == 0, "keys and columns come in pairs");
+    if (runs_fit<T, BD, 16>()) {
+        load_tile_t_runs<T, uint4, KEYS, BD, LDW, THREADS>(dst, src, stride, len, aligned, D, tid);
+        return;
+    }
+    if (runs_fit<T, BD, 8>()) {
+        load_tile_t_runs<T, uint2, KEYS, BD, LDW, THREADS>(dst, src, stride, len, aligned, D, tid);
+        return;
+    }
     constexpr int CP = BD / 2;
     constexpr int ITEMS = KEYS / 2 * CP;
     const int keys = aligned || len >= KEYS ? KEYS : len > 0 ? int(len) : 0;
@@ -314,6 +433,42 @@ inline bool prefill_split_pages(thread const PrefillSeqBuffers &sb) {
     return paged_kv && sb.sp->page_size % BK != 0;
 }
 
+// load_tile_paged by runs of V (see load_tile_runs): a run of key k0 + r
+// below len and below D is read through that key's page.
+template <typename T, typename V, int ROWS, int BD, int LDW, int THREADS>
+inline void load_tile_paged_runs(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
+                                 thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
+                                 int D, uint tid) {
+    typedef TileRun<T, V> R;
+    constexpr int RUNS = BD / R::elems;
+    for (int i = int(tid); i < ROWS * RUNS; i += THREADS) {
+        const int r = i / RUNS;
+        const int c = (i % RUNS) * R::elems;
+        const bool valid = r < len && c < D;
+        uint w[R::words];
+        read_run<V>(w, valid ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + r) + c0 + c : X, valid);
+        put_run<T, R::words>(dst + r * LDW, c, w);
+    }
+}
+
+// load_tile_t_paged by runs of V (see load_tile_t_runs), each key through its page.
+template <typename T, typename V, int KEYS, int BD, int LDW, int THREADS>
+inline void load_tile_t_paged_runs(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
+                                   thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
+                                   int D, uint tid) {
+    typedef TileRun<T, V> R;
+    constexpr int RUNS = BD / R::elems;
+    for (int i = int(tid); i < KEYS / 2 * RUNS; i += THREADS) {
+        const int d = (i % RUNS) * R::elems;
+        const int kp = i / RUNS;
+        const bool va = 2 * kp < len && d < D, vb = 2 * kp + 1 < len && d < D;
+        uint wa[R::words], wb[R::words];
+        read_run<V>(wa, va ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp) + c0 + d : X, va);
+        read_run<V>(wb, vb ? prefill_paged_row(X, st, ps, sb, b, kvh, k0 + 2 * kp + 1) + c0 + d : X, vb);
+        put_runs_t<T, R::words>(dst, LDW, d, kp, wa, wb);
+    }
+}
+
 // load_tile over a paged K or V whose pages may split the tile: rows r <
 // len of keys k0 + r (columns [c0, c0 + BD), those past D zeros), each
 // through its own page; the rest zeros. Only keys below len read the block table.
@@ -321,6 +476,14 @@ template <typename T, int ROWS, int BD, int LDW, int THREADS>
 inline void load_tile_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
                             thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
                             int D, uint tid) {
+    if (runs_fit<T, BD, 16>()) {
+        load_tile_paged_runs<T, uint4, ROWS, BD, LDW, THREADS>(dst, X, st, ps, sb, b, kvh, k0, c0, len, D, tid);
+        return;
+    }
+    if (runs_fit<T, BD, 8>()) {
+        load_tile_paged_runs<T, uint2, ROWS, BD, LDW, THREADS>(dst, X, st, ps, sb, b, kvh, k0, c0, len, D, tid);
+        return;
+    }
     constexpr int PAIRS = BD / 2;
     for (int i = int(tid); i < ROWS * PAIRS; i += THREADS) {
         const int r = i / PAIRS;
@@ -336,6 +499,14 @@ template <typename T, int KEYS, int BD, int LDW, int THREADS>
 inline void load_tile_t_paged(threadgroup uint *dst, const device T *X, constant int64_t *st, long ps,
                               thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int c0, long len,
                               int D, uint tid) {
+    if (runs_fit<T, BD, 16>()) {
+        load_tile_t_paged_runs<T, uint4, KEYS, BD, LDW, THREADS>(dst, X, st, ps, sb, b, kvh, k0, c0, len, D, tid);
+        return;
+    }
+    if (runs_fit<T, BD, 8>()) {
+        load_tile_t_paged_runs<T, uint2, KEYS, BD, LDW, THREADS>(dst, X, st, ps, sb, b, kvh, k0, c0, len, D, tid);
+        return;
+    }
     constexpr int CP = BD / 2;
     constexpr int ITEMS = KEYS / 2 * CP;
     for (int i = int(tid); i < ITEMS; i += THREADS) {

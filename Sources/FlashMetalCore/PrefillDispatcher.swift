@@ -71,7 +71,7 @@ public struct PrefillTensors {
 /// Grid (NQ, H, B) threadgroups of PrefillGeometry.threadsPerGroup; buffers
 /// (PrefillBuffer) Q, K, V, out, AttnParams, then with a mask AttnMaskParams
 /// and the mask, and the blk; constants align_Q/align_K/has_mask/do_causal/
-/// has_blk (FunctionConstantIndex).
+/// has_blk/tile_load_bytes (FunctionConstantIndex).
 public enum PrefillDispatcher {
     /// The op name errors carry.
     public static let op = "flash_attn_prefill"
@@ -244,8 +244,28 @@ public enum PrefillDispatcher {
             V_strides: (v[0], v[1], v[2]), O_strides: (q[0], q[1], q[2]))
     }
 
+    /// The tile loaders' device load width (FunctionConstantIndex.tileLoadBytes):
+    /// 16 or 8 when Q, K and V start on a boundary of that many bytes and every
+    /// element stride of theirs (the page strides of paged K/V too) and the
+    /// head dim are multiples of the elements in it, so every run the kernel
+    /// reads is aligned and lies wholly inside D or wholly past it; else 4
+    /// (column pairs, any alignment).
+    static func tileLoadBytes(_ t: PrefillTensors, params p: AttnParams, ext: PrefillExtension) -> Int {
+        var strides = [p.Q_strides.0, p.Q_strides.1, p.Q_strides.2, p.K_strides.0, p.K_strides.1, p.K_strides.2,
+                       p.V_strides.0, p.V_strides.1, p.V_strides.2]
+        if ext.blockTable != nil { strides += [ext.params.K_page_stride, ext.params.V_page_stride] }
+        for bytes in [16, 8] {
+            let run = Int64(bytes / t.q.dtype.byteSize)
+            if Int64(p.D) % run == 0, strides.allSatisfy({ $0 % run == 0 }),
+               [t.q, t.k, t.v].allSatisfy({ Int(bitPattern: $0.data) % bytes == 0 }) {
+                return bytes
+            }
+        }
+        return 4
+    }
+
     /// The Dispatch of a validated prefill: every function constant the
-    /// kernel declares (200, 201, 300-310), a grid of the kernel's query
+    /// kernel declares (200, 201, 300-312), a grid of the kernel's query
     /// tiles (NQ of its own geometry, which for float32 may be finer than
     /// AttnParams' tile-skip NQ) by H by B, the bindings.
     /// Per-sequence mode is never aligned (its lengths differ per sequence).
@@ -261,6 +281,7 @@ public enum PrefillDispatcher {
             (FunctionConstantIndex.hasMask, .bool(t.mask != nil)),
             (FunctionConstantIndex.doCausal, .bool(causal)),
             (FunctionConstantIndex.hasBlk, .bool(t.blk != nil)),
+            (FunctionConstantIndex.tileLoadBytes, .int(Int32(tileLoadBytes(t, params: p, ext: ext)))),
         ] + ext.constants)
         var bindings: [Int: Binding] = [
             PrefillBuffer.q: .buffer(t.q), PrefillBuffer.k: .buffer(t.k), PrefillBuffer.v: .buffer(t.v),

@@ -34,6 +34,8 @@ public enum FunctionConstantIndex {
     public static let hasLSE = Int(FM_FC_HAS_LSE.rawValue)
     /// Prefill serving extension: ALiBi slopes bound.
     public static let hasAlibi = Int(FM_FC_HAS_ALIBI.rawValue)
+    /// Prefill: bytes per device load of the tile loaders (int): 4, 8 or 16.
+    public static let tileLoadBytes = Int(FM_FC_TILE_LOAD_BYTES.rawValue)
     /// blk: BQ of the prefill that consumes the blk (int).
     public static let blkBQ = Int(FM_FC_BLK_BQ.rawValue)
     /// blk: BK of the prefill that consumes the blk (int).
@@ -97,6 +99,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_HAS_SINKS", hasSinks), ("FM_FC_PREFILL_SEQ", prefillSeq), ("FM_FC_WINDOW", window),
         ("FM_FC_VARLEN_Q", varlenQ), ("FM_FC_VARLEN_K", varlenK), ("FM_FC_KV_LENS", kvLens),
         ("FM_FC_PAGED", paged), ("FM_FC_HAS_LSE", hasLSE), ("FM_FC_HAS_ALIBI", hasAlibi),
+        ("FM_FC_TILE_LOAD_BYTES", tileLoadBytes),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
         ("FM_FC_VEC_ALIBI", vecAlibi),

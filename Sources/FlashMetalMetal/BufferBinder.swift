@@ -62,12 +62,19 @@ final class BufferBinder {
             entries.append(Entry(start: base, end: base + UInt(length), buffer: buf, offset: 0, copiedFrom: nil))
             return (buf, Int(start - base))
         }
-        guard let buf = device.makeBuffer(bytes: t.data, length: Int(end - start), options: .storageModeShared)
+        // The copy keeps the tensor's offset within its 64-byte block (the
+        // bytes before it in that block come along, never written back): a
+        // kernel sees every address inside it with the alignment the host
+        // saw, which the dispatchers' vector-load choices rely on. The block
+        // lies in the tensor's first page, so reading it cannot fault.
+        let lead = Int(start % 64)
+        guard let buf = device.makeBuffer(bytes: t.data - lead, length: Int(end - start) + lead,
+                                          options: .storageModeShared)
         else {
             throw FlashMetalError.backend("metal backend: cannot allocate a \(t.byteCount)-byte buffer")
         }
-        entries.append(Entry(start: start, end: end, buffer: buf, offset: 0, copiedFrom: t.data))
-        return (buf, 0)
+        entries.append(Entry(start: start, end: end, buffer: buf, offset: lead, copiedFrom: t.data))
+        return (buf, lead)
     }
 
     /// Notes that a kernel writes `t` (already bound): its copy, if any, is

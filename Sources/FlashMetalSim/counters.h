@@ -16,7 +16,8 @@
 // Limits: an access the tracing does not see is not counted: a block copy
 // (memcpy of a struct), or an access of another width (the kernels read no
 // 32-byte vectors). Widths are the host compiler's after scalar
-// optimisation, with vectorisation off: what the source asks for, not what
+// optimisation, with vectorisation off and a source vector load kept one
+// load (not split into its lanes): what the source asks for, not what
 // Apple's compiler may merge or split.
 #pragma once
 #include "include/fmsim.h"
@@ -80,7 +81,10 @@ struct SimdRequests {
         uint64_t key;     // binding, line, write
         uint64_t mask[2]; // bytes touched in the line
     };
-    static constexpr int kLines = 4; // distinct lines kept per instruction (more count without merging)
+    // Distinct lines kept per instruction (more count without merging): 16
+    // covers a SIMD group's 16-byte loads (512 bytes, 4-8 lines when rows are
+    // 128-256 bytes and every other one is read).
+    static constexpr int kLines = 16;
     uint32_t ordinal[32]{};
     uint32_t top = 0; // slots in use
     // Lines in use per ordinal (a type of the simulator's own: instances of

@@ -55,7 +55,7 @@ final class AttnDispatcherTests: XCTestCase {
         XCTAssertEqual(dp.constants, FunctionConstants([
             (200, .bool(false)), (201, .bool(false)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
             (302, .bool(true)), (304, .bool(true)), (305, .bool(true)), (306, .bool(true)), (307, .bool(false)),
-            (308, .bool(true)), (309, .bool(true)), (310, .bool(true)), (311, .bool(false)),
+            (308, .bool(true)), (309, .bool(true)), (310, .bool(true)), (311, .bool(false)), (312, .int(16)),
         ]))
         XCTAssertEqual(Set(dp.bindings.keys), [0, 1, 2, 3, 4, 8, 9, 11, 12, 13, 14])
         XCTAssertEqual(dp.writes, [PrefillBuffer.out, PrefillBuffer.lse])

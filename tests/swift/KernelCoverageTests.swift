@@ -61,9 +61,9 @@ final class KernelCoverageTests: XCTestCase {
         let cpu = CPUBackend()
         for spec in Self.specs {
             // Every constant the kernel family declares, so only a missing kernel can fail.
+            let ints = [FunctionConstantIndex.blkBQ: 8, FunctionConstantIndex.blkBK: 8, FunctionConstantIndex.tileLoadBytes: 4]
             let constants = FunctionConstants(FunctionConstantIndex.all.map {
-                ($0.index, $0.index == FunctionConstantIndex.blkBQ || $0.index == FunctionConstantIndex.blkBK
-                    ? .int(8) : .bool(false))
+                ($0.index, ints[$0.index].map { .int(Int32($0)) } ?? .bool(false))
             })
             XCTAssertNoThrow(try cpu.makePipeline(PipelineKey(spec: spec, constants: constants)), spec.name)
         }

@@ -114,6 +114,38 @@ final class PrefillDispatcherTests: XCTestCase {
                        PrefillTiles(nq: 3, nk: 2, nqAligned: 2, nkAligned: 1, qLRem: 1, kLRem: 1))
     }
 
+    /// The tile loaders' load width (constant 312): 16 or 8 bytes when q, k and
+    /// v all start on such a boundary and the head dim (hence every stride of
+    /// these contiguous tensors) is whole runs of that many bytes; else 4.
+    func testTileLoadBytes() throws {
+        func width(_ dtype: DType, d: Int, q qOff: Int = 0, k kOff: Int = 0, v vOff: Int = 0) throws -> Int32? {
+            func at(_ shape: [Int], _ off: Int) -> (HostTensor, TensorRef) {
+                let n = shape.reduce(1, *) * dtype.byteSize
+                let h = HostTensor(shape, dtype, bytes: n + 64)
+                return (h, TensorRef(data: h.data + off, byteCount: n, dtype: dtype, shape: shape))
+            }
+            let (q, k, v, o) = (at([1, 2, 9, d], qOff), at([1, 1, 13, d], kOff), at([1, 1, 13, d], vOff),
+                                at([1, 2, 9, d], 0))
+            defer { withExtendedLifetime([q.0, k.0, v.0, o.0]) {} }
+            let t = PrefillTensors(q: q.1, k: k.1, v: v.1, out: o.1)
+            return try PrefillDispatcher.makeDispatch(t, PrefillOptions(scale: 0.125)).constants.int(312)
+        }
+        XCTAssertEqual(try width(.bf16, d: 128), 16)
+        XCTAssertEqual(try width(.bf16, d: 512), 16)
+        XCTAssertEqual(try width(.bf16, d: 128, q: 8), 8, "q 8 bytes off a 16-byte boundary")
+        XCTAssertEqual(try width(.bf16, d: 128, v: 24), 8)
+        XCTAssertEqual(try width(.bf16, d: 128, k: 4), 4, "k on a 4-byte boundary only")
+        XCTAssertEqual(try width(.f16, d: 128, k: 2), 4)
+        XCTAssertEqual(try width(.bf16, d: 36), 8, "rows 72 bytes apart: 8-byte runs only")
+        XCTAssertEqual(try width(.bf16, d: 34), 4, "rows 68 bytes apart")
+        XCTAssertEqual(try width(.bf16, d: 59), 4, "odd rows")
+        XCTAssertEqual(try width(.f32, d: 36), 16)
+        XCTAssertEqual(try width(.f32, d: 34), 8)
+        XCTAssertEqual(try width(.f32, d: 59), 4)
+        XCTAssertEqual(try width(.f32, d: 64, q: 4), 4)
+        XCTAssertEqual(try width(.f32, d: 64, q: 8, k: 8, v: 8), 8)
+    }
+
     func testParamsGridAndConstants() throws {
         var o = PrefillOptions(scale: 0.25)
         o.causal = true
@@ -134,7 +166,7 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d.constants, FunctionConstants([
             (200, .bool(false)), (201, .bool(true)), (300, .bool(false)), (301, .bool(true)), (303, .bool(false)),
             (302, .bool(false)), (304, .bool(false)), (305, .bool(false)), (306, .bool(false)), (307, .bool(false)),
-            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)), (311, .bool(false)),
+            (308, .bool(false)), (309, .bool(false)), (310, .bool(false)), (311, .bool(false)), (312, .int(16)),
         ]))
         XCTAssertEqual(Set(d.bindings.keys), [0, 1, 2, 3, 4])
     }

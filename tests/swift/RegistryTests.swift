@@ -5,9 +5,9 @@ import XCTest
 final class RegistryTests: XCTestCase {
     func testCacheMakesOnePipelinePerKey() throws {
         let r = Registry(backend: CPUBackend())
-        // mlx-native's constants plus the serving extension's (302, 304-311), all off.
+        // mlx-native's constants plus the serving extension's (302, 304-311), all off, and the load width.
         let consts = FunctionConstants([(200, .bool(true)), (201, .bool(true)), (300, .bool(false)),
-                                        (301, .bool(false)), (303, .bool(false))]
+                                        (301, .bool(false)), (303, .bool(false)), (312, .int(16))]
                                        + [302, 304, 305, 306, 307, 308, 309, 310, 311].map { ($0, .bool(false)) })
         let key = PipelineKey(spec: .prefill(io: .bf16, headDim: 128, boolMask: false), constants: consts)
         let p1 = try r.pipeline(key)

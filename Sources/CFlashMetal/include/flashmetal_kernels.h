@@ -47,6 +47,8 @@ typedef enum FMFunctionConstant {
     FM_FC_PAGED = 309,              /* prefill: k/v paged, block_table bound */
     FM_FC_HAS_LSE = 310,            /* prefill: lse output bound */
     FM_FC_HAS_ALIBI = 311,          /* prefill: alibi slopes bound */
+    FM_FC_TILE_LOAD_BYTES = 312,    /* prefill (int): bytes per tile-loader device load: 4 (column pairs),
+                                     * 8 or 16 (runs: Q/K/V bases, strides and D aligned to them) */
     FM_FC_BLK_BQ = 400,             /* blk: BQ of the consuming prefill (int) */
     FM_FC_BLK_BK = 401,             /* blk: BK of the consuming prefill (int) */
     FM_FC_VEC_HAS_SIGNS = 500,      /* decode FWHT reduce: signs are bound */
