@@ -187,6 +187,7 @@ final class SdpaFastPath {
         a.p.B = Int32(d.grid.x)
         a.p.H = Int32(H)
         a.p.D = Int32(D)
+        a.p.Dv = Int32(D)
         a.p.qL = Int32(qL)
         a.p.kL = Int32(kL)
         a.p.gqa_factor = Int32(H / Hkv)

@@ -94,6 +94,21 @@ public enum PrefillCapability {
         return g
     }
 
+    /// The head dim whose tile runs q/k of head dim `headDim` with v (and the
+    /// output) of `headDimV`: the larger of the two. Equal dims take any
+    /// head dim a kernel runs; unequal ones need both in 1...maxPaddedHeadDim
+    /// (the D = 512 body streams V at q's width), else a ValueError naming
+    /// `op`, `vName` and both dims.
+    static func tileDim(headDim: Int, headDimV: Int, op: String, vName: String) throws -> Int {
+        if headDimV == headDim { return headDim }
+        guard (1...maxPaddedHeadDim).contains(headDimV), (1...maxPaddedHeadDim).contains(headDim) else {
+            throw FlashMetalError.value(
+                op, "\(vName) head dim \(headDimV) differs from q's \(headDim): a value head dim of its own needs "
+                    + "both in 1...\(maxPaddedHeadDim) on this kernel", arg: vName)
+        }
+        return max(headDim, headDimV)
+    }
+
     /// The tile-skip geometry for `headDim` of `io`'s kernel, or a ValueError
     /// naming `op` and the head dims `io` has.
     static func geometry(io: DType, headDim: Int, op: String) throws -> PrefillGeometry {

@@ -129,7 +129,7 @@ static void run_prefill(const PrefillCase *c, int fast) {
     }
     FMPrefillArgs a;
     memset(&a, 0, sizeof a);
-    a.p.B = 1; a.p.H = H; a.p.D = D; a.p.qL = qL; a.p.kL = kL; a.p.gqa_factor = H / Hkv;
+    a.p.B = 1; a.p.H = H; a.p.D = D; a.p.Dv = D; a.p.qL = qL; a.p.kL = kL; a.p.gqa_factor = H / Hkv;
     a.p.scale = 1.0f / sqrtf((float)D);
     a.p.NQ = (int32_t)NQ; a.p.NK = (int32_t)NK; a.p.qL_off = c->qoff;
     const int64_t qs[3] = {(int64_t)H * qL * D, (int64_t)qL * D, D}, ks[3] = {(int64_t)Hkv * kL * D, (int64_t)kL * D, D};
@@ -297,7 +297,7 @@ static void run_serving(const ServeCase *c, int fast) {
 
     FMPrefillArgs a;
     memset(&a, 0, sizeof a);
-    a.p.B = B; a.p.H = H; a.p.D = D; a.p.qL = qmax; a.p.kL = c->varlen_k || c->kv_lens ? kmax : kcap;
+    a.p.B = B; a.p.H = H; a.p.D = D; a.p.Dv = D; a.p.qL = qmax; a.p.kL = c->varlen_k || c->kv_lens ? kmax : kcap;
     if (!per_seq) a.p.kL = c->klens[0];
     a.p.gqa_factor = H / Hkv;
     a.p.scale = 1.0f / sqrtf((float)D);
@@ -499,7 +499,7 @@ static void run_decode(const DecodeCase *c) {
     FMVecArgs a;
     memset(&a, 0, sizeof a);
     a.p = (FlashAttnVecParams){H, Hkv, (uint32_t)D, 0, CAP, 1.0f / sqrtf((float)D), c->window ? 2 : 1,
-                               (uint32_t)c->window, c->softcap, NWG};
+                               (uint32_t)c->window, c->softcap, NWG, (uint32_t)D, 0};
     a.q = (const float *)q.raw;
     const int32_t starts[B] = {0, 1, 30, 5};
     a.seqlens = lens;

@@ -164,9 +164,13 @@ enum { FM_VEC_CHUNK = 32 };
  * by tgid.z * FM_SDPA_TILE_Q + tid). */
 enum { FM_SDPA_TILE_Q = 32 };
 
-/* ---- kernel parameter structs (mlx-native's layouts) -------------------------- */
+/* ---- kernel parameter structs (mlx-native's layouts; AttnParams.Dv fills its
+ * pad, FlashAttnVecParams appends head_dim_v) --------------------------------- */
 
-/* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
+/* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements.
+ * D is q's and k's head dim (the QK dot), Dv v's and the output's (flash-attn's
+ * head_dim_v; Dv == D but for MLA-style shapes): V loads stop at Dv, the
+ * output rows hold Dv elements. The kernel's tile is at least max(D, Dv). */
 typedef struct AttnParams {
     int32_t B;
     int32_t H;
@@ -183,7 +187,7 @@ typedef struct AttnParams {
     int32_t qL_rem;
     int32_t kL_rem;
     int32_t qL_off;
-    int32_t _pad;
+    int32_t Dv;
     int64_t Q_strides[3];
     int64_t K_strides[3];
     int64_t V_strides[3];
@@ -203,7 +207,9 @@ typedef struct BlkParams {
     int32_t _pad;
 } BlkParams;
 
-/* Decode: buffer(0). 40 bytes. mask_type 0 none, 1 causal, 2 sliding window. */
+/* Decode: buffer(0). 48 bytes. mask_type 0 none, 1 causal, 2 sliding window.
+ * head_dim is q's and k's (the QK dot), head_dim_v v's and the output's (the
+ * partials in tmp and the reduce's rows hold head_dim_v elements). */
 typedef struct FlashAttnVecParams {
     uint32_t n_heads;
     uint32_t n_kv_heads;
@@ -215,6 +221,8 @@ typedef struct FlashAttnVecParams {
     uint32_t sliding_window;
     float softcap;
     uint32_t nwg;
+    uint32_t head_dim_v;
+    uint32_t _pad;
 } FlashAttnVecParams;
 
 /* Decode reduce (plain and FWHT-undo): buffer(0). 8 bytes. head_dim is the
