@@ -159,6 +159,22 @@ public enum VecCapability {
             + fwhtHeadDims.map { KernelSpec.vecReduce(headDim: $0, fwht: true) }
     }
 
+    /// The tile width that runs q/k of head dim `d` with v (and the output)
+    /// of head dim `dv`: the tile of the larger (any dims up to
+    /// maxPaddedHeadDim, else the larger must be a tile of its own; the
+    /// kernel reads each side only up to its own dim), or a ValueError naming
+    /// `op`, `vName` and the dims.
+    static func tileDim(_ d: Int, dv: Int, op: String, vName: String) throws -> Int {
+        try requireHeadDim(d, op: op)
+        if dv == d { return d }
+        guard dv >= 1, let t = tileHeadDim(max(d, dv)) else {
+            throw FlashMetalError.value(
+                op, "\(vName) head dim \(dv) with q's \(d): the decode runs a value head dim of its own up to the "
+                    + "larger's tile, " + headDimMessage(max(d, dv), tiles: headDims), arg: vName)
+        }
+        return t
+    }
+
     /// The tile width that runs `d`, or a ValueError naming `op` and the range
     /// (with `fwht`, one of fwhtHeadDims).
     @discardableResult

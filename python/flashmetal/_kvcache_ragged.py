@@ -262,7 +262,7 @@ def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, s
     (lengths `seqlens`, [B] or [2, B] with key starts). Returns (out, lse
     [H, total_q]); rows after cu_seqlens_q[-1] read 0 and -inf."""
     from ._serving_args import seq_tensors
-    result = np.empty(q.shape, dtype=q.dtype) if out is None else out
+    result = np.empty(q.shape[:-1] + vc.shape[-1:], dtype=q.dtype) if out is None else out
     lse = np.empty((q.shape[1], q.shape[0]), dtype=F32) if want_lse else None
     end = int(r.cu_q[-1])
     result[end:] = 0
@@ -283,4 +283,4 @@ def unpack(r: Ragged, out: np.ndarray, lse: np.ndarray | None) -> tuple[np.ndarr
         return out, lse
     b, ql, h, _ = r.dense_q
     # Views, not copies: on a deferring backend the arrays fill when the work runs.
-    return out.reshape(r.dense_q), None if lse is None else lse.reshape(h, b, ql).transpose(1, 0, 2)
+    return out.reshape(r.dense_q[:-1] + out.shape[-1:]), None if lse is None else lse.reshape(h, b, ql).transpose(1, 0, 2)

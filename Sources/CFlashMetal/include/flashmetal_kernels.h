@@ -357,14 +357,16 @@ typedef struct FlashAttnVecReduceExtParams {
  * t = seqlens[b] + i:  PAGED: cache + block_table[b*max_pages + t/page_size]*
  * cache_strides[0] + (t % page_size)*cache_strides[1] + g*cache_strides[2];
  * else cache + b*cache_strides[0] + t*cache_strides[1] + g*cache_strides[2].
- * Grid (n_new, Hkv, B), D threads along x (any count; a loop covers D). */
+ * Grid (n_new, Hkv, B), D threads along x (any count; a loop covers D).
+ * The strides are k's (multiples of head_dim, C-contiguous rows); v's rows
+ * sit at the same index scaled by head_dim_v / head_dim. */
 typedef struct KVAppendParams {
     int32_t n_new;
     int32_t n_kv_heads;
     int32_t head_dim;
     int32_t page_size;       /* FM_FC_APPEND_PAGED */
     int32_t max_pages;       /* FM_FC_APPEND_PAGED */
-    int32_t _pad;
+    int32_t head_dim_v;      /* v's head dim Dv (v_new/v_cache rows; k's are head_dim) */
     int64_t new_strides[3];  /* (batch, row, kv head) of k_new/v_new */
     int64_t cache_strides[3];/* (batch or page, row, kv head) of the caches */
 } KVAppendParams;

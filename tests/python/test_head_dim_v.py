@@ -1,0 +1,164 @@
+"""A value head dim of its own (flash-attn's head_dim_v): q and k of head dim
+D, v and the output of Dv, on prefill (flash_attn_func, varlen, the KV-cache
+call, flash_attn_prefill) and decode (flash_attn_decode, the one-row serving
+route), every backend, against the float64 references. The kernels run the
+tile of max(D, Dv) with both dims in their params: Q/K loads stop at D, V
+loads and the output at Dv; the default scale is 1/sqrt(D) (q's). Pairs
+192/128 (MLA prefill), 128/192 and odd ones up to 256; 576/512 (MLA decode
+over the latent cache) has no prefill tile and is refused there by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import reference
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from serving_cases import assert_out_lse, cu, paged
+
+# (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles.
+PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32)]
+
+
+def qkv(rng, q_shape, k_shape, dv, dtype):
+    """q [.., D], k [.., D] and v of k's shape with head dim dv."""
+    return randn(rng, q_shape, dtype), randn(rng, k_shape, dtype), randn(rng, k_shape[:-1] + (dv,), dtype)
+
+
+@pytest.mark.parametrize("d,dv", PAIRS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_func(registry, rng, d, dv, causal):
+    """flash_attn_func: out [.., Dv] and LSE, GQA 2:1, keys off the key tile."""
+    q, k, v = qkv(rng, (1, 5, 2, d), (1, 19, 1, d), dv, BF16)
+    out, lse, _ = fm.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, registry=registry)
+    e_out, e_lse = reference.flash_attn(q, k, v, causal=causal)
+    assert out.shape == (1, 5, 2, dv)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} causal={causal}")
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40)])
+def test_func_features(registry, rng, d, dv):
+    """Window, softcap, sinks, ALiBi and GQA 4:1 together, float16."""
+    q, k, v = qkv(rng, (2, 6, 4, d), (2, 17, 1, d), dv, F16)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    slopes = (rng.random((2, 4)) * 0.3).astype(np.float32)
+    kw = dict(causal=True, window_size=(5, 0), softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+    out, lse, _ = fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=registry, **kw)
+    e_out, e_lse = reference.flash_attn(q, k, v, **kw)
+    assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} D={d} Dv={dv} features")
+
+
+@pytest.mark.parametrize("d,dv", PAIRS)
+def test_func_one_row(registry, rng, d, dv):
+    """seqlen_q == 1: the split-KV decode on the tile of max(D, Dv), GQA 4:1."""
+    q, k, v = qkv(rng, (2, 1, 4, d), (2, 45, 1, d), dv, BF16)
+    out, lse, _ = fm.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, registry=registry)
+    e_out, e_lse = reference.flash_attn(q, k, v, causal=True)
+    assert out.shape == (2, 1, 4, dv)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} one row")
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (40, 59)])
+def test_varlen_paged(registry, rng, d, dv):
+    """flash_attn_varlen_func over paged caches of their own widths (page size 16 and 3), causal window."""
+    ql, kl = [3, 1, 5], [7, 20, 9]
+    q = randn(rng, (sum(ql), 2, d), F16)
+    k_rows = [randn(rng, (n, 1, d), F16) for n in kl]
+    v_rows = [randn(rng, (n, 1, dv), F16) for n in kl]
+    cq, ck = cu(ql), cu(kl)
+    kw = dict(causal=True, window_size=(6, -1))
+    for page in (16, 3):
+        (kc,), table = paged(rng, [k_rows], page)
+        vc = np.zeros(kc.shape[:-1] + (dv,), F16)
+        for b, rows in enumerate(v_rows):
+            for p in range(rows.shape[0]):
+                vc[table[b, p // page], p % page] = rows[p]
+        out, lse, _ = fm.flash_attn_varlen_func(q, kc, vc, cq, ck, max(ql), max(kl), block_table=table,
+                                                return_attn_probs=True, registry=registry, **kw)
+        e_out, e_lse = reference.flash_attn_varlen(q, kc, vc, cq, ck, block_table=table, **kw)
+        assert out.shape == (sum(ql), 2, dv)
+        assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} D={d} Dv={dv} varlen page {page}")
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 111)])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_kvcache_append(registry, rng, d, dv, seqlen_q):
+    """flash_attn_with_kvcache: k [.., D] and v [.., Dv] appended into caches of
+    those widths, then attended (one row: decode; three: prefill), with LSE."""
+    lens = np.array([5, 30], np.int32)
+    cap = 40
+    q = randn(rng, (2, seqlen_q, 4, d), BF16)
+    kn = randn(rng, (2, seqlen_q, 2, d), BF16)
+    vn = randn(rng, (2, seqlen_q, 2, dv), BF16)
+    kc = randn(rng, (2, cap, 2, d), BF16)
+    vc = randn(rng, (2, cap, 2, dv), BF16)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc.copy(), vc.copy(), k=kn, v=vn, cache_seqlens=lens, causal=True)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True,
+                                          return_softmax_lse=True, registry=registry)
+    assert out.shape == (2, seqlen_q, 4, dv)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} kvcache qL={seqlen_q}")
+    for b, n in enumerate(lens):
+        assert (kc[b, n:n + seqlen_q] == kn[b]).all() and (vc[b, n:n + seqlen_q] == vn[b]).all()
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (576, 512)])
+def test_decode(registry, rng, d, dv):
+    """flash_attn_decode over [B, Hkv, cap, D] / [.., Dv] caches; 576/512 runs
+    the decode (D 576 has a decode tile... or is refused by name)."""
+    q = randn(rng, (2, 4, d), F32)
+    kc = randn(rng, (2, 2, 40, d), F16)
+    vc = randn(rng, (2, 2, 40, dv), F16)
+    if d > 512:
+        with pytest.raises(fm.InvalidValueError) as e:
+            fm.flash_attn_decode(q, kc, vc, 33, registry=registry)
+        assert "flash_attn_decode" in str(e.value) and str(d) in str(e.value), str(e.value)
+        return
+    out = fm.flash_attn_decode(q, kc, vc, 33, registry=registry)
+    assert out.shape == (2, 4, dv)
+    assert_close(out, reference.decode(q, kc, vc, 33), F16, f"{registry.backend} decode D={d} Dv={dv}")
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40)])
+def test_prefill(registry, rng, d, dv):
+    """flash_attn_prefill ([B, H, L, D]) causal with q_offset, GQA 2:1; default scale 1/sqrt(D)."""
+    q, k, v = qkv(rng, (1, 2, 7, d), (1, 1, 23, d), dv, BF16)
+    out = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=10, registry=registry)
+    want = reference.attention(q, k, v, causal=True, q_offset=10, scale=1 / np.sqrt(d))
+    assert out.shape == (1, 2, 7, dv)
+    assert_close(out, want, BF16, f"{registry.backend} prefill D={d} Dv={dv}")
+
+
+def test_sim_matches_metal_sim_bits(rng):
+    """The Metal kernels on the simulator and through metal-sim give the same bits."""
+    avail = fm.available_backends()
+    if "sim" not in avail or "metal-sim" not in avail:
+        pytest.skip("needs sim and metal-sim")
+    q, k, v = qkv(rng, (1, 5, 2, 192), (1, 19, 1, 192), 128, BF16)
+    a = fm.flash_attn_func(q, k, v, causal=True, registry="sim")
+    b = fm.flash_attn_func(q, k, v, causal=True, registry="metal-sim")
+    assert_bits_equal(a, b, "sim vs metal-sim D=192 Dv=128")
+
+
+@pytest.mark.parametrize("d,dv", [(576, 512), (512, 128), (300, 64)])
+def test_prefill_pairs_without_a_tile_are_refused_by_name(d, dv):
+    """Unequal dims need both in 1...256 on the prefill kernel: refused naming the function, v and both dims."""
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, (1, 2, 1, d), (1, 4, 1, d), dv, BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_func(q, k, v, registry="cpu")
+    msg = str(e.value)
+    assert "flash_attn_func" in msg and f"v head dim {dv}" in msg and str(d) in msg, msg
+
+
+def test_mismatched_v_and_out_are_refused_by_name():
+    """v must be k's shape but for the head dim; a caller's out must have Dv."""
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, (1, 3, 2, 64), (1, 4, 2, 64), 32, BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_func(q, k, v[:, :3], registry="cpu")
+    assert "flash_attn_func" in str(e.value) and "v shape" in str(e.value), str(e.value)
+    kc = randn(rng, (1, 8, 2, 64), BF16)
+    vc = randn(rng, (1, 8, 2, 32), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_with_kvcache(q, kc, vc, out=np.empty(q.shape, BF16), registry="cpu")
+    assert "flash_attn_with_kvcache" in str(e.value) and "out" in str(e.value), str(e.value)
