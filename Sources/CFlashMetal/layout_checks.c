@@ -24,6 +24,7 @@ FM_AT(SdpaParams, do_causal, 28);
 _Static_assert(sizeof(SdpaExtParams) == 16, "SdpaExtParams is 16 bytes");
 FM_AT(SdpaExtParams, q_offset, 4);
 FM_AT(SdpaExtParams, window, 8);
+FM_AT(SdpaExtParams, head_dim_v, 12);
 _Static_assert(sizeof(FMTensor) == 96, "FMTensor is 96 bytes");
 _Static_assert(sizeof(AttnSeqParams) == 64, "AttnSeqParams is 64 bytes");
 _Static_assert(sizeof(FlashAttnVecSeqParams) == 64, "FlashAttnVecSeqParams is 64 bytes");

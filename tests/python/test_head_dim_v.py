@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+from conftest import BACKENDS
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import assert_out_lse, cu, paged
@@ -128,15 +129,14 @@ def test_prefill(registry, rng, d, dv):
     assert_close(out, want, BF16, f"{registry.backend} prefill D={d} Dv={dv}")
 
 
-def test_sim_matches_metal_sim_bits(rng):
-    """The Metal kernels on the simulator and through metal-sim give the same bits."""
-    avail = fm.available_backends()
-    if "sim" not in avail or "metal-sim" not in avail:
-        pytest.skip("needs sim and metal-sim")
-    q, k, v = qkv(rng, (1, 5, 2, 192), (1, 19, 1, 192), 128, BF16)
+@pytest.mark.skipif(not {"sim", "metal-sim"} <= set(BACKENDS), reason="needs sim and metal-sim")
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_sim_matches_metal_sim_bits(rng, seqlen_q):
+    """The Metal kernels on the simulator and through metal-sim give the same bits (prefill and decode)."""
+    q, k, v = qkv(rng, (1, seqlen_q, 2, 192), (1, 19, 1, 192), 128, BF16)
     a = fm.flash_attn_func(q, k, v, causal=True, registry="sim")
     b = fm.flash_attn_func(q, k, v, causal=True, registry="metal-sim")
-    assert_bits_equal(a, b, "sim vs metal-sim D=192 Dv=128")
+    assert_bits_equal(a, b, f"sim vs metal-sim D=192 Dv=128 seqlen_q={seqlen_q}")
 
 
 @pytest.mark.parametrize("d,dv", [(576, 512), (512, 128), (300, 64)])

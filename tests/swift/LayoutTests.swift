@@ -55,7 +55,9 @@ final class LayoutTests: XCTestCase {
 
     func testSdpaExtParams() {
         XCTAssertEqual(MemoryLayout<SdpaExtParams>.size, 16)
-        let fields: [(PartialKeyPath<SdpaExtParams>, Int)] = [(\.softcap, 0), (\.q_offset, 4), (\.window, 8)]
+        let fields: [(PartialKeyPath<SdpaExtParams>, Int)] = [
+            (\.softcap, 0), (\.q_offset, 4), (\.window, 8), (\.head_dim_v, 12),
+        ]
         for (kp, off) in fields { XCTAssertEqual(MemoryLayout<SdpaExtParams>.offset(of: kp), off, "\(kp)") }
     }
 }

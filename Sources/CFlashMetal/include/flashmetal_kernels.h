@@ -259,7 +259,7 @@ typedef struct SdpaExtParams {
     float softcap;     /* c > 0; used only with constant 603 */
     int32_t q_offset;  /* absolute position of query row 0 */
     int32_t window;    /* 0 = no window */
-    int32_t _pad;
+    int32_t head_dim_v; /* v's and the output's head dim Dv (SdpaParams.head_dim is q's and k's) */
 } SdpaExtParams;
 
 /* ---- serving extension ---------------------------------------------------
