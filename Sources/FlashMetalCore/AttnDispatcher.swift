@@ -123,11 +123,11 @@ public enum AttnDispatcher {
         try t.k.requireRank([paged || !varlenK ? 4 : 3], op: op, name: kind.kName)
         try PrefillDispatcher.requireIOTypes(q: (t.q, "q"), others: [(t.k, kind.kName), (t.v, kind.vName), (t.out, "out")],
                                              op: op)
-        let headDimV = try Checks.valueShapes(v: t.v, kind.vName, k: t.k, kind.kName, out: t.out, q: t.q, op: op)
         let qs = t.q.shape, ks = t.k.shape
         let (nHeads, headDim) = (qs[qs.count - 2], qs[qs.count - 1])
         let (nKV, kDim) = (ks[ks.count - 2], ks[ks.count - 1])
-        try Checks.sameDim("head_dim", kDim, of: kind.kName, as: headDim, of: "q", op: op)
+        let headDimV = try Checks.valueShapes(v: t.v, kind.vName, k: t.k, kind.kName, out: t.out, q: t.q, op: op,
+                                              kDim: kDim, qDim: headDim)
         let tileDim = try PrefillCapability.tileDim(headDim: headDim, headDimV: headDimV, op: op, vName: kind.vName)
         let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: tileDim, op: op)
         try Checks.heads(nHeads, kvHeads: nKV, of: kind.kName, op: op, kvHeadsArg: "q")

@@ -108,9 +108,9 @@ public enum PrefillDispatcher {
         let (kBatch, nKV, capacity, kDim) = seq
             ? (t.k.shape[0], t.k.shape[2], t.k.shape[1], t.k.shape[3])
             : (t.k.shape[0], t.k.shape[1], t.k.shape[2], t.k.shape[3])
-        let headDimV = try Checks.valueShapes(v: t.v, "v", k: t.k, "k", out: t.out, q: t.q, op: op)
+        let headDimV = try Checks.valueShapes(v: t.v, "v", k: t.k, "k", out: t.out, q: t.q, op: op, kDim: kDim,
+                                              qDim: headDim)
         try Checks.sameDim("batch", kBatch, of: "k", as: batch, of: "q", op: op)
-        try Checks.sameDim("head_dim", kDim, of: "k", as: headDim, of: "q", op: op)
         try Checks.heads(nHeads, kvHeads: nKV, of: "k", op: op, kvHeadsArg: "k")
         try Checks.positive("q_len", qL, op: op, arg: "q")
         try Checks.positive("the cache capacity", capacity, op: op, arg: "k")

@@ -75,9 +75,8 @@ public enum SdpaDispatcher {
         for (x, n) in [(k, "k"), (v, "v"), (out, "out")] { try Checks.sameDType(x, n, as: q, "q", op: op) }
         let (b, h, qL, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (kb, hkv, cap, kd) = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
-        let dv = try Checks.valueShapes(v: v, "v", k: k, "k", out: out, q: q, op: op)
+        let dv = try Checks.valueShapes(v: v, "v", k: k, "k", out: out, q: q, op: op, kDim: kd, qDim: d)
         try Checks.sameDim("batch", kb, of: "k", as: b, of: "q", op: op)
-        try Checks.sameDim("head_dim", kd, of: "k", as: d, of: "q", op: op)
         try Checks.positive("head_dim", d, op: op, arg: "q")
         if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)", arg: "q") }
         try Checks.positive("the head dim of v", dv, op: op, arg: "v")

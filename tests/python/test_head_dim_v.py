@@ -162,3 +162,38 @@ def test_mismatched_v_and_out_are_refused_by_name():
     with pytest.raises(fm.InvalidValueError) as e:
         fm.flash_attn_with_kvcache(q, kc, vc, out=np.empty(q.shape, BF16), registry="cpu")
     assert "flash_attn_with_kvcache" in str(e.value) and "out" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("d,dv,ql", [(192, 128, 1), (192, 128, 40), (40, 59, 33), (576, 512, 3), (64, 300, 2)])
+def test_dropin(registry, rng, d, dv, ql):
+    """scaled_dot_product_attention with value's own head dim (torch's Ev != E):
+    decode or prefill on the tile of max(D, Ev), the general kernel past it."""
+    q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
+    route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
+    tiled = max(d, dv) <= 256
+    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql == 1 else "flash_attn_prefill"), route
+    out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
+    want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
+    assert out.shape == (1, 2, ql, dv)
+    assert_close(out, want, BF16, f"{registry.backend} drop-in D={d} Ev={dv} qL={ql}")
+
+
+def test_dropin_masked_decode_key_ranges(registry, rng):
+    """One query row with a left-padding bool mask: the serving decode over each row's key range, Ev != E."""
+    q, k, v = qkv(rng, (2, 4, 1, 192), (2, 2, 30, 192), 128, F16)
+    keep = np.ones((2, 1, 1, 30), bool)
+    keep[0, :, :, :7] = False
+    out = fm.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True, registry=registry)
+    assert fm.last_route().kernel == "flash_attn_vec"
+    assert_close(out, reference.attention(q, k, v, mask=keep), F16, f"{registry.backend} masked decode")
+
+
+@pytest.mark.parametrize("d,dv", [(576, 512), (96, 40)])
+def test_sdpa_general_kernel(registry, rng, d, dv):
+    """The general kernel: v and out of their own head dim, with the extension (window, softcap) and without."""
+    q, k, v = qkv(rng, (1, 2, 3, d), (1, 1, 9, d), dv, F16)
+    out = fm.sdpa(q, k, v, causal=True, registry=registry)
+    assert_close(out, reference.attention(q, k, v, causal=True, q_offset=6), F16, f"{registry.backend} sdpa")
+    out = fm.sdpa(q, k, v, causal=True, window=4, softcap=3.0, registry=registry)
+    want = reference.attention(q, k, v, causal=True, q_offset=6, window=4, softcap=3.0)
+    assert_close(out, want, F16, f"{registry.backend} sdpa window softcap")
