@@ -22,10 +22,11 @@ func tileHeadDim(_ d: Int, tiles: [Int]) -> Int? {
     return tiles.contains(d) ? d : nil
 }
 
-/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or 512, got 300".
+/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or
+/// 512, got 300" ("1...256, 512 or 576" where two tiles lie above).
 func headDimMessage(_ d: Int, tiles: [Int]) -> String {
     let above = tiles.filter { $0 > maxPaddedHeadDim }
-    let extra = above.isEmpty ? "" : " or " + oneOf(above)
+    let extra = above.isEmpty ? "" : (above.count == 1 ? " or " : ", ") + oneOf(above)
     return "head_dim must be in 1...\(maxPaddedHeadDim)\(extra), got \(d)"
 }
 
@@ -141,8 +142,10 @@ public enum MaskBuilderCapability {
 public enum VecCapability {
     /// Head dims (tile widths) of the decode and the plain reduce kernels. Each lane of the
     /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
-    /// is not a multiple of 32: 80); threadgroup memory pads D to 128.
-    public static let headDims = [64, 80, 96, 128, 192, 256, 512]
+    /// is not a multiple of 32: 80); threadgroup memory pads D to 128. 576 is
+    /// MLA's latent-plus-rotary q/k width (its v, the latent, is 512): the
+    /// decode of q/k 576 over v 512 runs the 576 tile, its reduce the 512 one.
+    public static let headDims = [64, 80, 96, 128, 192, 256, 512, 576]
     /// The tile width whose kernels run head dim `d`, or nil when none does.
     public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
     /// Head dims of the FWHT-undo reduce: the Hadamard transform needs a power of two.

@@ -4,8 +4,10 @@ call, flash_attn_prefill) and decode (flash_attn_decode, the one-row serving
 route), every backend, against the float64 references. The kernels run the
 tile of max(D, Dv) with both dims in their params: Q/K loads stop at D, V
 loads and the output at Dv; the default scale is 1/sqrt(D) (q's). Pairs
-192/128 (MLA prefill), 128/192 and odd ones up to 256; 576/512 (MLA decode
-over the latent cache) has no prefill tile and is refused there by name."""
+192/128 (MLA prefill), 128/192 and odd ones up to 256 everywhere; 576/512
+(MLA decode over the latent cache) on the decode's 576 tile and the general
+sdpa kernel; the tiled prefill refuses it by name (both dims must be in
+1...256 when they differ)."""
 from __future__ import annotations
 
 import numpy as np
@@ -102,21 +104,42 @@ def test_kvcache_append(registry, rng, d, dv, seqlen_q):
         assert (kc[b, n:n + seqlen_q] == kn[b]).all() and (vc[b, n:n + seqlen_q] == vn[b]).all()
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (576, 512)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (576, 512), (64, 111), (512, 64)])
 def test_decode(registry, rng, d, dv):
-    """flash_attn_decode over [B, Hkv, cap, D] / [.., Dv] caches; 576/512 runs
-    the decode (D 576 has a decode tile... or is refused by name)."""
+    """flash_attn_decode over [B, Hkv, cap, D] / [.., Dv] caches, GQA 2:1 (two
+    heads share a threadgroup's staged K/V): 576/512 on the 576 tile."""
     q = randn(rng, (2, 4, d), F32)
     kc = randn(rng, (2, 2, 40, d), F16)
     vc = randn(rng, (2, 2, 40, dv), F16)
-    if d > 512:
-        with pytest.raises(fm.InvalidValueError) as e:
-            fm.flash_attn_decode(q, kc, vc, 33, registry=registry)
-        assert "flash_attn_decode" in str(e.value) and str(d) in str(e.value), str(e.value)
-        return
     out = fm.flash_attn_decode(q, kc, vc, 33, registry=registry)
     assert out.shape == (2, 4, dv)
     assert_close(out, reference.decode(q, kc, vc, 33), F16, f"{registry.backend} decode D={d} Dv={dv}")
+
+
+@pytest.mark.parametrize("page", [16, 5])
+def test_kvcache_mla_decode_paged(registry, rng, page):
+    """MLA's decode: q/k 576 over v 512 in paged caches (page sizes 16 and 5),
+    appending one row, sinks, softcap and LSE; the prefill of that pair
+    (seqlen_q > 1) is refused by name."""
+    lens = np.array([9, 23], np.int32)
+    q = randn(rng, (2, 1, 8, 576), BF16)
+    kn, vn = randn(rng, (2, 1, 1, 576), BF16), randn(rng, (2, 1, 1, 512), BF16)
+    k_rows = [randn(rng, (int(n), 1, 576), BF16) for n in lens]
+    (kc,), table = paged(rng, [k_rows], page, room=1)
+    vc = randn(rng, kc.shape[:-1] + (512,), BF16)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    kw = dict(causal=True, softcap=20.0, sinks=sinks)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc.copy(), vc.copy(), k=kn, v=vn, cache_seqlens=lens,
+                                                block_table=table, **kw)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                          return_softmax_lse=True, registry=registry, **kw)
+    assert out.shape == (2, 1, 8, 512)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} MLA decode page {page}")
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_with_kvcache(np.concatenate([q, q], axis=1), kc, vc, cache_seqlens=lens, block_table=table,
+                                   registry=registry)
+    msg = str(e.value)
+    assert "flash_attn_with_kvcache" in msg and "v_cache head dim 512" in msg and "576" in msg, msg
 
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (59, 40)])
