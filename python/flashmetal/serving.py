@@ -70,7 +70,10 @@ def flash_attn_func(
             query head h reads kv head ``h // (H // Hkv)``). Or a QuantizedKV
             of leading shape ``[B, seqlen_k, Hkv]`` for either or both (the
             other side a dense cache of float32/float16/bfloat16): attention
-            reads the codes (q of any float dtype; no ALiBi).
+            reads the codes (q of any float dtype; no ALiBi). v may have a
+            head dim Dv of its own (flash-attn's head_dim_v; out then has
+            Dv): unequal dims both in 1...256, or for one query row any pair
+            the decode runs (576 over 512: MLA's latent cache).
         dropout_p: must be 0.0 (inference only).
         softmax_scale: score scale; default ``1/sqrt(D)``.
         causal: bottom-right causal mask.
@@ -91,7 +94,7 @@ def flash_attn_func(
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
-        out ``[B, seqlen_q, H, D]`` like q, or ``(out, softmax_lse [B, H,
+        out ``[B, seqlen_q, H, Dv]`` like q, or ``(out, softmax_lse [B, H,
         seqlen_q] float32, S_dmask)`` with return_attn_probs; the caller's
         array type (torch in, torch out).
     """
@@ -230,7 +233,8 @@ def flash_attn_with_kvcache(
             allowed); longer blocks the prefill kernel (bfloat16, float16,
             float32 up to D 256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
-            Hkv, D]`` with block_table. Or both QuantizedKV (KVCodec.empty of
+            Hkv, D]`` with block_table; v_cache (and v) may have a head dim
+            Dv of its own, as in flash_attn_func (out then has Dv). Or both QuantizedKV (KVCodec.empty of
             leading shape ``[B, cap, Hkv]`` or ``[num_pages, page_size, Hkv]``;
             K and V widths and seeds may differ): k/v are then encoded into
             the codes and the attention reads the codes (q converted to

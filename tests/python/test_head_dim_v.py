@@ -220,3 +220,13 @@ def test_sdpa_general_kernel(registry, rng, d, dv):
     out = fm.sdpa(q, k, v, causal=True, window=4, softcap=3.0, registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=6, window=4, softcap=3.0)
     assert_close(out, want, F16, f"{registry.backend} sdpa window softcap")
+
+
+def test_packed_forms_say_k_and_v_share_a_head_dim():
+    """A packed kv cannot hold v of another head dim; a malformed one's error says so."""
+    rng = np.random.default_rng(0)
+    q = randn(rng, (1, 4, 2, 64), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_kvpacked_func(q, randn(rng, (1, 4, 3, 2, 64), BF16), registry="cpu")
+    msg = str(e.value)
+    assert msg.startswith("flash_attn_kvpacked_func: ") and "k and v share its head dim" in msg, msg
