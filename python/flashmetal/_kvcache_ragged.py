@@ -128,8 +128,8 @@ def layout(qa: np.ndarray, ka: np.ndarray | None, va: np.ndarray | None, cu_seql
             cu_k = cu_seqlens(cu_seqlens_k_new, "cu_seqlens_k_new", batch=batch, total=ka.shape[0], total_name="k",
                               exact=True)
             k, v = ka, va
-        if v.shape != k.shape:
-            raise _error(f"v shape {list(va.shape)} must equal k shape {list(ka.shape)}", "v")
+        if v.shape[:-1] != k.shape[:-1] or v.ndim != k.ndim:  # v may have a head dim of its own
+            raise _error(f"v shape {list(va.shape)} must equal k shape {list(ka.shape)} but for the head dim", "v")
     return Ragged(batch, cu_q, cu_k, q, k, v, max_q, dense_q)
 
 

@@ -230,3 +230,64 @@ def test_packed_forms_say_k_and_v_share_a_head_dim():
         fm.flash_attn_kvpacked_func(q, randn(rng, (1, 4, 3, 2, 64), BF16), registry="cpu")
     msg = str(e.value)
     assert msg.startswith("flash_attn_kvpacked_func: ") and "k and v share its head dim" in msg, msg
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("mode", ["leftpad", "batch_idx"])
+def test_kvcache_rotary_leftpad_batch_idx(registry, rng, seqlen_q, mode):
+    """Rotary in the append (q and k rotated over D, v of 128 untouched) with
+    cache_leftpad or cache_batch_idx, D=192 over Dv=128, causal, GQA 2:1."""
+    d, dv, cap, b = 192, 128, 24, 2
+    lens = np.array([6, 11], np.int32)
+    q = randn(rng, (b, seqlen_q, 4, d), BF16)
+    kn, vn = randn(rng, (b, seqlen_q, 2, d), BF16), randn(rng, (b, seqlen_q, 2, dv), BF16)
+    angle = rng.random((cap, 32)) * 2 * np.pi  # rotary_dim 64 < D: partial rotary
+    cos, sin = np.cos(angle).astype(F32), np.sin(angle).astype(F32)
+    extra: dict = {}
+    if mode == "batch_idx":
+        idx = np.array([2, 0], np.int32)
+        kc, vc = randn(rng, (3, cap, 2, d), BF16), randn(rng, (3, cap, 2, dv), BF16)
+        extra["cache_batch_idx"] = idx
+        kr, vr = kc[idx].copy(), vc[idx].copy()
+        first = None
+    else:
+        kc, vc = randn(rng, (b, cap, 2, d), BF16), randn(rng, (b, cap, 2, dv), BF16)
+        first = np.array([2, 0], np.int32)
+        extra["cache_leftpad"] = first
+        kr, vr = kc.copy(), vc.copy()
+    k_ro = reference.apply_rotary_emb(kn, cos, sin, lens, interleaved=False).astype(BF16)
+    q_ro = reference.apply_rotary_emb(q, cos, sin, lens, interleaved=False)
+    q_ro = q_ro.astype(F32 if seqlen_q == 1 else BF16)
+    e_out, e_lse = reference.flash_attn_kvcache(q_ro, kr, vr, k=k_ro, v=vn, cache_seqlens=lens, causal=True,
+                                                cache_leftpad=first)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+                                          rotary_interleaved=False, causal=True, return_softmax_lse=True,
+                                          registry=registry, **extra)
+    assert out.shape == (b, seqlen_q, 4, dv)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} rotary {mode} qL={seqlen_q}")
+
+
+def test_kvcache_ragged_queries_and_new_keys(registry, rng):
+    """cu_seqlens_q / cu_seqlens_k_new with D=40 over Dv=59: each sequence's new
+    rows appended into caches of their own widths, then the varlen prefill."""
+    d, dv, cap = 40, 59, 20
+    q_lens, new = [2, 1, 3], [1, 2, 0]
+    cq, ck = cu(q_lens), cu(new)
+    lens = np.array([4, 0, 9], np.int32)
+    q = randn(rng, (int(cq[-1]), 2, d), F16)
+    kn, vn = randn(rng, (int(ck[-1]), 1, d), F16), randn(rng, (int(ck[-1]), 1, dv), F16)
+    kc, vc = randn(rng, (3, cap, 1, d), F16), randn(rng, (3, cap, 1, dv), F16)
+    e_k, e_v = kc.copy(), vc.copy()
+    for s in range(3):
+        e_k[s, lens[s]:lens[s] + new[s]] = kn[ck[s]:ck[s + 1]]
+        e_v[s, lens[s]:lens[s] + new[s]] = vn[ck[s]:ck[s + 1]]
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, cu_seqlens_q=cq, cu_seqlens_k_new=ck,
+                                          max_seqlen_q=3, causal=True, return_softmax_lse=True, registry=registry)
+    np.testing.assert_array_equal(kc, e_k)
+    np.testing.assert_array_equal(vc, e_v)
+    n = lens + np.array(new)
+    e_out, e_lse = reference.flash_attn_varlen(q, np.concatenate([e_k[s, :n[s]] for s in range(3)]),
+                                               np.concatenate([e_v[s, :n[s]] for s in range(3)]), cq, cu(list(n)),
+                                               causal=True)
+    assert out.shape == (int(cq[-1]), 2, dv)
+    assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} ragged kvcache D=40 Dv=59")
