@@ -150,10 +150,11 @@ public enum PrefillDispatcher {
             try b.requireDType([.u8], op: op, name: "blk")
             if b.shape != [tiles.nq, tiles.nk] {
                 throw FlashMetalError.value(
-                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(tileDim) "
+                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) "
                         + "and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
             }
-            try BlkAllocations.requireMadeFor(b, headDim: tileDim, qL: qL, kL: kL, op: op, name: "blk")
+            // Built for q's head dim (as the caller names it): every dim up to 256 has the same tiles.
+            try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)

@@ -291,3 +291,31 @@ def test_kvcache_ragged_queries_and_new_keys(registry, rng):
                                                causal=True)
     assert out.shape == (int(cq[-1]), 2, dv)
     assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} ragged kvcache D=40 Dv=59")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])
+def test_prefill_masks_and_float32(registry, rng, dtype):
+    """flash_attn_prefill at 192/128 with a [qL, kL] additive mask (-inf blocks,
+    finite biases: the auto-blk tile skip runs) and a bool mask, float32 on its own tiles too."""
+    q, k, v = qkv(rng, (1, 2, 40, 192), (1, 2, 48, 192), 128, dtype)
+    add = np.where(rng.random((40, 48)) < 0.3, -np.inf, rng.choice([0.0, 0.5, -2.0], (40, 48)))
+    add[:16, :32] = -np.inf
+    mask = add.astype(dtype)
+    out = fm.flash_attn_prefill(q, k, v, mask=mask, registry=registry)
+    assert_close(out, reference.attention(q, k, v, mask=mask), dtype, f"{registry.backend} additive {dtype}")
+    keep = rng.random((40, 48)) < 0.6
+    out = fm.flash_attn_prefill(q, k, v, mask=keep, causal=True, q_offset=8, registry=registry)
+    want = reference.attention(q, k, v, mask=keep, causal=True, q_offset=8)
+    assert_close(out, want, dtype, f"{registry.backend} bool causal {dtype}")
+
+
+def test_prefill_with_a_built_blk(registry, rng):
+    """A blk built for q's head dim serves v of another (both tiles 32 x 16), bit-identical to no blk."""
+    q, k, v = qkv(rng, (1, 2, 40, 128), (1, 2, 48, 128), 192, BF16)
+    add = np.zeros((40, 48))
+    add[:16, :32] = -np.inf
+    mask = add.astype(BF16)
+    blk = fm.build_blk(mask, head_dim=128, registry=registry)
+    with_blk = fm.flash_attn_prefill(q, k, v, mask=mask, blk=blk, registry=registry)
+    assert_bits_equal(with_blk, fm.flash_attn_prefill(q, k, v, mask=mask, registry=registry), "blk vs none")
+    assert_close(with_blk, reference.attention(q, k, v, mask=mask), BF16, f"{registry.backend} blk")
