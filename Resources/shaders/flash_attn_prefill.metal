@@ -680,7 +680,8 @@ inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const
            + (w.s.q_start + q_row) * sb.sp->lse_strides[2];
 }
 
-// D <= 256: the O accumulator in registers (Os unused).
+// D <= 256: the O accumulator in registers (Os unused). Q and K columns past
+// p.D and V columns past p.Dv (v's head dim) load as zeros; BD >= max(D, Dv).
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
@@ -752,9 +753,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (split_pages) {
             load_tile_paged<T, BK, BD, LDW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh, k0, 0,
-                                                     w.s.k_len - k0, p.D, tid);
+                                                     w.s.k_len - k0, p.Dv, tid);
         } else {
-            load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, p.D, tid);
+            load_tile<T, BK, BD, LDW, THREADS>(KVs, Vt, p.V_strides[2], 0, w.s.k_len - k0, align_K, p.Dv, tid);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -775,9 +776,9 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
         device T *out_row = w.Ob + q_row * p.O_strides[2];
         FA_UNROLL
         for (int d = 0; d < TD; d++) {
-            const int c = d * 8 + fc;  // columns at or past the true D are padding: not stored
-            if (c < p.D) out_row[c] = T(acc[d].thread_elements()[0] * inv);
-            if (c + 1 < p.D) out_row[c + 1] = T(acc[d].thread_elements()[1] * inv);
+            const int c = d * 8 + fc;  // columns at or past v's head dim Dv are padding: not stored
+            if (c < p.Dv) out_row[c] = T(acc[d].thread_elements()[0] * inv);
+            if (c + 1 < p.Dv) out_row[c + 1] = T(acc[d].thread_elements()[1] * inv);
         }
     }
 }

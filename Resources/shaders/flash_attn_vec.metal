@@ -60,7 +60,10 @@
 // The kernels are instantiated for tile widths D; a head dim DR < D (any
 // DR <= 256: FlashAttnVecParams.head_dim, FlashAttnVecReduceParams.head_dim)
 // runs the next tile up. Elements at or past DR load as zeros and are never
-// stored; q, tmp and the plain K/V rows are DR elements apart. A DR off the
+// stored; q and the plain K rows are DR elements apart. V has a head dim DV
+// of its own (FlashAttnVecParams.head_dim_v, <= D; the reduce's head_dim is
+// DV): V loads stop at DV, and tmp's partials and the plain V rows are DV
+// elements apart. A DR off the
 // vector width makes the host set 506 (its rows are off vector boundaries);
 // a lane's vector that straddles DR moves element by element.
 //
@@ -365,9 +368,10 @@ kernel void flash_attn_vec(
     // strides of K and V. Without vec_seq the call is one sequence of B * Hkv kv heads.
     long b = 0;
     long g = row / gqa;
-    const int DR = int(p.head_dim);  // the true head dim, <= D
+    const int DR = int(p.head_dim);     // q's and k's head dim, <= D
+    const int DV = int(p.head_dim_v);   // v's and the output's, <= D
     long ks[3] = {0, long(p.kv_capacity) * DR, DR};
-    long vs[3] = {0, long(p.kv_capacity) * DR, DR};
+    long vs[3] = {0, long(p.kv_capacity) * DV, DV};
     if (vec_seq) {
         b = row / long(p.n_heads);
         g = (row % long(p.n_heads)) / gqa;
@@ -474,7 +478,7 @@ kernel void flash_attn_vec(
         if (hg == 1) {
             for (int j = j0; j < j1; j++) {
                 const float pj = probs[j];
-                vec_row_device<KV, D>(x, v + vec_key_offset(voff, c, j, b, g, seq, table, vs), lane, DR);
+                vec_row_device<KV, D>(x, v + vec_key_offset(voff, c, j, b, g, seq, table, vs), lane, DV);
                 for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
             }
         } else {
@@ -482,11 +486,11 @@ kernel void flash_attn_vec(
                 const int a = max(j0, s0), z = min(j1, s0 + RS);
                 if (a >= z) continue;
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
-                vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, DR, tid, tpg.x);
+                vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, DV, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int j = a; j < z; j++) {
                     const float pj = probs[j];
-                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane, DR);
+                    vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane, DV);
                     for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);
                 }
             }
@@ -494,21 +498,21 @@ kernel void flash_attn_vec(
         simdgroup_barrier(mem_flags::mem_threadgroup);  // probs is rewritten next chunk
     }
 
-    device float *o_part = tmp + (row * nwg + wg) * DR;
+    device float *o_part = tmp + (row * nwg + wg) * DV;
     for (int i = 0; i < NV; i++) {
         const int e0 = VW * (int(lane) + 32 * i);
-        if (!vec_lane_vec<D>(lane, i) || e0 >= DR) continue;
-        if (e0 + VW <= DR) {
+        if (!vec_lane_vec<D>(lane, i) || e0 >= DV) continue;
+        if (e0 + VW <= DV) {
             vec_store<VW>(o_part + e0, o + VW * i);
         } else {
             for (int t = 0; t < VW; t++) {
-                if (e0 + t < DR) o_part[e0 + t] = o[VW * i + t];
+                if (e0 + t < DV) o_part[e0 + t] = o[VW * i + t];
             }
         }
     }
     if (lane == 0) {
         const float sm[2] = {s_sum, m * VEC_LN2};  // M in natural-log units, like the cpu kernel
-        vec_store<2>(tmp + nrows * nwg * DR + (row * nwg + wg) * 2, sm);
+        vec_store<2>(tmp + nrows * nwg * DV + (row * nwg + wg) * 2, sm);
     }
 }
 
@@ -658,6 +662,7 @@ INSTANTIATE_KERNEL("flash_attn_vec_dk128", flash_attn_vec, float, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_dk192", flash_attn_vec, float, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_dk256", flash_attn_vec, float, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_dk512", flash_attn_vec, float, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_dk576", flash_attn_vec, float, 576)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk64", flash_attn_vec, half, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk80", flash_attn_vec, half, 80)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk96", flash_attn_vec, half, 96)
@@ -665,6 +670,7 @@ INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk128", flash_attn_vec, half, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk192", flash_attn_vec, half, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk256", flash_attn_vec, half, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk512", flash_attn_vec, half, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_f16kv_dk576", flash_attn_vec, half, 576)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk64", flash_attn_vec, bfloat, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk80", flash_attn_vec, bfloat, 80)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk96", flash_attn_vec, bfloat, 96)
@@ -672,6 +678,7 @@ INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk128", flash_attn_vec, bfloat, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk192", flash_attn_vec, bfloat, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk256", flash_attn_vec, bfloat, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk512", flash_attn_vec, bfloat, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_bf16kv_dk576", flash_attn_vec, bfloat, 576)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk64", flash_attn_vec_reduce, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk80", flash_attn_vec_reduce, 80)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk96", flash_attn_vec_reduce, 96)
@@ -679,6 +686,7 @@ INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk128", flash_attn_vec_reduce, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk192", flash_attn_vec_reduce, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk256", flash_attn_vec_reduce, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk512", flash_attn_vec_reduce, 512)
+INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk576", flash_attn_vec_reduce, 576)
 // The FWHT undo needs a power-of-two D: no 80, 96 or 192 (VecCapability.fwhtHeadDims).
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk64", flash_attn_vec_reduce_tq_hb_undo, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk128", flash_attn_vec_reduce_tq_hb_undo, 128)

@@ -47,10 +47,11 @@ kernel void kv_append(
     }
     dst += g * p.cache_strides[2];
     const long src = b * p.new_strides[0] + i * p.new_strides[1] + g * p.new_strides[2];
-    for (long d = tid; d < long(p.head_dim); d += long(tpg.x)) {
-        k_cache[dst + d] = k_new[src + d];
-        v_cache[dst + d] = v_new[src + d];
-    }
+    for (long d = tid; d < long(p.head_dim); d += long(tpg.x)) k_cache[dst + d] = k_new[src + d];
+    // v's rows: the same row index, head_dim_v elements each (every stride is a multiple of head_dim).
+    const long dk = long(p.head_dim), dv = long(p.head_dim_v);
+    const long vsrc = src / dk * dv, vdst = dst / dk * dv;
+    for (long d = tid; d < dv; d += long(tpg.x)) v_cache[vdst + d] = v_new[vsrc + d];
 }
 
 INSTANTIATE_KERNEL("kv_append_f32", kv_append, float, uint)

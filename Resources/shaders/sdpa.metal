@@ -17,8 +17,8 @@
 // it walks the keys once per block of SDPA_DB dims, recomputing the same
 // scores (bit for bit), so every block sees the same running max and sum.
 //
-// Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; f32, f16
-// or bf16), 4 SdpaParams; with a mask: 5 AttnMaskParams
+// Buffers: 0 Q, 1 K, 2 V, 3 O ([B, H, qL, D] / [B, Hkv, cap, D]; V and O
+// with SdpaExtParams.head_dim_v in place of D; f32, f16 or bf16), 4 SdpaParams; with a mask: 5 AttnMaskParams
 // (batch, head, row strides), 6 an additive mask in T (constant 601) or
 // 7 a bool mask, true = attend (constant 600). The mask is added to the
 // scaled score before the exp2-domain scaling, as in prefill. 8
@@ -64,7 +64,8 @@ kernel void sdpa(
     constant SdpaExtParams *ext [[buffer(8), function_constant(sdpa_ext)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup)) {
-    const long D = p.head_dim;
+    const long D = p.head_dim;                                  // q's and k's
+    const long DV = sdpa_ext ? long(ext->head_dim_v) : D;       // v's and the output's
     const long q_len = p.seq_len;
     const long kv_len = p.kv_seq_len;
     const long cap = p.kv_capacity != 0 ? long(p.kv_capacity) : kv_len;
@@ -75,11 +76,11 @@ kernel void sdpa(
 
     const long heads = p.n_heads;
     const long kvh = h / (heads / long(p.n_kv_heads));
-    const long q_off = ((b * heads + h) * q_len + r) * D;
-    const device T *qr = Q + q_off;
+    const long row = (b * heads + h) * q_len + r;
+    const device T *qr = Q + row * D;
     const device T *kb = K + (b * long(p.n_kv_heads) + kvh) * cap * D;
-    const device T *vb = V + (b * long(p.n_kv_heads) + kvh) * cap * D;
-    device T *orow = O + q_off;
+    const device T *vb = V + (b * long(p.n_kv_heads) + kvh) * cap * DV;
+    device T *orow = O + row * DV;
 
     long mask_row = 0;  // element offset of this row in the mask
     if (sdpa_has_mask) mask_row = b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2];
@@ -92,8 +93,8 @@ kernel void sdpa(
     if (sdpa_ext && ext->window > 0) begin = max(begin, t - long(ext->window) + 1);
     const float cap_c = sdpa_ext && sdpa_softcap ? ext->softcap : 0.0f;
 
-    for (long d0 = 0; d0 < D; d0 += SDPA_DB) {
-        const int nb = int(min(long(SDPA_DB), D - d0));
+    for (long d0 = 0; d0 < DV; d0 += SDPA_DB) {
+        const int nb = int(min(long(SDPA_DB), DV - d0));
         float acc[SDPA_DB];
         for (int i = 0; i < SDPA_DB; i++) acc[i] = 0.0f;
         float m = FM_RUNNING_MAX_START;
@@ -114,7 +115,7 @@ kernel void sdpa(
             const float pj = exp2(s - m_new);
             l = l * factor + pj;
             m = m_new;
-            const device T *vr = vb + j * D + d0;
+            const device T *vr = vb + j * DV + d0;
             for (int i = 0; i < SDPA_DB; i++) {
                 if (i < nb) acc[i] = fma(pj, float(vr[i]), acc[i] * factor);
             }

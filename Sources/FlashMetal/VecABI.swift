@@ -33,8 +33,8 @@ public func fm_dispatch_vec(
             return
         }
         // Sized from validated shapes; the full validation runs in makeDispatches.
-        let s = try VecDispatcher.shapes(q: qt, k: kt, kName: kName)
-        try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDim)) { tmp in
+        let s = try VecDispatcher.shapes(q: qt, k: kt, v: v, kName: kName, vName: vName)
+        try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: s.rows, headDim: s.headDimV)) { tmp in
             try reg.run(VecDispatcher.makeDispatches(tensors(tmp), o), op: op)
         }
     }

@@ -46,8 +46,8 @@ public func fm_dispatch_vec_seq(
                 return
             }
             // Sized from validated shapes; the full validation runs in makeDispatches.
-            let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, blockTable: table, kName: kName)
-            try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDim)) { scratch in
+            let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
+            try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
                 try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
             }
         }

@@ -186,7 +186,9 @@ final class SdpaFastPath {
         var a = FMPrefillArgs()
         a.p.B = Int32(d.grid.x)
         a.p.H = Int32(H)
+        let Dv = Int64(ext?.head_dim_v ?? Int32(D))  // v's and the output's head dim
         a.p.D = Int32(D)
+        a.p.Dv = Int32(Dv)
         a.p.qL = Int32(qL)
         a.p.kL = Int32(kL)
         a.p.gqa_factor = Int32(H / Hkv)
@@ -201,9 +203,9 @@ final class SdpaFastPath {
             a.seq.sp.window_right = -1
         }
         a.p.Q_strides = (H * qL * D, qL * D, D)
-        a.p.O_strides = a.p.Q_strides
+        a.p.O_strides = (H * qL * Dv, qL * Dv, Dv)
         a.p.K_strides = (Hkv * cap * D, cap * D, D)
-        a.p.V_strides = a.p.K_strides
+        a.p.V_strides = (Hkv * cap * Dv, cap * Dv, Dv)
         a.bq = 64
         a.bk = 64
         a.io_dtype = DType.f32.rawValue

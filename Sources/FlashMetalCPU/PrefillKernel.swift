@@ -44,8 +44,9 @@ final class PrefillKernel: CPUKernel {
             a.blk = UnsafePointer(try d.buffer(PrefillBuffer.blk).data.assumingMemoryBound(to: UInt8.self))
         }
         a.seq = try serving.bind(d)
-        guard let geo = PrefillGeometry.forHeadDim(Int(a.p.D)) else {
-            throw FlashMetalError.internalError("\(name): no tile geometry for D=\(a.p.D)")
+        let width = max(a.p.D, a.p.Dv)  // q/k's and v's head dims share the tile of the larger
+        guard let geo = PrefillGeometry.forHeadDim(Int(width)) else {
+            throw FlashMetalError.internalError("\(name): no tile geometry for D=\(a.p.D), Dv=\(a.p.Dv)")
         }
         a.bq = Int32(geo.bq)
         a.bk = Int32(geo.bk)
@@ -59,7 +60,7 @@ final class PrefillKernel: CPUKernel {
         // indexes; the grid may be a float32 kernel's finer one.
         let nq = Int(a.p.NQ), heads = d.grid.y
         let items = nq * heads * d.grid.z
-        let floats = fm_cpu_prefill_scratch_floats(a.bq, a.bk, a.p.D)
+        let floats = fm_cpu_prefill_scratch_floats(a.bq, a.bk, width)
         let workers = min(pool.threads, items)
         let scratch = try HostMemory.allocate(Float.self, count: floats * max(workers, 1), op: name,
                                               what: "prefill scratch")

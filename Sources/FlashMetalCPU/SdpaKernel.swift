@@ -41,7 +41,7 @@ final class SdpaKernel: CPUKernel {
         let dtype = io.rawValue
         let (nb, nh, nt) = (d.grid.x, d.grid.y, d.grid.z)
         let tileQ = Int32(d.threadgroup.x)
-        let floats = fm_cpu_sdpa_scratch_floats(Int32(p.head_dim))
+        let floats = fm_cpu_sdpa_scratch_floats(max(Int32(p.head_dim), hasExt ? ext.head_dim_v : 0))
         let workers = max(min(pool.threads, d.grid.count), 1)
         let scratch = try HostMemory.allocate(Float.self, count: floats * workers, op: name, what: "sdpa scratch")
         defer { HostMemory.free(scratch) }

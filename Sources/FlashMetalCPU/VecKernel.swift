@@ -85,8 +85,9 @@ final class VecKernel: CPUKernel {
         let dk = Int64(p.head_dim)
         guard seq else {
             // The plain decode's [(B,) Hkv, cap, D]: batch folded into the heads.
+            let dv = Int64(p.head_dim_v)
             a.k_strides = (0, Int64(p.kv_capacity) * dk, dk)
-            a.v_strides = a.k_strides
+            a.v_strides = (0, Int64(p.kv_capacity) * dv, dv)
             return a
         }
         let sp = try d.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)

@@ -17,11 +17,12 @@ void fm_cpu_kv_append_row(const KVAppendParams *p, const void *k_new, const void
         dst = b * p->cache_strides[0] + t * p->cache_strides[1];
     }
     const int64_t src = b * p->new_strides[0] + i * p->new_strides[1];
-    const size_t row = (size_t)p->head_dim * (size_t)elem_bytes;
+    const size_t row = (size_t)p->head_dim * (size_t)elem_bytes, vrow = (size_t)p->head_dim_v * (size_t)elem_bytes;
     for (int64_t g = 0; g < p->n_kv_heads; g++) {
-        const int64_t s = (src + g * p->new_strides[2]) * elem_bytes;
-        const int64_t d = (dst + g * p->cache_strides[2]) * elem_bytes;
-        memcpy((char *)k_cache + d, (const char *)k_new + s, row);
-        memcpy((char *)v_cache + d, (const char *)v_new + s, row);
+        /* element offsets of k's rows; v's are the same row index, head_dim_v wide */
+        const int64_t s = src + g * p->new_strides[2], d = dst + g * p->cache_strides[2];
+        memcpy((char *)k_cache + d * elem_bytes, (const char *)k_new + s * elem_bytes, row);
+        memcpy((char *)v_cache + d / p->head_dim * p->head_dim_v * elem_bytes,
+               (const char *)v_new + s / p->head_dim * p->head_dim_v * elem_bytes, vrow);
     }
 }

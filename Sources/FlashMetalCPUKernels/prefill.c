@@ -23,7 +23,7 @@
 #include "prefill_seq.h"
 
 size_t fm_cpu_prefill_scratch_floats(int32_t bq, int32_t bk, int32_t d) {
-    /* Qtile, Otile, K tile, V tile, scores, m, l */
+    /* Qtile, Otile, K tile, V tile (rows of d = max(D, Dv) floats), scores, m, l */
     return (size_t)bq * d * 2 + (size_t)bk * d * 2 + (size_t)bk + (size_t)bq * 2;
 }
 
@@ -59,7 +59,9 @@ int64_t fm_cpu_prefill_rows_keys(const FMPrefillArgs *a, int64_t b, int64_t r0, 
 void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qtile,
                          float *scratch) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, bq = a->bq, bk = a->bk;
+    /* Q and K rows hold D values, V and O rows Dv (v's head dim); every
+     * scratch row is W = max(D, Dv) floats apart. */
+    const int32_t D = p->D, Dv = p->Dv, W = D > Dv ? D : Dv, bq = a->bq, bk = a->bk;
     const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
     const int64_t r0 = qtile * bq;
     if (r0 >= sd.qL) return;
@@ -71,10 +73,10 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     const size_t esz = a->io_dtype == FM_DTYPE_F32 ? 4 : 2;
 
     float *Qt = scratch;
-    float *Ot = Qt + (size_t)bq * D;
-    float *Kt = Ot + (size_t)bq * D;
-    float *Vt = Kt + (size_t)bk * D;
-    float *S = Vt + (size_t)bk * D;
+    float *Ot = Qt + (size_t)bq * W;
+    float *Kt = Ot + (size_t)bq * W;
+    float *Vt = Kt + (size_t)bk * W;
+    float *S = Vt + (size_t)bk * W;
     float *M = S + bk;
     float *L = M + bq;
 
@@ -88,8 +90,8 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
     fm_pf_row_keys(a, sd.t0 + r0, &sd, &first_lo, &first_hi);
     fm_pf_row_keys(a, sd.t0 + r0 + nrows - 1, &sd, &last_lo, &last_hi);
     for (int64_t r = 0; r < nrows; r++) {
-        fm_pf_load_row(a, Qt + r * D, q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides), D);
-        for (int32_t d = 0; d < D; d++) Ot[r * D + d] = 0.0f;
+        fm_pf_load_row(a, Qt + r * W, q + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->Q_strides), D);
+        for (int32_t d = 0; d < Dv; d++) Ot[r * W + d] = 0.0f;
         M[r] = FM_M_INIT;
         L[r] = 0.0f;
     }
@@ -106,10 +108,10 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
         }
         const int64_t kc = (sd.kL - c0) < bk ? (sd.kL - c0) : bk;
         for (int64_t j = 0; j < kc; j++) {
-            fm_pf_load_row(a, Kt + j * D,
+            fm_pf_load_row(a, Kt + j * W,
                            k + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->K_strides, a->seq.sp.K_page_stride), D);
-            fm_pf_load_row(a, Vt + j * D,
-                           v + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride), D);
+            fm_pf_load_row(a, Vt + j * W,
+                           v + esz * fm_pf_key_offset(a, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride), Dv);
         }
         for (int64_t r = 0; r < nrows; r++) {
             int64_t lo, hi;
@@ -117,7 +119,7 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
             const void *mrow = mbase ? mbase + msz * (r0 + r) * a->mp.M_strides[2] : NULL;
             float mx = M[r];
             for (int64_t j = 0; j < kc; j++) {
-                float s = p->scale * fm_dot(Qt + r * D, Kt + j * D, D);
+                float s = p->scale * fm_dot(Qt + r * W, Kt + j * W, D);
                 if (softcap > 0) s = softcap * tanhf(s / softcap);
                 if (a->seq.alibi) s += fm_pf_alibi_bias(slope, sd.t0 + r0 + r, c0 + j);
                 int masked = c0 + j < lo || c0 + j > hi;
@@ -132,13 +134,13 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
             }
             const float factor = expf(M[r] - mx);
             float l = L[r] * factor;
-            float *o = Ot + r * D;
-            for (int32_t d = 0; d < D; d++) o[d] *= factor;
+            float *o = Ot + r * W;
+            for (int32_t d = 0; d < Dv; d++) o[d] *= factor;
             for (int64_t j = 0; j < kc; j++) {
                 const float pj = expf(S[j] - mx);
                 l += pj;
-                const float *vj = Vt + j * D;
-                for (int32_t d = 0; d < D; d++) o[d] += pj * vj[d];
+                const float *vj = Vt + j * W;
+                for (int32_t d = 0; d < Dv; d++) o[d] += pj * vj[d];
             }
             M[r] = mx;
             L[r] = l;
@@ -151,13 +153,13 @@ void fm_cpu_prefill_tile(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t q
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
         char *row = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
         uint16_t *dst = (uint16_t *)row;
-        const float *o = Ot + r * D;
+        const float *o = Ot + r * W;
         if (a->io_dtype == FM_DTYPE_F32) {
-            for (int32_t d = 0; d < D; d++) ((float *)row)[d] = o[d] * inv;
+            for (int32_t d = 0; d < Dv; d++) ((float *)row)[d] = o[d] * inv;
         } else if (is_bf16) {
-            for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_bf16(o[d] * inv);
+            for (int32_t d = 0; d < Dv; d++) dst[d] = fm_f32_to_bf16(o[d] * inv);
         } else {
-            for (int32_t d = 0; d < D; d++) dst[d] = fm_f32_to_f16(o[d] * inv);
+            for (int32_t d = 0; d < Dv; d++) dst[d] = fm_f32_to_f16(o[d] * inv);
         }
     }
 }

@@ -15,11 +15,11 @@
  *   bf16 pair panels (FM_PF_BF16DP, bf16 io): K as [KB/CW][DP/2][CW] bf16
  *     pairs, V as column blocks [KB/2][w] bf16 pairs; P is rounded to bf16
  *     (RNE) and the row sum uses the rounded values.
- * DP is the head dim D rounded up to a multiple of 16 (fm_pf_dp): panels,
- * the item's q rows and its O accumulators hold zeros in dims [D, DP), read
- * from nothing past a row's D elements, so the micro-kernels always see whole
+ * DP is max(D, Dv) rounded up to a multiple of 16 (fm_pf_dp): q rows and K
+ * panels hold zeros in dims [D, DP), V panels in [Dv, DP), read from nothing
+ * past a row's D (Dv) elements, so the micro-kernels always see whole
  * vectors; the zeros add exactly +0 to every score, and the output stores
- * stop at D.
+ * stop at Dv.
  * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head of one
  * sequence. Where a sequence's rows and keys are and the key range [lo, hi]
  * each row sees (length, causal, window) come from prefill_seq.h; blocks
@@ -103,23 +103,21 @@ static inline const char *FM_SFX(pf_key)(const FMPrefillArgs *a, const void *bas
 #define FM_PF_PACK_AHEAD 8
 
 static inline int FM_SFX(pf_rows_strided)(const FMPrefillArgs *a) {
-    return a->p.K_strides[2] > a->p.D || a->p.V_strides[2] > a->p.D;
+    return a->p.K_strides[2] > a->p.D || a->p.V_strides[2] > a->p.Dv;
 }
 
 static inline void FM_SFX(pf_prefetch_key)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t p) {
     const char *k = FM_SFX(pf_key)(a, a->k, b, kvh, p, a->p.K_strides, a->seq.sp.K_page_stride);
     const char *v = FM_SFX(pf_key)(a, a->v, b, kvh, p, a->p.V_strides, a->seq.sp.V_page_stride);
-    for (size_t o = 0; o < (size_t)a->p.D * FM_SFX(pf_esz)(a); o += 64) {
-        __builtin_prefetch(k + o);
-        __builtin_prefetch(v + o);
-    }
+    for (size_t o = 0; o < (size_t)a->p.D * FM_SFX(pf_esz)(a); o += 64) __builtin_prefetch(k + o);
+    for (size_t o = 0; o < (size_t)a->p.Dv * FM_SFX(pf_esz)(a); o += 64) __builtin_prefetch(v + o);
 }
 
 /* Packs key block kb of (b, kvh), its kc keys, as panel j. */
 static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                 int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, DP = fm_pf_dp(a);
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a);
     const int64_t c0 = kb * KB;
     float *Kf = (float *)packed + (size_t)j_panel * DP * KB;
     float *Vf = (float *)packed + (size_t)a->panel_blocks * DP * KB + (size_t)j_panel * KB * DP;
@@ -133,7 +131,7 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
                                D, DP, a->io_dtype);
             for (int32_t d = 0; d < DP; d++) kj[(size_t)d * CW] = row[d];
             FM_SFX(pf_cvt_row)(row, FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j, p->V_strides, a->seq.sp.V_page_stride),
-                               D, DP, a->io_dtype);
+                               Dv, DP, a->io_dtype);
         } else {
             for (int32_t d = 0; d < DP; d++) kj[(size_t)d * CW] = 0.0f;
             memset(row, 0, sizeof(float) * DP);
@@ -148,7 +146,7 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
 static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                   int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, DP = fm_pf_dp(a), D2 = DP / 2;
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a), D2 = DP / 2;
     const int64_t c0 = kb * KB;
     uint32_t *Kp = (uint32_t *)packed + (size_t)j_panel * D2 * KB;
     uint32_t *Vp = (uint32_t *)packed + (size_t)a->panel_blocks * D2 * KB + (size_t)j_panel * (KB / 2) * DP;
@@ -173,7 +171,7 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
         for (int32_t d = 0; d < DP; d++) {
             const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(DP, dc);
             Vp[(size_t)dc * (KB / 2) + (size_t)t * w + d - dc] =
-                (uint32_t)(v0 && d < D ? v0[d] : 0) | ((uint32_t)(v1 && d < D ? v1[d] : 0) << 16);
+                (uint32_t)(v0 && d < Dv ? v0[d] : 0) | ((uint32_t)(v1 && d < Dv ? v1[d] : 0) << 16);
         }
     }
 }
@@ -473,7 +471,7 @@ static int FM_SFX(pf_group_softmax)(const FMPrefillArgs *a, float *S, int64_t c0
 void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi, const void *packed,
                         float *scratch) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, DP = fm_pf_dp(a);
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a);
     const int bfp = FM_SFX(pf_bf16_panels)(a);
     const size_t esz = FM_SFX(pf_esz)(a);
     const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
@@ -571,13 +569,13 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
         const float inv = fm_pf_finish_row(a, h, M[r], L[r], exact_lse ? LX[r] : L[r], &lse);
         fm_pf_store_lse(a, &sd, b, h, r0 + r, lse);
         char *dst = (char *)a->o + esz * fm_pf_row_offset(&sd, b, h, r0 + r, p->O_strides);
-        const float *o = O + (size_t)r * DP; /* its first D dims */
+        const float *o = O + (size_t)r * DP; /* its first Dv dims (v's head dim) */
         if (a->io_dtype == FM_DTYPE_F32) {
-            for (int32_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
+            for (int32_t d = 0; d < Dv; d++) ((float *)dst)[d] = o[d] * inv;
         } else if (a->io_dtype == FM_DTYPE_BF16) {
-            for (int32_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = fm_f32_to_bf16(o[d] * inv);
+            for (int32_t d = 0; d < Dv; d++) ((uint16_t *)dst)[d] = fm_f32_to_bf16(o[d] * inv);
         } else {
-            for (int32_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = fm_f32_to_f16(o[d] * inv);
+            for (int32_t d = 0; d < Dv; d++) ((uint16_t *)dst)[d] = fm_f32_to_f16(o[d] * inv);
         }
     }
 }

@@ -42,12 +42,12 @@ static fm_pf_rows_fn fm_pf_rows_for(int isa) { FM_PF_ROUTE(isa, item_rows, NULL)
 static fm_pf_pack_fn fm_pf_pack_for(int isa) { FM_PF_ROUTE(isa, pack, NULL) }
 static fm_pf_item_fn fm_pf_item_for(int isa) { FM_PF_ROUTE(isa, item, NULL) }
 
-/* The shapes the instances cover: any D up to FM_PF_DMAX (the panels pad it
- * to fm_pf_dp, a multiple of the widest vector). */
+/* The shapes the instances cover: any D and Dv up to FM_PF_DMAX (the panels
+ * pad them to fm_pf_dp, a multiple of the widest vector). */
 static int fm_pf_covers(const FMPrefillArgs *a) {
-    const int32_t D = a->p.D;
+    const int32_t D = a->p.D, Dv = a->p.Dv;
     const int io = a->io_dtype;
-    return D > 0 && D <= FM_PF_DMAX &&
+    return D > 0 && D <= FM_PF_DMAX && Dv > 0 && Dv <= FM_PF_DMAX &&
            (io == FM_DTYPE_F32 || io == FM_DTYPE_F16 || io == FM_DTYPE_BF16);
 }
 

@@ -10,10 +10,13 @@
 /* Largest head dim of the fast path (row buffers on the stack are this big). */
 #define FM_PF_DMAX 512
 
-/* The head dim of the packed panels, q rows and O accumulators: D rounded up
- * to a multiple of 16 (the widest vector), zeros past D, so any D runs on
- * whole vectors. */
-static inline int32_t fm_pf_dp(const FMPrefillArgs *a) { return (a->p.D + 15) & ~15; }
+/* The head dim of the packed panels, q rows and O accumulators: the larger
+ * of D (q's and k's) and Dv (v's) rounded up to a multiple of 16 (the widest
+ * vector), zeros past D in q rows and K panels and past Dv in V panels, so
+ * any pair runs on whole vectors. */
+static inline int32_t fm_pf_dp(const FMPrefillArgs *a) {
+    return ((a->p.D > a->p.Dv ? a->p.D : a->p.Dv) + 15) & ~15;
+}
 
 /* Key blocks [*kb0, *kb1) some row of sequence `sd` sees: a row's range
  * grows with its position, so the union runs from row 0's lo to the last

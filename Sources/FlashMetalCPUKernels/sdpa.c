@@ -13,7 +13,7 @@
 #include "kernel_math.h"
 
 
-size_t fm_cpu_sdpa_scratch_floats(int32_t d) { return (size_t)d * 4; }
+size_t fm_cpu_sdpa_scratch_floats(int32_t d) { return (size_t)d * 4; } /* d = max(D, Dv) */
 
 static const float *row_f32(const void *base, int32_t dtype, int64_t off, int32_t d, float *buf) {
     if (dtype == FM_DTYPE_F32) return (const float *)base + off;
@@ -32,15 +32,16 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use
                       const void *k, const void *v, void *o, int32_t dtype, const void *mask,
                       const AttnMaskParams *mp, int32_t mask_kind, int64_t b, int64_t h, int64_t qtile,
                       int32_t tile_q, float *scratch) {
-    const int32_t D = (int32_t)p->head_dim;
+    const int32_t D = (int32_t)p->head_dim, Dv = ext ? ext->head_dim_v : D; /* q/k's, v/out's */
     const int64_t H = p->n_heads, Hkv = p->n_kv_heads, qL = p->seq_len, kL = p->kv_seq_len;
     const int64_t cap = p->kv_capacity ? p->kv_capacity : kL;
     const int64_t kvh = h / (H / Hkv);
-    float *qbuf = scratch, *kbuf = scratch + D, *vbuf = scratch + 2 * (size_t)D, *acc = scratch + 3 * (size_t)D;
+    const size_t W = (size_t)(D > Dv ? D : Dv); /* scratch rows */
+    float *qbuf = scratch, *kbuf = scratch + W, *vbuf = scratch + 2 * W, *acc = scratch + 3 * W;
     const int64_t r0 = qtile * tile_q;
     const int64_t r1 = (r0 + tile_q) < qL ? (r0 + tile_q) : qL;
     for (int64_t r = r0; r < r1; r++) {
-        const int64_t qoff = ((b * H + h) * qL + r) * D;
+        const int64_t row = (b * H + h) * qL + r, qoff = row * D, ooff = row * Dv;
         const float *qr = row_f32(q, dtype, qoff, D, qbuf);
         if (qr != qbuf) { for (int32_t i = 0; i < D; i++) qbuf[i] = qr[i]; }
         const int64_t t = (ext ? (int64_t)ext->q_offset : kL - qL) + r;
@@ -51,10 +52,10 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use
         const size_t msz = mask_kind == FM_MASK_BOOL ? 1 : (dtype == FM_DTYPE_F32 ? 4 : 2);
         const void *mrow = mask_kind == FM_MASK_NONE ? NULL
             : (const char *)mask + msz * (b * mp->M_strides[0] + h * mp->M_strides[1] + r * mp->M_strides[2]);
-        for (int32_t i = 0; i < D; i++) acc[i] = 0.0f;
+        for (int32_t i = 0; i < Dv; i++) acc[i] = 0.0f;
         float M = FM_M_INIT, S = 0.0f;
         for (int64_t j = first; j <= last; j++) {
-            const int64_t koff = ((b * Hkv + kvh) * cap + j) * D;
+            const int64_t key = (b * Hkv + kvh) * cap + j, koff = key * D;
             float s = p->scale * fm_dot(qbuf, row_f32(k, dtype, koff, D, kbuf), D);
             if (cap_c > 0.0f) s = cap_c * tanhf(s / cap_c);
             const float bias = mrow ? mask_bias(mrow, mask_kind, dtype, j) : 0.0f;
@@ -65,21 +66,21 @@ void fm_cpu_sdpa_tile(const SdpaParams *p, const SdpaExtParams *ext, int32_t use
             if (bias != -INFINITY && s < FM_M_INIT) s = FM_M_INIT;
             const float mx = s > M ? s : M;
             const float f = expf(M - mx), pj = expf(s - mx);
-            const float *vr = row_f32(v, dtype, koff, D, vbuf);
-            for (int32_t i = 0; i < D; i++) acc[i] = acc[i] * f + pj * vr[i];
+            const float *vr = row_f32(v, dtype, key * Dv, Dv, vbuf);
+            for (int32_t i = 0; i < Dv; i++) acc[i] = acc[i] * f + pj * vr[i];
             S = S * f + pj;
             M = mx;
         }
         const float inv = S == 0.0f ? 0.0f : 1.0f / S;
         if (dtype == FM_DTYPE_F32) {
-            float *dst = (float *)o + qoff;
-            for (int32_t i = 0; i < D; i++) dst[i] = acc[i] * inv;
+            float *dst = (float *)o + ooff;
+            for (int32_t i = 0; i < Dv; i++) dst[i] = acc[i] * inv;
         } else if (dtype == FM_DTYPE_BF16) {
-            uint16_t *dst = (uint16_t *)o + qoff;
-            for (int32_t i = 0; i < D; i++) dst[i] = fm_f32_to_bf16(acc[i] * inv);
+            uint16_t *dst = (uint16_t *)o + ooff;
+            for (int32_t i = 0; i < Dv; i++) dst[i] = fm_f32_to_bf16(acc[i] * inv);
         } else {
-            uint16_t *dst = (uint16_t *)o + qoff;
-            for (int32_t i = 0; i < D; i++) dst[i] = fm_f32_to_f16(acc[i] * inv);
+            uint16_t *dst = (uint16_t *)o + ooff;
+            for (int32_t i = 0; i < Dv; i++) dst[i] = fm_f32_to_f16(acc[i] * inv);
         }
     }
 }

@@ -4,7 +4,7 @@
  * (O unnormalised, S, M) to tmp; the reduce then rescales the partials by
  * exp(M_w - M), adds the sink once and normalises.
  *
- * tmp layout: partial outputs [nrows, nwg, D], then (S, M) pairs [nrows, nwg, 2]. */
+ * tmp layout: partial outputs [nrows, nwg, Dv] (v's head dim), then (S, M) pairs [nrows, nwg, 2]. */
 #include <math.h>
 #include "kernel_math.h"
 #include "vec_split.h"

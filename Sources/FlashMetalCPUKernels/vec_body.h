@@ -264,20 +264,20 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
     int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype, int64_t d0) {
-    const int32_t D = (int32_t)a->p.head_dim;
+    const int32_t D = (int32_t)a->p.head_dim, Dv = (int32_t)a->p.head_dim_v; /* q/k's, v's */
     const int64_t nwg = a->p.nwg, gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     const float *qr[4];
     float *o[4];
     float f[4];
     for (int r = 0; r < NR; r++) {
         qr[r] = a->q + (row0 + r) * D;
-        o[r] = a->tmp + ((row0 + r) * nwg + wg) * D;
+        o[r] = a->tmp + ((row0 + r) * nwg + wg) * Dv;
     }
     const int first = row0 % gqa == 0, long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
     const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv, first ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
     FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR, a->alibi ? a->alibi + row0 : NULL, d0);
-    FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, D, NR);
+    FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, Dv, NR);
 }
 
 /* Every row of kv row kvrow's group over one tile (its first key d0 before
@@ -305,9 +305,9 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
 /* Opens the partials of kv row kvrow's GQA rows in workgroup wg: O = 0,
  * M = FM_M_INIT, S = 0. */
 static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *M, float *S) {
-    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, D = a->p.head_dim;
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, Dv = a->p.head_dim_v;
     for (int64_t i = 0; i < gqa; i++) {
-        memset(a->tmp + ((kvrow * gqa + i) * a->p.nwg + wg) * D, 0, sizeof(float) * D);
+        memset(a->tmp + ((kvrow * gqa + i) * a->p.nwg + wg) * Dv, 0, sizeof(float) * Dv);
         M[i] = FM_M_INIT;
         S[i] = 0.0f;
     }

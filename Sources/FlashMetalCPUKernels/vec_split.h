@@ -22,14 +22,14 @@ FM_VEC_DECLARE(neon)
 #endif
 
 /* Where row `row`'s (S, M) pair of workgroup wg sits in tmp, in floats
- * (vec.c's layout: O partials [nrows, nwg, d], then (S, M) pairs
+ * (vec.c's layout: O partials [nrows, nwg, d] (d: v's head dim), then (S, M) pairs
  * [nrows, nwg, 2]). */
 static inline int64_t fm_vec_sm_offset(int64_t nrows, int64_t nwg, int64_t d, int64_t row, int64_t wg) {
     return nrows * nwg * d + (row * nwg + wg) * 2;
 }
 
 static inline float *fm_vec_sm(const FMVecArgs *a, int64_t row, int64_t wg) {
-    return a->tmp + fm_vec_sm_offset(a->batch * (int64_t)a->p.n_heads, a->p.nwg, a->p.head_dim, row, wg);
+    return a->tmp + fm_vec_sm_offset(a->batch * (int64_t)a->p.n_heads, a->p.nwg, a->p.head_dim_v, row, wg);
 }
 
 /* Items go by sequence, every head inside a tile (fm_vec_item_keys), when

@@ -51,8 +51,8 @@ public struct AttnOptions: Sendable {
 
 /// The tensors of one serving prefill call (FMSeqTensors plus q, k, v, out).
 public struct AttnTensors {
-    /// q/out [B, qL, H, D] or [total_q, H, D]; k/v [B, cap, Hkv, D],
-    /// [total_k, Hkv, D] or [num_pages, page_size, Hkv, D].
+    /// q [B, qL, H, D] or [total_q, H, D], out likewise with Dv; k [B, cap,
+    /// Hkv, D], [total_k, Hkv, D] or [num_pages, page_size, Hkv, D], v likewise with Dv.
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef
     /// int32 tables (flashmetal.h FMSeqTensors).
     public var cuSeqlensQ: TensorRef? = nil, cuSeqlensK: TensorRef? = nil
@@ -123,13 +123,13 @@ public enum AttnDispatcher {
         try t.k.requireRank([paged || !varlenK ? 4 : 3], op: op, name: kind.kName)
         try PrefillDispatcher.requireIOTypes(q: (t.q, "q"), others: [(t.k, kind.kName), (t.v, kind.vName), (t.out, "out")],
                                              op: op)
-        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
-        try Checks.sameShape(t.v, kind.vName, as: t.k, kind.kName, op: op)
         let qs = t.q.shape, ks = t.k.shape
         let (nHeads, headDim) = (qs[qs.count - 2], qs[qs.count - 1])
         let (nKV, kDim) = (ks[ks.count - 2], ks[ks.count - 1])
-        try Checks.sameDim("head_dim", kDim, of: kind.kName, as: headDim, of: "q", op: op)
-        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: headDim, op: op)
+        let headDimV = try Checks.valueShapes(v: t.v, kind.vName, k: t.k, kind.kName, out: t.out, q: t.q, op: op,
+                                              kDim: kDim, qDim: headDim)
+        let tileDim = try PrefillCapability.tileDim(headDim: headDim, headDimV: headDimV, op: op, vName: kind.vName)
+        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: tileDim, op: op)
         try Checks.heads(nHeads, kvHeads: nKV, of: kind.kName, op: op, kvHeadsArg: "q")
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
@@ -173,14 +173,16 @@ public enum AttnDispatcher {
         let (qRows, kRows) = (varlenQ ? qs[0] : qs[1], ks[ks.count - 3])  // kRows: page_size when paged
         var qStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDim)
         var kStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDim)
-        if varlenQ { qStrides[0] = 0 }
+        var vStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDimV)
+        var oStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDimV)
+        if varlenQ { qStrides[0] = 0; oStrides[0] = 0 }
         if paged {
             ext.params.page_size = Int32(ks[1])
             ext.params.max_pages = Int32(t.blockTable!.shape[1])
             ext.params.K_page_stride = kStrides[0]
-            ext.params.V_page_stride = kStrides[0]
+            ext.params.V_page_stride = vStrides[0]
         }
-        if paged || varlenK { kStrides[0] = 0 }
+        if paged || varlenK { kStrides[0] = 0; vStrides[0] = 0 }
         if t.lse != nil {
             let (h, rows) = (Int64(nHeads), Int64(qRows))
             ext.params.lse_strides = varlenQ ? (0, rows, 1) : (h * rows, rows, 1)
@@ -189,9 +191,9 @@ public enum AttnDispatcher {
         // Outside per-sequence mode (flash_attn_func) rows sit bottom-right at kL - qL + i.
         let (qL, kL) = ext.perSequence ? (lens.maxQ, lens.maxK) : (qs[1], ks[1])
         let params = PrefillDispatcher.attnParams(
-            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, qL: qL, kL: kL,
+            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, headDimV: headDimV, qL: qL, kL: kL,
             tiles: geo.tiles(qL: qL, kL: kL), scale: o.scale, softcap: o.softcap,
-            qOffset: ext.perSequence ? 0 : kL - qL, q: qStrides, k: kStrides, v: kStrides)
+            qOffset: ext.perSequence ? 0 : kL - qL, q: qStrides, k: kStrides, v: vStrides, o: oStrides)
         return [PrefillDispatcher.assemble(PrefillTensors(q: t.q, k: t.k, v: t.v, out: t.out), params: params,
                                            maskParams: nil, geometry: geo, causal: o.causal, ext: ext)]
     }

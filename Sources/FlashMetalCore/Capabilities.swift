@@ -22,10 +22,11 @@ func tileHeadDim(_ d: Int, tiles: [Int]) -> Int? {
     return tiles.contains(d) ? d : nil
 }
 
-/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or 512, got 300".
+/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or
+/// 512, got 300" ("1...256, 512 or 576" where two tiles lie above).
 func headDimMessage(_ d: Int, tiles: [Int]) -> String {
     let above = tiles.filter { $0 > maxPaddedHeadDim }
-    let extra = above.isEmpty ? "" : " or " + oneOf(above)
+    let extra = above.isEmpty ? "" : (above.count == 1 ? " or " : ", ") + oneOf(above)
     return "head_dim must be in 1...\(maxPaddedHeadDim)\(extra), got \(d)"
 }
 
@@ -94,6 +95,21 @@ public enum PrefillCapability {
         return g
     }
 
+    /// The head dim whose tile runs q/k of head dim `headDim` with v (and the
+    /// output) of `headDimV`: the larger of the two. Equal dims take any
+    /// head dim a kernel runs; unequal ones need both in 1...maxPaddedHeadDim
+    /// (the D = 512 body streams V at q's width), else a ValueError naming
+    /// `op`, `vName` and both dims.
+    static func tileDim(headDim: Int, headDimV: Int, op: String, vName: String) throws -> Int {
+        if headDimV == headDim { return headDim }
+        guard (1...maxPaddedHeadDim).contains(headDimV), (1...maxPaddedHeadDim).contains(headDim) else {
+            throw FlashMetalError.value(
+                op, "\(vName) head dim \(headDimV) differs from q's \(headDim): a value head dim of its own needs "
+                    + "both in 1...\(maxPaddedHeadDim) on this kernel", arg: vName)
+        }
+        return max(headDim, headDimV)
+    }
+
     /// The tile-skip geometry for `headDim` of `io`'s kernel, or a ValueError
     /// naming `op` and the head dims `io` has.
     static func geometry(io: DType, headDim: Int, op: String) throws -> PrefillGeometry {
@@ -126,8 +142,10 @@ public enum MaskBuilderCapability {
 public enum VecCapability {
     /// Head dims (tile widths) of the decode and the plain reduce kernels. Each lane of the
     /// decode's SIMD group owns dims l, l + 32, ... (the last partial when D
-    /// is not a multiple of 32: 80); threadgroup memory pads D to 128.
-    public static let headDims = [64, 80, 96, 128, 192, 256, 512]
+    /// is not a multiple of 32: 80); threadgroup memory pads D to 128. 576 is
+    /// MLA's latent-plus-rotary q/k width (its v, the latent, is 512): the
+    /// decode of q/k 576 over v 512 runs the 576 tile, its reduce the 512 one.
+    public static let headDims = [64, 80, 96, 128, 192, 256, 512, 576]
     /// The tile width whose kernels run head dim `d`, or nil when none does.
     public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
     /// Head dims of the FWHT-undo reduce: the Hadamard transform needs a power of two.
@@ -142,6 +160,22 @@ public enum VecCapability {
         kvTypes.flatMap { t in headDims.map { KernelSpec.vec(kv: t, headDim: $0) } }
             + headDims.map { KernelSpec.vecReduce(headDim: $0, fwht: false) }
             + fwhtHeadDims.map { KernelSpec.vecReduce(headDim: $0, fwht: true) }
+    }
+
+    /// The tile width that runs q/k of head dim `d` with v (and the output)
+    /// of head dim `dv`: the tile of the larger (any dims up to
+    /// maxPaddedHeadDim, else the larger must be a tile of its own; the
+    /// kernel reads each side only up to its own dim), or a ValueError naming
+    /// `op`, `vName` and the dims.
+    static func tileDim(_ d: Int, dv: Int, op: String, vName: String) throws -> Int {
+        try requireHeadDim(d, op: op)
+        if dv == d { return d }
+        guard dv >= 1, let t = tileHeadDim(max(d, dv)) else {
+            throw FlashMetalError.value(
+                op, "\(vName) head dim \(dv) with q's \(d): the decode runs a value head dim of its own up to the "
+                    + "larger's tile, " + headDimMessage(max(d, dv), tiles: headDims), arg: vName)
+        }
+        return t
     }
 
     /// The tile width that runs `d`, or a ValueError naming `op` and the range

@@ -70,3 +70,28 @@ extension Checks {
         }
     }
 }
+
+extension Checks {
+    /// v's head dim of its own (flash-attn's head_dim_v): k's head dim
+    /// `kDim` equals q's `qDim` (when given), `v` has `k`'s shape but for its
+    /// last dim, and `out` has `q`'s shape with v's head dim last. Returns v's
+    /// head dim. "k head_dim (4) must equal q head_dim (8)"; "v shape [..]
+    /// must equal k shape [..] but for the head dim"; "out shape [..] must be
+    /// [..] (q's shape with v's head dim)".
+    public static func valueShapes(v: TensorRef, _ vName: String, k: TensorRef, _ kName: String,
+                                   out: TensorRef, q: TensorRef, op: String, kDim: Int? = nil,
+                                   qDim: Int? = nil) throws -> Int {
+        if let kd = kDim, let qd = qDim { try sameDim("head_dim", kd, of: kName, as: qd, of: "q", op: op) }
+        if v.rank != k.rank || v.rank == 0 || Array(v.shape.dropLast()) != Array(k.shape.dropLast()) {
+            throw FlashMetalError.value(
+                op, "\(vName) shape \(v.shape) must equal \(kName) shape \(k.shape) but for the head dim", arg: vName)
+        }
+        let dv = v.shape[v.rank - 1]
+        let want = Array(q.shape.dropLast()) + [dv]
+        if out.shape != want {
+            throw FlashMetalError.value(op, "out shape \(out.shape) must be \(want) (q's shape with \(vName)'s head dim)",
+                                        arg: "out")
+        }
+        return dv
+    }
+}

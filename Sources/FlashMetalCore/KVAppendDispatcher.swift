@@ -46,8 +46,18 @@ public enum KVAppendDispatcher {
             try x.requireRank([4], op: op, name: n)
             try x.requireBytes(op: op, name: n)
         }
-        try Checks.sameShape(t.vNew, t.vNewName, as: t.kNew, t.kNewName, op: op)
-        try Checks.sameShape(t.vCache, "v_cache", as: t.kCache, "k_cache", op: op)
+        // v has a head dim of its own (flash-attn's head_dim_v): its shapes are k's but for the last dim.
+        for (x, n, ref, rn) in [(t.vNew, t.vNewName, t.kNew, t.kNewName), (t.vCache, "v_cache", t.kCache, "k_cache")]
+        where Array(x.shape.dropLast()) != Array(ref.shape.dropLast()) {
+            throw FlashMetalError.value(op, "\(n) shape \(x.shape) must equal \(rn) shape \(ref.shape) but for the head dim",
+                                        arg: n)
+        }
+        let dv = t.vNew.shape[3]
+        if t.vCache.shape[3] != dv {
+            throw FlashMetalError.value(op, "\(t.vNewName) head dim (\(dv)) must equal v_cache's (\(t.vCache.shape[3]))",
+                                        arg: t.vNewName)
+        }
+        try Checks.positive("the head dim of \(t.vNewName)", dv, op: op, arg: t.vNewName)
         let (batch, nNew, kvHeads, d) = (t.kNew.shape[0], t.kNew.shape[1], t.kNew.shape[2], t.kNew.shape[3])
         let (cacheRows, cacheHeads, cacheD) = (t.kCache.shape[1], t.kCache.shape[2], t.kCache.shape[3])
         if cacheHeads != kvHeads || cacheD != d {
@@ -60,7 +70,7 @@ public enum KVAppendDispatcher {
                                       batchName: t.kNewName)
         let (capacity, maxPages) = (cache.rows, cache.maxPages)
         let limit = Int(Int32.max)
-        if [nNew, kvHeads, d, cacheRows, maxPages].contains(where: { $0 > limit }) {
+        if [nNew, kvHeads, d, dv, cacheRows, maxPages].contains(where: { $0 > limit }) {
             throw FlashMetalError.value(op, "n_new, num_kv_heads, head_dim, the page size and max_pages must fit int32", arg: t.kNewName)
         }
 
@@ -86,7 +96,7 @@ public enum KVAppendDispatcher {
         let (h, dd) = (Int64(kvHeads), Int64(d))
         let params = KVAppendParams(
             n_new: Int32(nNew), n_kv_heads: Int32(kvHeads), head_dim: Int32(d),
-            page_size: Int32(t.blockTable == nil ? 0 : cacheRows), max_pages: Int32(maxPages), _pad: 0,
+            page_size: Int32(t.blockTable == nil ? 0 : cacheRows), max_pages: Int32(maxPages), head_dim_v: Int32(dv),
             new_strides: (Int64(nNew) * h * dd, h * dd, dd),
             cache_strides: (Int64(cacheRows) * h * dd, h * dd, dd))
         var bindings: [Int: Binding] = [

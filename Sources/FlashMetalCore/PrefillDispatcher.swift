@@ -108,15 +108,15 @@ public enum PrefillDispatcher {
         let (kBatch, nKV, capacity, kDim) = seq
             ? (t.k.shape[0], t.k.shape[2], t.k.shape[1], t.k.shape[3])
             : (t.k.shape[0], t.k.shape[1], t.k.shape[2], t.k.shape[3])
-        try Checks.sameShape(t.v, "v", as: t.k, "k", op: op)
-        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        let headDimV = try Checks.valueShapes(v: t.v, "v", k: t.k, "k", out: t.out, q: t.q, op: op, kDim: kDim,
+                                              qDim: headDim)
         try Checks.sameDim("batch", kBatch, of: "k", as: batch, of: "q", op: op)
-        try Checks.sameDim("head_dim", kDim, of: "k", as: headDim, of: "q", op: op)
         try Checks.heads(nHeads, kvHeads: nKV, of: "k", op: op, kvHeadsArg: "k")
         try Checks.positive("q_len", qL, op: op, arg: "q")
         try Checks.positive("the cache capacity", capacity, op: op, arg: "k")
         try Checks.positive("batch", batch, op: op, arg: "q")
-        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: headDim, op: op)
+        let tileDim = try PrefillCapability.tileDim(headDim: headDim, headDimV: headDimV, op: op, vName: "v")
+        let geo = try PrefillCapability.geometry(io: t.q.dtype, headDim: tileDim, op: op)
         let kL = o.kvLen ?? capacity
         try Checks.kvLen(kL, capacity: capacity, op: op)
         let qOffset = o.qOffset
@@ -153,14 +153,17 @@ public enum PrefillDispatcher {
                     op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) "
                         + "and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
             }
+            // Built for q's head dim (as the caller names it): every dim up to 256 has the same tiles.
             try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
         }
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)
         let ks = strides(o.layout, heads: nKV, len: capacity, dim: headDim)
         let params = attnParams(
-            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, qL: qL, kL: kL, tiles: tiles,
-            scale: o.scale, softcap: o.softcap, qOffset: qOffset, q: qs, k: ks, v: ks)
+            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, headDimV: headDimV, qL: qL, kL: kL,
+            tiles: tiles, scale: o.scale, softcap: o.softcap, qOffset: qOffset, q: qs, k: ks,
+            v: strides(o.layout, heads: nKV, len: capacity, dim: headDimV),
+            o: strides(o.layout, heads: nHeads, len: qL, dim: headDimV))
         var ext = PrefillExtension()
         if o.window > 0 {
             ext.window = true
@@ -221,7 +224,8 @@ public enum PrefillDispatcher {
         var withBlk = t
         withBlk.mask = mask
         withBlk.blk = blk
-        return [try BlkDispatcher.makeDispatch(mask: mask, blk: blk, headDim: Int(p.D)), try makeDispatch(withBlk, o)]
+        return [try BlkDispatcher.makeDispatch(mask: mask, blk: blk, headDim: Int(max(p.D, p.Dv))),
+                try makeDispatch(withBlk, o)]
     }
 
     /// q's dtype is a prefill I/O type and every other tensor has it.
@@ -230,18 +234,19 @@ public enum PrefillDispatcher {
         for (x, n) in others { try Checks.sameDType(x, n, as: q.0, q.1, op: op) }
     }
 
-    /// AttnParams of validated dims (each within int32); strides are (batch, head, seq) elements.
-    static func attnParams(batch: Int, heads: Int, kvHeads: Int, headDim: Int, qL: Int, kL: Int,
+    /// AttnParams of validated dims (each within int32); strides are (batch,
+    /// head, seq) elements. headDim is q's and k's, headDimV v's and out's.
+    static func attnParams(batch: Int, heads: Int, kvHeads: Int, headDim: Int, headDimV: Int, qL: Int, kL: Int,
                            tiles: PrefillTiles, scale: Float, softcap: Float, qOffset: Int,
-                           q: [Int64], k: [Int64], v: [Int64]) -> AttnParams {
+                           q: [Int64], k: [Int64], v: [Int64], o: [Int64]) -> AttnParams {
         AttnParams(
             B: Int32(batch), H: Int32(heads), D: Int32(headDim), qL: Int32(qL), kL: Int32(kL),
             gqa_factor: Int32(heads / kvHeads), scale: scale, softcapping: softcap,
             NQ: Int32(tiles.nq), NK: Int32(tiles.nk), NQ_aligned: Int32(tiles.nqAligned),
             NK_aligned: Int32(tiles.nkAligned), qL_rem: Int32(tiles.qLRem), kL_rem: Int32(tiles.kLRem),
-            qL_off: Int32(qOffset), _pad: 0,
+            qL_off: Int32(qOffset), Dv: Int32(headDimV),
             Q_strides: (q[0], q[1], q[2]), K_strides: (k[0], k[1], k[2]),
-            V_strides: (v[0], v[1], v[2]), O_strides: (q[0], q[1], q[2]))
+            V_strides: (v[0], v[1], v[2]), O_strides: (o[0], o[1], o[2]))
     }
 
     /// The tile loaders' device load width (FunctionConstantIndex.tileLoadBytes):
@@ -271,8 +276,10 @@ public enum PrefillDispatcher {
     /// Per-sequence mode is never aligned (its lengths differ per sequence).
     static func assemble(_ t: PrefillTensors, params p: AttnParams, maskParams: AttnMaskParams?,
                          geometry: PrefillGeometry, causal: Bool, ext: PrefillExtension) -> Dispatch {
-        // The kernel of D's tile width; p.D carries the true D (its loads and stores stop there).
-        let tile = PrefillCapability.tileHeadDim(Int(p.D)) ?? Int(p.D)
+        // The kernel of max(D, Dv)'s tile width; p.D and p.Dv carry the true
+        // dims (Q/K loads stop at D, V loads and stores at Dv).
+        let wide = Int(max(p.D, p.Dv))
+        let tile = PrefillCapability.tileHeadDim(wide) ?? wide
         let geo = PrefillCapability.kernelGeometry(io: t.q.dtype, headDim: tile) ?? geometry
         let tiles = geo.tiles(qL: Int(p.qL), kL: Int(p.kL))
         let constants = FunctionConstants([

@@ -75,12 +75,12 @@ public enum SdpaDispatcher {
         for (x, n) in [(k, "k"), (v, "v"), (out, "out")] { try Checks.sameDType(x, n, as: q, "q", op: op) }
         let (b, h, qL, d) = (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (kb, hkv, cap, kd) = (k.shape[0], k.shape[1], k.shape[2], k.shape[3])
-        try Checks.sameShape(v, "v", as: k, "k", op: op)
-        try Checks.sameShape(out, "out", as: q, "q", op: op)
+        let dv = try Checks.valueShapes(v: v, "v", k: k, "k", out: out, q: q, op: op, kDim: kd, qDim: d)
         try Checks.sameDim("batch", kb, of: "k", as: b, of: "q", op: op)
-        try Checks.sameDim("head_dim", kd, of: "k", as: d, of: "q", op: op)
         try Checks.positive("head_dim", d, op: op, arg: "q")
         if d > maxHeadDim { throw FlashMetalError.value(op, "head_dim must be <= \(maxHeadDim), got \(d)", arg: "q") }
+        try Checks.positive("the head dim of v", dv, op: op, arg: "v")
+        if dv > maxHeadDim { throw FlashMetalError.value(op, "v's head dim must be <= \(maxHeadDim), got \(dv)", arg: "v") }
         try Checks.heads(h, kvHeads: hkv, of: "k", op: op, kvHeadsArg: "k")
         try Checks.positive("q_len", qL, op: op, arg: "q")
         try Checks.positive("batch", b, op: op, arg: "q")
@@ -116,18 +116,20 @@ public enum SdpaDispatcher {
             bindings[SdpaBuffer.maskParams] = .bytes(bytesOf(mp))
             bindings[boolMask ? SdpaBuffer.boolMask : SdpaBuffer.additiveMask] = .buffer(m)
         }
-        if o.needsExt {
+        // v of its own head dim travels in SdpaExtParams (bound for it alone too).
+        if o.needsExt || dv != d {
             let qOffset = o.qOffset ?? (kvLen - qL)
             guard let off32 = Int32(exactly: qOffset) else {
                 throw FlashMetalError.value(op, "q_offset (\(qOffset)) is out of the int32 range", arg: "q_offset")
             }
-            let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0), _pad: 0)
+            let ext = SdpaExtParams(softcap: o.softcap, q_offset: off32, window: Int32(o.window ?? 0),
+                                    head_dim_v: Int32(dv))
             bindings[SdpaBuffer.ext] = .bytes(bytesOf(ext))
         }
         let constants = FunctionConstants([
             (FunctionConstantIndex.sdpaBoolMask, .bool(mask != nil && boolMask)),
             (FunctionConstantIndex.sdpaAdditiveMask, .bool(mask != nil && !boolMask)),
-            (FunctionConstantIndex.sdpaExt, .bool(o.needsExt)),
+            (FunctionConstantIndex.sdpaExt, .bool(o.needsExt || dv != d)),
             (FunctionConstantIndex.sdpaSoftcap, .bool(o.softcap != 0)),
         ])
         return Dispatch(kernel: .sdpa(io: q.dtype), constants: constants,

@@ -55,8 +55,8 @@ public struct VecTensors {
 /// workgroups, then `flash_attn_vec_reduce_dk*` or the fused
 /// `flash_attn_vec_reduce_tq_hb_undo_dk*` as a second dispatch.
 ///
-/// tmp (float32): partial outputs [rows, NWG, D] first, then (S, M) pairs
-/// [rows, NWG, 2]; rows*NWG*(D+2)*4 bytes.
+/// tmp (float32): partial outputs [rows, NWG, Dv] first (Dv: v's head dim),
+/// then (S, M) pairs [rows, NWG, 2]; rows*NWG*(Dv+2)*4 bytes.
 ///
 /// FWHT undo: the signs bitmask (D/8 bytes) binds at VecReduceBuffer.signs.
 /// Its absence (all signs +1) is signalled by the function constant
@@ -78,7 +78,7 @@ public enum VecDispatcher {
     /// The head dims with a decode kernel.
     public static var headDims: [Int] { VecCapability.headDims }
 
-    /// tmp bytes for `rows` query rows (B*H) of head dim `headDim`.
+    /// tmp bytes for `rows` query rows (B*H) of v's head dim `headDim`.
     public static func tmpByteCount(rows: Int, headDim: Int) -> Int {
         rows * nwg * (headDim + 2) * 4
     }
@@ -117,8 +117,11 @@ public enum VecDispatcher {
     /// Query rows of a main dispatch: the grid's y times the heads per threadgroup.
     public static func rows(of d: Dispatch) -> Int { d.grid.y * (d.threadgroup.x / 32) }
 
-    /// Shape facts of a call, validated: (rows, kvRows, heads, kvHeads, capacity, headDim).
-    public static func shapes(q: TensorRef, k: TensorRef, kName: String = "k") throws -> (rows: Int, kvRows: Int, heads: Int, kvHeads: Int, capacity: Int, headDim: Int) {
+    /// Shape facts of a call, validated: (rows, kvRows, heads, kvHeads,
+    /// capacity, headDim, headDimV); v (when given) has k's shape but for its
+    /// own head dim (headDimV; q's without v).
+    public static func shapes(q: TensorRef, k: TensorRef, v: TensorRef? = nil, kName: String = "k",
+                              vName: String = "v") throws -> (rows: Int, kvRows: Int, heads: Int, kvHeads: Int, capacity: Int, headDim: Int, headDimV: Int) {
         try q.requireRank([2, 3], op: op, name: "q")
         try k.requireRank([q.rank + 1], op: op, name: kName)
         let batch = q.rank == 3 ? q.shape[0] : 1
@@ -128,15 +131,24 @@ public enum VecDispatcher {
         try Checks.sameDim("batch", kb, of: kName, as: batch, of: "q", op: op)
         try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
+        var dv = d
+        if let v = v {
+            if v.rank != k.rank || Array(v.shape.dropLast()) != Array(k.shape.dropLast()) {
+                throw FlashMetalError.value(
+                    op, "\(vName) shape \(v.shape) must equal \(kName) shape \(k.shape) but for the head dim", arg: vName)
+            }
+            dv = v.shape[v.rank - 1]
+            try VecCapability.tileDim(d, dv: dv, op: op, vName: vName)
+        }
         try requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
         try Checks.positive("the cache capacity", cap, op: op, arg: kName)
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
         let (kvRows, o2) = batch.multipliedReportingOverflow(by: kvHeads)
         if o1 || o2 || rows > Int(UInt32.max) || kvRows > Int(UInt32.max) || cap > Int(UInt32.max)
-            || rows > Int.max / (nwg * (d + 2) * 4) {
+            || rows > Int.max / (nwg * (max(d, dv) + 2) * 4) {
             throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the cache capacity (\(cap)) exceeds the uint32 range of FlashAttnVecParams", arg: "q")
         }
-        return (rows, kvRows, heads, kvHeads, cap, d)
+        return (rows, kvRows, heads, kvHeads, cap, d, dv)
     }
 
     /// Validates a call and builds its two dispatches (decode, then reduce).
@@ -146,9 +158,8 @@ public enum VecDispatcher {
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {
         try requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op, kName: t.kName, vName: t.vName)
-        let s = try shapes(q: t.q, k: t.k, kName: t.kName)
-        try Checks.sameShape(t.v, t.vName, as: t.k, t.kName, op: op)
-        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        let s = try shapes(q: t.q, k: t.k, v: t.v, kName: t.kName, vName: t.vName)
+        _ = try Checks.valueShapes(v: t.v, t.vName, k: t.k, t.kName, out: t.out, q: t.q, op: op)
         let kvLen = o.kvLen ?? s.capacity
         try Checks.kvLen(kvLen, capacity: s.capacity, op: op)
         guard let maskType = VecMaskType(rawValue: o.maskType) else {
@@ -158,11 +169,11 @@ public enum VecDispatcher {
             throw FlashMetalError.value(op, "window must be > 0 with the sliding-window mask, got \(o.window)", arg: "window")
         }
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
-        try requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
+        try requireTmp(t.tmp, rows: s.rows, headDim: s.headDimV, op: op)
         if let sg = t.signs {
             if !o.fwht { throw FlashMetalError.value(op, "fwht_signs given without fwht", arg: "fwht_signs") }
             try sg.requireDType([.u8], op: reduceOp, name: "fwht_signs")
-            let need = s.headDim / 8
+            let need = s.headDimV / 8
             if sg.elementCount != need || sg.byteCount < need {
                 throw FlashMetalError.value(reduceOp, "fwht_signs must hold head_dim/8 = \(need) bytes, got shape \(sg.shape) (\(sg.byteCount) bytes)", arg: "fwht_signs")
             }
@@ -172,9 +183,9 @@ public enum VecDispatcher {
             n_heads: UInt32(s.rows), n_kv_heads: UInt32(s.kvRows), head_dim: UInt32(s.headDim),
             kv_seq_len: UInt32(kvLen), kv_capacity: UInt32(s.capacity), scale: o.scale,
             mask_type: UInt32(maskType.rawValue), sliding_window: UInt32(maskType == .window ? o.window : 0),
-            softcap: o.softcap, nwg: UInt32(nwg))
+            softcap: o.softcap, nwg: UInt32(nwg), head_dim_v: UInt32(s.headDimV), _pad: 0)
         let main = mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp)
-        let reduce = try reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDim,
+        let reduce = try reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDimV,
                                         nwg: nwg, fwht: o.fwht, signs: t.signs)
         return [main, reduce]
     }
@@ -227,13 +238,15 @@ public enum VecDispatcher {
     /// q, K and V start on a vector load's boundary, every stride keeps rows
     /// on one, and tmp is aligned (else the kernel moves them in scalars:
     /// FunctionConstantIndex.vecUnaligned).
-    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, tmp: TensorRef, headDim: Int,
+    static func vectorAligned(q: TensorRef, k: TensorRef, v: TensorRef, tmp: TensorRef, headDim: Int, headDimV: Int,
                               seq: FlashAttnVecSeqParams?) -> Bool {
-        let w = vectorWidth(headDim: VecCapability.tileHeadDim(headDim) ?? headDim)
+        let tile = max(headDim, headDimV)
+        let w = vectorWidth(headDim: VecCapability.tileHeadDim(tile) ?? tile)
         let bytes = w * k.dtype.byteSize
-        // Rows of q, tmp and the plain K/V are D elements apart: a D off the
-        // vector width (a padded head dim, e.g. 59) puts them off a vector boundary.
-        if headDim % w != 0 || Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
+        // Rows of q and the plain K are D elements apart, of tmp and the plain
+        // V Dv: a dim off the vector width (a padded head dim, e.g. 59) puts
+        // them off a vector boundary.
+        if headDim % w != 0 || headDimV % w != 0 || Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
             || Int(bitPattern: q.data) % (w * 4) != 0 || !tmpAligned(tmp) { return false }
         guard let sp = seq else { return true }
         let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
@@ -260,10 +273,12 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
             (FunctionConstantIndex.vecAlibi, .bool(seq?.alibi != nil)),
             (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
+                                                                         headDimV: Int(params.head_dim_v),
                                                                          seq: seq?.params))),
         ])
-        // The kernel of D's tile width; params.head_dim carries the true D.
-        let d = VecCapability.tileHeadDim(Int(params.head_dim)) ?? Int(params.head_dim)
+        // The kernel of max(D, Dv)'s tile width; params carry the true dims.
+        let wide = Int(max(params.head_dim, params.head_dim_v))
+        let d = VecCapability.tileHeadDim(wide) ?? wide
         let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads))
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,

@@ -95,8 +95,8 @@ public enum VecSeqDispatcher {
 
     /// Shape facts of a call, validated before any table is read.
     public struct Shapes {
-        /// Sequences, query heads, kv heads, head dim.
-        public let batch: Int, heads: Int, kvHeads: Int, headDim: Int
+        /// Sequences, query heads, kv heads, head dim (q's and k's), v's head dim.
+        public let batch: Int, heads: Int, kvHeads: Int, headDim: Int, headDimV: Int
         /// Keys one sequence can hold: cap, or max_pages * page_size.
         public let capacity: Int
         /// Pages and keys per page (paged only; else 0).
@@ -107,13 +107,23 @@ public enum VecSeqDispatcher {
 
     /// Validates shapes (q [B, H, D]; k [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).
-    public static func shapes(q: TensorRef, k: TensorRef, blockTable: TensorRef?, kName: String = "k") throws -> Shapes {
+    public static func shapes(q: TensorRef, k: TensorRef, v: TensorRef? = nil, blockTable: TensorRef?,
+                              kName: String = "k", vName: String = "v") throws -> Shapes {
         try q.requireRank([3], op: op, name: "q")
         try k.requireRank([4], op: op, name: kName)
         let (batch, heads, d) = (q.shape[0], q.shape[1], q.shape[2])
         let (kvHeads, kd) = (k.shape[2], k.shape[3])
         try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
+        var dv = d
+        if let v = v {
+            if v.rank != k.rank || Array(v.shape.dropLast()) != Array(k.shape.dropLast()) {
+                throw FlashMetalError.value(
+                    op, "\(vName) shape \(v.shape) must equal \(kName) shape \(k.shape) but for the head dim", arg: vName)
+            }
+            dv = v.shape[3]
+            try VecCapability.tileDim(d, dv: dv, op: op, vName: vName)
+        }
         try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
         var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
         if let bt = blockTable {
@@ -132,11 +142,11 @@ public enum VecSeqDispatcher {
         // is attended as empty sequences: output 0, as the prefill route and
         // flash-attn (seqlen_k == 0) give.
         let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
-        if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (d + 2) * 4)
+        if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (max(d, dv) + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
             throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams", arg: "q")
         }
-        return Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, capacity: capacity,
+        return Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, headDimV: dv, capacity: capacity,
                       numPages: numPages, pageSize: pageSize, maxPages: maxPages)
     }
 
@@ -145,12 +155,11 @@ public enum VecSeqDispatcher {
     public static func makeDispatches(_ t: VecSeqTensors, _ o: VecSeqOptions) throws -> [Dispatch] {
         try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op,
                                        kName: t.kName, vName: t.vName)
-        let s = try shapes(q: t.q, k: t.k, blockTable: t.blockTable, kName: t.kName)
-        try Checks.sameShape(t.v, t.vName, as: t.k, t.kName, op: op)
-        try Checks.sameShape(t.out, "out", as: t.q, "q", op: op)
+        let s = try shapes(q: t.q, k: t.k, v: t.v, blockTable: t.blockTable, kName: t.kName, vName: t.vName)
+        _ = try Checks.valueShapes(v: t.v, t.vName, k: t.k, t.kName, out: t.out, q: t.q, op: op)
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
-        try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDim, op: op)
+        try VecDispatcher.requireTmp(t.tmp, rows: s.rows, headDim: s.headDimV, op: op)
         if let sinks = t.sinks {
             try sinks.requireDType([.f32], op: op, name: "sinks")
             if sinks.shape != [s.heads] {
@@ -191,7 +200,7 @@ public enum VecSeqDispatcher {
             n_heads: UInt32(s.heads), n_kv_heads: UInt32(s.kvHeads), head_dim: UInt32(s.headDim),
             kv_seq_len: UInt32(s.capacity), kv_capacity: UInt32(s.capacity), scale: o.scale,
             mask_type: UInt32(mask.type.rawValue), sliding_window: UInt32(mask.window),
-            softcap: o.softcap, nwg: UInt32(VecDispatcher.nwg))
+            softcap: o.softcap, nwg: UInt32(VecDispatcher.nwg), head_dim_v: UInt32(s.headDimV), _pad: 0)
         let seq = VecDispatcher.SeqBindings(
             params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
@@ -201,7 +210,7 @@ public enum VecSeqDispatcher {
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil
             : VecDispatcher.ReduceExt(heads: s.heads, sinks: t.sinks, lse: t.lse)
-        let reduce = try VecDispatcher.reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDim,
+        let reduce = try VecDispatcher.reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDimV,
                                                       nwg: VecDispatcher.nwg, fwht: false, signs: nil, ext: ext)
         return [main, reduce]
     }

@@ -117,3 +117,11 @@ def _address(ffi: Any, a: np.ndarray) -> Any:
         return ffi.from_buffer(a)
     except (TypeError, ValueError, BufferError):  # a dtype the buffer protocol cannot export
         return ffi.cast("void *", a.__array_interface__["data"][0])
+
+
+def out_shape(qa: np.ndarray, va: np.ndarray) -> tuple[int, ...]:
+    """The output's shape: q's with v's head dim last (flash-attn's head_dim_v;
+    q's own shape when either has no dims, for the library to refuse)."""
+    if qa.ndim == 0 or va.ndim == 0:
+        return tuple(qa.shape)
+    return tuple(qa.shape[:-1]) + (int(va.shape[-1]),)

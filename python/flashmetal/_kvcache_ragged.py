@@ -128,8 +128,8 @@ def layout(qa: np.ndarray, ka: np.ndarray | None, va: np.ndarray | None, cu_seql
             cu_k = cu_seqlens(cu_seqlens_k_new, "cu_seqlens_k_new", batch=batch, total=ka.shape[0], total_name="k",
                               exact=True)
             k, v = ka, va
-        if v.shape != k.shape:
-            raise _error(f"v shape {list(va.shape)} must equal k shape {list(ka.shape)}", "v")
+        if v.shape[:-1] != k.shape[:-1] or v.ndim != k.ndim:  # v may have a head dim of its own
+            raise _error(f"v shape {list(va.shape)} must equal k shape {list(ka.shape)} but for the head dim", "v")
     return Ragged(batch, cu_q, cu_k, q, k, v, max_q, dense_q)
 
 
@@ -262,7 +262,7 @@ def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, s
     (lengths `seqlens`, [B] or [2, B] with key starts). Returns (out, lse
     [H, total_q]); rows after cu_seqlens_q[-1] read 0 and -inf."""
     from ._serving_args import seq_tensors
-    result = np.empty(q.shape, dtype=q.dtype) if out is None else out
+    result = np.empty(q.shape[:-1] + vc.shape[-1:], dtype=q.dtype) if out is None else out
     lse = np.empty((q.shape[1], q.shape[0]), dtype=F32) if want_lse else None
     end = int(r.cu_q[-1])
     result[end:] = 0
@@ -283,4 +283,4 @@ def unpack(r: Ragged, out: np.ndarray, lse: np.ndarray | None) -> tuple[np.ndarr
         return out, lse
     b, ql, h, _ = r.dense_q
     # Views, not copies: on a deferring backend the arrays fill when the work runs.
-    return out.reshape(r.dense_q), None if lse is None else lse.reshape(h, b, ql).transpose(1, 0, 2)
+    return out.reshape(r.dense_q[:-1] + out.shape[-1:]), None if lse is None else lse.reshape(h, b, ql).transpose(1, 0, 2)

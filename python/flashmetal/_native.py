@@ -248,6 +248,19 @@ def runs_head_dim(op: str, d: int) -> bool:
     return 1 <= d <= PADDED_HEAD_DIM_MAX or d in head_dims(op)
 
 
+def runs_head_dims(op: str, d: int, dv: int) -> bool:
+    """Whether `op`'s kernels run q/k of head dim `d` with v of `dv`: equal
+    dims as runs_head_dim; unequal ones on the tile of the larger, which the
+    prefill has for both in 1...256 and the decode for any larger it runs."""
+    if d == dv:
+        return runs_head_dim(op, d)
+    if dv < 1 or d < 1:
+        return False
+    if op in ("flash_attn_vec", "flash_attn_decode"):
+        return runs_head_dim(op, max(d, dv))
+    return max(d, dv) <= PADDED_HEAD_DIM_MAX
+
+
 @functools.cache
 def max_head_dim(op: str) -> int:
     """The largest head dim of "flash_attn_prefill", "flash_attn_decode" or

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _native
-from ._arrays import BF16, BOOL, F16, F32, as_input, tensor
+from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
@@ -202,9 +202,10 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if squeeze:
         qa, ka, va = qa[None], ka[None], va[None]
     B, H, qL, D = qa.shape
-    if ka.shape[:2] != va.shape[:2] or ka.shape[2] != va.shape[2] or ka.shape[3] != D or va.shape[3] != D:
-        raise InvalidValueError(_OP, f"key {ka.shape} and value {va.shape} must be [B, Hkv, kL, D] with D = {D} "
-                         "(value's head dim must equal query's)")
+    Dv = va.shape[3]  # value's head dim (torch's Ev): the output's
+    if ka.shape[:3] != va.shape[:3] or ka.shape[3] != D:
+        raise InvalidValueError(_OP, f"key {ka.shape} must be [B, Hkv, kL, D] with D = {D} (query's head dim) and "
+                                f"value {va.shape} [B, Hkv, kL, Ev] with key's B, Hkv and kL")
     if ka.shape[0] != B:
         raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
     hkv, cap = ka.shape[1], ka.shape[2]
@@ -216,6 +217,8 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
                          "attention")
     if B == 0 or H == 0 or qL == 0:  # an empty result, as torch's; no kernel runs
         return _Call(qa, ka, va, None, bool(is_causal), 0, cap, _EMPTY, None, squeeze)
+    if Dv == 0:
+        raise InvalidValueError(_OP, f"value shape {va.shape} has an empty head dim")
     if hkv == 0 or H % hkv:
         raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
     if D == 0:
@@ -230,14 +233,14 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
     ranges = None
-    if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dim("flash_attn_vec", D):
+    if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     if ranges is not None:
         route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
                       "(padding, window, causal): split-KV decode over per-row key ranges")
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
     route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
-                            decode=decode)
+                            decode=decode, dv=Dv)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
@@ -277,15 +280,17 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None, *, sinks: bool = False, decode: bool = True) -> tuple[Route, int | None]:
-    """The fastest kernel that computes exactly this problem, and the head
-    dim to zero-pad q/k/v to for it (None: no padding). Sinks only the
-    prefill kernel applies: a call it cannot take is refused, never run
-    without them."""
+            window: int | None, *, sinks: bool = False, decode: bool = True,
+            dv: int | None = None) -> tuple[Route, int | None]:
+    """The fastest kernel that computes exactly this problem (q/k of head dim
+    D, v of dv, default D), and the head dim to zero-pad q/k/v to for it
+    (None: no padding; only when dv == D). Sinks only the prefill kernel
+    applies: a call it cannot take is refused, never run without them."""
+    dv = D if dv is None else dv
     prefill_op = "flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill"
     prefill_dims = _native.head_dims(prefill_op)
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if decode and qL == 1 and mask is None and _native.runs_head_dim("flash_attn_vec", D) and last_row and not sinks:
+    if decode and qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     why_not = []
     if causal and not 0 <= q_offset <= kl - qL:
@@ -293,7 +298,10 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
     pad_to = None
-    if not _native.runs_head_dim(prefill_op, D):
+    if dv != D and not _native.runs_head_dims(prefill_op, D, dv):
+        why_not.append(f"head dims {D} (query, key) and {dv} (value) (prefill runs unequal ones both in "
+                       f"1...{_native.PADDED_HEAD_DIM_MAX})")
+    elif not _native.runs_head_dim(prefill_op, D):
         bigger = [d for d in prefill_dims if d > D]
         if bigger and qL >= PAD_MIN_QUERY_ROWS:
             pad_to = bigger[0]
@@ -310,8 +318,8 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if sinks:
         raise UnsupportedFeatureError(_OP, "sinks are applied by the prefill kernel only, which cannot take this "
                                       f"call because of {'; '.join(why_not)}")
-    if D > (sdpa_max := _native.max_head_dim("sdpa")):
-        raise InvalidValueError(_OP, f"head dim {D} is above {sdpa_max}, the largest any kernel takes "
+    if max(D, dv) > (sdpa_max := _native.max_head_dim("sdpa")):
+        raise InvalidValueError(_OP, f"head dim {max(D, dv)} is above {sdpa_max}, the largest any kernel takes "
                          f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
     return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
 
@@ -375,7 +383,8 @@ def scaled_dot_product_attention(
             bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
             DLPack / buffer-protocol object; read without copying when
             C-contiguous.
-        key, value: ``[B, Hkv, kL, D]``, query's dtype.
+        key: ``[B, Hkv, kL, D]``, value: ``[B, Hkv, kL, Ev]`` (Ev may differ
+            from D, as torch allows: the output then has Ev), query's dtype.
         attn_mask: bool (True = attend) or additive (any float dtype: 0
             attend, -inf masked, any finite bias; converted once to the I/O
             dtype), broadcastable to ``[B, H, qL, kL]`` as in torch. Axes of
@@ -399,7 +408,7 @@ def scaled_dot_product_attention(
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
-        ``[B, H, qL, D]`` in query's dtype and type: a torch tensor (sharing
+        ``[B, H, qL, Ev]`` in query's dtype and type: a torch tensor (sharing
         the result's memory) for a torch query, else a numpy array.
     """
     reg = resolve(registry, _OP)
@@ -418,7 +427,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
     if kernel == "none":
-        return np.empty(qa.shape, qa.dtype)
+        return np.empty(out_shape(qa, va), qa.dtype)
     if kernel == "flash_attn_vec" and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
     if kernel == "flash_attn_vec":
@@ -458,10 +467,10 @@ def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry)
     qa, ka, va = c.q, c.k, c.v
     assert c.key_ranges is not None
     b, h, _, d = qa.shape
-    hkv, cap = ka.shape[1], ka.shape[2]
+    hkv, cap, dv = ka.shape[1], ka.shape[2], va.shape[3]
     ka, va = np.ascontiguousarray(ka), np.ascontiguousarray(va)
     q32 = np.ascontiguousarray(qa.reshape(b * hkv, h // hkv, d), dtype=F32)
-    o32 = np.empty(q32.shape, dtype=F32)
+    o32 = np.empty((b * hkv, h // hkv, dv), dtype=F32)
     ranges = c.key_ranges
     if ranges.shape[1] != b:  # a mask broadcast over the batch
         ranges = np.broadcast_to(ranges, (2, b))
@@ -470,8 +479,8 @@ def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry)
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=False,
                         window_size=(-1, -1))
     seq, keep = seq_tensors(ffi, seqlens_k=table)
-    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, d)
+    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, dv)
     _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
                  tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, table, o32, keep))
-    decoded: np.ndarray = o32.reshape(b, h, 1, d).astype(qa.dtype)
+    decoded: np.ndarray = o32.reshape(b, h, 1, dv).astype(qa.dtype)
     return decoded

@@ -8,7 +8,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._hints import layout_hint
-from ._arrays import F32, as_input, check_out, empty_batch, tensor
+from ._arrays import F32, as_input, check_out, empty_batch, out_shape, tensor
 from .kv_codec import QuantizedKV
 from .kv_codec_decode import decode_over_codes
 from .registry import RegistryLike, resolve
@@ -75,9 +75,9 @@ def flash_attn_decode(
     va = as_input(v_cache, op, "v_cache")
     sa = None if fwht_signs is None else as_input(fwht_signs, op, "fwht_signs")
     if out is None:
-        out = dst = np.empty(qa.shape, dtype=F32)
+        out = dst = np.empty(out_shape(qa, va), dtype=F32)
     else:
-        dst = check_out(out, op, qa.shape, F32, [qa, ka, va, sa])
+        dst = check_out(out, op, out_shape(qa, va), F32, [qa, ka, va, sa])
     if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype == F32:
         return out  # [H, D] or [B, H, D] with no head or no sequence
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (

@@ -12,7 +12,8 @@ tensor is never modified. Errors name the packed function, and their
 argument field the packed argument (``qkv[:, :, 1]`` for the keys of a
 qkv-packed batch). Keyword-only, as on
 the unpacked functions: ``sinks``, ``attention_chunk`` (flash-attn 3's) and
-``registry``.
+``registry``. A packed tensor gives k and v one head dim: a value head dim of
+its own (flash-attn's head_dim_v) needs the unpacked functions.
 """
 from __future__ import annotations
 
@@ -169,11 +170,13 @@ def _packed(x: Any, op: str, name: str, *, axis: int, count: int, layout: str) -
     """A numpy view of a packed tensor whose dim `axis` holds `count` tensors."""
     a = to_numpy(x, op, name)
     rank = axis + 3
+    # k and v share the packed tensor's head dim: one of its own for v needs them apart.
+    apart = " (k and v share its head dim D: a v of another head dim needs q, k and v apart, unpacked)"
     if a.ndim != rank:
-        raise InvalidValueError(op, f"{name} must be {layout} (rank {rank}), got shape {tuple(a.shape)}")
+        raise InvalidValueError(op, f"{name} must be {layout} (rank {rank}), got shape {tuple(a.shape)}{apart}")
     if a.shape[axis] != count:
         raise InvalidValueError(op, f"{name} must be {layout}: dim {axis} must be {count}, got {a.shape[axis]} "
-                                f"(shape {tuple(a.shape)})")
+                                f"(shape {tuple(a.shape)}){apart}")
     return a
 
 

@@ -31,7 +31,8 @@ def visible(q_len: int, k_len: int, *, causal: bool, q_offset: int = 0,
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None,
               causal: bool = False, q_offset: int = 0, mask: np.ndarray | None = None,
               softcap: float = 0.0, window: int | None = None) -> np.ndarray:
-    """Head-major attention: q [B, H, qL, D], k/v [B, Hkv, kL, D] -> [B, H, qL, D] float64.
+    """Head-major attention: q [B, H, qL, D], k [B, Hkv, kL, D], v [B, Hkv, kL, Dv]
+    -> [B, H, qL, Dv] float64 (Dv may differ from D; the default scale is 1/sqrt(D)).
 
     mask: additive float or bool (True = attend), broadcastable to [B, H, qL, kL].
     A row that sees no key gives zeros.
@@ -181,8 +182,9 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     sinks: np.ndarray | None = None, attention_chunk: int = 0,
                     alibi_slopes: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """One sequence: q [qL, H, D], k/v [kL, Hkv, D] (H % Hkv == 0; query head h
-    reads kv head h // (H / Hkv)) -> (out [qL, H, D], lse [H, qL]), float64.
+    """One sequence: q [qL, H, D], k [kL, Hkv, D], v [kL, Hkv, Dv] (H % Hkv == 0;
+    query head h reads kv head h // (H / Hkv)) -> (out [qL, H, Dv], lse [H, qL]),
+    float64; the default scale is 1/sqrt(D).
     alibi_slopes [H]: the score of key p for row i (at t = kL - qL + i) gains
     -slope[h] * |t - p| after the softcap (ALiBi, flash-attn's convention)."""
     q, k, v = _f64(q), _f64(k), _f64(v)
@@ -246,7 +248,7 @@ def flash_attn_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q:
     cu_seqlens_k[b+1] - cu_seqlens_k[b] keys read through its table row)
     -> (out [total_q, H, D], lse [H, total_q])."""
     cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
-    out = np.zeros(np.shape(q), dtype=np.float64)
+    out = np.zeros(np.shape(q)[:-1] + np.shape(v)[-1:], dtype=np.float64)
     lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
     for b in range(len(cq) - 1):
         qs, qe, ks, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])

@@ -8,7 +8,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._hints import layout_hint
-from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_shape, tensor
 from .registry import RegistryLike, resolve
 
 _OP = "sdpa"
@@ -34,8 +34,9 @@ def sdpa(
 
     Args:
         q: ``[B, H, qL, D]``, float32, float16 or bfloat16; any D <= 65536.
-        k, v: ``[B, Hkv, cap, D]``, q's dtype (a mismatch is a TypeError
-            naming both dtypes); H must be a multiple of Hkv.
+        k: ``[B, Hkv, cap, D]``, v: ``[B, Hkv, cap, Dv]`` (v's own head dim,
+            the output's; any Dv <= 65536), q's dtype (a mismatch is a
+            TypeError naming both dtypes); H must be a multiple of Hkv.
         mask: optional additive mask in q's dtype (0 attend, -inf hidden, any
             finite bias) or bool (True = attend), ``[qL, kv_len]``,
             ``[H, qL, kv_len]`` or ``[B, H, qL, kv_len]``, each of B, H, qL
@@ -50,7 +51,7 @@ def sdpa(
             is torch's top-left.
         window: sliding window w > 0: keys p with t - p < w; None = none.
         softcap: logit softcap c > 0 (``c*tanh(s/c)``); 0 disables it.
-        out: optional C-contiguous output of q's shape and dtype (a numpy array
+        out: optional C-contiguous output of q's shape with Dv last and q's dtype (a numpy array
             or a torch CPU tensor), filled in place and returned.
         registry: a Registry or a backend name; default ``Registry("auto")``.
     """
@@ -61,9 +62,9 @@ def sdpa(
     va = as_input(v, op, "v")
     ma = None if mask is None else as_input(mask, op, "mask")
     if out is None:
-        out = dst = np.empty(qa.shape, dtype=qa.dtype)
+        out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype)
     else:
-        dst = check_out(out, op, qa.shape, qa.dtype, [qa, ka, va, ma])
+        dst = check_out(out, op, out_shape(qa, va), qa.dtype, [qa, ka, va, ma])
     if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (F32, BF16, F16):
         return out
     opts = _native.options(

@@ -28,7 +28,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _kvcache_ragged as _ragged, _native
-from ._arrays import F32, I32, as_index, as_input, check_out, tensor
+from ._arrays import F32, I32, as_index, as_input, check_out, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
@@ -70,7 +70,10 @@ def flash_attn_func(
             query head h reads kv head ``h // (H // Hkv)``). Or a QuantizedKV
             of leading shape ``[B, seqlen_k, Hkv]`` for either or both (the
             other side a dense cache of float32/float16/bfloat16): attention
-            reads the codes (q of any float dtype; no ALiBi).
+            reads the codes (q of any float dtype; no ALiBi). v may have a
+            head dim Dv of its own (flash-attn's head_dim_v; out then has
+            Dv): unequal dims both in 1...256, or for one query row any pair
+            the decode runs (576 over 512: MLA's latent cache).
         dropout_p: must be 0.0 (inference only).
         softmax_scale: score scale; default ``1/sqrt(D)``.
         causal: bottom-right causal mask.
@@ -91,7 +94,7 @@ def flash_attn_func(
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
-        out ``[B, seqlen_q, H, D]`` like q, or ``(out, softmax_lse [B, H,
+        out ``[B, seqlen_q, H, Dv]`` like q, or ``(out, softmax_lse [B, H,
         seqlen_q] float32, S_dmask)`` with return_attn_probs; the caller's
         array type (torch in, torch out).
     """
@@ -181,7 +184,7 @@ def flash_attn_varlen_func(
         return _with_probs(q, qout, qlse)
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
-    out = np.empty(qa.shape, dtype=qa.dtype)
+    out = np.empty(out_shape(qa, va), dtype=qa.dtype)
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
@@ -230,7 +233,8 @@ def flash_attn_with_kvcache(
             allowed); longer blocks the prefill kernel (bfloat16, float16,
             float32 up to D 256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
-            Hkv, D]`` with block_table. Or both QuantizedKV (KVCodec.empty of
+            Hkv, D]`` with block_table; v_cache (and v) may have a head dim
+            Dv of its own, as in flash_attn_func (out then has Dv). Or both QuantizedKV (KVCodec.empty of
             leading shape ``[B, cap, Hkv]`` or ``[num_pages, page_size, Hkv]``;
             K and V widths and seeds may differ): k/v are then encoded into
             the codes and the attention reads the codes (q converted to
@@ -359,7 +363,7 @@ def flash_attn_with_kvcache(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk,
                         max_seqlen_q=0 if rag is None else rag.max_seqlen_q)
     sk = sinks_arg(_KVCACHE, sinks)
-    out_arr = None if out is None else check_out(out, _KVCACHE, qa.shape, qa.dtype,
+    out_arr = None if out is None else check_out(out, _KVCACHE, out_shape(qa, vc), qa.dtype,
                                                  [qa, kc, vc, bt, sk, lens, given_lens])
     if rag is not None:
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
@@ -417,7 +421,7 @@ def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.n
     """flash_attn_with_kvcache with cu_seqlens_q / cu_seqlens_k_new (the
     arguments checked in _kvcache_ragged before any kernel runs): the new
     keys appended per sequence, then the varlen prefill over the cache."""
-    out_flat = None if out is None else out.reshape(rag.q.shape)
+    out_flat = None if out is None else out.reshape(out_shape(rag.q, vc))
 
     def attend(q: np.ndarray, seqlens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
         res, lse = _ragged.attend(reg, rag, q, kc, vc, seqlens, bt, opts, sinks=sinks, alibi=alibi,
@@ -694,8 +698,9 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     if qa.ndim == 4 and qa.shape[1] == 1:
         _decode_dtypes(op, qa, ka)
         b, _, h, d = qa.shape
+        dv = out_shape(qa, va)[-1]
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
-        o32 = np.empty((b, h, d), dtype=F32)
+        o32 = np.empty((b, h, dv), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
                                 alibi_slopes=alibi)
@@ -704,12 +709,12 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
                                                                     lse, alibi, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
-            result = o32.reshape(qa.shape).astype(out_dtype or qa.dtype)
+            result = o32.reshape(b, 1, h, dv).astype(out_dtype or qa.dtype)
             if out is not None:
                 out[...] = result
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))
         return finish_decode
-    result = np.empty(qa.shape, dtype=qa.dtype) if out is None else out
+    result = np.empty(out_shape(qa, va), dtype=qa.dtype) if out is None else out
     rows_lse: np.ndarray | None = None
     if want_lse and qa.ndim == 4:
         rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)

@@ -64,8 +64,9 @@ static void buf_free(Buf *b) { free(b->raw); free(b->val); }
 
 /* Reference attention of one row: scores from the rule every path shares
  * (masked -inf; others floored at -FLT_MAX/2), softmax in double. */
-static void ref_row(const double *q, const double *K, const double *V, int64_t kL, int32_t D, double scale,
-                    const double *bias, const int *visible, double *out) {
+/* q/K rows of D elements, V rows and out of Dv. */
+static void ref_row(const double *q, const double *K, const double *V, int64_t kL, int32_t D, int32_t Dv,
+                    double scale, const double *bias, const int *visible, double *out) {
     double *s = malloc(sizeof(double) * (size_t)kL), mx = -INFINITY;
     for (int64_t j = 0; j < kL; j++) {
         double dot = 0;
@@ -78,14 +79,14 @@ static void ref_row(const double *q, const double *K, const double *V, int64_t k
         if (x > mx) mx = x;
     }
     double sum = 0;
-    for (int32_t d = 0; d < D; d++) out[d] = 0;
+    for (int32_t d = 0; d < Dv; d++) out[d] = 0;
     if (mx == -INFINITY) { free(s); return; } /* no visible key: zeros */
     for (int64_t j = 0; j < kL; j++) {
         const double p = exp(s[j] - mx);
         sum += p;
-        for (int32_t d = 0; d < D; d++) out[d] += p * V[j * D + d];
+        for (int32_t d = 0; d < Dv; d++) out[d] += p * V[j * Dv + d];
     }
-    for (int32_t d = 0; d < D; d++) out[d] /= sum;
+    for (int32_t d = 0; d < Dv; d++) out[d] /= sum;
     free(s);
 }
 
@@ -95,14 +96,16 @@ static double tol_atol(int32_t dt) { return dt == FM_DTYPE_F32 ? 2e-5 : dt == FM
 
 typedef struct {
     int32_t D, qL, kL, qoff, H, Hkv, dtype, causal, mask_kind, use_blk, nan_q_row, huge_row;
+    int32_t Dv; /* v's and the output's head dim; 0 = D */
 } PrefillCase;
 
 static void run_prefill(const PrefillCase *c, int fast) {
-    const int32_t D = c->D, H = c->H, Hkv = c->Hkv, qL = c->qL, kL = c->kL;
-    const int32_t bq = D == 512 ? 8 : 32, bk = D == 512 ? 8 : 16;
+    const int32_t D = c->D, Dv = c->Dv ? c->Dv : D, W = D > Dv ? D : Dv, H = c->H, Hkv = c->Hkv, qL = c->qL,
+                  kL = c->kL;
+    const int32_t bq = W == 512 ? 8 : 32, bk = W == 512 ? 8 : 16;
     const int64_t NQ = (qL + bq - 1) / bq, NK = (kL + bk - 1) / bk;
     Buf q = buf_new(c->dtype, (size_t)H * qL * D, 1), k = buf_new(c->dtype, (size_t)Hkv * kL * D, 1);
-    Buf v = buf_new(c->dtype, (size_t)Hkv * kL * D, 1), o = buf_new(c->dtype, (size_t)H * qL * D, 0);
+    Buf v = buf_new(c->dtype, (size_t)Hkv * kL * Dv, 1), o = buf_new(c->dtype, (size_t)H * qL * Dv, 0);
     if (c->nan_q_row >= 0) put(&q, (size_t)c->nan_q_row * D + 3, NAN);
     /* additive mask: a window, a band of finite biases, one row of huge negatives */
     Buf m = buf_new(c->dtype, (size_t)qL * kL, 0);
@@ -129,12 +132,14 @@ static void run_prefill(const PrefillCase *c, int fast) {
     }
     FMPrefillArgs a;
     memset(&a, 0, sizeof a);
-    a.p.B = 1; a.p.H = H; a.p.D = D; a.p.qL = qL; a.p.kL = kL; a.p.gqa_factor = H / Hkv;
+    a.p.B = 1; a.p.H = H; a.p.D = D; a.p.Dv = Dv; a.p.qL = qL; a.p.kL = kL; a.p.gqa_factor = H / Hkv;
     a.p.scale = 1.0f / sqrtf((float)D);
     a.p.NQ = (int32_t)NQ; a.p.NK = (int32_t)NK; a.p.qL_off = c->qoff;
     const int64_t qs[3] = {(int64_t)H * qL * D, (int64_t)qL * D, D}, ks[3] = {(int64_t)Hkv * kL * D, (int64_t)kL * D, D};
-    memcpy(a.p.Q_strides, qs, sizeof qs); memcpy(a.p.O_strides, qs, sizeof qs);
-    memcpy(a.p.K_strides, ks, sizeof ks); memcpy(a.p.V_strides, ks, sizeof ks);
+    const int64_t os[3] = {(int64_t)H * qL * Dv, (int64_t)qL * Dv, Dv};
+    const int64_t vs[3] = {(int64_t)Hkv * kL * Dv, (int64_t)kL * Dv, Dv};
+    memcpy(a.p.Q_strides, qs, sizeof qs); memcpy(a.p.O_strides, os, sizeof os);
+    memcpy(a.p.K_strides, ks, sizeof ks); memcpy(a.p.V_strides, vs, sizeof vs);
     const int64_t ms[3] = {0, 0, kL};
     memcpy(a.mp.M_strides, ms, sizeof ms);
     a.q = q.raw; a.k = k.raw; a.v = v.raw; a.o = o.raw;
@@ -159,12 +164,12 @@ static void run_prefill(const PrefillCase *c, int fast) {
         free(packed);
         free(scratch);
     } else {
-        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_scratch_floats(bq, bk, D));
+        float *scratch = malloc(sizeof(float) * fm_cpu_prefill_scratch_floats(bq, bk, W));
         for (int32_t h = 0; h < H; h++)
             for (int64_t qt = 0; qt < NQ; qt++) fm_cpu_prefill_tile(&a, 0, h, qt, scratch);
         free(scratch);
     }
-    double worst = 0, *ref = malloc(sizeof(double) * (size_t)D);
+    double worst = 0, *ref = malloc(sizeof(double) * (size_t)Dv);
     for (int32_t h = 0; h < H; h++) {
         const int32_t kvh = h / (H / Hkv);
         for (int32_t i = 0; i < qL; i++) {
@@ -174,11 +179,11 @@ static void run_prefill(const PrefillCase *c, int fast) {
                 bias[j] = c->mask_kind == FM_MASK_ADDITIVE ? m.val[(size_t)i * kL + j] : 0.0;
             }
             const double *qr = q.val + ((size_t)h * qL + i) * D;
-            ref_row(qr, k.val + (size_t)kvh * kL * D, v.val + (size_t)kvh * kL * D, kL, D, a.p.scale,
+            ref_row(qr, k.val + (size_t)kvh * kL * D, v.val + (size_t)kvh * kL * Dv, kL, D, Dv, a.p.scale,
                     bias, vis, ref);
-            const size_t base = ((size_t)h * qL + i) * D;
+            const size_t base = ((size_t)h * qL + i) * Dv;
             const int nan_row = c->nan_q_row == (int32_t)(h * qL + i);
-            for (int32_t d = 0; d < D; d++) {
+            for (int32_t d = 0; d < Dv; d++) {
                 const double got = to_double(c->dtype, o.raw, base + d);
                 if (nan_row) { CHECK(isnan(got), "NaN q row: element %d is %g, not NaN", d, got); continue; }
                 const double err = fabs(got - ref[d]) / (tol_atol(c->dtype) + 0.02 * fabs(ref[d]));
@@ -186,8 +191,8 @@ static void run_prefill(const PrefillCase *c, int fast) {
             }
         }
     }
-    CHECK(worst <= 1.0, "prefill %s %s D=%d dtype=%d causal=%d mask=%d blk=%d: error %.3gx tolerance",
-          fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, c->dtype, c->causal, c->mask_kind,
+    CHECK(worst <= 1.0, "prefill %s %s D=%d Dv=%d dtype=%d causal=%d mask=%d blk=%d: error %.3gx tolerance",
+          fm_cpu_isa_name(isa), fast ? "fast" : "portable", D, Dv, c->dtype, c->causal, c->mask_kind,
           blk != NULL, worst);
     free(ref);
 done:
@@ -297,7 +302,7 @@ static void run_serving(const ServeCase *c, int fast) {
 
     FMPrefillArgs a;
     memset(&a, 0, sizeof a);
-    a.p.B = B; a.p.H = H; a.p.D = D; a.p.qL = qmax; a.p.kL = c->varlen_k || c->kv_lens ? kmax : kcap;
+    a.p.B = B; a.p.H = H; a.p.D = D; a.p.Dv = D; a.p.qL = qmax; a.p.kL = c->varlen_k || c->kv_lens ? kmax : kcap;
     if (!per_seq) a.p.kL = c->klens[0];
     a.p.gqa_factor = H / Hkv;
     a.p.scale = 1.0f / sqrtf((float)D);
@@ -499,7 +504,7 @@ static void run_decode(const DecodeCase *c) {
     FMVecArgs a;
     memset(&a, 0, sizeof a);
     a.p = (FlashAttnVecParams){H, Hkv, (uint32_t)D, 0, CAP, 1.0f / sqrtf((float)D), c->window ? 2 : 1,
-                               (uint32_t)c->window, c->softcap, NWG};
+                               (uint32_t)c->window, c->softcap, NWG, (uint32_t)D, 0};
     a.q = (const float *)q.raw;
     const int32_t starts[B] = {0, 1, 30, 5};
     a.seqlens = lens;
@@ -707,6 +712,14 @@ int main(int argc, char **argv) {
             PrefillCase boolm = full;
             boolm.mask_kind = FM_MASK_BOOL; boolm.qoff = 80;
             run_prefill(&boolm, fast);
+        }
+        /* v of its own head dim: MLA's 192/128 and a narrower q/k (40) with an odd v (59) */
+        const int32_t dvs[2][2] = {{192, 128}, {40, 59}};
+        for (int pi = 0; pi < 2; pi++) {
+            PrefillCase c = {dvs[pi][0], 70, 150, 80, 4, 2, dt, 1, FM_MASK_NONE, 0, -1, -1, dvs[pi][1]};
+            run_prefill(&c, fast);
+            c.mask_kind = FM_MASK_ADDITIVE; c.use_blk = 1; c.huge_row = 9;
+            run_prefill(&c, fast);
         }
     }
     const PrefillCase d512 = {512, 20, 40, 20, 2, 1, FM_DTYPE_BF16, 1, FM_MASK_NONE, 0, -1, -1};

@@ -179,10 +179,12 @@ def gen_prefill(rng, backend):
     qoff = int(rng.integers(0, kl - ql + 1))
     layout = int(rng.integers(0, 2))
     nonfinite = rng.random() < 0.05
+    # v of its own head dim (head_dim_v) 20% of the time: unequal dims both <= 256
+    dv = int(rng.choice([24, 40, 64, 128, 200])) if not small and d <= 256 and rng.random() < 0.2 else d
     qs = [b, h, ql, d] if layout == 0 else [b, ql, h, d]
     ks = [b, hkv, cap, d] if layout == 0 else [b, cap, hkv, d]
     t = {"q": _tensor(rng, dt, qs, nonfinite=nonfinite), "k": _tensor(rng, dt, ks),
-         "v": _tensor(rng, dt, ks), "out": _tensor(rng, dt, qs, role="out")}
+         "v": _tensor(rng, dt, ks[:-1] + [dv]), "out": _tensor(rng, dt, qs[:-1] + [dv], role="out")}
     mk = rng.choice(["none", "add2", "bool2", "add4", "bool4"], p=[0.4, 0.25, 0.15, 0.1, 0.1])
     if mk != "none":
         ms = [ql, kl] if mk.endswith("2") else [b, h, ql, kl]
@@ -216,14 +218,16 @@ def gen_vec(rng, backend):
     kvl = int(rng.integers(1, cap + 1))
     qs = [b, h, d] if batched else [h, d]
     ks = [b, hkv, cap, d] if batched else [hkv, cap, d]
+    # v of its own head dim 20% of the time (the tile of the larger runs: 576 over 512 is MLA's)
+    dv = (512 if d == 576 else int(rng.choice([32, 64, 100, 256]))) if not small and rng.random() < 0.2 else d
     nonfinite = rng.random() < 0.05
-    t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks), "v": _tensor(rng, kv, ks),
-         "out": _tensor(rng, 0, qs, role="out")}
-    fwht = int(rng.random() < 0.3 and d & (d - 1) == 0 and d in vec_dims())  # the FWHT reduce: power-of-two tiles
+    t = {"q": _tensor(rng, 0, qs, nonfinite=nonfinite), "k": _tensor(rng, kv, ks),
+         "v": _tensor(rng, kv, ks[:-1] + [dv]), "out": _tensor(rng, 0, qs[:-1] + [dv], role="out")}
+    fwht = int(rng.random() < 0.3 and dv & (dv - 1) == 0 and dv in vec_dims())  # the FWHT reduce: power-of-two tiles
     if fwht and rng.random() < 0.6:
-        t["signs"] = _tensor(rng, 4, [d // 8])
+        t["signs"] = _tensor(rng, 4, [dv // 8])
     if rng.random() < 0.3:
-        t["tmp"] = _tensor(rng, 0, [b * h * 32 * (d + 2)], role="tmp")
+        t["tmp"] = _tensor(rng, 0, [b * h * 32 * (dv + 2)], role="tmp")
     mt = int(rng.integers(0, 3))
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.1])), softcap=float(rng.choice([0.0, 0.0, 10.0])),
                 mask_type=mt, window=int(rng.integers(1, cap + 5)) if mt == 2 else 0, kv_len=kvl, fwht=fwht)
@@ -239,8 +243,9 @@ def gen_sdpa(rng, backend):
     cap = int(rng.integers(1, 48))
     kvl = int(rng.integers(1, cap + 1)) if rng.random() < 0.3 else 0
     ql = int(rng.integers(1, 40))
+    dv = int(rng.choice([1, 9, 64, 512])) if rng.random() < 0.2 else d  # v of its own head dim
     t = {"q": _tensor(rng, dt, [b, h, ql, d]), "k": _tensor(rng, dt, [b, hkv, cap, d]),
-         "v": _tensor(rng, dt, [b, hkv, cap, d]), "out": _tensor(rng, dt, [b, h, ql, d], role="out")}
+         "v": _tensor(rng, dt, [b, hkv, cap, dv]), "out": _tensor(rng, dt, [b, h, ql, dv], role="out")}
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), causal=int(rng.integers(0, 2)), kv_len=kvl)
     if rng.random() < 0.5:  # the extension: explicit position (any int32), window, softcap
         opts.update(has_q_offset=1, q_offset=int(rng.choice([0, -5, 3, 2**31 - 1, -2**31])),

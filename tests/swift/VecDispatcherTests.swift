@@ -49,10 +49,10 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual([1, 2, 3, 4, 6, 8, 12, 16, 32].map { VecDispatcher.headsPerGroup(gqa: $0) },
                        [1, 2, 1, 4, 2, 8, 4, 8, 8])
         XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 2) },
-                       [32, 32, 32, 32, 16, 16, 8])
+                       [32, 32, 32, 32, 16, 16, 8, 4])
         XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 4) },
-                       [32, 16, 16, 16, 8, 8, 4])
-        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.vectorWidth(headDim: $0) }, [2, 4, 4, 4, 2, 4, 4])
+                       [32, 16, 16, 16, 8, 8, 4, 4])
+        XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.vectorWidth(headDim: $0) }, [2, 4, 4, 4, 2, 4, 4, 2])
     }
 
     func testKernelNames() {
@@ -61,7 +61,7 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(KernelSpec.vec(kv: .bf16, headDim: 64).name, "flash_attn_vec_bf16kv_dk64")
         XCTAssertEqual(KernelSpec.vecReduce(headDim: 128, fwht: false).name, "flash_attn_vec_reduce_dk128")
         XCTAssertEqual(KernelSpec.vecReduce(headDim: 256, fwht: true).name, "flash_attn_vec_reduce_tq_hb_undo_dk256")
-        XCTAssertEqual(VecCapability.kernels.count, 3 * 7 + 7 + 4)
+        XCTAssertEqual(VecCapability.kernels.count, 3 * 8 + 8 + 4)
         XCTAssertEqual(VecCapability.fwhtHeadDims, [64, 128, 256, 512])
     }
 
@@ -162,8 +162,8 @@ final class VecDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = VecDispatcher.op
-        expectFMError(op, contains: "head_dim must be in 1...256 or 512, got 300") { _ = try dispatches(Case(d: 300)) }
-        expectFMError(op, contains: "head_dim must be in 1...256 or 512, got 0") { _ = try dispatches(Case(d: 0)) }
+        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 300") { _ = try dispatches(Case(d: 300)) }
+        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 0") { _ = try dispatches(Case(d: 0)) }
         expectFMError(op, contains: "the q heads (16) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "the k heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)

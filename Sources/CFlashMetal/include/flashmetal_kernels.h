@@ -166,9 +166,13 @@ enum { FM_VEC_CHUNK = 32 };
  * by tgid.z * FM_SDPA_TILE_Q + tid). */
 enum { FM_SDPA_TILE_Q = 32 };
 
-/* ---- kernel parameter structs (mlx-native's layouts) -------------------------- */
+/* ---- kernel parameter structs (mlx-native's layouts; AttnParams.Dv fills its
+ * pad, FlashAttnVecParams appends head_dim_v) --------------------------------- */
 
-/* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements. */
+/* Prefill: buffer(4). 160 bytes. Strides are (batch, head, seq) in elements.
+ * D is q's and k's head dim (the QK dot), Dv v's and the output's (flash-attn's
+ * head_dim_v; Dv == D but for MLA-style shapes): V loads stop at Dv, the
+ * output rows hold Dv elements. The kernel's tile is at least max(D, Dv). */
 typedef struct AttnParams {
     int32_t B;
     int32_t H;
@@ -185,7 +189,7 @@ typedef struct AttnParams {
     int32_t qL_rem;
     int32_t kL_rem;
     int32_t qL_off;
-    int32_t _pad;
+    int32_t Dv;
     int64_t Q_strides[3];
     int64_t K_strides[3];
     int64_t V_strides[3];
@@ -205,7 +209,9 @@ typedef struct BlkParams {
     int32_t _pad;
 } BlkParams;
 
-/* Decode: buffer(0). 40 bytes. mask_type 0 none, 1 causal, 2 sliding window. */
+/* Decode: buffer(0). 48 bytes. mask_type 0 none, 1 causal, 2 sliding window.
+ * head_dim is q's and k's (the QK dot), head_dim_v v's and the output's (the
+ * partials in tmp and the reduce's rows hold head_dim_v elements). */
 typedef struct FlashAttnVecParams {
     uint32_t n_heads;
     uint32_t n_kv_heads;
@@ -217,6 +223,8 @@ typedef struct FlashAttnVecParams {
     uint32_t sliding_window;
     float softcap;
     uint32_t nwg;
+    uint32_t head_dim_v;
+    uint32_t _pad;
 } FlashAttnVecParams;
 
 /* Decode reduce (plain and FWHT-undo): buffer(0). 8 bytes. head_dim is the
@@ -253,7 +261,7 @@ typedef struct SdpaExtParams {
     float softcap;     /* c > 0; used only with constant 603 */
     int32_t q_offset;  /* absolute position of query row 0 */
     int32_t window;    /* 0 = no window */
-    int32_t _pad;
+    int32_t head_dim_v; /* v's and the output's head dim Dv (SdpaParams.head_dim is q's and k's) */
 } SdpaExtParams;
 
 /* ---- serving extension ---------------------------------------------------
@@ -351,14 +359,16 @@ typedef struct FlashAttnVecReduceExtParams {
  * t = seqlens[b] + i:  PAGED: cache + block_table[b*max_pages + t/page_size]*
  * cache_strides[0] + (t % page_size)*cache_strides[1] + g*cache_strides[2];
  * else cache + b*cache_strides[0] + t*cache_strides[1] + g*cache_strides[2].
- * Grid (n_new, Hkv, B), D threads along x (any count; a loop covers D). */
+ * Grid (n_new, Hkv, B), D threads along x (any count; a loop covers D).
+ * The strides are k's (multiples of head_dim, C-contiguous rows); v's rows
+ * sit at the same index scaled by head_dim_v / head_dim. */
 typedef struct KVAppendParams {
     int32_t n_new;
     int32_t n_kv_heads;
     int32_t head_dim;
     int32_t page_size;       /* FM_FC_APPEND_PAGED */
     int32_t max_pages;       /* FM_FC_APPEND_PAGED */
-    int32_t _pad;
+    int32_t head_dim_v;      /* v's head dim Dv (v_new/v_cache rows; k's are head_dim) */
     int64_t new_strides[3];  /* (batch, row, kv head) of k_new/v_new */
     int64_t cache_strides[3];/* (batch or page, row, kv head) of the caches */
 } KVAppendParams;
