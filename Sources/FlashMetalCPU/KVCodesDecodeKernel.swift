@@ -19,7 +19,9 @@ final class KVCodesDecodeKernel: CPUKernel {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         var a = try Self.args(d, dense: dense)
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
-        let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
+        // The grid's x is tokens x H / heads_per_group (its y, the key splits, is 1 on the cpu).
+        let tokens = d.grid.x * Int(p.heads_per_group) / heads
+        let items = tokens * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         // Keys split so every worker has work: shares of at least
         // minKeys keys, enough for 4 per worker. When the kv heads of one key
         // sit side by side (flash-attn's [B, cap, Hkv] and its pages), a work
@@ -101,6 +103,15 @@ final class KVCodesDecodeKernel: CPUKernel {
             m = Int(p.kv_len)
         }
         return m
+    }
+}
+
+/// `kv_codes_reduce_f32` on the cpu: never dispatched there (the cpu's
+/// kv_codes_decode splits keys over its workers and writes the output, so a
+/// cpu decode plan has no reduce); running it is an internal error.
+final class KVCodesReduceKernel: CPUKernel {
+    func run(_ d: Dispatch, pool: WorkerPool) throws {
+        throw FlashMetalError.internalError("cpu backend: \(d.kernel) is never dispatched to the cpu (its decode writes the output)")
     }
 }
 
