@@ -276,7 +276,7 @@ kernel void kv_codes_decode(
         if (j < hg && k < cnt) z[j * d + i0 + k] = acc[e];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    kvq_finish_rows(p, z, hg, norm, o + row0 * long(d), lane, 32u);
+    kvq_finish_rows(p, z, hg, norm, kvq_whole ? o + row0 * long(d) : nullptr, lane, 32u);
 }
 
 // Row r = token * H + h of a split decode: the nwg partials merged (each
