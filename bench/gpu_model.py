@@ -272,8 +272,11 @@ def codes_heads_per_group(gqa, d):
     return hg
 
 
+CODES_MIN_SPLIT_KEYS = 128
+
+
 def codes_split_cap(threadgroups):
-    # The split count the grid allows (keys // 256 caps it too).
+    # The split count the grid allows (keys // CODES_MIN_SPLIT_KEYS caps it too).
     return min(-(-960 // threadgroups), 128)
 
 
@@ -281,7 +284,7 @@ def codes_split_check(case, size, recs):
     # The run's kv_codes_decode grid is the one the model assumed.
     g = int(case.label.split("GQA")[1].split()[0]) if "GQA" in case.label else 1
     units = 32 // codes_heads_per_group(g, 128)
-    want = units * max(1, min(codes_split_cap(units), size // 256))
+    want = units * max(1, min(codes_split_cap(units), size // CODES_MIN_SPLIT_KEYS))
     got = [r["threadgroups"] for r in recs if r["kernel"].startswith("kv_codes_decode")]
     if got != [want]:
         raise RuntimeError(f"{case.label} at {size} keys: kv_codes_decode ran {got} threadgroups, the model "
@@ -323,7 +326,8 @@ def codes_cases(reg, keys, groups=(1, 4), d=128, heads=32, prefill_rows=128, pre
                     # while the split count stays that of the real size: fitted at two sizes of that count
                     # when the grid caps it, else simulated at the real size.
                     cap = codes_split_cap(heads // codes_heads_per_group(g, d))
-                    sizes, degree = ([cap * 256, cap * 256 + 512], 1) if kl // 256 >= cap else ([kl], 0)
+                    m = CODES_MIN_SPLIT_KEYS
+                    sizes, degree = ([cap * m, cap * m + 512], 1) if kl // m >= cap else ([kl], 0)
                 cases.append(Case("codes decode", f"{fmt} D={d} {name} B=1 keys={kl}",
                                   "kv_codes_decode + reduce" if kb else "flash_attn_vec + reduce",
                                   run, sizes, degree, kl, 1, heads // g, flops, min_bytes=min_bytes, exact=bool(kb)))
@@ -813,26 +817,28 @@ def codes_findings(group, rs):
     share = span([r["issue_busy"] / r["estimate"] for r in m3], pct)
     if group == "codes decode":
         gqa = [c.result["summary"]["reread_simd"] for c in rs if "GQA" in c.label]
-        busy = s["groups"] / (g.cores * s["resident"])
-        # A lone SIMD group on a core can use at most one of its SCHEDULERS at
-        # full rate: the model's even share over `resident` slots, made that
-        # much faster, bounds what a better occupancy model could give.
-        x = s["resident"] / SCHEDULERS
-        best = [r["bw_minimum"] / (max(r["dram"] + r["reread"], r["issue_busy"] / x) + r["sync"] + r["launch"])
-                for r in m3]
-        return ["", " ".join([
-            f"Where the time goes: the estimate is set by {decides} in every quantized row (issue / busy =",
-            f"{share} of it). {s['kernels']} runs one threadgroup of {s['threads']} threads (one SIMD group) per",
-            f"query row: {s['groups']:.0f} threadgroups at B = 1 against {g.cores} cores x {s['resident']} resident",
-            f"groups, so {busy:.3f} of the GPU issues, and the per-row scalar work (4*D FLOPs and one SIMD",
-            "reduction per key, plus the code unpacking the model cannot see) runs on that sliver, while the",
-            f"bytes alone would take {span([r['bw_minimum'] for r in m3], fmt_time)}. Were a lone SIMD group to",
-            f"issue at a whole scheduler's rate ({x:.0f}x the model's share), the rows would still reach only",
-            f"{span(best, pct)}. There is no split over keys and no reduce for codes (the bf16 decode splits the",
-            "keys over many threadgroups and reduces), and each query head of a GQA group reads its kv head's",
-            "codes again" + (f" (re-read SIMD {span(gqa, lambda v: f'{v:.2f}')})." if gqa else "."),
-            "Meeting 80% needs a split-KV grid (keys over threadgroups, then a reduce) and the G heads of a kv",
-            "head sharing one read of the codes, as the bf16 decode does."])]
+        eff = [r["bw_efficiency"] for r in m3]
+        # The launch cost of the dispatches and DRAM at ETA_BW bound any kernel's efficiency here.
+        ceiling = [r["bw_minimum"] / (r["bw_minimum"] / ETA_BW + r["launch"]) for r in m3]
+        short = [i for i, x in enumerate(ceiling) if x < 0.80]
+        rest = [eff[i] for i in range(len(rs)) if i not in short]
+        words = [
+            f"Where the time goes: {s['kernels']} splits each token's keys over NWG threadgroups of one SIMD group",
+            f"(NWG from the key count and the grid: about 960 threadgroups, at least {CODES_MIN_SPLIT_KEYS} keys each), each serving",
+            "the query heads of one kv head that fit its lanes (4 at D = 128), so every code row is read and",
+            "unpacked once per kv head" + (f" (re-read SIMD {span(gqa, lambda v: f'{v:.2f}')} on GQA)" if gqa else ""),
+            "; kv_codes_reduce merges the splits and undoes V's rotation. The estimate is set by",
+            f"{decides} (issue / busy = {share} of it). Launch costs {LAUNCH_S * 1e6:.0f} µs per dispatch and DRAM",
+            f"runs at {ETA_BW} of nominal, so no kernel gets a row past BW min / (BW min / {ETA_BW} + launch):"]
+        if short:
+            names = ", ".join(rs[i].label.replace(" D=128", "").replace(" B=1", "") for i in short)
+            words += [f"{len(short)} rows cannot reach 80% under the model's launch cost ({names}: their bytes take",
+                      f"{span([m3[i]['bw_minimum'] for i in short], fmt_time)}); they reach",
+                      f"{span([eff[i] for i in short], pct)} of their ceilings' "
+                      f"{span([ceiling[i] for i in short], pct)}."]
+        if rest:
+            words.append(f"The other {len(rest)} rows reach {span(rest, pct)}.")
+        return ["", " ".join(words).replace(" ; ", "; ")]
     return ["", " ".join([
         f"Where the time goes: set by {decides} (issue / busy = {share} of the estimate). {s['kernels']} has",
         "no MMAs: every (row, key) pair's 4*D scalar FLOPs, one SIMD reduction per key per item",

@@ -164,8 +164,8 @@ public enum KVCodesDecodeDispatcher {
     /// to keep every core of a large Apple GPU issuing (40 cores x 24).
     public static let targetThreadgroups = 960
     /// The fewest keys a split takes: each split writes D + 2 floats per
-    /// head that the reduce reads back, small beside 256 keys' codes.
-    public static let minKeysPerSplit = 256
+    /// head that the reduce reads back, small beside 128 keys' codes.
+    public static let minKeysPerSplit = 128
 
     /// Key splits (NWG) of a decode over `keys` keys (the most any
     /// sequence has) whose grid has `threadgroups` threadgroups per split:

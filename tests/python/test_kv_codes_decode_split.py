@@ -20,15 +20,15 @@ from test_kv_codec_kvcache import check, check_lse, dequantized
 from test_kv_codes_prefill import caches
 
 # (keys, H, Hkv, D, NWG on sim/metal-sim): NWG = min(ceil(960 / threadgroups
-# per split), keys // 256, 128), threadgroups per split = B x H / HG, HG the
+# per split), keys // 128, 128), threadgroups per split = B x H / HG, HG the
 # heads one SIMD group serves (H / Hkv here: 1, 4 or 8 within 16 lane floats).
 SPLITS = [
-    (200, 4, 4, 64, 1),      # MHA, fewer keys than one split: no reduce
-    (255, 8, 1, 64, 1),      # GQA 8, one key short of a split
-    (2100, 4, 4, 64, 8),     # MHA, 8 splits of ~262 keys
-    (5000, 4, 1, 64, 19),    # GQA 4, a split count that does not divide the chunks
-    (33000, 8, 1, 64, 128),  # GQA 8, the most splits
-    (3000, 8, 2, 128, 11),   # GQA 4 at D 128 (HG 4, one SIMD group per kv head)
+    (100, 4, 4, 64, 1),      # MHA, fewer keys than one split: no reduce
+    (255, 8, 1, 64, 1),      # GQA 8, one key short of two splits
+    (2100, 4, 4, 64, 16),    # MHA, 16 splits of ~131 keys
+    (5000, 4, 1, 64, 39),    # GQA 4, a split count that does not divide the chunks
+    (17000, 8, 1, 64, 128),  # GQA 8, the most splits
+    (3000, 8, 2, 128, 23),   # GQA 4 at D 128 (HG 4, one SIMD group per kv head)
 ]
 
 
