@@ -37,6 +37,8 @@ FUNCTION_CONSTANT(bool, kvq_split, 811)
 FUNCTION_CONSTANT_EXPR(bool, kvq_whole, !kvq_split)
 
 #define KVQ_LF FM_KVQ_DECODE_LANE_FLOATS
+// Threadgroup floats for the HG rotated queries / outputs (HG * D <= KVQ_LF * 32).
+#define KVQ_Z_FLOATS (FM_KVQ_DECODE_LANE_FLOATS * FM_KVQ_DECODE_THREADS)
 
 // The lane's coordinates [i0, i0 + cnt) of one stored row, as floats in the
 // rotated basis: centroid · norm of the codes (each byte of the lane's run
@@ -151,7 +153,7 @@ kernel void kv_codes_decode(
     device float *tmp [[buffer(15), function_constant(kvq_split)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
-    TG_ARRAY(float, z, FM_KVQ_DECODE_LANE_FLOATS * FM_KVQ_DECODE_THREADS);
+    TG_ARRAY(float, z, KVQ_Z_FLOATS);
     const uint heads = uint(p.n_heads), group = heads / uint(p.n_kv_heads), hg = uint(p.heads_per_group);
     const uint units = heads / hg, ck = 32u / hg;
     const uint token = tgid.x / units, h0 = (tgid.x - token * units) * hg, g = h0 / group;
