@@ -810,7 +810,6 @@ def pct(x):
 
 def codes_findings(group, rs):
     """Where the time of the quantized rows goes (M3 Max), from their numbers."""
-    g = next(x for x in GPUS if x.name == "M3 Max")
     s = rs[0].result["summary"]
     m3 = [c.result["gpus"]["M3 Max"] for c in rs]
     decides = " / ".join(sorted({deciding_term(r) for r in m3}))
