@@ -175,6 +175,11 @@ class Case:
     flops: object    # flops(size) for B = Hkv = 1: attention FLOPs (4*D per visited pair)
     validate_size: int | None = None
     min_bytes: object = None  # min_bytes(size) for B = Hkv = 1: the bytes a bandwidth-bound op must move, if stated
+    # Simulated with every kv head and batch (no B * Hkv scaling): a kernel
+    # whose grid depends on the whole shape (the split decode over codes
+    # picks its key splits from the key count and the number of heads) is in
+    # another regime with one kv head.
+    exact: bool = False
     result: dict = field(default_factory=dict)
 
 
@@ -257,6 +262,35 @@ def kv_row_bytes(d, kbits, vbits):
     return sum(fm.KVCodec(d, b).bytes_per_row() if b else 2 * d for b in (kbits, vbits))
 
 
+# The split decode's choices (KVCodesDecodeDispatcher.headsPerGroup and
+# .splits, B = 1): the model fits in the real size's split regime, and
+# codes_split_check confirms each run's grid agrees.
+def codes_heads_per_group(gqa, d):
+    per, hg = (d + 31) // 32, 1
+    while gqa % (2 * hg) == 0 and 2 * hg * per <= 16:
+        hg *= 2
+    return hg
+
+
+CODES_MIN_SPLIT_KEYS = 128
+
+
+def codes_split_cap(threadgroups):
+    # The split count the grid allows (keys // CODES_MIN_SPLIT_KEYS caps it too).
+    return min(-(-960 // threadgroups), 128)
+
+
+def codes_split_check(case, size, recs):
+    # The run's kv_codes_decode grid is the one the model assumed.
+    g = int(case.label.split("GQA")[1].split()[0]) if "GQA" in case.label else 1
+    units = 32 // codes_heads_per_group(g, 128)
+    want = units * max(1, min(codes_split_cap(units), size // CODES_MIN_SPLIT_KEYS))
+    got = [r["threadgroups"] for r in recs if r["kernel"].startswith("kv_codes_decode")]
+    if got != [want]:
+        raise RuntimeError(f"{case.label} at {size} keys: kv_codes_decode ran {got} threadgroups, the model "
+                           f"assumed {want}: update codes_heads_per_group / codes_split_cap")
+
+
 CODE_FORMATS = (("tq8", 8, 8), ("tq4", 4, 4), ("K8/V4", 8, 4), ("bf16", 0, 0))
 
 
@@ -286,9 +320,17 @@ def codes_cases(reg, keys, groups=(1, 4), d=128, heads=32, prefill_rows=128, pre
             def min_bytes(size, g=g, kb=kb, vb=vb):
                 return size * kv_row_bytes(d, kb, vb) + 2 * 4 * g * d
             for kl in keys:
+                sizes, degree = [1024, 2048], 1
+                if kb:
+                    # The split decode over codes runs at the real shape; its counts are linear in the keys
+                    # while the split count stays that of the real size: fitted at two sizes of that count
+                    # when the grid caps it, else simulated at the real size.
+                    cap = codes_split_cap(heads // codes_heads_per_group(g, d))
+                    m = CODES_MIN_SPLIT_KEYS
+                    sizes, degree = ([cap * m, cap * m + 512], 1) if kl // m >= cap else ([kl], 0)
                 cases.append(Case("codes decode", f"{fmt} D={d} {name} B=1 keys={kl}",
                                   "kv_codes_decode + reduce" if kb else "flash_attn_vec + reduce",
-                                  run, [1024, 2048], 1, kl, 1, heads // g, flops, min_bytes=min_bytes))
+                                  run, sizes, degree, kl, 1, heads // g, flops, min_bytes=min_bytes, exact=bool(kb)))
     # Chunked prefill: `prefill_rows` new query rows (the newest keys, causal)
     # over a cache of `size` keys: every count is linear in the keys at a
     # fixed row count.
@@ -392,12 +434,15 @@ def measure(case: Case, size: int, batch: int = 1, hkv: int = 1) -> list[dict]:
     key = (case.group, case.kernel_note, case.label.rsplit(" L=", 1)[0].rsplit(" keys=", 1)[0], size, batch, hkv)
     if key not in _RUNS:
         _RUNS[key] = counted(lambda: case.run(size, batch, hkv))
+        if case.exact:
+            codes_split_check(case, size, _RUNS[key])
     return _RUNS[key]
 
 
 def fit(case: Case, at: int) -> list[dict]:
     """Per dispatch: each count at size `at`, from the case's fit sizes."""
-    runs = [measure(case, s) for s in case.sizes[:case.degree + 1]]
+    shape = (case.batch, case.kv_heads) if case.exact else (1, 1)
+    runs = [measure(case, s, *shape) for s in case.sizes[:case.degree + 1]]
     kinds = [[r["kernel"] for r in rs] for rs in runs]
     if any(k != kinds[0] for k in kinds):
         raise RuntimeError(f"{case.label}: the dispatches differ between fit sizes: {kinds}")
@@ -604,13 +649,13 @@ def main() -> int:
                 c.validate_size = 4096
             if c.group in ("serving", "sdpa") and c.real_size == lengths[0] and "D=72" not in c.label:
                 c.validate_size = 256 if c.group == "sdpa" else 1024
-            if c.group == "codes decode" and c.real_size == codes_keys[0]:
+            if c.group == "codes decode" and c.real_size == codes_keys[0] and not c.exact:
                 c.validate_size = 4096
             if c.group == "codes prefill":
                 c.validate_size = 2048
     rows = []
     for i, c in enumerate(cases):
-        disp = scaled(fit(c, c.real_size), c.batch * c.kv_heads)
+        disp = scaled(fit(c, c.real_size), 1 if c.exact else c.batch * c.kv_heads)
         flops = c.flops(c.real_size) * c.batch * c.kv_heads
         c.result = {"summary": summarize(disp), "gpus": {g.name: estimate(g, disp, flops) for g in GPUS},
                     "flops": flops}
@@ -679,35 +724,43 @@ GROUPS = ("prefill", "decode", "serving", "sdpa", "codes decode", "codes prefill
 MAC_HEADING = "## What only a Mac can measure"
 
 
+# The columns every group's table starts with (counts, residency, the M3 Max estimate).
+COMMON_HEADER = ("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | "
+                 "store B | TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound |")
+COMMON_SEPARATOR = "|---|---|" + "---:|" * 17 + "---|"
+
+
+def common_cells(c):
+    """A row's cells of COMMON_HEADER."""
+    s, m3 = c.result["summary"], c.result["gpus"]["M3 Max"]
+    return (f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
+            f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
+            f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
+            f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
+            f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
+            f"{fmt_time(m3['estimate'])} | {m3['bound']} |")
+
+
 def group_lines(group, rs):
     """One group's section of the report: its heading and its table."""
     if group.startswith("codes "):
         return codes_lines(group, rs)
     L = [f"### {group}", ""]
     w = L.append
-    w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
-      "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | M1 Max eff. | "
-      "M3 Max eff. | M4 Max eff. |")
-    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
-      "---:|---:|")
+    w(COMMON_HEADER + " M1 Max eff. | M3 Max eff. | M4 Max eff. |")
+    w(COMMON_SEPARATOR + "---:|" * 3)
     for c in rs:
-        s, g = c.result["summary"], c.result["gpus"]
-        w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
-          f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
-          f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
-          f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
-          f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
-          f"{fmt_time(g['M3 Max']['estimate'])} | {g['M3 Max']['bound']} | "
-          f"{g['M1 Max']['efficiency'] * 100:.0f}% | {g['M3 Max']['efficiency'] * 100:.0f}% | "
+        g = c.result["gpus"]
+        w(common_cells(c) + f" {g['M1 Max']['efficiency'] * 100:.0f}% | {g['M3 Max']['efficiency'] * 100:.0f}% | "
           f"{g['M4 Max']['efficiency'] * 100:.0f}% |")
     return L
 
 
 def codes_lines(group, rs):
-    """A quantized-KV section: the decode table's columns, then the bytes the
-    op must move (codes and norms of K and V, q, out; bf16 rows: the bf16
-    caches), the minimum they set (or the FLOPs, if larger), the efficiency
-    against it per GPU, and the M3 Max roofline terms."""
+    """A quantized-KV section: the common columns, then the bytes the op must
+    move (codes and norms of K and V, q, out; bf16 rows: the bf16 caches),
+    the minimum they set (or the FLOPs, if larger), the efficiency against it
+    per GPU, and the M3 Max roofline terms."""
     L = [f"### {group}", ""]
     w = L.append
     if group == "codes decode":
@@ -721,22 +774,13 @@ def codes_lines(group, rs):
     w("M3 Max: DRAM (distinct bytes, split partials included) / re-read / issue (scalar FLOPs charged 4*D per")
     w("pair; the unpacking of codes and centroid lookups are not observable) / sync / launch.")
     w("")
-    w("| case | kernels | dev read | dev written | re-read | re-read SIMD | lines | load B | B/req | store B | "
-      "TG bytes | MMAs | shuf | red | barriers/TG | thr | TG mem | res | M3 Max est. | bound | min bytes | "
-      "M3 BW min | M1 Max eff. | M3 Max eff. | M4 Max eff. | DRAM | re-read | issue | issue / busy | sync | launch | "
-      "decides |")
-    w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"
-      "---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    w(COMMON_HEADER + " min bytes | M3 BW min | M1 Max eff. | M3 Max eff. | M4 Max eff. | DRAM | re-read | issue | "
+      "issue / busy | sync | launch | decides |")
+    w(COMMON_SEPARATOR + "---:|" * 11 + "---|")
     for c in rs:
-        s, g = c.result["summary"], c.result["gpus"]
+        g = c.result["gpus"]
         m3 = g["M3 Max"]
-        w(f"| {c.label} | {s['kernels']} | {fmt_bytes(s['read'])} | {fmt_bytes(s['written'])} | "
-          f"{s['reread']:.1f} | {s['reread_simd']:.1f} | {s['lines']:.3g} | {s['load_b']:.2f} | "
-          f"{s['req_b']:.1f} | {s['store_b']:.2f} | "
-          f"{fmt_bytes(s['tg_bytes'])} | {s['mma']:.3g} | {s['shuffles']:.3g} | {s['reductions']:.3g} | "
-          f"{s['barriers_per_group']:.0f} | {s['threads']} | {s['tg_memory']} | {s['resident']} | "
-          f"{fmt_time(m3['estimate'])} | {m3['bound']} | {fmt_bytes(c.result['min_bytes'])} | "
-          f"{fmt_time(m3['bw_minimum'])} | "
+        w(common_cells(c) + f" {fmt_bytes(c.result['min_bytes'])} | {fmt_time(m3['bw_minimum'])} | "
           f"{g['M1 Max']['bw_efficiency'] * 100:.0f}% | {m3['bw_efficiency'] * 100:.0f}% | "
           f"{g['M4 Max']['bw_efficiency'] * 100:.0f}% | {fmt_time(m3['dram'])} | {fmt_time(m3['reread'])} | "
           f"{fmt_time(m3['issue'])} | {fmt_time(m3['issue_busy'])} | {fmt_time(m3['sync'])} | "
@@ -766,33 +810,34 @@ def pct(x):
 
 def codes_findings(group, rs):
     """Where the time of the quantized rows goes (M3 Max), from their numbers."""
-    g = next(x for x in GPUS if x.name == "M3 Max")
     s = rs[0].result["summary"]
     m3 = [c.result["gpus"]["M3 Max"] for c in rs]
     decides = " / ".join(sorted({deciding_term(r) for r in m3}))
     share = span([r["issue_busy"] / r["estimate"] for r in m3], pct)
     if group == "codes decode":
         gqa = [c.result["summary"]["reread_simd"] for c in rs if "GQA" in c.label]
-        busy = s["groups"] / (g.cores * s["resident"])
-        # A lone SIMD group on a core can use at most one of its SCHEDULERS at
-        # full rate: the model's even share over `resident` slots, made that
-        # much faster, bounds what a better occupancy model could give.
-        x = s["resident"] / SCHEDULERS
-        best = [r["bw_minimum"] / (max(r["dram"] + r["reread"], r["issue_busy"] / x) + r["sync"] + r["launch"])
-                for r in m3]
-        return ["", " ".join([
-            f"Where the time goes: the estimate is set by {decides} in every quantized row (issue / busy =",
-            f"{share} of it). {s['kernels']} runs one threadgroup of {s['threads']} threads (one SIMD group) per",
-            f"query row: {s['groups']:.0f} threadgroups at B = 1 against {g.cores} cores x {s['resident']} resident",
-            f"groups, so {busy:.3f} of the GPU issues, and the per-row scalar work (4*D FLOPs and one SIMD",
-            "reduction per key, plus the code unpacking the model cannot see) runs on that sliver, while the",
-            f"bytes alone would take {span([r['bw_minimum'] for r in m3], fmt_time)}. Were a lone SIMD group to",
-            f"issue at a whole scheduler's rate ({x:.0f}x the model's share), the rows would still reach only",
-            f"{span(best, pct)}. There is no split over keys and no reduce for codes (the bf16 decode splits the",
-            "keys over many threadgroups and reduces), and each query head of a GQA group reads its kv head's",
-            "codes again" + (f" (re-read SIMD {span(gqa, lambda v: f'{v:.2f}')})." if gqa else "."),
-            "Meeting 80% needs a split-KV grid (keys over threadgroups, then a reduce) and the G heads of a kv",
-            "head sharing one read of the codes, as the bf16 decode does."])]
+        eff = [r["bw_efficiency"] for r in m3]
+        # The launch cost of the dispatches and DRAM at ETA_BW bound any kernel's efficiency here.
+        ceiling = [r["bw_minimum"] / (r["bw_minimum"] / ETA_BW + r["launch"]) for r in m3]
+        short = [i for i, x in enumerate(ceiling) if x < 0.80]
+        rest = [eff[i] for i in range(len(rs)) if i not in short]
+        words = [
+            f"Where the time goes: {s['kernels']} splits each token's keys over NWG threadgroups of one SIMD group",
+            f"(NWG from the key count and the grid: about 960 threadgroups, at least {CODES_MIN_SPLIT_KEYS} keys each), each serving",
+            "the query heads of one kv head that fit its lanes (4 at D = 128), so every code row is read and",
+            "unpacked once per kv head" + (f" (re-read SIMD {span(gqa, lambda v: f'{v:.2f}')} on GQA)" if gqa else ""),
+            "; kv_codes_reduce merges the splits and undoes V's rotation. The estimate is set by",
+            f"{decides} (issue / busy = {share} of it). Launch costs {LAUNCH_S * 1e6:.0f} µs per dispatch and DRAM",
+            f"runs at {ETA_BW} of nominal, so no kernel gets a row past BW min / (BW min / {ETA_BW} + launch):"]
+        if short:
+            names = ", ".join(rs[i].label.replace(" D=128", "").replace(" B=1", "") for i in short)
+            words += [f"{len(short)} rows cannot reach 80% under the model's launch cost ({names}: their bytes take",
+                      f"{span([m3[i]['bw_minimum'] for i in short], fmt_time)}); they reach",
+                      f"{span([eff[i] for i in short], pct)} of their ceilings' "
+                      f"{span([ceiling[i] for i in short], pct)}."]
+        if rest:
+            words.append(f"The other {len(rest)} rows reach {span(rest, pct)}.")
+        return ["", " ".join(words).replace(" ; ", "; ")]
     return ["", " ".join([
         f"Where the time goes: set by {decides} (issue / busy = {share} of the estimate). {s['kernels']} has",
         "no MMAs: every (row, key) pair's 4*D scalar FLOPs, one SIMD reduction per key per item",

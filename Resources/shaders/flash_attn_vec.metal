@@ -85,6 +85,7 @@
 #include "dialect.h"
 #include "flashmetal_kernels.h"
 using namespace metal;
+#include "simd_scatter.h"
 
 FUNCTION_CONSTANT(bool, vec_has_signs, 500)
 FUNCTION_CONSTANT(bool, vec_seq, 501)
@@ -213,23 +214,6 @@ inline void vec_copy(threadgroup bfloat *d, const device bfloat *p) {
     } else {
         *reinterpret_cast<threadgroup uint *>(d) = *reinterpret_cast<const device uint *>(p);
     }
-}
-
-// The chunk's partial dots: part[j] over this lane's dims of key j. After
-// the reduce-scatter lane j holds sum over lanes of part[j]: at the stage of
-// distance h a lane keeps the half of its indices whose bit h equals its own
-// lane bit h and adds its partner's (lane ^ h) copy of them. Every lane of
-// the SIMD group calls this (the shuffles are collectives).
-inline float vec_reduce_scatter(thread float *part, uint lane) {
-    for (ushort h = 16; h >= 1; h >>= 1) {
-        const bool upper = (lane & h) != 0;
-        for (ushort i = 0; i < h; i++) {
-            const float send = upper ? part[i] : part[i + h];
-            const float keep = upper ? part[i + h] : part[i];
-            part[i] = keep + simd_shuffle_xor(send, h);
-        }
-    }
-    return part[0];
 }
 
 // Lane `lane`'s i-th vector (elements VW * (lane + 32 i) ...) exists: always
@@ -457,7 +441,7 @@ kernel void flash_attn_vec(
                 }
             }
         }
-        const float dot = vec_reduce_scatter(part, lane);
+        const float dot = simd_reduce_scatter32(part, lane);  // lane j: q.k of key c + j
         const long pos = c + long(lane);
         float s = -INFINITY;
         if (pos < kv_len && pos >= lo) {

@@ -1,8 +1,9 @@
 // kv_codes_attn.h — what the kernels over quantized caches share (MSL):
 // the Hadamard butterflies in threadgroup memory, one packed code read, and
 // the function constants of attention over codes (KVCodesDecodeParams of
-// flashmetal.h), read by kv_codec.metal (encode, append, the one-row decode)
-// and kv_codes_prefill.metal (the tiled prefill).
+// flashmetal_kernels.h), read by kv_codec.metal (encode, append),
+// kv_codes_decode.metal (the split decode) and kv_codes_prefill.metal (the
+// tiled prefill).
 #ifndef FM_KV_CODES_ATTN_H
 #define FM_KV_CODES_ATTN_H
 

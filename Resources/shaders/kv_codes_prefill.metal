@@ -7,11 +7,12 @@
 // Threadgroup (x, g, b): FM_KVQ_PREFILL_ROWS SIMD groups, each one item of
 // sequence b's kv head g: item x * FM_KVQ_PREFILL_ROWS + simdgroup = query
 // row qi * (H / Hkv) + head j of the group, so the query heads sharing a kv
-// head and consecutive query rows share every decoded tile. Each item runs
-// kv_codes_decode's arithmetic (query rotated with K's signs and Hadamard
-// blocks, the same coordinates per lane, the same per-key online softmax,
-// the accumulator rotated back with V's), so a row's output and LSE are the
-// bits the one-row decode gives.
+// head and consecutive query rows share every decoded tile. Each item
+// rotates its query with K's signs and Hadamard blocks, keeps an online
+// softmax per key (lane i + 32 m holds coordinate i + 32 m) and rotates the
+// accumulator back with V's. (The one-row decode, kv_codes_decode, scores
+// chunks of keys and splits them over threadgroups: the same attention in
+// another order of sums.)
 #include "dialect.h"
 #include "flashmetal_kernels.h"
 #include "kv_codec.h"

@@ -75,11 +75,20 @@ public func fm_dispatch_kv_codes_decode(
                                norms: try TensorRef(kNorms, op: op, name: "k_cache norms"))
         let v = QuantizedCache(codec: try kvCodec(vCodec, op: op), codes: try TensorRef(vCodes, op: op, name: "v_cache codes"),
                                norms: try TensorRef(vNorms, op: op, name: "v_cache norms"))
-        let d = try KVCodesDecodeDispatcher.makeDispatch(
+        let plan = try KVCodesDecodeDispatcher.makePlan(
             q: try TensorRef(q, op: op, name: "q"), k: k, v: v, out: try TensorRef(out, op: op, name: "out"),
-            options: options.pointee)
-        try reg.run([d], op: op)
+            options: options.pointee, splitKeys: reg.backend.splitsKeysInGrid)
+        try run(plan, on: reg, op: op)
     }
+}
+
+/// Runs a plan's dispatches, with library scratch for its partials when it has any.
+func run(_ plan: KVCodesPlan, on reg: Registry, op: String) throws {
+    if plan.tmpBytes == 0 {
+        try reg.run(plan.dispatches(tmp: nil), op: op)
+        return
+    }
+    try reg.withScratch(op: op, bytes: plan.tmpBytes) { tmp in try reg.run(plan.dispatches(tmp: tmp), op: op) }
 }
 
 /// One cache argument: its codec and storage, or with a NULL codec a dense
@@ -123,7 +132,8 @@ public func fm_dispatch_kv_codes_attn(
                       try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k")]
         try reg.withPrivateCopies(op: op, tables) { c in
             (t.seqlens, t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[0], c[1], c[2], c[3])
-            try reg.run([try KVCodesAttnDispatcher.makeDispatch(t, options.pointee)], op: op)
+            try run(try KVCodesAttnDispatcher.makePlan(t, options.pointee, splitKeys: reg.backend.splitsKeysInGrid),
+                    on: reg, op: op)
         }
     }
 }

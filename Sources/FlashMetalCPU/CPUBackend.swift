@@ -9,6 +9,9 @@ public final class CPUBackend: Backend {
     public let name = "cpu"
     /// Work never waits for a batch to end.
     public var defersWork: Bool { false }
+    /// A decode over codes splits its keys over the workers inside its one
+    /// dispatch (kv_codes_decode writes the output; no reduce is dispatched).
+    public var splitsKeysInGrid: Bool { false }
     let pool = WorkerPool()
 
     /// Threads the process's worker pool may use, the caller included, as
@@ -38,6 +41,7 @@ public final class CPUBackend: Backend {
         case .kvEncode, .kvDequantize: return KVCodecKernel(key)
         case .kvCodesDecode: return KVCodesDecodeKernel(key)
         case .kvCodesPrefill: return KVCodesPrefillKernel(key)
+        case .kvCodesReduce: return KVCodesReduceKernel()
         case .kvCodesAppend: return KVCodesAppendKernel(key)
         case .simSelftest: throw FlashMetalError.backend("cpu backend: \(key.kernel) runs only on the sim backend")
         }

@@ -16,10 +16,11 @@ final class KVCodesDecodeKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
-        var a = try Self.args(d, dense: dense)
+        let p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         let heads = Int(p.n_heads), kvHeads = Int(p.n_kv_heads), chunk = Int(FM_CPU_KVQ_HEAD_CHUNK)
-        let items = d.grid.x / heads * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
+        // The grid's x is tokens x H / heads_per_group (its y, the key splits, is 1 on the cpu).
+        let tokens = d.grid.x * Int(p.heads_per_group) / heads
+        let items = tokens * kvHeads * ((heads / kvHeads + chunk - 1) / chunk)
         // Keys split so every worker has work: shares of at least
         // minKeys keys, enough for 4 per worker. When the kv heads of one key
         // sit side by side (flash-attn's [B, cap, Hkv] and its pages), a work
@@ -32,29 +33,35 @@ final class KVCodesDecodeKernel: CPUKernel {
         let want = (4 * pool.threads + units - 1) / max(units, 1)
         let nsplit = max(1, min(want, keys / Self.minKeys, Self.maxSplits))
         if nsplit == 1 && !byRow {
-            withUnsafePointer(to: &p) { pp in
-                withUnsafePointer(to: &a) { ap in
-                    pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item), 0, 1, nil) }
-                }
+            try Self.withKernel(d, dense: dense) { pp, ap in
+                pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item), 0, 1, nil) }
             }
             return
         }
-        let floats = Int(withUnsafePointer(to: &p) { fm_cpu_kv_codes_part_floats($0) })
+        var pv = p
+        let floats = Int(withUnsafePointer(to: &pv) { fm_cpu_kv_codes_part_floats($0) })
         let parts = try HostMemory.allocate(Float.self, count: floats * items * nsplit, op: name,
                                             what: "decode-over-codes partials")
         defer { HostMemory.free(parts) }
-        withUnsafePointer(to: &p) { pp in
-            withUnsafePointer(to: &a) { ap in
-                pool.forEach(units * nsplit) { _, i in
-                    if byRow {
-                        fm_cpu_kv_codes_decode_row(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
-                    } else {
-                        fm_cpu_kv_codes_decode_item(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
-                    }
+        try Self.withKernel(d, dense: dense) { pp, ap in
+            pool.forEach(units * nsplit) { _, i in
+                if byRow {
+                    fm_cpu_kv_codes_decode_row(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
+                } else {
+                    fm_cpu_kv_codes_decode_item(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
                 }
-                pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_merge(pp, ap, Int64(item), Int32(nsplit), parts) }
             }
+            pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_merge(pp, ap, Int64(item), Int32(nsplit), parts) }
         }
+    }
+
+    /// Runs `body` with pointers to a kv_codes_decode / kv_codes_prefill
+    /// dispatch's params and kernel arguments (valid only inside it).
+    static func withKernel(_ d: Dispatch, dense: DType,
+                           _ body: (UnsafePointer<KVCodesDecodeParams>, UnsafePointer<FMCPUKVCodesAttnArgs>) -> Void) throws {
+        var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+        var a = try args(d, dense: dense)
+        withUnsafePointer(to: &p) { pp in withUnsafePointer(to: &a) { ap in body(pp, ap) } }
     }
 
     /// The kernel arguments of a kv_codes_decode / kv_codes_prefill dispatch.
@@ -104,6 +111,15 @@ final class KVCodesDecodeKernel: CPUKernel {
     }
 }
 
+/// `kv_codes_reduce_f32` on the cpu: never dispatched there (the cpu's
+/// kv_codes_decode splits keys over its workers and writes the output, so a
+/// cpu decode plan has no reduce); running it is an internal error.
+final class KVCodesReduceKernel: CPUKernel {
+    func run(_ d: Dispatch, pool: WorkerPool) throws {
+        throw FlashMetalError.internalError("cpu backend: \(d.kernel) is never dispatched to the cpu (its decode writes the output)")
+    }
+}
+
 /// `kv_codes_prefill_*` on the cpu (kv_codec.c): one work item per
 /// FM_CPU_KVQ_PREFILL_ITEMS (query row, head) items of one kv head of one
 /// sequence (consecutive threadgroups of the grid along x), sharing every
@@ -116,15 +132,11 @@ final class KVCodesPrefillKernel: CPUKernel {
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
-        var a = try KVCodesDecodeKernel.args(d, dense: dense)
         let items = Int(FM_CPU_KVQ_PREFILL_ITEMS), per = items / Int(FM_KVQ_PREFILL_ROWS)
         let (gx, gy) = ((d.grid.x + per - 1) / per, d.grid.y)
-        withUnsafePointer(to: &p) { pp in
-            withUnsafePointer(to: &a) { ap in
-                pool.forEach(gx * gy * d.grid.z) { _, i in
-                    fm_cpu_kv_codes_prefill_items(pp, ap, Int64(i % gx * items), Int64(i / gx % gy), Int64(i / (gx * gy)))
-                }
+        try KVCodesDecodeKernel.withKernel(d, dense: dense) { pp, ap in
+            pool.forEach(gx * gy * d.grid.z) { _, i in
+                fm_cpu_kv_codes_prefill_items(pp, ap, Int64(i % gx * items), Int64(i / gx % gy), Int64(i / (gx * gy)))
             }
         }
     }

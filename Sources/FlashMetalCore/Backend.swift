@@ -7,6 +7,10 @@ public protocol Backend: AnyObject {
     /// (Metal: one command buffer). Scratch memory of such work is kept until
     /// then; a synchronous backend (false) has run each dispatch on return.
     var defersWork: Bool { get }
+    /// Whether a decode over quantized caches splits its keys across the
+    /// dispatch grid (GPU threadgroups, then a reduce dispatch) rather than
+    /// inside its one dispatch (the cpu's workers).
+    var splitsKeysInGrid: Bool { get }
     /// Compiles or resolves the kernel specialised by the key's constants.
     /// Called once per key; the registry caches the result.
     func makePipeline(_ key: PipelineKey) throws -> AnyObject
@@ -23,6 +27,8 @@ public protocol Backend: AnyObject {
 extension Backend {
     /// Conservative default: a backend that does not say otherwise may defer.
     public var defersWork: Bool { true }
+    /// GPU backends split keys over threadgroups.
+    public var splitsKeysInGrid: Bool { true }
     /// Synchronous backends have nothing to open.
     public func beginBatch() throws {}
     /// Synchronous backends have nothing to flush.

@@ -61,7 +61,8 @@ public enum KVCodecCapability {
     /// Every kernel of the ops.
     public static var kernels: [KernelSpec] {
         encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize]
-            + encodeTypes.map { .kvCodesDecode(dense: $0) } + encodeTypes.map { .kvCodesPrefill(dense: $0) }
+            + encodeTypes.map { .kvCodesDecode(dense: $0) } + [.kvCodesReduce]
+            + encodeTypes.map { .kvCodesPrefill(dense: $0) }
             + encodeTypes.map { .kvCodesAppend(input: $0) }
     }
 }

@@ -34,14 +34,15 @@ public struct KVCodesAttnTensors {
 /// Attention over flash_attn_with_kvcache's quantized caches: every query
 /// row of every sequence (bottom-right causal, window, chunk, softcap, sinks,
 /// LSE, GQA), keys read through the block table when paged; kv_codes_decode
-/// for one query row per sequence, kv_codes_prefill (the same bits, each key
-/// tile decoded once for many rows) for more. Every length and every table
+/// (split over keys, then kv_codes_reduce) for one query row per sequence,
+/// kv_codes_prefill (each key tile decoded once for many rows) for more. Every length and every table
 /// entry the kernel reads is checked first.
 public enum KVCodesAttnDispatcher {
     /// The op name errors carry.
     public static let op = "kv_codes_attn"
 
-    public static func makeDispatch(_ t: KVCodesAttnTensors, _ o: FMAttnOptions) throws -> Dispatch {
+    /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
+    public static func makePlan(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
         let q = t.q
         let varlen = t.cuSeqlensQ != nil
         try q.requireDType([.f32], op: op, name: "q")
@@ -124,16 +125,21 @@ public enum KVCodesAttnDispatcher {
             kv_len: Int32(t.seqlens == nil && !varlen ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
             causal: o.causal, window_left: o.window_left, window_right: o.window_right,
             attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages), batch: Int32(batch),
-            _pad: 0)
-        // Many query rows per sequence take the tiled prefill: threadgroups of
-        // FM_KVQ_PREFILL_ROWS (query row, head of the group) items of one kv head.
-        let prefill = rowsPerSequence > 1
-            ? Size3((rowsPerSequence * (heads / kvHeads) + Int(FM_KVQ_PREFILL_ROWS) - 1) / Int(FM_KVQ_PREFILL_ROWS),
-                    kvHeads, batch) : nil
-        return KVCodesDecodeDispatcher.dispatch(params, rows: (varlen ? 1 : batch) * qLen * heads, prefill: prefill,
-                                                q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens,
-                                                blockTable: t.blockTable, sinks: t.sinks, lse: t.lse,
-                                                cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+            nwg: 1, heads_per_group: 1, _pad: 0)
+        if rowsPerSequence > 1 {
+            // Many query rows per sequence take the tiled prefill: threadgroups of
+            // FM_KVQ_PREFILL_ROWS (query row, head of the group) items of one kv head.
+            let grid = Size3((rowsPerSequence * (heads / kvHeads) + Int(FM_KVQ_PREFILL_ROWS) - 1) / Int(FM_KVQ_PREFILL_ROWS),
+                             kvHeads, batch)
+            let d = KVCodesDecodeDispatcher.dispatch(params, grid: grid, prefill: true, q: q, k: t.k, v: t.v, out: t.out,
+                                                     seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
+                                                     lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+            return KVCodesPlan(tmpBytes: 0) { _ in [d] }
+        }
+        return KVCodesDecodeDispatcher.plan(params, tokens: (varlen ? 1 : batch) * qLen, keys: lengths.max() ?? 0,
+                                            splitKeys: splitKeys, q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens,
+                                            blockTable: t.blockTable, sinks: t.sinks, lse: t.lse,
+                                            cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {

@@ -32,6 +32,36 @@ public enum KVCodesDecodeBuffer {
     public static let cuSeqlensQ = Int(FM_KVQD_BUF_CU_SEQLENS_Q.rawValue)
     /// int32 [B+1] (FunctionConstantIndex.kvqVarlenK).
     public static let cuSeqlensK = Int(FM_KVQD_BUF_CU_SEQLENS_K.rawValue)
+    /// float32 partials of a split decode (FunctionConstantIndex.kvqSplit; kv_codes_reduce).
+    public static let tmp = Int(FM_KVQD_BUF_TMP.rawValue)
+}
+
+/// Buffer indices of kv_codes_reduce.
+public enum KVCodesReduceBuffer {
+    /// KVCodesDecodeParams.
+    public static let params = Int(FM_KVQR_BUF_PARAMS.rawValue)
+    /// float32 partials of the split decode.
+    public static let tmp = Int(FM_KVQR_BUF_TMP.rawValue)
+    /// float32 out.
+    public static let out = Int(FM_KVQR_BUF_OUT.rawValue)
+    /// float32 [H] (FunctionConstantIndex.kvqSinks).
+    public static let sinks = Int(FM_KVQR_BUF_SINKS.rawValue)
+    /// float32 out (FunctionConstantIndex.kvqLSE).
+    public static let lse = Int(FM_KVQR_BUF_LSE.rawValue)
+    /// int32 [B+1] (FunctionConstantIndex.kvqVarlenQ).
+    public static let cuSeqlensQ = Int(FM_KVQR_BUF_CU_SEQLENS_Q.rawValue)
+}
+
+/// The work of one attention over quantized caches: its dispatches, built
+/// once the scratch for a split decode's partials (tmpBytes, 0 when there
+/// are none) exists.
+public struct KVCodesPlan {
+    /// Bytes of float32 scratch the dispatches need (bound as tmp).
+    public let tmpBytes: Int
+    let build: (TensorRef?) -> [Dispatch]
+
+    /// The dispatches, with `tmp` (of tmpBytes, or nil when 0) for the partials.
+    public func dispatches(tmp: TensorRef?) -> [Dispatch] { build(tmp) }
 }
 
 /// One side (K or V) of an attention over quantized caches: codes, or a
@@ -74,9 +104,9 @@ public enum KVCodesDecodeDispatcher {
         try KVCodecDispatcher.require(c.norms, "\(name) norms", dtype: .f32, lead: lead, last: c.codec.numBlocks, op: op)
     }
 
-    /// Validates a call and builds its dispatch.
-    public static func makeDispatch(q: TensorRef, k: QuantizedCache, v: QuantizedCache, out: TensorRef,
-                                    options o: FMKVCodesDecodeOptions) throws -> Dispatch {
+    /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
+    public static func makePlan(q: TensorRef, k: QuantizedCache, v: QuantizedCache, out: TensorRef,
+                                options o: FMKVCodesDecodeOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
         try q.requireDType([.f32], op: op, name: "q")
         try q.requireRank([2, 3], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
@@ -102,7 +132,7 @@ public enum KVCodesDecodeDispatcher {
         try out.requireDType([.f32], op: op, name: "out")
         try out.requireBytes(op: op, name: "out")
         try Checks.sameShape(out, "out", as: q, "q", op: op)
-        let rows = try KVCodecDispatcher.rows([batch, heads], op: op)
+        _ = try KVCodecDispatcher.rows([batch, heads], op: op)
         if capacity > Int(Int32.max) || kvHeads > Int(Int32.max) {
             throw FlashMetalError.value(op, "num_kv_heads and the cache capacity must fit int32")
         }
@@ -114,21 +144,96 @@ public enum KVCodesDecodeDispatcher {
             k_bits: Int32(k.codec.bits), v_bits: Int32(v.codec.bits), k_row_bytes: Int32(k.codec.rowBytes),
             v_row_bytes: Int32(v.codec.rowBytes), kv_len: o.kv_len, q_len: 1, scale: o.scale, softcap: o.softcap,
             causal: 0, window_left: o.window > 0 ? o.window - 1 : -1, window_right: -1, attention_chunk: 0,
-            page_size: Int32(capacity), max_pages: 0, batch: Int32(batch), _pad: 0)
-        return dispatch(params, rows: rows, q: q, k: .codes(k), v: .codes(v), out: out)
+            page_size: Int32(capacity), max_pages: 0, batch: Int32(batch), nwg: 1, heads_per_group: 1, _pad: 0)
+        return plan(params, tokens: batch, keys: Int(o.kv_len), splitKeys: splitKeys, q: q, k: .codes(k), v: .codes(v),
+                    out: out)
     }
 
-    /// The kv_codes_decode launch of validated arguments: one threadgroup per
-    /// query row, each optional table bound with its function constant set;
-    /// with `prefill`, kv_codes_prefill over that grid instead.
-    static func dispatch(_ params: KVCodesDecodeParams, rows: Int, prefill: Size3? = nil, q: TensorRef, k: KVSide,
-                         v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
+    /// Query heads one kv_codes_decode SIMD group serves, sharing each code
+    /// row it reads: the largest power of two dividing the GQA group size
+    /// `gqa` (H / Hkv) whose query and accumulator coordinates fit a lane
+    /// (heads * ceil(D / 32) <= FM_KVQ_DECODE_LANE_FLOATS).
+    public static func headsPerGroup(gqa: Int, headDim: Int) -> Int {
+        let per = (headDim + 31) / 32
+        var hg = 1
+        while gqa % (2 * hg) == 0 && 2 * hg * per <= Int(FM_KVQ_DECODE_LANE_FLOATS) { hg *= 2 }
+        return hg
+    }
+
+    /// Threadgroups (one SIMD group each) a split decode aims for: enough
+    /// to keep every core of a large Apple GPU issuing (40 cores x 24).
+    public static let targetThreadgroups = 960
+    /// The fewest keys a split takes: each split writes D + 2 floats per
+    /// head that the reduce reads back, small beside 128 keys' codes.
+    public static let minKeysPerSplit = 128
+
+    /// Key splits (NWG) of a decode over `keys` keys (the most any
+    /// sequence has) whose grid has `threadgroups` threadgroups per split:
+    /// enough splits to reach targetThreadgroups, none shorter than
+    /// minKeysPerSplit, at most FM_KVQ_MAX_SPLITS.
+    public static func splits(keys: Int, threadgroups: Int) -> Int {
+        let byGrid = (targetThreadgroups + max(threadgroups, 1) - 1) / max(threadgroups, 1)
+        return max(1, min(byGrid, keys / minKeysPerSplit, Int(FM_KVQ_MAX_SPLITS)))
+    }
+
+    /// The decode over validated arguments (one query row per token:
+    /// `tokens` of them, `keys` the most keys any sees): kv_codes_decode over
+    /// a grid of (tokens x H / HG, NWG) threadgroups, then with NWG > 1
+    /// kv_codes_reduce (one threadgroup per row). Without `splitKeys` (the
+    /// cpu: its workers split keys inside one dispatch) NWG is 1.
+    static func plan(_ params: KVCodesDecodeParams, tokens: Int, keys: Int, splitKeys: Bool, q: TensorRef, k: KVSide,
+                     v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
+                     sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
+                     cuSeqlensK: TensorRef? = nil) -> KVCodesPlan {
+        var p = params
+        let heads = Int(p.n_heads)
+        p.heads_per_group = Int32(headsPerGroup(gqa: heads / Int(p.n_kv_heads), headDim: Int(p.head_dim)))
+        let units = tokens * heads / Int(p.heads_per_group)
+        p.nwg = Int32(splitKeys ? splits(keys: keys, threadgroups: units) : 1)
+        let rows = tokens * heads
+        let tmpBytes = p.nwg > 1 ? rows * Int(p.nwg) * (Int(p.head_dim) + 2) * 4 : 0
+        return KVCodesPlan(tmpBytes: tmpBytes) { tmp in
+            let split = p.nwg > 1
+            let main = dispatch(p, grid: Size3(units, Int(p.nwg), 1), q: q, k: k, v: v, out: out,
+                                seqlens: seqlens, blockTable: blockTable, sinks: split ? nil : sinks,
+                                lse: split ? nil : lse, cuSeqlensQ: cuSeqlensQ, cuSeqlensK: cuSeqlensK,
+                                tmp: split ? tmp : nil)
+            guard split, let tmp else { return [main] }
+            return [main, reduceDispatch(p, rows: rows, v: v, out: out, sinks: sinks, lse: lse, cuSeqlensQ: cuSeqlensQ,
+                                         tmp: tmp)]
+        }
+    }
+
+    /// kv_codes_reduce over the partials in `tmp`: one threadgroup per row.
+    static func reduceDispatch(_ p: KVCodesDecodeParams, rows: Int, v: KVSide, out: TensorRef, sinks: TensorRef?,
+                               lse: TensorRef?, cuSeqlensQ: TensorRef?, tmp: TensorRef) -> Dispatch {
+        var bindings: [Int: Binding] = [KVCodesReduceBuffer.params: .bytes(bytesOf(p)),
+                                        KVCodesReduceBuffer.out: .buffer(out), KVCodesReduceBuffer.tmp: .buffer(tmp)]
+        for (t, i) in [(sinks, KVCodesReduceBuffer.sinks), (lse, KVCodesReduceBuffer.lse),
+                       (cuSeqlensQ, KVCodesReduceBuffer.cuSeqlensQ)] {
+            if let t { bindings[i] = .buffer(t) }
+        }
+        var writes: Set<Int> = [KVCodesReduceBuffer.out]
+        if lse != nil { writes.insert(KVCodesReduceBuffer.lse) }
+        let constants = FunctionConstants([
+            (FunctionConstantIndex.kvqSinks, .bool(sinks != nil)), (FunctionConstantIndex.kvqLSE, .bool(lse != nil)),
+            (FunctionConstantIndex.kvqVDense, .bool(v.quantized == nil)),
+            (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
+        ])
+        return Dispatch(kernel: .kvCodesReduce, constants: constants, grid: Size3(rows, 1, 1),
+                        threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
+    }
+
+    /// The kv_codes_decode launch of validated arguments over `grid`, each
+    /// optional table bound with its function constant set; with `tmp` the
+    /// partials go there (kvqSplit) instead of out; with `prefill`,
+    /// kv_codes_prefill over `grid` instead.
+    static func dispatch(_ params: KVCodesDecodeParams, grid: Size3, prefill: Bool = false, q: TensorRef,
+                         k: KVSide, v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
                          sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
-                         cuSeqlensK: TensorRef? = nil) -> Dispatch {
-        var bindings: [Int: Binding] = [
-            KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q),
-            KVCodesDecodeBuffer.out: .buffer(out),
-        ]
+                         cuSeqlensK: TensorRef? = nil, tmp: TensorRef? = nil) -> Dispatch {
+        var bindings: [Int: Binding] = [KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q)]
+        bindings[tmp == nil ? KVCodesDecodeBuffer.out : KVCodesDecodeBuffer.tmp] = .buffer(tmp ?? out)
         var dense = DType.f32
         for (side, codes, norms, denseIndex) in [(k, KVCodesDecodeBuffer.kCodes, KVCodesDecodeBuffer.kNorms, KVCodesDecodeBuffer.kDense),
                                                  (v, KVCodesDecodeBuffer.vCodes, KVCodesDecodeBuffer.vNorms, KVCodesDecodeBuffer.vDense)] {
@@ -141,7 +246,7 @@ public enum KVCodesDecodeDispatcher {
                 dense = t.dtype
             }
         }
-        var writes: Set<Int> = [KVCodesDecodeBuffer.out]
+        var writes: Set<Int> = [tmp == nil ? KVCodesDecodeBuffer.out : KVCodesDecodeBuffer.tmp]
         let optional: [(TensorRef?, Int)] = [(seqlens, KVCodesDecodeBuffer.seqlens),
                                              (blockTable, KVCodesDecodeBuffer.blockTable),
                                              (sinks, KVCodesDecodeBuffer.sinks), (lse, KVCodesDecodeBuffer.lse),
@@ -156,13 +261,14 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqVDense, .bool(v.quantized == nil)),
             (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
             (FunctionConstantIndex.kvqVarlenK, .bool(cuSeqlensK != nil)),
+            (FunctionConstantIndex.kvqSplit, .bool(tmp != nil)),
         ])
-        if let grid = prefill {
+        if prefill {
             return Dispatch(kernel: .kvCodesPrefill(dense: dense), constants: constants, grid: grid,
                             threadgroup: Size3(Int(FM_KVQ_PREFILL_ROWS) * Int(FM_KVQ_DECODE_THREADS), 1, 1),
                             bindings: bindings, writes: writes)
         }
-        return Dispatch(kernel: .kvCodesDecode(dense: dense), constants: constants, grid: Size3(rows, 1, 1),
+        return Dispatch(kernel: .kvCodesDecode(dense: dense), constants: constants, grid: grid,
                         threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
     }
 }

@@ -27,6 +27,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     /// `kv_codes_prefill_{f32,f16kv,bf16kv}`: kv_codes_decode's attention for
     /// many query rows, each key tile decoded once into threadgroup memory.
     case kvCodesPrefill(dense: DType)
+    /// `kv_codes_reduce_f32`: a split kv_codes_decode's partials merged, the
+    /// rotation undone.
+    case kvCodesReduce
     /// `kv_codes_append_{f32,f16,bf16}`: new K/V rows encoded into quantized caches.
     case kvCodesAppend(input: DType)
     /// `rotary_{x}_{cs}`: rotary embedding of x (x's dtype) with cos/sin
@@ -51,6 +54,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case .kvDequantize: return "kv_dequantize_f32"
         case let .kvCodesDecode(dense): return "kv_codes_decode_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
         case let .kvCodesPrefill(dense): return "kv_codes_prefill_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
+        case .kvCodesReduce: return "kv_codes_reduce_f32"
         case let .kvCodesAppend(x): return "kv_codes_append_\(x.kernelSuffix)"
         case let .rotary(x, c): return "rotary_\(x.kernelSuffix)_\(c.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
@@ -93,6 +97,7 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
         case let .kvCodesDecode(dense): return ("kv_codes_decode", [DType.f32.mslName, dense.mslName])
         case let .kvCodesPrefill(dense): return ("kv_codes_prefill", [DType.f32.mslName, dense.mslName])
+        case .kvCodesReduce: return ("kv_codes_reduce", [DType.f32.mslName])
         case let .kvCodesAppend(x): return ("kv_codes_append", [x.mslName, x.byteSize == 4 ? "uint" : "ushort"])
         case let .rotary(x, c): return ("rotary", [x.mslName, c.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])

@@ -80,6 +80,8 @@ public enum FunctionConstantIndex {
     public static let kvqVarlenQ = Int(FM_FC_KVQ_VARLEN_Q.rawValue)
     /// kv_codes_decode: key counts from cu_seqlens_k.
     public static let kvqVarlenK = Int(FM_FC_KVQ_VARLEN_K.rawValue)
+    /// kv_codes_decode: partials to tmp for kv_codes_reduce, not the output.
+    public static let kvqSplit = Int(FM_FC_KVQ_SPLIT.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -108,7 +110,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
         ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),
         ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense), ("FM_FC_KVQ_VARLEN_Q", kvqVarlenQ),
-        ("FM_FC_KVQ_VARLEN_K", kvqVarlenK),
+        ("FM_FC_KVQ_VARLEN_K", kvqVarlenK), ("FM_FC_KVQ_SPLIT", kvqSplit),
     ]
 }
 

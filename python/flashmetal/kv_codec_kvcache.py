@@ -67,12 +67,10 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     ffi = _native.ffi()
+    sides = ((kcodec, kc, kn), (vcodec, vc, vn))
 
     def attend(seqlens: np.ndarray | None) -> None:
-        seq, keep = seq_tensors(ffi, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
-        _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
-                     vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=_OP,
-                     keep=(q32, kc, kn, vc, vn, seqlens, bt, sinks, lse, o32, keep))
+        _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
 
     if not appending:
         attend(lens)
@@ -114,8 +112,7 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
     [total_q, H, D] in q's dtype, lse [H, total_q] or None). Rows past the
     last sequence read as rows that see nothing (0, lse -inf)."""
     op = "flash_attn_varlen_func"
-    kcodec, kc, kn = _side(k, "k", op)
-    vcodec, vc, vn = _side(v, "v", op)
+    sides = (_side(k, "k", op), _side(v, "v", op))
     if bt is None:
         raise InvalidValueError(op, "a QuantizedKV k/v is a page pool: block_table is required (packed quantized "
                                     "k/v are not supported)")
@@ -124,11 +121,8 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
     q32 = np.ascontiguousarray(qa, dtype=F32)
     o32 = np.zeros(qa.shape, dtype=F32)
     lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
-    ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks, lse=lse)
-    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
-                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
-                 keep=(q32, kc, kn, vc, vn, cq, ck, bt, sinks, lse, o32, keep))
+    _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
+                   lse=lse)
     return o32.astype(qa.dtype), lse
 
 
@@ -139,8 +133,7 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     other side may be a dense [B, seqlen_k, Hkv, D] cache): (out [B, qL, H, D]
     in q's dtype, lse [B, H, qL] or None). lens: keys per sequence (int32
     [B]), or None for all seqlen_k."""
-    kcodec, kc, kn = _side(k, "k", op)
-    vcodec, vc, vn = _side(v, "v", op)
+    sides = (_side(k, "k", op), _side(v, "v", op))
     if reg._defers_work and reg._batch_depth:
         raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the work "
                                     "ran: call them outside a batch scope on metal")
@@ -150,11 +143,7 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     o32 = np.empty(qa.shape, dtype=F32)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
-    ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, seqlens_k=lens, sinks=sinks, lse=lse)
-    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
-                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq, tensor(ffi, o32), opts, op=op,
-                 keep=(q32, kc, kn, vc, vn, lens, sinks, lse, o32, keep))
+    _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse)
     return o32.astype(qa.dtype), lse
 
 
@@ -198,6 +187,20 @@ def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: 
     dst = check_out(out, op, qa.shape, qa.dtype, [qa, codes])
     dst[...] = o
     return out
+
+
+def _attn_dispatch(reg: Registry, op: str, q32: np.ndarray, sides: tuple[tuple[Any, Any, Any], ...],
+                   o32: np.ndarray, opts: Any, **seq: np.ndarray | None) -> None:
+    """One fm_dispatch_kv_codes_attn: float32 q32 into float32 o32 over the
+    (codec or NULL, codes or dense cache, norms or None) of k and v; `seq`
+    the FMSeqTensors arrays (seqlens_k, block_table, cu_seqlens_q/_k, sinks,
+    lse; None for absent)."""
+    ffi = _native.ffi()
+    (kcodec, kc, kn), (vcodec, vc, vn) = sides
+    seq_ptr, keep = seq_tensors(ffi, **seq)
+    _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
+                 vcodec, tensor(ffi, vc), tensor(ffi, vn), seq_ptr, tensor(ffi, o32), opts, op=op,
+                 keep=(q32, kc, kn, vc, vn, o32, tuple(seq.values()), keep))
 
 
 def _side(cache: Any, name: str, op: str) -> tuple[Any, np.ndarray, np.ndarray | None]:

@@ -294,6 +294,24 @@ def kv_codes_kvcache_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         eo, _ = reference.flash_attn_varlen(q, deq(kc), vv, cq, ck, block_table=table, causal=True)
         assert_close(o, eo, F32, f"kv_codes varlen dense_v={dense_v}")
         n += 1
+    # One row per sequence over 600 keys: the split decode (constant 811) and
+    # kv_codes_reduce, with and without sinks and LSE, dense V or codes.
+    for dense_v, ext in itertools.product((False, True), (False, True)):
+        kc = codec.encode(randn(rng, (2, 600, 2, 64), F32), registry=reg)
+        v_rows = randn(rng, (2, 600, 2, 64), F32)
+        vc = v_rows if dense_v else codec.encode(v_rows, registry=reg)
+        lens = np.array([600, 37], np.int32)
+        q = randn(rng, (2, 1, 8, 64), F32)
+        sinks = randn(rng, (8,), F32) if ext else None
+        o, lse = fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, sinks=sinks, return_softmax_lse=True,
+                                            registry=reg)
+        kk = quant_reference.decode(quant_reference.unpack(kc.codes, 4, 64), kc.norms, 4, 1)
+        vv = v_rows.astype(np.float64) if dense_v else quant_reference.decode(
+            quant_reference.unpack(vc.codes, 4, 64), vc.norms, 4, 1)
+        eo, el = reference.flash_attn_kvcache(q, kk, vv, cache_seqlens=lens, sinks=sinks)
+        assert_close(o, eo, F32, f"kv_codes split decode dense_v={dense_v} ext={ext}")
+        assert_close(lse, el, F32, f"kv_codes split decode dense_v={dense_v} ext={ext} lse")
+        n += 1
     return n
 
 

@@ -5,10 +5,12 @@ from its codes once for every query row and head of a kv head.
 Outputs and LSE equal float64 attention over the dequantized caches K̂, V̂
 (reference.flash_attn_kvcache / flash_attn_varlen) within the output dtype's
 tolerance, for every feature of flash_attn_with_kvcache and
-flash_attn_varlen_func. On sim and metal-sim each row's bits equal the
-one-row decode's (kv_codes_decode) for the same keys, as the kernel promises;
-the cpu's too where both start their key tiles at the same key (no window,
-one share of keys per row), as in test_rows_equal_the_one_row_decode."""
+flash_attn_varlen_func. On the cpu each row's bits equal the one-row
+decode's for the same keys where both start their key tiles at the same key
+(no window, one share of keys per row), as in
+test_rows_equal_the_one_row_decode; on sim and metal-sim the one-row decode
+is the split decode (chunked scores, another summation order), so rows
+agree with it within the tolerance."""
 from __future__ import annotations
 
 import numpy as np
@@ -142,7 +144,9 @@ def test_rows_equal_the_one_row_decode(registry, rng, case):
     (kv_codes_decode) that sees the same keys: cache_seqlens cut to the
     row's causal horizon, or the whole cache without causal. Outputs and
     LSE, with sinks, GQA 4:2; every row's keys start at key 0, so the cpu's
-    key tiles line up with the decode's too."""
+    key tiles line up with the decode's. On sim and metal-sim the one-row
+    call is the split decode, whose order of sums differs: rows agree within
+    the float32 tolerance there, and both equal float64 attention over K̂, V̂."""
     kw = CASES[case]
     b, cap, hkv, h, d, ql = 2, 16, 2, 4, 64, 7
     k, v, _ = caches(rng, registry, b=b, cap=cap, hkv=hkv, d=d, kbits=4, vbits=8)
@@ -155,8 +159,16 @@ def test_rows_equal_the_one_row_decode(registry, rng, case):
         row_lens = lens - ql + 1 + i if kw["causal"] else lens
         oi, li = fm.flash_attn_with_kvcache(q[:, i:i + 1], k, v, cache_seqlens=row_lens.astype(np.int32),
                                             sinks=sinks, return_softmax_lse=True, registry=registry, **kw)
-        assert_bits_equal(o[:, i:i + 1], oi, f"{registry.backend} {case} row {i}")
-        assert_bits_equal(lse[:, :, i:i + 1], li, f"{registry.backend} {case} lse of row {i}")
+        if registry.backend == "cpu":
+            assert_bits_equal(o[:, i:i + 1], oi, f"{registry.backend} {case} row {i}")
+            assert_bits_equal(lse[:, :, i:i + 1], li, f"{registry.backend} {case} lse of row {i}")
+        else:
+            check(oi, o[:, i:i + 1], F32, f"{registry.backend} {case} row {i}")
+            check_lse(li, lse[:, :, i:i + 1], f"{registry.backend} {case} lse of row {i}")
+    eo, el = reference.flash_attn_kvcache(q, dequantized(k), dequantized(v), cache_seqlens=lens, sinks=sinks,
+                                          **{("scale" if n == "softmax_scale" else n): x for n, x in kw.items()})
+    check(o, eo, F32, f"{registry.backend} {case}")
+    check_lse(lse, el, f"{registry.backend} {case} lse")
 
 
 def test_flash_attn_func_over_codes(registry, rng):

@@ -68,22 +68,27 @@ final class KVCodecDispatcherTests: XCTestCase {
         let v = (HostTensor([2, 3, 10, 48], .u8), HostTensor([2, 3, 10, 3], .f32))
         func make(kvLen: Int32 = 7, window: Int32 = 0) throws -> Dispatch {
             try withExtendedLifetime([q, out, k.0, k.1, v.0, v.1]) {
-                try KVCodesDecodeDispatcher.makeDispatch(
+                let plan = try KVCodesDecodeDispatcher.makePlan(
                     q: q.ref, k: QuantizedCache(codec: kc, codes: k.0.ref, norms: k.1.ref),
                     v: QuantizedCache(codec: vc, codes: v.0.ref, norms: v.1.ref), out: out.ref,
                     options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: kvLen, window: window))
+                XCTAssertEqual(plan.tmpBytes, 0, "7 keys: one split, no partials")
+                return plan.dispatches(tmp: nil)[0]
             }
         }
         let d = try make()
         XCTAssertEqual(d.kernel, "kv_codes_decode_f32")
-        XCTAssertEqual(d.grid, Size3(12, 1, 1))
+        // GQA 2 at D 96 (3 coordinates per lane): one SIMD group serves both
+        // heads of a kv head, 12 rows in 6 threadgroups, one key split.
+        XCTAssertEqual(d.grid, Size3(6, 1, 1))
         XCTAssertEqual(d.writes, [KVCodesDecodeBuffer.out])
         let p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         XCTAssertEqual([p.kv_strides.0, p.kv_strides.1, p.kv_strides.2], [30, 10, 1])
         XCTAssertEqual([p.n_heads, p.n_kv_heads, p.block, p.k_bits, p.v_bits, p.k_row_bytes, p.v_row_bytes],
                        [6, 3, 32, 8, 4, 96, 48])
         XCTAssertEqual([p.k_seed, p.v_seed], [1, 2])
-        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 120)
+        XCTAssertEqual(MemoryLayout<KVCodesDecodeParams>.size, 128)
+        XCTAssertEqual([p.nwg, p.heads_per_group], [1, 2])
         XCTAssertEqual([p.q_len, p.causal, p.window_left, p.window_right, p.kv_len], [1, 0, -1, -1, 7])
         let w = try make(window: 7).params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         XCTAssertEqual(w.window_left, 6, "the last 7 keys: window_size left 6")
@@ -95,13 +100,50 @@ final class KVCodecDispatcherTests: XCTestCase {
             TensorRef(data: t.data, byteCount: t.ref.byteCount, dtype: t.ref.dtype, shape: t.ref.shape, name: n)
         }
         let shared = try withExtendedLifetime([q, k.0, k.1, v.0, v.1]) {
-            try KVCodesDecodeDispatcher.makeDispatch(
+            try KVCodesDecodeDispatcher.makePlan(
                 q: named(q, "q"), k: QuantizedCache(codec: kc, codes: k.0.ref, norms: k.1.ref),
                 v: QuantizedCache(codec: vc, codes: v.0.ref, norms: v.1.ref), out: named(q, "out"),
-                options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: 7, window: 0))
+                options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: 7, window: 0)).dispatches(tmp: nil)
         }
         expectFMError(KVCodesDecodeDispatcher.op, contains: "out and q overlap") {
-            try Dispatch.requireDisjointOutputs([shared], op: KVCodesDecodeDispatcher.op)
+            try Dispatch.requireDisjointOutputs(shared, op: KVCodesDecodeDispatcher.op)
         }
+    }
+
+    func testSplitDecodePlansADecodeAndAReduce() throws {
+        // MHA, 8 heads, D 128, 3000 keys: 8 threadgroups per split, so
+        // min(ceil(960 / 8), 3000 / 128) = 23 splits, each row's partials
+        // (D + 2 floats per split) in tmp; the cpu keeps one dispatch.
+        let codec = try KVCodec(headDim: 128, bits: 4, seed: 1)
+        let q = HostTensor([8, 128], .f32), out = HostTensor([8, 128], .f32)
+        let c = (HostTensor([8, 3000, 64], .u8), HostTensor([8, 3000, 1], .f32))
+        let tmp = HostTensor([8 * 23 * 130], .f32)
+        try withExtendedLifetime([q, out, c.0, c.1, tmp]) {
+            func plan(split: Bool) throws -> KVCodesPlan {
+                let cache = QuantizedCache(codec: codec, codes: c.0.ref, norms: c.1.ref)
+                return try KVCodesDecodeDispatcher.makePlan(
+                    q: q.ref, k: cache, v: cache, out: out.ref,
+                    options: FMKVCodesDecodeOptions(scale: 0.1, softcap: 0, kv_len: 3000, window: 0), splitKeys: split)
+            }
+            let p = try plan(split: true)
+            XCTAssertEqual(p.tmpBytes, 8 * 23 * 130 * 4)
+            let ds = p.dispatches(tmp: tmp.ref)
+            XCTAssertEqual(ds.map(\.kernel), ["kv_codes_decode_f32", "kv_codes_reduce_f32"])
+            XCTAssertEqual(ds[0].grid, Size3(8, 23, 1))
+            XCTAssertEqual(ds[0].writes, [KVCodesDecodeBuffer.tmp])
+            XCTAssertNil(ds[0].bindings[KVCodesDecodeBuffer.out])
+            XCTAssertEqual(ds[0].constants.bool(FunctionConstantIndex.kvqSplit), true)
+            XCTAssertEqual(ds[1].grid, Size3(8, 1, 1))
+            XCTAssertEqual(ds[1].writes, [KVCodesReduceBuffer.out])
+            XCTAssertEqual(try ds[1].params(KVCodesReduceBuffer.params, as: KVCodesDecodeParams.self).nwg, 23)
+            let cpu = try plan(split: false)
+            XCTAssertEqual(cpu.tmpBytes, 0)
+            XCTAssertEqual(cpu.dispatches(tmp: nil).map(\.grid), [Size3(8, 1, 1)])
+        }
+        XCTAssertEqual(KVCodesDecodeDispatcher.headsPerGroup(gqa: 8, headDim: 128), 4)
+        XCTAssertEqual(KVCodesDecodeDispatcher.headsPerGroup(gqa: 8, headDim: 64), 8)
+        XCTAssertEqual(KVCodesDecodeDispatcher.headsPerGroup(gqa: 6, headDim: 512), 1)
+        XCTAssertEqual(KVCodesDecodeDispatcher.splits(keys: 255, threadgroups: 1), 1)
+        XCTAssertEqual(KVCodesDecodeDispatcher.splits(keys: 1 << 20, threadgroups: 1), Int(FM_KVQ_MAX_SPLITS))
     }
 }

@@ -30,7 +30,7 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
                 var t = KVCodesAttnTensors(q: q.ref, k: .codes(QuantizedCache(codec: codec, codes: kc.ref, norms: kn.ref)),
                                            v: v ?? .dense(vd.ref), out: out.ref)
                 (t.seqlens, t.blockTable, t.lse) = ((l ?? lens).ref, (bt ?? table).ref, lse.ref)
-                return try KVCodesAttnDispatcher.makeDispatch(t, options())
+                return try KVCodesAttnDispatcher.makePlan(t, options()).dispatches(tmp: nil)[0]
             }
         }
         // 3 query rows per sequence: the tiled prefill, threadgroups of
@@ -65,18 +65,19 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
 
     func testOneQueryRowTakesTheDecodeAndManyRowsThePrefill() throws {
         // GQA 8:2, 4-bit K and V codes, no cache_seqlens: one query row per
-        // sequence is kv_codes_decode (a threadgroup per row and head); 5 rows
-        // are kv_codes_prefill, ceil(5 * 4 / 8) = 3 threadgroups per kv head.
+        // sequence is kv_codes_decode (a SIMD group per kv head's 4 heads, 16
+        // keys: one split); 5 rows are kv_codes_prefill, ceil(5 * 4 / 8) = 3
+        // threadgroups per kv head.
         let kc = HostTensor([2, 16, 2, 32], .u8), kn = HostTensor([2, 16, 2, 1], .f32)
         let vc = HostTensor([2, 16, 2, 32], .u8), vn = HostTensor([2, 16, 2, 1], .f32)
-        for (rows, kernel, grid) in [(1, "kv_codes_decode_f32", Size3(16, 1, 1)),
+        for (rows, kernel, grid) in [(1, "kv_codes_decode_f32", Size3(4, 1, 1)),
                                      (5, "kv_codes_prefill_f32", Size3(3, 2, 2))] {
             let q = HostTensor([2, rows, 8, 64], .f32), out = HostTensor([2, rows, 8, 64], .f32)
             let d = try withExtendedLifetime([q, out, kc, kn, vc, vn]) {
-                try KVCodesAttnDispatcher.makeDispatch(
+                try KVCodesAttnDispatcher.makePlan(
                     KVCodesAttnTensors(q: q.ref, k: .codes(QuantizedCache(codec: codec, codes: kc.ref, norms: kn.ref)),
                                        v: .codes(QuantizedCache(codec: codec, codes: vc.ref, norms: vn.ref)),
-                                       out: out.ref), options(causal: 0))
+                                       out: out.ref), options(causal: 0)).dispatches(tmp: nil)[0]
             }
             XCTAssertEqual(d.kernel, kernel)
             XCTAssertEqual(d.grid, grid)

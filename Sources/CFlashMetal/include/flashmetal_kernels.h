@@ -74,7 +74,8 @@ typedef enum FMFunctionConstant {
     FM_FC_KVQ_APPEND_K_DENSE = 807, /* kv_codes_append: K is a dense cache (buffer 9), not codes */
     FM_FC_KVQ_APPEND_V_DENSE = 808, /* kv_codes_append: V is a dense cache (buffer 10), not codes */
     FM_FC_KVQ_VARLEN_Q = 809,       /* kv_codes_decode: q/out/lse packed, cu_seqlens_q bound */
-    FM_FC_KVQ_VARLEN_K = 810        /* kv_codes_decode: key counts from cu_seqlens_k (paged caches) */
+    FM_FC_KVQ_VARLEN_K = 810,       /* kv_codes_decode: key counts from cu_seqlens_k (paged caches) */
+    FM_FC_KVQ_SPLIT = 811           /* kv_codes_decode: partials to tmp (buffer 15) for kv_codes_reduce, not out */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -456,8 +457,20 @@ typedef enum FMKVDequantizeBinding {
  * row r = token*H + h, sequence b the one with cu_seqlens_q[b] <= token <
  * cu_seqlens_q[b+1] (a token past cu_seqlens_q[B] is not written), its rows
  * cu_seqlens_q[b+1] - cu_seqlens_q[b]; lse [H, total_q]. FM_FC_KVQ_VARLEN_K:
- * kL = cu_seqlens_k[b+1] - cu_seqlens_k[b]. 120 bytes.
- * Grid (B*q_len*H, 1, 1) (varlen: total_q*H) of FM_KVQ_DECODE_THREADS threads. */
+ * kL = cu_seqlens_k[b+1] - cu_seqlens_k[b]. 128 bytes.
+ * Grid (tokens * H / heads_per_group, nwg, 1) of FM_KVQ_DECODE_THREADS
+ * threads (tokens = B*q_len, varlen total_q): threadgroup (u, w) is one
+ * SIMD group serving query heads h0 .. h0 + heads_per_group - 1 of token
+ * u / (H / heads_per_group) (h0 = u % (H / heads_per_group) *
+ * heads_per_group, all of one kv head) over split w of the token's keys:
+ * the keys are cut into chunks of 32 / heads_per_group at absolute
+ * multiples of it, and split w < busy = min(chunks, nwg) takes chunks
+ * [c0 + chunks*w/busy, c0 + chunks*(w+1)/busy). With nwg == 1 the
+ * threadgroup writes the output; with FM_FC_KVQ_SPLIT it writes, per row r
+ * = token*H + h and split w, the unnormalised accumulator in V's rotated
+ * basis to tmp[(r*nwg + w)*D ...] and (S, M) (natural log units; S = 0 for
+ * a split without keys) to tmp[rows*nwg*D + (r*nwg + w)*2], and
+ * kv_codes_reduce finishes (sinks, LSE, the rotation undone). */
 typedef struct KVCodesDecodeParams {
     uint64_t k_seed;
     uint64_t v_seed;
@@ -481,13 +494,31 @@ typedef struct KVCodesDecodeParams {
     int32_t page_size;     /* keys per page (paged) */
     int32_t max_pages;     /* block_table's dim 1 (paged) */
     int32_t batch;         /* sequences (B) */
+    int32_t nwg;           /* key splits of kv_codes_decode's grid (1: no reduce) */
+    int32_t heads_per_group; /* query heads one kv_codes_decode SIMD group serves (a power of two) */
     int32_t _pad;
 } KVCodesDecodeParams;
 
-enum { FM_KVQ_DECODE_THREADS = 32 };
+/* FM_KVQ_DECODE_LANE_FLOATS: heads_per_group * ceil(D / 32) is at most this
+ * (a lane's query and accumulator coordinates over its heads).
+ * FM_KVQ_MAX_SPLITS: the most key splits (nwg) of kv_codes_decode. */
+enum { FM_KVQ_DECODE_THREADS = 32, FM_KVQ_DECODE_LANE_FLOATS = 16, FM_KVQ_MAX_SPLITS = 128 };
+
+/* kv_codes_reduce: the split decode's partials merged, grid (rows, 1, 1)
+ * (rows = tokens*H) of FM_KVQ_DECODE_THREADS threads, buffers
+ * FMKVCodesReduceBinding; function constants 802, 803, 806 and 809 as the
+ * decode's. */
+typedef enum FMKVCodesReduceBinding {
+    FM_KVQR_BUF_PARAMS = 0, /* KVCodesDecodeParams */
+    FM_KVQR_BUF_TMP = 1,    /* float32 partials of kv_codes_decode */
+    FM_KVQR_BUF_OUT = 2,    /* float32 [tokens, H, D] */
+    FM_KVQR_BUF_SINKS = 3,  /* float32 [H], with FM_FC_KVQ_SINKS */
+    FM_KVQR_BUF_LSE = 4,    /* float32 out, with FM_FC_KVQ_LSE */
+    FM_KVQR_BUF_CU_SEQLENS_Q = 5 /* int32 [B+1], with FM_FC_KVQ_VARLEN_Q */
+} FMKVCodesReduceBinding;
 
 /* kv_codes_prefill: the same params, buffers and function constants as
- * kv_codes_decode, and the same result bits per row. Grid (ceil(rows *
+ * kv_codes_decode (nwg 1, never split; heads_per_group unused). Grid (ceil(rows *
  * (H / Hkv) / FM_KVQ_PREFILL_ROWS), Hkv, B) of FM_KVQ_PREFILL_ROWS *
  * FM_KVQ_DECODE_THREADS threads, rows = q_len (varlen: the most rows of any
  * sequence): threadgroup (x, g, b) takes items x*FM_KVQ_PREFILL_ROWS + s
@@ -510,7 +541,8 @@ typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_K_DENSE = 11,    /* dense K [rows, D] (f32/f16/bf16), with FM_FC_KVQ_K_DENSE; codes unbound */
     FM_KVQD_BUF_V_DENSE = 12,    /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
     FM_KVQD_BUF_CU_SEQLENS_Q = 13, /* int32 [B+1], with FM_FC_KVQ_VARLEN_Q */
-    FM_KVQD_BUF_CU_SEQLENS_K = 14  /* int32 [B+1], with FM_FC_KVQ_VARLEN_K */
+    FM_KVQD_BUF_CU_SEQLENS_K = 14, /* int32 [B+1], with FM_FC_KVQ_VARLEN_K */
+    FM_KVQD_BUF_TMP = 15           /* float32 partials, with FM_FC_KVQ_SPLIT (and kv_codes_reduce) */
 } FMKVCodesDecodeBinding;
 
 /* kv_codes_append: row i of sequence b of k_new/v_new [B, n_new, Hkv, D]

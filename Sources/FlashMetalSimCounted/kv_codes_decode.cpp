@@ -1,0 +1,7 @@
+// The counted copy of kv_codes_decode.metal (traced loads and stores; see
+// FlashMetalSim/counters.h).
+#include "counted_prelude.h"
+#include "../../Resources/shaders/kv_codec.h"
+namespace fmsim_counted {
+#include "../../Resources/shaders/kv_codes_decode.metal"
+} // namespace fmsim_counted
