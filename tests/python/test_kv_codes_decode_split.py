@@ -7,8 +7,8 @@ counted: one kv_codes_decode without a reduce below a split's keys, the
 decode and its reduce with NWG threadgroups per head group above."""
 from __future__ import annotations
 
-import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +16,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import F32, randn
+from sim_counting import run_counted
 from test_kv_codec_kvcache import check, check_lse, dequantized
 from test_kv_codes_prefill import caches
 
@@ -35,15 +36,9 @@ SPLITS = [
 def counted(fn):
     """fn() run with the sim's dispatch counting on: its result and the
     (kernel, threadgroups) of each dispatch."""
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"fm-split-counts-{os.getpid()}.jsonl")
-    os.environ["FLASHMETAL_SIM_COUNTS"] = path
-    try:
-        out = fn()
-    finally:
-        del os.environ["FLASHMETAL_SIM_COUNTS"]
-    with open(path) as f:
-        recs = [json.loads(line) for line in f]
-    os.unlink(path)
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"fm-split-counts-{os.getpid()}.jsonl"
+    out, recs = run_counted(path, fn)
+    path.unlink()
     return out, [(r["kernel"], r["threadgroups"]) for r in recs]
 
 

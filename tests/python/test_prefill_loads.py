@@ -13,8 +13,6 @@ chunked tiles and paged K/V (pages that split a key tile and pages that do
 not) take the same loaders."""
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import cu, paged
+from sim_counting import run_counted
 
 
 def at_offset(a: np.ndarray, offset: int) -> np.ndarray:
@@ -45,16 +44,7 @@ def load_width(dtype: np.dtype, d: int, offset: int) -> int:
 
 def counted(tmp_path, fn):
     """fn() on the sim with counting on: its result and the prefill dispatch's record."""
-    path = tmp_path / "counts.jsonl"
-    if path.exists():
-        path.unlink()
-    os.environ["FLASHMETAL_SIM_COUNTS"] = str(path)
-    try:
-        out = fn()
-    finally:
-        del os.environ["FLASHMETAL_SIM_COUNTS"]
-    with open(path) as f:
-        recs = [json.loads(line) for line in f]
+    out, recs = run_counted(tmp_path / "counts.jsonl", fn)
     pre = [r for r in recs if r["kernel"].startswith("flash_attn_prefill_") and "blk" not in r["kernel"]]
     assert len(pre) == 1, [r["kernel"] for r in recs]
     return out, pre[0]

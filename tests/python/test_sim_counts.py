@@ -4,7 +4,6 @@ the counts of a tiny prefill are pinned, so a kernel change that adds device
 traffic, barriers or MMAs shows up here and must update the pin on purpose."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -12,26 +11,13 @@ import pytest
 
 import flashmetal as fm
 from numerics import BF16, F16, randn
+from sim_counting import run_counted
 
 
 @pytest.fixture(scope="module")
 def sim():
     with fm.Registry("sim") as reg:
         yield reg
-
-
-def run_counted(tmp_path, fn):
-    """fn() with counting on: its result and one record per dispatch."""
-    path = tmp_path / "counts.jsonl"
-    if path.exists():
-        path.unlink()
-    os.environ["FLASHMETAL_SIM_COUNTS"] = str(path)
-    try:
-        out = fn()
-    finally:
-        del os.environ["FLASHMETAL_SIM_COUNTS"]
-    with open(path) as f:
-        return out, [json.loads(line) for line in f]
 
 
 def same_bits(a, b) -> bool:
@@ -61,7 +47,7 @@ def ops(sim, rng):
 def test_counting_leaves_outputs_bit_identical(sim, rng, tmp_path):
     for name, fn in ops(sim, rng).items():
         plain = fn()
-        got, recs = run_counted(tmp_path, fn)
+        got, recs = run_counted(tmp_path / "counts.jsonl", fn)
         assert same_bits(plain, got), f"{name}: counting changed the output"
         assert recs, f"{name}: no dispatch was counted"
         for r in recs:
@@ -110,7 +96,7 @@ def aligned64(a: np.ndarray) -> np.ndarray:
 
 def test_tiny_prefill_counts_pinned(sim, rng, tmp_path):
     q, k, v = (aligned64(randn(rng, (1, 1, 64, 64), F16)) for _ in range(3))
-    _, recs = run_counted(tmp_path, lambda: fm.flash_attn_prefill(q, k, v, registry=sim))
+    _, recs = run_counted(tmp_path / "counts.jsonl", lambda: fm.flash_attn_prefill(q, k, v, registry=sim))
     assert [r["kernel"] for r in recs] == ["flash_attn_prefill_f16_d64"]
     r = recs[0]
     # What follows from the algorithm, independently of the pin: Q read once,
@@ -141,8 +127,8 @@ def test_counts_scale_with_heads(sim, rng, tmp_path):
     """Threadgroups of different heads are independent and touch disjoint
     memory: every count of 2 heads is twice that of 1 (the model's scaling)."""
     q, k, v = (randn(rng, (1, 2, 64, 64), F16) for _ in range(3))
-    _, two = run_counted(tmp_path, lambda: fm.flash_attn_prefill(q, k, v, registry=sim))
-    _, one = run_counted(tmp_path, lambda: fm.flash_attn_prefill(q[:, :1].copy(), k[:, :1].copy(), v[:, :1].copy(),
+    _, two = run_counted(tmp_path / "counts.jsonl", lambda: fm.flash_attn_prefill(q, k, v, registry=sim))
+    _, one = run_counted(tmp_path / "counts.jsonl", lambda: fm.flash_attn_prefill(q[:, :1].copy(), k[:, :1].copy(), v[:, :1].copy(),
                                                                   registry=sim))
     for key in PINNED:
         if key not in ("threads_per_threadgroup", "threadgroup_memory"):
@@ -159,7 +145,7 @@ def test_decode_gqa_reads_kv_once_in_vectors(sim, rng, tmp_path, kv):
     d, keys, window = 128, 300, 200
     q = rng.standard_normal((1, 8, d)).astype(np.float32)
     kc, vc = (randn(rng, (1, 1, 320, d), kv) for _ in range(2))
-    _, recs = run_counted(tmp_path, lambda: fm.flash_attn_decode(q, kc, vc, keys, window=window, registry=sim))
+    _, recs = run_counted(tmp_path / "counts.jsonl", lambda: fm.flash_attn_decode(q, kc, vc, keys, window=window, registry=sim))
     main = recs[0]
     assert main["kernel"].startswith("flash_attn_vec_") and main["threads_per_threadgroup"] == 8 * 32
     # Visible keys [100, 300) sit in the 32-key chunks from 96; rows < 100 are never read.
