@@ -33,11 +33,12 @@
 // threadgroup S tile, where each simdgroup runs the online softmax of BQ /
 // NSG rows; for O += P V each simdgroup owns BD / NSG head-dim columns of O
 // in registers (BQ / 8 x BD / (8 NSG) fragments) and reads its V columns
-// straight from device memory. S and the row factors are double-buffered,
-// so a key tile takes two barriers. K and V rows past the sequence's keys
-// are never read: their lanes read its last key instead, whose score is
-// masked (P = 0). bf16/f16, BQ 16, BK 64, NSG 8: Q^T 16 KiB + two S tiles
-// and factors 8.8 KiB; 32 accumulator floats per thread.
+// straight from device memory, each lane a run of 8 consecutive elements
+// per row (wide_column). S and the row factors are double-buffered, so a
+// key tile takes two barriers. K and V rows past the sequence's keys are
+// never read: their lanes read its last key instead, whose score is masked
+// (P = 0). bf16/f16, BQ 16, BK 64, NSG 8: Q^T 18 KiB + two S tiles and
+// factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread.
 // Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
 // are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
 //
@@ -475,7 +476,8 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
 // BQ / 2 words per head-dim column, load_tile_t's layout) and, in floats, two
 // S tiles of BQ rows (BK + 4 floats apart) and two arrays of BQ row factors.
 template <typename T, int BQ, int BK, int BD> struct PrefillWideTiles {
-    static constexpr int LDQT = BQ / TileWords<T>::per_word;  // words per Q^T row
+    // Words per Q^T row, one more against bank conflicts.
+    static constexpr int LDQT = BQ / TileWords<T>::per_word + 1;
     static constexpr int qt_words = BD * LDQT;
     static constexpr int LDS = BK + 4;  // floats per S row
     static constexpr int s_floats = BQ * LDS;
@@ -661,12 +663,21 @@ inline uchar prefill_tile_class(const device uchar *blk, constant AttnParams &p,
     return none ? uchar(0) : zeros ? uchar(2) : uchar(1);
 }
 
-// Device elements at[0], at[1] (two-byte T) into a fragment's two elements,
-// read as one word.
-template <typename T> inline void read_pair_device(thread simdgroup_float8x8 &f, const device T *at) {
-    const uint w = pack2(at[0], at[1]);
-    f.thread_elements()[0] = low_of<T>(w);
-    f.thread_elements()[1] = high_of<T>(w);
+// The wide body reads K and V rows straight into MMA fragments a run of
+// RUN consecutive elements per lane: fragment i of the run takes elements
+// 2i and 2i + 1 as its two. The lane holding fragment column c (c even, with
+// c + 1) reads the run at column c / 2 * RUN of a block of 4 * RUN columns,
+// so fragment i's column c is head-dim column c / 2 * RUN + 2i + c % 2 of
+// the block (wide_column); Q^T rows and O columns follow the same map.
+inline int wide_column(int c, int i, int run) { return (c / 2) * run + 2 * i + c % 2; }
+
+// RUN elements at `at` into fragments f[0 .. RUN / 2).
+template <typename T, int RUN> inline void read_run_frags(thread simdgroup_float8x8 *f, const device T *at) {
+    FA_UNROLL
+    for (int i = 0; i < RUN / 2; i++) {
+        f[i].thread_elements()[0] = float(at[2 * i]);
+        f[i].thread_elements()[1] = float(at[2 * i + 1]);
+    }
 }
 
 // Key k0 + r's row of kv head kvh in K or V (strides st, page stride ps),
@@ -734,10 +745,14 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     constexpr int CPL = BK / LPR;     // S columns per lane
     constexpr int LDQT = G::LDQT;
     constexpr int LDS = G::LDS;
+    constexpr int RUN = 8;        // K/V elements a lane reads at a time (wide_column)
+    constexpr int RF = RUN / 2;   // fragments per run
+    constexpr int RB = 4 * RUN;   // head-dim columns per block of runs
     static_assert(TileWords<T>::per_word == 2, "the wide body takes two-byte elements");
     static_assert(BK == 8 * NSG, "each simdgroup scores one 8-key fragment of the tile");
     static_assert(BQ % 8 == 0 && BQ % NSG == 0 && BD % (8 * NSG) == 0, "whole fragments per simdgroup");
     static_assert(32 % RPS == 0 && BK % LPR == 0, "whole S rows per simdgroup, whole columns per lane");
+    static_assert(BD % RB == 0 && DS % RB == 0, "whole blocks of runs");
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
@@ -761,7 +776,8 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
 
-    // acc[q * TO + m]: O rows q * 8 .., columns sg * DS + m * 8 ..
+    // acc[q * TO + m]: O rows q * 8 .., fragment m % RF of block m / RF of
+    // this simdgroup's DS columns (wide_column's order).
     simdgroup_float8x8 acc[TQ * TO];
     FA_UNROLL
     for (int i = 0; i < TQ * TO; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -781,21 +797,26 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         threadgroup float *S = Os + buf * G::s_floats;
         threadgroup float *F = Os + 2 * G::s_floats + buf * BQ;
 
-        // S^T[keys sg * 8 .., all rows] = K Q^T over the head dim.
+        // S^T[keys sg * 8 .., all rows] = K Q^T over the head dim, a block
+        // of RB columns at a time (wide_column's order).
         {
             const device T *krow = prefill_wide_row(K, Kt, p.K_strides, kps, sb, w.b, w.kvh, k0, int(sg) * 8 + fr,
-                                                    len, split_pages);
+                                                    len, split_pages) + (fc / 2) * RUN;
             simdgroup_float8x8 st[TQ];
             FA_UNROLL
             for (int q = 0; q < TQ; q++) st[q] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-            for (int d = 0; d < BD / 8; d++) {
-                simdgroup_float8x8 kf;
-                read_pair_device<T>(kf, krow + d * 8 + fc);
+            for (int cb = 0; cb < BD; cb += RB) {
+                simdgroup_float8x8 kf[RF];
+                read_run_frags<T, RUN>(kf, krow + cb);
                 FA_UNROLL
-                for (int q = 0; q < TQ; q++) {
-                    simdgroup_float8x8 qf;
-                    load_frag_t<T>(qf, Qs, LDQT, q * 8, d * 8, fr, fc);
-                    simdgroup_multiply_accumulate(st[q], kf, qf, st[q]);
+                for (int i = 0; i < RF; i++) {
+                    const threadgroup uint *qt = Qs + (cb + wide_column(fr, i, RUN)) * LDQT;
+                    FA_UNROLL
+                    for (int q = 0; q < TQ; q++) {
+                        simdgroup_float8x8 qf;  // B[r][c] = Q[row q * 8 + c][column r of block cb, run i]
+                        read_pair<T>(qf, qt, q * 8 + fc);
+                        simdgroup_multiply_accumulate(st[q], kf[i], qf, st[q]);
+                    }
                 }
             }
             FA_UNROLL
@@ -831,13 +852,18 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
                 pf[q].thread_elements()[1] = pr[1];
             }
             const device T *vrow = prefill_wide_row(V, Vt, p.V_strides, vps, sb, w.b, w.kvh, k0, j * 8 + fr, len,
-                                                    split_pages) + int(sg) * DS + fc;
+                                                    split_pages) + int(sg) * DS + (fc / 2) * RUN;
             FA_UNROLL
-            for (int m = 0; m < TO; m++) {
-                simdgroup_float8x8 vf;
-                read_pair_device<T>(vf, vrow + m * 8);
+            for (int m = 0; m < TO; m += RF) {
+                simdgroup_float8x8 vf[RF];
+                read_run_frags<T, RUN>(vf, vrow + m / RF * RB);
                 FA_UNROLL
-                for (int q = 0; q < TQ; q++) simdgroup_multiply_accumulate(acc[q * TO + m], pf[q], vf, acc[q * TO + m]);
+                for (int i = 0; i < RF; i++) {
+                    FA_UNROLL
+                    for (int q = 0; q < TQ; q++) {
+                        simdgroup_multiply_accumulate(acc[q * TO + m + i], pf[q], vf[i], acc[q * TO + m + i]);
+                    }
+                }
             }
         }
         buf ^= 1;
@@ -854,11 +880,12 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         const long r = w.q_row0 + q * 8 + fr;
         if (!(align_Q || r < w.s.q_len)) continue;
         const float f = F[q * 8 + fr];
-        device T *out = w.Ob + r * p.O_strides[2] + int(sg) * DS + fc;
+        device T *out = w.Ob + r * p.O_strides[2] + int(sg) * DS + (fc / 2) * RUN;  // this lane's runs
         FA_UNROLL
         for (int m = 0; m < TO; m++) {
-            out[m * 8] = T(acc[q * TO + m].thread_elements()[0] * f);
-            out[m * 8 + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
+            const int c = m / RF * RB + (m % RF) * 2;
+            out[c] = T(acc[q * TO + m].thread_elements()[0] * f);
+            out[c + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
         }
     }
 }
