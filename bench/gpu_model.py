@@ -216,7 +216,9 @@ def prefill_cases(reg, dims, dtypes, lengths, heads=32):
 
                 def flops(size, d=d, mask=mask):
                     return 4 * d * pairs_visible(size, size, mask != "full", size // 4 if mask == "window" else None)
-                small = [128, 256, 384] if tiled else [64, 128, 192]
+                # Multiples of 4 key tiles, so the window (L / 4) is whole key tiles: 16 keys below
+                # D = 512, 64 at D = 512.
+                small = ([256, 512, 768] if d == 512 else [128, 256, 384]) if tiled else [64, 128, 192]
                 for L in lengths:
                     cases.append(Case("prefill", f"{dt} D={d} {mask} L={L}",
                                       "flash_attn_prefill" if tiled else "sdpa", run, small, 2, L, 1, heads,
@@ -643,8 +645,8 @@ def main() -> int:
     if args.validate:
         for c in cases:
             if c.group == "prefill" and c.real_size == lengths[0] and c.label.startswith(("f16 D=64 ", "f16 D=128 ",
-                                                                                         "f32 D=64 ")):
-                c.validate_size = 512
+                                                                                         "f32 D=64 ", "f16 D=512 ")):
+                c.validate_size = 2 * c.sizes[1]
             if c.group == "decode" and c.real_size == keys[0] and c.batch == 1:
                 c.validate_size = 4096
             if c.group in ("serving", "sdpa") and c.real_size == lengths[0] and "D=72" not in c.label:

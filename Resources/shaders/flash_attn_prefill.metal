@@ -21,14 +21,24 @@
 // unchanged bit for bit (factor exp2(0) = 1, P = 0), which is why skipping
 // such tiles (blk class 0: all -inf; tiles past the causal diagonal) is exact.
 //
-// One kernel, two bodies sharing the tile step (PrefillTiles picks by head
+// One kernel, two bodies sharing the score cell (PrefillTiles picks by head
 // dim). D <= 256 keeps the O accumulator in registers (TD 8x8 fragments per
-// simdgroup). D = 512 would need 64 fragments, 128 floats per thread, in
-// registers; its body keeps O in threadgroup memory instead (as
-// llama.cpp's flash-attention kernel does), each lane reading and writing
-// only its own fragment elements (so O needs no barrier), and streams K and
-// V through threadgroup memory in DC-wide column chunks: Q 8x(512+8) +
-// K/V 8x(128+8) in T, O 8x512 floats = 26,880 bytes for bf16/f16.
+// simdgroup, each simdgroup owning 8 query rows). At D = 512 one simdgroup
+// per 8 rows would hold 128 accumulator floats per thread, and 32 rows of Q
+// alone fill 32 KiB; its body ("wide", as llama.cpp's flash-attention kernel
+// and mlx-native's D = 512 port split the work) has NSG simdgroups share a
+// tile of BQ rows and BK = 8 * NSG keys: for S = Q K^T each simdgroup scores
+// its own 8 keys against all BQ rows, K read straight from device memory
+// against Q^T held once in threadgroup memory; the scores meet in a
+// threadgroup S tile, where each simdgroup runs the online softmax of BQ /
+// NSG rows; for O += P V each simdgroup owns BD / NSG head-dim columns of O
+// in registers (BQ / 8 x BD / (8 NSG) fragments) and reads its V columns
+// straight from device memory, each lane a run of 8 consecutive elements
+// per row (wide_column). S and the row factors are double-buffered, so a
+// key tile takes two barriers. K and V rows past the sequence's keys are
+// never read: their lanes read its last key instead, whose score is masked
+// (P = 0). bf16/f16, BQ 16, BK 64, NSG 8: Q^T 18 KiB + two S tiles and
+// factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread.
 // Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
 // are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
 //
@@ -538,6 +548,34 @@ inline float prefill_finish_row(float row_max, float row_sum, float sink, device
     return row_sum == 0.0f ? 0.0f : factor / row_sum;
 }
 
+// One score cell: the raw score q.k of the row at position q_pos and key
+// column col, in the exp2 domain with scale, softcap, ALiBi and the mask
+// applied and the floor taken, or -inf where the row must not see the key.
+template <typename MaskT>
+inline float prefill_cell(float x, constant AttnParams &p, thread const PrefillSeq &sq, const device MaskT *mask_row,
+                          long col, bool row_exists, long q_pos, uchar tile_class, float slope) {
+    const bool col_exists = align_K || col < sq.k_len;
+    x *= p.scale;
+    if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
+    if (has_alibi) x -= slope * float(q_pos >= col ? q_pos - col : col - q_pos);
+    bool masked = !col_exists || col < sq.first || (do_causal && col > q_pos);
+    if (has_window) {
+        masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
+        if (sq.chunk > 0) {
+            const long start = sq.first + chunk_start(q_pos - sq.first, sq.chunk);
+            masked = masked || col < start || col >= start + long(sq.chunk);
+        }
+    }
+    if (has_mask && tile_class != 2 && col_exists && row_exists) {
+        const float bias = mask_bias(mask_row[col]);
+        masked = masked || bias == -INFINITY;
+        x += bias;
+    }
+    x *= FM_LOG2E;
+    x = x < FM_RUNNING_MAX_START ? FM_RUNNING_MAX_START : x;  // the floor (NaN compares false: kept)
+    return masked ? -INFINITY : x;
+}
+
 // Scores -> probabilities for one key tile, in place in s[TK] (this lane's
 // row, columns k0 + j * 8 + fc + e), and the online-softmax update of the
 // row's max and sum. Returns the factor exp2(m_old - m_new) by which the
@@ -551,27 +589,8 @@ inline float prefill_softmax_step(thread simdgroup_float8x8 *s, constant AttnPar
     for (int j = 0; j < TK; j++) {
         FA_UNROLL
         for (int e = 0; e < 2; e++) {
-            const long col = k0 + j * 8 + fc + e;
-            const bool col_exists = align_K || col < sq.k_len;
-            float x = s[j].thread_elements()[e] * p.scale;
-            if (p.softcapping > 0.0f) x = p.softcapping * precise::tanh(x / p.softcapping);
-            if (has_alibi) x -= slope * float(q_pos >= col ? q_pos - col : col - q_pos);
-            bool masked = !col_exists || col < sq.first || (do_causal && col > q_pos);
-            if (has_window) {
-                masked = masked || (sq.wl >= 0 && col < q_pos - sq.wl) || (sq.wr >= 0 && col > q_pos + sq.wr);
-                if (sq.chunk > 0) {
-                    const long start = sq.first + chunk_start(q_pos - sq.first, sq.chunk);
-                    masked = masked || col < start || col >= start + long(sq.chunk);
-                }
-            }
-            if (has_mask && tile_class != 2 && col_exists && row_exists) {
-                const float bias = mask_bias(mask_row[col]);
-                masked = masked || bias == -INFINITY;
-                x += bias;
-            }
-            x *= FM_LOG2E;
-            x = x < FM_RUNNING_MAX_START ? FM_RUNNING_MAX_START : x;  // the floor (NaN compares false: kept)
-            if (masked) x = -INFINITY;
+            const float x = prefill_cell(s[j].thread_elements()[e], p, sq, mask_row, k0 + j * 8 + fc + e, row_exists,
+                                         q_pos, tile_class, slope);
             s[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
@@ -624,24 +643,36 @@ inline const device MaskT *prefill_mask_row(const device MaskT *mask, constant A
     return mask + b * mp->M_strides[0] + h * mp->M_strides[1] + q_row * mp->M_strides[2];
 }
 
+// Threadgroup memory of the wide body (D > 256, two-byte T): Q^T (a row of
+// BQ / 2 words per head-dim column, load_tile_t's layout) and, in floats, two
+// S tiles of BQ rows (BK + 4 floats apart) and two arrays of BQ row factors.
+template <typename T, int BQ, int BK, int BD> struct PrefillWideTiles {
+    // Words per Q^T row, one more against bank conflicts.
+    static constexpr int LDQT = BQ / TileWords<T>::per_word + 1;
+    static constexpr int qt_words = BD * LDQT;
+    static constexpr int LDS = BK + 4;  // floats per S row
+    static constexpr int s_floats = BQ * LDS;
+    static constexpr int floats = 2 * (s_floats + BQ);
+};
+
 // Threadgroup memory of one prefill threadgroup, by head dim, in 32-bit
 // words of EPW elements (two, or one for float). D <= 256: the Q tile and a K/V tile, each row
 // padded by 8 elements (Os is a 1-float stub); K^T reuses the K/V words. D > 256
-// ("wide"): the Q tile, a DC-column chunk of a K/V tile, and O in floats.
+// ("wide"): PrefillWideTiles (KVs is a 1-word stub).
 template <typename T, int BQ, int BK, int BD> struct PrefillTiles {
     static constexpr bool wide = BD > 256;
-    static constexpr int DC = wide ? 128 : BD;  // K/V columns held at a time
+    static constexpr int DC = BD;  // K/V columns held at a time
     static constexpr int LDQ = BD + 8;
     static constexpr int LDC = DC + 8;
     static constexpr int EPW = TileWords<T>::per_word;
     static constexpr int LDQW = LDQ / EPW;  // the same pitches in 32-bit words
     static constexpr int LDCW = LDC / EPW;
-    static constexpr int q_words = BQ * LDQW;
+    static constexpr int q_words = wide ? PrefillWideTiles<T, BQ, BK, BD>::qt_words : BQ * LDQW;
     // K^T: a row per column, BK / EPW words, one more against bank conflicts
     // where that still fits in the V tile's words.
     static constexpr int LDKW = DC * (BK / EPW + 1) <= BK * LDCW ? BK / EPW + 1 : BK / EPW;
-    static constexpr int kv_words = BK * LDCW;
-    static constexpr int o_floats = wide ? BQ * BD : 1;
+    static constexpr int kv_words = wide ? 1 : BK * LDCW;
+    static constexpr int o_floats = wide ? PrefillWideTiles<T, BQ, BK, BD>::floats : 1;
     static constexpr int bytes = (q_words + kv_words) * 4 + o_floats * 4;
 };
 template <bool Wide> struct PrefillBody {};  // picks prefill_body's overload (C++14: no if constexpr)
@@ -783,113 +814,250 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     }
 }
 
-// D = 512: O in threadgroup memory (Os, row pitch BD), K and V streamed in
-// DC-column chunks through KVs (see the header).
+// The tile-skip class of the kernel tile (qt, kt) of BQ x BK from the blk
+// grid of BQB x BKB tiles (p.NQ x p.NK): a kernel tile inside one blk tile
+// takes its class; one covering several takes 0 when all its blk tiles are
+// 0 (nothing seen), 2 when all are 2 (mask all zeros), else 1.
+template <int BQ, int BK, int BQB, int BKB>
+inline uchar prefill_tile_class(const device uchar *blk, constant AttnParams &p, long qt, int kt) {
+    if (BQB % BQ == 0 && BKB % BK == 0) return blk[qt * BQ / BQB * p.NK + long(kt) * BK / BKB];
+    constexpr int RQ = BQ / BQB, RK = BK / BKB;
+    const long r0 = qt * RQ, c0 = long(kt) * RK;
+    const int rows = int(min(long(RQ), long(p.NQ) - r0)), cols = int(min(long(RK), long(p.NK) - c0));
+    bool none = true, zeros = true;
+    for (int i = 0; i < rows; i++) {
+        for (int j = 0; j < cols; j++) {
+            const uchar c = blk[(r0 + i) * p.NK + c0 + j];
+            none = none && c == 0;
+            zeros = zeros && c == 2;
+        }
+    }
+    return none ? uchar(0) : zeros ? uchar(2) : uchar(1);
+}
+
+// The wide body reads K and V rows straight into MMA fragments a run of
+// RUN consecutive elements per lane: fragment i of the run takes elements
+// 2i and 2i + 1 as its two. The lane holding fragment column c (c even, with
+// c + 1) reads the run at column c / 2 * RUN of a block of 4 * RUN columns,
+// so fragment i's column c is head-dim column c / 2 * RUN + 2i + c % 2 of
+// the block (wide_column); Q^T rows and O columns follow the same map.
+inline int wide_column(int c, int i, int run) { return (c / 2) * run + 2 * i + c % 2; }
+
+// RUN elements at `at` into fragments f[0 .. RUN / 2).
+template <typename T, int RUN> inline void read_run_frags(thread simdgroup_float8x8 *f, const device T *at) {
+    FA_UNROLL
+    for (int i = 0; i < RUN / 2; i++) {
+        f[i].thread_elements()[0] = float(at[2 * i]);
+        f[i].thread_elements()[1] = float(at[2 * i + 1]);
+    }
+}
+
+// Key k0 + r's row of kv head kvh in K or V (strides st, page stride ps),
+// r < BK; a key at or past `len` (keys of the tile that exist) reads the
+// tile's last existing key instead (len >= 1 in every visited tile). `tile`
+// is the tile's first row (prefill_kv_tile), used unless pages split it.
+template <typename T>
+inline const device T *prefill_wide_row(const device T *X, const device T *tile, constant int64_t *st, long ps,
+                                        thread const PrefillSeqBuffers &sb, long b, long kvh, long k0, int r,
+                                        long len, bool split_pages) {
+    const int rr = len > long(r) ? r : int(len) - 1;
+    if (split_pages) return prefill_paged_row(X, st, ps, sb, b, kvh, k0 + rr);
+    return tile + long(rr) * st[2];
+}
+
+// The wide body's softmax of one key tile for one row: this lane's CPL
+// scores (columns k0 + c0 .. of S row `srow`) become probabilities in place,
+// the LPR lanes holding the row (lane ^ 1, ^ 2, ... ^ LPR / 2) combine the
+// max and the sum. Returns the factor exp2(m_old - m_new). Called by all 32
+// lanes (the shuffles are collectives).
+template <int CPL, int LPR, typename MaskT>
+inline float prefill_wide_softmax(threadgroup float *srow, constant AttnParams &p, thread const PrefillSeq &sq,
+                                  const device MaskT *mask_row, long col0, bool row_exists, long q_pos,
+                                  uchar tile_class, float slope, thread float &row_max, thread float &row_sum) {
+    float x[CPL];
+    float tile_max = row_max;
+    FA_UNROLL
+    for (int e = 0; e < CPL; e++) {
+        x[e] = prefill_cell(srow[e], p, sq, mask_row, col0 + e, row_exists, q_pos, tile_class, slope);
+        tile_max = max(tile_max, x[e]);
+    }
+    FA_UNROLL
+    for (int m = 1; m < LPR; m *= 2) tile_max = max(tile_max, simd_shuffle_xor(tile_max, ushort(m)));
+    const float factor = exp2(row_max - tile_max);
+    float tile_sum = 0.0f;
+    FA_UNROLL
+    for (int e = 0; e < CPL; e++) {
+        const float pe = exp2(x[e] - tile_max);
+        srow[e] = pe;
+        tile_sum += pe;
+    }
+    FA_UNROLL
+    for (int m = 1; m < LPR; m *= 2) tile_sum += simd_shuffle_xor(tile_sum, ushort(m));
+    row_sum = row_sum * factor + tile_sum;
+    row_max = tile_max;
+    return factor;
+}
+
+// D > 256 (the header's "wide" body): NSG = WM * WN simdgroups share BQ
+// rows and BK = 8 * NSG keys per tile. Qs holds Q^T, Os the S tiles and
+// row factors (PrefillWideTiles); KVs is unused.
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
                          threadgroup uint *KVs, threadgroup float *Os, uint3 tgid, uint sg, uint lane, uint tid) {
-    typedef PrefillTiles<T, BQ, BK, BD> G;
-    constexpr int DC = G::DC;    // K/V columns per chunk
-    constexpr int NC = BD / DC;  // chunks per tile
-    constexpr int TK = BK / 8;
-    constexpr int TC = DC / 8;   // output fragments per chunk
-    constexpr int LDQW = G::LDQW;
-    constexpr int LDCW = G::LDCW;
-    constexpr int LDKW = G::LDKW;
-    constexpr int THREADS = 32 * WM * WN;
-    static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
-    static_assert(BK % 8 == 0 && BD % DC == 0, "tiles are whole 8x8 fragments and whole chunks");
+    typedef PrefillWideTiles<T, BQ, BK, BD> G;
+    constexpr int NSG = WM * WN;
+    constexpr int THREADS = 32 * NSG;
+    constexpr int TQ = BQ / 8;        // row fragments of the tile
+    constexpr int DS = BD / NSG;      // O columns a simdgroup accumulates
+    constexpr int TO = DS / 8;        // its output fragments per row fragment
+    constexpr int RPS = BQ / NSG;     // S rows a simdgroup's softmax takes
+    constexpr int LPR = 32 / RPS;     // lanes per S row
+    constexpr int CPL = BK / LPR;     // S columns per lane
+    constexpr int LDQT = G::LDQT;
+    constexpr int LDS = G::LDS;
+    constexpr int RUN = 8;        // K/V elements a lane reads at a time (wide_column)
+    constexpr int RF = RUN / 2;   // fragments per run
+    constexpr int RB = 4 * RUN;   // head-dim columns per block of runs
+    static_assert(TileWords<T>::per_word == 2, "the wide body takes two-byte elements");
+    static_assert(BK == 8 * NSG, "each simdgroup scores one 8-key fragment of the tile");
+    static_assert(BQ % 8 == 0 && BQ % NSG == 0 && BD % (8 * NSG) == 0, "whole fragments per simdgroup");
+    static_assert(32 % RPS == 0 && BK % LPR == 0, "whole S rows per simdgroup, whole columns per lane");
+    static_assert(BD % RB == 0 && DS % RB == 0, "whole blocks of runs");
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
-    load_tile<T, BQ, BD, LDQW, THREADS>(Qs, w.Qb, p.Q_strides[2], w.q_row0, w.s.q_len, align_Q, BD, tid);
+    load_tile_t<T, BQ, BD, LDQT, THREADS>(Qs, w.Qb + w.q_row0 * p.Q_strides[2], p.Q_strides[2],
+                                          w.s.q_len - w.q_row0, align_Q, BD, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
-    const int row0 = int(sg) * 8;
-    const long q_row = w.q_row0 + row0 + fr;
+    // The softmax's row and columns of this lane.
+    const int srow = int(sg) * RPS + int(lane) / LPR;
+    const int scol = (int(lane) % LPR) * CPL;
+    const long q_row = w.q_row0 + srow;
     const bool row_exists = align_Q || q_row < w.s.q_len;
     const long q_pos = w.s.q_off + q_row;
     const device MaskT *mask_row = nullptr;  // only touched when has_mask
     if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
     const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
     const bool split_pages = prefill_split_pages<BK>(sb);
-    // This lane's two elements of every O fragment: Orow[d * 8], Orow[d * 8 + 1].
-    threadgroup float *Orow = Os + (row0 + fr) * BD + fc;
-    FA_UNROLL
-    for (int d = 0; d < BD / 8; d++) {
-        Orow[d * 8] = 0.0f;
-        Orow[d * 8 + 1] = 0.0f;
-    }
+    const long kps = paged_kv ? sb.sp->K_page_stride : 0;
+    const long vps = paged_kv ? sb.sp->V_page_stride : 0;
     float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
 
+    // acc[q * TO + m]: O rows q * 8 .., fragment m % RF of block m / RF of
+    // this simdgroup's DS columns (wide_column's order).
+    simdgroup_float8x8 acc[TQ * TO];
+    FA_UNROLL
+    for (int i = 0; i < TQ * TO; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // Q^T is in
+
+    int buf = 0;
     for (int kt = w.lo; kt < w.hi; kt++) {
         uchar tile_class = 1;
         if (has_blk) {
-            tile_class = blk[long(tgid.x) * BQ / BQB * p.NK + kt * BK / BKB];
+            tile_class = prefill_tile_class<BQ, BK, BQB, BKB>(blk, p, long(tgid.x), kt);
             if (tile_class == 0) continue;  // uniform over the threadgroup
         }
         const long k0 = long(kt) * BK;
-        const device T *Kt = prefill_kv_tile(K, p.K_strides, paged_kv ? sb.sp->K_page_stride : 0, sb, w.s, w.b,
-                                             w.kvh, k0);
-        const device T *Vt = prefill_kv_tile(V, p.V_strides, paged_kv ? sb.sp->V_page_stride : 0, sb, w.s, w.b,
-                                             w.kvh, k0);
+        const long len = align_K ? long(BK) : min(long(BK), w.s.k_len - k0);
+        const device T *Kt = prefill_kv_tile(K, p.K_strides, kps, sb, w.s, w.b, w.kvh, k0);
+        const device T *Vt = prefill_kv_tile(V, p.V_strides, vps, sb, w.s, w.b, w.kvh, k0);
+        threadgroup float *S = Os + buf * G::s_floats;
+        threadgroup float *F = Os + 2 * G::s_floats + buf * BQ;
 
-        simdgroup_float8x8 s[TK];
-        FA_UNROLL
-        for (int j = 0; j < TK; j++) s[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-        for (int c = 0; c < NC; c++) {
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-            if (split_pages) {
-                load_tile_t_paged<T, BK, DC, LDKW, THREADS>(KVs, K, p.K_strides, sb.sp->K_page_stride, sb, w.b, w.kvh,
-                                                            k0, c * DC, w.s.k_len - k0, DC, tid);
-            } else {
-                load_tile_t<T, BK, DC, LDKW, THREADS>(KVs, Kt + c * DC, p.K_strides[2], w.s.k_len - k0, align_K, DC, tid);
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-            prefill_qk<T, TK, TC>(s, Qs, LDQW, c * DC, KVs, LDKW, row0, fr, fc);
-        }
-        const float factor = prefill_softmax_step<TK>(s, p, w.s, mask_row, k0, fc, row_exists, q_pos, tile_class,
-                                                      slope, row_max, row_sum);
-
-        for (int c = 0; c < NC; c++) {
-            threadgroup_barrier(mem_flags::mem_threadgroup);
-            if (split_pages) {
-                load_tile_paged<T, BK, DC, LDCW, THREADS>(KVs, V, p.V_strides, sb.sp->V_page_stride, sb, w.b, w.kvh,
-                                                          k0, c * DC, w.s.k_len - k0, DC, tid);
-            } else {
-                load_tile<T, BK, DC, LDCW, THREADS>(KVs, Vt + c * DC, p.V_strides[2], 0, w.s.k_len - k0, align_K, DC, tid);
-            }
-            threadgroup_barrier(mem_flags::mem_threadgroup);
+        // S^T[keys sg * 8 .., all rows] = K Q^T over the head dim, a block
+        // of RB columns at a time (wide_column's order).
+        {
+            const device T *krow = prefill_wide_row(K, Kt, p.K_strides, kps, sb, w.b, w.kvh, k0, int(sg) * 8 + fr,
+                                                    len, split_pages) + (fc / 2) * RUN;
+            simdgroup_float8x8 st[TQ];
             FA_UNROLL
-            for (int d = 0; d < TC; d++) {
-                threadgroup float *o2 = Orow + c * DC + d * 8;
-                simdgroup_float8x8 acc;
-                acc.thread_elements()[0] = o2[0] * factor;
-                acc.thread_elements()[1] = o2[1] * factor;
+            for (int q = 0; q < TQ; q++) st[q] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+            for (int cb = 0; cb < BD; cb += RB) {
+                simdgroup_float8x8 kf[RF];
+                read_run_frags<T, RUN>(kf, krow + cb);
                 FA_UNROLL
-                for (int j = 0; j < TK; j++) {
-                    simdgroup_float8x8 vf;
-                    load_frag<T>(vf, KVs, LDCW, j * 8, d * 8, fr, fc);
-                    simdgroup_multiply_accumulate(acc, s[j], vf, acc);
+                for (int i = 0; i < RF; i++) {
+                    const threadgroup uint *qt = Qs + (cb + wide_column(fr, i, RUN)) * LDQT;
+                    FA_UNROLL
+                    for (int q = 0; q < TQ; q++) {
+                        simdgroup_float8x8 qf;  // B[r][c] = Q[row q * 8 + c][column r of block cb, run i]
+                        read_pair<T>(qf, qt, q * 8 + fc);
+                        simdgroup_multiply_accumulate(st[q], kf[i], qf, st[q]);
+                    }
                 }
-                o2[0] = acc.thread_elements()[0];
-                o2[1] = acc.thread_elements()[1];
+            }
+            FA_UNROLL
+            for (int q = 0; q < TQ; q++) {
+                S[(q * 8 + fc) * LDS + int(sg) * 8 + fr] = st[q].thread_elements()[0];
+                S[(q * 8 + fc + 1) * LDS + int(sg) * 8 + fr] = st[q].thread_elements()[1];
             }
         }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        const float factor = prefill_wide_softmax<CPL, LPR>(S + srow * LDS + scol, p, w.s, mask_row, k0 + scol,
+                                                            row_exists, q_pos, tile_class, slope, row_max, row_sum);
+        if (int(lane) % LPR == 0) F[srow] = factor;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        // O[rows, sg's columns] = O * factor + P V.
+        FA_UNROLL
+        for (int q = 0; q < TQ; q++) {
+            const float f = F[q * 8 + fr];
+            FA_UNROLL
+            for (int m = 0; m < TO; m++) {
+                acc[q * TO + m].thread_elements()[0] *= f;
+                acc[q * TO + m].thread_elements()[1] *= f;
+            }
+        }
+        FA_UNROLL
+        for (int j = 0; j < BK / 8; j++) {
+            simdgroup_float8x8 pf[TQ];
+            FA_UNROLL
+            for (int q = 0; q < TQ; q++) {
+                const threadgroup float *pr = S + (q * 8 + fr) * LDS + j * 8 + fc;
+                pf[q].thread_elements()[0] = pr[0];
+                pf[q].thread_elements()[1] = pr[1];
+            }
+            const device T *vrow = prefill_wide_row(V, Vt, p.V_strides, vps, sb, w.b, w.kvh, k0, j * 8 + fr, len,
+                                                    split_pages) + int(sg) * DS + (fc / 2) * RUN;
+            FA_UNROLL
+            for (int m = 0; m < TO; m += RF) {
+                simdgroup_float8x8 vf[RF];
+                read_run_frags<T, RUN>(vf, vrow + m / RF * RB);
+                FA_UNROLL
+                for (int i = 0; i < RF; i++) {
+                    FA_UNROLL
+                    for (int q = 0; q < TQ; q++) {
+                        simdgroup_multiply_accumulate(acc[q * TO + m + i], pf[q], vf[i], acc[q * TO + m + i]);
+                    }
+                }
+            }
+        }
+        buf ^= 1;
     }
 
+    // 1/l per row through the factor array no simdgroup still reads.
+    threadgroup float *F = Os + 2 * G::s_floats + buf * BQ;
     const float inv = prefill_finish_row(row_max, row_sum, has_sinks ? sb.sinks[w.h] : 0.0f,
-                                         prefill_lse_at(w, sb, q_row, row_exists, fc));
-    if (row_exists) {
-        device T *out_row = w.Ob + q_row * p.O_strides[2];
+                                         prefill_lse_at(w, sb, q_row, row_exists, short(int(lane) % LPR)));
+    if (int(lane) % LPR == 0) F[srow] = inv;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    FA_UNROLL
+    for (int q = 0; q < TQ; q++) {
+        const long r = w.q_row0 + q * 8 + fr;
+        if (!(align_Q || r < w.s.q_len)) continue;
+        const float f = F[q * 8 + fr];
+        device T *out = w.Ob + r * p.O_strides[2] + int(sg) * DS + (fc / 2) * RUN;  // this lane's runs
         FA_UNROLL
-        for (int d = 0; d < BD / 8; d++) {
-            out_row[d * 8 + fc] = T(Orow[d * 8] * inv);
-            out_row[d * 8 + fc + 1] = T(Orow[d * 8 + 1] * inv);
+        for (int m = 0; m < TO; m++) {
+            const int c = m / RF * RB + (m % RF) * 2;
+            out[c] = T(acc[q * TO + m].thread_elements()[0] * f);
+            out[c + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
         }
     }
 }
@@ -900,7 +1068,9 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 //
 // The blk tiles are BQB x BKB (the head dim's tile-skip geometry; by
 // default the kernel's own): a kernel tile lies inside one blk tile
-// (BQB, BKB multiples of BQ, BK), whose class then holds for it too.
+// (BQB, BKB multiples of BQ, BK), whose class then holds for it too; or
+// (wide) covers whole blk tiles, whose classes combine
+// (prefill_tile_class).
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
 [[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
@@ -927,11 +1097,12 @@ kernel void flash_attn_prefill(
     uint tid BUILTIN(thread_index_in_threadgroup)) {
     typedef PrefillTiles<T, BQ, BK, BD> G;
     static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
-    static_assert(G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
-    static_assert(BQB % BQ == 0 && BKB % BK == 0, "a kernel tile lies inside one blk tile");
-    TG_ARRAY(uint, Qs, G::q_words);
-    TG_ARRAY(uint, KVs, G::kv_words);  // the K tile (or chunk), then the V tile (or chunk)
-    TG_ARRAY(float, Os, G::o_floats);
+    static_assert(G::wide || G::DC * G::LDKW <= G::kv_words, "the K^T tile fits in the K/V words");
+    static_assert((BQB % BQ == 0 && BKB % BK == 0) || (G::wide && BQ % BQB == 0 && BK % BKB == 0),
+                  "a kernel tile lies inside one blk tile, or (wide) is tiled by whole blk tiles");
+    TG_ARRAY(uint, Qs, G::q_words);    // the Q tile (wide: Q^T)
+    TG_ARRAY(uint, KVs, G::kv_words);  // the K tile, then the V tile
+    TG_ARRAY(float, Os, G::o_floats);  // wide: the S tiles and row factors
     // An argument whose constant is false is not there: never read, only null.
     PrefillSeqBuffers sb;
     sb.sp = prefill_seq ? sp : nullptr;
@@ -962,8 +1133,8 @@ INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192", flash_attn_prefill, bfloat, b
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d192_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, bfloat, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, uchar, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 16, 64, 512, 1, 8, 8, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, uchar, 16, 64, 512, 1, 8, 8, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80", flash_attn_prefill, half, half, 32, 16, 80, 4, 1)
@@ -976,8 +1147,8 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192", flash_attn_prefill, half, half
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d192_boolmask", flash_attn_prefill, half, uchar, 32, 16, 192, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, uchar, 32, 16, 256, 4, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 8, 8, 512, 1, 1)
-INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 8, 8, 512, 1, 1)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 16, 64, 512, 1, 8, 8, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 16, 64, 512, 1, 8, 8, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64", flash_attn_prefill, float, float, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64_boolmask", flash_attn_prefill, float, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80", flash_attn_prefill, float, float, 32, 16, 80, 4, 1)

@@ -37,8 +37,8 @@ public enum PrefillCapability {
     /// D/8 whole 8x8 output fragments per simdgroup in registers, and a Q tile
     /// plus a K/V tile of D + 8 padded columns in threadgroup memory,
     /// 48 * (D + 8) * 2 bytes: 8,448 (D=80), 9,984 (96), 19,200 (192), 25,344
-    /// (256), all under 32 KiB. D = 512 is mlx-native's small tile with O in
-    /// threadgroup memory (the kernel's header).
+    /// (256), all under 32 KiB. D = 512's row is its tile-skip (blk) grid,
+    /// 8 x 8; its kernel runs `wideGeometry`.
     public static let geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
@@ -54,9 +54,9 @@ public enum PrefillCapability {
     /// 32,000 at D = 192 with 8-key tiles; 25,344 at D = 256 with 16 query
     /// rows (2 simdgroups) and 8 keys. Each tile lies inside one of the head
     /// dim's `geometry` tile, which stays the grid of the tile-skip classes
-    /// (blk) and of AttnParams' NQ/NK. D = 512 has none: its O tile alone
-    /// (8 x 512 floats) and a float32 Q tile exceed 32 KiB; float32 at
-    /// D = 512 takes the general kernel.
+    /// (blk) and of AttnParams' NQ/NK. D = 512 has none: its wide tile's
+    /// Q alone (16 x 512 floats) fills 32 KiB; float32 at D = 512 takes the
+    /// general kernel.
     public static let f32Geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
@@ -64,6 +64,15 @@ public enum PrefillCapability {
         128: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         192: PrefillGeometry(bq: 32, bk: 8, wm: 4, wn: 1),
         256: PrefillGeometry(bq: 16, bk: 8, wm: 2, wn: 1),
+    ]
+    /// Two-byte kernels whose tile is not their head dim's `geometry` row:
+    /// D = 512 shares 16 query rows and 64 keys between 8 simdgroups (each
+    /// scores 8 keys, then accumulates 64 of the 512 output columns; the
+    /// kernel's header). Each tile covers whole tiles of the `geometry` row,
+    /// which stays the grid of the tile-skip classes and of AttnParams'
+    /// NQ/NK; the kernel combines the classes of the blk tiles it covers.
+    public static let wideGeometry: [Int: PrefillGeometry] = [
+        512: PrefillGeometry(bq: 16, bk: 64, wm: 1, wn: 8),
     ]
     /// The head dims with a kernel (tile widths), ascending.
     public static var headDims: [Int] { geometry.keys.sorted() }
@@ -77,7 +86,7 @@ public enum PrefillCapability {
 
     /// The threadgroup tile of `io`'s kernel at `headDim` (nil: no kernel).
     public static func kernelGeometry(io: DType, headDim: Int) -> PrefillGeometry? {
-        io == .f32 ? f32Geometry[headDim] : geometry[headDim]
+        io == .f32 ? f32Geometry[headDim] : wideGeometry[headDim] ?? geometry[headDim]
     }
 
     /// Every kernel of the op, enumerated from the table.

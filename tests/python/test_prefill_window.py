@@ -71,7 +71,7 @@ def test_window_tiles_outside_are_never_loaded(registry, rng, d):
     tiles into its products would return NaN (0 * NaN), so a finite result
     equal to the reference proves they were skipped."""
     q, k, v = qkv(rng, BF16, ql=8, kl=96, d=d)
-    # rows at 88..95, window 20: keys >= 69 are seen; 0..63 lie in tiles wholly outside (BK 16 and 8).
+    # rows at 88..95, window 20: keys >= 69 are seen; 0..63 lie in tiles wholly outside (BK 16 and 64).
     exp = reference.attention(q, k, v, causal=True, q_offset=88, window=20)
     k[:, :, :64], v[:, :, :64] = np.nan, np.nan
     out = fm.flash_attn_prefill(q, k, v, causal=True, window=20, registry=registry)

@@ -3,8 +3,9 @@ extension") on the sim, through the public flash-attn API, against the float64
 serving reference: varlen q/k, per-sequence
 cache lengths, paged K/V through shuffled block tables, window (left/right,
 with and without causal), softcap, sinks and the natural-log LSE, for both
-kernel bodies (D <= 256 in registers, D = 512 in threadgroup memory). Shapes
-are tiny: a sim prefill tile costs milliseconds."""
+kernel bodies (D <= 256: a simdgroup per 8 rows; D = 512: simdgroups
+splitting keys and head dim). Shapes are tiny: a sim prefill tile costs
+milliseconds."""
 from __future__ import annotations
 
 import numpy as np
@@ -105,19 +106,20 @@ def test_window_tiles_outside_are_never_loaded(sim, rng, d, dtype):
     output NaN (0 * NaN), so a finite result equal to the reference proves
     those tiles were skipped. Tiles partly inside are loaded and masked
     cell by cell."""
-    h, ql, kl, page = 2, 8, 64, 16
+    h, ql, kl, page = 2, 8, 128, 16
     window = (11, 0)
     q = randn(rng, (1, ql, h, d), dtype)
     k, v = randn(rng, (1, kl, 1, d), dtype), randn(rng, (1, kl, 1, d), dtype)
-    # rows sit at 56..63; the window keeps keys >= 45: tiles [0, 32) (page 16) are outside.
-    outside = 32
+    # rows sit at 120..127; the window keeps keys >= 109: keys [0, 64) (pages 0-3; key tiles of
+    # 16 at D = 64, of 64 at D = 512) are outside.
+    outside = 64
     exp_out, exp_lse = attend_sequence(q[0], k[0], v[0], window_size=window)
     k[:, :outside], v[:, :outside] = np.nan, np.nan
     out, lse, _ = fm.flash_attn_func(q, k, v, window_size=window, return_attn_probs=True, registry=sim)
     check(out[0], lse[0], exp_out, exp_lse, dtype, "contiguous, NaN outside the window")
-    pages_k = k[0].reshape(kl // page, page, 1, d)[::-1].copy()  # shuffled: logical page j at 3 - j
+    pages_k = k[0].reshape(kl // page, page, 1, d)[::-1].copy()  # shuffled: logical page j at 7 - j
     pages_v = v[0].reshape(kl // page, page, 1, d)[::-1].copy()
-    table = np.array([[3, 2, 1, 0]])
+    table = np.arange(kl // page)[::-1][None].copy()
     out_p, lse_p = fm.flash_attn_with_kvcache(q, pages_k, pages_v, block_table=table, window_size=window,
                                               return_softmax_lse=True, registry=sim)
     check(out_p[0], lse_p[0], exp_out, exp_lse, dtype, "paged, NaN pages outside the window")

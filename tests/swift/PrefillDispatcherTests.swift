@@ -103,6 +103,26 @@ final class PrefillDispatcherTests: XCTestCase {
         XCTAssertEqual(d192.constants.bool(200), false, "48 rows: a partial 32-row tile")
     }
 
+    /// D = 512 (two-byte): the kernel's 16 x 64 tiles of 8 simdgroups set the
+    /// grid and the alignment constants; AttnParams' NQ/NK and the blk stay
+    /// the 8 x 8 tile-skip grid.
+    func testWideGridAndParams() throws {
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f16, headDim: 512), PrefillGeometry(bq: 16, bk: 64, wm: 1, wn: 8))
+        XCTAssertEqual(PrefillGeometry.forHeadDim(512), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
+        let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 136, d: 512))
+        let p = try d.params(4, as: AttnParams.self)
+        XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [6, 17, 0, 0])
+        XCTAssertEqual(d.grid, Size3(3, 2, 1))
+        XCTAssertEqual(d.threadgroup, Size3(32, 1, 8))
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_bf16_d512")
+        XCTAssertEqual(d.constants.bool(200), true, "48 rows: whole 16-row tiles")
+        XCTAssertEqual(d.constants.bool(201), false, "136 keys: a partial 64-key tile")
+        let d2 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 40, kL: 128, d: 512))
+        XCTAssertEqual(d2.grid, Size3(3, 2, 1))
+        XCTAssertEqual(d2.constants.bool(200), false, "40 rows: a partial 16-row tile")
+        XCTAssertEqual(d2.constants.bool(201), true, "128 keys: whole 64-key tiles")
+    }
+
     func testTileCounts() {
         let g = PrefillGeometry.forHeadDim(256)!
         XCTAssertEqual(g.tiles(qL: 50, kL: 64),
@@ -212,7 +232,7 @@ final class PrefillDispatcherTests: XCTestCase {
         let mp2 = try d2.params(5, as: AttnMaskParams.self)
         XCTAssertEqual([mp2.M_strides.0, mp2.M_strides.1, mp2.M_strides.2], [0, 0, 24])
         XCTAssertEqual(d2.constants.bool(300), true)
-        XCTAssertEqual(d2.threadgroup, Size3(32, 1, 1))
+        XCTAssertEqual(d2.threadgroup, Size3(32, 1, 8))
         let m4 = HostTensor([2, 4, 16, 24], .bf16)
         let d4 = try dispatch(c, mask: m4)
         XCTAssertEqual(d4.kernel, "flash_attn_prefill_bf16_d512")
