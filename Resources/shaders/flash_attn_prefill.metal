@@ -845,6 +845,24 @@ inline int wide_column(int c, int i, int run) { return (c / 2) * run + 2 * i + c
 
 // RUN elements at `at` into fragments f[0 .. RUN / 2).
 template <typename T, int RUN> inline void read_run_frags(thread simdgroup_float8x8 *f, const device T *at) {
+    if (int(sizeof(T)) * RUN == 16 && tile_load_bytes >= 8) {
+        // The run is 16 bytes from a run boundary (every row start the host
+        // found aligned to tile_load_bytes, every offset a multiple of RUN):
+        // one 16-byte device load, or two of 8.
+        uint w[4];
+        if (tile_load_bytes == 16) {
+            read_run<uint4>(w, at, true);
+        } else {
+            read_run<uint2>(w, at, true);
+            read_run<uint2>(w + 2, at + RUN / 2, true);
+        }
+        FA_UNROLL
+        for (int i = 0; i < 4; i++) {
+            f[i].thread_elements()[0] = low_of<T>(w[i]);
+            f[i].thread_elements()[1] = high_of<T>(w[i]);
+        }
+        return;
+    }
     FA_UNROLL
     for (int i = 0; i < RUN / 2; i++) {
         f[i].thread_elements()[0] = float(at[2 * i]);

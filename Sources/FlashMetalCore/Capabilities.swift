@@ -176,6 +176,7 @@ public enum VecCapability {
     /// maxPaddedHeadDim, else the larger must be a tile of its own; the
     /// kernel reads each side only up to its own dim), or a ValueError naming
     /// `op`, `vName` and the dims.
+    @discardableResult
     static func tileDim(_ d: Int, dv: Int, op: String, vName: String) throws -> Int {
         try requireHeadDim(d, op: op)
         if dv == d { return d }
