@@ -67,6 +67,25 @@ def assert_width(rec, width: int, dtype: np.dtype, d: int, what: str) -> None:
             assert 2 < mean < 4, f"{what}: binding {binding} read {mean} bytes per load, want column pairs"
 
 
+def check_offsets(registry, tmp_path, call, runs, expected, dtype: np.dtype, d: int, name: str) -> None:
+    """`call(*args)` for each `(label, args, width)` of `runs`: on the sim
+    counted, q, k and v read in `width`-byte loads; on every backend within
+    the dtype's tolerance of `expected` and bit-identical to the first run."""
+    first = None
+    for label, args, width in runs:
+        what = f"{registry.backend} {name} {label}"
+        if registry.backend == "sim":
+            out, rec = counted(tmp_path, lambda: call(*args))
+            assert_width(rec, width, dtype, d, what)
+        else:
+            out = call(*args)
+        assert_close(out, expected, dtype, what)
+        if first is None:
+            first = out
+        else:
+            assert_bits_equal(out, first, f"{what} vs {runs[0][0]}")
+
+
 CASES = [(BF16, 64), (F16, 80), (BF16, 36), (BF16, 59), (F16, 512), (F32, 64), (F32, 34), (F32, 59)]
 
 
@@ -79,23 +98,10 @@ def test_prefill_every_width(registry, rng, tmp_path, dtype, d):
     q, k, v = randn(rng, (b, h, ql, d), dtype), randn(rng, (b, hkv, kl, d), dtype), randn(rng, (b, hkv, kl, d), dtype)
     expected = reference.attention(q, k, v, causal=True, q_offset=kl - ql)
     offsets = [0, 8, 4] + ([2] if dtype.itemsize == 2 else [])
-    first = None
-    for off in offsets:
-        args = [at_offset(x, off) for x in (q, k, v)]
-        what = f"{registry.backend} {dtype.name} D={d} offset {off}"
-
-        def call():
-            return fm.flash_attn_prefill(*args, causal=True, q_offset=kl - ql, registry=registry)
-        if registry.backend == "sim":
-            out, rec = counted(tmp_path, call)
-            assert_width(rec, load_width(dtype, d, off), dtype, d, what)
-        else:
-            out = call()
-        assert_close(out, expected, dtype, what)
-        if first is None:
-            first = out
-        else:
-            assert_bits_equal(out, first, f"{what} vs offset 0")
+    runs = [(f"offset {off}", [at_offset(x, off) for x in (q, k, v)], load_width(dtype, d, off)) for off in offsets]
+    check_offsets(registry, tmp_path,
+                  lambda *a: fm.flash_attn_prefill(*a, causal=True, q_offset=kl - ql, registry=registry),
+                  runs, expected, dtype, d, f"{dtype.name} D={d}")
 
 
 def test_one_unaligned_tensor_takes_pairs(registry, rng, tmp_path):
@@ -104,21 +110,10 @@ def test_one_unaligned_tensor_takes_pairs(registry, rng, tmp_path):
     d = 64
     q, k, v = (randn(rng, (1, 2, 19, d), BF16) for _ in range(3))
     expected = reference.attention(q, k, v)
-    first = None
-    for k_off, width in [(0, 16), (8, 8), (2, 4)]:
-        args = (at_offset(q, 0), at_offset(k, k_off), at_offset(v, 0))
-        what = f"{registry.backend} k at offset {k_off}"
-
-        def call():
-            return fm.flash_attn_prefill(*args, registry=registry)
-        if registry.backend == "sim":
-            out, rec = counted(tmp_path, call)
-            assert_width(rec, width, BF16, d, what)
-        else:
-            out = call()
-        assert_close(out, expected, BF16, what)
-        first = out if first is None else first
-        assert_bits_equal(out, first, what)
+    runs = [(f"k at offset {k_off}", (at_offset(q, 0), at_offset(k, k_off), at_offset(v, 0)), width)
+            for k_off, width in [(0, 16), (8, 8), (2, 4)]]
+    check_offsets(registry, tmp_path, lambda *a: fm.flash_attn_prefill(*a, registry=registry),
+                  runs, expected, BF16, d, "bfloat16 D=64")
 
 
 @pytest.mark.parametrize("page_size", [3, 16])
@@ -135,19 +130,9 @@ def test_paged_every_width(registry, rng, tmp_path, page_size, dtype):
     rows = [[randn(rng, (n, hkv, d), dtype) for n in k_lens] for _ in range(2)]
     (kc, vc), table = paged(rng, rows, page_size)
     expected, _ = reference.flash_attn_varlen(q, kc, vc, cq, ck, block_table=table, causal=True)
-    first = None
-    for off in (0, 8, 4):
-        args = (at_offset(q, off), at_offset(kc, off), at_offset(vc, off))
-        what = f"{registry.backend} {dtype.name} paged ps={page_size} offset {off}"
-
-        def call():
-            return fm.flash_attn_varlen_func(*args, cq, ck, max(q_lens), max(k_lens), causal=True,
-                                             block_table=table, registry=registry)
-        if registry.backend == "sim":
-            out, rec = counted(tmp_path, call)
-            assert_width(rec, load_width(dtype, d, off), dtype, d, what)
-        else:
-            out = call()
-        assert_close(out, expected, dtype, what)
-        first = out if first is None else first
-        assert_bits_equal(out, first, what)
+    runs = [(f"offset {off}", (at_offset(q, off), at_offset(kc, off), at_offset(vc, off)), load_width(dtype, d, off))
+            for off in (0, 8, 4)]
+    check_offsets(registry, tmp_path,
+                  lambda *a: fm.flash_attn_varlen_func(*a, cq, ck, max(q_lens), max(k_lens), causal=True,
+                                                       block_table=table, registry=registry),
+                  runs, expected, dtype, d, f"{dtype.name} paged ps={page_size}")
