@@ -56,4 +56,12 @@ bench-hf: python bench-deps test-deps
 	$(PY) bench/hf_generate_bench.py $(BENCH_ARGS)
 bench: bench-hf
 
+# flash-attn's forward test grids (its tests/test_flash_attn.py and
+# hopper/test_flash_attn.py): how many cells flashmetal runs, refuses (and
+# why) or leaves out of scope, one tiny cpu call per class of cells;
+# bench/FLASH_ATTN_GRID.md. A report, not part of `make bench` or `make test`.
+.PHONY: flash-attn-grid
+flash-attn-grid: python
+	$(PY) bench/flash_attn_grid.py
+
 .DEFAULT_GOAL := $(_BENCH_SAVED_GOAL)
