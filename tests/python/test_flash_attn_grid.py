@@ -33,6 +33,15 @@ def test_cells_expand_every_parametrize_and_the_inner_variants():
     assert g.fa3_dv({"d": 64, "dtype": g.FP8}) == [64]
 
 
+def test_a_case_upstream_skips_is_one_cell():
+    """Upstream skips before its inner loop, so a skipped case counts once;
+    a case that runs counts each of its variants."""
+    small = g.Grid(g.FA3, "t", "func", {"dtype": [g.BF16], "d": [64, 128], "seqlen_q,seqlen_k": [(3, 7)]},
+                   skip=lambda c: c["d"] == 64, inner=g.fa3_inner(lambda c: True))
+    t = g.tally([small])
+    assert (t.total, t.upstream_skip, sum(t.classes.values()), len(t.classes)) == (3, 1, 2, 2)
+
+
 def test_upstream_skips_and_out_of_scope():
     kv = grid("test_flash_attn_kvcache")
     base = {"page_size": 4, "seqlen_k": 339, "seqlen_q": 1, "new_kv": True, "rotary_fraction": 0.0,
