@@ -7,8 +7,8 @@
 #include "kernel_math.h"
 #include "prefill_seq.h"
 
-/* Largest head dim of the fast path (row buffers on the stack are this big). */
-#define FM_PF_DMAX 512
+/* Largest head dim of the fast path (MLA's q/k 576; row buffers on the stack are this big). */
+#define FM_PF_DMAX 576
 
 /* The head dim of the packed panels, q rows and O accumulators: the larger
  * of D (q's and k's) and Dv (v's) rounded up to a multiple of 16 (the widest
