@@ -18,6 +18,13 @@ static inline int32_t fm_pf_dp(const FMPrefillArgs *a) {
     return ((a->p.D > a->p.Dv ? a->p.D : a->p.Dv) + 15) & ~15;
 }
 
+/* The dims of DP each side computes over: QK^T reads q rows and K panels
+ * below D rounded up to 16 (fm_pf_dk), P.V's column blocks span Dv rounded
+ * up to 16 (fm_pf_dv); past them the panels hold only zeros, which would
+ * add exact zeros (576 over 512, MLA: 64 columns of P.V saved). */
+static inline int32_t fm_pf_dk(const FMPrefillArgs *a) { return (a->p.D + 15) & ~15; }
+static inline int32_t fm_pf_dv(const FMPrefillArgs *a) { return (a->p.Dv + 15) & ~15; }
+
 /* Key blocks [*kb0, *kb1) some row of sequence `sd` sees: a row's range
  * grows with its position, so the union runs from row 0's lo to the last
  * row's hi (empty: kb0 == kb1). */

@@ -115,10 +115,11 @@ public enum PrefillCapability {
         }
     }
 
-    /// The geometry of the kernel that runs `headDim`, or a ValueError naming `op` and the range.
+    /// The geometry of the kernel that runs `headDim` (any tile width,
+    /// `valueHeadDim`'s included: the blk grid), or a ValueError naming `op` and the range.
     static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
         guard let t = tileHeadDim(headDim), let g = geometry[t] else {
-            throw FlashMetalError.value(op, headDimMessage(headDim, tiles: headDims), arg: "q")
+            throw FlashMetalError.value(op, headDimMessage(headDim, tiles: geometry.keys.sorted()), arg: "q")
         }
         return g
     }
