@@ -4,9 +4,10 @@
 # a path the machine lacks runs as the best one it has). It checks the
 # kernels without the Swift dispatch, against its own double reference:
 # prefill (plain mode and the serving extension: varlen, paged, kv lens,
-# window, softcap, sinks, LSE, head dims 64-256 incl. 80/96/192), decode, blk
-# and the mask builder. A few seconds. Reuses ARM64_CC and ARM64_KERNELS of
-# mk/cpu-arm64.mk (included first: fragments load in name order).
+# window, softcap, sinks, LSE, head dims 64-256 incl. 80/96/192, 512, MLA's
+# 576 over v 512), decode, blk and the mask builder. A few seconds. Reuses
+# ARM64_CC and ARM64_KERNELS of mk/cpu-arm64.mk (included first: fragments
+# load in name order).
 HARNESS_OUT := .build/cpu-harness
 HARNESS_CFLAGS := -std=c11 -O2 -ffp-contract=off -Wall -Werror \
 	-ISources/FlashMetalCPUKernels/include -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include

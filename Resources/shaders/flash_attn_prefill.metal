@@ -38,7 +38,9 @@
 // key tile takes two barriers. K and V rows past the sequence's keys are
 // never read: their lanes read its last key instead, whose score is masked
 // (P = 0). bf16/f16, BQ 16, BK 64, NSG 8: Q^T 18 KiB + two S tiles and
-// factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread.
+// factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread. MLA's
+// q/k of 576 over v of 512 (BDV) runs the same body: S over 576 columns
+// (Q^T 20.25 KiB, 29,568 bytes in all), O over 512.
 // Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
 // are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
 //
@@ -713,7 +715,7 @@ inline device float *prefill_lse_at(thread const PrefillWork<T> &w, thread const
 
 // D <= 256: the O accumulator in registers (Os unused). Q and K columns past
 // p.D and V columns past p.Dv (v's head dim) load as zeros; BD >= max(D, Dv).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB, int BDV>
 inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -725,6 +727,7 @@ inline void prefill_body(PrefillBody<false>, const device T *Q, const device T *
     constexpr int LDKW = G::LDKW; // of the K^T tile
     constexpr int THREADS = 32 * WM * WN;
     static_assert(WN == 1 && BQ == WM * 8, "each simdgroup owns 8 query rows");
+    static_assert(BDV == BD, "V and O share the tile width (p.Dv bounds them)");
     static_assert(BK % 8 == 0 && BD % 8 == 0, "tiles are whole 8x8 fragments");
 
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
@@ -918,8 +921,9 @@ inline float prefill_wide_softmax(threadgroup float *srow, constant AttnParams &
 
 // D > 256 (the header's "wide" body): NSG = WM * WN simdgroups share BQ
 // rows and BK = 8 * NSG keys per tile. Qs holds Q^T, Os the S tiles and
-// row factors (PrefillWideTiles); KVs is unused.
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB>
+// row factors (PrefillWideTiles); KVs is unused. Q and K have BD columns,
+// V and O BDV (576 over 512: MLA's q/k over its latent v).
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB, int BDV>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
                          const device uchar *blk, thread const PrefillSeqBuffers &sb, threadgroup uint *Qs,
@@ -928,7 +932,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     constexpr int NSG = WM * WN;
     constexpr int THREADS = 32 * NSG;
     constexpr int TQ = BQ / 8;        // row fragments of the tile
-    constexpr int DS = BD / NSG;      // O columns a simdgroup accumulates
+    constexpr int DS = BDV / NSG;     // O columns a simdgroup accumulates
     constexpr int TO = DS / 8;        // its output fragments per row fragment
     constexpr int RPS = BQ / NSG;     // S rows a simdgroup's softmax takes
     constexpr int LPR = 32 / RPS;     // lanes per S row
@@ -940,7 +944,8 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     constexpr int RB = 4 * RUN;   // head-dim columns per block of runs
     static_assert(TileWords<T>::per_word == 2, "the wide body takes two-byte elements");
     static_assert(BK == 8 * NSG, "each simdgroup scores one 8-key fragment of the tile");
-    static_assert(BQ % 8 == 0 && BQ % NSG == 0 && BD % (8 * NSG) == 0, "whole fragments per simdgroup");
+    static_assert(BQ % 8 == 0 && BQ % NSG == 0 && BDV % (8 * NSG) == 0, "whole fragments per simdgroup");
+    static_assert(BDV <= BD, "v's head dim is at most the tile width");
     static_assert(32 % RPS == 0 && BK % LPR == 0, "whole S rows per simdgroup, whole columns per lane");
     static_assert(BD % RB == 0 && DS % RB == 0, "whole blocks of runs");
 
@@ -1088,8 +1093,10 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
 // default the kernel's own): a kernel tile lies inside one blk tile
 // (BQB, BKB multiples of BQ, BK), whose class then holds for it too; or
 // (wide) covers whole blk tiles, whose classes combine
-// (prefill_tile_class).
-template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
+// (prefill_tile_class). BDV is v's head dim (the O columns) where the wide
+// body's differs from the tile width BD (q's and k's).
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK,
+          int BDV = BD>
 [[max_total_threads_per_threadgroup(32 * WM * WN)]]
 kernel void flash_attn_prefill(
     const device T *Q [[buffer(0)]],
@@ -1131,14 +1138,16 @@ kernel void flash_attn_prefill(
     sb.sinks = has_sinks ? sinks : nullptr;
     sb.lse = has_lse ? lse : nullptr;
     sb.alibi = has_alibi ? alibi : nullptr;
-    prefill_body<T, MaskT, BQ, BK, BD, WM, WN, BQB, BKB>(PrefillBody<G::wide>(), Q, K, V, O, p, has_mask ? mp : nullptr,
-                                              has_mask ? mask : nullptr, has_blk ? blk : nullptr, sb, Qs, KVs,
-                                              Os, tgid, sg, lane, tid);
+    prefill_body<T, MaskT, BQ, BK, BD, WM, WN, BQB, BKB, BDV>(PrefillBody<G::wide>(), Q, K, V, O, p,
+                                                              has_mask ? mp : nullptr, has_mask ? mask : nullptr,
+                                                              has_blk ? blk : nullptr, sb, Qs, KVs, Os, tgid, sg,
+                                                              lane, tid);
 }
 
-// mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192: (T, MaskT, BQ, BK, BD,
-// WM, WN[, BQB, BKB]). The geometry must match PrefillCapability in Sources/FlashMetalCore
-// (float32: its f32Geometry, with the blk tile where that differs).
+// mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192, and MLA's 576 over v 512:
+// (T, MaskT, BQ, BK, BD, WM, WN[, BQB, BKB[, BDV]]). The geometry must match PrefillCapability in
+// Sources/FlashMetalCore (float32: its f32Geometry, with the blk tile where that differs; BDV: its
+// valueHeadDim).
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
@@ -1153,6 +1162,8 @@ INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256", flash_attn_prefill, bfloat, b
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d256_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512", flash_attn_prefill, bfloat, bfloat, 16, 64, 512, 1, 8, 8, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d512_boolmask", flash_attn_prefill, bfloat, uchar, 16, 64, 512, 1, 8, 8, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d576", flash_attn_prefill, bfloat, bfloat, 16, 64, 576, 1, 8, 8, 8, 512)
+INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d576_boolmask", flash_attn_prefill, bfloat, uchar, 16, 64, 576, 1, 8, 8, 8, 512)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64", flash_attn_prefill, half, half, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d64_boolmask", flash_attn_prefill, half, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d80", flash_attn_prefill, half, half, 32, 16, 80, 4, 1)
@@ -1167,6 +1178,8 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256", flash_attn_prefill, half, half
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d256_boolmask", flash_attn_prefill, half, uchar, 32, 16, 256, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512", flash_attn_prefill, half, half, 16, 64, 512, 1, 8, 8, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_f16_d512_boolmask", flash_attn_prefill, half, uchar, 16, 64, 512, 1, 8, 8, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d576", flash_attn_prefill, half, half, 16, 64, 576, 1, 8, 8, 8, 512)
+INSTANTIATE_KERNEL("flash_attn_prefill_f16_d576_boolmask", flash_attn_prefill, half, uchar, 16, 64, 576, 1, 8, 8, 8, 512)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64", flash_attn_prefill, float, float, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d64_boolmask", flash_attn_prefill, float, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d80", flash_attn_prefill, float, float, 32, 16, 80, 4, 1)

@@ -46,6 +46,32 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
     }
 }
 
+/// Whether `op`'s kernels ("flash_attn_prefill", "flash_attn_prefill_f32"
+/// for its float32 I/O, or "flash_attn_decode", alias "flash_attn_vec") run
+/// q/k of head dim `d` with v (and the output) of `dv`: *out 1 or 0, by the
+/// rules the dispatchers validate (PrefillCapability.runs, VecCapability.runs),
+/// so the Python package routes by them.
+@_cdecl("fm_runs_head_dims")
+public func fm_runs_head_dims(_ op: UnsafePointer<CChar>?, _ d: Int32, _ dv: Int32, _ out: UnsafeMutablePointer<Int32>?,
+                              _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        let name = op.map { String(cString: $0) } ?? ""
+        let (d, dv) = (Int(d), Int(dv))
+        let runs: Bool
+        switch name {
+        case PrefillDispatcher.op: runs = PrefillCapability.runs(io: .bf16, headDim: d, headDimV: dv)
+        case PrefillDispatcher.f32Name: runs = PrefillCapability.runs(io: .f32, headDim: d, headDimV: dv)
+        case VecDispatcher.publicName, VecDispatcher.op: runs = VecCapability.runs(headDim: d, headDimV: dv)
+        default:
+            throw FlashMetalError.value(
+                "runs_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)' or "
+                    + "'\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
+        }
+        guard let out = out else { throw FlashMetalError.value("runs_head_dims", "out is null", arg: "out") }
+        out.pointee = runs ? 1 : 0
+    }
+}
+
 /// The largest head dim `op` ("flash_attn_prefill", "flash_attn_decode"
 /// (alias "flash_attn_vec") or "sdpa") takes: the front door routes by it (sdpa's is not a list).
 @_cdecl("fm_max_head_dim")

@@ -19,7 +19,8 @@
  * panels hold zeros in dims [D, DP), V panels in [Dv, DP), read from nothing
  * past a row's D (Dv) elements, so the micro-kernels always see whole
  * vectors; the zeros add exactly +0 to every score, and the output stores
- * stop at Dv.
+ * stop at Dv. QK^T runs over the first fm_pf_dk dims, P.V's column blocks
+ * (and V's packed ones) over the first fm_pf_dv.
  * A work item is FM_PF_R * FM_PF_GROUPS query rows of one head of one
  * sequence. Where a sequence's rows and keys are and the key range [lo, hi]
  * each row sees (length, causal, window) come from prefill_seq.h; blocks
@@ -117,7 +118,7 @@ static inline void FM_SFX(pf_prefetch_key)(const FMPrefillArgs *a, int64_t b, in
 static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                 int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a);
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a), DV = fm_pf_dv(a);
     const int64_t c0 = kb * KB;
     float *Kf = (float *)packed + (size_t)j_panel * DP * KB;
     float *Vf = (float *)packed + (size_t)a->panel_blocks * DP * KB + (size_t)j_panel * KB * DP;
@@ -136,8 +137,8 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
             for (int32_t d = 0; d < DP; d++) kj[(size_t)d * CW] = 0.0f;
             memset(row, 0, sizeof(float) * DP);
         }
-        for (int32_t dc = 0; dc < DP; dc += CW) {
-            const int32_t w = FM_SFX(pf_cw)(DP, dc);
+        for (int32_t dc = 0; dc < DV; dc += CW) {
+            const int32_t w = FM_SFX(pf_cw)(DV, dc);
             memcpy(Vf + (size_t)dc * KB + (size_t)j * w, row + dc, sizeof(float) * w);
         }
     }
@@ -146,7 +147,7 @@ static void FM_SFX(pf_pack_f32)(const FMPrefillArgs *a, int64_t b, int64_t kvh, 
 static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t kb, int64_t j_panel,
                                   int64_t kc, void *packed) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a), D2 = DP / 2;
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a), DV = fm_pf_dv(a), D2 = DP / 2;
     const int64_t c0 = kb * KB;
     uint32_t *Kp = (uint32_t *)packed + (size_t)j_panel * D2 * KB;
     uint32_t *Vp = (uint32_t *)packed + (size_t)a->panel_blocks * D2 * KB + (size_t)j_panel * (KB / 2) * DP;
@@ -168,8 +169,8 @@ static void FM_SFX(pf_pack_pairs)(const FMPrefillArgs *a, int64_t b, int64_t kvh
         const uint16_t *v1 = j1 < kc ? (const uint16_t *)FM_SFX(pf_key)(a, a->v, b, kvh, c0 + j1, p->V_strides,
                                                                           a->seq.sp.V_page_stride)
                                      : NULL;
-        for (int32_t d = 0; d < DP; d++) {
-            const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(DP, dc);
+        for (int32_t d = 0; d < DV; d++) {
+            const int32_t dc = d - d % CW, w = FM_SFX(pf_cw)(DV, dc);
             Vp[(size_t)dc * (KB / 2) + (size_t)t * w + d - dc] =
                 (uint32_t)(v0 && d < Dv ? v0[d] : 0) | ((uint32_t)(v1 && d < Dv ? v1[d] : 0) << 16);
         }
@@ -190,13 +191,13 @@ void FM_SFX(fm_pf_pack)(const FMPrefillArgs *a, int64_t b, int64_t kvh, int64_t 
 
 /* ---- micro-kernels: R rows x (NC vectors) ------------------------------ */
 
-/* S[r][0..KB) = Q[r] . K[key] for the R rows of Q (stride DP). */
-static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t DP, float *S) {
+/* S[r][0..KB) = Q[r] . K[key] over dims [0, DK) for the R rows of Q (stride DP). */
+static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t DP, int32_t DK, float *S) {
     for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
         fm_v acc[R][NC];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
-        for (int32_t d = 0; d < DP; d++) {
+        for (int32_t d = 0; d < DK; d++) {
             fm_v k[NC];
             for (int i = 0; i < NC; i++) k[i] = fm_v_load(Kf + (size_t)c0 * DP + (size_t)d * CW + i * FM_VL);
             for (int r = 0; r < R; r++) {
@@ -222,8 +223,8 @@ static void FM_SFX(pf_qk_f32)(const float *Q, const float *Kf, int32_t DP, float
         if (NC > 3 && rem_ == 3) cols(dc_, 3);                             \
     } while (0)
 
-/* Columns [dc, dc + nv * FM_VL) of O[r] = O[r] * F[r] + sum_j P[r][j] V[j]
- * over the first nk keys. */
+/* Columns [dc, dc + nv * FM_VL) of O[r] (rows DP apart) = O[r] * F[r] +
+ * sum_j P[r][j] V[j] over the first nk keys. */
 static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const float *P, const float *Vf, int32_t DP,
                                                                           int nk, const float *F, float *O,
                                                                           int32_t dc, const int nv) {
@@ -242,10 +243,11 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_f32)(const f
         for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * DP + dc + i * FM_VL, acc[r][i]);
 }
 
-static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t DP, int nk, const float *F,
+/* P.V into O's columns [0, DV) (rows DP apart). */
+static void FM_SFX(pf_pv_f32)(const float *P, const float *Vf, int32_t DP, int32_t DV, int nk, const float *F,
                               float *O) {
 #define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_f32)(P, Vf, DP, nk, F, O, dc, nv)
-    FM_PF_FOR_COLUMN_BLOCKS(DP, FM_PF_COLS);
+    FM_PF_FOR_COLUMN_BLOCKS(DV, FM_PF_COLS);
 #undef FM_PF_COLS
 }
 
@@ -256,12 +258,13 @@ static inline fm_vi FM_SFX(pf_pair)(const uint16_t *p) {
     return (fm_vi)(int32_t)w;
 }
 
-static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, int32_t DP, float *S) {
+static void FM_SFX(pf_qk_pairs)(const uint16_t *const q[R], const uint32_t *Kp, int32_t DP, int32_t DK,
+                                float *S) {
     for (int c0 = 0; c0 < KB; c0 += NC * FM_VL) {
         fm_v acc[R][NC];
         for (int r = 0; r < R; r++)
             for (int i = 0; i < NC; i++) acc[r][i] = fm_v_splat(0.0f);
-        for (int32_t pi = 0; pi < DP / 2; pi++) {
+        for (int32_t pi = 0; pi < DK / 2; pi++) {
             fm_vi k[NC];
             for (int i = 0; i < NC; i++)
                 memcpy(&k[i], Kp + (size_t)c0 * (DP / 2) + (size_t)pi * CW + i * FM_VL, sizeof k[i]);
@@ -295,10 +298,10 @@ static inline __attribute__((always_inline)) void FM_SFX(pf_pv_cols_pairs)(const
         for (int i = 0; i < nv; i++) fm_v_store(O + (size_t)r * DP + dc + i * FM_VL, acc[r][i]);
 }
 
-static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t DP, int npairs,
+static void FM_SFX(pf_pv_pairs)(const uint16_t *P, const uint32_t *Vp, int32_t DP, int32_t DV, int npairs,
                                 const float *F, float *O) {
 #define FM_PF_COLS(dc, nv) FM_SFX(pf_pv_cols_pairs)(P, Vp, DP, npairs, F, O, dc, nv)
-    FM_PF_FOR_COLUMN_BLOCKS(DP, FM_PF_COLS);
+    FM_PF_FOR_COLUMN_BLOCKS(DV, FM_PF_COLS);
 #undef FM_PF_COLS
 }
 #endif
@@ -471,7 +474,7 @@ static int FM_SFX(pf_group_softmax)(const FMPrefillArgs *a, float *S, int64_t c0
 void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi, const void *packed,
                         float *scratch) {
     const AttnParams *p = &a->p;
-    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a);
+    const int32_t D = p->D, Dv = p->Dv, DP = fm_pf_dp(a), DK = fm_pf_dk(a), DV = fm_pf_dv(a);
     const int bfp = FM_SFX(pf_bf16_panels)(a);
     const size_t esz = FM_SFX(pf_esz)(a);
     const FMPfSeqDims sd = fm_pf_seq_dims(a, b);
@@ -543,10 +546,10 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
             if (a->blk && fm_pf_blk_all_skip(a, rowid[ga], glast, c0, kc)) continue;
             float *Sg = S + (size_t)ga * KB;
 #if FM_PF_BF16DP
-            if (bfp) FM_SFX(pf_qk_pairs)(qrow + ga, (const uint32_t *)Kb, DP, Sg);
+            if (bfp) FM_SFX(pf_qk_pairs)(qrow + ga, (const uint32_t *)Kb, DP, DK, Sg);
             else
 #endif
-                FM_SFX(pf_qk_f32)(Qf + (size_t)ga * DP, (const float *)Kb, DP, Sg);
+                FM_SFX(pf_qk_f32)(Qf + (size_t)ga * DP, (const float *)Kb, DP, DK, Sg);
             /* bf16 pair panels: p goes to P as bf16, row r at P + (ga + r) * KB floats. */
             uint16_t *Pg = bfp ? (uint16_t *)(P + (size_t)ga * KB) : NULL;
             if (!FM_SFX(pf_group_softmax)(a, Sg, c0, kc, lo + ga, hi + ga, M + ga, L + ga,
@@ -556,11 +559,11 @@ void FM_SFX(fm_pf_item)(const FMPrefillArgs *a, int64_t b, int64_t h, int64_t qi
                                            mrow[ga + r], slope, sd.t0 + rowid[ga + r], &M[ga + r], &L[ga + r], exact_lse ? &LX[ga + r] : NULL,
                                            &F[ga + r], Pg ? Pg + (size_t)r * 2 * KB : NULL);
 #if FM_PF_BF16DP
-            if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, DP,
+            if (bfp) FM_SFX(pf_pv_pairs)((const uint16_t *)(P + (size_t)ga * KB), (const uint32_t *)Vb, DP, DV,
                                          (int)((kc + 1) / 2), F + ga, O + (size_t)ga * DP);
             else
 #endif
-                FM_SFX(pf_pv_f32)(Sg, (const float *)Vb, DP, (int)kc, F + ga, O + (size_t)ga * DP);
+                FM_SFX(pf_pv_f32)(Sg, (const float *)Vb, DP, DV, (int)kc, F + ga, O + (size_t)ga * DP);
         }
     }
 

@@ -7,8 +7,8 @@
 #include "kernel_math.h"
 #include "prefill_seq.h"
 
-/* Largest head dim of the fast path (row buffers on the stack are this big). */
-#define FM_PF_DMAX 512
+/* Largest head dim of the fast path (MLA's q/k 576; row buffers on the stack are this big). */
+#define FM_PF_DMAX 576
 
 /* The head dim of the packed panels, q rows and O accumulators: the larger
  * of D (q's and k's) and Dv (v's) rounded up to a multiple of 16 (the widest
@@ -17,6 +17,13 @@
 static inline int32_t fm_pf_dp(const FMPrefillArgs *a) {
     return ((a->p.D > a->p.Dv ? a->p.D : a->p.Dv) + 15) & ~15;
 }
+
+/* The dims of DP each side computes over: QK^T reads q rows and K panels
+ * below D rounded up to 16 (fm_pf_dk), P.V's column blocks span Dv rounded
+ * up to 16 (fm_pf_dv); past them the panels hold only zeros, which would
+ * add exact zeros (576 over 512, MLA: 64 columns of P.V saved). */
+static inline int32_t fm_pf_dk(const FMPrefillArgs *a) { return (a->p.D + 15) & ~15; }
+static inline int32_t fm_pf_dv(const FMPrefillArgs *a) { return (a->p.Dv + 15) & ~15; }
 
 /* Key blocks [*kb0, *kb1) some row of sequence `sd` sees: a row's range
  * grows with its position, so the union runs from row 0's lo to the last

@@ -37,8 +37,8 @@ public enum PrefillCapability {
     /// D/8 whole 8x8 output fragments per simdgroup in registers, and a Q tile
     /// plus a K/V tile of D + 8 padded columns in threadgroup memory,
     /// 48 * (D + 8) * 2 bytes: 8,448 (D=80), 9,984 (96), 19,200 (192), 25,344
-    /// (256), all under 32 KiB. D = 512's row is its tile-skip (blk) grid,
-    /// 8 x 8; its kernel runs `wideGeometry`.
+    /// (256), all under 32 KiB. D = 512's and 576's rows are their tile-skip
+    /// (blk) grid, 8 x 8; their kernels run `wideGeometry`.
     public static let geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
@@ -47,6 +47,7 @@ public enum PrefillCapability {
         192: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         256: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         512: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
+        576: PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1),
     ]
     /// Float32 kernels' own tiles where the two-byte ones do not fit:
     /// a float32 tile takes a 32-bit word per element, 4 * (BQ + BK) * (D + 8)
@@ -68,16 +69,28 @@ public enum PrefillCapability {
     /// Two-byte kernels whose tile is not their head dim's `geometry` row:
     /// D = 512 shares 16 query rows and 64 keys between 8 simdgroups (each
     /// scores 8 keys, then accumulates 64 of the 512 output columns; the
-    /// kernel's header). Each tile covers whole tiles of the `geometry` row,
+    /// kernel's header); D = 576 the same over q/k of 576 columns and v of
+    /// 512 (`valueHeadDim`). Each tile covers whole tiles of the `geometry` row,
     /// which stays the grid of the tile-skip classes and of AttnParams'
     /// NQ/NK; the kernel combines the classes of the blk tiles it covers.
     public static let wideGeometry: [Int: PrefillGeometry] = [
         512: PrefillGeometry(bq: 16, bk: 64, wm: 1, wn: 8),
+        576: PrefillGeometry(bq: 16, bk: 64, wm: 1, wn: 8),
     ]
-    /// The head dims with a kernel (tile widths), ascending.
-    public static var headDims: [Int] { geometry.keys.sorted() }
-    /// The tile width whose kernel runs head dim `d`, or nil when none does.
-    public static func tileHeadDim(_ d: Int) -> Int? { FlashMetalCore.tileHeadDim(d, tiles: headDims) }
+    /// Tile widths whose two-byte kernel runs q/k of that head dim only with
+    /// v (and the output) of one narrower head dim of its own: MLA's q/k 576
+    /// (a 512-wide latent plus 64 rotary dims) over its 512-wide latent v.
+    /// The kernel's Q^T and K reads span the tile width, its V reads and O
+    /// columns the v dim (the wide body's BDV).
+    public static let valueHeadDim: [Int: Int] = [576: 512]
+    /// The head dims with a kernel for q/k and v of one head dim (tile widths), ascending.
+    public static var headDims: [Int] { geometry.keys.filter { valueHeadDim[$0] == nil }.sorted() }
+    /// The tile width whose kernel runs head dim `d` (q/k's, or the larger
+    /// of q/k's and v's), or nil when none does; a `valueHeadDim` tile is
+    /// its own (it runs only with its v dim: `tileDim`).
+    public static func tileHeadDim(_ d: Int) -> Int? {
+        FlashMetalCore.tileHeadDim(d, tiles: headDims) ?? (valueHeadDim[d] != nil ? d : nil)
+    }
     /// Q/K/V/out dtypes (an additive mask has the same dtype).
     public static let ioTypes: [DType] = [.bf16, .f16, .f32]
 
@@ -89,39 +102,71 @@ public enum PrefillCapability {
         io == .f32 ? f32Geometry[headDim] : wideGeometry[headDim] ?? geometry[headDim]
     }
 
+    /// The head dims with a kernel for `io`, `valueHeadDim`'s tiles
+    /// included (two-byte I/O only), ascending.
+    static func kernelHeadDims(io: DType) -> [Int] {
+        io == .f32 ? headDims(io: io) : (headDims(io: io) + valueHeadDim.keys).sorted()
+    }
+
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] {
         ioTypes.flatMap { t in
-            headDims(io: t).flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
+            kernelHeadDims(io: t).flatMap { d in [false, true].map { KernelSpec.prefill(io: t, headDim: d, boolMask: $0) } }
         }
     }
 
-    /// The geometry of the kernel that runs `headDim`, or a ValueError naming `op` and the range.
+    /// The geometry of the kernel that runs `headDim` (any tile width,
+    /// `valueHeadDim`'s included: the blk grid), or a ValueError naming `op` and the range.
     static func geometry(headDim: Int, op: String) throws -> PrefillGeometry {
         guard let t = tileHeadDim(headDim), let g = geometry[t] else {
-            throw FlashMetalError.value(op, headDimMessage(headDim, tiles: headDims), arg: "q")
+            throw FlashMetalError.value(op, headDimMessage(headDim, tiles: geometry.keys.sorted()), arg: "q")
         }
         return g
     }
 
     /// The head dim whose tile runs q/k of head dim `headDim` with v (and the
-    /// output) of `headDimV`: the larger of the two. Equal dims take any
-    /// head dim a kernel runs; unequal ones need both in 1...maxPaddedHeadDim
-    /// (the D = 512 body streams V at q's width), else a ValueError naming
-    /// `op`, `vName` and both dims.
+    /// output) of `headDimV`: the larger of the two, or a `valueHeadDim`
+    /// tile with its own v dim (576 over 512). Equal dims take any head dim
+    /// `headDims` has; unequal ones need both in 1...maxPaddedHeadDim (the
+    /// D = 512 body streams V at q's width) or a `valueHeadDim` pair, else
+    /// a ValueError naming `op`, `vName` and both dims.
     static func tileDim(headDim: Int, headDimV: Int, op: String, vName: String) throws -> Int {
+        if let dv = valueHeadDim[headDim] {
+            if headDimV == dv { return headDim }
+            if headDimV == headDim {
+                throw FlashMetalError.value(
+                    op, headDimMessage(headDim, tiles: headDims) + " (q/k of \(headDim) run only with a \(vName) "
+                        + "head dim of \(dv))", arg: "q")
+            }
+        }
         if headDimV == headDim { return headDim }
         guard (1...maxPaddedHeadDim).contains(headDimV), (1...maxPaddedHeadDim).contains(headDim) else {
+            let pairs = valueHeadDim.sorted { $0.key < $1.key }.map { "q/k \($0.key) with \($0.value)" }
             throw FlashMetalError.value(
                 op, "\(vName) head dim \(headDimV) differs from q's \(headDim): a value head dim of its own needs "
-                    + "both in 1...\(maxPaddedHeadDim) on this kernel", arg: vName)
+                    + "both in 1...\(maxPaddedHeadDim) on this kernel, or " + pairs.joined(separator: ", "), arg: vName)
         }
         return max(headDim, headDimV)
     }
 
-    /// The tile-skip geometry for `headDim` of `io`'s kernel, or a ValueError
-    /// naming `op` and the head dims `io` has.
+    /// Whether `io`'s kernels run q/k of head dim `d` with v (and the output)
+    /// of `dv`: what the dispatchers validate (tileDim, then geometry).
+    public static func runs(io: DType, headDim d: Int, headDimV dv: Int) -> Bool {
+        (try? geometry(io: io, headDim: tileDim(headDim: d, headDimV: dv, op: "", vName: "v"), op: "")) != nil
+    }
+
+    /// The tile-skip geometry for `headDim` (a tile width from `tileDim`) of
+    /// `io`'s kernel, or a ValueError naming `op` and the head dims `io` has
+    /// (a `valueHeadDim` tile: two-byte I/O only).
     static func geometry(io: DType, headDim: Int, op: String) throws -> PrefillGeometry {
+        if let dv = valueHeadDim[headDim], let g = geometry[headDim] {
+            guard io != .f32 else {
+                throw FlashMetalError.value(
+                    op, "q/k head dim \(headDim) with v head dim \(dv) runs on bfloat16 and float16 only (no float32 "
+                        + "kernel of that width), got float32", arg: "q")
+            }
+            return g
+        }
         let dims = headDims(io: io)
         guard FlashMetalCore.tileHeadDim(headDim, tiles: dims) != nil else {
             let what = io == .f32 ? "head_dim of float32 I/O" : "head_dim"
@@ -186,6 +231,11 @@ public enum VecCapability {
                     + "larger's tile, " + headDimMessage(max(d, dv), tiles: headDims), arg: vName)
         }
         return t
+    }
+
+    /// Whether the decode runs q/k of head dim `d` with v (and the output) of `dv` (tileDim).
+    public static func runs(headDim d: Int, headDimV dv: Int) -> Bool {
+        (try? tileDim(d, dv: dv, op: "", vName: "v")) != nil
     }
 
     /// The tile width that runs `d`, or a ValueError naming `op` and the range

@@ -81,10 +81,12 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
             let g = PrefillCapability.kernelGeometry(io: io, headDim: d)!
             let args = [io.mslName, boolMask ? DType.bool.mslName : io.mslName,
                         "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"]
-            // The blk tile, where it is not the kernel's own.
+            // The blk tile, where it is not the kernel's own, then v's head
+            // dim, where it is not the tile width.
             let blk = PrefillCapability.geometry[d]!
-            if blk.bq == g.bq && blk.bk == g.bk { return ("flash_attn_prefill", args) }
-            return ("flash_attn_prefill", args + ["\(blk.bq)", "\(blk.bk)"])
+            let dv = PrefillCapability.valueHeadDim[d]
+            if blk.bq == g.bq && blk.bk == g.bk && dv == nil { return ("flash_attn_prefill", args) }
+            return ("flash_attn_prefill", args + ["\(blk.bq)", "\(blk.bk)"] + (dv.map { ["\($0)"] } ?? []))
         case let .blk(m): return ("flash_attn_prefill_blk", [m.mslName])
         case let .maskBuilder(o): return ("flash_attn_prefill_mask", [o.mslName])
         case let .vec(kv, d): return ("flash_attn_vec", [kv.mslName, "\(d)"])

@@ -248,17 +248,16 @@ def runs_head_dim(op: str, d: int) -> bool:
     return 1 <= d <= PADDED_HEAD_DIM_MAX or d in head_dims(op)
 
 
+@functools.cache
 def runs_head_dims(op: str, d: int, dv: int) -> bool:
-    """Whether `op`'s kernels run q/k of head dim `d` with v of `dv`: equal
-    dims as runs_head_dim; unequal ones on the tile of the larger, which the
-    prefill has for both in 1...256 and the decode for any larger it runs."""
-    if d == dv:
-        return runs_head_dim(op, d)
-    if dv < 1 or d < 1:
+    """Whether `op`'s kernels ("flash_attn_prefill", "flash_attn_prefill_f32",
+    "flash_attn_decode" or "flash_attn_vec") run q/k of head dim `d` with v of
+    `dv`, by the library's own rules (fm_runs_head_dims)."""
+    if not (INT32[0] <= d <= INT32[1] and INT32[0] <= dv <= INT32[1]):
         return False
-    if op in ("flash_attn_vec", "flash_attn_decode"):
-        return runs_head_dim(op, max(d, dv))
-    return max(d, dv) <= PADDED_HEAD_DIM_MAX
+    out = ffi().new("int32_t *")
+    call_static("fm_runs_head_dims", op.encode(), d, dv, out, op="runs_head_dims")
+    return bool(out[0])
 
 
 @functools.cache

@@ -298,9 +298,10 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if not causal and qL > kl:
         why_not.append(f"qL ({qL}) > kL ({kl})")
     pad_to = None
-    if dv != D and not _native.runs_head_dims(prefill_op, D, dv):
-        why_not.append(f"head dims {D} (query, key) and {dv} (value) (prefill runs unequal ones both in "
-                       f"1...{_native.PADDED_HEAD_DIM_MAX})")
+    if dv != D:
+        if not _native.runs_head_dims(prefill_op, D, dv):
+            why_not.append(f"head dims {D} (query, key) and {dv} (value) (prefill runs unequal ones both in "
+                           f"1...{_native.PADDED_HEAD_DIM_MAX}, or 576 over 512 in bfloat16/float16)")
     elif not _native.runs_head_dim(prefill_op, D):
         bigger = [d for d in prefill_dims if d > D]
         if bigger and qL >= PAD_MIN_QUERY_ROWS:

@@ -72,8 +72,9 @@ def flash_attn_func(
             other side a dense cache of float32/float16/bfloat16): attention
             reads the codes (q of any float dtype; no ALiBi). v may have a
             head dim Dv of its own (flash-attn's head_dim_v; out then has
-            Dv): unequal dims both in 1...256, or for one query row any pair
-            the decode runs (576 over 512: MLA's latent cache).
+            Dv): unequal dims both in 1...256, or q/k 576 over v 512 (MLA's
+            latent cache) in bfloat16/float16, and for one query row any
+            pair the decode runs (576 over 512 in float32 too).
         dropout_p: must be 0.0 (inference only).
         softmax_scale: score scale; default ``1/sqrt(D)``.
         causal: bottom-right causal mask.

@@ -102,7 +102,7 @@ typedef struct {
 static void run_prefill(const PrefillCase *c, int fast) {
     const int32_t D = c->D, Dv = c->Dv ? c->Dv : D, W = D > Dv ? D : Dv, H = c->H, Hkv = c->Hkv, qL = c->qL,
                   kL = c->kL;
-    const int32_t bq = W == 512 ? 8 : 32, bk = W == 512 ? 8 : 16;
+    const int32_t bq = W >= 512 ? 8 : 32, bk = W >= 512 ? 8 : 16;
     const int64_t NQ = (qL + bq - 1) / bq, NK = (kL + bk - 1) / bk;
     Buf q = buf_new(c->dtype, (size_t)H * qL * D, 1), k = buf_new(c->dtype, (size_t)Hkv * kL * D, 1);
     Buf v = buf_new(c->dtype, (size_t)Hkv * kL * Dv, 1), o = buf_new(c->dtype, (size_t)H * qL * Dv, 0);
@@ -724,6 +724,11 @@ int main(int argc, char **argv) {
     }
     const PrefillCase d512 = {512, 20, 40, 20, 2, 1, FM_DTYPE_BF16, 1, FM_MASK_NONE, 0, -1, -1};
     run_prefill(&d512, fast);
+    /* MLA: q/k of 576 over v of 512, causal; then float16 with an additive mask and its blk */
+    PrefillCase mla = {576, 20, 40, 20, 2, 1, FM_DTYPE_BF16, 1, FM_MASK_NONE, 0, -1, -1, 512};
+    run_prefill(&mla, fast);
+    mla.dtype = FM_DTYPE_F16; mla.mask_kind = FM_MASK_ADDITIVE; mla.use_blk = 1; mla.huge_row = 9;
+    run_prefill(&mla, fast);
     const int32_t dec_dims[7] = {64, 80, 96, 128, 192, 256, 512};
     for (int di = 0; di < 3; di++)
         for (int i = 0; i < 7; i++) {

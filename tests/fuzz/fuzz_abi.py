@@ -37,7 +37,7 @@ NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
 def geom(d: int) -> tuple[int, int]:
     """(BQ, BK) of the prefill (and its blk) for head dim d."""
-    return (8, 8) if d == 512 else (32, 16)
+    return (8, 8) if d >= 512 else (32, 16)
 
 
 def prefill_dims() -> tuple[int, ...]:
@@ -179,8 +179,10 @@ def gen_prefill(rng, backend):
     qoff = int(rng.integers(0, kl - ql + 1))
     layout = int(rng.integers(0, 2))
     nonfinite = rng.random() < 0.05
-    # v of its own head dim (head_dim_v) 20% of the time: unequal dims both <= 256
+    # v of its own head dim (head_dim_v) 20% of the time: unequal dims both <= 256; 4% MLA's 576 over 512
     dv = int(rng.choice([24, 40, 64, 128, 200])) if not small and d <= 256 and rng.random() < 0.2 else d
+    if not small and rng.random() < 0.04:
+        d, dv = 576, 512
     qs = [b, h, ql, d] if layout == 0 else [b, ql, h, d]
     ks = [b, hkv, cap, d] if layout == 0 else [b, cap, hkv, d]
     t = {"q": _tensor(rng, dt, qs, nonfinite=nonfinite), "k": _tensor(rng, dt, ks),
@@ -289,6 +291,9 @@ def gen_attn(rng, backend):
     small = backend != "cpu"
     dt = int(rng.choice([1, 2]))
     d = 64 if small else pick_dim(rng, prefill_dims())
+    dv = d
+    if not small and rng.random() < 0.04:  # MLA's q/k 576 over v 512
+        d, dv = 576, 512
     b = int(rng.integers(1, 3 if small else 4))
     hkv = int(rng.integers(1, 3))
     h = hkv * int(rng.choice([1, 2]))
@@ -323,7 +328,7 @@ def gen_attn(rng, backend):
         t["seqlens_k"] = _seqlens_table(rng, k_lens, cap)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
-             v=_tensor(rng, dt, k_shape), out=_tensor(rng, dt, q_shape, role="out"))
+             v=_tensor(rng, dt, k_shape[:-1] + [dv]), out=_tensor(rng, dt, q_shape[:-1] + [dv], role="out"))
     if rng.random() < 0.3:
         t["sinks"] = _tensor(rng, 0, [h])
     if rng.random() < 0.5:
@@ -768,7 +773,7 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
     t = case.tensors
     cq = t["cu_seqlens_q"].array()
     lens, starts = _lens_and_starts(case)
-    out = np.zeros(q.shape, dtype=np.float64)
+    out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     for b in range(len(cq) - 1):
         cap = k.shape[1] * (table.shape[1] if table is not None else 1)

@@ -5,7 +5,7 @@ Function-constant specialisation errors appear only when a pipeline is made,
 so the macOS CI job runs every kernel under every function-constant
 combination the Python API can produce (small shapes, each output checked
 against the float64 reference):
-  prefill  dtype {bf16, f16} x D {64, 80, 96, 128, 192, 256, 512} x mask {none,
+  prefill  dtype {bf16, f16} x D {64, 80, 96, 128, 192, 256, 512, 576 over v 512} x mask {none,
            additive (auto-blk where it pays), additive + blk, bool} x causal x
            Q aligned x K aligned (constants align_Q, align_K, has_mask,
            do_causal, has_blk)
@@ -45,11 +45,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import flashmetal as fm  # noqa: E402
-from flashmetal import quant_reference, reference  # noqa: E402
+from flashmetal import _native, quant_reference, reference  # noqa: E402
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn  # noqa: E402
 from serving_native import kv_append, make_cache, vec_seq  # noqa: E402
 
 PREFILL_HEAD_DIMS = fm.supported_head_dims("flash_attn_prefill")
+# (q/k, v) head dims: each tiled dim over itself, and MLA's pair, whose kernel runs only with v of 512.
+PREFILL_PAIRS = [(d, d) for d in PREFILL_HEAD_DIMS] + [(576, 512)]
+assert all(_native.runs_head_dims("flash_attn_prefill", d, dv) for d, dv in PREFILL_PAIRS)
 # The FWHT reduce runs only at the power-of-two ones.
 VEC_HEAD_DIMS = fm.supported_head_dims("flash_attn_vec")
 # 32 and 48 are multiples of every prefill tile (BQ 32/8, BK 16/8), 33 of
@@ -61,11 +64,11 @@ LENGTHS = ((32, 32), (32, 33), (33, 48), (33, 33))
 
 def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     n = 0
-    for dtype, d, mask_kind, causal, (q_len, k_len) in itertools.product(
-            (BF16, F16), PREFILL_HEAD_DIMS, ("none", "additive", "additive+blk", "bool"), (False, True), LENGTHS):
+    for dtype, (d, dv), mask_kind, causal, (q_len, k_len) in itertools.product(
+            (BF16, F16), PREFILL_PAIRS, ("none", "additive", "additive+blk", "bool"), (False, True), LENGTHS):
         q = randn(rng, (1, 2, q_len, d), dtype)
         k = randn(rng, (1, 1, k_len, d), dtype)
-        v = randn(rng, (1, 1, k_len, d), dtype)
+        v = randn(rng, (1, 1, k_len, dv), dtype)
         mask = blk = None
         if mask_kind.startswith("additive"):
             mask = np.where(rng.random((q_len, k_len)) < 0.3, -np.inf, 0.0).astype(dtype)
@@ -76,7 +79,7 @@ def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         offset = k_len - q_len
         out = fm.flash_attn_prefill(q, k, v, mask=mask, causal=causal, q_offset=offset, blk=blk, registry=reg)
         e = reference.attention(q, k, v, causal=causal, q_offset=offset, mask=mask)
-        assert_close(out, e, dtype, f"prefill {dtype} D={d} mask={mask_kind} causal={causal} "
+        assert_close(out, e, dtype, f"prefill {dtype} D={d} Dv={dv} mask={mask_kind} causal={causal} "
                                     f"qL={q_len} kL={k_len}")
         n += 1
     return n
@@ -85,11 +88,11 @@ def prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
 def serving_prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
     """One call per serving constant combination, each checked against the reference."""
     n = 0
-    for dtype, d in itertools.product((BF16, F16), PREFILL_HEAD_DIMS):
+    for dtype, (d, dv) in itertools.product((BF16, F16), PREFILL_PAIRS):
         h, hkv, page = 2, 1, 16
-        q4, k4, v4 = (randn(rng, (2, L, hh, d), dtype) for L, hh in ((5, h), (33, hkv), (33, hkv)))
+        q4, k4, v4 = (randn(rng, (2, L, hh, w), dtype) for L, hh, w in ((5, h, d), (33, hkv, d), (33, hkv, dv)))
         sinks = rng.standard_normal(h).astype(F32)
-        what = f"serving {dtype} D={d}"
+        what = f"serving {dtype} D={d} Dv={dv}"
         o, lse, _ = fm.flash_attn_func(q4, k4, v4, causal=True, return_attn_probs=True, registry=reg)
         eo, el = reference.flash_attn(q4, k4, v4, causal=True)
         assert_close(o, eo, dtype, what + " func + lse")
@@ -98,7 +101,7 @@ def serving_prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         assert_close(o, reference.flash_attn(q4, k4, v4, window_size=(6, 2), sinks=sinks)[0], dtype,
                      what + " window + sinks")
         cu_q, cu_k = np.array([0, 3, 12], np.int32), np.array([0, 17, 50], np.int32)
-        q3, k3, v3 = randn(rng, (12, h, d), dtype), randn(rng, (50, hkv, d), dtype), randn(rng, (50, hkv, d), dtype)
+        q3, k3, v3 = randn(rng, (12, h, d), dtype), randn(rng, (50, hkv, d), dtype), randn(rng, (50, hkv, dv), dtype)
         o, lse, _ = fm.flash_attn_varlen_func(q3, k3, v3, cu_q, cu_k, 9, 33, causal=True, window_size=(7, -1),
                                               return_attn_probs=True, sinks=sinks, registry=reg)
         eo, el = reference.flash_attn_varlen(q3, k3, v3, cu_q, cu_k, causal=True, window_size=(7, -1), sinks=sinks)
@@ -108,7 +111,7 @@ def serving_prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         o = fm.flash_attn_with_kvcache(q4, k4, v4, cache_seqlens=lens, causal=True, registry=reg)
         assert_close(o, reference.flash_attn_kvcache(q4, k4, v4, cache_seqlens=lens, causal=True)[0], dtype,
                      what + " cache lengths")
-        kp, vp = randn(rng, (5, page, hkv, d), dtype), randn(rng, (5, page, hkv, d), dtype)
+        kp, vp = randn(rng, (5, page, hkv, d), dtype), randn(rng, (5, page, hkv, dv), dtype)
         table = np.array([[3, 0, -1], [1, 4, 2]], np.int32)
         o, lse = fm.flash_attn_with_kvcache(q4, kp, vp, cache_seqlens=lens, block_table=table, causal=True,
                                             return_softmax_lse=True, registry=reg)
@@ -119,7 +122,7 @@ def serving_prefill_cases(reg: fm.Registry, rng: np.random.Generator) -> int:
         o = fm.flash_attn_varlen_func(q3, kp, vp, cu_q, cu_kp, 9, 33, causal=True, block_table=table, registry=reg)
         assert_close(o, reference.flash_attn_varlen(q3, kp, vp, cu_q, cu_kp, block_table=table, causal=True)[0],
                      dtype, what + " varlen over pages")
-        qh, kh, vh = randn(rng, (1, h, 33, d), dtype), randn(rng, (1, hkv, 48, d), dtype), randn(rng, (1, hkv, 48, d), dtype)
+        qh, kh, vh = randn(rng, (1, h, 33, d), dtype), randn(rng, (1, hkv, 48, d), dtype), randn(rng, (1, hkv, 48, dv), dtype)
         m = np.where(rng.random((33, 48)) < 0.3, -np.inf, 0.0).astype(dtype)
         o = fm.flash_attn_prefill(qh, kh, vh, mask=m, blk=fm.build_blk(m, d, registry=reg), causal=True, window=9,
                                   registry=reg)
@@ -343,9 +346,9 @@ def mask_and_blk_cases(reg: fm.Registry) -> int:
         e = reference.mask_additive(ALIGNED, UNALIGNED, causal=True, window=7)
         assert np.array_equal(m.astype(np.float32), e.astype(np.float32)), f"build_mask {dtype}"
         n += 1
-        for d in PREFILL_HEAD_DIMS:
+        for d in PREFILL_HEAD_DIMS + (576,):
             blk = fm.build_blk(m, d, registry=reg)
-            bq, bk = (8, 8) if d == 512 else (32, 16)
+            bq, bk = (8, 8) if d >= 512 else (32, 16)
             assert np.array_equal(blk, reference.blk_classes(m, bq, bk)), f"build_blk {dtype} D={d}"
             assert np.array_equal(fm.build_blk(m == 0, d, registry=reg), blk), f"build_blk bool D={d}"
             n += 1

@@ -174,6 +174,29 @@ def test_supported_head_dims_come_from_the_library():
         fm.supported_head_dims("nope")
 
 
+@pytest.mark.parametrize("op,d,dv,runs", [
+    ("flash_attn_prefill", 192, 128, True), ("flash_attn_prefill", 40, 59, True),
+    ("flash_attn_prefill", 576, 512, True), ("flash_attn_prefill", 576, 576, False),
+    ("flash_attn_prefill", 512, 128, False), ("flash_attn_prefill", 576, 500, False),
+    ("flash_attn_prefill", 512, 512, True), ("flash_attn_prefill", 0, 64, False),
+    ("flash_attn_prefill_f32", 576, 512, False), ("flash_attn_prefill_f32", 192, 128, True),
+    ("flash_attn_decode", 576, 512, True), ("flash_attn_vec", 64, 300, False), ("flash_attn_decode", 512, 64, True),
+])
+def test_runs_head_dims_comes_from_the_library(op, d, dv, runs):
+    """fm_runs_head_dims answers by the rules the dispatchers validate (the
+    front door routes value head dims of their own by it)."""
+    assert _native.runs_head_dims(op, d, dv) is runs
+
+
+def test_runs_head_dims_errors_name_the_query():
+    ffi, err = _native.ffi(), _native.ffi().new("FMError *")
+    out = ffi.new("int32_t *")
+    assert _native.lib().fm_runs_head_dims(b"nope", 64, 64, out, err) == _native.lib().FM_ERROR_VALUE
+    assert err_text(err).startswith(b"runs_head_dims: op must be 'flash_attn_prefill'")
+    assert _native.lib().fm_runs_head_dims(b"flash_attn_prefill", 64, 64, ffi.NULL, err) == _native.lib().FM_ERROR_VALUE
+    assert err_text(err) == b"runs_head_dims: out is null"
+
+
 def test_no_op_is_causal_unless_asked(registry):
     """One default for causal across the ops: off. build_mask gives an
     all-zero mask, decode sees every key either way."""

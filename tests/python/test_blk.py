@@ -61,7 +61,7 @@ def test_last_q_tile_reads_only_existing_rows(registry):
 
 @pytest.mark.parametrize("ql,kl,d,want", [
     (1, 1, 256, 32), (64, 64, 128, 32), (2455, 2455, 256, 11872), (2455, 2455, 512, 94272),
-    (33, 17, 512, 32), (256, 256, 64, 128), (1000, 1000, 512, 15648),
+    (33, 17, 512, 32), (256, 256, 64, 128), (1000, 1000, 512, 15648), (1000, 1000, 576, 15648),
 ])
 def test_byte_len(cpu, ql, kl, d, want):
     assert fm.blk_byte_len(ql, kl, d, registry=cpu) == want
@@ -69,7 +69,7 @@ def test_byte_len(cpu, ql, kl, d, want):
 
 @pytest.mark.parametrize("args,msg", [
     ((0, 8, 128), "q_len must be > 0"), ((8, 0, 128), "kv_len must be > 0"),
-    ((8, 8, 300), "head_dim must be in 1...256 or 512, got 300"),
+    ((8, 8, 300), "head_dim must be in 1...256, 512 or 576, got 300"),
     ((2**31, 8, 128), "must fit in int32"),
 ])
 def test_byte_len_errors(cpu, args, msg):
@@ -111,7 +111,7 @@ def test_dispatch_errors(registry):
         fm.build_blk(m.astype(np.int32), 128, registry=registry)
     with pytest.raises(ValueError, match="build_blk: mask must have rank 2"):
         fm.build_blk(m[None], 128, registry=registry)
-    with pytest.raises(ValueError, match=r"head_dim must be in 1\.\.\.256 or 512, got 300"):
+    with pytest.raises(ValueError, match=r"head_dim must be in 1\.\.\.256, 512 or 576, got 300"):
         fm.build_blk(m, 300, registry=registry)
     ffi = registry._ffi
     small = np.zeros(7, np.uint8)

@@ -5,9 +5,11 @@ route), every backend, against the float64 references. The kernels run the
 tile of max(D, Dv) with both dims in their params: Q/K loads stop at D, V
 loads and the output at Dv; the default scale is 1/sqrt(D) (q's). Pairs
 192/128 (MLA prefill), 128/192 and odd ones up to 256 everywhere; 576/512
-(MLA decode over the latent cache) on the decode's 576 tile and the general
-sdpa kernel; the tiled prefill refuses it by name (both dims must be in
-1...256 when they differ)."""
+(MLA: q/k of the 512-wide latent plus 64 rotary dims over the latent v) on
+the decode's 576 tile, the tiled prefill's bfloat16/float16 d576 kernel (the
+D=512 body with V and O 512 wide) and the general sdpa kernel. Float32 at
+576/512, q/k 576 over v 576, and other unequal pairs past 256 are refused
+by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +21,8 @@ from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import assert_out_lse, cu, paged
 
-# (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles.
-PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32)]
+# (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles, MLA's latent pair.
+PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32), (576, 512)]
 
 
 def qkv(rng, q_shape, k_shape, dv, dtype):
@@ -29,20 +31,24 @@ def qkv(rng, q_shape, k_shape, dv, dtype):
 
 
 @pytest.mark.parametrize("d,dv", PAIRS)
+@pytest.mark.parametrize("ql", [5, 1], ids=["prefill", "one_row"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_func(registry, rng, d, dv, causal):
-    """flash_attn_func: out [.., Dv] and LSE, GQA 2:1, keys off the key tile."""
-    q, k, v = qkv(rng, (1, 5, 2, d), (1, 19, 1, d), dv, BF16)
+def test_func(registry, rng, d, dv, ql, causal):
+    """flash_attn_func: out [.., Dv] and LSE, GQA 4:1, keys off the key tile
+    (two of the d576 kernel's 64-key tiles): five rows run the tiled prefill,
+    one the split-KV decode, each on the tile of max(D, Dv)."""
+    q, k, v = qkv(rng, (2, ql, 4, d), (2, 70 if d > 256 else 23, 1, d), dv, BF16)
     out, lse, _ = fm.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, registry=registry)
     e_out, e_lse = reference.flash_attn(q, k, v, causal=causal)
-    assert out.shape == (1, 5, 2, dv)
-    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} causal={causal}")
+    assert out.shape == (2, ql, 4, dv)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} qL={ql} causal={causal}")
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40), (576, 512)])
 def test_func_features(registry, rng, d, dv):
-    """Window, softcap, sinks, ALiBi and GQA 4:1 together, float16."""
-    q, k, v = qkv(rng, (2, 6, 4, d), (2, 17, 1, d), dv, F16)
+    """Window, softcap, sinks, ALiBi and GQA 4:1 together, float16; the
+    window leaves the rows only keys of the last key tile."""
+    q, k, v = qkv(rng, (2, 6, 4, d), (2, 80, 1, d), dv, F16)
     sinks = rng.standard_normal(4).astype(np.float32)
     slopes = (rng.random((2, 4)) * 0.3).astype(np.float32)
     kw = dict(causal=True, window_size=(5, 0), softcap=2.0, sinks=sinks, alibi_slopes=slopes)
@@ -51,26 +57,18 @@ def test_func_features(registry, rng, d, dv):
     assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} D={d} Dv={dv} features")
 
 
-@pytest.mark.parametrize("d,dv", PAIRS)
-def test_func_one_row(registry, rng, d, dv):
-    """seqlen_q == 1: the split-KV decode on the tile of max(D, Dv), GQA 4:1."""
-    q, k, v = qkv(rng, (2, 1, 4, d), (2, 45, 1, d), dv, BF16)
-    out, lse, _ = fm.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, registry=registry)
-    e_out, e_lse = reference.flash_attn(q, k, v, causal=True)
-    assert out.shape == (2, 1, 4, dv)
-    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} D={d} Dv={dv} one row")
-
-
-@pytest.mark.parametrize("d,dv", [(192, 128), (40, 59)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (40, 59), (576, 512)])
 def test_varlen_paged(registry, rng, d, dv):
-    """flash_attn_varlen_func over paged caches of their own widths (page size 16 and 3), causal window."""
-    ql, kl = [3, 1, 5], [7, 20, 9]
+    """flash_attn_varlen_func over paged caches of their own widths, causal
+    window: pages of 16 and 3 keys (3 splits every key tile across pages;
+    the d576 kernel's 64-key tiles are split by 16 too, and whole in 64)."""
+    ql, kl = [3, 1, 5], [7, 70, 9]
     q = randn(rng, (sum(ql), 2, d), F16)
     k_rows = [randn(rng, (n, 1, d), F16) for n in kl]
     v_rows = [randn(rng, (n, 1, dv), F16) for n in kl]
     cq, ck = cu(ql), cu(kl)
     kw = dict(causal=True, window_size=(6, -1))
-    for page in (16, 3):
+    for page in (16, 3) + ((64,) if d > 256 else ()):
         (kc,), table = paged(rng, [k_rows], page)
         vc = np.zeros(kc.shape[:-1] + (dv,), F16)
         for b, rows in enumerate(v_rows):
@@ -83,7 +81,7 @@ def test_varlen_paged(registry, rng, d, dv):
         assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} D={d} Dv={dv} varlen page {page}")
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (59, 111)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 111), (576, 512)])
 @pytest.mark.parametrize("seqlen_q", [1, 3])
 def test_kvcache_append(registry, rng, d, dv, seqlen_q):
     """flash_attn_with_kvcache: k [.., D] and v [.., Dv] appended into caches of
@@ -116,16 +114,17 @@ def test_decode(registry, rng, d, dv):
     assert_close(out, reference.decode(q, kc, vc, 33), F16, f"{registry.backend} decode D={d} Dv={dv}")
 
 
-@pytest.mark.parametrize("page", [16, 5])
-def test_kvcache_mla_decode_paged(registry, rng, page):
-    """MLA's decode: q/k 576 over v 512 in paged caches (page sizes 16 and 5),
-    appending one row, sinks, softcap and LSE; the prefill of that pair
-    (seqlen_q > 1) is refused by name."""
-    lens = np.array([9, 23], np.int32)
-    q = randn(rng, (2, 1, 8, 576), BF16)
-    kn, vn = randn(rng, (2, 1, 1, 576), BF16), randn(rng, (2, 1, 1, 512), BF16)
+@pytest.mark.parametrize("page", [16, 5, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_kvcache_mla_paged(registry, rng, page, seqlen_q):
+    """MLA's q/k 576 over v 512 in paged caches (page sizes 16, 5 and 64),
+    appending seqlen_q rows, sinks, softcap and LSE, GQA 8:1: one row runs
+    the decode, three the serving prefill's d576 kernel."""
+    lens = np.array([9, 70], np.int32)
+    q = randn(rng, (2, seqlen_q, 8, 576), BF16)
+    kn, vn = randn(rng, (2, seqlen_q, 1, 576), BF16), randn(rng, (2, seqlen_q, 1, 512), BF16)
     k_rows = [randn(rng, (int(n), 1, 576), BF16) for n in lens]
-    (kc,), table = paged(rng, [k_rows], page, room=1)
+    (kc,), table = paged(rng, [k_rows], page, room=seqlen_q)
     vc = randn(rng, kc.shape[:-1] + (512,), BF16)
     sinks = rng.standard_normal(8).astype(np.float32)
     kw = dict(causal=True, softcap=20.0, sinks=sinks)
@@ -133,16 +132,11 @@ def test_kvcache_mla_decode_paged(registry, rng, page):
                                                 block_table=table, **kw)
     out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
                                           return_softmax_lse=True, registry=registry, **kw)
-    assert out.shape == (2, 1, 8, 512)
-    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} MLA decode page {page}")
-    with pytest.raises(fm.InvalidValueError) as e:
-        fm.flash_attn_with_kvcache(np.concatenate([q, q], axis=1), kc, vc, cache_seqlens=lens, block_table=table,
-                                   registry=registry)
-    msg = str(e.value)
-    assert "flash_attn_with_kvcache" in msg and "v_cache head dim 512" in msg and "576" in msg, msg
+    assert out.shape == (2, seqlen_q, 8, 512)
+    assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} MLA page {page} qL={seqlen_q}")
 
 
-@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40)])
+@pytest.mark.parametrize("d,dv", [(192, 128), (59, 40), (576, 512)])
 def test_prefill(registry, rng, d, dv):
     """flash_attn_prefill ([B, H, L, D]) causal with q_offset, GQA 2:1; default scale 1/sqrt(D)."""
     q, k, v = qkv(rng, (1, 2, 7, d), (1, 1, 23, d), dv, BF16)
@@ -152,25 +146,72 @@ def test_prefill(registry, rng, d, dv):
     assert_close(out, want, BF16, f"{registry.backend} prefill D={d} Dv={dv}")
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "f16"])
+def test_prefill_mla_masks_and_blk(registry, rng, dtype):
+    """flash_attn_prefill at 576/512 over several query and key tiles of the
+    d576 kernel: an additive mask with -inf blocks and finite biases (the
+    auto-blk tile skip runs), a blk built for head dim 576 (bit-identical to
+    none), a bool mask with causal, and GQA 2:1."""
+    q, k, v = qkv(rng, (1, 2, 20, 576), (1, 1, 90, 576), 512, dtype)
+    add = np.where(rng.random((20, 90)) < 0.2, -np.inf, rng.choice([0.0, 0.5, -2.0], (20, 90)))
+    add[:16, :64] = -np.inf
+    add[16:, 64:] = 0.0
+    mask = add.astype(dtype)
+    out = fm.flash_attn_prefill(q, k, v, mask=mask, registry=registry)
+    assert out.shape == (1, 2, 20, 512)
+    assert_close(out, reference.attention(q, k, v, mask=mask), dtype, f"{registry.backend} MLA additive {dtype}")
+    blk = fm.build_blk(mask, head_dim=576, registry=registry)
+    assert_bits_equal(fm.flash_attn_prefill(q, k, v, mask=mask, blk=blk, registry=registry), out, "blk vs auto-blk")
+    keep = rng.random((20, 90)) < 0.6
+    out = fm.flash_attn_prefill(q, k, v, mask=keep, causal=True, q_offset=60, registry=registry)
+    want = reference.attention(q, k, v, mask=keep, causal=True, q_offset=60)
+    assert_close(out, want, dtype, f"{registry.backend} MLA bool causal {dtype}")
+
+
 @pytest.mark.skipif(not {"sim", "metal-sim"} <= set(BACKENDS), reason="needs sim and metal-sim")
+@pytest.mark.parametrize("d,dv", [(192, 128), (576, 512)])
 @pytest.mark.parametrize("seqlen_q", [1, 5])
-def test_sim_matches_metal_sim_bits(rng, seqlen_q):
+def test_sim_matches_metal_sim_bits(rng, d, dv, seqlen_q):
     """The Metal kernels on the simulator and through metal-sim give the same bits (prefill and decode)."""
-    q, k, v = qkv(rng, (1, seqlen_q, 2, 192), (1, 19, 1, 192), 128, BF16)
+    q, k, v = qkv(rng, (1, seqlen_q, 2, d), (1, 19, 1, d), dv, BF16)
     a = fm.flash_attn_func(q, k, v, causal=True, registry="sim")
     b = fm.flash_attn_func(q, k, v, causal=True, registry="metal-sim")
-    assert_bits_equal(a, b, f"sim vs metal-sim D=192 Dv=128 seqlen_q={seqlen_q}")
+    assert_bits_equal(a, b, f"sim vs metal-sim D={d} Dv={dv} seqlen_q={seqlen_q}")
 
 
-@pytest.mark.parametrize("d,dv", [(576, 512), (512, 128), (300, 64)])
+@pytest.mark.parametrize("d,dv", [(576, 500), (512, 576), (512, 128), (300, 64)])
 def test_prefill_pairs_without_a_tile_are_refused_by_name(d, dv):
-    """Unequal dims need both in 1...256 on the prefill kernel: refused naming the function, v and both dims."""
+    """Unequal dims need both in 1...256 on the prefill kernel, or MLA's
+    576/512: refused naming the function, v and both dims."""
     rng = np.random.default_rng(0)
     q, k, v = qkv(rng, (1, 2, 1, d), (1, 4, 1, d), dv, BF16)
     with pytest.raises(fm.InvalidValueError) as e:
         fm.flash_attn_func(q, k, v, registry="cpu")
     msg = str(e.value)
     assert "flash_attn_func" in msg and f"v head dim {dv}" in msg and str(d) in msg, msg
+
+
+def test_mla_prefill_in_float32_and_576_over_576_are_refused_by_name():
+    """The d576 kernel is two-byte and runs v of 512 only: float32 at 576/512
+    and q/k 576 over v 576 are ValueErrors naming the function and the dims
+    (one float32 row still runs on the decode)."""
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, (1, 3, 2, 576), (1, 8, 1, 576), 512, F32)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_func(q, k, v, registry="cpu")
+    msg = str(e.value)
+    assert msg.startswith("flash_attn_func: ") and "576 with v head dim 512 runs on bfloat16 and float16 only" in msg
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_prefill(q.transpose(0, 2, 1, 3).copy(), k.transpose(0, 2, 1, 3).copy(),
+                              v.transpose(0, 2, 1, 3).copy(), registry="cpu")
+    assert str(e.value).startswith("flash_attn_prefill: ") and "float16 only" in str(e.value), str(e.value)
+    out = fm.flash_attn_func(q[:, :1], k, v, causal=True, registry="cpu")
+    assert_close(out, reference.flash_attn(q[:, :1], k, v, causal=True)[0], F32, "float32 one row")
+    q, k, v = qkv(rng, (1, 3, 2, 576), (1, 8, 1, 576), 576, BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_func(q, k, v, registry="cpu")
+    msg = str(e.value)
+    assert msg.startswith("flash_attn_func: ") and "got 576 (q/k of 576 run only with a v head dim of 512)" in msg
 
 
 def test_mismatched_v_and_out_are_refused_by_name():
@@ -187,18 +228,29 @@ def test_mismatched_v_and_out_are_refused_by_name():
     assert "flash_attn_with_kvcache" in str(e.value) and "out" in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("d,dv,ql", [(192, 128, 1), (192, 128, 40), (40, 59, 33), (576, 512, 3), (64, 300, 2)])
+@pytest.mark.parametrize("d,dv,ql", [(192, 128, 1), (192, 128, 40), (40, 59, 33), (576, 512, 3), (576, 512, 1),
+                                     (64, 300, 2)])
 def test_dropin(registry, rng, d, dv, ql):
     """scaled_dot_product_attention with value's own head dim (torch's Ev != E):
-    decode or prefill on the tile of max(D, Ev), the general kernel past it."""
+    decode or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
+    kernel), the general kernel past it."""
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
     route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
-    tiled = max(d, dv) <= 256
+    tiled = max(d, dv) <= 256 or (d, dv) == (576, 512)
     assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql == 1 else "flash_attn_prefill"), route
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
     assert out.shape == (1, 2, ql, dv)
     assert_close(out, want, BF16, f"{registry.backend} drop-in D={d} Ev={dv} qL={ql}")
+
+
+def test_dropin_mla_float32_takes_the_general_kernel(registry, rng):
+    """Float32 at 576/512 with several query rows: no tiled kernel, so the general one."""
+    q, k, v = qkv(rng, (1, 2, 3, 576), (1, 1, 9, 576), 512, F32)
+    out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, align="bottom_right",
+                                          registry=registry)
+    assert fm.last_route().kernel == "sdpa", fm.last_route()
+    assert_close(out, reference.attention(q, k, v, causal=True, q_offset=6), F32, f"{registry.backend} f32 MLA")
 
 
 def test_dropin_masked_decode_key_ranges(registry, rng):
@@ -267,10 +319,12 @@ def test_kvcache_rotary_leftpad_batch_idx(registry, rng, seqlen_q, mode):
     assert_out_lse(out, lse, e_out, e_lse, BF16, f"{registry.backend} rotary {mode} qL={seqlen_q}")
 
 
-def test_kvcache_ragged_queries_and_new_keys(registry, rng):
-    """cu_seqlens_q / cu_seqlens_k_new with D=40 over Dv=59: each sequence's new
-    rows appended into caches of their own widths, then the varlen prefill."""
-    d, dv, cap = 40, 59, 20
+@pytest.mark.parametrize("d,dv", [(40, 59), (576, 512)])
+def test_kvcache_ragged_queries_and_new_keys(registry, rng, d, dv):
+    """cu_seqlens_q / cu_seqlens_k_new with v of its own head dim: each
+    sequence's new rows appended into caches of their own widths, then the
+    varlen prefill."""
+    cap = 20
     q_lens, new = [2, 1, 3], [1, 2, 0]
     cq, ck = cu(q_lens), cu(new)
     lens = np.array([4, 0, 9], np.int32)
@@ -290,7 +344,7 @@ def test_kvcache_ragged_queries_and_new_keys(registry, rng):
                                                np.concatenate([e_v[s, :n[s]] for s in range(3)]), cq, cu(list(n)),
                                                causal=True)
     assert out.shape == (int(cq[-1]), 2, dv)
-    assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} ragged kvcache D=40 Dv=59")
+    assert_out_lse(out, lse, e_out, e_lse, F16, f"{registry.backend} ragged kvcache D={d} Dv={dv}")
 
 
 @pytest.mark.parametrize("dtype", [F32, F16], ids=["f32", "f16"])

@@ -5,9 +5,9 @@ import XCTest
 /// v of its own head dim (flash-attn's head_dim_v): the tile of max(D, Dv),
 /// both dims in the params, V/out strides in Dv, and the refusals by name.
 final class HeadDimVTests: XCTestCase {
-    func prefill(d: Int, dv: Int, outDim: Int? = nil) throws -> Dispatch {
-        let q = HostTensor([1, 4, 50, d], .bf16), k = HostTensor([1, 2, 64, d], .bf16)
-        let v = HostTensor([1, 2, 64, dv], .bf16), o = HostTensor([1, 4, 50, outDim ?? dv], .bf16)
+    func prefill(d: Int, dv: Int, outDim: Int? = nil, dtype: DType = .bf16) throws -> Dispatch {
+        let q = HostTensor([1, 4, 50, d], dtype), k = HostTensor([1, 2, 64, d], dtype)
+        let v = HostTensor([1, 2, 64, dv], dtype), o = HostTensor([1, 4, 50, outDim ?? dv], dtype)
         let t = PrefillTensors(q: q.ref, k: k.ref, v: v.ref, out: o.ref)
         return try withExtendedLifetime([q, k, v, o]) { try PrefillDispatcher.makeDispatch(t, PrefillOptions(scale: 1)) }
     }
@@ -25,12 +25,44 @@ final class HeadDimVTests: XCTestCase {
         XCTAssertEqual(same.Dv, 64)
     }
 
+    /// MLA's q/k 576 over v 512: the d576 kernel (the wide body, 16 x 64
+    /// tiles of 8 simdgroups), AttnParams' NQ/NK on the 8 x 8 blk grid, V and
+    /// O strides in 512.
+    func testPrefillOfMLAShapesRunsThe576Kernel() throws {
+        let d = try prefill(d: 576, dv: 512, dtype: .f16)
+        XCTAssertEqual(d.kernel, "flash_attn_prefill_f16_d576")
+        XCTAssertEqual(d.threadgroup, Size3(32, 1, 8))
+        XCTAssertEqual(d.grid, Size3(4, 4, 1))
+        let p = try d.params(PrefillBuffer.params, as: AttnParams.self)
+        XCTAssertEqual([p.D, p.Dv, p.NQ, p.NK], [576, 512, 7, 8])
+        XCTAssertEqual([p.K_strides.0, p.K_strides.1, p.K_strides.2], [2 * 64 * 576, 64 * 576, 576])
+        XCTAssertEqual([p.V_strides.0, p.V_strides.1, p.V_strides.2], [2 * 64 * 512, 64 * 512, 512])
+        XCTAssertEqual([p.O_strides.0, p.O_strides.1, p.O_strides.2], [4 * 50 * 512, 50 * 512, 512])
+        XCTAssertEqual(try prefill(d: 576, dv: 512).kernel, "flash_attn_prefill_bf16_d576")
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .bf16, headDim: 576), PrefillGeometry(bq: 16, bk: 64, wm: 1, wn: 8))
+        XCTAssertEqual(PrefillGeometry.forHeadDim(576), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
+        XCTAssertFalse(PrefillCapability.headDims.contains(576), "576 runs only over v 512")
+        XCTAssertTrue(PrefillCapability.runs(io: .bf16, headDim: 576, headDimV: 512))
+        XCTAssertFalse(PrefillCapability.runs(io: .f32, headDim: 576, headDimV: 512))
+        XCTAssertFalse(PrefillCapability.runs(io: .bf16, headDim: 576, headDimV: 576))
+        XCTAssertFalse(PrefillCapability.runs(io: .bf16, headDim: 512, headDimV: 576))
+    }
+
     func testPrefillRefusesPairsWithoutATileAndAWrongOut() {
-        for (d, dv) in [(576, 512), (512, 128), (64, 300)] {
+        for (d, dv) in [(576, 500), (512, 576), (512, 128), (64, 300)] {
             XCTAssertThrowsError(try prefill(d: d, dv: dv)) { e in
                 let m = (e as? FlashMetalError)?.message ?? ""
                 XCTAssertTrue(m.contains("v head dim \(dv) differs from q's \(d)"), m)
+                XCTAssertTrue(m.contains("or q/k 576 with 512"), m)
             }
+        }
+        XCTAssertThrowsError(try prefill(d: 576, dv: 576)) { e in
+            let m = (e as? FlashMetalError)?.message ?? ""
+            XCTAssertTrue(m.contains("head_dim must be in 1...256 or 512, got 576 (q/k of 576 run only with a v head dim of 512)"), m)
+        }
+        XCTAssertThrowsError(try prefill(d: 576, dv: 512, dtype: .f32)) { e in
+            let m = (e as? FlashMetalError)?.message ?? ""
+            XCTAssertTrue(m.contains("q/k head dim 576 with v head dim 512 runs on bfloat16 and float16 only"), m)
         }
         XCTAssertThrowsError(try prefill(d: 192, dv: 128, outDim: 192)) { e in
             let m = (e as? FlashMetalError)?.message ?? ""

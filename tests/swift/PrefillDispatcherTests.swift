@@ -290,9 +290,10 @@ final class PrefillDispatcherTests: XCTestCase {
 
     func testKernelNames() {
         let names = Set(PrefillCapability.kernels.map(\.name))
-        XCTAssertEqual(names.count, 28 + 12)
+        XCTAssertEqual(names.count, 28 + 12 + 4)
         for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask",
-                     "flash_attn_prefill_f32_d64", "flash_attn_prefill_f32_d256_boolmask"] {
+                     "flash_attn_prefill_f32_d64", "flash_attn_prefill_f32_d256_boolmask",
+                     "flash_attn_prefill_bf16_d576", "flash_attn_prefill_f16_d576_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
         }
     }

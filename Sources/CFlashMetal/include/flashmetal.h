@@ -273,6 +273,12 @@ int fm_free_blk(FMTensor *blk, FMError *err);
  * from 1 to 256 runs too, on the kernel of the next tiled dim up. */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
                            FMError *err);
+/* Whether op "flash_attn_prefill", "flash_attn_prefill_f32" (its float32 I/O)
+ * or "flash_attn_decode" (alias "flash_attn_vec") runs q/k of head dim d with
+ * v and the output of dv: *out 1 or 0 (the prefill: equal dims it runs, both
+ * in 1...256, or 576 over 512 on bfloat16/float16; the decode: any pair whose
+ * larger dim it runs). */
+int fm_runs_head_dims(const char *op, int32_t d, int32_t dv, int32_t *out, FMError *err);
 /* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
 int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
