@@ -19,9 +19,10 @@ public func fm_num_threads() -> Int32 {
 // tables so no caller keeps its own copy.
 
 /// The head dims that have a kernel for `op` ("flash_attn_prefill",
-/// "flash_attn_prefill_f32" for its float32 I/O, or "flash_attn_decode",
-/// alias "flash_attn_vec"), ascending, from the capability tables: the Python
-/// package routes by them instead of keeping its own list.
+/// "flash_attn_prefill_f32" for its float32 I/O, "flash_attn_decode", alias
+/// "flash_attn_vec", or "kv_codec", the quantized-KV codec), ascending, from
+/// the capability tables: the Python package routes by them instead of
+/// keeping its own list.
 @_cdecl("fm_supported_head_dims")
 public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePointer<Int32>?, _ cap: Int,
                                    _ count: UnsafeMutablePointer<Int>?,
@@ -33,10 +34,12 @@ public func fm_supported_head_dims(_ op: UnsafePointer<CChar>?, _ out: UnsafeMut
         case PrefillDispatcher.op: dims = PrefillCapability.headDims
         case PrefillDispatcher.f32Name: dims = PrefillCapability.headDims(io: .f32)
         case VecDispatcher.publicName, VecDispatcher.op: dims = VecCapability.headDims
+        case KVCodec.op: dims = KVCodec.headDims
         default:
             throw FlashMetalError.value(
-                "supported_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)' or "
-                    + "'\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)'), got '\(name)'", arg: "op")
+                "supported_head_dims", "op must be '\(PrefillDispatcher.op)', '\(PrefillDispatcher.f32Name)', "
+                    + "'\(VecDispatcher.publicName)' (alias '\(VecDispatcher.op)') or '\(KVCodec.op)', got '\(name)'",
+                arg: "op")
         }
         guard let count = count else { throw FlashMetalError.value("supported_head_dims", "count is null", arg: "count") }
         count.pointee = dims.count

@@ -228,7 +228,8 @@ def head_dims(op: str) -> tuple[int, ...]:
     "flash_attn_prefill_f32" (its float32 I/O) or "flash_attn_decode" (alias
     "flash_attn_vec"), from the library's capability tables. Any head dim
     from 1 to 256 runs too (on the kernel of the next tiled dim up); above
-    256 only these."""
+    256 only these. "kv_codec" gives the head dims ``KVCodec`` encodes
+    (those only)."""
     if not isinstance(op, str):
         raise InvalidTypeError("supported_head_dims", f"op must be a str, got {type(op).__name__}")
     return _head_dims(op)

@@ -7,6 +7,7 @@ import functools
 import numpy as np
 
 import flashmetal as fm
+import head_dim_tables
 from conftest import BACKENDS, SIMULATED
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from flashmetal import reference
@@ -15,7 +16,7 @@ from flashmetal.reference import close
 # The LSE is float32 from float32 accumulation: held to a float32-class
 # tolerance, looser than the output's only by the score rounding.
 LSE_TOL = (2e-4, 2e-4)
-HEAD_DIMS = [64, 80, 96, 128, 192, 256]
+HEAD_DIMS = list(head_dim_tables.PADDED_TILES)
 # Key tile of the prefill kernels for D <= 256, query tile (page sizes and
 # ragged lengths are chosen around them).
 BK, BQ = 16, 32

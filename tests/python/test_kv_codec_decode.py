@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from flashmetal import quant_reference as qr
 from flashmetal import reference
 from numerics import F32, TOLERANCE, assert_bits_equal, worst_element
 
-HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+HEAD_DIMS = head_dim_tables.CODEC
 
 
 def cache(rng, shape, d, bits, seed, registry):

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from flashmetal import quant_reference as qr
 from flashmetal import reference
 from numerics import BF16, F16, F32, TOLERANCE, assert_bits_equal, randn, worst_element
 
 OP = "flash_attn_with_kvcache"
-HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+HEAD_DIMS = head_dim_tables.CODEC
 
 
 def dequantized(c: fm.QuantizedKV) -> np.ndarray:

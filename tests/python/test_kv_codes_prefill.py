@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, randn
 from test_kv_codec_kvcache import check, check_lse, dequantized
@@ -71,7 +72,7 @@ def test_features_against_float64(registry, rng, case, paged):
     check_lse(lse, el, f"{registry.backend} {case} paged={paged} lse")
 
 
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 192, 256, 512])
+@pytest.mark.parametrize("d", head_dim_tables.CODEC)
 def test_every_head_dim(registry, rng, d):
     """Every head dim (one rotation block, or blocks of 16/32/64), so every
     key tile height (FM_KVQ_PREFILL_TILE_FLOATS / 2 / D keys), MHA with 3

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from conftest import SIMULATED
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import check_sink_limits
 from serving_native import VEC_SEQ_OP, make_cache, vec_seq
 
-HEAD_DIMS = [64, 80, 96, 128, 192, 256, 512]
+# The decode tiles with v as wide as q/k (576 is MLA's, over a 512-wide v: test_head_dim_v).
+HEAD_DIMS = [d for d in head_dim_tables.DECODE if d in head_dim_tables.PREFILL]
 KV_DTYPES = [F32, F16, BF16]
 OP = "flash_attn_with_kvcache"
 

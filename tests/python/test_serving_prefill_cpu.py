@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
+import head_dim_tables
 from flashmetal import reference
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import check_sink_limits
@@ -61,7 +62,7 @@ FEATURES = {
 
 # Every feature at every head dim, but the windows alone not at 256/512 (the
 # combined case covers them there): the cost of the largest tiles.
-FEATURE_CASES = [(f, d) for d in (64, 80, 96, 128, 192, 256, 512) for f in FEATURES
+FEATURE_CASES = [(f, d) for d in head_dim_tables.PREFILL for f in FEATURES
                  if not (d >= 256 and f.startswith("window"))]
 
 

@@ -267,10 +267,12 @@ int fm_alloc_blk(int64_t q_len, int64_t k_len, int32_t head_dim, FMTensor *out,
  * tensor the library did not allocate, or a stale copy of one already freed
  * (even when its address was reused since), is an error. */
 int fm_free_blk(FMTensor *blk, FMError *err);
-/* The natively tiled head dims of op "flash_attn_prefill" or "flash_attn_decode"
+/* The natively tiled head dims of op "flash_attn_prefill",
+ * "flash_attn_prefill_f32" (its float32 I/O) or "flash_attn_decode"
  * ("flash_attn_vec", the decode kernel's name, is an alias), ascending:
  * *count receives how many, out the first min(cap, count). Any other head dim
- * from 1 to 256 runs too, on the kernel of the next tiled dim up. */
+ * from 1 to 256 runs too, on the kernel of the next tiled dim up. "kv_codec"
+ * gives the head dims a quantized-KV codec takes (those only). */
 int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *count,
                            FMError *err);
 /* Whether op "flash_attn_prefill", "flash_attn_prefill_f32" (its float32 I/O)
