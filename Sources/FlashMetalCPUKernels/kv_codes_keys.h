@@ -19,8 +19,13 @@
 /* Rows past the prefill's key tile and its items that a register block may
  * touch (at least the largest block's rows). */
 #define FM_KVQ_PREFILL_PAD 8
+/* Floats past D in each decoded K and V row of the prefill's tiles, so
+ * consecutive rows do not sit a multiple of 512 bytes apart like the code
+ * rows they are decoded from (stores and loads 4 KiB apart look alike to
+ * the load unit). */
+#define FM_KVQ_PREFILL_SKEW 16
 /* How many keys ahead the prefill requests the rows it decodes next. */
-#define FM_KVQ_PREFILL_AHEAD 24
+#define FM_KVQ_PREFILL_AHEAD 8
 
 /* Centroids by whole code bytes: by4[b] = (c4[b & 15], c4[b >> 4]), by2[b]
  * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table. */
@@ -54,10 +59,11 @@ typedef struct FMKVQKeys {
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows
- * [KEYS + PAD][D], the V rows [KEYS][D] and the scores [KEYS + PAD][ITEMS +
- * PAD]. */
+ * [KEYS + PAD][D + SKEW], the V rows [KEYS][D + SKEW] and the scores
+ * [KEYS + PAD][ITEMS + PAD]. */
 static inline int64_t fm_kvq_prefill_tile_floats(int32_t d) {
-    return (int64_t)FM_CPU_KVQ_PREFILL_ITEMS * d + (int64_t)(2 * FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * d
+    return (int64_t)FM_CPU_KVQ_PREFILL_ITEMS * d
+           + (int64_t)(2 * FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * (d + FM_KVQ_PREFILL_SKEW)
            + (int64_t)(FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * (FM_CPU_KVQ_PREFILL_ITEMS + FM_KVQ_PREFILL_PAD);
 }
 

@@ -41,9 +41,10 @@
 _Static_assert(FM_CPU_KVQ_PREFILL_STEP % KQ_CW == 0 && KQ_M % KQ_CW == 0, "work items are whole column blocks");
 _Static_assert(KQ_R <= FM_KVQ_PREFILL_PAD, "the tiles' padding holds a register block");
 
-/* ST[r][0..CW) = Kt[r] . Qb[.][0..CW) for R key rows of Kt (stride d; ST's
- * stride ms): one column block of items. */
-static inline void FM_SFX(kvq_pf_qk)(const float *Kt, const float *Qb, int32_t d, int32_t ms, float *ST) {
+/* ST[r][0..CW) = Kt[r] . Qb[.][0..CW) for R key rows of Kt (stride kd; ST's
+ * stride ms): one column block of items over the head dim d. */
+static inline void FM_SFX(kvq_pf_qk)(const float *Kt, int32_t kd, const float *Qb, int32_t d, int32_t ms,
+                                     float *ST) {
     fm_v acc[KQ_R][KQ_NC];
     for (int r = 0; r < KQ_R; r++)
         for (int c = 0; c < KQ_NC; c++) acc[r][c] = fm_v_splat(0.0f);
@@ -51,7 +52,7 @@ static inline void FM_SFX(kvq_pf_qk)(const float *Kt, const float *Qb, int32_t d
         fm_v q[KQ_NC];
         for (int c = 0; c < KQ_NC; c++) q[c] = fm_v_load(Qb + (size_t)i * KQ_CW + c * FM_VL);
         for (int r = 0; r < KQ_R; r++) {
-            const fm_v kb = fm_v_splat(Kt[(size_t)r * d + i]);
+            const fm_v kb = fm_v_splat(Kt[(size_t)r * kd + i]);
             for (int c = 0; c < KQ_NC; c++) acc[r][c] = fm_v_fma(kb, q[c], acc[r][c]);
         }
     }
@@ -60,11 +61,12 @@ static inline void FM_SFX(kvq_pf_qk)(const float *Kt, const float *Qb, int32_t d
 }
 
 /* Columns [dc, dc + nv * FM_VL) of O[r] = O[r] * F[r] + sum_t P[t][r] V[t]
- * for R items (P = PT + item, stride ms; O rows of stride d) over the
+ * for R items (P = PT + item, stride ms; O rows of stride d; V rows of
+ * stride kd) over the
  * tile's keys [ta, tb). `nv` must be a constant after inlining. */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_pf_pv_cols)(const float *PT, int32_t ms,
-                                                                          const float *Vt, int32_t d, int32_t ta,
-                                                                          int32_t tb,
+                                                                          const float *Vt, int32_t kd, int32_t d,
+                                                                          int32_t ta, int32_t tb,
                                                                           const float *F, float *O, int32_t dc,
                                                                           const int nv) {
     fm_v acc[KQ_R][KQ_NC];
@@ -72,7 +74,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_pf_pv_cols)(const f
         for (int i = 0; i < nv; i++) acc[r][i] = fm_v_load(O + (size_t)r * d + dc + i * FM_VL) * F[r];
     for (int32_t t = ta; t < tb; t++) {
         fm_v v[KQ_NC];
-        for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vt + (size_t)t * d + dc + i * FM_VL);
+        for (int i = 0; i < nv; i++) v[i] = fm_v_load(Vt + (size_t)t * kd + dc + i * FM_VL);
         for (int r = 0; r < KQ_R; r++) {
             const fm_v pb = fm_v_splat(PT[(size_t)t * ms + r]);
             for (int i = 0; i < nv; i++) acc[r][i] = fm_v_fma(pb, v[i], acc[r][i]);
@@ -84,14 +86,14 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_pf_pv_cols)(const f
 
 /* kvq_pf_pv_cols over every column of D: NC vectors while they fit, then
  * the tail (D = 80, 96 or 192 on wide vectors) with fewer. */
-static void FM_SFX(kvq_pf_pv)(const float *PT, int32_t ms, const float *Vt, int32_t d, int32_t ta, int32_t tb,
-                              const float *F, float *O) {
+static void FM_SFX(kvq_pf_pv)(const float *PT, int32_t ms, const float *Vt, int32_t kd, int32_t d, int32_t ta,
+                              int32_t tb, const float *F, float *O) {
     int32_t dc = 0;
-    for (; dc + KQ_CW <= d; dc += KQ_CW) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, d, ta, tb, F, O, dc, KQ_NC);
+    for (; dc + KQ_CW <= d; dc += KQ_CW) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, kd, d, ta, tb, F, O, dc, KQ_NC);
     const int rem = (d - dc) / FM_VL;
-    if (KQ_NC > 1 && rem == 1) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, d, ta, tb, F, O, dc, 1);
-    if (KQ_NC > 2 && rem == 2) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, d, ta, tb, F, O, dc, 2);
-    if (KQ_NC > 3 && rem == 3) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, d, ta, tb, F, O, dc, 3);
+    if (KQ_NC > 1 && rem == 1) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, kd, d, ta, tb, F, O, dc, 1);
+    if (KQ_NC > 2 && rem == 2) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, kd, d, ta, tb, F, O, dc, 2);
+    if (KQ_NC > 3 && rem == 3) FM_SFX(kvq_pf_pv_cols)(PT, ms, Vt, kd, d, ta, tb, F, O, dc, 3);
 }
 
 /* One K or V row of storage row r as floats in the rotated basis: codes as
@@ -136,9 +138,10 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
     const float unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)p->block) * p->scale;
     const float softcap = p->softcap;
     float *Qp = k->scratch;                      /* [M / CW][D][CW] */
-    float *Kt = Qp + (size_t)KQ_M * d;           /* [TK + PAD][D] */
-    float *Vt = Kt + (size_t)(KQ_TK + FM_KVQ_PREFILL_PAD) * d; /* [TK][D] */
-    float *ST = Vt + (size_t)KQ_TK * d;          /* [TK + PAD][ms]: scores, then p */
+    const int32_t kd = d + FM_KVQ_PREFILL_SKEW;
+    float *Kt = Qp + (size_t)KQ_M * d;           /* [TK + PAD][kd] */
+    float *Vt = Kt + (size_t)(KQ_TK + FM_KVQ_PREFILL_PAD) * kd; /* [TK][kd] */
+    float *ST = Vt + (size_t)KQ_TK * kd;         /* [TK + PAD][ms]: scores, then p */
     float *O = k->acc;                           /* [count + PAD][D], zero on entry */
     enum { MS_MAX = KQ_M + FM_KVQ_PREFILL_PAD };
     float m[MS_MAX] __attribute__((aligned(64))), l[MS_MAX] __attribute__((aligned(64)));
@@ -157,7 +160,7 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
         float *col = Qp + (size_t)(s / KQ_CW) * KQ_CW * d + s % KQ_CW;
         for (int32_t i = 0; i < d; i++) col[(size_t)i * KQ_CW] = s < count ? k->qz[(size_t)s * d + i] * unit : 0.0f;
     }
-    memset(Kt, 0, sizeof(float) * (KQ_TK + FM_KVQ_PREFILL_PAD) * d);
+    memset(Kt, 0, sizeof(float) * (KQ_TK + FM_KVQ_PREFILL_PAD) * kd);
     memset(ST, 0, sizeof(float) * (KQ_TK + FM_KVQ_PREFILL_PAD) * ms);
 
     for (int32_t t0 = k->start - k->start % KQ_TK; t0 < k->end; t0 += KQ_TK) {
@@ -174,15 +177,15 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
             if (t0 + t + FM_KVQ_PREFILL_AHEAD < k->end)
                 fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, t0 + t + FM_KVQ_PREFILL_AHEAD));
             rows[t] = fm_kvq_row(p, a, k->b, k->g, t0 + t);
-            FM_SFX(kvq_pf_row)(p, a, k->tables, rows[t], 0, Kt + (size_t)t * d);
+            FM_SFX(kvq_pf_row)(p, a, k->tables, rows[t], 0, Kt + (size_t)t * kd);
         }
         for (int32_t t = t_first; t < nt; t++)
-            v_finite &= FM_SFX(kvq_pf_row)(p, a, k->tables, rows[t], 1, Vt + (size_t)t * d);
+            v_finite &= FM_SFX(kvq_pf_row)(p, a, k->tables, rows[t], 1, Vt + (size_t)t * kd);
 
         /* Scores of the tile's keys (R at a time) for every column block. */
         for (int32_t r0 = t_first - t_first % KQ_R; r0 < nt; r0 += KQ_R)
             for (int32_t cb = 0; cb < ncb; cb++)
-                FM_SFX(kvq_pf_qk)(Kt + (size_t)r0 * d, Qp + (size_t)cb * KQ_CW * d, d, ms,
+                FM_SFX(kvq_pf_qk)(Kt + (size_t)r0 * kd, kd, Qp + (size_t)cb * KQ_CW * d, d, ms,
                                   ST + (size_t)r0 * ms + cb * KQ_CW);
 
         /* The online softmax down each item's column, FM_VL items at once. */
@@ -229,7 +232,7 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
             }
             if (ta >= tb) continue; /* none of them sees the tile: factor 1, nothing added */
             if (v_finite) {
-                FM_SFX(kvq_pf_pv)(ST + g0, ms, Vt, d, ta, tb, F + g0, O + (size_t)g0 * d);
+                FM_SFX(kvq_pf_pv)(ST + g0, ms, Vt, kd, d, ta, tb, F + g0, O + (size_t)g0 * d);
                 continue;
             }
             /* A non-finite V value: each item adds only its own keys. */
@@ -241,7 +244,7 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
                 for (int32_t t = a0; t < b0; t++) {
                     const fm_v w = fm_v_splat(ST[(size_t)t * ms + s]);
                     for (int32_t i = 0; i < d; i += FM_VL)
-                        fm_v_store(o + i, fm_v_fma(w, fm_v_load(Vt + (size_t)t * d + i), fm_v_load(o + i)));
+                        fm_v_store(o + i, fm_v_fma(w, fm_v_load(Vt + (size_t)t * kd + i), fm_v_load(o + i)));
                 }
             }
         }
