@@ -120,25 +120,46 @@ final class KVCodesReduceKernel: CPUKernel {
     }
 }
 
-/// `kv_codes_prefill_*` on the cpu (kv_codec.c): one work item per
-/// FM_CPU_KVQ_PREFILL_ITEMS (query row, head) items of one kv head of one
-/// sequence (consecutive threadgroups of the grid along x), sharing every
-/// decoded key tile.
+/// `kv_codes_prefill_*` on the cpu (kv_codec.c): one work item per run of
+/// (query row, head) items of one kv head of one sequence (consecutive
+/// threadgroups of the grid along x), sharing every decoded key tile; the
+/// last rows of each sequence (under causal, the most keys) start first.
 final class KVCodesPrefillKernel: CPUKernel {
     let dense: DType
+    let name: String
 
     init(_ key: PipelineKey) {
+        name = key.kernel
         if case let .kvCodesPrefill(d) = key.spec { dense = d } else { dense = .f32 }
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
-        let items = Int(FM_CPU_KVQ_PREFILL_ITEMS), per = items / Int(FM_KVQ_PREFILL_ROWS)
+        let items = Self.itemsPerWorkItem(d, threads: pool.threads), per = items / Int(FM_KVQ_PREFILL_ROWS)
         let (gx, gy) = ((d.grid.x + per - 1) / per, d.grid.y)
+        var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
+        let floats = Int(fm_cpu_kv_codes_prefill_scratch_floats(&p))
+        let scratch = try HostMemory.allocate(Float.self, count: floats * pool.threads, op: name,
+                                              what: "prefill-over-codes tiles")
+        defer { HostMemory.free(scratch) }
         try KVCodesDecodeKernel.withKernel(d, dense: dense) { pp, ap in
-            pool.forEach(gx * gy * d.grid.z) { _, i in
-                fm_cpu_kv_codes_prefill_items(pp, ap, Int64(i % gx * items), Int64(i / gx % gy), Int64(i / (gx * gy)))
+            pool.forEach(gx * gy * d.grid.z) { w, i in
+                let x = gx - 1 - i % gx, r = i / gx
+                fm_cpu_kv_codes_prefill_items(pp, ap, Int64(x * items), Int32(items), Int64(r % gy), Int64(r / gy),
+                                              scratch + w * floats)
             }
         }
+    }
+
+    /// Items per work item: as many as FM_CPU_KVQ_PREFILL_ITEMS allows (each
+    /// decoded key tile then serves more of them) while every worker still
+    /// gets two work items, in steps of FM_CPU_KVQ_PREFILL_STEP.
+    static func itemsPerWorkItem(_ d: Dispatch, threads: Int) -> Int {
+        let step = Int(FM_CPU_KVQ_PREFILL_STEP)
+        let steps = (d.grid.x * Int(FM_KVQ_PREFILL_ROWS) + step - 1) / step  // of the longest sequence's kv head
+        let heads = max(1, d.grid.y * d.grid.z)
+        let split = max(1, (2 * threads + heads - 1) / heads)
+        let want = (steps + split - 1) / split
+        return step * max(1, min(want, Int(FM_CPU_KVQ_PREFILL_ITEMS) / step))
     }
 }
 

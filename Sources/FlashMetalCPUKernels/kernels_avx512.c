@@ -14,5 +14,6 @@
 #include "prefill_body.h"
 #include "vec_body.h"
 #include "kv_codes_body.h"
+#include "kv_codes_prefill_body.h"
 #pragma clang attribute pop
 #endif

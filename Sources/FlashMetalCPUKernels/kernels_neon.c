@@ -14,4 +14,5 @@
 #include "prefill_body.h"
 #include "vec_body.h"
 #include "kv_codes_body.h"
+#include "kv_codes_prefill_body.h"
 #endif

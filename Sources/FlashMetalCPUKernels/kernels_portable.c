@@ -7,3 +7,4 @@
 #include "simd.h"
 #include "vec_body.h"
 #include "kv_codes_body.h"
+#include "kv_codes_prefill_body.h"

@@ -277,7 +277,7 @@ static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state, NULL, NULL};
+                         state, NULL, NULL, NULL};
     keys_route(&k);
 }
 
@@ -396,11 +396,32 @@ void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCod
     finish_item(p, a, &at, mx, sum, acc);
 }
 
-_Static_assert(FM_CPU_KVQ_PREFILL_ITEMS <= FM_KVQ_MAX_QUERIES && FM_CPU_KVQ_PREFILL_ITEMS % FM_KVQ_PREFILL_ROWS == 0,
-               "a prefill work item is whole threadgroups, at most one run's queries");
+_Static_assert(FM_CPU_KVQ_PREFILL_STEP % FM_KVQ_PREFILL_ROWS == 0 && FM_CPU_KVQ_PREFILL_ITEMS % FM_CPU_KVQ_PREFILL_STEP == 0,
+               "prefill work items are whole threadgroups");
+
+static void prefill_route(const FMKVQKeys *k) {
+#if defined(__x86_64__)
+    switch (fm_cpu_isa()) {
+    case FM_ISA_AVX2: fm_kvq_prefill_avx2(k); return;
+    case FM_ISA_AVX512:
+    case FM_ISA_AVX512BF16: fm_kvq_prefill_avx512(k); return;
+    default: fm_kvq_prefill_portable(k); return;
+    }
+#elif defined(__aarch64__)
+    if (fm_cpu_isa() == FM_ISA_NEON) fm_kvq_prefill_neon(k); else fm_kvq_prefill_portable(k);
+#else
+    fm_kvq_prefill_portable(k);
+#endif
+}
+
+int64_t fm_cpu_kv_codes_prefill_scratch_floats(const KVCodesDecodeParams *p) {
+    const int64_t d = p->head_dim;
+    return FM_CPU_KVQ_PREFILL_ITEMS * d + (FM_CPU_KVQ_PREFILL_ITEMS + FM_KVQ_PREFILL_PAD) * d
+           + fm_kvq_prefill_tile_floats(p->head_dim);
+}
 
 void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t first,
-                                   int64_t g, int64_t b) {
+                                   int32_t n_items, int64_t g, int64_t b, float *scratch) {
     enum { ROWS = FM_CPU_KVQ_PREFILL_ITEMS };
     const int32_t d = p->head_dim, group = p->n_heads / p->n_kv_heads;
     int64_t rows_b = p->q_len, tok0 = b * p->q_len;
@@ -410,14 +431,17 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
     }
     const int64_t items = rows_b * group;
     if (first >= items) return;
-    const int32_t count = items - first < ROWS ? (int32_t)(items - first) : ROWS;
+    const int32_t most = n_items < ROWS ? n_items : ROWS;
+    const int32_t count = items - first < most ? (int32_t)(items - first) : most;
     const int32_t kl = key_count(p, a, b);
-    float qz[ROWS * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[ROWS * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    /* The rotated queries [ROWS, D], the accumulators [ROWS + PAD, D], then
+     * the tiles of the ISA's key loop. */
+    float *qz = scratch, *acc = qz + (int64_t)ROWS * d;
     float mx[ROWS], sum[ROWS];
     int32_t lo[ROWS], hi[ROWS];
     ItemPlace at[ROWS];
     int32_t t_lo = INT32_MAX, t_hi = 0;
+    memset(acc, 0, sizeof(float) * (size_t)(count + FM_KVQ_PREFILL_PAD) * (size_t)d);
     for (int32_t s = 0; s < count; s++) {
         const int64_t item = first + s, qi = item / group, j = item % group;
         ItemPlace *o = &at[s];
@@ -437,7 +461,6 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[o->row0 * d + i];
             q[i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
-            acc[(int64_t)s * d + i] = 0.0f;
         }
         if (a->k_dense == NULL) hadamard(q, d, p->block);
         mx[s] = FM_RUNNING_MAX_START;
@@ -446,8 +469,9 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
     if (t_lo < t_hi) {
         FMKVQTables tables;
         build_tables(&tables);
-        const FMKVQKeys k = {p, a, &tables, b, g, count, t_lo, t_hi, qz, mx, sum, acc, lo, hi};
-        keys_route(&k);
+        const FMKVQKeys k = {p, a, &tables, b, g, count, t_lo, t_hi, qz, mx, sum, acc, lo, hi,
+                             acc + (int64_t)(ROWS + FM_KVQ_PREFILL_PAD) * d};
+        prefill_route(&k);
     }
     for (int32_t s = 0; s < count; s++) finish_item(p, a, &at[s], &mx[s], &sum[s], acc + (int64_t)s * d);
 }

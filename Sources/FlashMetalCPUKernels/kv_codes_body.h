@@ -1,11 +1,10 @@
-/* The key loop of attention over quantized caches (kv_codec.c), compiled
- * once per ISA like vec_body.h: the including file defines FM_SFX and the
- * target. Plain C whose inner loops the compiler vectorises at the target's
- * width: keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to
- * float once (whole bytes through lookup tables), every head's scores of
- * the tile taken before one online-softmax rescale per tile, then the V
- * rows decoded and accumulated. Dot products run in the ISA's vectors
- * (simd.h). */
+/* The decode's key loop over quantized caches (kv_codec.c), compiled once
+ * per ISA like vec_body.h: the including file defines FM_SFX and the target.
+ * Plain C whose inner loops the compiler vectorises at the target's width:
+ * keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to float once
+ * (whole bytes through lookup tables), every head's scores of the tile taken
+ * before one online-softmax rescale per tile, then the V rows decoded and
+ * accumulated. Dot products run in the ISA's vectors (simd.h). */
 #include <math.h>
 #include <string.h>
 
@@ -134,8 +133,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
     float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float s[FM_KVQ_MAX_QUERIES][FM_KVQ_TILE];
-    int32_t seen_lo[FM_KVQ_MAX_QUERIES], seen_hi[FM_KVQ_MAX_QUERIES];
+    float s[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
     int64_t rows[FM_KVQ_TILE];
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
@@ -165,18 +163,9 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 for (; t < nt; t++) part[t] = FM_SFX(kvq_dot)(q + blk * kn, kc[t] + blk * kn, kn);
                 for (t = 0; t < nt; t++) dot[t] += a->k_dense != NULL ? part[t] : part[t] * a->k_norms[rows[t] * nb + blk];
             }
-            /* The tile's keys query j sees: [seen_lo, seen_hi) (all without lo/hi). */
-            int32_t ta = 0, tb = nt;
-            if (k->lo != NULL) {
-                ta = k->lo[j] - t0 < 0 ? 0 : (k->lo[j] - t0 > nt ? nt : k->lo[j] - t0);
-                tb = k->hi[j] - t0 < ta ? ta : (k->hi[j] - t0 > nt ? nt : k->hi[j] - t0);
-            }
-            seen_lo[j] = ta;
-            seen_hi[j] = tb;
             for (int32_t t = 0; t < nt; t++) {
                 float sc = dot[t] * k_unit;
                 if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
-                if (t < ta || t >= tb) sc = -INFINITY;
                 s[j][t] = sc;
                 if (sc > m_tile) m_tile = sc;
             }
@@ -204,13 +193,12 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
             }
         }
         /* Per head, each vector of the accumulator stays in a register over
-         * the tile's keys it sees (added in key order, as one key at a time
-         * would); the keys it does not see are not read. */
+         * the tile's keys (added in key order, as one key at a time would). */
         for (int32_t j = 0; j < heads; j++) {
             float *acc = k->acc + (int64_t)j * d;
             for (int32_t blk = 0; blk < d / vn; blk++) {
                 float wr[FM_KVQ_TILE];
-                for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) {
+                for (int32_t t = 0; t < nt; t++) {
                     wr[t] = a->v_dense != NULL ? s[j][t] : s[j][t] * a->v_norms[rows[t] * nb + blk];
                 }
                 const int32_t end = (blk + 1) * vn;
@@ -218,7 +206,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 for (; i + 4 * FM_VL <= end; i += 4 * FM_VL) {
                     fm_v x0 = fm_v_load(acc + i), x1 = fm_v_load(acc + i + FM_VL);
                     fm_v x2 = fm_v_load(acc + i + 2 * FM_VL), x3 = fm_v_load(acc + i + 3 * FM_VL);
-                    for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) {
+                    for (int32_t t = 0; t < nt; t++) {
                         const fm_v w = fm_v_splat(wr[t]);
                         x0 += w * fm_v_load(kc[t] + i);
                         x1 += w * fm_v_load(kc[t] + i + FM_VL);
@@ -232,7 +220,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 }
                 for (; i < end; i += FM_VL) {
                     fm_v x = fm_v_load(acc + i);
-                    for (int32_t t = seen_lo[j]; t < seen_hi[j]; t++) x += fm_v_splat(wr[t]) * fm_v_load(kc[t] + i);
+                    for (int32_t t = 0; t < nt; t++) x += fm_v_splat(wr[t]) * fm_v_load(kc[t] + i);
                     fm_v_store(acc + i, x);
                 }
             }

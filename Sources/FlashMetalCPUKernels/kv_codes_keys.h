@@ -1,5 +1,6 @@
-/* The key loop of attention over quantized caches, shared by kv_codec.c and
- * every ISA's instance of kv_codes_body.h. */
+/* The key loops of attention over quantized caches, shared by kv_codec.c and
+ * every ISA's instance of kv_codes_body.h (decode) and
+ * kv_codes_prefill_body.h (prefill). */
 #ifndef FM_KV_CODES_KEYS_H
 #define FM_KV_CODES_KEYS_H
 #include <stdint.h>
@@ -9,12 +10,22 @@
 /* Keys per tile: each tile's K rows are decoded once into a stack buffer of
  * FM_KVQ_TILE * FM_KVQ_MAX_HEAD_DIM floats (32 KiB). */
 #define FM_KVQ_TILE 16
-/* The most query rows one run of keys serves (FMKVQKeys.heads). */
-#define FM_KVQ_MAX_QUERIES 32
 /* Keys per block when one work item reads every kv head of its keys
  * (fm_cpu_kv_codes_decode_row): a block of every head's rows stays cached
  * while each head takes its turn. */
 #define FM_KVQ_ROW_BLOCK 64
+/* Keys per tile of the prefill, tiles starting at multiples of it. */
+#define FM_KVQ_PREFILL_KEYS 64
+/* Rows past the prefill's key tile and its items that a register block may
+ * touch (at least the largest block's rows). */
+#define FM_KVQ_PREFILL_PAD 8
+/* Floats past D in each decoded K and V row of the prefill's tiles, so
+ * consecutive rows do not sit a multiple of 512 bytes apart like the code
+ * rows they are decoded from (stores and loads 4 KiB apart look alike to
+ * the load unit). */
+#define FM_KVQ_PREFILL_SKEW 16
+/* How many keys ahead the prefill requests the rows it decodes next. */
+#define FM_KVQ_PREFILL_AHEAD 8
 
 /* Centroids by whole code bytes: by4[b] = (c4[b & 15], c4[b >> 4]), by2[b]
  * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table. */
@@ -26,10 +37,15 @@ typedef struct FMKVQTables {
 } FMKVQTables;
 
 /* One run of keys [start, end) of kv head g of sequence b, for `heads`
- * (<= FM_KVQ_MAX_QUERIES) query heads: qz [heads, D] is the query in the K side's basis; mx, sum
- * and acc [heads, D] (the V side's basis, unnormalised) are the running
- * softmax state, updated in place. With lo and hi, query j sees only the
- * keys [lo[j], hi[j]) of the run (query rows of a prefill). */
+ * queries: qz [heads, D] is the query in the K side's basis; mx, sum and
+ * acc [heads, D] (the V side's basis, unnormalised) are the running softmax
+ * state, updated in place.
+ * Decode (fm_kvq_keys): heads <= FM_CPU_KVQ_HEAD_CHUNK query heads of one
+ * query row, all seeing every key of the run; lo, hi and scratch are NULL.
+ * Prefill (fm_kvq_prefill): heads <= FM_CPU_KVQ_PREFILL_ITEMS (query row,
+ * head) items, item j seeing only the keys [lo[j], hi[j]) of the run; acc
+ * has heads + FM_KVQ_PREFILL_PAD rows, all zero on entry;
+ * scratch holds fm_kvq_prefill_tile_floats(D) floats, 64-byte aligned. */
 typedef struct FMKVQKeys {
     const KVCodesDecodeParams *p;
     const FMCPUKVCodesAttnArgs *a;
@@ -39,7 +55,17 @@ typedef struct FMKVQKeys {
     const float *qz;
     float *mx, *sum, *acc;
     const int32_t *lo, *hi;
+    float *scratch;
 } FMKVQKeys;
+
+/* The prefill's tiles: the query panel [ITEMS][D], the K rows
+ * [KEYS + PAD][D + SKEW], the V rows [KEYS][D + SKEW] and the scores
+ * [KEYS + PAD][ITEMS + PAD]. */
+static inline int64_t fm_kvq_prefill_tile_floats(int32_t d) {
+    return (int64_t)FM_CPU_KVQ_PREFILL_ITEMS * d
+           + (int64_t)(2 * FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * (d + FM_KVQ_PREFILL_SKEW)
+           + (int64_t)(FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * (FM_CPU_KVQ_PREFILL_ITEMS + FM_KVQ_PREFILL_PAD);
+}
 
 /* The storage row of key `key` of kv head g of sequence b (paged or not). */
 static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
@@ -80,7 +106,9 @@ static inline void fm_kvq_prefetch_row(const KVCodesDecodeParams *p, const FMCPU
     if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb);
 }
 
-#define FM_KVQ_DECLARE(sfx) void fm_kvq_keys_##sfx(const FMKVQKeys *k);
+#define FM_KVQ_DECLARE(sfx)                           \
+    void fm_kvq_keys_##sfx(const FMKVQKeys *k);       \
+    void fm_kvq_prefill_##sfx(const FMKVQKeys *k);
 FM_KVQ_DECLARE(portable)
 #if defined(__x86_64__)
 FM_KVQ_DECLARE(avx2)

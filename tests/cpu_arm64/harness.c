@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "fm_cpu_kernels.h"
+#include "fm_kv_codec.h"
 #include "half_convert.h"
 
 static int failures = 0;
@@ -687,6 +688,118 @@ static void run_blk_and_mask(void) {
     free(m); free(row);
 }
 
+/* ---- prefill over quantized caches ---------------------------------------- */
+
+/* K and V codes of `kbits` / `vbits` for [kL, Hkv] rows (flash-attn's
+ * layout: a key's kv heads side by side), qL causal rows at the end of the
+ * keys (window > 0: each row sees its last `window` keys), GQA H / Hkv,
+ * sinks, LSE; work items of `n_items` items, as the Swift backend drives
+ * them. Checked against double attention over the cpu codec's own
+ * dequantized rows. */
+static void run_codes_prefill(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t n_items) {
+    const int32_t H = 4, Hkv = 2, qL = 70, kL = 150, group = H / Hkv;
+    const int32_t block = D == 80 ? 16 : D == 96 ? 32 : D == 192 ? 64 : D;
+    const KVCodecParams kc = {5, D, kbits, block, (D * kbits / 8 + 15) & ~15, {0, 0}};
+    const KVCodecParams vc = {6, D, vbits, block, (D * vbits / 8 + 15) & ~15, {0, 0}};
+    const int64_t rows = (int64_t)kL * Hkv, nb = D / block;
+    float *x = malloc(sizeof(float) * rows * D), *kd = malloc(sizeof(float) * rows * D);
+    float *vd = malloc(sizeof(float) * rows * D), *q = malloc(sizeof(float) * qL * H * D);
+    float *o = malloc(sizeof(float) * qL * H * D), *lse = malloc(sizeof(float) * H * qL), sinks[4];
+    uint8_t *kq = malloc((size_t)rows * kc.row_bytes), *vq = malloc((size_t)rows * vc.row_bytes);
+    float *kn = malloc(sizeof(float) * rows * nb), *vn = malloc(sizeof(float) * rows * nb);
+    for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
+    fm_cpu_kv_encode_rows(&kc, x, FM_DTYPE_F32, kq, kn, 0, rows);
+    for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
+    fm_cpu_kv_encode_rows(&vc, x, FM_DTYPE_F32, vq, vn, 0, rows);
+    fm_cpu_kv_dequantize_rows(&kc, kq, kn, kd, 0, rows);
+    fm_cpu_kv_dequantize_rows(&vc, vq, vn, vd, 0, rows);
+    for (int64_t i = 0; i < (int64_t)qL * H * D; i++) q[i] = nrand();
+    for (int h = 0; h < H; h++) sinks[h] = nrand();
+    KVCodesDecodeParams p;
+    memset(&p, 0, sizeof p);
+    p.k_seed = kc.seed;
+    p.v_seed = vc.seed;
+    p.kv_strides[0] = rows;
+    p.kv_strides[1] = 1;
+    p.kv_strides[2] = Hkv;
+    p.n_heads = H;
+    p.n_kv_heads = Hkv;
+    p.head_dim = D;
+    p.block = block;
+    p.k_bits = kbits;
+    p.v_bits = vbits;
+    p.k_row_bytes = kc.row_bytes;
+    p.v_row_bytes = vc.row_bytes;
+    p.kv_len = kL;
+    p.q_len = qL;
+    p.scale = 1.0f / sqrtf((float)D);
+    p.causal = 1;
+    p.window_left = window > 0 ? window - 1 : -1;
+    p.window_right = -1;
+    p.batch = 1;
+    FMCPUKVCodesAttnArgs a;
+    memset(&a, 0, sizeof a);
+    a.q = q;
+    a.k_codes = kq;
+    a.k_norms = kn;
+    a.v_codes = vq;
+    a.v_norms = vn;
+    a.o = o;
+    a.sinks = sinks;
+    a.lse = lse;
+    const size_t floats = (size_t)fm_cpu_kv_codes_prefill_scratch_floats(&p);
+    float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) & ~(size_t)63);
+    for (int32_t g = 0; g < Hkv; g++)
+        for (int32_t first = 0; first < qL * group; first += n_items)
+            fm_cpu_kv_codes_prefill_items(&p, &a, first, n_items, g, 0, scratch);
+    double worst = 0, worst_lse = 0, qv[512], ref[512];
+    double *K = malloc(sizeof(double) * kL * D), *V = malloc(sizeof(double) * kL * D);
+    int *vis = malloc(sizeof(int) * kL);
+    for (int32_t h = 0; h < H; h++) {
+        const int32_t g = h / group;
+        for (int64_t j = 0; j < kL; j++)
+            for (int32_t d = 0; d < D; d++) {
+                K[j * D + d] = kd[(j * Hkv + g) * D + d];
+                V[j * D + d] = vd[(j * Hkv + g) * D + d];
+            }
+        for (int32_t i = 0; i < qL; i++) {
+            const int64_t pos = kL - qL + i;
+            for (int64_t j = 0; j < kL; j++) vis[j] = j <= pos && (window <= 0 || j > pos - window);
+            for (int32_t d = 0; d < D; d++) qv[d] = q[((int64_t)i * H + h) * D + d];
+            /* The sink joins the denominator without a value: ref_row's
+             * softmax over the keys, then rescaled by the sink's share. */
+            ref_row(qv, K, V, kL, D, D, p.scale, NULL, vis, ref);
+            double mx = sinks[h], tot = 0;
+            for (int64_t j = 0; j < kL; j++) {
+                if (!vis[j]) continue;
+                double dot = 0;
+                for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
+                if (p.scale * dot > mx) mx = p.scale * dot;
+            }
+            for (int64_t j = 0; j < kL; j++) {
+                if (!vis[j]) continue;
+                double dot = 0;
+                for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
+                tot += exp(p.scale * dot - mx);
+            }
+            const double share = tot / (tot + exp(sinks[h] - mx));
+            for (int32_t d = 0; d < D; d++) {
+                const double want = ref[d] * share, got = o[((int64_t)i * H + h) * D + d];
+                const double err = fabs(got - want) / (1e-5 + 1e-4 * fabs(want));
+                if (!(err <= worst)) worst = err;
+            }
+            const double want_lse = mx + log(tot + exp(sinks[h] - mx)), got_lse = lse[(int64_t)h * qL + i];
+            const double el = fabs(got_lse - want_lse) / 1e-5;
+            if (!(el <= worst_lse)) worst_lse = el;
+        }
+    }
+    CHECK(worst <= 1.0 && worst_lse <= 1.0,
+          "codes prefill %s D=%d K%d/V%d window=%d items=%d: error %.3gx tolerance (lse %.3gx)",
+          fm_cpu_isa_name(fm_cpu_isa()), D, kbits, vbits, window, n_items, worst, worst_lse);
+    free(x); free(kd); free(vd); free(q); free(o); free(lse); free(kq); free(vq); free(kn); free(vn);
+    free(scratch); free(K); free(V); free(vis);
+}
+
 int main(int argc, char **argv) {
     const int isa = fm_cpu_isa();
     printf("cpu-arm64: ISA path %s\n", fm_cpu_isa_name(isa));
@@ -742,6 +855,11 @@ int main(int argc, char **argv) {
             run_decode(&alibi);
         }
     run_serving_cases(fast);
+    run_codes_prefill(128, 4, 8, 0, 256);
+    run_codes_prefill(128, 8, 4, 0, 64);
+    run_codes_prefill(80, 3, 5, 0, 64);
+    run_codes_prefill(192, 6, 2, 90, 256);
+    run_codes_prefill(64, 4, 4, 70, 64);
     run_blk_and_mask();
     for (int xi = 0; xi < 3; xi++)
         for (int ci = 0; ci < 3; ci++) run_rotary(dts[xi], dts[ci], (xi + ci) % 2, xi != 1);

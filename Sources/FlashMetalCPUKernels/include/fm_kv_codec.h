@@ -61,15 +61,18 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
 void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item,
                                   int32_t nsplit, const float *parts);
 
-/* kv_codes_prefill on the cpu: items [first, first + FM_CPU_KVQ_PREFILL_ITEMS)
- * of kv head g of sequence b (item = query row * (H / Hkv) + head of the
- * group; those past the sequence's rows skipped) over one run of the keys
- * any of them sees, each key tile's codes decoded once for all of them.
- * FM_CPU_KVQ_PREFILL_ITEMS is a multiple of FM_KVQ_PREFILL_ROWS, so a
- * work item is whole threadgroups of the dispatch's grid. */
-enum { FM_CPU_KVQ_PREFILL_ITEMS = 32 };
+/* kv_codes_prefill on the cpu: items [first, first + n_items) of kv head g
+ * of sequence b (item = query row * (H / Hkv) + head of the group; those
+ * past the sequence's rows skipped; n_items at most
+ * FM_CPU_KVQ_PREFILL_ITEMS) over one run of the keys any of them sees, each
+ * key tile's codes decoded once for all of them. n_items a multiple of
+ * FM_CPU_KVQ_PREFILL_STEP (whole threadgroups of the dispatch's grid) keeps
+ * the kernel's vectors full. scratch: the calling worker's
+ * fm_cpu_kv_codes_prefill_scratch_floats floats, 64-byte aligned. */
+enum { FM_CPU_KVQ_PREFILL_ITEMS = 256, FM_CPU_KVQ_PREFILL_STEP = 64 };
+int64_t fm_cpu_kv_codes_prefill_scratch_floats(const KVCodesDecodeParams *p);
 void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t first,
-                                   int64_t g, int64_t b);
+                                   int32_t n_items, int64_t g, int64_t b, float *scratch);
 
 /* kv_codes_append (KVCodesAppendParams): work item `item` = (b * n_new + i)
  * * Hkv + g encodes new row i of kv head g of sequence b into both code
