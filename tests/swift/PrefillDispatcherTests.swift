@@ -254,7 +254,7 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(d: 300), contains: "head_dim must be in 1...256 or 512, got 300")
         expectError(Case(d: 0), contains: "head_dim must be in 1...256 or 512, got 0")
         expectError(Case(dtype: .i32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16 or float32, got int32")
-        expectError(Case(d: 512, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256, got 512")
+        expectError(Case(d: 300, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256 or 512, got 300")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
         expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
