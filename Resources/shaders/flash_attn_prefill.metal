@@ -39,8 +39,9 @@
 // never read: their lanes read its last key instead, whose score is masked
 // (P = 0). bf16/f16, BQ 16, BK 64, NSG 8: Q^T 18 KiB + two S tiles and
 // factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread.
-// Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
-// are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
+// Float I/O (D <= 192) takes a 32-bit word per tile element, so its tiles
+// are smaller at D 192 (PrefillCapability.f32Geometry); float D 256 and 512
+// run flash_attn_prefill_split (below).
 //
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
@@ -1216,10 +1217,18 @@ template <> inline void split_add<2>(thread float *x, const threadgroup float *a
 }
 template <int N> inline void split_put(threadgroup float *at, thread const float *x);
 template <> inline void split_put<4>(threadgroup float *at, thread const float *x) {
-    *reinterpret_cast<threadgroup float4 *>(at) = float4(x[0], x[1], x[2], x[3]);
+    float4 v;
+    v.x = x[0];
+    v.y = x[1];
+    v.z = x[2];
+    v.w = x[3];
+    *reinterpret_cast<threadgroup float4 *>(at) = v;
 }
 template <> inline void split_put<2>(threadgroup float *at, thread const float *x) {
-    *reinterpret_cast<threadgroup float2 *>(at) = float2(x[0], x[1]);
+    float2 v;
+    v.x = x[0];
+    v.y = x[1];
+    *reinterpret_cast<threadgroup float2 *>(at) = v;
 }
 
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
