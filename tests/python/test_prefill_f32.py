@@ -1,7 +1,9 @@
 """The tiled prefill kernel with float32 I/O, on every backend (sim and
 metal-sim run the Metal kernel; cpu its twin), against the float64 reference
 at float32's tolerance: every head dim it has (its threadgroup tiles differ
-from the two-byte kernel's at D 192 and 256), each feature of the bf16 path
+from the two-byte kernel's at D 192; D 256 and 512 run the kernel that splits
+the head dim between simdgroups), padded head dims and v of its own head dim,
+each feature of the bf16 path
 (causal with an offset, window, softcap, additive and bool masks, GQA, blk,
 sinks, LSE, ALiBi, varlen, paged), and the routes that now take it (the
 drop-in, the serving API). Shapes are small and leave partial query and key
