@@ -199,7 +199,7 @@ def prefill_cases(reg, dims, dtypes, lengths, heads=32):
     f32_dims = fm.supported_head_dims("flash_attn_prefill_f32")
     for dt in dtypes:
         for d in dims:
-            # float32 at a head dim without a tiled float32 kernel (512) runs on sdpa.
+            # float32 at a head dim without a tiled float32 kernel runs on sdpa.
             tiled = dt != "f32" or d in f32_dims
             for mask in ("full", "causal", "window"):
                 def run(size, batch, hkv, dt=dt, d=d, mask=mask, tiled=tiled):

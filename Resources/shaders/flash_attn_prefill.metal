@@ -41,8 +41,9 @@
 // factors 8.6 KiB = 27,264 bytes; 32 accumulator floats per thread. MLA's
 // q/k of 576 over v of 512 (BDV) runs the same body: S over 576 columns
 // (Q^T 20.25 KiB, 29,568 bytes in all), O over 512.
-// Float I/O (D <= 256) takes a 32-bit word per tile element, so its tiles
-// are smaller at D 192 and 256 (PrefillCapability.f32Geometry).
+// Float I/O (D <= 192) takes a 32-bit word per tile element, so its tiles
+// are smaller at D 192 (PrefillCapability.f32Geometry); float D 256 and 512
+// run flash_attn_prefill_split (below).
 //
 // Buffers (mlx-native's layout): 0 Q, 1 K, 2 V, 3 O, 4 AttnParams, 5 AttnMaskParams,
 // 6 mask, 7 blk. Function constants 200 align_Q, 201 align_K, 300 has_mask,
@@ -1144,10 +1145,333 @@ kernel void flash_attn_prefill(
                                                               lane, tid);
 }
 
+// Float32 at D 256 and 512 ("split" body). A float32 tile of 32 query rows
+// alone fills 32 KiB at D = 256, so Q does not live in threadgroup memory:
+// NSG = WM * WN simdgroups split the head dim, each owning DS = BD / NSG
+// columns of Q (read once into registers) and of O (registers), for all BQ
+// rows. Per key tile of BK keys:
+//   each simdgroup computes its partial S^T = K Q^T over its DS columns
+//       (K read straight from device memory, a run of 4 floats per lane:
+//       wide_column's map with RUN = 4) into its own threadgroup tile;
+//   barrier; simdgroups 0 .. BQ / 8 - 1 each sum the NSG partials of 8 rows
+//       (in simdgroup order) into P and run the online softmax on it
+//       (prefill_wide_softmax; 4 lanes a row), writing the row factors;
+//   barrier; each simdgroup rescales its O columns and adds P V, V read
+//       from device memory a run per lane at its columns.
+// P and the factors are read after the second barrier and next written after
+// the next tile's first, the partials read between the two: one copy of
+// each, two barriers per tile. K and V are read once per threadgroup and key
+// tile (the K/V re-read is ceil(qL / BQ)). Keys past the tile's last read
+// that key instead (prefill_wide_row; their score is masked). Columns at or
+// past D (Q, K) or Dv (V) read as zeros and are not stored.
+// D 256: BQ 32, BK 16, 8 simdgroups (32 columns each): partials 20 KiB +
+// P and factors = 23,296 bytes; 32 + 32 floats of Q and O per thread. D 512:
+// BQ 32, BK 8, 16 simdgroups: 26,368 bytes, the same registers.
+template <int BQ, int BK, int NSG> struct PrefillSplitTiles {
+    static constexpr int LDS = BK + 4;  // floats per S row (against bank conflicts)
+    static constexpr int s_floats = BQ * LDS;
+    static constexpr int floats = (NSG + 1) * s_floats + 2 * BQ;  // partials, P, factors, final 1/l
+    static constexpr int bytes = floats * 4;
+};
+
+// Four floats of a row from `at` as words w[0..3]: n of them below the
+// row's head dim are read, the rest are zeros (nothing past them is read).
+// Where the host found rows aligned (tile_load_bytes) a whole run is one
+// 16-byte load, or each whole pair one 8-byte load.
+inline void split_read_run(thread uint *w, const device float *at, int n) {
+    if (n >= 4 && tile_load_bytes == 16) {
+        read_run<uint4>(w, at, true);
+    } else if (tile_load_bytes == 8) {
+        FA_UNROLL
+        for (int h = 0; h < 4; h += 2) {
+            if (n - h >= 2) {
+                read_run<uint2>(w + h, at + h, true);
+            } else {
+                w[h] = n - h == 1 ? as_type<uint>(at[h]) : 0u;
+                w[h + 1] = 0u;
+            }
+        }
+    } else {
+        FA_UNROLL
+        for (int e = 0; e < 4; e++) w[e] = e < n ? as_type<uint>(at[e]) : 0u;
+    }
+}
+
+// The same four floats into fragments f[0] (elements 0, 1) and f[1] (2, 3).
+inline void split_read_frags(thread simdgroup_float8x8 *f, const device float *at, int n) {
+    uint w[4];
+    split_read_run(w, at, n);
+    FA_UNROLL
+    for (int i = 0; i < 2; i++) {
+        f[i].thread_elements()[0] = as_type<float>(w[2 * i]);
+        f[i].thread_elements()[1] = as_type<float>(w[2 * i + 1]);
+    }
+}
+
+// x[0 .. N) += the N floats at `at` (16-byte aligned for 4, 8 for 2): one
+// threadgroup load; split_put stores them back the same way.
+template <int N> inline void split_add(thread float *x, const threadgroup float *at);
+template <> inline void split_add<4>(thread float *x, const threadgroup float *at) {
+    const float4 v = *reinterpret_cast<const threadgroup float4 *>(at);
+    x[0] += v.x;
+    x[1] += v.y;
+    x[2] += v.z;
+    x[3] += v.w;
+}
+template <> inline void split_add<2>(thread float *x, const threadgroup float *at) {
+    const float2 v = *reinterpret_cast<const threadgroup float2 *>(at);
+    x[0] += v.x;
+    x[1] += v.y;
+}
+template <int N> inline void split_put(threadgroup float *at, thread const float *x);
+template <> inline void split_put<4>(threadgroup float *at, thread const float *x) {
+    float4 v;
+    v.x = x[0];
+    v.y = x[1];
+    v.z = x[2];
+    v.w = x[3];
+    *reinterpret_cast<threadgroup float4 *>(at) = v;
+}
+template <> inline void split_put<2>(threadgroup float *at, thread const float *x) {
+    float2 v;
+    v.x = x[0];
+    v.y = x[1];
+    *reinterpret_cast<threadgroup float2 *>(at) = v;
+}
+
+template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB = BQ, int BKB = BK>
+[[max_total_threads_per_threadgroup(32 * WM * WN)]]
+kernel void flash_attn_prefill_split(
+    const device T *Q [[buffer(0)]],
+    const device T *K [[buffer(1)]],
+    const device T *V [[buffer(2)]],
+    device T *O [[buffer(3)]],
+    constant AttnParams &p [[buffer(4)]],
+    // Declared only when their constant is set, so Metal never asks for them unbound.
+    constant AttnMaskParams *mp [[buffer(5), function_constant(has_mask)]],
+    const device MaskT *mask [[buffer(6), function_constant(has_mask)]],
+    const device uchar *blk [[buffer(7), function_constant(has_blk)]],
+    constant AttnSeqParams *sp [[buffer(8), function_constant(prefill_seq)]],
+    const device int *cu_q [[buffer(9), function_constant(varlen_q)]],
+    const device int *cu_k [[buffer(10), function_constant(varlen_k)]],
+    const device int *seqlens_k [[buffer(11), function_constant(kv_lens)]],
+    const device int *block_table [[buffer(12), function_constant(paged_kv)]],
+    const device float *sinks [[buffer(13), function_constant(has_sinks)]],
+    device float *lse [[buffer(14), function_constant(has_lse)]],
+    const device float *alibi [[buffer(15), function_constant(has_alibi)]],
+    uint3 tgid BUILTIN(threadgroup_position_in_grid),
+    uint sg BUILTIN(simdgroup_index_in_threadgroup),
+    uint lane BUILTIN(thread_index_in_simdgroup),
+    uint tid BUILTIN(thread_index_in_threadgroup)) {
+    constexpr int NSG = WM * WN;
+    typedef PrefillSplitTiles<BQ, BK, NSG> G;
+    constexpr int TQ = BQ / 8;      // row fragments
+    constexpr int TK = BK / 8;      // key fragments
+    constexpr int DS = BD / NSG;    // Q and O columns of a simdgroup
+    constexpr int RUN = 4;          // floats a lane reads at a time (wide_column)
+    constexpr int RF = RUN / 2;     // fragments per run
+    constexpr int RB = 4 * RUN;     // head-dim columns per block of runs
+    constexpr int TB = DS / RB;     // blocks per simdgroup
+    constexpr int TO = TB * RF;     // O fragments per row fragment
+    constexpr int LPR = 4;          // softmax lanes per row
+    constexpr int RPS = 32 / LPR;   // rows per softmax simdgroup
+    constexpr int CPL = BK / LPR;   // S columns per lane
+    constexpr int SMX = BQ / RPS;   // simdgroups running the softmax
+    constexpr int LDS = G::LDS;
+    static_assert(sizeof(T) == 4, "the split body takes float32 elements");
+    static_assert(G::bytes < 32768, "threadgroup memory must stay under 32 KiB");
+    static_assert(BQ % 8 == 0 && BK % LPR == 0 && DS % RB == 0 && SMX <= NSG, "whole fragments and runs");
+    static_assert(RF == 2, "a run holds the columns of two fragments");
+    static_assert(LDS % 4 == 0 && G::floats % 4 == 0 && (CPL == 2 || CPL == 4), "aligned vector S loads");
+    static_assert((BQB % BQ == 0 && BKB % BK == 0) || (BQ % BQB == 0 && BK % BKB == 0),
+                  "a kernel tile lies inside one blk tile or is tiled by whole blk tiles");
+    typedef float4 SplitWord;  // the S tiles' element: aligned for their vector loads
+    TG_ARRAY(SplitWord, Ss4, G::floats / 4);
+    threadgroup float *Ss = reinterpret_cast<threadgroup float *>(Ss4);
+    threadgroup float *P = Ss + NSG * G::s_floats;
+    threadgroup float *F = P + G::s_floats;
+    threadgroup float *Fi = F + BQ;
+
+    PrefillSeqBuffers sb;
+    sb.sp = prefill_seq ? sp : nullptr;
+    sb.cu_q = varlen_q ? cu_q : nullptr;
+    sb.cu_k = varlen_k ? cu_k : nullptr;
+    sb.seqlens_k = kv_lens ? seqlens_k : nullptr;
+    sb.block_table = paged_kv ? block_table : nullptr;
+    sb.sinks = has_sinks ? sinks : nullptr;
+    sb.lse = has_lse ? lse : nullptr;
+    sb.alibi = has_alibi ? alibi : nullptr;
+    const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
+    if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
+    (void)tid;
+
+    short fr, fc;
+    frag_coord(lane, fr, fc);
+    const int c0 = int(sg) * DS;           // this simdgroup's first column
+    const int lc = c0 + (fc / 2) * RUN;    // this lane's first run column (block 0)
+
+    // qf[(q * TB + b) * RF + i]: B[r][c] = Q[row q * 8 + c][column r of
+    // fragment i of block b] (wide_column's map), zeros past the rows and D.
+    // Column r of fragments 0 and 1 is element r % 2 and 2 + r % 2 of the
+    // run at r / 2: this lane reads the runs of its two rows whole.
+    simdgroup_float8x8 qf[TQ * TB * RF];
+    FA_UNROLL
+    for (int q = 0; q < TQ; q++) {
+        FA_UNROLL
+        for (int e = 0; e < 2; e++) {
+            const long r = w.q_row0 + q * 8 + fc + e;
+            const bool ok = align_Q || r < w.s.q_len;
+            const device T *qrow = w.Qb + (ok ? r : 0) * p.Q_strides[2] + c0 + (fr / 2) * RUN;
+            FA_UNROLL
+            for (int b = 0; b < TB; b++) {
+                uint qw[RUN];
+                split_read_run(qw, qrow + b * RB, ok ? p.D - (c0 + (fr / 2) * RUN + b * RB) : 0);
+                qf[(q * TB + b) * RF].thread_elements()[e] = as_type<float>(fr % 2 != 0 ? qw[1] : qw[0]);
+                qf[(q * TB + b) * RF + 1].thread_elements()[e] = as_type<float>(fr % 2 != 0 ? qw[3] : qw[2]);
+            }
+        }
+    }
+    // The softmax's row and columns of this lane (simdgroups below SMX).
+    const bool smx = int(sg) < SMX;
+    const int srow = smx ? int(sg) * RPS + int(lane) / LPR : 0;
+    const int scol = (int(lane) % LPR) * CPL;
+    const long q_row = w.q_row0 + srow;
+    const bool row_exists = smx && (align_Q || q_row < w.s.q_len);
+    const long q_pos = w.s.q_off + q_row;
+    const device MaskT *mask_row = nullptr;  // only touched when has_mask
+    if (has_mask) mask_row = prefill_mask_row(mask, mp, w.b, w.h, q_row);
+    const float slope = has_alibi ? sb.alibi[w.b * long(p.H) + w.h] : 0.0f;
+    const bool split_pages = prefill_split_pages<BK>(sb);
+    const long kps = paged_kv ? sb.sp->K_page_stride : 0;
+    const long vps = paged_kv ? sb.sp->V_page_stride : 0;
+    float row_max = FM_RUNNING_MAX_START;
+    float row_sum = 0.0f;
+
+    // acc[q * TO + b * RF + i]: O rows q * 8 .., fragment i of block b of
+    // this simdgroup's columns.
+    simdgroup_float8x8 acc[TQ * TO];
+    FA_UNROLL
+    for (int i = 0; i < TQ * TO; i++) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+    for (int kt = w.lo; kt < w.hi; kt++) {
+        uchar tile_class = 1;
+        if (has_blk) {
+            tile_class = prefill_tile_class<BQ, BK, BQB, BKB>(blk, p, long(tgid.x), kt);
+            if (tile_class == 0) continue;  // uniform over the threadgroup
+        }
+        const long k0 = long(kt) * BK;
+        const long len = align_K ? long(BK) : min(long(BK), w.s.k_len - k0);
+        const device T *Kt = prefill_kv_tile(K, p.K_strides, kps, sb, w.s, w.b, w.kvh, k0);
+        const device T *Vt = prefill_kv_tile(V, p.V_strides, vps, sb, w.s, w.b, w.kvh, k0);
+
+        // This simdgroup's partial S^T[keys j * 8 .., rows] over its columns.
+        {
+            threadgroup float *S = Ss + int(sg) * G::s_floats;
+            FA_UNROLL
+            for (int j = 0; j < TK; j++) {
+                const device T *krow = prefill_wide_row(K, Kt, p.K_strides, kps, sb, w.b, w.kvh, k0, j * 8 + fr,
+                                                        len, split_pages) + lc;
+                simdgroup_float8x8 st[TQ];
+                FA_UNROLL
+                for (int q = 0; q < TQ; q++) st[q] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+                FA_UNROLL
+                for (int b = 0; b < TB; b++) {
+                    simdgroup_float8x8 kf[RF];
+                    split_read_frags(kf, krow + b * RB, p.D - (lc + b * RB));
+                    FA_UNROLL
+                    for (int i = 0; i < RF; i++) {
+                        FA_UNROLL
+                        for (int q = 0; q < TQ; q++) {
+                            simdgroup_multiply_accumulate(st[q], kf[i], qf[(q * TB + b) * RF + i], st[q]);
+                        }
+                    }
+                }
+                FA_UNROLL
+                for (int q = 0; q < TQ; q++) {
+                    S[(q * 8 + fc) * LDS + j * 8 + fr] = st[q].thread_elements()[0];
+                    S[(q * 8 + fc + 1) * LDS + j * 8 + fr] = st[q].thread_elements()[1];
+                }
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        if (smx) {
+            threadgroup float *prow = P + srow * LDS + scol;
+            float x[CPL];
+            FA_UNROLL
+            for (int e = 0; e < CPL; e++) x[e] = 0.0f;
+            FA_UNROLL
+            for (int g = 0; g < NSG; g++) split_add<CPL>(x, Ss + g * G::s_floats + srow * LDS + scol);
+            split_put<CPL>(prow, x);
+            const float factor = prefill_wide_softmax<CPL, LPR>(prow, p, w.s, mask_row, k0 + scol, row_exists, q_pos,
+                                                                tile_class, slope, row_max, row_sum);
+            if (int(lane) % LPR == 0) F[srow] = factor;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        // O[rows, this simdgroup's columns] = O * factor + P V.
+        FA_UNROLL
+        for (int q = 0; q < TQ; q++) {
+            const float f = F[q * 8 + fr];
+            FA_UNROLL
+            for (int m = 0; m < TO; m++) {
+                acc[q * TO + m].thread_elements()[0] *= f;
+                acc[q * TO + m].thread_elements()[1] *= f;
+            }
+        }
+        FA_UNROLL
+        for (int j = 0; j < TK; j++) {
+            simdgroup_float8x8 pf[TQ];
+            FA_UNROLL
+            for (int q = 0; q < TQ; q++) {
+                const float2 pr = *reinterpret_cast<const threadgroup float2 *>(P + (q * 8 + fr) * LDS + j * 8 + fc);
+                pf[q].thread_elements()[0] = pr.x;
+                pf[q].thread_elements()[1] = pr.y;
+            }
+            const device T *vrow = prefill_wide_row(V, Vt, p.V_strides, vps, sb, w.b, w.kvh, k0, j * 8 + fr, len,
+                                                    split_pages) + lc;
+            FA_UNROLL
+            for (int b = 0; b < TB; b++) {
+                simdgroup_float8x8 vf[RF];
+                split_read_frags(vf, vrow + b * RB, p.Dv - (lc + b * RB));
+                FA_UNROLL
+                for (int i = 0; i < RF; i++) {
+                    FA_UNROLL
+                    for (int q = 0; q < TQ; q++) {
+                        simdgroup_multiply_accumulate(acc[q * TO + b * RF + i], pf[q], vf[i],
+                                                      acc[q * TO + b * RF + i]);
+                    }
+                }
+            }
+        }
+    }
+
+    // 1/l per row through its own array (the factors may still be read).
+    if (smx) {
+        const float inv = prefill_finish_row(row_max, row_sum, has_sinks ? sb.sinks[w.h] : 0.0f,
+                                             prefill_lse_at(w, sb, q_row, row_exists, short(int(lane) % LPR)));
+        if (int(lane) % LPR == 0) Fi[srow] = inv;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    FA_UNROLL
+    for (int q = 0; q < TQ; q++) {
+        const long r = w.q_row0 + q * 8 + fr;
+        if (!(align_Q || r < w.s.q_len)) continue;
+        const float f = Fi[q * 8 + fr];
+        device T *out = w.Ob + r * p.O_strides[2];
+        FA_UNROLL
+        for (int m = 0; m < TO; m++) {
+            const int c = lc + (m / RF) * RB + (m % RF) * 2;  // columns at or past Dv are padding
+            if (c < p.Dv) out[c] = T(acc[q * TO + m].thread_elements()[0] * f);
+            if (c + 1 < p.Dv) out[c + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
+        }
+    }
+}
+
 // mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192, and MLA's 576 over v 512:
 // (T, MaskT, BQ, BK, BD, WM, WN[, BQB, BKB[, BDV]]). The geometry must match PrefillCapability in
-// Sources/FlashMetalCore (float32: its f32Geometry, with the blk tile where that differs; BDV: its
-// valueHeadDim).
+// Sources/FlashMetalCore (float32: its f32Geometry, with the blk tile where that differs, and
+// f32SplitGeometry for flash_attn_prefill_split; BDV: its valueHeadDim).
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
@@ -1190,5 +1514,7 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128", flash_attn_prefill, float, flo
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d128_boolmask", flash_attn_prefill, float, uchar, 32, 16, 128, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192", flash_attn_prefill, float, float, 32, 8, 192, 4, 1, 32, 16)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d192_boolmask", flash_attn_prefill, float, uchar, 32, 8, 192, 4, 1, 32, 16)
-INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256", flash_attn_prefill, float, float, 16, 8, 256, 2, 1, 32, 16)
-INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256_boolmask", flash_attn_prefill, float, uchar, 16, 8, 256, 2, 1, 32, 16)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256", flash_attn_prefill_split, float, float, 32, 16, 256, 1, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256_boolmask", flash_attn_prefill_split, float, uchar, 32, 16, 256, 1, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d512", flash_attn_prefill_split, float, float, 32, 8, 512, 1, 16, 8, 8)
+INSTANTIATE_KERNEL("flash_attn_prefill_f32_d512_boolmask", flash_attn_prefill_split, float, uchar, 32, 8, 512, 1, 16, 8, 8)

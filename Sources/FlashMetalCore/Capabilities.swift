@@ -52,19 +52,29 @@ public enum PrefillCapability {
     /// Float32 kernels' own tiles where the two-byte ones do not fit:
     /// a float32 tile takes a 32-bit word per element, 4 * (BQ + BK) * (D + 8)
     /// bytes: 13,824 (D=64) ... 26,112 (128) at the two-byte geometry;
-    /// 32,000 at D = 192 with 8-key tiles; 25,344 at D = 256 with 16 query
-    /// rows (2 simdgroups) and 8 keys. Each tile lies inside one of the head
-    /// dim's `geometry` tile, which stays the grid of the tile-skip classes
-    /// (blk) and of AttnParams' NQ/NK. D = 512 has none: its wide tile's
-    /// Q alone (16 x 512 floats) fills 32 KiB; float32 at D = 512 takes the
-    /// general kernel.
+    /// 32,000 at D = 192 with 8-key tiles. Each tile lies inside one of the
+    /// head dim's `geometry` tile, which stays the grid of the tile-skip
+    /// classes (blk) and of AttnParams' NQ/NK. D 256 and 512 run
+    /// `f32SplitGeometry`.
     public static let f32Geometry: [Int: PrefillGeometry] = [
         64: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         80: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         96: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         128: PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1),
         192: PrefillGeometry(bq: 32, bk: 8, wm: 4, wn: 1),
-        256: PrefillGeometry(bq: 16, bk: 8, wm: 2, wn: 1),
+    ]
+    /// Float32 kernels that split the head dim between their simdgroups
+    /// (`flash_attn_prefill_split`): a float32 tile of 32 query rows would
+    /// fill 32 KiB with Q alone at D = 256, so each of WN simdgroups holds
+    /// D / WN columns of Q and of O in registers for all BQ rows (32 + 32
+    /// floats per thread), reads K and V at those columns straight from
+    /// device memory, and the partial scores meet in threadgroup memory:
+    /// D = 256 32 rows x 16 keys, 8 simdgroups, 23,296 bytes; D = 512 32 rows
+    /// x 8 keys, 16 simdgroups, 26,368 bytes. The D = 256 tile is its blk
+    /// tile; the D = 512 one covers four (the kernel combines their classes).
+    public static let f32SplitGeometry: [Int: PrefillGeometry] = [
+        256: PrefillGeometry(bq: 32, bk: 16, wm: 1, wn: 8),
+        512: PrefillGeometry(bq: 32, bk: 8, wm: 1, wn: 16),
     ]
     /// Two-byte kernels whose tile is not their head dim's `geometry` row:
     /// D = 512 shares 16 query rows and 64 keys between 8 simdgroups (each
@@ -95,11 +105,13 @@ public enum PrefillCapability {
     public static let ioTypes: [DType] = [.bf16, .f16, .f32]
 
     /// The head dims with a kernel for `io`, ascending.
-    public static func headDims(io: DType) -> [Int] { io == .f32 ? f32Geometry.keys.sorted() : headDims }
+    public static func headDims(io: DType) -> [Int] {
+        io == .f32 ? (Array(f32Geometry.keys) + Array(f32SplitGeometry.keys)).sorted() : headDims
+    }
 
     /// The threadgroup tile of `io`'s kernel at `headDim` (nil: no kernel).
     public static func kernelGeometry(io: DType, headDim: Int) -> PrefillGeometry? {
-        io == .f32 ? f32Geometry[headDim] : wideGeometry[headDim] ?? geometry[headDim]
+        io == .f32 ? f32Geometry[headDim] ?? f32SplitGeometry[headDim] : wideGeometry[headDim] ?? geometry[headDim]
     }
 
     /// The head dims with a kernel for `io`, `valueHeadDim`'s tiles

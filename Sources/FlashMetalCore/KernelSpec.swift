@@ -81,12 +81,14 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
             let g = PrefillCapability.kernelGeometry(io: io, headDim: d)!
             let args = [io.mslName, boolMask ? DType.bool.mslName : io.mslName,
                         "\(g.bq)", "\(g.bk)", "\(d)", "\(g.wm)", "\(g.wn)"]
+            let function = io == .f32 && PrefillCapability.f32SplitGeometry[d] != nil
+                ? "flash_attn_prefill_split" : "flash_attn_prefill"
             // The blk tile, where it is not the kernel's own, then v's head
             // dim, where it is not the tile width.
             let blk = PrefillCapability.geometry[d]!
             let dv = PrefillCapability.valueHeadDim[d]
-            if blk.bq == g.bq && blk.bk == g.bk && dv == nil { return ("flash_attn_prefill", args) }
-            return ("flash_attn_prefill", args + ["\(blk.bq)", "\(blk.bk)"] + (dv.map { ["\($0)"] } ?? []))
+            if blk.bq == g.bq && blk.bk == g.bk && dv == nil { return (function, args) }
+            return (function, args + ["\(blk.bq)", "\(blk.bk)"] + (dv.map { ["\($0)"] } ?? []))
         case let .blk(m): return ("flash_attn_prefill_blk", [m.mslName])
         case let .maskBuilder(o): return ("flash_attn_prefill_mask", [o.mslName])
         case let .vec(kv, d): return ("flash_attn_vec", [kv.mslName, "\(d)"])

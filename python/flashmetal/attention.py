@@ -369,13 +369,12 @@ def scaled_dot_product_attention(
       one query row whose ``attn_mask`` (bool, or 0/-inf) keeps one key
       range per batch row, the same for every head (left padding, a sliding
       window, causal), without sinks (``key_ranges``);
-    - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16, D in
-      {64, 80, 96, 128, 192, 256, 512}, float32 D in {64, 80, 96, 128, 192,
-      256} (other D below the largest zero-padded to the next one when
-      there are >= ``PAD_MIN_QUERY_ROWS`` query rows), the causal rows inside
-      the keys;
+    - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
+      D in {64, 80, 96, 128, 192, 256, 512} (other D below the largest
+      zero-padded to the next one when there are >= ``PAD_MIN_QUERY_ROWS``
+      query rows), the causal rows inside the keys;
     - ``sdpa`` (the general kernel) for everything else: any head dim
-      (48, 160, 640, 1024, ... up to 65536; float32 at 512), qL > kL.
+      (48, 160, 640, 1024, ... up to 65536), qL > kL.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 

@@ -43,9 +43,9 @@ def flash_attn_prefill(
 
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
-            bfloat16, float16 or float32. Any D from 1 to 256, or 512 for
-            bfloat16/float16 (``supported_head_dims("flash_attn_prefill")``
-            lists the tiled ones; float32: ``"flash_attn_prefill_f32"``).
+            bfloat16, float16 or float32. Any D from 1 to 256, or 512
+            (``supported_head_dims("flash_attn_prefill")`` lists the tiled
+            ones; float32: ``"flash_attn_prefill_f32"``).
             v may have a head dim Dv of its own (out then has Dv): unequal
             dims both in 1...256, or D 576 over Dv 512 (MLA) for
             bfloat16/float16.

@@ -165,7 +165,7 @@ def test_loader_refuses_a_header_of_another_abi(tmp_path: Path):
 
 def test_supported_head_dims_come_from_the_library():
     assert fm.supported_head_dims("flash_attn_prefill") == (64, 80, 96, 128, 192, 256, 512)
-    assert fm.supported_head_dims("flash_attn_prefill_f32") == (64, 80, 96, 128, 192, 256)
+    assert fm.supported_head_dims("flash_attn_prefill_f32") == (64, 80, 96, 128, 192, 256, 512)
     assert fm.supported_head_dims("flash_attn_decode") == (64, 80, 96, 128, 192, 256, 512, 576)
     assert fm.supported_head_dims("flash_attn_vec") == fm.supported_head_dims("flash_attn_decode")  # alias
     assert fm.supported_head_dims("kv_codec") == (64, 80, 96, 128, 192, 256, 512)

@@ -1,7 +1,9 @@
 """The tiled prefill kernel with float32 I/O, on every backend (sim and
 metal-sim run the Metal kernel; cpu its twin), against the float64 reference
 at float32's tolerance: every head dim it has (its threadgroup tiles differ
-from the two-byte kernel's at D 192 and 256), each feature of the bf16 path
+from the two-byte kernel's at D 192; D 256 and 512 run the kernel that splits
+the head dim between simdgroups), padded head dims and v of its own head dim,
+each feature of the bf16 path
 (causal with an offset, window, softcap, additive and bool masks, GQA, blk,
 sinks, LSE, ALiBi, varlen, paged), and the routes that now take it (the
 drop-in, the serving API). Shapes are small and leave partial query and key
@@ -19,9 +21,9 @@ DIMS = fm.supported_head_dims("flash_attn_prefill_f32")
 
 
 def test_head_dims():
-    """Every two-byte head dim but 512 (whose float32 tiles exceed 32 KiB)."""
-    assert DIMS == tuple(d for d in fm.supported_head_dims("flash_attn_prefill") if d != 512)
-    assert DIMS == (64, 80, 96, 128, 192, 256)
+    """Every two-byte head dim (D 256 and 512 on the kernel that splits the head dim)."""
+    assert DIMS == fm.supported_head_dims("flash_attn_prefill")
+    assert DIMS == (64, 80, 96, 128, 192, 256, 512)
 
 
 def check_lse(lse, exp_lse, what):
@@ -73,11 +75,12 @@ def test_prefill(registry, rng, d, feature):
     assert_close(out, exp, F32, f"{registry.backend} f32 prefill D={d} {feature}")
 
 
-@pytest.mark.parametrize("d", [64, 192, 256])
+@pytest.mark.parametrize("d", [64, 192, 256, 512])
 def test_blk(registry, rng, d):
     """A float32 mask's blk (explicit, and the automatic pre-pass) leaves the
-    output bit-identical: at D 192/256 each kernel tile lies inside one blk
-    tile of the head dim's tile-skip geometry."""
+    output bit-identical: at D 192 each kernel tile lies inside one blk tile
+    of the head dim's tile-skip geometry, at 256 it is one, at 512 it covers
+    four (their classes combine)."""
     h, ql, kl = 2, 70, 80
     q = randn(rng, (1, h, ql, d), F32)
     k, v = randn(rng, (1, h, kl, d), F32), randn(rng, (1, h, kl, d), F32)
@@ -96,7 +99,7 @@ def test_blk(registry, rng, d):
     assert_bits_equal(auto, plain, f"{registry.backend} D={d} auto blk")
 
 
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 256, 512])
 def test_sinks(registry, rng, d):
     h, ql, kl = 2, 19, 30
     q = randn(rng, (1, h, ql, d), F32)
@@ -108,7 +111,7 @@ def test_sinks(registry, rng, d):
     assert_close(out, exp.transpose(0, 2, 1, 3), F32, f"{registry.backend} f32 sinks D={d}")
 
 
-@pytest.mark.parametrize("d", [64, 192, 256])
+@pytest.mark.parametrize("d", [64, 192, 256, 512])
 @pytest.mark.parametrize("feature", ["causal_sinks_softcap", "window", "alibi"])
 def test_flash_attn_func(registry, rng, d, feature):
     """The serving prefill (per-sequence mode) with float32 q/k/v, LSE on."""
@@ -129,7 +132,7 @@ def test_flash_attn_func(registry, rng, d, feature):
     check_lse(lse, el, f"{registry.backend} D={d} {feature}")
 
 
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 256, 512])
 def test_varlen(registry, rng, d):
     h, hkv = 2, 1
     cu_q, cu_k = np.array([0, 3, 20]), np.array([0, 17, 57])
@@ -142,12 +145,13 @@ def test_varlen(registry, rng, d):
     check_lse(lse, el, f"{registry.backend} varlen D={d}")
 
 
-@pytest.mark.parametrize("d", [96, 256])
-def test_paged_kvcache(registry, rng, d):
-    """K/V through a shuffled block table (pages of 16; the D=256 kernel's
-    8-key tiles each inside one page), per-sequence cache lengths."""
-    h, hkv, ql, page = 2, 1, 5, 16
-    lens = np.array([17, 40])
+@pytest.mark.parametrize("d,page", [(96, 16), (256, 16), (512, 16), (256, 12), (512, 12)])
+def test_paged_kvcache(registry, rng, d, page):
+    """K/V through a shuffled block table, per-sequence cache lengths: pages
+    of 16 hold whole key tiles (16 keys at D 256, 8 at 512), pages of 12
+    split them (each key through its own page)."""
+    h, hkv, ql = 2, 1, 5
+    lens = np.array([17, 40]) if page == 16 else np.array([17, 30])
     table = np.array([[4, 0, -1], [2, 5, 1]])
     kc, vc = randn(rng, (6, page, hkv, d), F32), randn(rng, (6, page, hkv, d), F32)
     q = randn(rng, (2, ql, h, d), F32)
@@ -159,11 +163,12 @@ def test_paged_kvcache(registry, rng, d):
 
 
 @pytest.mark.parametrize("d,qlen,kernel", [(128, 24, "flash_attn_prefill"), (48, 40, "flash_attn_prefill"),
-                                           (48, 8, "flash_attn_prefill"), (512, 9, "sdpa"), (300, 40, "sdpa")])
+                                           (48, 8, "flash_attn_prefill"), (512, 9, "flash_attn_prefill"),
+                                           (300, 40, "flash_attn_prefill"), (300, 8, "sdpa")])
 def test_dropin_route(registry, rng, d, qlen, kernel):
     """The drop-in takes the tiled kernel for float32 at any D up to 256 (48
-    on the 64 tile, whatever the row count); float32 has no tile above 256 to
-    pad to, so D = 300 and D = 512 stay on sdpa."""
+    on the 64 tile, whatever the row count) and at 512; D = 300 pads to the
+    512 tile with enough query rows, and stays on sdpa with few."""
     q = randn(rng, (1, 2, qlen, d), F32)
     k, v = randn(rng, (1, 2, 40, d), F32), randn(rng, (1, 2, 40, d), F32)
     keep = rng.random((1, 1, qlen, 40)) < 0.8
@@ -173,8 +178,22 @@ def test_dropin_route(registry, rng, d, qlen, kernel):
     assert_close(out, reference.attention(q, k, v, mask=keep), F32, f"{registry.backend} drop-in D={d}")
 
 
-def test_d512_refused_by_prefill(rng):
-    q = randn(rng, (1, 1, 8, 512), F32)
-    with pytest.raises(ValueError, match=r"flash_attn_prefill.*head_dim of float32 I/O must be in 1\.\.\.256, "
-                                         r"got 512"):
+@pytest.mark.parametrize("d,dv", [(200, 200), (250, 250), (256, 192), (160, 256), (254, 250), (252, 251)])
+def test_padded_and_value_head_dims(registry, rng, d, dv):
+    """Head dims below the 256 tile (columns past D read as zeros and are not
+    stored, runs cut at D: 250 is whole 8-byte runs, not 16), and v of its
+    own head dim (Q/K stop at D, V and the output at Dv), causal with
+    partial tiles."""
+    q = randn(rng, (1, 2, 37, d), F32)
+    k, v = randn(rng, (1, 2, 45, d), F32), randn(rng, (1, 2, 45, dv), F32)
+    out = fm.flash_attn_prefill(q, k, v, causal=True, q_offset=8, registry=registry)
+    assert out.shape == (1, 2, 37, dv)
+    exp = reference.attention(q, k, v, causal=True, q_offset=8)
+    assert_close(out, exp, F32, f"{registry.backend} f32 prefill D={d} Dv={dv}")
+
+
+def test_d300_refused_by_prefill(rng):
+    q = randn(rng, (1, 1, 8, 300), F32)
+    with pytest.raises(ValueError, match=r"flash_attn_prefill.*head_dim of float32 I/O must be in 1\.\.\.256 or 512, "
+                                         r"got 300"):
         fm.flash_attn_prefill(q, q, q, registry="cpu")

@@ -86,7 +86,8 @@ def check_offsets(registry, tmp_path, call, runs, expected, dtype: np.dtype, d: 
             assert_bits_equal(out, first, f"{what} vs {runs[0][0]}")
 
 
-CASES = [(BF16, 64), (F16, 80), (BF16, 36), (BF16, 59), (F16, 512), (F32, 64), (F32, 34), (F32, 59)]
+CASES = [(BF16, 64), (F16, 80), (BF16, 36), (BF16, 59), (F16, 512), (F32, 64), (F32, 34), (F32, 59), (F32, 256),
+         (F32, 250), (F32, 512)]
 
 
 @pytest.mark.parametrize("dtype,d", CASES, ids=[f"{np.dtype(t).name}-D{d}" for t, d in CASES])
@@ -117,14 +118,14 @@ def test_one_unaligned_tensor_takes_pairs(registry, rng, tmp_path):
 
 
 @pytest.mark.parametrize("page_size", [3, 16])
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_paged_every_width(registry, rng, tmp_path, page_size, dtype):
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F32, 64), (F32, 256)], ids=["bf16-D64", "float32-D64", "float32-D256"])
+def test_paged_every_width(registry, rng, tmp_path, page_size, dtype, d):
     """flash_attn_varlen_func over paged K/V, pages that split a 16-key tile
     (3: each key looked up on its own) and pages that hold whole tiles (16),
     the caches at offsets 0, 8 and 4 bytes."""
     dtype = np.dtype(dtype)
     q_lens, k_lens = [5, 9], [23, 14]
-    h, hkv, d = 2, 1, 64
+    h, hkv = 2, 1
     cq, ck = cu(q_lens), cu(k_lens)
     q = randn(rng, (int(cq[-1]), h, d), dtype)
     rows = [[randn(rng, (n, hkv, d), dtype) for n in k_lens] for _ in range(2)]

@@ -75,28 +75,41 @@ final class PrefillDispatcherTests: XCTestCase {
     }
 
     func testFloat32Geometry() {
-        XCTAssertEqual(PrefillCapability.headDims(io: .f32), [64, 80, 96, 128, 192, 256])
+        XCTAssertEqual(PrefillCapability.headDims(io: .f32), [64, 80, 96, 128, 192, 256, 512])
         for d in [64, 80, 96, 128] {
             XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: d), PrefillGeometry.forHeadDim(d))
         }
         XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 192), PrefillGeometry(bq: 32, bk: 8, wm: 4, wn: 1))
-        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 256), PrefillGeometry(bq: 16, bk: 8, wm: 2, wn: 1))
-        XCTAssertNil(PrefillCapability.kernelGeometry(io: .f32, headDim: 512))
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 256), PrefillGeometry(bq: 32, bk: 16, wm: 1, wn: 8))
+        XCTAssertEqual(PrefillCapability.kernelGeometry(io: .f32, headDim: 512), PrefillGeometry(bq: 32, bk: 8, wm: 1, wn: 16))
+        XCTAssertEqual(KernelSpec.prefill(io: .f32, headDim: 256, boolMask: false).instantiation.function,
+                       "flash_attn_prefill_split")
+        XCTAssertEqual(KernelSpec.prefill(io: .f32, headDim: 192, boolMask: false).instantiation.function,
+                       "flash_attn_prefill")
         XCTAssertEqual(PrefillCapability.kernelGeometry(io: .bf16, headDim: 256), PrefillGeometry.forHeadDim(256))
     }
 
-    /// A float32 D = 256 call: the grid counts the kernel's 16-row tiles and
-    /// the alignment constants its 16 x 8 tiles; AttnParams' NQ/NK stay the
-    /// tile-skip (blk) grid of 32 x 16 tiles.
+    /// Float32 D = 256 and 512 calls: the grid counts the kernel's 32-row
+    /// tiles of 8 (16) simdgroups and the alignment constants its 32 x 16
+    /// (32 x 8) tiles; AttnParams' NQ/NK stay the tile-skip (blk) grid of
+    /// 32 x 16 (8 x 8) tiles.
     func testFloat32GridAndParams() throws {
         let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 256, dtype: .f32))
         let p = try d.params(4, as: AttnParams.self)
         XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [2, 4, 16, 8])
-        XCTAssertEqual(d.grid, Size3(3, 2, 1))
-        XCTAssertEqual(d.threadgroup, Size3(32, 2, 1))
+        XCTAssertEqual(d.grid, Size3(2, 2, 1))
+        XCTAssertEqual(d.threadgroup, Size3(32, 1, 8))
         XCTAssertEqual(d.kernel, "flash_attn_prefill_f32_d256")
-        XCTAssertEqual(d.constants.bool(200), true, "48 rows: whole 16-row tiles")
-        XCTAssertEqual(d.constants.bool(201), true, "56 keys: whole 8-key tiles")
+        XCTAssertEqual(d.constants.bool(200), false, "48 rows: a partial 32-row tile")
+        XCTAssertEqual(d.constants.bool(201), false, "56 keys: a partial 16-key tile")
+        let d512 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 64, kL: 72, d: 512, dtype: .f32))
+        let p512 = try d512.params(4, as: AttnParams.self)
+        XCTAssertEqual([p512.NQ, p512.NK, p512.qL_rem, p512.kL_rem], [8, 9, 0, 0])
+        XCTAssertEqual(d512.grid, Size3(2, 2, 1))
+        XCTAssertEqual(d512.threadgroup, Size3(32, 1, 16))
+        XCTAssertEqual(d512.kernel, "flash_attn_prefill_f32_d512")
+        XCTAssertEqual(d512.constants.bool(200), true, "64 rows: whole 32-row tiles")
+        XCTAssertEqual(d512.constants.bool(201), true, "72 keys: whole 8-key tiles")
         let d192 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 192, dtype: .f32))
         XCTAssertEqual(d192.grid, Size3(2, 2, 1))
         XCTAssertEqual(d192.threadgroup, Size3(32, 4, 1))
@@ -254,7 +267,7 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(d: 300), contains: "head_dim must be in 1...256 or 512, got 300")
         expectError(Case(d: 0), contains: "head_dim must be in 1...256 or 512, got 0")
         expectError(Case(dtype: .i32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16 or float32, got int32")
-        expectError(Case(d: 512, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256, got 512")
+        expectError(Case(d: 300, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256 or 512, got 300")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
         expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
@@ -290,9 +303,9 @@ final class PrefillDispatcherTests: XCTestCase {
 
     func testKernelNames() {
         let names = Set(PrefillCapability.kernels.map(\.name))
-        XCTAssertEqual(names.count, 28 + 12 + 4)
+        XCTAssertEqual(names.count, 28 + 14 + 4)
         for seed in ["flash_attn_prefill_bf16_d256", "flash_attn_prefill_f16_d512_boolmask", "flash_attn_prefill_bf16_d64_boolmask",
-                     "flash_attn_prefill_f32_d64", "flash_attn_prefill_f32_d256_boolmask",
+                     "flash_attn_prefill_f32_d64", "flash_attn_prefill_f32_d256_boolmask", "flash_attn_prefill_f32_d512",
                      "flash_attn_prefill_bf16_d576", "flash_attn_prefill_f16_d576_boolmask"] {
             XCTAssertTrue(names.contains(seed), seed)
         }
