@@ -285,11 +285,14 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     paged with block_table) holding cache_seqlens[b] keys (None: all of them),
     after appending k/v [B, n_new, Hkv, D] at cache_seqlens (on copies: the
     arguments are not modified) -> (out [B, qL, H, D], lse [B, H, qL]).
-    cache_batch_idx: sequence b's cache is row cache_batch_idx[b];
+    cache_batch_idx: sequence b's cache is row cache_batch_idx[b] (of the
+    block table when paged);
     cache_leftpad: sequence b's keys start at row cache_leftpad[b] and its
     positions count from there (flash-attn's key_leftpad)."""
     batch = np.shape(q)[0]
-    if cache_batch_idx is not None:
+    if cache_batch_idx is not None and block_table is not None:
+        block_table = np.asarray(block_table)[np.asarray(cache_batch_idx, dtype=np.int64)]
+    elif cache_batch_idx is not None:
         rows = np.asarray(cache_batch_idx, dtype=np.int64)
         k_cache, v_cache = np.asarray(k_cache)[rows], np.asarray(v_cache)[rows]
     first = np.zeros(batch, dtype=np.int64) if cache_leftpad is None else np.asarray(cache_leftpad, dtype=np.int64)
