@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _kvcache_ragged as _ragged, _native
+from . import _kvcache_ragged as _ragged, _native, _seqused
 from ._arrays import F32, I32, as_index, as_input, check_out, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
@@ -135,6 +135,8 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: ArrayLike | None = None,
     *,
+    seqused_q: ArrayLike | None = None,
+    seqused_k: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
     attention_chunk: int = 0,
     registry: RegistryLike = None,
@@ -154,6 +156,12 @@ def flash_attn_varlen_func(
             (integer arrays are converted once), starting at 0, non-decreasing.
         max_seqlen_q, max_seqlen_k: at least every sequence's length.
         block_table: int32 ``[B, max_pages]`` page indices, or None.
+        seqused_q, seqused_k: int32 ``[B]`` or None (flash-attn 3's): only
+            the first ``seqused_q[b]`` query rows and ``seqused_k[b]`` keys
+            of sequence b (each at most its cu_seqlens length) take part;
+            causal, windows and chunks align those used lengths
+            bottom-right. Its other query rows read 0 (LSE -inf; with sinks
+            the sink logit). Not over QuantizedKV caches.
         The other arguments as ``flash_attn_func``; causal and windows are
         bottom-right per sequence.
 
@@ -176,6 +184,10 @@ def flash_attn_varlen_func(
     slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
                        qa.shape[-2] if qa.ndim >= 2 else 0)
     if quantized:
+        for name, given in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if given is not None:
+                raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV caches (pass None)",
+                                              argument=name)
         _no_alibi_over_codes(op, slopes)
         if reg._defers_work and reg._batch_depth:
             raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
@@ -185,12 +197,17 @@ def flash_attn_varlen_func(
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(out_shape(qa, va), dtype=qa.dtype)
+    used = None
+    if seqused_q is not None or seqused_k is not None:
+        t = _seqused.tables(op, qa, ka, cq, ck, seqused_q, seqused_k, bt, slopes, int(max_seqlen_q),
+                            int(max_seqlen_k))
+        cq, ck, used, bt, slopes = t.cu_seqlens_q, t.cu_seqlens_k, t.seqlens_k, t.block_table, t.alibi
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used, block_table=bt,
                             sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, slopes, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, used, bt, lse, slopes, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
