@@ -37,9 +37,13 @@ static inline FMPfSeqDims fm_pf_seq_dims(const FMPrefillArgs *a, int64_t b) {
         d.qs = s->cu_seqlens_q[b];
         d.qL = (int64_t)s->cu_seqlens_q[b + 1] - d.qs;
     }
-    if (s->seqlens_k) d.kL = s->seqlens_k[b];
-    if (s->seqlens_k && s->sp.key_starts_at > 0) d.f0 = s->seqlens_k[s->sp.key_starts_at + b];
-    else if (s->cu_seqlens_k) d.kL = (int64_t)s->cu_seqlens_k[b + 1] - s->cu_seqlens_k[b];
+    /* seqlens_k counts the keys even beside cu_seqlens_k (its start offsets): flash-attn 3's seqused_k. */
+    if (s->seqlens_k) {
+        d.kL = s->seqlens_k[b];
+        if (s->sp.key_starts_at > 0) d.f0 = s->seqlens_k[s->sp.key_starts_at + b];
+    } else if (s->cu_seqlens_k) {
+        d.kL = (int64_t)s->cu_seqlens_k[b + 1] - s->cu_seqlens_k[b];
+    }
     d.t0 = d.kL - d.qL;
     return d;
 }

@@ -21,6 +21,7 @@ from .decode import flash_attn_decode
 from .mask import build_mask
 from .sdpa import sdpa
 from .serving import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from .combine import flash_attn_combine
 from .packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                      flash_attn_varlen_qkvpacked_func)
 from .registry import Registry, default_registry
@@ -33,7 +34,7 @@ __all__ = ["Error", "InvalidValueError", "InvalidTypeError", "BackendError", "In
            "supported_head_dims", "abi_version", "UnsupportedFeatureError", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "KVCodec", "QuantizedKV",
-           "set_interrupt"]
+           "set_interrupt", "flash_attn_combine"]
 
 
 def __getattr__(name: str) -> str:

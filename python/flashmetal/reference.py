@@ -242,21 +242,28 @@ def paged_rows(cache: np.ndarray, pages: np.ndarray, length: int) -> np.ndarray:
 
 def flash_attn_varlen(q: np.ndarray, k: np.ndarray, v: np.ndarray, cu_seqlens_q: np.ndarray,
                       cu_seqlens_k: np.ndarray, *, block_table: np.ndarray | None = None,
+                      seqused_q: np.ndarray | None = None, seqused_k: np.ndarray | None = None,
                       **kw: Any) -> tuple[np.ndarray, np.ndarray]:
     """flash_attn_varlen_func: q [total_q, H, D]; k/v [total_k, Hkv, D], or paged
     [num_pages, page_size, Hkv, D] with block_table (sequence b then has
     cu_seqlens_k[b+1] - cu_seqlens_k[b] keys read through its table row)
-    -> (out [total_q, H, D], lse [H, total_q])."""
+    -> (out [total_q, H, D], lse [H, total_q]). seqused_q / seqused_k
+    (flash-attn 3's): only sequence b's first seqused_q[b] rows attend, to
+    its first seqused_k[b] keys; its other rows attend to no key."""
     cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
     out = np.zeros(np.shape(q)[:-1] + np.shape(v)[-1:], dtype=np.float64)
     lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
     for b in range(len(cq) - 1):
         qs, qe, ks, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        if seqused_k is not None:
+            ke = ks + int(seqused_k[b])
         if block_table is None:
             kb, vb = k[ks:ke], v[ks:ke]
         else:
             kb, vb = paged_rows(k, block_table[b], ke - ks), paged_rows(v, block_table[b], ke - ks)
-        out[qs:qe], lse[:, qs:qe] = attend_sequence(q[qs:qe], kb, vb, **_sequence_kw(kw, b))
+        qu = qe if seqused_q is None else qs + int(seqused_q[b])
+        out[qs:qu], lse[:, qs:qu] = attend_sequence(q[qs:qu], kb, vb, **_sequence_kw(kw, b))
+        out[qu:qe], lse[:, qu:qe] = attend_sequence(q[qu:qe], kb[:0], vb[:0], **_sequence_kw(kw, b))
     return out, lse
 
 
@@ -285,11 +292,14 @@ def flash_attn_kvcache(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, 
     paged with block_table) holding cache_seqlens[b] keys (None: all of them),
     after appending k/v [B, n_new, Hkv, D] at cache_seqlens (on copies: the
     arguments are not modified) -> (out [B, qL, H, D], lse [B, H, qL]).
-    cache_batch_idx: sequence b's cache is row cache_batch_idx[b];
+    cache_batch_idx: sequence b's cache is row cache_batch_idx[b] (of the
+    block table when paged);
     cache_leftpad: sequence b's keys start at row cache_leftpad[b] and its
     positions count from there (flash-attn's key_leftpad)."""
     batch = np.shape(q)[0]
-    if cache_batch_idx is not None:
+    if cache_batch_idx is not None and block_table is not None:
+        block_table = np.asarray(block_table)[np.asarray(cache_batch_idx, dtype=np.int64)]
+    elif cache_batch_idx is not None:
         rows = np.asarray(cache_batch_idx, dtype=np.int64)
         k_cache, v_cache = np.asarray(k_cache)[rows], np.asarray(v_cache)[rows]
     first = np.zeros(batch, dtype=np.int64) if cache_leftpad is None else np.asarray(cache_leftpad, dtype=np.int64)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _kvcache_ragged as _ragged, _native
+from . import _kvcache_ragged as _ragged, _native, _seqused
 from ._arrays import F32, I32, as_index, as_input, check_out, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
@@ -136,6 +136,8 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: ArrayLike | None = None,
     *,
+    seqused_q: ArrayLike | None = None,
+    seqused_k: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
     attention_chunk: int = 0,
     registry: RegistryLike = None,
@@ -155,6 +157,12 @@ def flash_attn_varlen_func(
             (integer arrays are converted once), starting at 0, non-decreasing.
         max_seqlen_q, max_seqlen_k: at least every sequence's length.
         block_table: int32 ``[B, max_pages]`` page indices, or None.
+        seqused_q, seqused_k: int32 ``[B]`` or None (flash-attn 3's): only
+            the first ``seqused_q[b]`` query rows and ``seqused_k[b]`` keys
+            of sequence b (each at most its cu_seqlens length) take part;
+            causal, windows and chunks align those used lengths
+            bottom-right. Its other query rows read 0 (LSE -inf; with sinks
+            the sink logit). Not over QuantizedKV caches.
         The other arguments as ``flash_attn_func``; causal and windows are
         bottom-right per sequence.
 
@@ -177,6 +185,10 @@ def flash_attn_varlen_func(
     slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
                        qa.shape[-2] if qa.ndim >= 2 else 0)
     if quantized:
+        for name, given in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if given is not None:
+                raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV caches (pass None)",
+                                              argument=name)
         _no_alibi_over_codes(op, slopes)
         if reg._defers_work and reg._batch_depth:
             raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
@@ -186,12 +198,17 @@ def flash_attn_varlen_func(
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(out_shape(qa, va), dtype=qa.dtype)
+    used = None
+    if seqused_q is not None or seqused_k is not None:
+        t = _seqused.tables(op, qa, ka, cq, ck, seqused_q, seqused_k, bt, slopes, int(max_seqlen_q),
+                            int(max_seqlen_k))
+        cq, ck, used, bt, slopes = t.cu_seqlens_q, t.cu_seqlens_k, t.seqlens_k, t.block_table, t.alibi
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used, block_table=bt,
                             sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, bt, lse, slopes, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, used, bt, lse, slopes, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -252,8 +269,10 @@ def flash_attn_with_kvcache(
         cache_batch_idx: int32 ``[B]`` or None: sequence b uses cache row
             ``cache_batch_idx[b]`` of caches ``[batch_cache, cap, Hkv, D]``
             (read, and appended to, in place); each index in
-            ``[0, batch_cache)``, distinct when appending. Not with
-            block_table (as flash-attn), nor with QuantizedKV caches.
+            ``[0, batch_cache)``, distinct when appending. With
+            block_table (flash-attn 3's page_table) of ``[batch_cache,
+            max_pages]``: sequence b reads and appends through its row
+            ``cache_batch_idx[b]``. Not with QuantizedKV caches.
         cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
@@ -350,13 +369,13 @@ def flash_attn_with_kvcache(
                              cu_seqlens_k_new, max_seqlen_q)
         slopes = alibi_arg(_KVCACHE, alibi_slopes, rag.batch, rag.q.shape[1])
     batch = rag.batch if rag is not None else qa.shape[0] if qa.ndim else 0
-    if cache_batch_idx is not None:
-        if bt is not None:  # as flash-attn: a paged cache's rows are its block table's
-            raise InvalidValueError(_KVCACHE, "cache_batch_idx cannot be combined with block_table "
-                                    "(a paged KV cache does not support cache_batch_idx)", argument="cache_batch_idx")
+    rows_as_pages = cache_batch_idx is not None and bt is None
+    if cache_batch_idx is not None and bt is not None:
+        bt = _table_rows(cache_batch_idx, batch, bt, appending)
+    elif rows_as_pages:
         bt, kc, vc = _rows_as_pages(cache_batch_idx, batch, kc, vc, ka if appending else None)
     lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
-    if rag is None and cache_batch_idx is not None and lens is not None and lens.ndim == 1:
+    if rag is None and rows_as_pages and lens is not None and lens.ndim == 1:
         _require_row_room(lens, ka.shape[1] if appending and ka.ndim == 4 else 0, kc.shape[1])
     if cache_leftpad is not None:
         given_lens, lens = lens, _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
@@ -541,6 +560,33 @@ def _table(x: Any, batch: int, name: str) -> np.ndarray:
     return a
 
 
+def _check_rows(idx: np.ndarray, rows: int, of: str, appending: bool) -> None:
+    """Every cache_batch_idx entry in [0, rows) (`of` names where rows comes
+    from), and distinct when appending (one row written twice otherwise)."""
+    first: dict[int, int] = {}
+    for b, r in enumerate(idx.tolist()):
+        if not 0 <= r < rows:
+            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{b}] = {r} is out of range [0, {rows}) ({of})",
+                                    argument="cache_batch_idx")
+        if appending and r in first:
+            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{first[r]}] and cache_batch_idx[{b}] both name "
+                                    f"cache row {r}: appending k/v would write it twice", argument="cache_batch_idx")
+        first.setdefault(r, b)
+
+
+def _table_rows(cache_batch_idx: Any, batch: int, table: np.ndarray, appending: bool) -> np.ndarray:
+    """cache_batch_idx over a paged cache (flash-attn 3's): sequence b reads
+    and appends through block_table row cache_batch_idx[b], a block table of
+    [batch_cache, max_pages]. Returns the [B, max_pages] table sequence by
+    sequence, every index checked before anything reads through it."""
+    idx = _table(cache_batch_idx, batch, "cache_batch_idx")
+    if table.ndim != 2:
+        raise InvalidValueError(_KVCACHE, f"block_table must be int32 [batch_cache, max_pages] with "
+                                f"cache_batch_idx, got shape {list(table.shape)}", argument="block_table")
+    _check_rows(idx, table.shape[0], "block_table's dim 0", appending)
+    return np.ascontiguousarray(table[idx])
+
+
 def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndarray,
                    k_new: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """cache_batch_idx (sequence b uses cache row cache_batch_idx[b]) as a
@@ -552,18 +598,7 @@ def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndar
         raise InvalidValueError(_KVCACHE, f"k_cache must be [batch_cache, cap, Hkv, D] with cache_batch_idx, "
                                 f"got shape {list(kc.shape)}", argument="k_cache")
     rows, cap = kc.shape[0], kc.shape[1]
-    for b, r in enumerate(idx.tolist()):
-        if not 0 <= r < rows:
-            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{b}] = {r} is out of range [0, {rows}) "
-                                    "(k_cache's dim 0)", argument="cache_batch_idx")
-    if k_new is not None and len(set(idx.tolist())) < batch:
-        first: dict[int, int] = {}
-        for b, r in enumerate(idx.tolist()):
-            if r in first:
-                raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{first[r]}] and cache_batch_idx[{b}] both name "
-                                        f"cache row {r}: appending k/v would write it twice",
-                                        argument="cache_batch_idx")
-            first[r] = b
+    _check_rows(idx, rows, "k_cache's dim 0", k_new is not None)
     if cap == 0:  # a row is read as one page of the cache, and a page holds at least one key
         raise InvalidValueError(_KVCACHE, "cache_batch_idx needs a cache capacity (k_cache's dim 1) of at least one "
                                 "key, got 0", argument="cache_batch_idx")

@@ -5,8 +5,9 @@ it), rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new) after k/v were
 appended at cache_seqlens[b], its positions counted from cache_leftpad[b]
 (flash-attn's attention_ref with key_leftpad), through the decode
 (seqlen_q == 1) and prefill kernels, with GQA, causal, windows, chunks,
-softcap, sinks, the LSE and paged caches; and every bad table refused before
-any kernel runs."""
+softcap, sinks, the LSE and paged caches (there cache_batch_idx picks sequence b's block-table row,
+flash-attn 3's page_table[cache_batch_idx]); and every bad table refused
+before any kernel runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -102,6 +103,60 @@ def test_leftpad_paged(registry, rng, q_len, n_new, feature):
     assert_out_lse(out, lse, e_out, e_lse, dtype, f"{registry.backend} paged leftpad qL={q_len} {feature}")
 
 
+@pytest.mark.parametrize("page_size", [16, 5])
+@pytest.mark.parametrize("q_len,n_new", [(1, 0), (1, 2), (4, 4)])
+@pytest.mark.parametrize("feature", ["plain", "causal_window", "chunk", "softcap_sinks"])
+def test_batch_idx_paged(registry, rng, page_size, q_len, n_new, feature):
+    """cache_batch_idx with a paged cache (flash-attn 3's test_flash_attn_kvcache
+    with has_batch_idx and page_size): sequence b reads and appends through
+    block-table row cache_batch_idx[b]; the rows and pages of the cache rows
+    no sequence names are untouched."""
+    rows = 2 * B
+    lens_all = [21, 3, 36, 9, 30, 0][:rows]
+    k_rows = [randn(rng, (n, HKV, D), BF16) for n in lens_all]
+    v_rows = [randn(rng, (n, HKV, D), BF16) for n in lens_all]
+    (k_cache, v_cache), table = paged(rng, [k_rows, v_rows], page_size, room=n_new)
+    idx = rng.permutation(rows)[:B].astype(np.int32)
+    lens = np.array([lens_all[r] for r in idx], np.int32)
+    lp = np.minimum(np.array([2, 0, 5], np.int32), lens)
+    q = randn(rng, (B, q_len, H, D), BF16)
+    k_new = randn(rng, (B, n_new, HKV, D), BF16) if n_new else None
+    v_new = randn(rng, (B, n_new, HKV, D), BF16) if n_new else None
+    kw = with_sinks(rng, FEATURES[feature], H)
+    before_k, before_v = k_cache.copy(), v_cache.copy()
+    out, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx,
+                                          cache_leftpad=lp, block_table=table, return_softmax_lse=True,
+                                          registry=registry, **kw)
+    k_all = [np.concatenate([k_rows[r], k_new[b]]) if n_new else k_rows[r] for b, r in enumerate(idx)]
+    v_all = [np.concatenate([v_rows[r], v_new[b]]) if n_new else v_rows[r] for b, r in enumerate(idx)]
+    e_out, e_lse = _expected(q, k_all, v_all, lens + n_new, lp, kw)
+    what = f"{registry.backend} paged batch_idx page {page_size} qL={q_len} new={n_new} {feature}"
+    assert_out_lse(out, lse, e_out, e_lse, BF16, what)
+    r_out, r_lse = reference.flash_attn_kvcache(q, before_k, before_v, k=k_new, v=v_new, cache_seqlens=lens,
+                                                block_table=table, cache_batch_idx=idx, cache_leftpad=lp, **kw)
+    assert_out_lse(out, lse, r_out, r_lse, BF16, what + " (reference.flash_attn_kvcache)")
+    if n_new:
+        k_ref, v_ref = reference.kv_append(before_k, before_v, k_new, v_new, lens, table[idx])
+        np.testing.assert_array_equal(k_cache, k_ref)
+        np.testing.assert_array_equal(v_cache, v_ref)
+    else:
+        np.testing.assert_array_equal(k_cache, before_k)
+
+
+def test_batch_idx_paged_duplicates_refused_when_appending(rng):
+    k_cache, v_cache = randn(rng, (4, 16, 1, D), BF16), randn(rng, (4, 16, 1, D), BF16)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    before = k_cache.copy()
+    k = randn(rng, (2, 1, 1, D), BF16)
+    with pytest.raises(fm.InvalidValueError, match=r"cache_batch_idx\[0\] and cache_batch_idx\[1\] both name cache "
+                                                   r"row 1") as e:
+        fm.flash_attn_with_kvcache(randn(rng, (2, 1, 2, D), BF16), k_cache, v_cache, k, k, block_table=table,
+                                   cache_seqlens=np.array([3, 4], np.int32),
+                                   cache_batch_idx=np.array([1, 1], np.int32), registry="cpu")
+    assert e.value.argument == "cache_batch_idx"
+    np.testing.assert_array_equal(k_cache, before)
+
+
 def test_leftpad_past_the_keys_sees_nothing(registry, rng):
     """A first key at or past the sequence's end leaves it no key: output 0,
     LSE -inf (flash-attn's key_padding_mask is then all False)."""
@@ -139,8 +194,10 @@ def _call(rng, **kw):
      "cache_batch_idx[0] = -1"),
     (dict(cache_batch_idx=np.array([0, 1, 2], np.int32)), fm.InvalidValueError, "cache_batch_idx", "shape [2]"),
     (dict(cache_batch_idx=np.array([0.5, 1.0])), fm.InvalidTypeError, None, "cache_batch_idx must hold integers"),
-    (dict(cache_batch_idx=np.array([0, 1], np.int32), block_table=np.array([[0], [1]], np.int32)),
-     fm.InvalidValueError, "cache_batch_idx", "cannot be combined with block_table"),
+    (dict(cache_batch_idx=np.array([0, 2], np.int32), block_table=np.array([[0], [1]], np.int32)),
+     fm.InvalidValueError, "cache_batch_idx", "cache_batch_idx[1] = 2 is out of range [0, 2) (block_table's dim 0)"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int32), block_table=np.array([0, 1], np.int32)),
+     fm.InvalidValueError, "block_table", "block_table must be int32 [batch_cache, max_pages]"),
     (dict(cache_batch_idx=np.array([0, 1], np.int32), cache_seqlens=np.array([3, 33], np.int32)),
      fm.InvalidValueError, "cache_seqlens", "cache_seqlens[1] = 33 is out of range [0, 32]"),
     (dict(cache_leftpad=np.array([0, 33], np.int32)), fm.InvalidValueError, "cache_leftpad",

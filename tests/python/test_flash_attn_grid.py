@@ -127,17 +127,27 @@ def test_probe_agrees_with_a_direct_call():
         assert outcome.message.startswith("InvalidValueError: flash_attn_func:")
 
 
-def test_an_argument_flashmetal_lacks_is_a_refusal():
-    """flash-attn 3's seqused_q/seqused_k reach the call; a Python TypeError
-    for an unknown keyword counts as refused, not as a failure."""
-    key = (("entry", "varlen"), ("dtype", g.F16), ("d", 64), ("dv", 64), ("lens", (3, 6)), ("causal", True),
-           ("local", False), ("alibi", False), ("deterministic", False), ("chunk", False), ("softcap", False),
-           ("heads", "mha"), ("page_size", None), ("seqused", True))
-    outcome = g.probe(key)
-    if outcome.status == "refused":
-        assert "seqused" in outcome.message
-    else:
-        assert outcome == g.Outcome("run")
+SEQUSED_KEY = (("entry", "varlen"), ("dtype", g.F16), ("d", 64), ("dv", 64), ("lens", (3, 6)), ("causal", True),
+               ("local", False), ("alibi", False), ("deterministic", False), ("chunk", False), ("softcap", False),
+               ("heads", "mha"), ("page_size", None), ("seqused", True))
+
+
+def test_seqused_reaches_the_call():
+    """flash-attn 3's seqused_q/seqused_k are passed, and run."""
+    assert g.probe(SEQUSED_KEY) == g.Outcome("run")
+
+
+def test_an_argument_flashmetal_lacks_is_a_refusal(monkeypatch):
+    """A Python TypeError for an unknown keyword (here a varlen function
+    without seqused_q) counts as refused, not as a failure."""
+    real = fm.flash_attn_varlen_func
+
+    def without_seqused(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                        registry=None):
+        return real(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, registry=registry)
+    monkeypatch.setattr(fm, "flash_attn_varlen_func", without_seqused)
+    outcome = g.probe(SEQUSED_KEY)
+    assert outcome.status == "refused" and "seqused_q" in outcome.message, outcome
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 128])

@@ -23,7 +23,7 @@ MISTAKES = ["seqlens_high", "seqlens_neg", "table_entry", "table_short", "cu_sta
             "noncontig", "head_dim", "heads", "softcap", "window", "sinks_short", "dtype", "chunk",
             "out_over_seqlens", "shared_slot",  # these two: a crash, or last-writer-wins, before
             "leftpad_high", "leftpad_neg", "batch_idx_range", "batch_idx_paged", "batch_idx_twice",
-            "rotary_short", "rotary_no_k", "alibi_shape", "alibi_nan"]
+            "rotary_short", "rotary_no_k", "alibi_shape", "alibi_nan", "seqused_high"]
 
 
 @st.composite
@@ -53,6 +53,7 @@ def serving_calls(draw):
         draw(st.sampled_from([None, None, "neox", "gptj"])),
         rotary_dim=draw(st.sampled_from([16, 32, 0])),  # 0: the whole head dim
         alibi=draw(st.sampled_from(["h", "bh"] if bad.startswith("alibi") else ["none", "none", "h", "bh"])),
+        seqused=bad == "seqused_high" or draw(st.booleans()),
     )
 
 
@@ -97,6 +98,19 @@ def _varlen(c, rng):
     return q, k, v, cq, ck, mq, mk
 
 
+def _seqused(c, rng, cq, ck):
+    """flash-attn 3's seqused_q/seqused_k (the first rows and keys of each
+    sequence that take part), or {}; seqused_high: one key more than the
+    sequence holds."""
+    if not c["seqused"]:
+        return {}
+    used_q = np.array([rng.integers(0, max(n, 0) + 1) for n in np.diff(cq)], np.int32)
+    used_k = np.array([rng.integers(0, max(n, 0) + 1) for n in np.diff(ck)], np.int32)
+    if c["bad"] == "seqused_high":
+        used_k[-1] = ck[-1] - ck[-2] + 1
+    return dict(seqused_q=used_q, seqused_k=used_k)
+
+
 def _kvcache(c, rng):
     dt, d, h, hkv, b = c["dt"], c["d"], c["h"], c["hkv"], c["b"]
     ql = 1 if c["one_row"] else max(c["q_lens"][0], 1)
@@ -106,9 +120,10 @@ def _kvcache(c, rng):
     table = None
     if c["paged"]:
         per = max(-(-(max(lens) + n_new) // ps), 1)
-        num_pages = b * per + 1
+        rows = 2 * b if c["batch_idx"] else b  # with cache_batch_idx sequence b uses table row idx[b]
+        num_pages = rows * per + 1
         kc, vc = base._values(rng, (num_pages, ps, hkv, d), dt), base._values(rng, (num_pages, ps, hkv, d), dt)
-        table = rng.permutation(num_pages)[:b * per].astype(np.int32).reshape(b, per)
+        table = rng.permutation(num_pages)[:rows * per].astype(np.int32).reshape(rows, per)
         if c["bad"] == "table_entry":
             table = _bad_table(table, rng, num_pages, [n + n_new for n in lens], ps)
         elif c["bad"] == "table_short" and per > 1:
@@ -117,8 +132,12 @@ def _kvcache(c, rng):
             lens = [lens[0]] * b  # every sequence appends at the same rows of the same pages
             table[1:] = table[0]
         idx = None
-        if c["bad"] == "batch_idx_paged":  # flash-attn refuses cache rows by index with a block table
-            idx = np.arange(b, dtype=np.int32)
+        if c["batch_idx"]:
+            idx = rng.permutation(rows)[:b].astype(np.int32)
+            if c["bad"] in ("batch_idx_paged", "batch_idx_range"):  # past the block table's rows
+                idx[-1] = int(rng.choice([rows, -1, 2**31 - 1]))
+            elif c["bad"] == "batch_idx_twice" and b > 1 and n_new:
+                idx[1] = idx[0]
     else:
         cap = max(lens) + n_new + 1
         rows = b
@@ -174,8 +193,10 @@ def test_serving_api(cpu, c, seed):
     if c["fn"] == "varlen":
         q, k, v, cq, ck, mq, mk = _varlen(c, rng)
         kw = _with_alibi(c, rng, kw, len(cq) - 1)
+        kw.update(_seqused(c, rng, cq, ck))
         res = base._run(lambda: fm.flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, return_attn_probs=True,
                                                           registry=cpu, **kw), [q, k, v, cq, ck], None, OPS)
+        assert not (c["bad"] == "seqused_high" and res is not None), "a seqused_high call was accepted"
         if res is not None:
             _check(res[0], res[1], reference.flash_attn_varlen(q, k, v, cq, ck, **kw), c["dt"], "varlen")
         return
@@ -218,8 +239,11 @@ def test_serving_api(cpu, c, seed):
                                        block_table=table, cache_leftpad=leftpad, cache_batch_idx=idx, **kw)
     if new is not None:
         ek, ev = np.array(before_k), np.array(before_v)
-        rows = slice(None) if idx is None else idx.astype(np.int64)
-        ek[rows], ev[rows] = reference.kv_append(before_k[rows], before_v[rows], *new, seqlens, table)
+        if table is not None:
+            ek, ev = reference.kv_append(before_k, before_v, *new, seqlens, table if idx is None else table[idx])
+        else:
+            rows = slice(None) if idx is None else idx.astype(np.int64)
+            ek[rows], ev[rows] = reference.kv_append(before_k[rows], before_v[rows], *new, seqlens, table)
         if rot:  # the rotated keys: float32 arithmetic rounded once, vs float64 rounded once
             assert np.allclose(kc.astype(np.float64), ek.astype(np.float64), rtol=2**-7, atol=1e-6, equal_nan=True), \
                 "the caches differ from the rotated append"

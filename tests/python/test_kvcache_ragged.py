@@ -66,7 +66,7 @@ def _appended(k_rows, lens, k_new, ck):
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("cache", ["contiguous", "paged16", "batch_idx", "leftpad"])
+@pytest.mark.parametrize("cache", ["contiguous", "paged16", "batch_idx", "paged_batch_idx", "leftpad"])
 def test_ragged_append_and_attend(registry, rng, cache, feature):
     dtype = BF16 if feature != "plain" else F16
     batch = len(Q_LENS)
@@ -77,9 +77,18 @@ def test_ragged_append_and_attend(registry, rng, cache, feature):
     rows_v = [randn(rng, (CAP, HKV, D), dtype) for _ in range(batch)]
     kw = _feature_kw(rng, feature)
     extra: dict = {}
+    seq_table = None  # sequence b's pages: its block-table row
     if cache == "paged16":
         (kc, vc), table = paged(rng, [rows_k, rows_v], 16)
-        extra["block_table"] = table
+        extra["block_table"] = seq_table = table
+    elif cache == "paged_batch_idx":  # block-table row cache_batch_idx[b] of 8
+        idx = np.array([5, 1, 6, 2], dtype=np.int32)
+        all_k = [randn(rng, (CAP, HKV, D), dtype) for _ in range(8)]
+        all_v = [randn(rng, (CAP, HKV, D), dtype) for _ in range(8)]
+        for b, r in enumerate(idx):
+            all_k[r], all_v[r] = rows_k[b], rows_v[b]
+        (kc, vc), table = paged(rng, [all_k, all_v], 16)
+        extra["block_table"], extra["cache_batch_idx"], seq_table = table, idx, table[idx]
     elif cache == "batch_idx":
         idx = np.array([5, 1, 6, 2], dtype=np.int32)
         kc, vc = randn(rng, (8, CAP, HKV, D), dtype), randn(rng, (8, CAP, HKV, D), dtype)
@@ -101,9 +110,9 @@ def test_ragged_append_and_attend(registry, rng, cache, feature):
     assert_out_lse(out, lse, e_out, e_lse, dtype, f"{registry.backend} {cache} {feature}")
     # The new keys landed in each sequence's own rows, bit for bit; nothing else changed.
     for b in range(batch):
-        if cache == "paged16":
-            got_k = reference.paged_rows(kc, extra["block_table"][b], CAP)
-            got_v = reference.paged_rows(vc, extra["block_table"][b], CAP)
+        if seq_table is not None:
+            got_k = reference.paged_rows(kc, seq_table[b], CAP)
+            got_v = reference.paged_rows(vc, seq_table[b], CAP)
         else:
             r = extra["cache_batch_idx"][b] if cache == "batch_idx" else b
             got_k, got_v = kc[r], vc[r]
@@ -115,8 +124,8 @@ def test_ragged_append_and_attend(registry, rng, cache, feature):
         for b in range(batch):
             for i in range(int(ck[b]), int(ck[b + 1])):
                 t = int(CACHE_LENS[b]) + i - int(ck[b])
-                if cache == "paged16":
-                    want[extra["block_table"][b, t // 16], t % 16] = new[i]
+                if seq_table is not None:
+                    want[seq_table[b, t // 16], t % 16] = new[i]
                 else:
                     want[extra["cache_batch_idx"][b] if cache == "batch_idx" else b, t] = new[i]
         np.testing.assert_array_equal(cache_now, want)

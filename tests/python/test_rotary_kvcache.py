@@ -95,7 +95,7 @@ def test_rotary_contiguous(rng, backend, cell):
         np.testing.assert_array_equal(k_cache[b, LENS[b]:LENS[b] + n_new, :, rd:], k[b, :, :, rd:])
 
 
-@pytest.mark.parametrize("mode", ["paged", "leftpad", "batch_idx"])
+@pytest.mark.parametrize("mode", ["paged", "leftpad", "batch_idx", "paged_batch_idx"])
 @pytest.mark.parametrize("ql,causal", [(1, False), (3, True), (3, False)])
 def test_rotary_composes(registry, rng, mode, ql, causal):
     """Paged caches (flash-attn's tables cover num_pages * page_size
@@ -118,15 +118,20 @@ def test_rotary_composes(registry, rng, mode, ql, causal):
         outs = [reference.attend_sequence(q_ro[b], k_all[b], v_all[b], **kw) for b in range(B)]
         e_out, e_lse = np.stack([o for o, _ in outs]), np.stack([s for _, s in outs])
     else:
-        rows = 2 * B if mode == "batch_idx" else B
-        k_cache, v_cache = randn(rng, (rows, CAP, HKV, D), dtype), randn(rng, (rows, CAP, HKV, D), dtype)
-        idx = rng.permutation(rows)[:B].astype(np.int32) if mode == "batch_idx" else None
+        rows = 2 * B if mode.endswith("batch_idx") else B
+        table = None
+        if mode == "paged_batch_idx":  # block-table row cache_batch_idx[b] of 2B rows of CAP keys
+            noise = [[randn(rng, (CAP, HKV, D), dtype) for _ in range(rows)] for _ in range(2)]
+            (k_cache, v_cache), table = paged(rng, noise, 16)
+        else:
+            k_cache, v_cache = randn(rng, (rows, CAP, HKV, D), dtype), randn(rng, (rows, CAP, HKV, D), dtype)
+        idx = rng.permutation(rows)[:B].astype(np.int32) if mode.endswith("batch_idx") else None
         lp = np.array([2, 11], dtype=np.int32) if mode == "leftpad" else None
         e_out, e_lse = reference.flash_attn_kvcache(q_ro, k_cache, v_cache, k=k_ro, v=v, cache_seqlens=LENS,
-                                                    cache_batch_idx=idx, cache_leftpad=lp, **kw)
+                                                    block_table=table, cache_batch_idx=idx, cache_leftpad=lp, **kw)
         out, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-                                              cache_seqlens=LENS, cache_batch_idx=idx, cache_leftpad=lp,
-                                              rotary_interleaved=False, return_softmax_lse=True,
+                                              cache_seqlens=LENS, block_table=table, cache_batch_idx=idx,
+                                              cache_leftpad=lp, rotary_interleaved=False, return_softmax_lse=True,
                                               registry=registry, **kw)
     assert_out_lse(out, lse, e_out, e_lse, dtype, f"{registry.backend} {mode} qL={ql} causal={causal}")
 
