@@ -215,10 +215,21 @@ MULTI = {"vec": _vec, "vec_seq": _vec_seq, "append_then_decode": _append_then_de
          "chained_calls_in_a_batch": _chained_calls_in_a_batch}
 
 
+@pytest.fixture
+def fresh_msim() -> fm.Registry:
+    """A metal-sim registry of its own: its scratch pool holds only what the
+    test's calls gave back, so which block a call reuses does not depend on
+    the tests run before it."""
+    r = fm.Registry("metal-sim")
+    yield r
+    r.close()
+
+
 @pytest.mark.parametrize("op", sorted(MULTI))
-def test_every_barrier_is_needed(msim, op, monkeypatch):
+def test_every_barrier_is_needed(fresh_msim, op, monkeypatch):
     """Dropping any one memoryBarrier the backend places (the runtime ignores
     the n-th) gives a wrong result; with all of them the result is right."""
+    msim = fresh_msim
     run = MULTI[op]
     rng = np.random.default_rng(7)
     before = metal_sim_counters()
