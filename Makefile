@@ -25,11 +25,6 @@ LIB := .build/release/$(LIBNAME)
 PKG := python/flashmetal
 HEADER := Sources/CFlashMetal/include/flashmetal.h
 PYTEST_ARGS ?=
-# pytest's worker processes in `make test`'s pytest stages (pytest-xdist):
-# most cases are small calls whose Python and setup run on one core, so two
-# workers keep both cores busy.
-PYTEST_WORKERS ?= 2
-PYTEST_PAR = -n $(PYTEST_WORKERS)
 EXTRA_TESTS :=
 # Fragments below define rules of their own; `make` alone still means `all`.
 .DEFAULT_GOAL := all
@@ -63,20 +58,20 @@ swift-test:
 	$(SWIFT) test
 
 pytest: python
-	$(PY) -m pytest tests/python -q $(PYTEST_PAR) $(PYTEST_ARGS)
+	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
 
 # The sim cases once more under a scrambled schedule: catches kernels that
 # lean on SIMD lockstep or on one order of threadgroups. Not metal-sim's:
 # the same kernels, already run in a shuffled dispatch order.
 pytest-sim-scrambled: python
-	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q $(PYTEST_PAR) -k "sim and not metal" $(PYTEST_ARGS)
+	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k "sim and not metal" $(PYTEST_ARGS)
 
 # Linux: the metal-sim cases once more with Metal refusing every no-copy
 # wrap, so every tensor is copied in (and back when written): the host
 # code's copy path, and the runtime's red zones around each copy catch
 # kernel writes just outside a tensor.
 pytest-metal-sim-copies: python
-	FLASHMETAL_METAL_SIM_WRAP=0 $(PY) -m pytest tests/python -q $(PYTEST_PAR) -k "metal and not test_metal_sim and not fuzz" $(PYTEST_ARGS)
+	FLASHMETAL_METAL_SIM_WRAP=0 $(PY) -m pytest tests/python -q -k "metal and not test_metal_sim and not fuzz" $(PYTEST_ARGS)
 ifneq ($(UNAME),Darwin)
 EXTRA_TESTS += pytest-metal-sim-copies
 endif
