@@ -29,10 +29,18 @@ public func fm_dispatch_attn(
         let tables = [try optionalTensor(s.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
                       try optionalTensor(s.cu_seqlens_k, op: op, name: "cu_seqlens_k"),
                       try optionalTensor(s.seqlens_k, op: op, name: kind.seqlensKName),
-                      try optionalTensor(s.block_table, op: op, name: "block_table")]
+                      try optionalTensor(s.block_table, op: op, name: "block_table"),
+                      try optionalTensor(s.seqused_q, op: op, name: "seqused_q")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            (t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable) = (c[0], c[1], c[2], c[3])
-            try reg.run(AttnDispatcher.makeDispatches(t, o), op: op)
+            (t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[2], c[3], c[4])
+            let plan = try AttnDispatcher.makePlan(t, o)
+            if plan.tableBytes == 0 {
+                try reg.run(plan.dispatches(tables: nil), op: op)
+            } else {
+                try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
+                    try reg.run(plan.dispatches(tables: m.data), op: op)
+                }
+            }
         }
     }
 }

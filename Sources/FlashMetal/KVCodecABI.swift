@@ -119,6 +119,9 @@ public func fm_dispatch_kv_codes_attn(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
         let s = seq?.pointee
+        if s?.seqused_q != nil {
+            throw FlashMetalError.value(op, "seqused_q must be NULL: not supported over quantized caches", arg: "seqused_q")
+        }
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(
             q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),

@@ -20,6 +20,9 @@ public func fm_dispatch_vec_seq(
         if s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil {
             throw FlashMetalError.value(op, "cu_seqlens_q/cu_seqlens_k must be NULL: decode takes q [B, H, D] and a cache per sequence", arg: "cu_seqlens_q")
         }
+        if s?.seqused_q != nil {
+            throw FlashMetalError.value(op, "seqused_q must be NULL: decode has one query row per sequence", arg: "seqused_q")
+        }
         // The flash-attn function the caller runs names k, v and lse its own way.
         let kind = publicOp(err).flatMap { AttnOp(name: $0) }
         let (kName, vName) = (kind?.kName ?? "k", kind?.vName ?? "v")

@@ -57,6 +57,9 @@ public struct AttnTensors {
     /// int32 tables (flashmetal.h FMSeqTensors).
     public var cuSeqlensQ: TensorRef? = nil, cuSeqlensK: TensorRef? = nil
     public var seqlensK: TensorRef? = nil, blockTable: TensorRef? = nil
+    /// int32 [B] beside cu_seqlens_q: the query rows of each sequence that
+    /// attend (flash-attn 3's seqused_q).
+    public var sequsedQ: TensorRef? = nil
     /// float32 [H] sink logits; float32 lse output.
     public var sinks: TensorRef? = nil, lse: TensorRef? = nil
     /// float32 [B, H] ALiBi slopes.
@@ -104,15 +107,38 @@ public enum AttnOp {
     public var seqlensKName: String { self == .kvcache ? "cache_seqlens" : "seqused_k" }
 }
 
+/// A serving prefill call checked in the caller's terms: the bytes of
+/// library memory its rewritten tables need (seqused_q's; 0 without) and
+/// its dispatches, given that memory.
+public struct AttnPlan {
+    /// Bytes of library memory `dispatches` writes tables to, living as long as the work.
+    public let tableBytes: Int
+    let build: (UnsafeMutableRawPointer?) -> [Dispatch]
+
+    /// The dispatches, with `tables` (of tableBytes, or nil when 0).
+    public func dispatches(tables: UnsafeMutableRawPointer?) -> [Dispatch] { build(tables) }
+}
+
 /// The serving prefill (flashmetal_kernels.h "serving extension"): the prefill
 /// kernel in per-sequence mode. Validates a call, reads and checks
 /// its tables, and builds the Dispatch: AttnParams with the largest lengths,
 /// AttnSeqParams, the tables at 9-12, sinks at 13, lse at 14 (written), ALiBi slopes at 15, and
 /// function constants 302, 304-311. Shared pieces are PrefillDispatcher's.
 public enum AttnDispatcher {
-    /// Validates a call and builds its dispatches: none when there is no
-    /// query row, else one prefill.
+    /// Validates a call that needs no library tables (no seqused_q) and
+    /// builds its dispatches: none when there is no query row, else one prefill.
     public static func makeDispatches(_ t: AttnTensors, _ o: AttnOptions) throws -> [Dispatch] {
+        let plan = try makePlan(t, o)
+        guard plan.tableBytes == 0 else {
+            throw FlashMetalError.internalError("seqused_q needs library tables: run the call through makePlan")
+        }
+        return plan.dispatches(tables: nil)
+    }
+
+    /// Validates a call and plans its dispatches. seqused_q, which the
+    /// kernel has no table for, runs as a split of every sequence
+    /// (UsedRowsSplit) in tables the plan writes to library memory.
+    public static func makePlan(_ t: AttnTensors, _ o: AttnOptions) throws -> AttnPlan {
         let kind = t.kind ?? AttnOp(varlen: t.cuSeqlensQ != nil || t.cuSeqlensK != nil,
                                     cache: t.seqlensK != nil || t.blockTable != nil)
         let op = kind.name
@@ -146,6 +172,7 @@ public enum AttnDispatcher {
             if a.shape != [batch, nHeads] {
                 throw FlashMetalError.value(op, "alibi_slopes shape \(a.shape) must be [\(batch), \(nHeads)]", arg: "alibi_slopes")
             }
+            try a.requireBytes(op: op, name: "alibi_slopes")
         }
 
         // Lengths per sequence, every table index checked before a kernel reads through it.
@@ -155,47 +182,63 @@ public enum AttnDispatcher {
             let want = varlenQ ? [nHeads, qs[0]] : [batch, nHeads, qs[1]]
             if lse.shape != want { throw FlashMetalError.value(op, "softmax_lse shape \(lse.shape) must be \(want)", arg: "softmax_lse") }
         }
-        if batch == 0 || lens.maxQ == 0 { return [] }
 
-        var ext = PrefillExtension()
-        ext.cuSeqlensQ = t.cuSeqlensQ; ext.cuSeqlensK = t.cuSeqlensK
-        ext.seqlensK = t.seqlensK; ext.blockTable = t.blockTable
-        ext.sinks = t.sinks; ext.lse = t.lse; ext.alibi = t.alibiSlopes
-        if lens.keyStarts { ext.params.key_starts_at = Int32(batch) }
-        if o.hasWindow || o.attentionChunk > 0 {
-            ext.window = true
-            ext.params.window_left = Int32(o.windowLeft)
-            ext.params.window_right = Int32(o.windowRight)
-            ext.params.attention_chunk = Int32(o.attentionChunk)
-        }
-        // Element strides: (batch, head, row); a packed axis has batch stride 0
-        // (the kernel adds cu_seqlens[b]); paged K/V step by page instead.
-        let (qRows, kRows) = (varlenQ ? qs[0] : qs[1], ks[ks.count - 3])  // kRows: page_size when paged
-        var qStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDim)
-        var kStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDim)
-        var vStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDimV)
-        var oStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDimV)
-        if varlenQ { qStrides[0] = 0; oStrides[0] = 0 }
-        if paged {
-            ext.params.page_size = Int32(ks[1])
-            ext.params.max_pages = Int32(t.blockTable!.shape[1])
-            ext.params.K_page_stride = kStrides[0]
-            ext.params.V_page_stride = vStrides[0]
-        }
-        if paged || varlenK { kStrides[0] = 0; vStrides[0] = 0 }
-        if t.lse != nil {
-            let (h, rows) = (Int64(nHeads), Int64(qRows))
-            ext.params.lse_strides = varlenQ ? (0, rows, 1) : (h * rows, rows, 1)
+        // The dispatches over `t`'s tables for `batch` sequences, the longest of `maxQ`
+        // rows: none without a row, else one prefill.
+        func dispatches(_ t: AttnTensors, batch: Int, maxQ: Int) -> [Dispatch] {
+            if batch == 0 || maxQ == 0 { return [] }
+            var ext = PrefillExtension()
+            ext.cuSeqlensQ = t.cuSeqlensQ; ext.cuSeqlensK = t.cuSeqlensK
+            ext.seqlensK = t.seqlensK; ext.blockTable = t.blockTable
+            ext.sinks = t.sinks; ext.lse = t.lse; ext.alibi = t.alibiSlopes
+            if lens.keyStarts { ext.params.key_starts_at = Int32(batch) }
+            if o.hasWindow || o.attentionChunk > 0 {
+                ext.window = true
+                ext.params.window_left = Int32(o.windowLeft)
+                ext.params.window_right = Int32(o.windowRight)
+                ext.params.attention_chunk = Int32(o.attentionChunk)
+            }
+            // Element strides: (batch, head, row); a packed axis has batch stride 0
+            // (the kernel adds cu_seqlens[b]); paged K/V step by page instead.
+            let (qRows, kRows) = (varlenQ ? qs[0] : qs[1], ks[ks.count - 3])  // kRows: page_size when paged
+            var qStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDim)
+            var kStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDim)
+            var vStrides = PrefillDispatcher.strides(.seqMajor, heads: nKV, len: kRows, dim: headDimV)
+            var oStrides = PrefillDispatcher.strides(.seqMajor, heads: nHeads, len: qRows, dim: headDimV)
+            if varlenQ { qStrides[0] = 0; oStrides[0] = 0 }
+            if paged {
+                ext.params.page_size = Int32(ks[1])
+                ext.params.max_pages = Int32(t.blockTable!.shape[1])
+                ext.params.K_page_stride = kStrides[0]
+                ext.params.V_page_stride = vStrides[0]
+            }
+            if paged || varlenK { kStrides[0] = 0; vStrides[0] = 0 }
+            if t.lse != nil {
+                let (h, rows) = (Int64(nHeads), Int64(qRows))
+                ext.params.lse_strides = varlenQ ? (0, rows, 1) : (h * rows, rows, 1)
+            }
+
+            // Outside per-sequence mode (flash_attn_func) rows sit bottom-right at kL - qL + i.
+            let (qL, kL) = ext.perSequence ? (maxQ, lens.maxK) : (qs[1], ks[1])
+            let params = PrefillDispatcher.attnParams(
+                batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, headDimV: headDimV, qL: qL, kL: kL,
+                tiles: geo.tiles(qL: qL, kL: kL), scale: o.scale, softcap: o.softcap,
+                qOffset: ext.perSequence ? 0 : kL - qL, q: qStrides, k: kStrides, v: vStrides, o: oStrides)
+            return [PrefillDispatcher.assemble(PrefillTensors(q: t.q, k: t.k, v: t.v, out: t.out), params: params,
+                                               maskParams: nil, geometry: geo, causal: o.causal, ext: ext)]
         }
 
-        // Outside per-sequence mode (flash_attn_func) rows sit bottom-right at kL - qL + i.
-        let (qL, kL) = ext.perSequence ? (lens.maxQ, lens.maxK) : (qs[1], ks[1])
-        let params = PrefillDispatcher.attnParams(
-            batch: batch, heads: nHeads, kvHeads: nKV, headDim: headDim, headDimV: headDimV, qL: qL, kL: kL,
-            tiles: geo.tiles(qL: qL, kL: kL), scale: o.scale, softcap: o.softcap,
-            qOffset: ext.perSequence ? 0 : kL - qL, q: qStrides, k: kStrides, v: vStrides, o: oStrides)
-        return [PrefillDispatcher.assemble(PrefillTensors(q: t.q, k: t.k, v: t.v, out: t.out), params: params,
-                                           maskParams: nil, geometry: geo, causal: o.causal, ext: ext)]
+        guard let split = lens.usedRows else {
+            return AttnPlan(tableBytes: 0) { _ in dispatches(t, batch: batch, maxQ: lens.maxQ) }
+        }
+        // The kernel reads the split's copies, so the caller's tables meet the outputs here.
+        try Dispatch.requireDisjoint(
+            [t.out, t.lse].compactMap { $0 },
+            from: [t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable, t.sequsedQ, t.alibiSlopes].compactMap { $0 },
+            op: op)
+        return AttnPlan(tableBytes: split.bytes(t)) { memory in
+            dispatches(split.write(t, to: memory!), batch: 2 * batch, maxQ: split.maxQ)
+        }
     }
 }
 
@@ -208,6 +251,8 @@ struct SequenceLengths {
     let maxQ: Int, maxK: Int
     /// seqlens_k is [2, B]: each sequence's first key follows the lengths.
     var keyStarts = false
+    /// seqused_q's split of every sequence, when given.
+    var usedRows: UsedRowsSplit? = nil
 
     init(_ t: AttnTensors, kind: AttnOp, batch: Int, o: AttnOptions, op: String) throws {
         let paged = t.blockTable != nil
@@ -237,8 +282,9 @@ struct SequenceLengths {
                 s, op: op, name: kind.seqlensKName, startsName: "cache_leftpad", batch: batch, capacity: bound,
                 capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
             keyStarts = starts
-            for b in 0..<batch where lens[b] > kLens[b] {
-                throw FlashMetalError.value(op, "\(kind.seqlensKName)[\(b)] = \(lens[b]) is out of range [0, \(kLens[b])] (cu_seqlens_k)", arg: kind.seqlensKName)
+            for b in 0..<batch {
+                try SequenceTables.requireInRange(lens[b], kLens[b], op: op, name: kind.seqlensKName, index: b,
+                                                  of: "cu_seqlens_k")
             }
             kLens = lens
         }
@@ -246,7 +292,70 @@ struct SequenceLengths {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: kLens, numPages: t.k.shape[0],
                                           pageSize: pageSize, cacheName: kind.kName)
         }
+        if let u = t.sequsedQ {
+            guard let cuQ = t.cuSeqlensQ, t.cuSeqlensK != nil, !keyStarts else {
+                throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q and cu_seqlens_k (packed sequences) "
+                                                + "and no cache_leftpad", arg: "seqused_q")
+            }
+            let used = try SequenceTables.used(u, op: op, name: "seqused_q", lengths: qLens, lengthsName: "cu_seqlens_q")
+            usedRows = UsedRowsSplit(cuSeqlensQ: cuQ, used: used, lengths: qLens)
+        }
         maxQ = qLens.max() ?? 0
         maxK = kLens.max() ?? 0
+    }
+}
+
+/// flash-attn 3's seqused_q as the kernel runs it: sequence b becomes
+/// sequence 2b, its first seqused_q[b] rows over its keys, and 2b+1, its
+/// other rows over no key (they read 0; their LSE is -inf, or the sink
+/// logit). Both halves keep b's rows in place, so q, out and the LSE are
+/// bound as they are; the tables (checked already) are rewritten for 2B
+/// sequences: cu_seqlens_q split at each used length, cu_seqlens_k with an
+/// empty range after each sequence, seqused_k with a 0 after each entry, the
+/// block table's and the ALiBi slopes' rows each twice.
+struct UsedRowsSplit {
+    /// The caller's cu_seqlens_q, seqused_q and each sequence's rows.
+    let cuSeqlensQ: TensorRef, used: [Int], lengths: [Int]
+
+    /// The longest sequence after the split.
+    var maxQ: Int { zip(used, lengths).map { max($0, $1 - $0) }.max() ?? 0 }
+
+    /// The rewritten tables' bytes (every entry 4 bytes).
+    func bytes(_ t: AttnTensors) -> Int {
+        let n = 2 * used.count
+        let perSequence = (t.seqlensK == nil ? 0 : 1) + (t.blockTable?.shape[1] ?? 0) + (t.alibiSlopes?.shape[1] ?? 0)
+        return 4 * (2 * (n + 1) + n * perSequence)
+    }
+
+    /// `t` over the rewritten tables, written to `memory` (of `bytes(t)`).
+    func write(_ t: AttnTensors, to memory: UnsafeMutableRawPointer) -> AttnTensors {
+        let n = 2 * used.count
+        var at = memory
+        func table<T>(_ shape: [Int], _ dtype: DType, _ entry: (Int) -> T) -> TensorRef {
+            let count = shape.reduce(1, *)
+            for i in 0..<count { at.storeBytes(of: entry(i), toByteOffset: i * 4, as: T.self) }
+            defer { at += count * 4 }
+            return TensorRef(data: at, byteCount: count * 4, dtype: dtype, shape: shape)
+        }
+        func int32(_ x: TensorRef, _ i: Int) -> Int32 { Int32(SequenceTables.int32(x, i)) }
+        var s = t
+        s.sequsedQ = nil
+        // Entry 2b+1 ends sequence b's used rows, entry 2b+2 its rows.
+        s.cuSeqlensQ = table([n + 1], .i32) { i in
+            i == 0 ? 0 : i % 2 == 1 ? int32(cuSeqlensQ, i / 2) + Int32(used[i / 2]) : int32(cuSeqlensQ, i / 2)
+        }
+        s.cuSeqlensK = t.cuSeqlensK.map { c in table([n + 1], .i32) { i in i == 0 ? 0 : int32(c, (i + 1) / 2) } }
+        s.seqlensK = t.seqlensK.map { k in table([n], .i32) { i in i % 2 == 0 ? int32(k, i / 2) : 0 } }
+        s.blockTable = t.blockTable.map { bt in
+            let pages = bt.shape[1]
+            return table([n, pages], .i32) { i in int32(bt, (i / pages / 2) * pages + i % pages) }
+        }
+        s.alibiSlopes = t.alibiSlopes.map { a in
+            let heads = a.shape[1]
+            return table([n, heads], .f32) { i in
+                a.data.loadUnaligned(fromByteOffset: ((i / heads / 2) * heads + i % heads) * 4, as: Float.self)
+            }
+        }
+        return s
     }
 }

@@ -25,11 +25,23 @@ extension Dispatch {
             for (j, (other, _)) in args.enumerated() where j != i && out.writeOverlaps(other) {
                 // Two outputs that overlap are named once, in binding order.
                 if j < i && args[j].written { continue }
-                throw FlashMetalError.value(
-                    op, "\(out.argumentName) and \(other.argumentName) overlap in memory; \(op) writes "
-                        + "\(out.argumentName), so they must not share bytes")
+                throw overlapError(out, other, op: op)
             }
         }
+    }
+
+    /// Throws when one of `outputs` overlaps one of `tables`: the check
+    /// above for caller tables a dispatch does not bind as they are (a
+    /// dispatcher runs rewritten copies of them in library memory).
+    public static func requireDisjoint(_ outputs: [TensorRef], from tables: [TensorRef], op: String) throws {
+        for out in outputs {
+            if let other = tables.first(where: out.writeOverlaps) { throw overlapError(out, other, op: op) }
+        }
+    }
+
+    private static func overlapError(_ out: TensorRef, _ other: TensorRef, op: String) -> FlashMetalError {
+        .value(op, "\(out.argumentName) and \(other.argumentName) overlap in memory; \(op) writes "
+            + "\(out.argumentName), so they must not share bytes")
     }
 }
 

@@ -69,15 +69,30 @@ public enum SequenceTables {
     /// (`capacityName` says where the capacity comes from). Returns them.
     public static func seqlens(_ t: TensorRef, op: String, name: String, batch: Int,
                                capacity: Int, capacityName: String) throws -> [Int] {
-        try requireInt32(t, shape: [batch], op: op, name: name)
-        return try (0..<batch).map { b in
-            let n = int32(t, b)
-            if n < 0 || n > capacity {
-                throw FlashMetalError.value(
-                    op, "\(name)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))", arg: name)
-            }
-            return n
+        try used(t, op: op, name: name, lengths: [Int](repeating: capacity, count: batch), lengthsName: capacityName)
+    }
+
+    /// Validates per-sequence used lengths, int32 [B]: entry b in
+    /// 0...lengths[b] (flash-attn 3's seqused_q / seqused_k beside the
+    /// lengths cu_seqlens gives, which `lengthsName` names). Returns them.
+    public static func used(_ t: TensorRef, op: String, name: String, lengths: [Int],
+                            lengthsName: String) throws -> [Int] {
+        try requireInt32(t, shape: [lengths.count], op: op, name: name)
+        return try lengths.indices.map { b in
+            try requireInRange(int32(t, b), lengths[b], op: op, name: name, index: b, of: lengthsName)
         }
+    }
+
+    /// `n`, the entry `name`[`index`], when in 0...`capacity` (which `of`
+    /// names); else a ValueError naming the entry, its value and the range.
+    @discardableResult
+    public static func requireInRange(_ n: Int, _ capacity: Int, op: String, name: String, index: Int,
+                                      of: String) throws -> Int {
+        if n < 0 || n > capacity {
+            throw FlashMetalError.value(op, "\(name)[\(index)] = \(n) is out of range [0, \(capacity)] (\(of))",
+                                        arg: name)
+        }
+        return n
     }
 
     /// Validates a seqlens_k table that may carry each sequence's first key:
@@ -98,11 +113,8 @@ public enum SequenceTables {
         for row in 0..<2 {
             let what = row == 0 ? name : startsName
             for b in 0..<batch {
-                let n = int32(t, row * batch + b)
-                if n < 0 || n > capacity {
-                    throw FlashMetalError.value(
-                        op, "\(what)[\(b)] = \(n) is out of range [0, \(capacity)] (\(capacityName))", arg: what)
-                }
+                let n = try requireInRange(int32(t, row * batch + b), capacity, op: op, name: what, index: b,
+                                           of: capacityName)
                 if row == 0 { lengths.append(n) }
             }
         }

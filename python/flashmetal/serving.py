@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _kvcache_ragged as _ragged, _native, _seqused
+from . import _kvcache_ragged as _ragged, _native
 from ._arrays import F32, I32, as_index, as_input, check_out, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
@@ -198,17 +198,14 @@ def flash_attn_varlen_func(
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(out_shape(qa, va), dtype=qa.dtype)
-    used = None
-    if seqused_q is not None or seqused_k is not None:
-        t = _seqused.tables(op, qa, ka, cq, ck, seqused_q, seqused_k, bt, slopes, int(max_seqlen_q),
-                            int(max_seqlen_k))
-        cq, ck, used, bt, slopes = t.cu_seqlens_q, t.cu_seqlens_k, t.seqlens_k, t.block_table, t.alibi
+    used_q = None if seqused_q is None else as_index(seqused_q, op, "seqused_q")
+    used_k = None if seqused_k is None else as_index(seqused_k, op, "seqused_k")
     _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used, block_table=bt,
-                            sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
+    seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used_k, seqused_q=used_q,
+                            block_table=bt, sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, used, bt, lse, slopes, out, keep))
+                 tensor(ffi, out), opts, op=op, keep=(qa, ka, va, cq, ck, used_k, used_q, bt, lse, slopes, out, keep))
     return _with_probs(q, out, lse if want_lse else None)
 
 

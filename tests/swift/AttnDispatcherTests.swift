@@ -153,4 +153,51 @@ final class AttnDispatcherTests: XCTestCase {
         expectError({ try AttnDispatcher.makeDispatches(tv, big) },
                     "flash_attn_varlen_func", "cu_seqlens_q[2] = 10 exceeds the 9 tokens of q")
     }
+
+    /// The int32 entries of the table a dispatch binds at `index`.
+    func entries(_ d: Dispatch, _ index: Int) throws -> [Int32] {
+        let t = try d.buffer(index)
+        return (0..<t.shape.reduce(1, *)).map { t.data.loadUnaligned(fromByteOffset: $0 * 4, as: Int32.self) }
+    }
+
+    func testSequsedQSplitsEverySequence() throws {
+        // Rows 3 and 5 of which 2 and 5 attend, to 4 of 5 and 3 of 4 keys: sequences (2 rows, 4 keys),
+        // (1 row, 0 keys), (5 rows, 3 keys), (0 rows, 0 keys).
+        let (h, d) = (2, 64)
+        let q = HostTensor([8, h, d], .f16), out = HostTensor([8, h, d], .f16)
+        let k = HostTensor([9, h, d], .f16), v = HostTensor([9, h, d], .f16)
+        let cuQ = ints([0, 3, 8]), cuK = ints([0, 5, 9]), usedQ = ints([2, 5]), usedK = ints([4, 3])
+        let slopes = HostTensor([2, h], .f32)
+        for i in 0..<4 { slopes.data.storeBytes(of: Float(i + 1), toByteOffset: i * 4, as: Float.self) }
+        var t = AttnTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref)
+        t.cuSeqlensQ = cuQ.ref; t.cuSeqlensK = cuK.ref; t.seqlensK = usedK.ref; t.sequsedQ = usedQ.ref
+        t.alibiSlopes = slopes.ref
+        var o = AttnOptions(scale: 1)
+        o.maxSeqlenQ = 5; o.maxSeqlenK = 5
+        let plan = try AttnDispatcher.makePlan(t, o)
+        XCTAssertEqual(plan.tableBytes, 4 * (5 + 5 + 4 + 4 * h))
+        let memory = HostTensor([plan.tableBytes], .u8)
+        let dp = plan.dispatches(tables: memory.data)[0]
+        let p = try dp.params(PrefillBuffer.params, as: AttnParams.self)
+        XCTAssertEqual([p.B, p.qL, p.kL], [4, 5, 4])
+        XCTAssertEqual(try entries(dp, PrefillBuffer.cuSeqlensQ), [0, 2, 3, 8, 8])
+        XCTAssertEqual(try entries(dp, PrefillBuffer.cuSeqlensK), [0, 5, 5, 9, 9])
+        XCTAssertEqual(try entries(dp, PrefillBuffer.seqlensK), [4, 0, 3, 0])
+        let a = try dp.buffer(PrefillBuffer.alibi)
+        XCTAssertEqual(a.shape, [4, h])
+        XCTAssertEqual((0..<8).map { a.data.loadUnaligned(fromByteOffset: $0 * 4, as: Float.self) }, [1, 2, 1, 2, 3, 4, 3, 4])
+        XCTAssertEqual(try dp.buffer(PrefillBuffer.q).data, q.data)
+        expectError({ try AttnDispatcher.makeDispatches(t, o) }, "internal error", "seqused_q needs library tables")
+
+        let long = ints([2, 6])
+        t.sequsedQ = long.ref
+        expectError({ try AttnDispatcher.makePlan(t, o) }, "flash_attn_varlen_func",
+                    "seqused_q[1] = 6 is out of range [0, 5] (cu_seqlens_q)")
+        t.sequsedQ = usedQ.ref
+        t.cuSeqlensK = nil
+        let kb = HostTensor([2, 5, h, d], .f16), vb = HostTensor([2, 5, h, d], .f16)
+        (t.k, t.v) = (kb.ref, vb.ref)
+        expectError({ try AttnDispatcher.makePlan(t, o) }, "flash_attn_varlen_func",
+                    "seqused_q needs cu_seqlens_q and cu_seqlens_k")
+    }
 }

@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 7 };
+enum { FM_ABI_VERSION = 8 };
 
 /* FMVecOptions.mask_type. */
 typedef enum FMVecMaskType {
@@ -155,6 +155,10 @@ typedef struct FMSeqTensors {
     const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */
     const FMTensor *alibi_slopes; /* float32 [B, H]: score of key p at row position t gains
                                    * -slopes[b, h] * |t - p| after the softcap (flash-attn's ALiBi) */
+    const FMTensor *seqused_q;    /* int32 [B], with cu_seqlens_q and cu_seqlens_k (flash-attn 3's):
+                                   * sequence b's first seqused_q[b] <= cu_seqlens_q[b+1] - cu_seqlens_q[b]
+                                   * rows attend; its other rows see no key (out 0, lse -inf or the
+                                   * sink logit). seqlens_k beside cu_seqlens_k is flash-attn 3's seqused_k */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are
@@ -318,7 +322,7 @@ int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMAttnOptions *options, FMError *err);
 /* Serving decode: q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
- * block_table, sinks, lse ([B, H]); cu_seqlens_* must be NULL. tmp as fm_dispatch_vec. */
+ * block_table, sinks, lse ([B, H]); cu_seqlens_* and seqused_q must be NULL. tmp as fm_dispatch_vec. */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
                         const FMTensor *out, const FMAttnOptions *options,
