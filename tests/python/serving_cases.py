@@ -85,6 +85,30 @@ def with_sinks(rng, features: dict, heads: int) -> dict:
     return kw
 
 
+def ragged_features(window: tuple[int, int]) -> dict[str, dict]:
+    """The features the ragged serving tests run each case under, by name:
+    plain, causal, a window, chunks, softcap with sinks, ALiBi (the last
+    three causal). `sinks=True` and `alibi=True` stand for values drawn per
+    call (feature_kw)."""
+    return {
+        "plain": {},
+        "causal": dict(causal=True),
+        "window": dict(window_size=window),
+        "chunk": dict(causal=True, attention_chunk=4),
+        "softcap_sinks": dict(causal=True, softcap=2.0, sinks=True),
+        "alibi": dict(causal=True, alibi=True),
+    }
+
+
+def feature_kw(rng, features: dict, batch: int, heads: int) -> dict:
+    """A feature dict's call arguments: `sinks=True` as sink logits [heads],
+    `alibi=True` as ALiBi slopes [batch, heads]."""
+    kw = with_sinks(rng, features, heads)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (batch, heads)).astype(np.float32)
+    return kw
+
+
 def check_sink_limits(reg: fm.Registry, rng: np.random.Generator, q_len: int, dtype=BF16, d: int = 64) -> None:
     """Sinks [+inf, -inf, NaN, finite] on four heads, through
     flash_attn_with_kvcache (q_len 1: the decode route, else prefill), causal,

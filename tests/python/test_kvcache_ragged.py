@@ -17,7 +17,7 @@ import pytest
 import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, randn
-from serving_cases import assert_out_lse, cu, paged, with_sinks
+from serving_cases import assert_out_lse, cu, feature_kw, paged, ragged_features
 
 OP = "flash_attn_with_kvcache"
 H, HKV, D = 4, 2, 64
@@ -25,14 +25,7 @@ Q_LENS, NEW_LENS = [3, 0, 5, 1], [2, 0, 5, 1]
 CACHE_LENS = np.array([10, 4, 0, 20], dtype=np.int32)
 LEFTPAD = np.array([3, 0, 0, 7], dtype=np.int32)
 CAP = 32
-FEATURES = {
-    "plain": {},
-    "causal": dict(causal=True),
-    "window": dict(window_size=(4, 1)),
-    "chunk": dict(causal=True, attention_chunk=4),
-    "softcap_sinks": dict(causal=True, softcap=2.0, sinks=True),
-    "alibi": dict(causal=True, alibi=True),
-}
+FEATURES = ragged_features(window=(4, 1))
 
 
 def _expected(q, cq, k_rows, v_rows, ends, starts, kw):
@@ -48,13 +41,6 @@ def _expected(q, cq, k_rows, v_rows, ends, starts, kw):
         out[s:e], lse[:, s:e] = reference.attend_sequence(q[s:e], k_rows[b][starts[b]:ends[b]],
                                                           v_rows[b][starts[b]:ends[b]], **kwb)
     return out, lse
-
-
-def _feature_kw(rng, feature):
-    kw = with_sinks(rng, FEATURES[feature], H)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (len(Q_LENS), H)).astype(np.float32)
-    return kw
 
 
 def _appended(k_rows, lens, k_new, ck):
@@ -75,7 +61,7 @@ def test_ragged_append_and_attend(registry, rng, cache, feature):
     k_new, v_new = randn(rng, (int(ck[-1]), HKV, D), dtype), randn(rng, (int(ck[-1]), HKV, D), dtype)
     rows_k = [randn(rng, (CAP, HKV, D), dtype) for _ in range(batch)]
     rows_v = [randn(rng, (CAP, HKV, D), dtype) for _ in range(batch)]
-    kw = _feature_kw(rng, feature)
+    kw = feature_kw(rng, FEATURES[feature], len(Q_LENS), H)
     extra: dict = {}
     seq_table = None  # sequence b's pages: its block-table row
     if cache == "paged16":

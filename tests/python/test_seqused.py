@@ -15,26 +15,12 @@ import flashmetal as fm
 from flashmetal import reference
 from numerics import BF16, F16, randn
 from numerics import qkv_of_shapes as qkv
-from serving_cases import assert_out_lse, cu, paged, with_sinks
+from serving_cases import assert_out_lse, cu, feature_kw, paged, ragged_features
 
-FEATURES = {
-    "plain": {},
-    "causal": dict(causal=True),
-    "window": dict(window_size=(3, 2)),
-    "chunk": dict(causal=True, attention_chunk=4),
-    "softcap_sinks_causal": dict(causal=True, softcap=2.0, sinks=True),
-    "alibi_causal": dict(causal=True, alibi=True),
-}
+FEATURES = ragged_features(window=(3, 2))
 QL, KL = [1, 12, 3, 6], [20, 30, 0, 4]
 USED_Q, USED_K = [1, 7, 0, 6], [13, 30, 0, 2]
 H, HKV, D = 4, 2, 64
-
-
-def _kw(rng, feature):
-    kw = with_sinks(rng, FEATURES[feature], H)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (len(QL), H)).astype(np.float32)
-    return kw
 
 
 def _expected(q, k, v, cq, ck, uq, uk, kw):
@@ -57,7 +43,7 @@ def _expected(q, k, v, cq, ck, uq, uk, kw):
 def test_varlen(registry, rng, feature, mode):
     q, k, v = qkv(rng, (sum(QL), H, D), (sum(KL), HKV, D), F16)
     cq, ck = cu(QL), cu(KL)
-    kw = _kw(rng, feature)
+    kw = feature_kw(rng, FEATURES[feature], len(QL), H)
     uq = np.array(USED_Q if mode != "k" else QL, np.int32)
     uk = np.array(USED_K if mode != "q" else KL, np.int32)
     out, lse, _ = fm.flash_attn_varlen_func(q, k, v, cq, ck, max(QL), max(KL), return_attn_probs=True,
