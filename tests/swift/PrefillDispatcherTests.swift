@@ -94,26 +94,32 @@ final class PrefillDispatcherTests: XCTestCase {
     /// (32 x 8) tiles; AttnParams' NQ/NK stay the tile-skip (blk) grid of
     /// 32 x 16 (8 x 8) tiles.
     func testFloat32GridAndParams() throws {
-        let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 256, dtype: .f32))
-        let p = try d.params(4, as: AttnParams.self)
-        XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], [2, 4, 16, 8])
-        XCTAssertEqual(d.grid, Size3(2, 2, 1))
-        XCTAssertEqual(d.threadgroup, Size3(32, 1, 8))
-        XCTAssertEqual(d.kernel, "flash_attn_prefill_f32_d256")
-        XCTAssertEqual(d.constants.bool(200), false, "48 rows: a partial 32-row tile")
-        XCTAssertEqual(d.constants.bool(201), false, "56 keys: a partial 16-key tile")
-        let d512 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 64, kL: 72, d: 512, dtype: .f32))
-        let p512 = try d512.params(4, as: AttnParams.self)
-        XCTAssertEqual([p512.NQ, p512.NK, p512.qL_rem, p512.kL_rem], [8, 9, 0, 0])
-        XCTAssertEqual(d512.grid, Size3(2, 2, 1))
-        XCTAssertEqual(d512.threadgroup, Size3(32, 1, 16))
-        XCTAssertEqual(d512.kernel, "flash_attn_prefill_f32_d512")
-        XCTAssertEqual(d512.constants.bool(200), true, "64 rows: whole 32-row tiles")
-        XCTAssertEqual(d512.constants.bool(201), true, "72 keys: whole 8-key tiles")
-        let d192 = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: 48, kL: 56, d: 192, dtype: .f32))
-        XCTAssertEqual(d192.grid, Size3(2, 2, 1))
-        XCTAssertEqual(d192.threadgroup, Size3(32, 4, 1))
-        XCTAssertEqual(d192.constants.bool(200), false, "48 rows: a partial 32-row tile")
+        // Per (head dim, rows, keys): AttnParams' [NQ, NK, qL_rem, kL_rem], the grid, the threadgroup, the
+        // kernel, and whether the rows (constant 200) and keys (201) fill whole tiles; nil: not pinned.
+        typealias Row = (d: Int, qL: Int, kL: Int, tiles: [Int32]?, grid: Size3, threadgroup: Size3, kernel: String?,
+                         wholeRows: (Bool, String), wholeKeys: (Bool, String)?)
+        let rows: [Row] = [
+            (256, 48, 56, [2, 4, 16, 8], Size3(2, 2, 1), Size3(32, 1, 8), "flash_attn_prefill_f32_d256",
+             (false, "a partial 32-row tile"), (false, "a partial 16-key tile")),
+            (512, 64, 72, [8, 9, 0, 0], Size3(2, 2, 1), Size3(32, 1, 16), "flash_attn_prefill_f32_d512",
+             (true, "whole 32-row tiles"), (true, "whole 8-key tiles")),
+            (192, 48, 56, nil, Size3(2, 2, 1), Size3(32, 4, 1), nil, (false, "a partial 32-row tile"), nil),
+        ]
+        for r in rows {
+            let d = try dispatch(Case(b: 1, h: 2, hkv: 2, qL: r.qL, kL: r.kL, d: r.d, dtype: .f32))
+            let what = "D=\(r.d)"
+            if let tiles = r.tiles {
+                let p = try d.params(4, as: AttnParams.self)
+                XCTAssertEqual([p.NQ, p.NK, p.qL_rem, p.kL_rem], tiles, what)
+            }
+            XCTAssertEqual(d.grid, r.grid, what)
+            XCTAssertEqual(d.threadgroup, r.threadgroup, what)
+            if let kernel = r.kernel { XCTAssertEqual(d.kernel, kernel, what) }
+            XCTAssertEqual(d.constants.bool(200), r.wholeRows.0, "\(what), \(r.qL) rows: \(r.wholeRows.1)")
+            if let keys = r.wholeKeys {
+                XCTAssertEqual(d.constants.bool(201), keys.0, "\(what), \(r.kL) keys: \(keys.1)")
+            }
+        }
     }
 
     /// D = 512 (two-byte): the kernel's 16 x 64 tiles of 8 simdgroups set the
