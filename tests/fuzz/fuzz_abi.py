@@ -77,7 +77,7 @@ OPS = {
     "kv_append": ("kv_append",),
     "rotary": ("rotary",),
 }
-SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse")
+SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q")
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -307,6 +307,8 @@ def gen_attn(rng, backend):
         q_shape = [sum(q_lens), h, d]
         t["cu_seqlens_q"] = _tensor(rng, 5, [b + 1], values=np.concatenate([[0], np.cumsum(q_lens)]))
         t["cu_seqlens_k"] = _tensor(rng, 5, [b + 1], values=np.concatenate([[0], np.cumsum(k_lens)]))
+        if rng.random() < 0.3:  # flash-attn 3's seqused_q: the first rows of each sequence attend
+            t["seqused_q"] = _tensor(rng, 5, [b], values=[int(rng.integers(0, n + 1)) for n in q_lens])
     else:
         q_lens = [ql] * b
         q_shape = [b, ql, h, d]
@@ -761,8 +763,9 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     if _seq_present(case, "cu_seqlens_q") and not _seq_present(case, "cu_seqlens_k"):
         return _varlen_q_over_caches(case, q, k, v, table, kw)
     if _seq_present(case, "cu_seqlens_q"):
+        used_q = t["seqused_q"].array() if _seq_present(case, "seqused_q") else None
         return reference.flash_attn_varlen(q, k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
-                                           block_table=table, **kw)
+                                           block_table=table, seqused_q=used_q, **kw)
     return reference.flash_attn_kvcache(q, k, v, cache_seqlens=lens, block_table=table, cache_leftpad=starts, **kw)
 
 
