@@ -69,7 +69,10 @@ public enum SequenceTables {
     /// (`capacityName` says where the capacity comes from). Returns them.
     public static func seqlens(_ t: TensorRef, op: String, name: String, batch: Int,
                                capacity: Int, capacityName: String) throws -> [Int] {
-        try used(t, op: op, name: name, lengths: [Int](repeating: capacity, count: batch), lengthsName: capacityName)
+        try requireInt32(t, shape: [batch], op: op, name: name)
+        return try (0..<batch).map { b in
+            try requireInRange(int32(t, b), capacity, op: op, name: name, index: b, of: capacityName)
+        }
     }
 
     /// Validates per-sequence used lengths, int32 [B]: entry b in

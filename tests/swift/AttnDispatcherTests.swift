@@ -189,6 +189,14 @@ final class AttnDispatcherTests: XCTestCase {
         XCTAssertEqual(try dp.buffer(PrefillBuffer.q).data, q.data)
         expectError({ try AttnDispatcher.makeDispatches(t, o) }, "internal error", "seqused_q needs library tables")
 
+        // The kernel reads the split's copies; the caller's seqused_q still meets the overlap check.
+        var aliased = t
+        out.data.storeBytes(of: Int64(0), as: Int64.self)  // seqused_q [0, 0] over out's first bytes
+        aliased.out = TensorRef(data: out.data, byteCount: out.ref.byteCount, dtype: .f16, shape: [8, h, d], name: "out")
+        aliased.sequsedQ = TensorRef(data: out.data, byteCount: 8, dtype: .i32, shape: [2], name: "seqused_q")
+        expectError({ try AttnDispatcher.makePlan(aliased, o) }, "flash_attn_varlen_func",
+                    "out and seqused_q overlap in memory")
+
         let long = ints([2, 6])
         t.sequsedQ = long.ref
         expectError({ try AttnDispatcher.makePlan(t, o) }, "flash_attn_varlen_func",
