@@ -690,68 +690,80 @@ static void run_blk_and_mask(void) {
 
 /* ---- prefill over quantized caches ---------------------------------------- */
 
-/* K and V codes of `kbits` / `vbits` for [kL, Hkv] rows (flash-attn's
- * layout: a key's kv heads side by side), qL causal rows at the end of the
- * keys (window > 0: each row sees its last `window` keys), GQA H / Hkv,
- * sinks, LSE; work items of `n_items` items, as the Swift backend drives
- * them. Checked against double attention over the cpu codec's own
- * dequantized rows. */
-static void run_codes_prefill(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t n_items) {
-    const int32_t H = 4, Hkv = 2, qL = 70, kL = 150, group = H / Hkv;
+/* One attention over quantized caches: K and V codes of `kbits` / `vbits`
+ * for [kL, Hkv] rows (flash-attn's layout: a key's kv heads side by side),
+ * qL causal rows at the end of the keys (window > 0: each row sees its last
+ * `window` keys), GQA H / Hkv, sinks, LSE; the cpu codec's own dequantized
+ * rows are the reference's keys and values. */
+typedef struct CodesCase {
+    int32_t D, H, Hkv, qL, kL, window, kbits, vbits;
+    KVCodecParams kc, vc;
+    uint8_t *kq, *vq;
+    float *kn, *vn, *kd, *vd, *q, *o, *lse, sinks[4];
+} CodesCase;
+
+static CodesCase codes_case(int32_t D, int32_t kbits, int32_t vbits, int32_t window) {
+    CodesCase c = {D, 4, 2, 70, 150, window, kbits, vbits};
     const int32_t block = D == 80 ? 16 : D == 96 ? 32 : D == 192 ? 64 : D;
-    const KVCodecParams kc = {5, D, kbits, block, (D * kbits / 8 + 15) & ~15, {0, 0}};
-    const KVCodecParams vc = {6, D, vbits, block, (D * vbits / 8 + 15) & ~15, {0, 0}};
-    const int64_t rows = (int64_t)kL * Hkv, nb = D / block;
-    float *x = malloc(sizeof(float) * rows * D), *kd = malloc(sizeof(float) * rows * D);
-    float *vd = malloc(sizeof(float) * rows * D), *q = malloc(sizeof(float) * qL * H * D);
-    float *o = malloc(sizeof(float) * qL * H * D), *lse = malloc(sizeof(float) * H * qL), sinks[4];
-    uint8_t *kq = malloc((size_t)rows * kc.row_bytes), *vq = malloc((size_t)rows * vc.row_bytes);
-    float *kn = malloc(sizeof(float) * rows * nb), *vn = malloc(sizeof(float) * rows * nb);
+    c.kc = (KVCodecParams){5, D, kbits, block, (D * kbits / 8 + 15) & ~15, {0, 0}};
+    c.vc = (KVCodecParams){6, D, vbits, block, (D * vbits / 8 + 15) & ~15, {0, 0}};
+    const int64_t rows = (int64_t)c.kL * c.Hkv, nb = D / block, qn = (int64_t)c.qL * c.H * D;
+    float *x = malloc(sizeof(float) * rows * D);
+    c.kd = malloc(sizeof(float) * rows * D); c.vd = malloc(sizeof(float) * rows * D);
+    c.q = malloc(sizeof(float) * qn); c.o = malloc(sizeof(float) * qn);
+    c.lse = malloc(sizeof(float) * c.H * c.qL);
+    c.kq = malloc((size_t)rows * c.kc.row_bytes); c.vq = malloc((size_t)rows * c.vc.row_bytes);
+    c.kn = malloc(sizeof(float) * rows * nb); c.vn = malloc(sizeof(float) * rows * nb);
     for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&kc, x, FM_DTYPE_F32, kq, kn, 0, rows);
+    fm_cpu_kv_encode_rows(&c.kc, x, FM_DTYPE_F32, c.kq, c.kn, 0, rows);
     for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&vc, x, FM_DTYPE_F32, vq, vn, 0, rows);
-    fm_cpu_kv_dequantize_rows(&kc, kq, kn, kd, 0, rows);
-    fm_cpu_kv_dequantize_rows(&vc, vq, vn, vd, 0, rows);
-    for (int64_t i = 0; i < (int64_t)qL * H * D; i++) q[i] = nrand();
-    for (int h = 0; h < H; h++) sinks[h] = nrand();
+    fm_cpu_kv_encode_rows(&c.vc, x, FM_DTYPE_F32, c.vq, c.vn, 0, rows);
+    fm_cpu_kv_dequantize_rows(&c.kc, c.kq, c.kn, c.kd, 0, rows);
+    fm_cpu_kv_dequantize_rows(&c.vc, c.vq, c.vn, c.vd, 0, rows);
+    for (int64_t i = 0; i < qn; i++) c.q[i] = nrand();
+    for (int h = 0; h < c.H; h++) c.sinks[h] = nrand();
+    free(x);
+    return c;
+}
+
+/* The kernels' parameters of a case: one sequence, causal, its window. */
+static KVCodesDecodeParams codes_params(const CodesCase *c) {
     KVCodesDecodeParams p;
     memset(&p, 0, sizeof p);
-    p.k_seed = kc.seed;
-    p.v_seed = vc.seed;
-    p.kv_strides[0] = rows;
+    p.k_seed = c->kc.seed;
+    p.v_seed = c->vc.seed;
+    p.kv_strides[0] = (int64_t)c->kL * c->Hkv;
     p.kv_strides[1] = 1;
-    p.kv_strides[2] = Hkv;
-    p.n_heads = H;
-    p.n_kv_heads = Hkv;
-    p.head_dim = D;
-    p.block = block;
-    p.k_bits = kbits;
-    p.v_bits = vbits;
-    p.k_row_bytes = kc.row_bytes;
-    p.v_row_bytes = vc.row_bytes;
-    p.kv_len = kL;
-    p.q_len = qL;
-    p.scale = 1.0f / sqrtf((float)D);
+    p.kv_strides[2] = c->Hkv;
+    p.n_heads = c->H;
+    p.n_kv_heads = c->Hkv;
+    p.head_dim = c->D;
+    p.block = c->kc.block;
+    p.k_bits = c->kbits;
+    p.v_bits = c->vbits;
+    p.k_row_bytes = c->kc.row_bytes;
+    p.v_row_bytes = c->vc.row_bytes;
+    p.kv_len = c->kL;
+    p.q_len = c->qL;
+    p.scale = 1.0f / sqrtf((float)c->D);
     p.causal = 1;
-    p.window_left = window > 0 ? window - 1 : -1;
+    p.window_left = c->window > 0 ? c->window - 1 : -1;
     p.window_right = -1;
     p.batch = 1;
-    FMCPUKVCodesAttnArgs a;
-    memset(&a, 0, sizeof a);
-    a.q = q;
-    a.k_codes = kq;
-    a.k_norms = kn;
-    a.v_codes = vq;
-    a.v_norms = vn;
-    a.o = o;
-    a.sinks = sinks;
-    a.lse = lse;
-    const size_t floats = (size_t)fm_cpu_kv_codes_prefill_scratch_floats(&p);
-    float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) & ~(size_t)63);
-    for (int32_t g = 0; g < Hkv; g++)
-        for (int32_t first = 0; first < qL * group; first += n_items)
-            fm_cpu_kv_codes_prefill_items(&p, &a, first, n_items, g, 0, scratch);
+    return p;
+}
+
+static FMCPUKVCodesAttnArgs codes_args(CodesCase *c) {
+    return (FMCPUKVCodesAttnArgs){.q = c->q, .k_codes = c->kq, .k_norms = c->kn, .v_codes = c->vq,
+                                  .v_norms = c->vn, .o = c->o, .sinks = c->sinks, .lse = c->lse};
+}
+
+/* Checks o and lse against double attention over the dequantized rows (the
+ * sink joins each denominator without a value), then frees the case. */
+static void codes_check(CodesCase *c, const char *what) {
+    const int32_t D = c->D, H = c->H, Hkv = c->Hkv, qL = c->qL, group = H / Hkv;
+    const int64_t kL = c->kL;
+    const float scale = 1.0f / sqrtf((float)D);
     double worst = 0, worst_lse = 0, qv[512], ref[512];
     double *K = malloc(sizeof(double) * kL * D), *V = malloc(sizeof(double) * kL * D);
     int *vis = malloc(sizeof(int) * kL);
@@ -759,45 +771,79 @@ static void run_codes_prefill(int32_t D, int32_t kbits, int32_t vbits, int32_t w
         const int32_t g = h / group;
         for (int64_t j = 0; j < kL; j++)
             for (int32_t d = 0; d < D; d++) {
-                K[j * D + d] = kd[(j * Hkv + g) * D + d];
-                V[j * D + d] = vd[(j * Hkv + g) * D + d];
+                K[j * D + d] = c->kd[(j * Hkv + g) * D + d];
+                V[j * D + d] = c->vd[(j * Hkv + g) * D + d];
             }
         for (int32_t i = 0; i < qL; i++) {
             const int64_t pos = kL - qL + i;
-            for (int64_t j = 0; j < kL; j++) vis[j] = j <= pos && (window <= 0 || j > pos - window);
-            for (int32_t d = 0; d < D; d++) qv[d] = q[((int64_t)i * H + h) * D + d];
-            /* The sink joins the denominator without a value: ref_row's
-             * softmax over the keys, then rescaled by the sink's share. */
-            ref_row(qv, K, V, kL, D, D, p.scale, NULL, vis, ref);
-            double mx = sinks[h], tot = 0;
+            for (int64_t j = 0; j < kL; j++) vis[j] = j <= pos && (c->window <= 0 || j > pos - c->window);
+            for (int32_t d = 0; d < D; d++) qv[d] = c->q[((int64_t)i * H + h) * D + d];
+            /* ref_row's softmax over the keys, then rescaled by the sink's share. */
+            ref_row(qv, K, V, kL, D, D, scale, NULL, vis, ref);
+            double mx = c->sinks[h], tot = 0;
             for (int64_t j = 0; j < kL; j++) {
                 if (!vis[j]) continue;
                 double dot = 0;
                 for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
-                if (p.scale * dot > mx) mx = p.scale * dot;
+                if (scale * dot > mx) mx = scale * dot;
             }
             for (int64_t j = 0; j < kL; j++) {
                 if (!vis[j]) continue;
                 double dot = 0;
                 for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
-                tot += exp(p.scale * dot - mx);
+                tot += exp(scale * dot - mx);
             }
-            const double share = tot / (tot + exp(sinks[h] - mx));
+            const double share = tot / (tot + exp(c->sinks[h] - mx));
             for (int32_t d = 0; d < D; d++) {
-                const double want = ref[d] * share, got = o[((int64_t)i * H + h) * D + d];
+                const double want = ref[d] * share, got = c->o[((int64_t)i * H + h) * D + d];
                 const double err = fabs(got - want) / (1e-5 + 1e-4 * fabs(want));
                 if (!(err <= worst)) worst = err;
             }
-            const double want_lse = mx + log(tot + exp(sinks[h] - mx)), got_lse = lse[(int64_t)h * qL + i];
+            const double want_lse = mx + log(tot + exp(c->sinks[h] - mx)), got_lse = c->lse[(int64_t)h * qL + i];
             const double el = fabs(got_lse - want_lse) / 1e-5;
             if (!(el <= worst_lse)) worst_lse = el;
         }
     }
-    CHECK(worst <= 1.0 && worst_lse <= 1.0,
-          "codes prefill %s D=%d K%d/V%d window=%d items=%d: error %.3gx tolerance (lse %.3gx)",
-          fm_cpu_isa_name(fm_cpu_isa()), D, kbits, vbits, window, n_items, worst, worst_lse);
-    free(x); free(kd); free(vd); free(q); free(o); free(lse); free(kq); free(vq); free(kn); free(vn);
-    free(scratch); free(K); free(V); free(vis);
+    CHECK(worst <= 1.0 && worst_lse <= 1.0, "%s %s D=%d K%d/V%d window=%d: error %.3gx tolerance (lse %.3gx)",
+          what, fm_cpu_isa_name(fm_cpu_isa()), D, c->kbits, c->vbits, c->window, worst, worst_lse);
+    free(c->kq); free(c->vq); free(c->kn); free(c->vn); free(c->kd); free(c->vd); free(c->q); free(c->o);
+    free(c->lse); free(K); free(V); free(vis);
+}
+
+/* The prefill over codes in work items of `n_items` items of each kv head,
+ * as the Swift backend drives them. */
+static void run_codes_prefill(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t n_items) {
+    CodesCase c = codes_case(D, kbits, vbits, window);
+    const KVCodesDecodeParams p = codes_params(&c);
+    const FMCPUKVCodesAttnArgs a = codes_args(&c);
+    const size_t floats = (size_t)fm_cpu_kv_codes_prefill_scratch_floats(&p);
+    float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) & ~(size_t)63);
+    for (int32_t g = 0; g < c.Hkv; g++)
+        for (int32_t first = 0; first < c.qL * (c.H / c.Hkv); first += n_items)
+            fm_cpu_kv_codes_prefill_items(&p, &a, first, n_items, g, 0, scratch);
+    free(scratch);
+    char what[32];
+    snprintf(what, sizeof what, "codes prefill items=%d", n_items);
+    codes_check(&c, what);
+}
+
+/* The decode's work items over codes (every row of the case), each item's
+ * keys split `nsplit` ways and merged when nsplit > 1. */
+static void run_codes_decode(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t nsplit) {
+    CodesCase c = codes_case(D, kbits, vbits, window);
+    const KVCodesDecodeParams p = codes_params(&c);
+    const FMCPUKVCodesAttnArgs a = codes_args(&c);
+    const int32_t chunks = (c.H / c.Hkv + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
+    const int64_t items = (int64_t)c.qL * c.Hkv * chunks;
+    float *parts = nsplit > 1 ? malloc(sizeof(float) * items * nsplit * fm_cpu_kv_codes_part_floats(&p)) : NULL;
+    for (int64_t item = 0; item < items; item++)
+        for (int32_t s = 0; s < nsplit; s++) fm_cpu_kv_codes_decode_item(&p, &a, item, s, nsplit, parts);
+    for (int64_t item = 0; nsplit > 1 && item < items; item++)
+        fm_cpu_kv_codes_decode_merge(&p, &a, item, nsplit, parts);
+    free(parts);
+    char what[32];
+    snprintf(what, sizeof what, "codes decode splits=%d", nsplit);
+    codes_check(&c, what);
 }
 
 int main(int argc, char **argv) {
@@ -860,6 +906,9 @@ int main(int argc, char **argv) {
     run_codes_prefill(80, 3, 5, 0, 64);
     run_codes_prefill(192, 6, 2, 90, 256);
     run_codes_prefill(64, 4, 4, 70, 64);
+    run_codes_decode(128, 4, 8, 0, 1);
+    run_codes_decode(192, 6, 2, 90, 3);
+    run_codes_decode(80, 3, 5, 0, 2);
     run_blk_and_mask();
     for (int xi = 0; xi < 3; xi++)
         for (int ci = 0; ci < 3; ci++) run_rotary(dts[xi], dts[ci], (xi + ci) % 2, xi != 1);
