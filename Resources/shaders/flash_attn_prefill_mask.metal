@@ -30,5 +30,7 @@ kernel void flash_attn_prefill_mask(
     out[row * k_len + col] = visible ? T(0.0f) : T(-INFINITY);
 }
 
+// BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill_mask
 INSTANTIATE_KERNEL("flash_attn_prefill_mask_bf16", flash_attn_prefill_mask, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_mask_f16", flash_attn_prefill_mask, half)
+// END GENERATED INSTANTIATIONS

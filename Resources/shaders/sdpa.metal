@@ -127,6 +127,8 @@ kernel void sdpa(
     }
 }
 
+// BEGIN GENERATED INSTANTIATIONS: sdpa
 INSTANTIATE_KERNEL("sdpa", sdpa, float)
 INSTANTIATE_KERNEL("sdpa_bf16", sdpa, bfloat)
 INSTANTIATE_KERNEL("sdpa_f16", sdpa, half)
+// END GENERATED INSTANTIATIONS
