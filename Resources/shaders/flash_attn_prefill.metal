@@ -1475,6 +1475,7 @@ kernel void flash_attn_prefill_split(
 // tile where it is not the kernel's own, then v's head dim where it is not the tile width
 // (valueHeadDim).
 // BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill flash_attn_prefill_split
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)

@@ -81,6 +81,7 @@ kernel void flash_attn_prefill_blk(
 }
 
 // BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill_blk
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bf16", flash_attn_prefill_blk, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f16", flash_attn_prefill_blk, half)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f32", flash_attn_prefill_blk, float)

@@ -643,6 +643,7 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
 // Sources/FlashMetalCore/Capabilities.swift; the FWHT undo only at its power-of-two head dims
 // (fwhtHeadDims): the Hadamard transform needs one.
 // BEGIN GENERATED INSTANTIATIONS: flash_attn_vec flash_attn_vec_reduce flash_attn_vec_reduce_tq_hb_undo
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_vec_dk64", flash_attn_vec, float, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_dk80", flash_attn_vec, float, 80)
 INSTANTIATE_KERNEL("flash_attn_vec_dk96", flash_attn_vec, float, 96)

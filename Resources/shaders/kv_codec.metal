@@ -182,6 +182,7 @@ kernel void kv_dequantize(
 }
 
 // BEGIN GENERATED INSTANTIATIONS: kv_encode kv_dequantize kv_codes_append
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_encode_f32", kv_encode, float)
 INSTANTIATE_KERNEL("kv_encode_f16", kv_encode, half)
 INSTANTIATE_KERNEL("kv_encode_bf16", kv_encode, bfloat)

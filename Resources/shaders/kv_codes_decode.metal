@@ -332,6 +332,7 @@ kernel void kv_codes_reduce(
 }
 
 // BEGIN GENERATED INSTANTIATIONS: kv_codes_decode kv_codes_reduce
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float, float)
 INSTANTIATE_KERNEL("kv_codes_decode_f16kv", kv_codes_decode, float, half)
 INSTANTIATE_KERNEL("kv_codes_decode_bf16kv", kv_codes_decode, float, bfloat)

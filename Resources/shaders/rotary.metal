@@ -51,6 +51,7 @@ kernel void rotary(
 }
 
 // BEGIN GENERATED INSTANTIATIONS: rotary
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("rotary_f32_f32", rotary, float, float)
 INSTANTIATE_KERNEL("rotary_f32_f16", rotary, float, half)
 INSTANTIATE_KERNEL("rotary_f32_bf16", rotary, float, bfloat)
