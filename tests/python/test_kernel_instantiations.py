@@ -5,6 +5,7 @@ kernel the library can request is instantiated once with the tables' template
 arguments, and no shader instantiates a kernel the tables do not define."""
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from pathlib import Path
 
@@ -25,9 +26,10 @@ FILES = gen.shader_files(gen.SHADERS)
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_generated_blocks_are_the_generators_output(path):
     text = path.read_text()
-    assert gen.render(text, KERNELS, where=path.name) == text, (
-        f"{path.name}: its generated INSTANTIATE_KERNEL block differs from the capability tables; "
-        "run `make kernel-instantiations`")
+    diff = list(difflib.unified_diff(text.split("\n"), gen.render(text, KERNELS, where=path.name).split("\n"),
+                                     "checked in", "generated", lineterm="", n=0))
+    assert not diff, (f"{path.name}: its generated INSTANTIATE_KERNEL block differs from the capability tables "
+                      "(run `make kernel-instantiations`):\n" + "\n".join(diff[:20]))
 
 
 def test_shaders_instantiate_exactly_the_tables_kernels():
