@@ -3,7 +3,7 @@
 # and MSL sources (clang-format, from PyPI into .venv); `make quick`: build,
 # install, and pytest without the tests marked slow. And the stages of `make
 # test` with one summary line at the end (mk/stage_counts.py).
-#   lint-python   ruff (ruff.toml) over python, tests, bench; mypy (python/pyproject.toml)
+#   lint-python   ruff (ruff.toml) over python, tests, bench, tools; mypy (python/pyproject.toml)
 #   format-swift  swift format lint (.swift-format): every enabled rule, spacing,
 #                 blank lines and line length; not the continuation-line layout
 #                 (Indentation, AddLines, RemoveLine, TrailingComma), which
@@ -31,7 +31,7 @@ $(LINT_STAMP): python/requirements-lint.txt | venv
 	touch $@
 
 lint-python: lint-deps
-	$(VENV)/bin/ruff check python tests bench
+	$(VENV)/bin/ruff check python tests bench tools
 	cd python && ../$(VENV)/bin/mypy flashmetal
 
 format-swift:

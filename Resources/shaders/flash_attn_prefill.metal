@@ -1468,10 +1468,14 @@ kernel void flash_attn_prefill_split(
     }
 }
 
-// mlx-native's entry points (D 64, 256, 512) plus D=80, 96, 128 and 192, and MLA's 576 over v 512:
-// (T, MaskT, BQ, BK, BD, WM, WN[, BQB, BKB[, BDV]]). The geometry must match PrefillCapability in
-// Sources/FlashMetalCore (float32: its f32Geometry, with the blk tile where that differs, and
-// f32SplitGeometry for flash_attn_prefill_split; BDV: its valueHeadDim).
+// The entry points: one per (I/O dtype, head dim, mask type) of PrefillCapability in
+// Sources/FlashMetalCore/Capabilities.swift, with template arguments (T, MaskT, BQ, BK, BD, WM, WN
+// [, BQB, BKB[, BDV]]): the kernel's tile (float32: f32Geometry, or f32SplitGeometry for
+// flash_attn_prefill_split; two-byte: wideGeometry where it has a row, else geometry), then the blk
+// tile where it is not the kernel's own, then v's head dim where it is not the tile width
+// (valueHeadDim).
+// BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill flash_attn_prefill_split
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64", flash_attn_prefill, bfloat, bfloat, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d64_boolmask", flash_attn_prefill, bfloat, uchar, 32, 16, 64, 4, 1)
 INSTANTIATE_KERNEL("flash_attn_prefill_bf16_d80", flash_attn_prefill, bfloat, bfloat, 32, 16, 80, 4, 1)
@@ -1518,3 +1522,4 @@ INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256", flash_attn_prefill_split, floa
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d256_boolmask", flash_attn_prefill_split, float, uchar, 32, 16, 256, 1, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d512", flash_attn_prefill_split, float, float, 32, 8, 512, 1, 16, 8, 8)
 INSTANTIATE_KERNEL("flash_attn_prefill_f32_d512_boolmask", flash_attn_prefill_split, float, uchar, 32, 8, 512, 1, 16, 8, 8)
+// END GENERATED INSTANTIATIONS

@@ -80,7 +80,10 @@ kernel void flash_attn_prefill_blk(
     if (lane == 0) *dst = all_masked ? uchar(0) : (all_zero ? uchar(2) : uchar(1));
 }
 
+// BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill_blk
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bf16", flash_attn_prefill_blk, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f16", flash_attn_prefill_blk, half)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_f32", flash_attn_prefill_blk, float)
 INSTANTIATE_KERNEL("flash_attn_prefill_blk_bool", flash_attn_prefill_blk, uchar)
+// END GENERATED INSTANTIATIONS

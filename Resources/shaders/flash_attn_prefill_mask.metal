@@ -30,5 +30,8 @@ kernel void flash_attn_prefill_mask(
     out[row * k_len + col] = visible ? T(0.0f) : T(-INFINITY);
 }
 
+// BEGIN GENERATED INSTANTIATIONS: flash_attn_prefill_mask
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_prefill_mask_bf16", flash_attn_prefill_mask, bfloat)
 INSTANTIATE_KERNEL("flash_attn_prefill_mask_f16", flash_attn_prefill_mask, half)
+// END GENERATED INSTANTIATIONS

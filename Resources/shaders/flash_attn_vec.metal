@@ -639,6 +639,11 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     }
 }
 
+// The entry points: decode per (K/V dtype, head dim) and reduce per head dim of VecCapability in
+// Sources/FlashMetalCore/Capabilities.swift; the FWHT undo only at its power-of-two head dims
+// (fwhtHeadDims): the Hadamard transform needs one.
+// BEGIN GENERATED INSTANTIATIONS: flash_attn_vec flash_attn_vec_reduce flash_attn_vec_reduce_tq_hb_undo
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("flash_attn_vec_dk64", flash_attn_vec, float, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_dk80", flash_attn_vec, float, 80)
 INSTANTIATE_KERNEL("flash_attn_vec_dk96", flash_attn_vec, float, 96)
@@ -671,8 +676,8 @@ INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk192", flash_attn_vec_reduce, 192)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk256", flash_attn_vec_reduce, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk512", flash_attn_vec_reduce, 512)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_dk576", flash_attn_vec_reduce, 576)
-// The FWHT undo needs a power-of-two D: no 80, 96 or 192 (VecCapability.fwhtHeadDims).
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk64", flash_attn_vec_reduce_tq_hb_undo, 64)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk128", flash_attn_vec_reduce_tq_hb_undo, 128)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk256", flash_attn_vec_reduce_tq_hb_undo, 256)
 INSTANTIATE_KERNEL("flash_attn_vec_reduce_tq_hb_undo_dk512", flash_attn_vec_reduce_tq_hb_undo, 512)
+// END GENERATED INSTANTIATIONS

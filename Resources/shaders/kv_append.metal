@@ -54,6 +54,9 @@ kernel void kv_append(
     for (long d = tid; d < dv; d += long(tpg.x)) v_cache[vdst + d] = v_new[vsrc + d];
 }
 
+// BEGIN GENERATED INSTANTIATIONS: kv_append
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_append_f32", kv_append, float, uint)
 INSTANTIATE_KERNEL("kv_append_f16", kv_append, half, ushort)
 INSTANTIATE_KERNEL("kv_append_bf16", kv_append, bfloat, ushort)
+// END GENERATED INSTANTIATIONS

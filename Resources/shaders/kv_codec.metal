@@ -181,6 +181,8 @@ kernel void kv_dequantize(
     }
 }
 
+// BEGIN GENERATED INSTANTIATIONS: kv_encode kv_dequantize kv_codes_append
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_encode_f32", kv_encode, float)
 INSTANTIATE_KERNEL("kv_encode_f16", kv_encode, half)
 INSTANTIATE_KERNEL("kv_encode_bf16", kv_encode, bfloat)
@@ -188,3 +190,4 @@ INSTANTIATE_KERNEL("kv_dequantize_f32", kv_dequantize, float)
 INSTANTIATE_KERNEL("kv_codes_append_f32", kv_codes_append, float, uint)
 INSTANTIATE_KERNEL("kv_codes_append_f16", kv_codes_append, half, ushort)
 INSTANTIATE_KERNEL("kv_codes_append_bf16", kv_codes_append, bfloat, ushort)
+// END GENERATED INSTANTIATIONS

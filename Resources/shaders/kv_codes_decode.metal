@@ -331,7 +331,10 @@ kernel void kv_codes_reduce(
     kvq_finish_rows(p, z, 1u, &norm, o + long(row) * long(d), lane, 32u);
 }
 
+// BEGIN GENERATED INSTANTIATIONS: kv_codes_decode kv_codes_reduce
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float, float)
 INSTANTIATE_KERNEL("kv_codes_decode_f16kv", kv_codes_decode, float, half)
 INSTANTIATE_KERNEL("kv_codes_decode_bf16kv", kv_codes_decode, float, bfloat)
 INSTANTIATE_KERNEL("kv_codes_reduce_f32", kv_codes_reduce, float)
+// END GENERATED INSTANTIATIONS

@@ -178,6 +178,9 @@ kernel void kv_codes_prefill(
     }
 }
 
+// BEGIN GENERATED INSTANTIATIONS: kv_codes_prefill
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("kv_codes_prefill_f32", kv_codes_prefill, float, float)
 INSTANTIATE_KERNEL("kv_codes_prefill_f16kv", kv_codes_prefill, float, half)
 INSTANTIATE_KERNEL("kv_codes_prefill_bf16kv", kv_codes_prefill, float, bfloat)
+// END GENERATED INSTANTIATIONS

@@ -50,6 +50,8 @@ kernel void rotary(
     }
 }
 
+// BEGIN GENERATED INSTANTIATIONS: rotary
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("rotary_f32_f32", rotary, float, float)
 INSTANTIATE_KERNEL("rotary_f32_f16", rotary, float, half)
 INSTANTIATE_KERNEL("rotary_f32_bf16", rotary, float, bfloat)
@@ -59,3 +61,4 @@ INSTANTIATE_KERNEL("rotary_f16_bf16", rotary, half, bfloat)
 INSTANTIATE_KERNEL("rotary_bf16_f32", rotary, bfloat, float)
 INSTANTIATE_KERNEL("rotary_bf16_f16", rotary, bfloat, half)
 INSTANTIATE_KERNEL("rotary_bf16_bf16", rotary, bfloat, bfloat)
+// END GENERATED INSTANTIATIONS

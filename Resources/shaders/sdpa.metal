@@ -127,6 +127,9 @@ kernel void sdpa(
     }
 }
 
+// BEGIN GENERATED INSTANTIATIONS: sdpa
+// (written by tools/gen_instantiations.py from the capability tables; do not edit)
 INSTANTIATE_KERNEL("sdpa", sdpa, float)
-INSTANTIATE_KERNEL("sdpa_bf16", sdpa, bfloat)
 INSTANTIATE_KERNEL("sdpa_f16", sdpa, half)
+INSTANTIATE_KERNEL("sdpa_bf16", sdpa, bfloat)
+// END GENERATED INSTANTIATIONS

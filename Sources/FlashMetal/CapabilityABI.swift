@@ -96,3 +96,18 @@ public func fm_max_head_dim(_ op: UnsafePointer<CChar>?, _ out: UnsafeMutablePoi
         out.pointee = Int32(dim)
     }
 }
+
+/// Every kernel the capability tables imply, one a line: its name, its
+/// template function and the function's template arguments, separated by
+/// spaces (KernelSpec.all and KernelSpec.instantiation), as a static C
+/// string. tools/gen_instantiations.py writes the shaders' INSTANTIATE_KERNEL
+/// lines from it, so no shader restates a table.
+@_cdecl("fm_kernel_instantiations")
+public func fm_kernel_instantiations() -> UnsafePointer<CChar> {
+    kernelInstantiations
+}
+
+private let kernelInstantiations = staticCString(KernelSpec.all.map { spec in
+    let (function, args) = spec.instantiation
+    return ([spec.name, function] + args).joined(separator: " ")
+}.joined(separator: "\n"))

@@ -20,7 +20,7 @@ public func fm_status_string(_ status: Int32) -> UnsafePointer<CChar> {
 }
 
 /// A static C string that lives for the process.
-private func staticCString(_ s: String) -> UnsafePointer<CChar> {
+func staticCString(_ s: String) -> UnsafePointer<CChar> {
     let p = UnsafeMutablePointer<CChar>.allocate(capacity: s.utf8.count + 1)
     for (i, b) in s.utf8.enumerated() { p[i] = CChar(bitPattern: b) }
     p[s.utf8.count] = 0

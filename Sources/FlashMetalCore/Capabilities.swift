@@ -4,8 +4,9 @@ import CFlashMetal
 /// geometry), dtypes and variants that have a kernel. Validation, its
 /// messages, the kernel enumeration (KernelSpec.all), the head dims the
 /// Python package routes by (fm_supported_head_dims) and the shader test all
-/// derive from these rows. Adding a head dim is one row here plus one
-/// INSTANTIATE_KERNEL line per variant in the shaders.
+/// derive from these rows, and so do the shaders' INSTANTIATE_KERNEL lines
+/// (tools/gen_instantiations.py writes them from fm_kernel_instantiations):
+/// adding a head dim is one row here, then `make kernel-instantiations`.
 ///
 /// The prefill and decode rows are tile widths: any head dim D in
 /// 1...maxPaddedHeadDim runs the kernel of the smallest tile Dt >= D with the

@@ -288,6 +288,11 @@ int fm_runs_head_dims(const char *op, int32_t d, int32_t dv, int32_t *out, FMErr
 /* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
 int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
+/* Every kernel the capability tables imply, one a line ("name function
+ * arg ...": its name, its MSL template function, the function's template
+ * arguments), as a static string: what the shaders must instantiate
+ * (tools/gen_instantiations.py writes their INSTANTIATE_KERNEL lines from it). */
+const char *fm_kernel_instantiations(void);
 /* mask: [qL, kL] bfloat16 or float16 additive; blk_out: uint8 [NQ, NK] (its
  * shape for head_dim and the mask's shape), >= NQ*NK bytes. fm_dispatch_prefill
  * checks the blk's shape against its own geometry, and the head dim and mask
