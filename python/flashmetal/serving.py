@@ -410,8 +410,9 @@ def flash_attn_with_kvcache(
         decode = qa.ndim == 4 and qa.shape[1] == 1
         if decode:
             _decode_dtypes(_KVCACHE, qa, kc)
-        # The decode kernel reads q as float32: its rotated copy is float32 too.
-        q_in = np.ascontiguousarray(qa, dtype=F32) if decode else qa
+        # The decode kernel reads q as float32: its rotated copy is float32 too
+        # (rotated in the batch scope, it cannot be converted on the host).
+        q_in = np.ascontiguousarray(qa, dtype=F32) if decode or short else qa
         rotated: dict[str, np.ndarray] = {}
 
         def rotate_q_and_k() -> np.ndarray:

@@ -232,12 +232,12 @@ def test_mismatched_v_and_out_are_refused_by_name():
                                      (64, 300, 2)])
 def test_dropin(registry, rng, d, dv, ql):
     """scaled_dot_product_attention with value's own head dim (torch's Ev != E):
-    decode or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
+    decode (up to 8 query rows) or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
     kernel), the general kernel past it."""
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
     route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
     tiled = max(d, dv) <= 256 or (d, dv) == (576, 512)
-    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql == 1 else "flash_attn_prefill"), route
+    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql <= 8 else "flash_attn_prefill"), route
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
     assert out.shape == (1, 2, ql, dv)

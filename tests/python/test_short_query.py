@@ -113,3 +113,34 @@ def test_longer_queries_keep_the_prefill(registry, calls):
     out = fm.flash_attn_func(q, k, v, causal=True, registry=registry)
     assert calls == ["fm_dispatch_attn"], calls
     assert_close(out, reference.flash_attn(q, k, v, causal=True)[0], BF16, registry.backend)
+
+
+# The torch drop-in: (qL, kv_len of a cap-48 cache, H, Hkv, dtype, keywords).
+DROPIN_CASES = [
+    (4, 40, 4, 2, BF16, dict(is_causal=True, align="bottom_right")),
+    (3, 48, 2, 2, F32, dict()),
+    (6, 33, 4, 1, F16, dict(is_causal=True, align="bottom_right", window=5, softcap=8.0)),
+    (8, 8, 2, 1, BF16, dict(is_causal=True)),  # top-left with qL == kv_len is bottom-right
+]
+
+
+@pytest.mark.parametrize("case", DROPIN_CASES, ids=lambda c: f"q{c[0]}k{c[1]}h{c[2]}/{c[3]}-{c[5]}")
+def test_dropin_short_query(registry, calls, case):
+    ql, kl, h, hkv, dtype, kw = case
+    rng = np.random.default_rng(ql + kl)
+    q, k, v = randn(rng, (2, h, ql, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype)
+    args = dict(enable_gqa=hkv < h, kv_len=kl, **kw)
+    assert fm.explain(q, k, v, **args).kernel == "flash_attn_vec"
+    out = fm.scaled_dot_product_attention(q, k, v, registry=registry, **args)
+    assert calls == ["fm_dispatch_vec_seq"], calls
+    causal = kw.get("is_causal", False)
+    e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=causal, q_offset=kl - ql,
+                            window=kw.get("window"), softcap=kw.get("softcap", 0.0))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, e, dtype, f"{registry.backend} {case}")
+
+
+def test_dropin_top_left_keeps_the_prefill():
+    """torch's top-left causal rows (not the newest positions) stay on the prefill."""
+    q, k = np.zeros((1, 2, 4, 64), BF16), np.zeros((1, 2, 40, 64), BF16)
+    assert fm.explain(q, k, k, is_causal=True).kernel == "flash_attn_prefill"
