@@ -334,7 +334,11 @@ inline void vec_visible(uint mask_type, uint window, constant FlashAttnVecSeqPar
     if (mask_type == 2u) l = max(t + 1 - long(window), l);
     if (vec_seq && sp->attention_chunk > 0u) {
         const long c = long(sp->attention_chunk);
-        l = t >= first ? max(l, first + (t - first) / c * c) : h;
+        if (t >= first) {
+            l = max(l, first + (t - first) / c * c);
+        } else {
+            h = min(h, first);  // empty, below every later row's keys: the union stays exact
+        }
     }
     if (vec_seq && sp->window_right >= 0) h = min(h, t + 1 + long(sp->window_right));
     *lo = l;
@@ -455,8 +459,8 @@ kernel void flash_attn_vec(
         // Keys of the chunk the threadgroup reads: [j0, j1); this row sees [r0, r1).
         const int j0 = int(max(ulo - c, 0L));
         const int j1 = int(min(long(FM_VEC_CHUNK), uhi - c));
-        const int r0 = int(clamp(lo - c, 0L, long(FM_VEC_CHUNK)));
-        const int r1 = int(clamp(hi - c, 0L, long(FM_VEC_CHUNK)));
+        const int r0 = int(min(max(lo - c, 0L), long(FM_VEC_CHUNK)));
+        const int r1 = int(min(max(hi - c, 0L), long(FM_VEC_CHUNK)));
         float part[FM_VEC_CHUNK];
         for (int j = 0; j < FM_VEC_CHUNK; j++) part[j] = 0.0f;
         float x[NE];

@@ -56,9 +56,11 @@ static inline void fm_vec_row_visible(const FMVecArgs *a, int64_t b, int64_t qi,
     if (a->p.mask_type == FM_VEC_MASK_WINDOW && t + 1 - (int64_t)a->p.sliding_window > l) {
         l = t + 1 - (int64_t)a->p.sliding_window;
     }
-    if (a->attention_chunk > 0) {
-        const int64_t start = t >= first ? first + (t - first) / a->attention_chunk * a->attention_chunk : h;
+    if (a->attention_chunk > 0 && t >= first) {
+        const int64_t start = first + (t - first) / a->attention_chunk * a->attention_chunk;
         if (start > l) l = start;
+    } else if (a->attention_chunk > 0 && first < h) {
+        h = first; /* empty, below every later row's keys: the union stays exact */
     }
     if (a->window_right >= 0 && t + 1 + a->window_right < h) h = t + 1 + a->window_right;
     if (h < 0) h = 0;

@@ -297,7 +297,7 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     newest = q_offset == kl - qL or (not causal and window is None)
     if (decode and 1 < qL <= min(SHORT_QUERY_ROWS, kl) and mask is None and newest and not sinks
-            and _native.runs_head_dims("flash_attn_vec", D, dv)):
+            and _native.runs_head_dims("flash_attn_vec", D, dv) and _native.runs_head_dims(prefill_op, D, dv)):
         return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
                      "each row with its own causal/window keys, K/V read once per kv head"), None
     why_not = []

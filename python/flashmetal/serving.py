@@ -249,8 +249,11 @@ def flash_attn_with_kvcache(
     Args:
         q: ``[B, seqlen_q, H, D]``. seqlen_q == 1 runs the decode kernel (q
             converted to float32, the output back to q's dtype; float32 q
-            allowed); longer blocks the prefill kernel (bfloat16, float16,
-            float32 up to D 256).
+            allowed), and so do 2...8 rows of q's dtype equal to the
+            caches' (each row with its own causal/window keys; inside a
+            batch scope on metal the prefill kernel runs them); longer
+            blocks the prefill kernel (bfloat16, float16, float32 up to D
+            256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
             Hkv, D]`` with block_table; v_cache (and v) may have a head dim
             Dv of its own, as in flash_attn_func (out then has Dv). Or both QuantizedKV (KVCodec.empty of
@@ -780,14 +783,18 @@ def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) 
     """Whether q [B, qL, H, D] with 1 < qL <= SHORT_QUERY_ROWS runs the
     split-KV decode kernel (each query row with its own causal/window keys,
     the rows of a kv head reading its K/V once) instead of the prefill's
-    32-row tile: q and the caches of one dtype, head dims the decode runs,
+    32-row tile: q and the caches of one dtype, head dims both the decode and
+    the prefill run,
     and not inside a caller's batch scope on a deferring backend (the float32
     result is converted after the work ran)."""
     if qa.ndim != 4 or not 1 < qa.shape[1] <= SHORT_QUERY_ROWS or ka.ndim != 4 or va.ndim != 4:
         return False
     if qa.dtype != ka.dtype or ka.dtype != va.dtype or (reg._defers_work and reg._batch_depth):
         return False
-    return _native.runs_head_dims("flash_attn_decode", int(qa.shape[-1]), int(va.shape[-1]))
+    # Only head dims the prefill runs too: the route changes the kernel, not which calls run.
+    d, dv = int(qa.shape[-1]), int(va.shape[-1])
+    prefill = "flash_attn_prefill_f32" if qa.dtype == F32 else "flash_attn_prefill"
+    return _native.runs_head_dims("flash_attn_decode", d, dv) and _native.runs_head_dims(prefill, d, dv)
 
 
 def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,

@@ -18,6 +18,7 @@ import pytest
 import flashmetal as fm
 from conftest import BACKENDS
 from flashmetal import reference
+from flashmetal.serving import SHORT_QUERY_ROWS
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import assert_out_lse, cu, paged
 
@@ -309,7 +310,7 @@ def test_kvcache_rotary_leftpad_batch_idx(registry, rng, seqlen_q, mode):
         kr, vr = kc.copy(), vc.copy()
     k_ro = reference.apply_rotary_emb(kn, cos, sin, lens, interleaved=False).astype(BF16)
     q_ro = reference.apply_rotary_emb(q, cos, sin, lens, interleaved=False)
-    q_ro = q_ro.astype(F32 if seqlen_q == 1 else BF16)
+    q_ro = q_ro.astype(F32 if seqlen_q <= SHORT_QUERY_ROWS else BF16)  # the decode route attends float32 q
     e_out, e_lse = reference.flash_attn_kvcache(q_ro, kr, vr, k=k_ro, v=vn, cache_seqlens=lens, causal=True,
                                                 cache_leftpad=first)
     out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,

@@ -46,6 +46,7 @@ FUNC_CASES = [
     (8, 5, 4, 4, 64, BF16, dict(causal=True)),
     (4, 64, 4, 2, 64, F32, dict(causal=True, softcap=5.0, attention_chunk=24)),
     (7, 44, 2, 2, 64, BF16, dict(causal=False, attention_chunk=16)),
+    (3, 2, 2, 1, 64, BF16, dict(causal=False, attention_chunk=1)),  # a row before the first key sees none
 ]
 
 
