@@ -325,8 +325,8 @@ inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const
 
 // The keys [*lo, *hi) (empty when *hi <= *lo) that the query at position t
 // of a sequence of kv_len keys from its first key `first` sees: the sliding
-// window w (mask_type 2) keeps p > t - w; the attention chunk keys from
-// first + (t - first) / c * c, none when t < first; window_right keys
+// window w (mask_type 2) keeps p > t - w; the attention chunk keys in
+// [s, s + c), s = first + (t - first) / c * c, none when t < first; window_right keys
 // p <= t + window_right; never a key at or past kv_len.
 inline void vec_visible(uint mask_type, uint window, constant FlashAttnVecSeqParams *sp, long first, long kv_len,
                         long t, thread long *lo, thread long *hi) {
@@ -335,7 +335,9 @@ inline void vec_visible(uint mask_type, uint window, constant FlashAttnVecSeqPar
     if (vec_seq && sp->attention_chunk > 0u) {
         const long c = long(sp->attention_chunk);
         if (t >= first) {
-            l = max(l, first + (t - first) / c * c);
+            const long start = first + (t - first) / c * c;
+            l = max(l, start);
+            h = min(h, start + c);  // the chunk ends there too (keys right of t)
         } else {
             h = min(h, first);  // empty, below every later row's keys: the union stays exact
         }

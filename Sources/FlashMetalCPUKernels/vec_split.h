@@ -46,7 +46,7 @@ static inline int fm_vec_key_major(const FMVecArgs *a) {
 /* The keys [*lo, *hi) (*lo <= *hi) query row qi of sequence b sees: it sits
  * at t = kv_len_b - L + qi (L = fm_vec_qrows); keys before the sequence's
  * first key f_b are hidden, the window keeps p > t - w, its attention chunk
- * starts at f_b + (t - f_b) / c * c (none when t < f_b), and keys past
+ * is [s, s + c) with s = f_b + (t - f_b) / c * c (none when t < f_b), and keys past
  * t + window_right are hidden. Both bounds grow with qi. */
 static inline void fm_vec_row_visible(const FMVecArgs *a, int64_t b, int64_t qi, int64_t *lo, int64_t *hi) {
     const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
@@ -59,6 +59,7 @@ static inline void fm_vec_row_visible(const FMVecArgs *a, int64_t b, int64_t qi,
     if (a->attention_chunk > 0 && t >= first) {
         const int64_t start = first + (t - first) / a->attention_chunk * a->attention_chunk;
         if (start > l) l = start;
+        if (start + a->attention_chunk < h) h = start + a->attention_chunk; /* keys right of t */
     } else if (a->attention_chunk > 0 && first < h) {
         h = first; /* empty, below every later row's keys: the union stays exact */
     }

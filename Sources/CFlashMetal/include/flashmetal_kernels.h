@@ -334,7 +334,7 @@ typedef struct AttnSeqParams {
  * Short queries (q_rows = L > 1): sequence b has L query rows, row i at
  * position t = kv_len_b - L + i (bottom-right); every rule above then applies
  * to t in place of kv_len_b - 1 (window: t - p < sliding_window; chunk: keys
- * from f_b + floor((t - f_b) / c) * c, none when t < f_b), keys p > t +
+ * in [s, s + c) with s = f_b + floor((t - f_b) / c) * c, none when t < f_b), keys p > t +
  * window_right are hidden (causal: window_right 0), and ALiBi scores
  * -slope * |t - p|. q, out and tmp rows are r = (b * L + i) * H + h; the
  * grid's y runs over rows ordered (b, kv head, i, head within the group), so
