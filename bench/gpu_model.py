@@ -247,6 +247,35 @@ def decode_cases(reg, keys, groups=(1, 4, 8), batches=(1, 16), d=128, heads=32, 
     return cases
 
 
+def short_query_cases(reg, keys, rows=(4, 8), groups=(1, 4, 8), d=128, heads=32, dt="bf16"):
+    """Short queries (qL <= 8, causal bottom-right: speculative decoding, small
+    chunks): flash_attn_func's route (the split-KV decode kernel over the qL
+    rows of each kv head) against the prefill's 32-row tile on the same call."""
+    cases = []
+    for ql in rows:
+        for g in groups:
+            for route in ("prefill", "short"):
+                for kl in keys:
+                    def run(size, batch, hkv, g=g, ql=ql, route=route):
+                        rng = np.random.default_rng(size)
+                        q = randn(rng, (batch, ql, hkv * g, d), dt)
+                        k = randn(rng, (batch, size, hkv, d), dt)
+                        v = randn(rng, (batch, size, hkv, d), dt)
+                        if route == "short":
+                            fm.flash_attn_func(q, k, v, causal=True, registry=reg)
+                        else:
+                            fm.flash_attn_prefill(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                                  v.transpose(0, 2, 1, 3), causal=True, registry=reg)
+
+                    def flops(size, g=g, ql=ql):
+                        return 4 * d * g * pairs_visible(ql, size, True, None)
+                    name = "MHA" if g == 1 else f"GQA{g}"
+                    cases.append(Case("short query", f"{dt} D={d} {name} qL={ql} {route} keys={kl}",
+                                      "flash_attn_prefill" if route == "prefill" else "flash_attn_vec + reduce",
+                                      run, [1024, 2048], 1, kl, 1, heads // g, flops))
+    return cases
+
+
 def code_caches(rng, shape, d, kbits, vbits):
     """K and V QuantizedKV caches of leading shape `shape`, filled with random
     codes and norms directly (no encode dispatch is run, so none is counted)."""
@@ -637,7 +666,8 @@ def main() -> int:
     keys = [4096, 131072] if args.quick else [4096, 16384, 32768, 131072]
     codes_keys = [8192, 131072] if args.quick else [8192, 32768, 131072]
     cases = (prefill_cases(reg, dims, dtypes, lengths) + decode_cases(reg, keys)
-             + serving_cases(reg, lengths) + sdpa_cases(reg, lengths) + codes_cases(reg, codes_keys))
+             + serving_cases(reg, lengths) + sdpa_cases(reg, lengths) + codes_cases(reg, codes_keys)
+             + short_query_cases(reg, [4096, 16384]))
     if args.only:
         pattern = re.compile(args.only)
         cases = [c for c in cases if pattern.search(f"{c.group} {c.label}")]
@@ -722,7 +752,7 @@ def kept_sections(path) -> str:
     return text[at + 1:].rstrip("\n") if at >= 0 else ""
 
 
-GROUPS = ("prefill", "decode", "serving", "sdpa", "codes decode", "codes prefill")
+GROUPS = ("prefill", "decode", "serving", "sdpa", "codes decode", "codes prefill", "short query")
 MAC_HEADING = "## What only a Mac can measure"
 
 

@@ -52,7 +52,14 @@
 // so each half lies in one page. Any other page size (1, 4, 24...): every
 // visible key reads its own entry (vec_key_offset). The window and the attention chunk apply
 // per sequence. 507 (vec_alibi, with 501): row r's ALiBi slope is buffer 8's
-// float r; key p scores -slope * (kv_len_b - 1 - p) more, after the softcap.
+// float b * H + h; key p scores -slope * |t - p| more, after the softcap.
+// Short queries (FlashAttnVecSeqParams.q_rows = L > 1): each sequence has L
+// query rows, row i at t = kv_len_b - L + i, each with its own visible keys
+// (window_right hides p > t + window_right: causal is 0). The grid's y runs
+// over rows ordered (b, kv head, i, head within the group) so the HG SIMD
+// groups of a threadgroup (HG divides L * H / Hkv) share one kv head's K/V
+// reads across query rows as well as heads; the threadgroup walks the union
+// of its rows' keys, each SIMD group scoring and accumulating only its own.
 //
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
@@ -316,6 +323,30 @@ inline void vec_stage(threadgroup KV *stage, const device KV *base, thread const
     }
 }
 
+// The keys [*lo, *hi) (empty when *hi <= *lo) that the query at position t
+// of a sequence of kv_len keys from its first key `first` sees: the sliding
+// window w (mask_type 2) keeps p > t - w; the attention chunk keys in
+// [s, s + c), s = first + (t - first) / c * c, none when t < first; window_right keys
+// p <= t + window_right; never a key at or past kv_len.
+inline void vec_visible(uint mask_type, uint window, constant FlashAttnVecSeqParams *sp, long first, long kv_len,
+                        long t, thread long *lo, thread long *hi) {
+    long l = first, h = kv_len;
+    if (mask_type == 2u) l = max(t + 1 - long(window), l);
+    if (vec_seq && sp->attention_chunk > 0u) {
+        const long c = long(sp->attention_chunk);
+        if (t >= first) {
+            const long start = first + (t - first) / c * c;
+            l = max(l, start);
+            h = min(h, start + c);  // the chunk ends there too (keys right of t)
+        } else {
+            h = min(h, first);  // empty, below every later row's keys: the union stays exact
+        }
+    }
+    if (vec_seq && sp->window_right >= 0) h = min(h, t + 1 + long(sp->window_right));
+    *lo = l;
+    *hi = h;
+}
+
 template <typename KV, int D>
 kernel void flash_attn_vec(
     constant FlashAttnVecParams &p [[buffer(0)]],
@@ -341,13 +372,17 @@ kernel void flash_attn_vec(
     static_assert(FM_VEC_CHUNK == 32, "one key of a chunk per lane");
     static_assert(D % VW == 0 && 32 % RS == 0, "whole vectors and whole stages");
 
-    // HG query heads of one kv head share the threadgroup, one SIMD group each.
+    // HG query rows of one kv head share the threadgroup, one SIMD group each.
     const int hg = int(tpg.x) / 32;
-    const long row = long(tgid.y) * hg + long(sg);
+    const long vrow = long(tgid.y) * hg + long(sg);  // (b, g, i, head in group) order
     const long wg = tgid.z;
     const long nrows = vec_seq ? long(ngroups.y) * hg : long(p.n_heads);
     const long nwg = p.nwg;
     const long gqa = long(p.n_heads) / long(p.n_kv_heads);
+    // Query rows per sequence (short queries), and the row of q, tmp and out.
+    const long qrows = vec_seq && sp->q_rows > 1u ? long(sp->q_rows) : 1L;
+    long row = vrow;
+    long qi = 0;  // this row's index within its sequence's query rows
     // (sequence, kv head) of the row and the (sequence or page, kv head, row)
     // strides of K and V. Without vec_seq the call is one sequence of B * Hkv kv heads.
     long b = 0;
@@ -357,8 +392,11 @@ kernel void flash_attn_vec(
     long ks[3] = {0, long(p.kv_capacity) * DR, DR};
     long vs[3] = {0, long(p.kv_capacity) * DV, DV};
     if (vec_seq) {
-        b = row / long(p.n_heads);
-        g = (row % long(p.n_heads)) / gqa;
+        const long bg = vrow / (gqa * qrows);  // b * Hkv + g
+        qi = (vrow / gqa) % qrows;
+        b = bg / long(p.n_kv_heads);
+        g = bg % long(p.n_kv_heads);
+        row = (b * qrows + qi) * long(p.n_heads) + g * gqa + vrow % gqa;
         for (int i = 0; i < 3; i++) {
             ks[i] = sp->K_strides[i];
             vs[i] = sp->V_strides[i];
@@ -377,18 +415,25 @@ kernel void flash_attn_vec(
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
     vec_row_device<float, D>(qv, q + row * DR, lane, DR);
     const float scale = p.scale, softcap = p.softcap;
-    const float slope = vec_alibi ? alibi[row] : 0.0f;
+    const float slope = vec_alibi ? alibi[b * long(p.n_heads) + row % long(p.n_heads)] : 0.0f;
 
-    // Visible keys: [lo, kv_len), from the sequence's first key f (cache_leftpad,
-    // after the lengths in seqlens_k).
+    // Visible keys of this row: [lo, hi), from the sequence's first key f
+    // (cache_leftpad, after the lengths in seqlens_k). The threadgroup walks
+    // the union [ulo, uhi) of its rows' ranges (its first and last rows'
+    // bounds: both grow with the query position), so its barriers are uniform.
     const long first = vec_seq && vec_kv_lens && sp->key_starts_at > 0
         ? long(seqlens_k[long(sp->key_starts_at) + b]) : 0L;
-    long lo = first;
-    if (p.mask_type == 2) lo = max(kv_len - long(p.sliding_window), lo);
-    // The attention chunk of the query (at kv_len - 1) starts at f + (kv_len - 1 - f) / c * c.
-    if (vec_seq && sp->attention_chunk > 0 && kv_len > first) {
-        const long c = long(sp->attention_chunk);
-        lo = max(lo, first + (kv_len - 1 - first) / c * c);
+    const long t = kv_len - qrows + qi;  // the query's position
+    long lo = 0, hi = 0;
+    vec_visible(p.mask_type, p.sliding_window, seq, first, kv_len, t, &lo, &hi);
+    long ulo = lo, uhi = hi;
+    if (qrows > 1 && hg > 1) {
+        const long v0 = long(tgid.y) * hg;
+        const long t0 = kv_len - qrows + (v0 / gqa) % qrows;
+        const long t1 = kv_len - qrows + ((v0 + hg - 1) / gqa) % qrows;
+        long ignore = 0;
+        vec_visible(p.mask_type, p.sliding_window, seq, first, kv_len, t0, &ulo, &ignore);
+        vec_visible(p.mask_type, p.sliding_window, seq, first, kv_len, t1, &ignore, &uhi);
     }
 
     float o[NE];
@@ -399,8 +444,8 @@ kernel void flash_attn_vec(
     // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal_kernels.h).
     // Every SIMD group of the threadgroup has the same sequence, hence the
     // same run and the same visible keys: the barriers below are uniform.
-    const long c0 = lo / FM_VEC_CHUNK;
-    const long chunks = kv_len > lo ? (kv_len + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0 : 0;
+    const long c0 = ulo / FM_VEC_CHUNK;
+    const long chunks = uhi > ulo ? (uhi + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0 : 0;
     const long busy = min(chunks, nwg);
     const long c_begin = wg < busy ? (c0 + chunks * wg / busy) * FM_VEC_CHUNK : 0;
     const long c_end = wg < busy ? (c0 + chunks * (wg + 1) / busy) * FM_VEC_CHUNK : 0;
@@ -409,13 +454,15 @@ kernel void flash_attn_vec(
         long koff[2] = {0, 0};
         long voff[2] = {0, 0};
         for (int hf = 0; hf < 2; hf++) {
-            if (c + 16 * hf >= kv_len) continue;
+            if (c + 16 * hf >= uhi) continue;
             koff[hf] = vec_half_offset(c, hf, b, g, seq, table, ks);
             voff[hf] = vec_half_offset(c, hf, b, g, seq, table, vs);
         }
-        // Visible keys of the chunk: [j0, j1).
-        const int j0 = int(max(lo - c, 0L));
-        const int j1 = int(min(long(FM_VEC_CHUNK), kv_len - c));
+        // Keys of the chunk the threadgroup reads: [j0, j1); this row sees [r0, r1).
+        const int j0 = int(max(ulo - c, 0L));
+        const int j1 = int(min(long(FM_VEC_CHUNK), uhi - c));
+        const int r0 = int(min(max(lo - c, 0L), long(FM_VEC_CHUNK)));
+        const int r1 = int(min(max(hi - c, 0L), long(FM_VEC_CHUNK)));
         float part[FM_VEC_CHUNK];
         for (int j = 0; j < FM_VEC_CHUNK; j++) part[j] = 0.0f;
         float x[NE];
@@ -435,7 +482,7 @@ kernel void flash_attn_vec(
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 for (int r = 0; r < RS; r++) {
                     const int j = s0 + r;
-                    if (j < a || j >= z) continue;
+                    if (j < a || j >= z || j < r0 || j >= r1) continue;  // uniform per SIMD group
                     vec_row_staged<KV, D>(x, stage + r * D, lane, DR);
                     for (int e = 0; e < NE; e++) part[j] = fma(qv[e], x[e], part[j]);
                 }
@@ -444,10 +491,10 @@ kernel void flash_attn_vec(
         const float dot = simd_reduce_scatter32(part, lane);  // lane j: q.k of key c + j
         const long pos = c + long(lane);
         float s = -INFINITY;
-        if (pos < kv_len && pos >= lo) {
+        if (pos < hi && pos >= lo) {
             s = scale * dot;
             if (softcap > 0.0f) s = softcap * precise::tanh(s / softcap);
-            if (vec_alibi) s -= slope * float(kv_len - 1 - pos);
+            if (vec_alibi) s -= slope * float(t >= pos ? t - pos : pos - t);
             s *= FM_LOG2E;
         }
         const float m_new = max(m, simd_max(s));
@@ -472,7 +519,7 @@ kernel void flash_attn_vec(
                 threadgroup KV *stage = stages + (nstage++ & 1) * (RS * D);
                 vec_stage<KV, D>(stage, v, voff, c, b, g, vs, seq, table, s0, a, z, DV, tid, tpg.x);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                for (int j = a; j < z; j++) {
+                for (int j = max(a, r0); j < min(z, r1); j++) {
                     const float pj = probs[j];
                     vec_row_staged<KV, D>(x, stage + (j - s0) * D, lane, DV);
                     for (int e = 0; e < NE; e++) o[e] = fma(pj, x[e], o[e]);

@@ -32,7 +32,7 @@ final class VecKernel: CPUKernel {
         var a = try args(d)
         let p = a.p
         let kvRows = Int(a.batch) * Int(p.n_kv_heads)
-        let gqa = Int(p.n_heads / p.n_kv_heads)
+        let gqa = Int(p.n_heads / p.n_kv_heads) * max(Int(a.q_rows), 1)
         let nwg = Int(p.nwg)
         let (floats, active, keyMajor) = withUnsafePointer(to: &a) {
             (fm_cpu_vec_scratch_floats($0), Int(fm_cpu_vec_active_wgs($0)), fm_cpu_vec_key_major($0) != 0)
@@ -71,8 +71,10 @@ final class VecKernel: CPUKernel {
             throw FlashMetalError.internalError("\(name): params nwg \(p.nwg) != grid z \(d.grid.z)")
         }
         let rows = VecDispatcher.rows(of: d)
-        if p.n_heads == 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 || rows % Int(p.n_heads) != 0 {
-            throw FlashMetalError.internalError("\(name): heads \(p.n_heads)/\(p.n_kv_heads) do not divide rows \(rows)")
+        // Query rows per sequence (short queries; 1 for the decode).
+        let qRows = seq ? max(Int(try d.params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self).q_rows), 1) : 1
+        if p.n_heads == 0 || p.n_kv_heads == 0 || p.n_heads % p.n_kv_heads != 0 || rows % (Int(p.n_heads) * qRows) != 0 {
+            throw FlashMetalError.internalError("\(name): heads \(p.n_heads)/\(p.n_kv_heads) x \(qRows) query rows do not divide rows \(rows)")
         }
         var a = FMVecArgs()
         a.p = p
@@ -81,7 +83,9 @@ final class VecKernel: CPUKernel {
         a.v = UnsafeRawPointer(v.data)
         a.tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
         a.kv_dtype = k.dtype.rawValue
-        a.batch = Int64(rows / Int(p.n_heads))
+        a.batch = Int64(rows / (Int(p.n_heads) * qRows))
+        a.q_rows = Int64(qRows)
+        a.window_right = -1
         let dk = Int64(p.head_dim)
         guard seq else {
             // The plain decode's [(B,) Hkv, cap, D]: batch folded into the heads.
@@ -94,10 +98,12 @@ final class VecKernel: CPUKernel {
         a.k_strides = sp.K_strides
         a.v_strides = sp.V_strides
         a.attention_chunk = Int32(bitPattern: sp.attention_chunk)
+        a.window_right = Int64(sp.window_right)
         if alibi {
             let slopes = try d.buffer(VecBuffer.alibi)
-            if slopes.dtype != .f32 || slopes.byteCount < rows * 4 {
-                throw FlashMetalError.internalError("\(name): alibi slopes \(slopes.shape) do not cover \(rows) rows")
+            let bh = Int(a.batch) * Int(p.n_heads)
+            if slopes.dtype != .f32 || slopes.byteCount < bh * 4 {
+                throw FlashMetalError.internalError("\(name): alibi slopes \(slopes.shape) do not cover \(bh) heads")
             }
             a.alibi = UnsafePointer(slopes.data.assumingMemoryBound(to: Float.self))
         }

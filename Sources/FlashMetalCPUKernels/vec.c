@@ -10,8 +10,8 @@
 #include "vec_split.h"
 
 size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a) {
-    const size_t hkv = a->p.n_kv_heads, gqa = a->p.n_heads / a->p.n_kv_heads;
-    return hkv * gqa * 2 + gqa * FM_VEC_TILE; /* M, S of every head's rows, scores (vec_body.h) */
+    const size_t hkv = a->p.n_kv_heads, gqa = a->p.n_heads / a->p.n_kv_heads, L = (size_t)fm_vec_qrows(a);
+    return hkv * L * gqa * 2 + gqa * FM_VEC_TILE; /* M, S of every head's rows, scores (vec_body.h) */
 }
 
 int fm_cpu_vec_key_major(const FMVecArgs *a) { return fm_vec_key_major(a); }
@@ -28,7 +28,7 @@ int64_t fm_cpu_vec_active_wgs(const FMVecArgs *a) {
 }
 
 void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
-    for (int64_t r = 0; r < a->batch * (int64_t)a->p.n_heads; r++)
+    for (int64_t r = 0; r < a->batch * fm_vec_qrows(a) * (int64_t)a->p.n_heads; r++)
         for (int64_t w = wg_from; w < a->p.nwg; w++) {
             float *sm = fm_vec_sm(a, r, w);
             sm[0] = 0.0f;

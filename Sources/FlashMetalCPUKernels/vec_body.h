@@ -153,8 +153,8 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     }
 }
 
-/* Scale, softcap, the ALiBi bias (slopes: NR slopes or NULL; key j sits d0
- * - j before the query), the floor, the online softmax of rows [0, NR) over n
+/* Scale, softcap, the ALiBi bias (slopes: NR slopes or NULL; key j sits
+ * |d0 - j| from the query), the floor, the online softmax of rows [0, NR) over n
  * keys: sc (row stride FM_VT) holds raw dots on entry and p (0 past n, up
  * to a whole vector) on exit; f[r] receives the factor of row r's previous
  * O and S. The rows' horizontal max and sums fold together (fm_v_max8,
@@ -176,7 +176,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_softmax)(const Flas
                 float s = -INFINITY;
                 if (j < n) {
                     s = p->softcap > 0 ? p->softcap * tanhf(p->scale * x_r[j] / p->softcap) : p->scale * x_r[j];
-                    if (slopes) s -= slopes[r] * (float)(d0 - j);
+                    if (slopes) s -= slopes[r] * (float)(d0 - j >= 0 ? d0 - j : j - d0);
                     s = s < FM_M_INIT ? FM_M_INIT : s;
                 }
                 x_r[j] = s;
@@ -259,13 +259,15 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     }
 }
 
-/* Rows [row0, row0 + NR) over one tile of n keys, the first d0 keys before
- * the query. */
+/* Rows [row0, row0 + NR) (ALiBi slopes at `slopes`, or NULL) over one tile
+ * of n keys, the first d0 keys before the query; `lead` marks the block that
+ * issues the tile's prefetches. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
-    int64_t row0, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype, int64_t d0) {
+    int64_t row0, const float *slopes, int lead, int64_t wg, float *M, float *S, float *sc, int NR, int32_t dtype,
+    int64_t d0) {
     const int32_t D = (int32_t)a->p.head_dim, Dv = (int32_t)a->p.head_dim_v; /* q/k's, v's */
-    const int64_t nwg = a->p.nwg, gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
+    const int64_t nwg = a->p.nwg;
     const float *qr[4];
     float *o[4];
     float f[4];
@@ -273,55 +275,67 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
         qr[r] = a->q + (row0 + r) * D;
         o[r] = a->tmp + ((row0 + r) * nwg + wg) * Dv;
     }
-    const int first = row0 % gqa == 0, long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
-    const FM_SFX(VecPrefetch) pf = {first && long_rows ? vp : NULL, next->nk, next->nv, first ? next->nn : 0};
+    const int long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
+    const FM_SFX(VecPrefetch) pf = {lead && long_rows ? vp : NULL, next->nk, next->nv, lead ? next->nn : 0};
     FM_SFX(vec_scores)(qr, kp, &pf, dtype, n, D, NR, sc);
-    FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR, a->alibi ? a->alibi + row0 : NULL, d0);
+    FM_SFX(vec_softmax)(&a->p, sc, n, M, S, f, NR, slopes, d0);
     FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, Dv, NR);
 }
 
-/* Every row of kv row kvrow's group over one tile (its first key d0 before
- * the query), in blocks of 4, 2, 1. */
+/* Every head of a GQA group (rows [row, row + gqa), ALiBi slopes from
+ * `slopes` or NULL) over one tile (its first key d0 before the query), in
+ * blocks of 4, 2, 1. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
     const FMVecArgs *a, const char *const *kp, const char *const *vp, int64_t n, const FM_SFX(VecPrefetch) *next,
-    int64_t kvrow, int64_t wg, float *M, float *S, float *scores, int32_t dtype, int64_t d0) {
+    int64_t row, const float *slopes, int lead, int64_t wg, float *M, float *S, float *scores, int32_t dtype,
+    int64_t d0) {
     const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa;) {
-        const int64_t left = gqa - i, row0 = kvrow * gqa + i;
+        const int64_t left = gqa - i, row0 = row + i;
+        const float *sl = slopes ? slopes + i : NULL;
+        const int ld = lead && i == 0;
         float *sc = scores + i * FM_VT;
         if (left >= 4) {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 4, dtype, d0);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, sl, ld, wg, M + i, S + i, sc, 4, dtype, d0);
             i += 4;
         } else if (left >= 2) {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 2, dtype, d0);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, sl, ld, wg, M + i, S + i, sc, 2, dtype, d0);
             i += 2;
         } else {
-            FM_SFX(vec_block)(a, kp, vp, n, next, row0, wg, M + i, S + i, sc, 1, dtype, d0);
+            FM_SFX(vec_block)(a, kp, vp, n, next, row0, sl, ld, wg, M + i, S + i, sc, 1, dtype, d0);
             i += 1;
         }
     }
 }
 
-/* Opens the partials of kv row kvrow's GQA rows in workgroup wg: O = 0,
+/* Row of head h of query row qi of sequence b (q, tmp and out). */
+static inline int64_t FM_SFX(vec_row)(const FMVecArgs *a, int64_t b, int64_t qi, int64_t h) {
+    return (b * fm_vec_qrows(a) + qi) * (int64_t)a->p.n_heads + h;
+}
+
+/* Opens the partials of kv head g of sequence b (its GQA rows of every
+ * query row; M, S indexed qi * gqa + i) in workgroup wg: O = 0,
  * M = FM_M_INIT, S = 0. */
-static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *M, float *S) {
-    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, Dv = a->p.head_dim_v;
-    for (int64_t i = 0; i < gqa; i++) {
-        memset(a->tmp + ((kvrow * gqa + i) * a->p.nwg + wg) * Dv, 0, sizeof(float) * Dv);
-        M[i] = FM_M_INIT;
-        S[i] = 0.0f;
-    }
+static void FM_SFX(vec_begin)(const FMVecArgs *a, int64_t b, int64_t g, int64_t wg, float *M, float *S) {
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, Dv = a->p.head_dim_v, L = fm_vec_qrows(a);
+    for (int64_t qi = 0; qi < L; qi++)
+        for (int64_t i = 0; i < gqa; i++) {
+            memset(a->tmp + (FM_SFX(vec_row)(a, b, qi, g * gqa + i) * a->p.nwg + wg) * Dv, 0, sizeof(float) * Dv);
+            M[qi * gqa + i] = FM_M_INIT;
+            S[qi * gqa + i] = 0.0f;
+        }
 }
 
 /* Closes them: (S, M) into tmp. A workgroup that saw no key writes S = 0
  * (its O is not read). */
-static void FM_SFX(vec_end)(const FMVecArgs *a, int64_t kvrow, int64_t wg, const float *M, const float *S) {
-    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
-    for (int64_t i = 0; i < gqa; i++) {
-        float *sm = fm_vec_sm(a, kvrow * gqa + i, wg);
-        sm[0] = S ? S[i] : 0.0f;
-        sm[1] = M ? M[i] : FM_M_INIT;
-    }
+static void FM_SFX(vec_end)(const FMVecArgs *a, int64_t b, int64_t g, int64_t wg, const float *M, const float *S) {
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, L = fm_vec_qrows(a);
+    for (int64_t qi = 0; qi < L; qi++)
+        for (int64_t i = 0; i < gqa; i++) {
+            float *sm = fm_vec_sm(a, FM_SFX(vec_row)(a, b, qi, g * gqa + i), wg);
+            sm[0] = S ? S[qi * gqa + i] : 0.0f;
+            sm[1] = M ? M[qi * gqa + i] : FM_M_INIT;
+        }
 }
 
 /* How far the shadow prefetch runs ahead: one tile, two for rows under 512
@@ -335,12 +349,14 @@ static inline int64_t FM_SFX(vec_ahead)(const FMVecArgs *a) {
 }
 
 /* Keys [t0, min(t0 + FM_VT, e)) of kv head g of sequence b for that head's
- * GQA rows (kv row b * n_kv_heads + g), shadowing the tile ahead. Past the
- * run's end [s, e) the shadow reaches into the next workgroup's keys (still
- * visible, below hi): the worker usually takes that item next. */
+ * GQA rows of every query row, each query row over the part of the tile it
+ * sees (a row that sees none of it is left as it was), shadowing the tile
+ * ahead. Past the run's end [s, e) the shadow reaches into the next
+ * workgroup's keys (still visible, below hi): the worker usually takes that
+ * item next. */
 static void FM_SFX(vec_head_tile)(const FMVecArgs *a, int64_t b, int64_t g, int64_t wg, int64_t t0, int64_t e,
                                   int64_t hi, float *M, float *S, float *scores) {
-    const int64_t esz = FM_SFX(vec_esz)(a->kv_dtype), kvrow = b * a->p.n_kv_heads + g;
+    const int64_t esz = FM_SFX(vec_esz)(a->kv_dtype);
     const int64_t n = e - t0 < FM_VT ? e - t0 : FM_VT, t1 = t0 + FM_SFX(vec_ahead)(a);
     const int64_t nn = hi - t1 <= 0 ? 0 : hi - t1 < FM_VT ? hi - t1 : FM_VT;
     const char *rows[2][FM_VT], *shadow[2][FM_VT];
@@ -350,32 +366,50 @@ static void FM_SFX(vec_head_tile)(const FMVecArgs *a, int64_t b, int64_t g, int6
         FM_SFX(vec_rows)(a, a->k, a->k_strides, b, g, t1, nn, esz, shadow[0]);
         FM_SFX(vec_rows)(a, a->v, a->v_strides, b, g, t1, nn, esz, shadow[1]);
     }
-    const char *const *kp = rows[0], *const *vp = rows[1];
     const FM_SFX(VecPrefetch) next = {NULL, shadow[0], shadow[1], nn};
-    const int64_t d0 = hi - 1 - t0; /* the query sits at hi - 1 */
-    switch (a->kv_dtype) { /* constant inside: the loads specialise */
-    case FM_DTYPE_F32: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F32, d0); break;
-    case FM_DTYPE_F16: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_F16, d0); break;
-    default: FM_SFX(vec_tile)(a, kp, vp, n, &next, kvrow, wg, M, S, scores, FM_DTYPE_BF16, d0); break;
+    const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads, L = fm_vec_qrows(a);
+    const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
+    for (int64_t qi = 0; qi < L; qi++) {
+        int64_t lo_r, hi_r;
+        fm_vec_row_visible(a, b, qi, &lo_r, &hi_r);
+        const int64_t j0 = lo_r > t0 ? lo_r - t0 : 0, j1 = hi_r - t0 < n ? hi_r - t0 : n;
+        if (j1 <= j0) continue;
+        const char *const *kp = rows[0] + j0, *const *vp = rows[1] + j0;
+        const int64_t d0 = len - L + qi - (t0 + j0); /* the query sits at len - L + qi */
+        const int64_t row = FM_SFX(vec_row)(a, b, qi, g * gqa);
+        const float *slopes = a->alibi ? a->alibi + b * (int64_t)a->p.n_heads + g * gqa : NULL;
+        float *m = M + qi * gqa, *s = S + qi * gqa;
+        const int lead = qi == 0;
+        switch (a->kv_dtype) { /* constant inside: the loads specialise */
+        case FM_DTYPE_F32:
+            FM_SFX(vec_tile)(a, kp, vp, j1 - j0, &next, row, slopes, lead, wg, m, s, scores, FM_DTYPE_F32, d0);
+            break;
+        case FM_DTYPE_F16:
+            FM_SFX(vec_tile)(a, kp, vp, j1 - j0, &next, row, slopes, lead, wg, m, s, scores, FM_DTYPE_F16, d0);
+            break;
+        default:
+            FM_SFX(vec_tile)(a, kp, vp, j1 - j0, &next, row, slopes, lead, wg, m, s, scores, FM_DTYPE_BF16, d0);
+            break;
+        }
     }
 }
 
 /* Head-major: one kv head's run of keys, tile after tile (each head's keys
  * are contiguous: the plain decode's [(B,) Hkv, cap, D]). */
 void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *scratch) {
-    const int64_t hkv = a->p.n_kv_heads, gqa = (int64_t)a->p.n_heads / hkv;
+    const int64_t hkv = a->p.n_kv_heads, rows = (int64_t)a->p.n_heads / hkv * fm_vec_qrows(a);
     const int64_t b = kvrow / hkv, g = kvrow % hkv;
     int64_t lo, hi, s, e;
     fm_vec_visible(a, b, &lo, &hi);
     fm_vec_wg_keys(lo, hi, a->p.nwg, wg, &s, &e);
     if (s >= e) {
-        FM_SFX(vec_end)(a, kvrow, wg, NULL, NULL);
+        FM_SFX(vec_end)(a, b, g, wg, NULL, NULL);
         return;
     }
-    float *M = scratch, *S = M + gqa, *scores = S + gqa;
-    FM_SFX(vec_begin)(a, kvrow, wg, M, S);
+    float *M = scratch, *S = M + rows, *scores = S + rows;
+    FM_SFX(vec_begin)(a, b, g, wg, M, S);
     for (int64_t t0 = s; t0 < e; t0 += FM_VT) FM_SFX(vec_head_tile)(a, b, g, wg, t0, e, hi, M, S, scores);
-    FM_SFX(vec_end)(a, kvrow, wg, M, S);
+    FM_SFX(vec_end)(a, b, g, wg, M, S);
 }
 
 /* Key-major: every kv head of sequence b over the workgroup's run, a tile
@@ -389,20 +423,20 @@ void FM_SFX(fm_vec_item)(const FMVecArgs *a, int64_t kvrow, int64_t wg, float *s
  * workgroup) as head-major: same bits. Scratch: M, S of every row of the
  * sequence, then the scores. */
 void FM_SFX(fm_vec_item_keys)(const FMVecArgs *a, int64_t b, int64_t wg, float *scratch) {
-    const int64_t hkv = a->p.n_kv_heads, gqa = (int64_t)a->p.n_heads / hkv;
+    const int64_t hkv = a->p.n_kv_heads, rows = (int64_t)a->p.n_heads / hkv * fm_vec_qrows(a);
     int64_t lo, hi, s, e;
     fm_vec_visible(a, b, &lo, &hi);
     fm_vec_wg_keys(lo, hi, a->p.nwg, wg, &s, &e);
     if (s >= e) {
-        for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b * hkv + g, wg, NULL, NULL);
+        for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b, g, wg, NULL, NULL);
         return;
     }
-    float *M = scratch, *S = M + hkv * gqa, *scores = S + hkv * gqa;
-    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_begin)(a, b * hkv + g, wg, M + g * gqa, S + g * gqa);
+    float *M = scratch, *S = M + hkv * rows, *scores = S + hkv * rows;
+    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_begin)(a, b, g, wg, M + g * rows, S + g * rows);
     for (int64_t t0 = s; t0 < e; t0 += FM_VT)
         for (int64_t g = 0; g < hkv; g++)
-            FM_SFX(vec_head_tile)(a, b, g, wg, t0, e, hi, M + g * gqa, S + g * gqa, scores);
-    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b * hkv + g, wg, M + g * gqa, S + g * gqa);
+            FM_SFX(vec_head_tile)(a, b, g, wg, t0, e, hi, M + g * rows, S + g * rows, scores);
+    for (int64_t g = 0; g < hkv; g++) FM_SFX(vec_end)(a, b, g, wg, M + g * rows, S + g * rows);
 }
 
 #undef FM_VT

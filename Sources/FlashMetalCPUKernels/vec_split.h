@@ -28,8 +28,12 @@ static inline int64_t fm_vec_sm_offset(int64_t nrows, int64_t nwg, int64_t d, in
     return nrows * nwg * d + (row * nwg + wg) * 2;
 }
 
+/* Query rows per sequence (1 for the decode). */
+static inline int64_t fm_vec_qrows(const FMVecArgs *a) { return a->q_rows > 1 ? a->q_rows : 1; }
+
 static inline float *fm_vec_sm(const FMVecArgs *a, int64_t row, int64_t wg) {
-    return a->tmp + fm_vec_sm_offset(a->batch * (int64_t)a->p.n_heads, a->p.nwg, a->p.head_dim_v, row, wg);
+    return a->tmp + fm_vec_sm_offset(a->batch * fm_vec_qrows(a) * (int64_t)a->p.n_heads, a->p.nwg,
+                                     a->p.head_dim_v, row, wg);
 }
 
 /* Items go by sequence, every head inside a tile (fm_vec_item_keys), when
@@ -39,22 +43,40 @@ static inline int fm_vec_key_major(const FMVecArgs *a) {
     return a->p.n_kv_heads > 1 && a->k_strides[1] < a->k_strides[2];
 }
 
-/* The keys [*lo, *hi) the query of sequence b sees (it sits at kv_len_b - 1;
- * keys before the sequence's first key f_b are hidden; its attention chunk
- * starts at f_b + (kv_len_b - 1 - f_b) / c * c). */
-static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {
+/* The keys [*lo, *hi) (*lo <= *hi) query row qi of sequence b sees: it sits
+ * at t = kv_len_b - L + qi (L = fm_vec_qrows); keys before the sequence's
+ * first key f_b are hidden, the window keeps p > t - w, its attention chunk
+ * is [s, s + c) with s = f_b + (t - f_b) / c * c (none when t < f_b), and keys past
+ * t + window_right are hidden. Both bounds grow with qi. */
+static inline void fm_vec_row_visible(const FMVecArgs *a, int64_t b, int64_t qi, int64_t *lo, int64_t *hi) {
     const int64_t len = a->seqlens ? (int64_t)a->seqlens[b] : (int64_t)a->p.kv_seq_len;
     const int64_t first = a->key_starts ? (int64_t)a->key_starts[b] : 0;
-    int64_t l = first;
-    if (a->p.mask_type == FM_VEC_MASK_WINDOW && len - (int64_t)a->p.sliding_window > l) {
-        l = len - (int64_t)a->p.sliding_window;
+    const int64_t t = len - fm_vec_qrows(a) + qi;
+    int64_t l = first, h = len;
+    if (a->p.mask_type == FM_VEC_MASK_WINDOW && t + 1 - (int64_t)a->p.sliding_window > l) {
+        l = t + 1 - (int64_t)a->p.sliding_window;
     }
-    if (a->attention_chunk > 0 && len > first) {
-        const int64_t start = first + (len - 1 - first) / a->attention_chunk * a->attention_chunk;
+    if (a->attention_chunk > 0 && t >= first) {
+        const int64_t start = first + (t - first) / a->attention_chunk * a->attention_chunk;
         if (start > l) l = start;
+        if (start + a->attention_chunk < h) h = start + a->attention_chunk; /* keys right of t */
+    } else if (a->attention_chunk > 0 && first < h) {
+        h = first; /* empty, below every later row's keys: the union stays exact */
     }
-    *lo = l < len ? l : len;
-    *hi = len;
+    if (a->window_right >= 0 && t + 1 + a->window_right < h) h = t + 1 + a->window_right;
+    if (h < 0) h = 0;
+    *lo = l < h ? l : h;
+    *hi = h;
+}
+
+/* The keys [*lo, *hi) any query row of sequence b sees: the union of its
+ * rows' ranges. */
+static inline void fm_vec_visible(const FMVecArgs *a, int64_t b, int64_t *lo, int64_t *hi) {
+    int64_t l0, h0, l1, h1;
+    fm_vec_row_visible(a, b, 0, &l0, &h0);
+    fm_vec_row_visible(a, b, fm_vec_qrows(a) - 1, &l1, &h1);
+    *lo = l0;
+    *hi = h1 > l0 ? h1 : l0;
 }
 
 /* Workgroups with keys for the visible range [lo, hi): one per chunk, at

@@ -254,7 +254,8 @@ public enum VecDispatcher {
     }
 
     /// The decode main dispatch: grid (1, rows / HG, NWG) of 32 * HG threads
-    /// (HG = headsPerGroup: query heads sharing one kv head's K/V reads). Without
+    /// (HG = headsPerGroup of the GQA group times the query rows per
+    /// sequence: query rows sharing one kv head's K/V reads). Without
     /// `seq` it is the plain decode (constants 501-503 false, nothing bound at 5-7).
     static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
                              tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
@@ -279,7 +280,9 @@ public enum VecDispatcher {
         // The kernel of max(D, Dv)'s tile width; params carry the true dims.
         let wide = Int(max(params.head_dim, params.head_dim_v))
         let d = VecCapability.tileHeadDim(wide) ?? wide
-        let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads))
+        // Short queries: the L rows of each head join its kv head's group.
+        let qRows = max(Int(seq?.params.q_rows ?? 1), 1)
+        let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads) * qRows)
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
             grid: Size3(1, rows / hg, nwg), threadgroup: Size3(32 * hg, 1, 1), bindings: bindings,

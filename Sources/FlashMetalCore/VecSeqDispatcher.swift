@@ -7,13 +7,13 @@ public struct VecSeqOptions: Sendable {
     public var scale: Float
     /// Logit softcap c > 0; 0 disables it.
     public var softcap: Float = 0
-    /// The query sees keys up to its own position (kv_len_b - 1): every key.
-    /// Off unless asked, as every op.
+    /// Each query row sees keys up to its own position (kv_len_b - 1 for
+    /// one row: every key). Off unless asked, as every op.
     public var causal: Bool = false
     /// flash-attn's window_size left: keys p >= t - left; -1 = unbounded.
     public var windowLeft: Int = -1
-    /// flash-attn's window_size right; the decode query is the newest token,
-    /// so no key lies right of it and this never hides one. -1 = unbounded.
+    /// flash-attn's window_size right: keys p <= t + right; for one query
+    /// row (the newest token) no key lies right of it. -1 = unbounded.
     public var windowRight: Int = -1
     /// Chunked local attention c > 0: the query at t sees keys from floor(t / c) * c; 0 = off.
     public var attentionChunk: Int = 0
@@ -47,11 +47,19 @@ public struct VecSeqOptions: Sendable {
         if windowLeft >= 0 { return (.window, min(windowLeft, Int(Int32.max) - 1) + 1) }
         return (causal ? .causal : .none, 0)
     }
+
+    /// FlashAttnVecSeqParams.window_right: the right bound, 0 when causal, -1 = none.
+    var rightBound: Int32 {
+        if causal { return 0 }
+        return Int32(windowRight)
+    }
 }
 
 /// The tensors of one serving decode call.
 public struct VecSeqTensors {
-    /// q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
+    /// q/out float32 [B, H, D], or [B, L, H, D] for L query rows per
+    /// sequence (short queries, bottom-right: row i sits at kv_len_b - L + i);
+    /// k/v [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D]; tmp float32 scratch (VecDispatcher.tmpByteCount).
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef
     /// int32 [B] valid keys per sequence, or [2, B]: those, then each
@@ -61,7 +69,7 @@ public struct VecSeqTensors {
     public var blockTable: TensorRef? = nil
     /// float32 [H] sink logits.
     public var sinks: TensorRef? = nil
-    /// float32 [B, H] output: natural-log softmax denominators.
+    /// float32 [B, H] output ([B, L, H] for short queries): natural-log softmax denominators.
     public var lse: TensorRef? = nil
     /// float32 [B, H] ALiBi slopes.
     public var alibiSlopes: TensorRef? = nil
@@ -97,21 +105,30 @@ public enum VecSeqDispatcher {
     public struct Shapes {
         /// Sequences, query heads, kv heads, head dim (q's and k's), v's head dim.
         public let batch: Int, heads: Int, kvHeads: Int, headDim: Int, headDimV: Int
+        /// Query rows per sequence (1: decode; rank-4 q's dim 1).
+        public var queryRows = 1
         /// Keys one sequence can hold: cap, or max_pages * page_size.
         public let capacity: Int
         /// Pages and keys per page (paged only; else 0).
         public let numPages: Int, pageSize: Int, maxPages: Int
-        /// B * H.
-        public var rows: Int { batch * heads }
+        /// B * L * H.
+        public var rows: Int { batch * queryRows * heads }
     }
 
-    /// Validates shapes (q [B, H, D]; k [B, cap, Hkv, D] or paged
+    /// The most query rows per sequence a short-query call takes (rank-4 q).
+    public static let maxQueryRows = 8
+
+    /// Validates shapes (q [B, H, D] or [B, L, H, D] with 1 <= L <= maxQueryRows; k [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).
     public static func shapes(q: TensorRef, k: TensorRef, v: TensorRef? = nil, blockTable: TensorRef?,
                               kName: String = "k", vName: String = "v") throws -> Shapes {
-        try q.requireRank([3], op: op, name: "q")
+        try q.requireRank([3, 4], op: op, name: "q")
         try k.requireRank([4], op: op, name: kName)
-        let (batch, heads, d) = (q.shape[0], q.shape[1], q.shape[2])
+        let (batch, heads, d) = (q.shape[0], q.shape[q.rank - 2], q.shape[q.rank - 1])
+        let queryRows = q.rank == 4 ? q.shape[1] : 1
+        if queryRows < 1 || queryRows > maxQueryRows {
+            throw FlashMetalError.value(op, "q's query rows (dim 1) must be in 1...\(maxQueryRows), got \(queryRows)", arg: "q")
+        }
         let (kvHeads, kd) = (k.shape[2], k.shape[3])
         try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
@@ -141,13 +158,16 @@ public enum VecSeqDispatcher {
         // A cache with room for no key (k's dim 1 or block_table's dim 1 is 0)
         // is attended as empty sequences: output 0, as the prefill route and
         // flash-attn (seqlen_k == 0) give.
-        let (rows, o1) = batch.multipliedReportingOverflow(by: heads)
-        if o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (max(d, dv) + 2) * 4)
+        let (bh, o0) = batch.multipliedReportingOverflow(by: heads)
+        let (rows, o1) = bh.multipliedReportingOverflow(by: queryRows)
+        if o0 || o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (max(d, dv) + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
             throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams", arg: "q")
         }
-        return Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, headDimV: dv, capacity: capacity,
-                      numPages: numPages, pageSize: pageSize, maxPages: maxPages)
+        var s = Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, headDimV: dv, capacity: capacity,
+                       numPages: numPages, pageSize: pageSize, maxPages: maxPages)
+        s.queryRows = queryRows
+        return s
     }
 
     /// Validates a call (shapes, dtypes, options, and every table entry a
@@ -175,8 +195,9 @@ public enum VecSeqDispatcher {
         }
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: t.lseName)
-            if lse.shape != [s.batch, s.heads] {
-                throw FlashMetalError.value(op, "\(t.lseName) must have shape [\(s.batch), \(s.heads)] ([B, H]), got \(lse.shape)", arg: t.lseName)
+            let want = t.q.rank == 4 ? [s.batch, s.queryRows, s.heads] : [s.batch, s.heads]
+            if lse.shape != want {
+                throw FlashMetalError.value(op, "\(t.lseName) must have shape \(want) (\(t.q.rank == 4 ? "[B, L, H]" : "[B, H]")), got \(lse.shape)", arg: t.lseName)
             }
         }
         for (x, n) in [(t.sinks, "sinks"), (t.lse, t.lseName)] { try x?.requireBytes(op: op, name: n) }
@@ -205,7 +226,8 @@ public enum VecSeqDispatcher {
             params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
                                           attention_chunk: UInt32(o.attentionChunk),
-                                          key_starts_at: checked?.starts == true ? UInt32(s.batch) : 0),
+                                          key_starts_at: checked?.starts == true ? UInt32(s.batch) : 0,
+                                          q_rows: UInt32(s.queryRows), window_right: o.rightBound),
             seqlensK: t.seqlensK, blockTable: t.blockTable, alibi: t.alibiSlopes)
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil

@@ -44,6 +44,9 @@ _OP = "scaled_dot_product_attention"
 #: one-thread-per-row sdpa kernel once the copies of q/k/v are amortised.
 #: Head dims up to 256 need no copy: the kernels run them on their next tile.
 PAD_MIN_QUERY_ROWS = 32
+# The most query rows the split-KV decode kernel takes in one call (short
+# queries: the library's VecSeqDispatcher.maxQueryRows).
+SHORT_QUERY_ROWS = 8
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
 #: empty batch (B, H or qL of 0), which runs no kernel.
@@ -292,6 +295,11 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     last_row = q_offset == kl - 1 or (not causal and window is None)
     if decode and qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
+    newest = q_offset == kl - qL or (not causal and window is None)
+    if (decode and 1 < qL <= min(SHORT_QUERY_ROWS, kl) and mask is None and newest and not sinks
+            and _native.runs_head_dims("flash_attn_vec", D, dv) and _native.runs_head_dims(prefill_op, D, dv)):
+        return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
+                     "each row with its own causal/window keys, K/V read once per kv head"), None
     why_not = []
     if causal and not 0 <= q_offset <= kl - qL:
         why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
@@ -430,6 +438,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         return np.empty(out_shape(qa, va), qa.dtype)
     if kernel == "flash_attn_vec" and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
+    if kernel == "flash_attn_vec" and qa.shape[2] > 1:
+        return _decode_short(c, scale, softcap, window, reg)
     if kernel == "flash_attn_vec":
         o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
                               causal=c.causal, window=window, softcap=softcap, registry=reg)
@@ -456,6 +466,30 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
                                q_offset=c.q_offset if positioned else None, window=window, softcap=softcap,
                                registry=reg)
     return general
+
+
+def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
+    """qL > 1 query rows at the newest positions (kv_len - qL + i) on the
+    serving decode kernel, without copying K/V: the caches [B, Hkv, cap, D]
+    are B * Hkv sequences of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
+    keys, whose queries are that kv head's G = H / Hkv query heads."""
+    qa, ka, va = c.q, c.k, c.v
+    b, h, ql, d = qa.shape
+    hkv, cap, dv = ka.shape[1], ka.shape[2], va.shape[3]
+    g = h // hkv
+    ka, va = np.ascontiguousarray(ka), np.ascontiguousarray(va)
+    q32 = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3), dtype=F32)
+    o32 = np.empty((b * hkv, ql, g, dv), dtype=F32)
+    lens = np.full(b * hkv, c.kv_len, dtype=np.int32)
+    ffi = _native.ffi()
+    opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=c.causal,
+                        window_size=(-1 if window is None else window - 1, -1))
+    seq, keep = seq_tensors(ffi, seqlens_k=lens)
+    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, dv)
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
+                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, lens, o32, keep))
+    out: np.ndarray = o32.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
+    return out.astype(qa.dtype)
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:

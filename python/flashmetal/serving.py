@@ -114,7 +114,8 @@ def flash_attn_func(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     _no_outer_scope_for_decode(reg, qa, op)
     slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
-    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes)()
+    out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes,
+                       short=_short_query(reg, qa, ka, va))()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -245,8 +246,11 @@ def flash_attn_with_kvcache(
     Args:
         q: ``[B, seqlen_q, H, D]``. seqlen_q == 1 runs the decode kernel (q
             converted to float32, the output back to q's dtype; float32 q
-            allowed); longer blocks the prefill kernel (bfloat16, float16,
-            float32 up to D 256).
+            allowed), and so do 2...8 rows of q's dtype equal to the
+            caches' (each row with its own causal/window keys; inside a
+            batch scope on metal the prefill kernel runs them); longer
+            blocks the prefill kernel (bfloat16, float16, float32 up to D
+            256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
             Hkv, D]`` with block_table; v_cache (and v) may have a head dim
             Dv of its own, as in flash_attn_func (out then has Dv). Or both QuantizedKV (KVCodec.empty of
@@ -389,15 +393,16 @@ def flash_attn_with_kvcache(
                                       sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
     _no_outer_scope_for_decode(reg, qa, _KVCACHE)
+    short = _short_query(reg, qa, kc, vc)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr, alibi=slopes)
+                         block_table=bt, out=out_arr, alibi=slopes, short=short)
     elif tables is None:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, alibi=slopes))
+                                                           out=out_arr, alibi=slopes, short=short))
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
@@ -405,8 +410,9 @@ def flash_attn_with_kvcache(
         decode = qa.ndim == 4 and qa.shape[1] == 1
         if decode:
             _decode_dtypes(_KVCACHE, qa, kc)
-        # The decode kernel reads q as float32: its rotated copy is float32 too.
-        q_in = np.ascontiguousarray(qa, dtype=F32) if decode else qa
+        # The decode kernel reads q as float32: its rotated copy is float32 too
+        # (rotated in the batch scope, it cannot be converted on the host).
+        q_in = np.ascontiguousarray(qa, dtype=F32) if decode or short else qa
         rotated: dict[str, np.ndarray] = {}
 
         def rotate_q_and_k() -> np.ndarray:
@@ -417,7 +423,8 @@ def flash_attn_with_kvcache(
         finish = _append_then_attend(reg, kc, vc, rotate_q_and_k, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, out_dtype=qa.dtype, alibi=slopes))
+                                                           out=out_arr, out_dtype=qa.dtype, alibi=slopes,
+                                                           short=short))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -720,14 +727,19 @@ def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> None:
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
-            out_dtype: np.dtype | None = None,
-            alibi: np.ndarray | None = None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+            out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
+            short: bool = False) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
-    None): the decode kernel for qL == 1, else prefill. Returns a function to
+    None): the decode kernel for qL == 1, the same kernel over all qL rows
+    with `short` (_short_query, asked before the call opens a batch scope of
+    its own), else prefill. Returns a function to
     call once the work ran (after the batch scope the call is in) that gives
     (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
     None)."""
     ffi = _native.ffi()
+    if short:
+        return _attend_short(reg, op, qa, ka, va, opts, sinks=sinks, want_lse=want_lse, seqlens_k=seqlens_k,
+                             block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi)
     if qa.ndim == 4 and qa.shape[1] == 1:
         _decode_dtypes(op, qa, ka)
         b, _, h, d = qa.shape
@@ -757,3 +769,53 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
                  tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
                                                          alibi, result, keep))
     return lambda: (result, rows_lse)
+
+
+# The most query rows per sequence the short-query route takes (the library's
+# VecSeqDispatcher.maxQueryRows).
+SHORT_QUERY_ROWS = 8
+
+
+def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
+    """Whether q [B, qL, H, D] with 1 < qL <= SHORT_QUERY_ROWS runs the
+    split-KV decode kernel (each query row with its own causal/window keys,
+    the rows of a kv head reading its K/V once) instead of the prefill's
+    32-row tile: q and the caches of one dtype, head dims both the decode and
+    the prefill run,
+    and not inside a caller's batch scope on a deferring backend (the float32
+    result is converted after the work ran)."""
+    if qa.ndim != 4 or not 1 < qa.shape[1] <= SHORT_QUERY_ROWS or ka.ndim != 4 or va.ndim != 4:
+        return False
+    if qa.dtype != ka.dtype or ka.dtype != va.dtype or (reg._defers_work and reg._batch_depth):
+        return False
+    # Only head dims the prefill runs too: the route changes the kernel, not which calls run.
+    d, dv = int(qa.shape[-1]), int(va.shape[-1])
+    prefill = "flash_attn_prefill_f32" if qa.dtype == F32 else "flash_attn_prefill"
+    return _native.runs_head_dims("flash_attn_decode", d, dv) and _native.runs_head_dims(prefill, d, dv)
+
+
+def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
+                  sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None,
+                  block_table: np.ndarray | None, out: np.ndarray | None, out_dtype: np.dtype | None,
+                  alibi: np.ndarray | None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+    """_attend's short-query route (see _short_query): q as float32
+    [B, qL, H, D] through fm_dispatch_vec_seq, the output rounded once to
+    out_dtype (default q's), the LSE [B, qL, H] returned as [B, H, qL]."""
+    ffi = _native.ffi()
+    b, ql, h, _ = qa.shape
+    dv = out_shape(qa, va)[-1]
+    q32 = np.ascontiguousarray(qa, dtype=F32)
+    o32 = np.empty((b, ql, h, dv), dtype=F32)
+    lse = np.empty((b, ql, h), dtype=F32) if want_lse else None
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
+                            alibi_slopes=alibi)
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq, ffi.NULL,
+                 tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks, lse, alibi, o32,
+                                                      keep))
+
+    def finish() -> tuple[np.ndarray, np.ndarray | None]:
+        result = o32.astype(out_dtype or qa.dtype)
+        if out is not None:
+            out[...] = result
+        return (result if out is None else out), (None if lse is None else np.ascontiguousarray(lse.transpose(0, 2, 1)))
+    return finish

@@ -18,6 +18,7 @@ import pytest
 import flashmetal as fm
 from conftest import BACKENDS
 from flashmetal import reference
+from flashmetal.serving import SHORT_QUERY_ROWS
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import assert_out_lse, cu, paged
 
@@ -232,12 +233,12 @@ def test_mismatched_v_and_out_are_refused_by_name():
                                      (64, 300, 2)])
 def test_dropin(registry, rng, d, dv, ql):
     """scaled_dot_product_attention with value's own head dim (torch's Ev != E):
-    decode or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
+    decode (up to 8 query rows) or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
     kernel), the general kernel past it."""
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
     route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
     tiled = max(d, dv) <= 256 or (d, dv) == (576, 512)
-    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql == 1 else "flash_attn_prefill"), route
+    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql <= 8 else "flash_attn_prefill"), route
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
     assert out.shape == (1, 2, ql, dv)
@@ -309,7 +310,7 @@ def test_kvcache_rotary_leftpad_batch_idx(registry, rng, seqlen_q, mode):
         kr, vr = kc.copy(), vc.copy()
     k_ro = reference.apply_rotary_emb(kn, cos, sin, lens, interleaved=False).astype(BF16)
     q_ro = reference.apply_rotary_emb(q, cos, sin, lens, interleaved=False)
-    q_ro = q_ro.astype(F32 if seqlen_q == 1 else BF16)
+    q_ro = q_ro.astype(F32 if seqlen_q <= SHORT_QUERY_ROWS else BF16)  # the decode route attends float32 q
     e_out, e_lse = reference.flash_attn_kvcache(q_ro, kr, vr, k=k_ro, v=vn, cache_seqlens=lens, causal=True,
                                                 cache_leftpad=first)
     out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,

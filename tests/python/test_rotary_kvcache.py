@@ -14,6 +14,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
+from flashmetal.serving import SHORT_QUERY_ROWS
 from numerics import BF16, F16, F32, randn
 from serving_cases import BACKENDS, SIMULATED, assert_out_lse, paged
 from serving_cases import registry as registry_for
@@ -32,8 +33,8 @@ def tables(rng, seqlen_ro: int, rotary_dim: int, dtype):
 def expected_rotated(q, k, cos, sin, lens, *, interleaved: bool, per_row: bool):
     """(q_ro, k_ro) as flash-attn's test makes them: the float64 rotation
     rounded once to the rows' dtype (the prefill kernel attends q_ro in q's
-    dtype); the decode route attends q as float32, so there q_ro is rounded
-    to float32."""
+    dtype); the decode route (up to SHORT_QUERY_ROWS query rows) attends q as
+    float32, so there q_ro is rounded to float32."""
     k_ro = reference.apply_rotary_emb(k, cos, sin, lens, interleaved=interleaved).astype(k.dtype)
     if per_row:
         q_ro = reference.apply_rotary_emb(q, cos, sin, lens, interleaved=interleaved)
@@ -41,7 +42,7 @@ def expected_rotated(q, k, cos, sin, lens, *, interleaved: bool, per_row: bool):
         b, s, h, d = q.shape
         q_ro = reference.apply_rotary_emb(q.reshape(b, 1, s * h, d), cos, sin, lens,
                                           interleaved=interleaved).reshape(b, s, h, d)
-    return q_ro.astype(F32 if q.shape[1] == 1 else q.dtype), k_ro
+    return q_ro.astype(F32 if q.shape[1] <= SHORT_QUERY_ROWS else q.dtype), k_ro
 
 
 FEATURES = {

@@ -30,6 +30,45 @@ final class VecSeqDispatcherTests: XCTestCase {
         return try withExtendedLifetime([q, k, v, out, tmp]) { try VecSeqDispatcher.makeDispatches(t, o) }
     }
 
+    /// Short queries: q [B, L, H, D] runs L * H rows per sequence; the L rows
+    /// of a kv head's group share its threadgroups; causal is window_right 0.
+    func testShortQueryRowsGroupAndRightBound() throws {
+        var o = VecSeqOptions(scale: 0.5)
+        o.causal = true
+        let q = HostTensor([2, 4, 4, 64], .f32), out = HostTensor([2, 4, 4, 64], .f32)
+        let k = HostTensor([2, 64, 4, 64], .bf16), v = HostTensor([2, 64, 4, 64], .bf16)
+        let rows = 2 * 4 * 4
+        let tmp = HostTensor([1], .f32, bytes: VecDispatcher.tmpByteCount(rows: rows, headDim: 64))
+        let lse = HostTensor([2, 4, 4], .f32)
+        let t = VecSeqTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref, tmp: tmp.ref, lse: lse.ref)
+        let ds = try withExtendedLifetime([q, k, v, out, tmp, lse]) { try VecSeqDispatcher.makeDispatches(t, o) }
+        XCTAssertEqual(ds[0].grid, Size3(1, rows / 4, 32))  // MHA: the 4 query rows of a head share a threadgroup
+        XCTAssertEqual(ds[0].threadgroup, Size3(128, 1, 1))
+        let sp = try ds[0].params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual(sp.q_rows, 4)
+        XCTAssertEqual(sp.window_right, 0)
+        XCTAssertEqual(ds[1].grid, Size3(rows, 1, 1))
+
+        // One row keeps the decode's dispatch (no right bound without causal).
+        o.causal = false
+        o.windowRight = 3
+        let plain = try dispatches(Case(), o)
+        let psp = try plain[0].params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual([psp.q_rows, UInt32(bitPattern: psp.window_right)], [1, 3])
+
+        // More than 8 query rows, or an LSE of the decode's shape, is refused naming q / the LSE.
+        let long = HostTensor([2, 9, 4, 64], .f32), longOut = HostTensor([2, 9, 4, 64], .f32)
+        let bad = VecSeqTensors(q: long.ref, k: k.ref, v: v.ref, out: longOut.ref, tmp: tmp.ref)
+        XCTAssertThrowsError(try withExtendedLifetime([long, longOut]) { try VecSeqDispatcher.makeDispatches(bad, o) }) {
+            XCTAssertTrue("\($0)".contains("query rows (dim 1) must be in 1...8, got 9"), "\($0)")
+        }
+        let flat = HostTensor([2, 4], .f32)
+        let wrong = VecSeqTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref, tmp: tmp.ref, lse: flat.ref)
+        XCTAssertThrowsError(try withExtendedLifetime([flat]) { try VecSeqDispatcher.makeDispatches(wrong, o) }) {
+            XCTAssertTrue("\($0)".contains("lse must have shape [2, 4, 4]"), "\($0)")
+        }
+    }
+
     func testContiguousWithLengthsWindowSinksAndLSE() throws {
         var o = VecSeqOptions(scale: 0.5)
         o.windowLeft = 9; o.softcap = 20

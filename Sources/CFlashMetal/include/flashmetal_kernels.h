@@ -331,6 +331,14 @@ typedef struct AttnSeqParams {
  * hidden, and attention_chunk c > 0 further hides keys
  * p < f_b + floor((kv_len_b - 1 - f_b) / c) * c (outside the query's chunk).
  * f_b >= kv_len_b or kv_len_b == 0: the row sees no key.
+ * Short queries (q_rows = L > 1): sequence b has L query rows, row i at
+ * position t = kv_len_b - L + i (bottom-right); every rule above then applies
+ * to t in place of kv_len_b - 1 (window: t - p < sliding_window; chunk: keys
+ * in [s, s + c) with s = f_b + floor((t - f_b) / c) * c, none when t < f_b), keys p > t +
+ * window_right are hidden (causal: window_right 0), and ALiBi scores
+ * -slope * |t - p|. q, out and tmp rows are r = (b * L + i) * H + h; the
+ * grid's y runs over rows ordered (b, kv head, i, head within the group), so
+ * one threadgroup's SIMD groups share a kv head's K/V reads across i too.
  * page_size: any positive size (not a multiple of 16: a page entry per key).
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
  * (H, Hkv); rows = B * H (the grid's y times the query heads per threadgroup)
@@ -344,6 +352,8 @@ typedef struct FlashAttnVecSeqParams {
     uint32_t max_pages;    /* FM_FC_VEC_PAGED: block_table row length */
     uint32_t attention_chunk; /* 0 = off, else > 0 */
     uint32_t key_starts_at;   /* 0 = every f_b is 0, else B: seqlens_k[B + b] is f_b */
+    uint32_t q_rows;          /* query rows per sequence L (0 or 1: one, the decode) */
+    int32_t window_right;     /* keys p <= t + window_right are visible; -1 = unbounded */
 } FlashAttnVecSeqParams;
 
 /* Plain decode reduce with sinks/LSE: reduce buffer(7). 16 bytes. Row r has

@@ -161,8 +161,11 @@ typedef struct FMVecArgs {
     int32_t kv_dtype;           /* FMDType: f32, f16 or bf16 */
     int32_t attention_chunk;    /* c > 0: keys before f_b + floor((kv_len_b - 1 - f_b) / c) * c are hidden; 0 = off */
     const int32_t *key_starts;  /* NULL: f_b = 0, else f_b = key_starts[b] (cache_leftpad): keys < f_b hidden */
-    const float *alibi;         /* NULL, or [rows] ALiBi slopes: key p of row r (query at kv_len_b - 1)
-                                   scores -alibi[r] * (kv_len_b - 1 - p) more, after the softcap */
+    const float *alibi;         /* NULL, or [B, H] ALiBi slopes: key p of head h of sequence b (query at t)
+                                   scores -alibi[b * H + h] * |t - p| more, after the softcap */
+    int64_t q_rows;             /* query rows L per sequence (0 or 1: one, at kv_len_b - 1); row i
+                                   sits at t = kv_len_b - L + i; q/tmp rows are (b * L + i) * H + h */
+    int64_t window_right;       /* keys p > t + window_right are hidden (causal: 0); -1 = unbounded */
 } FMVecArgs;
 
 /* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal_kernels.h. */

@@ -1,0 +1,147 @@
+"""Short queries (1 < seqlen_q <= 8: speculative decoding, small chunks) run
+the split-KV decode kernel with each query row's own causal/window keys
+(fm_dispatch_vec_seq with q [B, L, H, D]) on every backend, against the
+float64 serving reference. Sim shapes are tiny: B*H*L*kL*D stays small."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashmetal as fm
+from flashmetal import _native, reference
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from serving_native import make_cache
+
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The library entry points the public functions call, in order."""
+    seen: list[str] = []
+    real = _native.call
+
+    def spy(reg, fn_name, *args, **kw):
+        seen.append(fn_name)
+        return real(reg, fn_name, *args, **kw)
+    monkeypatch.setattr(_native, "call", spy)
+    return seen
+
+
+def _qkv(rng, b, ql, kl, h, hkv, d, dtype, dv=None):
+    q = randn(rng, (b, ql, h, d), dtype)
+    k = randn(rng, (b, kl, hkv, d), dtype)
+    v = randn(rng, (b, kl, hkv, dv or d), dtype)
+    return q, k, v
+
+
+# (qL, kL, H, Hkv, D, dtype, keywords): causal bottom-right, windows on both
+# sides, GQA 1/2/4, fewer keys than query rows, softcap, chunks, ALiBi.
+FUNC_CASES = [
+    (2, 40, 2, 2, 64, BF16, dict(causal=True)),
+    (4, 70, 4, 1, 64, F16, dict(causal=True)),
+    (8, 45, 4, 2, 128, BF16, dict(causal=True)),
+    (3, 37, 2, 1, 64, F32, dict(causal=False)),
+    (5, 66, 4, 2, 64, BF16, dict(causal=False, window_size=(9, 2))),
+    (6, 50, 2, 1, 80, F16, dict(causal=True, window_size=(20, -1))),
+    (8, 5, 4, 4, 64, BF16, dict(causal=True)),
+    (4, 64, 4, 2, 64, F32, dict(causal=True, softcap=5.0, attention_chunk=24)),
+    (7, 44, 2, 2, 64, BF16, dict(causal=False, attention_chunk=16)),
+    (3, 2, 2, 1, 64, BF16, dict(causal=False, attention_chunk=1)),  # a row before the first key sees none
+]
+
+
+@pytest.mark.parametrize("case", FUNC_CASES, ids=lambda c: f"q{c[0]}k{c[1]}h{c[2]}/{c[3]}d{c[4]}-{c[6]}")
+def test_flash_attn_func_short_query(registry, calls, case):
+    ql, kl, h, hkv, d, dtype, kw = case
+    rng = np.random.default_rng(ql * 1000 + kl)
+    q, k, v = _qkv(rng, 2, ql, kl, h, hkv, d, dtype)
+    out, lse, _ = fm.flash_attn_func(q, k, v, return_attn_probs=True, registry=registry, **kw)
+    e_out, e_lse = reference.flash_attn(q, k, v, **kw)
+    assert calls == ["fm_dispatch_vec_seq"], calls
+    what = f"{registry.backend} {case}"
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, e_out, dtype, what)
+    assert_close(lse, e_lse, F32, what + " lse")
+    again = fm.flash_attn_func(q, k, v, registry=registry, **kw)
+    assert_bits_equal(out, again, what + " determinism")
+
+
+def test_alibi_sinks_and_gqa8(registry):
+    """ALiBi scores -slope * |t - p| (keys right of a row too, non-causal),
+    sinks join every row's denominator once, GQA 8 groups 8 heads x 4 rows."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 4, 52, 8, 1, 64, BF16)
+    slopes = (rng.random((1, 8)) * 0.3).astype(np.float32)
+    sinks = rng.standard_normal(8).astype(np.float32)
+    for causal in (False, True):
+        out, lse, _ = fm.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, sinks=sinks,
+                                         return_attn_probs=True, registry=registry)
+        e_out, e_lse = reference.flash_attn(q, k, v, causal=causal, alibi_slopes=slopes, sinks=sinks)
+        assert_close(out, e_out, BF16, f"{registry.backend} causal={causal}")
+        assert_close(lse, e_lse, F32, f"{registry.backend} causal={causal} lse")
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 5])
+def test_kvcache_short_query(registry, calls, page_size):
+    """flash_attn_with_kvcache with 4 new tokens appended and attended
+    (speculative verification): per-sequence lengths, paged caches,
+    cache_leftpad, a sequence with fewer keys than query rows."""
+    rng = np.random.default_rng(page_size or 3)
+    b, ql, h, hkv, d, cap = 3, 4, 4, 2, 64, 48
+    kc, vc, table = make_cache(rng, b, cap, hkv, d, F16, page_size)
+    lens = np.array([0, 17, 40], dtype=np.int32)
+    q = randn(rng, (b, ql, h, d), F16)
+    kn, vn = randn(rng, (b, ql, hkv, d), F16), randn(rng, (b, ql, hkv, d), F16)
+    args = dict(cache_seqlens=lens, block_table=table, causal=True)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc, vc, k=kn, v=vn, **args)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, kn, vn, return_softmax_lse=True, registry=registry, **args)
+    assert "fm_dispatch_vec_seq" in calls and "fm_dispatch_attn" not in calls, calls
+    assert_close(out, e_out, F16, f"{registry.backend} paged={page_size}")
+    assert_close(lse, e_lse, F32, f"{registry.backend} paged={page_size} lse")
+    if page_size is None:
+        pad = np.array([0, 5, 30], dtype=np.int32)
+        kl = lens + ql
+        e_out, _ = reference.flash_attn_kvcache(q, kc, vc, cache_seqlens=kl, cache_leftpad=pad, causal=True,
+                                                window_size=(6, -1))
+        out = fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=kl, cache_leftpad=pad, causal=True,
+                                         window_size=(6, -1), registry=registry)
+        assert_close(out, e_out, F16, f"{registry.backend} leftpad")
+
+
+def test_longer_queries_keep_the_prefill(registry, calls):
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, 1, 9, 20, 2, 2, 64, BF16)
+    out = fm.flash_attn_func(q, k, v, causal=True, registry=registry)
+    assert calls == ["fm_dispatch_attn"], calls
+    assert_close(out, reference.flash_attn(q, k, v, causal=True)[0], BF16, registry.backend)
+
+
+# The torch drop-in: (qL, kv_len of a cap-48 cache, H, Hkv, dtype, keywords).
+DROPIN_CASES = [
+    (4, 40, 4, 2, BF16, dict(is_causal=True, align="bottom_right")),
+    (3, 48, 2, 2, F32, dict()),
+    (6, 33, 4, 1, F16, dict(is_causal=True, align="bottom_right", window=5, softcap=8.0)),
+    (8, 8, 2, 1, BF16, dict(is_causal=True)),  # top-left with qL == kv_len is bottom-right
+]
+
+
+@pytest.mark.parametrize("case", DROPIN_CASES, ids=lambda c: f"q{c[0]}k{c[1]}h{c[2]}/{c[3]}-{c[5]}")
+def test_dropin_short_query(registry, calls, case):
+    ql, kl, h, hkv, dtype, kw = case
+    rng = np.random.default_rng(ql + kl)
+    q, k, v = randn(rng, (2, h, ql, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype)
+    args = dict(enable_gqa=hkv < h, kv_len=kl, **kw)
+    assert fm.explain(q, k, v, **args).kernel == "flash_attn_vec"
+    out = fm.scaled_dot_product_attention(q, k, v, registry=registry, **args)
+    assert calls == ["fm_dispatch_vec_seq"], calls
+    causal = kw.get("is_causal", False)
+    e = reference.attention(q, k[:, :, :kl], v[:, :, :kl], causal=causal, q_offset=kl - ql,
+                            window=kw.get("window"), softcap=kw.get("softcap", 0.0))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_close(out, e, dtype, f"{registry.backend} {case}")
+
+
+def test_dropin_top_left_keeps_the_prefill():
+    """torch's top-left causal rows (not the newest positions) stay on the prefill."""
+    q, k = np.zeros((1, 2, 4, 64), BF16), np.zeros((1, 2, 40, 64), BF16)
+    assert fm.explain(q, k, k, is_causal=True).kernel == "flash_attn_prefill"
