@@ -260,11 +260,13 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     const int32_t d = p->head_dim;
     float *acc = state, *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     float *qz = sum + FM_CPU_KVQ_HEAD_CHUNK;
+    /* Rows past the item's heads are zero: the key loop may run them. */
+    memset(acc, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
+    memset(qz, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
     for (int32_t j = 0; j < at->heads; j++) {
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[(at->row0 + j) * d + i];
             qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
-            acc[j * d + i] = 0.0f;
         }
         if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
         mx[j] = FM_RUNNING_MAX_START;
