@@ -171,8 +171,12 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
                                 _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
     }
     if (bits == 8) {
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + i)));
-        return _mm256_i32gather_ps(l->t->c8, idx, 4);
+        /* Eight scalar loads from the 1 KiB table: faster than vgatherdps
+         * on Zen 3 (measured). */
+        const float *c = l->t->c8;
+        const uint8_t *r = row + i;
+        return _mm256_set_m128(_mm_setr_ps(c[r[4]], c[r[5]], c[r[6]], c[r[7]]),
+                               _mm_setr_ps(c[r[0]], c[r[1]], c[r[2]], c[r[3]]));
     }
     if (bits == 2) {
         uint16_t w;
