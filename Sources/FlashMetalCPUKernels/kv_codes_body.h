@@ -1,10 +1,10 @@
 /* The decode's key loop over quantized caches (kv_codec.c), compiled once
  * per ISA like vec_body.h: the including file defines FM_SFX and the target.
- * Plain C whose inner loops the compiler vectorises at the target's width:
- * keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to float once
- * (whole bytes through lookup tables), every head's scores of the tile taken
- * before one online-softmax rescale per tile, then the V rows decoded and
- * accumulated. Dot products run in the ISA's vectors (simd.h). */
+ * Plain C in the ISA's vectors (simd.h), with x86 intrinsics where they
+ * turn codes into centroids: kvq_unpack decodes whole rows to float (the
+ * prefill's tiles, kv_codes_prefill_body.h); fm_kvq_keys, the decode, turns
+ * each vector's worth of codes into centroids in a register and uses them
+ * there (see below). */
 #include <math.h>
 #include <string.h>
 
@@ -23,7 +23,6 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
 #if defined(__x86_64__) && FM_VL >= 8
 #include <immintrin.h>
 #endif
-
 #if defined(__x86_64__) && FM_VL == 8
 /* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
  * as their centroids c (16 entries for 4 bits, 4 for 2): each code picks
@@ -116,26 +115,28 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
  * keys: the scores of every head, one online-softmax rescale and one
  * vector exp per head, then the V rows decoded the same way into the
  * accumulators, which stay in registers over the tile's keys. */
+/* acc + a * b, fused where the ISA has the instruction (baseline x86-64
+ * has not: a fused builtin would be a libm call per lane). */
 #if defined(__x86_64__) && FM_VL == 4
-/* Baseline x86-64 has no FMA instruction (a fused builtin would be a libm
- * call per lane). */
-#define FM_KVQ_MAC(acc, a, b) ((acc) + (a) * (b))
-#else
-#define FM_KVQ_MAC(acc, a, b) fm_v_fma((a), (b), (acc))
+static inline fm_v FM_SFX(kvq_mac)(fm_v acc, fm_v a, fm_v b) { return acc + a * b; }
+#endif
+#if !(defined(__x86_64__) && FM_VL == 4)
+static inline fm_v FM_SFX(kvq_mac)(fm_v acc, fm_v a, fm_v b) { return fm_v_fma(a, b, acc); }
 #endif
 
 /* What kvq_vec needs for one side: the tables (and, on x86, the centroids of
  * 2-, 3- and 4-bit codes as registers for vpermps). */
-typedef struct FM_SFX(KVQLut) {
+typedef struct KVQLut {
     const FMKVQTables *t;
 #if defined(__x86_64__) && FM_VL >= 8
     __m256 lo, hi;
 #endif
-} FM_SFX(KVQLut);
+} KVQLut;
 
-static inline FM_SFX(KVQLut) FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
-    FM_SFX(KVQLut) l;
+static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
+    KVQLut l;
     l.t = t;
+    (void)bits;
 #if defined(__x86_64__) && FM_VL >= 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
      * index (vpermps reads 3 bits) do not matter. */
@@ -143,8 +144,6 @@ static inline FM_SFX(KVQLut) FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits)
     for (int32_t j = 0; j < 16 && bits >= 2 && bits <= 4; j++) tab[j] = t->c[bits][j & ((1 << bits) - 1)];
     l.lo = _mm256_loadu_ps(tab);
     l.hi = _mm256_loadu_ps(tab + 8);
-#else
-    (void)bits;
 #endif
     return l;
 }
@@ -161,7 +160,7 @@ static inline uint32_t FM_SFX(kvq_code_at)(const uint8_t *row, int32_t bits, int
 #if defined(__x86_64__) && FM_VL >= 8
 /* The centroids of codes [i, i + 8) (i a multiple of 8). */
 static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8_t *row, int32_t i, int32_t bits,
-                                                                    const FM_SFX(KVQLut) *l) {
+                                                                    const KVQLut *l) {
     if (bits == 4) {
         uint32_t w;
         memcpy(&w, row + i / 2, 4);
@@ -198,18 +197,26 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
 #endif
 
 /* The centroids of codes [i, i + FM_VL) of a row of `bits`-bit codes (i a
- * multiple of FM_VL). */
-static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
-                                                                 const FM_SFX(KVQLut) *l) {
+ * multiple of FM_VL): on x86 by kvq_vec8; elsewhere whole bytes through the
+ * tables of every byte value (4 and 2 bits), else code by code. */
 #if defined(__x86_64__) && FM_VL == 8
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
     return (fm_v)FM_SFX(kvq_vec8)(row, i, bits, l);
-#elif defined(__x86_64__) && FM_VL == 16
-    typedef float v8 __attribute__((ext_vector_type(8)));
-    const v8 a = (v8)FM_SFX(kvq_vec8)(row, i, bits, l), b = (v8)FM_SFX(kvq_vec8)(row, i + 8, bits, l);
+}
+#endif
+#if defined(__x86_64__) && FM_VL == 16
+typedef float fm_kvq_v8 __attribute__((ext_vector_type(8)));
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
+    const fm_kvq_v8 a = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i, bits, l);
+    const fm_kvq_v8 b = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i + 8, bits, l);
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    /* Whole bytes through the tables of every byte value (4 and 2 bits),
-     * else code by code. */
+}
+#endif
+#if !defined(__x86_64__) || FM_VL < 8
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
     float o[FM_VL];
     const FMKVQTables *t = l->t;
     if (bits == 8) {
@@ -222,31 +229,31 @@ static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t 
         for (int32_t j = 0; j < FM_VL; j++) o[j] = t->c[bits][FM_SFX(kvq_code_at)(row, bits, i + j)];
     }
     return fm_v_load(o);
-#endif
 }
+#endif
 
 /* Codes [i, i + FM_VL) of a side's row as floats: centroids (kind > 0: the
  * width, a constant where it can be) or the dense row (kind 0). */
 static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_side_vec)(const void *row, int32_t i, int32_t kind,
                                                                       int32_t bits, int32_t dtype,
-                                                                      const FM_SFX(KVQLut) *l) {
+                                                                      const KVQLut *l) {
     if (kind == 0) return fm_v_load_any(row, i, dtype);
     return FM_SFX(kvq_vec)((const uint8_t *)row, i, kind == 1 ? bits : kind, l);
 }
 
 /* One tile of the decode: its keys' storage rows, what each side reads. */
-typedef struct FM_SFX(KVQTile) {
+typedef struct KVQTile {
     const FMKVQKeys *k;
     int32_t nt, d, n, nb, kbits, vbits, dtype;
     const void *krow[FM_KVQ_TILE], *vrow[FM_KVQ_TILE];
     const float *kn[FM_KVQ_TILE], *vn[FM_KVQ_TILE]; /* each key's block norms (NULL: a dense side) */
-    FM_SFX(KVQLut) kl, vl;
-} FM_SFX(KVQTile);
+    KVQLut kl, vl;
+} KVQTile;
 
 /* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
  * are zero) over the tile's keys, block norms applied when a row has more
  * than one block; the lanes of 8 keys summed at once. */
-static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const FM_SFX(KVQTile) *x, const int32_t NH,
+static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const KVQTile *x, const int32_t NH,
                                                                          const int32_t kind,
                                                                          float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
     /* Two accumulator sets while few heads would leave the multiply-adds a
@@ -274,12 +281,12 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const 
                     for (int32_t s = 0; s < S; s++) {
                         const fm_v v = FM_SFX(kvq_side_vec)(row, i + s * FM_VL, kind, x->kbits, x->dtype, &x->kl);
                         for (int32_t j = 0; j < NH; j++)
-                            a[s][j] = FM_KVQ_MAC(a[s][j], fm_v_load(qz + (int64_t)j * d + i + s * FM_VL), v);
+                            a[s][j] = FM_SFX(kvq_mac)(a[s][j], fm_v_load(qz + (int64_t)j * d + i + s * FM_VL), v);
                     }
                 }
                 for (; i < b1; i += FM_VL) {
                     const fm_v v = FM_SFX(kvq_side_vec)(row, i, kind, x->kbits, x->dtype, &x->kl);
-                    for (int32_t j = 0; j < NH; j++) a[0][j] = FM_KVQ_MAC(a[0][j], fm_v_load(qz + (int64_t)j * d + i), v);
+                    for (int32_t j = 0; j < NH; j++) a[0][j] = FM_SFX(kvq_mac)(a[0][j], fm_v_load(qz + (int64_t)j * d + i), v);
                 }
                 for (int32_t j = 0; j < NH; j++) {
                     const fm_v b = S == 2 ? a[0][j] + a[1][j] : a[0][j];
@@ -287,7 +294,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const 
                         tot[j] = blk == 0 ? b : tot[j] + b;
                     } else {
                         const fm_v r = fm_v_splat(x->kn[t][blk]);
-                        tot[j] = blk == 0 ? b * r : FM_KVQ_MAC(tot[j], b, r);
+                        tot[j] = blk == 0 ? b * r : FM_SFX(kvq_mac)(tot[j], b, r);
                     }
                 }
             }
@@ -300,7 +307,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const 
 /* acc_j = acc_j * corr[j] + sum over the tile's keys of w[j][t] * V_t for
  * NH heads (V rows with several blocks scaled by each block's norm), the
  * accumulators of CF vectors of D per head in registers over the keys. */
-static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const FM_SFX(KVQTile) *x, const int32_t NH,
+static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const KVQTile *x, const int32_t NH,
                                                                           const int32_t kind, const int32_t CF,
                                                                           int32_t i, const float *corr,
                                                                           float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
@@ -314,14 +321,14 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         for (int32_t c = 0; c < CF; c++) {
             fm_v v = FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
             if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
-            for (int32_t j = 0; j < NH; j++) o[c][j] = FM_KVQ_MAC(o[c][j], fm_v_splat(w[j][t]), v);
+            for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
         }
     }
     for (int32_t c = 0; c < CF; c++)
         for (int32_t j = 0; j < NH; j++) fm_v_store(acc + (int64_t)j * d + i + c * FM_VL, o[c][j]);
 }
 
-static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const FM_SFX(KVQTile) *x, const int32_t NH,
+static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const KVQTile *x, const int32_t NH,
                                                                          const int32_t kind, const float *corr,
                                                                          float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
     const int32_t CF = NH == 1 ? 4 : NH <= 4 ? 2 : 1;
@@ -356,12 +363,12 @@ static inline int32_t FM_SFX(kvq_kind)(const void *dense, int32_t bits) {
     default: body(x, 8, 8, __VA_ARGS__); break;                                  \
     }
 
-static void FM_SFX(kvq_scores)(const FM_SFX(KVQTile) *x, int32_t nh, int32_t kind,
+static void FM_SFX(kvq_scores)(const KVQTile *x, int32_t nh, int32_t kind,
                                float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
     FM_KVQ_BY_SHAPE(FM_SFX(kvq_scores_body), x, nh, kind, dot)
 }
 
-static void FM_SFX(kvq_values)(const FM_SFX(KVQTile) *x, int32_t nh, int32_t kind, const float *corr,
+static void FM_SFX(kvq_values)(const KVQTile *x, int32_t nh, int32_t kind, const float *corr,
                                float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
     FM_KVQ_BY_SHAPE(FM_SFX(kvq_values_body), x, nh, kind, corr, w)
 }
@@ -378,7 +385,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const int32_t kkind = FM_SFX(kvq_kind)(a->k_dense, p->k_bits), vkind = FM_SFX(kvq_kind)(a->v_dense, p->v_bits);
     const int64_t esize = a->dense_dtype == FM_DTYPE_F32 ? 4 : 2;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)p->block) * p->scale;
-    FM_SFX(KVQTile) x;
+    KVQTile x;
     x.k = k;
     x.d = d;
     x.n = p->block;

@@ -7,8 +7,8 @@
 
 #include "fm_kv_codec.h"
 
-/* Keys per tile: each tile's K rows are decoded once into a stack buffer of
- * FM_KVQ_TILE * FM_KVQ_MAX_HEAD_DIM floats (32 KiB). */
+/* Keys per tile of the decode: one online-softmax rescale and one vector
+ * exp per head for each tile's scores. */
 #define FM_KVQ_TILE 16
 /* Keys per block when one work item reads every kv head of its keys
  * (fm_cpu_kv_codes_decode_row): a block of every head's rows (16 KiB of
