@@ -260,11 +260,13 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     const int32_t d = p->head_dim;
     float *acc = state, *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     float *qz = sum + FM_CPU_KVQ_HEAD_CHUNK;
+    /* Rows past the item's heads are zero: the key loop may run them. */
+    memset(acc, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
+    memset(qz, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
     for (int32_t j = 0; j < at->heads; j++) {
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[(at->row0 + j) * d + i];
             qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
-            acc[j * d + i] = 0.0f;
         }
         if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
         mx[j] = FM_RUNNING_MAX_START;
@@ -301,11 +303,11 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
      * block: the heads of one key sit side by side in memory. */
     for (int32_t k0 = s0; k0 < s1; k0 += FM_KVQ_ROW_BLOCK) {
         const int32_t k1 = s1 - k0 < FM_KVQ_ROW_BLOCK ? s1 : k0 + FM_KVQ_ROW_BLOCK;
-        /* The next block's rows of every kv head are requested now: each
-         * head's pass over this block reads only every n_kv_heads-th row,
-         * a stride the hardware prefetcher does not follow far enough. */
-        const int32_t n1 = s1 - k1 < FM_KVQ_ROW_BLOCK ? s1 : k1 + FM_KVQ_ROW_BLOCK;
-        for (int32_t key = k1; key < n1; key++) {
+        /* The rows FM_KVQ_ROW_AHEAD keys on, of every kv head, are
+         * requested now: each head's pass over a block reads only every
+         * n_kv_heads-th row, a stride the hardware prefetcher does not
+         * follow far enough. */
+        for (int32_t key = k0 + FM_KVQ_ROW_AHEAD; key < k1 + FM_KVQ_ROW_AHEAD && key < s1; key++) {
             for (int64_t g = 0; g < p->n_kv_heads; g++) fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, at.b, g, key));
         }
         for (int64_t item = bi * per; item < (bi + 1) * per; item++) {

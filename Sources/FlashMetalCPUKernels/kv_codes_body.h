@@ -1,10 +1,10 @@
 /* The decode's key loop over quantized caches (kv_codec.c), compiled once
  * per ISA like vec_body.h: the including file defines FM_SFX and the target.
- * Plain C whose inner loops the compiler vectorises at the target's width:
- * keys go in tiles of FM_KVQ_TILE, each tile's K rows decoded to float once
- * (whole bytes through lookup tables), every head's scores of the tile taken
- * before one online-softmax rescale per tile, then the V rows decoded and
- * accumulated. Dot products run in the ISA's vectors (simd.h). */
+ * Plain C in the ISA's vectors (simd.h), with x86 intrinsics where they
+ * turn codes into centroids: kvq_unpack decodes whole rows to float (the
+ * prefill's tiles, kv_codes_prefill_body.h); fm_kvq_keys, the decode, turns
+ * each vector's worth of codes into centroids in a register and uses them
+ * there (see below). */
 #include <math.h>
 #include <string.h>
 
@@ -20,8 +20,10 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
     }
 }
 
-#if defined(__x86_64__) && FM_VL == 8
+#if defined(__x86_64__) && FM_VL >= 8
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) && FM_VL == 8
 /* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
  * as their centroids c (16 entries for 4 bits, 4 for 2): each code picks
  * from the two 8-entry halves of the table by vpermps, bit 3 choosing. */
@@ -105,125 +107,349 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
 }
 #endif
 
-/* sum x[i] * y[i] over n (a multiple of 16, so of FM_VL): one vector
- * accumulator, its lanes summed at the end. */
-static inline float FM_SFX(kvq_dot)(const float *x, const float *y, int32_t n) {
-    fm_v s = fm_v_splat(0.0f);
-    for (int32_t i = 0; i < n; i += FM_VL) s += fm_v_load(x + i) * fm_v_load(y + i);
-    return fm_v_sum(s);
+
+/* The decode's key loop (fm_kvq_keys). No key row is written out as floats:
+ * each FM_VL codes are turned into their centroids in a register
+ * (kvq_vec) and used there, by every query head of the kv head at once
+ * (fused multiply-adds where the ISA has them). Per tile of FM_KVQ_TILE
+ * keys: the scores of every head, one online-softmax rescale and one
+ * vector exp per head, then the V rows decoded the same way into the
+ * accumulators, which stay in registers over the tile's keys. */
+/* acc + a * b, fused where the ISA has the instruction (baseline x86-64
+ * has not: a fused builtin would be a libm call per lane). */
+#if defined(__x86_64__) && FM_VL == 4
+static inline fm_v FM_SFX(kvq_mac)(fm_v acc, fm_v a, fm_v b) { return acc + a * b; }
+#endif
+#if !(defined(__x86_64__) && FM_VL == 4)
+static inline fm_v FM_SFX(kvq_mac)(fm_v acc, fm_v a, fm_v b) { return fm_v_fma(a, b, acc); }
+#endif
+
+/* What kvq_vec needs for one side: the tables (and, on x86, the centroids of
+ * 2-, 3- and 4-bit codes as registers for vpermps). */
+typedef struct KVQLut {
+    const FMKVQTables *t;
+#if defined(__x86_64__) && FM_VL >= 8
+    __m256 lo, hi;
+#endif
+} KVQLut;
+
+static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
+    KVQLut l;
+    l.t = t;
+    (void)bits;
+#if defined(__x86_64__) && FM_VL >= 8
+    /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
+     * index (vpermps reads 3 bits) do not matter. */
+    float tab[16] = {0};
+    for (int32_t j = 0; j < 16 && bits >= 2 && bits <= 4; j++) tab[j] = t->c[bits][j & ((1 << bits) - 1)];
+    l.lo = _mm256_loadu_ps(tab);
+    l.hi = _mm256_loadu_ps(tab + 8);
+#endif
+    return l;
 }
 
-/* kvq_dot of x with the 8 rows y, y + stride, ... at once (8 independent
- * accumulators keep the vector unit busy); each result has kvq_dot's bits. */
-static inline void FM_SFX(kvq_dot8)(const float *x, const float *y, int32_t stride, int32_t n, float *out) {
-    fm_v s[8];
-    for (int32_t r = 0; r < 8; r++) s[r] = fm_v_splat(0.0f);
-    for (int32_t i = 0; i < n; i += FM_VL) {
-        const fm_v xv = fm_v_load(x + i);
-        for (int32_t r = 0; r < 8; r++) s[r] += xv * fm_v_load(y + (int64_t)r * stride + i);
+/* Code i of a row of `bits`-bit codes (little-endian bit stream), reading
+ * no byte past the one holding its last bit. */
+static inline uint32_t FM_SFX(kvq_code_at)(const uint8_t *row, int32_t bits, int32_t i) {
+    const int32_t bit = i * bits, byte = bit >> 3, shift = bit & 7;
+    uint32_t w = row[byte];
+    if (shift + bits > 8) w |= (uint32_t)row[byte + 1] << 8;
+    return (w >> shift) & ((1u << bits) - 1u);
+}
+
+#if defined(__x86_64__) && FM_VL >= 8
+/* The centroids of codes [i, i + 8) (i a multiple of 8). */
+static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                    const KVQLut *l) {
+    if (bits == 4) {
+        uint32_t w;
+        memcpy(&w, row + i / 2, 4);
+        const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        /* vpermps reads the low 3 bits; bit 3, moved to the sign, picks the half. */
+        return _mm256_blendv_ps(_mm256_permutevar8x32_ps(l->lo, idx), _mm256_permutevar8x32_ps(l->hi, idx),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
     }
-    for (int32_t r = 0; r < 8; r++) out[r] = fm_v_sum(s[r]);
+    if (bits == 8) {
+        /* Eight scalar loads from the 1 KiB table: faster than vgatherdps
+         * on Zen 3 (measured). */
+        const float *c = l->t->c8;
+        const uint8_t *r = row + i;
+        return _mm256_set_m128(_mm_setr_ps(c[r[4]], c[r[5]], c[r[6]], c[r[7]]),
+                               _mm_setr_ps(c[r[0]], c[r[1]], c[r[2]], c[r[3]]));
+    }
+    if (bits == 2) {
+        uint16_t w;
+        memcpy(&w, row + i / 4, 2);
+        const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        return _mm256_permutevar8x32_ps(l->lo, idx);
+    }
+    /* 3, 5 or 6 bits: 8 codes in `bits` bytes, codes 0-3 in the low 32
+     * bits of the group, codes 4-7 in the 32 bits from 4 * bits up. */
+    uint64_t w = 0;
+    memcpy(&w, row + i / 8 * bits, (size_t)bits);
+    const __m256i words = _mm256_set_m128i(_mm_set1_epi32((int)(uint32_t)(w >> (4 * bits))),
+                                           _mm_set1_epi32((int)(uint32_t)w));
+    const __m256i idx = _mm256_srlv_epi32(words, _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits,
+                                                                    3 * bits));
+    if (bits == 3) return _mm256_permutevar8x32_ps(l->lo, idx);
+    return _mm256_i32gather_ps(l->t->c[bits], _mm256_and_si256(idx, _mm256_set1_epi32((1 << bits) - 1)), 4);
+}
+#endif
+
+/* The centroids of codes [i, i + FM_VL) of a row of `bits`-bit codes (i a
+ * multiple of FM_VL): on x86 by kvq_vec8; elsewhere whole bytes through the
+ * tables of every byte value (4 and 2 bits), else code by code. */
+#if defined(__x86_64__) && FM_VL == 8
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
+    return (fm_v)FM_SFX(kvq_vec8)(row, i, bits, l);
+}
+#endif
+#if defined(__x86_64__) && FM_VL == 16
+typedef float fm_kvq_v8 __attribute__((ext_vector_type(8)));
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
+    const fm_kvq_v8 a = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i, bits, l);
+    const fm_kvq_v8 b = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i + 8, bits, l);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#endif
+#if !defined(__x86_64__) || FM_VL < 8
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                 const KVQLut *l) {
+    float o[FM_VL];
+    const FMKVQTables *t = l->t;
+    if (bits == 8) {
+        for (int32_t j = 0; j < FM_VL; j++) o[j] = t->c8[row[i + j]];
+    } else if (bits == 4) {
+        for (int32_t j = 0; j < FM_VL / 2; j++) memcpy(o + 2 * j, t->by4[row[i / 2 + j]], 2 * sizeof(float));
+    } else if (bits == 2) {
+        for (int32_t j = 0; j < FM_VL / 4; j++) memcpy(o + 4 * j, t->by2[row[i / 4 + j]], 4 * sizeof(float));
+    } else {
+        for (int32_t j = 0; j < FM_VL; j++) o[j] = t->c[bits][FM_SFX(kvq_code_at)(row, bits, i + j)];
+    }
+    return fm_v_load(o);
+}
+#endif
+
+/* Codes [i, i + FM_VL) of a side's row as floats: centroids (kind > 0: the
+ * width, a constant where it can be) or the dense row (kind 0). */
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_side_vec)(const void *row, int32_t i, int32_t kind,
+                                                                      int32_t bits, int32_t dtype,
+                                                                      const KVQLut *l) {
+    if (kind == 0) return fm_v_load_any(row, i, dtype);
+    return FM_SFX(kvq_vec)((const uint8_t *)row, i, kind == 1 ? bits : kind, l);
+}
+
+/* One tile of the decode: its keys' storage rows, what each side reads. */
+typedef struct KVQTile {
+    const FMKVQKeys *k;
+    int32_t nt, d, n, nb, kbits, vbits, dtype;
+    const void *krow[FM_KVQ_TILE], *vrow[FM_KVQ_TILE];
+    const float *kn[FM_KVQ_TILE], *vn[FM_KVQ_TILE]; /* each key's block norms (NULL: a dense side) */
+    KVQLut kl, vl;
+} KVQTile;
+
+/* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
+ * are zero) over the tile's keys, block norms applied when a row has more
+ * than one block; the lanes of 8 keys summed at once. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const KVQTile *x, const int32_t NH,
+                                                                         const int32_t kind,
+                                                                         float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    /* Two accumulator sets while few heads would leave the multiply-adds a
+     * chain too short to hide their latency. */
+    enum { S_MAX = 2 };
+    const int32_t S = NH <= 4 ? 2 : 1, d = x->d, n = x->n, nb = x->nb;
+    const float *qz = x->k->qz;
+    for (int32_t t0 = 0; t0 < x->nt; t0 += 8) {
+        fm_v part[FM_CPU_KVQ_HEAD_CHUNK][8];
+        for (int32_t u = 0; u < 8; u++) {
+            const int32_t t = t0 + u;
+            if (t >= x->nt) {
+                for (int32_t j = 0; j < NH; j++) part[j][u] = fm_v_splat(0.0f);
+                continue;
+            }
+            const void *row = x->krow[t];
+            fm_v tot[FM_CPU_KVQ_HEAD_CHUNK];
+            for (int32_t blk = 0; blk < nb; blk++) {
+                fm_v a[S_MAX][FM_CPU_KVQ_HEAD_CHUNK];
+                for (int32_t s = 0; s < S; s++)
+                    for (int32_t j = 0; j < NH; j++) a[s][j] = fm_v_splat(0.0f);
+                const int32_t b1 = (blk + 1) * n;
+                int32_t i = blk * n;
+                for (; i + S * FM_VL <= b1; i += S * FM_VL) {
+                    for (int32_t s = 0; s < S; s++) {
+                        const fm_v v = FM_SFX(kvq_side_vec)(row, i + s * FM_VL, kind, x->kbits, x->dtype, &x->kl);
+                        for (int32_t j = 0; j < NH; j++)
+                            a[s][j] = FM_SFX(kvq_mac)(a[s][j], fm_v_load(qz + (int64_t)j * d + i + s * FM_VL), v);
+                    }
+                }
+                for (; i < b1; i += FM_VL) {
+                    const fm_v v = FM_SFX(kvq_side_vec)(row, i, kind, x->kbits, x->dtype, &x->kl);
+                    for (int32_t j = 0; j < NH; j++) a[0][j] = FM_SFX(kvq_mac)(a[0][j], fm_v_load(qz + (int64_t)j * d + i), v);
+                }
+                for (int32_t j = 0; j < NH; j++) {
+                    const fm_v b = S == 2 ? a[0][j] + a[1][j] : a[0][j];
+                    if (nb == 1 || x->kn[t] == NULL) {
+                        tot[j] = blk == 0 ? b : tot[j] + b;
+                    } else {
+                        const fm_v r = fm_v_splat(x->kn[t][blk]);
+                        tot[j] = blk == 0 ? b * r : FM_SFX(kvq_mac)(tot[j], b, r);
+                    }
+                }
+            }
+            for (int32_t j = 0; j < NH; j++) part[j][u] = tot[j];
+        }
+        for (int32_t j = 0; j < NH; j++) fm_v_sum8(part[j], dot[j] + t0);
+    }
+}
+
+/* acc_j = acc_j * corr[j] + sum over the tile's keys of w[j][t] * V_t for
+ * NH heads (V rows with several blocks scaled by each block's norm), the
+ * accumulators of CF vectors of D per head in registers over the keys. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const KVQTile *x, const int32_t NH,
+                                                                          const int32_t kind, const int32_t CF,
+                                                                          int32_t i, const float *corr,
+                                                                          float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    enum { CF_MAX = 4 };
+    const int32_t d = x->d;
+    float *acc = x->k->acc;
+    fm_v o[CF_MAX][FM_CPU_KVQ_HEAD_CHUNK];
+    for (int32_t c = 0; c < CF; c++)
+        for (int32_t j = 0; j < NH; j++) o[c][j] = fm_v_load(acc + (int64_t)j * d + i + c * FM_VL) * fm_v_splat(corr[j]);
+    for (int32_t t = 0; t < x->nt; t++) {
+        for (int32_t c = 0; c < CF; c++) {
+            fm_v v = FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
+            if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
+            for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
+        }
+    }
+    for (int32_t c = 0; c < CF; c++)
+        for (int32_t j = 0; j < NH; j++) fm_v_store(acc + (int64_t)j * d + i + c * FM_VL, o[c][j]);
+}
+
+static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const KVQTile *x, const int32_t NH,
+                                                                         const int32_t kind, const float *corr,
+                                                                         float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    const int32_t CF = NH == 1 ? 4 : NH <= 4 ? 2 : 1;
+    int32_t i = 0;
+    for (; i + CF * FM_VL <= x->d; i += CF * FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, CF, i, corr, w);
+    for (; i < x->d; i += FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, 1, i, corr, w);
+}
+
+/* The side's kind: 0 dense, 4 or 8 (widths with code of their own), 1 any
+ * other width. */
+static inline int32_t FM_SFX(kvq_kind)(const void *dense, int32_t bits) {
+    return dense != NULL ? 0 : (bits == 4 || bits == 8) ? bits : 1;
+}
+
+#define FM_KVQ_BY_SHAPE(body, x, nh, kind, ...)                                   \
+    switch ((nh) * 16 + (kind)) {                                                \
+    case 1 * 16 + 0: body(x, 1, 0, __VA_ARGS__); break;                          \
+    case 1 * 16 + 1: body(x, 1, 1, __VA_ARGS__); break;                          \
+    case 1 * 16 + 4: body(x, 1, 4, __VA_ARGS__); break;                          \
+    case 1 * 16 + 8: body(x, 1, 8, __VA_ARGS__); break;                          \
+    case 2 * 16 + 0: body(x, 2, 0, __VA_ARGS__); break;                          \
+    case 2 * 16 + 1: body(x, 2, 1, __VA_ARGS__); break;                          \
+    case 2 * 16 + 4: body(x, 2, 4, __VA_ARGS__); break;                          \
+    case 2 * 16 + 8: body(x, 2, 8, __VA_ARGS__); break;                          \
+    case 4 * 16 + 0: body(x, 4, 0, __VA_ARGS__); break;                          \
+    case 4 * 16 + 1: body(x, 4, 1, __VA_ARGS__); break;                          \
+    case 4 * 16 + 4: body(x, 4, 4, __VA_ARGS__); break;                          \
+    case 4 * 16 + 8: body(x, 4, 8, __VA_ARGS__); break;                          \
+    case 8 * 16 + 0: body(x, 8, 0, __VA_ARGS__); break;                          \
+    case 8 * 16 + 1: body(x, 8, 1, __VA_ARGS__); break;                          \
+    case 8 * 16 + 4: body(x, 8, 4, __VA_ARGS__); break;                          \
+    default: body(x, 8, 8, __VA_ARGS__); break;                                  \
+    }
+
+static void FM_SFX(kvq_scores)(const KVQTile *x, int32_t nh, int32_t kind,
+                               float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    FM_KVQ_BY_SHAPE(FM_SFX(kvq_scores_body), x, nh, kind, dot)
+}
+
+static void FM_SFX(kvq_values)(const KVQTile *x, int32_t nh, int32_t kind, const float *corr,
+                               float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    FM_KVQ_BY_SHAPE(FM_SFX(kvq_values_body), x, nh, kind, corr, w)
 }
 
 void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
+    enum { TV = FM_KVQ_TILE / FM_VL };
+    _Static_assert(FM_KVQ_TILE % FM_VL == 0 && FM_KVQ_TILE % 8 == 0, "a tile is whole vectors and folds of 8");
     const KVCodesDecodeParams *p = k->p;
     const FMCPUKVCodesAttnArgs *a = k->a;
-    const FMKVQTables *tab = k->tables;
-    const int32_t d = p->head_dim, n = p->block, nb = d / n, heads = k->heads;
-    const int32_t kn = a->k_dense != NULL ? d : n, vn = a->v_dense != NULL ? d : n;
-    const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)n) * p->scale;
-    float kc[FM_KVQ_TILE][FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float s[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
-    int64_t rows[FM_KVQ_TILE];
+    const int32_t d = p->head_dim, heads = k->heads;
+    /* Heads rounded up to 1, 2, 4 or 8 (the query rows past them are zero
+     * and their weights zero). */
+    const int32_t nh = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
+    const int32_t kkind = FM_SFX(kvq_kind)(a->k_dense, p->k_bits), vkind = FM_SFX(kvq_kind)(a->v_dense, p->v_bits);
+    const int64_t esize = a->dense_dtype == FM_DTYPE_F32 ? 4 : 2;
+    const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)p->block) * p->scale;
+    KVQTile x;
+    x.k = k;
+    x.d = d;
+    x.n = p->block;
+    x.nb = d / p->block;
+    x.kbits = p->k_bits;
+    x.vbits = p->v_bits;
+    x.dtype = a->dense_dtype;
+    x.kl = FM_SFX(kvq_lut)(k->tables, p->k_bits);
+    x.vl = FM_SFX(kvq_lut)(k->tables, p->v_bits);
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
         /* The next tile's rows are requested now: a kv head's rows sit
          * Hkv rows apart, too sparse for the hardware prefetcher. */
         for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
-            const int64_t r = fm_kvq_row(p, a, k->b, k->g, key);
-            fm_kvq_prefetch_row(p, a, r);
+            fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
         }
+        float kscale[FM_KVQ_TILE], vscale[FM_KVQ_TILE];
+        for (int32_t t = nt; t < FM_KVQ_TILE; t++) kscale[t] = vscale[t] = 1.0f;
+        x.nt = nt;
         for (int32_t t = 0; t < nt; t++) {
             const int64_t r = fm_kvq_row(p, a, k->b, k->g, t0 + t);
-            rows[t] = r;
-            if (a->k_dense != NULL) {
-                FM_SFX(kvq_load_dense)(kc[t], a->k_dense, a->dense_dtype, r, d);
-            } else {
-                FM_SFX(kvq_unpack)(a->k_codes + r * p->k_row_bytes, d, p->k_bits, tab, kc[t]);
-            }
+            x.krow[t] = a->k_dense != NULL ? (const void *)((const char *)a->k_dense + r * d * esize)
+                                           : (const void *)(a->k_codes + r * p->k_row_bytes);
+            x.vrow[t] = a->v_dense != NULL ? (const void *)((const char *)a->v_dense + r * d * esize)
+                                           : (const void *)(a->v_codes + r * p->v_row_bytes);
+            x.kn[t] = a->k_norms != NULL && a->k_dense == NULL ? a->k_norms + r * x.nb : NULL;
+            x.vn[t] = a->v_norms != NULL && a->v_dense == NULL ? a->v_norms + r * x.nb : NULL;
+            /* One block: its norm scales the whole score (and V row) at once. */
+            kscale[t] = x.nb == 1 && x.kn[t] != NULL ? x.kn[t][0] * k_unit : k_unit;
+            vscale[t] = x.nb == 1 && x.vn[t] != NULL ? x.vn[t][0] : 1.0f;
         }
-        for (int32_t j = 0; j < heads; j++) {
-            const float *q = k->qz + (int64_t)j * d;
-            float m_tile = k->mx[j];
-            float dot[FM_KVQ_TILE], part[FM_KVQ_TILE];
-            for (int32_t t = 0; t < nt; t++) dot[t] = 0.0f;
-            for (int32_t blk = 0; blk < d / kn; blk++) {
-                int32_t t = 0;
-                for (; t + 8 <= nt; t += 8) FM_SFX(kvq_dot8)(q + blk * kn, kc[t] + blk * kn, FM_KVQ_MAX_HEAD_DIM, kn, part + t);
-                for (; t < nt; t++) part[t] = FM_SFX(kvq_dot)(q + blk * kn, kc[t] + blk * kn, kn);
-                for (t = 0; t < nt; t++) dot[t] += a->k_dense != NULL ? part[t] : part[t] * a->k_norms[rows[t] * nb + blk];
+        float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE], w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
+        float corr[FM_CPU_KVQ_HEAD_CHUNK];
+        FM_SFX(kvq_scores)(&x, nh, kkind, dot);
+        for (int32_t j = 0; j < nh; j++) {
+            if (j >= heads) {
+                corr[j] = 1.0f;
+                for (int32_t t = 0; t < FM_KVQ_TILE; t++) w[j][t] = 0.0f;
+                continue;
             }
+            float s[FM_KVQ_TILE];
             for (int32_t t = 0; t < nt; t++) {
-                float sc = dot[t] * k_unit;
+                float sc = dot[j][t] * kscale[t];
                 if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
-                s[j][t] = sc;
-                if (sc > m_tile) m_tile = sc;
+                s[t] = sc;
             }
-            const float corr = expf(k->mx[j] - m_tile);
-            float tile_sum = 0.0f;
-            for (int32_t t = 0; t < nt; t++) {
-                s[j][t] = expf(s[j][t] - m_tile);
-                tile_sum += s[j][t];
+            for (int32_t t = nt; t < FM_KVQ_TILE; t++) s[t] = -INFINITY;
+            fm_v sv[TV], m = fm_v_load(s);
+            for (int32_t u = 0; u < TV; u++) {
+                sv[u] = fm_v_load(s + u * FM_VL);
+                m = fm_v_max2(m, sv[u]);
             }
-            k->sum[j] = k->sum[j] * corr + tile_sum;
+            const float tile_max = fm_v_max(m);
+            const float m_tile = tile_max > k->mx[j] ? tile_max : k->mx[j];
+            corr[j] = expf(k->mx[j] - m_tile);
+            fm_v total = fm_v_splat(0.0f);
+            for (int32_t u = 0; u < TV; u++) {
+                const fm_v e = fm_v_exp(sv[u] - fm_v_splat(m_tile));
+                total += e;
+                fm_v_store(w[j] + u * FM_VL, e * fm_v_load(vscale + u * FM_VL));
+            }
+            k->sum[j] = k->sum[j] * corr[j] + fm_v_sum(total);
             k->mx[j] = m_tile;
-            if (corr != 1.0f) {
-                float *acc = k->acc + (int64_t)j * d;
-                for (int32_t i = 0; i < d; i++) acc[i] *= corr;
-            }
         }
-        /* The tile's V rows are all decoded (into the K buffer, whose scores
-         * are taken) before any is read back: reading a row right after its
-         * narrow stores would stall on store forwarding. */
-        for (int32_t t = 0; t < nt; t++) {
-            if (a->v_dense != NULL) {
-                FM_SFX(kvq_load_dense)(kc[t], a->v_dense, a->dense_dtype, rows[t], d);
-            } else {
-                FM_SFX(kvq_unpack)(a->v_codes + rows[t] * p->v_row_bytes, d, p->v_bits, tab, kc[t]);
-            }
-        }
-        /* Per head, each vector of the accumulator stays in a register over
-         * the tile's keys (added in key order, as one key at a time would). */
-        for (int32_t j = 0; j < heads; j++) {
-            float *acc = k->acc + (int64_t)j * d;
-            for (int32_t blk = 0; blk < d / vn; blk++) {
-                float wr[FM_KVQ_TILE];
-                for (int32_t t = 0; t < nt; t++) {
-                    wr[t] = a->v_dense != NULL ? s[j][t] : s[j][t] * a->v_norms[rows[t] * nb + blk];
-                }
-                const int32_t end = (blk + 1) * vn;
-                int32_t i = blk * vn;
-                for (; i + 4 * FM_VL <= end; i += 4 * FM_VL) {
-                    fm_v x0 = fm_v_load(acc + i), x1 = fm_v_load(acc + i + FM_VL);
-                    fm_v x2 = fm_v_load(acc + i + 2 * FM_VL), x3 = fm_v_load(acc + i + 3 * FM_VL);
-                    for (int32_t t = 0; t < nt; t++) {
-                        const fm_v w = fm_v_splat(wr[t]);
-                        x0 += w * fm_v_load(kc[t] + i);
-                        x1 += w * fm_v_load(kc[t] + i + FM_VL);
-                        x2 += w * fm_v_load(kc[t] + i + 2 * FM_VL);
-                        x3 += w * fm_v_load(kc[t] + i + 3 * FM_VL);
-                    }
-                    fm_v_store(acc + i, x0);
-                    fm_v_store(acc + i + FM_VL, x1);
-                    fm_v_store(acc + i + 2 * FM_VL, x2);
-                    fm_v_store(acc + i + 3 * FM_VL, x3);
-                }
-                for (; i < end; i += FM_VL) {
-                    fm_v x = fm_v_load(acc + i);
-                    for (int32_t t = 0; t < nt; t++) x += fm_v_splat(wr[t]) * fm_v_load(kc[t] + i);
-                    fm_v_store(acc + i, x);
-                }
-            }
-        }
+        FM_SFX(kvq_values)(&x, nh, vkind, corr, w);
     }
 }

@@ -7,13 +7,17 @@
 
 #include "fm_kv_codec.h"
 
-/* Keys per tile: each tile's K rows are decoded once into a stack buffer of
- * FM_KVQ_TILE * FM_KVQ_MAX_HEAD_DIM floats (32 KiB). */
+/* Keys per tile of the decode: one online-softmax rescale and one vector
+ * exp per head for each tile's scores. */
 #define FM_KVQ_TILE 16
 /* Keys per block when one work item reads every kv head of its keys
- * (fm_cpu_kv_codes_decode_row): a block of every head's rows stays cached
- * while each head takes its turn. */
-#define FM_KVQ_ROW_BLOCK 64
+ * (fm_cpu_kv_codes_decode_row): a block of every head's rows (16 KiB of
+ * 4-bit codes at D 128, Hkv 8) stays in L1 while each head takes its turn,
+ * and the rows are read close to memory order. */
+#define FM_KVQ_ROW_BLOCK 16
+/* How many keys ahead of its block fm_cpu_kv_codes_decode_row requests
+ * rows (measured best of 16-128 on Zen 3). */
+#define FM_KVQ_ROW_AHEAD 64
 /* Keys per tile of the prefill, tiles starting at multiples of it. */
 #define FM_KVQ_PREFILL_KEYS 64
 /* Rows past the prefill's key tile and its items that a register block may

@@ -1,0 +1,129 @@
+/* One core's decode over quantized caches (fm_cpu_kv_codes_decode_row, the
+ * cpu backend's work items for a [B, kv, Hkv] cache, then the merge): thread
+ * CPU time of the best of N calls, per key row of one kv head, and the
+ * worst error against float64 attention over the dequantized rows (in units
+ * of 1e-5 + 1e-4 |want|; the exit status is 1 above 1). The by-hand
+ * supplement of bench/CODES_RESULTS.md for tuning the key loop.
+ *
+ *   clang -O3 -ffp-contract=off -D_GNU_SOURCE -ISources/FlashMetalCPUKernels/include \
+ *     -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include bench/codes_decode_per_core.c \
+ *     every Sources/FlashMetalCPUKernels/X.c but pool.c and sdpa.c -lm -o codes_decode_per_core
+ *   [FLASHMETAL_CPU_ISA=avx2] [SAMEROW=1] ./codes_decode_per_core kbits vbits kv_len rounds \
+ *     [D=128 H=16 Hkv=8 nsplit=8]
+ * SAMEROW=1 reads one row per kv head for every key (the key loop without
+ * memory traffic; its error is then not meaningful). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include "fm_cpu_kernels.h"
+#include "fm_kv_codec.h"
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+static unsigned long long st = 88172645463325252ULL;
+static double urand(void) {
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return (st >> 11) * (1.0 / 9007199254740992.0);
+}
+static float nrand(void) {
+    double u = urand() + 1e-12, v = urand();
+    return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
+}
+int main(int argc, char **argv) {
+    int kb = atoi(argv[1]), vb = atoi(argv[2]), kL = atoi(argv[3]), reps = atoi(argv[4]);
+    int D = argc > 5 ? atoi(argv[5]) : 128;
+    int H = argc > 6 ? atoi(argv[6]) : 16, Hkv = argc > 7 ? atoi(argv[7]) : 8, nsplit = argc > 8 ? atoi(argv[8]) : 8;
+    int block = D == 80 ? 16 : D == 96 ? 32
+                           : D == 192  ? 64
+                                       : D;
+    KVCodecParams kc = {5, D, kb, block, (D * kb / 8 + 15) & ~15, {0, 0}}, vc = {6, D, vb, block, (D * vb / 8 + 15) & ~15, {0, 0}};
+    long rows = (long)kL * Hkv, nb = D / block;
+    float *x = malloc(4 * rows * D);
+    uint8_t *kq = malloc(rows * kc.row_bytes), *vq = malloc(rows * vc.row_bytes);
+    float *kn = malloc(4 * rows * nb), *vn = malloc(4 * rows * nb);
+    for (long i = 0; i < rows * D; i++) x[i] = nrand();
+    fm_cpu_kv_encode_rows(&kc, x, FM_DTYPE_F32, kq, kn, 0, rows);
+    float *kd = malloc(4 * rows * D);
+    fm_cpu_kv_dequantize_rows(&kc, kq, kn, kd, 0, rows);
+    for (long i = 0; i < rows * D; i++) x[i] = nrand();
+    fm_cpu_kv_encode_rows(&vc, x, FM_DTYPE_F32, vq, vn, 0, rows);
+    float *vd = malloc(4 * rows * D);
+    fm_cpu_kv_dequantize_rows(&vc, vq, vn, vd, 0, rows);
+    float *q = malloc(4 * H * D), *o = malloc(4 * H * D);
+    for (int i = 0; i < H * D; i++) q[i] = nrand() * 2;
+    KVCodesDecodeParams p;
+    memset(&p, 0, sizeof p);
+    p.k_seed = 5;
+    p.v_seed = 6;
+    p.kv_strides[0] = rows;
+    p.kv_strides[1] = 1;
+    p.kv_strides[2] = Hkv;
+    p.n_heads = H;
+    p.n_kv_heads = Hkv;
+    p.head_dim = D;
+    p.block = block;
+    p.k_bits = kb;
+    p.v_bits = vb;
+    p.k_row_bytes = kc.row_bytes;
+    p.v_row_bytes = vc.row_bytes;
+    if (getenv("SAMEROW")) p.kv_strides[2] = 0;
+    p.kv_len = kL;
+    p.q_len = 1;
+    p.scale = 1.0f / sqrtf(D);
+    p.window_left = -1;
+    p.window_right = -1;
+    p.batch = 1;
+    p.nwg = 1;
+    p.heads_per_group = 1;
+    FMCPUKVCodesAttnArgs a;
+    memset(&a, 0, sizeof a);
+    a.q = q;
+    a.k_codes = kq;
+    a.k_norms = kn;
+    a.v_codes = vq;
+    a.v_norms = vn;
+    a.o = o;
+    int group = H / Hkv;
+    long items = Hkv * ((group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK);
+    float *parts = malloc(4 * fm_cpu_kv_codes_part_floats(&p) * items * nsplit);
+    double best = 1e9;
+    for (int r = 0; r < reps; r++) {
+        double t0 = now();
+        for (int s = 0; s < nsplit; s++) fm_cpu_kv_codes_decode_row(&p, &a, 0, s, nsplit, parts);
+        for (long it = 0; it < items; it++) fm_cpu_kv_codes_decode_merge(&p, &a, it, nsplit, parts);
+        double t = now() - t0;
+        if (t < best) best = t;
+    }
+    double worst = 0;
+    double *sc = malloc(8 * kL);
+    for (int h = 0; h < H; h++) {
+        int g = h / group;
+        double m = -1e300;
+        for (int j = 0; j < kL; j++) {
+            double d = 0;
+            for (int i = 0; i < D; i++) d += (double)q[h * D + i] * kd[((long)j * Hkv + g) * D + i];
+            sc[j] = d * p.scale;
+            if (sc[j] > m) m = sc[j];
+        }
+        double tot = 0;
+        for (int j = 0; j < kL; j++) {
+            sc[j] = exp(sc[j] - m);
+            tot += sc[j];
+        }
+        for (int i = 0; i < D; i++) {
+            double w = 0;
+            for (int j = 0; j < kL; j++) w += sc[j] * vd[((long)j * Hkv + g) * D + i];
+            w /= tot;
+            double e = fabs(o[h * D + i] - w) / (1e-5 + 1e-4 * fabs(w));
+            if (e > worst) worst = e;
+        }
+    }
+    printf("%s K%d/V%d kL=%d D=%d: %.3f ms/call (1 thread), %.1f ns per key row, err %.3gx tol\n", fm_cpu_isa_name(fm_cpu_isa()), kb, vb, kL, D, best * 1e3, best * 1e9 / rows, worst);
+    return worst <= 1.0 ? 0 : 1;
+}
