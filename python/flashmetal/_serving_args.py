@@ -16,6 +16,12 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._interop import to_numpy
 
 
+#: The most query rows per sequence the split-KV decode kernel takes (short
+#: queries; the library's VecSeqDispatcher.maxQueryRows): the torch drop-in's
+#: and the serving functions' route.
+SHORT_QUERY_ROWS = 8
+
+
 def flag(op: str, name: str, value: Any) -> bool:
     """A bool argument (numpy's bool too); 1 or "yes" is a TypeError."""
     if not isinstance(value, (bool, np.bool_)):

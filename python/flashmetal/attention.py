@@ -30,7 +30,7 @@ from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
-from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
+from ._serving_args import SHORT_QUERY_ROWS, attn_options, flag, no_dropout, seq_tensors, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
 from .prefill import flash_attn_prefill
@@ -44,9 +44,6 @@ _OP = "scaled_dot_product_attention"
 #: one-thread-per-row sdpa kernel once the copies of q/k/v are amortised.
 #: Head dims up to 256 need no copy: the kernels run them on their next tile.
 PAD_MIN_QUERY_ROWS = 32
-# The most query rows the split-KV decode kernel takes in one call (short
-# queries: the library's VecSeqDispatcher.maxQueryRows).
-SHORT_QUERY_ROWS = 8
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
 #: empty batch (B, H or qL of 0), which runs no kernel.

@@ -33,7 +33,8 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
-from ._serving_args import alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, window
+from ._serving_args import (SHORT_QUERY_ROWS, alibi_arg, attn_options, flag, seq_tensors, sinks_arg,
+                            training_arguments, window)
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -769,11 +770,6 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
                  tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
                                                          alibi, result, keep))
     return lambda: (result, rows_lse)
-
-
-# The most query rows per sequence the short-query route takes (the library's
-# VecSeqDispatcher.maxQueryRows).
-SHORT_QUERY_ROWS = 8
 
 
 def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
