@@ -22,6 +22,7 @@ unless nbytes > INT64_MAX (which must be rejected before any access).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from flashmetal import _loader, reference
+from flashmetal._serving_args import SHORT_QUERY_ROWS as MAX_QUERY_ROWS  # fm_dispatch_vec_seq's most rows of q
 
 G = 64  # guard bytes on each side
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -150,6 +152,7 @@ class Case:
     mutations: list[str] = field(default_factory=list)
     finite: bool = True
     status: int = -1
+    notes: list[str] = field(default_factory=list)  # what the checks covered, counted by run_fuzz.py
 
 
 def _tensor(rng: np.random.Generator, dtype: int, shape: list[int], *, role: str = "in",
@@ -395,7 +398,8 @@ def _lens_and_starts(case: Case) -> tuple[np.ndarray | None, np.ndarray | None]:
 
 
 def gen_vec_seq(rng, backend):
-    """fm_dispatch_vec_seq: float32 q [B, H, D] over per-sequence caches."""
+    """fm_dispatch_vec_seq: float32 q [B, H, D] over per-sequence caches, or
+    (30%) a short query [B, L, H, D] (see _short_query)."""
     t, lens, shape, g = _cache_case(rng, backend != "cpu", [0, 1, 2], [1, 2, 4])
     t["seqlens_k"] = _seqlens_table(rng, lens)
     nonfinite = rng.random() < 0.05
@@ -409,7 +413,29 @@ def gen_vec_seq(rng, backend):
     opts = dict(scale=float(rng.choice([1 / math.sqrt(g["d"]), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
                 causal=int(rng.integers(0, 2)), window_left=left, window_right=int(rng.choice([-1, 0])),
                 max_seqlen_q=0, max_seqlen_k=0, attention_chunk=int(rng.choice([0, 0, 0, 1, 5, 16])))
-    return Case("vec_seq", backend, t, opts, finite=not nonfinite)
+    case = Case("vec_seq", backend, t, opts, finite=not nonfinite)
+    if rng.random() < 0.3:
+        _short_query(rng, case, g, nonfinite)
+    return case
+
+
+def _short_query(rng, case: Case, g: dict, nonfinite: bool) -> None:
+    """Makes a vec_seq case a short query: q/out [B, L, H, D] and lse [B, L, H]
+    with L in 1..MAX_QUERY_ROWS + 1 (one past the most the library takes,
+    which it must refuse naming q), and a right window bound that a row
+    left of the newest one can have keys beyond. Drawn after every choice of
+    the single-row case, so that case's draws stay as they were."""
+    rows = int(rng.integers(1, MAX_QUERY_ROWS + 2))
+    b, h, d = g["b"], g["h"], g["d"]
+    t = case.tensors
+    t["q"] = _tensor(rng, 0, [b, rows, h, d], nonfinite=nonfinite)
+    t["out"] = _tensor(rng, 0, [b, rows, h, d], role="out")
+    if "lse" in t:
+        t["lse"] = _tensor(rng, 0, [b, rows, h], role="out")
+    case.opts["window_right"] = int(rng.choice([-1, 0, 1, 2, 5]))
+    case.args["q_rows"] = rows
+    if rows > MAX_QUERY_ROWS:
+        case.mutations.append(f"q.rows={rows}")
 
 
 def gen_kv_append(rng, backend):
@@ -642,6 +668,7 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
             setattr(seq, f, T(f))
         s = L.fm_dispatch_vec_seq(regs.get(case), T("q"), T("k"), T("v"), seq, ffi.NULL, T("out"),
                                   _opts("FMAttnOptions *", case.opts, keep), err)
+        extra = ffi.string(err.argument).decode(errors="replace")  # the argument an error names
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
                                     T("cache_seqlens"), T("block_table"), err)
@@ -763,10 +790,14 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
     lens, starts = _lens_and_starts(case)
-    if case.op == "vec_seq":  # one query row per sequence: q [B, H, D] is [B, 1, H, D]
-        out, lse = reference.flash_attn_kvcache(q[:, None], k, v, cache_seqlens=lens, block_table=table,
-                                                cache_leftpad=starts, **kw)
-        return out[:, 0], lse[..., 0]
+    if case.op == "vec_seq":
+        # q [B, H, D] is one row per sequence, [B, 1, H, D]; q [B, L, H, D] is
+        # L rows, row i at seqlens_k[b] - L + i (bottom-right, as flash-attn's
+        # kvcache). lse in the library's layout: [B, H], or [B, L, H].
+        short = q.ndim == 4
+        out, lse = reference.flash_attn_kvcache(q if short else q[:, None], k, v, cache_seqlens=lens,
+                                                block_table=table, cache_leftpad=starts, **kw)
+        return (out, lse.transpose(0, 2, 1)) if short else (out[:, 0], lse[..., 0])
     if _seq_present(case, "cu_seqlens_q") and not _seq_present(case, "cu_seqlens_k"):
         return _varlen_q_over_caches(case, q, k, v, table, kw)
     if _seq_present(case, "cu_seqlens_q"):
@@ -831,11 +862,16 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert head in ops and len(msg) > len(head) + 2, f"message does not name the op: {ctx}"
         for n, b in bufs.items():
             assert b.unchanged(), f"{n} modified by a failed call: {ctx}"
+        if "q_rows" in case.args:
+            _check_rows_refusal(case, status, msg, extra, ctx)
         return
     assert status == 0
     # (Another mutation may leave nothing to write, e.g. an empty out.)
     assert not (case.mutations and all(m.startswith("alias:") for m in case.mutations)), \
         f"an output sharing memory was accepted: {ctx}"
+    if case.op == "vec_seq":
+        q = case.tensors["q"]
+        assert len(q.shape) != 4 or 1 <= q.shape[1] <= MAX_QUERY_ROWS, f"q of {q.shape[1]} rows accepted: {ctx}"
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
         assert 0 < ql < 2**31 and 0 < kl < 2**31 and (0 < d <= 256 or d in prefill_dims()), ctx
@@ -875,6 +911,8 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert np.array_equal(got.astype(np.float64), e), f"mask differs: {ctx}"
         return
     if not case.finite:
+        if case.op == "vec_seq" and len(case.tensors["q"].shape) == 4:
+            case.notes.append("vec_seq q[B,L,H,D] accepted, not finite")
         return
     atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
@@ -883,6 +921,23 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         lse = case.tensors["lse"]
         ok, ratio = reference.close(lse.array(), case.args["lse"].reshape(lse.shape), 2e-4, 2e-4)
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
+    if case.op == "vec_seq" and len(case.tensors["q"].shape) == 4:
+        case.notes.append("vec_seq q[B,L,H,D] compared" + (" with lse" if _seq_present(case, "lse") else ""))
+
+
+def _check_rows_refusal(case: Case, status: int, msg: str, argument: str, ctx: str) -> None:
+    """A refused short-query vec_seq call. One whose only fault is q's rows
+    past MAX_QUERY_ROWS must be a value error naming the op, q, its rows
+    and the limit."""
+    rows = case.args["q_rows"]
+    if case.mutations != [f"q.rows={rows}"]:  # another fault may be the one reported
+        case.notes.append("vec_seq q[B,L,H,D] refused" + (" (L too many, and more)" if rows > MAX_QUERY_ROWS else ""))
+        return
+    case.notes.append("vec_seq q[B,L,H,D] refused (L too many, named)")
+    assert status == 1 and argument == "q", f"q of {rows} rows not refused as a bad q: {ctx} argument={argument!r}"
+    body = msg.split(":", 1)[1]
+    assert msg.startswith("flash_attn_vec_seq:") and re.search(rf"\b{rows}\b", body) \
+        and re.search(rf"\b{MAX_QUERY_ROWS}\b", body), f"rows refusal names not the rows and the limit: {ctx}"
 
 
 BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the call

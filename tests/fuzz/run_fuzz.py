@@ -46,6 +46,7 @@ def main() -> int:
             case = F.run_case(seed, a.backend, regs, op=a.op)
             counts[f"{case.op}:{'mutated' if case.mutations else 'valid'}"] += 1
             counts[f"status{case.status}"] += 1
+            counts.update(case.notes)
         except AssertionError as e:
             failures.append(f"seed {seed}: {e}")
             counts["FAILED"] += 1
