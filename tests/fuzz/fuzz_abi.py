@@ -424,7 +424,7 @@ def _short_query(rng, case: Case, g: dict, nonfinite: bool) -> None:
     with L in 1..MAX_QUERY_ROWS + 1 (one past the most the library takes,
     which it must refuse naming q), and a right window bound that a row
     left of the newest one can have keys beyond. Drawn after every choice of
-    the single-row case, so that case's draws stay as they were."""
+    the single-row case, whose q, out, lse and window_right it replaces."""
     rows = int(rng.integers(1, MAX_QUERY_ROWS + 2))
     b, h, d = g["b"], g["h"], g["d"]
     t = case.tensors
