@@ -442,8 +442,9 @@ kernel void flash_attn_vec(
     float s_sum = 0.0f;
 
     // This workgroup's contiguous run of chunks (FM_VEC_CHUNK in flashmetal_kernels.h).
-    // Every SIMD group of the threadgroup has the same sequence, hence the
-    // same run and the same visible keys: the barriers below are uniform.
+    // Every SIMD group of the threadgroup walks the same keys, the union
+    // [ulo, uhi) of its rows' visible keys (one sequence and kv head; the
+    // rows' own ranges filter the scores), so the barriers below are uniform.
     const long c0 = ulo / FM_VEC_CHUNK;
     const long chunks = uhi > ulo ? (uhi + FM_VEC_CHUNK - 1) / FM_VEC_CHUNK - c0 : 0;
     const long busy = min(chunks, nwg);

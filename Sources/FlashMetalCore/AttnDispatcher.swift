@@ -273,19 +273,20 @@ struct SequenceLengths {
         } else if !paged {
             try Checks.sameDim("batch", t.k.shape[0], of: kind.kName, as: batch, of: "q", op: op)
         }
-        if let s = t.seqlensK {
+        if let s = t.seqlensK, t.cuSeqlensK != nil {
+            // Packed keys: flash-attn 3's seqused_k, int32 [B], each within its cu_seqlens_k range
+            // (first keys, a [2, B] table, are the cache's leftpad: not of packed keys).
+            kLens = try SequenceTables.used(s, op: op, name: kind.seqlensKName, lengths: kLens,
+                                            lengthsName: "cu_seqlens_k")
+        } else if let s = t.seqlensK {
             let bound = kLens.max() ?? 0
             let holds = paged ? SequenceTables.pagedCapacity(pages: t.blockTable!.shape[1], pageSize: pageSize,
                                                              table: "block_table", cache: kind.kName)
                 : "the keys \(kind.kName) holds"
             let (lens, starts) = try SequenceTables.seqlensAndStarts(
                 s, op: op, name: kind.seqlensKName, startsName: "cache_leftpad", batch: batch, capacity: bound,
-                capacityName: t.cuSeqlensK == nil ? holds : "cu_seqlens_k")
+                capacityName: holds)
             keyStarts = starts
-            for b in 0..<batch {
-                try SequenceTables.requireInRange(lens[b], kLens[b], op: op, name: kind.seqlensKName, index: b,
-                                                  of: "cu_seqlens_k")
-            }
             kLens = lens
         }
         if let bt = t.blockTable {
@@ -293,9 +294,11 @@ struct SequenceLengths {
                                           pageSize: pageSize, cacheName: kind.kName)
         }
         if let u = t.sequsedQ {
-            guard let cuQ = t.cuSeqlensQ, t.cuSeqlensK != nil, !keyStarts else {
-                throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q and cu_seqlens_k (packed sequences) "
-                                                + "and no cache_leftpad", arg: "seqused_q")
+            guard let cuQ = t.cuSeqlensQ else {
+                throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
+            }
+            guard t.cuSeqlensK != nil else {
+                throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_k (packed keys)", arg: "seqused_q")
             }
             let used = try SequenceTables.used(u, op: op, name: "seqused_q", lengths: qLens, lengthsName: "cu_seqlens_q")
             usedRows = UsedRowsSplit(cuSeqlensQ: cuQ, used: used, lengths: qLens)

@@ -40,7 +40,7 @@ public struct VecSeqOptions: Sendable {
     }
 
     /// The decode mask: flash-attn's window_size left w is the sliding window
-    /// w + 1 of FlashAttnVecParams ((kv_len_b - 1) - p < w + 1). A left
+    /// w + 1 of FlashAttnVecParams (t - p < w + 1 for the row at position t). A left
     /// bound at or past Int32.max - 1 is held there: no key of an int32-long
     /// cache lies that far from the query, so it hides none either way.
     var mask: (type: VecMaskType, window: Int) {
@@ -162,7 +162,7 @@ public enum VecSeqDispatcher {
         let (rows, o1) = bh.multipliedReportingOverflow(by: queryRows)
         if o0 || o1 || rows > Int(UInt32.max) || rows > Int.max / (VecDispatcher.nwg * (max(d, dv) + 2) * 4)
             || capacity > Int(UInt32.max) || kvHeads > Int(UInt32.max) {
-            throw FlashMetalError.value(op, "batch*num_heads (\(batch)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams", arg: "q")
+            throw FlashMetalError.value(op, "batch*seqlen_q*num_heads (\(batch)x\(queryRows)x\(heads)) or the keys per sequence (\(capacity)) exceed the uint32 range of FlashAttnVecParams", arg: "q")
         }
         var s = Shapes(batch: batch, heads: heads, kvHeads: kvHeads, headDim: d, headDimV: dv, capacity: capacity,
                        numPages: numPages, pageSize: pageSize, maxPages: maxPages)

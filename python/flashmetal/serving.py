@@ -33,8 +33,8 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
-from ._serving_args import (SHORT_QUERY_ROWS, alibi_arg, attn_options, flag, seq_tensors, sinks_arg,
-                            training_arguments, window)
+from ._serving_args import (SHORT_QUERY_ROWS, alibi_arg, attn_options, flag, seq_tensors, short_query_head_dims,
+                            sinks_arg, training_arguments, window)
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -784,10 +784,7 @@ def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) 
         return False
     if qa.dtype != ka.dtype or ka.dtype != va.dtype or (reg._defers_work and reg._batch_depth):
         return False
-    # Only head dims the prefill runs too: the route changes the kernel, not which calls run.
-    d, dv = int(qa.shape[-1]), int(va.shape[-1])
-    prefill = "flash_attn_prefill_f32" if qa.dtype == F32 else "flash_attn_prefill"
-    return _native.runs_head_dims("flash_attn_decode", d, dv) and _native.runs_head_dims(prefill, d, dv)
+    return short_query_head_dims(qa.dtype, int(qa.shape[-1]), int(va.shape[-1]))
 
 
 def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,

@@ -97,6 +97,8 @@ def test_full_lengths_are_bit_identical_to_none(registry, rng):
     (dict(seqused_k=np.array([20, 31, 0, 4], np.int32)), fm.InvalidValueError, "seqused_k",
      "seqused_k[1] = 31 is out of range [0, 30] (cu_seqlens_k)"),
     (dict(seqused_k=np.array([20, 30, 0], np.int32)), fm.InvalidValueError, "seqused_k", "shape [4]"),
+    (dict(seqused_k=np.array([KL, [0, 1, 0, 0]], np.int32)), fm.InvalidValueError, "seqused_k",
+     "seqused_k must have rank 1, got shape [2, 4]"),
     (dict(seqused_q=np.array(QL, np.int32), seqused_k=np.array([0, 0, 1, 0], np.int32)), fm.InvalidValueError,
      "seqused_k", "seqused_k[2] = 1 is out of range [0, 0] (cu_seqlens_k)"),
     (dict(seqused_q=np.array(QL, np.int32), cu_seqlens_q=np.array([0, 1, 13, 12, 22], np.int32)),

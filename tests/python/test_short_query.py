@@ -145,3 +145,24 @@ def test_dropin_top_left_keeps_the_prefill():
     """torch's top-left causal rows (not the newest positions) stay on the prefill."""
     q, k = np.zeros((1, 2, 4, 64), BF16), np.zeros((1, 2, 40, 64), BF16)
     assert fm.explain(q, k, k, is_causal=True).kernel == "flash_attn_prefill"
+
+
+@pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
+def test_batch_scope_keeps_the_prefill(calls):
+    """On a deferring backend a call inside a batch scope runs when the scope
+    ends, so the decode kernel's float32 result could not be converted: short
+    queries there take the prefill, which writes the output in place; the
+    output read after the scope is right. Outside a scope: the decode kernel."""
+    reg = fm.Registry("metal-sim")
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, 1, 4, 30, 4, 2, 64, BF16)
+    expected = reference.flash_attn(q, k, v, causal=True)[0]
+    with reg.batch():
+        out = fm.flash_attn_func(q, k, v, causal=True, registry=reg)
+    assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_attn"], calls
+    assert_close(out, expected, BF16, "inside a batch scope")
+    calls.clear()
+    out = fm.flash_attn_func(q, k, v, causal=True, registry=reg)
+    assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_vec_seq"], calls
+    assert_close(out, expected, BF16, "outside a batch scope")
+    reg.close()

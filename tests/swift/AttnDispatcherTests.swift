@@ -206,6 +206,6 @@ final class AttnDispatcherTests: XCTestCase {
         let kb = HostTensor([2, 5, h, d], .f16), vb = HostTensor([2, 5, h, d], .f16)
         (t.k, t.v) = (kb.ref, vb.ref)
         expectError({ try AttnDispatcher.makePlan(t, o) }, "flash_attn_varlen_func",
-                    "seqused_q needs cu_seqlens_q and cu_seqlens_k")
+                    "seqused_q needs cu_seqlens_k (packed keys)")
     }
 }

@@ -152,7 +152,8 @@ typedef struct FMSeqTensors {
                                    * cache_leftpad: keys [row1[b], row0[b]) are the sequence) */
     const FMTensor *block_table;  /* int32 [B, max_pages]: k/v [num_pages, page_size, Hkv, D] */
     const FMTensor *sinks;        /* float32 [H]: per-head sink logit */
-    const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode */
+    const FMTensor *lse;          /* float32 out: [B, H, qL], [H, total_q] varlen, [B, H] decode
+                                   * ([B, L, H] over L short query rows) */
     const FMTensor *alibi_slopes; /* float32 [B, H]: score of key p at row position t gains
                                    * -slopes[b, h] * |t - p| after the softcap (flash-attn's ALiBi) */
     const FMTensor *seqused_q;    /* int32 [B], with cu_seqlens_q and cu_seqlens_k (flash-attn 3's):
@@ -325,9 +326,12 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
                      const FMAttnOptions *options, FMError *err);
-/* Serving decode: q/out float32 [B, H, D]; k/v [B, cap, Hkv, D] or paged
+/* Serving decode: q/out float32 [B, H, D], or [B, L, H, D] with 1 <= L <= 8 short
+ * query rows (row i at position seqlens_k[b] - L + i, each with its own causal,
+ * window (both sides) and chunk keys); k/v [B, cap, Hkv, D] or paged
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
- * block_table, sinks, lse ([B, H]); cu_seqlens_* and seqused_q must be NULL. tmp as fm_dispatch_vec. */
+ * block_table, sinks, lse ([B, H], or [B, L, H]); cu_seqlens_* and seqused_q must
+ * be NULL. tmp as fm_dispatch_vec. */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
                         const FMTensor *out, const FMAttnOptions *options,

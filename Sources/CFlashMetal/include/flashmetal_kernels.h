@@ -341,8 +341,8 @@ typedef struct AttnSeqParams {
  * one threadgroup's SIMD groups share a kv head's K/V reads across i too.
  * page_size: any positive size (not a multiple of 16: a page entry per key).
  * With FM_FC_VEC_SEQ, FlashAttnVecParams.n_heads/n_kv_heads are per sequence
- * (H, Hkv); rows = B * H (the grid's y times the query heads per threadgroup)
- * and tmp holds B * H rows laid out as
+ * (H, Hkv); rows = B * L * H (the grid's y times the query heads per threadgroup)
+ * and tmp holds B * L * H rows laid out as
  * without it; kv_capacity is the keys a sequence can hold (cap, or
  * max_pages * page_size when paged) and bounds every seqlens_k[b]. */
 typedef struct FlashAttnVecSeqParams {

@@ -159,7 +159,7 @@ typedef struct FMVecArgs {
     int64_t max_pages;          /* with block_table */
     int64_t batch;
     int32_t kv_dtype;           /* FMDType: f32, f16 or bf16 */
-    int32_t attention_chunk;    /* c > 0: keys before f_b + floor((kv_len_b - 1 - f_b) / c) * c are hidden; 0 = off */
+    int32_t attention_chunk;    /* c > 0: a row at t sees keys in [s, s + c), s = f_b + floor((t - f_b) / c) * c; 0 = off */
     const int32_t *key_starts;  /* NULL: f_b = 0, else f_b = key_starts[b] (cache_leftpad): keys < f_b hidden */
     const float *alibi;         /* NULL, or [B, H] ALiBi slopes: key p of head h of sequence b (query at t)
                                    scores -alibi[b * H + h] * |t - p| more, after the softcap */
