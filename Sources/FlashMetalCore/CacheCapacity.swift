@@ -24,7 +24,7 @@ public struct CacheCapacity {
             return
         }
         try bt.requireRank([2], op: op, name: "block_table")
-        try Checks.positive("the page size (k_cache's dim 1)", pageRows, op: op, arg: "k_cache")
+        try SequenceTables.requirePageSize(pageRows, op: op, cacheName: "k_cache")
         maxPages = bt.shape[1]
         let (product, overflow) = maxPages.multipliedReportingOverflow(by: pageRows)
         rows = overflow ? Int.max : product

@@ -137,14 +137,19 @@ public enum SequenceTables {
     /// entry a sequence reads (the pages holding its keys < length) is in
     /// [0, numPages). Entries past a sequence's length are never read and
     /// may hold anything (e.g. -1 padding). Returns max_pages.
+    /// A paged cache's page size (its dim 1) is positive.
+    public static func requirePageSize(_ pageSize: Int, op: String, cacheName: String) throws {
+        guard pageSize > 0 else {
+            throw FlashMetalError.value(op, "\(cacheName) page size \(pageSize) (its dim 1) must be positive", arg: cacheName)
+        }
+    }
+
     @discardableResult
     public static func blockTable(_ t: TensorRef, op: String, name: String, lengths: [Int],
                                   numPages: Int, pageSize: Int,
                                   cacheName: String) throws -> Int {
         try requireInt32(t, shape: [lengths.count, nil], op: op, name: name)
-        guard pageSize > 0 else {
-            throw FlashMetalError.value(op, "\(cacheName) page size \(pageSize) (its dim 1) must be positive", arg: cacheName)
-        }
+        try requirePageSize(pageSize, op: op, cacheName: cacheName)
         let maxPages = t.shape[1]
         for (b, length) in lengths.enumerated() {
             let pages = (length + pageSize - 1) / pageSize

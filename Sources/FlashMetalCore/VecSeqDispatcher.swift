@@ -146,9 +146,7 @@ public enum VecSeqDispatcher {
         if let bt = blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
             (numPages, pageSize, maxPages) = (k.shape[0], k.shape[1], bt.shape[1])
-            if pageSize == 0 {
-                throw FlashMetalError.value(op, "the page size (\(kName)'s dim 1) must be positive, got 0", arg: kName)
-            }
+            try SequenceTables.requirePageSize(pageSize, op: op, cacheName: kName)
             if numPages == 0 { throw FlashMetalError.value(op, "a paged \(kName) must hold at least one page", arg: kName) }
             let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
             capacity = o ? Int.max : c

@@ -206,7 +206,7 @@ def test_errors_name_the_function_and_value(registry, rng):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=f"^{OP}: .*{re.escape(msg)}"):
             decode(registry, q, k, v, **kw)
-    with pytest.raises(ValueError, match=f"^{OP}: .*must be positive, got 0"):
+    with pytest.raises(ValueError, match=f"^{OP}: .*page size 0 \\(its dim 1\\) must be positive"):
         decode(registry, q, k[:, :0].copy(), v[:, :0].copy(), cache_seqlens=np.zeros(2, np.int32), block_table=table)
 
 

@@ -142,7 +142,7 @@ final class VecSeqDispatcherTests: XCTestCase {
             _ = try dispatches(c, seqlens: ints([2], [17, 49]), table: ints([2, 3], [0, 1, 2, 0, 1, 2]))
         }
         XCTAssertNoThrow(try dispatches(Case(b: 2, pages: (num: 4, size: 24, max: 3)), table: ints([2, 3], [0, 1, 2, 3, 0, 1])))
-        expectFMError(VecSeqDispatcher.op, contains: "the page size (k's dim 1) must be positive, got 0") {
+        expectFMError(VecSeqDispatcher.op, contains: "k page size 0 (its dim 1) must be positive") {
             _ = try dispatches(Case(b: 2, pages: (num: 4, size: 0, max: 3)), table: ints([2, 3], [0, 0, 0, 0, 0, 0]))
         }
     }
