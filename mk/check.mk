@@ -46,7 +46,17 @@ format-c: lint-deps
 # its log; the last line is "N passed, N failed, N skipped" and the exit status
 # is non-zero when any stage failed. A failed build stops the run. Before it,
 # tests/summary.py names where it ran and the backends the numeric tests used.
-TEST_STAGES = all swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS) $(CHECK_STAGES)
+# mk/run_test.sh runs the build and test-tools first, then the pytest stages
+# (TEST_MAIN_LANE) beside the other stages, two lanes on two cores.
+TEST_STAGES = all test-tools swift-test pytest pytest-sim-scrambled $(EXTRA_TESTS) $(CHECK_STAGES)
+TEST_FIRST := all test-tools
+TEST_MAIN_LANE := pytest pytest-sim-scrambled pytest-metal-sim-copies
+
+# Everything the stages install into .venv, before the lanes split: two pip
+# runs must never write the venv while the other lane imports from it.
+TEST_TOOLS := test-deps lint-deps $(if $(filter Linux,$(UNAME)),wheel-deps)
+.PHONY: test-tools
+test-tools: $(TEST_TOOLS)
 
 # `make -n test-plan` prints every command of every stage of `make test`
 # without running any (mk/mac-plan.mk's dry run reads it): `make -n test`
@@ -57,13 +67,7 @@ test-plan: $$(TEST_STAGES)
 	$(PYTHON) mk/stage_counts.py --total $(TEST_SUMMARY)
 
 test:
-	@mkdir -p .build; rm -f $(TEST_SUMMARY); status=0; \
-	for t in $(TEST_STAGES); do \
-		echo "== make $$t"; start=$$(date +%s); \
-		$(MAKE) --no-print-directory $$t 2>&1 | tee .build/stage-$$t.log; rc=$${PIPESTATUS[0]}; \
-		$(PYTHON) mk/stage_counts.py $$t $$rc .build/stage-$$t.log $$(( $$(date +%s) - start )) >> $(TEST_SUMMARY) || rc=1; \
-		if [ $$rc -ne 0 ]; then status=1; [ $$t = all ] && break; fi; \
-	done; \
-	[ $$status -ne 0 ] || $(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $(TEST_STAGES) || status=1; \
-	$(PYTHON) mk/stage_counts.py --total $(TEST_SUMMARY) || status=1; \
-	exit $$status
+	@MAKE="$(MAKE)" PYTHON="$(PYTHON)" TEST_SUMMARY="$(TEST_SUMMARY)" bash mk/run_test.sh \
+		"$(TEST_FIRST)" "$(filter $(TEST_MAIN_LANE),$(TEST_STAGES))" \
+		"$(filter-out $(TEST_FIRST) $(TEST_MAIN_LANE),$(TEST_STAGES))" \
+		$(PY) tests/summary.py --os $(UNAME) --arch $(ARCH) $(TEST_STAGES)

