@@ -47,7 +47,7 @@ _OP = "scaled_dot_product_attention"
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
-#: empty batch (B, H or qL of 0), which runs no kernel.
+#: empty batch (B, H or qL of 0) or no keys (kL 0: zeros), which runs no kernel.
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
 
 
@@ -62,6 +62,7 @@ class Route:
 
 
 _EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
+_NO_KEYS = Route("none", "no keys (key's sequence length 0): every row attends to nothing, so the result is zeros")
 _last = threading.local()
 
 
@@ -225,7 +226,8 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if D == 0:
         raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty head dim")
     kl = cap if kv_len is None else int(kv_len)
-    if not 0 < kl <= cap:
+    no_keys = cap == 0 and kv_len is None  # torch's result: zeros (every row attends to nothing)
+    if not 0 < kl <= cap and not no_keys:
         raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
@@ -233,6 +235,8 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     sk = sinks_arg(_OP, sinks)
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
+    if no_keys:
+        return _Call(qa, ka, va, None, causal, 0, 0, _NO_KEYS, None, squeeze)
     ranges = None
     if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
@@ -433,7 +437,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
     if kernel == "none":
-        return np.empty(out_shape(qa, va), qa.dtype)
+        return np.zeros(out_shape(qa, va), qa.dtype)
     if kernel == "flash_attn_vec" and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
     if kernel == "flash_attn_vec" and qa.shape[2] > 1:

@@ -488,3 +488,12 @@ def test_dtype_errors_are_the_value_errors_mlx_raises(registry):
     with pytest.raises(ValueError, match="promote to int32") as e:
         fmx.scaled_dot_product_attention(ints, ints, ints, scale=1.0, registry=registry)
     assert e.value.argument == "q"
+
+
+def test_no_keys_gives_zeros_as_mx_fast(registry):
+    """T_kv = 0: mx.fast returns zeros; so does this function, with sinks too."""
+    q, kv = normal((1, 4, 3, 64)), normal((1, 2, 0, 64))
+    want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.125)
+    for kw in ({}, {"sinks": normal((4,))}):
+        out = fmx.scaled_dot_product_attention(q, kv, kv, scale=0.125, registry=registry, **kw)
+        assert out.dtype == want.dtype and out.shape == want.shape and np.array_equal(np.array(out), np.array(want))
