@@ -343,12 +343,46 @@ def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
     return out
 
 
+def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any
+                      ) -> tuple[Any, Any, Any, Any, tuple[int, ...] | None]:
+    """torch's ``(N, ..., H, L, E)`` inputs of rank >= 5 with their batch axes
+    (all but the last three) merged into one, a view when C-contiguous, and
+    the mask broadcast over them; with the batch shape the output takes back.
+    Inputs of rank <= 4 are returned as given, with None."""
+    if max(len(getattr(x, "shape", ())) for x in (query, key, value)) < 5:
+        return query, key, value, attn_mask, None
+    qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    if not qa.ndim == ka.ndim == va.ndim or not qa.shape[:-3] == ka.shape[:-3] == va.shape[:-3]:
+        raise InvalidValueError(_OP, f"query, key and value of rank >= 5 must have the same batch axes (all but "
+                                f"the last three): query {qa.shape}, key {ka.shape}, value {va.shape}")
+    lead = qa.shape[:-3]
+    n = math.prod(lead)
+    merged = [a.reshape((n,) + a.shape[-3:]) for a in (qa, ka, va)]
+    mask = attn_mask
+    if mask is not None and _causal_bias(mask) is None:
+        m = to_numpy(mask, _OP, "attn_mask")
+        if 2 < m.ndim <= qa.ndim:
+            m = m.reshape((1,) * (qa.ndim - m.ndim) + m.shape)
+            tail = m.shape[-3:]
+            if all(d == 1 for d in m.shape[:-3]):
+                m = m.reshape((1,) + tail)
+            else:
+                try:
+                    m = np.broadcast_to(m, lead + tail).reshape((n,) + tail)
+                except ValueError:
+                    raise InvalidValueError(_OP, f"attn_mask shape {tuple(mask.shape)} does not broadcast to the "
+                                            f"batch axes {lead}", argument="attn_mask") from None
+        mask = m
+    return merged[0], merged[1], merged[2], mask, lead
+
+
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
             is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
             softcap: float = 0.0, window: int | None = None, kv_len: int | None = None,
             align: str = "top_left", sinks: Any = None) -> Route:
     """The route ``scaled_dot_product_attention`` would take for these
     arguments, without running it (the same checks and errors)."""
+    query, key, value, attn_mask, _ = _merge_batch_axes(query, key, value, attn_mask)
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align, sinks).route
 
@@ -389,7 +423,8 @@ def scaled_dot_product_attention(
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
     Args:
-        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``); float32, float16 or
+        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``, or torch's ``[N, ...,
+            H, qL, D]`` with more batch axes); float32, float16 or
             bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
             DLPack / buffer-protocol object; read without copying when
             C-contiguous.
@@ -425,11 +460,14 @@ def scaled_dot_product_attention(
     # Inside a batch scope on a deferring backend (Metal) work runs when the
     # scope ends: the decode kernel's result, converted here, is not there yet.
     decode = not (reg._defers_work and reg._batch_depth)
-    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align, sinks, decode)
+    q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
+    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
+                 decode)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
+    if batch is not None:
+        out = out.reshape(batch + out.shape[1:])
     return wrapper_like(query)(out[0] if call.squeeze else out)
 
 
