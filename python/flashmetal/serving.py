@@ -293,7 +293,7 @@ def flash_attn_with_kvcache(
             a window or attention_chunk is set, else all at
             ``cache_seqlens[b]``; each position must be < seqlen_ro. The
             caller's q and k are not modified (rotated copies are attended
-            and appended). Not with QuantizedKV caches.
+            and appended, or encoded into QuantizedKV caches).
         rotary_interleaved: rotate dims (2j, 2j+1) (GPT-J) if True, else
             (j, j + rotary_dim/2) (GPT-NeoX).
         alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
@@ -340,9 +340,6 @@ def flash_attn_with_kvcache(
             given = next(n for n, a in ragged_args.items() if a is not None)
             raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
                                           "QuantizedKV caches", argument=given)
-        if tables is not None:
-            raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
-                                          argument="rotary_cos")
         for name, given in (("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
             if given is not None:
                 raise UnsupportedFeatureError(_KVCACHE, f"{name} is not supported with QuantizedKV caches (pass "
@@ -355,6 +352,12 @@ def flash_attn_with_kvcache(
         lens = _cache_seqlens(cache_seqlens, qa.shape[0] if qa.ndim else 0, codes, bt, required=appending)
         opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+        if tables is not None:  # rotated copies of q and k are attended and encoded, as over dense caches
+            assert lens is not None and ka is not None  # rotary needs k/v, and k/v need cache_seqlens
+            per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
+                                        int(attention_chunk))
+            qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
+            ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
                                   want_lse, out, _append_slots, _in_place)
     if appending:
