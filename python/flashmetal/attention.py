@@ -363,8 +363,8 @@ def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any
         m = to_numpy(mask, _OP, "attn_mask")
         if 2 < m.ndim <= qa.ndim:
             m = m.reshape((1,) * (qa.ndim - m.ndim) + m.shape)
-            tail = m.shape[-3:]
-            if all(d == 1 for d in m.shape[:-3]):
+            tail: tuple[int, ...] = m.shape[-3:]
+            if math.prod(m.shape[:-3]) == 1:  # every batch axis of the mask is 1
                 m = m.reshape((1,) + tail)
             else:
                 try:
