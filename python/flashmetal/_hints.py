@@ -197,7 +197,13 @@ def _shape(x: Any) -> tuple[int, ...] | None:
 
 def _layout_error(spec: _Spec, e: InvalidValueError, args: dict[str, Any]) -> InvalidValueError | None:
     """A hint for a failed call whose shapes fit the transposed layout (or
-    None), or an error that names q instead of a q_offset nobody passed."""
+    None), or an error that names q instead of a q_offset nobody passed.
+    A QuantizedKV's shape has no head-dim axis, so a call with one gets no
+    layout hint."""
+    from .kv_codec import QuantizedKV  # imported here: kv_codec's imports reach this module
+
+    if any(isinstance(args.get(n), QuantizedKV) for n in (spec.q, spec.k, spec.v)):
+        return None
     q, k = _shape(args[spec.q]), _shape(args[spec.k])
     if q is None or k is None or 0 in q or 0 in k:
         return None

@@ -47,7 +47,7 @@ _OP = "scaled_dot_product_attention"
 PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
-#: empty batch (B, H or qL of 0), which runs no kernel.
+#: empty batch (B, H or qL of 0) or no keys (kL 0: zeros), which runs no kernel.
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
 
 
@@ -62,6 +62,7 @@ class Route:
 
 
 _EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
+_NO_KEYS = Route("none", "no keys (key's sequence length 0): every row attends to nothing, so the result is zeros")
 _last = threading.local()
 
 
@@ -225,7 +226,8 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if D == 0:
         raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty head dim")
     kl = cap if kv_len is None else int(kv_len)
-    if not 0 < kl <= cap:
+    no_keys = cap == 0 and kv_len is None  # torch's result: zeros (every row attends to nothing)
+    if not 0 < kl <= cap and not no_keys:
         raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
     q_offset = 0 if align == "top_left" else kl - qL
@@ -233,6 +235,8 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     sk = sinks_arg(_OP, sinks)
     if sk is not None and sk.shape != (H,):
         raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
+    if no_keys:
+        return _Call(qa, ka, va, None, causal, 0, 0, _NO_KEYS, None, squeeze)
     ranges = None
     if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
@@ -339,12 +343,46 @@ def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
     return out
 
 
+def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any
+                      ) -> tuple[Any, Any, Any, Any, tuple[int, ...] | None]:
+    """torch's ``(N, ..., H, L, E)`` inputs of rank >= 5 with their batch axes
+    (all but the last three) merged into one, a view when C-contiguous, and
+    the mask broadcast over them; with the batch shape the output takes back.
+    Inputs of rank <= 4 are returned as given, with None."""
+    if max(len(getattr(x, "shape", ())) for x in (query, key, value)) < 5:
+        return query, key, value, attn_mask, None
+    qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
+    if not qa.ndim == ka.ndim == va.ndim or not qa.shape[:-3] == ka.shape[:-3] == va.shape[:-3]:
+        raise InvalidValueError(_OP, f"query, key and value of rank >= 5 must have the same batch axes (all but "
+                                f"the last three): query {qa.shape}, key {ka.shape}, value {va.shape}")
+    lead = qa.shape[:-3]
+    n = math.prod(lead)
+    merged = [a.reshape((n,) + a.shape[-3:]) for a in (qa, ka, va)]
+    mask = attn_mask
+    if mask is not None and _causal_bias(mask) is None:
+        m = to_numpy(mask, _OP, "attn_mask")
+        if 2 < m.ndim <= qa.ndim:
+            m = m.reshape((1,) * (qa.ndim - m.ndim) + m.shape)
+            tail: tuple[int, ...] = m.shape[-3:]
+            if math.prod(m.shape[:-3]) == 1:  # every batch axis of the mask is 1
+                m = m.reshape((1,) + tail)
+            else:
+                try:
+                    m = np.broadcast_to(m, lead + tail).reshape((n,) + tail)
+                except ValueError:
+                    raise InvalidValueError(_OP, f"attn_mask shape {tuple(mask.shape)} does not broadcast to the "
+                                            f"batch axes {lead}", argument="attn_mask") from None
+        mask = m
+    return merged[0], merged[1], merged[2], mask, lead
+
+
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
             is_causal: bool = False, *, scale: float | None = None, enable_gqa: bool = False,
             softcap: float = 0.0, window: int | None = None, kv_len: int | None = None,
             align: str = "top_left", sinks: Any = None) -> Route:
     """The route ``scaled_dot_product_attention`` would take for these
     arguments, without running it (the same checks and errors)."""
+    query, key, value, attn_mask, _ = _merge_batch_axes(query, key, value, attn_mask)
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align, sinks).route
 
@@ -385,7 +423,8 @@ def scaled_dot_product_attention(
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
     Args:
-        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``); float32, float16 or
+        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``, or torch's ``[N, ...,
+            H, qL, D]`` with more batch axes); float32, float16 or
             bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
             DLPack / buffer-protocol object; read without copying when
             C-contiguous.
@@ -421,11 +460,14 @@ def scaled_dot_product_attention(
     # Inside a batch scope on a deferring backend (Metal) work runs when the
     # scope ends: the decode kernel's result, converted here, is not there yet.
     decode = not (reg._defers_work and reg._batch_depth)
-    call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
-                 align, sinks, decode)
+    q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
+    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
+                 decode)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
+    if batch is not None:
+        out = out.reshape(batch + out.shape[1:])
     return wrapper_like(query)(out[0] if call.squeeze else out)
 
 
@@ -433,7 +475,7 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
     if kernel == "none":
-        return np.empty(out_shape(qa, va), qa.dtype)
+        return np.zeros(out_shape(qa, va), qa.dtype)
     if kernel == "flash_attn_vec" and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
     if kernel == "flash_attn_vec" and qa.shape[2] > 1:

@@ -42,9 +42,11 @@ def flash_attn_decode(
             (``supported_head_dims("flash_attn_decode")`` lists the tiled ones).
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
-            Or both QuantizedKV (KVCodec.encode / KVCodec.empty) of leading
-            shape ``[Hkv, cap]`` or ``[B, Hkv, cap]``: the attention reads
-            their codes (q rotated like the keys, the output rotated back).
+            Or QuantizedKV (KVCodec.encode / KVCodec.empty) of leading
+            shape ``[Hkv, cap]`` or ``[B, Hkv, cap]`` for either or both
+            (the other then a dense ``[(B,) Hkv, cap, D]`` cache): the
+            attention reads the codes (q rotated like the keys, the output
+            rotated back).
         kv_len: valid cache length, ``1 <= kv_len <= cap``. The query sits at
             position ``kv_len - 1`` (bottom-right, as every op).
         scale: score scale; default ``1/sqrt(D)``.

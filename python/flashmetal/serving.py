@@ -274,7 +274,7 @@ def flash_attn_with_kvcache(
             ``[0, batch_cache)``, distinct when appending. With
             block_table (flash-attn 3's page_table) of ``[batch_cache,
             max_pages]``: sequence b reads and appends through its row
-            ``cache_batch_idx[b]``. Not with QuantizedKV caches.
+            ``cache_batch_idx[b]``. QuantizedKV caches too.
         cache_leftpad: int32 ``[B]`` or None: sequence b's keys start at
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
@@ -293,7 +293,7 @@ def flash_attn_with_kvcache(
             a window or attention_chunk is set, else all at
             ``cache_seqlens[b]``; each position must be < seqlen_ro. The
             caller's q and k are not modified (rotated copies are attended
-            and appended). Not with QuantizedKV caches.
+            and appended, or encoded into QuantizedKV caches).
         rotary_interleaved: rotate dims (2j, 2j+1) (GPT-J) if True, else
             (j, j + rotary_dim/2) (GPT-NeoX).
         alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
@@ -340,21 +340,31 @@ def flash_attn_with_kvcache(
             given = next(n for n, a in ragged_args.items() if a is not None)
             raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
                                           "QuantizedKV caches", argument=given)
-        if tables is not None:
-            raise UnsupportedFeatureError(_KVCACHE, "rotary_cos/rotary_sin are not supported with QuantizedKV caches",
-                                          argument="rotary_cos")
-        for name, given in (("cache_leftpad", cache_leftpad), ("cache_batch_idx", cache_batch_idx)):
-            if given is not None:
-                raise UnsupportedFeatureError(_KVCACHE, f"{name} is not supported with QuantizedKV caches (pass "
-                                              "None)", argument=name)
+        if cache_leftpad is not None:
+            raise UnsupportedFeatureError(_KVCACHE, "cache_leftpad is not supported with QuantizedKV caches (pass "
+                                          "None)", argument="cache_leftpad")
         _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
         codes = k_cache.codes if isinstance(k_cache, QuantizedKV) else v_cache.codes
-        lens = _cache_seqlens(cache_seqlens, qa.shape[0] if qa.ndim else 0, codes, bt, required=appending)
+        batch = qa.shape[0] if qa.ndim else 0
+        rows_as_pages = cache_batch_idx is not None and bt is None
+        if cache_batch_idx is not None and bt is not None:
+            bt = _table_rows(cache_batch_idx, batch, bt, appending)
+        elif rows_as_pages:  # storage [batch_cache, cap, Hkv] is batch_cache pages of cap keys
+            bt = _rows_as_pages(cache_batch_idx, batch, codes, codes, ka)[0]
+        lens = _cache_seqlens(cache_seqlens, batch, codes, bt, required=appending)
+        if rows_as_pages and lens is not None and lens.ndim == 1:
+            _require_row_room(lens, ka.shape[1] if ka is not None and ka.ndim == 4 else 0, codes.shape[1])
         opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
+        if tables is not None:  # rotated copies of q and k are attended and encoded, as over dense caches
+            assert lens is not None and ka is not None  # rotary needs k/v, and k/v need cache_seqlens
+            per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
+                                        int(attention_chunk))
+            qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
+            ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
                                   want_lse, out, _append_slots, _in_place)
     if appending:

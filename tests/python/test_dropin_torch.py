@@ -154,3 +154,34 @@ def test_numpy_in_numpy_out_and_errors(cpu, gen):
     with torch.no_grad():
         out = fm.scaled_dot_product_attention(g, g, g, registry=cpu)
     assert not out.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_more_batch_axes_match_torch(cpu, gen, dtype):
+    """torch takes ``(N, ..., H, L, E)``: rank-5 query/key/value, with masks
+    broadcast over the batch axes and GQA, match torch's float64 SDPA and the
+    reference over the merged batch."""
+    q, k, v = rand((2, 3, 4, 5, 64), dtype, gen), rand((2, 3, 2, 9, 64), dtype, gen), rand((2, 3, 2, 9, 32), dtype, gen)
+    masks = [None, torch.rand(5, 9, generator=gen) > 0.3, torch.rand(2, 1, 1, 5, 9, generator=gen) > 0.3,
+             rand((3, 4, 1, 9), torch.float32, gen), rand((2, 3, 4, 5, 9), dtype, gen)]
+    atol, rtol = TOLERANCE[NP[dtype]]
+    for mask in masks:
+        for causal in ([False, True] if mask is None else [False]):
+            want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask if mask is None or
+                                                  mask.dtype == torch.bool else mask.double(), is_causal=causal,
+                                                  enable_gqa=True)
+            out = fm.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=True, registry=cpu)
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == want.shape
+            m = None if mask is None else np.broadcast_to(as_np(mask), (2, 3, 4, 5, 9)).reshape(6, 4, 5, 9)
+            m = m if m is None or m.dtype == np.bool_ else m.astype(np.float64)
+            exp = reference.attention(as_np(q).reshape(6, 4, 5, 64), as_np(k).reshape(6, 2, 9, 64),
+                                      as_np(v).reshape(6, 2, 9, 32), mask=m, causal=causal)
+            got = out.double().numpy()
+            assert reference.close(got.reshape(exp.shape), exp, atol, rtol)[0], (mask is None, causal)
+            assert reference.close(got, want.numpy(), 2 * atol, 2 * rtol)[0], (mask is None, causal)
+    with pytest.raises(fm.InvalidValueError, match="same batch axes"):
+        fm.scaled_dot_product_attention(q, k[:1], v[:1], enable_gqa=True, registry=cpu)
+    with pytest.raises(fm.InvalidValueError, match="does not broadcast to the batch axes") as e:
+        fm.scaled_dot_product_attention(q, k, v, torch.ones(4, 4, 5, 9, dtype=torch.bool), enable_gqa=True,
+                                        registry=cpu)
+    assert e.value.argument == "attn_mask"

@@ -118,6 +118,22 @@ def test_no_hint_when_the_transpose_does_not_fit_either(cpu, rng):
     assert "transposed" not in str(e) and str(e).endswith("must be a multiple of key heads (3)")
 
 
+def test_no_layout_hint_for_quantized_caches(cpu, rng):
+    """A QuantizedKV's shape is its leading shape (no head-dim axis): an error
+    of a call over codes says what is wrong, never "swap axes 0 and 1 of
+    k_cache", which no shape of the codes would fix."""
+    kc, vc = fm.KVCodec(64, 4).empty((2, 16, 2)), fm.KVCodec(64, 4).empty((2, 16, 2))
+    q = randn(rng, (2, 1, 4, 64), F16)
+    calls = [(dict(q=randn(rng, (2, 1, 4, 128), F16), cache_seqlens=3), "codec head_dim 64 must equal q's head dim 128"),
+             (dict(cache_seqlens=np.array([17, 1], np.int32)), "cache_seqlens[0] = 17 is out of range [0, 16]"),
+             (dict(k=randn(rng, (2, 2, 2, 64), F16), v=randn(rng, (2, 2, 2, 64), F16),
+                   cache_seqlens=np.array([15, 1], np.int32)), "exceeds the cache capacity")]
+    for kw, says in calls:
+        kw = {"q": q, **kw}
+        e = _error(fm.InvalidValueError, fm.flash_attn_with_kvcache, k_cache=kc, v_cache=vc, registry=cpu, **kw)
+        assert says in str(e) and "transposed" not in str(e), str(e)
+
+
 def test_decode_caches_token_major(cpu, rng):
     q = randn(rng, (2, 8, 64), F32)
     kc, vc = randn(rng, (2, 40, 2, 64), BF16), randn(rng, (2, 40, 2, 64), BF16)

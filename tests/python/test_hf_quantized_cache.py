@@ -171,10 +171,23 @@ def test_bad_arguments():
     model = build(tiny_llama, name, torch.float32)
     with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*k_bits.*7"):
         QuantizedKVCache(model.config, 7, 4)
-    with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*v_bits"):
-        QuantizedKVCache(model.config, 8, True)
+    for bad in (True, "4", 4.0):  # not an integer: a TypeError, as every flashmetal integer argument
+        with pytest.raises(fm.InvalidTypeError, match="QuantizedKVCache: v_bits must be an integer") as e:
+            QuantizedKVCache(model.config, 8, bad)
+        assert e.value.argument == "v_bits"
     with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*chunk"):
         QuantizedKVCache(model.config, 8, 4, chunk=0)
+    with pytest.raises(fm.InvalidTypeError, match="QuantizedKVCache: chunk must be an integer"):
+        QuantizedKVCache(model.config, 8, 4, chunk=1.5)
+    # Checked when the cache is made, not by KVCodec in the middle of generate();
+    # V's seed is seed + 1, so 2**64 - 1 is out of range too.
+    for bad in (-1, 2**64 - 1):
+        with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache: seed") as e:
+            QuantizedKVCache(model.config, 8, 4, seed=bad)
+        assert e.value.argument == "seed"
+    with pytest.raises(fm.InvalidTypeError, match="QuantizedKVCache: seed must be an integer"):
+        QuantizedKVCache(model.config, 8, 4, seed="0")
+    assert QuantizedKVCache(model.config, 8, 4, seed=2**64 - 2).seed == 2**64 - 2
     sdpa = build(tiny_llama, "sdpa", torch.float32)
     with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*'sdpa'"):
         QuantizedKVCache(sdpa.config, 8, 4)

@@ -101,14 +101,39 @@ def test_out_and_codes_close_to_the_dense_decode(registry, rng):
     assert cos.min() > 0.999
 
 
+@pytest.mark.parametrize("coded", ["k", "v"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_one_side_dense(registry, rng, coded, batched):
+    """K codes beside a dense float16 V, or dense K beside V codes: float64
+    attention over the dequantized side and the dense one, window and
+    softcap included; inputs unchanged, ``out`` filled."""
+    d, h, hkv, cap, kv_len = 64, 4, 2, 12, 9
+    lead = (2, hkv, cap) if batched else (hkv, cap)
+    codes = cache(rng, lead, d, 4 if coded == "k" else 5, 3, registry)
+    dense = rng.standard_normal(lead + (d,)).astype(np.float16)
+    k, v = (codes, dense) if coded == "k" else (dense, codes)
+    kd, vd = (dequantized(codes), dense.astype(np.float64))[:: 1 if coded == "k" else -1]
+    q = rng.standard_normal(lead[:-2] + (h, d)).astype(np.float32)
+    q0, d0, c0 = q.copy(), dense.copy(), codes.codes.copy()
+    for kw in ({}, {"window": 4, "softcap": 3.0, "scale": 0.2}):
+        out = np.full(q.shape, np.nan, np.float32)
+        o = fm.flash_attn_decode(q, k, v, kv_len, out=out, registry=registry, **kw)
+        assert o is out
+        check(o, reference.decode(q, kd, vd, kv_len, **kw), f"{registry.backend} {coded} codes {kw}")
+    for a, a0, n in ((q, q0, "q"), (dense, d0, "dense cache"), (codes.codes, c0, "codes")):
+        assert_bits_equal(a, a0, f"{n} is not changed")
+
+
 def test_errors(registry, rng):
     d = 64
     k = cache(rng, (1, 2, 8), d, 4, 0, registry)
     dense = np.zeros((1, 2, 8, d), np.float32)
     q = np.zeros((1, 2, d), np.float32)
     cases = [
-        ((q, k, dense, 4), {}, fm.InvalidTypeError, "v_cache must be a QuantizedKV"),
-        ((q, dense, k, 4), {}, fm.InvalidTypeError, "k_cache must be a QuantizedKV"),
+        ((q, k, dense[:, :, :7], 4), {}, fm.InvalidValueError, r"v_cache shape \[1, 2, 7, 64\] must be \[1, 2, 8, 64\]"),
+        ((q, dense.astype(np.float64), k, 4), {}, fm.InvalidTypeError, "k_cache is float64"),
+        ((q, k, dense, 9), {}, fm.InvalidValueError, r"kv_len \(9\) must be <= the cache capacity \(8\)"),
+        ((np.zeros((1, 3, d), np.float32), dense, k, 4), {}, fm.InvalidValueError, "multiple of the cache heads"),
         ((q, k, k, 4), {"fwht": True}, fm.InvalidValueError, "fwht"),
         ((q, k, k, 9), {}, fm.InvalidValueError, r"kv_len \(9\) must be <= the cache capacity \(8\)"),
         ((q, k, k, 0), {}, fm.InvalidValueError, "kv_len"),

@@ -325,11 +325,45 @@ def test_long_caches_split_over_keys(registry, rng, paged):
     check_lse(lse, el, f"{registry.backend} paged={paged} lse")
 
 
-@pytest.mark.parametrize("name", ["cache_leftpad", "cache_batch_idx"])
-def test_leftpad_and_batch_idx_refused_over_codes(registry, rng, name):
-    """Neither is implemented over codes: refused by name, never ignored."""
+def test_leftpad_refused_over_codes(registry, rng):
+    """Not implemented over codes: refused by name, never ignored."""
     s = Setup(rng, registry, paged=False)
     q = randn(rng, (2, 1, 4, 64), F32)
-    with pytest.raises(fm.UnsupportedFeatureError, match=rf"^{OP}: .*{name} is not supported with QuantizedKV"):
+    with pytest.raises(fm.UnsupportedFeatureError, match=rf"^{OP}: .*cache_leftpad is not supported with QuantizedKV"):
         fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, registry=registry,
-                                   **{name: np.zeros(2, np.int32)})
+                                   cache_leftpad=np.zeros(2, np.int32))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("ql", [1, 3])
+def test_cache_batch_idx_over_codes(registry, rng, paged, ql):
+    """cache_batch_idx: sequence b reads and appends cache row idx[b] (of the
+    block table when paged, flash-attn 3's page_table[cache_batch_idx]); the
+    appended codes equal KVCodec.encode of the new rows bit for bit, the
+    output is float64 attention over the caches' contents; bad indices are
+    refused before anything is written."""
+    s = Setup(rng, registry, paged=paged, b=3, lens=(5, 9, 2))  # three cache rows, two sequences
+    idx = np.array([2, 0], np.int32)
+    s.k_new, s.v_new = s.k_new[:2], s.v_new[:2]
+    q = randn(rng, (2, ql, 4, 64), F32)
+    lens = s.lens[idx]
+    o, lse = fm.flash_attn_with_kvcache(q, s.k, s.v, s.k_new, s.v_new, cache_seqlens=lens, cache_batch_idx=idx,
+                                        block_table=s.table, causal=True, return_softmax_lse=True, registry=registry)
+    for cache, new in ((s.k, s.k_new), (s.v, s.v_new)):
+        enc = cache.codec.encode(new, registry=registry)
+        for b, row in enumerate(idx.tolist()):
+            for i in range(new.shape[1]):
+                where = s.slot(row, lens[b] + i)
+                assert_bits_equal(cache.codes[where], enc.codes[b, i], f"codes of new row {b},{i}")
+    eo, el = reference.flash_attn_kvcache(q, dequantized(s.k), dequantized(s.v), cache_seqlens=lens + 2,
+                                          cache_batch_idx=idx, block_table=s.table, causal=True)
+    check(o, eo, F32, f"{registry.backend} paged={paged}")
+    check_lse(lse, el, f"{registry.backend} paged={paged} lse")
+    before = s.k.codes.copy()
+    for bad, words in ((np.array([3, 0], np.int32), r"cache_batch_idx\[0\] = 3 is out of range \[0, 3\)"),
+                       (np.array([1, 1], np.int32), "both name cache row 1")):
+        with pytest.raises(fm.InvalidValueError, match=words) as e:
+            fm.flash_attn_with_kvcache(q, s.k, s.v, s.k_new, s.v_new, cache_seqlens=lens, cache_batch_idx=bad,
+                                       block_table=s.table, registry=registry)
+        assert e.value.argument == "cache_batch_idx"
+    assert_bits_equal(s.k.codes, before, "nothing written by a refused call")

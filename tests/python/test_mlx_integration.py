@@ -468,3 +468,32 @@ def test_patch_reaches_modules_imported_before_and_after():
     finally:
         fmx.unpatch()
     assert llama.scaled_dot_product_attention is original and qwen2.scaled_dot_product_attention is original
+
+
+def test_dtype_errors_are_the_value_errors_mlx_raises(registry):
+    """mx.fast raises ValueError for a mask or sinks dtype that does not promote
+    to the output's and for q/k/v of an unsupported type; so does this
+    function (still a TypeError too, as flashmetal's dtype errors are)."""
+    q, k, v = (normal((1, 2, 3, 64), mx.float16) for _ in range(3))
+    cases = [("mask", dict(mask=mx.zeros((3, 3), mx.float32))), ("sinks", dict(sinks=mx.zeros((2,), mx.float32)))]
+    for argument, kw in cases:
+        with pytest.raises(ValueError):
+            mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, **kw)
+        with pytest.raises(ValueError, match=f"{argument} dtype float32 must") as e:
+            fmx.scaled_dot_product_attention(q, k, v, scale=1.0, registry=registry, **kw)
+        assert isinstance(e.value, TypeError) and e.value.argument == argument
+    ints = mx.zeros((1, 2, 3, 64), mx.int32)
+    with pytest.raises(ValueError):
+        mx.fast.scaled_dot_product_attention(ints, ints, ints, scale=1.0)
+    with pytest.raises(ValueError, match="promote to int32") as e:
+        fmx.scaled_dot_product_attention(ints, ints, ints, scale=1.0, registry=registry)
+    assert e.value.argument == "q"
+
+
+def test_no_keys_gives_zeros_as_mx_fast(registry):
+    """T_kv = 0: mx.fast returns zeros; so does this function, with sinks too."""
+    q, kv = normal((1, 4, 3, 64)), normal((1, 2, 0, 64))
+    want = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=0.125)
+    for kw in ({}, {"sinks": normal((4,))}):
+        out = fmx.scaled_dot_product_attention(q, kv, kv, scale=0.125, registry=registry, **kw)
+        assert out.dtype == want.dtype and out.shape == want.shape and np.array_equal(np.array(out), np.array(want))

@@ -96,3 +96,23 @@ def test_empty_batch_through_torch(registry):
     q = torch.zeros(0, 2, 4, 64, dtype=torch.float16)
     out = fm.scaled_dot_product_attention(q, q, q, registry=registry)
     assert isinstance(out, torch.Tensor) and tuple(out.shape) == (0, 2, 4, 64)
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_no_keys_gives_zeros_as_torch(registry, dtype):
+    """key and value of sequence length 0: torch's SDPA returns zeros (each
+    row attends to nothing); so does the drop-in, with or without a mask,
+    instead of an error about a kv_len nobody passed."""
+    torch = pytest.importorskip("torch")
+    tdt = {F16: torch.float16, F32: torch.float32}[dtype]
+    q = torch.randn(2, 4, 3, 64, dtype=tdt)
+    k, v = torch.randn(2, 2, 0, 64, dtype=tdt), torch.randn(2, 2, 0, 32, dtype=tdt)
+    for mask in (None, torch.ones(3, 0, dtype=torch.bool)):
+        want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask,
+                                                                enable_gqa=True)
+        out = fm.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, registry=registry)
+        assert out.dtype == tdt and out.shape == want.shape and torch.equal(out.double(), want)
+        assert fm.last_route().kernel == "none"
+    with pytest.raises(ValueError, match="attn_mask shape"):
+        fm.scaled_dot_product_attention(q, k, v, torch.ones(3, 5, dtype=torch.bool), enable_gqa=True,
+                                        registry=registry)

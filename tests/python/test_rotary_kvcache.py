@@ -214,15 +214,37 @@ def test_rotary_errors(registry, rng, over, error, argument, words):
     np.testing.assert_array_equal(args["v_cache"], vc0)
 
 
-def test_rotary_quantized_refused(cpu, rng):
-    codec = fm.KVCodec(D, 4)
-    k_cache, v_cache = codec.empty((B, CAP, HKV)), codec.empty((B, CAP, HKV))
+@pytest.mark.parametrize("ql,causal", [(1, False), (3, False), (3, True)])
+def test_rotary_over_quantized_caches(registry, rng, ql, causal):
+    """QuantizedKV caches (K 8-bit codes, V 4-bit): the appended keys are
+    rotated before they are encoded (each stored row decodes to within the
+    codec's error of flash-attn's rotated key, far from the unrotated one),
+    and the output is float64 attention of the rotated q over what the
+    caches hold; the caller's q and k are not modified."""
+    kc, vc = fm.KVCodec(D, 8, seed=1).empty((B, CAP, HKV)), fm.KVCodec(D, 4, seed=2).empty((B, CAP, HKV))
+    past_k, past_v = randn(rng, (B, CAP, HKV, D), F32), randn(rng, (B, CAP, HKV, D), F32)
+    kc.codes[:], kc.norms[:] = (lambda c: (c.codes, c.norms))(kc.codec.encode(past_k, registry=registry))
+    vc.codes[:], vc.norms[:] = (lambda c: (c.codes, c.norms))(vc.codec.encode(past_v, registry=registry))
+    q, k, v = randn(rng, (B, ql, H, D), F32), randn(rng, (B, ql, HKV, D), F32), randn(rng, (B, ql, HKV, D), F32)
+    q0, k0 = q.copy(), k.copy()
     cos, sin = tables(rng, CAP, 32, F32)
-    with pytest.raises(fm.UnsupportedFeatureError) as e:
-        fm.flash_attn_with_kvcache(randn(rng, (B, 1, H, D), F32), k_cache, v_cache, randn(rng, (B, 1, HKV, D), F32),
-                                   randn(rng, (B, 1, HKV, D), F32), rotary_cos=cos, rotary_sin=sin,
-                                   cache_seqlens=LENS, registry=cpu)
-    assert e.value.argument == "rotary_cos" and OP in str(e.value)
+    out = fm.flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=LENS,
+                                     causal=causal, rotary_interleaved=False, registry=registry)
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+    q_ro, k_ro = expected_rotated(q, k, cos, sin, LENS, interleaved=False, per_row=causal)
+    kd, vd = kc.dequantize(registry=registry), vc.dequantize(registry=registry)
+    for b in range(B):
+        stored = kd[b, LENS[b]:LENS[b] + ql].astype(np.float64)
+        err = np.linalg.norm(stored - k_ro[b], axis=-1) / np.linalg.norm(k_ro[b], axis=-1)
+        far = np.linalg.norm(stored - k[b], axis=-1) / np.linalg.norm(k[b], axis=-1)
+        assert err.max() < 0.02 and far.min() > 0.05, (b, err.max(), far.min())
+        n = LENS[b] + ql
+        want = reference.attention(q_ro[b:b + 1].astype(np.float64).transpose(0, 2, 1, 3),
+                                   kd[b:b + 1, :n].transpose(0, 2, 1, 3), vd[b:b + 1, :n].transpose(0, 2, 1, 3),
+                                   causal=causal, q_offset=n - ql).transpose(0, 2, 1, 3)
+        ok, ratio = reference.close(out[b:b + 1].astype(np.float64), want, 1e-5, 1e-4)
+        assert ok, f"sequence {b}: {ratio:.3g}x the tolerance"
 
 
 def test_rotary_torch_tensors_equal_numpy(cpu, rng):

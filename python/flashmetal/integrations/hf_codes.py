@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .._errors import InvalidValueError, UnsupportedFeatureError
+from .. import _native
+from .._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ..kv_codec import KVCodec, QuantizedKV
 from ..registry import RegistryLike
 from ..serving import flash_attn_with_kvcache
@@ -161,11 +162,16 @@ class QuantizedKVCache(Cache):  # type: ignore[misc]
                                     "only by flashmetal's backend (register it with flashmetal.integrations.hf."
                                     f"register() and load the model with attn_implementation={hf.NAME!r})",
                                     argument="config")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise InvalidValueError(_CACHE, f"chunk must be a positive int, got {chunk!r}", argument="chunk")
+        chunk = _native.index_arg(_CACHE, "chunk", chunk, 1)
         for name, bits in (("k_bits", k_bits), ("v_bits", v_bits)):
-            if isinstance(bits, bool) or bits not in _WIDTHS:
+            if _native.index_arg(_CACHE, name, bits) not in _WIDTHS:
                 raise InvalidValueError(_CACHE, f"{name} must be one of {_WIDTHS}, got {bits!r}", argument=name)
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+            raise InvalidTypeError(_CACHE, f"seed must be an integer, got {seed!r}", argument="seed")
+        if not 0 <= int(seed) < 2**64 - 1:  # V's signs use seed + 1: both must be KVCodec seeds
+            raise InvalidValueError(_CACHE, f"seed must be in [0, 2**64 - 1) (V uses seed + 1), got {seed}",
+                                    argument="seed")
+        seed = int(seed)
         self.k_bits, self.v_bits, self.seed = k_bits, v_bits, seed
         layers = [QuantizedKVLayer(k_bits, v_bits, seed, seed + 1, chunk, registry)
                   for _ in range(config.num_hidden_layers)]

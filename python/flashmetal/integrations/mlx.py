@@ -49,6 +49,13 @@ _OP = "mlx.scaled_dot_product_attention"
 _IO_DTYPES = ("float32", "float16", "bfloat16")
 
 
+class DtypeError(InvalidTypeError, ValueError):
+    """A dtype this function refuses: a TypeError, as every flashmetal dtype
+    error is, and a ValueError, which ``mx.fast.scaled_dot_product_attention``
+    raises for the same inputs (a mask or sinks dtype that does not promote
+    to the output's, q/k/v that promote to an unsupported type)."""
+
+
 def _mx() -> Any:
     try:
         import mlx.core as mx
@@ -94,8 +101,8 @@ def _mask_rank4(mx: Any, mask: Any, shape: tuple[int, int, int, int], final: Any
         raise InvalidValueError(_OP, f"mask has shape {tuple(mask.shape)}; it must have rank <= 4")
     if mask.dtype != mx.bool_:
         if not _promotes_to(mx, mask.dtype, final):
-            raise InvalidTypeError(_OP, f"mask dtype {_dtype_name(mask.dtype)} must be bool or promote to the "
-                                   f"output dtype {_dtype_name(final)}")
+            raise DtypeError(_OP, f"mask dtype {_dtype_name(mask.dtype)} must be bool or promote to the "
+                             f"output dtype {_dtype_name(final)}", argument="mask")
         if mask.dtype != final:
             mask = mask.astype(final)
     m = _as_numpy(mask)
@@ -187,8 +194,8 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
         raise InvalidValueError(_OP, f"N_q ({H}) must be a multiple of N_kv ({k.shape[1]})")
     final = mx.result_type(q, k, v)
     if _dtype_name(final) not in _IO_DTYPES:
-        raise InvalidTypeError(_OP, f"q, k and v promote to {_dtype_name(final)}; flashmetal takes float32, "
-                               "float16 or bfloat16 (cast with .astype(mx.float32))")
+        raise DtypeError(_OP, f"q, k and v promote to {_dtype_name(final)}; flashmetal takes float32, "
+                         "float16 or bfloat16 (cast with .astype(mx.float32))", argument="q")
     q, k, v = (x if x.dtype == final else x.astype(final) for x in (q, k, v))
     kL = k.shape[2]
     causal = False
@@ -206,8 +213,8 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
         if sinks.ndim != 1 or sinks.shape[0] != H:
             raise InvalidValueError(_OP, f"sinks has shape {tuple(sinks.shape)}; it must be [N_q] = [{H}]")
         if not _promotes_to(mx, sinks.dtype, final):
-            raise InvalidTypeError(_OP, f"sinks dtype {_dtype_name(sinks.dtype)} must promote to the output dtype "
-                                   f"{_dtype_name(final)}")
+            raise DtypeError(_OP, f"sinks dtype {_dtype_name(sinks.dtype)} must promote to the output dtype "
+                             f"{_dtype_name(final)}", argument="sinks")
         sinks_np = _as_numpy(sinks.astype(final))
     qn, kn, vn = _as_numpy(q), _as_numpy(k), _as_numpy(v)
     kv_len = None
