@@ -37,6 +37,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8),
       5: np.dtype(np.int32)}
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
+
+
 def geom(d: int) -> tuple[int, int]:
     """(BQ, BK) of the prefill (and its blk) for head dim d."""
     return (8, 8) if d >= 512 else (32, 16)
@@ -64,6 +66,8 @@ def pick_dim(rng, dims: tuple[int, ...]) -> int:
     rest = [i for i, d in enumerate(dims) if d not in (64, 512)]
     w[rest] = (1.0 - w.sum()) / max(len(rest), 1)
     return int(rng.choice(dims, p=w / w.sum()))
+
+
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -832,6 +836,7 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
 def _kv_append_expected(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """The caches' bytes after the append, from their bytes before it."""
     t = case.tensors
+
     def before(name):
         ts = t[name]
         n = int(np.prod(ts.shape)) * SIZE[ts.dtype]

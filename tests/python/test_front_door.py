@@ -14,7 +14,6 @@ import numerics
 from numerics import BF16, F16, F32, assert_close, randn
 
 
-
 def SDPA(*args, return_kernel=False, **kwargs):
     """The front door with the KV-cache alignment, and the route that ran."""
     kwargs.setdefault("align", "bottom_right")
