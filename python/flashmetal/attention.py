@@ -30,7 +30,7 @@ from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
-from ._serving_args import (SHORT_QUERY_ROWS, attn_options, flag, no_dropout, seq_tensors, short_query_head_dims,
+from ._serving_args import (attn_options, flag, no_dropout, seq_tensors, short_query_head_dims, short_query_rows,
                             sinks_arg)
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
@@ -294,7 +294,7 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if decode and qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     newest = q_offset == kl - qL or (not causal and window is None)
-    if (decode and 1 < qL <= min(SHORT_QUERY_ROWS, kl) and mask is None and newest and not sinks
+    if (decode and 1 < qL <= min(short_query_rows(), kl) and mask is None and newest and not sinks
             and short_query_head_dims(dtype, D, dv)):
         return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
                      "each row with its own causal/window keys, K/V read once per kv head"), None
