@@ -299,10 +299,10 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
         return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
                      "each row with its own causal/window keys, K/V read once per kv head"), None
     why_not = []
-    if causal and not 0 <= q_offset <= kl - qL:
-        why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
-    if not causal and qL > kl:
-        why_not.append(f"qL ({qL}) > kL ({kl})")
+    # Without causal and a window positions do not matter (the prefill runs q_offset 0 and any qL).
+    if (causal or window is not None) and not 0 <= q_offset <= kl - qL:
+        rows = "causal rows" if causal else "rows with a window"
+        why_not.append(f"{rows} at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
     pad_to = None
     if dv != D:
         if not _native.runs_head_dims(prefill_op, D, dv):
@@ -378,9 +378,11 @@ def scaled_dot_product_attention(
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
       D in {64, 80, 96, 128, 192, 256, 512} (other D below the largest
       zero-padded to the next one when there are >= ``PAD_MIN_QUERY_ROWS``
-      query rows), the causal rows inside the keys;
+      query rows), causal or windowed rows inside the keys (without causal
+      and a window, any number of query rows);
     - ``sdpa`` (the general kernel) for everything else: any head dim
-      (48, 160, 640, 1024, ... up to 65536), qL > kL.
+      (48, 160, 640, 1024, ... up to 65536), causal or windowed rows
+      outside the keys.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
@@ -410,7 +412,8 @@ def scaled_dot_product_attention(
         sinks: ``[H]`` per-head sink logits (gpt-oss; converted to float32),
             or None: each joins its head's softmax denominators without a
             value, beside the mask. Applied by the prefill kernel; a call it
-            cannot take (an unsupported head dim, qL > kL) is refused.
+            cannot take (an unsupported head dim, causal rows outside the
+            keys) is refused.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
