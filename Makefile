@@ -35,9 +35,12 @@ EXTRA_TESTS :=
 
 all: build python
 
-# On Linux the Swift runtime is linked into the library (python/setup.py builds
-# the wheel the same way), so `make wheel` reuses this build.
-SWIFT_BUILD := $(SWIFT) build -c release --product flashmetal $(if $(filter Linux,$(UNAME)),-Xswiftc -static-stdlib)
+# `swift build`'s arguments as python/setup.py (the wheel's build) states them,
+# with the Swift runtime linked into the library on Linux, so `make wheel`
+# reuses this build. setup_py_string reads a `NAME = "..."` line of setup.py.
+setup_py_string = $(or $(shell sed -n 's/^$(1) = "\(.*\)"$$/\1/p' python/setup.py),$(error python/setup.py has no $(1) = "..." line))
+SWIFT_BUILD := $(SWIFT) $(call setup_py_string,SWIFT_BUILD_ARGS) \
+	$(if $(filter Linux,$(UNAME)),$(call setup_py_string,SWIFT_LINUX_FLAGS))
 
 build:
 	$(SWIFT_BUILD)

@@ -3,10 +3,13 @@
  * CPU time of the best of N calls, per key row of one kv head, and the
  * worst error against float64 attention over the dequantized rows (in units
  * of 1e-5 + 1e-4 |want|; the exit status is 1 above 1). The by-hand
- * supplement of bench/CODES_RESULTS.md for tuning the key loop.
+ * supplement of bench/CODES_RESULTS.md for tuning the key loop. The cache
+ * and parameters are tests/cpu_arm64/codes_case.h's (the C harness's), with
+ * one query row and no sinks or LSE.
  *
  *   clang -O3 -ffp-contract=off -D_GNU_SOURCE -ISources/FlashMetalCPUKernels/include \
- *     -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include bench/codes_decode_per_core.c \
+ *     -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include -Itests/cpu_arm64 \
+ *     bench/codes_decode_per_core.c \
  *     every Sources/FlashMetalCPUKernels/X.c but pool.c and sdpa.c -lm -o codes_decode_per_core
  *   [FLASHMETAL_CPU_ISA=avx2] [SAMEROW=1] ./codes_decode_per_core kbits vbits kv_len rounds \
  *     [D=128 H=16 Hkv=8 nsplit=8]
@@ -19,6 +22,7 @@
 #include <time.h>
 #include "fm_cpu_kernels.h"
 #include "fm_kv_codec.h"
+#include "codes_case.h"
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
@@ -39,56 +43,15 @@ int main(int argc, char **argv) {
     int kb = atoi(argv[1]), vb = atoi(argv[2]), kL = atoi(argv[3]), reps = atoi(argv[4]);
     int D = argc > 5 ? atoi(argv[5]) : 128;
     int H = argc > 6 ? atoi(argv[6]) : 16, Hkv = argc > 7 ? atoi(argv[7]) : 8, nsplit = argc > 8 ? atoi(argv[8]) : 8;
-    int block = D == 80 ? 16 : D == 96 ? 32
-                           : D == 192  ? 64
-                                       : D;
-    KVCodecParams kc = {5, D, kb, block, (D * kb / 8 + 15) & ~15, {0, 0}}, vc = {6, D, vb, block, (D * vb / 8 + 15) & ~15, {0, 0}};
-    long rows = (long)kL * Hkv, nb = D / block;
-    float *x = malloc(4 * rows * D);
-    uint8_t *kq = malloc(rows * kc.row_bytes), *vq = malloc(rows * vc.row_bytes);
-    float *kn = malloc(4 * rows * nb), *vn = malloc(4 * rows * nb);
-    for (long i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&kc, x, FM_DTYPE_F32, kq, kn, 0, rows);
-    float *kd = malloc(4 * rows * D);
-    fm_cpu_kv_dequantize_rows(&kc, kq, kn, kd, 0, rows);
-    for (long i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&vc, x, FM_DTYPE_F32, vq, vn, 0, rows);
-    float *vd = malloc(4 * rows * D);
-    fm_cpu_kv_dequantize_rows(&vc, vq, vn, vd, 0, rows);
-    float *q = malloc(4 * H * D), *o = malloc(4 * H * D);
-    for (int i = 0; i < H * D; i++) q[i] = nrand() * 2;
-    KVCodesDecodeParams p;
-    memset(&p, 0, sizeof p);
-    p.k_seed = 5;
-    p.v_seed = 6;
-    p.kv_strides[0] = rows;
-    p.kv_strides[1] = 1;
-    p.kv_strides[2] = Hkv;
-    p.n_heads = H;
-    p.n_kv_heads = Hkv;
-    p.head_dim = D;
-    p.block = block;
-    p.k_bits = kb;
-    p.v_bits = vb;
-    p.k_row_bytes = kc.row_bytes;
-    p.v_row_bytes = vc.row_bytes;
+    CodesCase c = codes_case_new(D, H, Hkv, 1, kL, 0, kb, vb, nrand);
+    for (int i = 0; i < H * D; i++) c.q[i] *= 2;
+    KVCodesDecodeParams p = codes_params(&c);
     if (getenv("SAMEROW")) p.kv_strides[2] = 0;
-    p.kv_len = kL;
-    p.q_len = 1;
-    p.scale = 1.0f / sqrtf(D);
-    p.window_left = -1;
-    p.window_right = -1;
-    p.batch = 1;
-    p.nwg = 1;
-    p.heads_per_group = 1;
-    FMCPUKVCodesAttnArgs a;
-    memset(&a, 0, sizeof a);
-    a.q = q;
-    a.k_codes = kq;
-    a.k_norms = kn;
-    a.v_codes = vq;
-    a.v_norms = vn;
-    a.o = o;
+    FMCPUKVCodesAttnArgs a = codes_args(&c);
+    a.sinks = NULL;
+    a.lse = NULL;
+    const float *q = c.q, *o = c.o, *kd = c.kd, *vd = c.vd;
+    long rows = (long)kL * Hkv;
     int group = H / Hkv;
     long items = Hkv * ((group + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK);
     float *parts = malloc(4 * fm_cpu_kv_codes_part_floats(&p) * items * nsplit);

@@ -76,6 +76,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 import flashmetal as fm  # noqa: E402
 from ml_dtypes import bfloat16  # noqa: E402
 
+
 # ---- the GPUs -----------------------------------------------------------------
 # fp32 peak = cores * 128 ALUs * 2 FLOPs * clock; Apple GPUs run fp16 (and the
 # simdgroup MMAs) at the fp32 rate (FP16/FP32 ratio 1).

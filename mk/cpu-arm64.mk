@@ -33,7 +33,7 @@ ifeq ($(ARM64_FILE_SAYS),)
 cpu-arm64-test:
 	@echo "cpu-arm64: runs on Linux (under qemu) or on an arm64 Mac, not on $(UNAME) $(ARCH)"; exit 1
 else
-$(ARM64_OUT)/harness: tests/cpu_arm64/harness.c $(ARM64_KERNELS) $(wildcard Sources/FlashMetalCPUKernels/*.h) \
+$(ARM64_OUT)/harness: tests/cpu_arm64/harness.c tests/cpu_arm64/codes_case.h $(ARM64_KERNELS) $(wildcard Sources/FlashMetalCPUKernels/*.h) \
 		Sources/FlashMetalCPUKernels/include/fm_cpu_kernels.h $(HEADER) | $(ARM64_DEPS)
 	@mkdir -p $(ARM64_OUT)
 	$(ARM64_CC) $(ARM64_CFLAGS) -o $@ tests/cpu_arm64/harness.c $(ARM64_KERNELS) -lm

@@ -17,7 +17,7 @@ EXTRA_TESTS += cpu-harness-test
 endif
 .PHONY: cpu-harness-test
 
-$(HARNESS_OUT)/harness: tests/cpu_arm64/harness.c $(ARM64_KERNELS) $(wildcard Sources/FlashMetalCPUKernels/*.h) \
+$(HARNESS_OUT)/harness: tests/cpu_arm64/harness.c tests/cpu_arm64/codes_case.h $(ARM64_KERNELS) $(wildcard Sources/FlashMetalCPUKernels/*.h) \
 		Sources/FlashMetalCPUKernels/include/fm_cpu_kernels.h $(HEADER)
 	@mkdir -p $(HARNESS_OUT)
 	$(ARM64_CC) $(HARNESS_CFLAGS) -o $@ tests/cpu_arm64/harness.c $(ARM64_KERNELS) -lm

@@ -35,6 +35,13 @@ from setuptools.command.sdist import sdist
 HERE = Path(__file__).resolve().parent
 LIBNAME = "libflashmetal.dylib" if sys.platform == "darwin" else "libflashmetal.so"
 HEADER = Path("Sources/CFlashMetal/include/flashmetal.h")
+# `swift build`'s arguments for the library, and the flags added on Linux: the
+# Swift runtime linked into the library, so the wheel needs no toolchain (on
+# macOS the runtime is part of the OS). The Makefile's `make build` reads these
+# two lines, so `make wheel`, which builds in the same SwiftPM directory
+# (FLASHMETAL_SWIFT_SCRATCH), finds everything built with the same flags.
+SWIFT_BUILD_ARGS = "build -c release --product flashmetal"
+SWIFT_LINUX_FLAGS = "-Xswiftc -static-stdlib"
 # What SwiftPM needs to load the manifest and build the library.
 SWIFT_PACKAGE_PARTS = ["Package.swift", "Sources", "Resources", "Plugins", "tests/swift"]
 
@@ -67,10 +74,9 @@ def build_library() -> Path:
     """Runs SwiftPM; returns the built library. Any failure is a build error."""
     root = swift_package_root()
     scratch = Path(os.environ.get("FLASHMETAL_SWIFT_SCRATCH", root / ".build" / "wheel"))
-    cmd = [swift_executable(), "build", "-c", "release", "--product", "flashmetal", "--package-path", str(root),
-           "--scratch-path", str(scratch)]
+    cmd = [swift_executable(), *SWIFT_BUILD_ARGS.split(), "--package-path", str(root), "--scratch-path", str(scratch)]
     if sys.platform != "darwin":
-        cmd += ["-Xswiftc", "-static-stdlib"]  # no libswiftCore & co. at run time
+        cmd += SWIFT_LINUX_FLAGS.split()
     print("flashmetal: " + " ".join(cmd), flush=True)
     result = subprocess.run(cmd)
     if result.returncode != 0:

@@ -104,38 +104,69 @@ def library_kernels(library: Path) -> list[Kernel]:
     return parse(lib.fm_kernel_instantiations().decode())
 
 
-def render(text: str, kernels: list[Kernel], where: str = "shader") -> str:
-    """`text` with each generated block rewritten from `kernels`. A ValueError
-    names `where` for a BEGIN without its END, an END without a BEGIN, or a
-    function that no kernel has or that two blocks name."""
+class Block(NamedTuple):
+    """One generated block: the line indices of its BEGIN and END lines and the
+    template functions its BEGIN line names."""
+
+    begin: int
+    end: int
+    functions: tuple[str, ...]
+
+
+def blocks(text: str, where: str = "shader") -> list[Block]:
+    """The generated blocks of `text`, in order. A ValueError names `where`
+    for a BEGIN without its END, an END without a BEGIN, a BEGIN line that
+    names no function, or a function that two blocks name."""
     lines = text.split("\n")
-    out: list[str] = []
+    found: list[Block] = []
     claimed: set[str] = set()
     i = 0
     while i < len(lines):
         line = lines[i]
         if line.startswith(END):
             raise ValueError(f"{where}:{i + 1}: {END!r} without a BEGIN line")
-        out.append(line)
-        i += 1
         if not line.startswith(BEGIN):
+            i += 1
             continue
-        functions = line[len(BEGIN):].split()
+        functions = tuple(line[len(BEGIN):].split())
         if not functions:
-            raise ValueError(f"{where}:{i}: the BEGIN line names no template function")
+            raise ValueError(f"{where}:{i + 1}: the BEGIN line names no template function")
         for f in functions:
             if f in claimed:
-                raise ValueError(f"{where}:{i}: {f} is named by two generated blocks")
-            if not any(k.function == f for k in kernels):
-                raise ValueError(f"{where}:{i}: no kernel of the capability tables uses {f}")
+                raise ValueError(f"{where}:{i + 1}: {f} is named by two generated blocks")
             claimed.add(f)
-        end = next((j for j in range(i, len(lines)) if lines[j].startswith((BEGIN, END))), None)
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith((BEGIN, END))), None)
         if end is None or not lines[end].startswith(END):
-            raise ValueError(f"{where}:{i}: generated block without its {END!r} line")
-        out.append(NOTE)
-        out.extend(k.line for k in kernels if k.function in functions)
-        out.append(lines[end])
+            raise ValueError(f"{where}:{i + 1}: generated block without its {END!r} line")
+        found.append(Block(i, end, functions))
         i = end + 1
+    return found
+
+
+def generated_lines(text: str, where: str = "shader") -> list[str]:
+    """The lines inside the generated blocks of `text` (between each BEGIN
+    and its END line)."""
+    lines = text.split("\n")
+    return [line for b in blocks(text, where) for line in lines[b.begin + 1:b.end]]
+
+
+def render(text: str, kernels: list[Kernel], where: str = "shader") -> str:
+    """`text` with each generated block rewritten from `kernels`. A ValueError
+    names `where` for a malformed block (see `blocks`) or a function that no
+    kernel has."""
+    lines = text.split("\n")
+    out: list[str] = []
+    i = 0
+    for b in blocks(text, where):
+        for f in b.functions:
+            if not any(k.function == f for k in kernels):
+                raise ValueError(f"{where}:{b.begin + 1}: no kernel of the capability tables uses {f}")
+        out.extend(lines[i:b.begin + 1])
+        out.append(NOTE)
+        out.extend(k.line for k in kernels if k.function in b.functions)
+        out.append(lines[b.end])
+        i = b.end + 1
+    out.extend(lines[i:])
     return "\n".join(out)
 
 

@@ -91,7 +91,7 @@ public enum PrefillDispatcher {
     /// ValueError/TypeError naming the op and the value otherwise): rank-4
     /// tensors of one dtype in PrefillCapability.ioTypes, a head dim in
     /// 1...256 or 512, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
-    /// q_offset + qL <= kv_len, a finite scale, softcap 0 or > 0, window >= 0, buffers that
+    /// q_offset + qL <= kv_len when causal or windowed, a finite scale, softcap 0 or > 0, window >= 0, buffers that
     /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
         let op = Self.op
@@ -121,7 +121,9 @@ public enum PrefillDispatcher {
         try Checks.kvLen(kL, capacity: capacity, op: op)
         let qOffset = o.qOffset
         if qOffset < 0 { throw FlashMetalError.value(op, "q_offset must be >= 0, got \(qOffset)", arg: "q_offset") }
-        if qOffset + qL > kL {
+        // Positions matter only to causal and the window: without them every row sees every key, and q may
+        // have more rows than there are keys.
+        if qOffset + qL > kL && (o.causal || o.window > 0) {
             throw FlashMetalError.value(op, "q_offset (\(qOffset)) + q_len (\(qL)) must be <= kv_len (\(kL))", arg: "q_offset")
         }
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)

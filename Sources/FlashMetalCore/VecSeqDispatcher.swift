@@ -115,8 +115,8 @@ public enum VecSeqDispatcher {
         public var rows: Int { batch * queryRows * heads }
     }
 
-    /// The most query rows per sequence a short-query call takes (rank-4 q).
-    public static let maxQueryRows = 8
+    /// The most query rows per sequence a short-query call takes (rank-4 q): FM_SHORT_QUERY_ROWS of flashmetal.h.
+    public static let maxQueryRows = Int(FM_SHORT_QUERY_ROWS)
 
     /// Validates shapes (q [B, H, D] or [B, L, H, D] with 1 <= L <= maxQueryRows; k [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).

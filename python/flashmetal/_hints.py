@@ -150,6 +150,7 @@ class _Call:
     gqa: bool
     kv_len: int | None
     q_offset: int | None  # the query rows' offset, where the op needs them inside the keys
+    positioned: bool = True  # causal or windowed: the rows' positions matter
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class _Spec:
     layout: str | None = None  # the parameter naming the layout (None: ``expected`` always)
     expected: str = "bhld"
     decode: bool = False  # q is [(B,) H, D]; only the caches have a layout
-    q_within_keys: bool = False  # q_offset + qL <= kv_len (bottom-right by default)
+    q_within_keys: bool = False  # q_offset + qL <= kv_len when causal or windowed (bottom-right by default)
 
 
 def _fits(spec: _Spec, c: _Call, q_layout: str, k_layout: str) -> tuple[_Reading, _Reading] | None:
@@ -179,7 +180,7 @@ def _fits(spec: _Spec, c: _Call, q_layout: str, k_layout: str) -> tuple[_Reading
     kv = k.positions if c.kv_len is None else c.kv_len
     if k.heads <= 0 or q.heads % k.heads or (not c.gqa and q.heads != k.heads) or not 0 < kv <= k.positions:
         return None
-    if spec.q_within_keys and q.positions is not None and q.positions + (c.q_offset or 0) > kv:
+    if spec.q_within_keys and c.positioned and q.positions is not None and q.positions + (c.q_offset or 0) > kv:
         return None
     if c.mask is not None and q.positions is not None:
         batch = c.q[0] if len(c.q) == 4 else 1
@@ -211,7 +212,8 @@ def _layout_error(spec: _Spec, e: InvalidValueError, args: dict[str, Any]) -> In
     kv_len = args.get("kv_len")
     q_offset = args.get("q_offset")
     call = _Call(q, k, _shape(args[spec.v]), mask, True if spec.gqa is None else args[spec.gqa] is True,
-                 kv_len if isinstance(kv_len, int) else None, q_offset if isinstance(q_offset, int) else None)
+                 kv_len if isinstance(kv_len, int) else None, q_offset if isinstance(q_offset, int) else None,
+                 args.get("causal") is not False or args.get("window") is not None)
     expected = args.get(spec.layout, spec.expected) if spec.layout else spec.expected
     if not isinstance(expected, str) or expected not in _TRANSPOSED:
         return None

@@ -16,10 +16,11 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._interop import to_numpy
 
 
-#: The most query rows per sequence the split-KV decode kernel takes (short
-#: queries; the library's VecSeqDispatcher.maxQueryRows): the torch drop-in's
-#: and the serving functions' route.
-SHORT_QUERY_ROWS = 8
+def short_query_rows() -> int:
+    """The most query rows per sequence the split-KV decode kernel takes (a
+    short query: the torch drop-in's and the serving functions' route): the
+    library's FM_SHORT_QUERY_ROWS."""
+    return _native.constant("FM_SHORT_QUERY_ROWS")
 
 
 def short_query_head_dims(dtype: np.dtype, d: int, dv: int) -> bool:

@@ -30,7 +30,7 @@ from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
-from ._serving_args import (SHORT_QUERY_ROWS, attn_options, flag, no_dropout, seq_tensors, short_query_head_dims,
+from ._serving_args import (attn_options, flag, no_dropout, seq_tensors, short_query_head_dims, short_query_rows,
                             sinks_arg)
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from .decode import flash_attn_decode
@@ -298,15 +298,15 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     if decode and qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     newest = q_offset == kl - qL or (not causal and window is None)
-    if (decode and 1 < qL <= min(SHORT_QUERY_ROWS, kl) and mask is None and newest and not sinks
+    if (decode and 1 < qL <= min(short_query_rows(), kl) and mask is None and newest and not sinks
             and short_query_head_dims(dtype, D, dv)):
         return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
                      "each row with its own causal/window keys, K/V read once per kv head"), None
     why_not = []
-    if causal and not 0 <= q_offset <= kl - qL:
-        why_not.append(f"causal rows at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
-    if not causal and qL > kl:
-        why_not.append(f"qL ({qL}) > kL ({kl})")
+    # Without causal and a window positions do not matter (the prefill runs q_offset 0 and any qL).
+    if (causal or window is not None) and not 0 <= q_offset <= kl - qL:
+        rows = "causal rows" if causal else "rows with a window"
+        why_not.append(f"{rows} at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
     pad_to = None
     if dv != D:
         if not _native.runs_head_dims(prefill_op, D, dv):
@@ -416,9 +416,11 @@ def scaled_dot_product_attention(
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
       D in {64, 80, 96, 128, 192, 256, 512} (other D below the largest
       zero-padded to the next one when there are >= ``PAD_MIN_QUERY_ROWS``
-      query rows), the causal rows inside the keys;
+      query rows), causal or windowed rows inside the keys (without causal
+      and a window, any number of query rows);
     - ``sdpa`` (the general kernel) for everything else: any head dim
-      (48, 160, 640, 1024, ... up to 65536), qL > kL.
+      (48, 160, 640, 1024, ... up to 65536), causal or windowed rows
+      outside the keys.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
@@ -449,7 +451,8 @@ def scaled_dot_product_attention(
         sinks: ``[H]`` per-head sink logits (gpt-oss; converted to float32),
             or None: each joins its head's softmax denominators without a
             value, beside the mask. Applied by the prefill kernel; a call it
-            cannot take (an unsupported head dim, qL > kL) is refused.
+            cannot take (an unsupported head dim, causal rows outside the
+            keys) is refused.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:

@@ -22,6 +22,7 @@ def backend_names() -> tuple[str, ...]:
     _native.lib().fm_backend_names(buf, 256)
     return tuple(n for n in _native.ffi().string(buf).decode().split(",") if n)
 
+
 # The metal-sim runtime's counters, in the order of FMMetalSimCounter.
 METAL_SIM_COUNTERS = ("command_buffers", "commits", "encoders", "dispatches", "barriers", "bytes_wrapped",
                       "bytes_copied_in", "bytes_copied_out", "violations", "live_command_buffers",

@@ -33,7 +33,7 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
-from ._serving_args import (SHORT_QUERY_ROWS, alibi_arg, attn_options, flag, seq_tensors, short_query_head_dims,
+from ._serving_args import (alibi_arg, attn_options, flag, seq_tensors, short_query_head_dims, short_query_rows,
                             sinks_arg, training_arguments, window)
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
@@ -783,14 +783,14 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
 
 
 def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
-    """Whether q [B, qL, H, D] with 1 < qL <= SHORT_QUERY_ROWS runs the
+    """Whether q [B, qL, H, D] with 1 < qL <= short_query_rows() runs the
     split-KV decode kernel (each query row with its own causal/window keys,
     the rows of a kv head reading its K/V once) instead of the prefill's
     32-row tile: q and the caches of one dtype, head dims both the decode and
     the prefill run,
     and not inside a caller's batch scope on a deferring backend (the float32
     result is converted after the work ran)."""
-    if qa.ndim != 4 or not 1 < qa.shape[1] <= SHORT_QUERY_ROWS or ka.ndim != 4 or va.ndim != 4:
+    if qa.ndim != 4 or not 1 < qa.shape[1] <= short_query_rows() or ka.ndim != 4 or va.ndim != 4:
         return False
     if qa.dtype != ka.dtype or ka.dtype != va.dtype or (reg._defers_work and reg._batch_depth):
         return False

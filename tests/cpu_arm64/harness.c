@@ -15,6 +15,7 @@
 #include <string.h>
 #include "fm_cpu_kernels.h"
 #include "fm_kv_codec.h"
+#include "codes_case.h"
 #include "half_convert.h"
 
 static int failures = 0;
@@ -690,72 +691,10 @@ static void run_blk_and_mask(void) {
 
 /* ---- prefill over quantized caches ---------------------------------------- */
 
-/* One attention over quantized caches: K and V codes of `kbits` / `vbits`
- * for [kL, Hkv] rows (flash-attn's layout: a key's kv heads side by side),
- * qL causal rows at the end of the keys (window > 0: each row sees its last
- * `window` keys), GQA H / Hkv, sinks, LSE; the cpu codec's own dequantized
- * rows are the reference's keys and values. */
-typedef struct CodesCase {
-    int32_t D, H, Hkv, qL, kL, window, kbits, vbits;
-    KVCodecParams kc, vc;
-    uint8_t *kq, *vq;
-    float *kn, *vn, *kd, *vd, *q, *o, *lse, sinks[4];
-} CodesCase;
-
+/* The cases over quantized caches (codes_case.h): 4 query heads over 2 kv
+ * heads, 70 query rows at the end of 150 keys. */
 static CodesCase codes_case(int32_t D, int32_t kbits, int32_t vbits, int32_t window) {
-    CodesCase c = {D, 4, 2, 70, 150, window, kbits, vbits};
-    const int32_t block = D == 80 ? 16 : D == 96 ? 32 : D == 192 ? 64 : D;
-    c.kc = (KVCodecParams){5, D, kbits, block, (D * kbits / 8 + 15) & ~15, {0, 0}};
-    c.vc = (KVCodecParams){6, D, vbits, block, (D * vbits / 8 + 15) & ~15, {0, 0}};
-    const int64_t rows = (int64_t)c.kL * c.Hkv, nb = D / block, qn = (int64_t)c.qL * c.H * D;
-    float *x = malloc(sizeof(float) * rows * D);
-    c.kd = malloc(sizeof(float) * rows * D); c.vd = malloc(sizeof(float) * rows * D);
-    c.q = malloc(sizeof(float) * qn); c.o = malloc(sizeof(float) * qn);
-    c.lse = malloc(sizeof(float) * c.H * c.qL);
-    c.kq = malloc((size_t)rows * c.kc.row_bytes); c.vq = malloc((size_t)rows * c.vc.row_bytes);
-    c.kn = malloc(sizeof(float) * rows * nb); c.vn = malloc(sizeof(float) * rows * nb);
-    for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&c.kc, x, FM_DTYPE_F32, c.kq, c.kn, 0, rows);
-    for (int64_t i = 0; i < rows * D; i++) x[i] = nrand();
-    fm_cpu_kv_encode_rows(&c.vc, x, FM_DTYPE_F32, c.vq, c.vn, 0, rows);
-    fm_cpu_kv_dequantize_rows(&c.kc, c.kq, c.kn, c.kd, 0, rows);
-    fm_cpu_kv_dequantize_rows(&c.vc, c.vq, c.vn, c.vd, 0, rows);
-    for (int64_t i = 0; i < qn; i++) c.q[i] = nrand();
-    for (int h = 0; h < c.H; h++) c.sinks[h] = nrand();
-    free(x);
-    return c;
-}
-
-/* The kernels' parameters of a case: one sequence, causal, its window. */
-static KVCodesDecodeParams codes_params(const CodesCase *c) {
-    KVCodesDecodeParams p;
-    memset(&p, 0, sizeof p);
-    p.k_seed = c->kc.seed;
-    p.v_seed = c->vc.seed;
-    p.kv_strides[0] = (int64_t)c->kL * c->Hkv;
-    p.kv_strides[1] = 1;
-    p.kv_strides[2] = c->Hkv;
-    p.n_heads = c->H;
-    p.n_kv_heads = c->Hkv;
-    p.head_dim = c->D;
-    p.block = c->kc.block;
-    p.k_bits = c->kbits;
-    p.v_bits = c->vbits;
-    p.k_row_bytes = c->kc.row_bytes;
-    p.v_row_bytes = c->vc.row_bytes;
-    p.kv_len = c->kL;
-    p.q_len = c->qL;
-    p.scale = 1.0f / sqrtf((float)c->D);
-    p.causal = 1;
-    p.window_left = c->window > 0 ? c->window - 1 : -1;
-    p.window_right = -1;
-    p.batch = 1;
-    return p;
-}
-
-static FMCPUKVCodesAttnArgs codes_args(CodesCase *c) {
-    return (FMCPUKVCodesAttnArgs){.q = c->q, .k_codes = c->kq, .k_norms = c->kn, .v_codes = c->vq,
-                                  .v_norms = c->vn, .o = c->o, .sinks = c->sinks, .lse = c->lse};
+    return codes_case_new(D, 4, 2, 70, 150, window, kbits, vbits, nrand);
 }
 
 /* Checks o and lse against double attention over the dequantized rows (the
@@ -806,8 +745,8 @@ static void codes_check(CodesCase *c, const char *what) {
     }
     CHECK(worst <= 1.0 && worst_lse <= 1.0, "%s %s D=%d K%d/V%d window=%d: error %.3gx tolerance (lse %.3gx)",
           what, fm_cpu_isa_name(fm_cpu_isa()), D, c->kbits, c->vbits, c->window, worst, worst_lse);
-    free(c->kq); free(c->vq); free(c->kn); free(c->vn); free(c->kd); free(c->vd); free(c->q); free(c->o);
-    free(c->lse); free(K); free(V); free(vis);
+    codes_case_free(c);
+    free(K); free(V); free(vis);
 }
 
 /* The prefill over codes in work items of `n_items` items of each kv head,

@@ -30,13 +30,14 @@ import ml_dtypes
 import numpy as np
 
 from flashmetal import _loader, reference
-from flashmetal._serving_args import SHORT_QUERY_ROWS as MAX_QUERY_ROWS  # fm_dispatch_vec_seq's most rows of q
 
 G = 64  # guard bytes on each side
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {0: np.dtype(np.float32), 1: np.dtype(np.float16), 2: BF16, 3: np.dtype(np.bool_), 4: np.dtype(np.uint8),
       5: np.dtype(np.int32)}
 SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
+
+
 def geom(d: int) -> tuple[int, int]:
     """(BQ, BK) of the prefill (and its blk) for head dim d."""
     return (8, 8) if d >= 512 else (32, 16)
@@ -64,6 +65,8 @@ def pick_dim(rng, dims: tuple[int, ...]) -> int:
     rest = [i for i, d in enumerate(dims) if d not in (64, 512)]
     w[rest] = (1.0 - w.sum()) / max(len(rest), 1)
     return int(rng.choice(dims, p=w / w.sum()))
+
+
 INT64_MAX = 2**63 - 1
 OPS = {
     "prefill": ("flash_attn_prefill",),
@@ -421,11 +424,11 @@ def gen_vec_seq(rng, backend):
 
 def _short_query(rng, case: Case, g: dict, nonfinite: bool) -> None:
     """Makes a vec_seq case a short query: q/out [B, L, H, D] and lse [B, L, H]
-    with L in 1..MAX_QUERY_ROWS + 1 (one past the most the library takes,
+    with L in 1..FM_SHORT_QUERY_ROWS + 1 (one past the most the library takes,
     which it must refuse naming q), and a right window bound that a row
     left of the newest one can have keys beyond. Drawn after every choice of
     the single-row case, whose q, out, lse and window_right it replaces."""
-    rows = int(rng.integers(1, MAX_QUERY_ROWS + 2))
+    rows = int(rng.integers(1, max_query_rows() + 2))
     b, h, d = g["b"], g["h"], g["d"]
     t = case.tensors
     t["q"] = _tensor(rng, 0, [b, rows, h, d], nonfinite=nonfinite)
@@ -434,7 +437,7 @@ def _short_query(rng, case: Case, g: dict, nonfinite: bool) -> None:
         t["lse"] = _tensor(rng, 0, [b, rows, h], role="out")
     case.opts["window_right"] = int(rng.choice([-1, 0, 1, 2, 5]))
     case.args["q_rows"] = rows
-    if rows > MAX_QUERY_ROWS:
+    if rows > max_query_rows():
         case.mutations.append(f"q.rows={rows}")
 
 
@@ -578,6 +581,11 @@ def lib():
     if _LIB is None:
         _FFI, _LIB = _loader.load()
     return _FFI, _LIB
+
+
+def max_query_rows() -> int:
+    """fm_dispatch_vec_seq's most rows of q: FM_SHORT_QUERY_ROWS of the header."""
+    return int(lib()[1].FM_SHORT_QUERY_ROWS)
 
 
 class Registries:
@@ -832,6 +840,7 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
 def _kv_append_expected(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """The caches' bytes after the append, from their bytes before it."""
     t = case.tensors
+
     def before(name):
         ts = t[name]
         n = int(np.prod(ts.shape)) * SIZE[ts.dtype]
@@ -871,7 +880,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         f"an output sharing memory was accepted: {ctx}"
     if case.op == "vec_seq":
         q = case.tensors["q"]
-        assert len(q.shape) != 4 or 1 <= q.shape[1] <= MAX_QUERY_ROWS, f"q of {q.shape[1]} rows accepted: {ctx}"
+        assert len(q.shape) != 4 or 1 <= q.shape[1] <= max_query_rows(), f"q of {q.shape[1]} rows accepted: {ctx}"
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
         assert 0 < ql < 2**31 and 0 < kl < 2**31 and (0 < d <= 256 or d in prefill_dims()), ctx
@@ -927,17 +936,17 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
 
 def _check_rows_refusal(case: Case, status: int, msg: str, argument: str, ctx: str) -> None:
     """A refused short-query vec_seq call. One whose only fault is q's rows
-    past MAX_QUERY_ROWS must be a value error naming the op, q, its rows
+    past FM_SHORT_QUERY_ROWS must be a value error naming the op, q, its rows
     and the limit."""
     rows = case.args["q_rows"]
     if case.mutations != [f"q.rows={rows}"]:  # another fault may be the one reported
-        case.notes.append("vec_seq q[B,L,H,D] refused" + (" (L too many, and more)" if rows > MAX_QUERY_ROWS else ""))
+        case.notes.append("vec_seq q[B,L,H,D] refused" + (" (L too many, and more)" if rows > max_query_rows() else ""))
         return
     case.notes.append("vec_seq q[B,L,H,D] refused (L too many, named)")
     assert status == 1 and argument == "q", f"q of {rows} rows not refused as a bad q: {ctx} argument={argument!r}"
     body = msg.split(":", 1)[1]
     assert msg.startswith("flash_attn_vec_seq:") and re.search(rf"\b{rows}\b", body) \
-        and re.search(rf"\b{MAX_QUERY_ROWS}\b", body), f"rows refusal names not the rows and the limit: {ctx}"
+        and re.search(rf"\b{max_query_rows()}\b", body), f"rows refusal names not the rows and the limit: {ctx}"
 
 
 BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the call

@@ -34,7 +34,6 @@ BACKENDS = [name for name in available_backends() if name not in left_out()]
 SIMULATED = ("sim", "metal-sim")
 
 
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--sample-cases", type=int, default=1, metavar="N",
                      help="keep about 1 in N parametrisations of each test function (a fixed choice by test id; "

@@ -165,12 +165,18 @@ def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
 
 
 def test_more_queries_than_keys_bf16(registry, rng):
-    """The issue's cross-attention case (qL=512, kL=257) in a smaller size."""
+    """Cross-attention with more query rows than keys (qL 512 over kL 257,
+    smaller on the simulators) runs on the tiled prefill; with a window the
+    rows' positions matter and those past the keys take sdpa."""
     ql, kl = small(registry, (512, 257), (40, 17))
     q, k, v = qkv(rng, BF16, ql=ql, kl=kl, d=64)
     out = SDPA(q, k, v, registry=registry)
-    assert fm.last_route().kernel == "sdpa"
+    assert fm.last_route().kernel == "flash_attn_prefill"
     assert_close(out, reference.attention(q, k, v), BF16)
+    out = SDPA(q, k, v, window=ql - 1, registry=registry)  # the last row's window holds the last key
+    assert fm.last_route().kernel == "sdpa"
+    assert f"rows with a window at positions 0..{ql - 1} outside the {kl} keys" in fm.last_route().reason
+    assert_close(out, reference.attention(q, k, v, q_offset=0, window=ql - 1), BF16)
 
 
 def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):

@@ -10,9 +10,11 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
+from flashmetal._native import constant
 import numerics
 from numerics import BF16, F16, F32, assert_close, randn
 
+SHORT_QUERY_ROWS = constant("FM_SHORT_QUERY_ROWS")  # the most rows of a short query (flashmetal.h)
 
 
 def SDPA(*args, return_kernel=False, **kwargs):
@@ -42,7 +44,7 @@ def tol(dtype, route):
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_routes(registry, rng, dtype, ql, route, causal):
-    if ql <= fm.attention.SHORT_QUERY_ROWS:
+    if ql <= SHORT_QUERY_ROWS:
         route = "flash_attn_vec"  # rows at the newest positions (bottom-right): the short-query decode
     q, k, v = qkv(rng, dtype, ql=ql)
     out, ran = SDPA(q, k, v, is_causal=causal, return_kernel=True, registry=registry)
@@ -57,7 +59,7 @@ def test_routes(registry, rng, dtype, ql, route, causal):
 def test_window(registry, rng, dtype, ql, causal):
     q, k, v = qkv(rng, dtype, ql=ql, kl=70, d=128)
     out, ran = SDPA(q, k, v, is_causal=causal, window=9, kv_len=60, return_kernel=True, registry=registry)
-    assert ran == ("flash_attn_vec" if ql <= fm.attention.SHORT_QUERY_ROWS else "flash_attn_prefill")
+    assert ran == ("flash_attn_vec" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill")
     assert_close(out, expect(q, k, v, 60, causal=causal, window=9), tol(dtype, ran), ran)
 
 

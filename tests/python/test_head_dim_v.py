@@ -18,9 +18,11 @@ import pytest
 import flashmetal as fm
 from conftest import BACKENDS
 from flashmetal import reference
-from flashmetal.serving import SHORT_QUERY_ROWS
+from flashmetal._native import constant
 from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_cases import assert_out_lse, cu, paged
+
+SHORT_QUERY_ROWS = constant("FM_SHORT_QUERY_ROWS")  # the most rows of a short query (flashmetal.h)
 
 # (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles, MLA's latent pair.
 PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32), (576, 512)]

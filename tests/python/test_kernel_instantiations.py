@@ -38,13 +38,7 @@ def test_shaders_instantiate_exactly_the_tables_kernels():
 
 def test_prefill_and_decode_kernels_are_generated():
     """Each prefill and decode kernel's line lies inside a generated block."""
-    generated = set()
-    for path in FILES:
-        inside = False
-        for line in path.read_text().split("\n"):
-            inside = (inside or line.startswith(gen.BEGIN)) and not line.startswith(gen.END)
-            if inside and line.startswith("INSTANTIATE_KERNEL("):
-                generated.add(line)
+    generated = {line for path in FILES for line in gen.generated_lines(path.read_text(), where=path.name)}
     ops = [k for k in KERNELS if k.name.startswith(("flash_attn_prefill_", "flash_attn_vec_"))]
     assert len(ops) > 80
     assert [k.name for k in ops if k.line not in generated] == []

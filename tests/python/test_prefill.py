@@ -8,7 +8,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from numerics import BF16, F16, assert_bits_equal, assert_close, qkv, randn, wide_bool_bytes
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, qkv, randn, wide_bool_bytes
 
 HEAD_DIMS = [64, 128, 256, 512]
 DTYPES = [BF16, F16]
@@ -76,6 +76,19 @@ def test_serving_head_dims(registry, rng, d, dtype, mask, causal):
 def test_aligned_and_unaligned(registry, rng, ql, kl, d):
     check(registry, rng, ql=ql, kl=kl, d=d, causal=True)
     check(registry, rng, ql=ql, kl=kl, d=d, causal=False, mask="additive2")
+
+
+@pytest.mark.parametrize("ql,kl,d,dtype,mask", [(50, 17, 64, BF16, "none"), (40, 3, 128, F16, "bool"),
+                                                 (33, 32, 512, BF16, "additive4"), (70, 9, 59, F32, "additive2")])
+def test_more_rows_than_keys(registry, rng, ql, kl, d, dtype, mask):
+    """Without causal and a window no position matters: q may have more rows
+    than there are keys (cross-attention), each row over every key the mask
+    keeps, whatever q_offset says."""
+    q, k, v = qkv(rng, dtype, b=2, h=4, hkv=2, ql=ql, kl=kl, d=d)
+    m = make_mask(rng, mask, 2, 4, ql, kl, dtype)
+    out = fm.flash_attn_prefill(q, k, v, mask=m, registry=registry)
+    assert_close(out, reference.attention(q, k, v, mask=m), dtype, f"{registry.backend} qL {ql} > kL {kl}")
+    assert_bits_equal(out, fm.flash_attn_prefill(q, k, v, mask=m, q_offset=7, registry=registry), "q_offset 7")
 
 
 def test_gqa_8_2_batch(registry, rng):

@@ -81,7 +81,9 @@ def test_masks(cpu, rng, qkv):
 def test_options(cpu, rng, qkv):
     q, k, v = qkv
     raises(ValueError, "q_offset (9) + q_len (8) must be <= kv_len (16)", fm.flash_attn_prefill,
-           q, k, v, q_offset=9, registry=cpu)
+           q, k, v, q_offset=9, causal=True, registry=cpu)
+    raises(ValueError, "q_offset (9) + q_len (8) must be <= kv_len (16)", fm.flash_attn_prefill,
+           q, k, v, q_offset=9, window=4, registry=cpu)
     raises(ValueError, "q_offset must be >= 0, got -1", fm.flash_attn_prefill,
            q, k, v, q_offset=-1, registry=cpu)
     raises(ValueError, "kv_len (17) must be <= the cache capacity (16)", fm.flash_attn_prefill,

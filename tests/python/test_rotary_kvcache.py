@@ -14,10 +14,12 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import reference
-from flashmetal.serving import SHORT_QUERY_ROWS
+from flashmetal._native import constant
 from numerics import BF16, F16, F32, randn
 from serving_cases import BACKENDS, SIMULATED, assert_out_lse, paged
 from serving_cases import registry as registry_for
+
+SHORT_QUERY_ROWS = constant("FM_SHORT_QUERY_ROWS")  # the most rows of a short query (flashmetal.h)
 
 B, H, HKV, D, CAP = 2, 4, 2, 64, 48
 LENS = np.array([5, 29], dtype=np.int32)

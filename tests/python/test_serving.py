@@ -191,4 +191,3 @@ def test_return_conventions_follow_flash_attn(rng):
     assert isinstance(res, np.ndarray) and res.shape == q[0].shape
     assert len(fm.flash_attn_varlen_func(q[0], k[0], v[0], cu([4]), cu([4]), 4, 4, return_attn_probs=True,
                                          registry="cpu")) == 3
-

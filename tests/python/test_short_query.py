@@ -13,7 +13,6 @@ from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
 from serving_native import make_cache
 
 
-
 @pytest.fixture
 def calls(monkeypatch):
     """The library entry points the public functions call, in order."""

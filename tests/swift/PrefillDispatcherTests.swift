@@ -276,7 +276,14 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(d: 300, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256 or 512, got 300")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
+        resume.causal = true
         expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
+        resume.causal = false
+        resume.window = 8
+        expectError(Case(qL: 50, kL: 64), resume, contains: "q_offset (20) + q_len (50) must be <= kv_len (64)")
+        resume.window = 0  // no position matters: rows past the keys run
+        XCTAssertNoThrow(try dispatch(Case(qL: 50, kL: 64), resume))
+        XCTAssertNoThrow(try dispatch(Case(qL: 70, kL: 64)))
         var over = PrefillOptions(scale: 0.1)
         over.kvLen = 65
         expectError(Case(kL: 64), over, contains: "kv_len (65) must be <= the cache capacity (64)")

@@ -33,6 +33,10 @@ extern "C" {
  * value of the header it ships. */
 enum { FM_ABI_VERSION = 8 };
 
+/* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
+ * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
+enum { FM_SHORT_QUERY_ROWS = 8 };
+
 /* FMVecOptions.mask_type. */
 typedef enum FMVecMaskType {
     FM_VEC_MASK_NONE = 0, FM_VEC_MASK_CAUSAL = 1, FM_VEC_MASK_WINDOW = 2
@@ -326,9 +330,9 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
                      const FMAttnOptions *options, FMError *err);
-/* Serving decode: q/out float32 [B, H, D], or [B, L, H, D] with 1 <= L <= 8 short
- * query rows (row i at position seqlens_k[b] - L + i, each with its own causal,
- * window (both sides) and chunk keys); k/v [B, cap, Hkv, D] or paged
+/* Serving decode: q/out float32 [B, H, D], or [B, L, H, D] with 1 <= L <=
+ * FM_SHORT_QUERY_ROWS short query rows (row i at position seqlens_k[b] - L + i,
+ * each with its own causal, window (both sides) and chunk keys); k/v [B, cap, Hkv, D] or paged
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
  * block_table, sinks, lse ([B, H], or [B, L, H]); cu_seqlens_* and seqused_q must
  * be NULL. tmp as fm_dispatch_vec. */
