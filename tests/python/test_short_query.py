@@ -35,7 +35,7 @@ def _qkv(rng, b, ql, kl, h, hkv, d, dtype, dv=None):
 
 
 # (qL, kL, H, Hkv, D, dtype, keywords): causal bottom-right, windows on both
-# sides, GQA 1/2/4, fewer keys than query rows, softcap, chunks, ALiBi.
+# sides, GQA 1/2/4/8, fewer keys than query rows, softcap, chunks, ALiBi.
 FUNC_CASES = [
     (2, 40, 2, 2, 64, BF16, dict(causal=True)),
     (4, 70, 4, 1, 64, F16, dict(causal=True)),
@@ -47,6 +47,11 @@ FUNC_CASES = [
     (4, 64, 4, 2, 64, F32, dict(causal=True, softcap=5.0, attention_chunk=24)),
     (7, 44, 2, 2, 64, BF16, dict(causal=False, attention_chunk=16)),
     (3, 2, 2, 1, 64, BF16, dict(causal=False, attention_chunk=1)),  # a row before the first key sees none
+    # Threadgroups of L * G rows: 12 (not a power of two); 20 at D = 256 (two of 10);
+    # 64 (two of 32, each with its own union of keys).
+    (3, 41, 8, 2, 64, F16, dict(causal=True)),
+    (5, 40, 4, 1, 256, BF16, dict(causal=True)),
+    (8, 70, 8, 1, 64, BF16, dict(causal=False, window_size=(20, 1))),
 ]
 
 
