@@ -113,6 +113,33 @@ def test_kvcache_short_query(registry, calls, page_size):
         assert_close(out, e_out, F16, f"{registry.backend} leftpad")
 
 
+# (B, qL, H, Hkv, D, cache dtype, cap, page size, keywords): a kv head's
+# L * G rows in one threadgroup (32 over a paged float32 cache; 64 of D = 64
+# on pages of 5) or spread over several (32 at D = 256: 2 x 16; 24 at
+# D = 512: 3 x 8, with a window).
+GROUP_CASES = [
+    (2, 4, 8, 1, 128, F32, 48, 16, dict(causal=True)),
+    (2, 8, 8, 2, 64, F16, 48, 5, dict(causal=True)),
+    (1, 8, 4, 1, 256, BF16, 40, None, dict(causal=True)),
+    (1, 3, 8, 1, 512, BF16, 36, None, dict(causal=True, window_size=(7, -1))),
+]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: f"q{c[1]}h{c[2]}/{c[3]}d{c[4]}-page{c[7]}")
+def test_kvcache_rows_per_threadgroup(registry, calls, case):
+    b, ql, h, hkv, d, dtype, cap, page, kw = case
+    rng = np.random.default_rng(ql * 100 + d)
+    kc, vc, table = make_cache(rng, b, cap, hkv, d, dtype, page)
+    lens = np.array([cap - 3 - i for i in range(b)], dtype=np.int32)
+    q = randn(rng, (b, ql, h, d), dtype)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, **kw)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                         return_softmax_lse=True, registry=registry, **kw)
+    assert calls == ["fm_dispatch_vec_seq"], calls
+    assert_close(out, e_out, dtype, f"{registry.backend} {case}")
+    assert_close(lse, e_lse, F32, f"{registry.backend} {case} lse")
+
+
 def test_longer_queries_keep_the_prefill(registry, calls):
     rng = np.random.default_rng(9)
     q, k, v = _qkv(rng, 1, 9, 20, 2, 2, 64, BF16)
