@@ -2,7 +2,8 @@
 // head, the KV range split over NWG = 32 workgroups, then a reduce.
 //
 // Main kernel, grid (1, rows / HG, NWG), HG SIMD groups (32 * HG threads)
-// per threadgroup: the HG query heads of one kv head (HG divides H / Hkv;
+// per threadgroup: HG query rows of one kv head (HG divides H / Hkv, times
+// the query rows L of a short query, and is at most vec_group_rows<D>;
 // VecDispatcher.headsPerGroup), one SIMD group each, over one workgroup's
 // keys. Workgroup wg takes a contiguous run of 32-key chunks (FM_VEC_CHUNK:
 // the split flashmetal_kernels.h defines for every backend). Per chunk:
@@ -20,7 +21,7 @@
 // RS rows (vec_stage_rows) into one of two threadgroup stages unchanged, a
 // barrier, then every SIMD group reads them there (one barrier per stage:
 // the stages alternate). Either way each lane sums the same floats in the
-// same order, so HG changes no bit of the result.
+// same order, so HG changes no bit of a decode (one query row per sequence).
 // Each lane reads its dims of q (float32) straight into registers: q is
 // never narrowed (staging it in half would lose ~3 digits and make
 // |q| > 65504 infinite), so decode meets the float32 tolerance. The query sits at position
@@ -60,6 +61,9 @@
 // groups of a threadgroup (HG divides L * H / Hkv) share one kv head's K/V
 // reads across query rows as well as heads; the threadgroup walks the union
 // of its rows' keys, each SIMD group scoring and accumulating only its own.
+// The workgroups split that union, so when HG covers all L * H / Hkv rows
+// of a kv head (L * H / Hkv <= vec_group_rows) K/V are read once per kv head
+// and the split is the cpu kernel's (the union of the sequence's rows).
 //
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
@@ -111,6 +115,13 @@ FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
 template <int D>
 constexpr int vec_width() {
     return D % 128 == 0 ? 4 : (D % 64 == 0 ? 2 : 4);
+}
+
+// Query rows (SIMD groups) one threadgroup serves at most: 32 up to D = 128,
+// 16 up to 256, 8 beyond (FM_VEC_GROUP_ROWS_*: a lane's registers grow with D).
+template <int D>
+constexpr int vec_group_rows() {
+    return D <= 128 ? FM_VEC_GROUP_ROWS_D128 : (D <= 256 ? FM_VEC_GROUP_ROWS_D256 : FM_VEC_GROUP_ROWS_WIDE);
 }
 
 // Key rows staged in threadgroup memory at a time when a threadgroup serves
@@ -348,6 +359,7 @@ inline void vec_visible(uint mask_type, uint window, constant FlashAttnVecSeqPar
 }
 
 template <typename KV, int D>
+[[max_total_threads_per_threadgroup(32 * vec_group_rows<D>())]]
 kernel void flash_attn_vec(
     constant FlashAttnVecParams &p [[buffer(0)]],
     const device float *q [[buffer(1)]],

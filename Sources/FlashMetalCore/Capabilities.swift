@@ -221,6 +221,12 @@ public enum VecCapability {
     public static let kvTypes: [DType] = [.f32, .f16, .bf16]
     /// Workgroups each row's keys are split over.
     public static let nwg = Int(FM_VEC_NWG)
+    /// The most query rows (SIMD groups) one decode threadgroup serves at tile
+    /// width `headDim` (the kernel's vec_group_rows): 32 (1024 threads) up to
+    /// 128, 16 up to 256, 8 beyond, as a lane's registers grow with D.
+    public static func groupRows(headDim: Int) -> Int {
+        Int(headDim <= 128 ? FM_VEC_GROUP_ROWS_D128 : headDim <= 256 ? FM_VEC_GROUP_ROWS_D256 : FM_VEC_GROUP_ROWS_WIDE)
+    }
 
     /// Every kernel of the op, enumerated from the table.
     public static var kernels: [KernelSpec] {

@@ -83,13 +83,14 @@ public enum VecDispatcher {
         rows * nwg * (headDim + 2) * 4
     }
 
-    /// Query heads one main threadgroup serves (one SIMD group each), sharing
-    /// their kv head's K/V reads: the largest power of two <= 8 dividing the
-    /// GQA group size `gqa` (H / Hkv).
-    public static func headsPerGroup(gqa: Int) -> Int {
-        var hg = 1
-        while hg < 8 && gqa % (2 * hg) == 0 { hg *= 2 }
-        return hg
+    /// Query rows one main threadgroup serves (one SIMD group each), sharing
+    /// their kv head's K/V reads: the largest divisor of `rows` (the rows of
+    /// one kv head: H / Hkv, times L for short queries) up to
+    /// VecCapability.groupRows(headDim:), so a kv head whose rows fit reads K/V once.
+    public static func headsPerGroup(rows: Int, headDim: Int) -> Int {
+        let cap = VecCapability.groupRows(headDim: headDim)
+        if rows <= cap { return max(rows, 1) }
+        return (1...cap).last { rows % $0 == 0 } ?? 1
     }
 
     /// Key rows the main kernel stages in threadgroup memory at a time when
@@ -282,7 +283,7 @@ public enum VecDispatcher {
         let d = VecCapability.tileHeadDim(wide) ?? wide
         // Short queries: the L rows of each head join its kv head's group.
         let qRows = max(Int(seq?.params.q_rows ?? 1), 1)
-        let hg = headsPerGroup(gqa: Int(params.n_heads / params.n_kv_heads) * qRows)
+        let hg = headsPerGroup(rows: Int(params.n_heads / params.n_kv_heads) * qRows, headDim: d)
         return Dispatch(
             kernel: .vec(kv: k.dtype, headDim: d), constants: constants,
             grid: Size3(1, rows / hg, nwg), threadgroup: Size3(32 * hg, 1, 1), bindings: bindings,

@@ -34,7 +34,7 @@ def _qkv(rng, b, ql, kl, h, hkv, d, dtype, dv=None):
 
 
 # (qL, kL, H, Hkv, D, dtype, keywords): causal bottom-right, windows on both
-# sides, GQA 1/2/4, fewer keys than query rows, softcap, chunks, ALiBi.
+# sides, GQA 1/2/4/8, fewer keys than query rows, softcap, chunks, ALiBi.
 FUNC_CASES = [
     (2, 40, 2, 2, 64, BF16, dict(causal=True)),
     (4, 70, 4, 1, 64, F16, dict(causal=True)),
@@ -46,6 +46,11 @@ FUNC_CASES = [
     (4, 64, 4, 2, 64, F32, dict(causal=True, softcap=5.0, attention_chunk=24)),
     (7, 44, 2, 2, 64, BF16, dict(causal=False, attention_chunk=16)),
     (3, 2, 2, 1, 64, BF16, dict(causal=False, attention_chunk=1)),  # a row before the first key sees none
+    # Threadgroups of L * G rows: 12 (not a power of two); 20 at D = 256 (two of 10);
+    # 64 (two of 32, each with its own union of keys).
+    (3, 41, 8, 2, 64, F16, dict(causal=True)),
+    (5, 40, 4, 1, 256, BF16, dict(causal=True)),
+    (8, 70, 8, 1, 64, BF16, dict(causal=False, window_size=(20, 1))),
 ]
 
 
@@ -105,6 +110,33 @@ def test_kvcache_short_query(registry, calls, page_size):
         out = fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=kl, cache_leftpad=pad, causal=True,
                                          window_size=(6, -1), registry=registry)
         assert_close(out, e_out, F16, f"{registry.backend} leftpad")
+
+
+# (B, qL, H, Hkv, D, cache dtype, cap, page size, keywords): a kv head's
+# L * G rows in one threadgroup (32 over a paged float32 cache; 64 of D = 64
+# on pages of 5) or spread over several (32 at D = 256: 2 x 16; 24 at
+# D = 512: 3 x 8, with a window).
+GROUP_CASES = [
+    (2, 4, 8, 1, 128, F32, 48, 16, dict(causal=True)),
+    (2, 8, 8, 2, 64, F16, 48, 5, dict(causal=True)),
+    (1, 8, 4, 1, 256, BF16, 40, None, dict(causal=True)),
+    (1, 3, 8, 1, 512, BF16, 36, None, dict(causal=True, window_size=(7, -1))),
+]
+
+
+@pytest.mark.parametrize("case", GROUP_CASES, ids=lambda c: f"q{c[1]}h{c[2]}/{c[3]}d{c[4]}-page{c[7]}")
+def test_kvcache_rows_per_threadgroup(registry, calls, case):
+    b, ql, h, hkv, d, dtype, cap, page, kw = case
+    rng = np.random.default_rng(ql * 100 + d)
+    kc, vc, table = make_cache(rng, b, cap, hkv, d, dtype, page)
+    lens = np.array([cap - 3 - i for i in range(b)], dtype=np.int32)
+    q = randn(rng, (b, ql, h, d), dtype)
+    e_out, e_lse = reference.flash_attn_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, **kw)
+    out, lse = fm.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                         return_softmax_lse=True, registry=registry, **kw)
+    assert calls == ["fm_dispatch_vec_seq"], calls
+    assert_close(out, e_out, dtype, f"{registry.backend} {case}")
+    assert_close(lse, e_lse, F32, f"{registry.backend} {case} lse")
 
 
 def test_longer_queries_keep_the_prefill(registry, calls):

@@ -153,3 +153,18 @@ def test_decode_gqa_reads_kv_once_in_vectors(sim, rng, tmp_path, kv):
         b = main["binding"][binding]
         assert b["bytes_read"] == b["unique_bytes_read"] == window * d * 2, (binding, b)
         assert b["bytes_read"] == 8 * b["load_events"], (binding, b)
+
+
+def test_short_query_gqa_reads_kv_once(sim, rng, tmp_path):
+    """Short queries: the 4 x 8 query rows of one kv head (GQA 8, qL = 4,
+    D = 128) share one threadgroup of 32 SIMD groups, so K and V are read
+    once (bytes read == distinct bytes == every key row once)."""
+    d, keys = 128, 96
+    q = randn(rng, (1, 4, 8, d), BF16)
+    k, v = (randn(rng, (1, keys, 1, d), BF16) for _ in range(2))
+    _, recs = run_counted(tmp_path / "counts.jsonl", lambda: fm.flash_attn_func(q, k, v, causal=True, registry=sim))
+    main = recs[0]
+    assert main["kernel"].startswith("flash_attn_vec_") and main["threads_per_threadgroup"] == 32 * 32, main["kernel"]
+    for binding in ("2", "3"):
+        b = main["binding"][binding]
+        assert b["bytes_read"] == b["unique_bytes_read"] == keys * d * 2, (binding, b)

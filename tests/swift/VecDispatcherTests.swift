@@ -37,7 +37,8 @@ final class VecDispatcherTests: XCTestCase {
                        256 * 4 + 2 * 32 * 128 * 2)
         for d in VecCapability.headDims {
             for eb in [2, 4] {
-                let bytes = VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: 8, elementBytes: eb)
+                let bytes = VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: VecCapability.groupRows(headDim: d),
+                                                                 elementBytes: eb)
                 XCTAssertLessThanOrEqual(bytes, 32768, "D=\(d)")
                 XCTAssertEqual(bytes % 16, 0, "D=\(d)")
             }
@@ -46,8 +47,16 @@ final class VecDispatcherTests: XCTestCase {
     }
 
     func testHeadsPerGroupStageRowsAndVectorWidth() {
-        XCTAssertEqual([1, 2, 3, 4, 6, 8, 12, 16, 32].map { VecDispatcher.headsPerGroup(gqa: $0) },
-                       [1, 2, 1, 4, 2, 8, 4, 8, 8])
+        // Every row of a kv head up to the tile's cap, else the largest divisor under it.
+        let rows = [1, 2, 3, 4, 6, 7, 8, 12, 16, 24, 32, 40, 64]
+        XCTAssertEqual(rows.map { VecDispatcher.headsPerGroup(rows: $0, headDim: 128) },
+                       [1, 2, 3, 4, 6, 7, 8, 12, 16, 24, 32, 20, 32])
+        XCTAssertEqual(rows.map { VecDispatcher.headsPerGroup(rows: $0, headDim: 256) },
+                       [1, 2, 3, 4, 6, 7, 8, 12, 16, 12, 16, 10, 16])
+        XCTAssertEqual(rows.map { VecDispatcher.headsPerGroup(rows: $0, headDim: 576) },
+                       [1, 2, 3, 4, 6, 7, 8, 6, 8, 8, 8, 8, 8])
+        XCTAssertEqual(VecCapability.headDims.map { VecCapability.groupRows(headDim: $0) },
+                       [32, 32, 32, 32, 16, 16, 8, 8])
         XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 2) },
                        [32, 32, 32, 32, 16, 16, 8, 4])
         XCTAssertEqual(VecCapability.headDims.map { VecDispatcher.stageRows(headDim: $0, elementBytes: 4) },

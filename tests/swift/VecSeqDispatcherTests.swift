@@ -44,6 +44,18 @@ final class VecSeqDispatcherTests: XCTestCase {
         let ds = try withExtendedLifetime([q, k, v, out, tmp, lse]) { try VecSeqDispatcher.makeDispatches(t, o) }
         XCTAssertEqual(ds[0].grid, Size3(1, rows / 4, 32))  // MHA: the 4 query rows of a head share a threadgroup
         XCTAssertEqual(ds[0].threadgroup, Size3(128, 1, 1))
+        // GQA 8 with 8 rows: the 64 rows of a kv head span two threadgroups of 32
+        // at D = 128, four of 16 at D = 256; GQA 4 with 8 rows fits one of 32.
+        for (h, d, hg) in [(8, 128, 32), (8, 256, 16), (4, 128, 32), (4, 512, 8)] {
+            let q8 = HostTensor([1, 8, h, d], .f32), o8 = HostTensor([1, 8, h, d], .f32)
+            let k8 = HostTensor([1, 64, 1, d], .bf16), v8 = HostTensor([1, 64, 1, d], .bf16)
+            let t8 = HostTensor([1], .f32, bytes: VecDispatcher.tmpByteCount(rows: 8 * h, headDim: d))
+            let g = VecSeqTensors(q: q8.ref, k: k8.ref, v: v8.ref, out: o8.ref, tmp: t8.ref)
+            let m = try withExtendedLifetime([q8, o8, k8, v8, t8]) { try VecSeqDispatcher.makeDispatches(g, o)[0] }
+            XCTAssertEqual(m.grid, Size3(1, 8 * h / hg, 32), "GQA \(h) D=\(d)")
+            XCTAssertEqual(m.threadgroup, Size3(32 * hg, 1, 1), "GQA \(h) D=\(d)")
+            XCTAssertEqual(m.threadgroupMemory[0], VecDispatcher.threadgroupMemoryBytes(headDim: d, heads: hg, elementBytes: 2))
+        }
         let sp = try ds[0].params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
         XCTAssertEqual(sp.q_rows, 4)
         XCTAssertEqual(sp.window_right, 0)

@@ -151,6 +151,14 @@ typedef enum FMMaskKind {
 /* Split-KV decode: the number of workgroups each row's keys are split over. */
 enum { FM_VEC_NWG = 32 };
 
+/* Split-KV decode: the most query rows (one SIMD group each) one main
+ * threadgroup serves, sharing each K/V row it reads, by tile width D: 32
+ * (1024 threads, as MLX's sdpa_vector) up to D = 128, 16 up to D = 256, 8
+ * beyond (a lane holds ~32 + 3 * D / 32 floats: partial dots, q, output and
+ * one K/V row). The kernel declares 32 times this as its
+ * max_total_threads_per_threadgroup. */
+enum { FM_VEC_GROUP_ROWS_D128 = 32, FM_VEC_GROUP_ROWS_D256 = 16, FM_VEC_GROUP_ROWS_WIDE = 8 };
+
 /* Split-KV decode: which keys workgroup w reads, on every backend (so tmp
  * means the same on cpu, sim and Metal). The visible keys [lo, hi) of a row
  * are cut into chunks at absolute multiples of FM_VEC_CHUNK; the
