@@ -25,16 +25,14 @@ def rows_view(sides: tuple[Side, Side], bt: np.ndarray | None, ends: np.ndarray,
     [B, width] int32 table of physical rows, int32 [B] key counts) for
     sequences of keys [starts[b], ends[b]) through `bt` (None: contiguous).
     `starts` were checked by the leftpad table; `ends` are checked here
-    against the capacity, as the dense path's kernels check them."""
+    against the capacity, as the dense path's kernels check them. The
+    storage holds at least one row per page (page_size > 0)."""
     (_, kc, _), (_, vc, _) = sides
     if kc.ndim != 4 or vc.ndim != 4 or kc.shape[:3] != vc.shape[:3]:
         raise InvalidValueError(_OP, f"k_cache and v_cache must have one leading shape [B, cap, Hkv] or "
                                 f"[num_pages, page_size, Hkv], got {list(kc.shape[:-1])} and {list(vc.shape[:-1])}",
                                 argument="v_cache")
     pages, page = kc.shape[0], kc.shape[1]
-    if page == 0:  # a key's row is read as a page of one key of this storage
-        raise InvalidValueError(_OP, "cache_leftpad over QuantizedKV caches needs k_cache's dim 1 (capacity or "
-                                "page_size) of at least one key, got 0", argument="k_cache")
     if bt is not None and (bt.ndim != 2 or bt.shape[0] != batch):
         raise InvalidValueError(_OP, f"block_table must be int32 [{batch}, max_pages], got shape {list(bt.shape)}",
                                 argument="block_table")
@@ -44,16 +42,19 @@ def rows_view(sides: tuple[Side, Side], bt: np.ndarray | None, ends: np.ndarray,
         raise UnsupportedFeatureError(_OP, f"cache_leftpad over QuantizedKV caches of more than 2**31 - 1 rows "
                                       f"({pages} x {page})", argument="cache_leftpad")
     capacity = min(page * (1 if bt is None else bt.shape[1]), 2**31 - 1)
+    holds = "the cache capacity, k_cache's dim 1" if bt is None else \
+        f"block_table's {bt.shape[1]} pages (its dim 1) of {page} keys (k_cache's dim 1)"
     for b, n in enumerate(ends.tolist()):
         if not 0 <= n <= capacity:
-            raise InvalidValueError(_OP, f"cache_seqlens[{b}] = {n} is out of range [0, {capacity}] (the keys a "
-                                    "sequence's cache holds)", argument="cache_seqlens")
+            raise InvalidValueError(_OP, f"cache_seqlens[{b}] = {n} is out of range [0, {capacity}] ({holds})",
+                                    argument="cache_seqlens")
     if bt is not None:  # the pages holding rows [0, end[b]), as the dense path's kernels check them
-        for b, n in enumerate(ends.tolist()):
-            for c, x in enumerate(bt[b, :-(-n // page)].tolist()):
-                if not 0 <= x < pages:
-                    raise InvalidValueError(_OP, f"block_table[{b}, {c}] = {x} is out of range [0, {pages})",
-                                            argument="block_table")
+        held = np.arange(bt.shape[1])[None, :] < -(-ends.astype(np.int64)[:, None] // page)
+        bad = np.argwhere(held & ((bt < 0) | (bt >= pages)))
+        if len(bad):
+            b, c = (int(i) for i in bad[0])
+            raise InvalidValueError(_OP, f"block_table[{b}, {c}] = {bt[b, c]} is out of range [0, {pages}) (the "
+                                    "pages of k_cache)", argument="block_table")
     lengths = np.maximum(ends.astype(np.int64) - starts.astype(np.int64), 0)
     j = np.arange(max(1, int(lengths.max(initial=0))), dtype=np.int64)
     valid = j[None, :] < lengths[:, None]

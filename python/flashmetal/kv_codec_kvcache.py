@@ -76,7 +76,7 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     sides = ((kcodec, kc, kn), (vcodec, vc, vn))
 
     def attend(seqlens: np.ndarray | None) -> None:
-        if first_keys is None:
+        if first_keys is None or kc.ndim == 4 and kc.shape[1] == 0:  # no rows: every sequence is empty anyway
             _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
             return
         ends = first_keys[0] if seqlens is None else seqlens

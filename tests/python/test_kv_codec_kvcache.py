@@ -409,6 +409,10 @@ def test_leftpad_over_codes_without_append(registry, rng):
     o, lse = fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, cache_leftpad=s.lens,
                                         return_softmax_lse=True, registry=registry)
     assert not np.asarray(o, np.float64).any() and np.isneginf(lse).all()
+    empty = s.kcodec.empty((2, 0, 2))  # a capacity of 0: no keys, as over a dense [2, 0, Hkv, D] cache
+    o, lse = fm.flash_attn_with_kvcache(q, empty, empty, cache_leftpad=np.zeros(2, np.int32),
+                                        return_softmax_lse=True, registry=registry)
+    assert not np.asarray(o, np.float64).any() and np.isneginf(lse).all()
 
 
 @pytest.mark.parametrize("sides", ["kv", "v"])
@@ -451,11 +455,12 @@ def test_leftpad_over_codes_errors(rng, paged):
         (dict(cache_leftpad=np.array([-1, 0], np.int32)), "cache_leftpad", r"cache_leftpad\[0\] = -1 is out of range"),
         (dict(cache_leftpad=np.zeros(3, np.int32)), "cache_leftpad", r"cache_leftpad must have shape \[2\]"),
         (dict(cache_leftpad=np.zeros(2, np.int32), cache_seqlens=np.array([3, 17], np.int32), k=None, v=None),
-         "cache_seqlens", r"cache_seqlens\[1\] = 17 is out of range \[0, 16\]"),
+         "cache_seqlens", r"cache_seqlens\[1\] = 17 is out of range \[0, 16\] \(" + (
+             r"block_table's 4 pages \(its dim 1\) of 4 keys" if paged else r"the cache capacity, k_cache's dim 1")),
     ]
     if bad_table is not None:
         cases.append((dict(cache_leftpad=np.array([0, 5], np.int32), block_table=bad_table, k=None, v=None),
-                      "block_table", r"block_table\[1, 0\] = 99 is out of range \[0, 9\)"))
+                      "block_table", r"block_table\[1, 0\] = 99 is out of range \[0, 9\) \(the pages of k_cache\)"))
     for kw, argument, words in cases:
         args = dict(k=s.k_new, v=s.v_new, cache_seqlens=s.lens, block_table=s.table)
         args.update(kw)
