@@ -330,6 +330,7 @@ LEFTPAD_CASES = {
     "causal_rows": (3, dict(causal=True, sinks=True)),
     "window": (3, dict(causal=True, window_size=(2, 0))),
     "window_both": (1, dict(window_size=(2, 1), softcap=1.5)),
+    "chunk": (3, dict(causal=True, attention_chunk=4)),
 }
 
 
