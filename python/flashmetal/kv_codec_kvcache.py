@@ -14,6 +14,7 @@ from ._arrays import F32, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._interop import wrapper_like
 from ._serving_args import attn_options, seq_tensors, sinks_arg
+from ._kv_codes_leftpad import rows_view
 from .kv_codec import KVCodec, QuantizedKV
 from .registry import Registry
 
@@ -49,10 +50,15 @@ def _codes(cache: QuantizedKV, name: str, appending: bool) -> tuple[np.ndarray, 
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
-                       append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray]) -> Any:
+                       append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray],
+                       first_keys: np.ndarray | None = None) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
     there; arguments already read by it). q is converted to float32 for the
-    kernel and the output back to q's dtype."""
+    kernel and the output back to q's dtype. first_keys: cache_leftpad's
+    [2, B] table (each sequence's end before the append, then its first
+    key), or None; k/v are appended at `lens` through `bt` either way, and
+    the attention then reads the keys [first, end + n_new) of each sequence
+    through a view of one-key pages (see _kv_codes_leftpad)."""
     appending = ka is not None
     kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
     vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
@@ -70,7 +76,12 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     sides = ((kcodec, kc, kn), (vcodec, vc, vn))
 
     def attend(seqlens: np.ndarray | None) -> None:
-        _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
+        if first_keys is None or kc.ndim == 4 and kc.shape[1] == 0:  # no rows: every sequence is empty anyway
+            _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
+            return
+        ends = first_keys[0] if seqlens is None else seqlens
+        view, rows, counts = rows_view(sides, bt, ends, first_keys[1], b)
+        _attn_dispatch(reg, _OP, q32, view, o32, opts, seqlens_k=counts, block_table=rows, sinks=sinks, lse=lse)
 
     if not appending:
         attend(lens)

@@ -279,8 +279,8 @@ def flash_attn_with_kvcache(
             cache row ``cache_leftpad[b]`` (left padding): it sees rows
             ``[cache_leftpad[b], cache_seqlens[b] + seqlen_new)``, its
             positions (causal, window, attention_chunk) counted from there;
-            k/v are appended at ``cache_seqlens[b]``. Paged caches too; not
-            QuantizedKV caches.
+            k/v are appended at ``cache_seqlens[b]``. Paged caches and
+            QuantizedKV caches too.
         num_splits: accepted (>= 0) and ignored: decode splits every row's
             keys over 32 workgroups and reduces them.
         rotary_cos, rotary_sin: ``[seqlen_ro, rotary_dim / 2]`` (float32,
@@ -340,9 +340,6 @@ def flash_attn_with_kvcache(
             given = next(n for n, a in ragged_args.items() if a is not None)
             raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
                                           "QuantizedKV caches", argument=given)
-        if cache_leftpad is not None:
-            raise UnsupportedFeatureError(_KVCACHE, "cache_leftpad is not supported with QuantizedKV caches (pass "
-                                          "None)", argument="cache_leftpad")
         _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
@@ -357,6 +354,7 @@ def flash_attn_with_kvcache(
         lens = _cache_seqlens(cache_seqlens, batch, codes, bt, required=appending)
         if rows_as_pages and lens is not None and lens.ndim == 1:
             _require_row_room(lens, ka.shape[1] if ka is not None and ka.ndim == 4 else 0, codes.shape[1])
+        first_keys = None if cache_leftpad is None else _cache_leftpad(cache_leftpad, batch, codes, bt, lens)
         opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
         if tables is not None:  # rotated copies of q and k are attended and encoded, as over dense caches
@@ -366,7 +364,7 @@ def flash_attn_with_kvcache(
             qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
             ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
-                                  want_lse, out, _append_slots, _in_place)
+                                  want_lse, out, _append_slots, _in_place, first_keys)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.

@@ -325,13 +325,151 @@ def test_long_caches_split_over_keys(registry, rng, paged):
     check_lse(lse, el, f"{registry.backend} paged={paged} lse")
 
 
-def test_leftpad_refused_over_codes(registry, rng):
-    """Not implemented over codes: refused by name, never ignored."""
-    s = Setup(rng, registry, paged=False)
+LEFTPAD_CASES = {
+    "causal_decode": (1, dict(causal=True)),
+    "causal_rows": (3, dict(causal=True, sinks=True)),
+    "window": (3, dict(causal=True, window_size=(2, 0))),
+    "window_both": (1, dict(window_size=(2, 1), softcap=1.5)),
+    "chunk": (3, dict(causal=True, attention_chunk=4)),
+}
+
+
+def leftpad_caches(rng, registry, sides, layout):
+    """A Setup (K8, V4, GQA 4 on 2, two new rows per sequence) whose caches
+    are QuantizedKV on the `sides` given ("kv", "k" or "v") and dense (the
+    values the quantized twin decodes to) on the other; with the cache_batch_idx
+    of `layout` "batch_idx" (three cache rows, two sequences)."""
+    s = Setup(rng, registry, paged=layout == "paged", b=3 if layout == "batch_idx" else 2,
+              lens=(5, 9, 2) if layout == "batch_idx" else (5, 9))
+    idx = np.array([2, 0], np.int32) if layout == "batch_idx" else None
+    if idx is not None:
+        s.k_new, s.v_new = s.k_new[:2], s.v_new[:2]
+    k_cache = s.k if "k" in sides else dequantized(s.k).astype(F32)
+    v_cache = s.v if "v" in sides else dequantized(s.v).astype(F32)
+    return s, idx, k_cache, v_cache
+
+
+def rows(cache):
+    """float64 rows of a cache as the attention reads them."""
+    return dequantized(cache) if isinstance(cache, fm.QuantizedKV) else cache.astype(np.float64)
+
+
+@pytest.mark.parametrize("case", LEFTPAD_CASES)
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "batch_idx"])
+@pytest.mark.parametrize("sides", ["kv", "k", "v"])
+def test_leftpad_over_codes(registry, rng, sides, layout, case):
+    """cache_leftpad over quantized K and V, K only or V only: sequence b is
+    its cache rows [leftpad[b], cache_seqlens[b] + 2) after k/v were appended
+    at cache_seqlens[b] (one sequence's first key past its old keys: it sees
+    one appended row), positions counted from its first key; equal to float64
+    attention over the dequantized rows, the appended codes equal to
+    KVCodec.encode of the new rows bit for bit."""
+    s, idx, k_cache, v_cache = leftpad_caches(rng, registry, sides, layout)
+    ql, kw = LEFTPAD_CASES[case]
+    if kw.get("sinks"):
+        kw = dict(kw, sinks=rng.standard_normal(4).astype(np.float32))
+    lens = s.lens if idx is None else s.lens[idx]
+    lp = np.array([3, 0], np.int32) if idx is None else np.array([3, 10], np.int32)  # 10 > cache_seqlens 9
+    lp_given, lens_given = lp.copy(), lens.copy()
+    q = randn(rng, (2, ql, 4, 64), F32)
+    o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, s.k_new, s.v_new, cache_seqlens=lens,
+                                        cache_batch_idx=idx, cache_leftpad=lp, block_table=s.table,
+                                        return_softmax_lse=True, registry=registry, **kw)
+    for cache, new, name in ((k_cache, s.k_new, "k"), (v_cache, s.v_new, "v")):
+        enc = cache.codec.encode(new, registry=registry) if isinstance(cache, fm.QuantizedKV) else None
+        for b in range(2):
+            for i in range(2):
+                where = s.slot(b if idx is None else idx[b], lens[b] + i)
+                if enc is None:
+                    assert_bits_equal(cache[where], new[b, i], f"dense {name} row {b},{i}")
+                else:
+                    assert_bits_equal(cache.codes[where], enc.codes[b, i], f"{name} codes of new row {b},{i}")
+                    assert_bits_equal(cache.norms[where], enc.norms[b, i], f"{name} norms of new row {b},{i}")
+    eo, el = reference.flash_attn_kvcache(q, rows(k_cache), rows(v_cache), cache_seqlens=lens + 2,
+                                          cache_batch_idx=idx, cache_leftpad=lp, block_table=s.table, **kw)
+    what = f"{registry.backend} {sides} {layout} {case}"
+    check(o, eo, F32, what)
+    check_lse(lse, el, f"{what} lse")
+    assert_bits_equal(lp, lp_given, "cache_leftpad is not changed")
+    assert_bits_equal(lens, lens_given, "cache_seqlens is not changed")
+
+
+def test_leftpad_over_codes_without_append(registry, rng):
+    """No k/v: the caches are read as they are, every slot when cache_seqlens
+    is None; a first key at or past the end leaves the sequence no key
+    (output 0, LSE -inf), as over dense caches."""
+    s = Setup(rng, registry, n_new=0)
+    q = randn(rng, (2, 2, 4, 64), BF16)
+    for lens, lp in ((s.lens, np.array([1, 9], np.int32)), (None, np.array([13, 4], np.int32))):
+        o, lse = fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=lens, cache_leftpad=lp, causal=True,
+                                            return_softmax_lse=True, registry=registry)
+        eo, el = reference.flash_attn_kvcache(q, dequantized(s.k), dequantized(s.v), cache_seqlens=lens,
+                                              cache_leftpad=lp, causal=True)
+        check(o, eo, BF16, f"{registry.backend} lens={lens}")
+        check_lse(lse, el, f"{registry.backend} lens={lens} lse")
+    o, lse = fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, cache_leftpad=s.lens,
+                                        return_softmax_lse=True, registry=registry)
+    assert not np.asarray(o, np.float64).any() and np.isneginf(lse).all()
+    empty = s.kcodec.empty((2, 0, 2))  # a capacity of 0: no keys, as over a dense [2, 0, Hkv, D] cache
+    o, lse = fm.flash_attn_with_kvcache(q, empty, empty, cache_leftpad=np.zeros(2, np.int32),
+                                        return_softmax_lse=True, registry=registry)
+    assert not np.asarray(o, np.float64).any() and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("sides", ["kv", "v"])
+def test_leftpad_over_codes_with_rotary(registry, rng, sides):
+    """Rotary positions stay cache rows (cache_seqlens[b] + i), whatever
+    cache_leftpad says: the codes written are KVCodec.encode of k rotated
+    there, and the output is attention of q rotated likewise."""
+    s, _, k_cache, v_cache = leftpad_caches(rng, registry, sides, "contiguous")
+    angle = rng.random((16, 16)) * 2 * np.pi
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    lp = np.array([4, 2], np.int32)
+    q = randn(rng, (2, 3, 4, 64), F32)
+    o, lse = fm.flash_attn_with_kvcache(q, k_cache, v_cache, s.k_new, s.v_new, rotary_cos=cos, rotary_sin=sin,
+                                        cache_seqlens=s.lens, cache_leftpad=lp, causal=True, return_softmax_lse=True,
+                                        registry=registry)
+    k_ro = reference.apply_rotary_emb(s.k_new, cos, sin, s.lens, interleaved=True).astype(F32)
+    q_ro = reference.apply_rotary_emb(q, cos, sin, s.lens, interleaved=True).astype(F32)
+    if sides == "kv":
+        enc = s.kcodec.encode(k_ro, registry=registry)
+        assert_bits_equal(s.k.codes[1, 9:11], enc.codes[1], "codes of the rotated new rows")
+    eo, el = reference.flash_attn_kvcache(q_ro, rows(k_cache), rows(v_cache), cache_seqlens=s.lens + 2,
+                                          cache_leftpad=lp, causal=True)
+    check(o, eo, F32, f"{registry.backend} rotary {sides}")
+    check_lse(lse, el, f"{registry.backend} rotary {sides} lse")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_leftpad_over_codes_errors(rng, paged):
+    """Bad leftpad tables, lengths and block tables are refused by name, as
+    over dense caches, before anything is written."""
+    s = Setup(rng, "cpu", paged=paged)
     q = randn(rng, (2, 1, 4, 64), F32)
-    with pytest.raises(fm.UnsupportedFeatureError, match=rf"^{OP}: .*cache_leftpad is not supported with QuantizedKV"):
-        fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, registry=registry,
-                                   cache_leftpad=np.zeros(2, np.int32))
+    before = [a.copy() for a in (s.k.codes, s.k.norms, s.v.codes, s.v.norms)]
+    bad_table = None if s.table is None else s.table.copy()
+    if bad_table is not None:
+        bad_table[1, 0] = 99
+    cases = [
+        (dict(cache_leftpad=np.array([0, 17], np.int32)), "cache_leftpad", r"cache_leftpad\[1\] = 17 is out of range "
+         r"\[0, 16\]"),
+        (dict(cache_leftpad=np.array([-1, 0], np.int32)), "cache_leftpad", r"cache_leftpad\[0\] = -1 is out of range"),
+        (dict(cache_leftpad=np.zeros(3, np.int32)), "cache_leftpad", r"cache_leftpad must have shape \[2\]"),
+        (dict(cache_leftpad=np.zeros(2, np.int32), cache_seqlens=np.array([3, 17], np.int32), k=None, v=None),
+         "cache_seqlens", r"cache_seqlens\[1\] = 17 is out of range \[0, 16\] \(" + (
+             r"block_table's 4 pages \(its dim 1\) of 4 keys" if paged else r"the cache capacity, k_cache's dim 1")),
+    ]
+    if bad_table is not None:
+        cases.append((dict(cache_leftpad=np.array([0, 5], np.int32), block_table=bad_table, k=None, v=None),
+                      "block_table", r"block_table\[1, 0\] = 99 is out of range \[0, 9\) \(the pages of k_cache\)"))
+    for kw, argument, words in cases:
+        args = dict(k=s.k_new, v=s.v_new, cache_seqlens=s.lens, block_table=s.table)
+        args.update(kw)
+        with pytest.raises(fm.InvalidValueError, match=rf"^{OP}: .*{words}") as e:
+            fm.flash_attn_with_kvcache(q, s.k, s.v, registry="cpu", **args)
+        assert e.value.argument == argument, (kw, e.value.argument)
+    for a, b0, n in zip((s.k.codes, s.k.norms, s.v.codes, s.v.norms), before, ("kc", "kn", "vc", "vn")):
+        assert_bits_equal(a, b0, f"{n} not written by a refused call")
 
 
 @pytest.mark.parametrize("paged", [False, True])
