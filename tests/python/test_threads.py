@@ -48,7 +48,7 @@ def _jobs(rng, small: bool):
 def _error(r):
     try:
         fm.flash_attn_prefill(np.zeros((1, 1, 2, 64), BF16), np.zeros((1, 1, 1, 64), BF16),
-                              np.zeros((1, 1, 1, 64), BF16), registry=r)
+                              np.zeros((1, 1, 1, 64), BF16), causal=True, registry=r)
     except ValueError as e:
         return np.frombuffer(str(e).encode(), np.uint8)
     raise AssertionError("expected ValueError")
