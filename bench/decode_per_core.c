@@ -7,6 +7,7 @@
  *     -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include bench/decode_per_core.c \
  *     every Sources/FlashMetalCPUKernels/X.c but pool.c and sdpa.c -lm -o decode_per_core
  *   [FLASHMETAL_CPU_ISA=avx2] ./decode_per_core D dtype(0 f32, 1 f16, 2 bf16) kv_len rounds */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,10 +27,11 @@ int main(int argc,char**argv){
   for(size_t i=0;i<n*esz/2;i++){ k[i]=0x3c00^(i*2654435761u>>20&0x3ff); v[i]=0x3c00^(i*40503u>>6&0x3ff);} /* finite f16/bf16/f32 bit patterns */
   float *q=calloc(H*D,4), *tmp=calloc((size_t)H*nwg*(D+2),4);
   for(int i=0;i<H*D;i++) q[i]=0.01f*(i%7);
-  float *scr=malloc(4*fm_cpu_vec_scratch_floats(D,H/Hkv));
-  FlashAttnVecParams p={H,Hkv,D,kvl,kvl,0.1f,1,0,0,nwg};
+  FlashAttnVecParams p={.n_heads=H,.n_kv_heads=Hkv,.head_dim=D,.kv_seq_len=kvl,.kv_capacity=kvl,.scale=0.1f,
+                        .mask_type=1,.nwg=nwg,.head_dim_v=D};
   FMVecArgs a; memset(&a,0,sizeof a); a.p=p; a.q=q;a.k=k;a.v=v;a.tmp=tmp;a.batch=1;a.kv_dtype=dt;
   a.k_strides[1]=(int64_t)kvl*D;a.k_strides[2]=D; memcpy(a.v_strides,a.k_strides,24);
+  float *scr=malloc(4*fm_cpu_vec_scratch_floats(&a));
   size_t bn=(size_t)64<<20; unsigned long long *big=malloc(bn*8); memset(big,1,bn*8);
   double bt=1e9,bb=0;
   for(int rep=0;rep<reps;rep++){
