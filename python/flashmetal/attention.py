@@ -516,23 +516,32 @@ def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | N
     serving decode kernel, without copying K/V: the caches [B, Hkv, cap, D]
     are B * Hkv sequences of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
     keys, whose queries are that kv head's G = H / Hkv query heads."""
-    qa, ka, va = c.q, c.k, c.v
+    qa = c.q
     b, h, ql, d = qa.shape
-    hkv, cap, dv = ka.shape[1], ka.shape[2], va.shape[3]
+    hkv, dv = c.k.shape[1], c.v.shape[3]
     g = h // hkv
-    ka, va = np.ascontiguousarray(ka), np.ascontiguousarray(va)
     q32 = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3), dtype=F32)
     o32 = np.empty((b * hkv, ql, g, dv), dtype=F32)
-    lens = np.full(b * hkv, c.kv_len, dtype=np.int32)
-    ffi = _native.ffi()
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=c.causal,
                         window_size=(-1 if window is None else window - 1, -1))
-    seq, keep = seq_tensors(ffi, seqlens_k=lens)
-    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, dv)
-    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
-                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, lens, o32, keep))
+    _vec_seq_per_kv_head(reg, q32, c.k, c.v, np.full(b * hkv, c.kv_len, dtype=np.int32), o32, opts)
     out: np.ndarray = o32.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
     return out.astype(qa.dtype)
+
+
+def _vec_seq_per_kv_head(reg: Registry, q32: np.ndarray, k: np.ndarray, v: np.ndarray, seqlens_k: np.ndarray,
+                         o32: np.ndarray, opts: Any) -> None:
+    """The serving decode kernel (fm_dispatch_vec_seq) over the caches
+    [B, Hkv, cap, D] seen as B * Hkv sequences of one kv head ([B * Hkv, cap,
+    1, D]: no copy when contiguous), with seqlens_k for their keys; q32 and
+    o32 hold each sequence's rows of that kv head's query heads."""
+    b, hkv, cap = k.shape[:3]
+    ka, va = np.ascontiguousarray(k), np.ascontiguousarray(v)
+    k4, v4 = ka.reshape(b * hkv, cap, 1, ka.shape[3]), va.reshape(b * hkv, cap, 1, va.shape[3])
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k)
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
+                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, seqlens_k, o32, keep))
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:
@@ -541,23 +550,18 @@ def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry)
     caches [B, Hkv, cap, D] are B * Hkv sequences of one kv head
     ([B * Hkv, cap, 1, D]) whose queries are that kv head's G = H / Hkv query
     heads (adjacent in q), each with its batch row's range."""
-    qa, ka, va = c.q, c.k, c.v
+    qa = c.q
     assert c.key_ranges is not None
     b, h, _, d = qa.shape
-    hkv, cap, dv = ka.shape[1], ka.shape[2], va.shape[3]
-    ka, va = np.ascontiguousarray(ka), np.ascontiguousarray(va)
+    hkv, dv = c.k.shape[1], c.v.shape[3]
     q32 = np.ascontiguousarray(qa.reshape(b * hkv, h // hkv, d), dtype=F32)
     o32 = np.empty((b * hkv, h // hkv, dv), dtype=F32)
     ranges = c.key_ranges
     if ranges.shape[1] != b:  # a mask broadcast over the batch
         ranges = np.broadcast_to(ranges, (2, b))
     table = np.ascontiguousarray(np.repeat(ranges, hkv, axis=1), dtype=np.int32)
-    ffi = _native.ffi()
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=False,
                         window_size=(-1, -1))
-    seq, keep = seq_tensors(ffi, seqlens_k=table)
-    k4, v4 = ka.reshape(b * hkv, cap, 1, d), va.reshape(b * hkv, cap, 1, dv)
-    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
-                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, table, o32, keep))
+    _vec_seq_per_kv_head(reg, q32, c.k, c.v, table, o32, opts)
     decoded: np.ndarray = o32.reshape(b, h, 1, dv).astype(qa.dtype)
     return decoded
