@@ -24,12 +24,14 @@ from numpy.typing import ArrayLike
 from . import _native
 from ._arrays import F32, U8, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError
+from ._interop import to_numpy
 from .registry import RegistryLike, resolve
 
 _CODEC = "KVCodec"
 _ENCODE = "KVCodec.encode"
 _EMPTY = "KVCodec.empty"
 _DEQUANTIZE = "QuantizedKV.dequantize"
+_QKV = "QuantizedKV"
 
 
 class KVCodec:
@@ -116,7 +118,8 @@ class QuantizedKV:
 
     def __init__(self, codec: KVCodec, codes: np.ndarray, norms: np.ndarray) -> None:
         if not isinstance(codec, KVCodec):
-            raise InvalidTypeError("QuantizedKV", f"codec must be a KVCodec, got {type(codec).__name__}")
+            raise InvalidTypeError(_QKV, f"codec must be a KVCodec, got {type(codec).__name__}")
+        _check_storage(codec, codes, norms)
         self.codec = codec
         self.codes = codes
         self.norms = norms
@@ -149,3 +152,28 @@ class QuantizedKV:
         _native.call(reg, "fm_dispatch_kv_dequantize", self.codec._c, tensor(ffi, ca), tensor(ffi, na),
                      tensor(ffi, dst), op=_DEQUANTIZE, keep=(ca, na, dst))
         return out
+
+
+def _check_storage(codec: KVCodec, codes: Any, norms: Any) -> None:
+    """QuantizedKV's storage rule, checked once when it is made so no later
+    call indexes mismatched arrays: codes uint8 ``[*shape, row_bytes]`` and
+    norms float32 ``[*shape, num_blocks]`` (numpy arrays, torch tensors or
+    other DLPack exporters, read without a copy)."""
+    want = {"codes": (U8, codec.row_bytes, "row_bytes"), "norms": (F32, codec.num_blocks, "num_blocks")}
+    arrays = {}
+    for name, x in (("codes", codes), ("norms", norms)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise InvalidTypeError(_QKV, f"{name} must be an array (numpy, torch or DLPack), got {type(x).__name__}",
+                                   argument=name)
+        a = to_numpy(x, _QKV, name)
+        dtype, last, what = want[name]
+        if a.dtype != dtype:
+            raise InvalidTypeError(_QKV, f"{name} dtype {a.dtype} must be {dtype}", argument=name)
+        if a.ndim < 1 or a.shape[-1] != last:
+            raise InvalidValueError(_QKV, f"{name} shape {list(a.shape)} must end in the codec's {what} {last}",
+                                    argument=name)
+        arrays[name] = a
+    if arrays["codes"].shape[:-1] != arrays["norms"].shape[:-1]:
+        raise InvalidValueError(_QKV, f"norms shape {list(arrays['norms'].shape)} must be "
+                                      f"{list(arrays['codes'].shape[:-1]) + [codec.num_blocks]} (codes' leading "
+                                      f"shape, then num_blocks)", argument="norms")

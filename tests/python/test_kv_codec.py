@@ -246,18 +246,45 @@ def test_bad_encode_input(registry, x, exc, words):
 def test_bad_dequantize_storage(registry):
     codec = fm.KVCodec(128, 4)
     good = codec.empty((3,))
-    for codes, norms, words in [
-        (good.codes[:, :32], good.norms, ("codes", "64")),
-        (good.codes, good.norms[:2], ("norms", "[3, 1]")),
-        (good.codes.astype(np.float32), good.norms, ("codes", "uint8")),
-        (good.codes, good.norms.astype(np.float16), ("norms", "float32")),
-    ]:
-        with pytest.raises(fm.Error) as e:
-            fm.QuantizedKV(codec, codes, norms).dequantize(registry=registry)
-        assert e.value.op == "QuantizedKV.dequantize"
-        for w in words:
-            assert w in str(e.value), str(e.value)
     with pytest.raises(fm.InvalidValueError, match="out shape"):
         good.dequantize(out=np.empty((3, 64), np.float32), registry=registry)
+
+
+@pytest.mark.parametrize("codes, norms, exc, arg, words", [
+    ("short", None, fm.InvalidValueError, "codes", ("row_bytes 64", "[3, 32]")),
+    (None, "lead", fm.InvalidValueError, "norms", ("[2, 1]", "[3, 1]")),
+    (None, "blocks", fm.InvalidValueError, "norms", ("num_blocks 1",)),
+    ("f32", None, fm.InvalidTypeError, "codes", ("float32", "uint8")),
+    ("i32", None, fm.InvalidTypeError, "codes", ("int32", "uint8")),
+    (None, "f16", fm.InvalidTypeError, "norms", ("float16", "float32")),
+    (None, "f64", fm.InvalidTypeError, "norms", ("float64", "float32")),
+    ("list", None, fm.InvalidTypeError, "codes", ("array", "list")),
+])
+def test_quantized_kv_refuses_storage_that_does_not_fit_its_codec(codes, norms, exc, arg, words):
+    """QuantizedKV checks its storage when it is made (codes uint8 [*shape,
+    row_bytes], norms float32 [*shape, num_blocks]), so no later call reads
+    mismatched arrays."""
+    codec = fm.KVCodec(128, 4)
+    good = codec.empty((3,))
+    c = {None: good.codes, "short": good.codes[:, :32], "f32": good.codes.astype(np.float32),
+         "i32": good.codes.astype(np.int32), "list": good.codes.tolist()}[codes]
+    n = {None: good.norms, "lead": good.norms[:2], "blocks": np.zeros((3, 2), np.float32),
+         "f16": good.norms.astype(np.float16), "f64": good.norms.astype(np.float64)}[norms]
+    with pytest.raises(exc) as e:
+        fm.QuantizedKV(codec, c, n)
+    assert e.value.op == "QuantizedKV" and e.value.argument == arg, (e.value.op, e.value.argument)
+    for w in words:
+        assert w in str(e.value), str(e.value)
     with pytest.raises(fm.InvalidTypeError, match="QuantizedKV: codec"):
         fm.QuantizedKV("codec", good.codes, good.norms)
+
+
+def test_quantized_kv_over_torch_storage_reads_it_in_place(registry):
+    torch = pytest.importorskip("torch")
+    codec = fm.KVCodec(64, 4)
+    x = np.random.default_rng(5).standard_normal((4, 64)).astype(np.float32)
+    enc = codec.encode(x, registry=registry)
+    t = fm.QuantizedKV(codec, torch.from_numpy(enc.codes), torch.from_numpy(enc.norms))
+    assert np.array_equal(t.dequantize(registry=registry), enc.dequantize(registry=registry))
+    with pytest.raises(fm.InvalidTypeError, match="codes dtype int16 must be uint8"):
+        fm.QuantizedKV(codec, torch.zeros((4, codec.row_bytes), dtype=torch.int16), torch.from_numpy(enc.norms))
