@@ -47,6 +47,23 @@ def _codes(cache: QuantizedKV, name: str, appending: bool) -> tuple[np.ndarray, 
     return arrays[0], arrays[1]
 
 
+def _float32_inside_a_scope(reg: Registry, op: str, qa: np.ndarray) -> None:
+    """The attention over codes computes in float32 and converts the result
+    to q's dtype on the host. Inside a caller's batch scope on a deferring
+    backend (Metal) the work runs when the scope ends, after that
+    conversion would have read it: only float32 q, whose result is the
+    kernel's own output, runs there."""
+    if qa.dtype != F32 and reg._defers_work and reg._batch_depth:
+        raise InvalidValueError(op, f"calls over QuantizedKV caches compute in float32 and convert the result to "
+                                    f"q's dtype ({qa.dtype}) after the work ran: inside a batch scope on metal pass q "
+                                    f"as float32, or call outside the scope", argument="q")
+
+
+def _in_dtype(o32: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The float32 result in q's dtype: itself when that is float32."""
+    return o32 if dtype == F32 else o32.astype(dtype)
+
+
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
@@ -62,14 +79,13 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     appending = ka is not None
     kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
     vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
-    if reg._defers_work and reg._batch_depth:
-        raise InvalidValueError(_OP, "calls over QuantizedKV caches convert their float32 result after the work "
-                                     "ran: call them outside a batch scope on metal")
+    _float32_inside_a_scope(reg, _OP, qa)
     if qa.ndim != 4:
         raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
     out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens])
     q32 = np.ascontiguousarray(qa, dtype=F32)
-    o32 = np.empty(qa.shape, dtype=F32)
+    # float32 q: the kernel's output is the result (into out when given).
+    o32 = out_arr if out_arr is not None and qa.dtype == F32 else np.empty(qa.shape, dtype=F32)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     ffi = _native.ffi()
@@ -104,8 +120,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
                 for a, old in zip(arrays, saved):
                     a[slots] = old
             raise
-    result = o32.astype(qa.dtype)
-    if out_arr is not None:
+    result = _in_dtype(o32, qa.dtype)
+    if out_arr is not None and result is not out_arr:
         out_arr[...] = result
     wrap = wrapper_like(q)
     final = wrap(result) if out is None else out
@@ -129,12 +145,13 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
                                     "k/v are not supported)")
     if qa.ndim != 3:
         raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
+    _float32_inside_a_scope(reg, op, qa)
     q32 = np.ascontiguousarray(qa, dtype=F32)
     o32 = np.zeros(qa.shape, dtype=F32)
     lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
                    lse=lse)
-    return o32.astype(qa.dtype), lse
+    return _in_dtype(o32, qa.dtype), lse
 
 
 def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: np.ndarray | None, opts: Any,
@@ -145,9 +162,7 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     in q's dtype, lse [B, H, qL] or None). lens: keys per sequence (int32
     [B]), or None for all seqlen_k."""
     sides = (_side(k, "k", op), _side(v, "v", op))
-    if reg._defers_work and reg._batch_depth:
-        raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the work "
-                                    "ran: call them outside a batch scope on metal")
+    _float32_inside_a_scope(reg, op, qa)
     if qa.ndim != 4:
         raise InvalidValueError(op, f"q must be [B, seqlen_q, H, D] over QuantizedKV k/v, got shape {qa.shape}")
     q32 = np.ascontiguousarray(qa, dtype=F32)
@@ -155,7 +170,7 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse)
-    return o32.astype(qa.dtype), lse
+    return _in_dtype(o32, qa.dtype), lse
 
 
 def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: Any, causal: bool, q_offset: Any,

@@ -113,10 +113,9 @@ def flash_attn_func(
     qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
-    _no_outer_scope_for_decode(reg, qa, op)
     slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
     out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes,
-                       short=_short_query(reg, qa, ka, va))()
+                       short=_short_query(reg, qa, ka, va), decode=_decode_kernel_runs(reg, op, qa, va, qa.dtype))()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -192,9 +191,6 @@ def flash_attn_varlen_func(
                 raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV caches (pass None)",
                                               argument=name)
         _no_alibi_over_codes(op, slopes)
-        if reg._defers_work and reg._batch_depth:
-            raise InvalidValueError(op, "calls over QuantizedKV caches convert their float32 result after the "
-                                        "work ran: call them outside a batch scope on metal")
         qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(op, sinks), want_lse)
         return _with_probs(q, qout, qlse)
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
@@ -401,22 +397,23 @@ def flash_attn_with_kvcache(
         result, lse = _ragged_kvcache(reg, rag, kc, vc, given_lens, lens, bt, tables, interleaved, per_row, opts,
                                       sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
-    _no_outer_scope_for_decode(reg, qa, _KVCACHE)
     short = _short_query(reg, qa, kc, vc)
+    decode_kernel = _decode_kernel_runs(reg, _KVCACHE, qa, vc, qa.dtype)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr, alibi=slopes, short=short)
+                         block_table=bt, out=out_arr, alibi=slopes, short=short, decode=decode_kernel)
     elif tables is None:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, alibi=slopes, short=short))
+                                                           out=out_arr, alibi=slopes, short=short,
+                                                           decode=decode_kernel))
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                     int(attention_chunk))
-        decode = qa.ndim == 4 and qa.shape[1] == 1
+        decode = qa.ndim == 4 and qa.shape[1] == 1 and decode_kernel
         if decode:
             _decode_dtypes(_KVCACHE, qa, kc)
         # The decode kernel reads q as float32: its rotated copy is float32 too
@@ -433,7 +430,7 @@ def flash_attn_with_kvcache(
                                      lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
                                                            out=out_arr, out_dtype=qa.dtype, alibi=slopes,
-                                                           short=short))
+                                                           short=short, decode=decode_kernel))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -716,32 +713,45 @@ def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
     return first, row
 
 
-def _no_outer_scope_for_decode(reg: Registry, qa: np.ndarray, op: str) -> None:
-    """The decode route converts its float32 result to q's dtype after the
-    work ran; inside a caller's batch scope on a deferring backend (Metal)
-    the work runs only when that scope ends, so the call is refused."""
-    if qa.ndim == 4 and qa.shape[1] == 1 and reg._defers_work and reg._batch_depth:
-        raise InvalidValueError(op, "one-row (decode) calls convert their float32 result after the work ran: "
-                                "call them outside a batch scope on metal")
+def _decode_kernel_runs(reg: Registry, op: str, qa: np.ndarray, va: np.ndarray, out_dtype: np.dtype) -> bool:
+    """Whether a one-row call may run the decode kernel, whose result is
+    float32 (asked before the call opens a batch scope of its own): always,
+    except inside a caller's batch scope on a deferring backend
+    (Metal) when the output is another dtype, since that scope's work runs
+    when it ends, after the conversion would have read the result. There
+    the call runs the prefill, which writes q's dtype in place (and takes q
+    in the caches' dtype, as the decode route does for q that is not
+    float32)."""
+    if out_dtype == F32 or not (reg._defers_work and reg._batch_depth) or qa.ndim != 4 or qa.shape[1] != 1:
+        return True
+    d, dv = int(qa.shape[-1]), int(va.shape[-1])
+    if not _native.runs_head_dims("flash_attn_prefill", d, dv):
+        raise InvalidValueError(op, f"inside a batch scope on metal a one-row call with {qa.dtype} q runs the "
+                                    f"prefill, which does not take head dims ({d}, {dv}): pass q as float32 or "
+                                    f"call outside the scope")
+    return False
 
 
-def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> None:
+def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> bool:
     """The decode route's dtype rule (q float32, or q's dtype equal to the
-    cache's), worded as the prefill route says it for the same call."""
+    cache's), worded as the prefill route says it for the same call; True
+    when it holds."""
     if qa.dtype != F32 and ka.dtype != qa.dtype:
         name = "k_cache" if op == _KVCACHE else "k"
         raise InvalidTypeError(op, f"{name} dtype {ka.dtype} does not match q dtype {qa.dtype}")
+    return True
 
 
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
             out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
-            short: bool = False) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+            short: bool = False, decode: bool = True) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
     None): the decode kernel for qL == 1, the same kernel over all qL rows
     with `short` (_short_query, asked before the call opens a batch scope of
-    its own), else prefill. Returns a function to
+    its own), else prefill; one row takes the prefill too when `decode` is
+    False (_decode_kernel_runs, asked then as well). Returns a function to
     call once the work ran (after the batch scope the call is in) that gives
     (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
     None)."""
@@ -749,12 +759,14 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     if short:
         return _attend_short(reg, op, qa, ka, va, opts, sinks=sinks, want_lse=want_lse, seqlens_k=seqlens_k,
                              block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi)
-    if qa.ndim == 4 and qa.shape[1] == 1:
-        _decode_dtypes(op, qa, ka)
+    target = np.dtype(out_dtype or qa.dtype)
+    if qa.ndim == 4 and qa.shape[1] == 1 and decode and _decode_dtypes(op, qa, ka):
         b, _, h, d = qa.shape
         dv = out_shape(qa, va)[-1]
         q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
-        o32 = np.empty((b, h, dv), dtype=F32)
+        # A float32 output is the kernel's own: written in place, not converted.
+        direct = target == F32
+        o32 = out.reshape(b, h, dv) if direct and out is not None else np.empty((b, h, dv), dtype=F32)
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
                                 alibi_slopes=alibi)
@@ -763,8 +775,8 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
                                                                     lse, alibi, o32, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
-            result = o32.reshape(b, 1, h, dv).astype(out_dtype or qa.dtype)
-            if out is not None:
+            result = o32.reshape(b, 1, h, dv) if direct else o32.reshape(b, 1, h, dv).astype(target)
+            if out is not None and not direct:
                 out[...] = result
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))
         return finish_decode

@@ -505,3 +505,36 @@ def test_cache_batch_idx_over_codes(registry, rng, paged, ql):
                                        block_table=s.table, registry=registry)
         assert e.value.argument == "cache_batch_idx"
     assert_bits_equal(s.k.codes, before, "nothing written by a refused call")
+
+
+@pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
+def test_decode_steps_inside_a_batch_scope(rng):
+    """Decode steps over QuantizedKV caches in one batch scope on a deferring
+    backend (one command buffer): float32 q runs (its float32 result is the
+    kernel's output, written in place), each step appending its rows and
+    reading those of the steps before; q of another dtype, whose result is
+    converted on the host, is refused by name."""
+    reg = fm.Registry("metal-sim")
+    s = Setup(rng, reg, n_new=1)
+    steps = 3
+    qs = [randn(rng, (2, 1, 4, 64), F32) for _ in range(steps)]
+    news = [(randn(rng, (2, 1, 2, 64), F32), randn(rng, (2, 1, 2, 64), F32)) for _ in range(steps)]
+    outs = [np.zeros((2, 1, 4, 64), F32) for _ in range(steps)]
+    with reg.batch():
+        for i in range(steps):
+            fm.flash_attn_with_kvcache(qs[i], s.k, s.v, *news[i], cache_seqlens=s.lens + i, causal=True, out=outs[i],
+                                       registry=reg)
+    k_hat, v_hat = dequantized(s.k), dequantized(s.v)
+    for i in range(steps):
+        eo, _ = reference.flash_attn_kvcache(qs[i], k_hat, v_hat, cache_seqlens=s.lens + i + 1, causal=True)
+        check(outs[i], eo, F32, f"step {i}")
+    for i, (kn, vn) in enumerate(news):
+        for cache, new in ((s.k, kn), (s.v, vn)):
+            enc = cache.codec.encode(new, registry=reg)
+            for bi, start in enumerate((s.lens + i).tolist()):
+                assert_bits_equal(cache.codes[bi, start], enc.codes[bi, 0], f"codes of step {i}, sequence {bi}")
+    with reg.batch():
+        with pytest.raises(fm.InvalidValueError, match="inside a batch scope on metal pass q as float32") as e:
+            fm.flash_attn_with_kvcache(qs[0].astype(BF16), s.k, s.v, cache_seqlens=s.lens, registry=reg)
+    assert e.value.argument == "q"
+    reg.close()

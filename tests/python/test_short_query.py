@@ -197,3 +197,55 @@ def test_batch_scope_keeps_the_prefill(calls):
     assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_vec_seq"], calls
     assert_close(out, expected, BF16, "outside a batch scope")
     reg.close()
+
+
+@pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_decode_steps_inside_a_batch_scope(calls, dtype, rotary):
+    """A decode loop in one batch scope on a deferring backend (one command
+    buffer): each step appends its token and attends over it. float32 q
+    keeps the decode kernel (its float32 result is the output, written in
+    place); other dtypes take the prefill, which writes q's dtype in place,
+    since converting the decode kernel's result would read it before the
+    scope ran. Outputs and LSEs read after the scope match the float64
+    reference of every step, and the caches hold every appended row."""
+    reg = fm.Registry("metal-sim")
+    rng = np.random.default_rng(31)
+    b, h, hkv, d, cap, steps = 2, 4, 2, 64, 24, 3
+    kc, vc = randn(rng, (b, cap, hkv, d), dtype), randn(rng, (b, cap, hkv, d), dtype)
+    k0, v0 = kc.copy(), vc.copy()
+    lens = np.array([5, 11], np.int32)
+    qs = [randn(rng, (b, 1, h, d), dtype) for _ in range(steps)]
+    kn = [randn(rng, (b, 1, hkv, d), dtype) for _ in range(steps)]
+    vn = [randn(rng, (b, 1, hkv, d), dtype) for _ in range(steps)]
+    rot = {}
+    if rotary:
+        angles = rng.uniform(0, 2 * np.pi, (cap, d // 2))
+        rot = dict(rotary_cos=np.cos(angles).astype(F32), rotary_sin=np.sin(angles).astype(F32))
+    outs = [np.zeros((b, 1, h, d), dtype) for _ in range(steps)]
+    lses = []
+    with reg.batch():
+        for s in range(steps):
+            _, lse = fm.flash_attn_with_kvcache(qs[s], kc, vc, kn[s], vn[s], cache_seqlens=lens + s, causal=True,
+                                                out=outs[s], return_softmax_lse=True, registry=reg, **rot)
+            lses.append(lse)
+    kernels = {c for c in calls if c in ("fm_dispatch_vec_seq", "fm_dispatch_attn")}
+    assert kernels == {"fm_dispatch_vec_seq" if dtype == F32 else "fm_dispatch_attn"}, calls
+    ek, ev = k0, v0
+    for s in range(steps):
+        q, k = qs[s], kn[s]
+        if rotary:  # flash-attn's default rotary_interleaved; k stored in the cache's dtype
+            q, k = (reference.apply_rotary_emb(x, rot["rotary_cos"], rot["rotary_sin"], lens + s,
+                                               interleaved=True).astype(dtype)
+                    for x in (q, k))
+        e_out, e_lse = reference.flash_attn_kvcache(q, ek, ev, k=k, v=vn[s], cache_seqlens=lens + s, causal=True)
+        ek, ev = reference.kv_append(ek, ev, k, vn[s], lens + s)
+        assert_close(outs[s], e_out, dtype, f"step {s}")
+        assert_close(lses[s], e_lse, F32, f"step {s} lse")
+    if rotary:
+        assert_close(kc, ek, dtype, "k_cache after the scope")
+    else:
+        assert_bits_equal(kc, ek, "k_cache after the scope")
+    assert_bits_equal(vc, ev, "v_cache after the scope")
+    reg.close()

@@ -96,6 +96,28 @@ final class MetalSimRuntimeTests: XCTestCase {
         XCTAssertEqual(seen.count, 0)
     }
 
+    /// An encoder's bindings outlive a dispatch; one at an index the next
+    /// kernel does not declare (left by an earlier, wider kernel) is ignored,
+    /// as Metal ignores it.
+    func testBindingsTheKernelDoesNotDeclareAreIgnored() throws {
+        let pso = try pipeline()
+        try autoreleasepool {
+            let input = floats((0..<6).map(Float.init)), out = floats([0, 0]), unused = floats([1, 2, 3, 4])
+            let cb = queue.makeCommandBuffer()!
+            let enc = cb.makeComputeCommandEncoder(dispatchType: .serial)!
+            enc.setBuffer(unused, offset: 0, index: 8)
+            var wide: UInt32 = 5
+            enc.setBytes(&wide, length: 4, index: 9)
+            reduce(enc, pso, input, out, rows: 2, n: 3)
+            enc.endEncoding()
+            cb.commit()
+            cb.waitUntilCompleted()
+            XCTAssertEqual(cb.status, .completed, "\(String(describing: cb.error))")
+            XCTAssertEqual(read(out, 2), [9, 36])
+        }
+        XCTAssertEqual(seen.count, 0)
+    }
+
     // MARK: lifecycle
 
     func testSecondEncoderWhileOneIsOpen() throws {

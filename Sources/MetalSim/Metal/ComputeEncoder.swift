@@ -153,7 +153,15 @@ final class SimComputeEncoder: MTLComputeCommandEncoder {
                 return
             }
         }
-        pass.commands.append(.dispatch(Pass.Recorded(pipeline: p, buffers: buffers, bytes: bytes,
+        // The encoder's bindings outlive a dispatch; Metal ignores those at
+        // indices the kernel does not declare (left by an earlier kernel of
+        // the encoder), so only the kernel's own buffer parameters are passed.
+        func declared(_ index: Int) -> Bool {
+            var kind: Int32 = 0, align: UInt32 = 1
+            return fmsim_kernel_param(p.function.name, Int32(index), &kind, &align) != 0 && kind != 2
+        }
+        pass.commands.append(.dispatch(Pass.Recorded(pipeline: p, buffers: buffers.filter { declared($0.key) },
+                                                     bytes: bytes.filter { declared($0.key) },
                                                      threadgroupMemory: threadgroupMemory, grid: g, threads: t)))
         MetalSim.count { $0.dispatches += 1 }
     }
