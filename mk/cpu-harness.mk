@@ -8,6 +8,12 @@
 # 576 over v 512), decode, blk and the mask builder. A few seconds. Reuses
 # ARM64_CC and ARM64_KERNELS of mk/cpu-arm64.mk (included first: fragments
 # load in name order).
+# On Linux a second build, harness-emulated, compiles the AVX-512 and
+# AVX512-BF16 instances without their target attribute and their intrinsics
+# from SIMDe (FM_ISA_EMULATED: Sources/FlashMetalCPUKernels/x86_intrin.h,
+# tests/cpu_arm64/isa_emulated.h), and its dispatch reports every x86 ISA: it
+# runs those paths on any x86-64 machine (about 8 s each on a loaded 2-core
+# machine), and fails unless the path it asked for is the one that ran.
 HARNESS_OUT := .build/cpu-harness
 HARNESS_CFLAGS := -std=c11 -O2 -ffp-contract=off -Wall -Werror \
 	-ISources/FlashMetalCPUKernels/include -ISources/FlashMetalCPUKernels -ISources/CFlashMetal/include
@@ -24,3 +30,17 @@ $(HARNESS_OUT)/harness: tests/cpu_arm64/harness.c tests/cpu_arm64/codes_case.h $
 
 cpu-harness-test: $(HARNESS_OUT)/harness
 	for isa in portable avx2 avx512 avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< || exit 1; done
+
+ifeq ($(UNAME)-$(ARCH),Linux-x86_64)
+$(HARNESS_OUT)/harness-emulated: tests/cpu_arm64/harness.c tests/cpu_arm64/codes_case.h tests/cpu_arm64/isa_emulated.h \
+		$(ARM64_KERNELS) $(wildcard Sources/FlashMetalCPUKernels/*.h) Sources/FlashMetalCPUKernels/include/fm_cpu_kernels.h \
+		$(HEADER) | simde-deps
+	@mkdir -p $(HARNESS_OUT)
+	$(ARM64_CC) $(HARNESS_CFLAGS) -Wno-psabi -DFM_ISA_EMULATED -Itests/cpu_arm64 -o $@ tests/cpu_arm64/harness.c \
+		$(ARM64_KERNELS) -lm
+
+cpu-harness-test: cpu-harness-emulated-test
+.PHONY: cpu-harness-emulated-test
+cpu-harness-emulated-test: $(HARNESS_OUT)/harness-emulated
+	for isa in avx512 avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< $$isa || exit 1; done
+endif
