@@ -12,7 +12,7 @@
 # AVX512-BF16 instances without their target attribute and their intrinsics
 # from SIMDe (FM_ISA_EMULATED: Sources/FlashMetalCPUKernels/x86_intrin.h,
 # tests/cpu_arm64/isa_emulated.h), and its dispatch reports every x86 ISA: it
-# runs those paths on any x86-64 machine (about 8 s each on a loaded 2-core
+# runs those paths on any x86-64 machine (about 10 s each on a loaded 2-core
 # machine), and fails unless the path it asked for is the one that ran.
 HARNESS_OUT := .build/cpu-harness
 HARNESS_CFLAGS := -std=c11 -O2 -ffp-contract=off -Wall -Werror \

@@ -5,7 +5,9 @@
  * then the reduce) and is checked against a double-precision reference
  * written here from the math. Speed is not measured: qemu emulates.
  * mk/cpu-harness.mk builds the same file natively on x86-64 and runs it on
- * each x86 ISA path (portable, avx2, avx512, avx512bf16).
+ * each x86 ISA path (portable, avx2, avx512, avx512bf16), and once more with
+ * the AVX-512 instances as portable code (FM_ISA_EMULATED, isa_emulated.h)
+ * on the avx512 and avx512bf16 paths.
  *
  *   harness [expected isa name]     exit 0 when every check passes */
 #include <float.h>
