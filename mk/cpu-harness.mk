@@ -5,7 +5,8 @@
 # kernels without the Swift dispatch, against its own double reference:
 # prefill (plain mode and the serving extension: varlen, paged, kv lens,
 # window, softcap, sinks, LSE, head dims 64-256 incl. 80/96/192, 512, MLA's
-# 576 over v 512), decode, blk and the mask builder. A few seconds. Reuses
+# 576 over v 512), decode, the decode and tiled prefill over quantized KV
+# codes (every width, dense sides), blk and the mask builder. Reuses
 # ARM64_CC and ARM64_KERNELS of mk/cpu-arm64.mk (included first: fragments
 # load in name order).
 # On Linux a second build, harness-emulated, compiles the AVX-512 and
