@@ -5,7 +5,10 @@
 #   libcxx-deps    libc++ 19: the simulator built against Apple's C++ library (mac-check)
 #   aarch64-deps   qemu-user + arm64 cross libc/libstdc++/libgcc: the C/C++ parts
 #                  cross-built for aarch64 and run under qemu-aarch64
+#   simde-deps     SIMDe (header-only): the AVX-512 kernels built as portable code
+#                  and run on any x86-64 machine (cpu-harness-test)
 LIBCXX_PKGS := libc++-19-dev libc++abi-19-dev
+SIMDE_PKGS := libsimde-dev
 AARCH64_PKGS := qemu-user libc6-dev-arm64-cross libstdc++-12-dev-arm64-cross libgcc-12-dev-arm64-cross
 APT_GET := $(if $(filter 0,$(shell id -u 2>/dev/null)),,sudo )apt-get
 
@@ -20,14 +23,17 @@ define ensure-debs
 	fi
 endef
 
-.PHONY: libcxx-deps aarch64-deps
+.PHONY: libcxx-deps aarch64-deps simde-deps
 ifeq ($(UNAME),Linux)
 libcxx-deps:
 	$(call ensure-debs,$(LIBCXX_PKGS))
 
 aarch64-deps:
 	$(call ensure-debs,$(AARCH64_PKGS))
+
+simde-deps:
+	$(call ensure-debs,$(SIMDE_PKGS))
 else
-libcxx-deps aarch64-deps:
+libcxx-deps aarch64-deps simde-deps:
 	@echo "deps: $@ installs Debian packages for Linux-only checks; this is $(UNAME)"; exit 1
 endif

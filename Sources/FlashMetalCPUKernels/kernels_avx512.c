@@ -2,8 +2,10 @@
  * registers, prefill register block 4 rows x 4 vectors (64 keys). */
 #if defined(__x86_64__)
 #include "prefill_fast.h"
+#if !defined(FM_ISA_EMULATED) /* the emulated test build: portable code (x86_intrin.h) */
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c"))), \
                              apply_to = function)
+#endif
 #define FM_VL 16
 #define FM_HAS_F16CVT 1
 #define FM_PF_R 4
@@ -15,5 +17,7 @@
 #include "vec_body.h"
 #include "kv_codes_body.h"
 #include "kv_codes_prefill_body.h"
+#if !defined(FM_ISA_EMULATED)
 #pragma clang attribute pop
+#endif
 #endif

@@ -4,10 +4,12 @@
  * fm_v_max8/fm_v_sum8 (4 x 4 folded half: 2-5% slower at D = 64, the same
  * at D >= 128). Decode uses the AVX-512 instance. */
 #if defined(__x86_64__)
-#include <immintrin.h>
+#include "x86_intrin.h"
 #include "prefill_fast.h"
+#if !defined(FM_ISA_EMULATED) /* the emulated test build: portable code (x86_intrin.h) */
 #pragma clang attribute push(                                                                  \
     __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c,avx512bf16"))), apply_to = function)
+#endif
 #define FM_VL 16
 #define FM_HAS_F16CVT 1
 #define FM_PF_R 8
@@ -30,5 +32,7 @@ static inline fm_v fm_v_store_bf16_cvt(uint16_t *dst, fm_v x) {
 }
 #define FM_PF_STORE_BF16 fm_v_store_bf16_cvt
 #include "prefill_body.h"
+#if !defined(FM_ISA_EMULATED)
 #pragma clang attribute pop
+#endif
 #endif

@@ -21,7 +21,7 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
 }
 
 #if defined(__x86_64__) && FM_VL >= 8
-#include <immintrin.h>
+#include "x86_intrin.h"
 #endif
 #if defined(__x86_64__) && FM_VL == 8
 /* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,

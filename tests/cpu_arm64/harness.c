@@ -5,7 +5,9 @@
  * then the reduce) and is checked against a double-precision reference
  * written here from the math. Speed is not measured: qemu emulates.
  * mk/cpu-harness.mk builds the same file natively on x86-64 and runs it on
- * each x86 ISA path (portable, avx2, avx512, avx512bf16).
+ * each x86 ISA path (portable, avx2, avx512, avx512bf16), and once more with
+ * the AVX-512 instances as portable code (FM_ISA_EMULATED, isa_emulated.h)
+ * on the avx512 and avx512bf16 paths.
  *
  *   harness [expected isa name]     exit 0 when every check passes */
 #include <float.h>
@@ -689,100 +691,191 @@ static void run_blk_and_mask(void) {
     free(m); free(row);
 }
 
-/* ---- prefill over quantized caches ---------------------------------------- */
+/* ---- attention over quantized caches ------------------------------------- */
 
-/* The cases over quantized caches (codes_case.h): 4 query heads over 2 kv
- * heads, 70 query rows at the end of 150 keys. */
-static CodesCase codes_case(int32_t D, int32_t kbits, int32_t vbits, int32_t window) {
-    return codes_case_new(D, 4, 2, 70, 150, window, kbits, vbits, nrand);
+/* One case over quantized caches (codes_case.h): H query heads over Hkv kv
+ * heads, 70 query rows at the end of 150 keys. dense: 1 K, 2 V, 3 both
+ * sides stored as rows of dtype (the codec's dequantized rows rounded to it)
+ * instead of codes. v_inf: one dense V value of kv head 0 is +inf at key
+ * 120, which rows before it must never see. */
+typedef struct {
+    int32_t D, H, Hkv, kbits, vbits, window;
+    float softcap;
+    int32_t dense, dtype, v_inf;
+} CodesRun;
+
+typedef struct {
+    CodesCase c;
+    CodesRun r;
+    Buf kraw, vraw;
+    KVCodesDecodeParams p;
+    FMCPUKVCodesAttnArgs a;
+} CodesSetup;
+
+/* The dequantized rows x of one side as a dense cache of dtype: x becomes
+ * the values the kernel reads. */
+static Buf codes_dense(float *x, int64_t n, int32_t dtype) {
+    Buf b = buf_new(dtype, (size_t)n, 0);
+    for (int64_t i = 0; i < n; i++) {
+        put(&b, (size_t)i, x[i]);
+        x[i] = (float)b.val[i];
+    }
+    return b;
 }
 
-/* Checks o and lse against double attention over the dequantized rows (the
- * sink joins each denominator without a value), then frees the case. */
-static void codes_check(CodesCase *c, const char *what) {
+static CodesSetup codes_setup(const CodesRun *r) {
+    CodesSetup s;
+    memset(&s, 0, sizeof s);
+    s.r = *r;
+    s.c = codes_case_new(r->D, r->H, r->Hkv, 70, 150, r->window, r->kbits, r->vbits, nrand);
+    const int64_t n = (int64_t)s.c.kL * s.c.Hkv * s.c.D;
+    s.p = codes_params(&s.c);
+    s.p.softcap = r->softcap;
+    s.a = codes_args(&s.c);
+    s.a.dense_dtype = r->dtype;
+    if (r->dense & 1) {
+        s.kraw = codes_dense(s.c.kd, n, r->dtype);
+        s.a.k_dense = s.kraw.raw;
+        s.a.k_codes = NULL;
+        s.a.k_norms = NULL;
+    }
+    if (r->dense & 2) {
+        if (r->v_inf) s.c.vd[(size_t)120 * s.c.Hkv * s.c.D + 5] = INFINITY;
+        s.vraw = codes_dense(s.c.vd, n, r->dtype);
+        s.a.v_dense = s.vraw.raw;
+        s.a.v_codes = NULL;
+        s.a.v_norms = NULL;
+    }
+    return s;
+}
+
+/* Checks o and lse against double attention over the keys and values the
+ * kernel reads (softcap, the sink in each denominator without a value; an
+ * output the reference makes non-finite must not be finite), then frees the
+ * case. */
+static void codes_check(CodesSetup *s, const char *what) {
+    CodesCase *c = &s->c;
     const int32_t D = c->D, H = c->H, Hkv = c->Hkv, qL = c->qL, group = H / Hkv;
     const int64_t kL = c->kL;
-    const float scale = 1.0f / sqrtf((float)D);
-    double worst = 0, worst_lse = 0, qv[512], ref[512];
-    double *K = malloc(sizeof(double) * kL * D), *V = malloc(sizeof(double) * kL * D);
-    int *vis = malloc(sizeof(int) * kL);
+    const double scale = 1.0f / sqrtf((float)D), softcap = s->r.softcap;
+    double worst = 0, worst_lse = 0, acc[512];
+    double *sc = malloc(sizeof(double) * kL);
+    int finite_bad = 0;
     for (int32_t h = 0; h < H; h++) {
         const int32_t g = h / group;
-        for (int64_t j = 0; j < kL; j++)
-            for (int32_t d = 0; d < D; d++) {
-                K[j * D + d] = c->kd[(j * Hkv + g) * D + d];
-                V[j * D + d] = c->vd[(j * Hkv + g) * D + d];
-            }
         for (int32_t i = 0; i < qL; i++) {
             const int64_t pos = kL - qL + i;
-            for (int64_t j = 0; j < kL; j++) vis[j] = j <= pos && (c->window <= 0 || j > pos - c->window);
-            for (int32_t d = 0; d < D; d++) qv[d] = c->q[((int64_t)i * H + h) * D + d];
-            /* ref_row's softmax over the keys, then rescaled by the sink's share. */
-            ref_row(qv, K, V, kL, D, D, scale, NULL, vis, ref);
-            double mx = c->sinks[h], tot = 0;
+            const float *q = c->q + ((int64_t)i * H + h) * D;
+            double mx = c->sinks[h];
             for (int64_t j = 0; j < kL; j++) {
-                if (!vis[j]) continue;
+                const int vis = j <= pos && (c->window <= 0 || j > pos - c->window);
                 double dot = 0;
-                for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
-                if (scale * dot > mx) mx = scale * dot;
+                for (int32_t d = 0; vis && d < D; d++) dot += (double)q[d] * c->kd[(j * Hkv + g) * D + d];
+                double x = scale * dot;
+                if (softcap > 0) x = softcap * tanh(x / softcap);
+                sc[j] = vis ? x : -INFINITY;
+                if (sc[j] > mx) mx = sc[j];
             }
+            double den = exp(c->sinks[h] - mx);
+            for (int32_t d = 0; d < D; d++) acc[d] = 0;
             for (int64_t j = 0; j < kL; j++) {
-                if (!vis[j]) continue;
-                double dot = 0;
-                for (int32_t d = 0; d < D; d++) dot += qv[d] * K[j * D + d];
-                tot += exp(scale * dot - mx);
+                if (sc[j] == -INFINITY) continue;
+                const double e = exp(sc[j] - mx);
+                den += e;
+                for (int32_t d = 0; d < D; d++) acc[d] += e * c->vd[(j * Hkv + g) * D + d];
             }
-            const double share = tot / (tot + exp(c->sinks[h] - mx));
             for (int32_t d = 0; d < D; d++) {
-                const double want = ref[d] * share, got = c->o[((int64_t)i * H + h) * D + d];
+                const double want = acc[d] / den, got = c->o[((int64_t)i * H + h) * D + d];
+                if (!isfinite(want)) {
+                    finite_bad += isfinite(got);
+                    continue;
+                }
                 const double err = fabs(got - want) / (1e-5 + 1e-4 * fabs(want));
                 if (!(err <= worst)) worst = err;
             }
-            const double want_lse = mx + log(tot + exp(c->sinks[h] - mx)), got_lse = c->lse[(int64_t)h * qL + i];
-            const double el = fabs(got_lse - want_lse) / 1e-5;
+            const double el = fabs(c->lse[(int64_t)h * qL + i] - (mx + log(den))) / 1e-5;
             if (!(el <= worst_lse)) worst_lse = el;
         }
     }
-    CHECK(worst <= 1.0 && worst_lse <= 1.0, "%s %s D=%d K%d/V%d window=%d: error %.3gx tolerance (lse %.3gx)",
-          what, fm_cpu_isa_name(fm_cpu_isa()), D, c->kbits, c->vbits, c->window, worst, worst_lse);
+    CHECK(worst <= 1.0 && worst_lse <= 1.0 && finite_bad == 0,
+          "%s %s D=%d H=%d/%d K%d/V%d window=%d softcap=%g dense=%d(dtype %d) v_inf=%d: error %.3gx tolerance "
+          "(lse %.3gx), %d finite where the reference is not",
+          what, fm_cpu_isa_name(fm_cpu_isa()), D, H, Hkv, c->kbits, c->vbits, c->window, softcap, s->r.dense,
+          s->r.dtype, s->r.v_inf, worst, worst_lse, finite_bad);
+    free(sc);
     codes_case_free(c);
-    free(K); free(V); free(vis);
+    if (s->r.dense & 1) buf_free(&s->kraw);
+    if (s->r.dense & 2) buf_free(&s->vraw);
 }
 
 /* The prefill over codes in work items of `n_items` items of each kv head,
  * as the Swift backend drives them. */
-static void run_codes_prefill(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t n_items) {
-    CodesCase c = codes_case(D, kbits, vbits, window);
-    const KVCodesDecodeParams p = codes_params(&c);
-    const FMCPUKVCodesAttnArgs a = codes_args(&c);
-    const size_t floats = (size_t)fm_cpu_kv_codes_prefill_scratch_floats(&p);
+static void run_codes_prefill(const CodesRun *r, int32_t n_items) {
+    CodesSetup s = codes_setup(r);
+    const size_t floats = (size_t)fm_cpu_kv_codes_prefill_scratch_floats(&s.p);
     float *scratch = aligned_alloc(64, (sizeof(float) * floats + 63) & ~(size_t)63);
-    for (int32_t g = 0; g < c.Hkv; g++)
-        for (int32_t first = 0; first < c.qL * (c.H / c.Hkv); first += n_items)
-            fm_cpu_kv_codes_prefill_items(&p, &a, first, n_items, g, 0, scratch);
+    for (int32_t g = 0; g < s.c.Hkv; g++)
+        for (int32_t first = 0; first < s.c.qL * (s.c.H / s.c.Hkv); first += n_items)
+            fm_cpu_kv_codes_prefill_items(&s.p, &s.a, first, n_items, g, 0, scratch);
     free(scratch);
     char what[32];
     snprintf(what, sizeof what, "codes prefill items=%d", n_items);
-    codes_check(&c, what);
+    codes_check(&s, what);
 }
 
 /* The decode's work items over codes (every row of the case), each item's
- * keys split `nsplit` ways and merged when nsplit > 1. */
-static void run_codes_decode(int32_t D, int32_t kbits, int32_t vbits, int32_t window, int32_t nsplit) {
-    CodesCase c = codes_case(D, kbits, vbits, window);
-    const KVCodesDecodeParams p = codes_params(&c);
-    const FMCPUKVCodesAttnArgs a = codes_args(&c);
-    const int32_t chunks = (c.H / c.Hkv + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
-    const int64_t items = (int64_t)c.qL * c.Hkv * chunks;
-    float *parts = nsplit > 1 ? malloc(sizeof(float) * items * nsplit * fm_cpu_kv_codes_part_floats(&p)) : NULL;
-    for (int64_t item = 0; item < items; item++)
-        for (int32_t s = 0; s < nsplit; s++) fm_cpu_kv_codes_decode_item(&p, &a, item, s, nsplit, parts);
-    for (int64_t item = 0; nsplit > 1 && item < items; item++)
-        fm_cpu_kv_codes_decode_merge(&p, &a, item, nsplit, parts);
+ * keys split `nsplit` ways and merged when nsplit > 1; by_row: a query
+ * row's items at once (fm_cpu_kv_codes_decode_row), always merged. */
+static void run_codes_decode(const CodesRun *r, int32_t nsplit, int by_row) {
+    CodesSetup s = codes_setup(r);
+    const int32_t chunks = (s.c.H / s.c.Hkv + FM_CPU_KVQ_HEAD_CHUNK - 1) / FM_CPU_KVQ_HEAD_CHUNK;
+    const int64_t items = (int64_t)s.c.qL * s.c.Hkv * chunks;
+    const int merge = nsplit > 1 || by_row;
+    float *parts = merge ? malloc(sizeof(float) * items * nsplit * fm_cpu_kv_codes_part_floats(&s.p)) : NULL;
+    for (int64_t bi = 0; by_row && bi < s.c.qL; bi++)
+        for (int32_t sp = 0; sp < nsplit; sp++) fm_cpu_kv_codes_decode_row(&s.p, &s.a, bi, sp, nsplit, parts);
+    for (int64_t item = 0; !by_row && item < items; item++)
+        for (int32_t sp = 0; sp < nsplit; sp++) fm_cpu_kv_codes_decode_item(&s.p, &s.a, item, sp, nsplit, parts);
+    for (int64_t item = 0; merge && item < items; item++) fm_cpu_kv_codes_decode_merge(&s.p, &s.a, item, nsplit, parts);
     free(parts);
-    char what[32];
-    snprintf(what, sizeof what, "codes decode splits=%d", nsplit);
-    codes_check(&c, what);
+    char what[40];
+    snprintf(what, sizeof what, "codes decode splits=%d%s", nsplit, by_row ? " by row" : "");
+    codes_check(&s, what);
+}
+
+/* Every code width on each side (every unpack branch of each ISA), head
+ * dims of one norm block and of several (80, 96, 192), query heads per kv
+ * head 1, 2, 3 (a zero row in the decode's 4), 4, 8 and 10 (two head
+ * chunks), softcap, windows, and dense sides of each dtype, one holding
+ * +inf. */
+static void run_codes_cases(void) {
+    const CodesRun pf[] = {
+        {128, 4, 2, 4, 8, 0},
+        {128, 4, 2, 8, 4, 0},
+        {80, 4, 2, 3, 5, 0},
+        {192, 4, 2, 6, 2, 90},
+        {64, 4, 2, 4, 4, 70},
+        {96, 6, 2, 8, 4, 0, 20.0f},
+        {64, 10, 1, 2, 6, 50},
+        {128, 4, 1, 4, 2, 0, 0.0f, 1, FM_DTYPE_BF16},
+        {64, 2, 2, 5, 4, 0, 0.0f, 2, FM_DTYPE_F32, 1},
+        {80, 3, 1, 4, 4, 40, 0.0f, 3, FM_DTYPE_F16},
+    };
+    const int32_t pf_items[] = {256, 64, 64, 256, 64, 64, 256, 256, 64, 64};
+    for (size_t i = 0; i < sizeof pf / sizeof *pf; i++) run_codes_prefill(&pf[i], pf_items[i]);
+    const CodesRun dec[] = {
+        {128, 4, 2, 4, 8, 0},
+        {192, 4, 2, 6, 2, 90},
+        {80, 4, 2, 3, 5, 0},
+        {96, 6, 2, 8, 4, 0, 20.0f},
+        {64, 10, 1, 2, 6, 50},
+        {128, 2, 2, 5, 3, 0},
+        {128, 8, 1, 4, 4, 0, 0.0f, 1, FM_DTYPE_BF16},
+        {80, 3, 1, 8, 4, 0, 0.0f, 2, FM_DTYPE_F16},
+        {64, 4, 1, 4, 4, 30, 30.0f, 3, FM_DTYPE_F32},
+    };
+    const int32_t dec_split[] = {1, 3, 2, 2, 1, 1, 2, 1, 3}, dec_row[] = {0, 0, 0, 1, 0, 1, 0, 1, 1};
+    for (size_t i = 0; i < sizeof dec / sizeof *dec; i++) run_codes_decode(&dec[i], dec_split[i], dec_row[i]);
 }
 
 int main(int argc, char **argv) {
@@ -840,14 +933,7 @@ int main(int argc, char **argv) {
             run_decode(&alibi);
         }
     run_serving_cases(fast);
-    run_codes_prefill(128, 4, 8, 0, 256);
-    run_codes_prefill(128, 8, 4, 0, 64);
-    run_codes_prefill(80, 3, 5, 0, 64);
-    run_codes_prefill(192, 6, 2, 90, 256);
-    run_codes_prefill(64, 4, 4, 70, 64);
-    run_codes_decode(128, 4, 8, 0, 1);
-    run_codes_decode(192, 6, 2, 90, 3);
-    run_codes_decode(80, 3, 5, 0, 2);
+    run_codes_cases();
     run_blk_and_mask();
     for (int xi = 0; xi < 3; xi++)
         for (int ci = 0; ci < 3; ci++) run_rotary(dts[xi], dts[ci], (xi + ci) % 2, xi != 1);
