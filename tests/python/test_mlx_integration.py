@@ -341,6 +341,10 @@ def test_errors_name_the_function_and_argument(registry):
         call(q, np.zeros((1, 2, 5, 64), np.float32), v, scale=1.0, registry=registry)
     with pytest.raises(flashmetal.InvalidTypeError, match="scale must be a float, got NoneType"):
         call(q, k, v, scale=None, registry=registry)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(flashmetal.InvalidValueError, match="scale must be finite") as e:
+            call(q, k, v, scale=bad, registry=registry)
+        assert e.value.op == "mlx.scaled_dot_product_attention" and e.value.argument == "scale"
 
 
 # ---- mlx-lm ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ This copies k and v once (one row longer) and builds a mask of
 """
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -183,6 +184,8 @@ def scaled_dot_product_attention(q: Any, k: Any, v: Any, *, scale: float, mask: 
             raise InvalidValueError(_OP, f"{name} has shape {tuple(x.shape)}; q, k and v must have rank 4")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise InvalidTypeError(_OP, f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise InvalidValueError(_OP, f"scale must be finite, got {scale}", argument="scale")
     B, H, qL, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise InvalidValueError(_OP, f"batch sizes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
