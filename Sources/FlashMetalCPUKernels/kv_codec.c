@@ -164,6 +164,11 @@ static void build_tables(FMKVQTables *t) {
         t->by4[v][1] = FM_KVQ_C4[v >> 4];
         for (int32_t j = 0; j < 4; j++) t->by2[v][j] = FM_KVQ_C2[(v >> (2 * j)) & 3];
     }
+    for (int32_t c = 0; c < 16; c++) {
+        uint32_t u;
+        memcpy(&u, &FM_KVQ_C4[c], sizeof u);
+        for (int32_t k = 0; k < 4; k++) t->planes4[k][c] = (uint8_t)(u >> (8 * k));
+    }
     t->c8 = FM_KVQ_C8;
     for (int32_t b = 0; b < 9; b++) t->c[b] = NULL;
     t->c[2] = FM_KVQ_C2;

@@ -32,10 +32,13 @@
 #define FM_KVQ_PREFILL_AHEAD 8
 
 /* Centroids by whole code bytes: by4[b] = (c4[b & 15], c4[b >> 4]), by2[b]
- * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table. */
+ * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table;
+ * planes4[k][c] byte k (little-endian) of the float c4[c], for byte
+ * shuffles that look up 16 codes at once. */
 typedef struct FMKVQTables {
     float by4[256][2];
     float by2[256][4];
+    uint8_t planes4[4][16];
     const float *c8;
     const float *c[9];
 } FMKVQTables;
