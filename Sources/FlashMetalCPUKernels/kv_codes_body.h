@@ -174,11 +174,14 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
     }
     if (bits == 8) {
         /* Eight scalar loads from the 1 KiB table: faster than vgatherdps
-         * on Zen 3 (measured). */
+         * on Zen 3 (measured); the codes read as two 32-bit words and
+         * split by shifts, not loaded byte by byte (loads bound this). */
         const float *c = l->t->c8;
-        const uint8_t *r = row + i;
-        return _mm256_set_m128(_mm_setr_ps(c[r[4]], c[r[5]], c[r[6]], c[r[7]]),
-                               _mm_setr_ps(c[r[0]], c[r[1]], c[r[2]], c[r[3]]));
+        uint32_t w0, w1;
+        memcpy(&w0, row + i, 4);
+        memcpy(&w1, row + i + 4, 4);
+        return _mm256_set_m128(_mm_setr_ps(c[w1 & 255], c[(w1 >> 8) & 255], c[(w1 >> 16) & 255], c[w1 >> 24]),
+                               _mm_setr_ps(c[w0 & 255], c[(w0 >> 8) & 255], c[(w0 >> 16) & 255], c[w0 >> 24]));
     }
     if (bits == 2) {
         uint16_t w;
@@ -427,7 +430,9 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     const int32_t d = x->d;
     float *acc = x->k->acc;
     /* kind 4 with planes: the accumulators in plane order while here. */
-    const int planes = FM_KVQ_PLANES && kind == 4;
+#if FM_KVQ_PLANES
+    const int planes = kind == 4;
+#endif
     fm_v o[CF_MAX][FM_CPU_KVQ_HEAD_CHUNK];
     for (int32_t c = 0; c < CF; c++) {
         for (int32_t j = 0; j < NH; j++) {
@@ -439,8 +444,8 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         }
     }
     for (int32_t t = 0; t < x->nt; t++) {
-        fm_v vs[CF_MAX];
 #if FM_KVQ_PLANES
+        fm_v vs[CF_MAX];
         if (planes) {
             /* CF * FM_VL is 16, 32 or 64 codes. */
             const int32_t NC = CF * FM_VL >= 32 ? 32 : 16;
@@ -449,7 +454,11 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         }
 #endif
         for (int32_t c = 0; c < CF; c++) {
+#if FM_KVQ_PLANES
             fm_v v = planes ? vs[c] : FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
+#else
+            fm_v v = FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
+#endif
             if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
             for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
         }
