@@ -164,11 +164,6 @@ static void build_tables(FMKVQTables *t) {
         t->by4[v][1] = FM_KVQ_C4[v >> 4];
         for (int32_t j = 0; j < 4; j++) t->by2[v][j] = FM_KVQ_C2[(v >> (2 * j)) & 3];
     }
-    for (int32_t c = 0; c < 16; c++) {
-        uint32_t u;
-        memcpy(&u, &FM_KVQ_C4[c], sizeof u);
-        for (int32_t k = 0; k < 4; k++) t->planes4[k][c] = (uint8_t)(u >> (8 * k));
-    }
     t->c8 = FM_KVQ_C8;
     for (int32_t b = 0; b < 9; b++) t->c[b] = NULL;
     t->c[2] = FM_KVQ_C2;
@@ -177,6 +172,14 @@ static void build_tables(FMKVQTables *t) {
     t->c[5] = FM_KVQ_C5;
     t->c[6] = FM_KVQ_C6;
     t->c[8] = FM_KVQ_C8;
+    for (int32_t b = 0; b < 5; b++) {
+        for (int32_t j = 0; j < 16; j++) t->rep16[b][j] = b >= 2 ? t->c[b][j & ((1 << b) - 1)] : 0.0f;
+    }
+    for (int32_t c = 0; c < 16; c++) {
+        uint32_t u;
+        memcpy(&u, &FM_KVQ_C4[c], sizeof u);
+        for (int32_t k = 0; k < 4; k++) t->planes4[k][c] = (uint8_t)(u >> (8 * k));
+    }
 }
 
 static void keys_route(const FMKVQKeys *k) {
@@ -221,6 +224,9 @@ static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, 
 /* Where a work item sits: sequence b, its query row qi of rows_b, kv head
  * g, its query heads [h0, h0 + heads) of the group, and the keys [lo, hi)
  * the row sees. 0 when the item is past the last varlen sequence. */
+/* Items of one query row whose places fm_cpu_kv_codes_decode_row keeps. */
+#define FM_KVQ_ROW_PLACES 64
+
 typedef struct ItemPlace {
     int64_t b, qi, bi, g, row0;
     int32_t h0, heads, lo, hi;
@@ -298,8 +304,11 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
     /* Every item of the row sees the same keys; this share of them. */
     const int64_t len = at.hi - at.lo;
     const int32_t s0 = (int32_t)(at.lo + len * split / nsplit), s1 = (int32_t)(at.lo + len * (split + 1) / nsplit);
+    /* The places of the row's first items, kept for every block. */
+    ItemPlace places[FM_KVQ_ROW_PLACES];
     for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
         place_item(p, a, item, &at);
+        if (item - bi * per < FM_KVQ_ROW_PLACES) places[item - bi * per] = at;
         start_item(p, a, &at, parts + (item * nsplit + split) * stride);
     }
     FMKVQTables tables;
@@ -313,11 +322,21 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
          * n_kv_heads-th row, a stride the hardware prefetcher does not
          * follow far enough. */
         for (int32_t key = k0 + FM_KVQ_ROW_AHEAD; key < k1 + FM_KVQ_ROW_AHEAD && key < s1; key++) {
-            for (int64_t g = 0; g < p->n_kv_heads; g++) fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, at.b, g, key));
+            if (p->kv_strides[1] == 1) {
+                /* The kv heads' rows of a key are adjacent: one run of lines. */
+                fm_kvq_prefetch_rows(p, a, fm_kvq_row(p, a, at.b, 0, key), p->n_kv_heads);
+            } else {
+                for (int64_t g = 0; g < p->n_kv_heads; g++) fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, at.b, g, key));
+            }
         }
         for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
-            place_item(p, a, item, &at);
-            run_keys(p, a, &tables, &at, parts + (item * nsplit + split) * stride, k0, k1);
+            const int64_t local = item - bi * per;
+            if (local < FM_KVQ_ROW_PLACES) {
+                run_keys(p, a, &tables, &places[local], parts + (item * nsplit + split) * stride, k0, k1);
+            } else {
+                place_item(p, a, item, &at);
+                run_keys(p, a, &tables, &at, parts + (item * nsplit + split) * stride, k0, k1);
+            }
         }
     }
 }

@@ -141,8 +141,7 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
 #if defined(__x86_64__) && FM_VL >= 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
      * index (vpermps reads 3 bits) do not matter. */
-    float tab[16] = {0};
-    for (int32_t j = 0; j < 16 && bits >= 2 && bits <= 4; j++) tab[j] = t->c[bits][j & ((1 << bits) - 1)];
+    const float *tab = t->rep16[bits >= 2 && bits <= 4 ? bits : 0];
     l.lo = _mm256_loadu_ps(tab);
     l.hi = _mm256_loadu_ps(tab + 8);
     for (int32_t k = 0; k < 4; k++)
