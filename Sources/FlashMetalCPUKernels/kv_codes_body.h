@@ -333,7 +333,7 @@ typedef struct KVQTile {
 static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_dot)(const void *row, int32_t i, const int32_t NC,
                                                                         const int32_t NH, const int32_t S, int32_t d,
                                                                         const float *qz, const KVQLut *l,
-                                                                        fm_v a[4][FM_CPU_KVQ_HEAD_CHUNK]) {
+                                                                        fm_v a[2][FM_CPU_KVQ_HEAD_CHUNK]) {
     fm_v v[32 / FM_VL];
     FM_SFX(kvq_planes_vecs)((const uint8_t *)row, i, NC, l, v);
     for (int32_t u = 0; u < NC / FM_VL; u++)
@@ -348,11 +348,11 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_dot)(const v
 static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KVQTile *x, const int32_t NH,
                                                                        const int32_t kind, const int32_t nb,
                                                                        float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
-    /* Two (four for 4-bit planes and one or two heads) accumulator sets
-     * while few heads would leave the multiply-adds a chain too short to
-     * hide their latency. */
-    enum { S_MAX = 4 };
-    const int32_t S = FM_KVQ_PLANES && kind == 4 && NH <= 2 ? 4 : NH <= 4 ? 2 : 1, d = x->d, n = x->n;
+    /* Two accumulator sets while few heads would leave the multiply-adds a
+     * chain too short to hide their latency (four for the planes' 32 codes
+     * measured slower: the table registers spill). */
+    enum { S_MAX = 2 };
+    const int32_t S = NH <= 4 ? 2 : 1, d = x->d, n = x->n;
     const float *qz = x->qz;
     for (int32_t t0 = 0; t0 < x->nt; t0 += 8) {
         fm_v part[FM_CPU_KVQ_HEAD_CHUNK][8];
@@ -392,7 +392,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
                     for (int32_t j = 0; j < NH; j++) a[0][j] = FM_SFX(kvq_mac)(a[0][j], fm_v_load(qz + (int64_t)j * d + i), v);
                 }
                 for (int32_t j = 0; j < NH; j++) {
-                    const fm_v b = S == 4 ? (a[0][j] + a[1][j]) + (a[2][j] + a[3][j]) : S == 2 ? a[0][j] + a[1][j] : a[0][j];
+                    const fm_v b = S == 2 ? a[0][j] + a[1][j] : a[0][j];
                     if (nb == 1 || x->kn[t] == NULL) {
                         tot[j] = blk == 0 ? b : tot[j] + b;
                     } else {
