@@ -268,7 +268,8 @@ static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) {
     return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
 #endif
 }
-#else
+#endif
+#if !(defined(__x86_64__) && FM_VL >= 8)
 #define FM_KVQ_PLANES 0
 #endif
 
@@ -429,9 +430,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     const int32_t d = x->d;
     float *acc = x->k->acc;
     /* kind 4 with planes: the accumulators in plane order while here. */
-#if FM_KVQ_PLANES
-    const int planes = kind == 4;
-#endif
+    const int planes = FM_KVQ_PLANES && kind == 4;
     fm_v o[CF_MAX][FM_CPU_KVQ_HEAD_CHUNK];
     for (int32_t c = 0; c < CF; c++) {
         for (int32_t j = 0; j < NH; j++) {
@@ -443,8 +442,8 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         }
     }
     for (int32_t t = 0; t < x->nt; t++) {
-#if FM_KVQ_PLANES
         fm_v vs[CF_MAX];
+#if FM_KVQ_PLANES
         if (planes) {
             /* CF * FM_VL is 16, 32 or 64 codes. */
             const int32_t NC = CF * FM_VL >= 32 ? 32 : 16;
@@ -453,11 +452,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         }
 #endif
         for (int32_t c = 0; c < CF; c++) {
-#if FM_KVQ_PLANES
             fm_v v = planes ? vs[c] : FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
-#else
-            fm_v v = FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
-#endif
             if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
             for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
         }
