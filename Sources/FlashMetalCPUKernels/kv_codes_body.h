@@ -551,10 +551,16 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
 #endif
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
-        /* The next tile's rows are requested now: a kv head's rows sit
-         * Hkv rows apart, too sparse for the hardware prefetcher. */
-        for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
-            fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+        /* Rows ahead are requested now: a kv head's rows sit Hkv rows
+         * apart, too sparse for the hardware prefetcher. */
+        if (k->ahead_end == 0) {
+            for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
+                fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+            }
+        } else {
+            for (int32_t key = t0 + FM_KVQ_ROW_AHEAD; key < t0 + FM_KVQ_ROW_AHEAD + FM_KVQ_TILE && key < k->ahead_end; key++) {
+                fm_kvq_prefetch_codes(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+            }
         }
         float kscale[FM_KVQ_TILE], vscale[FM_KVQ_TILE];
         for (int32_t t = nt; t < FM_KVQ_TILE; t++) kscale[t] = vscale[t] = 1.0f;

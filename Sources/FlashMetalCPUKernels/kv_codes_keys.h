@@ -15,8 +15,11 @@
  * 4-bit codes at D 128, Hkv 8) stays in L1 while each head takes its turn,
  * and the rows are read close to memory order. */
 #define FM_KVQ_ROW_BLOCK 16
-/* How many keys ahead of its block fm_cpu_kv_codes_decode_row requests
- * rows (measured best of 16-128 on Zen 3). */
+/* How many keys ahead of a tile each kv head's pass in
+ * fm_cpu_kv_codes_decode_row requests its code rows. Each pass requests only
+ * its own rows, a few per key it reads, so the requests are spread over the
+ * work instead of one burst per block (a burst of every kv head's lines
+ * fills the load queue and stalls the loop). */
 #define FM_KVQ_ROW_AHEAD 64
 /* Keys per tile of the prefill, tiles starting at multiples of it. */
 #define FM_KVQ_PREFILL_KEYS 64
@@ -65,6 +68,10 @@ typedef struct FMKVQKeys {
     float *mx, *sum, *acc;
     const int32_t *lo, *hi;
     float *scratch;
+    /* Decode: 0 requests the run's next tile of rows (norms included)
+     * before each tile; else the code rows FM_KVQ_ROW_AHEAD keys ahead, up
+     * to key ahead_end (the caller requests the norms). */
+    int32_t ahead_end;
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows
@@ -104,6 +111,13 @@ static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense,
         bytes = d * esize;
     }
     for (int64_t o = 0; o < bytes * count; o += 64) __builtin_prefetch(at + o);
+}
+
+/* Requests the cache lines of the K and V codes (or dense rows) of storage
+ * row r. */
+static inline void fm_kvq_prefetch_codes(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
+    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, 1, p->k_row_bytes, p->head_dim);
+    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, 1, p->v_row_bytes, p->head_dim);
 }
 
 /* Requests every cache line attention reads of storage rows [r, r + count):
