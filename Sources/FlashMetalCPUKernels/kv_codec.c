@@ -172,6 +172,14 @@ static void build_tables(FMKVQTables *t) {
     t->c[5] = FM_KVQ_C5;
     t->c[6] = FM_KVQ_C6;
     t->c[8] = FM_KVQ_C8;
+    for (int32_t b = 0; b < 5; b++) {
+        for (int32_t j = 0; j < 16; j++) t->rep16[b][j] = b >= 2 ? t->c[b][j & ((1 << b) - 1)] : 0.0f;
+    }
+    for (int32_t c = 0; c < 16; c++) {
+        uint32_t u;
+        memcpy(&u, &FM_KVQ_C4[c], sizeof u);
+        for (int32_t k = 0; k < 4; k++) t->planes4[k][c] = (uint8_t)(u >> (8 * k));
+    }
 }
 
 static void keys_route(const FMKVQKeys *k) {
@@ -216,6 +224,9 @@ static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, 
 /* Where a work item sits: sequence b, its query row qi of rows_b, kv head
  * g, its query heads [h0, h0 + heads) of the group, and the keys [lo, hi)
  * the row sees. 0 when the item is past the last varlen sequence. */
+/* Items of one query row whose places fm_cpu_kv_codes_decode_row keeps. */
+#define FM_KVQ_ROW_PLACES 64
+
 typedef struct ItemPlace {
     int64_t b, qi, bi, g, row0;
     int32_t h0, heads, lo, hi;
@@ -274,13 +285,33 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     }
 }
 
+/* The keys [start, end) of one item (ahead_end: FMKVQKeys's). */
 static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const FMKVQTables *tables,
-                     const ItemPlace *at, float *state, int32_t start, int32_t end) {
+                     const ItemPlace *at, float *state, int32_t start, int32_t end, int32_t ahead_end) {
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state, NULL, NULL, NULL};
+                         state, NULL, NULL, NULL, ahead_end};
     keys_route(&k);
+}
+
+/* Requests the K and V norms of every kv head's row of key `key` of
+ * sequence b, one request per cache line where the heads' rows are
+ * adjacent. */
+static void prefetch_norms(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int32_t key) {
+    const int32_t nb = p->head_dim / p->block;
+    for (int64_t g = 0; g < p->n_kv_heads; g++) {
+        const int64_t r = fm_kvq_row(p, a, b, g, key);
+        const float *sides[2] = {a->k_norms, a->v_norms};
+        for (int32_t s = 0; s < 2; s++) {
+            if (sides[s] == NULL) continue;
+            const float *at = sides[s] + r * nb;
+            /* A row's norms start a new line, or the heads are not adjacent. */
+            if (g == 0 || p->kv_strides[1] != 1 || ((uintptr_t)at & 63) < (uintptr_t)nb * sizeof(float)) {
+                __builtin_prefetch(at);
+            }
+        }
+    }
 }
 
 void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t bi,
@@ -293,26 +324,41 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
     /* Every item of the row sees the same keys; this share of them. */
     const int64_t len = at.hi - at.lo;
     const int32_t s0 = (int32_t)(at.lo + len * split / nsplit), s1 = (int32_t)(at.lo + len * (split + 1) / nsplit);
+    /* The places of the row's first items, kept for every block. */
+    ItemPlace places[FM_KVQ_ROW_PLACES];
     for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
         place_item(p, a, item, &at);
+        if (item - bi * per < FM_KVQ_ROW_PLACES) places[item - bi * per] = at;
         start_item(p, a, &at, parts + (item * nsplit + split) * stride);
     }
     FMKVQTables tables;
     build_tables(&tables);
     /* Blocks of keys, every kv head's rows of a block read before the next
-     * block: the heads of one key sit side by side in memory. */
+     * block: the heads of one key sit side by side in memory. Each head's
+     * pass requests its own code rows FM_KVQ_ROW_AHEAD keys ahead (from
+     * memory into the caches); the rows of the next pass are requested
+     * before each pass (from the outer caches back into L1: the passes
+     * between request and use read more than L1 holds at 8-bit codes). */
     for (int32_t k0 = s0; k0 < s1; k0 += FM_KVQ_ROW_BLOCK) {
         const int32_t k1 = s1 - k0 < FM_KVQ_ROW_BLOCK ? s1 : k0 + FM_KVQ_ROW_BLOCK;
-        /* The rows FM_KVQ_ROW_AHEAD keys on, of every kv head, are
-         * requested now: each head's pass over a block reads only every
-         * n_kv_heads-th row, a stride the hardware prefetcher does not
-         * follow far enough. */
         for (int32_t key = k0 + FM_KVQ_ROW_AHEAD; key < k1 + FM_KVQ_ROW_AHEAD && key < s1; key++) {
-            for (int64_t g = 0; g < p->n_kv_heads; g++) fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, at.b, g, key));
+            prefetch_norms(p, a, at.b, key);
         }
         for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
-            place_item(p, a, item, &at);
-            run_keys(p, a, &tables, &at, parts + (item * nsplit + split) * stride, k0, k1);
+            const int64_t local = item - bi * per;
+            const ItemPlace *it = &at;
+            if (local < FM_KVQ_ROW_PLACES) {
+                it = &places[local];
+            } else {
+                place_item(p, a, item, &at);
+            }
+            /* The next pass: the next item's kv head in this block, else the
+             * first one's in the next block. */
+            const int last = item + 1 == (bi + 1) * per;
+            const int64_t g1 = last ? places[0].g : local + 1 < FM_KVQ_ROW_PLACES ? places[local + 1].g : -1;
+            const int32_t n0 = last ? k1 : k0, n1 = last ? (s1 - k1 < FM_KVQ_ROW_BLOCK ? s1 : k1 + FM_KVQ_ROW_BLOCK) : k1;
+            for (int32_t key = n0; key < n1 && g1 >= 0; key++) fm_kvq_prefetch_codes(p, a, fm_kvq_row(p, a, at.b, g1, key));
+            run_keys(p, a, &tables, it, parts + (item * nsplit + split) * stride, k0, k1, s1);
         }
     }
 }
@@ -363,7 +409,7 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
     FMKVQTables tables;
     build_tables(&tables);
     run_keys(p, a, &tables, &at, state, (int32_t)(at.lo + len * split / nsplit),
-             (int32_t)(at.lo + len * (split + 1) / nsplit));
+             (int32_t)(at.lo + len * (split + 1) / nsplit), 0);
     if (nsplit == 1) {
         float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
         finish_item(p, a, &at, mx, mx + FM_CPU_KVQ_HEAD_CHUNK, state);

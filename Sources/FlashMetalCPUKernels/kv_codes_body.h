@@ -130,6 +130,7 @@ typedef struct KVQLut {
     const FMKVQTables *t;
 #if defined(__x86_64__) && FM_VL >= 8
     __m256 lo, hi;
+    __m256i planes[4]; /* planes4, the same 16 bytes in both 128-bit lanes */
 #endif
 } KVQLut;
 
@@ -140,10 +141,11 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
 #if defined(__x86_64__) && FM_VL >= 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
      * index (vpermps reads 3 bits) do not matter. */
-    float tab[16] = {0};
-    for (int32_t j = 0; j < 16 && bits >= 2 && bits <= 4; j++) tab[j] = t->c[bits][j & ((1 << bits) - 1)];
+    const float *tab = t->rep16[bits >= 2 && bits <= 4 ? bits : 0];
     l.lo = _mm256_loadu_ps(tab);
     l.hi = _mm256_loadu_ps(tab + 8);
+    for (int32_t k = 0; k < 4; k++)
+        l.planes[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t->planes4[k]));
 #endif
     return l;
 }
@@ -171,11 +173,14 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
     }
     if (bits == 8) {
         /* Eight scalar loads from the 1 KiB table: faster than vgatherdps
-         * on Zen 3 (measured). */
+         * on Zen 3 (measured); the codes read as two 32-bit words and
+         * split by shifts, not loaded byte by byte (loads bound this). */
         const float *c = l->t->c8;
-        const uint8_t *r = row + i;
-        return _mm256_set_m128(_mm_setr_ps(c[r[4]], c[r[5]], c[r[6]], c[r[7]]),
-                               _mm_setr_ps(c[r[0]], c[r[1]], c[r[2]], c[r[3]]));
+        uint32_t w0, w1;
+        memcpy(&w0, row + i, 4);
+        memcpy(&w1, row + i + 4, 4);
+        return _mm256_set_m128(_mm_setr_ps(c[w1 & 255], c[(w1 >> 8) & 255], c[(w1 >> 16) & 255], c[w1 >> 24]),
+                               _mm_setr_ps(c[w0 & 255], c[(w0 >> 8) & 255], c[(w0 >> 16) & 255], c[w0 >> 24]));
     }
     if (bits == 2) {
         uint16_t w;
@@ -194,6 +199,78 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
     if (bits == 3) return _mm256_permutevar8x32_ps(l->lo, idx);
     return _mm256_i32gather_ps(l->t->c[bits], _mm256_and_si256(idx, _mm256_set1_epi32((1 << bits) - 1)), 4);
 }
+#endif
+
+/* FM_KVQ_PLANES: 4-bit codes become centroids by byte shuffles (kvq_planes),
+ * 16 or 32 codes at a time, in plane order: within each 8 coordinates the
+ * lanes hold coordinates 0, 2, 4, 6, 1, 3, 5, 7. The decode takes the
+ * query (K side) and the accumulators (V side) into that order and back;
+ * dot products and sums over keys do not depend on it. */
+#if defined(__x86_64__) && FM_VL >= 8
+#define FM_KVQ_PLANES 1
+/* Codes [i, i + 8 * NV) (i a multiple of 16, NV 2 or 4) of a row of 4-bit
+ * codes as centroids in plane order, 8 per f[v]: one shuffle per byte of
+ * the float looks up 16 codes in a 16-byte table (low nibbles, the even
+ * coordinates, in one 128-bit lane, high nibbles in the other), and byte
+ * then 16-bit interleaves put each float's four bytes back together. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_planes)(const uint8_t *row, int32_t i, const int32_t NV,
+                                                                    const KVQLut *l, __m256 f[4]) {
+    __m256i x;
+    if (NV == 4) {
+        x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + i / 2)));
+    } else {
+        int64_t w;
+        memcpy(&w, row + i / 2, 8);
+        x = _mm256_set1_epi64x(w);
+    }
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(15));
+    const __m256i y0 = _mm256_shuffle_epi8(l->planes[0], idx), y1 = _mm256_shuffle_epi8(l->planes[1], idx);
+    const __m256i y2 = _mm256_shuffle_epi8(l->planes[2], idx), y3 = _mm256_shuffle_epi8(l->planes[3], idx);
+    const __m256i lo01 = _mm256_unpacklo_epi8(y0, y1), lo23 = _mm256_unpacklo_epi8(y2, y3);
+    f[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(lo01, lo23));
+    f[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(lo01, lo23));
+    if (NV == 4) {
+        const __m256i hi01 = _mm256_unpackhi_epi8(y0, y1), hi23 = _mm256_unpackhi_epi8(y2, y3);
+        f[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(hi01, hi23));
+        f[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(hi01, hi23));
+    }
+}
+
+/* The same as FM_VL vectors: out[u] holds codes [i + u * FM_VL, ...),
+ * NC (16 or 32) codes in all. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_vecs)(const uint8_t *row, int32_t i, const int32_t NC,
+                                                                         const KVQLut *l, fm_v *out) {
+    __m256 f[4];
+    FM_SFX(kvq_planes)(row, i, NC / 8, l, f);
+#if FM_VL == 8
+    for (int32_t u = 0; u < NC / 8; u++) out[u] = (fm_v)f[u];
+#else
+    typedef float fm_kvq_h8 __attribute__((ext_vector_type(8)));
+    for (int32_t u = 0; u < NC / 16; u++)
+        out[u] = __builtin_shufflevector((fm_kvq_h8)f[2 * u], (fm_kvq_h8)f[2 * u + 1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                         10, 11, 12, 13, 14, 15);
+#endif
+}
+
+/* v (FM_VL consecutive coordinates) in plane order, and back. */
+static inline fm_v FM_SFX(kvq_to_planes)(fm_v v) {
+#if FM_VL == 8
+    return __builtin_shufflevector(v, v, 0, 2, 4, 6, 1, 3, 5, 7);
+#else
+    return __builtin_shufflevector(v, v, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+#endif
+}
+static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) {
+#if FM_VL == 8
+    return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7);
+#else
+    return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+#endif
+}
+#endif
+#if !(defined(__x86_64__) && FM_VL >= 8)
+#define FM_KVQ_PLANES 0
 #endif
 
 /* The centroids of codes [i, i + FM_VL) of a row of `bits`-bit codes (i a
@@ -245,22 +322,39 @@ static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_side_vec)(const voi
 typedef struct KVQTile {
     const FMKVQKeys *k;
     int32_t nt, d, n, nb, kbits, vbits, dtype;
+    const float *qz; /* the item's query, in plane order when the K side uses planes */
     const void *krow[FM_KVQ_TILE], *vrow[FM_KVQ_TILE];
     const float *kn[FM_KVQ_TILE], *vn[FM_KVQ_TILE]; /* each key's block norms (NULL: a dense side) */
     KVQLut kl, vl;
 } KVQTile;
 
+#if FM_KVQ_PLANES
+/* a[u % S][j] += qz_j[v_u] * v_u over the NC (16 or 32) 4-bit codes from
+ * i, decoded by kvq_planes (qz in plane order). */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_dot)(const void *row, int32_t i, const int32_t NC,
+                                                                        const int32_t NH, const int32_t S, int32_t d,
+                                                                        const float *qz, const KVQLut *l,
+                                                                        fm_v a[2][FM_CPU_KVQ_HEAD_CHUNK]) {
+    fm_v v[32 / FM_VL];
+    FM_SFX(kvq_planes_vecs)((const uint8_t *)row, i, NC, l, v);
+    for (int32_t u = 0; u < NC / FM_VL; u++)
+        for (int32_t j = 0; j < NH; j++)
+            a[u % S][j] = FM_SFX(kvq_mac)(a[u % S][j], fm_v_load(qz + (int64_t)j * d + i + u * FM_VL), v[u]);
+}
+#endif
+
 /* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
  * are zero) over the tile's keys, block norms applied when a row has more
  * than one block; the lanes of 8 keys summed at once. */
-static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const KVQTile *x, const int32_t NH,
-                                                                         const int32_t kind,
-                                                                         float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KVQTile *x, const int32_t NH,
+                                                                       const int32_t kind, const int32_t nb,
+                                                                       float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
     /* Two accumulator sets while few heads would leave the multiply-adds a
-     * chain too short to hide their latency. */
+     * chain too short to hide their latency (four for the planes' 32 codes
+     * measured slower: the table registers spill). */
     enum { S_MAX = 2 };
-    const int32_t S = NH <= 4 ? 2 : 1, d = x->d, n = x->n, nb = x->nb;
-    const float *qz = x->k->qz;
+    const int32_t S = NH <= 4 ? 2 : 1, d = x->d, n = x->n;
+    const float *qz = x->qz;
     for (int32_t t0 = 0; t0 < x->nt; t0 += 8) {
         fm_v part[FM_CPU_KVQ_HEAD_CHUNK][8];
         for (int32_t u = 0; u < 8; u++) {
@@ -277,6 +371,16 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const 
                     for (int32_t j = 0; j < NH; j++) a[s][j] = fm_v_splat(0.0f);
                 const int32_t b1 = (blk + 1) * n;
                 int32_t i = blk * n;
+#if FM_KVQ_PLANES
+                if (kind == 4) {
+                    /* 32 codes per step where blocks allow, else 16. */
+                    if (n % 32 == 0) {
+                        for (; i < b1; i += 32) FM_SFX(kvq_planes_dot)(row, i, 32, NH, S, d, qz, &x->kl, a);
+                    } else {
+                        for (; i < b1; i += 16) FM_SFX(kvq_planes_dot)(row, i, 16, NH, S, d, qz, &x->kl, a);
+                    }
+                }
+#endif
                 for (; i + S * FM_VL <= b1; i += S * FM_VL) {
                     for (int32_t s = 0; s < S; s++) {
                         const fm_v v = FM_SFX(kvq_side_vec)(row, i + s * FM_VL, kind, x->kbits, x->dtype, &x->kl);
@@ -304,6 +408,17 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const 
     }
 }
 
+/* The scores with nb a constant where rows have one block. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_body)(const KVQTile *x, const int32_t NH,
+                                                                         const int32_t kind,
+                                                                         float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    if (x->nb == 1) {
+        FM_SFX(kvq_scores_nb)(x, NH, kind, 1, dot);
+    } else {
+        FM_SFX(kvq_scores_nb)(x, NH, kind, x->nb, dot);
+    }
+}
+
 /* acc_j = acc_j * corr[j] + sum over the tile's keys of w[j][t] * V_t for
  * NH heads (V rows with several blocks scaled by each block's norm), the
  * accumulators of CF vectors of D per head in registers over the keys. */
@@ -314,27 +429,58 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     enum { CF_MAX = 4 };
     const int32_t d = x->d;
     float *acc = x->k->acc;
+    /* kind 4 with planes: the accumulators in plane order while here. */
+    const int planes = FM_KVQ_PLANES && kind == 4;
     fm_v o[CF_MAX][FM_CPU_KVQ_HEAD_CHUNK];
-    for (int32_t c = 0; c < CF; c++)
-        for (int32_t j = 0; j < NH; j++) o[c][j] = fm_v_load(acc + (int64_t)j * d + i + c * FM_VL) * fm_v_splat(corr[j]);
+    for (int32_t c = 0; c < CF; c++) {
+        for (int32_t j = 0; j < NH; j++) {
+            fm_v av = fm_v_load(acc + (int64_t)j * d + i + c * FM_VL);
+#if FM_KVQ_PLANES
+            if (planes) av = FM_SFX(kvq_to_planes)(av);
+#endif
+            o[c][j] = av * fm_v_splat(corr[j]);
+        }
+    }
     for (int32_t t = 0; t < x->nt; t++) {
+        fm_v vs[CF_MAX];
+#if FM_KVQ_PLANES
+        if (planes) {
+            /* CF * FM_VL is 16, 32 or 64 codes. */
+            const int32_t NC = CF * FM_VL >= 32 ? 32 : 16;
+            for (int32_t c = 0; c < CF; c += NC / FM_VL)
+                FM_SFX(kvq_planes_vecs)((const uint8_t *)x->vrow[t], i + c * FM_VL, NC, &x->vl, vs + c);
+        }
+#endif
         for (int32_t c = 0; c < CF; c++) {
-            fm_v v = FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
+            fm_v v = planes ? vs[c] : FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
             if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
             for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
         }
     }
-    for (int32_t c = 0; c < CF; c++)
-        for (int32_t j = 0; j < NH; j++) fm_v_store(acc + (int64_t)j * d + i + c * FM_VL, o[c][j]);
+    for (int32_t c = 0; c < CF; c++) {
+        for (int32_t j = 0; j < NH; j++) {
+            fm_v ov = o[c][j];
+#if FM_KVQ_PLANES
+            if (planes) ov = FM_SFX(kvq_from_planes)(ov);
+#endif
+            fm_v_store(acc + (int64_t)j * d + i + c * FM_VL, ov);
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const KVQTile *x, const int32_t NH,
                                                                          const int32_t kind, const float *corr,
                                                                          float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
-    const int32_t CF = NH == 1 ? 4 : NH <= 4 ? 2 : 1;
+    int32_t CF = NH == 1 ? 4 : NH <= 4 ? 2 : 1, CF1 = 1;
+    if (FM_KVQ_PLANES && kind == 4) {
+        /* Planes decode 16 or 32 codes at once: whole ones per chunk, 32
+         * while few heads leave registers for them. */
+        CF = (NH <= 2 ? 32 : 16) / FM_VL;
+        CF1 = 16 / FM_VL;
+    }
     int32_t i = 0;
     for (; i + CF * FM_VL <= x->d; i += CF * FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, CF, i, corr, w);
-    for (; i < x->d; i += FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, 1, i, corr, w);
+    for (; i < x->d; i += CF1 * FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, CF1, i, corr, w);
 }
 
 /* The side's kind: 0 dense, 4 or 8 (widths with code of their own), 1 any
@@ -395,12 +541,26 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     x.dtype = a->dense_dtype;
     x.kl = FM_SFX(kvq_lut)(k->tables, p->k_bits);
     x.vl = FM_SFX(kvq_lut)(k->tables, p->v_bits);
+    x.qz = k->qz;
+#if FM_KVQ_PLANES
+    float qzp[FM_CPU_KVQ_HEAD_CHUNK * FM_KVQ_MAX_HEAD_DIM] __attribute__((aligned(64)));
+    if (kkind == 4) {
+        for (int64_t o = 0; o < (int64_t)nh * d; o += FM_VL) fm_v_store(qzp + o, FM_SFX(kvq_to_planes)(fm_v_load(k->qz + o)));
+        x.qz = qzp;
+    }
+#endif
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
-        /* The next tile's rows are requested now: a kv head's rows sit
-         * Hkv rows apart, too sparse for the hardware prefetcher. */
-        for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
-            fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+        /* Rows ahead are requested now: a kv head's rows sit Hkv rows
+         * apart, too sparse for the hardware prefetcher. */
+        if (k->ahead_end == 0) {
+            for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
+                fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+            }
+        } else {
+            for (int32_t key = t0 + FM_KVQ_ROW_AHEAD; key < t0 + FM_KVQ_ROW_AHEAD + FM_KVQ_TILE && key < k->ahead_end; key++) {
+                fm_kvq_prefetch_codes(p, a, fm_kvq_row(p, a, k->b, k->g, key));
+            }
         }
         float kscale[FM_KVQ_TILE], vscale[FM_KVQ_TILE];
         for (int32_t t = nt; t < FM_KVQ_TILE; t++) kscale[t] = vscale[t] = 1.0f;

@@ -15,8 +15,11 @@
  * 4-bit codes at D 128, Hkv 8) stays in L1 while each head takes its turn,
  * and the rows are read close to memory order. */
 #define FM_KVQ_ROW_BLOCK 16
-/* How many keys ahead of its block fm_cpu_kv_codes_decode_row requests
- * rows (measured best of 16-128 on Zen 3). */
+/* How many keys ahead of a tile each kv head's pass in
+ * fm_cpu_kv_codes_decode_row requests its code rows. Each pass requests only
+ * its own rows, a few per key it reads, so the requests are spread over the
+ * work instead of one burst per block (a burst of every kv head's lines
+ * fills the load queue and stalls the loop). */
 #define FM_KVQ_ROW_AHEAD 64
 /* Keys per tile of the prefill, tiles starting at multiples of it. */
 #define FM_KVQ_PREFILL_KEYS 64
@@ -32,10 +35,15 @@
 #define FM_KVQ_PREFILL_AHEAD 8
 
 /* Centroids by whole code bytes: by4[b] = (c4[b & 15], c4[b >> 4]), by2[b]
- * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table. */
+ * the four 2-bit codes of b, c8 the 8-bit table, c[bits] every table;
+ * planes4[k][c] byte k (little-endian) of the float c4[c], for byte
+ * shuffles that look up 16 codes at once; rep16[bits] the 2-, 3- and 4-bit
+ * centroids repeated to 16 entries (table registers of vector permutes). */
 typedef struct FMKVQTables {
     float by4[256][2];
     float by2[256][4];
+    float rep16[5][16];
+    uint8_t planes4[4][16];
     const float *c8;
     const float *c[9];
 } FMKVQTables;
@@ -60,6 +68,10 @@ typedef struct FMKVQKeys {
     float *mx, *sum, *acc;
     const int32_t *lo, *hi;
     float *scratch;
+    /* Decode: 0 requests the run's next tile of rows (norms included)
+     * before each tile; else the code rows FM_KVQ_ROW_AHEAD keys ahead, up
+     * to key ahead_end (the caller requests the norms). */
+    int32_t ahead_end;
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows
@@ -84,9 +96,10 @@ static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCode
     return r;
 }
 
-/* Requests the cache lines of row r of one side (codes, else dense). */
+/* Requests the cache lines of rows [r, r + count) of one side (codes, else
+ * dense). */
 static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense, int32_t dtype, int64_t r,
-                                        int32_t row_bytes, int32_t d) {
+                                        int64_t count, int32_t row_bytes, int32_t d) {
     const char *at;
     int64_t bytes;
     if (codes != NULL) {
@@ -97,17 +110,31 @@ static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense,
         at = (const char *)dense + r * d * esize;
         bytes = d * esize;
     }
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(at + o);
+    for (int64_t o = 0; o < bytes * count; o += 64) __builtin_prefetch(at + o);
 }
 
-/* Requests every cache line attention reads of storage row r: K and V
- * (codes or dense) and their norms. */
-static inline void fm_kvq_prefetch_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
+/* Requests the cache lines of the K and V codes (or dense rows) of storage
+ * row r. */
+static inline void fm_kvq_prefetch_codes(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
+    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, 1, p->k_row_bytes, p->head_dim);
+    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, 1, p->v_row_bytes, p->head_dim);
+}
+
+/* Requests every cache line attention reads of storage rows [r, r + count):
+ * K and V (codes or dense) and their norms. */
+static inline void fm_kvq_prefetch_rows(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r,
+                                        int64_t count) {
     const int32_t d = p->head_dim, nb = d / p->block;
-    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, p->k_row_bytes, d);
-    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, p->v_row_bytes, d);
-    if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb);
-    if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb);
+    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, count, p->k_row_bytes, d);
+    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, count, p->v_row_bytes, d);
+    for (int64_t o = 0; o < count * nb; o += 16) {
+        if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb + o);
+        if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb + o);
+    }
+}
+
+static inline void fm_kvq_prefetch_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
+    fm_kvq_prefetch_rows(p, a, r, 1);
 }
 
 #define FM_KVQ_DECLARE(sfx)                           \
