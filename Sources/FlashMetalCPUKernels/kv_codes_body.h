@@ -22,6 +22,21 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
 
 #if defined(__x86_64__) && FM_VL >= 8
 #include "x86_intrin.h"
+
+/* The `bits` (3, 5 or 6) bytes of a group of 8 codes, little-endian: loads
+ * of constant size (a memcpy of `bits` bytes is a call). */
+static inline __attribute__((always_inline)) uint64_t FM_SFX(kvq_group)(const uint8_t *g, int32_t bits) {
+    uint32_t lo;
+    memcpy(&lo, g, 4);
+    if (bits == 3) return lo & 0xffffffu;
+    uint16_t hi = 0;
+    if (bits == 5) {
+        hi = g[4];
+    } else {
+        memcpy(&hi, g + 4, 2);
+    }
+    return lo | (uint64_t)hi << 32;
+}
 #endif
 #if defined(__x86_64__) && FM_VL == 8
 /* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
@@ -72,8 +87,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
         const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits, 3 * bits);
         const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
         for (int32_t g = 0; g < d / 8; g++) {
-            uint64_t w = 0;
-            memcpy(&w, row + g * bits, (size_t)bits);
+            const uint64_t w = FM_SFX(kvq_group)(row + g * bits, bits);
             const __m256i words = _mm256_set_m128i(_mm_set1_epi32((int)(uint32_t)(w >> (4 * bits))),
                                                    _mm_set1_epi32((int)(uint32_t)w));
             const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask);
@@ -83,7 +97,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
 }
 #endif
 
-#if !(defined(__x86_64__) && FM_VL == 8)
+#if !(defined(__x86_64__) && FM_VL >= 8)
 /* One row of `bits`-bit codes as centroids: 8 codes per `bits` bytes,
  * little-endian; 4-bit and 2-bit by whole bytes through t (the centroids of
  * every byte value), the rest code by code. */
@@ -128,9 +142,15 @@ static inline fm_v FM_SFX(kvq_mac)(fm_v acc, fm_v a, fm_v b) { return fm_v_fma(a
  * 2-, 3- and 4-bit codes as registers for vpermps). */
 typedef struct KVQLut {
     const FMKVQTables *t;
-#if defined(__x86_64__) && FM_VL >= 8
+#if defined(__x86_64__) && FM_VL == 8
     __m256 lo, hi;
     __m256i planes[4]; /* planes4, the same 16 bytes in both 128-bit lanes */
+#endif
+#if defined(__x86_64__) && FM_VL == 16
+    /* The table of 2- to 6-bit codes in whole registers for vpermps and
+     * vpermt2ps: 2-, 3- and 4-bit centroids repeated to 16 entries (rep16),
+     * 5-bit in z[0..1], 6-bit in z[0..3]. */
+    __m512 z[4];
 #endif
 } KVQLut;
 
@@ -138,7 +158,17 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
     KVQLut l;
     l.t = t;
     (void)bits;
-#if defined(__x86_64__) && FM_VL >= 8
+#if defined(__x86_64__) && FM_VL == 16
+    if (bits >= 2 && bits <= 4) {
+        l.z[0] = _mm512_loadu_ps(t->rep16[bits]);
+        l.z[1] = l.z[2] = l.z[3] = l.z[0];
+    } else if (bits == 5 || bits == 6) {
+        for (int32_t k = 0; k < 4; k++) l.z[k] = _mm512_loadu_ps(t->c[bits] + (16 * k & ((1 << bits) - 1)));
+    } else {
+        l.z[0] = l.z[1] = l.z[2] = l.z[3] = _mm512_setzero_ps();
+    }
+#endif
+#if defined(__x86_64__) && FM_VL == 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
      * index (vpermps reads 3 bits) do not matter. */
     const float *tab = t->rep16[bits >= 2 && bits <= 4 ? bits : 0];
@@ -159,7 +189,64 @@ static inline uint32_t FM_SFX(kvq_code_at)(const uint8_t *row, int32_t bits, int
     return (w >> shift) & ((1u << bits) - 1u);
 }
 
-#if defined(__x86_64__) && FM_VL >= 8
+#if defined(__x86_64__) && FM_VL == 16
+/* The centroids of codes [i, i + 16) (i a multiple of 16), in coordinate
+ * order: each lane's code shifted to the bottom of its 32-bit lane, then
+ * one table permute (vpermps reads the low 4 bits of the index, vpermt2ps
+ * the low 5); 8-bit codes gathered from their 1 KiB table. Reads no byte
+ * past the one holding code i + 15's last bit. */
+static inline __attribute__((always_inline)) __m512 FM_SFX(kvq_vec16)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                     const KVQLut *l) {
+    if (bits == 8) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
+        return _mm512_i32gather_ps(idx, l->t->c8, 4);
+    }
+    if (bits == 4) {
+        /* 16 nibbles in 8 bytes: lanes 0-7 shift the low 32 bits, 8-15 the high. */
+        int64_t w;
+        memcpy(&w, row + i / 2, 8);
+        const __m512i x = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                   _mm512_castsi128_si512(_mm_cvtsi64_si128(w)));
+        const __m512i idx = _mm512_srlv_epi32(x, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20,
+                                                                   24, 28));
+        return _mm512_permutexvar_ps(idx, l->z[0]);
+    }
+    if (bits == 2) {
+        uint32_t w;
+        memcpy(&w, row + i / 4, 4);
+        const __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi32((int)w), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                                                         18, 20, 22, 24, 26, 28, 30));
+        return _mm512_permutexvar_ps(idx, l->z[0]);
+    }
+    /* 3, 5 or 6 bits: two groups of 8 codes in `bits` bytes each; a group's
+     * codes 0-3 lie in its low 32 bits, codes 4-7 in the 32 bits from
+     * 4 * bits up. */
+    const uint8_t *g = row + i / 8 * bits;
+    const uint64_t w0 = FM_SFX(kvq_group)(g, bits), w1 = FM_SFX(kvq_group)(g + bits, bits);
+    const __m128i words = _mm_setr_epi32((int)(uint32_t)w0, (int)(uint32_t)(w0 >> (4 * bits)), (int)(uint32_t)w1,
+                                         (int)(uint32_t)(w1 >> (4 * bits)));
+    const __m512i x = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                               _mm512_castsi128_si512(words));
+    const __m512i idx = _mm512_srlv_epi32(x, _mm512_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits,
+                                                               3 * bits, 0, bits, 2 * bits, 3 * bits, 0, bits,
+                                                               2 * bits, 3 * bits));
+    if (bits == 3) return _mm512_permutexvar_ps(idx, l->z[0]);
+    const __m512 a = _mm512_permutex2var_ps(l->z[0], idx, l->z[1]);
+    if (bits == 5) return a;
+    /* 6 bits: bit 5 of the code picks the table's upper 32 entries. */
+    const __m512 b = _mm512_permutex2var_ps(l->z[2], idx, l->z[3]);
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(32)), a, b);
+}
+
+/* One row of `bits`-bit codes as centroids, 16 codes at a time. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8_t *row, int32_t d, int32_t bits,
+                                                                     const FMKVQTables *t, float *out) {
+    const KVQLut l = FM_SFX(kvq_lut)(t, bits);
+    for (int32_t i = 0; i < d; i += 16) _mm512_storeu_ps(out + i, FM_SFX(kvq_vec16)(row, i, bits, &l));
+}
+#endif
+
+#if defined(__x86_64__) && FM_VL == 8
 /* The centroids of codes [i, i + 8) (i a multiple of 8). */
 static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8_t *row, int32_t i, int32_t bits,
                                                                     const KVQLut *l) {
@@ -190,8 +277,7 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
     }
     /* 3, 5 or 6 bits: 8 codes in `bits` bytes, codes 0-3 in the low 32
      * bits of the group, codes 4-7 in the 32 bits from 4 * bits up. */
-    uint64_t w = 0;
-    memcpy(&w, row + i / 8 * bits, (size_t)bits);
+    const uint64_t w = FM_SFX(kvq_group)(row + i / 8 * bits, bits);
     const __m256i words = _mm256_set_m128i(_mm_set1_epi32((int)(uint32_t)(w >> (4 * bits))),
                                            _mm_set1_epi32((int)(uint32_t)w));
     const __m256i idx = _mm256_srlv_epi32(words, _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 0, bits, 2 * bits,
@@ -205,8 +291,9 @@ static inline __attribute__((always_inline)) __m256 FM_SFX(kvq_vec8)(const uint8
  * 16 or 32 codes at a time, in plane order: within each 8 coordinates the
  * lanes hold coordinates 0, 2, 4, 6, 1, 3, 5, 7. The decode takes the
  * query (K side) and the accumulators (V side) into that order and back;
- * dot products and sums over keys do not depend on it. */
-#if defined(__x86_64__) && FM_VL >= 8
+ * dot products and sums over keys do not depend on it. AVX2 only: AVX-512
+ * turns 16 codes into centroids in coordinate order (kvq_vec16). */
+#if defined(__x86_64__) && FM_VL == 8
 #define FM_KVQ_PLANES 1
 /* Codes [i, i + 8 * NV) (i a multiple of 16, NV 2 or 4) of a row of 4-bit
  * codes as centroids in plane order, 8 per f[v]: one shuffle per byte of
@@ -237,39 +324,20 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_planes)(const uint8
     }
 }
 
-/* The same as FM_VL vectors: out[u] holds codes [i + u * FM_VL, ...),
- * NC (16 or 32) codes in all. */
+/* The same as vectors: out[u] holds codes [i + 8 * u, ...), NC (16 or
+ * 32) codes in all. */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_vecs)(const uint8_t *row, int32_t i, const int32_t NC,
                                                                          const KVQLut *l, fm_v *out) {
     __m256 f[4];
     FM_SFX(kvq_planes)(row, i, NC / 8, l, f);
-#if FM_VL == 8
     for (int32_t u = 0; u < NC / 8; u++) out[u] = (fm_v)f[u];
-#else
-    typedef float fm_kvq_h8 __attribute__((ext_vector_type(8)));
-    for (int32_t u = 0; u < NC / 16; u++)
-        out[u] = __builtin_shufflevector((fm_kvq_h8)f[2 * u], (fm_kvq_h8)f[2 * u + 1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                         10, 11, 12, 13, 14, 15);
-#endif
 }
 
 /* v (FM_VL consecutive coordinates) in plane order, and back. */
-static inline fm_v FM_SFX(kvq_to_planes)(fm_v v) {
-#if FM_VL == 8
-    return __builtin_shufflevector(v, v, 0, 2, 4, 6, 1, 3, 5, 7);
-#else
-    return __builtin_shufflevector(v, v, 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+static inline fm_v FM_SFX(kvq_to_planes)(fm_v v) { return __builtin_shufflevector(v, v, 0, 2, 4, 6, 1, 3, 5, 7); }
+static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) { return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7); }
 #endif
-}
-static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) {
-#if FM_VL == 8
-    return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7);
-#else
-    return __builtin_shufflevector(v, v, 0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-#endif
-}
-#endif
-#if !(defined(__x86_64__) && FM_VL >= 8)
+#if !(defined(__x86_64__) && FM_VL == 8)
 #define FM_KVQ_PLANES 0
 #endif
 
@@ -283,12 +351,9 @@ static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t 
 }
 #endif
 #if defined(__x86_64__) && FM_VL == 16
-typedef float fm_kvq_v8 __attribute__((ext_vector_type(8)));
 static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t *row, int32_t i, int32_t bits,
                                                                  const KVQLut *l) {
-    const fm_kvq_v8 a = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i, bits, l);
-    const fm_kvq_v8 b = (fm_kvq_v8)FM_SFX(kvq_vec8)(row, i + 8, bits, l);
-    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (fm_v)FM_SFX(kvq_vec16)(row, i, bits, l);
 }
 #endif
 #if !defined(__x86_64__) || FM_VL < 8

@@ -2,7 +2,8 @@
  * mk/cpu-harness.mk): SIMDe's portable versions under the native names, so
  * the AVX-512 and AVX512-BF16 instances of the kernels compile without their
  * target attribute and run on any x86-64 machine. SIMDe 0.7.4 lacks
- * _mm512_cvtneps_pbh and _mm512_cvtepu16_epi32; they are written here from
+ * _mm512_cvtneps_pbh, _mm512_cvtepu16_epi32, _mm512_cvtepu8_epi32 and
+ * _mm512_i32gather_ps; they are written here from
  * the instruction set reference, as is _mm512_dpbf16_ps, whose SIMDe version
  * adds the two products before the accumulator where vdpbf16ps adds them to
  * it one after the other (odd element first), each a fused multiply-add with
@@ -78,4 +79,29 @@ static inline simde__m512i fm_emu_mm512_cvtepu16_epi32(simde__m256i a) {
     return out;
 }
 #define _mm512_cvtepu16_epi32(a) fm_emu_mm512_cvtepu16_epi32(a)
+
+/* vpmovzxbd: 16 unsigned bytes widened to 32 bits. */
+static inline simde__m512i fm_emu_mm512_cvtepu8_epi32(simde__m128i a) {
+    uint8_t b[16];
+    uint32_t w[16];
+    memcpy(b, &a, sizeof b);
+    for (int i = 0; i < 16; i++) w[i] = b[i];
+    simde__m512i out;
+    memcpy(&out, w, sizeof out);
+    return out;
+}
+#define _mm512_cvtepu8_epi32(a) fm_emu_mm512_cvtepu8_epi32(a)
+
+/* vgatherdps: lane i loads the float at base + index[i] * scale bytes
+ * (signed 32-bit indices). */
+static inline simde__m512 fm_emu_mm512_i32gather_ps(simde__m512i index, const void *base, int scale) {
+    int32_t idx[16];
+    float out[16];
+    memcpy(idx, &index, sizeof idx);
+    for (int i = 0; i < 16; i++) memcpy(&out[i], (const char *)base + (int64_t)idx[i] * scale, sizeof(float));
+    simde__m512 r;
+    memcpy(&r, out, sizeof r);
+    return r;
+}
+#define _mm512_i32gather_ps(index, base, scale) fm_emu_mm512_i32gather_ps(index, base, scale)
 #endif
