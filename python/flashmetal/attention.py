@@ -462,7 +462,7 @@ def scaled_dot_product_attention(
     reg = resolve(registry, _OP)
     # Inside a batch scope on a deferring backend (Metal) work runs when the
     # scope ends: the decode kernel's result, converted here, is not there yet.
-    decode = not (reg._defers_work and reg._batch_depth)
+    decode = not reg._work_deferred
     q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
     call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
                  decode)

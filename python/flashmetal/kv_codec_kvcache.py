@@ -53,7 +53,7 @@ def _float32_inside_a_scope(reg: Registry, op: str, qa: np.ndarray) -> None:
     backend (Metal) the work runs when the scope ends, after that
     conversion would have read it: only float32 q, whose result is the
     kernel's own output, runs there."""
-    if qa.dtype != F32 and reg._defers_work and reg._batch_depth:
+    if qa.dtype != F32 and reg._work_deferred:
         raise InvalidValueError(op, f"calls over QuantizedKV caches compute in float32 and convert the result to "
                                     f"q's dtype ({qa.dtype}) after the work ran: inside a batch scope on metal pass q "
                                     f"as float32, or call outside the scope", argument="q")

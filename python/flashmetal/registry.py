@@ -125,11 +125,18 @@ class Registry:
             raise InvalidValueError(op, "registry is closed")
         return h
 
+    @property
+    def _work_deferred(self) -> bool:
+        """Whether a call made now runs only when the outermost batch scope
+        ends: inside a scope on a backend that defers work (Metal). A result
+        the host would convert after the call returns is not there yet."""
+        return self._defers_work and self._batch_depth > 0
+
     def _keep_for_batch(self, arrays: tuple[Any, ...]) -> None:
         """Holds the arrays of a call made inside a batch scope until it ends,
         on a backend that reads them only then; elsewhere nothing is kept
         (a batch must not hoard memory it does not need)."""
-        if self._defers_work and self._batch_depth:
+        if self._work_deferred:
             with self._batch_lock:
                 if self._batch_depth:
                     self._batch_keep.append(arrays)

@@ -722,7 +722,7 @@ def _decode_kernel_runs(reg: Registry, op: str, qa: np.ndarray, va: np.ndarray, 
     the call runs the prefill, which writes q's dtype in place (and takes q
     in the caches' dtype, as the decode route does for q that is not
     float32)."""
-    if out_dtype == F32 or not (reg._defers_work and reg._batch_depth) or qa.ndim != 4 or qa.shape[1] != 1:
+    if out_dtype == F32 or not reg._work_deferred or qa.ndim != 4 or qa.shape[1] != 1:
         return True
     d, dv = int(qa.shape[-1]), int(va.shape[-1])
     if not _native.runs_head_dims("flash_attn_prefill", d, dv):
@@ -802,7 +802,7 @@ def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) 
     result is converted after the work ran)."""
     if qa.ndim != 4 or not 1 < qa.shape[1] <= short_query_rows() or ka.ndim != 4 or va.ndim != 4:
         return False
-    if qa.dtype != ka.dtype or ka.dtype != va.dtype or (reg._defers_work and reg._batch_depth):
+    if qa.dtype != ka.dtype or ka.dtype != va.dtype or reg._work_deferred:
         return False
     return short_query_head_dims(qa.dtype, int(qa.shape[-1]), int(va.shape[-1]))
 
