@@ -15,6 +15,13 @@ public func fm_num_threads() -> Int32 {
     Int32(CPUBackend.poolThreads)
 }
 
+/// Wakes the cpu worker pool's sleeping workers ahead of a call about to be
+/// made (a host-side caller's argument handling then overlaps their wake-up).
+@_cdecl("fm_prepare_workers")
+public func fm_prepare_workers() {
+    CPUBackend.prepareWorkers()
+}
+
 // The capability queries: what the kernels take, read from the capability
 // tables so no caller keeps its own copy.
 

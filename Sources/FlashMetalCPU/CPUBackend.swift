@@ -19,6 +19,10 @@ public final class CPUBackend: Backend {
     /// the online CPUs).
     public static var poolThreads: Int { Int(fm_pool_threads()) }
 
+    /// Announces a job soon: the pool's sleeping workers wake now, so their
+    /// wake-up overlaps the caller's preparation instead of the job.
+    public static func prepareWorkers() { fm_pool_prepare() }
+
     /// Turns SIGINT interruption of the main thread's calls on or off;
     /// returns the previous setting.
     public static func setInterruptible(_ on: Bool) -> Bool { fm_interrupt_set_enabled(on ? 1 : 0) != 0 }

@@ -38,6 +38,10 @@
 #define FM_POOL_MAX_THREADS 1024
 
 #define FM_POOL_SPIN_NS 50000LL
+/* How long workers woken by fm_pool_prepare spin for the job announced: the
+ * host-side work before a job is submitted (Python's argument handling,
+ * 100-300 us per call) fits in it. */
+#define FM_POOL_PREPARE_NS 400000LL
 /* A job whose items are projected (from the first one, timed on the caller)
  * to take less than this in total runs inline: waking a worker would cost more. */
 #define FM_POOL_INLINE_NS 15000LL
@@ -62,6 +66,7 @@ typedef struct FMPool {
     int open;
     int active;
     int sleepers;
+    int64_t spin_until; /* fm_now_ns() before which idle workers spin (fm_pool_prepare) */
     int ids; /* worker index dispenser */
 #if defined(__linux__)
     cpu_set_t allowed; /* the process's CPUs when the pool was made */
@@ -118,10 +123,13 @@ static void *fm_pool_main(void *arg) {
                 fm_relax();
                 if (++spins < 256) continue;
                 spins = 0;
-                if (fm_now_ns() - t0 < FM_POOL_SPIN_NS) continue;
+                const int64_t now = fm_now_ns();
+                if (now - t0 < FM_POOL_SPIN_NS || now < __atomic_load_n(&p->spin_until, __ATOMIC_RELAXED)) continue;
                 pthread_mutex_lock(&p->mu);
                 __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
-                while (__atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) == seen)
+                /* Woken by a job, or by fm_pool_prepare (spin_until ahead). */
+                while (__atomic_load_n(&p->gen, __ATOMIC_SEQ_CST) == seen &&
+                       fm_now_ns() >= __atomic_load_n(&p->spin_until, __ATOMIC_RELAXED))
                     pthread_cond_wait(&p->cv, &p->mu);
                 __atomic_sub_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
                 pthread_mutex_unlock(&p->mu);
@@ -216,6 +224,17 @@ int32_t fm_pool_started_threads(void) {
     return p ? p->nthreads - 1 : 0;
 }
 
+void fm_pool_prepare(void) {
+    FMPool *p = __atomic_load_n(&fm_pool_global, __ATOMIC_ACQUIRE);
+    if (!p || p->nthreads < 2) return;
+    /* Set under the sleepers' mutex: a worker between its check and its wait
+     * cannot miss it. */
+    pthread_mutex_lock(&p->mu);
+    __atomic_store_n(&p->spin_until, fm_now_ns() + FM_POOL_PREPARE_NS, __ATOMIC_RELAXED);
+    if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST) > 0) pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
 /* Restricts the workers (never the caller) to the allowed CPUs other than
  * the caller's; a syscall per worker, only when the caller's CPU changed
  * since the last job. */
@@ -243,7 +262,23 @@ static int fm_pool_inline(int64_t first, int64_t count, fm_pool_fn fn, void *ctx
     return 0;
 }
 
+/* The job fm_pool_prepare announced has come: workers it kept spinning go
+ * back to the usual spin after a job (a job run inline leaves them nothing
+ * to wait for). */
+static void fm_pool_settle(void) {
+    FMPool *p = __atomic_load_n(&fm_pool_global, __ATOMIC_ACQUIRE);
+    if (p) __atomic_store_n(&p->spin_until, 0, __ATOMIC_RELAXED);
+}
+
+static int fm_pool_run_job(int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx);
+
 int fm_pool_run(int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx) {
+    const int interrupted = fm_pool_run_job(count, max_workers, fn, ctx);
+    fm_pool_settle();
+    return interrupted;
+}
+
+static int fm_pool_run_job(int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx) {
     if (count <= 0) return 0;
     if (fm_interrupt_pending()) return 1;
     if (max_workers > fm_pool_threads()) max_workers = fm_pool_threads();

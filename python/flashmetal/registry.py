@@ -60,6 +60,8 @@ class Registry:
         defers = ffi.new("int32_t *")
         _native.call(self, "fm_registry_defers_work", defers, op="registry_defers_work")
         self._defers_work = bool(defers[0])
+        # The cpu backend runs calls on the process's worker pool.
+        self._uses_pool = self.backend == "cpu"
 
     # Kept for tests and benchmarks that drive entry points directly.
     @property
@@ -244,11 +246,18 @@ RegistryLike = Registry | str | None
 
 
 def resolve(registry: RegistryLike, op: str) -> Registry:
-    """The registry a ``registry=`` argument names."""
+    """The registry a ``registry=`` argument names, for a call of ``op``
+    about to run on it: on the cpu backend the worker pool's sleeping
+    threads are woken now, so their wake-up overlaps the argument handling
+    that comes before the call instead of the call."""
     if registry is None:
-        return default_registry()
-    if isinstance(registry, Registry):
-        return registry
-    if isinstance(registry, str):
-        return default_registry(registry)
-    raise InvalidTypeError(op, f"registry must be a Registry or a backend name, got {type(registry).__name__}")
+        reg = default_registry()
+    elif isinstance(registry, Registry):
+        reg = registry
+    elif isinstance(registry, str):
+        reg = default_registry(registry)
+    else:
+        raise InvalidTypeError(op, f"registry must be a Registry or a backend name, got {type(registry).__name__}")
+    if reg._uses_pool:
+        _native.lib().fm_prepare_workers()
+    return reg

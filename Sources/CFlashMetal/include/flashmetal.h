@@ -258,6 +258,11 @@ const char *fm_version(void);
  * pool decided (FLASHMETAL_NUM_THREADS as the pool reads it, else the
  * online CPUs). */
 int32_t fm_num_threads(void);
+/* Announces a cpu call soon: the worker pool's sleeping threads wake and spin
+ * for it a short while (~0.4 ms), so a caller that prepares its arguments
+ * first (the Python package) does not wait for their wake-up inside the call.
+ * No effect before the pool exists or on other backends' calls. */
+void fm_prepare_workers(void);
 /* SIGINT cuts short a call only in the process's main thread (where Python
  * raises KeyboardInterrupt; the call returns FM_ERROR_INTERRUPTED), and only
  * while enabled: 1 enables, 0 disables; returns the previous setting.

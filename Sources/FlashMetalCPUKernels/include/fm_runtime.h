@@ -23,6 +23,10 @@ FM_RUNTIME_API int32_t fm_pool_threads(void);
  * are skipped; returns 1 then, else 0. The pool's threads start on the first
  * job that needs them; a fork()ed child starts its own on its first job. */
 FM_RUNTIME_API int fm_pool_run(int64_t count, int64_t max_workers, fm_pool_fn fn, void *ctx);
+/* Announces a job soon (the caller is preparing one): sleeping workers wake
+ * and spin for it a while, so their wake-up overlaps the preparation
+ * instead of the job. Nothing happens before the pool exists. */
+FM_RUNTIME_API void fm_pool_prepare(void);
 /* Worker threads started so far (0 before the first parallel job). */
 FM_RUNTIME_API int32_t fm_pool_started_threads(void);
 
