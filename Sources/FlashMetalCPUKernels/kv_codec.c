@@ -15,6 +15,23 @@
 #include "kv_codes_keys.h"
 #include "../../Resources/shaders/kv_codec.h"
 
+/* The sign bits (1 = -1) of coordinates [0, d) for `seed`, cached per
+ * thread: every row and query of one cache shares them, and splitmix64 per
+ * coordinate for each of them cost as much as a short decode's key loop. Bit
+ * i depends on (seed, i) only, so a longer cached prefix serves a shorter d;
+ * d <= FM_KVQ_MAX_HEAD_DIM (every codec head dim). */
+static const uint8_t *kvq_signs(uint64_t seed, int32_t d) {
+    static _Thread_local uint64_t cached_seed;
+    static _Thread_local int32_t cached_d; /* 0: nothing cached */
+    static _Thread_local uint8_t bits[FM_KVQ_MAX_HEAD_DIM];
+    if (cached_d < d || cached_seed != seed) {
+        for (int32_t i = 0; i < d; i++) bits[i] = (uint8_t)fm_kvq_sign_bit(seed, (uint32_t)i);
+        cached_seed = seed;
+        cached_d = d;
+    }
+    return bits;
+}
+
 /* The unnormalised Hadamard transform of every block of z. */
 static void hadamard(float *z, int32_t d, int32_t block) {
     for (int32_t h = 1; h < block; h <<= 1) {
@@ -74,8 +91,9 @@ static void unpack_centroids(const uint8_t *row, int32_t d, int32_t bits, float 
  * codes and norms. */
 static void encode_row(const KVCodecParams *p, float *z, uint8_t *out, float *norms) {
     const int32_t d = p->head_dim, n = p->block, bits = p->bits, nb = d / n;
+    const uint8_t *neg = kvq_signs(p->seed, d);
     for (int32_t i = 0; i < d; i++) {
-        if (fm_kvq_sign_bit(p->seed, (uint32_t)i)) z[i] = -z[i];
+        if (neg[i]) z[i] = -z[i];
     }
     hadamard(z, d, n);
     for (int32_t k = 0; k < nb; k++) {
@@ -146,9 +164,10 @@ void fm_cpu_kv_dequantize_rows(const KVCodecParams *p, const uint8_t *codes, con
         unpack_centroids(codes + row * p->row_bytes, d, bits, z);
         hadamard(z, d, n);
         float *o = out + row * d;
+        const uint8_t *neg = kvq_signs(p->seed, d);
         for (int32_t i = 0; i < d; i++) {
             const float v = z[i] * (norms[row * nb + i / n] * inv_n);
-            o[i] = fm_kvq_sign_bit(p->seed, (uint32_t)i) ? -v : v;
+            o[i] = neg[i] ? -v : v;
         }
     }
 }
@@ -274,10 +293,11 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     /* Rows past the item's heads are zero: the key loop may run them. */
     memset(acc, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
     memset(qz, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
+    const uint8_t *neg = a->k_dense == NULL ? kvq_signs(p->k_seed, d) : NULL;
     for (int32_t j = 0; j < at->heads; j++) {
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[(at->row0 + j) * d + i];
-            qz[j * d + i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
+            qz[j * d + i] = neg != NULL && neg[i] ? -v : v;
         }
         if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
         mx[j] = FM_RUNNING_MAX_START;
@@ -389,9 +409,10 @@ static void finish_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs
         const int v_codes = a->v_dense == NULL;
         if (v_codes) hadamard(aj, d, n);
         const float norm = sum[j] > 0.0f ? (v_codes ? inv_n : 1.0f) / sum[j] : 0.0f;
+        const uint8_t *neg = v_codes ? kvq_signs(p->v_seed, d) : NULL;
         for (int32_t i = 0; i < d; i++) {
             const float v = aj[i] * norm;
-            a->o[(at->row0 + j) * d + i] = (v_codes && fm_kvq_sign_bit(p->v_seed, (uint32_t)i)) ? -v : v;
+            a->o[(at->row0 + j) * d + i] = neg != NULL && neg[i] ? -v : v;
         }
     }
 }
@@ -506,9 +527,10 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
             if (hi[s] > t_hi) t_hi = hi[s];
         }
         float *q = qz + (int64_t)s * d;
+        const uint8_t *neg = a->k_dense == NULL ? kvq_signs(p->k_seed, d) : NULL;
         for (int32_t i = 0; i < d; i++) {
             const float v = a->q[o->row0 * d + i];
-            q[i] = (a->k_dense == NULL && fm_kvq_sign_bit(p->k_seed, (uint32_t)i)) ? -v : v;
+            q[i] = neg != NULL && neg[i] ? -v : v;
         }
         if (a->k_dense == NULL) hadamard(q, d, p->block);
         mx[s] = FM_RUNNING_MAX_START;
