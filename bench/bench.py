@@ -768,6 +768,18 @@ def fm_isa():
         return "unknown"
 
 
+def notes(path):
+    """The hand-written "## Notes" section of a previous results file, if
+    any, as lines to append to the new one (a results file keeps it when the
+    tables are measured again)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    at = text.find("\n## Notes")
+    return [text[at + 1:].rstrip("\n"), ""] if at >= 0 else []
+
+
 def cpu_model():
     try:
         for line in open("/proc/cpuinfo"):

@@ -68,15 +68,6 @@ def rows(reg, runs: int, lengths: list[int], chunk: int = 1) -> list[str]:
     return lines
 
 
-def notes(path: Path) -> list[str]:
-    """The hand-written "## Notes" section of the previous results, if any."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    at = text.find("\n## Notes")
-    return [text[at + 1:].rstrip("\n"), ""] if at >= 0 else []
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -99,7 +90,7 @@ def main() -> None:
         f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "",
         "## Decode: one query row (2 back-to-back calls per round)", "", *table, "",
         f"## Chunked prefill: {chunk} causal query rows at the end of the keys (the tiled prefill over codes "
-        "against the bf16 cache's prefill)", "", *prefill, "", *notes(result)])
+        "against the bf16 cache's prefill)", "", *prefill, "", *common.notes(result)])
     result.write_text(text)
     print(f"wrote {HERE / 'CODES_RESULTS.md'}")
 

@@ -14,7 +14,7 @@ torch's SDPA backend, interleaved in one process:
 
     python bench/hf_generate_bench.py [--runs N] [--quick]
 
-Writes bench/HF_RESULTS.md. Needs torch and transformers (`make test-deps`).
+Writes bench/HF_RESULTS.md (keeping its hand-written "## Notes" section). Needs torch and transformers (`make test-deps`).
 """
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def main() -> int:
         "",
     ]
     text = "\n".join(head + call + ["", "## generate() of a random-weight Llama (hidden 1024, 16/8 heads, bf16)", ""]
-                     + gen) + "\n"
+                     + gen + [""] + common.notes(args.out)).rstrip("\n") + "\n"
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")
     return 0
