@@ -22,22 +22,25 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
 
 #if defined(__x86_64__) && FM_VL >= 8
 #include "x86_intrin.h"
-
-/* The `bits` (3, 5 or 6) bytes of a group of 8 codes, little-endian: loads
- * of constant size (a memcpy of `bits` bytes is a call). */
+#endif
+/* The `bits` (3, 5 or 6) bytes of a group of 8 codes, little-endian, read
+ * by loads of constant size (a memcpy of `bits` bytes is a call) and none
+ * past the group's last byte (a row of 3-bit codes at D 128 has no padding
+ * after its last group). */
 static inline __attribute__((always_inline)) uint64_t FM_SFX(kvq_group)(const uint8_t *g, int32_t bits) {
+    if (bits == 3) {
+        uint16_t lo;
+        memcpy(&lo, g, 2);
+        return lo | (uint64_t)g[2] << 16;
+    }
     uint32_t lo;
     memcpy(&lo, g, 4);
-    if (bits == 3) return lo & 0xffffffu;
-    uint16_t hi = 0;
-    if (bits == 5) {
-        hi = g[4];
-    } else {
-        memcpy(&hi, g + 4, 2);
-    }
+    if (bits == 5) return lo | (uint64_t)g[4] << 32;
+    uint16_t hi;
+    memcpy(&hi, g + 4, 2);
     return lo | (uint64_t)hi << 32;
 }
-#endif
+
 #if defined(__x86_64__) && FM_VL == 8
 /* 8 codes of `bits` (2 or 4) bits, the low bits of w in coordinate order,
  * as their centroids c (16 entries for 4 bits, 4 for 2): each code picks
@@ -113,8 +116,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_unpack)(const uint8
         const uint32_t mask = (1u << bits) - 1u;
         const float *c = t->c[bits];
         for (int32_t g = 0; g < d / 8; g++) {
-            uint64_t w = 0;
-            for (int32_t b = 0; b < bits; b++) w |= (uint64_t)row[g * bits + b] << (8 * b);
+            const uint64_t w = FM_SFX(kvq_group)(row + g * bits, bits);
             for (int32_t j = 0; j < 8; j++) out[g * 8 + j] = c[(w >> (bits * j)) & mask];
         }
     }
@@ -178,15 +180,6 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
         l.planes[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t->planes4[k]));
 #endif
     return l;
-}
-
-/* Code i of a row of `bits`-bit codes (little-endian bit stream), reading
- * no byte past the one holding its last bit. */
-static inline uint32_t FM_SFX(kvq_code_at)(const uint8_t *row, int32_t bits, int32_t i) {
-    const int32_t bit = i * bits, byte = bit >> 3, shift = bit & 7;
-    uint32_t w = row[byte];
-    if (shift + bits > 8) w |= (uint32_t)row[byte + 1] << 8;
-    return (w >> shift) & ((1u << bits) - 1u);
 }
 
 #if defined(__x86_64__) && FM_VL == 16
@@ -368,7 +361,14 @@ static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_vec)(const uint8_t 
     } else if (bits == 2) {
         for (int32_t j = 0; j < FM_VL / 4; j++) memcpy(o + 4 * j, t->by2[row[i / 4 + j]], 4 * sizeof(float));
     } else {
-        for (int32_t j = 0; j < FM_VL; j++) o[j] = t->c[bits][FM_SFX(kvq_code_at)(row, bits, i + j)];
+        /* 3, 5 or 6 bits: each group of 8 codes read once, split by shifts. */
+        const uint32_t mask = (1u << bits) - 1u;
+        uint64_t w = 0;
+        for (int32_t j = 0; j < FM_VL; j++) {
+            const int32_t code = i + j;
+            if (j == 0 || code % 8 == 0) w = FM_SFX(kvq_group)(row + code / 8 * bits, bits);
+            o[j] = t->c[bits][(w >> (bits * (code % 8))) & mask];
+        }
     }
     return fm_v_load(o);
 }
