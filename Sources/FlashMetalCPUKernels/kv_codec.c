@@ -283,6 +283,18 @@ int64_t fm_cpu_kv_codes_part_floats(const KVCodesDecodeParams *p) {
     return (int64_t)FM_CPU_KVQ_HEAD_CHUNK * (2 * p->head_dim + 2);
 }
 
+/* Query row `row` of a->q in the K side's basis, into out [D]: signed and
+ * transformed as the keys were when the K side holds codes, else copied. */
+static void rotate_query(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t row, float *out) {
+    const int32_t d = p->head_dim;
+    const uint8_t *neg = a->k_dense == NULL ? kvq_signs(p->k_seed, d) : NULL;
+    for (int32_t i = 0; i < d; i++) {
+        const float v = a->q[row * d + i];
+        out[i] = neg != NULL && neg[i] ? -v : v;
+    }
+    if (a->k_dense == NULL) hadamard(out, d, p->block);
+}
+
 /* The query of an item's heads in the K side's basis, and its softmax state
  * zeroed, in `state`: acc [CHUNK, D], mx [CHUNK], sum [CHUNK], qz [CHUNK, D]. */
 static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const ItemPlace *at,
@@ -293,13 +305,8 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     /* Rows past the item's heads are zero: the key loop may run them. */
     memset(acc, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
     memset(qz, 0, sizeof(float) * FM_CPU_KVQ_HEAD_CHUNK * (size_t)d);
-    const uint8_t *neg = a->k_dense == NULL ? kvq_signs(p->k_seed, d) : NULL;
     for (int32_t j = 0; j < at->heads; j++) {
-        for (int32_t i = 0; i < d; i++) {
-            const float v = a->q[(at->row0 + j) * d + i];
-            qz[j * d + i] = neg != NULL && neg[i] ? -v : v;
-        }
-        if (a->k_dense == NULL) hadamard(qz + j * d, d, p->block);
+        rotate_query(p, a, at->row0 + j, qz + (int64_t)j * d);
         mx[j] = FM_RUNNING_MAX_START;
         sum[j] = 0.0f;
     }
@@ -526,13 +533,7 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
             if (lo[s] < t_lo) t_lo = lo[s];
             if (hi[s] > t_hi) t_hi = hi[s];
         }
-        float *q = qz + (int64_t)s * d;
-        const uint8_t *neg = a->k_dense == NULL ? kvq_signs(p->k_seed, d) : NULL;
-        for (int32_t i = 0; i < d; i++) {
-            const float v = a->q[o->row0 * d + i];
-            q[i] = neg != NULL && neg[i] ? -v : v;
-        }
-        if (a->k_dense == NULL) hadamard(q, d, p->block);
+        rotate_query(p, a, o->row0, qz + (int64_t)s * d);
         mx[s] = FM_RUNNING_MAX_START;
         sum[s] = 0.0f;
     }

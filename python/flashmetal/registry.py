@@ -60,8 +60,6 @@ class Registry:
         defers = ffi.new("int32_t *")
         _native.call(self, "fm_registry_defers_work", defers, op="registry_defers_work")
         self._defers_work = bool(defers[0])
-        # The cpu backend runs calls on the process's worker pool.
-        self._uses_pool = self.backend == "cpu"
 
     # Kept for tests and benchmarks that drive entry points directly.
     @property
@@ -258,6 +256,6 @@ def resolve(registry: RegistryLike, op: str) -> Registry:
         reg = default_registry(registry)
     else:
         raise InvalidTypeError(op, f"registry must be a Registry or a backend name, got {type(registry).__name__}")
-    if reg._uses_pool:
+    if reg.backend == "cpu":  # the backend that runs calls on the worker pool
         _native.lib().fm_prepare_workers()
     return reg

@@ -68,28 +68,22 @@ static inline simde__m256bh fm_emu_mm512_cvtneps_pbh(simde__m512 a) {
 }
 #define _mm512_cvtneps_pbh(a) fm_emu_mm512_cvtneps_pbh(a)
 
-/* vpmovzxwd: 16 unsigned 16-bit lanes widened to 32 bits. */
-static inline simde__m512i fm_emu_mm512_cvtepu16_epi32(simde__m256i a) {
-    uint16_t h[16];
+/* 16 unsigned lanes of `size` bytes (1 or 2) at src widened to 32 bits
+ * (vpmovzxbd, vpmovzxwd). */
+static inline simde__m512i fm_emu_widen_u32(const void *src, int size) {
     uint32_t w[16];
-    memcpy(h, &a, sizeof h);
-    for (int i = 0; i < 16; i++) w[i] = h[i];
+    for (int i = 0; i < 16; i++) {
+        uint16_t x = 0;
+        memcpy(&x, (const char *)src + i * size, (size_t)size); /* little-endian */
+        w[i] = x;
+    }
     simde__m512i out;
     memcpy(&out, w, sizeof out);
     return out;
 }
+static inline simde__m512i fm_emu_mm512_cvtepu16_epi32(simde__m256i a) { return fm_emu_widen_u32(&a, 2); }
 #define _mm512_cvtepu16_epi32(a) fm_emu_mm512_cvtepu16_epi32(a)
-
-/* vpmovzxbd: 16 unsigned bytes widened to 32 bits. */
-static inline simde__m512i fm_emu_mm512_cvtepu8_epi32(simde__m128i a) {
-    uint8_t b[16];
-    uint32_t w[16];
-    memcpy(b, &a, sizeof b);
-    for (int i = 0; i < 16; i++) w[i] = b[i];
-    simde__m512i out;
-    memcpy(&out, w, sizeof out);
-    return out;
-}
+static inline simde__m512i fm_emu_mm512_cvtepu8_epi32(simde__m128i a) { return fm_emu_widen_u32(&a, 1); }
 #define _mm512_cvtepu8_epi32(a) fm_emu_mm512_cvtepu8_epi32(a)
 
 /* vgatherdps: lane i loads the float at base + index[i] * scale bytes
