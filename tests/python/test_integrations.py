@@ -50,6 +50,44 @@ def test_torch_compile_sees_one_op():
     assert sum(op in (torch.ops.flashmetal.sdpa, torch.ops.flashmetal.sdpa.default) for op in ops) == 1, ops
 
 
+def test_hf_backend_is_one_op_compiled_and_the_function_eager(monkeypatch):
+    """Compiled, transformers' attention call through the backend is the one
+    custom op (no graph break); eager it calls the function directly (the
+    op's dispatch would cost more than a decode step's kernel): same values."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Attn(torch.nn.Module):
+        is_causal = True
+
+    module = Attn()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn((1, 4, 1, 64), generator=g).to(torch.bfloat16)
+    k = torch.randn((1, 2, 37, 64), generator=g).to(torch.bfloat16)
+    v = torch.randn((1, 2, 37, 64), generator=g).to(torch.bfloat16)
+
+    def f(q, k, v):
+        return hf.attention_forward(module, q, k, v, None, scaling=0.125)[0]
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    assert len(graphs) == 1
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum(op in (torch.ops.flashmetal.sdpa, torch.ops.flashmetal.sdpa.default) for op in ops) == 1, ops
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("the eager call went through the custom op")
+
+    monkeypatch.setattr(hf, "_sdpa_op", no_op)
+    eager = f(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.125,
+                                                           enable_gqa=True).transpose(1, 2)
+    assert torch.equal(eager, compiled)
+    assert torch.allclose(eager.double(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_register_refuses_names_transformers_reroutes():
     with pytest.raises(ValueError, match="contains 'flash' or 'sdpa'"):
         hf.register("flashmetal")
