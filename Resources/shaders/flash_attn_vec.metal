@@ -22,7 +22,8 @@
 // barrier, then every SIMD group reads them there (one barrier per stage:
 // the stages alternate). Either way each lane sums the same floats in the
 // same order, so HG changes no bit of a decode (one query row per sequence).
-// Each lane reads its dims of q (float32) straight into registers: q is
+// Each lane reads its dims of q (float32, or with 508 vec_q_io the K/V
+// dtype at buffer 9, exact in float) straight into registers: q is
 // never narrowed (staging it in half would lose ~3 digits and make
 // |q| > 65504 infinite), so decode meets the float32 tolerance. The query sits at position
 // kv_len - 1: causal (mask_type 1) sees every valid key; a sliding window w
@@ -86,7 +87,9 @@
 // Walsh-Hadamard transform y = H_D x / sqrt(D) (Sylvester, natural order) in
 // threadgroup memory and flips the signs given by the bitmask at buffer 4
 // when function constant 500 (has_signs) is true. Buffers: 0
-// FlashAttnVecReduceParams, 1 tmp, 2 out (f32), 3 nwg (uint), 4 signs.
+// FlashAttnVecReduceParams, 1 tmp, 2 out (f32), 3 nwg (uint), 4 signs; with
+// 509 (vec_out_f16) or 510 (vec_out_bf16) the output goes instead to buffer
+// 8 (half) or 9 (bfloat), each value the float32 result rounded to nearest even.
 // The plain reduce's serving extension: sinks (504, buffer 5, float32 [H])
 // join the combined denominator once, as a logit without a value; lse (505,
 // buffer 6) receives M + log(S [+ e^{sink - M}]) in natural units, -inf for
@@ -106,7 +109,12 @@ FUNCTION_CONSTANT(bool, vec_sinks, 504)
 FUNCTION_CONSTANT(bool, vec_lse, 505)
 FUNCTION_CONSTANT(bool, vec_unaligned, 506)
 FUNCTION_CONSTANT(bool, vec_alibi, 507)
+FUNCTION_CONSTANT(bool, vec_q_io, 508)
+FUNCTION_CONSTANT(bool, vec_out_f16, 509)
+FUNCTION_CONSTANT(bool, vec_out_bf16, 510)
 FUNCTION_CONSTANT_EXPR(bool, vec_reduce_ext, vec_sinks || vec_lse)
+FUNCTION_CONSTANT_EXPR(bool, vec_q_f32, !vec_q_io)
+FUNCTION_CONSTANT_EXPR(bool, vec_out_f32, !vec_out_f16 && !vec_out_bf16)
 
 #define VEC_LN2 0.693147180559945309f
 
@@ -362,7 +370,7 @@ template <typename KV, int D>
 [[max_total_threads_per_threadgroup(32 * vec_group_rows<D>())]]
 kernel void flash_attn_vec(
     constant FlashAttnVecParams &p [[buffer(0)]],
-    const device float *q [[buffer(1)]],
+    const device float *q [[buffer(1), function_constant(vec_q_f32)]],
     const device KV *k [[buffer(2)]],
     const device KV *v [[buffer(3)]],
     device float *tmp [[buffer(4)]],
@@ -370,6 +378,7 @@ kernel void flash_attn_vec(
     const device int *seqlens_k [[buffer(6), function_constant(vec_kv_lens)]],
     const device int *block_table [[buffer(7), function_constant(vec_paged)]],
     const device float *alibi [[buffer(8), function_constant(vec_alibi)]],
+    const device KV *q_io [[buffer(9), function_constant(vec_q_io)]],
     TG_BUFFER(float, tgm, 0),  // probabilities [HG][32], then two stages of rows (HG > 1)
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint3 ngroups BUILTIN(threadgroups_per_grid),
@@ -425,7 +434,11 @@ kernel void flash_attn_vec(
     int nstage = 0;
 
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
-    vec_row_device<float, D>(qv, q + row * DR, lane, DR);
+    if (vec_q_io) {  // q in the K/V dtype: exact in float32
+        vec_row_device<KV, D>(qv, q_io + row * DR, lane, DR);
+    } else {
+        vec_row_device<float, D>(qv, q + row * DR, lane, DR);
+    }
     const float scale = p.scale, softcap = p.softcap;
     const float slope = vec_alibi ? alibi[b * long(p.n_heads) + row % long(p.n_heads)] : 0.0f;
 
@@ -619,16 +632,31 @@ inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, 
     for (int t = 0; t < 4; t++) y[t] *= weights[32];
 }
 
+// Element `at` of the reduce's output, in the dtype its function constants
+// name (an unbound output is never touched): float32, or the float32 result
+// rounded to nearest even in float16 or bfloat16.
+inline void vec_store_out(device float *out, device half *out_f16, device bfloat *out_bf16, long at, float y) {
+    if (vec_out_f16) {
+        out_f16[at] = half(y);
+    } else if (vec_out_bf16) {
+        out_bf16[at] = bfloat(y);
+    } else {
+        out[at] = y;
+    }
+}
+
 template <int D>
 kernel void flash_attn_vec_reduce(
     constant FlashAttnVecReduceParams &p [[buffer(0)]],
     const device float *tmp [[buffer(1)]],
-    device float *out [[buffer(2)]],
+    device float *out [[buffer(2), function_constant(vec_out_f32)]],
     constant uint &nwg [[buffer(3)]],
     const device uchar *unused_signs [[buffer(4), function_constant(vec_has_signs)]],
     const device float *sinks [[buffer(5), function_constant(vec_sinks)]],
     device float *lse [[buffer(6), function_constant(vec_lse)]],
     constant FlashAttnVecReduceExtParams *ext [[buffer(7), function_constant(vec_reduce_ext)]],
+    device half *out_f16 [[buffer(8), function_constant(vec_out_f16)]],
+    device bfloat *out_bf16 [[buffer(9), function_constant(vec_out_bf16)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint3 tpg BUILTIN(threads_per_threadgroup),
@@ -646,7 +674,7 @@ kernel void flash_attn_vec_reduce(
         float y[4];
         vec_reduce_dims(y, tmp, row, nwg, DR, d, weights);
         for (int t = 0; t < 4; t++) {
-            if (int(d) + t < DR) out[row * DR + d + t] = y[t];
+            if (int(d) + t < DR) vec_store_out(out, out_f16, out_bf16, row * DR + d + t, y[t]);
         }
     }
 }
@@ -655,9 +683,11 @@ template <int D>
 kernel void flash_attn_vec_reduce_tq_hb_undo(
     constant FlashAttnVecReduceParams &p [[buffer(0)]],
     const device float *tmp [[buffer(1)]],
-    device float *out [[buffer(2)]],
+    device float *out [[buffer(2), function_constant(vec_out_f32)]],
     constant uint &nwg [[buffer(3)]],
     const device uchar *signs [[buffer(4), function_constant(vec_has_signs)]],
+    device half *out_f16 [[buffer(8), function_constant(vec_out_f16)]],
+    device bfloat *out_bf16 [[buffer(9), function_constant(vec_out_bf16)]],
     TG_BUFFER(float, yb, 0),
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
@@ -695,7 +725,7 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     for (uint d = tid; d < uint(D); d += nthreads) {
         const float x = ys[d] * norm;
         const bool neg = vec_has_signs && ((signs[d >> 3] >> (d & 7)) & 1) != 0;
-        out[row * D + d] = neg ? -x : x;
+        vec_store_out(out, out_f16, out_bf16, row * D + d, neg ? -x : x);
     }
 }
 

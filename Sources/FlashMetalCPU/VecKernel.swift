@@ -15,6 +15,8 @@ final class VecKernel: CPUKernel {
     /// FM_FC_VEC_SEQ, FM_FC_VEC_KV_LENS, FM_FC_VEC_PAGED; unset means false
     /// (the plain decode sets none of them).
     let seq: Bool, kvLens: Bool, paged: Bool, alibi: Bool
+    /// FM_FC_VEC_Q_IO: q in the K/V dtype (widened to float32 before the items).
+    let qIO: Bool
 
     init(_ key: PipelineKey) throws {
         name = key.kernel
@@ -23,6 +25,7 @@ final class VecKernel: CPUKernel {
         kvLens = c.bool(FunctionConstantIndex.vecKVLens) ?? false
         paged = c.bool(FunctionConstantIndex.vecPaged) ?? false
         alibi = c.bool(FunctionConstantIndex.vecAlibi) ?? false
+        qIO = c.bool(FunctionConstantIndex.vecQIO) ?? false
         if (kvLens || paged || alibi) && !seq {
             throw FlashMetalError.backend("cpu backend: \(name): seqlens or paging without FlashAttnVecSeqParams (constant 501)")
         }
@@ -30,6 +33,17 @@ final class VecKernel: CPUKernel {
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
         var a = try args(d)
+        // q in the K/V dtype: widened once (exactly) to the float32 rows the items read.
+        var wideQ: UnsafeMutablePointer<Float>? = nil
+        defer { if let w = wideQ { HostMemory.free(w) } }
+        if qIO {
+            let q = try d.buffer(VecBuffer.qIO)
+            let n = q.elementCount ?? 0
+            let w = try HostMemory.allocate(Float.self, count: max(n, 1), op: name, what: "decode q")
+            wideQ = w
+            fm_cpu_widen_to_f32(q.data, q.dtype.rawValue, Int64(n), w)
+            a.q = UnsafePointer(w)
+        }
         let p = a.p
         let kvRows = Int(a.batch) * Int(p.n_kv_heads)
         let gqa = Int(p.n_heads / p.n_kv_heads) * max(Int(a.q_rows), 1)
@@ -78,7 +92,7 @@ final class VecKernel: CPUKernel {
         }
         var a = FMVecArgs()
         a.p = p
-        a.q = UnsafePointer(try d.buffer(VecBuffer.q).data.assumingMemoryBound(to: Float.self))
+        if !qIO { a.q = UnsafePointer(try d.buffer(VecBuffer.q).data.assumingMemoryBound(to: Float.self)) }
         a.k = UnsafeRawPointer(k.data)
         a.v = UnsafeRawPointer(v.data)
         a.tmp = try d.buffer(VecBuffer.tmp).data.assumingMemoryBound(to: Float.self)
@@ -169,6 +183,8 @@ final class VecReduceKernel: CPUKernel {
     let fwht: Bool
     let hasSigns: Bool
     let sinks: Bool, lse: Bool
+    /// FM_FC_VEC_OUT_F16 / _BF16: the output's dtype (float32 when neither).
+    let outF16: Bool, outBF16: Bool
 
     init(_ key: PipelineKey, headDim: Int, fwht: Bool) throws {
         name = key.kernel
@@ -178,6 +194,9 @@ final class VecReduceKernel: CPUKernel {
         hasSigns = fwht ? try c.requireBool(FunctionConstantIndex.vecHasSigns, kernel: name) : false
         sinks = fwht ? false : c.bool(FunctionConstantIndex.vecSinks) ?? false
         lse = fwht ? false : c.bool(FunctionConstantIndex.vecLSE) ?? false
+        outF16 = c.bool(FunctionConstantIndex.vecOutF16) ?? false
+        outBF16 = c.bool(FunctionConstantIndex.vecOutBF16) ?? false
+        if outF16 && outBF16 { throw FlashMetalError.backend("cpu backend: \(name): both output dtypes (509, 510) set") }
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -191,7 +210,14 @@ final class VecReduceKernel: CPUKernel {
         let nwg = Int32(try d.params(VecReduceBuffer.nwg, as: UInt32.self))
         if nwg <= 0 { throw FlashMetalError.internalError("\(name): nwg must be > 0") }
         let tmp = UnsafePointer(try d.buffer(VecReduceBuffer.tmp).data.assumingMemoryBound(to: Float.self))
-        let out = try d.buffer(VecReduceBuffer.out).data.assumingMemoryBound(to: Float.self)
+        let outAt = outF16 ? VecReduceBuffer.outF16 : outBF16 ? VecReduceBuffer.outBF16 : VecReduceBuffer.out
+        let outRef = try d.buffer(outAt)
+        let outDType = outF16 ? DType.f16 : outBF16 ? DType.bf16 : DType.f32
+        if outRef.dtype != outDType || outRef.byteCount < rows * Int(dk) * outDType.byteSize || (outDType != .f32 && dk > 512) {
+            throw FlashMetalError.internalError("\(name): out \(outRef.dtype) \(outRef.shape) does not hold \(rows) rows of \(dk) \(outDType)")
+        }
+        let out = outRef.data
+        let outCode = outDType.rawValue
         let signs: UnsafePointer<UInt8>? = hasSigns
             ? UnsafePointer(try d.buffer(VecReduceBuffer.signs).data.assumingMemoryBound(to: UInt8.self)) : nil
         var heads: Int64 = 1
@@ -220,7 +246,7 @@ final class VecReduceKernel: CPUKernel {
         }
         let fwht = Int32(self.fwht ? 1 : 0)
         pool.forEach(rows, workers: rows * Int(nwg) * Int(dk) < smallWork ? 1 : Int.max) { _, r in
-            fm_cpu_vec_reduce_row(tmp, out, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
+            fm_cpu_vec_reduce_row(tmp, out, outCode, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
         }
     }
 }

@@ -6,6 +6,8 @@
  *
  * tmp layout: partial outputs [nrows, nwg, Dv] (v's head dim), then (S, M) pairs [nrows, nwg, 2]. */
 #include <math.h>
+#include <string.h>
+#include "half_convert.h"
 #include "kernel_math.h"
 #include "vec_split.h"
 
@@ -75,7 +77,10 @@ static void fwht(float *x, int32_t n) {
             }
 }
 
-void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
+/* The longest row the reduce rounds into a 16-bit output (the decode's widest head dim). */
+enum { FM_VEC_ROUNDED_ROW_MAX = 512 };
+
+void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht_undo, const uint8_t *signs, const float *sinks,
                            float *lse, int64_t n_heads) {
     const float *sm = tmp + fm_vec_sm_offset(nrows, nwg, d, row, 0);
@@ -87,7 +92,10 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
     const float sink = sinks ? sinks[row % n_heads] : -INFINITY;
     if (sink > M) M = sink;
     float S = sinks ? fm_sink_term(sink, M) : 0.0f;
-    float *y = out + row * d;
+    /* A float32 output is the working row itself; a 16-bit one is rounded
+     * once from a float32 row on the stack. */
+    float rounded[FM_VEC_ROUNDED_ROW_MAX];
+    float *y = out_dtype == FM_DTYPE_F32 ? (float *)out + row * d : rounded;
     for (int32_t i = 0; i < d; i++) y[i] = 0.0f;
     for (int32_t w = 0; w < nwg; w++) {
         /* A workgroup that saw no key (S = 0; its O is not written) adds
@@ -101,11 +109,25 @@ void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t 
     if (lse) lse[row] = S == 0.0f ? -INFINITY : M + logf(S);
     const float inv = S == 0.0f ? 0.0f : 1.0f / S;
     for (int32_t i = 0; i < d; i++) y[i] *= inv;
-    if (!fwht_undo) return;
-    fwht(y, d);
-    const float norm = 1.0f / sqrtf((float)d);
-    for (int32_t i = 0; i < d; i++) {
-        const int neg = signs ? (signs[i >> 3] >> (i & 7)) & 1 : 0;
-        y[i] = neg ? -(y[i] * norm) : y[i] * norm;
+    if (fwht_undo) {
+        fwht(y, d);
+        const float norm = 1.0f / sqrtf((float)d);
+        for (int32_t i = 0; i < d; i++) {
+            const int neg = signs ? (signs[i >> 3] >> (i & 7)) & 1 : 0;
+            y[i] = neg ? -(y[i] * norm) : y[i] * norm;
+        }
+    }
+    uint16_t *o16 = (uint16_t *)out + row * d;
+    if (out_dtype == FM_DTYPE_BF16)
+        for (int32_t i = 0; i < d; i++) o16[i] = fm_f32_to_bf16(y[i]);
+    else if (out_dtype == FM_DTYPE_F16)
+        for (int32_t i = 0; i < d; i++) o16[i] = fm_f32_to_f16(y[i]);
+}
+
+void fm_cpu_widen_to_f32(const void *src, int32_t dtype, int64_t n, float *dst) {
+    if (dtype == FM_DTYPE_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else {
+        fm_load_row(dst, (const uint16_t *)src, n, dtype == FM_DTYPE_BF16);
     }
 }

@@ -56,6 +56,12 @@ public enum FunctionConstantIndex {
     public static let vecUnaligned = Int(FM_FC_VEC_UNALIGNED.rawValue)
     /// Decode: ALiBi slopes bound (with vecSeq).
     public static let vecAlibi = Int(FM_FC_VEC_ALIBI.rawValue)
+    /// Decode: q is in the K/V dtype (bound at VecBuffer.qIO), not float32.
+    public static let vecQIO = Int(FM_FC_VEC_Q_IO.rawValue)
+    /// Decode reduce: the output is float16 (bound at VecReduceBuffer.outF16).
+    public static let vecOutF16 = Int(FM_FC_VEC_OUT_F16.rawValue)
+    /// Decode reduce: the output is bfloat16 (bound at VecReduceBuffer.outBF16).
+    public static let vecOutBF16 = Int(FM_FC_VEC_OUT_BF16.rawValue)
     /// kv_append: the caches are paged, block_table is bound.
     public static let appendPaged = Int(FM_FC_APPEND_PAGED.rawValue)
     /// kv_codes_decode: seqlens_k is bound.
@@ -104,7 +110,8 @@ public enum FunctionConstantIndex {
         ("FM_FC_TILE_LOAD_BYTES", tileLoadBytes),
         ("FM_FC_VEC_SEQ", vecSeq), ("FM_FC_VEC_KV_LENS", vecKVLens), ("FM_FC_VEC_PAGED", vecPaged),
         ("FM_FC_VEC_SINKS", vecSinks), ("FM_FC_VEC_LSE", vecLSE), ("FM_FC_VEC_UNALIGNED", vecUnaligned),
-        ("FM_FC_VEC_ALIBI", vecAlibi),
+        ("FM_FC_VEC_ALIBI", vecAlibi), ("FM_FC_VEC_Q_IO", vecQIO), ("FM_FC_VEC_OUT_F16", vecOutF16),
+        ("FM_FC_VEC_OUT_BF16", vecOutBF16),
         ("FM_FC_APPEND_PAGED", appendPaged),
         ("FM_FC_KVQ_LENS", kvqLens), ("FM_FC_KVQ_PAGED", kvqPaged), ("FM_FC_KVQ_SINKS", kvqSinks),
         ("FM_FC_KVQ_LSE", kvqLSE), ("FM_FC_KVQ_APPEND_PAGED", kvqAppendPaged), ("FM_FC_KVQ_K_DENSE", kvqKDense),
@@ -188,6 +195,8 @@ public enum VecBuffer {
     public static let blockTable = Int(FM_VEC_BUF_BLOCK_TABLE.rawValue)
     /// float32 [B * H] ALiBi slopes (with vecAlibi).
     public static let alibi = Int(FM_VEC_BUF_ALIBI.rawValue)
+    /// q in the K/V dtype (with FunctionConstantIndex.vecQIO).
+    public static let qIO = Int(FM_VEC_BUF_Q_IO.rawValue)
 }
 
 /// Buffer indices of the decode reduce kernels.
@@ -208,6 +217,10 @@ public enum VecReduceBuffer {
     public static let lse = Int(FM_VEC_REDUCE_BUF_LSE.rawValue)
     /// FlashAttnVecReduceExtParams (with vecSinks or vecLSE).
     public static let ext = Int(FM_VEC_REDUCE_BUF_EXT.rawValue)
+    /// float16 output (with FunctionConstantIndex.vecOutF16).
+    public static let outF16 = Int(FM_VEC_REDUCE_BUF_OUT_F16.rawValue)
+    /// bfloat16 output (with FunctionConstantIndex.vecOutBF16).
+    public static let outBF16 = Int(FM_VEC_REDUCE_BUF_OUT_BF16.rawValue)
 }
 
 /// Buffer indices of the rotary kernels.

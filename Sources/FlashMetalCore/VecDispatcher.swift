@@ -37,7 +37,7 @@ public struct VecOptions: Sendable {
 /// kv rows = B*Hkv and row r reads kv row r / (H/Hkv), which is exactly the
 /// memory order of [B, Hkv, cap, D].
 public struct VecTensors {
-    /// q/out float32 [(B,) H, D]; k/v [(B,) Hkv, cap, D]; tmp float32 scratch.
+    /// q/out [(B,) H, D], each float32 or the caches' dtype; k/v [(B,) Hkv, cap, D]; tmp float32 scratch.
     public var q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef
     /// uint8 [D/8] FWHT sign bitmask, or nil for all +1.
     public var signs: TensorRef? = nil
@@ -153,7 +153,7 @@ public enum VecDispatcher {
     }
 
     /// Validates a call and builds its two dispatches (decode, then reduce).
-    /// Preconditions: float32 q/out/tmp, k and v of one dtype in
+    /// Preconditions: q and out float32 or the caches' dtype, float32 tmp, k and v of one dtype in
     /// VecCapability.kvTypes, a head dim in 1...256 or 512, 0 < kv_len <= capacity,
     /// a known mask type with a window > 0 for the window mask, a finite
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
@@ -191,14 +191,16 @@ public enum VecDispatcher {
         return [main, reduce]
     }
 
-    /// float32 q/out/tmp; k and v of one dtype in VecCapability.kvTypes; each
-    /// buffer covers its shape.
+    /// q and out float32 or the caches' dtype (the kernel reads q exactly as
+    /// float32 and rounds the float32 result once into out); float32 tmp; k
+    /// and v of one dtype in VecCapability.kvTypes; each buffer covers its shape.
     static func requireTypes(q: TensorRef, k: TensorRef, v: TensorRef, out: TensorRef, tmp: TensorRef,
                              op: String, kName: String = "k", vName: String = "v") throws {
-        try q.requireDType([.f32], op: op, name: "q")
         try k.requireDType(VecCapability.kvTypes, op: op, name: kName)
         try Checks.sameDType(v, vName, as: k, kName, op: op)
-        try out.requireDType([.f32], op: op, name: "out")
+        let io: [DType] = k.dtype == .f32 ? [.f32] : [.f32, k.dtype]
+        try q.requireDType(io, op: op, name: "q")
+        try out.requireDType(io, op: op, name: "out")
         try tmp.requireDType([.f32], op: op, name: "tmp")
         for (x, n) in [(q, "q"), (k, kName), (v, vName), (out, "out")] {
             try x.requireBytes(op: op, name: n)
@@ -248,7 +250,7 @@ public enum VecDispatcher {
         // V Dv: a dim off the vector width (a padded head dim, e.g. 59) puts
         // them off a vector boundary.
         if headDim % w != 0 || headDimV % w != 0 || Int(bitPattern: k.data) % bytes != 0 || Int(bitPattern: v.data) % bytes != 0
-            || Int(bitPattern: q.data) % (w * 4) != 0 || !tmpAligned(tmp) { return false }
+            || Int(bitPattern: q.data) % (w * q.dtype.byteSize) != 0 || !tmpAligned(tmp) { return false }
         guard let sp = seq else { return true }
         let strides = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2, sp.V_strides.0, sp.V_strides.1, sp.V_strides.2]
         return strides.allSatisfy { Int($0) % w == 0 }
@@ -260,8 +262,9 @@ public enum VecDispatcher {
     /// `seq` it is the plain decode (constants 501-503 false, nothing bound at 5-7).
     static func mainDispatch(_ params: FlashAttnVecParams, rows: Int, q: TensorRef, k: TensorRef, v: TensorRef,
                              tmp: TensorRef, seq: SeqBindings? = nil) -> Dispatch {
+        let qIO = q.dtype != .f32
         var bindings: [Int: Binding] = [
-            VecBuffer.params: .bytes(bytesOf(params)), VecBuffer.q: .buffer(q),
+            VecBuffer.params: .bytes(bytesOf(params)), qIO ? VecBuffer.qIO : VecBuffer.q: .buffer(q),
             VecBuffer.k: .buffer(k), VecBuffer.v: .buffer(v), VecBuffer.tmp: .buffer(tmp)]
         if let seq = seq {
             bindings[VecBuffer.seqParams] = .bytes(bytesOf(seq.params))
@@ -274,6 +277,7 @@ public enum VecDispatcher {
             (FunctionConstantIndex.vecKVLens, .bool(seq?.seqlensK != nil)),
             (FunctionConstantIndex.vecPaged, .bool(seq?.blockTable != nil)),
             (FunctionConstantIndex.vecAlibi, .bool(seq?.alibi != nil)),
+            (FunctionConstantIndex.vecQIO, .bool(qIO)),
             (FunctionConstantIndex.vecUnaligned, .bool(!vectorAligned(q: q, k: k, v: v, tmp: tmp, headDim: Int(params.head_dim),
                                                                          headDimV: Int(params.head_dim_v),
                                                                          seq: seq?.params))),
@@ -301,7 +305,7 @@ public enum VecDispatcher {
     }
 
     /// The reduce (plain or fused with the FWHT sign undo) over `nwg` partials
-    /// (1...32) of `rows` rows in `tmp`, into float32 `out`. `ext` (plain
+    /// (1...32) of `rows` rows in `tmp`, into `out` (float32, float16 or bfloat16). `ext` (plain
     /// reduce only) adds sinks and the LSE output.
     public static func reduceDispatch(tmp: TensorRef, out: TensorRef, rows: Int, headDim: Int, nwg: Int,
                                       fwht: Bool, signs: TensorRef?, ext: ReduceExt? = nil) throws -> Dispatch {
@@ -309,19 +313,22 @@ public enum VecDispatcher {
         if nwg <= 0 || nwg > 32 { throw FlashMetalError.value(rop, "nwg must be > 0 and <= 32, got \(nwg)") }
         let tile = try VecCapability.requireHeadDim(headDim, fwht: fwht, op: rop)
         let nwg32 = UInt32(nwg)
+        let outAt = out.dtype == .f16 ? VecReduceBuffer.outF16 : out.dtype == .bf16 ? VecReduceBuffer.outBF16 : VecReduceBuffer.out
         var bindings: [Int: Binding] = [
             VecReduceBuffer.params: .bytes(bytesOf(FlashAttnVecReduceParams(nrows: UInt32(rows), head_dim: UInt32(headDim)))),
-            VecReduceBuffer.tmp: .buffer(tmp), VecReduceBuffer.out: .buffer(out),
+            VecReduceBuffer.tmp: .buffer(tmp), outAt: .buffer(out),
             VecReduceBuffer.nwg: .bytes(bytesOf(nwg32)),
         ]
-        var writes: Set<Int> = [VecReduceBuffer.out]
+        var writes: Set<Int> = [outAt]
+        let outType: [(Int, ConstantValue)] = [(FunctionConstantIndex.vecOutF16, .bool(out.dtype == .f16)),
+                                                       (FunctionConstantIndex.vecOutBF16, .bool(out.dtype == .bf16))]
         let constants: FunctionConstants
         var tgMem: [Int: Int] = [:]
         if fwht {
             if ext != nil { throw FlashMetalError.internalError("\(rop): sinks/lse need the plain reduce") }
             if let s = signs { bindings[VecReduceBuffer.signs] = .buffer(s) }
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil)),
-                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))] + outType)
             tgMem[0] = headDim * 4
         } else {
             if let e = ext {
@@ -337,7 +344,7 @@ public enum VecDispatcher {
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(false)),
                                            (FunctionConstantIndex.vecSinks, .bool(ext?.sinks != nil)),
                                            (FunctionConstantIndex.vecLSE, .bool(ext?.lse != nil)),
-                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))])
+                                           (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))] + outType)
         }
         return Dispatch(kernel: .vecReduce(headDim: tile, fwht: fwht), constants: constants,
                         grid: Size3(rows, 1, 1), threadgroup: Size3(32 * nwg, 1, 1),

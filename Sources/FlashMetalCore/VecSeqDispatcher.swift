@@ -57,7 +57,7 @@ public struct VecSeqOptions: Sendable {
 
 /// The tensors of one serving decode call.
 public struct VecSeqTensors {
-    /// q/out float32 [B, H, D], or [B, L, H, D] for L query rows per
+    /// q/out (each float32 or the caches' dtype) [B, H, D], or [B, L, H, D] for L query rows per
     /// sequence (short queries, bottom-right: row i sits at kv_len_b - L + i);
     /// k/v [B, cap, Hkv, D] or paged
     /// [num_pages, page_size, Hkv, D]; tmp float32 scratch (VecDispatcher.tmpByteCount).

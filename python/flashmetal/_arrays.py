@@ -67,18 +67,20 @@ def empty_batch(a: np.ndarray, rank: int, axes: tuple[int, ...]) -> bool:
     return a.ndim == rank and any(a.shape[i] == 0 for i in axes)
 
 
-def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype,
+def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype | tuple[np.dtype, ...],
               inputs: Sequence[np.ndarray | None]) -> np.ndarray:
     """Validates a caller-provided output (a numpy array or a torch CPU
-    tensor): it is written in place, so this returns the numpy view of its
-    memory to hand the library; the caller returns its own object."""
+    tensor) of `dtype` (or of one of several): it is written in place, so
+    this returns the numpy view of its memory to hand the library; the
+    caller returns its own object."""
     if is_torch_tensor(out):
         refuse_grad_write(out, op, "out")
         out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
         raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
-        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {dtype}")
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if out.dtype not in allowed:
+        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in dict.fromkeys(allowed))}")
     if tuple(out.shape) != tuple(shape):
         raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}")
     if not out.flags.c_contiguous:

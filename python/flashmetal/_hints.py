@@ -41,7 +41,7 @@ TAKES: dict[tuple[str, str], str] = {
     ("scaled_dot_product_attention", "query"): _IO,
     ("scaled_dot_product_attention", "key"): f"query's dtype ({_IO})",
     ("scaled_dot_product_attention", "value"): f"query's dtype ({_IO})",
-    ("flash_attn_decode", "q"): "float32",
+    ("flash_attn_decode", "q"): f"float32 or k_cache's dtype ({_IO})",
     ("flash_attn_decode", "k_cache"): _IO,
     ("flash_attn_decode", "v_cache"): _IO,
     ("flash_attn_func", "q"): _IO,

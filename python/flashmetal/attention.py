@@ -33,7 +33,7 @@ from ._hints import layout_hint
 from ._serving_args import (attn_options, flag, no_dropout, seq_tensors, short_query_head_dims, short_query_rows,
                             sinks_arg)
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
-from .decode import flash_attn_decode
+from .decode import run_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
@@ -183,9 +183,10 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 @layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
           enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None,
-          decode: bool = True) -> _Call:
-    """Checks a call and picks its route; `decode` False keeps it off the
-    decode kernel (whose float32 result is converted after the work ran)."""
+          short_rows: bool = True) -> _Call:
+    """Checks a call and picks its route; `short_rows` False keeps several
+    query rows off the decode kernel (their output is reordered after the
+    work ran)."""
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -238,14 +239,14 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if no_keys:
         return _Call(qa, ka, va, None, causal, 0, 0, _NO_KEYS, None, squeeze)
     ranges = None
-    if decode and qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
+    if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     if ranges is not None:
         route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
                       "(padding, window, causal): split-KV decode over per-row key ranges")
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
     route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
-                            decode=decode, dv=Dv)
+                            short_rows=short_rows, dv=Dv)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
@@ -285,7 +286,7 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
 
 
 def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None, *, sinks: bool = False, decode: bool = True,
+            window: int | None, *, sinks: bool = False, short_rows: bool = True,
             dv: int | None = None) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly this problem (q/k of head dim
     D, v of dv, default D), and the head dim to zero-pad q/k/v to for it
@@ -295,10 +296,10 @@ def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, 
     prefill_op = "flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill"
     prefill_dims = _native.head_dims(prefill_op)
     last_row = q_offset == kl - 1 or (not causal and window is None)
-    if decode and qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
+    if qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
         return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
     newest = q_offset == kl - qL or (not causal and window is None)
-    if (decode and 1 < qL <= min(short_query_rows(), kl) and mask is None and newest and not sinks
+    if (short_rows and 1 < qL <= min(short_query_rows(), kl) and mask is None and newest and not sinks
             and short_query_head_dims(dtype, D, dv)):
         return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
                      "each row with its own causal/window keys, K/V read once per kv head"), None
@@ -461,11 +462,11 @@ def scaled_dot_product_attention(
     """
     reg = resolve(registry, _OP)
     # Inside a batch scope on a deferring backend (Metal) work runs when the
-    # scope ends: the decode kernel's result, converted here, is not there yet.
-    decode = not reg._work_deferred
+    # scope ends: the short-query route's rows, reordered here, are not there yet.
+    short_rows = not reg._work_deferred
     q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
     call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
-                 decode)
+                 short_rows)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
@@ -484,9 +485,11 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     if kernel == "flash_attn_vec" and qa.shape[2] > 1:
         return _decode_short(c, scale, softcap, window, reg)
     if kernel == "flash_attn_vec":
-        o = flash_attn_decode(np.ascontiguousarray(qa[:, :, 0, :], dtype=F32), ka, va, kl, scale=scale,
-                              causal=c.causal, window=window, softcap=softcap, registry=reg)
-        decoded: np.ndarray = o.astype(qa.dtype)[:, :, None, :]
+        qd = qa[:, :, 0, :]  # [B, H, D], C-contiguous (one query row)
+        o = np.empty(out_shape(qd, va), dtype=qa.dtype)  # the kernel writes q's dtype itself
+        run_decode(reg, _native.public_op(_OP), qd, ka, va, kl, o, scale=scale, causal=c.causal, window=window,
+                   softcap=softcap)
+        decoded: np.ndarray = o[:, :, None, :]
         return decoded
     if kernel == "flash_attn_prefill" and c.pad_to:
         d = qa.shape[-1]
@@ -520,28 +523,29 @@ def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | N
     b, h, ql, d = qa.shape
     hkv, dv = c.k.shape[1], c.v.shape[3]
     g = h // hkv
-    q32 = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3), dtype=F32)
-    o32 = np.empty((b * hkv, ql, g, dv), dtype=F32)
+    qg = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3))
+    og = np.empty((b * hkv, ql, g, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=c.causal,
                         window_size=(-1 if window is None else window - 1, -1))
-    _vec_seq_per_kv_head(reg, q32, c.k, c.v, np.full(b * hkv, c.kv_len, dtype=np.int32), o32, opts)
-    out: np.ndarray = o32.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
-    return out.astype(qa.dtype)
+    _vec_seq_per_kv_head(reg, qg, c.k, c.v, np.full(b * hkv, c.kv_len, dtype=np.int32), og, opts)
+    out: np.ndarray = og.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
+    return out
 
 
-def _vec_seq_per_kv_head(reg: Registry, q32: np.ndarray, k: np.ndarray, v: np.ndarray, seqlens_k: np.ndarray,
-                         o32: np.ndarray, opts: Any) -> None:
+def _vec_seq_per_kv_head(reg: Registry, q: np.ndarray, k: np.ndarray, v: np.ndarray, seqlens_k: np.ndarray,
+                         o: np.ndarray, opts: Any) -> None:
     """The serving decode kernel (fm_dispatch_vec_seq) over the caches
     [B, Hkv, cap, D] seen as B * Hkv sequences of one kv head ([B * Hkv, cap,
-    1, D]: no copy when contiguous), with seqlens_k for their keys; q32 and
-    o32 hold each sequence's rows of that kv head's query heads."""
+    1, D]: no copy when contiguous), with seqlens_k for their keys; q and o
+    (float32 or the caches' dtype) hold each sequence's rows of that kv
+    head's query heads."""
     b, hkv, cap = k.shape[:3]
     ka, va = np.ascontiguousarray(k), np.ascontiguousarray(v)
     k4, v4 = ka.reshape(b * hkv, cap, 1, ka.shape[3]), va.reshape(b * hkv, cap, 1, va.shape[3])
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k)
-    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
-                 tensor(ffi, o32), opts, op=_OP, keep=(q32, k4, v4, seqlens_k, o32, keep))
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
+                 tensor(ffi, o), opts, op=_OP, keep=(q, k4, v4, seqlens_k, o, keep))
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:
@@ -554,14 +558,14 @@ def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry)
     assert c.key_ranges is not None
     b, h, _, d = qa.shape
     hkv, dv = c.k.shape[1], c.v.shape[3]
-    q32 = np.ascontiguousarray(qa.reshape(b * hkv, h // hkv, d), dtype=F32)
-    o32 = np.empty((b * hkv, h // hkv, dv), dtype=F32)
+    qg = qa.reshape(b * hkv, h // hkv, d)
+    og = np.empty((b * hkv, h // hkv, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
     ranges = c.key_ranges
     if ranges.shape[1] != b:  # a mask broadcast over the batch
         ranges = np.broadcast_to(ranges, (2, b))
     table = np.ascontiguousarray(np.repeat(ranges, hkv, axis=1), dtype=np.int32)
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=False,
                         window_size=(-1, -1))
-    _vec_seq_per_kv_head(reg, q32, c.k, c.v, table, o32, opts)
-    decoded: np.ndarray = o32.reshape(b, h, 1, dv).astype(qa.dtype)
+    _vec_seq_per_kv_head(reg, qg, c.k, c.v, table, og, opts)
+    decoded: np.ndarray = og.reshape(b, h, 1, dv)
     return decoded

@@ -8,10 +8,10 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._hints import layout_hint
-from ._arrays import F32, as_input, check_out, empty_batch, out_shape, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_shape, tensor
 from .kv_codec import QuantizedKV
 from .kv_codec_decode import decode_over_codes
-from .registry import RegistryLike, resolve
+from .registry import Registry, RegistryLike, resolve
 
 _OP = "flash_attn_decode"
 
@@ -38,7 +38,8 @@ def flash_attn_decode(
     are combined by a second (reduce) dispatch.
 
     Args:
-        q: float32 ``[H, D]`` or ``[B, H, D]``; any D from 1 to 256, or 512
+        q: ``[H, D]`` or ``[B, H, D]``, float32 or the caches' dtype (read
+            exactly as float32); any D from 1 to 256, or 512
             (``supported_head_dims("flash_attn_decode")`` lists the tiled ones).
         k_cache, v_cache: ``[Hkv, cap, D]`` or ``[B, Hkv, cap, D]``, float32,
             float16 or bfloat16 (both the same); H must be a multiple of Hkv.
@@ -60,12 +61,14 @@ def flash_attn_decode(
             Hadamard matrix. Implied by ``fwht_signs``.
         fwht_signs: uint8 ``[D/8]`` bitmask, bit j = ``(b[j>>3] >> (j&7)) & 1``,
             bit 1 = -1; None = all +1.
-        out: optional C-contiguous float32 output shaped like q (a numpy array
-            or a torch CPU tensor), filled in place and returned.
+        out: optional C-contiguous output shaped like q, float32 or the
+            caches' dtype (a numpy array or a torch CPU tensor), filled in
+            place and returned.
         registry: a Registry or a backend name; default ``Registry("auto")``.
 
     Returns:
-        float32, shaped like q.
+        shaped like q, in q's dtype: the float32 result, rounded once to
+        nearest even for a float16/bfloat16 q.
     """
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
         return decode_over_codes(q, k_cache, v_cache, kv_len, scale=scale, window=window, softcap=softcap,
@@ -76,12 +79,27 @@ def flash_attn_decode(
     ka = as_input(k_cache, op, "k_cache")
     va = as_input(v_cache, op, "v_cache")
     sa = None if fwht_signs is None else as_input(fwht_signs, op, "fwht_signs")
+    # The result in q's dtype (float32, or the caches' 16-bit one); out may
+    # be float32 or the caches' dtype either way (the library checks the rest).
+    io = (F32, ka.dtype) if ka.dtype in (F16, BF16) else (F32,)
     if out is None:
-        out = dst = np.empty(out_shape(qa, va), dtype=F32)
+        out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype if qa.dtype in io else F32)
     else:
-        dst = check_out(out, op, out_shape(qa, va), F32, [qa, ka, va, sa])
-    if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype == F32:
+        dst = check_out(out, op, out_shape(qa, va), io, [qa, ka, va, sa])
+    if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype in io:
         return out  # [H, D] or [B, H, D] with no head or no sequence
+    run_decode(reg, op, qa, ka, va, kv_len, dst, scale=scale, causal=causal, window=window, softcap=softcap,
+               fwht=fwht or sa is not None, signs=sa)
+    return out
+
+
+def run_decode(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, kv_len: Any,
+               dst: np.ndarray, *, scale: float | None = None, causal: bool = False, window: int | None = None,
+               softcap: float = 0.0, fwht: bool = False, signs: np.ndarray | None = None) -> None:
+    """The decode kernel over arrays already read (float32 q ``[(B,) H, D]``,
+    the caches, float32 ``dst`` shaped like the output) into dst; the library
+    checks the rest. For flash_attn_decode and the routes that run the
+    decode kernel for another public function (errors name ``op``)."""
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(
@@ -91,8 +109,7 @@ def flash_attn_decode(
         mask_type=_native.constant(mask_type),
         window=0 if window is None else _native.index_arg(op, "window", window),
         kv_len=_native.index_arg(op, "kv_len", kv_len, 1),
-        fwht=1 if (fwht or sa is not None) else 0)
+        fwht=1 if fwht else 0)
     ffi = _native.ffi()
-    _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sa),
-                 ffi.NULL, tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, sa, dst))
-    return out
+    _native.call(reg, "fm_dispatch_vec", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, signs),
+                 ffi.NULL, tensor(ffi, dst), opts, op=op, keep=(qa, ka, va, signs, dst))

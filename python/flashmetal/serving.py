@@ -14,8 +14,8 @@ sink) outputs zeros and has LSE ``-inf`` (flash-attn's CUDA kernel writes
 ``+inf`` there; ``-inf`` is the log of an empty sum and merges correctly).
 
 Routes: one query row per sequence (``seqlen_q == 1``) goes to the split-KV
-decode kernel (``fm_dispatch_vec_seq``; q is converted to float32 and the
-output back to q's dtype), everything else to the serving prefill kernel
+decode kernel (``fm_dispatch_vec_seq``, which reads q and writes the output
+in their own dtypes, computing in float32), everything else to the serving prefill kernel
 (``fm_dispatch_attn``). Appended k/v are written by ``fm_dispatch_kv_append``
 in the same batch scope, before the attention reads the cache.
 """
@@ -115,7 +115,7 @@ def flash_attn_func(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
     out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes,
-                       short=_short_query(reg, qa, ka, va), decode=_decode_kernel_runs(reg, op, qa, va, qa.dtype))()
+                       short=_short_query(reg, qa, ka, va))()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -398,26 +398,24 @@ def flash_attn_with_kvcache(
                                       sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
     short = _short_query(reg, qa, kc, vc)
-    decode_kernel = _decode_kernel_runs(reg, _KVCACHE, qa, vc, qa.dtype)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr, alibi=slopes, short=short, decode=decode_kernel)
+                         block_table=bt, out=out_arr, alibi=slopes, short=short)
     elif tables is None:
         assert lens is not None  # required when appending
         finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
                                      lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, alibi=slopes, short=short,
-                                                           decode=decode_kernel))
+                                                           out=out_arr, alibi=slopes, short=short))
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                     int(attention_chunk))
-        decode = qa.ndim == 4 and qa.shape[1] == 1 and decode_kernel
+        decode = qa.ndim == 4 and qa.shape[1] == 1
         if decode:
             _decode_dtypes(_KVCACHE, qa, kc)
-        # The decode kernel reads q as float32: its rotated copy is float32 too
-        # (rotated in the batch scope, it cannot be converted on the host).
+        # The decode kernel computes in float32: q is rotated in float32 for
+        # it, so the rotated query is never rounded to q's dtype.
         q_in = np.ascontiguousarray(qa, dtype=F32) if decode or short else qa
         rotated: dict[str, np.ndarray] = {}
 
@@ -430,7 +428,7 @@ def flash_attn_with_kvcache(
                                      lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
                                                            want_lse=want_lse, seqlens_k=grown, block_table=bt,
                                                            out=out_arr, out_dtype=qa.dtype, alibi=slopes,
-                                                           short=short, decode=decode_kernel))
+                                                           short=short))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -713,25 +711,6 @@ def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
     return first, row
 
 
-def _decode_kernel_runs(reg: Registry, op: str, qa: np.ndarray, va: np.ndarray, out_dtype: np.dtype) -> bool:
-    """Whether a one-row call may run the decode kernel, whose result is
-    float32 (asked before the call opens a batch scope of its own): always,
-    except inside a caller's batch scope on a deferring backend
-    (Metal) when the output is another dtype, since that scope's work runs
-    when it ends, after the conversion would have read the result. There
-    the call runs the prefill, which writes q's dtype in place (and takes q
-    in the caches' dtype, as the decode route does for q that is not
-    float32)."""
-    if out_dtype == F32 or not reg._work_deferred or qa.ndim != 4 or qa.shape[1] != 1:
-        return True
-    d, dv = int(qa.shape[-1]), int(va.shape[-1])
-    if not _native.runs_head_dims("flash_attn_prefill", d, dv):
-        raise InvalidValueError(op, f"inside a batch scope on metal a one-row call with {qa.dtype} q runs the "
-                                    f"prefill, which does not take head dims ({d}, {dv}): pass q as float32 or "
-                                    f"call outside the scope")
-    return False
-
-
 def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> bool:
     """The decode route's dtype rule (q float32, or q's dtype equal to the
     cache's), worded as the prefill route says it for the same call; True
@@ -746,12 +725,12 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
             out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
-            short: bool = False, decode: bool = True) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+            short: bool = False) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
-    None): the decode kernel for qL == 1, the same kernel over all qL rows
-    with `short` (_short_query, asked before the call opens a batch scope of
-    its own), else prefill; one row takes the prefill too when `decode` is
-    False (_decode_kernel_runs, asked then as well). Returns a function to
+    None): the decode kernel for qL == 1 (q and the output in their own
+    dtypes, float32 or the caches'), the same kernel over all qL rows with
+    `short` (_short_query, asked before the call opens a batch scope of its
+    own), else prefill. Returns a function to
     call once the work ran (after the batch scope the call is in) that gives
     (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
     None)."""
@@ -760,22 +739,24 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
         return _attend_short(reg, op, qa, ka, va, opts, sinks=sinks, want_lse=want_lse, seqlens_k=seqlens_k,
                              block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi)
     target = np.dtype(out_dtype or qa.dtype)
-    if qa.ndim == 4 and qa.shape[1] == 1 and decode and _decode_dtypes(op, qa, ka):
+    if qa.ndim == 4 and qa.shape[1] == 1 and _decode_dtypes(op, qa, ka):
         b, _, h, d = qa.shape
         dv = out_shape(qa, va)[-1]
-        q32 = np.ascontiguousarray(qa.reshape(b, h, d), dtype=F32)
-        # A float32 output is the kernel's own: written in place, not converted.
-        direct = target == F32
-        o32 = out.reshape(b, h, dv) if direct and out is not None else np.empty((b, h, dv), dtype=F32)
+        # The kernel writes float32 or the caches' dtype itself (in place
+        # into `out`); any other output dtype is converted once it ran.
+        direct = target == F32 or target == ka.dtype
+        o = (out.reshape(b, h, dv) if out is not None and direct
+             else np.empty((b, h, dv), dtype=target if direct else F32))
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
                                 alibi_slopes=alibi)
-        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq,
-                     ffi.NULL, tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks,
-                                                                    lse, alibi, o32, keep))
+        qd = qa.reshape(b, h, d)
+        _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qd), tensor(ffi, ka), tensor(ffi, va), seq,
+                     ffi.NULL, tensor(ffi, o), opts, op=op, keep=(qd, ka, va, seqlens_k, block_table, sinks,
+                                                                 lse, alibi, o, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
-            result = o32.reshape(b, 1, h, dv) if direct else o32.reshape(b, 1, h, dv).astype(target)
+            result = o.reshape(b, 1, h, dv) if direct else o.reshape(b, 1, h, dv).astype(target)
             if out is not None and not direct:
                 out[...] = result
             return (result if out is None else out), (None if lse is None else lse.reshape(b, h, 1))

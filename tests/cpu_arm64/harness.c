@@ -556,7 +556,7 @@ static void run_decode(const DecodeCase *c) {
                     for (int64_t r = 0; r < (int64_t)B * Hkv; r++) fm_cpu_vec_item(&a, r, w, scratch);
             }
             for (int64_t r = 0; r < (int64_t)B * H; r++)
-                fm_cpu_vec_reduce_row(tmp, out[2 * run + order], (int64_t)B * H, D, NWG, r, 0, NULL,
+                fm_cpu_vec_reduce_row(tmp, out[2 * run + order], FM_DTYPE_F32, (int64_t)B * H, D, NWG, r, 0, NULL,
                                       c->sinks ? sinks : NULL, c->lse ? lse[2 * run + order] : NULL, H);
         }
     }

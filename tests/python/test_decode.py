@@ -186,6 +186,9 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
      r"flash_attn_decode: fwht_signs must hold head_dim/8 = 8 bytes"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(8, np.int8)), TypeError, "fwht_signs"),
     (lambda: _qkv(), dict(out=np.zeros((4, 64), F16)), TypeError, "out dtype"),
+    (lambda: (np.zeros((4, 64), F16),) + _qkv(kv=BF16)[1:], {}, TypeError, "q must be float32 or bfloat16"),
+    (lambda: _qkv(kv=BF16), dict(out=np.zeros((4, 64), F16)), TypeError, "out dtype float16 must be float32 or "
+                                                                            "bfloat16"),
 ])
 def test_errors(registry, make, kwargs, exc, msg):
     q, k, v = make()
@@ -250,3 +253,37 @@ def test_kv_conversion_exact_for_every_finite_value(registry, kv):
     out = fm.flash_attn_decode(q, np.zeros_like(v), v, 1, registry=registry)
     # value equality: -0.0 comes out as +0.0 (0 * factor + 1 * -0.0), as on any backend
     assert np.array_equal(out, v[:, 0].astype(F32)), f"{kv} -> float32"
+
+
+@pytest.mark.parametrize("kv", [F16, BF16])
+@pytest.mark.parametrize("d,mask", [(64, "none"), (80, "window"), (128, "causal"), (256, "none")])
+def test_q_and_out_in_the_caches_dtype(registry, rng, kv, d, mask):
+    """q and the output in the caches' 16-bit dtype: q is read exactly (its
+    float32 widening gives the same bits as a float32 q) and the float32
+    result is rounded once to nearest even, by the kernel itself; float32
+    out of a 16-bit q is the float32 result. Against the float64 reference too."""
+    q = randn(rng, (2, 8, d), kv)
+    k = randn(rng, (2, 4, 50, d), kv)
+    v = randn(rng, (2, 4, 50, d), kv)
+    w = 17 if mask == "window" else None
+    kw = dict(causal=mask == "causal", window=w, softcap=8.0, registry=registry)
+    wide = fm.flash_attn_decode(q.astype(F32), k, v, 45, **kw)
+    out = fm.flash_attn_decode(q, k, v, 45, **kw)
+    assert out.dtype == kv and out.shape == q.shape
+    assert_bits_equal(out, wide.astype(kv), f"{registry.backend} {kv} d={d}: one rounding of the float32 result")
+    into32 = np.full(q.shape, np.nan, F32)
+    assert fm.flash_attn_decode(q, k, v, 45, out=into32, **kw) is into32
+    assert_bits_equal(into32, wide, "a 16-bit q read exactly")
+    exp = reference.decode(q, k, v, 45, window=w, softcap=8.0)
+    assert_close(out, exp, kv, f"{registry.backend} {kv} d={d} mask={mask}")
+
+
+def test_decode_in_a_batch_scope_on_metal_writes_q_dtype(rng):
+    """Inside a batch scope on metal the work runs when the scope ends: the
+    decode kernel writes the 16-bit output itself, so it is there then."""
+    reg = fm.Registry("metal-sim")
+    q, k, v = randn(rng, (1, 8, 64), BF16), randn(rng, (1, 2, 40, 64), BF16), randn(rng, (1, 2, 40, 64), BF16)
+    with reg.batch():
+        inside = fm.flash_attn_decode(q, k, v, 40, registry=reg)
+    assert_bits_equal(inside, fm.flash_attn_decode(q, k, v, 40, registry=reg), "same bits inside and outside")
+    assert_close(inside, reference.decode(q, k, v, 40), BF16, "bf16 decode in a batch scope")

@@ -132,17 +132,19 @@ def test_key_ranges():
 @pytest.mark.parametrize("dtype", [BF16, F32])
 @pytest.mark.parametrize("masked", [False, True])
 def test_decode_inside_a_batch_scope_on_metal(rng, dtype, masked):
-    """On a deferring backend the work of a batch scope runs when it ends, so
-    a call inside one cannot convert the decode kernel's float32 result: it
-    takes a route that writes its output in place (prefill or sdpa), and the
-    output read after the scope is right. Outside a scope: the decode kernel."""
+    """On a deferring backend the work of a batch scope runs when it ends:
+    the decode kernel writes the output in q's dtype itself (no conversion
+    after the work), so a call inside a scope takes it too, and its output,
+    read after the scope, holds the bits of the same call outside one."""
     reg = fm.Registry("metal-sim")
     q, k, v = _qkv(rng, dtype)
     m = _padding(CAP, [0, 5, 17]) if masked else None
     with reg.batch():
         out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
-    assert last_route().kernel in ("flash_attn_prefill", "sdpa"), last_route()
+        assert last_route().kernel == "flash_attn_vec", last_route()
     expected = reference.attention(q, k, v, mask=m)
     assert_close(out, expected, dtype, f"batch scope masked={masked} {dtype}")
-    fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
+    outside = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
     assert last_route().kernel == "flash_attn_vec"
+    assert outside.dtype == out.dtype == dtype
+    np.testing.assert_array_equal(outside.view(np.uint8), out.view(np.uint8))

@@ -371,6 +371,8 @@ final class MetalSimRuntimeTests: XCTestCase {
         values.setConstantValue(&yes, type: .bool, index: 504)
         values.setConstantValue(&no, type: .bool, index: 505)
         values.setConstantValue(&no, type: .bool, index: 506)
+        values.setConstantValue(&no, type: .bool, index: 509)
+        values.setConstantValue(&no, type: .bool, index: 510)
         let pso = try device.makeComputePipelineState(function: try lib.makeFunction(name: kernel, constantValues: values))
         return autoreleasepool {
             // One workgroup's partial O (ones) and its (S, M) = (1, 0).
@@ -523,7 +525,8 @@ final class MetalSimRuntimeTests: XCTestCase {
             FunctionConstantTable(source: Shaders.source(forKernel: kernel)!.text).required(byKernel: kernel).map(\.name)
         }
         XCTAssertEqual(names("fm_selftest_reduce"), ["selftest_scale"])
-        XCTAssertEqual(names("flash_attn_vec_reduce_dk64"), ["vec_has_signs", "vec_sinks", "vec_lse", "vec_unaligned"])
+        XCTAssertEqual(names("flash_attn_vec_reduce_dk64"),
+                       ["vec_has_signs", "vec_sinks", "vec_lse", "vec_unaligned", "vec_out_f16", "vec_out_bf16"])
         XCTAssertEqual(names("kv_append_f32"), ["append_paged"])
         let t = FunctionConstantTable(source: """
             FUNCTION_CONSTANT(bool, a, 1)

@@ -312,8 +312,10 @@ int fm_dispatch_blk(FMRegistry *registry, const FMTensor *mask, const FMTensor *
 /* Fills out ([qL, kL] bfloat16 or float16) with 0 / -inf. */
 int fm_build_mask(FMRegistry *registry, const FMTensor *out, const FMMaskOptions *options,
                   FMError *err);
-/* Decode: q float32 [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
- * float16 or bfloat16; out float32 like q. fwht_signs: NULL (all +1) or
+/* Decode: q [H, D] or [B, H, D]; k, v [(B,) Hkv, cap, D] float32,
+ * float16 or bfloat16; out like q. q and out each float32 or k's dtype: q is
+ * read exactly as float32, the float32 result rounded once (nearest even)
+ * into a 16-bit out. fwht_signs: NULL (all +1) or
  * uint8 [D/8], used only with options->fwht. tmp: NULL (the library
  * allocates it and keeps it until the work ran: the call, or the open batch
  * scope) or float32 with >= B*H*32*(D+2)*4 bytes. */
@@ -335,10 +337,11 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
                      const FMAttnOptions *options, FMError *err);
-/* Serving decode: q/out float32 [B, H, D], or [B, L, H, D] with 1 <= L <=
+/* Serving decode: q/out [B, H, D], or [B, L, H, D] with 1 <= L <=
  * FM_SHORT_QUERY_ROWS short query rows (row i at position seqlens_k[b] - L + i,
  * each with its own causal, window (both sides) and chunk keys); k/v [B, cap, Hkv, D] or paged
- * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); seq: seqlens_k,
+ * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); q and out each
+ * float32 or k's dtype (as fm_dispatch_vec); seq: seqlens_k,
  * block_table, sinks, lse ([B, H], or [B, L, H]); cu_seqlens_* and seqused_q must
  * be NULL. tmp as fm_dispatch_vec. */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,

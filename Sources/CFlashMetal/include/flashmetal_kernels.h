@@ -59,6 +59,9 @@ typedef enum FMFunctionConstant {
     FM_FC_VEC_LSE = 505,            /* decode plain reduce: lse + FlashAttnVecReduceExtParams bound */
     FM_FC_VEC_UNALIGNED = 506,   /* decode: q, K or V not aligned to a vector load (scalar loads) */
     FM_FC_VEC_ALIBI = 507,          /* decode: alibi slopes bound (with FM_FC_VEC_SEQ) */
+    FM_FC_VEC_Q_IO = 508,           /* decode: q in the K/V dtype at FM_VEC_BUF_Q_IO, not float32 at FM_VEC_BUF_Q */
+    FM_FC_VEC_OUT_F16 = 509,        /* decode reduce: out float16 at FM_VEC_REDUCE_BUF_OUT_F16 */
+    FM_FC_VEC_OUT_BF16 = 510,       /* decode reduce: out bfloat16 at FM_VEC_REDUCE_BUF_OUT_BF16 */
     FM_FC_SDPA_BOOL_MASK = 600,     /* sdpa: a bool mask is bound */
     FM_FC_SDPA_ADDITIVE_MASK = 601, /* sdpa: an additive mask is bound */
     FM_FC_SDPA_EXT = 602,           /* sdpa: SdpaExtParams are bound (q_offset, window) */
@@ -111,8 +114,9 @@ typedef enum FMVecBinding {
     FM_VEC_BUF_SEQ_PARAMS = 5,  /* FlashAttnVecSeqParams, with FM_FC_VEC_SEQ */
     FM_VEC_BUF_SEQLENS_K = 6,   /* int32 [B], with FM_FC_VEC_KV_LENS */
     FM_VEC_BUF_BLOCK_TABLE = 7, /* int32 [B, max_pages], with FM_FC_VEC_PAGED */
-    FM_VEC_BUF_ALIBI = 8        /* float32 [B * H] slopes of rows b * H + h, with FM_FC_VEC_ALIBI:
+    FM_VEC_BUF_ALIBI = 8,       /* float32 [B * H] slopes of rows b * H + h, with FM_FC_VEC_ALIBI:
                                  * key p scores -slope * (kv_len_b - 1 - p) more, after the softcap */
+    FM_VEC_BUF_Q_IO = 9         /* q in the K/V dtype, with FM_FC_VEC_Q_IO (then nothing at FM_VEC_BUF_Q) */
 } FMVecBinding;
 
 typedef enum FMVecReduceBinding {
@@ -123,7 +127,11 @@ typedef enum FMVecReduceBinding {
     /* Serving extension of the plain reduce. */
     FM_VEC_REDUCE_BUF_SINKS = 5,  /* float32 [H], with FM_FC_VEC_SINKS */
     FM_VEC_REDUCE_BUF_LSE = 6,    /* float32 [rows] out, with FM_FC_VEC_LSE */
-    FM_VEC_REDUCE_BUF_EXT = 7     /* FlashAttnVecReduceExtParams, with 504 or 505 */
+    FM_VEC_REDUCE_BUF_EXT = 7,    /* FlashAttnVecReduceExtParams, with 504 or 505 */
+    /* The output in another dtype (then nothing at FM_VEC_REDUCE_BUF_OUT): the float32 result rounded to
+     * nearest even. */
+    FM_VEC_REDUCE_BUF_OUT_F16 = 8,  /* with FM_FC_VEC_OUT_F16 */
+    FM_VEC_REDUCE_BUF_OUT_BF16 = 9  /* with FM_FC_VEC_OUT_BF16 */
 } FMVecReduceBinding;
 
 typedef enum FMKVAppendBinding {

@@ -190,15 +190,19 @@ void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
 /* Floats of scratch one vec item of either order needs (heap: nothing
  * gqa-sized goes on a thread's stack). */
 size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a);
-/* Reduce of one row: combines nwg partials of tmp into out[row]. With fwht,
+/* Reduce of one row: combines nwg partials of tmp into out[row], out of
+ * out_dtype (FMDType: f32, or f16/bf16 rounded to nearest even from the
+ * float32 result, d <= 512). With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. sinks (NULL:
  * none) is float32 [n_heads]: row r's sink logit sinks[r % n_heads] joins
  * the denominator once, without a value. lse (NULL: none) receives
  * log(sum of e^s [+ e^sink]) in natural units, -inf for a row that sees no
  * key and has no sink. */
-void fm_cpu_vec_reduce_row(const float *tmp, float *out, int64_t nrows, int32_t d, int32_t nwg,
+void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht, const uint8_t *signs, const float *sinks,
                            float *lse, int64_t n_heads);
+/* n elements of dtype (FMDType: f32, f16 or bf16) as float32 (exact). */
+void fm_cpu_widen_to_f32(const void *src, int32_t dtype, int64_t n, float *dst);
 
 /* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
  * BF16. ext: NULL (bottom-right positions) or the SdpaExtParams
