@@ -90,6 +90,8 @@
 // FlashAttnVecReduceParams, 1 tmp, 2 out (f32), 3 nwg (uint), 4 signs; with
 // 509 (vec_out_f16) or 510 (vec_out_bf16) the output goes instead to buffer
 // 8 (half) or 9 (bfloat), each value the float32 result rounded to nearest even.
+// The fused variant's buffers 5-7 (constants 504, 505 false) only keep the
+// buffer positions of 8 and 9.
 // The plain reduce's serving extension: sinks (504, buffer 5, float32 [H])
 // join the combined denominator once, as a logit without a value; lse (505,
 // buffer 6) receives M + log(S [+ e^{sink - M}]) in natural units, -inf for
@@ -434,11 +436,8 @@ kernel void flash_attn_vec(
     int nstage = 0;
 
     float qv[NE];  // this lane's elements of q: VW * (lane + 32 i) + t
-    if (vec_q_io) {  // q in the K/V dtype: exact in float32
-        vec_row_device<KV, D>(qv, q_io + row * DR, lane, DR);
-    } else {
-        vec_row_device<float, D>(qv, q + row * DR, lane, DR);
-    }
+    if (vec_q_io) vec_row_device<KV, D>(qv, q_io + row * DR, lane, DR);  // the K/V dtype: exact in float32
+    if (vec_q_f32) vec_row_device<float, D>(qv, q + row * DR, lane, DR);
     const float scale = p.scale, softcap = p.softcap;
     const float slope = vec_alibi ? alibi[b * long(p.n_heads) + row % long(p.n_heads)] : 0.0f;
 
@@ -632,16 +631,23 @@ inline void vec_reduce_dims(thread float *y, const device float *tmp, long row, 
     for (int t = 0; t < 4; t++) y[t] *= weights[32];
 }
 
-// Element `at` of the reduce's output, in the dtype its function constants
-// name (an unbound output is never touched): float32, or the float32 result
-// rounded to nearest even in float16 or bfloat16.
-inline void vec_store_out(device float *out, device half *out_f16, device bfloat *out_bf16, long at, float y) {
+// The reduce's output: the one bound (its function constant true), the
+// others null.
+struct VecOut {
+    device float *f32;
+    device half *f16;
+    device bfloat *bf16;
+};
+
+// Element `at` of the reduce's output, in its dtype: float32, or the float32
+// result rounded to nearest even in float16 or bfloat16.
+inline void vec_store_out(VecOut o, long at, float y) {
     if (vec_out_f16) {
-        out_f16[at] = half(y);
+        o.f16[at] = half(y);
     } else if (vec_out_bf16) {
-        out_bf16[at] = bfloat(y);
+        o.bf16[at] = bfloat(y);
     } else {
-        out[at] = y;
+        o.f32[at] = y;
     }
 }
 
@@ -663,6 +669,8 @@ kernel void flash_attn_vec_reduce(
     uint sg BUILTIN(simdgroup_index_in_threadgroup),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
     TG_ARRAY(float, weights, 33);
+    const VecOut outs = {vec_out_f32 ? out : nullptr, vec_out_f16 ? out_f16 : nullptr,
+                         vec_out_bf16 ? out_bf16 : nullptr};
     const long row = tgid.x;
     const float sink = vec_sinks ? sinks[row % long(ext->n_heads)] : 0.0f;
     device float *lse_out = nullptr;
@@ -674,7 +682,7 @@ kernel void flash_attn_vec_reduce(
         float y[4];
         vec_reduce_dims(y, tmp, row, nwg, DR, d, weights);
         for (int t = 0; t < 4; t++) {
-            if (int(d) + t < DR) vec_store_out(out, out_f16, out_bf16, row * DR + d + t, y[t]);
+            if (int(d) + t < DR) vec_store_out(outs, row * DR + d + t, y[t]);
         }
     }
 }
@@ -686,6 +694,9 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     device float *out [[buffer(2), function_constant(vec_out_f32)]],
     constant uint &nwg [[buffer(3)]],
     const device uchar *signs [[buffer(4), function_constant(vec_has_signs)]],
+    const device float *unused_sinks [[buffer(5), function_constant(vec_sinks)]],
+    device float *unused_lse [[buffer(6), function_constant(vec_lse)]],
+    constant FlashAttnVecReduceExtParams *unused_ext [[buffer(7), function_constant(vec_reduce_ext)]],
     device half *out_f16 [[buffer(8), function_constant(vec_out_f16)]],
     device bfloat *out_bf16 [[buffer(9), function_constant(vec_out_bf16)]],
     TG_BUFFER(float, yb, 0),
@@ -697,6 +708,8 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     static_assert((D & (D - 1)) == 0, "the Hadamard transform needs a power of two");
     static_assert(D * 4 + 33 * 4 <= 32768, "threadgroup memory over 32 KiB");
     TG_ARRAY(float, weights, 33);
+    const VecOut outs = {vec_out_f32 ? out : nullptr, vec_out_f16 ? out_f16 : nullptr,
+                         vec_out_bf16 ? out_bf16 : nullptr};
     const long row = tgid.x;
     const uint nthreads = tpg.x;
     threadgroup float *ys = yb;  // D floats (VecDispatcher binds D * 4 bytes)
@@ -725,7 +738,7 @@ kernel void flash_attn_vec_reduce_tq_hb_undo(
     for (uint d = tid; d < uint(D); d += nthreads) {
         const float x = ys[d] * norm;
         const bool neg = vec_has_signs && ((signs[d >> 3] >> (d & 7)) & 1) != 0;
-        vec_store_out(out, out_f16, out_bf16, row * D + d, neg ? -x : x);
+        vec_store_out(outs, row * D + d, neg ? -x : x);
     }
 }
 

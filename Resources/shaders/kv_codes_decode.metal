@@ -336,5 +336,9 @@ kernel void kv_codes_reduce(
 INSTANTIATE_KERNEL("kv_codes_decode_f32", kv_codes_decode, float, float)
 INSTANTIATE_KERNEL("kv_codes_decode_f16kv", kv_codes_decode, float, half)
 INSTANTIATE_KERNEL("kv_codes_decode_bf16kv", kv_codes_decode, float, bfloat)
+INSTANTIATE_KERNEL("kv_codes_decode_f16", kv_codes_decode, half, half)
+INSTANTIATE_KERNEL("kv_codes_decode_bf16", kv_codes_decode, bfloat, bfloat)
 INSTANTIATE_KERNEL("kv_codes_reduce_f32", kv_codes_reduce, float)
+INSTANTIATE_KERNEL("kv_codes_reduce_f16", kv_codes_reduce, half)
+INSTANTIATE_KERNEL("kv_codes_reduce_bf16", kv_codes_reduce, bfloat)
 // END GENERATED INSTANTIATIONS

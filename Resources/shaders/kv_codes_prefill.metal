@@ -183,4 +183,6 @@ kernel void kv_codes_prefill(
 INSTANTIATE_KERNEL("kv_codes_prefill_f32", kv_codes_prefill, float, float)
 INSTANTIATE_KERNEL("kv_codes_prefill_f16kv", kv_codes_prefill, float, half)
 INSTANTIATE_KERNEL("kv_codes_prefill_bf16kv", kv_codes_prefill, float, bfloat)
+INSTANTIATE_KERNEL("kv_codes_prefill_f16", kv_codes_prefill, half, half)
+INSTANTIATE_KERNEL("kv_codes_prefill_bf16", kv_codes_prefill, bfloat, bfloat)
 // END GENERATED INSTANTIATIONS

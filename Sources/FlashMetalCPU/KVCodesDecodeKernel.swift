@@ -2,17 +2,19 @@ import CFlashMetal
 import FlashMetalCPUKernels
 import FlashMetalCore
 
-/// `kv_codes_decode_f32` on the cpu (kv_codec.c): one work item per chunk of
+/// `kv_codes_decode_*` on the cpu (kv_codec.c): one work item per chunk of
 /// the query heads that share a kv head in one query row, so each key's
 /// codes are unpacked once for all of them.
 final class KVCodesDecodeKernel: CPUKernel {
     /// The dtype of a dense side, when one is.
     let dense: DType
+    /// The dtype of q and the output.
+    let io: DType
     let name: String
 
     init(_ key: PipelineKey) {
         name = key.kernel
-        if case let .kvCodesDecode(d) = key.spec { dense = d } else { dense = .f32 }
+        if case let .kvCodesDecode(i, d) = key.spec { (io, dense) = (i, d) } else { (io, dense) = (.f32, .f32) }
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -33,7 +35,7 @@ final class KVCodesDecodeKernel: CPUKernel {
         let want = (4 * pool.threads + units - 1) / max(units, 1)
         let nsplit = max(1, min(want, keys / Self.minKeys, Self.maxSplits))
         if nsplit == 1 && !byRow {
-            try Self.withKernel(d, dense: dense) { pp, ap in
+            try Self.withKernel(d, dense: dense, io: io, op: name) { pp, ap in
                 pool.forEach(items) { _, item in fm_cpu_kv_codes_decode_item(pp, ap, Int64(item), 0, 1, nil) }
             }
             return
@@ -43,7 +45,7 @@ final class KVCodesDecodeKernel: CPUKernel {
         let parts = try HostMemory.allocate(Float.self, count: floats * items * nsplit, op: name,
                                             what: "decode-over-codes partials")
         defer { HostMemory.free(parts) }
-        try Self.withKernel(d, dense: dense) { pp, ap in
+        try Self.withKernel(d, dense: dense, io: io, op: name) { pp, ap in
             pool.forEach(units * nsplit) { _, i in
                 if byRow {
                     fm_cpu_kv_codes_decode_row(pp, ap, Int64(i / nsplit), Int32(i % nsplit), Int32(nsplit), parts)
@@ -56,12 +58,28 @@ final class KVCodesDecodeKernel: CPUKernel {
     }
 
     /// Runs `body` with pointers to a kv_codes_decode / kv_codes_prefill
-    /// dispatch's params and kernel arguments (valid only inside it).
-    static func withKernel(_ d: Dispatch, dense: DType,
+    /// dispatch's params and kernel arguments (valid only inside it). The
+    /// kernels read and write float32 rows: a 16-bit q (`io`) is widened
+    /// first, and the output computed in a float32 copy of out (so rows the
+    /// kernel leaves keep their values) rounded into out after.
+    static func withKernel(_ d: Dispatch, dense: DType, io: DType, op: String,
                            _ body: (UnsafePointer<KVCodesDecodeParams>, UnsafePointer<FMCPUKVCodesAttnArgs>) -> Void) throws {
         var p = try d.params(KVCodesDecodeBuffer.params, as: KVCodesDecodeParams.self)
         var a = try args(d, dense: dense)
+        guard io != .f32 else {
+            withUnsafePointer(to: &p) { pp in withUnsafePointer(to: &a) { ap in body(pp, ap) } }
+            return
+        }
+        let q = try d.buffer(KVCodesDecodeBuffer.q), out = try d.buffer(KVCodesDecodeBuffer.out)
+        let (nq, no) = (q.elementCount ?? 0, out.elementCount ?? 0)
+        let wide = try HostMemory.allocate(Float.self, count: max(nq + no, 1), op: op, what: "float32 q and out rows")
+        defer { HostMemory.free(wide) }
+        fm_cpu_widen_to_f32(q.data, q.dtype.rawValue, Int64(nq), wide)
+        fm_cpu_widen_to_f32(out.data, out.dtype.rawValue, Int64(no), wide + nq)
+        a.q = UnsafePointer(wide)
+        a.o = wide + nq
         withUnsafePointer(to: &p) { pp in withUnsafePointer(to: &a) { ap in body(pp, ap) } }
+        fm_cpu_round_from_f32(wide + nq, out.dtype.rawValue, Int64(no), out.data)
     }
 
     /// The kernel arguments of a kv_codes_decode / kv_codes_prefill dispatch.
@@ -111,7 +129,7 @@ final class KVCodesDecodeKernel: CPUKernel {
     }
 }
 
-/// `kv_codes_reduce_f32` on the cpu: never dispatched there (the cpu's
+/// `kv_codes_reduce_*` on the cpu: never dispatched there (the cpu's
 /// kv_codes_decode splits keys over its workers and writes the output, so a
 /// cpu decode plan has no reduce); running it is an internal error.
 final class KVCodesReduceKernel: CPUKernel {
@@ -126,11 +144,13 @@ final class KVCodesReduceKernel: CPUKernel {
 /// last rows of each sequence (under causal, the most keys) start first.
 final class KVCodesPrefillKernel: CPUKernel {
     let dense: DType
+    /// The dtype of q and the output.
+    let io: DType
     let name: String
 
     init(_ key: PipelineKey) {
         name = key.kernel
-        if case let .kvCodesPrefill(d) = key.spec { dense = d } else { dense = .f32 }
+        if case let .kvCodesPrefill(i, d) = key.spec { (io, dense) = (i, d) } else { (io, dense) = (.f32, .f32) }
     }
 
     func run(_ d: Dispatch, pool: WorkerPool) throws {
@@ -141,7 +161,7 @@ final class KVCodesPrefillKernel: CPUKernel {
         let scratch = try HostMemory.allocate(Float.self, count: floats * pool.threads, op: name,
                                               what: "prefill-over-codes tiles")
         defer { HostMemory.free(scratch) }
-        try KVCodesDecodeKernel.withKernel(d, dense: dense) { pp, ap in
+        try KVCodesDecodeKernel.withKernel(d, dense: dense, io: io, op: name) { pp, ap in
             pool.forEach(gx * gy * d.grid.z) { w, i in
                 let x = gx - 1 - i % gx, r = i / gx
                 fm_cpu_kv_codes_prefill_items(pp, ap, Int64(x * items), Int32(items), Int64(r % gy), Int64(r / gy),

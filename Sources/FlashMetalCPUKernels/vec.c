@@ -6,7 +6,6 @@
  *
  * tmp layout: partial outputs [nrows, nwg, Dv] (v's head dim), then (S, M) pairs [nrows, nwg, 2]. */
 #include <math.h>
-#include <string.h>
 #include "half_convert.h"
 #include "kernel_math.h"
 #include "vec_split.h"
@@ -122,12 +121,4 @@ void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64
         for (int32_t i = 0; i < d; i++) o16[i] = fm_f32_to_bf16(y[i]);
     else if (out_dtype == FM_DTYPE_F16)
         for (int32_t i = 0; i < d; i++) o16[i] = fm_f32_to_f16(y[i]);
-}
-
-void fm_cpu_widen_to_f32(const void *src, int32_t dtype, int64_t n, float *dst) {
-    if (dtype == FM_DTYPE_F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else {
-        fm_load_row(dst, (const uint16_t *)src, n, dtype == FM_DTYPE_BF16);
-    }
 }

@@ -58,11 +58,16 @@ public enum KVCodecCapability {
     public static let threads = 32
     /// The largest number of rows (threadgroups) of one dispatch.
     public static let maxRows = Int(Int32.max)
+    /// The (q/out, dense side) dtypes the attention over codes has kernels
+    /// for: float32 q/out with a dense side of any dtype (f32 also when
+    /// none is), and 16-bit q/out with a dense side of their dtype (or none).
+    public static let codesIO: [(io: DType, dense: DType)] =
+        encodeTypes.map { (DType.f32, $0) } + [(.f16, .f16), (.bf16, .bf16)]
     /// Every kernel of the ops.
     public static var kernels: [KernelSpec] {
         encodeTypes.map { .kvEncode(input: $0) } + [.kvDequantize]
-            + encodeTypes.map { .kvCodesDecode(dense: $0) } + [.kvCodesReduce]
-            + encodeTypes.map { .kvCodesPrefill(dense: $0) }
+            + codesIO.map { .kvCodesDecode(io: $0.io, dense: $0.dense) } + encodeTypes.map { .kvCodesReduce(io: $0) }
+            + codesIO.map { .kvCodesPrefill(io: $0.io, dense: $0.dense) }
             + encodeTypes.map { .kvCodesAppend(input: $0) }
     }
 }

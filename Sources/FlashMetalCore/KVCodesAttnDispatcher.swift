@@ -3,12 +3,12 @@ import CFlashMetal
 /// The tensors of one attention over quantized caches
 /// (flash_attn_with_kvcache's layout).
 public struct KVCodesAttnTensors {
-    /// float32 [B, qL, H, D].
+    /// [B, qL, H, D]: float32, or float16 / bfloat16 (any dense side of that dtype).
     public var q: TensorRef
     /// Leading shape [B, cap, Hkv], or paged [num_pages, page_size, Hkv]; at
     /// most one side dense.
     public var k: KVSide, v: KVSide
-    /// float32 [B, qL, H, D] out.
+    /// [B, qL, H, D] out, of q's dtype.
     public var out: TensorRef
     /// int32 [B] keys per sequence; nil: the whole capacity.
     public var seqlens: TensorRef? = nil
@@ -45,7 +45,7 @@ public enum KVCodesAttnDispatcher {
     public static func makePlan(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
         let q = t.q
         let varlen = t.cuSeqlensQ != nil
-        try q.requireDType([.f32], op: op, name: "q")
+        try q.requireDType(KVSide.ioTypes([t.k, t.v]), op: op, name: "q")
         try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
         if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) || (varlen && t.seqlens != nil) {
@@ -143,7 +143,7 @@ public enum KVCodesAttnDispatcher {
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {
-        try t.out.requireDType([.f32], op: op, name: "out")
+        try t.out.requireDType([t.q.dtype], op: op, name: "out")
         try t.out.requireBytes(op: op, name: "out")
         if t.out.shape != shape { throw FlashMetalError.value(op, "out shape \(t.out.shape) must be \(shape)", arg: "out") }
     }

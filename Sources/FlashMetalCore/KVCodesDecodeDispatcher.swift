@@ -4,7 +4,7 @@ import CFlashMetal
 public enum KVCodesDecodeBuffer {
     /// KVCodesDecodeParams.
     public static let params = Int(FM_KVQD_BUF_PARAMS.rawValue)
-    /// float32 [B, H, D].
+    /// [B, H, D]: float32, float16 or bfloat16.
     public static let q = Int(FM_KVQD_BUF_Q.rawValue)
     /// uint8 codes of the K cache.
     public static let kCodes = Int(FM_KVQD_BUF_K_CODES.rawValue)
@@ -14,7 +14,7 @@ public enum KVCodesDecodeBuffer {
     public static let vCodes = Int(FM_KVQD_BUF_V_CODES.rawValue)
     /// float32 norms of the V cache.
     public static let vNorms = Int(FM_KVQD_BUF_V_NORMS.rawValue)
-    /// float32 [B, H, D] out.
+    /// [B, H, D] out, of q's dtype.
     public static let out = Int(FM_KVQD_BUF_OUT.rawValue)
     /// int32 [B] keys per sequence (FunctionConstantIndex.kvqLens).
     public static let seqlens = Int(FM_KVQD_BUF_SEQLENS.rawValue)
@@ -76,6 +76,16 @@ public enum KVSide {
         if case let .codes(c) = self { return c }
         return nil
     }
+
+    /// The dtypes q (and the output, of q's dtype) may have over these sides:
+    /// float32, or a 16-bit dtype that every dense side also has.
+    static func ioTypes(_ sides: [KVSide]) -> [DType] {
+        let dense = sides.compactMap { side -> DType? in
+            if case let .dense(t) = side { return t.dtype }
+            return nil
+        }
+        return [.f32] + [DType.f16, .bf16].filter { io in dense.allSatisfy { $0 == io } }
+    }
 }
 
 /// One quantized cache of a kv_codes_decode call: its codec and storage.
@@ -90,7 +100,7 @@ public struct QuantizedCache {
 }
 
 /// kv_codes_decode: flash_attn_decode over quantized K and V caches (layout
-/// [(B,) Hkv, cap] of rows), one query row per head, float32 q and out. The
+/// [(B,) Hkv, cap] of rows), one query row per head, q and out of one dtype (float32, float16 or bfloat16). The
 /// query is rotated with K's signs and Hadamard blocks, scores are taken
 /// against the codes, and the output is rotated back with V's; no cache row
 /// is ever dequantized to memory.
@@ -107,7 +117,7 @@ public enum KVCodesDecodeDispatcher {
     /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
     public static func makePlan(q: TensorRef, k: QuantizedCache, v: QuantizedCache, out: TensorRef,
                                 options o: FMKVCodesDecodeOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
-        try q.requireDType([.f32], op: op, name: "q")
+        try q.requireDType(KVSide.ioTypes([]), op: op, name: "q")
         try q.requireRank([2, 3], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
         let batched = q.rank == 3
@@ -129,7 +139,7 @@ public enum KVCodesDecodeDispatcher {
         try Checks.kvLen(Int(o.kv_len), capacity: capacity, op: op)
         if o.window < 0 { throw FlashMetalError.value(op, "window must be >= 0, got \(o.window)", arg: "window") }
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
-        try out.requireDType([.f32], op: op, name: "out")
+        try out.requireDType([q.dtype], op: op, name: "out")
         try out.requireBytes(op: op, name: "out")
         try Checks.sameShape(out, "out", as: q, "q", op: op)
         _ = try KVCodecDispatcher.rows([batch, heads], op: op)
@@ -220,7 +230,7 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqVDense, .bool(v.quantized == nil)),
             (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
         ])
-        return Dispatch(kernel: .kvCodesReduce, constants: constants, grid: Size3(rows, 1, 1),
+        return Dispatch(kernel: .kvCodesReduce(io: out.dtype), constants: constants, grid: Size3(rows, 1, 1),
                         threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
     }
 
@@ -263,12 +273,15 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqVarlenK, .bool(cuSeqlensK != nil)),
             (FunctionConstantIndex.kvqSplit, .bool(tmp != nil)),
         ])
+        // q/out of a 16-bit dtype: the dense side, if any, is of it (validated).
+        let io = q.dtype
+        if io != .f32 { dense = io }
         if prefill {
-            return Dispatch(kernel: .kvCodesPrefill(dense: dense), constants: constants, grid: grid,
+            return Dispatch(kernel: .kvCodesPrefill(io: io, dense: dense), constants: constants, grid: grid,
                             threadgroup: Size3(Int(FM_KVQ_PREFILL_ROWS) * Int(FM_KVQ_DECODE_THREADS), 1, 1),
                             bindings: bindings, writes: writes)
         }
-        return Dispatch(kernel: .kvCodesDecode(dense: dense), constants: constants, grid: grid,
+        return Dispatch(kernel: .kvCodesDecode(io: io, dense: dense), constants: constants, grid: grid,
                         threadgroup: Size3(Int(FM_KVQ_DECODE_THREADS), 1, 1), bindings: bindings, writes: writes)
     }
 }

@@ -21,15 +21,19 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
     case kvEncode(input: DType)
     /// `kv_dequantize_f32`: quantized-KV codes and norms back to float32 rows.
     case kvDequantize
-    /// `kv_codes_decode_{f32,f16kv,bf16kv}`: attention over quantized K and V
-    /// caches, one side possibly a dense cache of `dense` (f32 when none is).
-    case kvCodesDecode(dense: DType)
-    /// `kv_codes_prefill_{f32,f16kv,bf16kv}`: kv_codes_decode's attention for
-    /// many query rows, each key tile decoded once into threadgroup memory.
-    case kvCodesPrefill(dense: DType)
-    /// `kv_codes_reduce_f32`: a split kv_codes_decode's partials merged, the
-    /// rotation undone.
-    case kvCodesReduce
+    /// `kv_codes_decode_{f32,f16kv,bf16kv,f16,bf16}`: attention over
+    /// quantized K and V caches, one side possibly a dense cache of `dense`.
+    /// q and the output are of `io`: float32 (f32: no dense side, or a dense
+    /// float32 one; f16kv, bf16kv: a dense side of that dtype), or a 16-bit
+    /// dtype equal to `dense` (f16, bf16: any dense side of it too).
+    case kvCodesDecode(io: DType, dense: DType)
+    /// `kv_codes_prefill_*` (kv_codes_decode's names): kv_codes_decode's
+    /// attention for many query rows, each key tile decoded once into
+    /// threadgroup memory.
+    case kvCodesPrefill(io: DType, dense: DType)
+    /// `kv_codes_reduce_{f32,f16,bf16}`: a split kv_codes_decode's partials
+    /// merged, the rotation undone, into an output of `io`.
+    case kvCodesReduce(io: DType)
     /// `kv_codes_append_{f32,f16,bf16}`: new K/V rows encoded into quantized caches.
     case kvCodesAppend(input: DType)
     /// `rotary_{x}_{cs}`: rotary embedding of x (x's dtype) with cos/sin
@@ -52,9 +56,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return "kv_append_\(c.kernelSuffix)"
         case let .kvEncode(x): return "kv_encode_\(x.kernelSuffix)"
         case .kvDequantize: return "kv_dequantize_f32"
-        case let .kvCodesDecode(dense): return "kv_codes_decode_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
-        case let .kvCodesPrefill(dense): return "kv_codes_prefill_" + (dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv")
-        case .kvCodesReduce: return "kv_codes_reduce_f32"
+        case let .kvCodesDecode(io, dense): return "kv_codes_decode_" + Self.codesSuffix(io: io, dense: dense)
+        case let .kvCodesPrefill(io, dense): return "kv_codes_prefill_" + Self.codesSuffix(io: io, dense: dense)
+        case let .kvCodesReduce(io): return "kv_codes_reduce_\(io.kernelSuffix)"
         case let .kvCodesAppend(x): return "kv_codes_append_\(x.kernelSuffix)"
         case let .rotary(x, c): return "rotary_\(x.kernelSuffix)_\(c.kernelSuffix)"
         case .simSelftest: return "fm_selftest_reduce"
@@ -63,6 +67,14 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
 
     /// The kernel name.
     public var description: String { name }
+
+    /// The name suffix of a kernel over codes with q/out of `io` and a dense
+    /// side of `dense`: `f32`, `f16kv`, `bf16kv` for float32 q/out, else
+    /// io's own (dense is then io).
+    static func codesSuffix(io: DType, dense: DType) -> String {
+        if io != .f32 { return io.kernelSuffix }
+        return dense == .f32 ? "f32" : "\(dense.kernelSuffix)kv"
+    }
 
     /// Every kernel the library dispatches, enumerated from the capability
     /// tables; the shaders must instantiate exactly these (a test checks it).
@@ -99,9 +111,9 @@ public enum KernelSpec: Hashable, Sendable, CustomStringConvertible {
         case let .kvAppend(c): return ("kv_append", [c.mslName, c.byteSize == 4 ? "uint" : "ushort"])
         case let .kvEncode(x): return ("kv_encode", [x.mslName])
         case .kvDequantize: return ("kv_dequantize", [DType.f32.mslName])
-        case let .kvCodesDecode(dense): return ("kv_codes_decode", [DType.f32.mslName, dense.mslName])
-        case let .kvCodesPrefill(dense): return ("kv_codes_prefill", [DType.f32.mslName, dense.mslName])
-        case .kvCodesReduce: return ("kv_codes_reduce", [DType.f32.mslName])
+        case let .kvCodesDecode(io, dense): return ("kv_codes_decode", [io.mslName, dense.mslName])
+        case let .kvCodesPrefill(io, dense): return ("kv_codes_prefill", [io.mslName, dense.mslName])
+        case let .kvCodesReduce(io): return ("kv_codes_reduce", [io.mslName])
         case let .kvCodesAppend(x): return ("kv_codes_append", [x.mslName, x.byteSize == 4 ? "uint" : "ushort"])
         case let .rotary(x, c): return ("rotary", [x.mslName, c.mslName])
         case .simSelftest: return ("selftest_reduce", ["float"])

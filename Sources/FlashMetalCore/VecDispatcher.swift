@@ -327,7 +327,10 @@ public enum VecDispatcher {
         if fwht {
             if ext != nil { throw FlashMetalError.internalError("\(rop): sinks/lse need the plain reduce") }
             if let s = signs { bindings[VecReduceBuffer.signs] = .buffer(s) }
+            // 504/505 false: the fused reduce's buffers 5-7 only keep the positions of 8 and 9.
             constants = FunctionConstants([(FunctionConstantIndex.vecHasSigns, .bool(signs != nil)),
+                                           (FunctionConstantIndex.vecSinks, .bool(false)),
+                                           (FunctionConstantIndex.vecLSE, .bool(false)),
                                            (FunctionConstantIndex.vecUnaligned, .bool(!tmpAligned(tmp)))] + outType)
             tgMem[0] = headDim * 4
         } else {

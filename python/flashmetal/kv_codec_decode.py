@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._arrays import F32, as_input, check_out, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError
 from .kv_codec import QuantizedKV
 from .registry import RegistryLike, resolve
@@ -21,7 +21,8 @@ def decode_over_codes(q: Any, k_cache: Any, v_cache: Any, kv_len: int, *, scale:
                       registry: RegistryLike) -> Any:
     """flash_attn_decode's route when a cache is a QuantizedKV (see there).
 
-    q float32 ``[H, D]`` or ``[B, H, D]``; k_cache and v_cache QuantizedKV of
+    q ``[H, D]`` or ``[B, H, D]``, float32, float16 or bfloat16 (the output
+    in its dtype; a dense cache of q's dtype if q is 16-bit); k_cache and v_cache QuantizedKV of
     leading shape ``[Hkv, cap]`` or ``[B, Hkv, cap]`` whose codecs have head
     dim D (their widths and seeds may differ). The query is rotated with K's
     signs and Hadamard blocks, scores are taken against the codes, and the
@@ -37,10 +38,11 @@ def decode_over_codes(q: Any, k_cache: Any, v_cache: Any, kv_len: int, *, scale:
     qa = as_input(q, _OP, "q")
     kc, kn = as_input(k_cache.codes, _OP, "k_cache codes"), as_input(k_cache.norms, _OP, "k_cache norms")
     vc, vn = as_input(v_cache.codes, _OP, "v_cache codes"), as_input(v_cache.norms, _OP, "v_cache norms")
+    io = qa.dtype if qa.dtype in (F16, BF16) else F32  # the library refuses any other q
     if out is None:
-        out = dst = np.empty(qa.shape, dtype=F32)
+        out = dst = np.empty(qa.shape, dtype=io)
     else:
-        dst = check_out(out, _OP, qa.shape, F32, [qa, kc, kn, vc, vn])
+        dst = check_out(out, _OP, qa.shape, io, [qa, kc, kn, vc, vn])
     opts = _native.options(
         "FMKVCodesDecodeOptions",
         scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),
@@ -62,8 +64,6 @@ def _one_side_dense(q: Any, k_cache: Any, v_cache: Any, kv_len: int, *, scale: f
     each sequence's queries are its kv head's H / Hkv query heads."""
     reg = resolve(registry, _OP)
     qa = as_input(q, _OP, "q")
-    if qa.dtype != F32:
-        raise InvalidTypeError(_OP, f"q must be float32, got {qa.dtype}", argument="q")
     if qa.ndim not in (2, 3):
         raise InvalidValueError(_OP, f"q must be [H, D] or [B, H, D], got shape {list(qa.shape)}", argument="q")
     coded, dense_name = (k_cache, "v_cache") if isinstance(k_cache, QuantizedKV) else (v_cache, "k_cache")
@@ -88,7 +88,10 @@ def _one_side_dense(q: Any, k_cache: Any, v_cache: Any, kv_len: int, *, scale: f
     sc = _native.scale_arg(_OP, scale, d)
     cap_ = _native.float32_arg(_OP, "softcap", softcap)
     left = -1 if window is None else _native.index_arg(_OP, "window", window, 1) - 1
-    dst = None if out is None else check_out(out, _OP, qa.shape, F32, [qa, dense, coded.codes, coded.norms])
+    if qa.dtype != F32 and qa.dtype != dense.dtype:
+        raise InvalidTypeError(_OP, f"q must be float32 or {dense_name}'s dtype ({dense.dtype}), got {qa.dtype}",
+                               argument="q")
+    dst = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, dense, coded.codes, coded.norms])
     seqs = int(np.prod(lead[:-1]))
     g = h // hkv
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import _native
-from ._arrays import F32, as_input, check_out, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._interop import wrapper_like
 from ._serving_args import attn_options, seq_tensors, sinks_arg
@@ -47,21 +47,26 @@ def _codes(cache: QuantizedKV, name: str, appending: bool) -> tuple[np.ndarray, 
     return arrays[0], arrays[1]
 
 
-def _float32_inside_a_scope(reg: Registry, op: str, qa: np.ndarray) -> None:
-    """The attention over codes computes in float32 and converts the result
-    to q's dtype on the host. Inside a caller's batch scope on a deferring
-    backend (Metal) the work runs when the scope ends, after that
-    conversion would have read it: only float32 q, whose result is the
-    kernel's own output, runs there."""
-    if qa.dtype != F32 and reg._work_deferred:
-        raise InvalidValueError(op, f"calls over QuantizedKV caches compute in float32 and convert the result to "
-                                    f"q's dtype ({qa.dtype}) after the work ran: inside a batch scope on metal pass q "
-                                    f"as float32, or call outside the scope", argument="q")
+def _io(reg: Registry, op: str, qa: np.ndarray, sides: tuple[tuple[Any, Any, Any], ...]) -> np.dtype:
+    """The dtype the kernel reads q and writes the output in: q's own when
+    the library has a kernel for it over these sides (float32, or a 16-bit
+    dtype every dense side also has), else float32, q converted for the
+    kernel and the output back after it. Inside a caller's batch scope on a
+    deferring backend (Metal) the work runs when the scope ends, after that
+    conversion would have read it: such a call is refused there."""
+    dense = [c.dtype for _, c, norms in sides if norms is None]
+    if qa.dtype == F32 or (qa.dtype in (F16, BF16) and all(d == qa.dtype for d in dense)):
+        return qa.dtype
+    if reg._work_deferred:
+        raise InvalidValueError(op, f"q ({qa.dtype}) differs from the dense cache's dtype, so the result is "
+                                    f"converted after the work ran: inside a batch scope on metal pass q as float32 "
+                                    f"or in the dense cache's dtype, or call outside the scope", argument="q")
+    return F32
 
 
-def _in_dtype(o32: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """The float32 result in q's dtype: itself when that is float32."""
-    return o32 if dtype == F32 else o32.astype(dtype)
+def _in_dtype(o: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """The kernel's result in q's dtype: itself when it already is."""
+    return o if o.dtype == dtype else o.astype(dtype)
 
 
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
@@ -70,8 +75,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
                        append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray],
                        first_keys: np.ndarray | None = None) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
-    there; arguments already read by it). q is converted to float32 for the
-    kernel and the output back to q's dtype. first_keys: cache_leftpad's
+    there; arguments already read by it). The kernel reads q and writes the
+    output in q's dtype (_io says when it cannot). first_keys: cache_leftpad's
     [2, B] table (each sequence's end before the append, then its first
     key), or None; k/v are appended at `lens` through `bt` either way, and
     the attention then reads the keys [first, end + n_new) of each sequence
@@ -79,17 +84,17 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     appending = ka is not None
     kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
     vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
-    _float32_inside_a_scope(reg, _OP, qa)
+    sides = ((kcodec, kc, kn), (vcodec, vc, vn))
+    io = _io(reg, _OP, qa, sides)
     if qa.ndim != 4:
         raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
     out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens])
-    q32 = np.ascontiguousarray(qa, dtype=F32)
-    # float32 q: the kernel's output is the result (into out when given).
-    o32 = out_arr if out_arr is not None and qa.dtype == F32 else np.empty(qa.shape, dtype=F32)
+    q32 = np.ascontiguousarray(qa, dtype=io)
+    # q's own dtype: the kernel's output is the result (into out when given).
+    o32 = out_arr if out_arr is not None and io == qa.dtype else np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     ffi = _native.ffi()
-    sides = ((kcodec, kc, kn), (vcodec, vc, vn))
 
     def attend(seqlens: np.ndarray | None) -> None:
         if first_keys is None or kc.ndim == 4 and kc.shape[1] == 0:  # no rows: every sequence is empty anyway
@@ -145,9 +150,9 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
                                     "k/v are not supported)")
     if qa.ndim != 3:
         raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
-    _float32_inside_a_scope(reg, op, qa)
-    q32 = np.ascontiguousarray(qa, dtype=F32)
-    o32 = np.zeros(qa.shape, dtype=F32)
+    io = _io(reg, op, qa, sides)
+    q32 = np.ascontiguousarray(qa, dtype=io)
+    o32 = np.zeros(qa.shape, dtype=io)
     lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
                    lse=lse)
@@ -162,11 +167,11 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     in q's dtype, lse [B, H, qL] or None). lens: keys per sequence (int32
     [B]), or None for all seqlen_k."""
     sides = (_side(k, "k", op), _side(v, "v", op))
-    _float32_inside_a_scope(reg, op, qa)
+    io = _io(reg, op, qa, sides)
     if qa.ndim != 4:
         raise InvalidValueError(op, f"q must be [B, seqlen_q, H, D] over QuantizedKV k/v, got shape {qa.shape}")
-    q32 = np.ascontiguousarray(qa, dtype=F32)
-    o32 = np.empty(qa.shape, dtype=F32)
+    q32 = np.ascontiguousarray(qa, dtype=io)
+    o32 = np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse)
@@ -217,7 +222,8 @@ def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: 
 
 def _attn_dispatch(reg: Registry, op: str, q32: np.ndarray, sides: tuple[tuple[Any, Any, Any], ...],
                    o32: np.ndarray, opts: Any, **seq: np.ndarray | None) -> None:
-    """One fm_dispatch_kv_codes_attn: float32 q32 into float32 o32 over the
+    """One fm_dispatch_kv_codes_attn: q32 into o32 (both float32, or both
+    of a 16-bit dtype any dense side has) over the
     (codec or NULL, codes or dense cache, norms or None) of k and v; `seq`
     the FMSeqTensors arrays (seqlens_k, block_table, cu_seqlens_q/_k, sinks,
     lse; None for absent)."""

@@ -287,3 +287,16 @@ def test_decode_in_a_batch_scope_on_metal_writes_q_dtype(rng):
         inside = fm.flash_attn_decode(q, k, v, 40, registry=reg)
     assert_bits_equal(inside, fm.flash_attn_decode(q, k, v, 40, registry=reg), "same bits inside and outside")
     assert_close(inside, reference.decode(q, k, v, 40), BF16, "bf16 decode in a batch scope")
+
+
+@pytest.mark.parametrize("kv", [F16, BF16])
+def test_fwht_undo_into_the_caches_dtype(registry, rng, kv):
+    """The fused FWHT-undo reduce writes a 16-bit output too: the bits of the
+    float32 result rounded once, and the reference within kv's tolerance."""
+    q, k, v = randn(rng, (2, 8, 128), kv), randn(rng, (2, 4, 40, 128), kv), randn(rng, (2, 4, 40, 128), kv)
+    signs = rng.integers(0, 256, 16).astype(np.uint8)
+    out = fm.flash_attn_decode(q, k, v, 33, fwht_signs=signs, registry=registry)
+    wide = fm.flash_attn_decode(q.astype(F32), k, v, 33, fwht_signs=signs, registry=registry)
+    assert out.dtype == kv
+    assert_bits_equal(out, wide.astype(kv), f"{registry.backend} {kv}: one rounding after the undo")
+    assert_close(out, reference.fwht_undo(reference.decode(q, k, v, 33), signs), kv, f"{registry.backend} {kv} fwht")

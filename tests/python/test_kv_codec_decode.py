@@ -11,7 +11,7 @@ import flashmetal as fm
 import head_dim_tables
 from flashmetal import quant_reference as qr
 from flashmetal import reference
-from numerics import F32, TOLERANCE, assert_bits_equal, worst_element
+from numerics import BF16, F32, TOLERANCE, assert_bits_equal, worst_element
 
 HEAD_DIMS = head_dim_tables.CODEC
 
@@ -138,7 +138,9 @@ def test_errors(registry, rng):
         ((q, k, k, 9), {}, fm.InvalidValueError, r"kv_len \(9\) must be <= the cache capacity \(8\)"),
         ((q, k, k, 0), {}, fm.InvalidValueError, "kv_len"),
         ((q, k, k, 4), {"window": 0}, fm.InvalidValueError, "window"),
-        ((q.astype(np.float16), k, k, 4), {}, fm.InvalidTypeError, "q must be float32"),
+        ((q.astype(np.float16), k, dense.astype(BF16), 4), {}, fm.InvalidTypeError,
+         r"q must be float32 or v_cache's dtype \(bfloat16\), got float16"),
+        ((q.astype(np.int32), k, k, 4), {}, fm.InvalidTypeError, "q dtype int32 is not supported"),
         ((np.zeros((1, 3, d), np.float32), k, k, 4), {}, fm.InvalidValueError, "multiple of the k_cache heads"),
         ((np.zeros((1, 2, 128), np.float32), k, k, 4), {}, fm.InvalidValueError, "head_dim 64 must equal q's head dim 128"),
         ((q, k, cache(rng, (1, 2, 9), d, 4, 0, registry), 4), {}, fm.InvalidValueError, "v_cache codes shape"),

@@ -8,6 +8,7 @@ no error beyond the codec, with every feature of the dense path."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -510,10 +511,11 @@ def test_cache_batch_idx_over_codes(registry, rng, paged, ql):
 @pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
 def test_decode_steps_inside_a_batch_scope(rng):
     """Decode steps over QuantizedKV caches in one batch scope on a deferring
-    backend (one command buffer): float32 q runs (its float32 result is the
-    kernel's output, written in place), each step appending its rows and
-    reading those of the steps before; q of another dtype, whose result is
-    converted on the host, is refused by name."""
+    backend (one command buffer): the kernel writes the output in q's dtype
+    in place, each step appending its rows and reading those of the steps
+    before; a bfloat16 q gives the bits it gives outside a scope; a q whose
+    result would be converted on the host (float16 q over a bfloat16 dense
+    side) is refused by name."""
     reg = fm.Registry("metal-sim")
     s = Setup(rng, reg, n_new=1)
     steps = 3
@@ -533,8 +535,40 @@ def test_decode_steps_inside_a_batch_scope(rng):
             enc = cache.codec.encode(new, registry=reg)
             for bi, start in enumerate((s.lens + i).tolist()):
                 assert_bits_equal(cache.codes[bi, start], enc.codes[bi, 0], f"codes of step {i}, sequence {bi}")
+    q16 = qs[0].astype(BF16)
     with reg.batch():
-        with pytest.raises(fm.InvalidValueError, match="inside a batch scope on metal pass q as float32") as e:
-            fm.flash_attn_with_kvcache(qs[0].astype(BF16), s.k, s.v, cache_seqlens=s.lens, registry=reg)
+        inside = fm.flash_attn_with_kvcache(q16, s.k, s.v, cache_seqlens=s.lens, registry=reg)
+    assert inside.dtype == BF16
+    assert_bits_equal(inside, fm.flash_attn_with_kvcache(q16, s.k, s.v, cache_seqlens=s.lens, registry=reg),
+                      "a bfloat16 step inside a batch scope")
+    dense_v = np.zeros(s.k.shape + (64,), BF16)
+    with reg.batch():
+        with pytest.raises(fm.InvalidValueError, match="inside a batch scope on metal pass q as float32 or in the "
+                                                       "dense cache's dtype") as e:
+            fm.flash_attn_with_kvcache(qs[0].astype(np.float16), s.k, dense_v, cache_seqlens=s.lens, registry=reg)
     assert e.value.argument == "q"
     reg.close()
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("dense", [None, "v"])
+def test_q_and_out_in_their_16_bit_dtype(registry, rng, dtype, q_len, dense):
+    """A 16-bit q (the decode and the chunked prefill over codes, both
+    caches codes or V a dense cache of q's dtype): the kernel reads q exactly
+    and writes the float32 result rounded once in q's dtype: the bits of a
+    float32 q's result rounded, and the float64 reference over the
+    dequantized past within q's dtype's tolerance."""
+    s = Setup(rng, registry, n_new=0)
+    v: Any = s.v
+    if dense == "v":  # V as a dense cache of q's dtype holding the same keys
+        v = dequantized(s.v).astype(dtype)
+    q = randn(rng, (2, q_len, 4, 64), dtype)
+    kw = dict(cache_seqlens=s.lens, causal=True, registry=registry)
+    out = fm.flash_attn_with_kvcache(q, s.k, v, **kw)
+    wide = fm.flash_attn_with_kvcache(q.astype(F32), s.k, v, **kw)
+    assert out.dtype == dtype
+    assert_bits_equal(out, wide.astype(dtype), f"{registry.backend} q_len {q_len}: one rounding")
+    v_hat = dequantized(s.v) if dense is None else v.astype(np.float64)
+    eo, _ = reference.flash_attn_kvcache(q, dequantized(s.k), v_hat, cache_seqlens=s.lens, causal=True)
+    check(out, eo, dtype, f"{registry.backend} {dtype} q_len {q_len} dense {dense}")

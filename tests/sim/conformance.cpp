@@ -498,10 +498,11 @@ static void t_vec_reduce_group_sizes() {
                 r.bytes(0, p).buf(1, tmp).buf(2, out).bytes(3, nwg).g(nrows).tg(threads);
                 if (fwht) {
                     r.buf(4, signs);
-                    r.c = {{500, 1, 1}, {506, 1, 0}};
+                    r.c = {{500, 1, 1}, {504, 1, 0}, {505, 1, 0}, {506, 1, 0}, {509, 1, 0}, {510, 1, 0}};
                     r.t = {{0, uint32_t(D * 4)}};
                 } else {
-                    r.c = {{500, 1, 0}, {504, 1, 0}, {505, 1, 0}, {506, 1, 0}};  // plain reduce, no sinks or lse; tmp aligned
+                    // plain reduce, no sinks or lse; tmp aligned; float32 out
+                    r.c = {{500, 1, 0}, {504, 1, 0}, {505, 1, 0}, {506, 1, 0}, {509, 1, 0}, {510, 1, 0}};
                 }
                 r.workers = 2;
                 int rc = r.go(name.c_str());

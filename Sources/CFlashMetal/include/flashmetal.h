@@ -389,15 +389,17 @@ int fm_dispatch_kv_encode(FMRegistry *registry, const FMKVCodec *codec, const FM
 /* codes and norms as fm_dispatch_kv_encode writes them -> out float32 [..., D]. */
 int fm_dispatch_kv_dequantize(FMRegistry *registry, const FMKVCodec *codec, const FMTensor *codes,
                               const FMTensor *norms, const FMTensor *out, FMError *err);
-/* Decode over quantized caches (flash_attn_decode's layout): q/out float32
- * [H, D] or [B, H, D]; each cache is the codes and norms of its codec with
+/* Decode over quantized caches (flash_attn_decode's layout): q/out [H, D] or
+ * [B, H, D], both float32 or both float16 or bfloat16 (read exactly, the float32
+ * result rounded once); each cache is the codes and norms of its codec with
  * leading shape [Hkv, cap] or [B, Hkv, cap]. The codecs share the head dim
  * D; widths and seeds may differ. */
 int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
                                 const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
                                 const FMTensor *v_codes, const FMTensor *v_norms, const FMTensor *out,
                                 const FMKVCodesDecodeOptions *options, FMError *err);
-/* flash_attn_with_kvcache over quantized caches: q/out float32 [B, qL, H, D];
+/* flash_attn_with_kvcache over quantized caches: q/out [B, qL, H, D], both
+ * float32 or both float16 or bfloat16 (then a dense side of that dtype too);
  * each cache the codes and norms of its codec with leading shape
  * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table; at
  * most one side dense: a NULL codec, its cache [..., Hkv, D] (float32,

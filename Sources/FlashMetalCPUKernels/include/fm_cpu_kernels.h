@@ -203,6 +203,9 @@ void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64
                            float *lse, int64_t n_heads);
 /* n elements of dtype (FMDType: f32, f16 or bf16) as float32 (exact). */
 void fm_cpu_widen_to_f32(const void *src, int32_t dtype, int64_t n, float *dst);
+/* n float32 elements into dtype (FMDType: f32, f16 or bf16), each rounded to
+ * nearest even. */
+void fm_cpu_round_from_f32(const float *src, int32_t dtype, int64_t n, void *dst);
 
 /* ---- sdpa: one (batch, head, 32-row q tile). dtype FM_DTYPE_F32, F16 or
  * BF16. ext: NULL (bottom-right positions) or the SdpaExtParams
