@@ -198,3 +198,39 @@ def test_bad_arguments():
     sdpa = build(tiny_llama, "sdpa", torch.float32)
     with pytest.raises(fm.InvalidValueError, match="QuantizedKVCache.*'sdpa'"):
         QuantizedKVCache(sdpa.config, 8, 4)
+
+
+def test_bfloat16_model_over_codes():
+    """A bfloat16 model: q, k and v reach the kernels in bfloat16 (the
+    appended rows encoded from them, the output written in bfloat16 by the
+    attention itself), prefill and a decode step; logits against the same
+    model whose attention is float64 over the reference codec's K̂, V̂ of
+    the same rows, within bfloat16 rounding of the layers around it."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.bfloat16)
+    bits = (4, 4)
+    ref_forward = _codec_reference(bits, 0)
+
+    def bf16_reference(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out, _ = ref_forward(module, query.float(), key.float(), value.float(),
+                             None if attention_mask is None else attention_mask, scaling=scaling)
+        return out.to(query.dtype), None
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REF + "_bf16", bf16_reference)
+    AttentionMaskInterface.register(REF + "_bf16", sdpa_mask)
+    ref = build(tiny_llama, REF + "_bf16", torch.bfloat16)
+    ids = _prompt()
+    cache = QuantizedKVCache(model.config, *bits)
+    with torch.no_grad():
+        got = [model(input_ids=ids, cache=cache).logits]
+        got.append(model(input_ids=ids[:, :1], cache=cache).logits)
+        want = [ref(input_ids=ids).logits, ref(input_ids=torch.cat([ids, ids[:, :1]], 1)).logits[:, -1:]]
+        dense = model(input_ids=ids).logits  # attention over the unquantized rows
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        np.testing.assert_allclose(g.float().numpy(), w.float().numpy(), atol=0.02, rtol=0.02)
+    # The comparison tells codes from dense rows: the dense cache's logits differ.
+    assert (dense.float() - want[0].float()).abs().max().item() > 0.05

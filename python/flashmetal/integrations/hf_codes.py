@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import _native
 from .._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from .._interop import to_numpy, wrapper_like
 from ..kv_codec import KVCodec, QuantizedKV
 from ..registry import RegistryLike
 from ..serving import flash_attn_with_kvcache
@@ -212,9 +213,10 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
         layer.length = layer.start  # the rows update() reserved stay free
         raise
     assert layer.k_codes is not None and layer.v_codes is not None
-    q = query.transpose(1, 2).to(torch.float32).contiguous().numpy()
-    k = key.transpose(1, 2).to(torch.float32).contiguous().numpy()
-    v = value.transpose(1, 2).to(torch.float32).contiguous().numpy()
+    # q, k and v in the model's dtype: the kernels read them exactly and the
+    # attention writes the output in q's dtype (one rounding of its float32 result).
+    q, k, v = (to_numpy(x.transpose(1, 2).contiguous(), op, name)
+               for x, name in ((query, "query"), (key, "key"), (value, "value")))
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
     kw: dict[str, Any] = dict(softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk, registry=layer.registry)
     kc: Any = layer.k_codes  # the signature's ArrayLike does not name QuantizedKV
@@ -223,9 +225,9 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
     if not skip.any():
         lens = (layer.start - layer.pad).astype(np.int32)
         out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=lens, **kw)
-        return torch.from_numpy(out).to(query.dtype)
+        return wrapper_like(query)(out)
     # Sequences append different counts of real rows: one call each.
-    out = np.zeros(q.shape, np.float32)
+    out = np.zeros(q.shape, q.dtype)
     for b in range(q.shape[0]):
         r = int(skip[b])
         if r == t:
@@ -236,7 +238,7 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
         lens = np.array([layer.start + r - int(layer.pad[b])], np.int32)
         out[b, r:] = flash_attn_with_kvcache(q[rows, r:], kb, vb, k=np.ascontiguousarray(k[rows, r:]),
                                              v=np.ascontiguousarray(v[rows, r:]), cache_seqlens=lens, **kw)[0]
-    return torch.from_numpy(out).to(query.dtype)
+    return wrapper_like(query)(out)
 
 
 def _first_keys(mask: torch.Tensor | None, batch: int, past: int, rows: int, op: str) -> np.ndarray:
