@@ -213,7 +213,7 @@ final class VecReduceKernel: CPUKernel {
         let outAt = outF16 ? VecReduceBuffer.outF16 : outBF16 ? VecReduceBuffer.outBF16 : VecReduceBuffer.out
         let outRef = try d.buffer(outAt)
         let outDType = outF16 ? DType.f16 : outBF16 ? DType.bf16 : DType.f32
-        if outRef.dtype != outDType || outRef.byteCount < rows * Int(dk) * outDType.byteSize || (outDType != .f32 && dk > 512) {
+        if outRef.dtype != outDType || outRef.byteCount < rows * Int(dk) * outDType.byteSize || (outDType != .f32 && dk > Int32(FM_VEC_ROUNDED_ROW_MAX)) {
             throw FlashMetalError.internalError("\(name): out \(outRef.dtype) \(outRef.shape) does not hold \(rows) rows of \(dk) \(outDType)")
         }
         let out = outRef.data

@@ -76,9 +76,6 @@ static void fwht(float *x, int32_t n) {
             }
 }
 
-/* The longest row the reduce rounds into a 16-bit output (the decode's widest head dim). */
-enum { FM_VEC_ROUNDED_ROW_MAX = 512 };
-
 void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht_undo, const uint8_t *signs, const float *sinks,
                            float *lse, int64_t n_heads) {

@@ -80,7 +80,7 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype | tuple
         raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")
     allowed = dtype if isinstance(dtype, tuple) else (dtype,)
     if out.dtype not in allowed:
-        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in dict.fromkeys(allowed))}")
+        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in allowed)}")
     if tuple(out.shape) != tuple(shape):
         raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}")
     if not out.flags.c_contiguous:

@@ -190,9 +190,11 @@ void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
 /* Floats of scratch one vec item of either order needs (heap: nothing
  * gqa-sized goes on a thread's stack). */
 size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a);
+/* The longest row the reduce rounds into a 16-bit output (the decode's widest head dim). */
+enum { FM_VEC_ROUNDED_ROW_MAX = 512 };
 /* Reduce of one row: combines nwg partials of tmp into out[row], out of
  * out_dtype (FMDType: f32, or f16/bf16 rounded to nearest even from the
- * float32 result, d <= 512). With fwht,
+ * float32 result, d <= FM_VEC_ROUNDED_ROW_MAX). With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. sinks (NULL:
  * none) is float32 [n_heads]: row r's sink logit sinks[r % n_heads] joins
  * the denominator once, without a value. lse (NULL: none) receives

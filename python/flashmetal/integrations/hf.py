@@ -61,13 +61,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = bool(is_causal and attention_mask is None and q_len > 1)
     if attention_mask is not None:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    gqa, cap = key.shape[1] != query.shape[1], float(softcap or 0.0)
-    if torch.compiler.is_compiling():  # one opaque op in the graph
-        out = _sdpa_op(query, key, value, attention_mask, is_causal=causal, scale=scaling, enable_gqa=gqa,
-                       softcap=cap, sinks=s_aux)
-    else:  # eager: the function itself (the custom op's dispatch costs ~90 us per call)
-        out = scaled_dot_product_attention(query, key, value, attention_mask, 0.0, causal, scale=scaling,
-                                           enable_gqa=gqa, softcap=cap, sinks=s_aux)
+    # Compiled: one opaque op in the graph; eager: the function itself (the
+    # custom op's dispatch costs ~90 us per call).
+    sdpa = _sdpa_op if torch.compiler.is_compiling() else scaled_dot_product_attention
+    out = sdpa(query, key, value, attention_mask, is_causal=causal, scale=scaling,
+               enable_gqa=key.shape[1] != query.shape[1], softcap=float(softcap or 0.0), sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 
 
