@@ -312,32 +312,27 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     }
 }
 
-/* The keys [start, end) of one item (ahead_end: FMKVQKeys's). */
+/* The keys [start, end) of one item (prefetch_next: FMKVQKeys's). */
 static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const FMKVQTables *tables,
-                     const ItemPlace *at, float *state, int32_t start, int32_t end, int32_t ahead_end) {
+                     const ItemPlace *at, float *state, int32_t start, int32_t end, int32_t prefetch_next) {
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state, NULL, NULL, NULL, ahead_end};
+                         state, NULL, NULL, NULL, prefetch_next};
     keys_route(&k);
 }
 
-/* Requests the K and V norms of every kv head's row of key `key` of
- * sequence b, one request per cache line where the heads' rows are
- * adjacent. */
-static void prefetch_norms(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int32_t key) {
-    const int32_t nb = p->head_dim / p->block;
-    for (int64_t g = 0; g < p->n_kv_heads; g++) {
-        const int64_t r = fm_kvq_row(p, a, b, g, key);
-        const float *sides[2] = {a->k_norms, a->v_norms};
-        for (int32_t s = 0; s < 2; s++) {
-            if (sides[s] == NULL) continue;
-            const float *at = sides[s] + r * nb;
-            /* A row's norms start a new line, or the heads are not adjacent. */
-            if (g == 0 || p->kv_strides[1] != 1 || ((uintptr_t)at & 63) < (uintptr_t)nb * sizeof(float)) {
-                __builtin_prefetch(at);
-            }
-        }
+/* Requests every kv head's rows (codes or dense rows, and norms) of keys
+ * [k0, k1) of sequence b: the rows of one key are adjacent
+ * (fm_cpu_kv_codes_decode_row's layouts), so each side is one run of lines
+ * per key. */
+static void prefetch_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int32_t k0,
+                          int32_t k1) {
+    int64_t rows[FM_KVQ_ROW_BLOCK];
+    for (int32_t c0 = k0; c0 < k1; c0 += FM_KVQ_ROW_BLOCK) {
+        const int32_t n = k1 - c0 < FM_KVQ_ROW_BLOCK ? k1 - c0 : FM_KVQ_ROW_BLOCK;
+        fm_kvq_rows(p, a, b, 0, c0, n, rows);
+        for (int32_t t = 0; t < n; t++) fm_kvq_prefetch_rows(p, a, rows[t], p->n_kv_heads);
     }
 }
 
@@ -361,16 +356,11 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
     FMKVQTables tables;
     build_tables(&tables);
     /* Blocks of keys, every kv head's rows of a block read before the next
-     * block: the heads of one key sit side by side in memory. Each head's
-     * pass requests its own code rows FM_KVQ_ROW_AHEAD keys ahead (from
-     * memory into the caches); the rows of the next pass are requested
-     * before each pass (from the outer caches back into L1: the passes
-     * between request and use read more than L1 holds at 8-bit codes). */
+     * block: the heads of one key sit side by side in memory. Each pass
+     * requests its share of the rows of every head FM_KVQ_ROW_AHEAD keys
+     * ahead, so the requests spread over the work. */
     for (int32_t k0 = s0; k0 < s1; k0 += FM_KVQ_ROW_BLOCK) {
         const int32_t k1 = s1 - k0 < FM_KVQ_ROW_BLOCK ? s1 : k0 + FM_KVQ_ROW_BLOCK;
-        for (int32_t key = k0 + FM_KVQ_ROW_AHEAD; key < k1 + FM_KVQ_ROW_AHEAD && key < s1; key++) {
-            prefetch_norms(p, a, at.b, key);
-        }
         for (int64_t item = bi * per; item < (bi + 1) * per; item++) {
             const int64_t local = item - bi * per;
             const ItemPlace *it = &at;
@@ -379,13 +369,13 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
             } else {
                 place_item(p, a, item, &at);
             }
-            /* The next pass: the next item's kv head in this block, else the
-             * first one's in the next block. */
-            const int last = item + 1 == (bi + 1) * per;
-            const int64_t g1 = last ? places[0].g : local + 1 < FM_KVQ_ROW_PLACES ? places[local + 1].g : -1;
-            const int32_t n0 = last ? k1 : k0, n1 = last ? (s1 - k1 < FM_KVQ_ROW_BLOCK ? s1 : k1 + FM_KVQ_ROW_BLOCK) : k1;
-            for (int32_t key = n0; key < n1 && g1 >= 0; key++) fm_kvq_prefetch_codes(p, a, fm_kvq_row(p, a, at.b, g1, key));
-            run_keys(p, a, &tables, it, parts + (item * nsplit + split) * stride, k0, k1, s1);
+            /* This pass's share of the keys FM_KVQ_ROW_AHEAD ahead. */
+            const int32_t a0 = k0 + FM_KVQ_ROW_AHEAD, a1 = k1 + FM_KVQ_ROW_AHEAD < s1 ? k1 + FM_KVQ_ROW_AHEAD : s1;
+            if (a1 > a0) {
+                prefetch_keys(p, a, at.b, a0 + (int32_t)((a1 - a0) * local / per),
+                              a0 + (int32_t)((a1 - a0) * (local + 1) / per));
+            }
+            run_keys(p, a, &tables, it, parts + (item * nsplit + split) * stride, k0, k1, 0);
         }
     }
 }
@@ -437,7 +427,7 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
     FMKVQTables tables;
     build_tables(&tables);
     run_keys(p, a, &tables, &at, state, (int32_t)(at.lo + len * split / nsplit),
-             (int32_t)(at.lo + len * (split + 1) / nsplit), 0);
+             (int32_t)(at.lo + len * (split + 1) / nsplit), 1);
     if (nsplit == 1) {
         float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
         finish_item(p, a, &at, mx, mx + FM_CPU_KVQ_HEAD_CHUNK, state);

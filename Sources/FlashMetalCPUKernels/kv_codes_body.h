@@ -408,6 +408,21 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_dot)(const v
 }
 #endif
 
+/* Keys per fold of kvq_scores_nb: 16 where one vector holds a tile's
+ * scores (written by one store, so the softmax's vector loads of them do
+ * not wait on store forwarding). */
+#define FM_KVQ_FOLD (FM_VL == 16 ? 16 : 8)
+
+/* dot[u] = the lane sum of part[u] for the FM_KVQ_FOLD keys of a fold. */
+#if FM_VL == 16
+static inline __attribute__((always_inline)) void FM_SFX(kvq_fold)(const fm_v *part, float *dot) {
+    fm_v_store(dot, fm_v_sum16(part));
+}
+#endif
+#if FM_VL != 16
+static inline __attribute__((always_inline)) void FM_SFX(kvq_fold)(const fm_v *part, float *dot) { fm_v_sum8(part, dot); }
+#endif
+
 /* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
  * are zero) over the tile's keys, block norms applied when a row has more
  * than one block; the lanes of 8 keys summed at once. */
@@ -420,9 +435,9 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
     enum { S_MAX = 2 };
     const int32_t S = NH <= 4 ? 2 : 1, d = x->d, n = x->n;
     const float *qz = x->qz;
-    for (int32_t t0 = 0; t0 < x->nt; t0 += 8) {
-        fm_v part[FM_CPU_KVQ_HEAD_CHUNK][8];
-        for (int32_t u = 0; u < 8; u++) {
+    for (int32_t t0 = 0; t0 < x->nt; t0 += FM_KVQ_FOLD) {
+        fm_v part[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_FOLD];
+        for (int32_t u = 0; u < FM_KVQ_FOLD; u++) {
             const int32_t t = t0 + u;
             if (t >= x->nt) {
                 for (int32_t j = 0; j < NH; j++) part[j][u] = fm_v_splat(0.0f);
@@ -469,7 +484,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
             }
             for (int32_t j = 0; j < NH; j++) part[j][u] = tot[j];
         }
-        for (int32_t j = 0; j < NH; j++) fm_v_sum8(part[j], dot[j] + t0);
+        for (int32_t j = 0; j < NH; j++) FM_SFX(kvq_fold)(part[j], dot[j] + t0);
     }
 }
 
@@ -614,24 +629,24 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         x.qz = qzp;
     }
 #endif
+    fm_v lane; /* lane i holds i */
+    for (int32_t i = 0; i < FM_VL; i++) lane[i] = (float)i;
     for (int32_t t0 = k->start; t0 < k->end; t0 += FM_KVQ_TILE) {
         const int32_t nt = k->end - t0 < FM_KVQ_TILE ? k->end - t0 : FM_KVQ_TILE;
-        /* Rows ahead are requested now: a kv head's rows sit Hkv rows
-         * apart, too sparse for the hardware prefetcher. */
-        if (k->ahead_end == 0) {
-            for (int32_t key = t0 + FM_KVQ_TILE; key < t0 + 2 * FM_KVQ_TILE && key < k->end; key++) {
-                fm_kvq_prefetch_row(p, a, fm_kvq_row(p, a, k->b, k->g, key));
-            }
-        } else {
-            for (int32_t key = t0 + FM_KVQ_ROW_AHEAD; key < t0 + FM_KVQ_ROW_AHEAD + FM_KVQ_TILE && key < k->ahead_end; key++) {
-                fm_kvq_prefetch_codes(p, a, fm_kvq_row(p, a, k->b, k->g, key));
-            }
+        int64_t rows[FM_KVQ_TILE];
+        if (k->prefetch_next && t0 + FM_KVQ_TILE < k->end) {
+            /* The run's next tile, requested now: a kv head's rows sit Hkv
+             * rows apart, too sparse for the hardware prefetcher. */
+            const int32_t na = k->end - t0 - FM_KVQ_TILE < FM_KVQ_TILE ? k->end - t0 - FM_KVQ_TILE : FM_KVQ_TILE;
+            fm_kvq_rows(p, a, k->b, k->g, t0 + FM_KVQ_TILE, na, rows);
+            for (int32_t t = 0; t < na; t++) fm_kvq_prefetch_row(p, a, rows[t]);
         }
         float kscale[FM_KVQ_TILE], vscale[FM_KVQ_TILE];
         for (int32_t t = nt; t < FM_KVQ_TILE; t++) kscale[t] = vscale[t] = 1.0f;
         x.nt = nt;
+        fm_kvq_rows(p, a, k->b, k->g, t0, nt, rows);
         for (int32_t t = 0; t < nt; t++) {
-            const int64_t r = fm_kvq_row(p, a, k->b, k->g, t0 + t);
+            const int64_t r = rows[t];
             x.krow[t] = a->k_dense != NULL ? (const void *)((const char *)a->k_dense + r * d * esize)
                                            : (const void *)(a->k_codes + r * p->k_row_bytes);
             x.vrow[t] = a->v_dense != NULL ? (const void *)((const char *)a->v_dense + r * d * esize)
@@ -642,7 +657,8 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
             kscale[t] = x.nb == 1 && x.kn[t] != NULL ? x.kn[t][0] * k_unit : k_unit;
             vscale[t] = x.nb == 1 && x.vn[t] != NULL ? x.vn[t][0] : 1.0f;
         }
-        float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE], w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE];
+        float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE] __attribute__((aligned(64)));
+        float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE] __attribute__((aligned(64)));
         float corr[FM_CPU_KVQ_HEAD_CHUNK];
         FM_SFX(kvq_scores)(&x, nh, kkind, dot);
         for (int32_t j = 0; j < nh; j++) {
@@ -651,21 +667,25 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 for (int32_t t = 0; t < FM_KVQ_TILE; t++) w[j][t] = 0.0f;
                 continue;
             }
-            float s[FM_KVQ_TILE];
-            for (int32_t t = 0; t < nt; t++) {
-                float sc = dot[j][t] * kscale[t];
-                if (p->softcap > 0.0f) sc = p->softcap * tanhf(sc / p->softcap);
-                s[t] = sc;
+            /* The tile's scores as vectors (scaled, soft-capped; -inf past
+             * its keys), their max, and the rescale of the running state
+             * with the tile's exponentials in one more vector exp. */
+            fm_v sv[TV];
+            for (int32_t u = 0; u < TV; u++) sv[u] = fm_v_load(dot[j] + u * FM_VL) * fm_v_load(kscale + u * FM_VL);
+            if (p->softcap > 0.0f) {
+                float s[FM_KVQ_TILE];
+                for (int32_t u = 0; u < TV; u++) fm_v_store(s + u * FM_VL, sv[u]);
+                for (int32_t t = 0; t < nt; t++) s[t] = p->softcap * tanhf(s[t] / p->softcap);
+                for (int32_t u = 0; u < TV; u++) sv[u] = fm_v_load(s + u * FM_VL);
             }
-            for (int32_t t = nt; t < FM_KVQ_TILE; t++) s[t] = -INFINITY;
-            fm_v sv[TV], m = fm_v_load(s);
+            fm_v m = fm_v_splat(-INFINITY);
             for (int32_t u = 0; u < TV; u++) {
-                sv[u] = fm_v_load(s + u * FM_VL);
+                if (nt < FM_KVQ_TILE) sv[u] = fm_v_sel(lane + (float)(u * FM_VL) < (float)nt, sv[u], fm_v_splat(-INFINITY));
                 m = fm_v_max2(m, sv[u]);
             }
             const float tile_max = fm_v_max(m);
             const float m_tile = tile_max > k->mx[j] ? tile_max : k->mx[j];
-            corr[j] = expf(k->mx[j] - m_tile);
+            corr[j] = fm_v_exp(fm_v_splat(k->mx[j] - m_tile))[0];
             fm_v total = fm_v_splat(0.0f);
             for (int32_t u = 0; u < TV; u++) {
                 const fm_v e = fm_v_exp(sv[u] - fm_v_splat(m_tile));

@@ -15,11 +15,10 @@
  * 4-bit codes at D 128, Hkv 8) stays in L1 while each head takes its turn,
  * and the rows are read close to memory order. */
 #define FM_KVQ_ROW_BLOCK 16
-/* How many keys ahead of a tile each kv head's pass in
- * fm_cpu_kv_codes_decode_row requests its code rows. Each pass requests only
- * its own rows, a few per key it reads, so the requests are spread over the
- * work instead of one burst per block (a burst of every kv head's lines
- * fills the load queue and stalls the loop). */
+/* How many keys ahead of a block fm_cpu_kv_codes_decode_row requests the
+ * rows of every kv head, each pass a share of them: the requests are spread
+ * over the work instead of one burst per block (a burst fills the load
+ * queue and stalls the loop). */
 #define FM_KVQ_ROW_AHEAD 64
 /* Keys per tile of the prefill, tiles starting at multiples of it. */
 #define FM_KVQ_PREFILL_KEYS 64
@@ -68,10 +67,9 @@ typedef struct FMKVQKeys {
     float *mx, *sum, *acc;
     const int32_t *lo, *hi;
     float *scratch;
-    /* Decode: 0 requests the run's next tile of rows (norms included)
-     * before each tile; else the code rows FM_KVQ_ROW_AHEAD keys ahead, up
-     * to key ahead_end (the caller requests the norms). */
-    int32_t ahead_end;
+    /* Decode: nonzero requests the run's next tile of rows (norms
+     * included) before each tile; 0 leaves the requests to the caller. */
+    int32_t prefetch_next;
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows
@@ -94,6 +92,26 @@ static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCode
         r += b * p->kv_strides[0] + (int64_t)key * p->kv_strides[2];
     }
     return r;
+}
+
+/* The storage rows of keys [key0, key0 + n) of kv head g of sequence b, into
+ * rows: one row computation per page crossed, not a divide per key. */
+static inline void fm_kvq_rows(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
+                               int32_t key0, int32_t n, int64_t *rows) {
+    if (n <= 0) return;
+    int64_t r = fm_kvq_row(p, a, b, g, key0);
+    int32_t in_page = a->block_table != NULL ? key0 % p->page_size : 0;
+    for (int32_t t = 0; t < n; t++) {
+        if (t > 0) {
+            if (a->block_table != NULL && ++in_page == p->page_size) {
+                in_page = 0;
+                r = fm_kvq_row(p, a, b, g, key0 + t);
+            } else {
+                r += p->kv_strides[2];
+            }
+        }
+        rows[t] = r;
+    }
 }
 
 /* Requests the cache lines of rows [r, r + count) of one side (codes, else

@@ -158,6 +158,34 @@ static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], fl
 #endif
 }
 static inline void fm_v_sum8(const fm_v v[8], float out[8]) { fm_v_fold8(v, out, fm_v_add2); }
+#if FM_VL == 16
+/* Lane t of the result is fm_v_sum(v[t]) bit for bit, for 16 vectors,
+ * in a register: the tree of fm_v_fold8 on each half of v, with the
+ * halves' results gathered by one permute (8 stores of single lanes read
+ * back as a vector would wait on store forwarding). */
+static inline __attribute__((always_inline)) fm_v fm_v_sum16(const fm_v v[16]) {
+    fm_v w[2];
+    for (int h = 0; h < 2; h++) {
+        const fm_v *u = v + 8 * h;
+        fm_v x[4], y[2];
+        for (int i = 0; i < 4; i++)
+            x[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                           22, 23)
+                   + __builtin_shufflevector(u[2 * i], u[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                             28, 29, 30, 31);
+        for (int i = 0; i < 2; i++)
+            y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                           25, 26, 27)
+                   + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                             28, 29, 30, 31);
+        const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+                       + __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                                 31);
+        w[h] = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    }
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+}
+#endif
 /* The largest lane of each of 8 vectors without NaN (a max of any tree). */
 static inline void fm_v_max8(const fm_v v[8], float out[8]) { fm_v_fold8(v, out, fm_v_max2); }
 
