@@ -295,6 +295,30 @@ static void rotate_query(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArg
     if (a->k_dense == NULL) hadamard(out, d, p->block);
 }
 
+/* Whether the decode's key loop (the ISA fm_cpu_isa() picks) keeps a side
+ * in row order (fm_kvq_row_order). */
+static int side_row_order(const KVCodesDecodeParams *p, int32_t bits, const void *dense) {
+#if defined(__x86_64__)
+    const int avx512 = fm_cpu_isa() == FM_ISA_AVX512 || fm_cpu_isa() == FM_ISA_AVX512BF16;
+#else
+    const int avx512 = 0;
+#endif
+    return fm_kvq_row_order(avx512, bits, dense, p->head_dim, p->block);
+}
+
+/* rows [count, D] from natural order into row order (to_rows) or back. */
+static void reorder_rows(float *z, int64_t count, int32_t d, int to_rows) {
+    float t[FM_KVQ_MAX_HEAD_DIM];
+    for (int64_t r = 0; r < count; r++) {
+        float *row = z + r * d;
+        for (int32_t c = 0; c < d; c++) {
+            const int32_t at = fm_kvq_row_order_at(c);
+            if (to_rows) t[at] = row[c]; else t[c] = row[at];
+        }
+        memcpy(row, t, sizeof(float) * (size_t)d);
+    }
+}
+
 /* The query of an item's heads in the K side's basis, and its softmax state
  * zeroed, in `state`: acc [CHUNK, D], mx [CHUNK], sum [CHUNK], qz [CHUNK, D]. */
 static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const ItemPlace *at,
@@ -310,6 +334,7 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
         mx[j] = FM_RUNNING_MAX_START;
         sum[j] = 0.0f;
     }
+    if (side_row_order(p, p->k_bits, a->k_dense)) reorder_rows(qz, at->heads, d, 1);
 }
 
 /* The keys [start, end) of one item (prefetch_next: FMKVQKeys's). */
@@ -430,6 +455,7 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
              (int32_t)(at.lo + len * (split + 1) / nsplit), 1);
     if (nsplit == 1) {
         float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
+        if (side_row_order(p, p->v_bits, a->v_dense)) reorder_rows(state, at.heads, d, 0);
         finish_item(p, a, &at, mx, mx + FM_CPU_KVQ_HEAD_CHUNK, state);
     }
 }
@@ -459,6 +485,7 @@ void fm_cpu_kv_codes_decode_merge(const KVCodesDecodeParams *p, const FMCPUKVCod
         mx[j] = m;
         sum[j] = total;
     }
+    if (side_row_order(p, p->v_bits, a->v_dense)) reorder_rows(acc, at.heads, d, 0);
     finish_item(p, a, &at, mx, sum, acc);
 }
 

@@ -423,6 +423,67 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_fold)(const fm_v *p
 static inline __attribute__((always_inline)) void FM_SFX(kvq_fold)(const fm_v *part, float *dot) { fm_v_sum8(part, dot); }
 #endif
 
+/* FM_KVQ_ROWS: 4-bit sides in row order (fm_kvq_row_order), AVX-512. */
+#if defined(__x86_64__) && FM_VL == 16
+#define FM_KVQ_ROWS 1
+/* The centroids of nibble n of each 32-bit lane of w: coordinates
+ * 128 g + 8 l + n of the 128 codes w holds. */
+static inline __attribute__((always_inline)) fm_v FM_SFX(kvq_nibbles)(__m512i w, int32_t n, const KVQLut *l) {
+    return (fm_v)_mm512_permutexvar_ps(n == 0 ? w : _mm512_srli_epi32(w, 4 * n), l->z[0]);
+}
+
+/* part[j][u] = qz_j . K for one key's row of 4-bit codes in row order (qz
+ * in row order), NH heads. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_rows_dot)(const uint8_t *row, const int32_t NH,
+                                                                      int32_t d, const float *qz, const KVQLut *l,
+                                                                      fm_v part[][FM_KVQ_FOLD], int32_t u) {
+    fm_v a[2][FM_CPU_KVQ_HEAD_CHUNK];
+    for (int32_t j = 0; j < NH; j++) a[0][j] = a[1][j] = fm_v_splat(0.0f);
+    for (int32_t g = 0; g < d; g += 128) {
+        const __m512i w = _mm512_loadu_si512((const void *)(row + g / 2));
+#pragma clang loop unroll(full)
+        for (int32_t n = 0; n < 8; n++) {
+            const fm_v v = FM_SFX(kvq_nibbles)(w, n, l);
+            for (int32_t j = 0; j < NH; j++)
+                a[n & 1][j] = FM_SFX(kvq_mac)(a[n & 1][j], fm_v_load(qz + (int64_t)j * d + g + 16 * n), v);
+        }
+    }
+    for (int32_t j = 0; j < NH; j++) part[j][u] = a[0][j] + a[1][j];
+}
+
+/* kvq_values for a V side in row order: the accumulators (in row order)
+ * NC vectors of 16 per head at a time, each key's 64 code bytes of those
+ * coordinates read once per chunk. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_values_rows)(const KVQTile *x, const int32_t NH,
+                                                                         const float *corr,
+                                                                         float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+    enum { NC_MAX = 8 };
+    const int32_t NC = NH <= 2 ? 8 : NH == 4 ? 4 : 2, d = x->d;
+    float *acc = x->k->acc;
+    for (int32_t g = 0; g < d; g += 128) {
+#pragma clang loop unroll(full)
+        for (int32_t n0 = 0; n0 < 8; n0 += NC) {
+            fm_v o[NC_MAX][FM_CPU_KVQ_HEAD_CHUNK];
+            for (int32_t c = 0; c < NC; c++)
+                for (int32_t j = 0; j < NH; j++)
+                    o[c][j] = fm_v_load(acc + (int64_t)j * d + g + 16 * (n0 + c)) * fm_v_splat(corr[j]);
+            for (int32_t t = 0; t < x->nt; t++) {
+                const __m512i cw = _mm512_loadu_si512((const void *)((const uint8_t *)x->vrow[t] + g / 2));
+                for (int32_t c = 0; c < NC; c++) {
+                    const fm_v v = FM_SFX(kvq_nibbles)(cw, n0 + c, &x->vl);
+                    for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
+                }
+            }
+            for (int32_t c = 0; c < NC; c++)
+                for (int32_t j = 0; j < NH; j++) fm_v_store(acc + (int64_t)j * d + g + 16 * (n0 + c), o[c][j]);
+        }
+    }
+}
+#endif
+#ifndef FM_KVQ_ROWS
+#define FM_KVQ_ROWS 0
+#endif
+
 /* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
  * are zero) over the tile's keys, block norms applied when a row has more
  * than one block; the lanes of 8 keys summed at once. */
@@ -444,6 +505,12 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
                 continue;
             }
             const void *row = x->krow[t];
+#if FM_KVQ_ROWS
+            if (kind == 5) {
+                FM_SFX(kvq_rows_dot)((const uint8_t *)row, NH, d, x->qz, &x->kl, part, u);
+                continue;
+            }
+#endif
             fm_v tot[FM_CPU_KVQ_HEAD_CHUNK];
             for (int32_t blk = 0; blk < nb; blk++) {
                 fm_v a[S_MAX][FM_CPU_KVQ_HEAD_CHUNK];
@@ -551,6 +618,12 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
 static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const KVQTile *x, const int32_t NH,
                                                                          const int32_t kind, const float *corr,
                                                                          float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
+#if FM_KVQ_ROWS
+    if (kind == 5) {
+        FM_SFX(kvq_values_rows)(x, NH, corr, w);
+        return;
+    }
+#endif
     int32_t CF = NH == 1 ? 4 : NH <= 4 ? 2 : 1, CF1 = 1;
     if (FM_KVQ_PLANES && kind == 4) {
         /* Planes decode 16 or 32 codes at once: whole ones per chunk, 32
@@ -563,11 +636,21 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const 
     for (; i < x->d; i += CF1 * FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, CF1, i, corr, w);
 }
 
-/* The side's kind: 0 dense, 4 or 8 (widths with code of their own), 1 any
- * other width. */
-static inline int32_t FM_SFX(kvq_kind)(const void *dense, int32_t bits) {
+/* The side's kind: 0 dense, 5 4-bit codes in row order, 4 or 8 (widths
+ * with code of their own), 1 any other width. */
+static inline int32_t FM_SFX(kvq_kind)(const void *dense, int32_t bits, int32_t d, int32_t block) {
+    if (FM_KVQ_ROWS && fm_kvq_row_order(1, bits, dense, d, block)) return 5;
     return dense != NULL ? 0 : (bits == 4 || bits == 8) ? bits : 1;
 }
+
+/* Kind 5 exists only where FM_KVQ_ROWS does (elsewhere the case is never
+ * taken and instantiates nothing). */
+#if FM_KVQ_ROWS
+#define FM_KVQ_ROWS_CASE(body, x, nh, ...) body(x, nh, 5, __VA_ARGS__)
+#endif
+#if !FM_KVQ_ROWS
+#define FM_KVQ_ROWS_CASE(body, x, nh, ...) (void)0
+#endif
 
 #define FM_KVQ_BY_SHAPE(body, x, nh, kind, ...)                                   \
     switch ((nh) * 16 + (kind)) {                                                \
@@ -586,6 +669,10 @@ static inline int32_t FM_SFX(kvq_kind)(const void *dense, int32_t bits) {
     case 8 * 16 + 0: body(x, 8, 0, __VA_ARGS__); break;                          \
     case 8 * 16 + 1: body(x, 8, 1, __VA_ARGS__); break;                          \
     case 8 * 16 + 4: body(x, 8, 4, __VA_ARGS__); break;                          \
+    case 1 * 16 + 5: FM_KVQ_ROWS_CASE(body, x, 1, __VA_ARGS__); break;           \
+    case 2 * 16 + 5: FM_KVQ_ROWS_CASE(body, x, 2, __VA_ARGS__); break;           \
+    case 4 * 16 + 5: FM_KVQ_ROWS_CASE(body, x, 4, __VA_ARGS__); break;           \
+    case 8 * 16 + 5: FM_KVQ_ROWS_CASE(body, x, 8, __VA_ARGS__); break;           \
     default: body(x, 8, 8, __VA_ARGS__); break;                                  \
     }
 
@@ -608,7 +695,8 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     /* Heads rounded up to 1, 2, 4 or 8 (the query rows past them are zero
      * and their weights zero). */
     const int32_t nh = heads <= 1 ? 1 : heads <= 2 ? 2 : heads <= 4 ? 4 : 8;
-    const int32_t kkind = FM_SFX(kvq_kind)(a->k_dense, p->k_bits), vkind = FM_SFX(kvq_kind)(a->v_dense, p->v_bits);
+    const int32_t kkind = FM_SFX(kvq_kind)(a->k_dense, p->k_bits, d, p->block);
+    const int32_t vkind = FM_SFX(kvq_kind)(a->v_dense, p->v_bits, d, p->block);
     const int64_t esize = a->dense_dtype == FM_DTYPE_F32 ? 4 : 2;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)p->block) * p->scale;
     KVQTile x;

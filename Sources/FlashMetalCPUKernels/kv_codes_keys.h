@@ -81,6 +81,20 @@ static inline int64_t fm_kvq_prefill_tile_floats(int32_t d) {
            + (int64_t)(FM_KVQ_PREFILL_KEYS + FM_KVQ_PREFILL_PAD) * (FM_CPU_KVQ_PREFILL_ITEMS + FM_KVQ_PREFILL_PAD);
 }
 
+/* Whether the AVX-512 decode keeps a side of 4-bit codes in row order: it
+ * reads each 128 codes (64 bytes) of a row as one register and takes every
+ * coordinate's nibble by a shift and a table permute, so vector n of each
+ * 128 coordinates holds coordinates 8 l + n in its lanes l (position
+ * 128 g + 16 n + l holds coordinate 128 g + 8 l + n). The query (K side) and
+ * the accumulators (V side) are kept in that order between start_item and
+ * the finish. Rows of D a multiple of 128 in one rotation block. */
+static inline int fm_kvq_row_order(int avx512, int32_t bits, const void *dense, int32_t d, int32_t block) {
+    return avx512 && dense == NULL && bits == 4 && d % 128 == 0 && block == d;
+}
+
+/* The position of coordinate c in row order. */
+static inline int32_t fm_kvq_row_order_at(int32_t c) { return (c & ~127) | (c & 7) << 4 | (c & 127) >> 3; }
+
 /* The storage row of key `key` of kv head g of sequence b (paged or not). */
 static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
                                  int32_t key) {

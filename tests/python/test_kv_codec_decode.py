@@ -47,6 +47,21 @@ def test_matches_float64_attention_over_the_dequantized_caches(registry, rng, d,
         assert_bits_equal(a, a0, f"{n} is not changed")
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("d", [128, 256])
+def test_four_bit_sides_every_head_group(registry, rng, d, group):
+    """4-bit K and V at head dims the AVX-512 cpu loop reads 128 codes at a
+    time (its query and accumulators kept in that read's coordinate order),
+    1, 2, 4 and 8 query heads per kv head, keys past one 16-key tile with a
+    partial last one: still float64 attention over K̂, V̂."""
+    b, hkv, cap, kv_len = 2, 2, 48, 45
+    k = cache(rng, (b, hkv, cap), d, 4, 3, registry)
+    v = cache(rng, (b, hkv, cap), d, 4, 4, registry)
+    q = (rng.standard_normal((b, hkv * group, d)) * 2.0).astype(np.float32)
+    o = fm.flash_attn_decode(q, k, v, kv_len, registry=registry)
+    check(o, reference.decode(q, dequantized(k), dequantized(v), kv_len), f"{registry.backend} D={d} group {group}")
+
+
 @pytest.mark.parametrize("case", ["window", "softcap_scale", "unbatched_mqa", "one_key", "same_codec", "wide_group"])
 def test_features(registry, rng, case):
     d, kv_len, kw = 80, 21, {}
