@@ -348,16 +348,17 @@ static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a
 }
 
 /* Requests every kv head's rows (codes or dense rows, and norms) of keys
- * [k0, k1) of sequence b: the rows of one key are adjacent
- * (fm_cpu_kv_codes_decode_row's layouts), so each side is one run of lines
- * per key. */
+ * [k0, k1) of sequence b: the kv heads of one key lie within one run of
+ * rows in fm_cpu_kv_codes_decode_row's layouts (a head stride below the
+ * key stride), so each side is one run of lines per key. */
 static void prefetch_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int32_t k0,
                           int32_t k1) {
     int64_t rows[FM_KVQ_ROW_BLOCK];
+    const int64_t heads_span = (p->n_kv_heads - 1) * p->kv_strides[1] + 1;
     for (int32_t c0 = k0; c0 < k1; c0 += FM_KVQ_ROW_BLOCK) {
         const int32_t n = k1 - c0 < FM_KVQ_ROW_BLOCK ? k1 - c0 : FM_KVQ_ROW_BLOCK;
         fm_kvq_rows(p, a, b, 0, c0, n, rows);
-        for (int32_t t = 0; t < n; t++) fm_kvq_prefetch_rows(p, a, rows[t], p->n_kv_heads);
+        for (int32_t t = 0; t < n; t++) fm_kvq_prefetch_rows(p, a, rows[t], heads_span);
     }
 }
 

@@ -486,7 +486,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_rows)(const 
 
 /* dot[j][t] = qz_j . K_t for NH heads (rows of qz past the item's heads
  * are zero) over the tile's keys, block norms applied when a row has more
- * than one block; the lanes of 8 keys summed at once. */
+ * than one block; the lanes of FM_KVQ_FOLD keys summed at once. */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KVQTile *x, const int32_t NH,
                                                                        const int32_t kind, const int32_t nb,
                                                                        float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE]) {
@@ -688,7 +688,7 @@ static void FM_SFX(kvq_values)(const KVQTile *x, int32_t nh, int32_t kind, const
 
 void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     enum { TV = FM_KVQ_TILE / FM_VL };
-    _Static_assert(FM_KVQ_TILE % FM_VL == 0 && FM_KVQ_TILE % 8 == 0, "a tile is whole vectors and folds of 8");
+    _Static_assert(FM_KVQ_TILE % FM_VL == 0 && FM_KVQ_TILE % FM_KVQ_FOLD == 0, "a tile is whole vectors and folds");
     const KVCodesDecodeParams *p = k->p;
     const FMCPUKVCodesAttnArgs *a = k->a;
     const int32_t d = p->head_dim, heads = k->heads;
