@@ -113,18 +113,15 @@ static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCode
 static inline void fm_kvq_rows(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
                                int32_t key0, int32_t n, int64_t *rows) {
     if (n <= 0) return;
-    int64_t r = fm_kvq_row(p, a, b, g, key0);
+    rows[0] = fm_kvq_row(p, a, b, g, key0);
     int32_t in_page = a->block_table != NULL ? key0 % p->page_size : 0;
-    for (int32_t t = 0; t < n; t++) {
-        if (t > 0) {
-            if (a->block_table != NULL && ++in_page == p->page_size) {
-                in_page = 0;
-                r = fm_kvq_row(p, a, b, g, key0 + t);
-            } else {
-                r += p->kv_strides[2];
-            }
+    for (int32_t t = 1; t < n; t++) {
+        if (a->block_table != NULL && ++in_page == p->page_size) {
+            in_page = 0;
+            rows[t] = fm_kvq_row(p, a, b, g, key0 + t);
+        } else {
+            rows[t] = rows[t - 1] + p->kv_strides[2];
         }
-        rows[t] = r;
     }
 }
 
@@ -143,13 +140,6 @@ static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense,
         bytes = d * esize;
     }
     for (int64_t o = 0; o < bytes * count; o += 64) __builtin_prefetch(at + o);
-}
-
-/* Requests the cache lines of the K and V codes (or dense rows) of storage
- * row r. */
-static inline void fm_kvq_prefetch_codes(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
-    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, 1, p->k_row_bytes, p->head_dim);
-    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, 1, p->v_row_bytes, p->head_dim);
 }
 
 /* Requests every cache line attention reads of storage rows [r, r + count):

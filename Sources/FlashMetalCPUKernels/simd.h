@@ -110,13 +110,10 @@ static inline fm_v fm_v_max2(fm_v a, fm_v b) { return fm_v_sel(a > b, a, b); }
 static inline float fm_v_sum(fm_v v);
 static inline float fm_v_max(fm_v v);
 
-/* out[i] = the op-reduction of v[i]'s lanes for 8 vectors, by folding the
- * vectors into each other: ~8 shuffle+op pairs instead of 8 separate
- * horizontal reductions. With op fm_v_add2 each out[i] is fm_v_sum(v[i])
- * bit for bit (the same tree: halves combined pairwise). */
-static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], float out[8],
-                                                             fm_v (*op)(fm_v, fm_v)) {
 #if FM_VL == 16
+/* fm_v_fold8's tree on 16-lane vectors, left in a register: lane 2 i of the
+ * result is the op-reduction of v[i]'s lanes. */
+static inline __attribute__((always_inline)) fm_v fm_v_fold8_even(const fm_v v[8], fm_v (*op)(fm_v, fm_v)) {
     fm_v x[4], y[2];
     for (int i = 0; i < 4; i++)
         x[i] = op(__builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
@@ -130,7 +127,17 @@ static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], fl
                                           29, 30, 31));
     const fm_v z = op(__builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29),
                       __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31));
-    const fm_v w = op(z, __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return op(z, __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+}
+#endif
+/* out[i] = the op-reduction of v[i]'s lanes for 8 vectors, by folding the
+ * vectors into each other: ~8 shuffle+op pairs instead of 8 separate
+ * horizontal reductions. With op fm_v_add2 each out[i] is fm_v_sum(v[i])
+ * bit for bit (the same tree: halves combined pairwise). */
+static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], float out[8],
+                                                             fm_v (*op)(fm_v, fm_v)) {
+#if FM_VL == 16
+    const fm_v w = fm_v_fold8_even(v, op);
     for (int i = 0; i < 8; i++) out[i] = w[2 * i];
 #elif FM_VL == 8
     fm_v x[4], y[2];
@@ -160,30 +167,12 @@ static inline __attribute__((always_inline)) void fm_v_fold8(const fm_v v[8], fl
 static inline void fm_v_sum8(const fm_v v[8], float out[8]) { fm_v_fold8(v, out, fm_v_add2); }
 #if FM_VL == 16
 /* Lane t of the result is fm_v_sum(v[t]) bit for bit, for 16 vectors,
- * in a register: the tree of fm_v_fold8 on each half of v, with the
- * halves' results gathered by one permute (8 stores of single lanes read
- * back as a vector would wait on store forwarding). */
+ * in a register: fm_v_fold8's tree on each half of v, the halves' results
+ * gathered by one permute (8 stores of single lanes read back as a vector
+ * would wait on store forwarding). */
 static inline __attribute__((always_inline)) fm_v fm_v_sum16(const fm_v v[16]) {
-    fm_v w[2];
-    for (int h = 0; h < 2; h++) {
-        const fm_v *u = v + 8 * h;
-        fm_v x[4], y[2];
-        for (int i = 0; i < 4; i++)
-            x[i] = __builtin_shufflevector(u[2 * i], u[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                           22, 23)
-                   + __builtin_shufflevector(u[2 * i], u[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-                                             28, 29, 30, 31);
-        for (int i = 0; i < 2; i++)
-            y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
-                                           25, 26, 27)
-                   + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                             28, 29, 30, 31);
-        const fm_v z = __builtin_shufflevector(y[0], y[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-                       + __builtin_shufflevector(y[0], y[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                                                 31);
-        w[h] = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    }
-    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return __builtin_shufflevector(fm_v_fold8_even(v, fm_v_add2), fm_v_fold8_even(v + 8, fm_v_add2), 0, 2, 4, 6, 8,
+                                   10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
 }
 #endif
 /* The largest lane of each of 8 vectors without NaN (a max of any tree). */
