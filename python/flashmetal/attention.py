@@ -183,10 +183,11 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 @layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
           enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None,
-          short_rows: bool = True) -> _Call:
-    """Checks a call and picks its route; `short_rows` False keeps several
-    query rows off the decode kernel (their output is reordered after the
-    work ran)."""
+          deferred: bool = False) -> _Call:
+    """Checks a call and picks its route. `deferred`: the call runs when the
+    caller's batch scope ends (a deferring backend), so several query rows
+    take the decode kernel only where its output needs no reorder after the
+    work (one query head per kv head)."""
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -246,7 +247,7 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
                       "(padding, window, causal): split-KV decode over per-row key ranges")
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
     route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
-                            short_rows=short_rows, dv=Dv)
+                            short_rows=not deferred or H == hkv, dv=Dv)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
@@ -461,12 +462,9 @@ def scaled_dot_product_attention(
         the result's memory) for a torch query, else a numpy array.
     """
     reg = resolve(registry, _OP)
-    # Inside a batch scope on a deferring backend (Metal) work runs when the
-    # scope ends: the short-query route's rows, reordered here, are not there yet.
-    short_rows = not reg._work_deferred
     q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
     call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
-                 short_rows)
+                 reg._work_deferred)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
@@ -518,7 +516,9 @@ def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | N
     """qL > 1 query rows at the newest positions (kv_len - qL + i) on the
     serving decode kernel, without copying K/V: the caches [B, Hkv, cap, D]
     are B * Hkv sequences of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
-    keys, whose queries are that kv head's G = H / Hkv query heads."""
+    keys, whose queries are that kv head's G = H / Hkv query heads. With
+    G = 1 the output is the kernel's, viewed as [B, H, qL, Dv]; with G > 1
+    it is reordered (copied) from the kernel's [B * Hkv, qL, G, Dv]."""
     qa = c.q
     b, h, ql, d = qa.shape
     hkv, dv = c.k.shape[1], c.v.shape[3]

@@ -242,10 +242,9 @@ def flash_attn_with_kvcache(
 
     Args:
         q: ``[B, seqlen_q, H, D]``. seqlen_q == 1 runs the decode kernel (q
-            converted to float32, the output back to q's dtype; float32 q
-            allowed), and so do 2...8 rows of q's dtype equal to the
-            caches' (each row with its own causal/window keys; inside a
-            batch scope on metal the prefill kernel runs them); longer
+            float32 or of the caches' dtype, read and written as they are),
+            and so do 2...8 rows of q's dtype equal to the caches' (each
+            row with its own causal/window keys); longer
             blocks the prefill kernel (bfloat16, float16, float32 up to D
             256).
         k_cache, v_cache: ``[B, cap, Hkv, D]``, or ``[num_pages, page_size,
@@ -729,8 +728,7 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
     None): the decode kernel for qL == 1 (q and the output in their own
     dtypes, float32 or the caches'), the same kernel over all qL rows with
-    `short` (_short_query, asked before the call opens a batch scope of its
-    own), else prefill. Returns a function to
+    `short` (_short_query), else prefill. Returns a function to
     call once the work ran (after the batch scope the call is in) that gives
     (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
     None)."""
@@ -777,13 +775,12 @@ def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) 
     """Whether q [B, qL, H, D] with 1 < qL <= short_query_rows() runs the
     split-KV decode kernel (each query row with its own causal/window keys,
     the rows of a kv head reading its K/V once) instead of the prefill's
-    32-row tile: q and the caches of one dtype, head dims both the decode and
-    the prefill run,
-    and not inside a caller's batch scope on a deferring backend (the float32
-    result is converted after the work ran)."""
+    32-row tile: q and the caches of one dtype (the kernel then reads q and
+    writes the output in it), and head dims both the decode and the prefill
+    run."""
     if qa.ndim != 4 or not 1 < qa.shape[1] <= short_query_rows() or ka.ndim != 4 or va.ndim != 4:
         return False
-    if qa.dtype != ka.dtype or ka.dtype != va.dtype or reg._work_deferred:
+    if qa.dtype != ka.dtype or ka.dtype != va.dtype:
         return False
     return short_query_head_dims(qa.dtype, int(qa.shape[-1]), int(va.shape[-1]))
 
@@ -792,24 +789,27 @@ def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np
                   sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None,
                   block_table: np.ndarray | None, out: np.ndarray | None, out_dtype: np.dtype | None,
                   alibi: np.ndarray | None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
-    """_attend's short-query route (see _short_query): q as float32
-    [B, qL, H, D] through fm_dispatch_vec_seq, the output rounded once to
-    out_dtype (default q's), the LSE [B, qL, H] returned as [B, H, qL]."""
+    """_attend's short-query route (see _short_query): q [B, qL, H, D]
+    (float32 when rotated, else the caches' dtype) through
+    fm_dispatch_vec_seq, which writes the output [B, qL, H, Dv] in the
+    caches' dtype (q's, which _short_query requires) in place, into `out`
+    when given. The kernel's LSE [B, qL, H] is returned as [B, H, qL]: a
+    copy once the work ran, a transposed view of it inside a caller's batch
+    scope on a deferring backend (the work runs when that scope ends)."""
     ffi = _native.ffi()
     b, ql, h, _ = qa.shape
     dv = out_shape(qa, va)[-1]
-    q32 = np.ascontiguousarray(qa, dtype=F32)
-    o32 = np.empty((b, ql, h, dv), dtype=F32)
+    assert np.dtype(out_dtype or qa.dtype) == ka.dtype  # _short_query: q, k and v of one dtype
+    o = np.empty((b, ql, h, dv), dtype=ka.dtype) if out is None else out
     lse = np.empty((b, ql, h), dtype=F32) if want_lse else None
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
                             alibi_slopes=alibi)
-    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q32), tensor(ffi, ka), tensor(ffi, va), seq, ffi.NULL,
-                 tensor(ffi, o32), opts, op=op, keep=(q32, ka, va, seqlens_k, block_table, sinks, lse, alibi, o32,
-                                                      keep))
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq, ffi.NULL,
+                 tensor(ffi, o), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse, alibi, o, keep))
 
     def finish() -> tuple[np.ndarray, np.ndarray | None]:
-        result = o32.astype(out_dtype or qa.dtype)
-        if out is not None:
-            out[...] = result
-        return (result if out is None else out), (None if lse is None else np.ascontiguousarray(lse.transpose(0, 2, 1)))
+        if lse is None:
+            return o, None
+        by_head = lse.transpose(0, 2, 1)
+        return o, (by_head if reg._work_deferred else np.ascontiguousarray(by_head))
     return finish

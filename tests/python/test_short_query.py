@@ -172,6 +172,25 @@ def test_dropin_short_query(registry, calls, case):
     assert_close(out, e, dtype, f"{registry.backend} {case}")
 
 
+@pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
+@pytest.mark.parametrize("hkv, kernel", [(4, "fm_dispatch_vec_seq"), (2, "fm_dispatch_prefill")])
+def test_dropin_short_query_inside_a_batch_scope(calls, hkv, kernel):
+    """The drop-in inside a batch scope on a deferring backend: with one query
+    head per kv head the decode kernel's output is the result itself (a view,
+    right once the scope ended); with several, whose rows the decode route
+    reorders after the work, the prefill writes the result in place."""
+    reg = fm.Registry("metal-sim")
+    rng = np.random.default_rng(5 + hkv)
+    q, k, v = randn(rng, (2, 4, 3, 64), BF16), randn(rng, (2, hkv, 20, 64), BF16), randn(rng, (2, hkv, 20, 64), BF16)
+    e = reference.attention(q, k, v, causal=True, q_offset=20 - 3)
+    with reg.batch():
+        out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hkv < 4, align="bottom_right",
+                                              registry=reg)
+    assert [c for c in calls if c.startswith("fm_dispatch")] == [kernel], calls
+    assert_close(out, e, BF16, f"hkv {hkv} inside a batch scope")
+    reg.close()
+
+
 def test_dropin_top_left_keeps_the_prefill():
     """torch's top-left causal rows (not the newest positions) stay on the prefill."""
     q, k = np.zeros((1, 2, 4, 64), BF16), np.zeros((1, 2, 40, 64), BF16)
@@ -179,23 +198,35 @@ def test_dropin_top_left_keeps_the_prefill():
 
 
 @pytest.mark.skipif("metal-sim" not in fm.registry.backend_names(), reason="needs the metal-sim backend (Linux)")
-def test_batch_scope_keeps_the_prefill(calls):
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_short_queries_inside_a_batch_scope(calls, dtype):
     """On a deferring backend a call inside a batch scope runs when the scope
-    ends, so the decode kernel's float32 result could not be converted: short
-    queries there take the prefill, which writes the output in place; the
-    output read after the scope is right. Outside a scope: the decode kernel."""
+    ends: the decode kernel writes the short query's output in q's dtype in
+    place (into `out` when given) and the LSE is read through its [B, H, qL]
+    view, so both are right once the scope ended. Outside a scope: the same
+    kernel and the same bits, the LSE a contiguous array."""
     reg = fm.Registry("metal-sim")
     rng = np.random.default_rng(21)
-    q, k, v = _qkv(rng, 1, 4, 30, 4, 2, 64, BF16)
-    expected = reference.flash_attn(q, k, v, causal=True)[0]
+    q, k, v = _qkv(rng, 2, 4, 30, 4, 2, 64, dtype)
+    expected, e_lse = reference.flash_attn(q, k, v, causal=True)
+    given = np.full(q.shape, np.nan, dtype)
     with reg.batch():
-        out = fm.flash_attn_func(q, k, v, causal=True, registry=reg)
-    assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_attn"], calls
-    assert_close(out, expected, BF16, "inside a batch scope")
+        out, lse, _ = fm.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, registry=reg)
+        kv_out, kv_lse = fm.flash_attn_with_kvcache(q, k, v, causal=True, out=given, return_softmax_lse=True,
+                                                    registry=reg)
+    assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_vec_seq"] * 2, calls
+    assert kv_out is given
+    for o, name in ((out, "flash_attn_func"), (given, "flash_attn_with_kvcache")):
+        assert_close(o, expected, dtype, f"{name} inside a batch scope")
+    for x, name in ((lse, "flash_attn_func"), (kv_lse, "flash_attn_with_kvcache")):
+        assert x.shape == (2, 4, 4)
+        assert_close(x, e_lse, F32, f"{name}'s lse inside a batch scope")
     calls.clear()
-    out = fm.flash_attn_func(q, k, v, causal=True, registry=reg)
+    out2, lse2, _ = fm.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, registry=reg)
     assert [c for c in calls if c.startswith("fm_dispatch")] == ["fm_dispatch_vec_seq"], calls
-    assert_close(out, expected, BF16, "outside a batch scope")
+    assert lse2.flags.c_contiguous
+    assert_bits_equal(out2, out, "outside vs inside a batch scope")
+    assert_bits_equal(lse2, np.ascontiguousarray(lse), "lse outside vs inside a batch scope")
     reg.close()
 
 
