@@ -149,10 +149,10 @@ typedef struct KVQLut {
     __m256i planes[4]; /* planes4, the same 16 bytes in both 128-bit lanes */
 #endif
 #if defined(__x86_64__) && FM_VL == 16
-    /* The table of 2- to 6-bit codes in whole registers for vpermps and
-     * vpermt2ps: 2-, 3- and 4-bit centroids repeated to 16 entries (rep16),
-     * 5-bit in z[0..1], 6-bit in z[0..3]. */
-    __m512 z[4];
+    /* The table in whole registers for vpermps and vpermt2ps: 2-, 3- and
+     * 4-bit centroids repeated to 16 entries (rep16), 5-bit in z[0..1],
+     * 6-bit in z[0..3], 8-bit the upper half (codes 128-255) in z[0..7]. */
+    __m512 z[8];
 #endif
 } KVQLut;
 
@@ -161,13 +161,13 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
     l.t = t;
     (void)bits;
 #if defined(__x86_64__) && FM_VL == 16
+    for (int32_t k = 0; k < 8; k++) l.z[k] = _mm512_setzero_ps();
     if (bits >= 2 && bits <= 4) {
         l.z[0] = _mm512_loadu_ps(t->rep16[bits]);
-        l.z[1] = l.z[2] = l.z[3] = l.z[0];
     } else if (bits == 5 || bits == 6) {
         for (int32_t k = 0; k < 4; k++) l.z[k] = _mm512_loadu_ps(t->c[bits] + (16 * k & ((1 << bits) - 1)));
-    } else {
-        l.z[0] = l.z[1] = l.z[2] = l.z[3] = _mm512_setzero_ps();
+    } else if (bits == 8) {
+        for (int32_t k = 0; k < 8; k++) l.z[k] = _mm512_loadu_ps(t->c8 + 128 + 16 * k);
     }
 #endif
 #if defined(__x86_64__) && FM_VL == 8
@@ -186,13 +186,26 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
 /* The centroids of codes [i, i + 16) (i a multiple of 16), in coordinate
  * order: each lane's code shifted to the bottom of its 32-bit lane, then
  * one table permute (vpermps reads the low 4 bits of the index, vpermt2ps
- * the low 5); 8-bit codes gathered from their 1 KiB table. Reads no byte
- * past the one holding code i + 15's last bit. */
+ * the low 5). Reads no byte past the one holding code i + 15's last bit. */
 static inline __attribute__((always_inline)) __m512 FM_SFX(kvq_vec16)(const uint8_t *row, int32_t i, int32_t bits,
                                                                      const KVQLut *l) {
     if (bits == 8) {
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
-        return _mm512_i32gather_ps(idx, l->t->c8, 4);
+        /* The 8-bit table mirrors exactly (c8[255 - x] = -c8[x], its design
+         * is symmetric): code x >= 128 is upper-half entry x - 128, x < 128
+         * entry 127 - x (x ^ 127) negated. Four 32-entry permutes and bits 5
+         * and 6 of the entry pick it; bit 7 of x is never read as an index. */
+        const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + i)));
+        const uint16_t low = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(128), x);
+        const __m512i e = _mm512_mask_xor_epi32(x, low, x, _mm512_set1_epi32(127));
+        const uint16_t b5 = _mm512_test_epi32_mask(e, _mm512_set1_epi32(32));
+        const uint16_t b6 = _mm512_test_epi32_mask(e, _mm512_set1_epi32(64));
+        const __m512 lo = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l->z[0], e, l->z[1]),
+                                               _mm512_permutex2var_ps(l->z[2], e, l->z[3]));
+        const __m512 hi = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l->z[4], e, l->z[5]),
+                                               _mm512_permutex2var_ps(l->z[6], e, l->z[7]));
+        const __m512 c = _mm512_mask_blend_ps(b6, lo, hi);
+        return _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(c), low, _mm512_castps_si512(c),
+                                                         _mm512_set1_epi32((int)0x80000000u)));
     }
     if (bits == 4) {
         /* 16 nibbles in 8 bytes: lanes 0-7 shift the low 32 bits, 8-15 the high. */

@@ -47,6 +47,14 @@ def test_tables_header_is_the_generators_output():
     assert TABLES.read_text() == _lloyd_max.render_header()
 
 
+@pytest.mark.parametrize("bits", _lloyd_max.WIDTHS)
+def test_float32_tables_mirror_exactly(bits):
+    """Every embedded table is its negated reverse in float32 (c[L-1-x] =
+    -c[x]): the AVX-512 8-bit lookup reads only the upper half and negates."""
+    c = _lloyd_max.design(bits)[0].astype(np.float32)
+    assert np.array_equal(c[::-1], -c)
+
+
 @pytest.mark.parametrize("bits,expected", [(2, 0.1175), (3, 0.0345), (4, 0.0095)])
 def test_lloyd_max_distortion_is_the_known_value(bits, expected):
     assert round(_lloyd_max.design(bits)[2], 4) == expected
