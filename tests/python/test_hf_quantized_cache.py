@@ -19,21 +19,24 @@ from flashmetal import quant_reference as qref  # noqa: E402
 from flashmetal import reference  # noqa: E402
 from flashmetal.integrations import hf  # noqa: E402
 from flashmetal.integrations.hf_codes import QuantizedKVCache  # noqa: E402
-from test_integrations import build, tiny_llama  # noqa: E402
+from test_integrations import build, tiny_gemma2, tiny_llama  # noqa: E402
 
 REF = "fm_codec_reference"
 PROMPT, NEW = 12, 16
 
 
 def _codec_reference(bits: tuple[int, int], seed: int):
-    """transformers attention over K̂, V̂ of the reference codec, float64."""
-    def forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers attention over K̂, V̂ of the reference codec, float64
+    (the mask carries padding and sliding windows; the logit softcap as the
+    model passes it)."""
+    def forward(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
         kb, vb = bits
         kd = qref.decode(*qref.encode(key.numpy(), kb, seed)[:2], kb, seed)
         vd = qref.decode(*qref.encode(value.numpy(), vb, seed + 1)[:2], vb, seed + 1)
         ql, kl = query.shape[2], key.shape[2]
         mask = None if attention_mask is None else attention_mask[..., :kl].numpy()
-        o = reference.attention(query.numpy(), kd, vd, scale=scaling, causal=True, q_offset=kl - ql, mask=mask)
+        o = reference.attention(query.numpy(), kd, vd, scale=scaling, causal=True, q_offset=kl - ql, mask=mask,
+                                softcap=float(softcap or 0.0))
         return torch.from_numpy(o.astype(np.float32)).transpose(1, 2).contiguous(), None
     return forward
 
@@ -133,6 +136,53 @@ def test_left_padded_generate_over_codes():
     assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
     np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
     assert cache.layers[0].pad.tolist() == [0, 3, 7]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_window_generate_over_codes(padded):
+    """Gemma-2 (a sliding layer of window 5, then a full one; logit softcap):
+    the sliding layer attends over the codes with its window, the prompt
+    and every step longer than it. Tokens and logits equal the reference
+    model's over K̂, V̂ with the same masks."""
+    name = hf.register()
+    model = build(tiny_gemma2, name, torch.float32)
+    _register_reference((8, 4))
+    ref = build(tiny_gemma2, REF, torch.float32)
+    ids = _prompt(2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+    cache = QuantizedKVCache(model.config, 8, 4, chunk=8)
+    tokens, logits = _steps(model, ids, attention_mask=mask, cache=cache)
+    ref_tokens, ref_logits = _steps(ref, ids, attention_mask=mask)
+    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
+    np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
+    assert cache.layers[0].pad.tolist() == ([0, 4] if padded else [0, 0])
+
+
+def test_sliding_window_mask_other_than_the_window_refused():
+    """A mask keeping keys outside the layer's window is refused by name,
+    and the refused call stores nothing."""
+    name = hf.register()
+    model = build(tiny_llama, name, torch.float32)
+    cache = QuantizedKVCache(model.config, 8, 4)
+    layer = cache.layers[0]
+    q = torch.randn(1, 4, 6, 64)
+    k, v = layer.update(torch.randn(1, 2, 6, 64), torch.randn(1, 2, 6, 64))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    with pytest.raises(fm.UnsupportedFeatureError, match="within a window of 3") as err:
+        hf.attention_forward(model.model.layers[0].self_attn, q, k, v, causal, scaling=0.125, sliding_window=3)
+    assert err.value.argument == "attention_mask"
+    assert layer.length == 0
+    windowed = causal & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)[None, None]
+    k, v = layer.update(torch.randn(1, 2, 6, 64), torch.randn(1, 2, 6, 64))
+    out, _ = hf.attention_forward(model.model.layers[0].self_attn, q, k, v, windowed, scaling=0.125,
+                                  sliding_window=3)
+    want = reference.attention(q.numpy(), *(qref.decode(*qref.encode(x.numpy(), b, s)[:2], b, s)
+                                            for x, b, s in ((k, 8, 0), (v, 4, 1))),
+                               scale=0.125, causal=True, mask=windowed.numpy())
+    np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 1, 3), atol=2e-4, rtol=1e-3)
 
 
 def test_crop_drops_the_newest_rows():

@@ -53,7 +53,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         layer = codes_layer(key)
         assert layer is not None
         return attend_codes(layer, query, key, value, attention_mask, scaling, float(softcap or 0.0), s_aux,
-                            NAME), None
+                            NAME, kwargs.get("sliding_window")), None
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # As transformers' sdpa backend: a given mask carries the causal pattern; a

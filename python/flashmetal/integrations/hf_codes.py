@@ -12,8 +12,9 @@ the codes and attends over the codes in one call. No dense copy of the cache
 exists at any point. The model must use the flashmetal backend (checked when
 the cache is made), since another attention would see only the new tokens.
 A left-padded batch keeps only each sequence's real tokens (the mask's first
-kept key per sequence); other masks (sliding windows, holes) are refused by
-name.
+kept key per sequence); a sliding-window layer (transformers passes its
+``sliding_window``) attends with that window over the codes, which keep every
+row; other masks (holes) are refused by name.
 """
 from __future__ import annotations
 
@@ -191,24 +192,24 @@ def codes_layer(key: torch.Tensor) -> QuantizedKVLayer | None:
 
 def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, scaling: float | None, softcap: float,
-                 sinks: torch.Tensor | None, op: str) -> torch.Tensor:
+                 sinks: torch.Tensor | None, op: str, sliding_window: int | None = None) -> torch.Tensor:
     """Appends the new ``key``/``value`` ``[B, Hkv, T, D]`` to the layer's
     codes and attends ``query`` ``[B, H, T, D]`` over them; returns
     ``[B, T, H, D]`` in the query's dtype. A left-padded sequence keeps only
     its real tokens: its rows start at cache row 0, and its padding query
-    rows (which see no key) read zeros."""
+    rows (which see no key) read zeros. ``sliding_window`` w (the layer's,
+    as transformers passes it): each query row sees its newest w keys, the
+    mask's window too (positions counted in cache rows, so the same window
+    over each sequence's stored rows)."""
     t = query.shape[2]
     if key.shape[2] != t:
         raise InvalidValueError(op, f"{key.shape[2]} new keys for {t} query rows (the codes cache appends one key "
                                 "per query row)")
+    window = None
+    if sliding_window is not None:
+        window = _native.index_arg(op, "sliding_window", sliding_window, 1)
     try:
-        first = _first_keys(attention_mask, query.shape[0], layer.start, t, op)
-        if layer.pad is None:
-            layer.pad = first
-        elif not np.array_equal(first, layer.pad):
-            raise UnsupportedFeatureError(op, f"the attention mask's first kept keys {first.tolist()} moved from "
-                                          f"{layer.pad.tolist()} (only left padding fixed at the prompt is "
-                                          "supported by QuantizedKVCache)", argument="attention_mask")
+        layer.pad = _first_keys(attention_mask, query.shape[0], layer.start, t, window, layer.pad, op)
     except UnsupportedFeatureError:
         layer.length = layer.start  # the rows update() reserved stay free
         raise
@@ -218,7 +219,8 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
     q, k, v = (to_numpy(x.transpose(1, 2).contiguous(), op, name)
                for x, name in ((query, "query"), (key, "key"), (value, "value")))
     sk = None if sinks is None else sinks.detach().to(torch.float32).contiguous().numpy()
-    kw: dict[str, Any] = dict(softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk, registry=layer.registry)
+    kw: dict[str, Any] = dict(softmax_scale=scaling, causal=True, softcap=softcap, sinks=sk, registry=layer.registry,
+                              window_size=(-1 if window is None else window - 1, 0))
     kc: Any = layer.k_codes  # the signature's ArrayLike does not name QuantizedKV
     vc: Any = layer.v_codes
     skip = np.maximum(layer.pad - layer.start, 0)  # new rows that are padding, per sequence
@@ -241,25 +243,37 @@ def attend_codes(layer: QuantizedKVLayer, query: torch.Tensor, key: torch.Tensor
     return wrapper_like(query)(out)
 
 
-def _first_keys(mask: torch.Tensor | None, batch: int, past: int, rows: int, op: str) -> np.ndarray:
-    """Each sequence's first kept key, int32 ``[B]``, when the mask keeps,
-    for every query row at position ``past + i``, exactly the keys ``first
-    ... past + i`` (causal over a left-padded sequence); other masks are
-    refused."""
+def _first_keys(mask: torch.Tensor | None, batch: int, past: int, rows: int, window: int | None,
+                known: np.ndarray | None, op: str) -> np.ndarray:
+    """Each sequence's first kept key, int32 ``[B]`` (``known``, the layer's
+    padding, once the prompt set it), when the mask keeps, for every query
+    row at position ``p = past + i``, exactly the keys ``first ... p`` (causal
+    over a left-padded sequence), with ``window`` w only those with
+    ``p - key < w``; other masks are refused."""
     if mask is None:
-        return np.zeros(batch, np.int32)
+        return np.zeros(batch, np.int32) if known is None else known
     keep = mask if mask.dtype == torch.bool else mask == 0
     keep = keep[..., : past + rows]
     if keep.shape[-1] != past + rows or keep.shape[1] != 1:
         raise UnsupportedFeatureError(op, f"an attention mask of shape {tuple(mask.shape)} (one head-independent "
                                       f"mask over {past + rows} keys expected)", argument="attention_mask")
     keep = keep[:, 0].expand(batch, rows, past + rows)
-    last = keep[:, -1]
-    first = torch.where(last.any(-1), last.int().argmax(-1), past + rows)
     pos = torch.arange(past + rows)
-    want = (pos[None, None, :] >= first[:, None, None]) & (pos[None, None, :] <= (past + torch.arange(rows))[None, :, None])
+    if known is not None:
+        first = torch.from_numpy(known.astype(np.int64))
+    else:  # the smallest key any row keeps: the first real row sees its own key (the window is >= 1)
+        kept = keep.any(-1).any(-1)
+        lowest = torch.where(keep, pos, past + rows).amin(dim=(1, 2))
+        first = torch.where(kept, lowest, past + rows)
+    rows_at = past + torch.arange(rows)
+    want = (pos[None, None, :] >= first[:, None, None]) & (pos[None, None, :] <= rows_at[None, :, None])
+    if window is not None:
+        want &= pos[None, None, :] > rows_at[None, :, None] - window
     if not bool((keep == want).all()):
-        raise UnsupportedFeatureError(op, "the attention mask keeps keys other than a causal block after left "
-                                      "padding (a sliding window, or holes), which QuantizedKVCache does not "
-                                      "support: use a dense cache", argument="attention_mask")
+        what = "a causal block after left padding" + ("" if known is None else f" (fixed at the prompt: "
+                                                      f"{known.tolist()})") + \
+            ("" if window is None else f" within a window of {window}")
+        raise UnsupportedFeatureError(op, f"the attention mask keeps keys other than {what} (holes, or another "
+                                      "window), which QuantizedKVCache does not support: use a dense cache",
+                                      argument="attention_mask")
     return np.asarray(first.numpy(), np.int32)
