@@ -32,7 +32,7 @@ private let unknownStatus = staticCString("unknown status")
 private let statusStrings: [Int32: UnsafePointer<CChar>] = Dictionary(uniqueKeysWithValues: [
     (FM_OK, "FM_OK"), (FM_ERROR_VALUE, "FM_ERROR_VALUE"), (FM_ERROR_TYPE, "FM_ERROR_TYPE"),
     (FM_ERROR_BACKEND, "FM_ERROR_BACKEND"), (FM_ERROR_INTERNAL, "FM_ERROR_INTERNAL"),
-    (FM_ERROR_INTERRUPTED, "FM_ERROR_INTERRUPTED"),
+    (FM_ERROR_INTERRUPTED, "FM_ERROR_INTERRUPTED"), (FM_ERROR_UNSUPPORTED, "FM_ERROR_UNSUPPORTED"),
 ].map { (Int32($0.0.rawValue), staticCString($0.1)) })
 
 /// fm_create_registry of flashmetal.h: a registry on a named backend, as a never-reused handle.

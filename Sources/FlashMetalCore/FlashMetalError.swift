@@ -39,6 +39,11 @@ public struct FlashMetalError: Error, CustomStringConvertible, Sendable {
         FlashMetalError(FM_ERROR_TYPE, op: op, argument: arg, what: what)
     }
 
+    /// A feature no kernel implements for this call, about `arg`.
+    public static func unsupported(_ op: String, _ what: String, arg: String = "") -> FlashMetalError {
+        FlashMetalError(FM_ERROR_UNSUPPORTED, op: op, argument: arg, what: what)
+    }
+
     /// A backend failure (FM_ERROR_BACKEND) of a public op, such as memory
     /// the machine cannot give it.
     public static func backend(_ op: String, _ what: String) -> FlashMetalError {

@@ -15,7 +15,8 @@ from ._errors import BackendError, Error, InternalError, InvalidTypeError, Inval
 from ._info import info
 from ._loader import header_version
 from .prefill import flash_attn_prefill
-from .attention import Route, explain, last_route, scaled_dot_product_attention
+from ._route import Route
+from .attention import explain, last_route, scaled_dot_product_attention
 from .blk import blk_byte_len, build_blk
 from .decode import flash_attn_decode
 from .mask import build_mask

@@ -36,16 +36,17 @@ class InternalError(Error, RuntimeError):
     """A bug in flashmetal: please report it (FM_ERROR_INTERNAL)."""
 
 
+class UnsupportedFeatureError(Error, NotImplementedError):
+    """A feature flashmetal does not implement for the call (dropout masks,
+    rotary embedding over codes, sinks no kernel can apply to it;
+    FM_ERROR_UNSUPPORTED); raised before any work runs."""
+
+
 #: The exception of each FMStatus name; a new status is one more line here.
 STATUS_ERRORS: dict[str, type[Error]] = {
     "FM_ERROR_VALUE": InvalidValueError,
     "FM_ERROR_TYPE": InvalidTypeError,
     "FM_ERROR_BACKEND": BackendError,
     "FM_ERROR_INTERNAL": InternalError,
+    "FM_ERROR_UNSUPPORTED": UnsupportedFeatureError,
 }
-
-
-class UnsupportedFeatureError(Error, NotImplementedError):
-    """A flash-attn feature flashmetal does not implement (dropout masks,
-    rotary embedding); raised before
-    any work runs."""

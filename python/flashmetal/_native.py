@@ -218,11 +218,6 @@ def constant(name: str) -> int:
     return int(getattr(lib(), name))
 
 
-# Head dims up to this run on every prefill and decode kernel: a kernel of the
-# next tiled head dim up with the true D (the library's maxPaddedHeadDim).
-PADDED_HEAD_DIM_MAX = 256
-
-
 def head_dims(op: str) -> tuple[int, ...]:
     """The natively tiled head dims of "flash_attn_prefill",
     "flash_attn_prefill_f32" (its float32 I/O) or "flash_attn_decode" (alias
@@ -242,11 +237,6 @@ def _head_dims(op: str) -> tuple[int, ...]:
     out = f.new("int32_t[]", 64)
     call_static("fm_supported_head_dims", op.encode(), out, 64, count, op="supported_head_dims")
     return tuple(int(out[i]) for i in range(min(int(count[0]), 64)))
-
-
-def runs_head_dim(op: str, d: int) -> bool:
-    """Whether `op`'s kernels run head dim `d` (1...256, or a tiled dim above)."""
-    return 1 <= d <= PADDED_HEAD_DIM_MAX or d in head_dims(op)
 
 
 @functools.cache

@@ -16,21 +16,6 @@ from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureErro
 from ._interop import to_numpy
 
 
-def short_query_rows() -> int:
-    """The most query rows per sequence the split-KV decode kernel takes (a
-    short query: the torch drop-in's and the serving functions' route): the
-    library's FM_SHORT_QUERY_ROWS."""
-    return _native.constant("FM_SHORT_QUERY_ROWS")
-
-
-def short_query_head_dims(dtype: np.dtype, d: int, dv: int) -> bool:
-    """Whether the short-query route takes head dims (d, dv) of q's dtype:
-    only pairs both the decode and the prefill run, so the route changes the
-    kernel, never which calls run."""
-    prefill = "flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill"
-    return _native.runs_head_dims("flash_attn_decode", d, dv) and _native.runs_head_dims(prefill, d, dv)
-
-
 def flag(op: str, name: str, value: Any) -> bool:
     """A bool argument (numpy's bool too); 1 or "yes" is a TypeError."""
     if not isinstance(value, (bool, np.bool_)):

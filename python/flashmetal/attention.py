@@ -28,37 +28,21 @@ import numpy as np
 
 from . import _native
 from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
-from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._errors import InvalidTypeError, InvalidValueError
 from ._hints import layout_hint
-from ._serving_args import (attn_options, flag, no_dropout, seq_tensors, short_query_head_dims, short_query_rows,
-                            sinks_arg)
+from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
+from ._route import Route, choose
 from .decode import run_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
-#: A bfloat16/float16 head dim above 256 that the prefill kernel lacks (300,
-#: ...) is zero-padded to the next one it has (512) when there are at least
-#: this many query rows: the tiled kernel on the padded problem beats the
-#: one-thread-per-row sdpa kernel once the copies of q/k/v are amortised.
-#: Head dims up to 256 need no copy: the kernels run them on their next tile.
-PAD_MIN_QUERY_ROWS = 32
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
 #: empty batch (B, H or qL of 0) or no keys (kL 0: zeros), which runs no kernel.
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
-
-
-@dataclass(frozen=True)
-class Route:
-    """Which kernel ran (or would run) and why."""
-    kernel: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.kernel}: {self.reason}"
 
 
 _EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
@@ -242,12 +226,11 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     ranges = None
     if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
-    if ranges is not None:
-        route = Route("flash_attn_vec", "one query row whose attn_mask keeps one key range per batch row "
-                      "(padding, window, causal): split-KV decode over per-row key ranges")
+    route, pad_to = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
+                           q_offset=q_offset, window=window, sinks=sk is not None,
+                           short_rows=not deferred or H == hkv, dv=Dv)
+    if ranges is not None and route.kernel == "flash_attn_vec":
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
-    route, pad_to = _choose(qa.dtype, qL, D, kl, ma, causal, q_offset, window, sinks=sk is not None,
-                            short_rows=not deferred or H == hkv, dv=Dv)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
 
@@ -284,57 +267,6 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
     if not (end - start == count).all():
         return None  # a hole inside some row's range
     return np.ascontiguousarray(np.stack([end, start]), dtype=np.int32)
-
-
-def _choose(dtype: np.dtype, qL: int, D: int, kl: int, mask: np.ndarray | None, causal: bool, q_offset: int,
-            window: int | None, *, sinks: bool = False, short_rows: bool = True,
-            dv: int | None = None) -> tuple[Route, int | None]:
-    """The fastest kernel that computes exactly this problem (q/k of head dim
-    D, v of dv, default D), and the head dim to zero-pad q/k/v to for it
-    (None: no padding; only when dv == D). Sinks only the prefill kernel
-    applies: a call it cannot take is refused, never run without them."""
-    dv = D if dv is None else dv
-    prefill_op = "flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill"
-    prefill_dims = _native.head_dims(prefill_op)
-    last_row = q_offset == kl - 1 or (not causal and window is None)
-    if qL == 1 and mask is None and _native.runs_head_dims("flash_attn_vec", D, dv) and last_row and not sinks:
-        return Route("flash_attn_vec", "one query row at the newest position, no attn_mask: split-KV decode"), None
-    newest = q_offset == kl - qL or (not causal and window is None)
-    if (short_rows and 1 < qL <= min(short_query_rows(), kl) and mask is None and newest and not sinks
-            and short_query_head_dims(dtype, D, dv)):
-        return Route("flash_attn_vec", f"{qL} query rows at the newest positions, no attn_mask: split-KV decode, "
-                     "each row with its own causal/window keys, K/V read once per kv head"), None
-    why_not = []
-    # Without causal and a window positions do not matter (the prefill runs q_offset 0 and any qL).
-    if (causal or window is not None) and not 0 <= q_offset <= kl - qL:
-        rows = "causal rows" if causal else "rows with a window"
-        why_not.append(f"{rows} at positions {q_offset}..{q_offset + qL - 1} outside the {kl} keys")
-    pad_to = None
-    if dv != D:
-        if not _native.runs_head_dims(prefill_op, D, dv):
-            why_not.append(f"head dims {D} (query, key) and {dv} (value) (prefill runs unequal ones both in "
-                           f"1...{_native.PADDED_HEAD_DIM_MAX}, or 576 over 512 in bfloat16/float16)")
-    elif not _native.runs_head_dim(prefill_op, D):
-        bigger = [d for d in prefill_dims if d > D]
-        if bigger and qL >= PAD_MIN_QUERY_ROWS:
-            pad_to = bigger[0]
-        else:
-            has = f"1...{_native.PADDED_HEAD_DIM_MAX}" + "".join(
-                f" or {d}" for d in prefill_dims if d > _native.PADDED_HEAD_DIM_MAX)
-            has += " for float32" if dtype == F32 else ""
-            why_not.append(f"head dim {D} (prefill runs {has}; padded only for >= {PAD_MIN_QUERY_ROWS} query rows)"
-                           if bigger else f"head dim {D} (prefill runs {has})")
-    if not why_not:
-        extra = ", the window in the kernel (no mask; key tiles outside it skipped)" if window is not None else ""
-        padded = f", head dim {D} zero-padded to {pad_to}" if pad_to else ""
-        return Route("flash_attn_prefill", f"tiled flash attention{padded}{extra}"), pad_to
-    if sinks:
-        raise UnsupportedFeatureError(_OP, "sinks are applied by the prefill kernel only, which cannot take this "
-                                      f"call because of {'; '.join(why_not)}")
-    if max(D, dv) > (sdpa_max := _native.max_head_dim("sdpa")):
-        raise InvalidValueError(_OP, f"head dim {max(D, dv)} is above {sdpa_max}, the largest any kernel takes "
-                         f"(the general sdpa kernel); the prefill kernel is out because of {'; '.join(why_not)}")
-    return Route("sdpa", "general kernel (one thread per query row), because of " + "; ".join(why_not)), None
 
 
 def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
@@ -417,7 +349,7 @@ def scaled_dot_product_attention(
       window, causal), without sinks (``key_ranges``);
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
       D in {64, 80, 96, 128, 192, 256, 512} (other D below the largest
-      zero-padded to the next one when there are >= ``PAD_MIN_QUERY_ROWS``
+      zero-padded to the next one when there are >= ``pad_min_query_rows()``
       query rows), causal or windowed rows inside the keys (without causal
       and a window, any number of query rows);
     - ``sdpa`` (the general kernel) for everything else: any head dim

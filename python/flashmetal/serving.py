@@ -28,13 +28,13 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _kvcache_ragged as _ragged, _native
-from ._arrays import F32, I32, as_index, as_input, check_out, out_shape, tensor
+from ._arrays import BF16, F16, F32, I32, as_index, as_input, check_out, out_shape, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
-from ._serving_args import (alibi_arg, attn_options, flag, seq_tensors, short_query_head_dims, short_query_rows,
-                            sinks_arg, training_arguments, window)
+from ._route import short_query_runs
+from ._serving_args import (alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, window)
 from .kv_codec import QuantizedKV
 from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -772,17 +772,16 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
 
 
 def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
-    """Whether q [B, qL, H, D] with 1 < qL <= short_query_rows() runs the
-    split-KV decode kernel (each query row with its own causal/window keys,
-    the rows of a kv head reading its K/V once) instead of the prefill's
-    32-row tile: q and the caches of one dtype (the kernel then reads q and
-    writes the output in it), and head dims both the decode and the prefill
-    run."""
-    if qa.ndim != 4 or not 1 < qa.shape[1] <= short_query_rows() or ka.ndim != 4 or va.ndim != 4:
+    """Whether q [B, qL, H, D] with qL > 1 rows runs the split-KV decode
+    kernel (each query row with its own causal/window keys, the rows of a kv
+    head reading its K/V once) instead of the prefill's 32-row tile: q and
+    the caches of one dtype (the kernel then reads q and writes the output
+    in it), and rows and head dims the library's router sends there."""
+    if qa.ndim != 4 or qa.shape[1] < 2 or ka.ndim != 4 or va.ndim != 4:
         return False
-    if qa.dtype != ka.dtype or ka.dtype != va.dtype:
+    if qa.dtype != ka.dtype or ka.dtype != va.dtype or qa.dtype not in (F32, F16, BF16):
         return False
-    return short_query_head_dims(qa.dtype, int(qa.shape[-1]), int(va.shape[-1]))
+    return short_query_runs(qa.dtype, int(qa.shape[1]), int(qa.shape[-1]), int(va.shape[-1]))
 
 
 def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,

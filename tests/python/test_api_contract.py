@@ -147,6 +147,7 @@ def test_abi_version_and_status_strings():
     assert fm.abi_version() == lib.FM_ABI_VERSION == lib.fm_abi_version()
     assert ffi.string(lib.fm_status_string(lib.FM_ERROR_TYPE)) == b"FM_ERROR_TYPE"
     assert ffi.string(lib.fm_status_string(lib.FM_ERROR_INTERRUPTED)) == b"FM_ERROR_INTERRUPTED"
+    assert ffi.string(lib.fm_status_string(lib.FM_ERROR_UNSUPPORTED)) == b"FM_ERROR_UNSUPPORTED"
     assert ffi.string(lib.fm_status_string(12345)) == b"unknown status"
     assert fm.__version__ == ffi.string(lib.fm_version()).decode()
 
@@ -210,10 +211,11 @@ def test_no_op_is_causal_unless_asked(registry):
     assert np.array_equal(a, b)
 
 
-def test_max_head_dim_comes_from_the_library(monkeypatch):
+def test_max_head_dim_comes_from_the_library():
     """fm_max_head_dim: the sdpa limit (SdpaCapability.maxHeadDim) and the
     largest listed head dim of the other ops; the front door asks the library
-    rather than keeping its own copy (a patched answer moves its limit)."""
+    rather than keeping its own copy: its router (fm_route_attention) refuses
+    a head dim above it."""
     assert _native.max_head_dim("sdpa") == 65536
     for op in ("flash_attn_prefill", "flash_attn_vec"):
         assert _native.max_head_dim(op) == max(fm.supported_head_dims(op))
@@ -222,9 +224,8 @@ def test_max_head_dim_comes_from_the_library(monkeypatch):
     ffi, err = _native.ffi(), _native.ffi().new("FMError *")
     assert _native.lib().fm_max_head_dim(b"sdpa", ffi.NULL, err) == _native.lib().FM_ERROR_VALUE
     assert err_text(err) == b"max_head_dim: out is null"
-    monkeypatch.setattr(_native, "max_head_dim", lambda op: {"sdpa": 600}[op])
-    q = np.zeros((1, 1, 2, 640), np.float32)
-    with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 640 is above 600"):
+    q = np.zeros((1, 1, 2, 65537), np.float32)
+    with pytest.raises(ValueError, match="^scaled_dot_product_attention: head dim 65537 is above 65536"):
         fm.scaled_dot_product_attention(q, q, q, registry="cpu")
 
 
@@ -248,3 +249,39 @@ def test_pyproject_version_is_the_headers():
     out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=pydir, capture_output=True, text=True,
                          check=True).stdout.split()
     assert out and out[-1] == fm.__version__, f"setup.py {out} != FM_VERSION {fm.__version__}"
+
+
+def test_route_attention_is_the_front_doors_rule():
+    """fm_route_attention (the C ABI's router) gives the route explain()
+    reports, refuses sinks no kernel can apply with FM_ERROR_UNSUPPORTED
+    naming the argument, and checks its own arguments."""
+    ffi, lib = _native.ffi(), _native.lib()
+
+    def route(**kw):
+        fields = dict(dtype=lib.FM_DTYPE_BF16, head_dim=64, head_dim_v=64, window=0, query_rows=1, keys=40,
+                      query_offset=39, mask=0, mask_is_key_ranges=0, causal=1, sinks=0, short_rows=1)
+        fields.update(kw)
+        out, err = ffi.new("FMRoute *"), ffi.new("FMError *")
+        status = lib.fm_route_attention(ffi.new("FMRouteCall *", fields), out, err)
+        return status, int(out.kernel), int(out.pad_to), ffi.string(out.reason).decode(), err
+
+    status, kernel, _, reason, _ = route()
+    assert (status, kernel) == (lib.FM_OK, lib.FM_ROUTE_DECODE) and "split-KV decode" in reason
+    q = np.zeros((1, 2, 1, 64), BF16)
+    k = np.zeros((1, 2, 40, 64), BF16)
+    assert reason == fm.explain(q, k, k, is_causal=True, align="bottom_right").reason
+    status, kernel, pad, reason, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=40,
+                                           keys=40, query_offset=0)
+    assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_PREFILL, 512) and "zero-padded to 512" in reason
+    status, kernel, pad, _, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=8, keys=40,
+                                      query_offset=32, short_rows=0)
+    assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_SDPA, 0)
+    status, _, _, _, err = route(query_rows=4, keys=2, query_offset=-2, sinks=1)
+    assert status == lib.FM_ERROR_UNSUPPORTED
+    assert ffi.string(err.argument) == b"sinks" and b"sinks are applied by the prefill kernel only" in \
+        ffi.string(err.message)
+    status, _, _, _, err = route(dtype=lib.FM_DTYPE_I32)
+    assert status == lib.FM_ERROR_TYPE and ffi.string(err.op) == b"scaled_dot_product_attention"
+    status, _, _, _, err = route(query_rows=0)
+    assert status == lib.FM_ERROR_VALUE and ffi.string(err.argument) == b"call"
+    assert lib.fm_route_attention(ffi.NULL, ffi.new("FMRoute *"), ffi.NULL) == lib.FM_ERROR_VALUE

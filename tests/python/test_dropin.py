@@ -14,7 +14,7 @@ import pytest
 
 import flashmetal as fm
 from conftest import SIMULATED
-from flashmetal import attention, reference
+from flashmetal import _route, attention, reference
 from numerics import BF16, F16, F32, assert_close, qkv
 
 SDPA = fm.scaled_dot_product_attention
@@ -142,7 +142,7 @@ def test_every_head_dim(registry, rng, d, dtype, ql):
     route = fm.last_route()
     dims = fm.supported_head_dims("flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill")
     native = d <= 256 or d in dims
-    padded = not native and ql >= attention.PAD_MIN_QUERY_ROWS and d < max(dims)
+    padded = not native and ql >= _route.pad_min_query_rows() and d < max(dims)
     prefill = native or padded
     assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
     assert ("zero-padded" in route.reason) == (prefill and padded), route

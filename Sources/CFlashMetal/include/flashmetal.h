@@ -37,6 +37,11 @@ enum { FM_ABI_VERSION = 8 };
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
 enum { FM_SHORT_QUERY_ROWS = 8 };
 
+/* fm_route_attention: a bfloat16/float16 head dim above 256 that the prefill
+ * kernel lacks (300, ...) is zero-padded to the next one it has (512) from
+ * this many query rows; fewer take the general kernel. */
+enum { FM_PAD_MIN_QUERY_ROWS = 32 };
+
 /* FMVecOptions.mask_type. */
 typedef enum FMVecMaskType {
     FM_VEC_MASK_NONE = 0, FM_VEC_MASK_CAUSAL = 1, FM_VEC_MASK_WINDOW = 2
@@ -59,7 +64,8 @@ typedef enum FMStatus {
     FM_ERROR_TYPE = 2,     /* a bad dtype */
     FM_ERROR_BACKEND = 3,  /* a backend could not be created or failed */
     FM_ERROR_INTERNAL = 4, /* a bug: please report */
-    FM_ERROR_INTERRUPTED = 5 /* a SIGINT cancelled the call; outputs are unspecified */
+    FM_ERROR_INTERRUPTED = 5, /* a SIGINT cancelled the call; outputs are unspecified */
+    FM_ERROR_UNSUPPORTED = 6  /* a feature no kernel implements for this call */
 } FMStatus;
 
 /* The error of a call, every entry point's last parameter (NULL = not
@@ -215,6 +221,37 @@ typedef struct FMKVCodesDecodeOptions {
     int32_t window;  /* 0 = none, else keys p with (kv_len - 1) - p < window */
 } FMKVCodesDecodeOptions;
 
+/* The kernel families of the front door's routes (FMRoute.kernel). */
+typedef enum FMRouteKernel {
+    FM_ROUTE_DECODE = 1,  /* the split-KV decode kernel (fm_dispatch_vec / fm_dispatch_vec_seq) */
+    FM_ROUTE_PREFILL = 2, /* the tiled prefill kernel (fm_dispatch_prefill) */
+    FM_ROUTE_SDPA = 3     /* the general kernel, one thread per query row (fm_dispatch_sdpa) */
+} FMRouteKernel;
+/* One call of torch's scaled_dot_product_attention, as fm_route_attention
+ * routes it. Flags are 0 or 1. */
+typedef struct FMRouteCall {
+    int32_t dtype;        /* FMDType of q (k and v alike) */
+    int32_t window;       /* sliding window w > 0 (keys within w of the row), 0 = none */
+    int64_t head_dim;     /* q's and k's, >= 1 */
+    int64_t head_dim_v;   /* v's and the output's, >= 1 */
+    int64_t query_rows;   /* qL >= 1 */
+    int64_t keys;         /* keys attended, >= 1 */
+    int64_t query_offset; /* position of query row 0 among the keys */
+    int32_t mask;         /* an attn_mask array is applied */
+    int32_t mask_is_key_ranges; /* that mask keeps one key range per batch row for the one query row */
+    int32_t causal;
+    int32_t sinks;
+    int32_t short_rows; /* several query rows may take the decode kernel (0: keep them on the prefill) */
+    int32_t _pad;
+} FMRouteCall;
+/* A route: the kernel, the head dim q/k/v are zero-padded to for it (0 =
+ * none), and why, as text. */
+typedef struct FMRoute {
+    int32_t kernel;   /* FMRouteKernel */
+    int32_t pad_to;
+    char reason[512];
+} FMRoute;
+
 #if !defined(__swift__)
 /* Entry points (implemented by @_cdecl functions in Sources/FlashMetal).
  * Hidden from Swift, which defines them. `err` may be NULL; otherwise it
@@ -298,6 +335,11 @@ int fm_runs_head_dims(const char *op, int32_t d, int32_t dv, int32_t *out, FMErr
 /* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
  * (whose kernel takes any head dim up to it) into *out. */
 int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
+/* The kernel that computes exactly `call`, the fastest that takes it: the
+ * rule the Python package's scaled_dot_product_attention follows. A call only
+ * the prefill could take with its sinks is FM_ERROR_UNSUPPORTED; a head dim
+ * above every kernel's an FM_ERROR_VALUE. */
+int fm_route_attention(const FMRouteCall *call, FMRoute *out, FMError *err);
 /* Every kernel the capability tables imply, one a line ("name function
  * arg ...": its name, its MSL template function, the function's template
  * arguments), as a static string: what the shaders must instantiate

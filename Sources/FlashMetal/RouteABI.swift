@@ -1,0 +1,33 @@
+import CFlashMetal
+import FlashMetalCore
+
+/// fm_route_attention of flashmetal.h: the kernel AttentionRouter picks for
+/// one call of the front door, with the reason as text.
+@_cdecl("fm_route_attention")
+public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: UnsafeMutablePointer<FMRoute>?,
+                               _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        let op = AttentionRouter.op
+        guard let c = call?.pointee else { throw FlashMetalError.value(op, "call is null", arg: "call") }
+        guard let out = out else { throw FlashMetalError.value(op, "out is null", arg: "out") }
+        guard let dtype = DType(rawValue: c.dtype), [.f32, .f16, .bf16].contains(dtype) else {
+            throw FlashMetalError.type(op, "dtype must be float32, float16 or bfloat16 (FMDType), got \(c.dtype)",
+                                       arg: "dtype")
+        }
+        if c.query_rows < 1 || c.keys < 1 || c.head_dim < 1 || c.head_dim_v < 1 || c.window < 0 {
+            throw FlashMetalError.value(op, "query_rows, keys, head_dim and head_dim_v must be >= 1 and window >= 0, "
+                + "got \(c.query_rows), \(c.keys), \(c.head_dim), \(c.head_dim_v), \(c.window)", arg: "call")
+        }
+        let route = try AttentionRouter.route(AttentionRouter.Call(
+            dtype: dtype, queryRows: Int(c.query_rows), headDim: Int(c.head_dim), headDimV: Int(c.head_dim_v),
+            keys: Int(c.keys), mask: c.mask != 0, maskIsKeyRanges: c.mask_is_key_ranges != 0, causal: c.causal != 0,
+            queryOffset: Int(c.query_offset), window: c.window > 0 ? Int(c.window) : nil, sinks: c.sinks != 0,
+            shortRows: c.short_rows != 0))
+        out.pointee.kernel = route.kernel.rawValue
+        out.pointee.pad_to = Int32(route.padTo ?? 0)
+        withUnsafeMutableBytes(of: &out.pointee.reason) { raw in
+            let buf = raw.bindMemory(to: CChar.self)
+            writeMessage(route.reason, buf.baseAddress, buf.count)
+        }
+    }
+}

@@ -1,0 +1,63 @@
+"""Which kernel computes a call: the library's router (fm_route_attention,
+AttentionRouter.swift) owns the rule, its reasons and its refusals; the
+front door (attention.py) and the serving functions' short-query route
+(serving.py) ask it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _native
+from ._arrays import dtype_code
+
+_OP = "scaled_dot_product_attention"
+_KERNELS = {"FM_ROUTE_DECODE": "flash_attn_vec", "FM_ROUTE_PREFILL": "flash_attn_prefill", "FM_ROUTE_SDPA": "sdpa"}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Which kernel ran (or would run) and why."""
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel}: {self.reason}"
+
+
+def pad_min_query_rows() -> int:
+    """The query rows from which a bfloat16/float16 head dim above 256 that
+    the prefill kernel lacks (300, ...) is zero-padded to the next one it has
+    (512) rather than run on the general kernel: the library's
+    FM_PAD_MIN_QUERY_ROWS."""
+    return _native.constant("FM_PAD_MIN_QUERY_ROWS")
+
+
+def choose(dtype: np.dtype, rows: int, d: int, keys: int, *, mask: bool = False, key_ranges: bool = False,
+           causal: bool = False, q_offset: int = 0, window: int | None = None, sinks: bool = False,
+           short_rows: bool = True, dv: int | None = None) -> tuple[Route, int | None]:
+    """The fastest kernel that computes exactly a call of `rows` query rows
+    at positions `q_offset`... over `keys` keys (q/k of head dim d, v of dv,
+    default d) and the head dim to zero-pad q/k/v to for it (None: no
+    padding). `mask`: an attn_mask applies; `key_ranges`: it keeps one key
+    range per batch row for the one query row; `short_rows`: several rows
+    may take the decode kernel. Sinks no kernel applies to the call are an
+    UnsupportedFeatureError, a head dim above every kernel's a ValueError."""
+    ffi = _native.ffi()
+    call = _native.options("FMRouteCall", dtype=dtype_code(dtype), head_dim=d, head_dim_v=d if dv is None else dv,
+                           window=0 if window is None else window, query_rows=rows, keys=keys, query_offset=q_offset,
+                           mask=int(mask), mask_is_key_ranges=int(key_ranges), causal=int(causal), sinks=int(sinks),
+                           short_rows=int(short_rows))
+    out = ffi.new(_native.ctype("FMRoute *"))
+    _native.call_static("fm_route_attention", call, out, op=_native.public_op(_OP))
+    kernel = next(k for name, k in _KERNELS.items() if out.kernel == _native.constant(name))
+    return Route(kernel, ffi.string(out.reason).decode()), (int(out.pad_to) or None)
+
+
+def short_query_runs(dtype: np.dtype, rows: int, d: int, dv: int) -> bool:
+    """Whether `rows` > 1 query rows at the newest positions (the serving
+    functions' short query: q, k and v of `dtype`) take the split-KV decode
+    kernel: the router's rule for such a call."""
+    if d < 1 or dv < 1:  # a shape the kernel's own checks refuse, naming the call's function
+        return False
+    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv)[0].kernel == "flash_attn_vec"
