@@ -93,3 +93,17 @@ func optionalTensor(_ t: UnsafePointer<FMTensor>?, op: String, name: String) thr
     guard t != nil else { return nil }
     return try TensorRef(t, op: op, name: name)
 }
+
+/// FMSeqTensors' k_new/v_new (flash_attn_with_kvcache's k and v): both or
+/// neither, and with the lengths they are appended at.
+func newRows(_ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?, seqlens: UnsafePointer<FMTensor>?,
+             op: String) throws -> (k: TensorRef, v: TensorRef)? {
+    if kNew == nil && vNew == nil { return nil }
+    guard kNew != nil && vNew != nil else {
+        throw FlashMetalError.value(op, "k and v must be given together to append them", arg: kNew == nil ? "k" : "v")
+    }
+    if seqlens == nil {
+        throw FlashMetalError.value(op, "cache_seqlens is required when appending k/v", arg: "cache_seqlens")
+    }
+    return (try TensorRef(kNew, op: op, name: "k"), try TensorRef(vNew, op: op, name: "v"))
+}

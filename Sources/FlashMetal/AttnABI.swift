@@ -31,14 +31,23 @@ public func fm_dispatch_attn(
                       try optionalTensor(s.seqlens_k, op: op, name: kind.seqlensKName),
                       try optionalTensor(s.block_table, op: op, name: "block_table"),
                       try optionalTensor(s.seqused_q, op: op, name: "seqused_q")]
+        let appended = try newRows(s.k_new, s.v_new, seqlens: s.seqlens_k, op: op)
+        if appended != nil && (s.cu_seqlens_q != nil || s.cu_seqlens_k != nil) {
+            throw FlashMetalError.value(op, "k/v are appended into a cache: cu_seqlens_q/cu_seqlens_k must be NULL",
+                                        arg: "cu_seqlens_k")
+        }
         try reg.withPrivateCopies(op: op, tables) { c in
-            (t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[2], c[3], c[4])
-            let plan = try AttnDispatcher.makePlan(t, o)
-            if plan.tableBytes == 0 {
-                try reg.run(plan.dispatches(tables: nil), op: op)
-            } else {
-                try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
-                    try reg.run(plan.dispatches(tables: m.data), op: op)
+            (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])
+            try reg.appendingBeforeAttention(appended, kCache: t.k, vCache: t.v, seqlens: c[2], blockTable: c[3],
+                                             op: op) { append, seqlens in
+                t.seqlensK = seqlens
+                let plan = try AttnDispatcher.makePlan(t, o)
+                if plan.tableBytes == 0 {
+                    try reg.run(append + plan.dispatches(tables: nil), op: op)
+                } else {
+                    try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
+                        try reg.run(append + plan.dispatches(tables: m.data), op: op)
+                    }
                 }
             }
         }

@@ -33,25 +33,29 @@ public func fm_dispatch_vec_seq(
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         let lse = try optionalTensor(s?.lse, op: op, name: lseName)
         let slopes = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
+        let appended = try newRows(s?.k_new, s?.v_new, seqlens: s?.seqlens_k, op: op)
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            let (seqlens, table) = (c[0], c[1])
-            func tensors(_ tmp: TensorRef) -> VecSeqTensors {
-                var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
-                                      sinks: sinks, lse: lse)
-                (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
-                t.alibiSlopes = slopes
-                return t
-            }
-            if let given = given {
-                try reg.run(VecSeqDispatcher.makeDispatches(tensors(given), o), op: op)
-                return
-            }
-            // Sized from validated shapes; the full validation runs in makeDispatches.
-            let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
-            try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
-                try reg.run(VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
+            try reg.appendingBeforeAttention(appended, kCache: kt, vCache: vt, seqlens: c[0], blockTable: c[1],
+                                             op: op) { append, seqlens in
+                let table = c[1]
+                func tensors(_ tmp: TensorRef) -> VecSeqTensors {
+                    var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
+                                          sinks: sinks, lse: lse)
+                    (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
+                    t.alibiSlopes = slopes
+                    return t
+                }
+                if let given = given {
+                    try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(given), o), op: op)
+                    return
+                }
+                // Sized from validated shapes; the full validation runs in makeDispatches.
+                let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
+                try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
+                    try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
+                }
             }
         }
     }

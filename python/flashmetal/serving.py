@@ -16,8 +16,9 @@ sink) outputs zeros and has LSE ``-inf`` (flash-attn's CUDA kernel writes
 Routes: one query row per sequence (``seqlen_q == 1``) goes to the split-KV
 decode kernel (``fm_dispatch_vec_seq``, which reads q and writes the output
 in their own dtypes, computing in float32), everything else to the serving prefill kernel
-(``fm_dispatch_attn``). Appended k/v are written by ``fm_dispatch_kv_append``
-in the same batch scope, before the attention reads the cache.
+(``fm_dispatch_attn``). Appended k/v ride in the attention's own call
+(``FMSeqTensors.k_new``/``v_new``): the library appends them, then attends
+with the grown lengths, validating both before either runs.
 """
 from __future__ import annotations
 
@@ -402,10 +403,10 @@ def flash_attn_with_kvcache(
                          block_table=bt, out=out_arr, alibi=slopes, short=short)
     elif tables is None:
         assert lens is not None  # required when appending
-        finish = _append_then_attend(reg, kc, vc, ka, va, lens, bt,
-                                     lambda grown: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
-                                                           want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, alibi=slopes, short=short))
+        finish = _append_then_attend(reg, ka, va,
+                                     lambda rows: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
+                                                          want_lse=want_lse, seqlens_k=lens, block_table=bt,
+                                                          out=out_arr, alibi=slopes, short=short, appended=rows))
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
@@ -423,11 +424,11 @@ def flash_attn_with_kvcache(
                                   per_row=per_row, name="q")
             return rotate(reg, _KVCACHE, ka, tables, given_lens, interleaved=interleaved, per_row=True, name="k")
 
-        finish = _append_then_attend(reg, kc, vc, rotate_q_and_k, va, lens, bt,
-                                     lambda grown: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
-                                                           want_lse=want_lse, seqlens_k=grown, block_table=bt,
-                                                           out=out_arr, out_dtype=qa.dtype, alibi=slopes,
-                                                           short=short))
+        finish = _append_then_attend(reg, rotate_q_and_k, va,
+                                     lambda rows: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
+                                                          want_lse=want_lse, seqlens_k=lens, block_table=bt,
+                                                          out=out_arr, out_dtype=qa.dtype, alibi=slopes,
+                                                          short=short, appended=rows))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -647,44 +648,18 @@ def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_tabl
     return np.ascontiguousarray(np.stack([ends, lp]))
 
 
-def _grown(lens: np.ndarray, k_new: np.ndarray) -> np.ndarray:
-    """The lengths after appending k_new's rows (the append checked that they
-    fit the cache, so they fit int32)."""
-    return (lens.astype(np.int64) + (k_new.shape[1] if k_new.ndim == 4 else 0)).astype(I32)
-
-
-def _append_then_attend(reg: Registry, kc: np.ndarray, vc: np.ndarray,
-                        ka: np.ndarray | Callable[[], np.ndarray], va: np.ndarray, lens: np.ndarray,
-                        table: np.ndarray | None, attend: Callable[[np.ndarray], Any]) -> Any:
-    """Appends k/v at `lens`, then `attend(lens + n_new)`, in one batch scope
-    (a deferring backend, Metal, orders them). `ka` may be a function that
+def _append_then_attend(reg: Registry, ka: np.ndarray | Callable[[], np.ndarray], va: np.ndarray,
+                        attend: Callable[[tuple[np.ndarray, np.ndarray]], Any]) -> Any:
+    """`attend((k, v))`, whose attention call appends k/v into the caches
+    first (FMSeqTensors.k_new/v_new: the library validates the append and
+    the attention before either runs, so a refused call leaves the caches
+    as they were), in one batch scope. `ka` may be a function that
     dispatches the work making k (the rotary kernel) in that scope and
-    returns it. The append validates its
-    own arguments before writing; if the attention then fails (a bad q, head
-    dim, dtype, sinks...), the cache rows the append overwrote are restored
-    once the scope has ended, so a failed call leaves the caches as they were."""
-    starts = None
-    if lens.ndim == 2 and lens.shape[0] == 2:  # the ends, then each sequence's first key (cache_leftpad)
-        lens, starts = np.ascontiguousarray(lens[0]), lens[1]
-    appended = False
-    slots = saved = None
-    try:
-        with reg.batch():
-            if callable(ka):
-                ka = ka()
-            slots = _append_slots(kc, lens, ka, table)
-            saved = None if slots is None else (kc[slots], vc[slots])  # fancy indexing copies
-            ffi = _native.ffi()
-            _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, ka), tensor(ffi, va), tensor(ffi, kc),
-                         tensor(ffi, vc), tensor(ffi, lens), tensor(ffi, table), op=_KVCACHE,
-                         keep=(ka, va, kc, vc, lens, table))
-            appended = True
-            grown = _grown(lens, ka)
-            return attend(grown if starts is None else np.ascontiguousarray(np.stack([grown, starts])))
-    except BaseException:
-        if appended and saved is not None and slots is not None:
-            kc[slots], vc[slots] = saved
-        raise
+    returns it."""
+    with reg.batch():
+        if callable(ka):
+            ka = ka()
+        return attend((ka, va))
 
 
 def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
@@ -724,18 +699,22 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
             block_table: np.ndarray | None = None, out: np.ndarray | None = None,
             out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
-            short: bool = False) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+            short: bool = False, appended: tuple[np.ndarray, np.ndarray] | None = None,
+            ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
     None): the decode kernel for qL == 1 (q and the output in their own
     dtypes, float32 or the caches'), the same kernel over all qL rows with
-    `short` (_short_query), else prefill. Returns a function to
+    `short` (_short_query), else prefill. `appended`: new rows (k, v) the
+    call appends into k/v (the caches) at seqlens_k before it attends over
+    them. Returns a function to
     call once the work ran (after the batch scope the call is in) that gives
     (out [B, qL, H, D] in out_dtype, default q's, lse [B, H, qL] float32 or
     None)."""
     ffi = _native.ffi()
+    k_new, v_new = appended or (None, None)
     if short:
         return _attend_short(reg, op, qa, ka, va, opts, sinks=sinks, want_lse=want_lse, seqlens_k=seqlens_k,
-                             block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi)
+                             block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi, appended=appended)
     target = np.dtype(out_dtype or qa.dtype)
     if qa.ndim == 4 and qa.shape[1] == 1 and _decode_dtypes(op, qa, ka):
         b, _, h, d = qa.shape
@@ -747,11 +726,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
              else np.empty((b, h, dv), dtype=target if direct else F32))
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
-                                alibi_slopes=alibi)
+                                alibi_slopes=alibi, k_new=k_new, v_new=v_new)
         qd = qa.reshape(b, h, d)
         _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qd), tensor(ffi, ka), tensor(ffi, va), seq,
                      ffi.NULL, tensor(ffi, o), opts, op=op, keep=(qd, ka, va, seqlens_k, block_table, sinks,
-                                                                 lse, alibi, o, keep))
+                                                                 lse, alibi, o, k_new, v_new, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o.reshape(b, 1, h, dv) if direct else o.reshape(b, 1, h, dv).astype(target)
@@ -764,10 +743,10 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     if want_lse and qa.ndim == 4:
         rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse,
-                            alibi_slopes=alibi)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
                  tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
-                                                         alibi, result, keep))
+                                                         alibi, result, k_new, v_new, keep))
     return lambda: (result, rows_lse)
 
 
@@ -787,7 +766,8 @@ def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) 
 def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
                   sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None,
                   block_table: np.ndarray | None, out: np.ndarray | None, out_dtype: np.dtype | None,
-                  alibi: np.ndarray | None) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
+                  alibi: np.ndarray | None, appended: tuple[np.ndarray, np.ndarray] | None,
+                  ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """_attend's short-query route (see _short_query): q [B, qL, H, D]
     (float32 when rotated, else the caches' dtype) through
     fm_dispatch_vec_seq, which writes the output [B, qL, H, Dv] in the
@@ -801,10 +781,12 @@ def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np
     assert np.dtype(out_dtype or qa.dtype) == ka.dtype  # _short_query: q, k and v of one dtype
     o = np.empty((b, ql, h, dv), dtype=ka.dtype) if out is None else out
     lse = np.empty((b, ql, h), dtype=F32) if want_lse else None
+    k_new, v_new = appended or (None, None)
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
-                            alibi_slopes=alibi)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new)
     _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq, ffi.NULL,
-                 tensor(ffi, o), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse, alibi, o, keep))
+                 tensor(ffi, o), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse, alibi, o,
+                                                    k_new, v_new, keep))
 
     def finish() -> tuple[np.ndarray, np.ndarray | None]:
         if lse is None:

@@ -145,8 +145,8 @@ def test_non_contiguous_or_read_only_caches_when_appending(cache):
                                       ("decode_head_dim", ValueError)])
 @pytest.mark.parametrize("paging", [False, True])
 def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, cls, paging):
-    """The append runs (and validates itself) before the attention: when the
-    attention then refuses the call, the rows the append wrote are restored."""
+    """The library validates the append and the attention before either
+    runs: a call the attention refuses appends nothing."""
     dt = F32 if what == "float32_prefill_d300" else F16
     d = 300 if what == "float32_prefill_d300" else 64  # no prefill kernel runs D = 300 (256 < D < 512)
     kc = randn(rng, (6, 16, 2, d) if paging else (2, 32, 2, d), dt)
@@ -161,6 +161,55 @@ def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, c
     raises(cls, KV, "",
            lambda: fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
                                               sinks=sinks, registry="cpu"), kc, vc, seqlens, k_new)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_append_and_attention_are_one_library_call(rng, monkeypatch, registry, rows):
+    """k/v ride in the attention's own call (FMSeqTensors.k_new/v_new) on
+    every route (decode, short query, prefill): one library call, the caches
+    holding the new rows after it, and a metal batch scope ordering nothing
+    else."""
+    from flashmetal import _native, reference
+    seen = []
+    real = _native.call
+    monkeypatch.setattr(_native, "call", lambda reg, name, *a, **kw: (seen.append(name), real(reg, name, *a, **kw)))
+    kc, vc = randn(rng, (2, 24, 2, 64), F16), randn(rng, (2, 24, 2, 64), F16)
+    k0, v0 = kc.copy(), vc.copy()
+    q, k_new, v_new = randn(rng, (2, rows, 4, 64), F16), randn(rng, (2, rows, 2, 64), F16), randn(rng, (2, rows, 2, 64), F16)
+    lens = np.array([5, 9], np.int32)
+    out = fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True, registry=registry)
+    kernel = "fm_dispatch_attn" if rows > 8 else "fm_dispatch_vec_seq"
+    assert [c for c in seen if c.startswith("fm_dispatch")] == [kernel], seen
+    ek, ev = reference.kv_append(k0, v0, k_new, v_new, lens)
+    assert np.array_equal(kc, ek) and np.array_equal(vc, ev)
+    want = reference.flash_attn_kvcache(q, k0, v0, k=k_new, v=v_new, cache_seqlens=lens, causal=True)[0]
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=2e-3, rtol=2e-3)
+
+
+def test_library_refuses_half_an_append():
+    """fm_dispatch_vec_seq / fm_dispatch_attn take k_new and v_new together
+    and with the lengths they are appended at; the attention over quantized
+    caches takes neither (its rows go through fm_dispatch_kv_codes_append)."""
+    from flashmetal import _native
+    from flashmetal._arrays import tensor
+    ffi, lib = _native.ffi(), _native.lib()
+    reg = fm.Registry("cpu")
+    q, kc = np.zeros((1, 4, 64), np.float32), np.zeros((1, 8, 2, 64), np.float32)
+    k_new, lens = np.zeros((1, 1, 2, 64), np.float32), np.array([3], np.int32)
+    out = np.zeros_like(q)
+    opts = ffi.new("FMAttnOptions *", dict(scale=0.125))
+    for fields, pattern in ((dict(k_new=k_new, seqlens_k=lens), b"k and v must be given together"),
+                            (dict(k_new=k_new, v_new=k_new), b"cache_seqlens is required when appending")):
+        seq = ffi.new("FMSeqTensors *")
+        keep = [tensor(ffi, a) for a in fields.values()]
+        for (name, _), t in zip(fields.items(), keep):
+            setattr(seq, name, t)
+        err = ffi.new("FMError *")
+        status = lib.fm_dispatch_vec_seq(reg._live_handle("x"), tensor(ffi, q), tensor(ffi, kc), tensor(ffi, kc),
+                                         seq, ffi.NULL, tensor(ffi, out), opts, err)
+        assert status == lib.FM_ERROR_VALUE and pattern in ffi.string(err.message), ffi.string(err.message)
+    assert not kc.any()
+    reg.close()
 
 
 def test_k_without_v(cache):

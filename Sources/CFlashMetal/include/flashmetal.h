@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 8 };
+enum { FM_ABI_VERSION = 9 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
@@ -170,6 +170,13 @@ typedef struct FMSeqTensors {
                                    * sequence b's first seqused_q[b] <= cu_seqlens_q[b+1] - cu_seqlens_q[b]
                                    * rows attend; its other rows see no key (out 0, lse -inf or the
                                    * sink logit). seqlens_k beside cu_seqlens_k is flash-attn 3's seqused_k */
+    const FMTensor *k_new;        /* [B, n_new, Hkv, D] with v_new and seqlens_k (flash_attn_with_kvcache's
+                                   * k/v): appended into k/v, the caches, at each sequence's length
+                                   * (fm_dispatch_kv_append), then attended with the lengths grown by
+                                   * n_new; the append and the attention are validated before either
+                                   * runs, so a call either refuses appends nothing. Not taken by
+                                   * fm_dispatch_kv_codes_attn (fm_dispatch_kv_codes_append appends) */
+    const FMTensor *v_new;        /* [B, n_new, Hkv, Dv] */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are
