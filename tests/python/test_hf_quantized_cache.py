@@ -117,48 +117,41 @@ def test_prefill_logits_over_codes(registry):
     np.testing.assert_allclose(torch.cat(got, 1).numpy(), want.numpy(), atol=2e-4, rtol=1e-3)
 
 
-@pytest.mark.slow
-def test_left_padded_generate_over_codes():
-    """Each sequence stores only its real tokens; tokens and logits equal
-    the reference model's with the same mask."""
+def _generate_against_reference(make, pads: list[int]) -> QuantizedKVCache:
+    """generate() over a K8/V4 QuantizedKVCache with sequence b's first
+    pads[b] tokens left padding: tokens and logits equal the reference
+    model's (attention over the reference codec's K̂, V̂) with the same mask;
+    returns the cache."""
     name = hf.register()
-    model = build(tiny_llama, name, torch.float32)
+    model = build(make, name, torch.float32)
     _register_reference((8, 4))
-    ref = build(tiny_llama, REF, torch.float32)
-    ids = _prompt(3)
+    ref = build(make, REF, torch.float32)
+    ids = _prompt(len(pads))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    mask[2, :7] = 0
+    for b, p in enumerate(pads):
+        mask[b, :p] = 0
     ids = ids.masked_fill(mask == 0, 0)
     cache = QuantizedKVCache(model.config, 8, 4, chunk=8)
     tokens, logits = _steps(model, ids, attention_mask=mask, cache=cache)
     ref_tokens, ref_logits = _steps(ref, ids, attention_mask=mask)
     assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
     np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
-    assert cache.layers[0].pad.tolist() == [0, 3, 7]
+    assert cache.layers[0].pad.tolist() == pads
+    return cache
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_sliding_window_generate_over_codes(padded):
+@pytest.mark.slow
+def test_left_padded_generate_over_codes():
+    """Each sequence stores only its real tokens."""
+    _generate_against_reference(tiny_llama, [0, 3, 7])
+
+
+@pytest.mark.parametrize("pads", [[0, 0], [0, 4]])
+def test_sliding_window_generate_over_codes(pads):
     """Gemma-2 (a sliding layer of window 5, then a full one; logit softcap):
     the sliding layer attends over the codes with its window, the prompt
-    and every step longer than it. Tokens and logits equal the reference
-    model's over K̂, V̂ with the same masks."""
-    name = hf.register()
-    model = build(tiny_gemma2, name, torch.float32)
-    _register_reference((8, 4))
-    ref = build(tiny_gemma2, REF, torch.float32)
-    ids = _prompt(2)
-    mask = torch.ones_like(ids)
-    if padded:
-        mask[1, :4] = 0
-        ids = ids.masked_fill(mask == 0, 0)
-    cache = QuantizedKVCache(model.config, 8, 4, chunk=8)
-    tokens, logits = _steps(model, ids, attention_mask=mask, cache=cache)
-    ref_tokens, ref_logits = _steps(ref, ids, attention_mask=mask)
-    assert torch.equal(tokens, ref_tokens), (tokens, ref_tokens)
-    np.testing.assert_allclose(logits.numpy(), ref_logits.numpy(), atol=2e-4, rtol=1e-3)
-    assert cache.layers[0].pad.tolist() == ([0, 4] if padded else [0, 0])
+    and every step longer than it."""
+    _generate_against_reference(tiny_gemma2, pads)
 
 
 def test_sliding_window_mask_other_than_the_window_refused():
