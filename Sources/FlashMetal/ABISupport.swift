@@ -94,16 +94,24 @@ func optionalTensor(_ t: UnsafePointer<FMTensor>?, op: String, name: String) thr
     return try TensorRef(t, op: op, name: name)
 }
 
+/// The names of FMSeqTensors' k_new/v_new in errors: k and v under
+/// flash_attn_with_kvcache (its arguments), else the fields' own.
+func newRowNames(_ err: UnsafeMutablePointer<FMError>?) -> (k: String, v: String) {
+    publicOp(err) == AttnOp.kvcache.name ? ("k", "v") : ("k_new", "v_new")
+}
+
 /// FMSeqTensors' k_new/v_new (flash_attn_with_kvcache's k and v): both or
 /// neither, and with the lengths they are appended at.
 func newRows(_ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?, seqlens: UnsafePointer<FMTensor>?,
-             op: String) throws -> (k: TensorRef, v: TensorRef)? {
+             op: String, names: (k: String, v: String)) throws -> (k: TensorRef, v: TensorRef)? {
     if kNew == nil && vNew == nil { return nil }
     guard kNew != nil && vNew != nil else {
-        throw FlashMetalError.value(op, "k and v must be given together to append them", arg: kNew == nil ? "k" : "v")
+        throw FlashMetalError.value(op, "\(names.k) and \(names.v) must be given together to append them",
+                                    arg: kNew == nil ? names.k : names.v)
     }
     if seqlens == nil {
-        throw FlashMetalError.value(op, "cache_seqlens is required when appending k/v", arg: "cache_seqlens")
+        throw FlashMetalError.value(op, "cache_seqlens is required when appending \(names.k)/\(names.v)",
+                                    arg: "cache_seqlens")
     }
-    return (try TensorRef(kNew, op: op, name: "k"), try TensorRef(vNew, op: op, name: "v"))
+    return (try TensorRef(kNew, op: op, name: names.k), try TensorRef(vNew, op: op, name: names.v))
 }

@@ -31,7 +31,8 @@ public func fm_dispatch_attn(
                       try optionalTensor(s.seqlens_k, op: op, name: kind.seqlensKName),
                       try optionalTensor(s.block_table, op: op, name: "block_table"),
                       try optionalTensor(s.seqused_q, op: op, name: "seqused_q")]
-        let appended = try newRows(s.k_new, s.v_new, seqlens: s.seqlens_k, op: op)
+        let names = newRowNames(err)
+        let appended = try newRows(s.k_new, s.v_new, seqlens: s.seqlens_k, op: op, names: names)
         if appended != nil && (s.cu_seqlens_q != nil || s.cu_seqlens_k != nil) {
             throw FlashMetalError.value(op, "k/v are appended into a cache: cu_seqlens_q/cu_seqlens_k must be NULL",
                                         arg: "cu_seqlens_k")
@@ -39,7 +40,7 @@ public func fm_dispatch_attn(
         try reg.withPrivateCopies(op: op, tables) { c in
             (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])
             try reg.appendingBeforeAttention(appended, kCache: t.k, vCache: t.v, seqlens: c[2], blockTable: c[3],
-                                             op: op) { append, seqlens in
+                                             op: op, names: names) { append, seqlens in
                 t.seqlensK = seqlens
                 let plan = try AttnDispatcher.makePlan(t, o)
                 if plan.tableBytes == 0 {

@@ -33,12 +33,13 @@ public func fm_dispatch_vec_seq(
         let sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         let lse = try optionalTensor(s?.lse, op: op, name: lseName)
         let slopes = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
-        let appended = try newRows(s?.k_new, s?.v_new, seqlens: s?.seqlens_k, op: op)
+        let names = newRowNames(err)
+        let appended = try newRows(s?.k_new, s?.v_new, seqlens: s?.seqlens_k, op: op, names: names)
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in
             try reg.appendingBeforeAttention(appended, kCache: kt, vCache: vt, seqlens: c[0], blockTable: c[1],
-                                             op: op) { append, seqlens in
+                                             op: op, names: names) { append, seqlens in
                 let table = c[1]
                 func tensors(_ tmp: TensorRef) -> VecSeqTensors {
                     var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,

@@ -14,7 +14,7 @@ public enum AppendBeforeAttention {
     /// plus n_new, a [2, B] table's row 1 (each sequence's first key) as given.
     public static func plan(kNew: TensorRef, vNew: TensorRef, kCache: TensorRef, vCache: TensorRef,
                             seqlens: TensorRef, blockTable: TensorRef?, grown: UnsafeMutableRawPointer,
-                            op: String) throws -> (append: Dispatch?, grown: TensorRef) {
+                            op: String, names: (k: String, v: String)) throws -> (append: Dispatch?, grown: TensorRef) {
         try seqlens.requireDType([.i32], op: op, name: "cache_seqlens")
         let paired = seqlens.rank == 2 && seqlens.shape[0] == 2
         if seqlens.rank != 1 && !paired {
@@ -26,9 +26,11 @@ public enum AppendBeforeAttention {
         let ends = paired ? seqlens.reshaped([batch], byteCount: batch * 4) : seqlens
         var t = KVAppendTensors(kNew: kNew, vNew: vNew, kCache: kCache, vCache: vCache, seqlens: ends,
                                 blockTable: blockTable)
-        (t.kNewName, t.vNewName) = ("k", "v")
-        // Checks every length plus n_new against the capacity (so the sums fit int32) and every table entry.
-        let append = try KVAppendDispatcher.makeDispatch(t)
+        (t.kNewName, t.vNewName) = names
+        // Checks every length plus n_new against the capacity (so the sums fit int32) and every table entry;
+        // its errors name the caller's op.
+        let append: Dispatch?
+        do { append = try KVAppendDispatcher.makeDispatch(t) } catch let e as FlashMetalError { throw e.naming(op: op) }
         let rows = kNew.shape[1]
         let src = seqlens.data.assumingMemoryBound(to: Int32.self)
         let dst = grown.assumingMemoryBound(to: Int32.self)
@@ -46,6 +48,7 @@ extension Registry {
     /// new rows (`rows`: k_new, v_new) in scratch that lives as long as the work.
     public func appendingBeforeAttention(_ rows: (k: TensorRef, v: TensorRef)?, kCache: TensorRef, vCache: TensorRef,
                                          seqlens: TensorRef?, blockTable: TensorRef?, op: String,
+                                         names: (k: String, v: String),
                                          _ body: ([Dispatch], TensorRef?) throws -> Void) throws {
         guard let rows else { return try body([], seqlens) }
         guard let seqlens else {
@@ -54,7 +57,7 @@ extension Registry {
         try withScratch(op: op, bytes: max(AppendBeforeAttention.grownByteCount(seqlens), 4)) { m in
             let (append, grown) = try AppendBeforeAttention.plan(
                 kNew: rows.k, vNew: rows.v, kCache: kCache, vCache: vCache, seqlens: seqlens, blockTable: blockTable,
-                grown: m.data, op: op)
+                grown: m.data, op: op, names: names)
             try body(append.map { [$0] } ?? [], grown)
         }
     }

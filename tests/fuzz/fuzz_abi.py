@@ -82,7 +82,8 @@ OPS = {
     "kv_append": ("kv_append",),
     "rotary": ("rotary",),
 }
-SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q")
+SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
+              "v_new")
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -419,6 +420,10 @@ def gen_vec_seq(rng, backend):
     case = Case("vec_seq", backend, t, opts, finite=not nonfinite)
     if rng.random() < 0.3:
         _short_query(rng, case, g, nonfinite)
+    if rng.random() < 0.25:  # flash_attn_with_kvcache's k/v: appended into k/v, then attended
+        new = [g["b"], int(rng.integers(1, g["room"] + 1)), g["hkv"], g["d"]]
+        t.update(k_new=_tensor(rng, g["dt"], new), v_new=_tensor(rng, g["dt"], new))
+        t["k"].role = t["v"].role = "inout"
     return case
 
 
@@ -800,6 +805,9 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
     lens, starts = _lens_and_starts(case)
+    if _seq_present(case, "k_new"):  # the caches as they were; the reference appends
+        k, v = _before(t["k"]), _before(t["v"])
+        kw.update(k=t["k_new"].array(), v=t["v_new"].array())
     if case.op == "vec_seq":
         # q [B, H, D] is one row per sequence, [B, 1, H, D]; q [B, L, H, D] is
         # L rows, row i at seqlens_k[b] - L + i (bottom-right, as flash-attn's
@@ -839,17 +847,18 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
     return out, lse
 
 
+def _before(ts: TSpec) -> np.ndarray:
+    """A tensor's bytes before the call (an inout tensor's input)."""
+    n = int(np.prod(ts.shape)) * SIZE[ts.dtype]
+    return ts.buf.snap[G:G + n].view(NP[ts.dtype]).reshape(ts.shape)
+
+
 def _kv_append_expected(case: Case) -> tuple[np.ndarray, np.ndarray]:
     """The caches' bytes after the append, from their bytes before it."""
     t = case.tensors
-
-    def before(name):
-        ts = t[name]
-        n = int(np.prod(ts.shape)) * SIZE[ts.dtype]
-        return ts.buf.snap[G:G + n].view(NP[ts.dtype]).reshape(ts.shape)
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
-    return reference.kv_append(before("k_cache"), before("v_cache"), t["k_new"].array(), t["v_new"].array(),
-                               t["cache_seqlens"].array(), table)
+    return reference.kv_append(_before(t["k_cache"]), _before(t["v_cache"]), t["k_new"].array(),
+                               t["v_new"].array(), t["cache_seqlens"].array(), table)
 
 
 def _values_comparable(case: Case, q: np.ndarray) -> None:
@@ -944,6 +953,15 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
     if case.op == "vec_seq" and len(case.tensors["q"].shape) == 4:
         case.notes.append("vec_seq q[B,L,H,D] compared" + (" with lse" if _seq_present(case, "lse") else ""))
+    if case.op == "vec_seq" and _seq_present(case, "k_new"):
+        t = case.tensors
+        ends = _lens_and_starts(case)[0]
+        table = t["block_table"].array() if _seq_present(case, "block_table") else None
+        want = reference.kv_append(_before(t["k"]), _before(t["v"]), t["k_new"].array(), t["v_new"].array(), ends,
+                                   table)
+        for name, w in zip(("k", "v"), want):
+            assert t[name].array().tobytes() == np.ascontiguousarray(w).tobytes(), f"{name} differs from the append: {ctx}"
+        case.notes.append("vec_seq with k_new/v_new appended and compared")
 
 
 def _check_rows_refusal(case: Case, status: int, msg: str, argument: str, ctx: str) -> None:

@@ -198,7 +198,7 @@ def test_library_refuses_half_an_append():
     k_new, lens = np.zeros((1, 1, 2, 64), np.float32), np.array([3], np.int32)
     out = np.zeros_like(q)
     opts = ffi.new("FMAttnOptions *", dict(scale=0.125))
-    for fields, pattern in ((dict(k_new=k_new, seqlens_k=lens), b"k and v must be given together"),
+    for fields, pattern in ((dict(k_new=k_new, seqlens_k=lens), b"k_new and v_new must be given together"),
                             (dict(k_new=k_new, v_new=k_new), b"cache_seqlens is required when appending")):
         seq = ffi.new("FMSeqTensors *")
         keep = [tensor(ffi, a) for a in fields.values()]
