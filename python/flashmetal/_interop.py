@@ -47,16 +47,17 @@ def _torch_to_numpy(t: Any, op: str, name: str) -> np.ndarray:
     if type(t) is not torch.Tensor and not _storage_is_value(type(t), torch):
         raise InvalidTypeError(op, f"{name} is a {type(t).__name__}, a tensor subclass whose values torch computes "
                                "when it uses it (its storage does not hold them): pass a plain tensor")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise InvalidValueError(op, f"{name} is on device '{t.device}'; flashmetal takes CPU tensors "
                          "(on a Mac the metal backend reads host memory: move it with .cpu())")
-    if t.requires_grad and torch.is_grad_enabled():
-        # flashmetal has no backward: the result would carry no grad_fn and
-        # backward() would silently give the inputs' producers no gradient.
-        raise InvalidValueError(op, f"{name} requires grad in grad mode, but flashmetal has no backward pass: "
-                                "call it under torch.no_grad() or torch.inference_mode(), or pass "
-                                f"{name}.detach() to cut the graph on purpose")
-    t = t.detach()
+    if t.requires_grad:
+        if torch.is_grad_enabled():
+            # flashmetal has no backward: the result would carry no grad_fn and
+            # backward() would silently give the inputs' producers no gradient.
+            raise InvalidValueError(op, f"{name} requires grad in grad mode, but flashmetal has no backward pass: "
+                                    "call it under torch.no_grad() or torch.inference_mode(), or pass "
+                                    f"{name}.detach() to cut the graph on purpose")
+        t = t.detach()  # numpy() refuses a tensor that requires grad
     if t.layout != torch.strided:
         raise InvalidTypeError(op, f"{name} is a {t.layout} tensor; flashmetal reads dense (strided) tensors: "
                                "pass .to_dense()")

@@ -4,6 +4,7 @@ front door (attention.py) and the serving functions' short-query route
 (serving.py) ask it."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,15 +44,31 @@ def choose(dtype: np.dtype, rows: int, d: int, keys: int, *, mask: bool = False,
     range per batch row for the one query row; `short_rows`: several rows
     may take the decode kernel. Sinks no kernel applies to the call are an
     UnsupportedFeatureError, a head dim above every kernel's a ValueError."""
+    return _choose(np.dtype(dtype), int(rows), int(d), int(keys), bool(mask), bool(key_ranges), bool(causal),
+                   int(q_offset), None if window is None else int(window), bool(sinks), bool(short_rows),
+                   int(d if dv is None else dv), _native.public_op(_OP))
+
+
+@functools.lru_cache(maxsize=512)
+def _choose(dtype: np.dtype, rows: int, d: int, keys: int, mask: bool, key_ranges: bool, causal: bool,
+            q_offset: int, window: int | None, sinks: bool, short_rows: bool, dv: int,
+            op: str) -> tuple[Route, int | None]:
+    """choose(), remembered: a pure function of its arguments (the layers
+    of a model ask it the same question at every step)."""
     ffi = _native.ffi()
-    call = _native.options("FMRouteCall", dtype=dtype_code(dtype), head_dim=d, head_dim_v=d if dv is None else dv,
+    call = _native.options("FMRouteCall", dtype=dtype_code(dtype), head_dim=d, head_dim_v=dv,
                            window=0 if window is None else window, query_rows=rows, keys=keys, query_offset=q_offset,
                            mask=int(mask), mask_is_key_ranges=int(key_ranges), causal=int(causal), sinks=int(sinks),
                            short_rows=int(short_rows))
     out = ffi.new(_native.ctype("FMRoute *"))
-    _native.call_static("fm_route_attention", call, out, op=_native.public_op(_OP))
-    kernel = next(k for name, k in _KERNELS.items() if out.kernel == _native.constant(name))
-    return Route(kernel, ffi.string(out.reason).decode()), (int(out.pad_to) or None)
+    _native.call_static("fm_route_attention", call, out, op=op)
+    return Route(_kernels()[int(out.kernel)], ffi.string(out.reason).decode()), (int(out.pad_to) or None)
+
+
+@functools.cache
+def _kernels() -> dict[int, str]:
+    """FMRouteKernel values -> the kernel family names of Route.kernel."""
+    return {_native.constant(name): kernel for name, kernel in _KERNELS.items()}
 
 
 def short_query_runs(dtype: np.dtype, rows: int, d: int, dv: int) -> bool:
