@@ -101,17 +101,13 @@ func newRowNames(_ err: UnsafeMutablePointer<FMError>?) -> (k: String, v: String
 }
 
 /// FMSeqTensors' k_new/v_new (flash_attn_with_kvcache's k and v): both or
-/// neither, and with the lengths they are appended at.
-func newRows(_ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?, seqlens: UnsafePointer<FMTensor>?,
-             op: String, names: (k: String, v: String)) throws -> (k: TensorRef, v: TensorRef)? {
+/// neither (Registry.appendingBeforeAttention requires their lengths).
+func newRows(_ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?, op: String,
+             names: (k: String, v: String)) throws -> (k: TensorRef, v: TensorRef)? {
     if kNew == nil && vNew == nil { return nil }
     guard kNew != nil && vNew != nil else {
         throw FlashMetalError.value(op, "\(names.k) and \(names.v) must be given together to append them",
                                     arg: kNew == nil ? names.k : names.v)
-    }
-    if seqlens == nil {
-        throw FlashMetalError.value(op, "cache_seqlens is required when appending \(names.k)/\(names.v)",
-                                    arg: "cache_seqlens")
     }
     return (try TensorRef(kNew, op: op, name: names.k), try TensorRef(vNew, op: op, name: names.v))
 }

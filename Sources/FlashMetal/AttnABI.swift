@@ -32,10 +32,10 @@ public func fm_dispatch_attn(
                       try optionalTensor(s.block_table, op: op, name: "block_table"),
                       try optionalTensor(s.seqused_q, op: op, name: "seqused_q")]
         let names = newRowNames(err)
-        let appended = try newRows(s.k_new, s.v_new, seqlens: s.seqlens_k, op: op, names: names)
+        let appended = try newRows(s.k_new, s.v_new, op: op, names: names)
         if appended != nil && (s.cu_seqlens_q != nil || s.cu_seqlens_k != nil) {
-            throw FlashMetalError.value(op, "k/v are appended into a cache: cu_seqlens_q/cu_seqlens_k must be NULL",
-                                        arg: "cu_seqlens_k")
+            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_q/cu_seqlens_k "
+                + "must be NULL", arg: "cu_seqlens_k")
         }
         try reg.withPrivateCopies(op: op, tables) { c in
             (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])

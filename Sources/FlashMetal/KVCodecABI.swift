@@ -123,8 +123,9 @@ public func fm_dispatch_kv_codes_attn(
             throw FlashMetalError.value(op, "seqused_q must be NULL: not supported over quantized caches", arg: "seqused_q")
         }
         if s?.k_new != nil || s?.v_new != nil {
-            throw FlashMetalError.value(op, "k_new/v_new must be NULL: rows are appended into quantized caches by "
-                + "fm_dispatch_kv_codes_append", arg: s?.k_new != nil ? "k" : "v")
+            let names = newRowNames(err)
+            throw FlashMetalError.value(op, "\(names.k)/\(names.v) must be NULL: rows are appended into quantized "
+                + "caches by fm_dispatch_kv_codes_append", arg: s?.k_new != nil ? names.k : names.v)
         }
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(

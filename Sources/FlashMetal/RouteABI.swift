@@ -10,7 +10,7 @@ public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: Unsaf
         let op = AttentionRouter.op
         guard let c = call?.pointee else { throw FlashMetalError.value(op, "call is null", arg: "call") }
         guard let out = out else { throw FlashMetalError.value(op, "out is null", arg: "out") }
-        guard let dtype = DType(rawValue: c.dtype), [.f32, .f16, .bf16].contains(dtype) else {
+        guard let dtype = DType(rawValue: c.dtype), PrefillCapability.ioTypes.contains(dtype) else {
             throw FlashMetalError.type(op, "dtype must be float32, float16 or bfloat16 (FMDType), got \(c.dtype)",
                                        arg: "dtype")
         }

@@ -34,7 +34,7 @@ public func fm_dispatch_vec_seq(
         let lse = try optionalTensor(s?.lse, op: op, name: lseName)
         let slopes = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
         let names = newRowNames(err)
-        let appended = try newRows(s?.k_new, s?.v_new, seqlens: s?.seqlens_k, op: op, names: names)
+        let appended = try newRows(s?.k_new, s?.v_new, op: op, names: names)
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in

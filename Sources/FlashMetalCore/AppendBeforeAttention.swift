@@ -5,12 +5,9 @@
 /// lengths, both before either runs: a call the append or the attention
 /// refuses writes nothing, so no cache row ever needs restoring.
 public enum AppendBeforeAttention {
-    /// Bytes of the grown lengths table for `seqlens` (int32 [B] or [2, B]).
-    public static func grownByteCount(_ seqlens: TensorRef) -> Int { seqlens.usedByteCount }
-
     /// The append's dispatch (nil when there are no new rows, after the same
     /// validation) and the lengths after it, written into `grown`
-    /// (grownByteCount bytes): `seqlens`' shape, row 0 each sequence's length
+    /// (`seqlens.usedByteCount` bytes): `seqlens`' shape, row 0 each sequence's length
     /// plus n_new, a [2, B] table's row 1 (each sequence's first key) as given.
     public static func plan(kNew: TensorRef, vNew: TensorRef, kCache: TensorRef, vCache: TensorRef,
                             seqlens: TensorRef, blockTable: TensorRef?, grown: UnsafeMutableRawPointer,
@@ -52,9 +49,10 @@ extension Registry {
                                          _ body: ([Dispatch], TensorRef?) throws -> Void) throws {
         guard let rows else { return try body([], seqlens) }
         guard let seqlens else {
-            throw FlashMetalError.value(op, "cache_seqlens is required when appending k/v", arg: "cache_seqlens")
+            throw FlashMetalError.value(op, "cache_seqlens is required when appending \(names.k)/\(names.v)",
+                                        arg: "cache_seqlens")
         }
-        try withScratch(op: op, bytes: max(AppendBeforeAttention.grownByteCount(seqlens), 4)) { m in
+        try withScratch(op: op, bytes: max(seqlens.usedByteCount, 4)) { m in
             let (append, grown) = try AppendBeforeAttention.plan(
                 kNew: rows.k, vNew: rows.v, kCache: kCache, vCache: vCache, seqlens: seqlens, blockTable: blockTable,
                 grown: m.data, op: op, names: names)

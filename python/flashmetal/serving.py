@@ -116,7 +116,7 @@ def flash_attn_func(
                         causal=causal, window_size=window_size, attention_chunk=attention_chunk)
     slopes = alibi_arg(op, alibi_slopes, *_batch_heads(qa))
     out, lse = _attend(reg, op, qa, ka, va, opts, sinks=sinks_arg(op, sinks), want_lse=want_lse, alibi=slopes,
-                       short=_short_query(reg, qa, ka, va))()
+                       short=_short_query(qa, ka, va))()
     return _with_probs(q, out, lse if want_lse else None)
 
 
@@ -397,7 +397,7 @@ def flash_attn_with_kvcache(
         result, lse = _ragged_kvcache(reg, rag, kc, vc, given_lens, lens, bt, tables, interleaved, per_row, opts,
                                       sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
-    short = _short_query(reg, qa, kc, vc)
+    short = _short_query(qa, kc, vc)
     if not appending:
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
                          block_table=bt, out=out_arr, alibi=slopes, short=short)
@@ -750,7 +750,7 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     return lambda: (result, rows_lse)
 
 
-def _short_query(reg: Registry, qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
+def _short_query(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
     """Whether q [B, qL, H, D] with qL > 1 rows runs the split-KV decode
     kernel (each query row with its own causal/window keys, the rows of a kv
     head reading its K/V once) instead of the prefill's 32-row tile: q and
