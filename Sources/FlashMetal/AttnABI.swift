@@ -39,8 +39,9 @@ public func fm_dispatch_attn(
         }
         try reg.withPrivateCopies(op: op, tables) { c in
             (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])
-            try reg.appendingBeforeAttention(appended, kCache: t.k, vCache: t.v, seqlens: c[2], blockTable: c[3],
-                                             op: op, names: names) { append, seqlens in
+            let dense = AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: c[3], names: names)
+            try reg.appendingBeforeAttention(appended, seqlens: c[2], op: op, names: names,
+                                             makeAppend: dense) { append, seqlens in
                 t.seqlensK = seqlens
                 let plan = try AttnDispatcher.makePlan(t, o)
                 if plan.tableBytes == 0 {

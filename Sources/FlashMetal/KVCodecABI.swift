@@ -82,13 +82,14 @@ public func fm_dispatch_kv_codes_decode(
     }
 }
 
-/// Runs a plan's dispatches, with library scratch for its partials when it has any.
-func run(_ plan: KVCodesPlan, on reg: Registry, op: String) throws {
+/// Runs a plan's dispatches after `append`'s, with library scratch for its
+/// partials when it has any.
+func run(_ plan: KVCodesPlan, after append: [Dispatch] = [], on reg: Registry, op: String) throws {
     if plan.tmpBytes == 0 {
-        try reg.run(plan.dispatches(tmp: nil), op: op)
+        try reg.run(append + plan.dispatches(tmp: nil), op: op)
         return
     }
-    try reg.withScratch(op: op, bytes: plan.tmpBytes) { tmp in try reg.run(plan.dispatches(tmp: tmp), op: op) }
+    try reg.withScratch(op: op, bytes: plan.tmpBytes) { tmp in try reg.run(append + plan.dispatches(tmp: tmp), op: op) }
 }
 
 /// One cache argument: its codec and storage, or with a NULL codec a dense
@@ -122,11 +123,8 @@ public func fm_dispatch_kv_codes_attn(
         if s?.seqused_q != nil {
             throw FlashMetalError.value(op, "seqused_q must be NULL: not supported over quantized caches", arg: "seqused_q")
         }
-        if s?.k_new != nil || s?.v_new != nil {
-            let names = newRowNames(err)
-            throw FlashMetalError.value(op, "\(names.k)/\(names.v) must be NULL: rows are appended into quantized "
-                + "caches by fm_dispatch_kv_codes_append", arg: s?.k_new != nil ? names.k : names.v)
-        }
+        let names = newRowNames(err)
+        let appended = try newRows(s?.k_new, s?.v_new, op: op, names: names)
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(
             q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
@@ -134,16 +132,41 @@ public func fm_dispatch_kv_codes_attn(
         t.sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
         t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
         t.lseName = lseName
+        if appended != nil && (s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil) {
+            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_q/cu_seqlens_k "
+                + "must be NULL", arg: "cu_seqlens_k")
+        }
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table"),
                       try optionalTensor(s?.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
                       try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            (t.seqlens, t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[0], c[1], c[2], c[3])
-            try run(try KVCodesAttnDispatcher.makePlan(t, options.pointee, splitKeys: reg.backend.splitsKeysInGrid),
-                    on: reg, op: op)
+            (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[1], c[2], c[3])
+            let (k, v, table) = (t.k, t.v, c[1])
+            try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names) { rows, ends in
+                try KVCodesAppendDispatcher.makeDispatch(kNew: rows.k, vNew: rows.v, k: k, v: v, seqlens: ends,
+                                                         blockTable: table, kNewName: names.k, vNewName: names.v)
+            } _: { append, seqlens in
+                t.seqlens = seqlens
+                try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)
+            }
         }
     }
+}
+
+/// Plans and runs the codes attention after the `append` dispatches; a
+/// [2, B] lengths table (cache_leftpad) is read through a view of one-key
+/// pages whose tables live in scratch as long as the work.
+func attendOverCodes(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, after append: [Dispatch], on reg: Registry,
+                     op: String) throws {
+    func attend(_ t: KVCodesAttnTensors) throws {
+        try run(try KVCodesAttnDispatcher.makePlan(t, o, splitKeys: reg.backend.splitsKeysInGrid), after: append,
+                on: reg, op: op)
+    }
+    let shape = try KVCodesAttnDispatcher.shape(t)
+    guard let pad = try KVCodesLeftPad(seqlens: t.seqlens, lead: shape.lead, blockTable: t.blockTable,
+                                       batch: shape.batch, op: op) else { return try attend(t) }
+    try reg.withScratch(op: op, bytes: pad.byteCount) { m in try attend(pad.view(of: t, memory: m.data)) }
 }
 
 /// fm_dispatch_kv_codes_append of flashmetal.h: new K/V rows encoded into

@@ -38,8 +38,9 @@ public func fm_dispatch_vec_seq(
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
                       try optionalTensor(s?.block_table, op: op, name: "block_table")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            try reg.appendingBeforeAttention(appended, kCache: kt, vCache: vt, seqlens: c[0], blockTable: c[1],
-                                             op: op, names: names) { append, seqlens in
+            let dense = AppendBeforeAttention.dense(kCache: kt, vCache: vt, blockTable: c[1], names: names)
+            try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
+                                             makeAppend: dense) { append, seqlens in
                 let table = c[1]
                 func tensors(_ tmp: TensorRef) -> VecSeqTensors {
                     var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,

@@ -1,17 +1,21 @@
 /// flash_attn_with_kvcache's new k/v: appended into the caches at each
 /// sequence's length, then attended with the lengths grown by the new rows.
-/// The serving entry points (fm_dispatch_attn, fm_dispatch_vec_seq) build
-/// the append's dispatch with this and the attention's from the grown
-/// lengths, both before either runs: a call the append or the attention
-/// refuses writes nothing, so no cache row ever needs restoring.
+/// The serving entry points (fm_dispatch_attn, fm_dispatch_vec_seq over
+/// dense caches, fm_dispatch_kv_codes_attn over quantized ones) build the
+/// append's dispatch with this and the attention's from the grown lengths,
+/// both before either runs: a call the append or the attention refuses
+/// writes nothing, so no cache row ever needs restoring.
 public enum AppendBeforeAttention {
-    /// The append's dispatch (nil when there are no new rows, after the same
-    /// validation) and the lengths after it, written into `grown`
+    /// Makes the append's dispatch (nil when there are no new rows, after
+    /// the same validation) from the new rows and each sequence's length
+    /// (int32 [B]) before it.
+    public typealias MakeAppend = (_ rows: (k: TensorRef, v: TensorRef), _ ends: TensorRef) throws -> Dispatch?
+
+    /// The append's dispatch and the lengths after it, written into `grown`
     /// (`seqlens.usedByteCount` bytes): `seqlens`' shape, row 0 each sequence's length
     /// plus n_new, a [2, B] table's row 1 (each sequence's first key) as given.
-    public static func plan(kNew: TensorRef, vNew: TensorRef, kCache: TensorRef, vCache: TensorRef,
-                            seqlens: TensorRef, blockTable: TensorRef?, grown: UnsafeMutableRawPointer,
-                            op: String, names: (k: String, v: String)) throws -> (append: Dispatch?, grown: TensorRef) {
+    public static func plan(rows: (k: TensorRef, v: TensorRef), seqlens: TensorRef, grown: UnsafeMutableRawPointer,
+                            op: String, makeAppend: MakeAppend) throws -> (append: Dispatch?, grown: TensorRef) {
         try seqlens.requireDType([.i32], op: op, name: "cache_seqlens")
         let paired = seqlens.rank == 2 && seqlens.shape[0] == 2
         if seqlens.rank != 1 && !paired {
@@ -21,21 +25,29 @@ public enum AppendBeforeAttention {
         try seqlens.requireBytes(op: op, name: "cache_seqlens")
         let batch = paired ? seqlens.shape[1] : seqlens.shape[0]
         let ends = paired ? seqlens.reshaped([batch], byteCount: batch * 4) : seqlens
-        var t = KVAppendTensors(kNew: kNew, vNew: vNew, kCache: kCache, vCache: vCache, seqlens: ends,
-                                blockTable: blockTable)
-        (t.kNewName, t.vNewName) = names
-        // Checks every length plus n_new against the capacity (so the sums fit int32) and every table entry;
-        // its errors name the caller's op.
+        // The append checks every length plus n_new against the capacity (so the sums fit int32) and every
+        // table entry; its errors name the caller's op.
         let append: Dispatch?
-        do { append = try KVAppendDispatcher.makeDispatch(t) } catch let e as FlashMetalError { throw e.naming(op: op) }
-        let rows = kNew.shape[1]
+        do { append = try makeAppend(rows, ends) } catch let e as FlashMetalError { throw e.naming(op: op) }
+        let added = rows.k.shape[1]
         let src = seqlens.data.assumingMemoryBound(to: Int32.self)
         let dst = grown.assumingMemoryBound(to: Int32.self)
-        for b in 0..<batch { dst[b] = src[b] + Int32(rows) }
+        for b in 0..<batch { dst[b] = src[b] + Int32(added) }
         if paired { for b in 0..<batch { dst[batch + b] = src[batch + b] } }
         let table = TensorRef(data: grown, byteCount: seqlens.usedByteCount, dtype: .i32, shape: seqlens.shape,
                               name: seqlens.name)
         return (append, table)
+    }
+
+    /// The dense caches' append (kv_append), naming the new rows `names`.
+    public static func dense(kCache: TensorRef, vCache: TensorRef, blockTable: TensorRef?,
+                             names: (k: String, v: String)) -> MakeAppend {
+        { rows, ends in
+            var t = KVAppendTensors(kNew: rows.k, vNew: rows.v, kCache: kCache, vCache: vCache, seqlens: ends,
+                                    blockTable: blockTable)
+            (t.kNewName, t.vNewName) = names
+            return try KVAppendDispatcher.makeDispatch(t)
+        }
     }
 }
 
@@ -43,9 +55,8 @@ extension Registry {
     /// Runs `body` with the append's dispatches ([] when `rows` is nil) and
     /// the lengths the attention reads: `seqlens` as given, or grown by the
     /// new rows (`rows`: k_new, v_new) in scratch that lives as long as the work.
-    public func appendingBeforeAttention(_ rows: (k: TensorRef, v: TensorRef)?, kCache: TensorRef, vCache: TensorRef,
-                                         seqlens: TensorRef?, blockTable: TensorRef?, op: String,
-                                         names: (k: String, v: String),
+    public func appendingBeforeAttention(_ rows: (k: TensorRef, v: TensorRef)?, seqlens: TensorRef?, op: String,
+                                         names: (k: String, v: String), makeAppend: AppendBeforeAttention.MakeAppend,
                                          _ body: ([Dispatch], TensorRef?) throws -> Void) throws {
         guard let rows else { return try body([], seqlens) }
         guard let seqlens else {
@@ -53,9 +64,8 @@ extension Registry {
                                         arg: "cache_seqlens")
         }
         try withScratch(op: op, bytes: max(seqlens.usedByteCount, 4)) { m in
-            let (append, grown) = try AppendBeforeAttention.plan(
-                kNew: rows.k, vNew: rows.v, kCache: kCache, vCache: vCache, seqlens: seqlens, blockTable: blockTable,
-                grown: m.data, op: op, names: names)
+            let (append, grown) = try AppendBeforeAttention.plan(rows: rows, seqlens: seqlens, grown: m.data, op: op,
+                                                                 makeAppend: makeAppend)
             try body(append.map { [$0] } ?? [], grown)
         }
     }

@@ -41,8 +41,10 @@ public enum KVCodesAttnDispatcher {
     /// The op name errors carry.
     public static let op = "kv_codes_attn"
 
-    /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
-    public static func makePlan(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
+    /// A call's shapes, validated: q's batch (sequences), rows, heads and
+    /// head dim, the caches' leading shape and a quantized side's codec.
+    public static func shape(_ t: KVCodesAttnTensors) throws -> (batch: Int, qLen: Int, heads: Int, headDim: Int,
+                                                                  lead: [Int], codec: KVCodec) {
         let q = t.q
         let varlen = t.cuSeqlensQ != nil
         try q.requireDType(KVSide.ioTypes([t.k, t.v]), op: op, name: "q")
@@ -56,6 +58,14 @@ public enum KVCodesAttnDispatcher {
             ? (max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1, q.shape[0], q.shape[1], q.shape[2])
             : (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
         let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
+        return (batch, qLen, heads, d, lead, codec)
+    }
+
+    /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
+    public static func makePlan(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
+        let q = t.q
+        let varlen = t.cuSeqlensQ != nil
+        let (batch, qLen, heads, d, lead, codec) = try shape(t)
         let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
         try Checks.positive("batch", batch, op: op, arg: "q")
         try Checks.positive("seqlen_q", qLen, op: op, arg: "q")

@@ -14,7 +14,6 @@ from ._arrays import BF16, F16, F32, as_input, check_out, tensor
 from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
 from ._interop import wrapper_like
 from ._serving_args import attn_options, seq_tensors, sinks_arg
-from ._kv_codes_leftpad import rows_view
 from .kv_codec import KVCodec, QuantizedKV
 from .registry import Registry
 
@@ -72,15 +71,14 @@ def _in_dtype(o: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
-                       append_slots: Callable[..., Any], in_place: Callable[[Any, str], np.ndarray],
-                       first_keys: np.ndarray | None = None) -> Any:
+                       in_place: Callable[[Any, str], np.ndarray], first_keys: np.ndarray | None = None) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
     there; arguments already read by it). The kernel reads q and writes the
     output in q's dtype (_io says when it cannot). first_keys: cache_leftpad's
     [2, B] table (each sequence's end before the append, then its first
-    key), or None; k/v are appended at `lens` through `bt` either way, and
-    the attention then reads the keys [first, end + n_new) of each sequence
-    through a view of one-key pages (see _kv_codes_leftpad)."""
+    key), or None. One library call encodes k/v into the caches at `lens`
+    through `bt` and attends; it validates both before either runs, so a
+    refused call leaves the caches as they were."""
     appending = ka is not None
     kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
     vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
@@ -94,37 +92,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     o32 = out_arr if out_arr is not None and io == qa.dtype else np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
-    ffi = _native.ffi()
-
-    def attend(seqlens: np.ndarray | None) -> None:
-        if first_keys is None or kc.ndim == 4 and kc.shape[1] == 0:  # no rows: every sequence is empty anyway
-            _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse)
-            return
-        ends = first_keys[0] if seqlens is None else seqlens
-        view, rows, counts = rows_view(sides, bt, ends, first_keys[1], b)
-        _attn_dispatch(reg, _OP, q32, view, o32, opts, seqlens_k=counts, block_table=rows, sinks=sinks, lse=lse)
-
-    if not appending:
-        attend(lens)
-    else:
-        assert lens is not None and ka is not None and va is not None
-        # A failed attention restores the rows the append overwrote.
-        slots = append_slots(kc, lens, ka, bt)
-        arrays = [a for a in (kc, kn, vc, vn) if a is not None]
-        saved = None if slots is None else [a[slots] for a in arrays]
-        appended = False
-        try:
-            with reg.batch():
-                _native.call(reg, "fm_dispatch_kv_codes_append", tensor(ffi, ka), tensor(ffi, va), kcodec,
-                             tensor(ffi, kc), tensor(ffi, kn), vcodec, tensor(ffi, vc), tensor(ffi, vn),
-                             tensor(ffi, lens), tensor(ffi, bt), op=_OP, keep=(ka, va, kc, kn, vc, vn, lens, bt))
-                appended = True
-                attend((lens.astype(np.int64) + (ka.shape[1] if ka.ndim == 4 else 0)).astype(np.int32))
-        except BaseException:
-            if appended and saved is not None:
-                for a, old in zip(arrays, saved):
-                    a[slots] = old
-            raise
+    _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=lens if first_keys is None else first_keys,
+                   block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va)
     result = _in_dtype(o32, qa.dtype)
     if out_arr is not None and result is not out_arr:
         out_arr[...] = result

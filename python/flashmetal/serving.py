@@ -360,7 +360,7 @@ def flash_attn_with_kvcache(
             qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
             ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
-                                  want_lse, out, _append_slots, _in_place, first_keys)
+                                  want_lse, out, _in_place, first_keys)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.
@@ -660,29 +660,6 @@ def _append_then_attend(reg: Registry, ka: np.ndarray | Callable[[], np.ndarray]
         if callable(ka):
             ka = ka()
         return attend((ka, va))
-
-
-def _append_slots(cache: np.ndarray, lens: np.ndarray, k_new: np.ndarray,
-                  table: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(first index, row) of every cache row an append of k_new at `lens`
-    writes, for fancy indexing of the cache; None when the arguments are not
-    ones the append accepts (it then writes nothing)."""
-    if cache.ndim != 4 or k_new.ndim != 4 or lens.ndim != 1 or lens.shape[0] != k_new.shape[0]:
-        return None
-    batch = np.repeat(np.arange(lens.shape[0]), k_new.shape[1])
-    pos = (lens.astype(np.int64)[:, None] + np.arange(k_new.shape[1])).reshape(-1)
-    if table is None:
-        first, row = batch, pos
-    else:
-        if table.ndim != 2 or table.shape[0] != lens.shape[0] or cache.shape[1] == 0:
-            return None
-        col = pos // cache.shape[1]
-        if np.any((col < 0) | (col >= table.shape[1])):
-            return None
-        first, row = table[batch, col].astype(np.int64), pos % cache.shape[1]
-    if np.any((first < 0) | (first >= cache.shape[0]) | (row < 0) | (row >= cache.shape[1])):
-        return None
-    return first, row
 
 
 def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> bool:

@@ -217,15 +217,34 @@ def test_errors_name_the_function_argument_and_value(registry, rng):
 
 
 def test_a_failed_attention_leaves_the_caches_as_they_were(registry, rng):
-    """The append runs first; when the attention then refuses its arguments
-    (sinks of the wrong shape), the code rows it overwrote are restored."""
+    """The library validates the append and the attention before either
+    runs: when the attention refuses its arguments (sinks of the wrong
+    shape), no code row was written."""
     s = Setup(rng, registry)
     before = [a.copy() for a in (s.k.codes, s.k.norms, s.v.codes, s.v.norms)]
     q = randn(rng, (2, 1, 4, 64), F32)
     with pytest.raises(ValueError, match=re.escape("sinks must have shape [4] (num_heads), got [3]")):
         s.run(q, sinks=np.zeros(3, np.float32))
     for a, b0, n in zip((s.k.codes, s.k.norms, s.v.codes, s.v.norms), before, ("kc", "kn", "vc", "vn")):
-        assert_bits_equal(a, b0, f"{n} restored")
+        assert_bits_equal(a, b0, f"{n} unchanged")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_refused_leftpad_call_writes_nothing(registry, rng, layout):
+    """cache_leftpad with k/v appended, refused after the append's own
+    checks passed (sinks of the wrong shape), inside a batch scope: no code
+    row was written."""
+    s = Setup(rng, registry, paged=layout == "paged")
+    before = [a.copy() for a in (s.k.codes, s.k.norms, s.v.codes, s.v.norms)]
+    q = randn(rng, (2, 3, 4, 64), F32)
+    lp = np.array([1, 4], np.int32)
+    with pytest.raises(ValueError, match=re.escape("sinks must have shape [4] (num_heads), got [3]")):
+        with registry.batch():
+            fm.flash_attn_with_kvcache(q, s.k, s.v, s.k_new, s.v_new, cache_seqlens=s.lens, cache_leftpad=lp,
+                                       block_table=s.table, causal=True, sinks=np.zeros(3, np.float32),
+                                       registry=registry)
+    for a, b0, n in zip((s.k.codes, s.k.norms, s.v.codes, s.v.norms), before, ("kc", "kn", "vc", "vn")):
+        assert_bits_equal(a, b0, f"{n} unchanged")
 
 
 @pytest.mark.parametrize("dense_side", ["k", "v"])

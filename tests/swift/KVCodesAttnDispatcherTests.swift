@@ -125,4 +125,48 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
             }
         }
     }
+
+    func testLeftPadReadsEachSequenceThroughOneKeyPages() throws {
+        // 5 pages of 4 keys, Hkv 2; sequence 0 is keys [2, 7) through pages 4, 1; sequence 1 keys [0, 3) of page 0.
+        let q = HostTensor([2, 1, 4, 64], .f32), out = HostTensor([2, 1, 4, 64], .f32)
+        let kc = HostTensor([5, 4, 2, 32], .u8), kn = HostTensor([5, 4, 2, 1], .f32)
+        let vd = HostTensor([5, 4, 2, 64], .f32)
+        let table = int32s([4, 1, 0, 2], shape: [2, 2])
+        let memory = UnsafeMutableRawPointer.allocate(byteCount: 64, alignment: 16)
+        defer { memory.deallocate() }
+        try withExtendedLifetime([q, out, kc, kn, vd, table]) {
+            let t = KVCodesAttnTensors(q: q.ref, k: .codes(QuantizedCache(codec: codec, codes: kc.ref, norms: kn.ref)),
+                                       v: .dense(vd.ref), out: out.ref)
+            func pad(_ ends: [Int32], _ starts: [Int32], table bt: HostTensor? = nil) throws -> KVCodesLeftPad? {
+                let lens = int32s(ends + starts, shape: [2, 2])
+                return try withExtendedLifetime(lens) {
+                    try KVCodesLeftPad(seqlens: lens.ref, lead: [5, 4, 2], blockTable: (bt ?? table).ref, batch: 2,
+                                       op: KVCodesAttnDispatcher.op)
+                }
+            }
+            let p = try XCTUnwrap(try pad([7, 3], [2, 0]))
+            XCTAssertEqual(p.width, 5)
+            XCTAssertEqual(p.byteCount, 2 * 6 * 4)
+            let v = p.view(of: t, memory: memory)
+            let rows = (0..<10).map { v.blockTable!.data.load(fromByteOffset: 4 * $0, as: Int32.self) }
+            // Physical row = page * 4 + key % 4: keys 2, 3 of page 4, then 4, 5, 6 of page 1; keys 0-2 of page 0.
+            XCTAssertEqual(rows, [18, 19, 4, 5, 6, 0, 1, 2, 0, 0])
+            XCTAssertEqual((0..<2).map { v.seqlens!.data.load(fromByteOffset: 4 * $0, as: Int32.self) }, [5, 3])
+            XCTAssertEqual(v.k.quantized?.codes.shape, [20, 1, 2, 32])
+            XCTAssertEqual(v.k.quantized?.norms.shape, [20, 1, 2, 1])
+            if case let .dense(x) = v.v { XCTAssertEqual(x.shape, [20, 1, 2, 64]) } else { XCTFail("v stays dense") }
+            _ = try KVCodesAttnDispatcher.makePlan(v, options())
+            // A [B] table is read as it is.
+            let lens = int32s([7, 3], shape: [2])
+            try withExtendedLifetime(lens) {
+                XCTAssertNil(try KVCodesLeftPad(seqlens: lens.ref, lead: [5, 4, 2], blockTable: table.ref, batch: 2, op: "x"))
+            }
+            expectFMError(KVCodesAttnDispatcher.op, contains: "cache_leftpad[1] = 9 is out of range [0, 8]") {
+                _ = try pad([7, 3], [2, 9])
+            }
+            expectFMError(KVCodesAttnDispatcher.op, contains: "block_table[0, 1] = 5 is out of range [0, 5)") {
+                _ = try pad([7, 3], [2, 0], table: self.int32s([4, 5, 0, 2], shape: [2, 2]))
+            }
+        }
+    }
 }

@@ -174,8 +174,8 @@ typedef struct FMSeqTensors {
                                    * k/v): appended into k/v, the caches, at each sequence's length
                                    * (fm_dispatch_kv_append), then attended with the lengths grown by
                                    * n_new; the append and the attention are validated before either
-                                   * runs, so a call either refuses appends nothing. Not taken by
-                                   * fm_dispatch_kv_codes_attn (fm_dispatch_kv_codes_append appends) */
+                                   * runs, so a call either refuses appends nothing (into quantized
+                                   * caches under fm_dispatch_kv_codes_attn: fm_dispatch_kv_codes_append) */
     const FMTensor *v_new;        /* [B, n_new, Hkv, Dv] */
 } FMSeqTensors;
 
@@ -453,7 +453,8 @@ int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const F
  * [B, cap, Hkv], or [num_pages, page_size, Hkv] with seq->block_table; at
  * most one side dense: a NULL codec, its cache [..., Hkv, D] (float32,
  * float16 or bfloat16) as codes and NULL norms. seq:
- * seqlens_k, block_table, sinks, lse ([B, H, qL]). Varlen: cu_seqlens_q
+ * seqlens_k ([B], or [2, B] with first keys), block_table, sinks, lse
+ * ([B, H, qL]), k_new/v_new (encoded into the caches first). Varlen: cu_seqlens_q
  * with q/out [total_q, H, D] and lse [H, total_q], and cu_seqlens_k (key
  * counts; the caches must then be paged) in place of seqlens_k; options as
  * fm_dispatch_attn's (max_seqlen_* bound the varlen lengths). */
