@@ -44,6 +44,7 @@ public func fm_dispatch_attn(
                                              makeAppend: dense) { append, seqlens in
                 t.seqlensK = seqlens
                 let plan = try AttnDispatcher.makePlan(t, o)
+                plan.clearUnownedRows()
                 if plan.tableBytes == 0 {
                     try reg.run(append + plan.dispatches(tables: nil), op: op)
                 } else {

@@ -114,9 +114,34 @@ public struct AttnPlan {
     /// Bytes of library memory `dispatches` writes tables to, living as long as the work.
     public let tableBytes: Int
     let build: (UnsafeMutableRawPointer?) -> [Dispatch]
+    /// Packed query rows after cu_seqlens_q[B] (q longer than its sequences:
+    /// a batch padded to a fixed size), with the out and lse they own.
+    var unownedRows: Range<Int> = 0..<0
+    var out: TensorRef? = nil, lse: TensorRef? = nil
+
+    init(tableBytes: Int, build: @escaping (UnsafeMutableRawPointer?) -> [Dispatch]) {
+        self.tableBytes = tableBytes
+        self.build = build
+    }
 
     /// The dispatches, with `tables` (of tableBytes, or nil when 0).
     public func dispatches(tables: UnsafeMutableRawPointer?) -> [Dispatch] { build(tables) }
+
+    /// Makes the packed rows no sequence owns read as rows that see nothing
+    /// (out 0, lse -inf) rather than whatever the memory held: no kernel
+    /// writes them. Written now, on the host; run it once the call is
+    /// known good, before its work.
+    public func clearUnownedRows() {
+        guard !unownedRows.isEmpty, let out else { return }
+        let rowBytes = out.shape.dropFirst().reduce(1, *) * out.dtype.byteSize
+        (out.data + unownedRows.lowerBound * rowBytes).initializeMemory(as: UInt8.self, repeating: 0,
+                                                                        count: unownedRows.count * rowBytes)
+        guard let lse else { return }  // [H, total_q]
+        let values = lse.data.assumingMemoryBound(to: Float.self)
+        for h in 0..<lse.shape[0] {
+            for row in unownedRows { values[h * lse.shape[1] + row] = -.infinity }
+        }
+    }
 }
 
 /// The serving prefill (flashmetal_kernels.h "serving extension"): the prefill
@@ -228,17 +253,23 @@ public enum AttnDispatcher {
                                                maskParams: nil, geometry: geo, causal: o.causal, ext: ext)]
         }
 
-        guard let split = lens.usedRows else {
-            return AttnPlan(tableBytes: 0) { _ in dispatches(t, batch: batch, maxQ: lens.maxQ) }
+        var plan: AttnPlan
+        if let split = lens.usedRows {
+            // The kernel reads the split's copies, so the caller's tables meet the outputs here.
+            try Dispatch.requireDisjoint(
+                [t.out, t.lse].compactMap { $0 },
+                from: [t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable, t.sequsedQ, t.alibiSlopes].compactMap { $0 },
+                op: op)
+            plan = AttnPlan(tableBytes: split.bytes(t)) { memory in
+                dispatches(split.write(t, to: memory!), batch: 2 * batch, maxQ: split.maxQ)
+            }
+        } else {
+            plan = AttnPlan(tableBytes: 0) { _ in dispatches(t, batch: batch, maxQ: lens.maxQ) }
         }
-        // The kernel reads the split's copies, so the caller's tables meet the outputs here.
-        try Dispatch.requireDisjoint(
-            [t.out, t.lse].compactMap { $0 },
-            from: [t.cuSeqlensQ, t.cuSeqlensK, t.seqlensK, t.blockTable, t.sequsedQ, t.alibiSlopes].compactMap { $0 },
-            op: op)
-        return AttnPlan(tableBytes: split.bytes(t)) { memory in
-            dispatches(split.write(t, to: memory!), batch: 2 * batch, maxQ: split.maxQ)
+        if varlenQ {
+            (plan.unownedRows, plan.out, plan.lse) = (min(lens.totalQ, qs[0])..<qs[0], t.out, t.lse)
         }
+        return plan
     }
 }
 
@@ -249,6 +280,8 @@ public enum AttnDispatcher {
 struct SequenceLengths {
     /// The longest query and key sequence.
     let maxQ: Int, maxK: Int
+    /// Query rows of all sequences (cu_seqlens_q[B] when packed).
+    let totalQ: Int
     /// seqlens_k is [2, B]: each sequence's first key follows the lengths.
     var keyStarts = false
     /// seqused_q's split of every sequence, when given.
@@ -304,6 +337,7 @@ struct SequenceLengths {
             usedRows = UsedRowsSplit(cuSeqlensQ: cuQ, used: used, lengths: qLens)
         }
         maxQ = qLens.max() ?? 0
+        totalQ = qLens.reduce(0, +)
         maxK = kLens.max() ?? 0
     }
 }

@@ -260,14 +260,11 @@ def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, s
            want_lse: bool, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """The varlen prefill of the packed q [total_q, H, D] over the cache
     (lengths `seqlens`, [B] or [2, B] with key starts). Returns (out, lse
-    [H, total_q]); rows after cu_seqlens_q[-1] read 0 and -inf."""
+    [H, total_q]); the library makes rows after cu_seqlens_q[-1] read 0 and
+    -inf."""
     from ._serving_args import seq_tensors
     result = np.empty(q.shape[:-1] + vc.shape[-1:], dtype=q.dtype) if out is None else out
     lse = np.empty((q.shape[1], q.shape[0]), dtype=F32) if want_lse else None
-    end = int(r.cu_q[-1])
-    result[end:] = 0
-    if lse is not None:
-        lse[:, end:] = -np.inf
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=r.cu_q, seqlens_k=seqlens, block_table=table, sinks=sinks, lse=lse,
                             alibi_slopes=alibi)

@@ -199,7 +199,6 @@ def flash_attn_varlen_func(
     out = np.empty(out_shape(qa, va), dtype=qa.dtype)
     used_q = None if seqused_q is None else as_index(seqused_q, op, "seqused_q")
     used_k = None if seqused_k is None else as_index(seqused_k, op, "seqused_k")
-    _clear_rows_after_the_last_sequence(out, lse, cq)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used_k, seqused_q=used_q,
                             block_table=bt, sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)
@@ -514,18 +513,6 @@ def _with_probs(q: Any, out: np.ndarray, lse: np.ndarray | None) -> Any:
     if lse is None:
         return wrap(out)
     return wrap(out), wrap(lse), wrap(np.empty((0,), dtype=out.dtype))
-
-
-def _clear_rows_after_the_last_sequence(out: np.ndarray, lse: np.ndarray | None, cu_seqlens_q: np.ndarray) -> None:
-    """q may hold more tokens than cu_seqlens_q[-1] (a batch padded to a fixed
-    size); no sequence owns those rows and no kernel writes them: they read as
-    rows that see nothing (0, lse -inf) rather than uninitialised memory."""
-    if out.ndim != 3 or cu_seqlens_q.ndim != 1 or cu_seqlens_q.shape[0] == 0:
-        return  # the library rejects these shapes
-    end = min(max(int(cu_seqlens_q[-1]), 0), out.shape[0])
-    out[end:] = 0
-    if lse is not None:
-        lse[:, end:] = -np.inf
 
 
 def _head_dim(qa: np.ndarray) -> int:

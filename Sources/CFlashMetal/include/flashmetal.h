@@ -382,6 +382,7 @@ int fm_dispatch_sdpa(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
  * q/out bfloat16 or float16 [B, qL, H, D] (or [total_q, H, D] with
  * cu_seqlens_q); k/v like q's dtype: [B, cap, Hkv, D], [total_k, Hkv, D]
  * with cu_seqlens_k, or [num_pages, page_size, Hkv, D] with block_table.
+ * Packed rows after cu_seqlens_q[B] belong to no sequence: out 0, lse -inf.
  * seq may be NULL (every field NULL). */
 int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                      const FMTensor *v, const FMSeqTensors *seq, const FMTensor *out,
