@@ -33,25 +33,40 @@ public func fm_dispatch_attn(
                       try optionalTensor(s.seqused_q, op: op, name: "seqused_q")]
         let names = newRowNames(err)
         let appended = try newRows(s.k_new, s.v_new, op: op, names: names)
-        if appended != nil && (s.cu_seqlens_q != nil || s.cu_seqlens_k != nil) {
-            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_q/cu_seqlens_k "
-                + "must be NULL", arg: "cu_seqlens_k")
+        if appended != nil && s.cu_seqlens_k != nil {
+            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_k must be NULL "
+                + "(cu_seqlens_k_new splits the new rows)", arg: "cu_seqlens_k")
         }
-        try reg.withPrivateCopies(op: op, tables) { c in
+        if appended == nil && s.cu_seqlens_k_new != nil {
+            throw FlashMetalError.value(op, "cu_seqlens_k_new is given without \(names.k) and \(names.v) (it splits the "
+                + "new keys between the sequences)", arg: "cu_seqlens_k_new")
+        }
+        let ragged = try optionalTensor(s.cu_seqlens_k_new, op: op, name: "cu_seqlens_k_new")
+        let newRowCount = ragged == nil ? 0 : appended?.k.shape.first ?? 0
+        try reg.withPrivateCopies(op: op, tables + [ragged]) { c in
             (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])
-            let dense = AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: c[3], names: names)
-            try reg.appendingBeforeAttention(appended, seqlens: c[2], op: op, names: names,
-                                             makeAppend: dense) { append, seqlens in
-                t.seqlensK = seqlens
-                let plan = try AttnDispatcher.makePlan(t, o)
-                plan.clearUnownedRows()
-                if plan.tableBytes == 0 {
-                    try reg.run(append + plan.dispatches(tables: nil), op: op)
-                } else {
-                    try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
-                        try reg.run(append + plan.dispatches(tables: m.data), op: op)
+            func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
+                try reg.appendingBeforeAttention(appended, seqlens: c[2], op: op, names: names,
+                                                 makeAppend: makeAppend) { append, seqlens in
+                    t.seqlensK = seqlens
+                    let plan = try AttnDispatcher.makePlan(t, o)
+                    plan.clearUnownedRows()
+                    if plan.tableBytes == 0 {
+                        try reg.run(append + plan.dispatches(tables: nil), op: op)
+                    } else {
+                        try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
+                            try reg.run(append + plan.dispatches(tables: m.data), op: op)
+                        }
                     }
                 }
+            }
+            guard let cu = c[5] else {
+                return try attend(AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: c[3], names: names))
+            }
+            // Ragged new rows: their per-row tables live in scratch as long as the work.
+            try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
+                let split = RaggedAppend(kCache: t.k, vCache: t.v, blockTable: c[3], cuSeqlensKNew: cu, names: names)
+                try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
             }
         }
     }

@@ -123,6 +123,10 @@ public func fm_dispatch_kv_codes_attn(
         if s?.seqused_q != nil {
             throw FlashMetalError.value(op, "seqused_q must be NULL: not supported over quantized caches", arg: "seqused_q")
         }
+        if s?.cu_seqlens_k_new != nil {
+            throw FlashMetalError.value(op, "cu_seqlens_k_new must be NULL: ragged new rows are not supported over "
+                + "quantized caches", arg: "cu_seqlens_k_new")
+        }
         let names = newRowNames(err)
         let appended = try newRows(s?.k_new, s?.v_new, op: op, names: names)
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
@@ -144,8 +148,9 @@ public func fm_dispatch_kv_codes_attn(
             (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[1], c[2], c[3])
             let (k, v, table) = (t.k, t.v, c[1])
             try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names) { rows, ends in
-                try KVCodesAppendDispatcher.makeDispatch(kNew: rows.k, vNew: rows.v, k: k, v: v, seqlens: ends,
-                                                         blockTable: table, kNewName: names.k, vNewName: names.v)
+                (try KVCodesAppendDispatcher.makeDispatch(kNew: rows.k, vNew: rows.v, k: k, v: v, seqlens: ends,
+                                                          blockTable: table, kNewName: names.k, vNewName: names.v),
+                 Array(repeating: rows.k.shape[1], count: ends.shape[0]))
             } _: { append, seqlens in
                 t.seqlens = seqlens
                 try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)

@@ -23,6 +23,10 @@ public func fm_dispatch_vec_seq(
         if s?.seqused_q != nil {
             throw FlashMetalError.value(op, "seqused_q must be NULL: decode has one query row per sequence", arg: "seqused_q")
         }
+        if s?.cu_seqlens_k_new != nil {
+            throw FlashMetalError.value(op, "cu_seqlens_k_new must be NULL: decode appends k_new [B, n_new, Hkv, D]",
+                                        arg: "cu_seqlens_k_new")
+        }
         // The flash-attn function the caller runs names k, v and lse its own way.
         let kind = publicOp(err).flatMap { AttnOp(name: $0) }
         let (kName, vName) = (kind?.kName ?? "k", kind?.vName ?? "v")

@@ -8,8 +8,9 @@
 public enum AppendBeforeAttention {
     /// Makes the append's dispatch (nil when there are no new rows, after
     /// the same validation) from the new rows and each sequence's length
-    /// (int32 [B]) before it.
-    public typealias MakeAppend = (_ rows: (k: TensorRef, v: TensorRef), _ ends: TensorRef) throws -> Dispatch?
+    /// (int32 [B]) before it; with it the rows each sequence gains.
+    public typealias MakeAppend = (_ rows: (k: TensorRef, v: TensorRef), _ ends: TensorRef) throws
+        -> (dispatch: Dispatch?, added: [Int])
 
     /// The append's dispatch and the lengths after it, written into `grown`
     /// (`seqlens.usedByteCount` bytes): `seqlens`' shape, row 0 each sequence's length
@@ -27,16 +28,15 @@ public enum AppendBeforeAttention {
         let ends = paired ? seqlens.reshaped([batch], byteCount: batch * 4) : seqlens
         // The append checks every length plus n_new against the capacity (so the sums fit int32) and every
         // table entry; its errors name the caller's op.
-        let append: Dispatch?
+        let append: (dispatch: Dispatch?, added: [Int])
         do { append = try makeAppend(rows, ends) } catch let e as FlashMetalError { throw e.naming(op: op) }
-        let added = rows.k.shape[1]
         let src = seqlens.data.assumingMemoryBound(to: Int32.self)
         let dst = grown.assumingMemoryBound(to: Int32.self)
-        for b in 0..<batch { dst[b] = src[b] + Int32(added) }
+        for b in 0..<batch { dst[b] = src[b] + Int32(append.added[b]) }
         if paired { for b in 0..<batch { dst[batch + b] = src[batch + b] } }
         let table = TensorRef(data: grown, byteCount: seqlens.usedByteCount, dtype: .i32, shape: seqlens.shape,
                               name: seqlens.name)
-        return (append, table)
+        return (append.dispatch, table)
     }
 
     /// The dense caches' append (kv_append), naming the new rows `names`.
@@ -46,7 +46,7 @@ public enum AppendBeforeAttention {
             var t = KVAppendTensors(kNew: rows.k, vNew: rows.v, kCache: kCache, vCache: vCache, seqlens: ends,
                                     blockTable: blockTable)
             (t.kNewName, t.vNewName) = names
-            return try KVAppendDispatcher.makeDispatch(t)
+            return (try KVAppendDispatcher.makeDispatch(t), Array(repeating: rows.k.shape[1], count: ends.shape[0]))
         }
     }
 }

@@ -9,18 +9,15 @@ every sequence). Its new keys are appended at its cache rows
 those keys, bottom-right aligned per sequence (the varlen prefill over the
 cache, with the grown lengths as the cache lengths).
 
-The append runs as one kv_append over a token-major view: every new key is
-its own one-row "sequence" whose one-page table names the page (or the
-cache row) it lands in and whose start is its row there, so sequences of
-different lengths share one dispatch; the rotary kernel likewise rotates
-each row at its own position. Every argument is checked here, before any
-kernel runs: the append then has nothing left to refuse.
+The library appends and attends in one call (FMSeqTensors.cu_seqlens_k_new),
+validating both before either runs; this module packs the caller's
+arguments, checks what it reads itself (the offsets it packs and rotates
+by), and rotates each row at its own position.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
-from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +26,9 @@ from ._arrays import F32, I32, as_index, tensor
 from ._errors import InvalidValueError
 
 _KVCACHE = "flash_attn_with_kvcache"
-T = TypeVar("T")
+# Rows appended before the attention: k, v and cu_seqlens_k_new (None: k/v
+# [B, n_new, Hkv, D], the same count for every sequence).
+NewRows = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
 def _error(message: str, argument: str) -> InvalidValueError:
@@ -133,64 +132,6 @@ def layout(qa: np.ndarray, ka: np.ndarray | None, va: np.ndarray | None, cu_seql
     return Ragged(batch, cu_q, cu_k, q, k, v, max_q, dense_q)
 
 
-def check_room(r: Ragged, lens: np.ndarray, capacity: int) -> None:
-    """Every sequence's new keys fit its cache: cache_seqlens[b] +
-    new_lens[b] <= capacity (its cache row, or its block-table row's keys)."""
-    if lens.shape != (r.batch,):
-        raise _error(f"cache_seqlens must have shape [{r.batch}] (the sequences of cu_seqlens_q), got "
-                     f"{list(lens.shape)}", "cache_seqlens")
-    for b, n in enumerate(lens.tolist()):
-        if not 0 <= n <= capacity:
-            raise _error(f"cache_seqlens[{b}] = {n} is out of range [0, {capacity}] (the keys a sequence's cache "
-                         "holds)", "cache_seqlens")
-    new = r.new_lens
-    for b in np.flatnonzero(lens.astype(np.int64) + new > capacity).tolist():
-        name = "cu_seqlens_k_new" if r.k is not None and r.cu_k is not None else "k"
-        raise _error(f"sequence {b}'s new keys overflow its cache: cache_seqlens[{b}] + {int(new[b])} new keys "
-                     f"({name}) = {int(lens[b]) + int(new[b])} exceeds the {capacity} keys a sequence's cache holds",
-                     name)
-
-
-def check_pages(table: np.ndarray, ends: np.ndarray, num_pages: int, page_size: int) -> None:
-    """Every block-table entry of a page in use (below each sequence's end
-    after the append) names a page of the cache."""
-    if table.ndim != 2 or table.shape[0] != ends.shape[0]:
-        raise _error(f"block_table must be int32 [{ends.shape[0]}, max_pages], got shape {list(table.shape)}",
-                     "block_table")
-    for b, end in enumerate(ends.tolist()):
-        used = table[b, :(end + page_size - 1) // page_size]
-        bad = np.flatnonzero((used < 0) | (used >= num_pages))
-        if bad.size:
-            j = int(bad[0])
-            raise _error(f"block_table[{b}, {j}] = {int(used[j])} is out of range [0, {num_pages}) (the pages of "
-                         "k_cache)", "block_table")
-
-
-def token_slots(r: Ragged, lens: np.ndarray, table: np.ndarray | None, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(page [T, 1], row [T]) of each new key: the cache page (or, with no
-    table, the cache row b) and the row in it where it lands. Two keys
-    landing on one slot (sequences sharing a page) are an error."""
-    assert r.cu_k is not None  # appending
-    new = r.new_lens
-    seq = np.repeat(np.arange(r.batch), new)
-    pos = np.repeat(lens.astype(np.int64), new) + (np.arange(seq.shape[0]) - np.repeat(r.cu_k[:-1], new))
-    if table is None:
-        page, row = seq.astype(np.int64), pos
-    else:
-        page, row = table[seq, pos // page_size].astype(np.int64), pos % page_size
-        slot = page * page_size + row
-        order = np.argsort(slot, kind="stable")
-        same = np.flatnonzero(slot[order][1:] == slot[order][:-1])
-        if same.size:
-            i, j = order[int(same[0])], order[int(same[0]) + 1]
-            a, b = int(seq[i]), int(seq[j])
-            raise _error(f"block_table[{a}, {int(pos[i] // page_size)}] and block_table[{b}, "
-                         f"{int(pos[j] // page_size)}] both name page {int(page[i])}, and new keys of sequences "
-                         f"{a} and {b} would both land in its row {int(row[i])}: sequences may not share the slots "
-                         "an append writes", "block_table")
-    return np.ascontiguousarray(page.astype(I32).reshape(-1, 1)), np.ascontiguousarray(row.astype(I32))
-
-
 def positions(r: Ragged, lens: np.ndarray, *, rows: np.ndarray, cu: np.ndarray, per_row: bool) -> np.ndarray:
     """The rotary position of every packed row: its sequence's
     cache_seqlens, plus its index in the sequence when `per_row`."""
@@ -229,47 +170,23 @@ def rotate_rows(reg: Any, x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], 
     return out.reshape(x.shape)
 
 
-def append_then_attend(reg: Any, kc: np.ndarray, vc: np.ndarray, k_tok: Callable[[], np.ndarray] | np.ndarray,
-                       v: np.ndarray, page: np.ndarray, row: np.ndarray, attend: Callable[[], T]) -> T:
-    """Appends the new keys (k_tok may be a function dispatching the work
-    that makes them, the rotation) in one kv_append over the token-major
-    view, then `attend()`, in one batch scope; if anything fails after the
-    append, the overwritten cache rows are restored once the scope ended."""
-    appended = False
-    slots = (page[:, 0].astype(np.int64), row.astype(np.int64))
-    saved = (kc[slots], vc[slots])
-    try:
-        with reg.batch():
-            k = k_tok() if callable(k_tok) else k_tok
-            if k.shape[0]:
-                kt, vt = k.reshape(k.shape[0], 1, *k.shape[1:]), v.reshape(v.shape[0], 1, *v.shape[1:])
-                ffi = _native.ffi()
-                _native.call(reg, "fm_dispatch_kv_append", tensor(ffi, kt), tensor(ffi, vt), tensor(ffi, kc),
-                             tensor(ffi, vc), tensor(ffi, row), tensor(ffi, page), op=_KVCACHE,
-                             keep=(kt, vt, kc, vc, row, page))
-                appended = True
-            return attend()
-    except BaseException:
-        if appended:
-            kc[slots], vc[slots] = saved
-        raise
-
-
 def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, seqlens: np.ndarray | None,
            table: np.ndarray | None, opts: Any, *, sinks: np.ndarray | None, alibi: np.ndarray | None,
-           want_lse: bool, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+           want_lse: bool, out: np.ndarray | None, new: NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
     """The varlen prefill of the packed q [total_q, H, D] over the cache
-    (lengths `seqlens`, [B] or [2, B] with key starts). Returns (out, lse
-    [H, total_q]); the library makes rows after cu_seqlens_q[-1] read 0 and
-    -inf."""
+    (lengths `seqlens`, [B] or [2, B] with key starts), after `new`'s rows
+    are appended (the library validates both before either runs). Returns
+    (out, lse [H, total_q]); the library makes rows after cu_seqlens_q[-1]
+    read 0 and -inf."""
     from ._serving_args import seq_tensors
     result = np.empty(q.shape[:-1] + vc.shape[-1:], dtype=q.dtype) if out is None else out
     lse = np.empty((q.shape[1], q.shape[0]), dtype=F32) if want_lse else None
+    k_new, v_new, cu_k = (None, None, None) if new is None else new
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=r.cu_q, seqlens_k=seqlens, block_table=table, sinks=sinks, lse=lse,
-                            alibi_slopes=alibi)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, q), tensor(ffi, kc), tensor(ffi, vc), seq, tensor(ffi, result),
-                 opts, op=_KVCACHE, keep=(q, kc, vc, r.cu_q, seqlens, table, sinks, lse, alibi, result, keep))
+                 opts, op=_KVCACHE, keep=(q, kc, vc, r.cu_q, seqlens, table, sinks, lse, alibi, result, new, keep))
     return result, lse
 
 

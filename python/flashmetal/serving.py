@@ -394,7 +394,8 @@ def flash_attn_with_kvcache(
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                     int(attention_chunk))
         result, lse = _ragged_kvcache(reg, rag, kc, vc, given_lens, lens, bt, tables, interleaved, per_row, opts,
-                                      sinks=sk, alibi=slopes, want_lse=want_lse, out=out_arr)
+                                      ragged_k=cu_seqlens_k_new is not None, sinks=sk, alibi=slopes,
+                                      want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
     short = _short_query(qa, kc, vc)
     if not appending:
@@ -442,55 +443,41 @@ def _returned(q: Any, out: Any, result: np.ndarray, lse: np.ndarray | None) -> A
 
 def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.ndarray, given_lens: np.ndarray | None,
                     lens: np.ndarray | None, bt: np.ndarray | None, tables: tuple[np.ndarray, np.ndarray] | None,
-                    interleaved: bool, per_row: bool, opts: Any, *, sinks: np.ndarray | None,
+                    interleaved: bool, per_row: bool, opts: Any, *, ragged_k: bool, sinks: np.ndarray | None,
                     alibi: np.ndarray | None, want_lse: bool, out: np.ndarray | None
                     ) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_with_kvcache with cu_seqlens_q / cu_seqlens_k_new (the
-    arguments checked in _kvcache_ragged before any kernel runs): the new
-    keys appended per sequence, then the varlen prefill over the cache."""
+    ragged arguments checked in _kvcache_ragged): one library call appends
+    the new keys per sequence (ragged_k: split by cu_seqlens_k_new, else
+    the same count for every sequence), then runs the varlen prefill over
+    the cache; it validates both before either runs."""
     out_flat = None if out is None else out.reshape(out_shape(rag.q, vc))
 
-    def attend(q: np.ndarray, seqlens: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        res, lse = _ragged.attend(reg, rag, q, kc, vc, seqlens, bt, opts, sinks=sinks, alibi=alibi,
-                                  want_lse=want_lse, out=out_flat)
+    def attend(q: np.ndarray, new: _ragged.NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
+        res, lse = _ragged.attend(reg, rag, q, kc, vc, lens, bt, opts, sinks=sinks, alibi=alibi,
+                                  want_lse=want_lse, out=out_flat, new=new)
         return _ragged.unpack(rag, res, lse)
 
     if rag.k is None or rag.v is None:
-        return attend(rag.q, lens)
-    assert given_lens is not None  # required when appending
-    if kc.ndim != 4:
-        raise InvalidValueError(_KVCACHE, f"k_cache must have rank 4 ([B, cap, Hkv, D] or [num_pages, page_size, "
-                                f"Hkv, D]), got shape {list(kc.shape)}", argument="k_cache")
-    if bt is None and kc.shape[0] != rag.batch:
-        raise InvalidValueError(_KVCACHE, f"k_cache batch ({kc.shape[0]}) must equal the {rag.batch} sequences of "
-                                "cu_seqlens_q (or q's batch)", argument="k_cache")
-    if bt is not None and (bt.ndim != 2 or bt.shape[0] != rag.batch):
-        raise InvalidValueError(_KVCACHE, f"block_table must be int32 [{rag.batch}, max_pages], got shape "
-                                f"{list(bt.shape)}", argument="block_table")
-    if bt is not None and kc.shape[1] == 0:
-        raise InvalidValueError(_KVCACHE, "k_cache page size 0 (its dim 1) must be positive", argument="k_cache")
-    capacity = kc.shape[1] * (1 if bt is None else bt.shape[1])
-    _ragged.check_room(rag, given_lens, capacity)
-    grown = (given_lens.astype(np.int64) + rag.new_lens).astype(I32)
-    if bt is not None:
-        _ragged.check_pages(bt, grown, kc.shape[0], kc.shape[1])
-    page, row = _ragged.token_slots(rag, given_lens, bt, kc.shape[1])
-    seqlens = grown if lens is None or lens.ndim == 1 else np.ascontiguousarray(np.stack([grown, lens[1]]))
+        return attend(rag.q, None)
+    assert given_lens is not None and rag.cu_k is not None  # required when appending
+
+    def new_rows(k: np.ndarray) -> _ragged.NewRows:
+        assert rag.v is not None and rag.cu_k is not None
+        if ragged_k:
+            return k, rag.v, rag.cu_k
+        return k.reshape(rag.batch, -1, *k.shape[1:]), rag.v.reshape(rag.batch, -1, *rag.v.shape[1:]), None
+
     if tables is None:
-        return _ragged.append_then_attend(reg, kc, vc, rag.k, rag.v, page, row, lambda: attend(rag.q, seqlens))
+        return attend(rag.q, new_rows(rag.k))
     if tables[0].ndim == 2:
         _ragged.check_rotary(rag, given_lens, tables[0].shape[0], per_row)
-    rotated: dict[str, np.ndarray] = {}
-
-    def rotate_q_and_k() -> np.ndarray:
-        assert rag.k is not None and rag.cu_k is not None
-        rotated["q"] = _ragged.rotate_rows(reg, rag.q, tables, _ragged.positions(
+    with reg.batch():  # the rotations run before the call that reads them
+        q = _ragged.rotate_rows(reg, rag.q, tables, _ragged.positions(
             rag, given_lens, rows=rag.q_lens, cu=rag.cu_q, per_row=per_row), interleaved, "q")
-        return _ragged.rotate_rows(reg, rag.k, tables, _ragged.positions(
+        k = _ragged.rotate_rows(reg, rag.k, tables, _ragged.positions(
             rag, given_lens, rows=rag.new_lens, cu=rag.cu_k, per_row=True), interleaved, "k")
-
-    return _ragged.append_then_attend(reg, kc, vc, rotate_q_and_k, rag.v, page, row,
-                                      lambda: attend(rotated["q"], seqlens))
+        return attend(q, new_rows(k))
 
 
 def _no_alibi_over_codes(op: str, slopes: np.ndarray | None) -> None:

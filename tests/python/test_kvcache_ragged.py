@@ -260,7 +260,7 @@ def test_ragged_errors_append_nothing(rng, case):
     np.testing.assert_array_equal(args["v_cache"], vc0)
 
 
-def test_ragged_bad_pages_append_nothing(rng):
+def test_ragged_bad_pages_append_nothing(registry, rng):
     """A block-table entry out of range, or two sequences whose new keys
     would land on one slot, is refused before any key is written."""
     args = _error_case(rng)
@@ -271,7 +271,7 @@ def test_ragged_bad_pages_append_nothing(rng):
                            (np.array([[2], [2]], np.int32), "block_table[0, 0] and block_table[1, 0] both name page 2")):
         args["cache_seqlens"] = np.array([5, 5], np.int32)
         with pytest.raises(fm.InvalidValueError) as e:
-            fm.flash_attn_with_kvcache(block_table=table, registry="cpu", **args)
+            fm.flash_attn_with_kvcache(block_table=table, registry=registry, **args)
         assert e.value.argument == "block_table" and message in str(e.value), str(e.value)
         np.testing.assert_array_equal(kc, kc0)
 
@@ -297,11 +297,14 @@ def test_ragged_refusals(rng):
         fm.flash_attn_with_kvcache(**dict(args, q=randn(rng, (1, 3, H, D), BF16)), registry="cpu")
 
 
-def test_ragged_attention_failure_restores_the_cache(rng):
-    """An error the attention raises after the append (sinks of the wrong
-    length) leaves the caches as they were."""
+def test_a_refused_attention_appends_nothing(registry, rng):
+    """The library validates the append and the attention before either
+    runs: an error only the attention finds (sinks of the wrong length)
+    leaves the caches as they were, in a batch scope too."""
     args = _error_case(rng)
-    kc0 = args["k_cache"].copy()
+    kc0, vc0 = args["k_cache"].copy(), args["v_cache"].copy()
     with pytest.raises(fm.InvalidValueError, match="sinks"):
-        fm.flash_attn_with_kvcache(sinks=np.zeros(H + 1, np.float32), registry="cpu", **args)
+        with registry.batch():
+            fm.flash_attn_with_kvcache(sinks=np.zeros(H + 1, np.float32), registry=registry, **args)
     np.testing.assert_array_equal(args["k_cache"], kc0)
+    np.testing.assert_array_equal(args["v_cache"], vc0)

@@ -84,4 +84,48 @@ final class KVAppendDispatcherTests: XCTestCase {
             _ = try dispatch(seqlens: HostTensor([2], .f32))
         }
     }
+
+    func testRaggedRowsLandThroughATokenMajorView() throws {
+        // 6 pages of 4 rows; sequence 0 appends 3 rows at 3 (pages 5, 2), sequence 1 none, sequence 2 one at 0.
+        let (kn, vn) = (HostTensor([4, 2, 64], .f16), HostTensor([4, 2, 64], .f16))
+        let (kc, vc) = (HostTensor([6, 4, 2, 64], .f16), HostTensor([6, 4, 2, 64], .f16))
+        let table = ints([3, 2], [5, 2, 0, 1, 3, 4]), cu = ints([4], [0, 3, 3, 4])
+        let memory = UnsafeMutableRawPointer.allocate(byteCount: RaggedAppend.tableBytes(rows: 4), alignment: 64)
+        defer { memory.deallocate() }
+        try withExtendedLifetime([kn, vn, kc, vc, table, cu]) {
+            func plan(_ ends: [Int32], table bt: HostTensor? = nil) throws -> (dispatch: Dispatch?, added: [Int]) {
+                let e = ints([3], ends)
+                return try withExtendedLifetime(e) {
+                    try RaggedAppend(kCache: kc.ref, vCache: vc.ref, blockTable: (bt ?? table).ref, cuSeqlensKNew: cu.ref,
+                                     names: ("k", "v")).plan(rows: (kn.ref, vn.ref), ends: e.ref, tables: memory)
+                }
+            }
+            let (d, added) = try plan([3, 1, 0])
+            XCTAssertEqual(added, [3, 0, 1])
+            let append = try XCTUnwrap(d)
+            XCTAssertEqual(append.grid, Size3(1, 2, 4))  // one row of each of 4 one-row sequences
+            XCTAssertEqual(append.constants.bool(FunctionConstantIndex.appendPaged), true)
+            let pages = (0..<4).map { memory.load(fromByteOffset: 4 * $0, as: Int32.self) }
+            let rows = (0..<4).map { memory.load(fromByteOffset: 64 + 4 * $0, as: Int32.self) }
+            XCTAssertEqual(pages, [5, 2, 2, 3])  // keys 3, 4, 5 of sequence 0; key 0 of sequence 2
+            XCTAssertEqual(rows, [3, 0, 1, 0])
+            expectFMError(KVAppendDispatcher.op, contains: "sequence 0's new keys overflow its cache: cache_seqlens[0] "
+                          + "+ 3 new keys (cu_seqlens_k_new) = 9 exceeds the 8 keys a sequence's cache holds") {
+                _ = try plan([6, 1, 0])
+            }
+            expectFMError(KVAppendDispatcher.op, contains: "block_table[0, 1] and block_table[2, 0] both name page 2") {
+                _ = try plan([3, 1, 0], table: self.ints([3, 2], [5, 2, 0, 1, 2, 4]))
+            }
+            expectFMError(KVAppendDispatcher.op, contains: "cu_seqlens_k_new[3] = 3 must equal the rows of k (its dim 0, 4)") {
+                let short = self.ints([4], [0, 3, 3, 3])
+                try withExtendedLifetime(short) {
+                    let e = self.ints([3], [3, 1, 0])
+                    _ = try withExtendedLifetime(e) {
+                        try RaggedAppend(kCache: kc.ref, vCache: vc.ref, blockTable: table.ref, cuSeqlensKNew: short.ref,
+                                         names: ("k", "v")).plan(rows: (kn.ref, vn.ref), ends: e.ref, tables: memory)
+                    }
+                }
+            }
+        }
+    }
 }

@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 9 };
+enum { FM_ABI_VERSION = 10 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
@@ -177,6 +177,9 @@ typedef struct FMSeqTensors {
                                    * runs, so a call either refuses appends nothing (into quantized
                                    * caches under fm_dispatch_kv_codes_attn: fm_dispatch_kv_codes_append) */
     const FMTensor *v_new;        /* [B, n_new, Hkv, Dv] */
+    const FMTensor *cu_seqlens_k_new; /* int32 [B+1], fm_dispatch_attn only: k_new/v_new are ragged,
+                                       * [total_k_new, Hkv, D], sequence b appending its rows
+                                       * cu_seqlens_k_new[b] ..< [b+1] (flash-attn 3's) */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are
