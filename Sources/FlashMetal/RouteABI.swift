@@ -31,3 +31,18 @@ public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: Unsaf
         }
     }
 }
+
+/// fm_mask_key_ranges of flashmetal.h: MaskKeyRanges.find over a mask.
+@_cdecl("fm_mask_key_ranges")
+public func fm_mask_key_ranges(_ mask: UnsafePointer<FMTensor>?, _ causal: Int32, _ queryPosition: Int32,
+                               _ window: Int32, _ out: UnsafePointer<FMTensor>?, _ found: UnsafeMutablePointer<Int32>?,
+                               _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        let op = MaskKeyRanges.op
+        guard let found else { throw FlashMetalError.value(op, "found is null", arg: "found") }
+        if window < 0 { throw FlashMetalError.value(op, "window must be >= 0 (0 = none), got \(window)", arg: "window") }
+        found.pointee = try MaskKeyRanges.find(
+            try TensorRef(mask, op: op, name: "mask"), causal: causal != 0, queryPosition: Int(queryPosition),
+            window: window > 0 ? Int(window) : nil, out: try TensorRef(out, op: op, name: "out")) ? 1 : 0
+    }
+}

@@ -241,32 +241,17 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
     int32 [2, B] (row 0 each batch row's end, row 1 its start) when they are
     one contiguous range [start, end) per batch row, the same for every
     head, with no bias other than 0 on them; else None (a hole, a finite
-    bias, heads that differ). A row that sees nothing is the range [0, 0)."""
+    bias, heads that differ). A row that sees nothing is the range [0, 0).
+    The library's rule (fm_mask_key_ranges)."""
     if mask.ndim != 4 or mask.shape[2] != 1:
         return None
-    m = mask[:, :, 0, :]
-    if m.dtype == BOOL:
-        vis = m
-    else:
-        vis = m == 0
-        if not (vis | np.isneginf(m)).all():
-            return None  # a finite bias the decode kernel does not add
-    if vis.shape[1] > 1:
-        if not (vis == vis[:, :1]).all():
-            return None
-    vis = vis[:, 0]
-    kl = vis.shape[1]
-    pos = np.arange(kl)
-    if causal:
-        vis = vis & (pos <= q_pos)
-    if window is not None:
-        vis = vis & (q_pos - pos < window)
-    count = vis.sum(axis=1)
-    start = np.where(count > 0, vis.argmax(axis=1), 0)
-    end = np.where(count > 0, kl - vis[:, ::-1].argmax(axis=1), 0)
-    if not (end - start == count).all():
-        return None  # a hole inside some row's range
-    return np.ascontiguousarray(np.stack([end, start]), dtype=np.int32)
+    m = np.ascontiguousarray(mask)
+    ffi = _native.ffi()
+    out = np.empty((2, m.shape[0]), dtype=np.int32)
+    found = ffi.new("int32_t *")
+    _native.call_static("fm_mask_key_ranges", tensor(ffi, m), int(causal), int(q_pos), int(window or 0),
+                        tensor(ffi, out), found, op=_OP)
+    return out if found[0] else None
 
 
 def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:

@@ -350,6 +350,16 @@ int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
  * the prefill could take with its sinks is FM_ERROR_UNSUPPORTED; a head dim
  * above every kernel's an FM_ERROR_VALUE. */
 int fm_route_attention(const FMRouteCall *call, FMRoute *out, FMError *err);
+/* The keys one query row at position q_pos sees under mask [B or 1, H or 1,
+ * 1, kL] (bool, or additive float32/float16/bfloat16: 0 attends, -inf
+ * hides), causal (keys after q_pos hidden) and window (0 = none, else keys p
+ * with q_pos - p < window): *found 1 and out int32 [2, B] (row 0 each batch
+ * row's end, row 1 its start; [0, 0) when it sees none) when they are one
+ * contiguous range per batch row, the same for every head, biased by
+ * nothing but 0 (the split-KV decode reads them as a [2, B] lengths table);
+ * else *found 0 and out unchanged. */
+int fm_mask_key_ranges(const FMTensor *mask, int32_t causal, int32_t q_pos, int32_t window, const FMTensor *out,
+                       int32_t *found, FMError *err);
 /* Every kernel the capability tables imply, one a line ("name function
  * arg ...": its name, its MSL template function, the function's template
  * arguments), as a static string: what the shaders must instantiate
