@@ -26,7 +26,7 @@ FM_AT(SdpaExtParams, q_offset, 4);
 FM_AT(SdpaExtParams, window, 8);
 FM_AT(SdpaExtParams, head_dim_v, 12);
 _Static_assert(sizeof(FMTensor) == 96, "FMTensor is 96 bytes");
-_Static_assert(sizeof(FMRouteCall) == 72, "FMRouteCall is 72 bytes");
+_Static_assert(sizeof(FMRouteCall) == 64, "FMRouteCall is 64 bytes");
 FM_AT(FMRouteCall, query_rows, 24);
 _Static_assert(sizeof(FMRoute) == 520, "FMRoute is 520 bytes");
 _Static_assert(sizeof(AttnSeqParams) == 64, "AttnSeqParams is 64 bytes");

@@ -21,8 +21,7 @@ public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: Unsaf
         let route = try AttentionRouter.route(AttentionRouter.Call(
             dtype: dtype, queryRows: Int(c.query_rows), headDim: Int(c.head_dim), headDimV: Int(c.head_dim_v),
             keys: Int(c.keys), mask: c.mask != 0, maskIsKeyRanges: c.mask_is_key_ranges != 0, causal: c.causal != 0,
-            queryOffset: Int(c.query_offset), window: c.window > 0 ? Int(c.window) : nil, sinks: c.sinks != 0,
-            shortRows: c.short_rows != 0))
+            queryOffset: Int(c.query_offset), window: c.window > 0 ? Int(c.window) : nil, sinks: c.sinks != 0))
         out.pointee.kernel = route.kernel.rawValue
         out.pointee.pad_to = Int32(route.padTo ?? 0)
         withUnsafeMutableBytes(of: &out.pointee.reason) { raw in

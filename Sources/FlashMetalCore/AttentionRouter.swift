@@ -42,13 +42,9 @@ public enum AttentionRouter {
         /// The sliding window w (nil: none).
         public var window: Int?
         public var sinks: Bool
-        /// Whether several query rows may take the decode kernel (false
-        /// where its result would be reordered after the work ran).
-        public var shortRows: Bool
 
         public init(dtype: DType, queryRows: Int, headDim: Int, headDimV: Int, keys: Int, mask: Bool,
-                    maskIsKeyRanges: Bool, causal: Bool, queryOffset: Int, window: Int?, sinks: Bool,
-                    shortRows: Bool) {
+                    maskIsKeyRanges: Bool, causal: Bool, queryOffset: Int, window: Int?, sinks: Bool) {
             self.dtype = dtype
             self.queryRows = queryRows
             self.headDim = headDim
@@ -60,7 +56,6 @@ public enum AttentionRouter {
             self.queryOffset = queryOffset
             self.window = window
             self.sinks = sinks
-            self.shortRows = shortRows
         }
     }
 
@@ -98,7 +93,7 @@ public enum AttentionRouter {
                 + "split-KV decode")
         }
         let newest = c.queryOffset == c.keys - rows || unbounded
-        if c.shortRows && rows > 1 && rows <= min(VecSeqDispatcher.maxQueryRows, c.keys) && !c.mask && newest
+        if rows > 1 && rows <= min(VecSeqDispatcher.maxQueryRows, c.keys) && !c.mask && newest
             && !c.sinks && shortQueryRuns(dtype: c.dtype, headDim: d, headDimV: dv) {
             return Route(kernel: .decode, padTo: nil, reason: "\(rows) query rows at the newest positions, no "
                 + "attn_mask: split-KV decode, each row with its own causal/window keys, K/V read once per kv head")

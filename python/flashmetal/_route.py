@@ -36,30 +36,28 @@ def pad_min_query_rows() -> int:
 
 def choose(dtype: np.dtype, rows: int, d: int, keys: int, *, mask: bool = False, key_ranges: bool = False,
            causal: bool = False, q_offset: int = 0, window: int | None = None, sinks: bool = False,
-           short_rows: bool = True, dv: int | None = None) -> tuple[Route, int | None]:
+           dv: int | None = None) -> tuple[Route, int | None]:
     """The fastest kernel that computes exactly a call of `rows` query rows
     at positions `q_offset`... over `keys` keys (q/k of head dim d, v of dv,
     default d) and the head dim to zero-pad q/k/v to for it (None: no
     padding). `mask`: an attn_mask applies; `key_ranges`: it keeps one key
-    range per batch row for the one query row; `short_rows`: several rows
-    may take the decode kernel. Sinks no kernel applies to the call are an
+    range per batch row for the one query row. Sinks no kernel applies to the call are an
     UnsupportedFeatureError, a head dim above every kernel's a ValueError."""
     return _choose(np.dtype(dtype), int(rows), int(d), int(keys), bool(mask), bool(key_ranges), bool(causal),
-                   int(q_offset), None if window is None else int(window), bool(sinks), bool(short_rows),
+                   int(q_offset), None if window is None else int(window), bool(sinks),
                    int(d if dv is None else dv), _native.public_op(_OP))
 
 
 @functools.lru_cache(maxsize=512)
 def _choose(dtype: np.dtype, rows: int, d: int, keys: int, mask: bool, key_ranges: bool, causal: bool,
-            q_offset: int, window: int | None, sinks: bool, short_rows: bool, dv: int,
+            q_offset: int, window: int | None, sinks: bool, dv: int,
             op: str) -> tuple[Route, int | None]:
     """choose(), remembered: a pure function of its arguments (the layers
     of a model ask it the same question at every step)."""
     ffi = _native.ffi()
     call = _native.options("FMRouteCall", dtype=dtype_code(dtype), head_dim=d, head_dim_v=dv,
                            window=0 if window is None else window, query_rows=rows, keys=keys, query_offset=q_offset,
-                           mask=int(mask), mask_is_key_ranges=int(key_ranges), causal=int(causal), sinks=int(sinks),
-                           short_rows=int(short_rows))
+                           mask=int(mask), mask_is_key_ranges=int(key_ranges), causal=int(causal), sinks=int(sinks))
     out = ffi.new(_native.ctype("FMRoute *"))
     _native.call_static("fm_route_attention", call, out, op=op)
     return Route(_kernels()[int(out.kernel)], ffi.string(out.reason).decode()), (int(out.pad_to) or None)

@@ -166,12 +166,8 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
 
 @layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
-          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None,
-          deferred: bool = False) -> _Call:
-    """Checks a call and picks its route. `deferred`: the call runs when the
-    caller's batch scope ends (a deferring backend), so several query rows
-    take the decode kernel only where its output needs no reorder after the
-    work (one query head per kv head)."""
+          enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
+    """Checks a call and picks its route."""
     _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
@@ -227,8 +223,7 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     route, pad_to = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
-                           q_offset=q_offset, window=window, sinks=sk is not None,
-                           short_rows=not deferred or H == hkv, dv=Dv)
+                           q_offset=q_offset, window=window, sinks=sk is not None, dv=Dv)
     if ranges is not None and route.kernel == "flash_attn_vec":
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
@@ -380,8 +375,7 @@ def scaled_dot_product_attention(
     """
     reg = resolve(registry, _OP)
     q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
-    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks,
-                 reg._work_deferred)
+    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
@@ -432,37 +426,49 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
 def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     """qL > 1 query rows at the newest positions (kv_len - qL + i) on the
     serving decode kernel, without copying K/V: the caches [B, Hkv, cap, D]
-    are B * Hkv sequences of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
-    keys, whose queries are that kv head's G = H / Hkv query heads. With
-    G = 1 the output is the kernel's, viewed as [B, H, qL, Dv]; with G > 1
-    it is reordered (copied) from the kernel's [B * Hkv, qL, G, Dv]."""
+    are B * Hkv pages of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
+    keys. With G = H / Hkv = 1 each page is a sequence of that head's rows,
+    the output the kernel's viewed as [B, H, qL, Dv]. With G > 1 each kv
+    head is a sequence of its G query heads' rows (K/V read once per kv
+    head), the output reordered from the kernel's [B * Hkv, qL, G, Dv];
+    inside a deferring batch scope, where that reorder would run before the
+    work, each query head is a sequence reading its kv head's page through
+    a block table instead, writing [B, H, qL, Dv] in place."""
     qa = c.q
     b, h, ql, d = qa.shape
     hkv, dv = c.k.shape[1], c.v.shape[3]
     g = h // hkv
-    qg = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3))
-    og = np.empty((b * hkv, ql, g, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
     opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=c.causal,
                         window_size=(-1 if window is None else window - 1, -1))
+    if g == 1 or reg._work_deferred:
+        q1 = np.ascontiguousarray(qa).reshape(b * h, ql, 1, d)
+        o = np.empty((b, h, ql, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
+        pages = None if g == 1 else (np.arange(b * h, dtype=np.int32) // g).reshape(b * h, 1)
+        _vec_seq_per_kv_head(reg, q1, c.k, c.v, np.full(b * h, c.kv_len, dtype=np.int32),
+                             o.reshape(b * h, ql, 1, dv), opts, pages)
+        return o
+    qg = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3))
+    og = np.empty((b * hkv, ql, g, dv), dtype=qa.dtype)
     _vec_seq_per_kv_head(reg, qg, c.k, c.v, np.full(b * hkv, c.kv_len, dtype=np.int32), og, opts)
     out: np.ndarray = og.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
     return out
 
 
 def _vec_seq_per_kv_head(reg: Registry, q: np.ndarray, k: np.ndarray, v: np.ndarray, seqlens_k: np.ndarray,
-                         o: np.ndarray, opts: Any) -> None:
+                         o: np.ndarray, opts: Any, pages: np.ndarray | None = None) -> None:
     """The serving decode kernel (fm_dispatch_vec_seq) over the caches
-    [B, Hkv, cap, D] seen as B * Hkv sequences of one kv head ([B * Hkv, cap,
-    1, D]: no copy when contiguous), with seqlens_k for their keys; q and o
-    (float32 or the caches' dtype) hold each sequence's rows of that kv
-    head's query heads."""
+    [B, Hkv, cap, D] seen as B * Hkv pages of one kv head ([B * Hkv, cap,
+    1, D]: no copy when contiguous), each a sequence of seqlens_k keys, or,
+    with `pages` (int32 [sequences, 1]), the page each sequence reads; q and
+    o (float32 or the caches' dtype) hold each sequence's rows of its query
+    heads."""
     b, hkv, cap = k.shape[:3]
     ka, va = np.ascontiguousarray(k), np.ascontiguousarray(v)
     k4, v4 = ka.reshape(b * hkv, cap, 1, ka.shape[3]), va.reshape(b * hkv, cap, 1, va.shape[3])
     ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k)
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=pages)
     _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
-                 tensor(ffi, o), opts, op=_OP, keep=(q, k4, v4, seqlens_k, o, keep))
+                 tensor(ffi, o), opts, op=_OP, keep=(q, k4, v4, seqlens_k, pages, o, keep))
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:

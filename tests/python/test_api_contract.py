@@ -259,7 +259,7 @@ def test_route_attention_is_the_front_doors_rule():
 
     def route(**kw):
         fields = dict(dtype=lib.FM_DTYPE_BF16, head_dim=64, head_dim_v=64, window=0, query_rows=1, keys=40,
-                      query_offset=39, mask=0, mask_is_key_ranges=0, causal=1, sinks=0, short_rows=1)
+                      query_offset=39, mask=0, mask_is_key_ranges=0, causal=1, sinks=0)
         fields.update(kw)
         out, err = ffi.new("FMRoute *"), ffi.new("FMError *")
         status = lib.fm_route_attention(ffi.new("FMRouteCall *", fields), out, err)
@@ -274,7 +274,7 @@ def test_route_attention_is_the_front_doors_rule():
                                            keys=40, query_offset=0)
     assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_PREFILL, 512) and "zero-padded to 512" in reason
     status, kernel, pad, _, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=8, keys=40,
-                                      query_offset=32, short_rows=0)
+                                      query_offset=32)
     assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_SDPA, 0)
     status, _, _, _, err = route(query_rows=4, keys=2, query_offset=-2, sinks=1)
     assert status == lib.FM_ERROR_UNSUPPORTED

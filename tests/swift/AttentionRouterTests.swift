@@ -4,11 +4,11 @@ import XCTest
 
 final class AttentionRouterTests: XCTestCase {
     func call(_ dtype: DType = .bf16, rows: Int = 1, d: Int = 64, dv: Int? = nil, keys: Int = 40, mask: Bool = false,
-              ranges: Bool = false, causal: Bool = true, offset: Int? = nil, window: Int? = nil, sinks: Bool = false,
-              shortRows: Bool = true) -> AttentionRouter.Call {
+              ranges: Bool = false, causal: Bool = true, offset: Int? = nil, window: Int? = nil, sinks: Bool = false)
+        -> AttentionRouter.Call {
         AttentionRouter.Call(dtype: dtype, queryRows: rows, headDim: d, headDimV: dv ?? d, keys: keys, mask: mask,
                              maskIsKeyRanges: ranges, causal: causal, queryOffset: offset ?? keys - rows,
-                             window: window, sinks: sinks, shortRows: shortRows)
+                             window: window, sinks: sinks)
     }
 
     func testDecodeRoutes() throws {
@@ -21,7 +21,6 @@ final class AttentionRouterTests: XCTestCase {
         // Short queries: 2...8 rows at the newest positions, within the keys, head dims both kernels run.
         XCTAssertEqual(try AttentionRouter.route(call(rows: 8)).kernel, .decode)
         XCTAssertEqual(try AttentionRouter.route(call(rows: 9)).kernel, .prefill)
-        XCTAssertEqual(try AttentionRouter.route(call(rows: 8, shortRows: false)).kernel, .prefill)
         XCTAssertEqual(try AttentionRouter.route(call(rows: 4, keys: 3, causal: false)).kernel, .prefill)
         XCTAssertEqual(try AttentionRouter.route(call(rows: 4, d: 600)).kernel, .sdpa)
     }

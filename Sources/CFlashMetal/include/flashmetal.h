@@ -251,8 +251,6 @@ typedef struct FMRouteCall {
     int32_t mask_is_key_ranges; /* that mask keeps one key range per batch row for the one query row */
     int32_t causal;
     int32_t sinks;
-    int32_t short_rows; /* several query rows may take the decode kernel (0: keep them on the prefill) */
-    int32_t _pad;
 } FMRouteCall;
 /* A route: the kernel, the head dim q/k/v are zero-padded to for it (0 =
  * none), and why, as text. */
