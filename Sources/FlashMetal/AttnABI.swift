@@ -63,7 +63,9 @@ public func fm_dispatch_attn(
             guard let cu = c[5] else {
                 return try attend(AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: c[3], names: names))
             }
-            // Ragged new rows: their per-row tables live in scratch as long as the work.
+            // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
+            // reads cu_seqlens_k_new, so what the call writes is checked against it here.
+            try Dispatch.requireDisjoint([t.k, t.v, t.out, t.lse].compactMap { $0 }, from: [cu], op: op)
             try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
                 let split = RaggedAppend(kCache: t.k, vCache: t.v, blockTable: c[3], cuSeqlensKNew: cu, names: names)
                 try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }

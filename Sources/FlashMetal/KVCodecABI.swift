@@ -171,6 +171,9 @@ func attendOverCodes(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, after append: 
     let shape = try KVCodesAttnDispatcher.shape(t)
     guard let pad = try KVCodesLeftPad(seqlens: t.seqlens, lead: shape.lead, blockTable: t.blockTable,
                                        batch: shape.batch, op: op) else { return try attend(t) }
+    // The kernels read the view's tables: the caller's meet the outputs here.
+    try Dispatch.requireDisjoint([t.out, t.lse].compactMap { $0 }, from: [t.seqlens, t.blockTable].compactMap { $0 },
+                                 op: op)
     try reg.withScratch(op: op, bytes: pad.byteCount) { m in try attend(pad.view(of: t, memory: m.data)) }
 }
 

@@ -34,9 +34,8 @@ public enum AppendBeforeAttention {
         let dst = grown.assumingMemoryBound(to: Int32.self)
         for b in 0..<batch { dst[b] = src[b] + Int32(append.added[b]) }
         if paired { for b in 0..<batch { dst[batch + b] = src[batch + b] } }
-        let table = TensorRef(data: grown, byteCount: seqlens.usedByteCount, dtype: .i32, shape: seqlens.shape,
-                              name: seqlens.name)
-        return (append.dispatch, table)
+        // Still the caller's lengths in overlap checks: an output sharing their bytes is refused.
+        return (append.dispatch, seqlens.copied(to: grown))
     }
 
     /// The dense caches' append (kv_append), naming the new rows `names`.

@@ -1,9 +1,3 @@
-#if canImport(Glibc)
-import Glibc
-#elseif canImport(Darwin)
-import Darwin
-#endif
-
 /// Which keys one query row sees under an attention mask, when they are a
 /// range: the split-KV decode reads per-sequence key ranges [start, end)
 /// (a [2, B] lengths table) instead of a mask, so a single-row step whose
@@ -97,11 +91,27 @@ public enum MaskKeyRanges {
             }
             for h in 1..<max(heads, 1) {
                 let head = first + h * keys
-                if memcmp(head, first, keys * MemoryLayout<T>.size) == 0 { continue }  // the same bits: the same keys
+                if sameBytes(head, first, keys * MemoryLayout<T>.size) { continue }  // the same bits: the same keys
                 for k in 0..<keys where biased(head[k]) || visible(head[k]) != row[k] { return nil }
             }
             rows.append(row)
         }
         return rows
+    }
+
+    /// Whether `count` bytes at `a` and `b` are equal, compared 8 at a time.
+    static func sameBytes(_ a: UnsafeRawPointer, _ b: UnsafeRawPointer, _ count: Int) -> Bool {
+        var i = 0
+        while i + 8 <= count {
+            if a.loadUnaligned(fromByteOffset: i, as: UInt64.self) != b.loadUnaligned(fromByteOffset: i, as: UInt64.self) {
+                return false
+            }
+            i += 8
+        }
+        while i < count {
+            if a.load(fromByteOffset: i, as: UInt8.self) != b.load(fromByteOffset: i, as: UInt8.self) { return false }
+            i += 1
+        }
+        return true
     }
 }

@@ -83,7 +83,7 @@ OPS = {
     "rotary": ("rotary",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
-              "v_new")
+              "v_new", "cu_seqlens_k_new")
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -354,9 +354,32 @@ def gen_attn(rng, backend):
                 causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1],
                 max_seqlen_q=max(q_lens) + int(rng.integers(0, 2)), max_seqlen_k=max(k_lens) + int(rng.integers(0, 2)),
                 attention_chunk=int(rng.choice([0, 0, 0, 1, 5, 16])))
+    if mode.startswith("kvcache") and rng.random() < 0.3:
+        _new_rows(rng, t, k_lens, cap, hkv, d, dv, dt)
     case = Case("attn", backend, t, opts, finite=not nonfinite)
     case.args = dict(mode=mode, k_lens=k_lens)
     return case
+
+
+def _new_rows(rng, t: dict[str, TSpec], lens: list[int], cap: int, hkv: int, d: int, dv: int, dt: int) -> None:
+    """flash_attn_with_kvcache's k/v for a kvcache attn case, appended into
+    k/v (the caches) before the attention: [B, n, Hkv, D], or (50%) ragged
+    [total, Hkv, D] split by cu_seqlens_k_new (at least one row in all); no
+    more rows than each sequence's cache has room for (none when one has no
+    room)."""
+    room = [cap - n for n in lens]
+    if min(room) < 1:
+        return
+    b = len(lens)
+    if rng.random() < 0.5:
+        n = int(rng.integers(1, min(min(room), 3) + 1))
+        t.update(k_new=_tensor(rng, dt, [b, n, hkv, d]), v_new=_tensor(rng, dt, [b, n, hkv, dv]))
+    else:
+        counts = [int(rng.integers(0, min(r, 3) + 1)) for r in room]
+        counts[int(np.argmax(room))] += sum(counts) == 0  # some row, so the caches are written (an alias refused)
+        t.update(k_new=_tensor(rng, dt, [sum(counts), hkv, d]), v_new=_tensor(rng, dt, [sum(counts), hkv, dv]),
+                 cu_seqlens_k_new=_tensor(rng, 5, [b + 1], values=np.concatenate([[0], np.cumsum(counts)])))
+    t["k"].role = t["v"].role = "inout"
 
 
 def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int]):
@@ -805,9 +828,8 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
     lens, starts = _lens_and_starts(case)
-    if _seq_present(case, "k_new"):  # the caches as they were; the reference appends
-        k, v = _before(t["k"]), _before(t["v"])
-        kw.update(k=t["k_new"].array(), v=t["v_new"].array())
+    if _seq_present(case, "k_new"):  # the caches after the reference's append, the lengths grown
+        k, v, lens = _appended(case)
     if case.op == "vec_seq":
         # q [B, H, D] is one row per sequence, [B, 1, H, D]; q [B, L, H, D] is
         # L rows, row i at seqlens_k[b] - L + i (bottom-right, as flash-attn's
@@ -845,6 +867,31 @@ def _varlen_q_over_caches(case: Case, q, k, v, table, kw) -> tuple[np.ndarray, n
         f = 0 if starts is None else int(starts[b])
         out[qs:qe], lse[:, qs:qe] = reference.attend_sequence(q[qs:qe], kb[f:], vb[f:], **kw)
     return out, lse
+
+
+def _appended(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An accepted call's caches after the reference appends k_new/v_new at
+    each sequence's length (split by cu_seqlens_k_new when given), from
+    their bytes before the call, and the lengths grown by the rows."""
+    t = case.tensors
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    ends = _lens_and_starts(case)[0]
+    kn, vn = t["k_new"].array(), t["v_new"].array()
+    if not _seq_present(case, "cu_seqlens_k_new"):
+        k, v = reference.kv_append(_before(t["k"]), _before(t["v"]), kn, vn, ends, table)
+        return k, v, ends + kn.shape[1]
+    cu = t["cu_seqlens_k_new"].array().astype(np.int64)
+    k, v = np.array(_before(t["k"])), np.array(_before(t["v"]))
+    for b, end in enumerate(ends.tolist()):
+        one = slice(int(cu[b]), int(cu[b + 1]))
+        rows = None if table is None else table[b:b + 1]
+        whole = (k[b:b + 1], v[b:b + 1]) if table is None else (k, v)
+        kk, vv = reference.kv_append(*whole, kn[None, one], vn[None, one], np.array([end]), rows)
+        if table is None:
+            k[b], v[b] = kk[0], vv[0]
+        else:
+            k, v = kk, vv
+    return k, v, ends + np.diff(cu).astype(ends.dtype)
 
 
 def _before(ts: TSpec) -> np.ndarray:
@@ -953,15 +1000,13 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
     if case.op == "vec_seq" and len(case.tensors["q"].shape) == 4:
         case.notes.append("vec_seq q[B,L,H,D] compared" + (" with lse" if _seq_present(case, "lse") else ""))
-    if case.op == "vec_seq" and _seq_present(case, "k_new"):
-        t = case.tensors
-        ends = _lens_and_starts(case)[0]
-        table = t["block_table"].array() if _seq_present(case, "block_table") else None
-        want = reference.kv_append(_before(t["k"]), _before(t["v"]), t["k_new"].array(), t["v_new"].array(), ends,
-                                   table)
+    if case.op in ("vec_seq", "attn") and _seq_present(case, "k_new"):
+        want = _appended(case)[:2]
         for name, w in zip(("k", "v"), want):
-            assert t[name].array().tobytes() == np.ascontiguousarray(w).tobytes(), f"{name} differs from the append: {ctx}"
-        case.notes.append("vec_seq with k_new/v_new appended and compared")
+            got = case.tensors[name].array()
+            assert got.tobytes() == np.ascontiguousarray(w).tobytes(), f"{name} differs from the append: {ctx}"
+        ragged = " ragged" if _seq_present(case, "cu_seqlens_k_new") else ""
+        case.notes.append(f"{case.op} with{ragged} k_new/v_new appended and compared")
 
 
 def _check_rows_refusal(case: Case, status: int, msg: str, argument: str, ctx: str) -> None:

@@ -104,6 +104,55 @@ def test_prefill_outputs_over_tables_are_refused(registry, rng):
              (qv, kv, cu_q, cu_k, lse, out), "flash_attn_varlen_func", "softmax_lse and cu_seqlens_k", larena)
 
 
+def test_appending_calls_check_outputs_against_the_callers_tables(registry, rng):
+    """With k/v appended the kernels read the library's grown lengths, the
+    ragged append its own per-row tables and the quantized leftpad view its
+    own block table: an output over the caller's cache_seqlens,
+    cu_seqlens_k_new or cache_seqlens is still refused, and nothing (no
+    cache row either) is written."""
+    b, ql, h, d, cap = 2, 2, 2, 64, 16
+    q = randn(rng, (b, ql, h, d), F16)
+    k, v = randn(rng, (b, cap, h, d), F16), randn(rng, (b, cap, h, d), F16)
+    k_new, v_new = randn(rng, (b, 1, h, d), F16), randn(rng, (b, 1, h, d), F16)
+    out = np.zeros(q.shape, F16)
+    arena = np.zeros(64, np.float32)
+    lse = arena[:b * h * ql].reshape(b, h, ql)
+    lens = arena[:b].view(np.int32)
+    lens[:] = [3, 9]
+    before = k.copy()
+    seq = _seq(seqlens_k=lens, lse=lse, k_new=k_new, v_new=v_new)
+    _refused(registry, "fm_dispatch_attn", (tensor(q), tensor(k), tensor(v), seq, tensor(out), _attn_options(d)),
+             (q, k, v, lens, lse, k_new, v_new, out), "flash_attn_with_kvcache", "softmax_lse and cache_seqlens",
+             arena)
+    assert_bits_equal(k, before, "k_cache unchanged")
+
+    # Ragged new rows: v_cache (written by the append) over cu_seqlens_k_new.
+    q_packed, kn = randn(rng, (3, h, d), F16), randn(rng, (3, h, d), F16)
+    varena = np.zeros((b, cap, h, d), F16)
+    cu_new = varena.reshape(-1)[:6].view(np.int32)
+    cu_new[:] = [0, 1, 3]
+    seq = _seq(cu_seqlens_q=np.array([0, 1, 3], np.int32), seqlens_k=np.array([3, 9], np.int32), k_new=kn,
+               v_new=kn.copy(), cu_seqlens_k_new=cu_new)
+    _refused(registry, "fm_dispatch_attn",
+             (tensor(q_packed), tensor(k), tensor(varena), seq, tensor(np.zeros(q_packed.shape, F16)),
+              _attn_options(d, max_q=2)),
+             (q_packed, k, varena, kn, cu_new), "flash_attn_with_kvcache", "v_cache and cu_seqlens_k_new", varena)
+    assert_bits_equal(k, before, "k_cache unchanged")
+
+    # Quantized caches read through cache_leftpad's view: out over cache_seqlens.
+    codec = fm.KVCodec(d, 4, seed=1)
+    kq, vq = codec.empty((b, cap, h)), codec.empty((b, cap, h))
+    q32 = randn(rng, (b, 1, h, d), F32)
+    oarena = np.zeros(q32.size, np.float32)
+    table = oarena[:2 * b].view(np.int32).reshape(2, b)
+    table[:] = [[3, 9], [1, 0]]
+    seq = _seq(seqlens_k=table)
+    _refused(registry, "fm_dispatch_kv_codes_attn",
+             (tensor(q32), codec._c, tensor(kq.codes), tensor(kq.norms), codec._c, tensor(vq.codes),
+              tensor(vq.norms), seq, tensor(oarena.reshape(q32.shape)), _attn_options(d)),
+             (q32, kq, vq, table, oarena), "flash_attn_with_kvcache", "out and cache_seqlens", oarena)
+
+
 def test_sdpa_out_over_its_mask_is_refused(registry, rng):
     ffi = _native.ffi()
     q = randn(rng, (1, 1, 4, 32), F32)
