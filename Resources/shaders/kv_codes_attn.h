@@ -55,21 +55,22 @@ struct KVQKeyRange {
 };
 
 // The keys query row qi of rows_b of sequence b sees among its kl keys
-// (bottom-right aligned: the row sits at kl - rows_b + qi).
+// (bottom-right aligned: the row sits at kl - rows_b + qi). In 64 bits: a
+// window or chunk near INT_MAX must not wrap around the row's position.
 inline KVQKeyRange kvq_key_range(constant KVCodesDecodeParams &p, int kl, int rows_b, int qi) {
     const int pos = kl - rows_b + qi;
-    int lo = 0, hi = kl;
-    if (p.causal != 0) hi = min(hi, pos + 1);
-    if (p.window_left >= 0) lo = max(lo, pos - p.window_left);
-    if (p.window_right >= 0) hi = min(hi, pos + p.window_right + 1);
+    long lo = 0, hi = long(kl);
+    if (p.causal != 0) hi = min(hi, long(pos) + 1);
+    if (p.window_left >= 0) lo = max(lo, long(pos) - long(p.window_left));
+    if (p.window_right >= 0) hi = min(hi, long(pos) + long(p.window_right) + 1);
     if (p.attention_chunk > 0) {
-        const int c0 = kvq_floor_div(pos, p.attention_chunk) * p.attention_chunk;
+        const long c0 = long(kvq_floor_div(pos, p.attention_chunk)) * long(p.attention_chunk);
         lo = max(lo, c0);
-        hi = min(hi, c0 + p.attention_chunk);
+        hi = min(hi, c0 + long(p.attention_chunk));
     }
     KVQKeyRange r;
-    r.lo = lo;
-    r.hi = max(lo, hi);
+    r.lo = int(lo);
+    r.hi = int(max(lo, hi));
     return r;
 }
 

@@ -223,21 +223,22 @@ static int32_t key_count(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArg
 }
 
 /* The keys [lo, hi) (hi >= lo) query row qi of rows_b sees among kl keys:
- * the row sits at kl - rows_b + qi (bottom-right aligned). */
+ * the row sits at kl - rows_b + qi (bottom-right aligned). In 64 bits: a
+ * window or chunk near INT32_MAX must not wrap around the row's position. */
 static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, int32_t qi, int32_t *lo_out,
                       int32_t *hi_out) {
     const int32_t pos = kl - rows_b + qi;
-    int32_t lo = 0, hi = kl;
-    if (p->causal && pos + 1 < hi) hi = pos + 1;
-    if (p->window_left >= 0 && pos - p->window_left > lo) lo = pos - p->window_left;
-    if (p->window_right >= 0 && pos + p->window_right + 1 < hi) hi = pos + p->window_right + 1;
+    int64_t lo = 0, hi = kl;
+    if (p->causal && (int64_t)pos + 1 < hi) hi = (int64_t)pos + 1;
+    if (p->window_left >= 0 && (int64_t)pos - p->window_left > lo) lo = (int64_t)pos - p->window_left;
+    if (p->window_right >= 0 && (int64_t)pos + p->window_right + 1 < hi) hi = (int64_t)pos + p->window_right + 1;
     if (p->attention_chunk > 0) {
-        const int32_t c0 = floor_div(pos, p->attention_chunk) * p->attention_chunk;
+        const int64_t c0 = (int64_t)floor_div(pos, p->attention_chunk) * p->attention_chunk;
         if (c0 > lo) lo = c0;
         if (c0 + p->attention_chunk < hi) hi = c0 + p->attention_chunk;
     }
-    *lo_out = lo;
-    *hi_out = hi < lo ? lo : hi;
+    *lo_out = (int32_t)lo;
+    *hi_out = (int32_t)(hi < lo ? lo : hi);
 }
 
 /* Where a work item sits: sequence b, its query row qi of rows_b, kv head

@@ -29,7 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from flashmetal import _loader, reference
+from flashmetal import _loader, quant_reference, reference
 
 G = 64  # guard bytes on each side
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -81,6 +81,7 @@ OPS = {
     "vec_seq": ("flash_attn_vec_seq", "flash_attn_vec", "flash_attn_vec_reduce"),
     "kv_append": ("kv_append",),
     "rotary": ("rotary",),
+    "kv_codes_attn": ("kv_codes_attn",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
               "v_new", "cu_seqlens_k_new")
@@ -496,10 +497,66 @@ def gen_rotary(rng, backend):
     return Case("rotary", backend, t, args=dict(interleaved=interleaved, per_row=per_row))
 
 
+def gen_kv_codes_attn(rng, backend):
+    """fm_dispatch_kv_codes_attn: float32 q [B, qL, H, D] over quantized K
+    and V caches (2-8 bits each, separately; one side may be a dense float32
+    cache), contiguous or paged, lengths [B] or [2, B] (cache_leftpad), and
+    (30%) k_new/v_new encoded into them first; causal, window, softcap,
+    sinks, lse at random."""
+    d = int(rng.choice([64, 128]))
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2]))
+    widths = [int(rng.choice([2, 3, 4, 5, 6, 8])) for _ in range(2)]
+    if rng.random() < 0.2:
+        widths[int(rng.integers(0, 2))] = 0  # a dense float32 side
+    lens = [int(rng.integers(0, 20)) for _ in range(b)]
+    room = int(rng.integers(0, 4))
+    t: dict[str, TSpec] = {}
+    if rng.random() < 0.5:
+        page = int(rng.choice([4, 8]))
+        per = max(-(-(max(lens) + room) // page), 1)
+        num_pages = b * per + int(rng.integers(0, 3))
+        lead = [num_pages, page, hkv]
+        t["block_table"] = _tensor(rng, 5, [b, per], values=rng.permutation(num_pages)[:b * per].reshape(b, per))
+        cap = per * page
+    else:
+        cap = max(lens) + room
+        lead = [b, cap, hkv]
+    codecs = []
+    for side, bits in zip("kv", widths):
+        if bits == 0:
+            t[f"{side}_codes"] = _tensor(rng, 0, lead + [d])
+            codecs.append(None)
+            continue
+        seed = int(rng.integers(0, 2**63))
+        norms = np.abs(rng.standard_normal(lead + [d // quant_reference.BLOCKS[d]])) + 0.1
+        t[f"{side}_codes"] = _tensor(rng, 4, lead + [quant_reference.row_bytes(d, bits)])
+        t[f"{side}_norms"] = _tensor(rng, 0, lead + [d // quant_reference.BLOCKS[d]], values=norms.astype(np.float32))
+        codecs.append(dict(head_dim=d, bits=bits, seed=seed))
+    t["seqlens_k"] = _seqlens_table(rng, lens, cap)
+    ql = int(rng.integers(1, 5))
+    t.update(q=_tensor(rng, 0, [b, ql, h, d]), out=_tensor(rng, 0, [b, ql, h, d], role="out"))
+    if rng.random() < 0.3:
+        t["sinks"] = _tensor(rng, 0, [h])
+    if rng.random() < 0.5:
+        t["lse"] = _tensor(rng, 0, [b, h, ql], role="out")
+    if room > 0 and rng.random() < 0.3:
+        n = int(rng.integers(1, room + 1))
+        t.update(k_new=_tensor(rng, 0, [b, n, hkv, d]), v_new=_tensor(rng, 0, [b, n, hkv, d]))
+    for name, ts in t.items():  # the caches, written when rows are appended
+        if name.endswith(("_codes", "_norms")) and "k_new" in t:
+            ts.role = "inout"
+    window = [(-1, -1), (-1, -1), (3, 0), (0, 2), (5, -1)][int(rng.integers(0, 5))]
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
+                causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1], max_seqlen_q=0,
+                max_seqlen_k=0, attention_chunk=int(rng.choice([0, 0, 0, 1, 5])))
+    return Case("kv_codes_attn", backend, t, opts, args=dict(codecs=codecs))
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
               "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn, "vec_seq": gen_vec_seq,
-              "kv_append": gen_kv_append, "rotary": gen_rotary}
+              "kv_append": gen_kv_append, "rotary": gen_rotary, "kv_codes_attn": gen_kv_codes_attn}
 
 # --------------------------------------------------------------- mutations
 
@@ -705,6 +762,16 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
         s = L.fm_dispatch_vec_seq(regs.get(case), T("q"), T("k"), T("v"), seq, ffi.NULL, T("out"),
                                   _opts("FMAttnOptions *", case.opts, keep), err)
         extra = ffi.string(err.argument).decode(errors="replace")  # the argument an error names
+    elif case.op == "kv_codes_attn":
+        seq = ffi.new("FMSeqTensors *")
+        keep.append(seq)
+        for f in SEQ_FIELDS:
+            setattr(seq, f, T(f))
+        codecs = [ffi.NULL if c is None else ffi.new("FMKVCodec *", c) for c in case.args["codecs"]]
+        keep.extend(codecs)
+        s = L.fm_dispatch_kv_codes_attn(regs.get(case), T("q"), codecs[0], T("k_codes"), T("k_norms"), codecs[1],
+                                        T("v_codes"), T("v_norms"), seq, T("out"),
+                                        _opts("FMAttnOptions *", case.opts, keep), err)
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
                                     T("cache_seqlens"), T("block_table"), err)
@@ -786,6 +853,8 @@ def expected(case: Case, extra: Any):
         return _attn_expected(case), "out", t["out"].dtype  # q read exactly: the output's rounding
     if case.op == "kv_append":
         return _kv_append_expected(case), "k_cache", -3
+    if case.op == "kv_codes_attn":
+        return _codes_attn_expected(case), "out", 0
     if case.op == "rotary":
         x, cos, sin = t["x"].array(), t["cos"].array(), t["sin"].array()
         off = t["offsets"].array()
@@ -918,6 +987,86 @@ def _values_comparable(case: Case, q: np.ndarray) -> None:
         case.finite = False
 
 
+def _codes_sides(case: Case) -> list[np.ndarray]:
+    """Each side's rows as the attention reads them, float64 lead + [D]: the
+    codes (as the call left them) decoded by the reference codec, or the
+    dense cache."""
+    t = case.tensors
+    rows = []
+    for side, c in zip("kv", case.args["codecs"]):
+        if c is None:
+            rows.append(t[f"{side}_codes"].array().astype(np.float64))
+        else:
+            codes = quant_reference.unpack(t[f"{side}_codes"].array(), c["bits"], c["head_dim"])
+            rows.append(quant_reference.decode(codes, t[f"{side}_norms"].array(), c["bits"], c["seed"]))
+    return rows
+
+
+def _codes_appended_slots(case: Case) -> list[tuple[int, int, int, int]]:
+    """(storage index 0, index 1, sequence, new row) of every row k_new/v_new land in."""
+    t = case.tensors
+    if not _seq_present(case, "k_new"):
+        return []
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    ends = _lens_and_starts(case)[0]
+    page = t["k_codes"].shape[1]
+    slots = []
+    for b, end in enumerate(ends.tolist()):
+        for i in range(t["k_new"].shape[1]):
+            pos = end + i
+            slots.append((b, pos, b, i) if table is None else (int(table[b, pos // page]), pos % page, b, i))
+    return slots
+
+
+def _check_codes_append(case: Case, ctx: str) -> None:
+    """The caches after an accepted call: rows outside the appended slots as
+    they were; appended rows the reference encoding of k_new/v_new (codes
+    equal except within 1e-5 of a boundary, norms to 1e-5 relative), a dense
+    side's rows the new rows' bytes."""
+    t = case.tensors
+    slots = _codes_appended_slots(case)
+    for side, c in zip("kv", case.args["codecs"]):
+        parts = ["codes"] if c is None else ["codes", "norms"]
+        new = t[f"{side}_new"].array() if slots else None
+        for part in parts:
+            got, was = t[f"{side}_{part}"].array().copy(), _before(t[f"{side}_{part}"]).copy()
+            for p0, p1, _, _ in slots:
+                got[p0, p1] = was[p0, p1] = 0
+            assert got.tobytes() == was.tobytes(), f"{side} {part} changed outside the appended rows: {ctx}"
+        for p0, p1, b, i in slots:
+            x = new[b, i].astype(np.float64)
+            if c is None:
+                assert t[f"{side}_codes"].array()[p0, p1].tobytes() == new[b, i].tobytes(), ctx
+                continue
+            want, norms, u = quant_reference.encode(x, c["bits"], c["seed"])
+            got = quant_reference.unpack(t[f"{side}_codes"].array()[p0, p1], c["bits"], c["head_dim"])
+            _, bounds, _ = quant_reference.design(c["bits"])
+            near = np.min(np.abs(u[..., None] - bounds), axis=-1) < 1e-5
+            assert np.array_equal(got[~near], want[~near]), f"{side} codes of new row {b},{i}: {ctx}"
+            ok, _ = reference.close(t[f"{side}_norms"].array()[p0, p1], norms, 0.0, 1e-5)
+            assert ok, f"{side} norms of new row {b},{i}: {ctx}"
+
+
+def _codes_attn_expected(case: Case) -> np.ndarray:
+    """float64 attention over the caches' rows as the call left them (the
+    appended rows checked on their own), lengths grown by the new rows."""
+    t, o = case.tensors, case.opts
+    i32 = lambda x: (x + 2**31) % 2**32 - 2**31  # noqa: E731 - the library saw the wrapped int32
+    k, v = _codes_sides(case)
+    if not (np.isfinite(k).all() and np.isfinite(v).all()):
+        case.finite = False  # a dense side's bytes read as another dtype: only the safety contract is checked
+    lens, starts = _lens_and_starts(case)
+    if _seq_present(case, "k_new"):
+        lens = lens + t["k_new"].shape[1]
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    out, lse = reference.flash_attn_kvcache(
+        t["q"].array(), k, v, cache_seqlens=lens, block_table=table, cache_leftpad=starts, scale=o["scale"],
+        causal=bool(o["causal"]), softcap=o["softcap"], window_size=(i32(o["window_left"]), i32(o["window_right"])),
+        attention_chunk=i32(o["attention_chunk"]), sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
+    case.args["lse"] = lse
+    return out
+
+
 def _attn_expected(case: Case) -> np.ndarray:
     out, lse = _attn_reference(case)
     case.args["lse"] = lse
@@ -994,7 +1143,10 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
     assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
-    if case.op in ("attn", "vec_seq") and _seq_present(case, "lse"):
+    if case.op == "kv_codes_attn":
+        _check_codes_append(case, ctx)
+        case.notes.append("kv_codes_attn compared" + (" with k_new/v_new" if _seq_present(case, "k_new") else ""))
+    if case.op in ("attn", "vec_seq", "kv_codes_attn") and _seq_present(case, "lse"):
         lse = case.tensors["lse"]
         ok, ratio = reference.close(lse.array(), case.args["lse"].reshape(lse.shape), 2e-4, 2e-4)
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
@@ -1030,7 +1182,7 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5], float)  # in GENERATORS' order
+        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5, 8], float)  # in GENERATORS' order
         op = str(rng.choice(list(GENERATORS), p=weights / weights.sum()))
     case = GENERATORS[op](rng, backend)
     if nmut is None:

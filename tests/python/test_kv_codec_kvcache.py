@@ -247,6 +247,19 @@ def test_a_refused_leftpad_call_writes_nothing(registry, rng, layout):
         assert_bits_equal(a, b0, f"{n} unchanged")
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_windows_and_chunks_near_int32_max_do_not_wrap(registry, rng, rows):
+    """A window or attention chunk of 2**31 - 1 keys hides nothing: the key
+    range is computed in 64 bits (in 32 the row's position plus the window
+    wrapped negative and the row saw no key)."""
+    s = Setup(rng, registry, n_new=0)
+    q = randn(rng, (2, rows, 4, 64), F32)
+    big = 2**31 - 1
+    for kw in (dict(window_size=(big, big)), dict(window_size=(-1, big)), dict(causal=True, attention_chunk=big)):
+        got = fm.flash_attn_with_kvcache(q, s.k, s.v, cache_seqlens=s.lens, registry=registry, **kw)
+        check(got, s.expected(q, causal=bool(kw.get("causal")))[0], F32, f"{registry.backend} rows={rows} {kw}")
+
+
 @pytest.mark.parametrize("dense_side", ["k", "v"])
 @pytest.mark.parametrize("dtype", [BF16, F16])
 @pytest.mark.parametrize("paged", [False, True])
