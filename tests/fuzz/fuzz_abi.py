@@ -82,6 +82,9 @@ OPS = {
     "kv_append": ("kv_append",),
     "rotary": ("rotary",),
     "kv_codes_attn": ("kv_codes_attn",),
+    "kv_encode": ("kv_encode", "kv_codec"),
+    "kv_dequantize": ("kv_dequantize", "kv_codec"),
+    "kv_codes_decode": ("kv_codes_decode", "kv_codec"),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
               "v_new", "cu_seqlens_k_new")
@@ -553,10 +556,73 @@ def gen_kv_codes_attn(rng, backend):
     return Case("kv_codes_attn", backend, t, opts, args=dict(codecs=codecs))
 
 
+def _codec(rng, d: int) -> dict[str, int]:
+    """An FMKVCodec's fields: head dim d, a width of 2-8 bits, a seed."""
+    return dict(head_dim=d, bits=int(rng.choice([2, 3, 4, 5, 6, 8])), seed=int(rng.integers(0, 2**63)))
+
+
+def _code_rows(rng, t: dict[str, TSpec], side: str, lead: list[int], c: dict[str, int], role: str = "in") -> None:
+    """Random codes (every pattern is a code) and positive norms of rows of leading shape `lead`."""
+    d = c["head_dim"]
+    blocks = d // quant_reference.BLOCKS[d]
+    t[f"{side}_codes"] = _tensor(rng, 4, lead + [quant_reference.row_bytes(d, c["bits"])])
+    t[f"{side}_norms"] = _tensor(rng, 0, lead + [blocks],
+                                 values=(np.abs(rng.standard_normal(lead + [blocks])) + 0.1).astype(np.float32))
+    t[f"{side}_codes"].role = t[f"{side}_norms"].role = role
+
+
+def gen_kv_encode(rng, backend):
+    """fm_dispatch_kv_encode: rows [..., D] (float32, float16 or bfloat16)
+    to codes and norms of a codec of any width; head dims with blockwise
+    rotations (80, 96, 192) too."""
+    d = int(rng.choice([64, 80, 96, 128, 192, 256]))
+    c = _codec(rng, d)
+    lead = [int(x) for x in rng.integers(1, 4, int(rng.integers(1, 3)))]
+    t = {"x": _tensor(rng, int(rng.integers(0, 3)), lead + [d])}
+    t["codes"] = _tensor(rng, 4, lead + [quant_reference.row_bytes(d, c["bits"])], role="out")
+    t["norms"] = _tensor(rng, 0, lead + [d // quant_reference.BLOCKS[d]], role="out")
+    return Case("kv_encode", backend, t, args=dict(codec=c))
+
+
+def gen_kv_dequantize(rng, backend):
+    """fm_dispatch_kv_dequantize: codes and norms back to float32 rows."""
+    d = int(rng.choice([64, 80, 96, 128, 192, 256]))
+    c = _codec(rng, d)
+    lead = [int(x) for x in rng.integers(1, 4, int(rng.integers(1, 3)))]
+    t: dict[str, TSpec] = {}
+    _code_rows(rng, t, "x", lead, c)
+    t["codes"], t["norms"] = t.pop("x_codes"), t.pop("x_norms")
+    t["out"] = _tensor(rng, 0, lead + [d], role="out")
+    return Case("kv_dequantize", backend, t, args=dict(codec=c))
+
+
+def gen_kv_codes_decode(rng, backend):
+    """fm_dispatch_kv_codes_decode: one query row per head (q [H, D] or
+    [B, H, D], float32) over K and V codes of widths of their own, leading
+    shape [Hkv, cap] or [B, Hkv, cap]; kv_len, window, softcap at random."""
+    d = int(rng.choice([64, 128]))
+    batched = rng.random() < 0.5
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    h = hkv * int(rng.choice([1, 2, 4]))
+    cap = int(rng.integers(1, 40))
+    lead = ([b] if batched else []) + [hkv, cap]
+    codecs = [_codec(rng, d), _codec(rng, d)]
+    t: dict[str, TSpec] = {}
+    for side, c in zip("kv", codecs):
+        _code_rows(rng, t, side, lead, c)
+    qs = ([b] if batched else []) + [h, d]
+    t.update(q=_tensor(rng, 0, qs), out=_tensor(rng, 0, qs, role="out"))
+    kvl = int(rng.integers(1, cap + 1))
+    opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
+                kv_len=kvl, window=int(rng.choice([0, 0, 1, 3, cap + 2, 2**31 - 1])))
+    return Case("kv_codes_decode", backend, t, opts, args=dict(codecs=codecs))
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
               "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn, "vec_seq": gen_vec_seq,
-              "kv_append": gen_kv_append, "rotary": gen_rotary, "kv_codes_attn": gen_kv_codes_attn}
+              "kv_append": gen_kv_append, "rotary": gen_rotary, "kv_codes_attn": gen_kv_codes_attn,
+              "kv_encode": gen_kv_encode, "kv_dequantize": gen_kv_dequantize, "kv_codes_decode": gen_kv_codes_decode}
 
 # --------------------------------------------------------------- mutations
 
@@ -592,7 +658,22 @@ def mutate(case: Case, rng: np.random.Generator) -> None:
         return
     if case.op == "blk":
         kinds += ["arg"]
+    if "codec" in case.args or "codecs" in case.args:
+        kinds += ["codec"] * 2
     kind = rng.choice(kinds)
+    if kind == "codec":  # a codec the library must refuse (or NULL: a dense side where codes are passed)
+        holder, key = (case.args, "codec") if "codec" in case.args else (case.args["codecs"], int(rng.integers(0, 2)))
+        c = holder[key]
+        if c is None or rng.random() < 0.2:
+            holder[key] = None
+            case.mutations.append(f"codec[{key}]=NULL")
+            return
+        field_name = str(rng.choice(["head_dim", "bits"]))
+        c = dict(c)
+        c[field_name] = int(rng.choice(BAD_INTS + (1, 7, 9, 100, 1024, 32, 16)))
+        holder[key] = c
+        case.mutations.append(f"codec[{key}].{field_name}={c[field_name]}")
+        return
     if kind == "registry":
         case.registry = str(rng.choice(["null", "dead", "garbage"]))
         case.mutations.append(f"registry={case.registry}")
@@ -772,6 +853,20 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
         s = L.fm_dispatch_kv_codes_attn(regs.get(case), T("q"), codecs[0], T("k_codes"), T("k_norms"), codecs[1],
                                         T("v_codes"), T("v_norms"), seq, T("out"),
                                         _opts("FMAttnOptions *", case.opts, keep), err)
+    elif case.op in ("kv_encode", "kv_dequantize"):
+        c = case.args["codec"]
+        codec = ffi.NULL if c is None else ffi.new("FMKVCodec *", c)
+        keep.append(codec)
+        if case.op == "kv_encode":
+            s = L.fm_dispatch_kv_encode(regs.get(case), codec, T("x"), T("codes"), T("norms"), err)
+        else:
+            s = L.fm_dispatch_kv_dequantize(regs.get(case), codec, T("codes"), T("norms"), T("out"), err)
+    elif case.op == "kv_codes_decode":
+        codecs = [ffi.NULL if c is None else ffi.new("FMKVCodec *", c) for c in case.args["codecs"]]
+        keep.extend(codecs)
+        s = L.fm_dispatch_kv_codes_decode(regs.get(case), T("q"), codecs[0], T("k_codes"), T("k_norms"), codecs[1],
+                                          T("v_codes"), T("v_norms"), T("out"),
+                                          _opts("FMKVCodesDecodeOptions *", case.opts, keep), err)
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
                                     T("cache_seqlens"), T("block_table"), err)
@@ -855,6 +950,23 @@ def expected(case: Case, extra: Any):
         return _kv_append_expected(case), "k_cache", -3
     if case.op == "kv_codes_attn":
         return _codes_attn_expected(case), "out", 0
+    if case.op == "kv_encode":
+        return None, "codes", -4  # checked by _check_encode
+    if case.op == "kv_dequantize":
+        c = case.args["codec"]
+        codes = quant_reference.unpack(t["codes"].array(), c["bits"], c["head_dim"])
+        e = quant_reference.decode(codes, t["norms"].array(), c["bits"], c["seed"])
+        if not np.isfinite(e).all():
+            case.finite = False  # norms relabelled to another dtype: only the safety contract
+        return e, "out", 0
+    if case.op == "kv_codes_decode":
+        k, v = _codes_sides(case)
+        _values_comparable(case, t["q"].array())
+        if not (np.isfinite(k).all() and np.isfinite(v).all()):
+            case.finite = False
+        w = o["window"] if 0 < o["window"] < 2**31 else None
+        e = reference.decode(t["q"].array(), k, v, o["kv_len"], scale=o["scale"], window=w, softcap=o["softcap"])
+        return e, "out", 0
     if case.op == "rotary":
         x, cos, sin = t["x"].array(), t["cos"].array(), t["sin"].array()
         off = t["offsets"].array()
@@ -1047,6 +1159,27 @@ def _check_codes_append(case: Case, ctx: str) -> None:
             assert ok, f"{side} norms of new row {b},{i}: {ctx}"
 
 
+def _check_encode(case: Case, ctx: str) -> None:
+    """An accepted kv_encode: codes equal the reference encoding except
+    within 1e-5 of a boundary, norms to 1e-5 relative, nothing written past
+    either (non-finite rows: only the safety contract)."""
+    t, c = case.tensors, case.args["codec"]
+    x = t["x"].array().astype(np.float64)
+    for name in ("codes", "norms"):
+        nb = int(np.prod(t[name].shape)) * SIZE[t[name].dtype]
+        assert np.array_equal(t[name].buf.raw[G + nb:], t[name].buf.snap[G + nb:]), f"wrote past {name}: {ctx}"
+    if not np.isfinite(x).all() or np.abs(x).max(initial=0.0) > 1e18:
+        return  # rows relabelled to another dtype: only the safety contract
+    want, norms, u = quant_reference.encode(x, c["bits"], c["seed"])
+    got = quant_reference.unpack(t["codes"].array(), c["bits"], c["head_dim"])
+    _, bounds, _ = quant_reference.design(c["bits"])
+    near = np.min(np.abs(u[..., None] - bounds), axis=-1) < 1e-5
+    assert np.array_equal(got[~near], want[~near]), f"codes differ from the reference encoding: {ctx}"
+    ok, ratio = reference.close(t["norms"].array(), norms, 1e-30, 1e-5)
+    assert ok, f"norms off by {ratio:.3g}x: {ctx}"
+    case.notes.append("kv_encode compared")
+
+
 def _codes_attn_expected(case: Case) -> np.ndarray:
     """float64 attention over the caches' rows as the call left them (the
     appended rows checked on their own), lengths grown by the new rows."""
@@ -1124,6 +1257,9 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
             got = case.tensors[name].array()
             assert got.tobytes() == np.ascontiguousarray(want).tobytes(), f"{name} differs from the append: {ctx}"
         return
+    if tol == -4:  # kv_encode: the reference codec's codes and norms
+        _check_encode(case, ctx)
+        return
     if tol == -2:  # blk: the classes, nothing past NQ*NK written
         got = out.buf.mid()[: e.size]
         assert np.array_equal(got, e), f"blk classes differ: {ctx}"
@@ -1143,6 +1279,8 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
     atol, rtol = TOL[tol]
     ok, ratio = reference.close(got, e, atol, rtol)
     assert ok, f"output off by {ratio:.3g}x tolerance: {ctx}"
+    if case.op in ("kv_dequantize", "kv_codes_decode"):
+        case.notes.append(f"{case.op} compared")
     if case.op == "kv_codes_attn":
         _check_codes_append(case, ctx)
         case.notes.append("kv_codes_attn compared" + (" with k_new/v_new" if _seq_present(case, "k_new") else ""))
@@ -1182,7 +1320,7 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5, 8], float)  # in GENERATORS' order
+        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5, 8, 3, 3, 5], float)  # in GENERATORS' order
         op = str(rng.choice(list(GENERATORS), p=weights / weights.sum()))
     case = GENERATORS[op](rng, backend)
     if nmut is None:
