@@ -25,12 +25,16 @@ public enum MaskKeyRanges {
                                         arg: "mask")
         }
         let (batch, heads, keys) = (mask.shape[0], mask.shape[1], mask.shape[3])
+        if heads == 0 && batch > 0 {
+            throw FlashMetalError.value(op, "mask must have a head (its dim 1 is 0), got \(mask.shape)", arg: "mask")
+        }
         try out.requireDType([.i32], op: op, name: "out")
         if out.shape != [2, batch] {
             throw FlashMetalError.value(op, "out must have shape [2, \(batch)] (the mask's batch), got \(out.shape)",
                                         arg: "out")
         }
         try out.requireBytes(op: op, name: "out")
+        try Dispatch.requireDisjoint([out], from: [mask], op: op)
         if let window, window < 1 { throw FlashMetalError.value(op, "window must be >= 1, got \(window)", arg: "window") }
         if keys > Int(Int32.max) {
             throw FlashMetalError.value(op, "the mask's \(keys) keys must fit int32", arg: "mask")

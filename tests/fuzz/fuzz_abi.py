@@ -85,6 +85,8 @@ OPS = {
     "kv_encode": ("kv_encode", "kv_codec"),
     "kv_dequantize": ("kv_dequantize", "kv_codec"),
     "kv_codes_decode": ("kv_codes_decode", "kv_codec"),
+    "kv_codes_append": ("kv_codes_append", "kv_codec"),
+    "mask_key_ranges": ("mask_key_ranges",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
               "v_new", "cu_seqlens_k_new")
@@ -618,11 +620,72 @@ def gen_kv_codes_decode(rng, backend):
     return Case("kv_codes_decode", backend, t, opts, args=dict(codecs=codecs))
 
 
+def gen_kv_codes_append(rng, backend):
+    """fm_dispatch_kv_codes_append: k_new/v_new [B, n, Hkv, D] (float32,
+    float16 or bfloat16) encoded into quantized caches (or copied into one
+    dense side of their dtype) at each sequence's length, contiguous or paged."""
+    d = int(rng.choice([64, 128]))
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    lens = [int(rng.integers(0, 12)) for _ in range(b)]
+    n = int(rng.integers(1, 4))
+    t: dict[str, TSpec] = {}
+    if rng.random() < 0.5:
+        page = int(rng.choice([4, 8]))
+        per = -(-(max(lens) + n) // page)
+        num_pages = b * per + int(rng.integers(0, 3))
+        lead = [num_pages, page, hkv]
+        t["block_table"] = _tensor(rng, 5, [b, per], values=rng.permutation(num_pages)[:b * per].reshape(b, per))
+    else:
+        lead = [b, max(lens) + n + int(rng.integers(0, 3)), hkv]
+    dt = int(rng.integers(0, 3))
+    codecs = [_codec(rng, d), _codec(rng, d)]
+    if rng.random() < 0.2:
+        codecs[int(rng.integers(0, 2))] = None
+    for side, c in zip("kv", codecs):
+        if c is None:
+            t[f"{side}_codes"] = _tensor(rng, dt, lead + [d])
+            t[f"{side}_codes"].role = "inout"
+        else:
+            _code_rows(rng, t, side, lead, c, role="inout")
+    t["seqlens_k"] = _tensor(rng, 5, [b], values=np.array(lens))
+    t.update(k_new=_tensor(rng, dt, [b, n, hkv, d]), v_new=_tensor(rng, dt, [b, n, hkv, d]))
+    return Case("kv_codes_append", backend, t, args=dict(codecs=codecs))
+
+
+def gen_mask_key_ranges(rng, backend):
+    """fm_mask_key_ranges: a one-row mask [B, H, 1, kL] (bool or additive
+    0/-inf, with holes, finite biases and heads that differ at times), causal,
+    a position and a window; out int32 [2, B]."""
+    b, h, kl = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.integers(1, 40))
+    vis = np.zeros((b, 1, 1, kl), bool)
+    for i in range(b):
+        lo = int(rng.integers(0, kl + 1))
+        vis[i, 0, 0, lo:int(rng.integers(lo, kl + 1))] = True
+        if rng.random() < 0.15:
+            vis[i, 0, 0, int(rng.integers(0, kl))] ^= True
+    vis = np.repeat(vis, h, axis=1)
+    if rng.random() < 0.1:
+        vis[int(rng.integers(0, b)), int(rng.integers(0, h)), 0, int(rng.integers(0, kl))] ^= True
+    dt = int(rng.choice([3, 0, 1, 2]))
+    if dt == 3:
+        mask = _tensor(rng, 3, [b, h, 1, kl], values=vis)
+    else:
+        vals = np.where(vis, 0.0, -np.inf)
+        if rng.random() < 0.1:
+            vals[tuple(int(rng.integers(0, n)) for n in vals.shape)] = float(rng.choice([1.5, -0.0, np.nan, np.inf]))
+        mask = _tensor(rng, dt, [b, h, 1, kl], values=vals.astype(np.float32))
+    t = {"mask": mask, "out": _tensor(rng, 5, [2, b], role="out")}
+    args = dict(causal=int(rng.integers(0, 2)), q_pos=int(rng.integers(-2, kl + 2)),
+                window=int(rng.choice([0, 0, 1, 3, kl + 1, 2**31 - 1])))
+    return Case("mask_key_ranges", backend, t, args=args)
+
+
 GENERATORS = {"prefill": gen_prefill, "vec": gen_vec, "sdpa": gen_sdpa, "mask": gen_mask, "blk": gen_blk,
               "blk_byte_len": lambda r, b: gen_ints(r, b, "blk_byte_len"),
               "alloc_blk": lambda r, b: gen_ints(r, b, "alloc_blk"), "attn": gen_attn, "vec_seq": gen_vec_seq,
               "kv_append": gen_kv_append, "rotary": gen_rotary, "kv_codes_attn": gen_kv_codes_attn,
-              "kv_encode": gen_kv_encode, "kv_dequantize": gen_kv_dequantize, "kv_codes_decode": gen_kv_codes_decode}
+              "kv_encode": gen_kv_encode, "kv_dequantize": gen_kv_dequantize, "kv_codes_decode": gen_kv_codes_decode,
+              "kv_codes_append": gen_kv_codes_append, "mask_key_ranges": gen_mask_key_ranges}
 
 # --------------------------------------------------------------- mutations
 
@@ -640,7 +703,7 @@ def kind_alias(case: Case, rng: np.random.Generator, chosen: bool) -> bool:
         return False
     o, x = case.tensors[str(rng.choice(outs))], case.tensors[str(rng.choice(others))]
     small, big = (x, o) if x.buf.n <= o.buf.n else (o, x)
-    if small.buf.n == 0:
+    if small.buf.n == 0 or 0 in x.shape or 0 in o.shape:  # no byte described: nothing to share
         return False
     big.buf.raw[G:G + small.buf.n] = small.buf.mid()  # the smaller one's bytes, now inside the larger buffer
     big.buf.snap[:] = big.buf.raw
@@ -867,6 +930,17 @@ def call(case: Case, regs: Registries) -> tuple[int, str, Any]:
         s = L.fm_dispatch_kv_codes_decode(regs.get(case), T("q"), codecs[0], T("k_codes"), T("k_norms"), codecs[1],
                                           T("v_codes"), T("v_norms"), T("out"),
                                           _opts("FMKVCodesDecodeOptions *", case.opts, keep), err)
+    elif case.op == "kv_codes_append":
+        codecs = [ffi.NULL if c is None else ffi.new("FMKVCodec *", c) for c in case.args["codecs"]]
+        keep.extend(codecs)
+        s = L.fm_dispatch_kv_codes_append(regs.get(case), T("k_new"), T("v_new"), codecs[0], T("k_codes"),
+                                          T("k_norms"), codecs[1], T("v_codes"), T("v_norms"), T("seqlens_k"),
+                                          T("block_table"), err)
+    elif case.op == "mask_key_ranges":
+        found = ffi.new("int32_t *", -7)
+        a = case.args
+        s = L.fm_mask_key_ranges(T("mask"), a["causal"], a["q_pos"], a["window"], T("out"), found, err)
+        extra = int(found[0])
     elif case.op == "kv_append":
         s = L.fm_dispatch_kv_append(regs.get(case), T("k_new"), T("v_new"), T("k_cache"), T("v_cache"),
                                     T("cache_seqlens"), T("block_table"), err)
@@ -952,6 +1026,10 @@ def expected(case: Case, extra: Any):
         return _codes_attn_expected(case), "out", 0
     if case.op == "kv_encode":
         return None, "codes", -4  # checked by _check_encode
+    if case.op == "kv_codes_append":
+        return None, "k_codes", -5  # checked by _check_codes_append
+    if case.op == "mask_key_ranges":
+        return _key_ranges(case), "out", -6
     if case.op == "kv_dequantize":
         c = case.args["codec"]
         codes = quant_reference.unpack(t["codes"].array(), c["bits"], c["head_dim"])
@@ -1159,6 +1237,37 @@ def _check_codes_append(case: Case, ctx: str) -> None:
             assert ok, f"{side} norms of new row {b},{i}: {ctx}"
 
 
+def _key_ranges(case: Case) -> np.ndarray | None:
+    """The rule of fm_mask_key_ranges from the mask's values: int32 [2, B]
+    (ends, starts) when every batch row's visible keys (0 or True attend,
+    -inf hides; causal and the window applied) are one range, the same for
+    every head, with no other value anywhere; else None."""
+    a = case.args
+    m = case.tensors["mask"].array()
+    if m.dtype == np.bool_:
+        vis = m[:, :, 0, :].astype(bool)
+    else:
+        x = m[:, :, 0, :].astype(np.float64)
+        vis = x == 0
+        if not (vis | np.isneginf(x)).all():
+            return None
+    if not (vis == vis[:, :1]).all():
+        return None
+    vis, pos = vis[:, 0].copy(), np.arange(vis.shape[-1])
+    if a["causal"]:
+        vis &= pos <= a["q_pos"]
+    if a["window"] > 0:
+        vis &= a["q_pos"] - pos < a["window"]
+    out = np.zeros((2, vis.shape[0]), np.int32)
+    for b, row in enumerate(vis):
+        idx = np.flatnonzero(row)
+        if idx.size and idx[-1] - idx[0] + 1 != idx.size:
+            return None
+        if idx.size:
+            out[:, b] = [idx[-1] + 1, idx[0]]
+    return out
+
+
 def _check_encode(case: Case, ctx: str) -> None:
     """An accepted kv_encode: codes equal the reference encoding except
     within 1e-5 of a boundary, norms to 1e-5 relative, nothing written past
@@ -1257,8 +1366,22 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
             got = case.tensors[name].array()
             assert got.tobytes() == np.ascontiguousarray(want).tobytes(), f"{name} differs from the append: {ctx}"
         return
+    if tol == -6:  # mask_key_ranges: found as the rule says, out its ranges (untouched when not found)
+        assert extra == (e is not None), f"found={extra}, the rule: {e is not None}: {ctx}"
+        if e is None:
+            assert out.buf.unchanged(), f"out written though no ranges were found: {ctx}"
+        else:
+            assert np.array_equal(out.array(), e), f"ranges {out.array().tolist()} != {e.tolist()}: {ctx}"
+        case.notes.append(f"mask_key_ranges {'found' if e is not None else 'none'} compared")
+        return
     if tol == -4:  # kv_encode: the reference codec's codes and norms
         _check_encode(case, ctx)
+        return
+    if tol == -5:  # kv_codes_append: the appended rows encoded, every other row as it was
+        rows = [case.tensors[n].array().astype(np.float64) for n in ("k_new", "v_new")]
+        if all(np.isfinite(x).all() and np.abs(x).max(initial=0.0) <= 1e18 for x in rows):
+            _check_codes_append(case, ctx)
+            case.notes.append("kv_codes_append compared")
         return
     if tol == -2:  # blk: the classes, nothing past NQ*NK written
         got = out.buf.mid()[: e.size]
@@ -1320,7 +1443,7 @@ BEFORE_CALL = None  # hook(case, seed): run_fuzz.py records the case before the 
 def run_case(seed: int, backend: str, regs: Registries, op: str | None = None, nmut: int | None = None) -> Case:
     rng = np.random.default_rng([seed, 0 if backend == "cpu" else 1])
     if op is None:
-        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5, 8, 3, 3, 5], float)  # in GENERATORS' order
+        weights = np.array([22, 14, 10, 7, 7, 5, 5, 16, 8, 6, 5, 8, 3, 3, 5, 4, 2], float)  # in GENERATORS' order
         op = str(rng.choice(list(GENERATORS), p=weights / weights.sum()))
     case = GENERATORS[op](rng, backend)
     if nmut is None:

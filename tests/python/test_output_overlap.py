@@ -153,6 +153,19 @@ def test_appending_calls_check_outputs_against_the_callers_tables(registry, rng)
              (q32, kq, vq, table, oarena), "flash_attn_with_kvcache", "out and cache_seqlens", oarena)
 
 
+def test_mask_key_ranges_out_over_its_mask_is_refused():
+    """fm_mask_key_ranges writes out after reading the whole mask, yet an out
+    sharing the mask's bytes is refused like every other output."""
+    ffi, lib = _native.ffi(), _native.lib()
+    arena = np.zeros(64, np.float32)
+    mask = arena[:16].reshape(1, 1, 1, 16)
+    out = arena[14:16].view(np.int32).reshape(2, 1)
+    found, err = ffi.new("int32_t *", -1), ffi.new("FMError *")
+    assert lib.fm_mask_key_ranges(tensor(mask), 0, 15, 0, tensor(out), found, err) == lib.FM_ERROR_VALUE
+    assert ffi.string(err.message).decode().startswith("out and mask overlap in memory"), ffi.string(err.message)
+    assert found[0] == -1 and not arena.any()
+
+
 def test_sdpa_out_over_its_mask_is_refused(registry, rng):
     ffi = _native.ffi()
     q = randn(rng, (1, 1, 4, 32), F32)

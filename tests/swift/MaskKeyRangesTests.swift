@@ -52,6 +52,9 @@ final class MaskKeyRangesTests: XCTestCase {
         expectFMError(MaskKeyRanges.op, status: FM_ERROR_TYPE, contains: "mask must be bool or float32 or float16 or bfloat16, got int32") {
             _ = try self.find(HostTensor([1, 1, 1, 4], .i32))
         }
+        expectFMError(MaskKeyRanges.op, contains: "mask must have a head (its dim 1 is 0)") {
+            _ = try self.find(HostTensor([2, 0, 1, 4], .f32))
+        }
         expectFMError(MaskKeyRanges.op, contains: "window must be >= 1, got 0") {
             _ = try self.find(HostTensor([1, 1, 1, 4], .f32), window: 0)
         }
