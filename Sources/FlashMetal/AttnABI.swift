@@ -50,7 +50,6 @@ public func fm_dispatch_attn(
                                                  makeAppend: makeAppend) { append, seqlens in
                     t.seqlensK = seqlens
                     let plan = try AttnDispatcher.makePlan(t, o)
-                    plan.clearUnownedRows()
                     if plan.tableBytes == 0 {
                         try reg.run(append + plan.dispatches(tables: nil), op: op)
                     } else {
@@ -58,6 +57,8 @@ public func fm_dispatch_attn(
                             try reg.run(append + plan.dispatches(tables: m.data), op: op)
                         }
                     }
+                    // Once the run accepted the call (its overlap checks included): no kernel writes these rows.
+                    plan.clearUnownedRows()
                 }
             }
             guard let cu = c[5] else {

@@ -129,8 +129,9 @@ public struct AttnPlan {
 
     /// Makes the packed rows no sequence owns read as rows that see nothing
     /// (out 0, lse -inf) rather than whatever the memory held: no kernel
-    /// writes them. Written now, on the host; run it once the call is
-    /// known good, before its work.
+    /// writes them. Written now, on the host: call it once the registry has
+    /// accepted the call's dispatches (an out that overlaps an input is
+    /// refused there, with nothing written).
     public func clearUnownedRows() {
         guard !unownedRows.isEmpty, let out else { return }
         let rowBytes = out.shape.dropFirst().reduce(1, *) * out.dtype.byteSize

@@ -153,6 +153,21 @@ def test_appending_calls_check_outputs_against_the_callers_tables(registry, rng)
              (q32, kq, vq, table, oarena), "flash_attn_with_kvcache", "out and cache_seqlens", oarena)
 
 
+def test_packed_rows_past_the_last_sequence_are_cleared_only_once_the_call_is_accepted(registry, rng):
+    """The library zeroes out's rows after cu_seqlens_q[B] itself (no kernel
+    writes them): an out over q is still refused with nothing written."""
+    h, d = 2, 64
+    arena = np.ones(8 * h * d, F16)
+    q = arena[:5 * h * d].reshape(5, h, d)  # 5 packed rows; the sequences own 3
+    out = arena[2 * h * d:7 * h * d].reshape(5, h, d)
+    k = randn(rng, (6, h, d), F16)
+    cu_q, cu_k = np.array([0, 1, 3], np.int32), np.array([0, 2, 6], np.int32)
+    seq = _seq(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    _refused(registry, "fm_dispatch_attn",
+             (tensor(q), tensor(k), tensor(k), seq, tensor(out), _attn_options(d, max_q=2, max_k=4)),
+             (q, k, cu_q, cu_k, out), "flash_attn_varlen_func", "out and q", arena)
+
+
 def test_mask_key_ranges_out_over_its_mask_is_refused():
     """fm_mask_key_ranges writes out after reading the whole mask, yet an out
     sharing the mask's bytes is refused like every other output."""
