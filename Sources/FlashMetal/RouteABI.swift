@@ -14,9 +14,16 @@ public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: Unsaf
             throw FlashMetalError.type(op, "dtype must be float32, float16 or bfloat16 (FMDType), got \(c.dtype)",
                                        arg: "dtype")
         }
-        if c.query_rows < 1 || c.keys < 1 || c.head_dim < 1 || c.head_dim_v < 1 || c.window < 0 {
-            throw FlashMetalError.value(op, "query_rows, keys, head_dim and head_dim_v must be >= 1 and window >= 0, "
-                + "got \(c.query_rows), \(c.keys), \(c.head_dim), \(c.head_dim_v), \(c.window)", arg: "call")
+        // Bounded to int32 (the kernels' range), so the router's sums of them cannot overflow.
+        let limit = Int64(Int32.max)
+        if [c.query_rows, c.keys, c.head_dim, c.head_dim_v].contains(where: { $0 < 1 || $0 > limit }) || c.window < 0 {
+            throw FlashMetalError.value(op, "query_rows, keys, head_dim and head_dim_v must be in 1...\(limit) and "
+                + "window >= 0, got \(c.query_rows), \(c.keys), \(c.head_dim), \(c.head_dim_v), \(c.window)",
+                                        arg: "call")
+        }
+        if c.query_offset < -limit || c.query_offset > limit {
+            throw FlashMetalError.value(op, "query_offset must be in -\(limit)...\(limit), got \(c.query_offset)",
+                                        arg: "call")
         }
         let route = try AttentionRouter.route(AttentionRouter.Call(
             dtype: dtype, queryRows: Int(c.query_rows), headDim: Int(c.head_dim), headDimV: Int(c.head_dim_v),

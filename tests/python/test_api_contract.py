@@ -285,3 +285,25 @@ def test_route_attention_is_the_front_doors_rule():
     status, _, _, _, err = route(query_rows=0)
     assert status == lib.FM_ERROR_VALUE and ffi.string(err.argument) == b"call"
     assert lib.fm_route_attention(ffi.NULL, ffi.new("FMRoute *"), ffi.NULL) == lib.FM_ERROR_VALUE
+
+
+def test_route_attention_refuses_values_beyond_int32():
+    """Sizes and offsets beyond int32 (the kernels' range) are value errors;
+    before, the router's sums of them overflowed and trapped the process.
+    In a subprocess: a crash fails this test, not the run."""
+    from subprocess_run import run_python
+    run_python("""
+        from flashmetal import _native
+        ffi, lib = _native.ffi(), _native.lib()
+        base = dict(dtype=lib.FM_DTYPE_BF16, head_dim=64, head_dim_v=64, window=0, query_rows=1, keys=40,
+                    query_offset=39, mask=0, mask_is_key_ranges=0, causal=1, sinks=1)
+        for field, value in (("query_rows", 2**63 - 1), ("keys", 2**62), ("head_dim", 2**31), ("head_dim_v", 2**40),
+                             ("query_offset", 2**63 - 1), ("query_offset", -2**63)):
+            out, err = ffi.new("FMRoute *"), ffi.new("FMError *")
+            status = lib.fm_route_attention(ffi.new("FMRouteCall *", dict(base, **{field: value})), out, err)
+            assert status == lib.FM_ERROR_VALUE and ffi.string(err.argument) == b"call", (field, status)
+            assert field.encode() in ffi.string(err.message), ffi.string(err.message)
+        out, err = ffi.new("FMRoute *"), ffi.new("FMError *")
+        edge = dict(base, query_rows=2**31 - 1, keys=2**31 - 1, query_offset=2**31 - 1, window=2**31 - 1, sinks=0)
+        assert lib.fm_route_attention(ffi.new("FMRouteCall *", edge), out, err) == lib.FM_OK
+    """)
