@@ -26,13 +26,21 @@ public enum AppendBeforeAttention {
         try seqlens.requireBytes(op: op, name: "cache_seqlens")
         let batch = paired ? seqlens.shape[1] : seqlens.shape[0]
         let ends = paired ? seqlens.reshaped([batch], byteCount: batch * 4) : seqlens
-        // The append checks every length plus n_new against the capacity (so the sums fit int32) and every
-        // table entry; its errors name the caller's op.
+        // The append checks every length plus its new rows against the capacity and every table entry; its
+        // errors name the caller's op.
         let append: (dispatch: Dispatch?, added: [Int])
         do { append = try makeAppend(rows, ends) } catch let e as FlashMetalError { throw e.naming(op: op) }
         let src = seqlens.data.assumingMemoryBound(to: Int32.self)
         let dst = grown.assumingMemoryBound(to: Int32.self)
-        for b in 0..<batch { dst[b] = src[b] + Int32(append.added[b]) }
+        for b in 0..<batch {
+            // A paged capacity may exceed int32; the lengths the attention reads may not.
+            let sum = Int(src[b]) + append.added[b]
+            guard sum <= Int(Int32.max) else {
+                throw FlashMetalError.value(op, "cache_seqlens[\(b)] + its \(append.added[b]) new rows = \(sum) "
+                    + "exceeds the int32 lengths the attention reads (\(Int32.max))", arg: "cache_seqlens")
+            }
+            dst[b] = Int32(sum)
+        }
         if paired { for b in 0..<batch { dst[batch + b] = src[batch + b] } }
         // Still the caller's lengths in overlap checks: an output sharing their bytes is refused.
         return (append.dispatch, seqlens.copied(to: grown))

@@ -207,3 +207,27 @@ def test_c_abi_refuses_overlap(registry, rng):
         with pytest.raises(ValueError, match=rf"^{KV_APPEND_OP}: {names} overlap in memory"):
             kv_append(registry, k, v, kc, vc, sl)
         assert_bits_equal(buf, before, f"{names}: nothing written")
+
+
+def test_appended_lengths_beyond_int32_are_refused():
+    """A paged cache's capacity may exceed int32 (2**20 pages of 4096 keys in
+    the table); the lengths the attention reads after an append may not:
+    cache_seqlens 2**31 - 1 plus a new row is a ValueError naming it, dense
+    and quantized. In a subprocess: before, the int32 sum trapped the process."""
+    from subprocess_run import run_python
+    run_python("""
+        import ml_dtypes
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        q, kn = np.zeros((1, 1, 1, 64), bf16), np.ones((1, 1, 1, 64), bf16)
+        table, lens = np.zeros((1, 2**20), np.int32), np.array([2**31 - 1], np.int32)
+        codec = fm.KVCodec(64, 4)
+        for backend in ("cpu", "sim"):
+            for caches in ((np.zeros((1, 4096, 1, 64), bf16), np.zeros((1, 4096, 1, 64), bf16)),
+                           (codec.empty((1, 4096, 1)), codec.empty((1, 4096, 1)))):
+                try:
+                    fm.flash_attn_with_kvcache(q, *caches, kn, kn, cache_seqlens=lens, block_table=table,
+                                               registry=backend)
+                    raise SystemExit("accepted")
+                except fm.InvalidValueError as e:
+                    assert e.argument == "cache_seqlens" and "2147483648 exceeds the int32 lengths" in str(e), e
+    """)
