@@ -398,15 +398,10 @@ def flash_attn_with_kvcache(
                                       want_lse=want_lse, out=out_arr)
         return _returned(q, out, result, lse if want_lse else None)
     short = _short_query(qa, kc, vc)
-    if not appending:
+    if tables is None:  # k/v (when given) ride in the attention's own call
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr, alibi=slopes, short=short)
-    elif tables is None:
-        assert lens is not None  # required when appending
-        finish = _append_then_attend(reg, ka, va,
-                                     lambda rows: _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk,
-                                                          want_lse=want_lse, seqlens_k=lens, block_table=bt,
-                                                          out=out_arr, alibi=slopes, short=short, appended=rows))
+                         block_table=bt, out=out_arr, alibi=slopes, short=short,
+                         appended=(ka, va) if appending else None)
     else:
         assert lens is not None and given_lens is not None  # required when appending
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
@@ -417,18 +412,13 @@ def flash_attn_with_kvcache(
         # The decode kernel computes in float32: q is rotated in float32 for
         # it, so the rotated query is never rounded to q's dtype.
         q_in = np.ascontiguousarray(qa, dtype=F32) if decode or short else qa
-        rotated: dict[str, np.ndarray] = {}
-
-        def rotate_q_and_k() -> np.ndarray:
-            rotated["q"] = rotate(reg, _KVCACHE, q_in, tables, given_lens, interleaved=interleaved,
-                                  per_row=per_row, name="q")
-            return rotate(reg, _KVCACHE, ka, tables, given_lens, interleaved=interleaved, per_row=True, name="k")
-
-        finish = _append_then_attend(reg, rotate_q_and_k, va,
-                                     lambda rows: _attend(reg, _KVCACHE, rotated["q"], kc, vc, opts, sinks=sk,
-                                                          want_lse=want_lse, seqlens_k=lens, block_table=bt,
-                                                          out=out_arr, out_dtype=qa.dtype, alibi=slopes,
-                                                          short=short, appended=rows))
+        with reg.batch():  # the rotations run before the call that reads them
+            q_rot = rotate(reg, _KVCACHE, q_in, tables, given_lens, interleaved=interleaved, per_row=per_row,
+                           name="q")
+            k_rot = rotate(reg, _KVCACHE, ka, tables, given_lens, interleaved=interleaved, per_row=True, name="k")
+            finish = _attend(reg, _KVCACHE, q_rot, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
+                             block_table=bt, out=out_arr, out_dtype=qa.dtype, alibi=slopes, short=short,
+                             appended=(k_rot, va))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -620,20 +610,6 @@ def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_tabl
         raise InvalidValueError(_KVCACHE, f"cache_seqlens must have shape [{batch}] (q's batch), got "
                                 f"{list(ends.shape)}", argument="cache_seqlens")
     return np.ascontiguousarray(np.stack([ends, lp]))
-
-
-def _append_then_attend(reg: Registry, ka: np.ndarray | Callable[[], np.ndarray], va: np.ndarray,
-                        attend: Callable[[tuple[np.ndarray, np.ndarray]], Any]) -> Any:
-    """`attend((k, v))`, whose attention call appends k/v into the caches
-    first (FMSeqTensors.k_new/v_new: the library validates the append and
-    the attention before either runs, so a refused call leaves the caches
-    as they were), in one batch scope. `ka` may be a function that
-    dispatches the work making k (the rotary kernel) in that scope and
-    returns it."""
-    with reg.batch():
-        if callable(ka):
-            ka = ka()
-        return attend((ka, va))
 
 
 def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> bool:
