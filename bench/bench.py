@@ -644,6 +644,7 @@ def class_title(m):
                 "FLASHMETAL_CPU_ISA=avx2; torch with ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2, "
                 "MKL_ENABLE_INSTRUCTIONS=AVX2, in a child process)")
     return {"avx512bf16": "x86-64 AVX-512 + AVX512-BF16", "avx512": "x86-64 AVX-512 (no BF16)",
+            "avx512vbmi": "x86-64 AVX-512 + VBMI (no BF16)",
             "avx2": "x86-64 AVX2 + FMA + F16C", "neon": "arm64 NEON"}.get(m["isa"], m["isa"])
 
 

@@ -9,8 +9,8 @@
 # codes (every width, dense sides), blk and the mask builder. Reuses
 # ARM64_CC and ARM64_KERNELS of mk/cpu-arm64.mk (included first: fragments
 # load in name order).
-# On Linux a second build, harness-emulated, compiles the AVX-512 and
-# AVX512-BF16 instances (and the ISA detection; the other objects are the
+# On Linux a second build, harness-emulated, compiles the AVX-512,
+# AVX512-VBMI and AVX512-BF16 instances (and the ISA detection; the other objects are the
 # native build's) without their target attribute and their intrinsics
 # from SIMDe (FM_ISA_EMULATED: Sources/FlashMetalCPUKernels/x86_intrin.h,
 # tests/cpu_arm64/isa_emulated.h), and its dispatch reports every x86 ISA: it
@@ -23,7 +23,8 @@ HARNESS_SRCS := tests/cpu_arm64/harness.c $(ARM64_KERNELS)
 HARNESS_HEADERS := tests/cpu_arm64/codes_case.h $(wildcard Sources/FlashMetalCPUKernels/*.h) \
 	Sources/FlashMetalCPUKernels/include/fm_cpu_kernels.h $(HEADER)
 # The sources FM_ISA_EMULATED changes; the emulated build shares the others' objects.
-HARNESS_EMULATED_SRCS := $(addprefix Sources/FlashMetalCPUKernels/,cpu_features.c kernels_avx512.c kernels_avx512bf16.c)
+HARNESS_EMULATED_SRCS := $(addprefix Sources/FlashMetalCPUKernels/,cpu_features.c kernels_avx512.c kernels_avx512vbmi.c \
+	kernels_avx512bf16.c)
 HARNESS_OBJS := $(patsubst %.c,$(HARNESS_OUT)/native/%.o,$(HARNESS_SRCS))
 HARNESS_EMULATED_OBJS := $(patsubst %.c,$(HARNESS_OUT)/native/%.o,$(filter-out $(HARNESS_EMULATED_SRCS),$(HARNESS_SRCS))) \
 	$(patsubst %.c,$(HARNESS_OUT)/emulated/%.o,$(HARNESS_EMULATED_SRCS))
@@ -41,7 +42,7 @@ $(HARNESS_OUT)/harness: $(HARNESS_OBJS)
 	$(ARM64_CC) -o $@ $^ -lm
 
 cpu-harness-test: $(HARNESS_OUT)/harness
-	for isa in portable avx2 avx512 avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< || exit 1; done
+	for isa in portable avx2 avx512 avx512vbmi avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< || exit 1; done
 
 ifeq ($(UNAME)-$(ARCH),Linux-x86_64)
 $(HARNESS_OUT)/emulated/%.o: %.c $(HARNESS_HEADERS) tests/cpu_arm64/isa_emulated.h | simde-deps
@@ -54,5 +55,5 @@ $(HARNESS_OUT)/harness-emulated: $(HARNESS_EMULATED_OBJS)
 cpu-harness-test: cpu-harness-emulated-test
 .PHONY: cpu-harness-emulated-test
 cpu-harness-emulated-test: $(HARNESS_OUT)/harness-emulated
-	for isa in avx512 avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< $$isa || exit 1; done
+	for isa in avx512 avx512vbmi avx512bf16; do FLASHMETAL_CPU_ISA=$$isa $< $$isa || exit 1; done
 endif

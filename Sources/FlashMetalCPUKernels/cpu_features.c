@@ -1,21 +1,26 @@
 /* Run-time ISA selection of the cpu kernels (the ISAs: fm_cpu_kernels.h).
  *
- * x86-64 levels portable < avx2 < avx512 < avx512bf16; arm64 portable < neon.
- * FLASHMETAL_CPU_ISA caps the detected level (it never raises it); its case
- * does not matter (AVX2 as oneDNN's ONEDNN_MAX_CPU_ISA spells it). A value
- * naming no ISA warns once on stderr and is ignored; another architecture's
- * ISA (neon on x86-64, avx2 on arm64) warns and means portable. Read once per
- * process. */
+ * x86-64 levels portable < avx2 < avx512 < avx512vbmi < avx512bf16; arm64
+ * portable < neon. AVX512-BF16 does not imply VBMI, so whether the CPU has
+ * VBMI is kept beside the level. FLASHMETAL_CPU_ISA caps the detected level
+ * (it never raises it; avx512vbmi on a CPU without VBMI means avx512); its
+ * case does not matter (AVX2 as oneDNN's ONEDNN_MAX_CPU_ISA spells it). A
+ * value naming no ISA warns once on stderr and is ignored; another
+ * architecture's ISA (neon on x86-64, avx2 on arm64) warns and means
+ * portable. Read once per process. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include "fm_cpu_kernels.h"
 
-static int fm_detect_isa(void) {
+/* The detected level; *vbmi whether the CPU has AVX512-VBMI. */
+static int fm_detect_isa(int *vbmi) {
+    *vbmi = 0;
 #if defined(__x86_64__) && defined(FM_ISA_EMULATED)
     /* The emulated test build (mk/cpu-harness.mk): its AVX-512 instances are
      * portable code, so every x86 ISA is there. */
+    *vbmi = 1;
     return FM_ISA_AVX512BF16;
 #elif defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
     __builtin_cpu_init();
@@ -25,6 +30,8 @@ static int fm_detect_isa(void) {
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
             isa = FM_ISA_AVX512;
+            *vbmi = __builtin_cpu_supports("avx512vbmi") != 0;
+            if (*vbmi) isa = FM_ISA_AVX512VBMI;
             if (__builtin_cpu_supports("avx512bf16")) isa = FM_ISA_AVX512BF16;
         }
     }
@@ -36,16 +43,16 @@ static int fm_detect_isa(void) {
 #endif
 }
 
-static const char *const fm_isa_names[] = {"portable", "avx2", "avx512", "avx512bf16", "neon"};
+static const char *const fm_isa_names[] = {"portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "neon"};
 
-/* The ISA `env` caps `detected` to. */
-static int fm_isa_cap(int detected, const char *env) {
+/* The ISA `env` caps `detected` to (vbmi: whether the CPU has VBMI). */
+static int fm_isa_cap(int detected, int vbmi, const char *env) {
     int want = -1;
     for (int i = 0; i < (int)(sizeof fm_isa_names / sizeof *fm_isa_names); i++)
         if (strcasecmp(env, fm_isa_names[i]) == 0) want = i;
     if (want < 0) {
         fprintf(stderr, "flashmetal: FLASHMETAL_CPU_ISA='%s' is not one of portable, avx2, avx512, "
-                        "avx512bf16, neon; using %s\n", env, fm_isa_names[detected]);
+                        "avx512vbmi, avx512bf16, neon; using %s\n", env, fm_isa_names[detected]);
         return detected;
     }
     if (want == FM_ISA_PORTABLE) return FM_ISA_PORTABLE;
@@ -55,21 +62,33 @@ static int fm_isa_cap(int detected, const char *env) {
                         "using portable\n", env);
         return FM_ISA_PORTABLE;
     }
+    if (want == FM_ISA_AVX512VBMI && !vbmi) want = FM_ISA_AVX512;
     return want < detected ? want : detected;
 }
 
-static int fm_isa_cached = -1;
+/* The selected ISA, and 1 + whether it may use VBMI (0: not yet known). */
+static int fm_isa_cached = -1, fm_vbmi_cached = 0;
 
 int fm_cpu_isa(void) {
     int isa = __atomic_load_n(&fm_isa_cached, __ATOMIC_ACQUIRE);
     if (isa >= 0) return isa;
-    isa = fm_detect_isa();
+    int vbmi;
+    isa = fm_detect_isa(&vbmi);
     const char *env = getenv("FLASHMETAL_CPU_ISA");
-    if (env && *env) isa = fm_isa_cap(isa, env);
+    if (env && *env) isa = fm_isa_cap(isa, vbmi, env);
+    const int uses_vbmi = vbmi && isa >= FM_ISA_AVX512VBMI && isa != FM_ISA_NEON;
+    /* Every caller computes the same pair; the first store of each wins. */
+    int none = 0;
+    __atomic_compare_exchange_n(&fm_vbmi_cached, &none, 1 + uses_vbmi, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
     int expected = -1; /* the first caller's answer wins (one warning) */
     if (!__atomic_compare_exchange_n(&fm_isa_cached, &expected, isa, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         isa = expected;
     return isa;
+}
+
+int fm_cpu_vbmi(void) {
+    (void)fm_cpu_isa();
+    return __atomic_load_n(&fm_vbmi_cached, __ATOMIC_ACQUIRE) == 2;
 }
 
 const char *fm_cpu_isa_name(int isa) {

@@ -199,6 +199,11 @@ static void build_tables(FMKVQTables *t) {
         memcpy(&u, &FM_KVQ_C4[c], sizeof u);
         for (int32_t k = 0; k < 4; k++) t->planes4[k][c] = (uint8_t)(u >> (8 * k));
     }
+    for (int32_t e = 0; e < 128; e++) {
+        uint32_t u;
+        memcpy(&u, &FM_KVQ_C8[128 + e], sizeof u);
+        for (int32_t k = 0; k < 4; k++) t->planes8[k][e] = (uint8_t)(u >> (8 * k));
+    }
 }
 
 static void keys_route(const FMKVQKeys *k) {
@@ -206,7 +211,10 @@ static void keys_route(const FMKVQKeys *k) {
     switch (fm_cpu_isa()) {
     case FM_ISA_AVX2: fm_kvq_keys_avx2(k); return;
     case FM_ISA_AVX512:
-    case FM_ISA_AVX512BF16: fm_kvq_keys_avx512(k); return;
+    case FM_ISA_AVX512VBMI:
+    case FM_ISA_AVX512BF16:
+        if (fm_cpu_vbmi()) fm_kvq_keys_avx512vbmi(k); else fm_kvq_keys_avx512(k);
+        return;
     default: fm_kvq_keys_portable(k); return;
     }
 #elif defined(__aarch64__)
@@ -300,7 +308,8 @@ static void rotate_query(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArg
  * in row order (fm_kvq_row_order). */
 static int side_row_order(const KVCodesDecodeParams *p, int32_t bits, const void *dense) {
 #if defined(__x86_64__)
-    const int avx512 = fm_cpu_isa() == FM_ISA_AVX512 || fm_cpu_isa() == FM_ISA_AVX512BF16;
+    const int isa = fm_cpu_isa();
+    const int avx512 = isa == FM_ISA_AVX512 || isa == FM_ISA_AVX512VBMI || isa == FM_ISA_AVX512BF16;
 #else
     const int avx512 = 0;
 #endif
@@ -338,28 +347,30 @@ static void start_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs 
     if (side_row_order(p, p->k_bits, a->k_dense)) reorder_rows(qz, at->heads, d, 1);
 }
 
-/* The keys [start, end) of one item (prefetch_next: FMKVQKeys's). */
+/* The keys [start, end) of one item (prefetch_next, ahead: FMKVQKeys's). */
 static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, const FMKVQTables *tables,
-                     const ItemPlace *at, float *state, int32_t start, int32_t end, int32_t prefetch_next) {
+                     const ItemPlace *at, float *state, int32_t start, int32_t end, int32_t prefetch_next,
+                     const FMKVQLines *ahead) {
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
     const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state, NULL, NULL, NULL, prefetch_next};
+                         state, NULL, NULL, NULL, prefetch_next, ahead != NULL ? (const char *const *)ahead->lines : NULL,
+                         ahead != NULL ? ahead->n : 0};
     keys_route(&k);
 }
 
 /* Requests every kv head's rows (codes or dense rows, and norms) of keys
- * [k0, k1) of sequence b: the kv heads of one key lie within one run of
- * rows in fm_cpu_kv_codes_decode_row's layouts (a head stride below the
- * key stride), so each side is one run of lines per key. */
-static void prefetch_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int32_t k0,
-                          int32_t k1) {
+ * [k0, k1) of sequence b, into `to`: the kv heads of one key lie within one
+ * run of rows in fm_cpu_kv_codes_decode_row's layouts (a head stride below
+ * the key stride), so each side is one run of lines per key. */
+static void prefetch_keys(FMKVQLines *to, const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b,
+                          int32_t k0, int32_t k1) {
     int64_t rows[FM_KVQ_ROW_BLOCK];
     const int64_t heads_span = (p->n_kv_heads - 1) * p->kv_strides[1] + 1;
     for (int32_t c0 = k0; c0 < k1; c0 += FM_KVQ_ROW_BLOCK) {
         const int32_t n = k1 - c0 < FM_KVQ_ROW_BLOCK ? k1 - c0 : FM_KVQ_ROW_BLOCK;
         fm_kvq_rows(p, a, b, 0, c0, n, rows);
-        for (int32_t t = 0; t < n; t++) fm_kvq_prefetch_rows(p, a, rows[t], heads_span);
+        for (int32_t t = 0; t < n; t++) fm_kvq_prefetch_rows(to, p, a, rows[t], heads_span);
     }
 }
 
@@ -396,13 +407,16 @@ void fm_cpu_kv_codes_decode_row(const KVCodesDecodeParams *p, const FMCPUKVCodes
             } else {
                 place_item(p, a, item, &at);
             }
-            /* This pass's share of the keys FM_KVQ_ROW_AHEAD ahead. */
+            /* This pass's share of the keys FM_KVQ_ROW_AHEAD ahead, requested
+             * while the pass runs (lines past the list's room at once). */
             const int32_t a0 = k0 + FM_KVQ_ROW_AHEAD, a1 = k1 + FM_KVQ_ROW_AHEAD < s1 ? k1 + FM_KVQ_ROW_AHEAD : s1;
+            const char *lines[FM_KVQ_AHEAD_LINES];
+            FMKVQLines ahead = {lines, 0, FM_KVQ_AHEAD_LINES};
             if (a1 > a0) {
-                prefetch_keys(p, a, at.b, a0 + (int32_t)((a1 - a0) * local / per),
+                prefetch_keys(&ahead, p, a, at.b, a0 + (int32_t)((a1 - a0) * local / per),
                               a0 + (int32_t)((a1 - a0) * (local + 1) / per));
             }
-            run_keys(p, a, &tables, it, parts + (item * nsplit + split) * stride, k0, k1, 0);
+            run_keys(p, a, &tables, it, parts + (item * nsplit + split) * stride, k0, k1, 0, &ahead);
         }
     }
 }
@@ -454,7 +468,7 @@ void fm_cpu_kv_codes_decode_item(const KVCodesDecodeParams *p, const FMCPUKVCode
     FMKVQTables tables;
     build_tables(&tables);
     run_keys(p, a, &tables, &at, state, (int32_t)(at.lo + len * split / nsplit),
-             (int32_t)(at.lo + len * (split + 1) / nsplit), 1);
+             (int32_t)(at.lo + len * (split + 1) / nsplit), 1, NULL);
     if (nsplit == 1) {
         float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d;
         if (side_row_order(p, p->v_bits, a->v_dense)) reorder_rows(state, at.heads, d, 0);
@@ -499,6 +513,7 @@ static void prefill_route(const FMKVQKeys *k) {
     switch (fm_cpu_isa()) {
     case FM_ISA_AVX2: fm_kvq_prefill_avx2(k); return;
     case FM_ISA_AVX512:
+    case FM_ISA_AVX512VBMI:
     case FM_ISA_AVX512BF16: fm_kvq_prefill_avx512(k); return;
     default: fm_kvq_prefill_portable(k); return;
     }

@@ -154,6 +154,10 @@ typedef struct KVQLut {
      * 6-bit in z[0..3], 8-bit the upper half (codes 128-255) in z[0..7]. */
     __m512 z[8];
 #endif
+#if FM_KVQ_VBMI
+    /* 8-bit codes by bytes (kvq_bytes8): planes8[k] in b8[2k], b8[2k + 1]. */
+    __m512i b8[8];
+#endif
 } KVQLut;
 
 static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
@@ -169,6 +173,10 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
     } else if (bits == 8) {
         for (int32_t k = 0; k < 8; k++) l.z[k] = _mm512_loadu_ps(t->c8 + 128 + 16 * k);
     }
+#endif
+#if FM_KVQ_VBMI
+    for (int32_t k = 0; k < 8; k++)
+        l.b8[k] = bits == 8 ? _mm512_loadu_si512((const void *)(t->planes8[k / 2] + 64 * (k % 2))) : _mm512_setzero_si512();
 #endif
 #if defined(__x86_64__) && FM_VL == 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
@@ -347,6 +355,82 @@ static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) { return __builtin_shufflevec
 #define FM_KVQ_PLANES 0
 #endif
 
+/* FM_KVQ_VBMI (set by the including file where AVX512-VBMI is there): 8-bit
+ * codes become centroids by byte lookups (kvq_bytes8), 16, 32 or 64 at a
+ * time, in coordinate order. */
+#ifndef FM_KVQ_VBMI
+#define FM_KVQ_VBMI 0
+#endif
+#if FM_KVQ_VBMI
+/* Codes [i, i + NC) (NC 16, 32 or 64) of a row of 8-bit codes as
+ * centroids, out[u] codes [i + 16 u, i + 16 u + 16): each byte of the
+ * floats looked up in its plane of the table's upper half (vpermi2b reads
+ * 7 bits of the index: 128 entries in two registers), a code x below 128
+ * as entry 127 - x with the sign bit set (the table mirrors exactly:
+ * c8[255 - x] = -c8[x]), then byte and 16-bit interleaves put each
+ * float's four bytes together. The interleaves stay within 128-bit lanes:
+ * the codes are first moved (vpermb) to where they take each one from, so
+ * the floats come out in coordinate order. Reads no byte past code
+ * i + NC - 1. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_bytes8)(const uint8_t *row, int32_t i, const int32_t NC,
+                                                                    const KVQLut *l, fm_v *out) {
+    /* Byte p of a 128-bit lane L feeds out[u] lane 4 L + j for p = 4 u + j. */
+    static const uint8_t order[64] __attribute__((aligned(64))) = {
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+        4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+        8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+        12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    __m512i x;
+    if (NC == 64) {
+        x = _mm512_loadu_si512((const void *)(row + i));
+    } else if (NC == 32) {
+        x = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_loadu_si256((const __m256i *)(row + i)), 0);
+    } else {
+        x = _mm512_inserti32x4(_mm512_setzero_si512(), _mm_loadu_si128((const __m128i *)(row + i)), 0);
+    }
+    x = _mm512_permutexvar_epi8(_mm512_load_si512((const void *)order), x);
+    /* The entry: x - 128 (x ^ 0x80) for x >= 128, 127 - x (x ^ 0x7f) below,
+     * each the smaller of the two. */
+    const __m512i e = _mm512_min_epu8(_mm512_xor_si512(x, _mm512_set1_epi8((char)0x80)),
+                                      _mm512_xor_si512(x, _mm512_set1_epi8(0x7f)));
+    const __m512i y0 = _mm512_permutex2var_epi8(l->b8[0], e, l->b8[1]);
+    const __m512i y1 = _mm512_permutex2var_epi8(l->b8[2], e, l->b8[3]);
+    const __m512i y2 = _mm512_permutex2var_epi8(l->b8[4], e, l->b8[5]);
+    const __m512i t3 = _mm512_permutex2var_epi8(l->b8[6], e, l->b8[7]);
+    /* The top byte's sign bit: set where bit 7 of x is clear (the upper
+     * half is >= 0): t3 | (~x & 0x80). */
+    const __m512i y3 = _mm512_ternarylogic_epi32(t3, x, _mm512_set1_epi8((char)0x80), 0xF2);
+    const __m512i lo01 = _mm512_unpacklo_epi8(y0, y1), lo23 = _mm512_unpacklo_epi8(y2, y3);
+    out[0] = (fm_v)_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    if (NC >= 32) out[1] = (fm_v)_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    if (NC == 64) {
+        const __m512i hi01 = _mm512_unpackhi_epi8(y0, y1), hi23 = _mm512_unpackhi_epi8(y2, y3);
+        out[2] = (fm_v)_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+        out[3] = (fm_v)_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+    }
+}
+#endif
+
+/* FM_KVQ_MULTI(kind): whether a side of that kind turns several vectors of
+ * codes into centroids at once (kvq_multi_vecs): AVX2's 4-bit planes,
+ * AVX512-VBMI's 8-bit bytes; FM_KVQ_MULTI_MAX codes at most. */
+#define FM_KVQ_MULTI(kind) ((FM_KVQ_PLANES && (kind) == 4) || (FM_KVQ_VBMI && (kind) == 8))
+#define FM_KVQ_MULTI_MAX (FM_KVQ_VBMI ? 64 : 32)
+#if FM_KVQ_PLANES || FM_KVQ_VBMI
+/* Codes [i, i + NC) of a row of a FM_KVQ_MULTI kind as NC / FM_VL vectors. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_multi_vecs)(const uint8_t *row, int32_t i,
+                                                                        const int32_t NC, const int32_t kind,
+                                                                        const KVQLut *l, fm_v *out) {
+    (void)kind;
+#if FM_KVQ_PLANES
+    FM_SFX(kvq_planes_vecs)(row, i, NC, l, out);
+#endif
+#if FM_KVQ_VBMI
+    FM_SFX(kvq_bytes8)(row, i, NC, l, out);
+#endif
+}
+#endif
+
 /* The centroids of codes [i, i + FM_VL) of a row of `bits`-bit codes (i a
  * multiple of FM_VL): on x86 by kvq_vec8; elsewhere whole bytes through the
  * tables of every byte value (4 and 2 bits), else code by code. */
@@ -401,20 +485,25 @@ typedef struct KVQTile {
     const FMKVQKeys *k;
     int32_t nt, d, n, nb, kbits, vbits, dtype;
     const float *qz; /* the item's query, in plane order when the K side uses planes */
+    /* The caller's lines [ahead_lo, ahead_hi) to request over this tile's
+     * keys, ahead_step of them per key in 16.16 fixed point. */
+    const char *const *ahead;
+    int32_t ahead_lo, ahead_hi, ahead_step;
     const void *krow[FM_KVQ_TILE], *vrow[FM_KVQ_TILE];
     const float *kn[FM_KVQ_TILE], *vn[FM_KVQ_TILE]; /* each key's block norms (NULL: a dense side) */
     KVQLut kl, vl;
 } KVQTile;
 
-#if FM_KVQ_PLANES
-/* a[u % S][j] += qz_j[v_u] * v_u over the NC (16 or 32) 4-bit codes from
- * i, decoded by kvq_planes (qz in plane order). */
-static inline __attribute__((always_inline)) void FM_SFX(kvq_planes_dot)(const void *row, int32_t i, const int32_t NC,
-                                                                        const int32_t NH, const int32_t S, int32_t d,
-                                                                        const float *qz, const KVQLut *l,
-                                                                        fm_v a[2][FM_CPU_KVQ_HEAD_CHUNK]) {
-    fm_v v[32 / FM_VL];
-    FM_SFX(kvq_planes_vecs)((const uint8_t *)row, i, NC, l, v);
+#if FM_KVQ_PLANES || FM_KVQ_VBMI
+/* a[u % S][j] += qz_j[v_u] * v_u over the NC codes from i, decoded by
+ * kvq_multi_vecs (qz in plane order for planes). */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_multi_dot)(const void *row, int32_t i, const int32_t NC,
+                                                                       const int32_t kind, const int32_t NH,
+                                                                       const int32_t S, int32_t d, const float *qz,
+                                                                       const KVQLut *l,
+                                                                       fm_v a[2][FM_CPU_KVQ_HEAD_CHUNK]) {
+    fm_v v[FM_KVQ_MULTI_MAX / FM_VL];
+    FM_SFX(kvq_multi_vecs)((const uint8_t *)row, i, NC, kind, l, v);
     for (int32_t u = 0; u < NC / FM_VL; u++)
         for (int32_t j = 0; j < NH; j++)
             a[u % S][j] = FM_SFX(kvq_mac)(a[u % S][j], fm_v_load(qz + (int64_t)j * d + i + u * FM_VL), v[u]);
@@ -517,6 +606,11 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
                 for (int32_t j = 0; j < NH; j++) part[j][u] = fm_v_splat(0.0f);
                 continue;
             }
+            if (x->ahead != NULL) {
+                const int32_t l1 = x->ahead_lo + ((x->ahead_step * (t + 1)) >> 16);
+                for (int32_t l = x->ahead_lo + ((x->ahead_step * t) >> 16); l < l1 && l < x->ahead_hi; l++)
+                    __builtin_prefetch(x->ahead[l]);
+            }
             const void *row = x->krow[t];
 #if FM_KVQ_ROWS
             if (kind == 5) {
@@ -531,13 +625,16 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
                     for (int32_t j = 0; j < NH; j++) a[s][j] = fm_v_splat(0.0f);
                 const int32_t b1 = (blk + 1) * n;
                 int32_t i = blk * n;
-#if FM_KVQ_PLANES
-                if (kind == 4) {
-                    /* 32 codes per step where blocks allow, else 16. */
-                    if (n % 32 == 0) {
-                        for (; i < b1; i += 32) FM_SFX(kvq_planes_dot)(row, i, 32, NH, S, d, qz, &x->kl, a);
+#if FM_KVQ_PLANES || FM_KVQ_VBMI
+                if (FM_KVQ_MULTI(kind)) {
+                    /* The most codes per step the blocks allow (blocks are
+                     * 16, 32 or 64 codes, or the whole row). */
+                    if (FM_KVQ_MULTI_MAX >= 64 && n % 64 == 0) {
+                        for (; i < b1; i += 64) FM_SFX(kvq_multi_dot)(row, i, 64, kind, NH, S, d, qz, &x->kl, a);
+                    } else if (n % 32 == 0) {
+                        for (; i < b1; i += 32) FM_SFX(kvq_multi_dot)(row, i, 32, kind, NH, S, d, qz, &x->kl, a);
                     } else {
-                        for (; i < b1; i += 16) FM_SFX(kvq_planes_dot)(row, i, 16, NH, S, d, qz, &x->kl, a);
+                        for (; i < b1; i += 16) FM_SFX(kvq_multi_dot)(row, i, 16, kind, NH, S, d, qz, &x->kl, a);
                     }
                 }
 #endif
@@ -589,8 +686,11 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     enum { CF_MAX = 4 };
     const int32_t d = x->d;
     float *acc = x->k->acc;
+    const int multi = FM_KVQ_MULTI(kind);
+#if FM_KVQ_PLANES
     /* kind 4 with planes: the accumulators in plane order while here. */
-    const int planes = FM_KVQ_PLANES && kind == 4;
+    const int planes = kind == 4;
+#endif
     fm_v o[CF_MAX][FM_CPU_KVQ_HEAD_CHUNK];
     for (int32_t c = 0; c < CF; c++) {
         for (int32_t j = 0; j < NH; j++) {
@@ -603,16 +703,16 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     }
     for (int32_t t = 0; t < x->nt; t++) {
         fm_v vs[CF_MAX];
-#if FM_KVQ_PLANES
-        if (planes) {
+#if FM_KVQ_PLANES || FM_KVQ_VBMI
+        if (multi) {
             /* CF * FM_VL is 16, 32 or 64 codes. */
-            const int32_t NC = CF * FM_VL >= 32 ? 32 : 16;
+            const int32_t NC = CF * FM_VL >= FM_KVQ_MULTI_MAX ? FM_KVQ_MULTI_MAX : CF * FM_VL >= 32 ? 32 : 16;
             for (int32_t c = 0; c < CF; c += NC / FM_VL)
-                FM_SFX(kvq_planes_vecs)((const uint8_t *)x->vrow[t], i + c * FM_VL, NC, &x->vl, vs + c);
+                FM_SFX(kvq_multi_vecs)((const uint8_t *)x->vrow[t], i + c * FM_VL, NC, kind, &x->vl, vs + c);
         }
 #endif
         for (int32_t c = 0; c < CF; c++) {
-            fm_v v = planes ? vs[c] : FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
+            fm_v v = multi ? vs[c] : FM_SFX(kvq_side_vec)(x->vrow[t], i + c * FM_VL, kind, x->vbits, x->dtype, &x->vl);
             if (x->nb > 1 && x->vn[t] != NULL) v *= fm_v_splat(x->vn[t][(i + c * FM_VL) / x->n]);
             for (int32_t j = 0; j < NH; j++) o[c][j] = FM_SFX(kvq_mac)(o[c][j], fm_v_splat(w[j][t]), v);
         }
@@ -643,6 +743,11 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const 
          * while few heads leave registers for them. */
         CF = (NH <= 2 ? 32 : 16) / FM_VL;
         CF1 = 16 / FM_VL;
+    }
+    if (FM_KVQ_VBMI && kind == 8) {
+        /* Bytes decode up to 64 codes at once: as many as the accumulators
+         * leave registers for (4 heads x 4 vectors measured faster than 2). */
+        CF = NH <= 4 ? 4 : 2;
     }
     int32_t i = 0;
     for (; i + CF * FM_VL <= x->d; i += CF * FM_VL) FM_SFX(kvq_values_chunk)(x, NH, kind, CF, i, corr, w);
@@ -745,6 +850,13 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         float kscale[FM_KVQ_TILE], vscale[FM_KVQ_TILE];
         for (int32_t t = nt; t < FM_KVQ_TILE; t++) kscale[t] = vscale[t] = 1.0f;
         x.nt = nt;
+        x.ahead = k->ahead;
+        if (k->ahead != NULL) {
+            const int64_t len = k->end - k->start;
+            x.ahead_lo = (int32_t)((t0 - k->start) * (int64_t)k->ahead_n / len);
+            x.ahead_hi = (int32_t)((t0 + nt - k->start) * (int64_t)k->ahead_n / len);
+            x.ahead_step = (int32_t)((((int64_t)(x.ahead_hi - x.ahead_lo) << 16) + nt - 1) / nt);
+        }
         fm_kvq_rows(p, a, k->b, k->g, t0, nt, rows);
         for (int32_t t = 0; t < nt; t++) {
             const int64_t r = rows[t];

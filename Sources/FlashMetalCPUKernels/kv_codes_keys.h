@@ -20,6 +20,9 @@
  * over the work instead of one burst per block (a burst fills the load
  * queue and stalls the loop). */
 #define FM_KVQ_ROW_AHEAD 64
+/* The most lines a pass of fm_cpu_kv_codes_decode_row spreads over its keys
+ * (a pass's share at D 128, Hkv 8, 8-bit codes: about 70). */
+#define FM_KVQ_AHEAD_LINES 256
 /* Keys per tile of the prefill, tiles starting at multiples of it. */
 #define FM_KVQ_PREFILL_KEYS 64
 /* Rows past the prefill's key tile and its items that a register block may
@@ -43,6 +46,7 @@ typedef struct FMKVQTables {
     float by2[256][4];
     float rep16[5][16];
     uint8_t planes4[4][16];
+    uint8_t planes8[4][128]; /* byte k of c8[128 + e]: the 8-bit table's upper half by planes */
     const float *c8;
     const float *c[9];
 } FMKVQTables;
@@ -70,6 +74,11 @@ typedef struct FMKVQKeys {
     /* Decode: nonzero requests the run's next tile of rows (norms
      * included) before each tile; 0 leaves the requests to the caller. */
     int32_t prefetch_next;
+    /* Decode: cache lines the caller wants requested while the run goes,
+     * spread over its keys (a burst of them would fill the load queue and
+     * stall the loop); NULL none. */
+    const char *const *ahead;
+    int32_t ahead_n;
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows
@@ -125,38 +134,48 @@ static inline void fm_kvq_rows(const KVCodesDecodeParams *p, const FMCPUKVCodesA
     }
 }
 
+/* Where the cache lines to request go: requested at once (lines NULL), or
+ * listed in lines while n < cap (the rest requested at once). */
+typedef struct FMKVQLines {
+    const char **lines;
+    int32_t n, cap;
+} FMKVQLines;
+
+static inline void fm_kvq_request(FMKVQLines *to, const char *at, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (to != NULL && to->n < to->cap) {
+            to->lines[to->n++] = at + o;
+        } else {
+            __builtin_prefetch(at + o);
+        }
+    }
+}
+
 /* Requests the cache lines of rows [r, r + count) of one side (codes, else
  * dense). */
-static inline void fm_kvq_prefetch_side(const uint8_t *codes, const void *dense, int32_t dtype, int64_t r,
-                                        int64_t count, int32_t row_bytes, int32_t d) {
-    const char *at;
-    int64_t bytes;
+static inline void fm_kvq_prefetch_side(FMKVQLines *to, const uint8_t *codes, const void *dense, int32_t dtype,
+                                        int64_t r, int64_t count, int32_t row_bytes, int32_t d) {
     if (codes != NULL) {
-        at = (const char *)codes + r * row_bytes;
-        bytes = row_bytes;
+        fm_kvq_request(to, (const char *)codes + r * row_bytes, row_bytes * count);
     } else {
         const int64_t esize = dtype == FM_DTYPE_F32 ? 4 : 2;
-        at = (const char *)dense + r * d * esize;
-        bytes = d * esize;
+        fm_kvq_request(to, (const char *)dense + r * d * esize, d * esize * count);
     }
-    for (int64_t o = 0; o < bytes * count; o += 64) __builtin_prefetch(at + o);
 }
 
 /* Requests every cache line attention reads of storage rows [r, r + count):
- * K and V (codes or dense) and their norms. */
-static inline void fm_kvq_prefetch_rows(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r,
-                                        int64_t count) {
+ * K and V (codes or dense) and their norms (at once, or into `to`). */
+static inline void fm_kvq_prefetch_rows(FMKVQLines *to, const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a,
+                                        int64_t r, int64_t count) {
     const int32_t d = p->head_dim, nb = d / p->block;
-    fm_kvq_prefetch_side(a->k_codes, a->k_dense, a->dense_dtype, r, count, p->k_row_bytes, d);
-    fm_kvq_prefetch_side(a->v_codes, a->v_dense, a->dense_dtype, r, count, p->v_row_bytes, d);
-    for (int64_t o = 0; o < count * nb; o += 16) {
-        if (a->k_norms != NULL) __builtin_prefetch(a->k_norms + r * nb + o);
-        if (a->v_norms != NULL) __builtin_prefetch(a->v_norms + r * nb + o);
-    }
+    fm_kvq_prefetch_side(to, a->k_codes, a->k_dense, a->dense_dtype, r, count, p->k_row_bytes, d);
+    fm_kvq_prefetch_side(to, a->v_codes, a->v_dense, a->dense_dtype, r, count, p->v_row_bytes, d);
+    if (a->k_norms != NULL) fm_kvq_request(to, (const char *)(a->k_norms + r * nb), count * nb * 4);
+    if (a->v_norms != NULL) fm_kvq_request(to, (const char *)(a->v_norms + r * nb), count * nb * 4);
 }
 
 static inline void fm_kvq_prefetch_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t r) {
-    fm_kvq_prefetch_rows(p, a, r, 1);
+    fm_kvq_prefetch_rows(NULL, p, a, r, 1);
 }
 
 #define FM_KVQ_DECLARE(sfx)                           \
@@ -166,6 +185,7 @@ FM_KVQ_DECLARE(portable)
 #if defined(__x86_64__)
 FM_KVQ_DECLARE(avx2)
 FM_KVQ_DECLARE(avx512)
+void fm_kvq_keys_avx512vbmi(const FMKVQKeys *k);
 #endif
 #if defined(__aarch64__)
 FM_KVQ_DECLARE(neon)

@@ -17,7 +17,8 @@ int fm_pf_blk_all_skip(const FMPrefillArgs *a, int64_t ra, int64_t rb, int64_t c
 #define FM_PF_ROUTE(isa, call, dflt)                                \
     switch (isa) {                                                  \
     case FM_ISA_AVX2: return fm_pf_##call##_avx2;                   \
-    case FM_ISA_AVX512: return fm_pf_##call##_avx512;               \
+    case FM_ISA_AVX512:                                             \
+    case FM_ISA_AVX512VBMI: return fm_pf_##call##_avx512;           \
     case FM_ISA_AVX512BF16: return fm_pf_##call##_avx512bf16;       \
     default: return dflt;                                           \
     }

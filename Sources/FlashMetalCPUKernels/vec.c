@@ -44,6 +44,7 @@ void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from) {
     switch (fm_cpu_isa()) {                                   \
     case FM_ISA_AVX2: fn##_avx2(__VA_ARGS__); return;         \
     case FM_ISA_AVX512:                                       \
+    case FM_ISA_AVX512VBMI:                                   \
     case FM_ISA_AVX512BF16: fn##_avx512(__VA_ARGS__); return; \
     default: fn##_portable(__VA_ARGS__); return;              \
     }

@@ -19,8 +19,8 @@ _declare_lock = threading.Lock()
 
 
 def cpu_isa() -> str:
-    """The ISA path the cpu kernels run: "portable" (plain C), "avx512",
-    "avx512bf16", ... (FLASHMETAL_CPU_ISA may cap it)."""
+    """The ISA path the cpu kernels run: "portable" (plain C), "avx2",
+    "avx512", "avx512vbmi", "avx512bf16" or "neon" (FLASHMETAL_CPU_ISA may cap it)."""
     ffi, lib = _native.ffi(), _native.lib()
     with _declare_lock:  # declare once, even when threads race here
         if getattr(lib, "fm_cpu_isa", None) is None:

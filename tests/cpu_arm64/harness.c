@@ -5,9 +5,9 @@
  * then the reduce) and is checked against a double-precision reference
  * written here from the math. Speed is not measured: qemu emulates.
  * mk/cpu-harness.mk builds the same file natively on x86-64 and runs it on
- * each x86 ISA path (portable, avx2, avx512, avx512bf16), and once more with
- * the AVX-512 instances as portable code (FM_ISA_EMULATED, isa_emulated.h)
- * on the avx512 and avx512bf16 paths.
+ * each x86 ISA path (portable, avx2, avx512, avx512vbmi, avx512bf16), and
+ * once more with the AVX-512 instances as portable code (FM_ISA_EMULATED,
+ * isa_emulated.h) on the avx512, avx512vbmi and avx512bf16 paths.
  *
  *   harness [expected isa name]     exit 0 when every check passes */
 #include <float.h>
@@ -873,8 +873,13 @@ static void run_codes_cases(void) {
         {128, 8, 1, 4, 4, 0, 0.0f, 1, FM_DTYPE_BF16},
         {80, 3, 1, 8, 4, 0, 0.0f, 2, FM_DTYPE_F16},
         {64, 4, 1, 4, 4, 30, 30.0f, 3, FM_DTYPE_F32},
+        /* 8-bit sides at each head count and norm block (the byte lookups
+         * of 16, 32 and 64 codes at once). */
+        {192, 8, 1, 8, 8, 0},
+        {80, 8, 2, 6, 8, 0},
+        {96, 2, 2, 8, 8, 0},
     };
-    const int32_t dec_split[] = {1, 3, 2, 2, 1, 1, 2, 1, 3}, dec_row[] = {0, 0, 0, 1, 0, 1, 0, 1, 1};
+    const int32_t dec_split[] = {1, 3, 2, 2, 1, 1, 2, 1, 3, 2, 1, 1}, dec_row[] = {0, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 0};
     for (size_t i = 0; i < sizeof dec / sizeof *dec; i++) run_codes_decode(&dec[i], dec_split[i], dec_row[i]);
 }
 

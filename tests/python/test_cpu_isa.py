@@ -21,7 +21,7 @@ from numerics import BF16, F16, assert_bits_equal, assert_close, randn
 
 HERE = Path(__file__).resolve().parent
 # x86-64 levels in order; arm64 has portable < neon.
-ISAS = ["portable", "avx2", "avx512", "avx512bf16"]
+ISAS = ["portable", "avx2", "avx512", "avx512vbmi", "avx512bf16"]
 
 
 def lib_isa() -> tuple[int, str]:
@@ -50,12 +50,34 @@ def native_isa() -> str:
     return n.stdout.strip()
 
 
+@functools.cache
+def cpu_has_vbmi() -> bool:
+    """Whether the CPU has AVX512-VBMI (its flags in /proc/cpuinfo): AVX512-BF16
+    does not imply it, so a native avx512bf16 path may lack it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512vbmi " in flags.replace("\n", " ")
+
+
+def capped(want: str, native: str) -> str:
+    """The path FLASHMETAL_CPU_ISA=want gives on a machine whose native path is
+    native (an x86-64 ISA each): the lower of the two, avx512vbmi only where the
+    CPU has VBMI."""
+    order = {n: i for i, n in enumerate(ISAS)}
+    got = min(want, native, key=order.get)
+    return "avx512" if got == "avx512vbmi" and not cpu_has_vbmi() else got
+
+
 def supported_isas() -> list[str]:
     """Every path this machine can run, portable first."""
     native = native_isa()
     if native == "neon":
         return ["portable", "neon"]
-    return ISAS[:ISAS.index(native) + 1] if native in ISAS else ["portable"]
+    if native not in ISAS:
+        return ["portable"]
+    return [i for i in ISAS[:ISAS.index(native) + 1] if i != "avx512vbmi" or cpu_has_vbmi()]
 
 
 def run_py(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -100,12 +122,11 @@ def test_isa_env_caps_the_choice(isa):
     if isa == "neon" and native != "neon":  # another architecture's ISA
         assert got == "portable" and "not an ISA of this architecture" in r.stderr
         return
-    order = {n: i for i, n in enumerate(ISAS)}
-    assert got == min(isa, native, key=order.get)
+    assert got == capped(isa, native)
     assert r.stderr == ""
 
 
-@pytest.mark.parametrize("value", ["AVX2", "Portable", "AVX512BF16"])
+@pytest.mark.parametrize("value", ["AVX2", "Portable", "AVX512VBMI", "AVX512BF16"])
 def test_isa_value_in_any_case(value):
     """AVX2 as oneDNN's ONEDNN_MAX_CPU_ISA spells it caps like avx2, without a warning."""
     r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=value)
@@ -114,8 +135,7 @@ def test_isa_value_in_any_case(value):
     if native == "neon" and want != "portable":  # an x86-64 ISA on arm64
         assert r.stdout.strip() == "portable" and "not an ISA of this architecture" in r.stderr
         return
-    order = {n: i for i, n in enumerate(ISAS)}
-    assert r.stdout.strip() == min(want, native, key=order.get)
+    assert r.stdout.strip() == capped(want, native)
     assert r.stderr == ""
 
 
@@ -124,14 +144,17 @@ def test_bad_isa_value_warns_and_keeps_the_default(value):
     r = run_py("import test_cpu_isa as t; print(t.lib_isa()[1])", FLASHMETAL_CPU_ISA=value)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == native_isa()
-    assert f"FLASHMETAL_CPU_ISA='{value}' is not one of portable, avx2, avx512, avx512bf16, neon" in r.stderr
+    assert f"FLASHMETAL_CPU_ISA='{value}' is not one of portable, avx2, avx512, avx512vbmi, avx512bf16, neon" in r.stderr
 
 
 SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfinite.py", "test_cpu_isa.py",
           "test_serving_prefill_cpu.py", "test_serving_decode_sim.py", "test_serving_decode_cpu.py",
           "test_attention_chunk.py", "test_cache_leftpad_batch_idx.py", "test_alibi.py", "test_kv_codes_prefill.py",
           "test_page_sizes.py", "test_kvcache_ragged.py", "test_head_dims.py", "test_prefill_f32.py",
-          "test_head_dim_v.py", "test_seqused.py"]
+          "test_head_dim_v.py", "test_seqused.py", "test_kv_codec_decode.py", "test_kv_codes_decode_split.py"]
+# What a path changes, where it changes less than every suite: VBMI only the
+# decode over 8-bit codes.
+SUITES_OF = {"avx512vbmi": ["test_kv_codec_decode.py", "test_kv_codes_decode_split.py", "test_kv_codec_kvcache.py"]}
 
 
 @pytest.mark.slow
@@ -147,7 +170,7 @@ def test_suite_under_forced_isa(isa):
     if isa == supported[-1] and not os.environ.get("FLASHMETAL_CPU_ISA"):
         pytest.skip(f"{isa} is the native path: the main run covers it")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        *[str(HERE / f) for f in SUITES],
+                        *[str(HERE / f) for f in SUITES_OF.get(isa, SUITES)],
                         "-k", "cpu and not forced_isa and not env_caps and not bad_isa"],
                        env=dict(os.environ, FLASHMETAL_CPU_ISA=isa), capture_output=True,
                        text=True, cwd=str(HERE), timeout=900)

@@ -295,7 +295,7 @@ def test_numpy_only_never_imports_torch():
 def test_info_reads_the_loaded_library(registry):
     about = fm.info(registry)
     assert about["backend"] == registry.backend
-    assert about["cpu_isa"] in ("portable", "avx2", "avx512", "avx512bf16", "neon")
+    assert about["cpu_isa"] in ("portable", "avx2", "avx512", "avx512vbmi", "avx512bf16", "neon")
     assert about["library_version"] and about["threads"] >= 1
     from flashmetal import _loader, _native
     assert about["library"] == str(_loader.library_path())

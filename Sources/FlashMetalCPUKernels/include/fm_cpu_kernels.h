@@ -72,16 +72,23 @@ enum {
     FM_ISA_PORTABLE = 0,   /* plain C for the baseline of the target */
     FM_ISA_AVX2 = 1,       /* x86-64 AVX2 + FMA + F16C */
     FM_ISA_AVX512 = 2,     /* + AVX-512 F/BW/DQ/VL */
-    FM_ISA_AVX512BF16 = 3, /* + AVX512-BF16 */
-    FM_ISA_NEON = 4        /* arm64 Advanced SIMD */
+    FM_ISA_AVX512VBMI = 3, /* + AVX512-VBMI (the decode over 8-bit codes) */
+    FM_ISA_AVX512BF16 = 4, /* + AVX512-BF16 (VBMI where the CPU has it too) */
+    FM_ISA_NEON = 5        /* arm64 Advanced SIMD */
 };
 
 /* The ISA the fast kernels use: detected once per process, capped by
- * FLASHMETAL_CPU_ISA (portable | avx2 | avx512 | avx512bf16 | neon; never
- * raised above what the CPU has; an unknown value or another architecture's
- * ISA warns on stderr and is ignored or means portable). */
+ * FLASHMETAL_CPU_ISA (portable | avx2 | avx512 | avx512vbmi | avx512bf16 |
+ * neon; never raised above what the CPU has; an unknown value or another
+ * architecture's ISA warns on stderr and is ignored or means portable).
+ * x86 levels rise in that order, but AVX512-BF16 does not imply VBMI (Cooper
+ * Lake has one without the other): fm_cpu_vbmi says whether the path
+ * includes it. */
 int fm_cpu_isa(void);
-/* "portable", "avx2", "avx512", "avx512bf16" or "neon". */
+/* Whether the selected x86 path may use AVX512-VBMI: the CPU has it and
+ * fm_cpu_isa() is avx512vbmi or above. */
+int fm_cpu_vbmi(void);
+/* "portable", "avx2", "avx512", "avx512vbmi", "avx512bf16" or "neon". */
 const char *fm_cpu_isa_name(int isa);
 int64_t fm_atomic_fetch_add_i64(int64_t *p, int64_t v);
 
