@@ -23,6 +23,15 @@ static inline void FM_SFX(kvq_load_dense)(float *z, const void *x, int32_t dtype
 #if defined(__x86_64__) && FM_VL >= 8
 #include "x86_intrin.h"
 #endif
+/* FM_KVQ_TBL (set by the arm64 NEON instance): 4- and 8-bit codes become
+ * centroids by table lookups (kvq_tbl16), 16 at a time, in coordinate
+ * order. */
+#ifndef FM_KVQ_TBL
+#define FM_KVQ_TBL 0
+#endif
+#if FM_KVQ_TBL
+#include <arm_neon.h>
+#endif
 /* The `bits` (3, 5 or 6) bytes of a group of 8 codes, little-endian, read
  * by loads of constant size (a memcpy of `bits` bytes is a call) and none
  * past the group's last byte (a row of 3-bit codes at D 128 has no padding
@@ -158,6 +167,12 @@ typedef struct KVQLut {
     /* 8-bit codes by bytes (kvq_bytes8): planes8[k] in b8[2k], b8[2k + 1]. */
     __m512i b8[8];
 #endif
+#if FM_KVQ_TBL
+    /* 4- and 8-bit codes by table lookups (kvq_tbl16): planes4[k] in t4[k],
+     * planes8[k] in t8[k][0] (entries 0-63) and t8[k][1] (64-127). */
+    uint8x16_t t4[4];
+    uint8x16x4_t t8[4][2];
+#endif
 } KVQLut;
 
 static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
@@ -177,6 +192,13 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
 #if FM_KVQ_VBMI
     for (int32_t k = 0; k < 8; k++)
         l.b8[k] = bits == 8 ? _mm512_loadu_si512((const void *)(t->planes8[k / 2] + 64 * (k % 2))) : _mm512_setzero_si512();
+#endif
+#if FM_KVQ_TBL
+    for (int32_t k = 0; k < 4; k++) {
+        l.t4[k] = vld1q_u8(t->planes4[k]);
+        l.t8[k][0] = vld1q_u8_x4(t->planes8[k]);
+        l.t8[k][1] = vld1q_u8_x4(t->planes8[k] + 64);
+    }
 #endif
 #if defined(__x86_64__) && FM_VL == 8
     /* 2-bit: the 4 centroids repeated, so a code's higher neighbours in the
@@ -355,6 +377,44 @@ static inline fm_v FM_SFX(kvq_from_planes)(fm_v v) { return __builtin_shufflevec
 #define FM_KVQ_PLANES 0
 #endif
 
+#if FM_KVQ_TBL
+/* Codes [i, i + 16) (i a multiple of 16) of a row of `bits` (4 or 8) bit
+ * codes as centroids, out[u] codes [i + 4 u, i + 4 u + 4): each byte of
+ * the floats looked up in its plane of the table (TBL: 4-bit codes in one
+ * 16-byte register; 8-bit in the upper half's 128 entries, a code x below
+ * 128 as entry 127 - x with the sign bit set, as kvq_bytes8), then byte and
+ * 16-bit zips put each float's four bytes together. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_tbl16)(const uint8_t *row, int32_t i, int32_t bits,
+                                                                   const KVQLut *l, fm_v *out) {
+    uint8x16_t y0, y1, y2, y3;
+    if (bits == 4) {
+        /* 16 nibbles in 8 bytes, the low nibble the even coordinate. */
+        const uint8x8_t b = vld1_u8(row + i / 2), lo = vand_u8(b, vdup_n_u8(15)), hi = vshr_n_u8(b, 4);
+        const uint8x16_t x = vcombine_u8(vzip1_u8(lo, hi), vzip2_u8(lo, hi));
+        y0 = vqtbl1q_u8(l->t4[0], x);
+        y1 = vqtbl1q_u8(l->t4[1], x);
+        y2 = vqtbl1q_u8(l->t4[2], x);
+        y3 = vqtbl1q_u8(l->t4[3], x);
+    } else {
+        const uint8x16_t x = vld1q_u8(row + i);
+        const uint8x16_t e = vminq_u8(veorq_u8(x, vdupq_n_u8(0x80)), veorq_u8(x, vdupq_n_u8(0x7f)));
+        /* Entries 64-127 by TBX over the first lookup (an index past 63 reads
+         * 0 in TBL and leaves the lane in TBX). */
+        const uint8x16_t e2 = vsubq_u8(e, vdupq_n_u8(64));
+        y0 = vqtbx4q_u8(vqtbl4q_u8(l->t8[0][0], e), l->t8[0][1], e2);
+        y1 = vqtbx4q_u8(vqtbl4q_u8(l->t8[1][0], e), l->t8[1][1], e2);
+        y2 = vqtbx4q_u8(vqtbl4q_u8(l->t8[2][0], e), l->t8[2][1], e2);
+        y3 = vorrq_u8(vqtbx4q_u8(vqtbl4q_u8(l->t8[3][0], e), l->t8[3][1], e2), vbicq_u8(vdupq_n_u8(0x80), x));
+    }
+    const uint16x8_t a = vreinterpretq_u16_u8(vzip1q_u8(y0, y1)), b = vreinterpretq_u16_u8(vzip2q_u8(y0, y1));
+    const uint16x8_t c = vreinterpretq_u16_u8(vzip1q_u8(y2, y3)), d = vreinterpretq_u16_u8(vzip2q_u8(y2, y3));
+    out[0] = (fm_v)vreinterpretq_f32_u16(vzip1q_u16(a, c));
+    out[1] = (fm_v)vreinterpretq_f32_u16(vzip2q_u16(a, c));
+    out[2] = (fm_v)vreinterpretq_f32_u16(vzip1q_u16(b, d));
+    out[3] = (fm_v)vreinterpretq_f32_u16(vzip2q_u16(b, d));
+}
+#endif
+
 /* FM_KVQ_VBMI (set by the including file where AVX512-VBMI is there): 8-bit
  * codes become centroids by byte lookups (kvq_bytes8), 16, 32 or 64 at a
  * time, in coordinate order. */
@@ -414,9 +474,10 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_bytes8)(const uint8
 /* FM_KVQ_MULTI(kind): whether a side of that kind turns several vectors of
  * codes into centroids at once (kvq_multi_vecs): AVX2's 4-bit planes,
  * AVX512-VBMI's 8-bit bytes; FM_KVQ_MULTI_MAX codes at most. */
-#define FM_KVQ_MULTI(kind) ((FM_KVQ_PLANES && (kind) == 4) || (FM_KVQ_VBMI && (kind) == 8))
-#define FM_KVQ_MULTI_MAX (FM_KVQ_VBMI ? 64 : 32)
-#if FM_KVQ_PLANES || FM_KVQ_VBMI
+#define FM_KVQ_MULTI(kind) \
+    ((FM_KVQ_PLANES && (kind) == 4) || (FM_KVQ_VBMI && (kind) == 8) || (FM_KVQ_TBL && ((kind) == 4 || (kind) == 8)))
+#define FM_KVQ_MULTI_MAX (FM_KVQ_VBMI ? 64 : FM_KVQ_TBL ? 16 : 32)
+#if FM_KVQ_PLANES || FM_KVQ_VBMI || FM_KVQ_TBL
 /* Codes [i, i + NC) of a row of a FM_KVQ_MULTI kind as NC / FM_VL vectors. */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_multi_vecs)(const uint8_t *row, int32_t i,
                                                                         const int32_t NC, const int32_t kind,
@@ -427,6 +488,9 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_multi_vecs)(const u
 #endif
 #if FM_KVQ_VBMI
     FM_SFX(kvq_bytes8)(row, i, NC, l, out);
+#endif
+#if FM_KVQ_TBL
+    FM_SFX(kvq_tbl16)(row, i, kind, l, out);
 #endif
 }
 #endif
@@ -494,7 +558,7 @@ typedef struct KVQTile {
     KVQLut kl, vl;
 } KVQTile;
 
-#if FM_KVQ_PLANES || FM_KVQ_VBMI
+#if FM_KVQ_PLANES || FM_KVQ_VBMI || FM_KVQ_TBL
 /* a[u % S][j] += qz_j[v_u] * v_u over the NC codes from i, decoded by
  * kvq_multi_vecs (qz in plane order for planes). */
 static inline __attribute__((always_inline)) void FM_SFX(kvq_multi_dot)(const void *row, int32_t i, const int32_t NC,
@@ -625,13 +689,13 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_scores_nb)(const KV
                     for (int32_t j = 0; j < NH; j++) a[s][j] = fm_v_splat(0.0f);
                 const int32_t b1 = (blk + 1) * n;
                 int32_t i = blk * n;
-#if FM_KVQ_PLANES || FM_KVQ_VBMI
+#if FM_KVQ_PLANES || FM_KVQ_VBMI || FM_KVQ_TBL
                 if (FM_KVQ_MULTI(kind)) {
                     /* The most codes per step the blocks allow (blocks are
                      * 16, 32 or 64 codes, or the whole row). */
                     if (FM_KVQ_MULTI_MAX >= 64 && n % 64 == 0) {
                         for (; i < b1; i += 64) FM_SFX(kvq_multi_dot)(row, i, 64, kind, NH, S, d, qz, &x->kl, a);
-                    } else if (n % 32 == 0) {
+                    } else if (FM_KVQ_MULTI_MAX >= 32 && n % 32 == 0) {
                         for (; i < b1; i += 32) FM_SFX(kvq_multi_dot)(row, i, 32, kind, NH, S, d, qz, &x->kl, a);
                     } else {
                         for (; i < b1; i += 16) FM_SFX(kvq_multi_dot)(row, i, 16, kind, NH, S, d, qz, &x->kl, a);
@@ -703,7 +767,7 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
     }
     for (int32_t t = 0; t < x->nt; t++) {
         fm_v vs[CF_MAX];
-#if FM_KVQ_PLANES || FM_KVQ_VBMI
+#if FM_KVQ_PLANES || FM_KVQ_VBMI || FM_KVQ_TBL
         if (multi) {
             /* CF * FM_VL is 16, 32 or 64 codes. */
             const int32_t NC = CF * FM_VL >= FM_KVQ_MULTI_MAX ? FM_KVQ_MULTI_MAX : CF * FM_VL >= 32 ? 32 : 16;
@@ -743,6 +807,10 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_body)(const 
          * while few heads leave registers for them. */
         CF = (NH <= 2 ? 32 : 16) / FM_VL;
         CF1 = 16 / FM_VL;
+    }
+    if (FM_KVQ_TBL && (kind == 4 || kind == 8)) {
+        /* Lookups decode 16 codes at once: whole ones per chunk. */
+        CF = CF1 = 16 / FM_VL;
     }
     if (FM_KVQ_VBMI && kind == 8) {
         /* Bytes decode up to 64 codes at once: as many as the accumulators
