@@ -1,6 +1,6 @@
 /* The decode's key loop over quantized caches (kv_codec.c), compiled once
  * per ISA like vec_body.h: the including file defines FM_SFX and the target.
- * Plain C in the ISA's vectors (simd.h), with x86 intrinsics where they
+ * Plain C in the ISA's vectors (simd.h), with x86 or NEON intrinsics where they
  * turn codes into centroids: kvq_unpack decodes whole rows to float (the
  * prefill's tiles, kv_codes_prefill_body.h); fm_kvq_keys, the decode, turns
  * each vector's worth of codes into centroids in a register and uses them
@@ -473,7 +473,8 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_bytes8)(const uint8
 
 /* FM_KVQ_MULTI(kind): whether a side of that kind turns several vectors of
  * codes into centroids at once (kvq_multi_vecs): AVX2's 4-bit planes,
- * AVX512-VBMI's 8-bit bytes; FM_KVQ_MULTI_MAX codes at most. */
+ * AVX512-VBMI's 8-bit bytes, NEON's 4- and 8-bit lookups; FM_KVQ_MULTI_MAX
+ * codes at most. */
 #define FM_KVQ_MULTI(kind) \
     ((FM_KVQ_PLANES && (kind) == 4) || (FM_KVQ_VBMI && (kind) == 8) || (FM_KVQ_TBL && ((kind) == 4 || (kind) == 8)))
 #define FM_KVQ_MULTI_MAX (FM_KVQ_VBMI ? 64 : FM_KVQ_TBL ? 16 : 32)

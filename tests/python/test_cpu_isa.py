@@ -245,3 +245,13 @@ def test_long_unaligned_resume_bitwise(cpu):
         assert_bits_equal(chunk, full[:, :, split:], "resume")
         assert_close(full, reference.attention(q, k[:, :, :total], v[:, :, :total], causal=True),
                      dtype, "long causal")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512vbmi", ""])
+def test_info_says_whether_the_path_uses_vbmi(isa):
+    """info()["cpu_vbmi"]: the CPU has VBMI and the path is avx512vbmi or above."""
+    r = run_py("import flashmetal as fm; a = fm.info('cpu'); print(a['cpu_vbmi'], a['cpu_isa'])",
+               FLASHMETAL_CPU_ISA=isa)
+    assert r.returncode == 0, r.stderr
+    vbmi, path = r.stdout.split()
+    assert vbmi == str(cpu_has_vbmi() and path in ("avx512vbmi", "avx512bf16"))
