@@ -415,6 +415,24 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_tbl16)(const uint8_
 }
 #endif
 
+/* One row of `bits`-bit codes as centroids (the prefill's tiles): 4- and
+ * 8-bit codes 16 per lookup where FM_KVQ_TBL is, else kvq_unpack. */
+static inline __attribute__((always_inline)) void FM_SFX(kvq_row)(const uint8_t *row, int32_t d, int32_t bits,
+                                                                 const FMKVQTables *t, float *out) {
+#if FM_KVQ_TBL
+    if (bits == 4 || bits == 8) {
+        const KVQLut l = FM_SFX(kvq_lut)(t, bits);
+        for (int32_t i = 0; i < d; i += 16) {
+            fm_v v[4];
+            FM_SFX(kvq_tbl16)(row, i, bits, &l, v);
+            for (int32_t u = 0; u < 4; u++) fm_v_store(out + i + 4 * u, v[u]);
+        }
+        return;
+    }
+#endif
+    FM_SFX(kvq_unpack)(row, d, bits, t, out);
+}
+
 /* FM_KVQ_VBMI (set by the including file where AVX512-VBMI is there): 8-bit
  * codes become centroids by byte lookups (kvq_bytes8), 16, 32 or 64 at a
  * time, in coordinate order. */

@@ -117,22 +117,7 @@ static inline int FM_SFX(kvq_pf_row)(const KVCodesDecodeParams *p, const FMCPUKV
     }
     const uint8_t *codes = v_side ? a->v_codes + r * p->v_row_bytes : a->k_codes + r * p->k_row_bytes;
     const float *norms = (v_side ? a->v_norms : a->k_norms) + r * nb;
-    const int32_t bits = v_side ? p->v_bits : p->k_bits;
-#if FM_KVQ_TBL
-    if (bits == 4 || bits == 8) {
-        /* 16 codes per lookup (kvq_tbl16) rather than a table load per code. */
-        const KVQLut l = FM_SFX(kvq_lut)(tab, bits);
-        for (int32_t i = 0; i < d; i += 16) {
-            fm_v v[4];
-            FM_SFX(kvq_tbl16)(codes, i, bits, &l, v);
-            for (int32_t u = 0; u < 4; u++) fm_v_store(out + i + 4 * u, v[u]);
-        }
-    } else {
-        FM_SFX(kvq_unpack)(codes, d, bits, tab, out);
-    }
-#else
-    FM_SFX(kvq_unpack)(codes, d, bits, tab, out);
-#endif
+    FM_SFX(kvq_row)(codes, d, v_side ? p->v_bits : p->k_bits, tab, out);
     int finite = 1;
     for (int32_t blk = 0; blk < nb; blk++) {
         const float rn = norms[blk];
