@@ -81,10 +81,11 @@ def main() -> None:
     chunk, past = (32, [512]) if args.quick else (128, [2048, 8192])
     prefill = rows(reg, args.runs, past, chunk=chunk)
     result = HERE / "CODES_RESULTS.md"
+    about = fm.info("cpu")
     text = "\n".join([
         "# Decode and chunked prefill over quantized KV caches (bench/codes_bench.py)", "",
-        f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu, ISA path {fm.info('cpu')['cpu_isa']}"
-        f"{' (VBMI)' if fm.info('cpu')['cpu_vbmi'] else ''}; medians of {args.runs} interleaved "
+        f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu, ISA path {about['cpu_isa']}"
+        f"{' (VBMI)' if about['cpu_vbmi'] else ''}; medians of {args.runs} interleaved "
         f"rounds{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. flash_attn_with_kvcache, B=1, "
         f"H={H}, Hkv={HKV}, D={D}; bf16 q. Ratio > 1: the format runs faster than the bf16 cache.", "",
         f"Load average (1 min) {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "

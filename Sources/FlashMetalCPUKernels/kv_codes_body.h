@@ -788,8 +788,8 @@ static inline __attribute__((always_inline)) void FM_SFX(kvq_values_chunk)(const
         fm_v vs[CF_MAX];
 #if FM_KVQ_PLANES || FM_KVQ_VBMI || FM_KVQ_TBL
         if (multi) {
-            /* CF * FM_VL is 16, 32 or 64 codes. */
-            const int32_t NC = CF * FM_VL >= FM_KVQ_MULTI_MAX ? FM_KVQ_MULTI_MAX : CF * FM_VL >= 32 ? 32 : 16;
+            /* CF * FM_VL is 16, 32 or 64 codes, decoded at most FM_KVQ_MULTI_MAX at once. */
+            const int32_t NC = CF * FM_VL < FM_KVQ_MULTI_MAX ? CF * FM_VL : FM_KVQ_MULTI_MAX;
             for (int32_t c = 0; c < CF; c += NC / FM_VL)
                 FM_SFX(kvq_multi_vecs)((const uint8_t *)x->vrow[t], i + c * FM_VL, NC, kind, &x->vl, vs + c);
         }
