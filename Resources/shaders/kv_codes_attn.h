@@ -48,6 +48,14 @@ FUNCTION_CONSTANT_EXPR(bool, kvq_k_codes, !kvq_k_dense)
 FUNCTION_CONSTANT_EXPR(bool, kvq_v_codes, !kvq_v_dense)
 FUNCTION_CONSTANT(bool, kvq_varlen_q, 809)
 FUNCTION_CONSTANT(bool, kvq_varlen_k, 810)
+FUNCTION_CONSTANT(bool, kvq_alibi, 812)
+
+// The ALiBi term of a score: -slope * |pos - key| (pos the query row's
+// position among the keys), after the softcap.
+inline float kvq_alibi_bias(float slope, int pos, int key) {
+    const long gap = long(pos) - long(key);
+    return -slope * float(gap >= 0 ? gap : -gap);
+}
 
 // Keys [lo, hi) of one query row, hi >= lo.
 struct KVQKeyRange {

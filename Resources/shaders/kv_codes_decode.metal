@@ -150,7 +150,8 @@ kernel void kv_codes_decode(
     const device KV *v_dense [[buffer(12), function_constant(kvq_v_dense)]],
     const device int *cu_q [[buffer(13), function_constant(kvq_varlen_q)]],
     const device int *cu_k [[buffer(14), function_constant(kvq_varlen_k)]],
-    device float *tmp [[buffer(15), function_constant(kvq_split)]],
+    const device float *alibi [[buffer(15), function_constant(kvq_alibi)]],
+    device float *tmp [[buffer(16), function_constant(kvq_split)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint lane BUILTIN(thread_index_in_simdgroup)) {
     TG_ARRAY(float, z, KVQ_Z_FLOATS);
@@ -197,6 +198,8 @@ kernel void kv_codes_decode(
 
     // Lane l's head is l / CK: its (m, sum), the same in each of its CK lanes.
     const uint jl = lane / ck, tl = lane - jl * ck;
+    const float slope = kvq_alibi && jl < hg ? alibi[long(b) * long(heads) + long(h0 + jl)] : 0.0f;
+    const int pos = kl - int(rows_b) + int(qi);
     float m = FM_RUNNING_MAX_START, sum = 0.0f;
     for (int c = c_begin; c < c_end; c++) {
         const int k0 = c * int(ck);
@@ -221,6 +224,7 @@ kernel void kv_codes_decode(
         if (key >= range.lo && key < range.hi) {
             s = dot * score_scale;
             if (p.softcap > 0.0f) s = p.softcap * tanh(s / p.softcap);
+            if (kvq_alibi) s += kvq_alibi_bias(slope, pos, key);
         }
         float smax = s;
         for (uint off = ck / 2u; off >= 1u; off >>= 1) smax = max(smax, simd_shuffle_xor(smax, ushort(off)));

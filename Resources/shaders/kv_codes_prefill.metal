@@ -37,6 +37,7 @@ kernel void kv_codes_prefill(
     const device KV *v_dense [[buffer(12), function_constant(kvq_v_dense)]],
     const device int *cu_q [[buffer(13), function_constant(kvq_varlen_q)]],
     const device int *cu_k [[buffer(14), function_constant(kvq_varlen_k)]],
+    const device float *alibi [[buffer(15), function_constant(kvq_alibi)]],
     uint3 tgid BUILTIN(threadgroup_position_in_grid),
     uint tid BUILTIN(thread_index_in_threadgroup),
     uint sg BUILTIN(simdgroup_index_in_threadgroup),
@@ -68,6 +69,8 @@ kernel void kv_codes_prefill(
     range.lo = 0;
     range.hi = 0;
     if (active) range = kvq_key_range(p, kl, int(rows_b), int(qi));
+    const float slope = kvq_alibi && active ? alibi[long(b) * long(heads) + long(h)] : 0.0f;
+    const int pos = kl - int(rows_b) + int(qi);
 
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);
@@ -137,6 +140,7 @@ kernel void kv_codes_prefill(
             }
             float s = simd_sum(part) * k_unit * p.scale;
             if (p.softcap > 0.0f) s = p.softcap * tanh(s / p.softcap);
+            if (kvq_alibi) s += kvq_alibi_bias(slope, pos, t);
             const float m_new = max(mx, s);
             const float corr = exp(mx - m_new), w = exp(s - m_new);
             sum = sum * corr + w;

@@ -134,6 +134,7 @@ public func fm_dispatch_kv_codes_attn(
             q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
             v: try kvSide(vCodec, vCodes, vNorms, name: "v_cache", op: op), out: try TensorRef(out, op: op, name: "out"))
         t.sinks = try optionalTensor(s?.sinks, op: op, name: "sinks")
+        t.alibi = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
         t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
         t.lseName = lseName
         if appended != nil && (s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil) {

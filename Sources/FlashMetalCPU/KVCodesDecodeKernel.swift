@@ -105,7 +105,8 @@ final class KVCodesDecodeKernel: CPUKernel {
             v_dense: UnsafeRawPointer(try optional(KVCodesDecodeBuffer.vDense, UInt8.self)),
             dense_dtype: dense.rawValue,
             cu_seqlens_q: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensQ, Int32.self)),
-            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)))
+            cu_seqlens_k: UnsafePointer(try optional(KVCodesDecodeBuffer.cuSeqlensK, Int32.self)),
+            alibi: UnsafePointer(try optional(KVCodesDecodeBuffer.alibi, Float.self)))
     }
 
     /// The fewest keys worth a share of their own, and the most shares.

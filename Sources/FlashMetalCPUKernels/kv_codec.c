@@ -258,6 +258,7 @@ static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, 
 typedef struct ItemPlace {
     int64_t b, qi, bi, g, row0;
     int32_t h0, heads, lo, hi;
+    int32_t pos; /* the row's position among its keys (bottom-right aligned) */
 } ItemPlace;
 
 static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t item, ItemPlace *o) {
@@ -284,7 +285,9 @@ static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *
     o->h0 = (int32_t)(item % chunks) * FM_CPU_KVQ_HEAD_CHUNK;
     o->heads = group - o->h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - o->h0 : FM_CPU_KVQ_HEAD_CHUNK;
     o->row0 = bi * p->n_heads + g * group + o->h0;
-    key_range(p, key_count(p, a, b), (int32_t)rows_b, (int32_t)qi, &o->lo, &o->hi);
+    const int32_t kl = key_count(p, a, b);
+    o->pos = kl - (int32_t)rows_b + (int32_t)qi;
+    key_range(p, kl, (int32_t)rows_b, (int32_t)qi, &o->lo, &o->hi);
     return 1;
 }
 
@@ -353,9 +356,17 @@ static void run_keys(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a
                      const FMKVQLines *ahead) {
     const int32_t d = p->head_dim;
     float *mx = state + FM_CPU_KVQ_HEAD_CHUNK * d, *sum = mx + FM_CPU_KVQ_HEAD_CHUNK;
-    const FMKVQKeys k = {p, a, tables, at->b, at->g, at->heads, start, end, sum + FM_CPU_KVQ_HEAD_CHUNK, mx, sum,
-                         state, NULL, NULL, NULL, prefetch_next, ahead != NULL ? (const char *const *)ahead->lines : NULL,
-                         ahead != NULL ? ahead->n : 0};
+    FMKVQKeys k = {.p = p, .a = a, .tables = tables, .b = at->b, .g = at->g, .heads = at->heads, .start = start,
+                   .end = end, .qz = sum + FM_CPU_KVQ_HEAD_CHUNK, .mx = mx, .sum = sum, .acc = state,
+                   .prefetch_next = prefetch_next,
+                   .ahead = ahead != NULL ? (const char *const *)ahead->lines : NULL,
+                   .ahead_n = ahead != NULL ? ahead->n : 0};
+    int32_t pos[FM_CPU_KVQ_HEAD_CHUNK];
+    if (a->alibi != NULL) {
+        for (int32_t j = 0; j < at->heads; j++) pos[j] = at->pos;
+        k.slopes = a->alibi + at->b * p->n_heads + at->g * (p->n_heads / p->n_kv_heads) + at->h0;
+        k.pos = pos;
+    }
     keys_route(&k);
 }
 
@@ -548,7 +559,8 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
      * the tiles of the ISA's key loop. */
     float *qz = scratch, *acc = qz + (int64_t)ROWS * d;
     float mx[ROWS], sum[ROWS];
-    int32_t lo[ROWS], hi[ROWS];
+    int32_t lo[ROWS], hi[ROWS], pos[ROWS];
+    float slopes[ROWS];
     ItemPlace at[ROWS];
     int32_t t_lo = INT32_MAX, t_hi = 0;
     memset(acc, 0, sizeof(float) * (size_t)(count + FM_KVQ_PREFILL_PAD) * (size_t)d);
@@ -563,6 +575,8 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
         o->heads = 1;
         o->row0 = o->bi * p->n_heads + g * group + j;
         key_range(p, kl, (int32_t)rows_b, (int32_t)qi, &lo[s], &hi[s]);
+        pos[s] = kl - (int32_t)rows_b + (int32_t)qi;
+        slopes[s] = a->alibi != NULL ? a->alibi[b * p->n_heads + g * group + j] : 0.0f;
         if (lo[s] < hi[s]) {
             if (lo[s] < t_lo) t_lo = lo[s];
             if (hi[s] > t_hi) t_hi = hi[s];
@@ -574,8 +588,10 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
     if (t_lo < t_hi) {
         FMKVQTables tables;
         build_tables(&tables);
-        const FMKVQKeys k = {p, a, &tables, b, g, count, t_lo, t_hi, qz, mx, sum, acc, lo, hi,
-                             acc + (int64_t)(ROWS + FM_KVQ_PREFILL_PAD) * d};
+        const FMKVQKeys k = {.p = p, .a = a, .tables = &tables, .b = b, .g = g, .heads = count, .start = t_lo,
+                             .end = t_hi, .qz = qz, .mx = mx, .sum = sum, .acc = acc, .lo = lo, .hi = hi,
+                             .scratch = acc + (int64_t)(ROWS + FM_KVQ_PREFILL_PAD) * d,
+                             .slopes = a->alibi != NULL ? slopes : NULL, .pos = pos};
         prefill_route(&k);
     }
     for (int32_t s = 0; s < count; s++) finish_item(p, a, &at[s], &mx[s], &sum[s], acc + (int64_t)s * d);

@@ -978,6 +978,14 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
                 for (int32_t t = 0; t < nt; t++) s[t] = p->softcap * tanhf(s[t] / p->softcap);
                 for (int32_t u = 0; u < TV; u++) sv[u] = fm_v_load(s + u * FM_VL);
             }
+            if (k->slopes != NULL) {
+                /* ALiBi: -slope * |pos - key|, key t0 + u * FM_VL + lane. */
+                const fm_v slope = fm_v_splat(k->slopes[j]), gap = fm_v_splat((float)((int64_t)k->pos[j] - t0));
+                for (int32_t u = 0; u < TV; u++) {
+                    const fm_v dist = gap - (lane + (float)(u * FM_VL));
+                    sv[u] -= slope * fm_v_max2(dist, -dist);
+                }
+            }
             fm_v m = fm_v_splat(-INFINITY);
             for (int32_t u = 0; u < TV; u++) {
                 if (nt < FM_KVQ_TILE) sv[u] = fm_v_sel(lane + (float)(u * FM_VL) < (float)nt, sv[u], fm_v_splat(-INFINITY));

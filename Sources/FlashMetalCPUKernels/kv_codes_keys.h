@@ -79,6 +79,11 @@ typedef struct FMKVQKeys {
      * stall the loop); NULL none. */
     const char *const *ahead;
     int32_t ahead_n;
+    /* ALiBi: head/item j's slope slopes[j] and query position pos[j] (the
+     * keys' frame), its score of key t gaining -slopes[j] * |pos[j] - t|
+     * after the softcap; NULL without ALiBi. */
+    const float *slopes;
+    const int32_t *pos;
 } FMKVQKeys;
 
 /* The prefill's tiles: the query panel [ITEMS][D], the K rows

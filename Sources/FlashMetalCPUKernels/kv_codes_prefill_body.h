@@ -147,6 +147,8 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
     float m[MS_MAX] __attribute__((aligned(64))), l[MS_MAX] __attribute__((aligned(64)));
     float F[MS_MAX] __attribute__((aligned(64)));
     int32_t lo[MS_MAX] __attribute__((aligned(64))), hi[MS_MAX] __attribute__((aligned(64)));
+    float slope[MS_MAX] __attribute__((aligned(64)));
+    int32_t pos[MS_MAX] __attribute__((aligned(64)));
     int64_t rows[KQ_TK];
     for (int32_t s = 0; s < ms; s++) {
         const int real = s < count;
@@ -155,6 +157,8 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
         F[s] = 1.0f;
         lo[s] = real ? k->lo[s] : 0;
         hi[s] = real ? k->hi[s] : 0;
+        slope[s] = real && k->slopes != NULL ? k->slopes[s] : 0.0f;
+        pos[s] = real && k->pos != NULL ? k->pos[s] : 0;
     }
     for (int32_t s = 0; s < mc; s++) {
         float *col = Qp + (size_t)(s / KQ_CW) * KQ_CW * d + s % KQ_CW;
@@ -193,6 +197,12 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
             fm_vi lv, hv;
             memcpy(&lv, lo + c, sizeof lv);
             memcpy(&hv, hi + c, sizeof hv);
+            fm_v sv = fm_v_splat(0.0f);
+            fm_vi pv = (fm_vi)0;
+            if (k->slopes != NULL) {
+                sv = fm_v_load(slope + c);
+                memcpy(&pv, pos + c, sizeof pv);
+            }
             const fm_v m_old = fm_v_load(m + c);
             fm_v mv = m_old;
             for (int32_t t = t_first; t < nt; t++) {
@@ -201,11 +211,16 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
                 if (softcap > 0.0f) {
                     for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
                 }
+                if (k->slopes != NULL) {
+                    /* ALiBi: -slope * |pos - key| per item. */
+                    const fm_v dist = __builtin_convertvector(pv - (fm_vi)(t0 + t), fm_v);
+                    s -= sv * fm_v_max2(dist, -dist);
+                }
                 if (!all) {
                     const fm_vi key = (fm_vi)(t0 + t);
                     s = fm_v_sel((key < lv) | (key >= hv), fm_v_splat(-INFINITY), s);
                 }
-                if (softcap > 0.0f || !all) fm_v_store(st, s);
+                if (softcap > 0.0f || k->slopes != NULL || !all) fm_v_store(st, s);
                 mv = fm_v_sel(s > mv, s, mv);
             }
             const fm_v fac = fm_v_exp(m_old - mv);

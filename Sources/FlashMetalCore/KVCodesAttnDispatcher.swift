@@ -23,6 +23,9 @@ public struct KVCodesAttnTensors {
     public var cuSeqlensQ: TensorRef? = nil
     /// int32 [B+1]: sequence b has cu[b+1] - cu[b] keys in the paged caches.
     public var cuSeqlensK: TensorRef? = nil
+    /// float32 [B, H] ALiBi slopes: key t's score at row position r gains
+    /// -slopes[b, h] * |r - t| after the softcap.
+    public var alibi: TensorRef? = nil
     /// The caller's name of lse in errors.
     public var lseName = "lse"
 
@@ -32,8 +35,8 @@ public struct KVCodesAttnTensors {
 }
 
 /// Attention over flash_attn_with_kvcache's quantized caches: every query
-/// row of every sequence (bottom-right causal, window, chunk, softcap, sinks,
-/// LSE, GQA), keys read through the block table when paged; kv_codes_decode
+/// row of every sequence (bottom-right causal, window, chunk, softcap, ALiBi,
+/// sinks, LSE, GQA), keys read through the block table when paged; kv_codes_decode
 /// (split over keys, then kv_codes_reduce) for one query row per sequence,
 /// kv_codes_prefill (each key tile decoded once for many rows) for more. Every length and every table
 /// entry the kernel reads is checked first.
@@ -86,6 +89,13 @@ public enum KVCodesAttnDispatcher {
             try sinks.requireBytes(op: op, name: "sinks")
             if sinks.shape != [heads] {
                 throw FlashMetalError.value(op, "sinks must have shape [\(heads)] (num_heads), got \(sinks.shape)", arg: "sinks")
+            }
+        }
+        if let a = t.alibi {
+            try a.requireDType([.f32], op: op, name: "alibi_slopes")
+            try a.requireBytes(op: op, name: "alibi_slopes")
+            if a.shape != [batch, heads] {
+                throw FlashMetalError.value(op, "alibi_slopes shape \(a.shape) must be [\(batch), \(heads)]", arg: "alibi_slopes")
             }
         }
         if let lse = t.lse {
@@ -143,13 +153,14 @@ public enum KVCodesAttnDispatcher {
                              kvHeads, batch)
             let d = KVCodesDecodeDispatcher.dispatch(params, grid: grid, prefill: true, q: q, k: t.k, v: t.v, out: t.out,
                                                      seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
-                                                     lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+                                                     lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK,
+                                                     alibi: t.alibi)
             return KVCodesPlan(tmpBytes: 0) { _ in [d] }
         }
         return KVCodesDecodeDispatcher.plan(params, tokens: (varlen ? 1 : batch) * qLen, keys: lengths.max() ?? 0,
                                             splitKeys: splitKeys, q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens,
                                             blockTable: t.blockTable, sinks: t.sinks, lse: t.lse,
-                                            cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK)
+                                            cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK, alibi: t.alibi)
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {

@@ -34,6 +34,8 @@ public enum KVCodesDecodeBuffer {
     public static let cuSeqlensK = Int(FM_KVQD_BUF_CU_SEQLENS_K.rawValue)
     /// float32 partials of a split decode (FunctionConstantIndex.kvqSplit; kv_codes_reduce).
     public static let tmp = Int(FM_KVQD_BUF_TMP.rawValue)
+    /// float32 [B, H] ALiBi slopes (FunctionConstantIndex.kvqAlibi).
+    public static let alibi = Int(FM_KVQD_BUF_ALIBI.rawValue)
 }
 
 /// Buffer indices of kv_codes_reduce.
@@ -194,7 +196,7 @@ public enum KVCodesDecodeDispatcher {
     static func plan(_ params: KVCodesDecodeParams, tokens: Int, keys: Int, splitKeys: Bool, q: TensorRef, k: KVSide,
                      v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
                      sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
-                     cuSeqlensK: TensorRef? = nil) -> KVCodesPlan {
+                     cuSeqlensK: TensorRef? = nil, alibi: TensorRef? = nil) -> KVCodesPlan {
         var p = params
         let heads = Int(p.n_heads)
         p.heads_per_group = Int32(headsPerGroup(gqa: heads / Int(p.n_kv_heads), headDim: Int(p.head_dim)))
@@ -207,7 +209,7 @@ public enum KVCodesDecodeDispatcher {
             let main = dispatch(p, grid: Size3(units, Int(p.nwg), 1), q: q, k: k, v: v, out: out,
                                 seqlens: seqlens, blockTable: blockTable, sinks: split ? nil : sinks,
                                 lse: split ? nil : lse, cuSeqlensQ: cuSeqlensQ, cuSeqlensK: cuSeqlensK,
-                                tmp: split ? tmp : nil)
+                                alibi: alibi, tmp: split ? tmp : nil)
             guard split, let tmp else { return [main] }
             return [main, reduceDispatch(p, rows: rows, v: v, out: out, sinks: sinks, lse: lse, cuSeqlensQ: cuSeqlensQ,
                                          tmp: tmp)]
@@ -241,7 +243,7 @@ public enum KVCodesDecodeDispatcher {
     static func dispatch(_ params: KVCodesDecodeParams, grid: Size3, prefill: Bool = false, q: TensorRef,
                          k: KVSide, v: KVSide, out: TensorRef, seqlens: TensorRef? = nil, blockTable: TensorRef? = nil,
                          sinks: TensorRef? = nil, lse: TensorRef? = nil, cuSeqlensQ: TensorRef? = nil,
-                         cuSeqlensK: TensorRef? = nil, tmp: TensorRef? = nil) -> Dispatch {
+                         cuSeqlensK: TensorRef? = nil, alibi: TensorRef? = nil, tmp: TensorRef? = nil) -> Dispatch {
         var bindings: [Int: Binding] = [KVCodesDecodeBuffer.params: .bytes(bytesOf(params)), KVCodesDecodeBuffer.q: .buffer(q)]
         bindings[tmp == nil ? KVCodesDecodeBuffer.out : KVCodesDecodeBuffer.tmp] = .buffer(tmp ?? out)
         var dense = DType.f32
@@ -261,7 +263,8 @@ public enum KVCodesDecodeDispatcher {
                                              (blockTable, KVCodesDecodeBuffer.blockTable),
                                              (sinks, KVCodesDecodeBuffer.sinks), (lse, KVCodesDecodeBuffer.lse),
                                              (cuSeqlensQ, KVCodesDecodeBuffer.cuSeqlensQ),
-                                             (cuSeqlensK, KVCodesDecodeBuffer.cuSeqlensK)]
+                                             (cuSeqlensK, KVCodesDecodeBuffer.cuSeqlensK),
+                                             (alibi, KVCodesDecodeBuffer.alibi)]
         for (t, i) in optional { if let t = t { bindings[i] = .buffer(t) } }
         if lse != nil { writes.insert(KVCodesDecodeBuffer.lse) }
         let constants = FunctionConstants([
@@ -272,6 +275,7 @@ public enum KVCodesDecodeDispatcher {
             (FunctionConstantIndex.kvqVarlenQ, .bool(cuSeqlensQ != nil)),
             (FunctionConstantIndex.kvqVarlenK, .bool(cuSeqlensK != nil)),
             (FunctionConstantIndex.kvqSplit, .bool(tmp != nil)),
+            (FunctionConstantIndex.kvqAlibi, .bool(alibi != nil)),
         ])
         // q/out of a 16-bit dtype: the dense side, if any, is of it (validated).
         let io = q.dtype

@@ -88,6 +88,8 @@ public enum FunctionConstantIndex {
     public static let kvqVarlenK = Int(FM_FC_KVQ_VARLEN_K.rawValue)
     /// kv_codes_decode: partials to tmp for kv_codes_reduce, not the output.
     public static let kvqSplit = Int(FM_FC_KVQ_SPLIT.rawValue)
+    /// kv_codes_decode / kv_codes_prefill: ALiBi slopes are bound.
+    public static let kvqAlibi = Int(FM_FC_KVQ_ALIBI.rawValue)
     /// sdpa: a bool mask is bound.
     public static let sdpaBoolMask = Int(FM_FC_SDPA_BOOL_MASK.rawValue)
     /// sdpa: an additive mask is bound.
@@ -118,6 +120,7 @@ public enum FunctionConstantIndex {
         ("FM_FC_KVQ_V_DENSE", kvqVDense), ("FM_FC_KVQ_APPEND_K_DENSE", kvqAppendKDense),
         ("FM_FC_KVQ_APPEND_V_DENSE", kvqAppendVDense), ("FM_FC_KVQ_VARLEN_Q", kvqVarlenQ),
         ("FM_FC_KVQ_VARLEN_K", kvqVarlenK), ("FM_FC_KVQ_SPLIT", kvqSplit),
+        ("FM_FC_KVQ_ALIBI", kvqAlibi),
     ]
 }
 

@@ -71,12 +71,13 @@ def _in_dtype(o: np.ndarray, dtype: np.dtype) -> np.ndarray:
 def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_cache: Any, ka: np.ndarray | None,
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
-                       in_place: Callable[[Any, str], np.ndarray], first_keys: np.ndarray | None = None) -> Any:
+                       in_place: Callable[[Any, str], np.ndarray], first_keys: np.ndarray | None = None,
+                       alibi: np.ndarray | None = None) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
     there; arguments already read by it). The kernel reads q and writes the
     output in q's dtype (_io says when it cannot). first_keys: cache_leftpad's
     [2, B] table (each sequence's end before the append, then its first
-    key), or None. One library call encodes k/v into the caches at `lens`
+    key), or None. alibi: float32 [B, H] ALiBi slopes, or None. One library call encodes k/v into the caches at `lens`
     through `bt` and attends; it validates both before either runs, so a
     refused call leaves the caches as they were."""
     appending = ka is not None
@@ -86,14 +87,14 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     io = _io(reg, _OP, qa, sides)
     if qa.ndim != 4:
         raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
-    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens])
+    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens, alibi])
     q32 = np.ascontiguousarray(qa, dtype=io)
     # q's own dtype: the kernel's output is the result (into out when given).
     o32 = out_arr if out_arr is not None and io == qa.dtype else np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=lens if first_keys is None else first_keys,
-                   block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va)
+                   block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va, alibi_slopes=alibi)
     result = _in_dtype(o32, qa.dtype)
     if out_arr is not None and result is not out_arr:
         out_arr[...] = result
@@ -107,7 +108,7 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
 
 def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndarray, ck: np.ndarray,
                       bt: np.ndarray | None, opts: Any, sinks: np.ndarray | None,
-                      want_lse: bool) -> tuple[np.ndarray, np.ndarray | None]:
+                      want_lse: bool, alibi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_varlen_func's route when k or v is a QuantizedKV page pool
     (leading shape [num_pages, page_size, Hkv]; block_table required): (out
     [total_q, H, D] in q's dtype, lse [H, total_q] or None). Rows past the
@@ -124,12 +125,13 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
     o32 = np.zeros(qa.shape, dtype=io)
     lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
-                   lse=lse)
+                   lse=lse, alibi_slopes=alibi)
     return _in_dtype(o32, qa.dtype), lse
 
 
 def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: np.ndarray | None, opts: Any,
-                 sinks: np.ndarray | None, want_lse: bool) -> tuple[np.ndarray, np.ndarray | None]:
+                 sinks: np.ndarray | None, want_lse: bool,
+                 alibi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_func's and flash_attn_prefill's route when k or v is a
     QuantizedKV of leading shape [B, seqlen_k, Hkv] (flash-attn's layout; the
     other side may be a dense [B, seqlen_k, Hkv, D] cache): (out [B, qL, H, D]
@@ -143,7 +145,7 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     o32 = np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
-    _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse)
+    _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse, alibi_slopes=alibi)
     return _in_dtype(o32, qa.dtype), lse
 
 
@@ -195,7 +197,7 @@ def _attn_dispatch(reg: Registry, op: str, q32: np.ndarray, sides: tuple[tuple[A
     of a 16-bit dtype any dense side has) over the
     (codec or NULL, codes or dense cache, norms or None) of k and v; `seq`
     the FMSeqTensors arrays (seqlens_k, block_table, cu_seqlens_q/_k, sinks,
-    lse; None for absent)."""
+    lse, alibi_slopes; None for absent)."""
     ffi = _native.ffi()
     (kcodec, kc, kn), (vcodec, vc, vn) = sides
     seq_ptr, keep = seq_tensors(ffi, **seq)

@@ -108,8 +108,8 @@ def flash_attn_func(
         qa = as_input(q, op, "q")
         opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
-        _no_alibi_over_codes(op, alibi_arg(op, alibi_slopes, *_batch_heads(qa)))
-        qout, qlse = attend_codes(reg, op, qa, k, v, None, opts, sinks_arg(op, sinks), want_lse)
+        qout, qlse = attend_codes(reg, op, qa, k, v, None, opts, sinks_arg(op, sinks), want_lse,
+                                  alibi=alibi_arg(op, alibi_slopes, *_batch_heads(qa)))
         return _with_probs(q, qout, qlse)
     qa, ka, va = as_input(q, op, "q"), as_input(k, op, "k"), as_input(v, op, "v")
     opts = attn_options(op, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
@@ -191,8 +191,8 @@ def flash_attn_varlen_func(
             if given is not None:
                 raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV caches (pass None)",
                                               argument=name)
-        _no_alibi_over_codes(op, slopes)
-        qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(op, sinks), want_lse)
+        qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(op, sinks), want_lse,
+                                       alibi=slopes)
         return _with_probs(q, qout, qlse)
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
@@ -292,7 +292,7 @@ def flash_attn_with_kvcache(
         rotary_interleaved: rotate dims (2j, 2j+1) (GPT-J) if True, else
             (j, j + rotary_dim/2) (GPT-NeoX).
         alibi_slopes: float32 ``[H]`` or ``[B, H]`` ALiBi slopes, or None (as
-            in flash_attn_func, per sequence; not over QuantizedKV caches).
+            in flash_attn_func, per sequence; QuantizedKV caches too).
         sinks: float32 ``[H]`` sink logits, or None.
         cu_seqlens_q, max_seqlen_q: ragged queries (flash-attn 3's): q is
             ``[total_q, H, D]``, sequence b its rows ``cu_seqlens_q[b] :
@@ -335,7 +335,6 @@ def flash_attn_with_kvcache(
             given = next(n for n, a in ragged_args.items() if a is not None)
             raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
                                           "QuantizedKV caches", argument=given)
-        _no_alibi_over_codes(_KVCACHE, slopes)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
@@ -359,7 +358,7 @@ def flash_attn_with_kvcache(
             qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
             ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
-                                  want_lse, out, _in_place, first_keys)
+                                  want_lse, out, _in_place, first_keys, alibi=slopes)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.
@@ -468,13 +467,6 @@ def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.n
         k = _ragged.rotate_rows(reg, rag.k, tables, _ragged.positions(
             rag, given_lens, rows=rag.new_lens, cu=rag.cu_k, per_row=True), interleaved, "k")
         return attend(q, new_rows(k))
-
-
-def _no_alibi_over_codes(op: str, slopes: np.ndarray | None) -> None:
-    """The QuantizedKV kernels have no ALiBi term."""
-    if slopes is not None:
-        raise UnsupportedFeatureError(op, "alibi_slopes is not supported over QuantizedKV caches (pass None, "
-                                          "or dense caches)", argument="alibi_slopes")
 
 
 def _batch_heads(qa: np.ndarray) -> tuple[int, int]:

@@ -697,17 +697,20 @@ static void run_blk_and_mask(void) {
  * heads, 70 query rows at the end of 150 keys. dense: 1 K, 2 V, 3 both
  * sides stored as rows of dtype (the codec's dequantized rows rounded to it)
  * instead of codes. v_inf: one dense V value of kv head 0 is +inf at key
- * 120, which rows before it must never see. */
+ * 120, which rows before it must never see. alibi > 0: head h's ALiBi slope
+ * is alibi * (h + 1) / H. */
 typedef struct {
     int32_t D, H, Hkv, kbits, vbits, window;
     float softcap;
     int32_t dense, dtype, v_inf;
+    float alibi;
 } CodesRun;
 
 typedef struct {
     CodesCase c;
     CodesRun r;
     Buf kraw, vraw;
+    float *slopes;
     KVCodesDecodeParams p;
     FMCPUKVCodesAttnArgs a;
 } CodesSetup;
@@ -733,6 +736,11 @@ static CodesSetup codes_setup(const CodesRun *r) {
     s.p.softcap = r->softcap;
     s.a = codes_args(&s.c);
     s.a.dense_dtype = r->dtype;
+    if (r->alibi > 0) {
+        s.slopes = malloc(sizeof(float) * r->H);
+        for (int32_t h = 0; h < r->H; h++) s.slopes[h] = r->alibi * (float)(h + 1) / (float)r->H;
+        s.a.alibi = s.slopes;
+    }
     if (r->dense & 1) {
         s.kraw = codes_dense(s.c.kd, n, r->dtype);
         s.a.k_dense = s.kraw.raw;
@@ -773,6 +781,7 @@ static void codes_check(CodesSetup *s, const char *what) {
                 for (int32_t d = 0; vis && d < D; d++) dot += (double)q[d] * c->kd[(j * Hkv + g) * D + d];
                 double x = scale * dot;
                 if (softcap > 0) x = softcap * tanh(x / softcap);
+                if (s->slopes != NULL) x -= (double)s->slopes[h] * (double)(pos >= j ? pos - j : j - pos);
                 sc[j] = vis ? x : -INFINITY;
                 if (sc[j] > mx) mx = sc[j];
             }
@@ -798,11 +807,12 @@ static void codes_check(CodesSetup *s, const char *what) {
         }
     }
     CHECK(worst <= 1.0 && worst_lse <= 1.0 && finite_bad == 0,
-          "%s %s D=%d H=%d/%d K%d/V%d window=%d softcap=%g dense=%d(dtype %d) v_inf=%d: error %.3gx tolerance "
-          "(lse %.3gx), %d finite where the reference is not",
+          "%s %s D=%d H=%d/%d K%d/V%d window=%d softcap=%g dense=%d(dtype %d) v_inf=%d alibi=%g: error %.3gx "
+          "tolerance (lse %.3gx), %d finite where the reference is not",
           what, fm_cpu_isa_name(fm_cpu_isa()), D, H, Hkv, c->kbits, c->vbits, c->window, softcap, s->r.dense,
-          s->r.dtype, s->r.v_inf, worst, worst_lse, finite_bad);
+          s->r.dtype, s->r.v_inf, s->r.alibi, worst, worst_lse, finite_bad);
     free(sc);
+    free(s->slopes);
     codes_case_free(c);
     if (s->r.dense & 1) buf_free(&s->kraw);
     if (s->r.dense & 2) buf_free(&s->vraw);
@@ -860,8 +870,11 @@ static void run_codes_cases(void) {
         {128, 4, 1, 4, 2, 0, 0.0f, 1, FM_DTYPE_BF16},
         {64, 2, 2, 5, 4, 0, 0.0f, 2, FM_DTYPE_F32, 1},
         {80, 3, 1, 4, 4, 40, 0.0f, 3, FM_DTYPE_F16},
+        /* ALiBi, with and without a softcap and a window. */
+        {128, 4, 2, 8, 4, 0, 0.0f, 0, 0, 0, 0.3f},
+        {64, 10, 1, 2, 6, 50, 20.0f, 0, 0, 0, 0.1f},
     };
-    const int32_t pf_items[] = {256, 64, 64, 256, 64, 64, 256, 256, 64, 64};
+    const int32_t pf_items[] = {256, 64, 64, 256, 64, 64, 256, 256, 64, 64, 64, 256};
     for (size_t i = 0; i < sizeof pf / sizeof *pf; i++) run_codes_prefill(&pf[i], pf_items[i]);
     const CodesRun dec[] = {
         {128, 4, 2, 4, 8, 0},
@@ -878,8 +891,13 @@ static void run_codes_cases(void) {
         {192, 8, 1, 8, 8, 0},
         {80, 8, 2, 6, 8, 0},
         {96, 2, 2, 8, 8, 0},
+        /* ALiBi: item and row layouts, split and whole. */
+        {128, 4, 2, 4, 8, 0, 0.0f, 0, 0, 0, 0.3f},
+        {64, 10, 1, 2, 6, 50, 20.0f, 0, 0, 0, 0.1f},
+        {128, 8, 2, 8, 4, 0, 0.0f, 0, 0, 0, 0.2f},
     };
-    const int32_t dec_split[] = {1, 3, 2, 2, 1, 1, 2, 1, 3, 2, 1, 1}, dec_row[] = {0, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 0};
+    const int32_t dec_split[] = {1, 3, 2, 2, 1, 1, 2, 1, 3, 2, 1, 1, 3, 1, 2};
+    const int32_t dec_row[] = {0, 0, 0, 1, 0, 1, 0, 1, 1, 0, 1, 0, 0, 1, 1};
     for (size_t i = 0; i < sizeof dec / sizeof *dec; i++) run_codes_decode(&dec[i], dec_split[i], dec_row[i]);
 }
 

@@ -89,7 +89,7 @@ OPS = {
     "mask_key_ranges": ("mask_key_ranges",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
-              "v_new", "cu_seqlens_k_new")
+              "v_new", "cu_seqlens_k_new", "alibi_slopes")
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -507,7 +507,7 @@ def gen_kv_codes_attn(rng, backend):
     and V caches (2-8 bits each, separately; one side may be a dense float32
     cache), contiguous or paged, lengths [B] or [2, B] (cache_leftpad), and
     (30%) k_new/v_new encoded into them first; causal, window, softcap,
-    sinks, lse at random."""
+    sinks, lse, ALiBi slopes at random."""
     d = int(rng.choice([64, 128]))
     b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
     h = hkv * int(rng.choice([1, 2]))
@@ -545,6 +545,8 @@ def gen_kv_codes_attn(rng, backend):
         t["sinks"] = _tensor(rng, 0, [h])
     if rng.random() < 0.5:
         t["lse"] = _tensor(rng, 0, [b, h, ql], role="out")
+    if rng.random() < 0.3:
+        t["alibi_slopes"] = _tensor(rng, 0, [b, h], values=rng.uniform(0.0, 0.5, (b, h)).astype(np.float32))
     if room > 0 and rng.random() < 0.3:
         n = int(rng.integers(1, room + 1))
         t.update(k_new=_tensor(rng, 0, [b, n, hkv, d]), v_new=_tensor(rng, 0, [b, n, hkv, d]))
@@ -1304,7 +1306,8 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
     out, lse = reference.flash_attn_kvcache(
         t["q"].array(), k, v, cache_seqlens=lens, block_table=table, cache_leftpad=starts, scale=o["scale"],
         causal=bool(o["causal"]), softcap=o["softcap"], window_size=(i32(o["window_left"]), i32(o["window_right"])),
-        attention_chunk=i32(o["attention_chunk"]), sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
+        attention_chunk=i32(o["attention_chunk"]), sinks=t["sinks"].array() if _seq_present(case, "sinks") else None,
+        alibi_slopes=t["alibi_slopes"].array() if _seq_present(case, "alibi_slopes") else None)
     case.args["lse"] = lse
     return out
 

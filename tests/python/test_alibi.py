@@ -234,18 +234,3 @@ def test_library_checks_the_slopes_tensor(rng):
         with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
             _native.call(fm.Registry("cpu"), "fm_dispatch_attn", tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), seq,
                          tensor(ffi, out), opts, op="test", keep=(q, k, v, out, bad, t))
-
-
-def test_quantized_caches_refuse_slopes(rng):
-    """The QuantizedKV kernels have no ALiBi term: refused by name, the
-    caches untouched (the append has not run)."""
-    codec = fm.KVCodec(64, 8, seed=3)
-    kc, vc = codec.empty((2, 16, 2)), codec.empty((2, 16, 2))
-    before = kc.codes.copy()
-    q = randn(rng, (2, 1, 2, 64), np.float32)
-    new = randn(rng, (2, 1, 2, 64), np.float32)
-    with pytest.raises(fm.UnsupportedFeatureError,
-                       match=r"^flash_attn_with_kvcache: alibi_slopes is not supported over QuantizedKV caches"):
-        fm.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=np.array([3, 5], np.int32),
-                                   alibi_slopes=np.ones(2, np.float32), registry="cpu")
-    assert np.array_equal(kc.codes, before)

@@ -190,8 +190,6 @@ def test_flash_attn_func_over_codes(registry, rng):
     assert o.dtype == BF16 and lse.shape == (b, h, ql) and s_dmask.size == 0
     check(o, eo, BF16, f"{registry.backend} flash_attn_func")
     check_lse(lse, el, f"{registry.backend} flash_attn_func lse")
-    with pytest.raises(NotImplementedError, match="^flash_attn_func: alibi_slopes is not supported over QuantizedKV"):
-        fm.flash_attn_func(q, k, v, alibi_slopes=np.ones(h, np.float32), registry=registry)
 
 
 def test_flash_attn_prefill_over_codes(registry, rng):

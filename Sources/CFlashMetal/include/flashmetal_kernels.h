@@ -78,7 +78,8 @@ typedef enum FMFunctionConstant {
     FM_FC_KVQ_APPEND_V_DENSE = 808, /* kv_codes_append: V is a dense cache (buffer 10), not codes */
     FM_FC_KVQ_VARLEN_Q = 809,       /* kv_codes_decode: q/out/lse packed, cu_seqlens_q bound */
     FM_FC_KVQ_VARLEN_K = 810,       /* kv_codes_decode: key counts from cu_seqlens_k (paged caches) */
-    FM_FC_KVQ_SPLIT = 811           /* kv_codes_decode: partials to tmp (buffer 15) for kv_codes_reduce, not out */
+    FM_FC_KVQ_SPLIT = 811,          /* kv_codes_decode: partials to tmp (buffer 16) for kv_codes_reduce, not out */
+    FM_FC_KVQ_ALIBI = 812           /* kv_codes_decode/_prefill: ALiBi slopes bound (buffer 15) */
 } FMFunctionConstant;
 
 /* Buffer indices ([[buffer(i)]]) of each kernel family. */
@@ -568,7 +569,9 @@ typedef enum FMKVCodesDecodeBinding {
     FM_KVQD_BUF_V_DENSE = 12,    /* dense V [rows, D], with FM_FC_KVQ_V_DENSE; codes unbound */
     FM_KVQD_BUF_CU_SEQLENS_Q = 13, /* int32 [B+1], with FM_FC_KVQ_VARLEN_Q */
     FM_KVQD_BUF_CU_SEQLENS_K = 14, /* int32 [B+1], with FM_FC_KVQ_VARLEN_K */
-    FM_KVQD_BUF_TMP = 15           /* float32 partials, with FM_FC_KVQ_SPLIT (and kv_codes_reduce) */
+    FM_KVQD_BUF_ALIBI = 15,        /* float32 [B, H] ALiBi slopes, with FM_FC_KVQ_ALIBI: key t's score at
+                                    * row position r gains -alibi[b, h] * |r - t| after the softcap */
+    FM_KVQD_BUF_TMP = 16           /* float32 partials, with FM_FC_KVQ_SPLIT (and kv_codes_reduce) */
 } FMKVCodesDecodeBinding;
 
 /* kv_codes_append: row i of sequence b of k_new/v_new [B, n_new, Hkv, D]

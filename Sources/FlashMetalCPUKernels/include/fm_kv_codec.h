@@ -43,6 +43,8 @@ typedef struct FMCPUKVCodesAttnArgs {
     int32_t dense_dtype;  /* FM_DTYPE_F32, _F16 or _BF16 */
     const int32_t *cu_seqlens_q;  /* varlen q (q_len = total_q), or NULL */
     const int32_t *cu_seqlens_k;  /* key counts of varlen sequences, or NULL */
+    const float *alibi;           /* [B, H] ALiBi slopes: key t's score at row position r gains
+                                   * -alibi[b, h] * |r - t| after the softcap; or NULL */
 } FMCPUKVCodesAttnArgs;
 /* nsplit == 1: the item whole, its output rows written. nsplit > 1: share
  * `split` of the item's keys (contiguous, split-major within the item), its
