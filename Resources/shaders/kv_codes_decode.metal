@@ -187,8 +187,8 @@ kernel void kv_codes_decode(
 
     // The keys this token sees, [lo, hi), and this split's chunks of them.
     int kl = p.kv_len;
-    if (kvq_lens) kl = seqlens[b];
     if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
+    if (kvq_lens) kl = seqlens[b];  // beside cu_k: flash-attn 3's seqused_k
     const KVQKeyRange range = kvq_key_range(p, kl, int(rows_b), int(qi));
     const int c_lo = range.lo / int(ck);
     const int chunks = range.hi > range.lo ? (range.hi + int(ck) - 1) / int(ck) - c_lo : 0;

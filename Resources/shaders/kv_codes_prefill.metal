@@ -63,8 +63,8 @@ kernel void kv_codes_prefill(
     const uint qi = active ? x / group : 0u, h = g * group + x % group;
     const long row = (long(tok0) + long(qi)) * long(heads) + long(h);
     int kl = p.kv_len;
-    if (kvq_lens) kl = seqlens[b];
     if (kvq_varlen_k) kl = cu_k[b + 1] - cu_k[b];
+    if (kvq_lens) kl = seqlens[b];  // beside cu_k: flash-attn 3's seqused_k
     KVQKeyRange range;
     range.lo = 0;
     range.hi = 0;

@@ -87,9 +87,13 @@ public func fm_dispatch_kv_codes_decode(
 func run(_ plan: KVCodesPlan, after append: [Dispatch] = [], on reg: Registry, op: String) throws {
     if plan.tmpBytes == 0 {
         try reg.run(append + plan.dispatches(tmp: nil), op: op)
-        return
+    } else {
+        try reg.withScratch(op: op, bytes: plan.tmpBytes) { tmp in
+            try reg.run(append + plan.dispatches(tmp: tmp), op: op)
+        }
     }
-    try reg.withScratch(op: op, bytes: plan.tmpBytes) { tmp in try reg.run(append + plan.dispatches(tmp: tmp), op: op) }
+    // Once the run accepted the call (its overlap checks included): no kernel writes these rows.
+    plan.unowned.clear()
 }
 
 /// One cache argument: its codec and storage, or with a NULL codec a dense
@@ -120,9 +124,6 @@ public func fm_dispatch_kv_codes_attn(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
         let s = seq?.pointee
-        if s?.seqused_q != nil {
-            throw FlashMetalError.value(op, "seqused_q must be NULL: not supported over quantized caches", arg: "seqused_q")
-        }
         if s?.cu_seqlens_k_new != nil {
             throw FlashMetalError.value(op, "cu_seqlens_k_new must be NULL: ragged new rows are not supported over "
                 + "quantized caches", arg: "cu_seqlens_k_new")
@@ -141,12 +142,14 @@ public func fm_dispatch_kv_codes_attn(
             throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_q/cu_seqlens_k "
                 + "must be NULL", arg: "cu_seqlens_k")
         }
-        let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
+        let lensName = s?.cu_seqlens_k == nil ? "cache_seqlens" : "seqused_k"
+        let tables = [try optionalTensor(s?.seqlens_k, op: op, name: lensName),
                       try optionalTensor(s?.block_table, op: op, name: "block_table"),
                       try optionalTensor(s?.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
-                      try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k")]
+                      try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k"),
+                      try optionalTensor(s?.seqused_q, op: op, name: "seqused_q")]
         try reg.withPrivateCopies(op: op, tables) { c in
-            (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK) = (c[1], c[2], c[3])
+            (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK, t.sequsedQ) = (c[1], c[2], c[3], c[4])
             let (k, v, table) = (t.k, t.v, c[1])
             try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names) { rows, ends in
                 (try KVCodesAppendDispatcher.makeDispatch(kNew: rows.k, vNew: rows.v, k: k, v: v, seqlens: ends,
@@ -162,13 +165,25 @@ public func fm_dispatch_kv_codes_attn(
 
 /// Plans and runs the codes attention after the `append` dispatches; a
 /// [2, B] lengths table (cache_leftpad) is read through a view of one-key
-/// pages whose tables live in scratch as long as the work.
+/// pages, seqused_q through a split of every sequence (UsedRowsSplit), their
+/// tables in scratch as long as the work.
 func attendOverCodes(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, after append: [Dispatch], on reg: Registry,
                      op: String) throws {
     func attend(_ t: KVCodesAttnTensors) throws {
         try run(try KVCodesAttnDispatcher.makePlan(t, o, splitKeys: reg.backend.splitsKeysInGrid), after: append,
                 on: reg, op: op)
     }
+    if let split = try KVCodesAttnDispatcher.usedRowsSplit(t, o) {
+        // The kernels read the split's copies: the caller's tables meet the outputs here.
+        try Dispatch.requireDisjoint([t.out, t.lse].compactMap { $0 },
+                                     from: [t.cuSeqlensQ, t.cuSeqlensK, t.seqlens, t.blockTable, t.sequsedQ,
+                                            t.alibi].compactMap { $0 }, op: op)
+        let tables = KVCodesAttnDispatcher.tables(t)
+        return try reg.withScratch(op: op, bytes: split.bytes(tables)) { m in
+            try attend(KVCodesAttnDispatcher.view(t, split: split, memory: m.data))
+        }
+    }
+    guard t.cuSeqlensK == nil else { return try attend(t) }  // seqused_k, not first keys, beside cu_seqlens_k
     let shape = try KVCodesAttnDispatcher.shape(t)
     guard let pad = try KVCodesLeftPad(seqlens: t.seqlens, lead: shape.lead, blockTable: t.blockTable,
                                        batch: shape.batch, op: op) else { return try attend(t) }

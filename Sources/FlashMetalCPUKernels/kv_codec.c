@@ -224,10 +224,11 @@ static void keys_route(const FMKVQKeys *k) {
 #endif
 }
 
-/* The keys of sequence b. */
+/* The keys of sequence b: its length (beside cu_seqlens_k, flash-attn 3's
+ * seqused_k), else its cu_seqlens_k count, else kv_len. */
 static int32_t key_count(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b) {
-    if (a->cu_seqlens_k != NULL) return a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b];
-    return a->seqlens != NULL ? a->seqlens[b] : p->kv_len;
+    if (a->seqlens != NULL) return a->seqlens[b];
+    return a->cu_seqlens_k != NULL ? a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b] : p->kv_len;
 }
 
 /* The keys [lo, hi) (hi >= lo) query row qi of rows_b sees among kl keys:

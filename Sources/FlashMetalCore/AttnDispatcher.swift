@@ -114,10 +114,8 @@ public struct AttnPlan {
     /// Bytes of library memory `dispatches` writes tables to, living as long as the work.
     public let tableBytes: Int
     let build: (UnsafeMutableRawPointer?) -> [Dispatch]
-    /// Packed query rows after cu_seqlens_q[B] (q longer than its sequences:
-    /// a batch padded to a fixed size), with the out and lse they own.
-    var unownedRows: Range<Int> = 0..<0
-    var out: TensorRef? = nil, lse: TensorRef? = nil
+    /// The packed rows no sequence owns.
+    var unowned = UnownedRows()
 
     init(tableBytes: Int, build: @escaping (UnsafeMutableRawPointer?) -> [Dispatch]) {
         self.tableBytes = tableBytes
@@ -127,22 +125,8 @@ public struct AttnPlan {
     /// The dispatches, with `tables` (of tableBytes, or nil when 0).
     public func dispatches(tables: UnsafeMutableRawPointer?) -> [Dispatch] { build(tables) }
 
-    /// Makes the packed rows no sequence owns read as rows that see nothing
-    /// (out 0, lse -inf) rather than whatever the memory held: no kernel
-    /// writes them. Written now, on the host: call it once the registry has
-    /// accepted the call's dispatches (an out that overlaps an input is
-    /// refused there, with nothing written).
-    public func clearUnownedRows() {
-        guard !unownedRows.isEmpty, let out else { return }
-        let rowBytes = out.shape.dropFirst().reduce(1, *) * out.dtype.byteSize
-        (out.data + unownedRows.lowerBound * rowBytes).initializeMemory(as: UInt8.self, repeating: 0,
-                                                                        count: unownedRows.count * rowBytes)
-        guard let lse else { return }  // [H, total_q]
-        let values = lse.data.assumingMemoryBound(to: Float.self)
-        for h in 0..<lse.shape[0] {
-            for row in unownedRows { values[h * lse.shape[1] + row] = -.infinity }
-        }
-    }
+    /// Clears the packed rows no sequence owns (UnownedRows.clear).
+    public func clearUnownedRows() { unowned.clear() }
 }
 
 /// The serving prefill (flashmetal_kernels.h "serving extension"): the prefill
@@ -268,7 +252,7 @@ public enum AttnDispatcher {
             plan = AttnPlan(tableBytes: 0) { _ in dispatches(t, batch: batch, maxQ: lens.maxQ) }
         }
         if varlenQ {
-            (plan.unownedRows, plan.out, plan.lse) = (min(lens.totalQ, qs[0])..<qs[0], t.out, t.lse)
+            plan.unowned = UnownedRows(rows: min(lens.totalQ, qs[0])..<qs[0], out: t.out, lse: t.lse)
         }
         return plan
     }
@@ -343,7 +327,7 @@ struct SequenceLengths {
     }
 }
 
-/// flash-attn 3's seqused_q as the kernel runs it: sequence b becomes
+/// flash-attn 3's seqused_q as the kernels run it: sequence b becomes
 /// sequence 2b, its first seqused_q[b] rows over its keys, and 2b+1, its
 /// other rows over no key (they read 0; their LSE is -inf, or the sink
 /// logit). Both halves keep b's rows in place, so q, out and the LSE are
@@ -351,22 +335,28 @@ struct SequenceLengths {
 /// sequences: cu_seqlens_q split at each used length, cu_seqlens_k with an
 /// empty range after each sequence, seqused_k with a 0 after each entry, the
 /// block table's and the ALiBi slopes' rows each twice.
-struct UsedRowsSplit {
+public struct UsedRowsSplit {
+    /// The per-sequence tables a split rewrites (those present).
+    public struct Tables {
+        public var cuSeqlensQ: TensorRef?, cuSeqlensK: TensorRef?, seqlensK: TensorRef?, blockTable: TensorRef?,
+            alibi: TensorRef?
+    }
+
     /// The caller's cu_seqlens_q, seqused_q and each sequence's rows.
     let cuSeqlensQ: TensorRef, used: [Int], lengths: [Int]
 
     /// The longest sequence after the split.
-    var maxQ: Int { zip(used, lengths).map { max($0, $1 - $0) }.max() ?? 0 }
+    public var maxQ: Int { zip(used, lengths).map { max($0, $1 - $0) }.max() ?? 0 }
 
     /// The rewritten tables' bytes (every entry 4 bytes).
-    func bytes(_ t: AttnTensors) -> Int {
+    public func bytes(_ t: Tables) -> Int {
         let n = 2 * used.count
-        let perSequence = (t.seqlensK == nil ? 0 : 1) + (t.blockTable?.shape[1] ?? 0) + (t.alibiSlopes?.shape[1] ?? 0)
+        let perSequence = (t.seqlensK == nil ? 0 : 1) + (t.blockTable?.shape[1] ?? 0) + (t.alibi?.shape[1] ?? 0)
         return 4 * (2 * (n + 1) + n * perSequence)
     }
 
-    /// `t` over the rewritten tables, written to `memory` (of `bytes(t)`).
-    func write(_ t: AttnTensors, to memory: UnsafeMutableRawPointer) -> AttnTensors {
+    /// `t` rewritten, into `memory` (of `bytes(t)`).
+    public func write(_ t: Tables, to memory: UnsafeMutableRawPointer) -> Tables {
         let n = 2 * used.count
         var at = memory
         func table<T>(_ shape: [Int], _ dtype: DType, _ entry: (Int) -> T) -> TensorRef {
@@ -377,7 +367,6 @@ struct UsedRowsSplit {
         }
         func int32(_ x: TensorRef, _ i: Int) -> Int32 { Int32(SequenceTables.int32(x, i)) }
         var s = t
-        s.sequsedQ = nil
         // Entry 2b+1 ends sequence b's used rows, entry 2b+2 its rows.
         s.cuSeqlensQ = table([n + 1], .i32) { i in
             i == 0 ? 0 : i % 2 == 1 ? int32(cuSeqlensQ, i / 2) + Int32(used[i / 2]) : int32(cuSeqlensQ, i / 2)
@@ -388,12 +377,29 @@ struct UsedRowsSplit {
             let pages = bt.shape[1]
             return table([n, pages], .i32) { i in int32(bt, (i / pages / 2) * pages + i % pages) }
         }
-        s.alibiSlopes = t.alibiSlopes.map { a in
+        s.alibi = t.alibi.map { a in
             let heads = a.shape[1]
             return table([n, heads], .f32) { i in
                 a.data.loadUnaligned(fromByteOffset: ((i / heads / 2) * heads + i % heads) * 4, as: Float.self)
             }
         }
         return s
+    }
+
+    /// The split of AttnTensors.
+    func bytes(_ t: AttnTensors) -> Int { bytes(Self.tables(t)) }
+
+    func write(_ t: AttnTensors, to memory: UnsafeMutableRawPointer) -> AttnTensors {
+        let w = write(Self.tables(t), to: memory)
+        var s = t
+        s.sequsedQ = nil
+        (s.cuSeqlensQ, s.cuSeqlensK, s.seqlensK, s.blockTable, s.alibiSlopes) =
+            (w.cuSeqlensQ, w.cuSeqlensK, w.seqlensK, w.blockTable, w.alibi)
+        return s
+    }
+
+    static func tables(_ t: AttnTensors) -> Tables {
+        Tables(cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK, seqlensK: t.seqlensK, blockTable: t.blockTable,
+               alibi: t.alibiSlopes)
     }
 }

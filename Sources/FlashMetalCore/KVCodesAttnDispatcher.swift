@@ -10,7 +10,8 @@ public struct KVCodesAttnTensors {
     public var k: KVSide, v: KVSide
     /// [B, qL, H, D] out, of q's dtype.
     public var out: TensorRef
-    /// int32 [B] keys per sequence; nil: the whole capacity.
+    /// int32 [B] keys per sequence; nil: the whole capacity. With
+    /// cuSeqlensK, flash-attn 3's seqused_k: each within its cu_seqlens_k count.
     public var seqlens: TensorRef? = nil
     /// int32 [B, max_pages]: the caches are paged.
     public var blockTable: TensorRef? = nil
@@ -23,6 +24,10 @@ public struct KVCodesAttnTensors {
     public var cuSeqlensQ: TensorRef? = nil
     /// int32 [B+1]: sequence b has cu[b+1] - cu[b] keys in the paged caches.
     public var cuSeqlensK: TensorRef? = nil
+    /// int32 [B], with cuSeqlensQ (flash-attn 3's seqused_q): only sequence
+    /// b's first seqused_q[b] rows attend (bottom-right among themselves);
+    /// its other rows see no key. Run through usedRowsSplit.
+    public var sequsedQ: TensorRef? = nil
     /// float32 [B, H] ALiBi slopes: key t's score at row position r gains
     /// -slopes[b, h] * |r - t| after the softcap.
     public var alibi: TensorRef? = nil
@@ -53,8 +58,11 @@ public enum KVCodesAttnDispatcher {
         try q.requireDType(KVSide.ioTypes([t.k, t.v]), op: op, name: "q")
         try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
-        if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) || (varlen && t.seqlens != nil) {
-            throw FlashMetalError.value(op, "varlen attention over quantized caches takes cu_seqlens_q, cu_seqlens_k and block_table together (paged caches; no cache_seqlens)", arg: "cu_seqlens_k")
+        if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) {
+            throw FlashMetalError.value(op, "varlen attention over quantized caches takes cu_seqlens_q, cu_seqlens_k and block_table together (paged caches)", arg: "cu_seqlens_k")
+        }
+        if t.sequsedQ != nil && !varlen {
+            throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
         }
         // Varlen: q [total_q, H, D] as one "sequence" of total_q rows for the shapes below.
         let (batch, qLen, heads, d) = varlen
@@ -66,12 +74,15 @@ public enum KVCodesAttnDispatcher {
 
     /// Validates a call and plans its work; `splitKeys` as Backend.splitsKeysInGrid.
     public static func makePlan(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, splitKeys: Bool = true) throws -> KVCodesPlan {
+        guard t.sequsedQ == nil else {
+            throw FlashMetalError.internalError("seqused_q needs library tables: run the call through usedRowsSplit")
+        }
         let q = t.q
         let varlen = t.cuSeqlensQ != nil
         let (batch, qLen, heads, d, lead, codec) = try shape(t)
         let (first, rows, kvHeads) = (lead[0], lead[1], lead[2])
         try Checks.positive("batch", batch, op: op, arg: "q")
-        try Checks.positive("seqlen_q", qLen, op: op, arg: "q")
+        if !varlen { try Checks.positive("seqlen_q", qLen, op: op, arg: "q") }  // packed: total_q may be 0
         try Checks.heads(heads, kvHeads: kvHeads, of: "k_cache", op: op, kvHeadsArg: "q")
         let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: t.blockTable, batch: batch, batchName: "q")
         let (capacity, maxPages) = (cache.rows, cache.maxPages)
@@ -115,18 +126,24 @@ public enum KVCodesAttnDispatcher {
         // Tables last: their contents are read only once every shape is known good.
         let capacityName = t.blockTable == nil ? "the cache capacity, k_cache's dim 1"
             : SequenceTables.pagedCapacity(pages: maxPages, pageSize: rows, table: "block_table", cache: "k_cache")
-        var lengths = try t.seqlens.map {
-            try SequenceTables.seqlens($0, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
-                                       capacityName: capacityName)
-        } ?? Array(repeating: capacity, count: batch)
+        var lengths = Array(repeating: capacity, count: batch)
         var rowsPerSequence = qLen
+        var unowned = UnownedRows()
         if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
             let rowCounts = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
                                                          maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
             rowsPerSequence = rowCounts.max() ?? 0
+            unowned = UnownedRows(rows: min(rowCounts.reduce(0, +), qLen)..<qLen, out: t.out, lse: t.lse)
             lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
                                                    tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
                                                    maxSeqlenName: "max_seqlen_k")
+            if let s = t.seqlens {
+                lengths = try SequenceTables.used(s, op: op, name: "seqused_k", lengths: lengths,
+                                                  lengthsName: "cu_seqlens_k")
+            }
+        } else if let s = t.seqlens {
+            lengths = try SequenceTables.seqlens(s, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
+                                                 capacityName: capacityName)
         }
         if t.seqlens == nil && !varlen && capacity > limit {
             throw FlashMetalError.value(op, "without cache_seqlens every sequence has \(capacityName) = \(capacity) keys, more than int32 holds", arg: "cache_seqlens")
@@ -136,6 +153,7 @@ public enum KVCodesAttnDispatcher {
                                           pageSize: rows, cacheName: "k_cache")
         }
 
+        if qLen == 0 { return KVCodesPlan(tmpBytes: 0) { _ in [] } }  // no packed query row: nothing to run
         let (hk, cap) = (Int64(kvHeads), Int64(rows))
         let (k, v) = (t.k.quantized?.codec ?? codec, t.v.quantized?.codec ?? codec)
         let params = KVCodesDecodeParams(
@@ -155,12 +173,48 @@ public enum KVCodesAttnDispatcher {
                                                      seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
                                                      lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK,
                                                      alibi: t.alibi)
-            return KVCodesPlan(tmpBytes: 0) { _ in [d] }
+            var plan = KVCodesPlan(tmpBytes: 0) { _ in [d] }
+            plan.unowned = unowned
+            return plan
         }
-        return KVCodesDecodeDispatcher.plan(params, tokens: (varlen ? 1 : batch) * qLen, keys: lengths.max() ?? 0,
-                                            splitKeys: splitKeys, q: q, k: t.k, v: t.v, out: t.out, seqlens: t.seqlens,
-                                            blockTable: t.blockTable, sinks: t.sinks, lse: t.lse,
-                                            cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK, alibi: t.alibi)
+        var plan = KVCodesDecodeDispatcher.plan(params, tokens: (varlen ? 1 : batch) * qLen, keys: lengths.max() ?? 0,
+                                                splitKeys: splitKeys, q: q, k: t.k, v: t.v, out: t.out,
+                                                seqlens: t.seqlens, blockTable: t.blockTable, sinks: t.sinks,
+                                                lse: t.lse, cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK,
+                                                alibi: t.alibi)
+        plan.unowned = unowned
+        return plan
+    }
+
+    /// seqused_q's split of a varlen call (UsedRowsSplit), validated: every
+    /// other argument as makePlan checks it, then seqused_q within each
+    /// sequence's cu_seqlens_q rows; nil without seqused_q.
+    public static func usedRowsSplit(_ t: KVCodesAttnTensors, _ o: FMAttnOptions) throws -> UsedRowsSplit? {
+        guard let u = t.sequsedQ, let cq = t.cuSeqlensQ else { return nil }
+        var plain = t
+        plain.sequsedQ = nil
+        _ = try makePlan(plain, o)
+        let qLens = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: t.q.shape[0], tokensName: "q",
+                                                 maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
+        let used = try SequenceTables.used(u, op: op, name: "seqused_q", lengths: qLens, lengthsName: "cu_seqlens_q")
+        return UsedRowsSplit(cuSeqlensQ: cq, used: used, lengths: qLens)
+    }
+
+    /// `t`'s per-sequence tables.
+    public static func tables(_ t: KVCodesAttnTensors) -> UsedRowsSplit.Tables {
+        UsedRowsSplit.Tables(cuSeqlensQ: t.cuSeqlensQ, cuSeqlensK: t.cuSeqlensK, seqlensK: t.seqlens,
+                             blockTable: t.blockTable, alibi: t.alibi)
+    }
+
+    /// `t` over a split's rewritten tables, written to `memory`.
+    public static func view(_ t: KVCodesAttnTensors, split: UsedRowsSplit, memory: UnsafeMutableRawPointer)
+        -> KVCodesAttnTensors {
+        let w = split.write(tables(t), to: memory)
+        var s = t
+        s.sequsedQ = nil
+        (s.cuSeqlensQ, s.cuSeqlensK, s.seqlens, s.blockTable, s.alibi) =
+            (w.cuSeqlensQ, w.cuSeqlensK, w.seqlensK, w.blockTable, w.alibi)
+        return s
     }
 
     static func out(_ t: KVCodesAttnTensors, shape: [Int]) throws {

@@ -61,6 +61,8 @@ public struct KVCodesPlan {
     /// Bytes of float32 scratch the dispatches need (bound as tmp).
     public let tmpBytes: Int
     let build: (TensorRef?) -> [Dispatch]
+    /// The packed rows no sequence owns (varlen), cleared once the call is accepted.
+    public var unowned = UnownedRows()
 
     /// The dispatches, with `tmp` (of tmpBytes, or nil when 0) for the partials.
     public func dispatches(tmp: TensorRef?) -> [Dispatch] { build(tmp) }

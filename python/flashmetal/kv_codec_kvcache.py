@@ -108,11 +108,13 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
 
 def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndarray, ck: np.ndarray,
                       bt: np.ndarray | None, opts: Any, sinks: np.ndarray | None,
-                      want_lse: bool, alibi: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                      want_lse: bool, alibi: np.ndarray | None = None, seqused_q: np.ndarray | None = None,
+                      seqused_k: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_varlen_func's route when k or v is a QuantizedKV page pool
     (leading shape [num_pages, page_size, Hkv]; block_table required): (out
-    [total_q, H, D] in q's dtype, lse [H, total_q] or None). Rows past the
-    last sequence read as rows that see nothing (0, lse -inf)."""
+    [total_q, H, D] in q's dtype, lse [H, total_q] or None). The library
+    makes rows past the last sequence, and rows past seqused_q[b], read as
+    rows that see nothing (0, lse -inf)."""
     op = "flash_attn_varlen_func"
     sides = (_side(k, "k", op), _side(v, "v", op))
     if bt is None:
@@ -122,10 +124,10 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
         raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
     io = _io(reg, op, qa, sides)
     q32 = np.ascontiguousarray(qa, dtype=io)
-    o32 = np.zeros(qa.shape, dtype=io)
-    lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, dtype=F32) if want_lse else None
+    o32 = np.empty(qa.shape, dtype=io)
+    lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse else None
     _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
-                   lse=lse, alibi_slopes=alibi)
+                   lse=lse, alibi_slopes=alibi, seqused_q=seqused_q, seqlens_k=seqused_k)
     return _in_dtype(o32, qa.dtype), lse
 
 

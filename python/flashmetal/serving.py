@@ -164,7 +164,7 @@ def flash_attn_varlen_func(
             of sequence b (each at most its cu_seqlens length) take part;
             causal, windows and chunks align those used lengths
             bottom-right. Its other query rows read 0 (LSE -inf; with sinks
-            the sink logit). Not over QuantizedKV caches.
+            the sink logit). QuantizedKV page pools too.
         The other arguments as ``flash_attn_func``; causal and windows are
         bottom-right per sequence.
 
@@ -186,19 +186,15 @@ def flash_attn_varlen_func(
                         max_seqlen_k=_native.index_arg(op, "max_seqlen_k", max_seqlen_k, 0))
     slopes = alibi_arg(op, alibi_slopes, max(cq.shape[0] - 1, 0) if cq.ndim == 1 else 0,
                        qa.shape[-2] if qa.ndim >= 2 else 0)
+    used_q = None if seqused_q is None else as_index(seqused_q, op, "seqused_q")
+    used_k = None if seqused_k is None else as_index(seqused_k, op, "seqused_k")
     if quantized:
-        for name, given in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
-            if given is not None:
-                raise UnsupportedFeatureError(op, f"{name} is not supported over QuantizedKV caches (pass None)",
-                                              argument=name)
         qout, qlse = varlen_over_codes(reg, qa, k, v, cq, ck, bt, opts, sinks_arg(op, sinks), want_lse,
-                                       alibi=slopes)
+                                       alibi=slopes, seqused_q=used_q, seqused_k=used_k)
         return _with_probs(q, qout, qlse)
     ka, va = as_input(k, op, "k"), as_input(v, op, "v")
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse and qa.ndim == 3 else None
     out = np.empty(out_shape(qa, va), dtype=qa.dtype)
-    used_q = None if seqused_q is None else as_index(seqused_q, op, "seqused_q")
-    used_k = None if seqused_k is None else as_index(seqused_k, op, "seqused_k")
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=cq, cu_seqlens_k=ck, seqlens_k=used_k, seqused_q=used_q,
                             block_table=bt, sinks=sinks_arg(op, sinks), lse=lse, alibi_slopes=slopes)

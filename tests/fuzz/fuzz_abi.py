@@ -506,8 +506,9 @@ def gen_kv_codes_attn(rng, backend):
     """fm_dispatch_kv_codes_attn: float32 q [B, qL, H, D] over quantized K
     and V caches (2-8 bits each, separately; one side may be a dense float32
     cache), contiguous or paged, lengths [B] or [2, B] (cache_leftpad), and
-    (30%) k_new/v_new encoded into them first; causal, window, softcap,
-    sinks, lse, ALiBi slopes at random."""
+    (30%) k_new/v_new encoded into them first, or (paged, 35%) packed
+    query rows with key counts (varlen, seqused_q / seqused_k); causal,
+    window, softcap, sinks, lse, ALiBi slopes at random."""
     d = int(rng.choice([64, 128]))
     b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
     h = hkv * int(rng.choice([1, 2]))
@@ -538,16 +539,34 @@ def gen_kv_codes_attn(rng, backend):
         t[f"{side}_codes"] = _tensor(rng, 4, lead + [quant_reference.row_bytes(d, bits)])
         t[f"{side}_norms"] = _tensor(rng, 0, lead + [d // quant_reference.BLOCKS[d]], values=norms.astype(np.float32))
         codecs.append(dict(head_dim=d, bits=bits, seed=seed))
-    t["seqlens_k"] = _seqlens_table(rng, lens, cap)
-    ql = int(rng.integers(1, 5))
-    t.update(q=_tensor(rng, 0, [b, ql, h, d]), out=_tensor(rng, 0, [b, ql, h, d], role="out"))
+    varlen = "block_table" in t and rng.random() < 0.35
+    max_q = max_k = 0
+    if varlen:
+        # Packed query rows (a padded tail no sequence owns), key counts in
+        # cu_seqlens_k, flash-attn 3's seqused_q / seqused_k at random.
+        q_lens = [int(rng.integers(0, 5)) for _ in range(b)]
+        total = sum(q_lens) + int(rng.integers(0, 3))
+        max_q, max_k = max(q_lens), max(lens)
+        t["cu_seqlens_q"] = _tensor(rng, 5, [b + 1], values=np.cumsum([0] + q_lens))
+        t["cu_seqlens_k"] = _tensor(rng, 5, [b + 1], values=np.cumsum([0] + lens))
+        if rng.random() < 0.4:
+            t["seqused_q"] = _tensor(rng, 5, [b], values=[int(rng.integers(0, n + 1)) for n in q_lens])
+        if rng.random() < 0.4:
+            t["seqlens_k"] = _tensor(rng, 5, [b], values=[int(rng.integers(0, n + 1)) for n in lens])
+        t.update(q=_tensor(rng, 0, [total, h, d]), out=_tensor(rng, 0, [total, h, d], role="out"))
+        if rng.random() < 0.5:
+            t["lse"] = _tensor(rng, 0, [h, total], role="out")
+    else:
+        t["seqlens_k"] = _seqlens_table(rng, lens, cap)
+        ql = int(rng.integers(1, 5))
+        t.update(q=_tensor(rng, 0, [b, ql, h, d]), out=_tensor(rng, 0, [b, ql, h, d], role="out"))
+        if rng.random() < 0.5:
+            t["lse"] = _tensor(rng, 0, [b, h, ql], role="out")
     if rng.random() < 0.3:
         t["sinks"] = _tensor(rng, 0, [h])
-    if rng.random() < 0.5:
-        t["lse"] = _tensor(rng, 0, [b, h, ql], role="out")
     if rng.random() < 0.3:
         t["alibi_slopes"] = _tensor(rng, 0, [b, h], values=rng.uniform(0.0, 0.5, (b, h)).astype(np.float32))
-    if room > 0 and rng.random() < 0.3:
+    if not varlen and room > 0 and rng.random() < 0.3:
         n = int(rng.integers(1, room + 1))
         t.update(k_new=_tensor(rng, 0, [b, n, hkv, d]), v_new=_tensor(rng, 0, [b, n, hkv, d]))
     for name, ts in t.items():  # the caches, written when rows are appended
@@ -555,8 +574,8 @@ def gen_kv_codes_attn(rng, backend):
             ts.role = "inout"
     window = [(-1, -1), (-1, -1), (3, 0), (0, 2), (5, -1)][int(rng.integers(0, 5))]
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
-                causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1], max_seqlen_q=0,
-                max_seqlen_k=0, attention_chunk=int(rng.choice([0, 0, 0, 1, 5])))
+                causal=int(rng.integers(0, 2)), window_left=window[0], window_right=window[1], max_seqlen_q=max_q,
+                max_seqlen_k=max_k, attention_chunk=int(rng.choice([0, 0, 0, 1, 5])))
     return Case("kv_codes_attn", backend, t, opts, args=dict(codecs=codecs))
 
 
@@ -1299,15 +1318,24 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
     k, v = _codes_sides(case)
     if not (np.isfinite(k).all() and np.isfinite(v).all()):
         case.finite = False  # a dense side's bytes read as another dtype: only the safety contract is checked
+    kw = dict(scale=o["scale"], causal=bool(o["causal"]), softcap=o["softcap"],
+              window_size=(i32(o["window_left"]), i32(o["window_right"])), attention_chunk=i32(o["attention_chunk"]),
+              sinks=t["sinks"].array() if _seq_present(case, "sinks") else None,
+              alibi_slopes=t["alibi_slopes"].array() if _seq_present(case, "alibi_slopes") else None)
+    if _seq_present(case, "cu_seqlens_q"):
+        out, lse = reference.flash_attn_varlen(
+            t["q"].array(), k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
+            block_table=t["block_table"].array(),
+            seqused_q=t["seqused_q"].array() if _seq_present(case, "seqused_q") else None,
+            seqused_k=t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None, **kw)
+        case.args["lse"] = lse
+        return out
     lens, starts = _lens_and_starts(case)
     if _seq_present(case, "k_new"):
         lens = lens + t["k_new"].shape[1]
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
-    out, lse = reference.flash_attn_kvcache(
-        t["q"].array(), k, v, cache_seqlens=lens, block_table=table, cache_leftpad=starts, scale=o["scale"],
-        causal=bool(o["causal"]), softcap=o["softcap"], window_size=(i32(o["window_left"]), i32(o["window_right"])),
-        attention_chunk=i32(o["attention_chunk"]), sinks=t["sinks"].array() if _seq_present(case, "sinks") else None,
-        alibi_slopes=t["alibi_slopes"].array() if _seq_present(case, "alibi_slopes") else None)
+    out, lse = reference.flash_attn_kvcache(t["q"].array(), k, v, cache_seqlens=lens, block_table=table,
+                                            cache_leftpad=starts, **kw)
     case.args["lse"] = lse
     return out
 
@@ -1409,7 +1437,8 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         case.notes.append(f"{case.op} compared")
     if case.op == "kv_codes_attn":
         _check_codes_append(case, ctx)
-        case.notes.append("kv_codes_attn compared" + (" with k_new/v_new" if _seq_present(case, "k_new") else ""))
+        how = " with k_new/v_new" if _seq_present(case, "k_new") else " varlen" if _seq_present(case, "cu_seqlens_q") else ""
+        case.notes.append("kv_codes_attn compared" + how)
     if case.op in ("attn", "vec_seq", "kv_codes_attn") and _seq_present(case, "lse"):
         lse = case.tensors["lse"]
         ok, ratio = reference.close(lse.array(), case.args["lse"].reshape(lse.shape), 2e-4, 2e-4)
