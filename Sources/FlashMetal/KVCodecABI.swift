@@ -124,12 +124,12 @@ public func fm_dispatch_kv_codes_attn(
         let reg = try Handles.registry(registry, op: op)
         guard let options = options else { throw FlashMetalError.value(op, "options must not be NULL", arg: "options") }
         let s = seq?.pointee
-        if s?.cu_seqlens_k_new != nil {
-            throw FlashMetalError.value(op, "cu_seqlens_k_new must be NULL: ragged new rows are not supported over "
-                + "quantized caches", arg: "cu_seqlens_k_new")
-        }
         let names = newRowNames(err)
         let appended = try newRows(s?.k_new, s?.v_new, op: op, names: names)
+        if appended == nil && s?.cu_seqlens_k_new != nil {
+            throw FlashMetalError.value(op, "cu_seqlens_k_new is given without \(names.k) and \(names.v) (it splits the "
+                + "new keys between the sequences)", arg: "cu_seqlens_k_new")
+        }
         let lseName = publicOp(err) == nil ? "lse" : "softmax_lse"
         var t = KVCodesAttnTensors(
             q: try TensorRef(q, op: op, name: "q"), k: try kvSide(kCodec, kCodes, kNorms, name: "k_cache", op: op),
@@ -138,9 +138,9 @@ public func fm_dispatch_kv_codes_attn(
         t.alibi = try optionalTensor(s?.alibi_slopes, op: op, name: "alibi_slopes")
         t.lse = try optionalTensor(s?.lse, op: op, name: lseName)
         t.lseName = lseName
-        if appended != nil && (s?.cu_seqlens_q != nil || s?.cu_seqlens_k != nil) {
-            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_q/cu_seqlens_k "
-                + "must be NULL", arg: "cu_seqlens_k")
+        if appended != nil && s?.cu_seqlens_k != nil {
+            throw FlashMetalError.value(op, "\(names.k)/\(names.v) are appended into a cache: cu_seqlens_k must be NULL "
+                + "(cu_seqlens_k_new splits the new rows)", arg: "cu_seqlens_k")
         }
         let lensName = s?.cu_seqlens_k == nil ? "cache_seqlens" : "seqused_k"
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: lensName),
@@ -148,16 +148,37 @@ public func fm_dispatch_kv_codes_attn(
                       try optionalTensor(s?.cu_seqlens_q, op: op, name: "cu_seqlens_q"),
                       try optionalTensor(s?.cu_seqlens_k, op: op, name: "cu_seqlens_k"),
                       try optionalTensor(s?.seqused_q, op: op, name: "seqused_q")]
-        try reg.withPrivateCopies(op: op, tables) { c in
+        let ragged = try optionalTensor(s?.cu_seqlens_k_new, op: op, name: "cu_seqlens_k_new")
+        let newRowCount = ragged == nil ? 0 : appended?.k.shape.first ?? 0
+        try reg.withPrivateCopies(op: op, tables + [ragged]) { c in
             (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK, t.sequsedQ) = (c[1], c[2], c[3], c[4])
             let (k, v, table) = (t.k, t.v, c[1])
-            try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names) { rows, ends in
-                (try KVCodesAppendDispatcher.makeDispatch(kNew: rows.k, vNew: rows.v, k: k, v: v, seqlens: ends,
-                                                          blockTable: table, kNewName: names.k, vNewName: names.v),
-                 Array(repeating: rows.k.shape[1], count: ends.shape[0]))
-            } _: { append, seqlens in
-                t.seqlens = seqlens
-                try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)
+            func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
+                try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
+                                                 makeAppend: makeAppend) { append, seqlens in
+                    t.seqlens = seqlens
+                    try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)
+                }
+            }
+            func codesAppend(_ kNew: TensorRef, _ vNew: TensorRef, _ ends: TensorRef, _ pages: TensorRef?) throws
+                -> Dispatch? {
+                try KVCodesAppendDispatcher.makeDispatch(kNew: kNew, vNew: vNew, k: k, v: v, seqlens: ends,
+                                                         blockTable: pages, kNewName: names.k, vNewName: names.v)
+            }
+            guard let cu = c[5] else {
+                return try attend { rows, ends in
+                    (try codesAppend(rows.k, rows.v, ends, table), Array(repeating: rows.k.shape[1], count: ends.shape[0]))
+                }
+            }
+            // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
+            // reads cu_seqlens_k_new, so what the call writes is checked against it here.
+            let lead = try KVCodesAttnDispatcher.shape(t).lead
+            let written = [t.out, t.lse].compactMap { $0 } + [k, v].flatMap { $0.tensors }
+            try Dispatch.requireDisjoint(written, from: [cu], op: op)
+            try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
+                let split = RaggedAppend(cacheShape: lead, blockTable: table, cuSeqlensKNew: cu, names: names,
+                                         makeView: codesAppend)
+                try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
             }
         }
     }

@@ -19,10 +19,11 @@ public struct KVCodesAttnTensors {
     public var sinks: TensorRef? = nil
     /// float32 [B, H, qL] out ([H, total_q] varlen).
     public var lse: TensorRef? = nil
-    /// int32 [B+1]: q and out packed [total_q, H, D] (varlen); needs
-    /// cuSeqlensK and a block table.
+    /// int32 [B+1]: q and out packed [total_q, H, D] (varlen); the keys of
+    /// sequence b as seqlens (or the capacity) say, or cuSeqlensK's counts.
     public var cuSeqlensQ: TensorRef? = nil
-    /// int32 [B+1]: sequence b has cu[b+1] - cu[b] keys in the paged caches.
+    /// int32 [B+1], with cuSeqlensQ and a block table: sequence b has
+    /// cu[b+1] - cu[b] keys in the paged caches.
     public var cuSeqlensK: TensorRef? = nil
     /// int32 [B], with cuSeqlensQ (flash-attn 3's seqused_q): only sequence
     /// b's first seqused_q[b] rows attend (bottom-right among themselves);
@@ -58,8 +59,8 @@ public enum KVCodesAttnDispatcher {
         try q.requireDType(KVSide.ioTypes([t.k, t.v]), op: op, name: "q")
         try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
-        if varlen != (t.cuSeqlensK != nil) || (varlen && t.blockTable == nil) {
-            throw FlashMetalError.value(op, "varlen attention over quantized caches takes cu_seqlens_q, cu_seqlens_k and block_table together (paged caches)", arg: "cu_seqlens_k")
+        if t.cuSeqlensK != nil && (!varlen || t.blockTable == nil) {
+            throw FlashMetalError.value(op, "cu_seqlens_k (key counts of paged sequences) over quantized caches needs cu_seqlens_q and block_table", arg: "cu_seqlens_k")
         }
         if t.sequsedQ != nil && !varlen {
             throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
@@ -129,11 +130,13 @@ public enum KVCodesAttnDispatcher {
         var lengths = Array(repeating: capacity, count: batch)
         var rowsPerSequence = qLen
         var unowned = UnownedRows()
-        if let cq = t.cuSeqlensQ, let ck = t.cuSeqlensK {
+        if let cq = t.cuSeqlensQ {
             let rowCounts = try SequenceTables.cuSeqlens(cq, op: op, name: "cu_seqlens_q", tokens: qLen, tokensName: "q",
                                                          maxSeqlen: Int(o.max_seqlen_q), maxSeqlenName: "max_seqlen_q")
             rowsPerSequence = rowCounts.max() ?? 0
             unowned = UnownedRows(rows: min(rowCounts.reduce(0, +), qLen)..<qLen, out: t.out, lse: t.lse)
+        }
+        if let ck = t.cuSeqlensK {
             lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
                                                    tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
                                                    maxSeqlenName: "max_seqlen_k")
@@ -145,7 +148,7 @@ public enum KVCodesAttnDispatcher {
             lengths = try SequenceTables.seqlens(s, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
                                                  capacityName: capacityName)
         }
-        if t.seqlens == nil && !varlen && capacity > limit {
+        if t.seqlens == nil && t.cuSeqlensK == nil && capacity > limit {
             throw FlashMetalError.value(op, "without cache_seqlens every sequence has \(capacityName) = \(capacity) keys, more than int32 holds", arg: "cache_seqlens")
         }
         if let bt = t.blockTable {
@@ -160,7 +163,7 @@ public enum KVCodesAttnDispatcher {
             k_seed: k.seed, v_seed: v.seed, kv_strides: (cap * hk, 1, hk),
             n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.block),
             k_bits: Int32(k.bits), v_bits: Int32(v.bits), k_row_bytes: Int32(k.rowBytes), v_row_bytes: Int32(v.rowBytes),
-            kv_len: Int32(t.seqlens == nil && !varlen ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
+            kv_len: Int32(t.seqlens == nil && t.cuSeqlensK == nil ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,
             causal: o.causal, window_left: o.window_left, window_right: o.window_right,
             attention_chunk: o.attention_chunk, page_size: Int32(rows), max_pages: Int32(maxPages), batch: Int32(batch),
             nwg: 1, heads_per_group: 1, _pad: 0)

@@ -76,6 +76,14 @@ public enum KVSide {
     case dense(TensorRef)
 
     /// The codes, or nil for a dense side.
+    /// The tensors the side's storage is: codes and norms, or the dense cache.
+    public var tensors: [TensorRef] {
+        switch self {
+        case let .codes(c): return [c.codes, c.norms]
+        case let .dense(t): return [t]
+        }
+    }
+
     public var quantized: QuantizedCache? {
         if case let .codes(c) = self { return c }
         return nil

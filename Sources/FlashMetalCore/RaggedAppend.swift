@@ -6,18 +6,41 @@
 /// and whose length is its row there, so sequences of different lengths
 /// share one dispatch.
 public struct RaggedAppend {
-    /// The caches: [B, cap, Hkv, D], or [num_pages, page_size, Hkv, D] with `blockTable`.
-    public let kCache: TensorRef, vCache: TensorRef
+    /// The append over the token-major view: k_new/v_new [T, 1, Hkv, ...],
+    /// each row's slot in its page (int32 [T], as cache_seqlens) and its page
+    /// (int32 [T, 1], as block_table).
+    public typealias MakeView = (_ kNew: TensorRef, _ vNew: TensorRef, _ seqlens: TensorRef, _ blockTable: TensorRef)
+        throws -> Dispatch?
+
+    /// The caches' leading shape: [B, cap, ...], or [num_pages, page_size, ...] with `blockTable`.
+    public let cacheShape: [Int]
     public let blockTable: TensorRef?
     /// int32 [B+1] (a private copy: the values checked are those read).
     public let cuSeqlensKNew: TensorRef
     /// The caller's names of the new rows.
     public let names: (k: String, v: String)
+    /// Rank-4 caches checked before anything else (the dense append's k_cache and v_cache).
+    let caches: [(TensorRef, String)]
+    let makeView: MakeView
 
+    public init(cacheShape: [Int], blockTable: TensorRef?, cuSeqlensKNew: TensorRef, names: (k: String, v: String),
+                makeView: @escaping MakeView) {
+        (self.cacheShape, self.blockTable, self.cuSeqlensKNew, self.names) = (cacheShape, blockTable, cuSeqlensKNew, names)
+        (self.caches, self.makeView) = ([], makeView)
+    }
+
+    /// The dense caches' ragged append (kv_append): [B, cap, Hkv, D] or [num_pages, page_size, Hkv, D].
     public init(kCache: TensorRef, vCache: TensorRef, blockTable: TensorRef?, cuSeqlensKNew: TensorRef,
                 names: (k: String, v: String)) {
-        (self.kCache, self.vCache, self.blockTable, self.cuSeqlensKNew) = (kCache, vCache, blockTable, cuSeqlensKNew)
-        self.names = names
+        (self.cacheShape, self.blockTable, self.cuSeqlensKNew, self.names) = (kCache.shape, blockTable, cuSeqlensKNew,
+                                                                              names)
+        caches = [(kCache, "k_cache"), (vCache, "v_cache")]
+        makeView = { kNew, vNew, seqlens, table in
+            var t = KVAppendTensors(kNew: kNew, vNew: vNew, kCache: kCache, vCache: vCache, seqlens: seqlens,
+                                    blockTable: table)
+            (t.kNewName, t.vNewName) = names
+            return try KVAppendDispatcher.makeDispatch(t)
+        }
     }
 
     /// Bytes of the per-row tables for `rows` new rows (one page and one row
@@ -37,7 +60,7 @@ public struct RaggedAppend {
                      tables: UnsafeMutableRawPointer) throws -> (dispatch: Dispatch?, added: [Int]) {
         let op = KVAppendDispatcher.op
         for (x, n) in [(rows.k, names.k), (rows.v, names.v)] { try x.requireRank([3], op: op, name: n) }
-        for (x, n) in [(kCache, "k_cache"), (vCache, "v_cache")] { try x.requireRank([4], op: op, name: n) }
+        for (x, n) in caches { try x.requireRank([4], op: op, name: n) }
         let total = rows.k.shape[0]
         let batch = max(cuSeqlensKNew.shape.first ?? 0, 1) - 1
         let added = try SequenceTables.cuSeqlens(
@@ -47,8 +70,8 @@ public struct RaggedAppend {
             throw FlashMetalError.value(op, "cu_seqlens_k_new[\(batch)] = \(added.reduce(0, +)) must equal the rows of "
                 + "\(names.k) (its dim 0, \(total))", arg: "cu_seqlens_k_new")
         }
-        let pageSize = kCache.shape[1]
-        let cache = try CacheCapacity(op: op, cacheShape: kCache.shape, blockTable: blockTable, batch: batch,
+        let pageSize = cacheShape[1]
+        let cache = try CacheCapacity(op: op, cacheShape: cacheShape, blockTable: blockTable, batch: batch,
                                       batchName: "cu_seqlens_k_new")
         let capacity = min(cache.rows, Int(Int32.max))
         let starts = try SequenceTables.seqlens(ends, op: op, name: "cache_seqlens", batch: batch, capacity: capacity,
@@ -60,7 +83,7 @@ public struct RaggedAppend {
         }
         if let bt = blockTable {
             try SequenceTables.blockTable(bt, op: op, name: "block_table", lengths: zip(starts, added).map { $0 + $1 },
-                                          numPages: kCache.shape[0], pageSize: pageSize, cacheName: "k_cache")
+                                          numPages: cacheShape[0], pageSize: pageSize, cacheName: "k_cache")
         }
         // Each new row's page (the cache row b when unpaged) and its row in it.
         let page = tables.assumingMemoryBound(to: Int32.self), row = page + RaggedAppend.tableStride(total)
@@ -85,13 +108,10 @@ public struct RaggedAppend {
         if total == 0 { return (nil, added) }
         // The token-major view: k_new [T, 1, Hkv, D], the caches as pages of page_size rows.
         func oneRow(_ x: TensorRef) -> TensorRef { x.reshaped([x.shape[0], 1] + x.shape.dropFirst()) }
-        var t = KVAppendTensors(
-            kNew: oneRow(rows.k), vNew: oneRow(rows.v), kCache: kCache, vCache: vCache,
-            seqlens: TensorRef(data: UnsafeMutableRawPointer(row), byteCount: total * 4, dtype: .i32, shape: [total],
-                               name: "cache_seqlens"),
-            blockTable: TensorRef(data: UnsafeMutableRawPointer(page), byteCount: total * 4, dtype: .i32,
-                                  shape: [total, 1], name: "block_table"))
-        (t.kNewName, t.vNewName) = names
-        return (try KVAppendDispatcher.makeDispatch(t), added)
+        let slots = TensorRef(data: UnsafeMutableRawPointer(row), byteCount: total * 4, dtype: .i32, shape: [total],
+                              name: "cache_seqlens")
+        let pages = TensorRef(data: UnsafeMutableRawPointer(page), byteCount: total * 4, dtype: .i32,
+                              shape: [total, 1], name: "block_table")
+        return (try makeView(oneRow(rows.k), oneRow(rows.v), slots, pages), added)
     }
 }

@@ -106,6 +106,45 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     return final, wrap(lse)
 
 
+def ragged_over_codes(reg: Registry, rag: Any, dtype: np.dtype, k_cache: Any, v_cache: Any,
+                      seqlens: np.ndarray | None, bt: np.ndarray | None, opts: Any, *, sinks: np.ndarray | None,
+                      alibi: np.ndarray | None, want_lse: bool, out: Any,
+                      in_place: Callable[[Any, str], np.ndarray]
+                      ) -> Callable[[np.ndarray, Any], tuple[np.ndarray, np.ndarray | None]]:
+    """flash_attn_with_kvcache's ragged call (cu_seqlens_q / cu_seqlens_k_new;
+    `rag` the packed layout, _kvcache_ragged.Ragged) over quantized caches:
+    the call `(q, new)` that encodes `new`'s rows (k, v, cu_seqlens_k_new or
+    None) into the caches and runs the varlen prefill of the packed q
+    [total_q, H, D] over the codes, lengths `seqlens` ([B], or [2, B] with
+    first keys) through `bt`, in one library call that validates both before
+    either runs. It returns (out [total_q, H, D] in `dtype`, written into the
+    caller's `out` when given; lse [H, total_q] or None); the library makes
+    rows past cu_seqlens_q[B] read 0 and -inf."""
+    appending = rag.k is not None
+    kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
+    vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
+    sides = ((kcodec, kc, kn), (vcodec, vc, vn))
+    shape = rag.q.shape
+    out_flat = None
+    if out is not None:
+        out_flat = check_out(out, _OP, rag.dense_q or shape, dtype, [rag.q, kc, kn, vc, vn, bt, sinks, seqlens, alibi])
+        out_flat = out_flat.reshape(shape)
+
+    def call(q: np.ndarray, new: Any) -> tuple[np.ndarray, np.ndarray | None]:
+        io = _io(reg, _OP, q, sides)
+        q32 = np.ascontiguousarray(q, dtype=io)
+        o32 = out_flat if out_flat is not None and io == dtype else np.empty(shape, dtype=io)
+        lse = np.empty((shape[1], shape[0]), dtype=F32) if want_lse else None
+        k_new, v_new, cu_k = (None, None, None) if new is None else new
+        _attn_dispatch(reg, _OP, q32, sides, o32, opts, cu_seqlens_q=rag.cu_q, seqlens_k=seqlens, block_table=bt,
+                       sinks=sinks, lse=lse, alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
+        result = _in_dtype(o32, dtype)
+        if out_flat is not None and result is not out_flat:
+            out_flat[...] = result
+        return (result if out_flat is None else out_flat), lse
+    return call
+
+
 def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndarray, ck: np.ndarray,
                       bt: np.ndarray | None, opts: Any, sinks: np.ndarray | None,
                       want_lse: bool, alibi: np.ndarray | None = None, seqused_q: np.ndarray | None = None,

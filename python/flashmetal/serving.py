@@ -30,14 +30,14 @@ from numpy.typing import ArrayLike
 
 from . import _kvcache_ragged as _ragged, _native
 from ._arrays import BF16, F16, F32, I32, as_index, as_input, check_out, out_shape, tensor
-from ._errors import InvalidTypeError, InvalidValueError, UnsupportedFeatureError
+from ._errors import InvalidTypeError, InvalidValueError
 from ._hints import layout_hint
 from ._interop import refuse_grad_write, to_numpy, wrapper_like
 from ._rotary import per_row_positions, rotary_tables, rotate
 from ._route import short_query_runs
 from ._serving_args import (alibi_arg, attn_options, flag, seq_tensors, sinks_arg, training_arguments, window)
 from .kv_codec import QuantizedKV
-from .kv_codec_kvcache import attend_codes, kvcache_over_codes, varlen_over_codes
+from .kv_codec_kvcache import attend_codes, kvcache_over_codes, ragged_over_codes, varlen_over_codes
 from .registry import Registry, RegistryLike, resolve
 
 _FUNC = "flash_attn_func"
@@ -304,7 +304,7 @@ def flash_attn_with_kvcache(
             these three every sequence's queries attend to its cache prefix
             plus its own new keys, bottom-right aligned per sequence, by the
             prefill kernel (q bfloat16 or float16); every feature above
-            applies per sequence (not with QuantizedKV caches).
+            applies per sequence (QuantizedKV caches too).
         out: optional C-contiguous output shaped like q, of q's dtype
             (a numpy array or a torch CPU tensor), filled in place and returned.
         The other arguments as ``flash_attn_func``.
@@ -327,24 +327,37 @@ def flash_attn_with_kvcache(
     ragged = any(a is not None for a in ragged_args.values())
     slopes = None if ragged else alibi_arg(_KVCACHE, alibi_slopes, *_batch_heads(qa))
     if isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV):
-        if ragged:
-            given = next(n for n, a in ragged_args.items() if a is not None)
-            raise UnsupportedFeatureError(_KVCACHE, f"{given} (ragged queries or new keys) is not supported with "
-                                          "QuantizedKV caches", argument=given)
         ka = None if k is None else as_input(k, _KVCACHE, "k")
         va = None if v is None else as_input(v, _KVCACHE, "v")
         bt = None if block_table is None else as_index(block_table, _KVCACHE, "block_table")
         codes = k_cache.codes if isinstance(k_cache, QuantizedKV) else v_cache.codes
-        batch = qa.shape[0] if qa.ndim else 0
+        rag = None
+        if ragged:
+            rag = _ragged.layout(qa, ka, va, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
+            slopes = alibi_arg(_KVCACHE, alibi_slopes, rag.batch, rag.q.shape[1])
+        batch = rag.batch if rag is not None else qa.shape[0] if qa.ndim else 0
         rows_as_pages = cache_batch_idx is not None and bt is None
         if cache_batch_idx is not None and bt is not None:
             bt = _table_rows(cache_batch_idx, batch, bt, appending)
         elif rows_as_pages:  # storage [batch_cache, cap, Hkv] is batch_cache pages of cap keys
             bt = _rows_as_pages(cache_batch_idx, batch, codes, codes, ka)[0]
         lens = _cache_seqlens(cache_seqlens, batch, codes, bt, required=appending)
-        if rows_as_pages and lens is not None and lens.ndim == 1:
+        if rag is None and rows_as_pages and lens is not None and lens.ndim == 1:
             _require_row_room(lens, ka.shape[1] if ka is not None and ka.ndim == 4 else 0, codes.shape[1])
         first_keys = None if cache_leftpad is None else _cache_leftpad(cache_leftpad, batch, codes, bt, lens)
+        if rag is not None:
+            opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
+                                causal=causal, window_size=window_size, attention_chunk=attention_chunk,
+                                max_seqlen_q=rag.max_seqlen_q)
+            per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
+                                        int(attention_chunk))
+            kernel_lens = lens if first_keys is None else first_keys
+            codes_call = ragged_over_codes(reg, rag, qa.dtype, k_cache, v_cache, kernel_lens, bt, opts,
+                                           sinks=sinks_arg(_KVCACHE, sinks), alibi=slopes, want_lse=want_lse,
+                                           out=out, in_place=_in_place)
+            result, lse = _ragged_kvcache(reg, rag, lens, tables, interleaved, per_row,
+                                          ragged_k=cu_seqlens_k_new is not None, call=codes_call)
+            return _returned(q, out, result, lse if want_lse else None)
         opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
                             causal=causal, window_size=window_size, attention_chunk=attention_chunk)
         if tables is not None:  # rotated copies of q and k are attended and encoded, as over dense caches
@@ -388,9 +401,13 @@ def flash_attn_with_kvcache(
     if rag is not None:
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                     int(attention_chunk))
-        result, lse = _ragged_kvcache(reg, rag, kc, vc, given_lens, lens, bt, tables, interleaved, per_row, opts,
-                                      ragged_k=cu_seqlens_k_new is not None, sinks=sk, alibi=slopes,
-                                      want_lse=want_lse, out=out_arr)
+        out_flat = None if out_arr is None else out_arr.reshape(out_shape(rag.q, vc))
+
+        def dense_call(q_rows: np.ndarray, new: _ragged.NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
+            return _ragged.attend(reg, rag, q_rows, kc, vc, lens, bt, opts, sinks=sk, alibi=slopes, want_lse=want_lse,
+                                  out=out_flat, new=new)
+        result, lse = _ragged_kvcache(reg, rag, given_lens, tables, interleaved, per_row,
+                                      ragged_k=cu_seqlens_k_new is not None, call=dense_call)
         return _returned(q, out, result, lse if want_lse else None)
     short = _short_query(qa, kc, vc)
     if tables is None:  # k/v (when given) ride in the attention's own call
@@ -426,21 +443,19 @@ def _returned(q: Any, out: Any, result: np.ndarray, lse: np.ndarray | None) -> A
     return res if lse is None else (res, wrap(lse))
 
 
-def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, kc: np.ndarray, vc: np.ndarray, given_lens: np.ndarray | None,
-                    lens: np.ndarray | None, bt: np.ndarray | None, tables: tuple[np.ndarray, np.ndarray] | None,
-                    interleaved: bool, per_row: bool, opts: Any, *, ragged_k: bool, sinks: np.ndarray | None,
-                    alibi: np.ndarray | None, want_lse: bool, out: np.ndarray | None
+def _ragged_kvcache(reg: Registry, rag: _ragged.Ragged, given_lens: np.ndarray | None,
+                    tables: tuple[np.ndarray, np.ndarray] | None, interleaved: bool, per_row: bool, *, ragged_k: bool,
+                    call: Callable[[np.ndarray, _ragged.NewRows | None], tuple[np.ndarray, np.ndarray | None]]
                     ) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_with_kvcache with cu_seqlens_q / cu_seqlens_k_new (the
-    ragged arguments checked in _kvcache_ragged): one library call appends
-    the new keys per sequence (ragged_k: split by cu_seqlens_k_new, else
-    the same count for every sequence), then runs the varlen prefill over
-    the cache; it validates both before either runs."""
-    out_flat = None if out is None else out.reshape(out_shape(rag.q, vc))
-
+    ragged arguments checked in _kvcache_ragged): `call(q, new)` is the one
+    library call that appends the new keys per sequence (ragged_k: split by
+    cu_seqlens_k_new, else the same count for every sequence) and runs the
+    varlen prefill over the cache (dense or quantized), validating both
+    before either runs; here the rows are rotated first (rotary) and the
+    result takes the caller's shapes."""
     def attend(q: np.ndarray, new: _ragged.NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
-        res, lse = _ragged.attend(reg, rag, q, kc, vc, lens, bt, opts, sinks=sinks, alibi=alibi,
-                                  want_lse=want_lse, out=out_flat, new=new)
+        res, lse = call(q, new)
         return _ragged.unpack(rag, res, lse)
 
     if rag.k is None or rag.v is None:
