@@ -85,6 +85,9 @@ public func fm_dispatch_kv_codes_decode(
 /// Runs a plan's dispatches after `append`'s, with library scratch for its
 /// partials when it has any.
 func run(_ plan: KVCodesPlan, after append: [Dispatch] = [], on reg: Registry, op: String) throws {
+    if !plan.unbound.isEmpty {
+        try Dispatch.requireDisjoint(Dispatch.written(by: append), from: plan.unbound, op: op)
+    }
     if plan.tmpBytes == 0 {
         try reg.run(append + plan.dispatches(tmp: nil), op: op)
     } else {
@@ -208,9 +211,9 @@ func attendOverCodes(_ t: KVCodesAttnTensors, _ o: FMAttnOptions, after append: 
     let shape = try KVCodesAttnDispatcher.shape(t)
     guard let pad = try KVCodesLeftPad(seqlens: t.seqlens, lead: shape.lead, blockTable: t.blockTable,
                                        batch: shape.batch, op: op) else { return try attend(t) }
-    // The kernels read the view's tables: the caller's meet the outputs here.
-    try Dispatch.requireDisjoint([t.out, t.lse].compactMap { $0 }, from: [t.seqlens, t.blockTable].compactMap { $0 },
-                                 op: op)
+    // The kernels read the view's tables: the caller's meet the outputs (and what the append writes) here.
+    try Dispatch.requireDisjoint([t.out, t.lse].compactMap { $0 } + Dispatch.written(by: append),
+                                 from: [t.seqlens, t.blockTable].compactMap { $0 }, op: op)
     try reg.withScratch(op: op, bytes: pad.byteCount) { m in try attend(pad.view(of: t, memory: m.data)) }
 }
 

@@ -156,7 +156,12 @@ public enum KVCodesAttnDispatcher {
                                           pageSize: rows, cacheName: "k_cache")
         }
 
-        if qLen == 0 { return KVCodesPlan(tmpBytes: 0) { _ in [] } }  // no packed query row: nothing to run
+        if qLen == 0 {  // no packed query row: nothing to run
+            var plan = KVCodesPlan(tmpBytes: 0) { _ in [] }
+            plan.unbound = [t.q, t.out]
+                + [t.seqlens, t.blockTable, t.sinks, t.lse, t.alibi, t.cuSeqlensQ, t.cuSeqlensK].compactMap { $0 }
+            return plan
+        }
         let (hk, cap) = (Int64(kvHeads), Int64(rows))
         let (k, v) = (t.k.quantized?.codec ?? codec, t.v.quantized?.codec ?? codec)
         let params = KVCodesDecodeParams(
@@ -193,7 +198,13 @@ public enum KVCodesAttnDispatcher {
     /// other argument as makePlan checks it, then seqused_q within each
     /// sequence's cu_seqlens_q rows; nil without seqused_q.
     public static func usedRowsSplit(_ t: KVCodesAttnTensors, _ o: FMAttnOptions) throws -> UsedRowsSplit? {
-        guard let u = t.sequsedQ, let cq = t.cuSeqlensQ else { return nil }
+        guard let u = t.sequsedQ else { return nil }
+        guard let cq = t.cuSeqlensQ else {
+            throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
+        }
+        guard t.cuSeqlensK != nil else {
+            throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_k (packed keys)", arg: "seqused_q")
+        }
         var plain = t
         plain.sequsedQ = nil
         _ = try makePlan(plain, o)

@@ -63,6 +63,9 @@ public struct KVCodesPlan {
     let build: (TensorRef?) -> [Dispatch]
     /// The packed rows no sequence owns (varlen), cleared once the call is accepted.
     public var unowned = UnownedRows()
+    /// The call's arguments when no dispatch binds them (no query row): what
+    /// an append before it writes must still not overlap them.
+    public var unbound: [TensorRef] = []
 
     /// The dispatches, with `tmp` (of tmpBytes, or nil when 0) for the partials.
     public func dispatches(tmp: TensorRef?) -> [Dispatch] { build(tmp) }

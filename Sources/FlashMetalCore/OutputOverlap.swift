@@ -39,6 +39,16 @@ extension Dispatch {
         }
     }
 
+    /// The tensors `dispatches` write.
+    public static func written(by dispatches: [Dispatch]) -> [TensorRef] {
+        dispatches.flatMap { d in
+            d.writes.sorted().compactMap { i -> TensorRef? in
+                if case .buffer(let t)? = d.bindings[i] { return t }
+                return nil
+            }
+        }
+    }
+
     private static func overlapError(_ out: TensorRef, _ other: TensorRef, op: String) -> FlashMetalError {
         .value(op, "\(out.argumentName) and \(other.argumentName) overlap in memory; \(op) writes "
             + "\(out.argumentName), so they must not share bytes")

@@ -556,21 +556,37 @@ def gen_kv_codes_attn(rng, backend):
         t.update(q=_tensor(rng, 0, [total, h, d]), out=_tensor(rng, 0, [total, h, d], role="out"))
         if rng.random() < 0.5:
             t["lse"] = _tensor(rng, 0, [h, total], role="out")
+    elif rng.random() < 0.3:
+        # flash_attn_with_kvcache's ragged queries (packed, a padded tail) over
+        # the cache lengths, and (half the time) ragged new rows.
+        q_lens = [int(rng.integers(0, 4)) for _ in range(b)]
+        total = sum(q_lens) + int(rng.integers(0, 2))
+        max_q = max(q_lens)
+        t["seqlens_k"] = _seqlens_table(rng, lens, cap)
+        t["cu_seqlens_q"] = _tensor(rng, 5, [b + 1], values=np.cumsum([0] + q_lens))
+        t.update(q=_tensor(rng, 0, [total, h, d]), out=_tensor(rng, 0, [total, h, d], role="out"))
+        if rng.random() < 0.5:
+            t["lse"] = _tensor(rng, 0, [h, total], role="out")
+        if room > 0 and rng.random() < 0.5:
+            new = [int(rng.integers(0, room + 1)) for _ in range(b)]
+            t["cu_seqlens_k_new"] = _tensor(rng, 5, [b + 1], values=np.cumsum([0] + new))
+            t.update(k_new=_tensor(rng, 0, [sum(new), hkv, d]), v_new=_tensor(rng, 0, [sum(new), hkv, d]))
     else:
         t["seqlens_k"] = _seqlens_table(rng, lens, cap)
         ql = int(rng.integers(1, 5))
         t.update(q=_tensor(rng, 0, [b, ql, h, d]), out=_tensor(rng, 0, [b, ql, h, d], role="out"))
         if rng.random() < 0.5:
             t["lse"] = _tensor(rng, 0, [b, h, ql], role="out")
+        if room > 0 and rng.random() < 0.3:
+            n = int(rng.integers(1, room + 1))
+            t.update(k_new=_tensor(rng, 0, [b, n, hkv, d]), v_new=_tensor(rng, 0, [b, n, hkv, d]))
     if rng.random() < 0.3:
         t["sinks"] = _tensor(rng, 0, [h])
     if rng.random() < 0.3:
         t["alibi_slopes"] = _tensor(rng, 0, [b, h], values=rng.uniform(0.0, 0.5, (b, h)).astype(np.float32))
-    if not varlen and room > 0 and rng.random() < 0.3:
-        n = int(rng.integers(1, room + 1))
-        t.update(k_new=_tensor(rng, 0, [b, n, hkv, d]), v_new=_tensor(rng, 0, [b, n, hkv, d]))
-    for name, ts in t.items():  # the caches, written when rows are appended
-        if name.endswith(("_codes", "_norms")) and "k_new" in t:
+    writes = "k_new" in t and int(np.prod(t["k_new"].shape[:-2])) > 0
+    for name, ts in t.items():  # the caches, written when rows are appended (no row: nothing is written)
+        if name.endswith(("_codes", "_norms")) and writes:
             ts.role = "inout"
     window = [(-1, -1), (-1, -1), (3, 0), (0, 2), (5, -1)][int(rng.integers(0, 5))]
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.3])), softcap=float(rng.choice([0.0, 0.0, 4.0])),
@@ -1213,19 +1229,31 @@ def _codes_sides(case: Case) -> list[np.ndarray]:
     return rows
 
 
+def _codes_new_counts(case: Case) -> np.ndarray:
+    """The rows k_new/v_new append to each sequence: cu_seqlens_k_new's
+    counts, else k_new's dim 1 for every one."""
+    t = case.tensors
+    if _seq_present(case, "cu_seqlens_k_new"):
+        return np.diff(t["cu_seqlens_k_new"].array().astype(np.int64))
+    return np.full(t["seqlens_k"].shape[-1], t["k_new"].shape[1])
+
+
 def _codes_appended_slots(case: Case) -> list[tuple[int, int, int, int]]:
-    """(storage index 0, index 1, sequence, new row) of every row k_new/v_new land in."""
+    """(storage index 0, index 1, sequence, row of k_new/v_new flattened to
+    [rows, Hkv, D]) of every row k_new/v_new land in."""
     t = case.tensors
     if not _seq_present(case, "k_new"):
         return []
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
     ends = _lens_and_starts(case)[0]
     page = t["k_codes"].shape[1]
+    counts = _codes_new_counts(case)
+    first = np.concatenate([[0], np.cumsum(counts)])
     slots = []
     for b, end in enumerate(ends.tolist()):
-        for i in range(t["k_new"].shape[1]):
-            pos = end + i
-            slots.append((b, pos, b, i) if table is None else (int(table[b, pos // page]), pos % page, b, i))
+        for i in range(int(counts[b])):
+            pos, row = end + i, int(first[b]) + i
+            slots.append((b, pos, b, row) if table is None else (int(table[b, pos // page]), pos % page, b, row))
     return slots
 
 
@@ -1239,15 +1267,17 @@ def _check_codes_append(case: Case, ctx: str) -> None:
     for side, c in zip("kv", case.args["codecs"]):
         parts = ["codes"] if c is None else ["codes", "norms"]
         new = t[f"{side}_new"].array() if slots else None
+        if new is not None:
+            new = new.reshape(-1, *new.shape[-2:])
         for part in parts:
             got, was = t[f"{side}_{part}"].array().copy(), _before(t[f"{side}_{part}"]).copy()
             for p0, p1, _, _ in slots:
                 got[p0, p1] = was[p0, p1] = 0
             assert got.tobytes() == was.tobytes(), f"{side} {part} changed outside the appended rows: {ctx}"
         for p0, p1, b, i in slots:
-            x = new[b, i].astype(np.float64)
+            x = new[i].astype(np.float64)
             if c is None:
-                assert t[f"{side}_codes"].array()[p0, p1].tobytes() == new[b, i].tobytes(), ctx
+                assert t[f"{side}_codes"].array()[p0, p1].tobytes() == new[i].tobytes(), ctx
                 continue
             want, norms, u = quant_reference.encode(x, c["bits"], c["seed"])
             got = quant_reference.unpack(t[f"{side}_codes"].array()[p0, p1], c["bits"], c["head_dim"])
@@ -1322,7 +1352,7 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
               window_size=(i32(o["window_left"]), i32(o["window_right"])), attention_chunk=i32(o["attention_chunk"]),
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None,
               alibi_slopes=t["alibi_slopes"].array() if _seq_present(case, "alibi_slopes") else None)
-    if _seq_present(case, "cu_seqlens_q"):
+    if _seq_present(case, "cu_seqlens_k"):
         out, lse = reference.flash_attn_varlen(
             t["q"].array(), k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
             block_table=t["block_table"].array(),
@@ -1332,8 +1362,23 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
         return out
     lens, starts = _lens_and_starts(case)
     if _seq_present(case, "k_new"):
-        lens = lens + t["k_new"].shape[1]
+        lens = lens + _codes_new_counts(case)
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    if _seq_present(case, "cu_seqlens_q"):  # packed queries over the cache lengths, sequence by sequence
+        q, cq = t["q"].array(), t["cu_seqlens_q"].array()
+        out, lse = np.zeros(q.shape), np.full((q.shape[1], q.shape[0]), -np.inf)
+        slopes = kw.pop("alibi_slopes")
+        for b in range(cq.shape[0] - 1):
+            s, e = int(cq[b]), int(cq[b + 1])
+            one = slice(b, b + 1)
+            caches = (k, v) if table is not None else (k[one], v[one])
+            ob, lb = reference.flash_attn_kvcache(
+                q[None, s:e], *caches, cache_seqlens=lens[one], block_table=None if table is None else table[one],
+                cache_leftpad=None if starts is None else starts[one],
+                alibi_slopes=None if slopes is None else slopes[one], **kw)
+            out[s:e], lse[:, s:e] = ob[0], lb[0]
+        case.args["lse"] = lse
+        return out
     out, lse = reference.flash_attn_kvcache(t["q"].array(), k, v, cache_seqlens=lens, block_table=table,
                                             cache_leftpad=starts, **kw)
     case.args["lse"] = lse
@@ -1437,7 +1482,8 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         case.notes.append(f"{case.op} compared")
     if case.op == "kv_codes_attn":
         _check_codes_append(case, ctx)
-        how = " with k_new/v_new" if _seq_present(case, "k_new") else " varlen" if _seq_present(case, "cu_seqlens_q") else ""
+        how = " with k_new/v_new" if _seq_present(case, "k_new") else ""
+        how += " and packed q" if _seq_present(case, "cu_seqlens_q") else ""
         case.notes.append("kv_codes_attn compared" + how)
     if case.op in ("attn", "vec_seq", "kv_codes_attn") and _seq_present(case, "lse"):
         lse = case.tensors["lse"]

@@ -212,3 +212,64 @@ def test_bad_tables_write_nothing(rng, case, words, argument):
     assert info.value.argument == argument and words in str(info.value), str(info.value)
     for a, b in zip(before, (k.codes, k.norms, v.codes, v.norms)):
         np.testing.assert_array_equal(a, b)
+
+
+def _codes_attn(q, k, v, out, opts, **seq_arrays):
+    """One fm_dispatch_kv_codes_attn on the cpu with the given FMSeqTensors arrays."""
+    from flashmetal import _native
+    from flashmetal._arrays import tensor
+    ffi = _native.ffi()
+    seq = ffi.new("FMSeqTensors *")
+    keep = []
+    for name, a in seq_arrays.items():
+        keep.append(tensor(ffi, a))
+        setattr(seq, name, keep[-1])
+    _native.call(fm.Registry("cpu"), "fm_dispatch_kv_codes_attn", tensor(ffi, q), k.codec._c, tensor(ffi, k.codes),
+                 tensor(ffi, k.norms), v.codec._c, tensor(ffi, v.codes), tensor(ffi, v.norms), seq, tensor(ffi, out),
+                 _native.options("FMAttnOptions", scale=0.125, window_left=-1, window_right=-1, **opts),
+                 op="test", keep=(q, k, v, out, seq_arrays, keep))
+
+
+def test_a_table_sharing_the_appended_cache_is_refused(rng):
+    """The ragged append writes the norms; a block table read only through
+    cache_leftpad's view (no kernel binds the caller's table) that shares
+    their bytes is refused before anything is written."""
+    k, v, _ = caches(rng, "cpu", b=4, cap=4, hkv=1, d=D, kbits=8, vbits=8)
+    k.norms.reshape(-1)[:4].view(np.int32)[:] = [0, 1, 2, 3]  # valid page indices in the norms' bytes
+    table = k.norms.reshape(-1)[:4].view(np.int32).reshape(2, 2)
+    before = (k.codes.copy(), k.norms.copy())
+    q, out = randn(rng, (2, 1, 64), F32), np.zeros((2, 1, 64), np.float32)
+    kn = randn(rng, (2, 1, 64), F32)
+    with pytest.raises(ValueError, match="overlap in memory"):
+        _codes_attn(q, k, v, out, dict(max_seqlen_q=1), block_table=table, cu_seqlens_q=cu([1, 1]),
+                    seqlens_k=np.array([[1, 2], [0, 1]], np.int32), k_new=kn, v_new=kn.copy(),
+                    cu_seqlens_k_new=cu([1, 1]))
+    np.testing.assert_array_equal(k.codes, before[0])
+    np.testing.assert_array_equal(k.norms, before[1])
+
+
+def test_no_query_row_still_checks_what_the_append_writes(rng):
+    """No packed query row: no attention kernel binds the ALiBi slopes, yet
+    slopes sharing the appended norms' bytes are refused, nothing written."""
+    k, v, _ = caches(rng, "cpu", b=2, cap=8, hkv=1, d=D, kbits=8, vbits=8)
+    slopes = k.norms.reshape(-1)[:2].reshape(2, 1)
+    before = (k.codes.copy(), k.norms.copy())
+    q, out = np.zeros((0, 1, 64), np.float32), np.zeros((0, 1, 64), np.float32)
+    kn = randn(rng, (2, 1, 64), F32)
+    with pytest.raises(ValueError, match="overlap in memory"):
+        _codes_attn(q, k, v, out, {}, cu_seqlens_q=cu([0, 0]), seqlens_k=np.array([1, 2], np.int32), k_new=kn,
+                    v_new=kn.copy(), cu_seqlens_k_new=cu([1, 1]), alibi_slopes=slopes)
+    np.testing.assert_array_equal(k.codes, before[0])
+    np.testing.assert_array_equal(k.norms, before[1])
+
+
+def test_seqused_q_without_packed_rows_is_a_value_error(rng):
+    """seqused_q without cu_seqlens_q (or cu_seqlens_k) names seqused_q."""
+    k, v, table = caches(rng, "cpu", b=2, cap=8, hkv=1, d=D, kbits=8, vbits=8, page=4)
+    q, out = randn(rng, (2, 1, 1, 64), F32), np.zeros((2, 1, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="seqused_q needs cu_seqlens_q"):
+        _codes_attn(q, k, v, out, {}, seqused_q=np.array([1, 1], np.int32), block_table=table)
+    q, out = randn(rng, (2, 1, 64), F32), np.zeros((2, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="seqused_q needs cu_seqlens_k"):
+        _codes_attn(q, k, v, out, dict(max_seqlen_q=1), seqused_q=np.array([1, 1], np.int32), block_table=table,
+                    cu_seqlens_q=cu([1, 1]), seqlens_k=np.array([3, 5], np.int32))
