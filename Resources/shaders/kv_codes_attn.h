@@ -82,15 +82,19 @@ inline KVQKeyRange kvq_key_range(constant KVCodesDecodeParams &p, int kl, int ro
     return r;
 }
 
-// The storage row of key t of kv head g of sequence b (through the block
-// table when paged).
-inline long kvq_storage_row(constant KVCodesDecodeParams &p, const device int *block_table, uint b, uint g, int t) {
+// The storage row of key t of kv head g of sequence b: through the block
+// table when paged; else row t of sequence b's cache, or, packed (varlen
+// keys without pages: storage [1, total_k, Hkv], kv_strides[0] 0), row
+// cu_k[b] + t.
+inline long kvq_storage_row(constant KVCodesDecodeParams &p, const device int *block_table, const device int *cu_k,
+                            uint b, uint g, int t) {
     long r = long(g) * p.kv_strides[1];
     if (kvq_paged) {
         const long page = long(block_table[long(b) * long(p.max_pages) + long(t / p.page_size)]);
         r += page * p.kv_strides[0] + long(t % p.page_size) * p.kv_strides[2];
     } else {
-        r += long(b) * p.kv_strides[0] + long(t) * p.kv_strides[2];
+        const long first = kvq_varlen_k ? long(cu_k[b]) : 0;
+        r += long(b) * p.kv_strides[0] + (first + long(t)) * p.kv_strides[2];
     }
     return r;
 }

@@ -208,7 +208,7 @@ kernel void kv_codes_decode(
         for (uint t = 0; t < ck; t++) {
             const int key = k0 + int(t);
             if (key < range.lo || key >= range.hi) continue;  // uniform over the SIMD group
-            const long r = kvq_storage_row(p, kvq_paged ? block_table : nullptr, b, g, key);
+            const long r = kvq_storage_row(p, kvq_paged ? block_table : nullptr, kvq_varlen_k ? cu_k : nullptr, b, g, key);
             if (kvq_k_codes) {
                 kvq_lane_codes(x, k_codes + r * long(p.k_row_bytes), k_norms + r * long(d / n), kbits, i0, cnt, n);
             }
@@ -241,7 +241,7 @@ kernel void kv_codes_decode(
         for (uint t = 0; t < ck; t++) {
             const int key2 = k0 + int(t);
             if (key2 < range.lo || key2 >= range.hi) continue;  // uniform
-            const long r = kvq_storage_row(p, kvq_paged ? block_table : nullptr, b, g, key2);
+            const long r = kvq_storage_row(p, kvq_paged ? block_table : nullptr, kvq_varlen_k ? cu_k : nullptr, b, g, key2);
             if (kvq_v_codes) {
                 kvq_lane_codes(x, v_codes + r * long(p.v_row_bytes), v_norms + r * long(d / n), vbits, i0, cnt, n);
             }

@@ -109,7 +109,7 @@ kernel void kv_codes_prefill(
     for (int t0 = t_lo; t0 < t_hi; t0 += bk) {
         const int nk = min(bk, t_hi - t0);
         for (int t = int(tid); t < nk; t += int(nt)) tile_rows[t] =
-            kvq_storage_row(p, kvq_paged ? block_table : nullptr, b, g, t0 + t);
+            kvq_storage_row(p, kvq_paged ? block_table : nullptr, kvq_varlen_k ? cu_k : nullptr, b, g, t0 + t);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         for (uint e = tid; e < uint(nk) * d; e += nt) {
             const uint t = e / d, i = e - t * d;

@@ -109,7 +109,10 @@ static inline int fm_kvq_row_order(int avx512, int32_t bits, const void *dense, 
 /* The position of coordinate c in row order. */
 static inline int32_t fm_kvq_row_order_at(int32_t c) { return (c & ~127) | (c & 7) << 4 | (c & 127) >> 3; }
 
-/* The storage row of key `key` of kv head g of sequence b (paged or not). */
+/* The storage row of key `key` of kv head g of sequence b: through the
+ * block table when paged; else row `key` of sequence b's cache, or, packed
+ * (cu_seqlens_k without pages: storage [1, total_k, Hkv], kv_strides[0] 0),
+ * row cu_seqlens_k[b] + key. */
 static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *a, int64_t b, int64_t g,
                                  int32_t key) {
     int64_t r = g * p->kv_strides[1];
@@ -117,7 +120,8 @@ static inline int64_t fm_kvq_row(const KVCodesDecodeParams *p, const FMCPUKVCode
         r += (int64_t)a->block_table[b * p->max_pages + key / p->page_size] * p->kv_strides[0]
              + (int64_t)(key % p->page_size) * p->kv_strides[2];
     } else {
-        r += b * p->kv_strides[0] + (int64_t)key * p->kv_strides[2];
+        const int64_t first = a->cu_seqlens_k != NULL ? a->cu_seqlens_k[b] : 0;
+        r += b * p->kv_strides[0] + (first + key) * p->kv_strides[2];
     }
     return r;
 }

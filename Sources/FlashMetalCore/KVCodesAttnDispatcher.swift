@@ -59,8 +59,8 @@ public enum KVCodesAttnDispatcher {
         try q.requireDType(KVSide.ioTypes([t.k, t.v]), op: op, name: "q")
         try q.requireRank([varlen ? 3 : 4], op: op, name: "q")
         try q.requireBytes(op: op, name: "q")
-        if t.cuSeqlensK != nil && (!varlen || t.blockTable == nil) {
-            throw FlashMetalError.value(op, "cu_seqlens_k (key counts of paged sequences) over quantized caches needs cu_seqlens_q and block_table", arg: "cu_seqlens_k")
+        if t.cuSeqlensK != nil && !varlen {
+            throw FlashMetalError.value(op, "cu_seqlens_k (varlen keys) over quantized caches needs cu_seqlens_q", arg: "cu_seqlens_k")
         }
         if t.sequsedQ != nil && !varlen {
             throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
@@ -85,8 +85,15 @@ public enum KVCodesAttnDispatcher {
         try Checks.positive("batch", batch, op: op, arg: "q")
         if !varlen { try Checks.positive("seqlen_q", qLen, op: op, arg: "q") }  // packed: total_q may be 0
         try Checks.heads(heads, kvHeads: kvHeads, of: "k_cache", op: op, kvHeadsArg: "q")
-        let cache = try CacheCapacity(op: op, cacheShape: lead, blockTable: t.blockTable, batch: batch, batchName: "q")
-        let (capacity, maxPages) = (cache.rows, cache.maxPages)
+        // Packed varlen keys (cu_seqlens_k without pages): storage [1, total_k, Hkv], sequence b's keys
+        // its rows cu_seqlens_k[b] ..< [b+1].
+        let packed = t.cuSeqlensK != nil && t.blockTable == nil
+        if packed && first != 1 {
+            throw FlashMetalError.value(op, "packed varlen k/v over quantized caches (cu_seqlens_k without block_table) must have leading shape [1, total_k, Hkv], got \(lead)", arg: "k_cache")
+        }
+        let cache: CacheCapacity? = try packed ? nil : CacheCapacity(op: op, cacheShape: lead, blockTable: t.blockTable,
+                                                                     batch: batch, batchName: "q")
+        let (capacity, maxPages) = (cache?.rows ?? rows, cache?.maxPages ?? 0)
         try out(t, shape: q.shape)
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         guard o.causal == 0 || o.causal == 1 else {
@@ -137,9 +144,10 @@ public enum KVCodesAttnDispatcher {
             unowned = UnownedRows(rows: min(rowCounts.reduce(0, +), qLen)..<qLen, out: t.out, lse: t.lse)
         }
         if let ck = t.cuSeqlensK {
-            lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch, tokens: limit,
-                                                   tokensName: "the paged caches", maxSeqlen: Int(o.max_seqlen_k),
-                                                   maxSeqlenName: "max_seqlen_k")
+            lengths = try SequenceTables.cuSeqlens(ck, op: op, name: "cu_seqlens_k", batch: batch,
+                                                   tokens: packed ? rows : limit,
+                                                   tokensName: packed ? "the packed keys" : "the paged caches",
+                                                   maxSeqlen: Int(o.max_seqlen_k), maxSeqlenName: "max_seqlen_k")
             if let s = t.seqlens {
                 lengths = try SequenceTables.used(s, op: op, name: "seqused_k", lengths: lengths,
                                                   lengthsName: "cu_seqlens_k")
@@ -165,7 +173,7 @@ public enum KVCodesAttnDispatcher {
         let (hk, cap) = (Int64(kvHeads), Int64(rows))
         let (k, v) = (t.k.quantized?.codec ?? codec, t.v.quantized?.codec ?? codec)
         let params = KVCodesDecodeParams(
-            k_seed: k.seed, v_seed: v.seed, kv_strides: (cap * hk, 1, hk),
+            k_seed: k.seed, v_seed: v.seed, kv_strides: (packed ? 0 : cap * hk, 1, hk),
             n_heads: Int32(heads), n_kv_heads: Int32(kvHeads), head_dim: Int32(d), block: Int32(k.block),
             k_bits: Int32(k.bits), v_bits: Int32(v.bits), k_row_bytes: Int32(k.rowBytes), v_row_bytes: Int32(v.rowBytes),
             kv_len: Int32(t.seqlens == nil && t.cuSeqlensK == nil ? capacity : 0), q_len: Int32(qLen), scale: o.scale, softcap: o.softcap,

@@ -150,15 +150,19 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
                       want_lse: bool, alibi: np.ndarray | None = None, seqused_q: np.ndarray | None = None,
                       seqused_k: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """flash_attn_varlen_func's route when k or v is a QuantizedKV page pool
-    (leading shape [num_pages, page_size, Hkv]; block_table required): (out
+    (leading shape [num_pages, page_size, Hkv] with block_table) or packed
+    keys (leading shape [total_k, Hkv], sequence b's keys its rows
+    cu_seqlens_k[b] ..< [b+1]; the other side may be a dense [total_k, Hkv,
+    D]): (out
     [total_q, H, D] in q's dtype, lse [H, total_q] or None). The library
     makes rows past the last sequence, and rows past seqused_q[b], read as
     rows that see nothing (0, lse -inf)."""
     op = "flash_attn_varlen_func"
-    sides = (_side(k, "k", op), _side(v, "v", op))
-    if bt is None:
-        raise InvalidValueError(op, "a QuantizedKV k/v is a page pool: block_table is required (packed quantized "
-                                    "k/v are not supported)")
+    (kc, kx, kn), (vc, vx, vn) = _side(k, "k", op), _side(v, "v", op)
+    if bt is None:  # packed k/v [total_k, Hkv]: the library reads them as storage [1, total_k, Hkv]
+        kx, vx = _leading_one(kx, 4), _leading_one(vx, 4)
+        kn, vn = (None if n is None else _leading_one(n, 4) for n in (kn, vn))
+    sides = ((kc, kx, kn), (vc, vx, vn))
     if qa.ndim != 3:
         raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
     io = _io(reg, op, qa, sides)
@@ -245,6 +249,12 @@ def _attn_dispatch(reg: Registry, op: str, q32: np.ndarray, sides: tuple[tuple[A
     _native.call(reg, "fm_dispatch_kv_codes_attn", tensor(ffi, q32), kcodec, tensor(ffi, kc), tensor(ffi, kn),
                  vcodec, tensor(ffi, vc), tensor(ffi, vn), seq_ptr, tensor(ffi, o32), opts, op=op,
                  keep=(q32, kc, kn, vc, vn, o32, tuple(seq.values()), keep))
+
+
+def _leading_one(x: np.ndarray, rank: int) -> np.ndarray:
+    """x [total_k, ...] as [1, total_k, ...] when it has rank - 1 dims (else
+    as given: the library names a wrong shape)."""
+    return x.reshape(1, *x.shape) if x.ndim == rank - 1 else x
 
 
 def _side(cache: Any, name: str, op: str) -> tuple[Any, np.ndarray, np.ndarray | None]:

@@ -151,10 +151,10 @@ def flash_attn_varlen_func(
             back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
         k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
             block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where
-            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys; with
-            block_table also QuantizedKV page pools ``[num_pages, page_size,
-            Hkv]`` (one side may stay dense), read as codes (q converted to
-            float32 for the kernel, the output back to q's dtype).
+            sequence b has ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys. Or
+            QuantizedKV: packed ``[total_k, Hkv]``, or with block_table page
+            pools ``[num_pages, page_size, Hkv]`` (one side may stay dense),
+            read as codes.
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths
             (integer arrays are converted once), starting at 0, non-decreasing.
         max_seqlen_q, max_seqlen_k: at least every sequence's length.

@@ -146,9 +146,11 @@ class TSpec:
         return self.buf is not None and not self.null and not self.buf_null
 
     def array(self) -> np.ndarray:
-        """The descriptor's view of its buffer (only for accepted descriptors)."""
-        n = int(np.prod(self.shape)) if self.shape else 1
-        return self.buf.mid()[: n * SIZE[self.dtype]].view(NP[self.dtype]).reshape(self.shape)
+        """The descriptor's view of its buffer (only for accepted descriptors):
+        its shape as passed, ndim dims of it (dims past the list read 0)."""
+        shape = list(self.shape) if self.ndim is None else (list(self.shape) + [0] * 8)[:max(self.ndim, 0)]
+        n = int(np.prod(shape)) if shape else 1
+        return self.buf.mid()[: n * SIZE[self.dtype]].view(NP[self.dtype]).reshape(shape)
 
 
 @dataclass
@@ -506,8 +508,9 @@ def gen_kv_codes_attn(rng, backend):
     """fm_dispatch_kv_codes_attn: float32 q [B, qL, H, D] over quantized K
     and V caches (2-8 bits each, separately; one side may be a dense float32
     cache), contiguous or paged, lengths [B] or [2, B] (cache_leftpad), and
-    (30%) k_new/v_new encoded into them first, or (paged, 35%) packed
-    query rows with key counts (varlen, seqused_q / seqused_k); causal,
+    (30%) k_new/v_new encoded into them first, or (paged 35%, or packed
+    keys [1, total_k, Hkv]) packed query rows with key counts (varlen,
+    seqused_q / seqused_k); causal,
     window, softcap, sinks, lse, ALiBi slopes at random."""
     d = int(rng.choice([64, 128]))
     b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
@@ -518,7 +521,11 @@ def gen_kv_codes_attn(rng, backend):
     lens = [int(rng.integers(0, 20)) for _ in range(b)]
     room = int(rng.integers(0, 4))
     t: dict[str, TSpec] = {}
-    if rng.random() < 0.5:
+    packed_k = rng.random() < 0.15  # varlen keys packed [1, total_k, Hkv], no pages
+    if packed_k:
+        cap = sum(lens) + int(rng.integers(0, 3))
+        lead = [1, cap, hkv]
+    elif rng.random() < 0.5:
         page = int(rng.choice([4, 8]))
         per = max(-(-(max(lens) + room) // page), 1)
         num_pages = b * per + int(rng.integers(0, 3))
@@ -539,7 +546,7 @@ def gen_kv_codes_attn(rng, backend):
         t[f"{side}_codes"] = _tensor(rng, 4, lead + [quant_reference.row_bytes(d, bits)])
         t[f"{side}_norms"] = _tensor(rng, 0, lead + [d // quant_reference.BLOCKS[d]], values=norms.astype(np.float32))
         codecs.append(dict(head_dim=d, bits=bits, seed=seed))
-    varlen = "block_table" in t and rng.random() < 0.35
+    varlen = packed_k or ("block_table" in t and rng.random() < 0.35)
     max_q = max_k = 0
     if varlen:
         # Packed query rows (a padded tail no sequence owns), key counts in
@@ -1353,9 +1360,10 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None,
               alibi_slopes=t["alibi_slopes"].array() if _seq_present(case, "alibi_slopes") else None)
     if _seq_present(case, "cu_seqlens_k"):
+        paged_k = _seq_present(case, "block_table")
         out, lse = reference.flash_attn_varlen(
-            t["q"].array(), k, v, t["cu_seqlens_q"].array(), t["cu_seqlens_k"].array(),
-            block_table=t["block_table"].array(),
+            t["q"].array(), k if paged_k else k[0], v if paged_k else v[0], t["cu_seqlens_q"].array(),
+            t["cu_seqlens_k"].array(), block_table=t["block_table"].array() if paged_k else None,
             seqused_q=t["seqused_q"].array() if _seq_present(case, "seqused_q") else None,
             seqused_k=t["seqlens_k"].array() if _seq_present(case, "seqlens_k") else None, **kw)
         case.args["lse"] = lse
@@ -1366,6 +1374,8 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
     table = t["block_table"].array() if _seq_present(case, "block_table") else None
     if _seq_present(case, "cu_seqlens_q"):  # packed queries over the cache lengths, sequence by sequence
         q, cq = t["q"].array(), t["cu_seqlens_q"].array()
+        if lens is None:  # every sequence holds its whole cache
+            lens = np.full(cq.shape[0] - 1, k.shape[1] * (1 if table is None else table.shape[1]))
         out, lse = np.zeros(q.shape), np.full((q.shape[1], q.shape[0]), -np.inf)
         slopes = kw.pop("alibi_slopes")
         for b in range(cq.shape[0] - 1):
@@ -1484,6 +1494,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         _check_codes_append(case, ctx)
         how = " with k_new/v_new" if _seq_present(case, "k_new") else ""
         how += " and packed q" if _seq_present(case, "cu_seqlens_q") else ""
+        how += " over packed keys" if _seq_present(case, "cu_seqlens_k") and not _seq_present(case, "block_table") else ""
         case.notes.append("kv_codes_attn compared" + how)
     if case.op in ("attn", "vec_seq", "kv_codes_attn") and _seq_present(case, "lse"):
         lse = case.tensors["lse"]

@@ -467,11 +467,14 @@ int fm_dispatch_kv_codes_decode(FMRegistry *registry, const FMTensor *q, const F
  * float16 or bfloat16) as codes and NULL norms. seq:
  * seqlens_k ([B], or [2, B] with first keys), block_table, sinks, lse
  * ([B, H, qL]), alibi_slopes, k_new/v_new (encoded into the caches first).
- * Varlen: cu_seqlens_q with q/out [total_q, H, D] and lse [H, total_q], and
- * cu_seqlens_k (key counts; the caches must then be paged), seqlens_k then
- * flash-attn 3's seqused_k and seqused_q allowed (as fm_dispatch_attn's);
- * rows past cu_seqlens_q[B] read 0 (lse -inf); options as fm_dispatch_attn's
- * (max_seqlen_* bound the varlen lengths). */
+ * Packed queries: cu_seqlens_q with q/out [total_q, H, D] and lse [H, total_q]
+ * (rows past cu_seqlens_q[B] read 0, lse -inf), over the caches' lengths
+ * (seqlens_k; with k_new/v_new [total_new, Hkv, D] split by cu_seqlens_k_new,
+ * ragged), or over cu_seqlens_k's key counts (varlen: paged caches, or packed
+ * keys of leading shape [1, total_k, Hkv], sequence b's keys rows
+ * cu_seqlens_k[b] ..< [b+1]; seqlens_k is then flash-attn 3's seqused_k, and
+ * seqused_q may be given, as in fm_dispatch_attn). Options as
+ * fm_dispatch_attn's (max_seqlen_* bound the varlen lengths). */
 int fm_dispatch_kv_codes_attn(FMRegistry *registry, const FMTensor *q, const FMKVCodec *k_codec,
                               const FMTensor *k_codes, const FMTensor *k_norms, const FMKVCodec *v_codec,
                               const FMTensor *v_codes, const FMTensor *v_norms, const FMSeqTensors *seq,
