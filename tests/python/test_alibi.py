@@ -217,20 +217,29 @@ def test_bad_slopes(rng, fn, value, exc, words):
     assert info.value.argument == "alibi_slopes" and words in str(info.value), str(info.value)
 
 
-def test_library_checks_the_slopes_tensor(rng):
+@pytest.mark.parametrize("entry", ["fm_dispatch_attn", "fm_dispatch_kv_codes_attn"])
+def test_library_checks_the_slopes_tensor(rng, entry):
     """The C ABI checks the field itself (a caller other than the Python
-    package): [B, H] float32 only."""
+    package), over dense and quantized caches: [B, H] float32 only, refused
+    before anything is written."""
     from flashmetal import _native
     from flashmetal._arrays import tensor
+    ffi = _native.ffi()
     q, k, v = qkv(rng, (2, 4, 3, 64), (2, 4, 3, 64), BF16)
-    out = np.empty_like(q)
+    if entry == "fm_dispatch_attn":
+        caches = (tensor(ffi, k), tensor(ffi, v))
+    else:
+        codec = fm.KVCodec(64, 8, seed=3)
+        c = codec.encode(k, registry="cpu")
+        caches = (codec._c, tensor(ffi, c.codes), tensor(ffi, c.norms)) * 2
+    out = np.full_like(q, 7.0)
     for bad, exc, words in ((np.ones(3, np.float32), ValueError, "alibi_slopes shape [3] must be [2, 3]"),
                             (np.ones((2, 3), np.float16), TypeError, "alibi_slopes")):
-        ffi = _native.ffi()
         opts = _native.options("FMAttnOptions", scale=0.125, window_left=-1, window_right=-1)
         seq = ffi.new("FMSeqTensors *")
         t = tensor(ffi, bad)
         seq.alibi_slopes = t
         with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
-            _native.call(fm.Registry("cpu"), "fm_dispatch_attn", tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), seq,
-                         tensor(ffi, out), opts, op="test", keep=(q, k, v, out, bad, t))
+            _native.call(fm.Registry("cpu"), entry, tensor(ffi, q), *caches, seq, tensor(ffi, out), opts, op="test",
+                         keep=(q, k, v, out, bad, t, caches))
+        assert (out.astype(np.float32) == 7.0).all()

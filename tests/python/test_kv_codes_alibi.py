@@ -170,27 +170,3 @@ def test_bad_slopes_are_refused_before_the_append(rng):
         fm.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=lens,
                                    alibi_slopes=np.array([0.5, np.nan], np.float32), registry="cpu")
     assert np.array_equal(kc.codes, before)
-
-
-def test_library_checks_the_slopes_tensor(rng):
-    """fm_dispatch_kv_codes_attn checks the field itself (a caller other
-    than the Python package): [B, H] float32 only, refused before anything
-    is written."""
-    from flashmetal import _native
-    from flashmetal._arrays import tensor
-    codec = fm.KVCodec(64, 8, seed=3)
-    k = codec.encode(randn(rng, (2, 8, 1, 64), F32), registry="cpu")
-    q = randn(rng, (2, 1, 3, 64), F32)
-    out = np.full_like(q, 7.0)
-    for bad, exc, words in ((np.ones(3, np.float32), ValueError, "alibi_slopes shape [3] must be [2, 3]"),
-                            (np.ones((2, 3), np.float16), TypeError, "alibi_slopes")):
-        ffi = _native.ffi()
-        opts = _native.options("FMAttnOptions", scale=0.125, window_left=-1, window_right=-1)
-        seq = ffi.new("FMSeqTensors *")
-        t = tensor(ffi, bad)
-        seq.alibi_slopes = t
-        with pytest.raises(exc, match=words.replace("[", r"\[").replace("]", r"\]")):
-            _native.call(fm.Registry("cpu"), "fm_dispatch_kv_codes_attn", tensor(ffi, q), codec._c,
-                         tensor(ffi, k.codes), tensor(ffi, k.norms), codec._c, tensor(ffi, k.codes),
-                         tensor(ffi, k.norms), seq, tensor(ffi, out), opts, op="test", keep=(q, k, out, bad, t))
-        assert (out == 7.0).all()
