@@ -22,8 +22,9 @@ public struct KVCodesAttnTensors {
     /// int32 [B+1]: q and out packed [total_q, H, D] (varlen); the keys of
     /// sequence b as seqlens (or the capacity) say, or cuSeqlensK's counts.
     public var cuSeqlensQ: TensorRef? = nil
-    /// int32 [B+1], with cuSeqlensQ and a block table: sequence b has
-    /// cu[b+1] - cu[b] keys in the paged caches.
+    /// int32 [B+1], with cuSeqlensQ: sequence b has cu[b+1] - cu[b] keys,
+    /// in the paged caches (with a block table) or at rows cu[b] ..< cu[b+1]
+    /// of packed storage [1, total_k, Hkv].
     public var cuSeqlensK: TensorRef? = nil
     /// int32 [B], with cuSeqlensQ (flash-attn 3's seqused_q): only sequence
     /// b's first seqused_q[b] rows attend (bottom-right among themselves);
