@@ -62,11 +62,15 @@ struct KVQKeyRange {
     int lo, hi;
 };
 
-// The keys query row qi of rows_b of sequence b sees among its kl keys
-// (bottom-right aligned: the row sits at kl - rows_b + qi). In 64 bits: a
-// window or chunk near INT_MAX must not wrap around the row's position.
+// The position of query row qi of rows_b among kl keys (bottom-right
+// aligned).
+inline int kvq_row_position(int kl, int rows_b, int qi) { return kl - rows_b + qi; }
+
+// The keys query row qi of rows_b of sequence b sees among its kl keys (at
+// kvq_row_position). In 64 bits: a window or chunk near INT_MAX must not
+// wrap around the row's position.
 inline KVQKeyRange kvq_key_range(constant KVCodesDecodeParams &p, int kl, int rows_b, int qi) {
-    const int pos = kl - rows_b + qi;
+    const int pos = kvq_row_position(kl, rows_b, qi);
     long lo = 0, hi = long(kl);
     if (p.causal != 0) hi = min(hi, long(pos) + 1);
     if (p.window_left >= 0) lo = max(lo, long(pos) - long(p.window_left));

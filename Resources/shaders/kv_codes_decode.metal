@@ -199,7 +199,7 @@ kernel void kv_codes_decode(
     // Lane l's head is l / CK: its (m, sum), the same in each of its CK lanes.
     const uint jl = lane / ck, tl = lane - jl * ck;
     const float slope = kvq_alibi && jl < hg ? alibi[long(b) * long(heads) + long(h0 + jl)] : 0.0f;
-    const int pos = kl - int(rows_b) + int(qi);
+    const int pos = kvq_row_position(kl, int(rows_b), int(qi));
     float m = FM_RUNNING_MAX_START, sum = 0.0f;
     for (int c = c_begin; c < c_end; c++) {
         const int k0 = c * int(ck);

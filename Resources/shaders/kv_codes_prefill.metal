@@ -70,7 +70,7 @@ kernel void kv_codes_prefill(
     range.hi = 0;
     if (active) range = kvq_key_range(p, kl, int(rows_b), int(qi));
     const float slope = kvq_alibi && active ? alibi[long(b) * long(heads) + long(h)] : 0.0f;
-    const int pos = kl - int(rows_b) + int(qi);
+    const int pos = kvq_row_position(kl, int(rows_b), int(qi));
 
     const uint kbits = uint(p.k_bits), vbits = uint(p.v_bits);
     const float inv_n = 1.0f / float(n);

@@ -231,12 +231,16 @@ static int32_t key_count(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArg
     return a->cu_seqlens_k != NULL ? a->cu_seqlens_k[b + 1] - a->cu_seqlens_k[b] : p->kv_len;
 }
 
-/* The keys [lo, hi) (hi >= lo) query row qi of rows_b sees among kl keys:
- * the row sits at kl - rows_b + qi (bottom-right aligned). In 64 bits: a
- * window or chunk near INT32_MAX must not wrap around the row's position. */
+/* The position of query row qi of rows_b among kl keys (bottom-right
+ * aligned). */
+static inline int32_t row_position(int32_t kl, int32_t rows_b, int32_t qi) { return kl - rows_b + qi; }
+
+/* The keys [lo, hi) (hi >= lo) query row qi of rows_b sees among kl keys
+ * (at row_position). In 64 bits: a window or chunk near INT32_MAX must not
+ * wrap around the row's position. */
 static void key_range(const KVCodesDecodeParams *p, int32_t kl, int32_t rows_b, int32_t qi, int32_t *lo_out,
                       int32_t *hi_out) {
-    const int32_t pos = kl - rows_b + qi;
+    const int32_t pos = row_position(kl, rows_b, qi);
     int64_t lo = 0, hi = kl;
     if (p->causal && (int64_t)pos + 1 < hi) hi = (int64_t)pos + 1;
     if (p->window_left >= 0 && (int64_t)pos - p->window_left > lo) lo = (int64_t)pos - p->window_left;
@@ -287,7 +291,7 @@ static int place_item(const KVCodesDecodeParams *p, const FMCPUKVCodesAttnArgs *
     o->heads = group - o->h0 < FM_CPU_KVQ_HEAD_CHUNK ? group - o->h0 : FM_CPU_KVQ_HEAD_CHUNK;
     o->row0 = bi * p->n_heads + g * group + o->h0;
     const int32_t kl = key_count(p, a, b);
-    o->pos = kl - (int32_t)rows_b + (int32_t)qi;
+    o->pos = row_position(kl, (int32_t)rows_b, (int32_t)qi);
     key_range(p, kl, (int32_t)rows_b, (int32_t)qi, &o->lo, &o->hi);
     return 1;
 }
@@ -576,7 +580,7 @@ void fm_cpu_kv_codes_prefill_items(const KVCodesDecodeParams *p, const FMCPUKVCo
         o->heads = 1;
         o->row0 = o->bi * p->n_heads + g * group + j;
         key_range(p, kl, (int32_t)rows_b, (int32_t)qi, &lo[s], &hi[s]);
-        pos[s] = kl - (int32_t)rows_b + (int32_t)qi;
+        pos[s] = row_position(kl, (int32_t)rows_b, (int32_t)qi);
         slopes[s] = a->alibi != NULL ? a->alibi[b * p->n_heads + g * group + j] : 0.0f;
         if (lo[s] < hi[s]) {
             if (lo[s] < t_lo) t_lo = lo[s];

@@ -211,15 +211,13 @@ void FM_SFX(fm_kvq_prefill)(const FMKVQKeys *k) {
                 if (softcap > 0.0f) {
                     for (int i = 0; i < FM_VL; i++) s[i] = softcap * tanhf(s[i] / softcap);
                 }
+                const fm_vi key = (fm_vi)(t0 + t);
                 if (k->slopes != NULL) {
                     /* ALiBi: -slope * |pos - key| per item. */
-                    const fm_v dist = __builtin_convertvector(pv - (fm_vi)(t0 + t), fm_v);
+                    const fm_v dist = __builtin_convertvector(pv - key, fm_v);
                     s -= sv * fm_v_max2(dist, -dist);
                 }
-                if (!all) {
-                    const fm_vi key = (fm_vi)(t0 + t);
-                    s = fm_v_sel((key < lv) | (key >= hv), fm_v_splat(-INFINITY), s);
-                }
+                if (!all) s = fm_v_sel((key < lv) | (key >= hv), fm_v_splat(-INFINITY), s);
                 if (softcap > 0.0f || k->slopes != NULL || !all) fm_v_store(st, s);
                 mv = fm_v_sel(s > mv, s, mv);
             }

@@ -77,9 +77,10 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     there; arguments already read by it). The kernel reads q and writes the
     output in q's dtype (_io says when it cannot). first_keys: cache_leftpad's
     [2, B] table (each sequence's end before the append, then its first
-    key), or None. alibi: float32 [B, H] ALiBi slopes, or None. One library call encodes k/v into the caches at `lens`
-    through `bt` and attends; it validates both before either runs, so a
-    refused call leaves the caches as they were."""
+    key), or None. alibi: float32 [B, H] ALiBi slopes, or None. One library
+    call encodes k/v into the caches at `lens` through `bt` and attends; it
+    validates both before either runs, so a refused call leaves the caches
+    as they were."""
     appending = ka is not None
     kcodec, kc, kn = _storage(k_cache, "k_cache", appending, in_place)
     vcodec, vc, vn = _storage(v_cache, "v_cache", appending, in_place)
@@ -87,17 +88,12 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     io = _io(reg, _OP, qa, sides)
     if qa.ndim != 4:
         raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
-    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype, [qa, kc, kn, vc, vn, bt, sinks, lens, alibi])
-    q32 = np.ascontiguousarray(qa, dtype=io)
-    # q's own dtype: the kernel's output is the result (into out when given).
-    o32 = out_arr if out_arr is not None and io == qa.dtype else np.empty(qa.shape, dtype=io)
+    out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype,
+                                                 [qa, kc, kn, vc, vn, bt, sinks, lens, alibi])
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
-    _attn_dispatch(reg, _OP, q32, sides, o32, opts, seqlens_k=lens if first_keys is None else first_keys,
-                   block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va, alibi_slopes=alibi)
-    result = _in_dtype(o32, qa.dtype)
-    if out_arr is not None and result is not out_arr:
-        out_arr[...] = result
+    result = _attend(reg, _OP, qa, io, sides, opts, out_arr, seqlens_k=lens if first_keys is None else first_keys,
+                     block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va, alibi_slopes=alibi)
     wrap = wrapper_like(q)
     final = wrap(result) if out is None else out
     if not want_lse:
@@ -131,17 +127,12 @@ def ragged_over_codes(reg: Registry, rag: Any, dtype: np.dtype, k_cache: Any, v_
         out_flat = out_flat.reshape(shape)
 
     def call(q: np.ndarray, new: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        io = _io(reg, _OP, q, sides)
-        q32 = np.ascontiguousarray(q, dtype=io)
-        o32 = out_flat if out_flat is not None and io == dtype else np.empty(shape, dtype=io)
         lse = np.empty((shape[1], shape[0]), dtype=F32) if want_lse else None
         k_new, v_new, cu_k = (None, None, None) if new is None else new
-        _attn_dispatch(reg, _OP, q32, sides, o32, opts, cu_seqlens_q=rag.cu_q, seqlens_k=seqlens, block_table=bt,
-                       sinks=sinks, lse=lse, alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
-        result = _in_dtype(o32, dtype)
-        if out_flat is not None and result is not out_flat:
-            out_flat[...] = result
-        return (result if out_flat is None else out_flat), lse
+        result = _attend(reg, _OP, q, _io(reg, _OP, q, sides), sides, opts, out_flat, dtype=dtype,
+                         cu_seqlens_q=rag.cu_q, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse,
+                         alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
+        return result, lse
     return call
 
 
@@ -153,10 +144,9 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
     (leading shape [num_pages, page_size, Hkv] with block_table) or packed
     keys (leading shape [total_k, Hkv], sequence b's keys its rows
     cu_seqlens_k[b] ..< [b+1]; the other side may be a dense [total_k, Hkv,
-    D]): (out
-    [total_q, H, D] in q's dtype, lse [H, total_q] or None). The library
-    makes rows past the last sequence, and rows past seqused_q[b], read as
-    rows that see nothing (0, lse -inf)."""
+    D]): (out [total_q, H, D] in q's dtype, lse [H, total_q] or None). The
+    library makes rows past the last sequence, and rows past seqused_q[b],
+    read as rows that see nothing (0, lse -inf)."""
     op = "flash_attn_varlen_func"
     (kc, kx, kn), (vc, vx, vn) = _side(k, "k", op), _side(v, "v", op)
     if bt is None:  # packed k/v [total_k, Hkv]: the library reads them as storage [1, total_k, Hkv]
@@ -166,12 +156,10 @@ def varlen_over_codes(reg: Registry, qa: np.ndarray, k: Any, v: Any, cq: np.ndar
     if qa.ndim != 3:
         raise InvalidValueError(op, f"q must be [total_q, H, D], got shape {qa.shape}")
     io = _io(reg, op, qa, sides)
-    q32 = np.ascontiguousarray(qa, dtype=io)
-    o32 = np.empty(qa.shape, dtype=io)
     lse = np.empty((qa.shape[1], qa.shape[0]), dtype=F32) if want_lse else None
-    _attn_dispatch(reg, op, q32, sides, o32, opts, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt, sinks=sinks,
-                   lse=lse, alibi_slopes=alibi, seqused_q=seqused_q, seqlens_k=seqused_k)
-    return _in_dtype(o32, qa.dtype), lse
+    result = _attend(reg, op, qa, io, sides, opts, None, cu_seqlens_q=cq, cu_seqlens_k=ck, block_table=bt,
+                     sinks=sinks, lse=lse, alibi_slopes=alibi, seqused_q=seqused_q, seqlens_k=seqused_k)
+    return result, lse
 
 
 def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: np.ndarray | None, opts: Any,
@@ -186,12 +174,9 @@ def attend_codes(reg: Registry, op: str, qa: np.ndarray, k: Any, v: Any, lens: n
     io = _io(reg, op, qa, sides)
     if qa.ndim != 4:
         raise InvalidValueError(op, f"q must be [B, seqlen_q, H, D] over QuantizedKV k/v, got shape {qa.shape}")
-    q32 = np.ascontiguousarray(qa, dtype=io)
-    o32 = np.empty(qa.shape, dtype=io)
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
-    _attn_dispatch(reg, op, q32, sides, o32, opts, seqlens_k=lens, sinks=sinks, lse=lse, alibi_slopes=alibi)
-    return _in_dtype(o32, qa.dtype), lse
+    return _attend(reg, op, qa, io, sides, opts, None, seqlens_k=lens, sinks=sinks, lse=lse, alibi_slopes=alibi), lse
 
 
 def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: Any, causal: bool, q_offset: Any,
@@ -233,6 +218,23 @@ def prefill_over_codes(reg: Registry, op: str, q: Any, k: Any, v: Any, *, mask: 
         return o
     dst = check_out(out, op, qa.shape, qa.dtype, [qa, codes])
     dst[...] = o
+    return out
+
+
+def _attend(reg: Registry, op: str, q: np.ndarray, io: np.dtype, sides: tuple[tuple[Any, Any, Any], ...], opts: Any,
+            out: np.ndarray | None, *, dtype: np.dtype | None = None, **seq: np.ndarray | None) -> np.ndarray:
+    """One _attn_dispatch of q over `sides`, the kernel reading q and
+    writing its output in `io` (_io's choice): the result in `dtype` (q's
+    when None), written into `out` (of q's shape) when given, which is then
+    returned. In q's own dtype the kernel writes straight into out."""
+    want = q.dtype if dtype is None else dtype
+    o32 = out if out is not None and io == want else np.empty(q.shape, dtype=io)
+    _attn_dispatch(reg, op, np.ascontiguousarray(q, dtype=io), sides, o32, opts, **seq)
+    result = _in_dtype(o32, want)
+    if out is None:
+        return result
+    if result is not out:
+        out[...] = result
     return out
 
 
