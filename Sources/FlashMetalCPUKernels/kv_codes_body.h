@@ -179,8 +179,9 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
     KVQLut l;
     l.t = t;
     (void)bits;
+    /* Only the registers a width reads are filled (the lut is built for
+     * every run of keys). */
 #if defined(__x86_64__) && FM_VL == 16
-    for (int32_t k = 0; k < 8; k++) l.z[k] = _mm512_setzero_ps();
     if (bits >= 2 && bits <= 4) {
         l.z[0] = _mm512_loadu_ps(t->rep16[bits]);
     } else if (bits == 5 || bits == 6) {
@@ -190,8 +191,8 @@ static inline KVQLut FM_SFX(kvq_lut)(const FMKVQTables *t, int32_t bits) {
     }
 #endif
 #if FM_KVQ_VBMI
-    for (int32_t k = 0; k < 8; k++)
-        l.b8[k] = bits == 8 ? _mm512_loadu_si512((const void *)(t->planes8[k / 2] + 64 * (k % 2))) : _mm512_setzero_si512();
+    if (bits == 8)
+        for (int32_t k = 0; k < 8; k++) l.b8[k] = _mm512_loadu_si512((const void *)(t->planes8[k / 2] + 64 * (k % 2)));
 #endif
 #if FM_KVQ_TBL
     for (int32_t k = 0; k < 4; k++) {
@@ -904,6 +905,14 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
     const int32_t vkind = FM_SFX(kvq_kind)(a->v_dense, p->v_bits, d, p->block);
     const int64_t esize = a->dense_dtype == FM_DTYPE_F32 ? 4 : 2;
     const float k_unit = (a->k_dense != NULL ? 1.0f : 1.0f / (float)p->block) * p->scale;
+    /* Each side's storage rows (codes, else dense) and block norms (NULL
+     * for a dense side). */
+    const char *kbase = a->k_dense != NULL ? (const char *)a->k_dense : (const char *)a->k_codes;
+    const char *vbase = a->v_dense != NULL ? (const char *)a->v_dense : (const char *)a->v_codes;
+    const int64_t kpitch = a->k_dense != NULL ? d * esize : p->k_row_bytes;
+    const int64_t vpitch = a->v_dense != NULL ? d * esize : p->v_row_bytes;
+    const float *knorms = a->k_dense == NULL ? a->k_norms : NULL;
+    const float *vnorms = a->v_dense == NULL ? a->v_norms : NULL;
     KVQTile x;
     x.k = k;
     x.d = d;
@@ -945,63 +954,96 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
             x.ahead_step = (int32_t)((((int64_t)(x.ahead_hi - x.ahead_lo) << 16) + nt - 1) / nt);
         }
         fm_kvq_rows(p, a, k->b, k->g, t0, nt, rows);
+        /* Scalar: vectorised, the 64-bit products are vpmullq (three
+         * micro-ops each, on the vector ports the key loops need). */
+#pragma clang loop vectorize(disable)
         for (int32_t t = 0; t < nt; t++) {
-            const int64_t r = rows[t];
-            x.krow[t] = a->k_dense != NULL ? (const void *)((const char *)a->k_dense + r * d * esize)
-                                           : (const void *)(a->k_codes + r * p->k_row_bytes);
-            x.vrow[t] = a->v_dense != NULL ? (const void *)((const char *)a->v_dense + r * d * esize)
-                                           : (const void *)(a->v_codes + r * p->v_row_bytes);
-            x.kn[t] = a->k_norms != NULL && a->k_dense == NULL ? a->k_norms + r * x.nb : NULL;
-            x.vn[t] = a->v_norms != NULL && a->v_dense == NULL ? a->v_norms + r * x.nb : NULL;
-            /* One block: its norm scales the whole score (and V row) at once. */
-            kscale[t] = x.nb == 1 && x.kn[t] != NULL ? x.kn[t][0] * k_unit : k_unit;
-            vscale[t] = x.nb == 1 && x.vn[t] != NULL ? x.vn[t][0] : 1.0f;
+            x.krow[t] = kbase + rows[t] * kpitch;
+            x.vrow[t] = vbase + rows[t] * vpitch;
+        }
+        /* One block: its norm scales the whole score (and V row) at once;
+         * several: the loops read each block's norm. */
+        if (x.nb == 1) {
+            for (int32_t t = 0; t < nt; t++) kscale[t] = knorms != NULL ? knorms[rows[t]] * k_unit : k_unit;
+            for (int32_t t = 0; t < nt; t++) vscale[t] = vnorms != NULL ? vnorms[rows[t]] : 1.0f;
+        } else {
+            for (int32_t t = 0; t < nt; t++) {
+                kscale[t] = k_unit;
+                vscale[t] = 1.0f;
+                x.kn[t] = knorms != NULL ? knorms + rows[t] * x.nb : NULL;
+                x.vn[t] = vnorms != NULL ? vnorms + rows[t] * x.nb : NULL;
+            }
         }
         float dot[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE] __attribute__((aligned(64)));
         float w[FM_CPU_KVQ_HEAD_CHUNK][FM_KVQ_TILE] __attribute__((aligned(64)));
-        float corr[FM_CPU_KVQ_HEAD_CHUNK];
         FM_SFX(kvq_scores)(&x, nh, kkind, dot);
-        for (int32_t j = 0; j < nh; j++) {
-            if (j >= heads) {
-                corr[j] = 1.0f;
-                for (int32_t t = 0; t < FM_KVQ_TILE; t++) w[j][t] = 0.0f;
-                continue;
-            }
-            /* The tile's scores as vectors (scaled, soft-capped; -inf past
-             * its keys), their max, and the rescale of the running state
-             * with the tile's exponentials in one more vector exp. */
-            fm_v sv[TV];
-            for (int32_t u = 0; u < TV; u++) sv[u] = fm_v_load(dot[j] + u * FM_VL) * fm_v_load(kscale + u * FM_VL);
+        /* Per head, the tile's scores as vectors (scaled, soft-capped,
+         * ALiBi; -inf past its keys) and their lane max; then every head's
+         * new running max and rescale at once (one vector exp), each head's
+         * exponentials, and their sums folded together. The rows past
+         * `heads` (padding) get weight 0 and rescale 1. */
+        enum { HV = FM_CPU_KVQ_HEAD_CHUNK > FM_VL ? FM_CPU_KVQ_HEAD_CHUNK : FM_VL };
+        fm_v sv[FM_CPU_KVQ_HEAD_CHUNK][TV], mv[FM_CPU_KVQ_HEAD_CHUNK], total[FM_CPU_KVQ_HEAD_CHUNK];
+        for (int32_t j = 0; j < heads; j++) {
+            for (int32_t u = 0; u < TV; u++) sv[j][u] = fm_v_load(dot[j] + u * FM_VL) * fm_v_load(kscale + u * FM_VL);
             if (p->softcap > 0.0f) {
                 float s[FM_KVQ_TILE];
-                for (int32_t u = 0; u < TV; u++) fm_v_store(s + u * FM_VL, sv[u]);
+                for (int32_t u = 0; u < TV; u++) fm_v_store(s + u * FM_VL, sv[j][u]);
                 for (int32_t t = 0; t < nt; t++) s[t] = p->softcap * tanhf(s[t] / p->softcap);
-                for (int32_t u = 0; u < TV; u++) sv[u] = fm_v_load(s + u * FM_VL);
+                for (int32_t u = 0; u < TV; u++) sv[j][u] = fm_v_load(s + u * FM_VL);
             }
             if (k->slopes != NULL) {
                 /* ALiBi: -slope * |pos - key|, key t0 + u * FM_VL + lane. */
                 const fm_v slope = fm_v_splat(k->slopes[j]), gap = fm_v_splat((float)((int64_t)k->pos[j] - t0));
                 for (int32_t u = 0; u < TV; u++) {
                     const fm_v dist = gap - (lane + (float)(u * FM_VL));
-                    sv[u] -= slope * fm_v_max2(dist, -dist);
+                    sv[j][u] -= slope * fm_v_max2(dist, -dist);
                 }
             }
-            fm_v m = fm_v_splat(-INFINITY);
+            mv[j] = fm_v_splat(-INFINITY);
             for (int32_t u = 0; u < TV; u++) {
-                if (nt < FM_KVQ_TILE) sv[u] = fm_v_sel(lane + (float)(u * FM_VL) < (float)nt, sv[u], fm_v_splat(-INFINITY));
-                m = fm_v_max2(m, sv[u]);
+                if (nt < FM_KVQ_TILE)
+                    sv[j][u] = fm_v_sel(lane + (float)(u * FM_VL) < (float)nt, sv[j][u], fm_v_splat(-INFINITY));
+                mv[j] = fm_v_max2(mv[j], sv[j][u]);
             }
-            const float tile_max = fm_v_max(m);
-            const float m_tile = tile_max > k->mx[j] ? tile_max : k->mx[j];
-            corr[j] = fm_v_exp(fm_v_splat(k->mx[j] - m_tile))[0];
-            fm_v total = fm_v_splat(0.0f);
+        }
+        float tile_max[FM_CPU_KVQ_HEAD_CHUNK], m_tile[FM_CPU_KVQ_HEAD_CHUNK], sums[FM_CPU_KVQ_HEAD_CHUNK];
+        float corr[HV] __attribute__((aligned(64)));
+        if (heads > 2) {
+            for (int32_t j = heads; j < FM_CPU_KVQ_HEAD_CHUNK; j++) mv[j] = fm_v_splat(-INFINITY);
+            fm_v_max8(mv, tile_max);
+        } else {
+            for (int32_t j = 0; j < heads; j++) tile_max[j] = fm_v_max(mv[j]);
+        }
+        for (int32_t j = 0; j < heads; j++) m_tile[j] = tile_max[j] > k->mx[j] ? tile_max[j] : k->mx[j];
+        for (int32_t c = 0; c < nh; c += FM_VL) {
+            /* Lane j - c: head j's old max less its new one, put in place
+             * by selects (scalar stores read back as a vector would wait
+             * on store forwarding); e^0 = 1 exactly, the padding's rescale. */
+            fm_v shift = fm_v_splat(0.0f);
+            for (int32_t j = c; j < heads && j < c + FM_VL; j++)
+                shift = fm_v_sel(lane == (float)(j - c), fm_v_splat(k->mx[j] - m_tile[j]), shift);
+            fm_v_store(corr + c, fm_v_exp(shift));
+        }
+        for (int32_t j = 0; j < heads; j++) {
+            total[j] = fm_v_splat(0.0f);
             for (int32_t u = 0; u < TV; u++) {
-                const fm_v e = fm_v_exp(sv[u] - fm_v_splat(m_tile));
-                total += e;
+                const fm_v e = fm_v_exp(sv[j][u] - fm_v_splat(m_tile[j]));
+                total[j] += e;
                 fm_v_store(w[j] + u * FM_VL, e * fm_v_load(vscale + u * FM_VL));
             }
-            k->sum[j] = k->sum[j] * corr[j] + fm_v_sum(total);
-            k->mx[j] = m_tile;
+        }
+        for (int32_t j = heads; j < nh; j++)
+            for (int32_t t = 0; t < FM_KVQ_TILE; t++) w[j][t] = 0.0f;
+        if (heads > 2) {
+            for (int32_t j = heads; j < FM_CPU_KVQ_HEAD_CHUNK; j++) total[j] = fm_v_splat(0.0f);
+            fm_v_sum8(total, sums);
+        } else {
+            for (int32_t j = 0; j < heads; j++) sums[j] = fm_v_sum(total[j]);
+        }
+        for (int32_t j = 0; j < heads; j++) {
+            k->sum[j] = k->sum[j] * corr[j] + sums[j];
+            k->mx[j] = m_tile[j];
         }
         FM_SFX(kvq_values)(&x, nh, vkind, corr, w);
     }
