@@ -962,9 +962,12 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
             x.vrow[t] = vbase + rows[t] * vpitch;
         }
         /* One block: its norm scales the whole score (and V row) at once;
-         * several: the loops read each block's norm. */
+         * several: the loops read each block's norm. Scalar loads: vectorised
+         * these loops are gathers. */
         if (x.nb == 1) {
+#pragma clang loop vectorize(disable)
             for (int32_t t = 0; t < nt; t++) kscale[t] = knorms != NULL ? knorms[rows[t]] * k_unit : k_unit;
+#pragma clang loop vectorize(disable)
             for (int32_t t = 0; t < nt; t++) vscale[t] = vnorms != NULL ? vnorms[rows[t]] : 1.0f;
         } else {
             for (int32_t t = 0; t < nt; t++) {
