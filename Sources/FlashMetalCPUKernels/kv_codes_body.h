@@ -1012,7 +1012,11 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         }
         float tile_max[FM_CPU_KVQ_HEAD_CHUNK], m_tile[FM_CPU_KVQ_HEAD_CHUNK], sums[FM_CPU_KVQ_HEAD_CHUNK];
         float corr[HV] __attribute__((aligned(64)));
-        if (heads > 2) {
+        /* More than two heads: their lanes' maxima and sums are folded
+         * together (fm_v_max8, fm_v_sum8: about the shuffles two heads' own
+         * reductions take); one or two heads reduce their own. */
+        const int fold = heads > 2;
+        if (fold) {
             for (int32_t j = heads; j < FM_CPU_KVQ_HEAD_CHUNK; j++) mv[j] = fm_v_splat(-INFINITY);
             fm_v_max8(mv, tile_max);
         } else {
@@ -1038,7 +1042,7 @@ void FM_SFX(fm_kvq_keys)(const FMKVQKeys *k) {
         }
         for (int32_t j = heads; j < nh; j++)
             for (int32_t t = 0; t < FM_KVQ_TILE; t++) w[j][t] = 0.0f;
-        if (heads > 2) {
+        if (fold) {
             for (int32_t j = heads; j < FM_CPU_KVQ_HEAD_CHUNK; j++) total[j] = fm_v_splat(0.0f);
             fm_v_sum8(total, sums);
         } else {
