@@ -111,3 +111,46 @@ func newRows(_ kNew: UnsafePointer<FMTensor>?, _ vNew: UnsafePointer<FMTensor>?,
     }
     return (try TensorRef(kNew, op: op, name: names.k), try TensorRef(vNew, op: op, name: names.v))
 }
+
+/// Runs `body` with the block table the serving kernels read: the caller's
+/// (`blockTable`), or with cache_batch_idx (`idx`) the one CacheBatchIndex
+/// writes into scratch for the work. `cacheShape`: the cache's (k_cache's)
+/// shape; `batch`: the sequences; `newRows`: the rows each sequence
+/// appends when the cache's own rows must hold them (nil skips that check:
+/// ragged new rows are checked by the append); `written`: what the call
+/// writes (no kernel binds the caller's cache_batch_idx and block table, so
+/// their overlap with it is checked here).
+func withCacheRows(_ idx: TensorRef?, blockTable: TensorRef?, cacheShape: [Int], batch: Int, appending: Bool,
+                   seqlens: TensorRef?, newRows: Int?, written: [TensorRef], on reg: Registry, op: String,
+                   _ body: (TensorRef?) throws -> Void) throws {
+    guard let idx else { return try body(blockTable) }
+    let rows = try CacheBatchIndex(idx, blockTable: blockTable, cacheShape: cacheShape, batch: batch,
+                                   appending: appending, op: op)
+    if let newRows { try rows.requireRowRoom(seqlens: seqlens, newRows: newRows, op: op) }
+    try Dispatch.requireDisjoint(written, from: [idx] + [blockTable].compactMap { $0 }, op: op)
+    try reg.withScratch(op: op, bytes: max(rows.byteCount, 4)) { m in try body(rows.table(memory: m.data)) }
+}
+
+/// cache_batch_idx picks rows of flash_attn_with_kvcache's caches: packed
+/// keys (cu_seqlens_k) have none.
+func requireCacheRowsWithoutPackedKeys(_ s: FMSeqTensors?, op: String) throws {
+    if s?.cache_batch_idx != nil && s?.cu_seqlens_k != nil {
+        throw FlashMetalError.value(op, "cache_batch_idx picks rows of a cache: cu_seqlens_k must be NULL with it",
+                                    arg: CacheBatchIndex.name)
+    }
+}
+
+/// The number of sequences of a serving call: cu_seqlens_q's entries less
+/// one when q is packed, else q's dim 0.
+func sequenceCount(q: TensorRef, cuSeqlensQ: TensorRef?) -> Int {
+    if let cu = cuSeqlensQ { return max((cu.shape.first ?? 1) - 1, 0) }
+    return q.shape.first ?? 0
+}
+
+/// The rows each sequence appends into its own cache row (k_new's dim 1 when
+/// it is [B, n_new, Hkv, D]; 0 without new rows); nil for ragged new rows.
+func rowsPerSequence(_ appended: (k: TensorRef, v: TensorRef)?, ragged: Bool) -> Int? {
+    if ragged { return nil }
+    guard let k = appended?.k else { return 0 }
+    return k.rank == 4 ? k.shape[1] : 0
+}

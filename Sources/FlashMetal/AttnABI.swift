@@ -43,33 +43,42 @@ public func fm_dispatch_attn(
         }
         let ragged = try optionalTensor(s.cu_seqlens_k_new, op: op, name: "cu_seqlens_k_new")
         let newRowCount = ragged == nil ? 0 : appended?.k.shape.first ?? 0
-        try reg.withPrivateCopies(op: op, tables + [ragged]) { c in
-            (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], c[3], c[4])
-            func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
-                try reg.appendingBeforeAttention(appended, seqlens: c[2], op: op, names: names,
-                                                 makeAppend: makeAppend) { append, seqlens in
-                    t.seqlensK = seqlens
-                    let plan = try AttnDispatcher.makePlan(t, o)
-                    if plan.tableBytes == 0 {
-                        try reg.run(append + plan.dispatches(tables: nil), op: op)
-                    } else {
-                        try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
-                            try reg.run(append + plan.dispatches(tables: m.data), op: op)
+        try requireCacheRowsWithoutPackedKeys(s, op: op)
+        let batchIdx = try optionalTensor(s.cache_batch_idx, op: op, name: CacheBatchIndex.name)
+        try reg.withPrivateCopies(op: op, tables + [ragged, batchIdx]) { c in
+            // With cache_batch_idx the kernels read the block table it makes.
+            let newRows = c[0] == nil ? rowsPerSequence(appended, ragged: ragged != nil) : nil
+            try withCacheRows(c[6], blockTable: c[3], cacheShape: t.k.shape, batch: sequenceCount(q: t.q, cuSeqlensQ: c[0]),
+                              appending: appended != nil, seqlens: c[2], newRows: newRows,
+                              written: [t.out, t.lse].compactMap { $0 } + (appended == nil ? [] : [t.k, t.v]),
+                              on: reg, op: op) { pages in
+                (t.cuSeqlensQ, t.cuSeqlensK, t.blockTable, t.sequsedQ) = (c[0], c[1], pages, c[4])
+                func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
+                    try reg.appendingBeforeAttention(appended, seqlens: c[2], op: op, names: names,
+                                                     makeAppend: makeAppend) { append, seqlens in
+                        t.seqlensK = seqlens
+                        let plan = try AttnDispatcher.makePlan(t, o)
+                        if plan.tableBytes == 0 {
+                            try reg.run(append + plan.dispatches(tables: nil), op: op)
+                        } else {
+                            try reg.withScratch(op: op, bytes: plan.tableBytes) { m in
+                                try reg.run(append + plan.dispatches(tables: m.data), op: op)
+                            }
                         }
+                        // Once the run accepted the call (its overlap checks included): no kernel writes these rows.
+                        plan.clearUnownedRows()
                     }
-                    // Once the run accepted the call (its overlap checks included): no kernel writes these rows.
-                    plan.clearUnownedRows()
                 }
-            }
-            guard let cu = c[5] else {
-                return try attend(AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: c[3], names: names))
-            }
-            // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
-            // reads cu_seqlens_k_new, so what the call writes is checked against it here.
-            try Dispatch.requireDisjoint([t.k, t.v, t.out, t.lse].compactMap { $0 }, from: [cu], op: op)
-            try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
-                let split = RaggedAppend(kCache: t.k, vCache: t.v, blockTable: c[3], cuSeqlensKNew: cu, names: names)
-                try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
+                guard let cu = c[5] else {
+                    return try attend(AppendBeforeAttention.dense(kCache: t.k, vCache: t.v, blockTable: pages, names: names))
+                }
+                // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
+                // reads cu_seqlens_k_new, so what the call writes is checked against it here.
+                try Dispatch.requireDisjoint([t.k, t.v, t.out, t.lse].compactMap { $0 }, from: [cu], op: op)
+                try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
+                    let split = RaggedAppend(kCache: t.k, vCache: t.v, blockTable: pages, cuSeqlensKNew: cu, names: names)
+                    try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
+                }
             }
         }
     }

@@ -153,35 +153,46 @@ public func fm_dispatch_kv_codes_attn(
                       try optionalTensor(s?.seqused_q, op: op, name: "seqused_q")]
         let ragged = try optionalTensor(s?.cu_seqlens_k_new, op: op, name: "cu_seqlens_k_new")
         let newRowCount = ragged == nil ? 0 : appended?.k.shape.first ?? 0
-        try reg.withPrivateCopies(op: op, tables + [ragged]) { c in
-            (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK, t.sequsedQ) = (c[1], c[2], c[3], c[4])
-            let (k, v, table) = (t.k, t.v, c[1])
-            func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
-                try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
-                                                 makeAppend: makeAppend) { append, seqlens in
-                    t.seqlens = seqlens
-                    try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)
+        try requireCacheRowsWithoutPackedKeys(s, op: op)
+        let batchIdx = try optionalTensor(s?.cache_batch_idx, op: op, name: CacheBatchIndex.name)
+        try reg.withPrivateCopies(op: op, tables + [ragged, batchIdx]) { c in
+            // With cache_batch_idx the kernels read the block table it makes (over the rows of a
+            // quantized side's codes, as the attention reads them).
+            let rowsShape = (t.k.quantized ?? t.v.quantized)?.codes.shape ?? t.k.tensors[0].shape
+            let newRows = c[2] == nil ? rowsPerSequence(appended, ragged: ragged != nil) : nil
+            try withCacheRows(c[6], blockTable: c[1], cacheShape: rowsShape, batch: sequenceCount(q: t.q, cuSeqlensQ: c[2]),
+                              appending: appended != nil, seqlens: c[0], newRows: newRows,
+                              written: [t.out, t.lse].compactMap { $0 } + (appended == nil ? [] : t.k.tensors + t.v.tensors),
+                              on: reg, op: op) { pages in
+                (t.blockTable, t.cuSeqlensQ, t.cuSeqlensK, t.sequsedQ) = (pages, c[2], c[3], c[4])
+                let (k, v, table) = (t.k, t.v, pages)
+                func attend(_ makeAppend: AppendBeforeAttention.MakeAppend) throws {
+                    try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
+                                                     makeAppend: makeAppend) { append, seqlens in
+                        t.seqlens = seqlens
+                        try attendOverCodes(t, options.pointee, after: append, on: reg, op: op)
+                    }
                 }
-            }
-            func codesAppend(_ kNew: TensorRef, _ vNew: TensorRef, _ ends: TensorRef, _ pages: TensorRef?) throws
-                -> Dispatch? {
-                try KVCodesAppendDispatcher.makeDispatch(kNew: kNew, vNew: vNew, k: k, v: v, seqlens: ends,
-                                                         blockTable: pages, kNewName: names.k, vNewName: names.v)
-            }
-            guard let cu = c[5] else {
-                return try attend { rows, ends in
-                    (try codesAppend(rows.k, rows.v, ends, table), Array(repeating: rows.k.shape[1], count: ends.shape[0]))
+                func codesAppend(_ kNew: TensorRef, _ vNew: TensorRef, _ ends: TensorRef, _ pages: TensorRef?) throws
+                    -> Dispatch? {
+                    try KVCodesAppendDispatcher.makeDispatch(kNew: kNew, vNew: vNew, k: k, v: v, seqlens: ends,
+                                                             blockTable: pages, kNewName: names.k, vNewName: names.v)
                 }
-            }
-            // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
-            // reads cu_seqlens_k_new, so what the call writes is checked against it here.
-            let lead = try KVCodesAttnDispatcher.shape(t).lead
-            let written = [t.out, t.lse].compactMap { $0 } + [k, v].flatMap { $0.tensors }
-            try Dispatch.requireDisjoint(written, from: [cu], op: op)
-            try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
-                let split = RaggedAppend(cacheShape: lead, blockTable: table, cuSeqlensKNew: cu, names: names,
-                                         makeView: codesAppend)
-                try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
+                guard let cu = c[5] else {
+                    return try attend { rows, ends in
+                        (try codesAppend(rows.k, rows.v, ends, table), Array(repeating: rows.k.shape[1], count: ends.shape[0]))
+                    }
+                }
+                // Ragged new rows: their per-row tables live in scratch as long as the work; no kernel
+                // reads cu_seqlens_k_new, so what the call writes is checked against it here.
+                let lead = try KVCodesAttnDispatcher.shape(t).lead
+                let written = [t.out, t.lse].compactMap { $0 } + [k, v].flatMap { $0.tensors }
+                try Dispatch.requireDisjoint(written, from: [cu], op: op)
+                try reg.withScratch(op: op, bytes: RaggedAppend.tableBytes(rows: newRowCount)) { slots in
+                    let split = RaggedAppend(cacheShape: lead, blockTable: table, cuSeqlensKNew: cu, names: names,
+                                             makeView: codesAppend)
+                    try attend { rows, ends in try split.plan(rows: rows, ends: ends, tables: slots.data) }
+                }
             }
         }
     }

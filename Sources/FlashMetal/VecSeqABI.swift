@@ -40,27 +40,34 @@ public func fm_dispatch_vec_seq(
         let names = newRowNames(err)
         let appended = try newRows(s?.k_new, s?.v_new, op: op, names: names)
         let tables = [try optionalTensor(s?.seqlens_k, op: op, name: "cache_seqlens"),
-                      try optionalTensor(s?.block_table, op: op, name: "block_table")]
+                      try optionalTensor(s?.block_table, op: op, name: "block_table"),
+                      try optionalTensor(s?.cache_batch_idx, op: op, name: CacheBatchIndex.name)]
         try reg.withPrivateCopies(op: op, tables) { c in
-            let dense = AppendBeforeAttention.dense(kCache: kt, vCache: vt, blockTable: c[1], names: names)
-            try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
-                                             makeAppend: dense) { append, seqlens in
-                let table = c[1]
-                func tensors(_ tmp: TensorRef) -> VecSeqTensors {
-                    var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
-                                          sinks: sinks, lse: lse)
-                    (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
-                    t.alibiSlopes = slopes
-                    return t
-                }
-                if let given = given {
-                    try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(given), o), op: op)
-                    return
-                }
-                // Sized from validated shapes; the full validation runs in makeDispatches.
-                let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
-                try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
-                    try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
+            // With cache_batch_idx the kernels read the block table it makes.
+            try withCacheRows(c[2], blockTable: c[1], cacheShape: kt.shape, batch: qt.shape.first ?? 0,
+                              appending: appended != nil, seqlens: c[0], newRows: rowsPerSequence(appended, ragged: false),
+                              written: [outT, lse].compactMap { $0 } + (appended == nil ? [] : [kt, vt]),
+                              on: reg, op: op) { pages in
+                let dense = AppendBeforeAttention.dense(kCache: kt, vCache: vt, blockTable: pages, names: names)
+                try reg.appendingBeforeAttention(appended, seqlens: c[0], op: op, names: names,
+                                                 makeAppend: dense) { append, seqlens in
+                    let table = pages
+                    func tensors(_ tmp: TensorRef) -> VecSeqTensors {
+                        var t = VecSeqTensors(q: qt, k: kt, v: vt, out: outT, tmp: tmp, seqlensK: seqlens, blockTable: table,
+                                              sinks: sinks, lse: lse)
+                        (t.kName, t.vName, t.lseName) = (kName, vName, lseName)
+                        t.alibiSlopes = slopes
+                        return t
+                    }
+                    if let given = given {
+                        try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(given), o), op: op)
+                        return
+                    }
+                    // Sized from validated shapes; the full validation runs in makeDispatches.
+                    let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
+                    try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
+                        try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
+                    }
                 }
             }
         }

@@ -78,7 +78,6 @@ public enum KVSide {
     /// [lead..., D] float32, float16 or bfloat16.
     case dense(TensorRef)
 
-    /// The codes, or nil for a dense side.
     /// The tensors the side's storage is: codes and norms, or the dense cache.
     public var tensors: [TensorRef] {
         switch self {
@@ -87,6 +86,7 @@ public enum KVSide {
         }
     }
 
+    /// The codes, or nil for a dense side.
     public var quantized: QuantizedCache? {
         if case let .codes(c) = self { return c }
         return nil

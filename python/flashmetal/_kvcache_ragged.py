@@ -172,9 +172,11 @@ def rotate_rows(reg: Any, x: np.ndarray, tables: tuple[np.ndarray, np.ndarray], 
 
 def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, seqlens: np.ndarray | None,
            table: np.ndarray | None, opts: Any, *, sinks: np.ndarray | None, alibi: np.ndarray | None,
-           want_lse: bool, out: np.ndarray | None, new: NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
+           want_lse: bool, out: np.ndarray | None, new: NewRows | None,
+           cache_batch_idx: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """The varlen prefill of the packed q [total_q, H, D] over the cache
-    (lengths `seqlens`, [B] or [2, B] with key starts), after `new`'s rows
+    (lengths `seqlens`, [B] or [2, B] with key starts; pages through
+    `table` and cache rows `cache_batch_idx` when given), after `new`'s rows
     are appended (the library validates both before either runs). Returns
     (out, lse [H, total_q]); the library makes rows after cu_seqlens_q[-1]
     read 0 and -inf."""
@@ -184,9 +186,11 @@ def attend(reg: Any, r: Ragged, q: np.ndarray, kc: np.ndarray, vc: np.ndarray, s
     k_new, v_new, cu_k = (None, None, None) if new is None else new
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, cu_seqlens_q=r.cu_q, seqlens_k=seqlens, block_table=table, sinks=sinks, lse=lse,
-                            alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k,
+                            cache_batch_idx=cache_batch_idx)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, q), tensor(ffi, kc), tensor(ffi, vc), seq, tensor(ffi, result),
-                 opts, op=_KVCACHE, keep=(q, kc, vc, r.cu_q, seqlens, table, sinks, lse, alibi, result, new, keep))
+                 opts, op=_KVCACHE, keep=(q, kc, vc, r.cu_q, seqlens, table, cache_batch_idx, sinks, lse, alibi,
+                                          result, new, keep))
     return result, lse
 
 

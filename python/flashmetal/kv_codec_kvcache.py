@@ -72,12 +72,13 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
                        va: np.ndarray | None, lens: np.ndarray | None, bt: np.ndarray | None, opts: Any,
                        sinks: np.ndarray | None, want_lse: bool, out: Any,
                        in_place: Callable[[Any, str], np.ndarray], first_keys: np.ndarray | None = None,
-                       alibi: np.ndarray | None = None) -> Any:
+                       alibi: np.ndarray | None = None, cache_batch_idx: np.ndarray | None = None) -> Any:
     """flash_attn_with_kvcache's route when a cache is a QuantizedKV (see
     there; arguments already read by it). The kernel reads q and writes the
     output in q's dtype (_io says when it cannot). first_keys: cache_leftpad's
     [2, B] table (each sequence's end before the append, then its first
-    key), or None. alibi: float32 [B, H] ALiBi slopes, or None. One library
+    key), or None. alibi: float32 [B, H] ALiBi slopes, or None.
+    cache_batch_idx: int32 [B] (each sequence's cache row), or None. One library
     call encodes k/v into the caches at `lens` through `bt` and attends; it
     validates both before either runs, so a refused call leaves the caches
     as they were."""
@@ -89,11 +90,12 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
     if qa.ndim != 4:
         raise InvalidValueError(_OP, f"q must be [B, seqlen_q, H, D], got shape {qa.shape}")
     out_arr = None if out is None else check_out(out, _OP, qa.shape, qa.dtype,
-                                                 [qa, kc, kn, vc, vn, bt, sinks, lens, alibi])
+                                                 [qa, kc, kn, vc, vn, bt, cache_batch_idx, sinks, lens, alibi])
     b, ql, h, _ = qa.shape
     lse = np.empty((b, h, ql), dtype=F32) if want_lse else None
     result = _attend(reg, _OP, qa, io, sides, opts, out_arr, seqlens_k=lens if first_keys is None else first_keys,
-                     block_table=bt, sinks=sinks, lse=lse, k_new=ka, v_new=va, alibi_slopes=alibi)
+                     block_table=bt, cache_batch_idx=cache_batch_idx, sinks=sinks, lse=lse, k_new=ka, v_new=va,
+                     alibi_slopes=alibi)
     wrap = wrapper_like(q)
     final = wrap(result) if out is None else out
     if not want_lse:
@@ -103,7 +105,8 @@ def kvcache_over_codes(reg: Registry, q: Any, qa: np.ndarray, k_cache: Any, v_ca
 
 
 def ragged_over_codes(reg: Registry, rag: Any, dtype: np.dtype, k_cache: Any, v_cache: Any,
-                      seqlens: np.ndarray | None, bt: np.ndarray | None, opts: Any, *, sinks: np.ndarray | None,
+                      seqlens: np.ndarray | None, bt: np.ndarray | None, batch_idx: np.ndarray | None, opts: Any,
+                      *, sinks: np.ndarray | None,
                       alibi: np.ndarray | None, want_lse: bool, out: Any,
                       in_place: Callable[[Any, str], np.ndarray]
                       ) -> Callable[[np.ndarray, Any], tuple[np.ndarray, np.ndarray | None]]:
@@ -112,7 +115,7 @@ def ragged_over_codes(reg: Registry, rag: Any, dtype: np.dtype, k_cache: Any, v_
     the call `(q, new)` that encodes `new`'s rows (k, v, cu_seqlens_k_new or
     None) into the caches and runs the varlen prefill of the packed q
     [total_q, H, D] over the codes, lengths `seqlens` ([B], or [2, B] with
-    first keys) through `bt`, in one library call that validates both before
+    first keys) through `bt` (and cache rows `batch_idx`, cache_batch_idx), in one library call that validates both before
     either runs. It returns (out [total_q, H, D] in `dtype`, written into the
     caller's `out` when given; lse [H, total_q] or None); the library makes
     rows past cu_seqlens_q[B] read 0 and -inf."""
@@ -123,14 +126,16 @@ def ragged_over_codes(reg: Registry, rag: Any, dtype: np.dtype, k_cache: Any, v_
     shape = rag.q.shape
     out_flat = None
     if out is not None:
-        out_flat = check_out(out, _OP, rag.dense_q or shape, dtype, [rag.q, kc, kn, vc, vn, bt, sinks, seqlens, alibi])
+        out_flat = check_out(out, _OP, rag.dense_q or shape, dtype,
+                             [rag.q, kc, kn, vc, vn, bt, batch_idx, sinks, seqlens, alibi])
         out_flat = out_flat.reshape(shape)
 
     def call(q: np.ndarray, new: Any) -> tuple[np.ndarray, np.ndarray | None]:
         lse = np.empty((shape[1], shape[0]), dtype=F32) if want_lse else None
         k_new, v_new, cu_k = (None, None, None) if new is None else new
         result = _attend(reg, _OP, q, _io(reg, _OP, q, sides), sides, opts, out_flat, dtype=dtype,
-                         cu_seqlens_q=rag.cu_q, seqlens_k=seqlens, block_table=bt, sinks=sinks, lse=lse,
+                         cu_seqlens_q=rag.cu_q, seqlens_k=seqlens, block_table=bt, cache_batch_idx=batch_idx,
+                         sinks=sinks, lse=lse,
                          alibi_slopes=alibi, k_new=k_new, v_new=v_new, cu_seqlens_k_new=cu_k)
         return result, lse
     return call

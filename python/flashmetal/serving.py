@@ -336,14 +336,8 @@ def flash_attn_with_kvcache(
             rag = _ragged.layout(qa, ka, va, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q)
             slopes = alibi_arg(_KVCACHE, alibi_slopes, rag.batch, rag.q.shape[1])
         batch = rag.batch if rag is not None else qa.shape[0] if qa.ndim else 0
-        rows_as_pages = cache_batch_idx is not None and bt is None
-        if cache_batch_idx is not None and bt is not None:
-            bt = _table_rows(cache_batch_idx, batch, bt, appending)
-        elif rows_as_pages:  # storage [batch_cache, cap, Hkv] is batch_cache pages of cap keys
-            bt = _rows_as_pages(cache_batch_idx, batch, codes, codes, ka)[0]
-        lens = _cache_seqlens(cache_seqlens, batch, codes, bt, required=appending)
-        if rag is None and rows_as_pages and lens is not None and lens.ndim == 1:
-            _require_row_room(lens, ka.shape[1] if ka is not None and ka.ndim == 4 else 0, codes.shape[1])
+        idx = _batch_idx(cache_batch_idx)
+        lens = _cache_seqlens(cache_seqlens, batch, codes, _pages(bt, idx), required=appending)
         first_keys = None if cache_leftpad is None else _cache_leftpad(cache_leftpad, batch, codes, bt, lens)
         if rag is not None:
             opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
@@ -352,7 +346,7 @@ def flash_attn_with_kvcache(
             per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                         int(attention_chunk))
             kernel_lens = lens if first_keys is None else first_keys
-            codes_call = ragged_over_codes(reg, rag, qa.dtype, k_cache, v_cache, kernel_lens, bt, opts,
+            codes_call = ragged_over_codes(reg, rag, qa.dtype, k_cache, v_cache, kernel_lens, bt, idx, opts,
                                            sinks=sinks_arg(_KVCACHE, sinks), alibi=slopes, want_lse=want_lse,
                                            out=out, in_place=_in_place)
             result, lse = _ragged_kvcache(reg, rag, lens, tables, interleaved, per_row,
@@ -367,7 +361,7 @@ def flash_attn_with_kvcache(
             qa = rotate(reg, _KVCACHE, qa, tables, lens, interleaved=interleaved, per_row=per_row, name="q")
             ka = rotate(reg, _KVCACHE, ka, tables, lens, interleaved=interleaved, per_row=True, name="k")
         return kvcache_over_codes(reg, q, qa, k_cache, v_cache, ka, va, lens, bt, opts, sinks_arg(_KVCACHE, sinks),
-                                  want_lse, out, _in_place, first_keys, alibi=slopes)
+                                  want_lse, out, _in_place, first_keys, alibi=slopes, cache_batch_idx=idx)
     if appending:
         # The library refuses caches that overlap each other, k, v or a table;
         # a strided k/v is copied here first, so the append reads the copy.
@@ -382,14 +376,8 @@ def flash_attn_with_kvcache(
                              cu_seqlens_k_new, max_seqlen_q)
         slopes = alibi_arg(_KVCACHE, alibi_slopes, rag.batch, rag.q.shape[1])
     batch = rag.batch if rag is not None else qa.shape[0] if qa.ndim else 0
-    rows_as_pages = cache_batch_idx is not None and bt is None
-    if cache_batch_idx is not None and bt is not None:
-        bt = _table_rows(cache_batch_idx, batch, bt, appending)
-    elif rows_as_pages:
-        bt, kc, vc = _rows_as_pages(cache_batch_idx, batch, kc, vc, ka if appending else None)
-    lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, bt, required=appending)
-    if rag is None and rows_as_pages and lens is not None and lens.ndim == 1:
-        _require_row_room(lens, ka.shape[1] if appending and ka.ndim == 4 else 0, kc.shape[1])
+    idx = _batch_idx(cache_batch_idx)
+    lens = given_lens = _cache_seqlens(cache_seqlens, batch, kc, _pages(bt, idx), required=appending)
     if cache_leftpad is not None:
         given_lens, lens = lens, _cache_leftpad(cache_leftpad, batch, kc, bt, lens)
     opts = attn_options(_KVCACHE, head_dim=_head_dim(qa), softmax_scale=softmax_scale, softcap=softcap,
@@ -397,7 +385,7 @@ def flash_attn_with_kvcache(
                         max_seqlen_q=0 if rag is None else rag.max_seqlen_q)
     sk = sinks_arg(_KVCACHE, sinks)
     out_arr = None if out is None else check_out(out, _KVCACHE, out_shape(qa, vc), qa.dtype,
-                                                 [qa, kc, vc, bt, sk, lens, given_lens])
+                                                 [qa, kc, vc, bt, idx, sk, lens, given_lens])
     if rag is not None:
         per_row = per_row_positions(flag(_KVCACHE, "causal", causal), window(_KVCACHE, window_size),
                                     int(attention_chunk))
@@ -405,14 +393,14 @@ def flash_attn_with_kvcache(
 
         def dense_call(q_rows: np.ndarray, new: _ragged.NewRows | None) -> tuple[np.ndarray, np.ndarray | None]:
             return _ragged.attend(reg, rag, q_rows, kc, vc, lens, bt, opts, sinks=sk, alibi=slopes, want_lse=want_lse,
-                                  out=out_flat, new=new)
+                                  out=out_flat, new=new, cache_batch_idx=idx)
         result, lse = _ragged_kvcache(reg, rag, given_lens, tables, interleaved, per_row,
                                       ragged_k=cu_seqlens_k_new is not None, call=dense_call)
         return _returned(q, out, result, lse if want_lse else None)
     short = _short_query(qa, kc, vc)
     if tables is None:  # k/v (when given) ride in the attention's own call
         finish = _attend(reg, _KVCACHE, qa, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                         block_table=bt, out=out_arr, alibi=slopes, short=short,
+                         block_table=bt, cache_batch_idx=idx, out=out_arr, alibi=slopes, short=short,
                          appended=(ka, va) if appending else None)
     else:
         assert lens is not None and given_lens is not None  # required when appending
@@ -429,8 +417,8 @@ def flash_attn_with_kvcache(
                            name="q")
             k_rot = rotate(reg, _KVCACHE, ka, tables, given_lens, interleaved=interleaved, per_row=True, name="k")
             finish = _attend(reg, _KVCACHE, q_rot, kc, vc, opts, sinks=sk, want_lse=want_lse, seqlens_k=lens,
-                             block_table=bt, out=out_arr, out_dtype=qa.dtype, alibi=slopes, short=short,
-                             appended=(k_rot, va))
+                             block_table=bt, cache_batch_idx=idx, out=out_arr, out_dtype=qa.dtype, alibi=slopes,
+                             short=short, appended=(k_rot, va))
     result, lse = finish()
     return _returned(q, out, result, lse if want_lse else None)
 
@@ -510,19 +498,35 @@ def _in_place(cache: Any, name: str) -> np.ndarray:
     return as_input(a, _KVCACHE, name)
 
 
-def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, block_table: np.ndarray | None,
+def _cache_seqlens(cache_seqlens: Any, batch: int, cache: np.ndarray, pages: int | None,
                    *, required: bool) -> np.ndarray | None:
     """cache_seqlens as int32 [B] (an int is broadcast). None reads every slot:
-    no table for a contiguous cache; for a paged one all max_pages * page_size
-    keys of each row (the kernel needs lengths to bound its table reads)."""
+    no table for a contiguous cache; through pages (`pages` of them per
+    sequence: a block table's dim 1, or 1 when cache_batch_idx reads each
+    cache row as one page) all pages * page_size keys of each sequence (the
+    kernel needs lengths to bound its table reads)."""
     if cache_seqlens is None:
         if required:
             raise InvalidValueError(_KVCACHE, "cache_seqlens is required when appending k/v")
-        if block_table is None or block_table.ndim != 2 or cache.ndim < 2:
+        if pages is None or cache.ndim < 2:
             return None
-        return np.full(batch, min(block_table.shape[1] * cache.shape[1], 2**31 - 1), dtype=I32)
+        return np.full(batch, min(pages * cache.shape[1], 2**31 - 1), dtype=I32)
     lens = as_index(cache_seqlens, _KVCACHE, "cache_seqlens")
     return np.full(batch, int(lens), dtype=I32) if lens.ndim == 0 else lens
+
+
+def _batch_idx(cache_batch_idx: Any) -> np.ndarray | None:
+    """cache_batch_idx as int32 (the library checks it and makes the block
+    table the kernels read from it)."""
+    return None if cache_batch_idx is None else as_index(cache_batch_idx, _KVCACHE, "cache_batch_idx")
+
+
+def _pages(block_table: np.ndarray | None, cache_batch_idx: np.ndarray | None) -> int | None:
+    """Pages per sequence: the block table's dim 1; 1 when cache_batch_idx
+    reads a row of the cache as one page; None for a contiguous cache."""
+    if block_table is not None:
+        return block_table.shape[1] if block_table.ndim == 2 else None
+    return None if cache_batch_idx is None else 1
 
 
 def _table(x: Any, batch: int, name: str) -> np.ndarray:
@@ -533,62 +537,6 @@ def _table(x: Any, batch: int, name: str) -> np.ndarray:
         raise InvalidValueError(_KVCACHE, f"{name} must have shape [{batch}] (q's batch), got {list(a.shape)}",
                                 argument=name)
     return a
-
-
-def _check_rows(idx: np.ndarray, rows: int, of: str, appending: bool) -> None:
-    """Every cache_batch_idx entry in [0, rows) (`of` names where rows comes
-    from), and distinct when appending (one row written twice otherwise)."""
-    first: dict[int, int] = {}
-    for b, r in enumerate(idx.tolist()):
-        if not 0 <= r < rows:
-            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{b}] = {r} is out of range [0, {rows}) ({of})",
-                                    argument="cache_batch_idx")
-        if appending and r in first:
-            raise InvalidValueError(_KVCACHE, f"cache_batch_idx[{first[r]}] and cache_batch_idx[{b}] both name "
-                                    f"cache row {r}: appending k/v would write it twice", argument="cache_batch_idx")
-        first.setdefault(r, b)
-
-
-def _table_rows(cache_batch_idx: Any, batch: int, table: np.ndarray, appending: bool) -> np.ndarray:
-    """cache_batch_idx over a paged cache (flash-attn 3's): sequence b reads
-    and appends through block_table row cache_batch_idx[b], a block table of
-    [batch_cache, max_pages]. Returns the [B, max_pages] table sequence by
-    sequence, every index checked before anything reads through it."""
-    idx = _table(cache_batch_idx, batch, "cache_batch_idx")
-    if table.ndim != 2:
-        raise InvalidValueError(_KVCACHE, f"block_table must be int32 [batch_cache, max_pages] with "
-                                f"cache_batch_idx, got shape {list(table.shape)}", argument="block_table")
-    _check_rows(idx, table.shape[0], "block_table's dim 0", appending)
-    return np.ascontiguousarray(table[idx])
-
-
-def _rows_as_pages(cache_batch_idx: Any, batch: int, kc: np.ndarray, vc: np.ndarray,
-                   k_new: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cache_batch_idx (sequence b uses cache row cache_batch_idx[b]) as a
-    block table: a cache [batch_cache, cap, Hkv, D] is batch_cache pages of
-    cap keys, and sequence b's one page is its row. Every index is checked
-    here, before anything reads through it. Returns (table, k_cache, v_cache)."""
-    idx = _table(cache_batch_idx, batch, "cache_batch_idx")
-    if kc.ndim != 4:
-        raise InvalidValueError(_KVCACHE, f"k_cache must be [batch_cache, cap, Hkv, D] with cache_batch_idx, "
-                                f"got shape {list(kc.shape)}", argument="k_cache")
-    rows, cap = kc.shape[0], kc.shape[1]
-    _check_rows(idx, rows, "k_cache's dim 0", k_new is not None)
-    if cap == 0:  # a row is read as one page of the cache, and a page holds at least one key
-        raise InvalidValueError(_KVCACHE, "cache_batch_idx needs a cache capacity (k_cache's dim 1) of at least one "
-                                "key, got 0", argument="cache_batch_idx")
-    return idx.reshape(batch, 1), kc, vc
-
-
-def _require_row_room(lens: np.ndarray, n_new: int, cap: int) -> None:
-    """With cache_batch_idx each sequence's keys (and appended rows) stay in
-    its own cache row of cap keys."""
-    for b, n in enumerate(lens.tolist()):
-        if not 0 <= n <= cap - n_new:
-            room = f"[0, {cap - n_new}] (k_cache's dim 1, {cap}, less the {n_new} appended rows)" if n_new else \
-                f"[0, {cap}] (k_cache's dim 1)"
-            raise InvalidValueError(_KVCACHE, f"cache_seqlens[{b}] = {n} is out of range {room}",
-                                    argument="cache_seqlens")
 
 
 def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_table: np.ndarray | None,
@@ -627,12 +575,13 @@ def _decode_dtypes(op: str, qa: np.ndarray, ka: np.ndarray) -> bool:
 
 def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
             sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None = None,
-            block_table: np.ndarray | None = None, out: np.ndarray | None = None,
-            out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
+            block_table: np.ndarray | None = None, cache_batch_idx: np.ndarray | None = None,
+            out: np.ndarray | None = None, out_dtype: np.dtype | None = None, alibi: np.ndarray | None = None,
             short: bool = False, appended: tuple[np.ndarray, np.ndarray] | None = None,
             ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """Dispatches q [B, qL, H, D] over k/v (ALiBi slopes float32 [B, H] or
-    None): the decode kernel for qL == 1 (q and the output in their own
+    None; pages through block_table, cache rows cache_batch_idx, when
+    given): the decode kernel for qL == 1 (q and the output in their own
     dtypes, float32 or the caches'), the same kernel over all qL rows with
     `short` (_short_query), else prefill. `appended`: new rows (k, v) the
     call appends into k/v (the caches) at seqlens_k before it attends over
@@ -644,7 +593,8 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     k_new, v_new = appended or (None, None)
     if short:
         return _attend_short(reg, op, qa, ka, va, opts, sinks=sinks, want_lse=want_lse, seqlens_k=seqlens_k,
-                             block_table=block_table, out=out, out_dtype=out_dtype, alibi=alibi, appended=appended)
+                             block_table=block_table, cache_batch_idx=cache_batch_idx, out=out,
+                             out_dtype=out_dtype, alibi=alibi, appended=appended)
     target = np.dtype(out_dtype or qa.dtype)
     if qa.ndim == 4 and qa.shape[1] == 1 and _decode_dtypes(op, qa, ka):
         b, _, h, d = qa.shape
@@ -656,11 +606,11 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
              else np.empty((b, h, dv), dtype=target if direct else F32))
         lse = np.empty((b, h), dtype=F32) if want_lse else None
         seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
-                                alibi_slopes=alibi, k_new=k_new, v_new=v_new)
+                                alibi_slopes=alibi, k_new=k_new, v_new=v_new, cache_batch_idx=cache_batch_idx)
         qd = qa.reshape(b, h, d)
         _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qd), tensor(ffi, ka), tensor(ffi, va), seq,
-                     ffi.NULL, tensor(ffi, o), opts, op=op, keep=(qd, ka, va, seqlens_k, block_table, sinks,
-                                                                 lse, alibi, o, k_new, v_new, keep))
+                     ffi.NULL, tensor(ffi, o), opts, op=op, keep=(qd, ka, va, seqlens_k, block_table, cache_batch_idx,
+                                                                 sinks, lse, alibi, o, k_new, v_new, keep))
 
         def finish_decode() -> tuple[np.ndarray, np.ndarray | None]:
             result = o.reshape(b, 1, h, dv) if direct else o.reshape(b, 1, h, dv).astype(target)
@@ -673,10 +623,10 @@ def _attend(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarr
     if want_lse and qa.ndim == 4:
         rows_lse = np.empty((qa.shape[0], qa.shape[2], qa.shape[1]), dtype=F32)
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=rows_lse,
-                            alibi_slopes=alibi, k_new=k_new, v_new=v_new)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new, cache_batch_idx=cache_batch_idx)
     _native.call(reg, "fm_dispatch_attn", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq,
-                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, rows_lse,
-                                                         alibi, result, k_new, v_new, keep))
+                 tensor(ffi, result), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, cache_batch_idx, sinks,
+                                                         rows_lse, alibi, result, k_new, v_new, keep))
     return lambda: (result, rows_lse)
 
 
@@ -695,8 +645,9 @@ def _short_query(qa: np.ndarray, ka: np.ndarray, va: np.ndarray) -> bool:
 
 def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, opts: Any, *,
                   sinks: np.ndarray | None, want_lse: bool, seqlens_k: np.ndarray | None,
-                  block_table: np.ndarray | None, out: np.ndarray | None, out_dtype: np.dtype | None,
-                  alibi: np.ndarray | None, appended: tuple[np.ndarray, np.ndarray] | None,
+                  block_table: np.ndarray | None, cache_batch_idx: np.ndarray | None, out: np.ndarray | None,
+                  out_dtype: np.dtype | None, alibi: np.ndarray | None,
+                  appended: tuple[np.ndarray, np.ndarray] | None,
                   ) -> Callable[[], tuple[np.ndarray, np.ndarray | None]]:
     """_attend's short-query route (see _short_query): q [B, qL, H, D]
     (float32 when rotated, else the caches' dtype) through
@@ -713,10 +664,10 @@ def _attend_short(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np
     lse = np.empty((b, ql, h), dtype=F32) if want_lse else None
     k_new, v_new = appended or (None, None)
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=block_table, sinks=sinks, lse=lse,
-                            alibi_slopes=alibi, k_new=k_new, v_new=v_new)
+                            alibi_slopes=alibi, k_new=k_new, v_new=v_new, cache_batch_idx=cache_batch_idx)
     _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), seq, ffi.NULL,
-                 tensor(ffi, o), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, sinks, lse, alibi, o,
-                                                    k_new, v_new, keep))
+                 tensor(ffi, o), opts, op=op, keep=(qa, ka, va, seqlens_k, block_table, cache_batch_idx, sinks, lse,
+                                                    alibi, o, k_new, v_new, keep))
 
     def finish() -> tuple[np.ndarray, np.ndarray | None]:
         if lse is None:

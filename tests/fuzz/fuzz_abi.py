@@ -89,7 +89,7 @@ OPS = {
     "mask_key_ranges": ("mask_key_ranges",),
 }
 SEQ_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seqlens_k", "block_table", "sinks", "lse", "seqused_q", "k_new",
-              "v_new", "cu_seqlens_k_new", "alibi_slopes")
+              "v_new", "cu_seqlens_k_new", "alibi_slopes", "cache_batch_idx")
 # Values a mutated int32 index entry takes (out of range for any table here).
 BAD_ENTRIES = (-1, -2**31, 2**31 - 1, 4096, 65)
 TOL = {0: (1e-4, 1e-3), 1: (1e-3, 5e-3), 2: (5e-3, 2e-2)}
@@ -350,6 +350,8 @@ def gen_attn(rng, backend):
     if mode.startswith("kvcache"):
         cap = k_shape[1] * (table.shape[1] if mode.endswith("paged") else 1)
         t["seqlens_k"] = _seqlens_table(rng, k_lens, cap)
+    if mode.startswith("kvcache") and rng.random() < 0.25:
+        _batch_idx_case(rng, t, k_shape, b)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, dt, q_shape, nonfinite=nonfinite), k=_tensor(rng, dt, k_shape),
              v=_tensor(rng, dt, k_shape[:-1] + [dv]), out=_tensor(rng, dt, q_shape[:-1] + [dv], role="out"))
@@ -414,6 +416,38 @@ def _cache_case(rng, small: bool, kv_dtypes: list[int], heads_per_kv: list[int])
     return t, lens, shape, dict(d=d, b=b, h=h, hkv=hkv, dt=dt, room=room)
 
 
+def _batch_idx_case(rng, t: dict[str, TSpec], shape: list[int], b: int, extra: int | None = None) -> None:
+    """Makes a cache case flash_attn_with_kvcache's cache_batch_idx case:
+    sequence b reads cache row idx[b] (distinct rows) among `extra` (else
+    0-2) rows more than the batch: rows of the contiguous cache (`shape`,
+    whose tensors are made after, grows in place), or of the block table
+    (the extra rows any pages)."""
+    extra = int(rng.integers(0, 3)) if extra is None else extra
+    rows = b + extra
+    if "block_table" in t:
+        table = t["block_table"].array()
+        more = rng.integers(0, shape[0], (extra, table.shape[1]))
+        order = rng.permutation(rows)
+        full = np.concatenate([table, more])[np.argsort(order)]
+        t["block_table"] = _tensor(rng, 5, list(full.shape), values=full)
+        idx = order[:b]
+    else:
+        shape[0] = rows
+        idx = rng.permutation(rows)[:b]
+    t["cache_batch_idx"] = _tensor(rng, 5, [b], values=idx)
+
+
+def _pages_read(case: Case) -> np.ndarray | None:
+    """The block table the kernels read: block_table; with cache_batch_idx
+    its rows idx[b], or without one idx[b] itself (a cache row is one page)."""
+    t = case.tensors
+    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    if not _seq_present(case, "cache_batch_idx"):
+        return table
+    idx = t["cache_batch_idx"].array()
+    return idx[:, None] if table is None else table[idx]
+
+
 def _seqlens_table(rng, lens: list[int], cap: int | None = None) -> TSpec:
     """seqlens_k: int32 [B] lengths, or (30%) [2, B]: the lengths, then each
     sequence's first key (cache_leftpad), up to one past its length where the
@@ -436,6 +470,8 @@ def gen_vec_seq(rng, backend):
     """fm_dispatch_vec_seq: float32 q [B, H, D] over per-sequence caches, or
     (30%) a short query [B, L, H, D] (see _short_query)."""
     t, lens, shape, g = _cache_case(rng, backend != "cpu", [0, 1, 2], [1, 2, 4])
+    if rng.random() < 0.25:
+        _batch_idx_case(rng, t, shape, g["b"])
     t["seqlens_k"] = _seqlens_table(rng, lens)
     nonfinite = rng.random() < 0.05
     t.update(q=_tensor(rng, 0, [g["b"], g["h"], g["d"]], nonfinite=nonfinite), k=_tensor(rng, g["dt"], shape),
@@ -547,6 +583,9 @@ def gen_kv_codes_attn(rng, backend):
         t[f"{side}_norms"] = _tensor(rng, 0, lead + [d // quant_reference.BLOCKS[d]], values=norms.astype(np.float32))
         codecs.append(dict(head_dim=d, bits=bits, seed=seed))
     varlen = packed_k or ("block_table" in t and rng.random() < 0.35)
+    # A permutation of the rows (the codes are made); a row is read as one page, of at least one key.
+    if not varlen and lead[1] > 0 and rng.random() < 0.25:
+        _batch_idx_case(rng, t, list(lead), b, extra=0 if "block_table" not in t else None)
     max_q = max_k = 0
     if varlen:
         # Packed query rows (a padded tail no sequence owns), key counts in
@@ -1129,7 +1168,7 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
               attention_chunk=i32(o.get("attention_chunk", 0)),
               sinks=t["sinks"].array() if _seq_present(case, "sinks") else None)
     q, k, v = t["q"].array(), t["k"].array(), t["v"].array()
-    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    table = _pages_read(case)
     lens, starts = _lens_and_starts(case)
     if _seq_present(case, "k_new"):  # the caches after the reference's append, the lengths grown
         k, v, lens = _appended(case)
@@ -1177,7 +1216,7 @@ def _appended(case: Case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     each sequence's length (split by cu_seqlens_k_new when given), from
     their bytes before the call, and the lengths grown by the rows."""
     t = case.tensors
-    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    table = _pages_read(case)
     ends = _lens_and_starts(case)[0]
     kn, vn = t["k_new"].array(), t["v_new"].array()
     if not _seq_present(case, "cu_seqlens_k_new"):
@@ -1251,7 +1290,7 @@ def _codes_appended_slots(case: Case) -> list[tuple[int, int, int, int]]:
     t = case.tensors
     if not _seq_present(case, "k_new"):
         return []
-    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    table = _pages_read(case)
     ends = _lens_and_starts(case)[0]
     page = t["k_codes"].shape[1]
     counts = _codes_new_counts(case)
@@ -1371,7 +1410,7 @@ def _codes_attn_expected(case: Case) -> np.ndarray:
     lens, starts = _lens_and_starts(case)
     if _seq_present(case, "k_new"):
         lens = lens + _codes_new_counts(case)
-    table = t["block_table"].array() if _seq_present(case, "block_table") else None
+    table = _pages_read(case)
     if _seq_present(case, "cu_seqlens_q"):  # packed queries over the cache lengths, sequence by sequence
         q, cq = t["q"].array(), t["cu_seqlens_q"].array()
         if lens is None:  # every sequence holds its whole cache

@@ -115,6 +115,20 @@ def test_decode(registry, rng, d, dtype):
     assert_close(out, want, F32 if dtype == F32 else F16, f"{registry.backend} decode D={d} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("d", head_dim_tables.DECODE)
+def test_decode_in_cache_dtype(registry, rng, d, dtype):
+    """flash_attn_decode with q in the caches' 16-bit dtype at every decode
+    tile (576 included): the reduce rounds the float32 row into q's dtype."""
+    q = randn(rng, (1, 4, d), dtype)
+    kc = randn(rng, (1, 2, 24, d), dtype)
+    vc = randn(rng, (1, 2, 24, d), dtype)
+    out = fm.flash_attn_decode(q, kc, vc, 21, registry=registry)
+    assert out.dtype == dtype
+    want = reference.decode(q, kc, vc, 21)
+    assert_close(out, want, dtype, f"{registry.backend} decode D={d} q {dtype}")
+
+
 @pytest.mark.parametrize("d", ODD)
 def test_decode_window_unaligned_rows(registry, rng, d):
     """A sliding window with q rows off any vector boundary (odd D, one head per group)."""

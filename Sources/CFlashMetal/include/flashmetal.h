@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 10 };
+enum { FM_ABI_VERSION = 11 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
@@ -180,6 +180,11 @@ typedef struct FMSeqTensors {
     const FMTensor *cu_seqlens_k_new; /* int32 [B+1], fm_dispatch_attn only: k_new/v_new are ragged,
                                        * [total_k_new, Hkv, D], sequence b appending its rows
                                        * cu_seqlens_k_new[b] ..< [b+1] (flash-attn 3's) */
+    const FMTensor *cache_batch_idx; /* int32 [B], with seqlens_k (flash_attn_with_kvcache's): sequence b
+                                      * reads and appends through cache row cache_batch_idx[b], of
+                                      * block_table [batch_cache, max_pages] when paged, else of the
+                                      * cache [batch_cache, cap, Hkv, D] (each row then one page of cap
+                                      * keys); distinct rows when appending */
 } FMSeqTensors;
 
 /* fm_dispatch_attn / fm_dispatch_vec_seq. Causal and windows are

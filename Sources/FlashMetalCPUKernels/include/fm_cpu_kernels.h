@@ -198,7 +198,7 @@ void fm_cpu_vec_empty_partials(const FMVecArgs *a, int64_t wg_from);
  * gqa-sized goes on a thread's stack). */
 size_t fm_cpu_vec_scratch_floats(const FMVecArgs *a);
 /* The longest row the reduce rounds into a 16-bit output (the decode's widest head dim). */
-enum { FM_VEC_ROUNDED_ROW_MAX = 512 };
+enum { FM_VEC_ROUNDED_ROW_MAX = 576 };
 /* Reduce of one row: combines nwg partials of tmp into out[row], out of
  * out_dtype (FMDType: f32, or f16/bf16 rounded to nearest even from the
  * float32 result, d <= FM_VEC_ROUNDED_ROW_MAX). With fwht,
