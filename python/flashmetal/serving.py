@@ -545,17 +545,13 @@ def _cache_leftpad(cache_leftpad: Any, batch: int, cache: np.ndarray, block_tabl
     cache_leftpad: row 0 each sequence's end (cache_seqlens; every slot when
     None), row 1 its first key. Sequence b is the cache rows [leftpad[b],
     end[b]), its positions counted from leftpad[b]; k/v are still appended at
-    cache_seqlens[b]."""
+    cache_seqlens[b]. The library checks every entry against the capacity."""
     lp = _table(cache_leftpad, batch, "cache_leftpad")
     if cache.ndim != 4:
         raise InvalidValueError(_KVCACHE, f"k_cache must have rank 4 ([B, cap, Hkv, D] or [num_pages, page_size, "
                                 f"Hkv, D]), got shape {list(cache.shape)}", argument="k_cache")
     capacity = cache.shape[1] * (1 if block_table is None or block_table.ndim != 2 else block_table.shape[1])
     capacity = min(capacity, 2**31 - 1)
-    for b, f in enumerate(lp.tolist()):
-        if not 0 <= f <= capacity:
-            raise InvalidValueError(_KVCACHE, f"cache_leftpad[{b}] = {f} is out of range [0, {capacity}] "
-                                    "(the keys a sequence's cache holds)", argument="cache_leftpad")
     ends = np.full(batch, capacity, dtype=I32) if lens is None else lens
     if ends.shape != (batch,):
         raise InvalidValueError(_KVCACHE, f"cache_seqlens must have shape [{batch}] (q's batch), got "

@@ -200,10 +200,11 @@ def _call(rng, **kw):
      fm.InvalidValueError, "block_table", "block_table must be int32 [batch_cache, max_pages]"),
     (dict(cache_batch_idx=np.array([0, 1], np.int32), cache_seqlens=np.array([3, 33], np.int32)),
      fm.InvalidValueError, "cache_seqlens", "cache_seqlens[1] = 33 is out of range [0, 32]"),
-    (dict(cache_leftpad=np.array([0, 33], np.int32)), fm.InvalidValueError, "cache_leftpad",
+    (dict(cache_batch_idx=np.array([0, 1], np.int32), cache_leftpad=np.array([0, 33], np.int32)), fm.InvalidValueError, "cache_leftpad",
      "cache_leftpad[1] = 33 is out of range [0, 32]"),
-    (dict(cache_leftpad=np.array([-2, 0], np.int32)), fm.InvalidValueError, "cache_leftpad", "cache_leftpad[0] = -2"),
-    (dict(cache_leftpad=np.array([[0, 0]], np.int32)), fm.InvalidValueError, "cache_leftpad", "shape [2]"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int32), cache_leftpad=np.array([-2, 0], np.int32)),
+     fm.InvalidValueError, "cache_leftpad", "cache_leftpad[0] = -2"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int32), cache_leftpad=np.array([[0, 0]], np.int32)), fm.InvalidValueError, "cache_leftpad", "shape [2]"),
 ])
 def test_bad_tables(rng, kw, exc, argument, text):
     k_cache, _, call = _call(rng, **kw)
