@@ -71,15 +71,18 @@ public struct CacheBatchIndex {
     public var byteCount: Int { rows.count * width * 4 }
 
     /// With the cache's rows as pages: each sequence's keys, and the `newRows`
-    /// appended after them, stay in its own row of the cache. `seqlens` the
-    /// validated int32 [B] lengths (a [2, B] table, or none, is left to the
-    /// attention's own checks).
+    /// appended after them, stay in its own row of the cache. `seqlens`: the
+    /// int32 lengths [B], or [2, B] (lengths, then cache_leftpad's first
+    /// keys); a table of another shape or dtype is left to the attention's
+    /// own checks.
     public func requireRowRoom(seqlens: TensorRef?, newRows: Int, op: String) throws {
+        let batch = rows.count
         guard blockTable == nil, let seqlens,
-              (try? SequenceTables.requireInt32(seqlens, shape: [rows.count], op: op, name: "cache_seqlens")) != nil
+              (try? SequenceTables.requireInt32(seqlens, shape: seqlens.rank == 2 ? [2, batch] : [batch], op: op,
+                                                name: "cache_seqlens")) != nil
         else { return }
         let cap = rowCapacity
-        for b in 0..<rows.count {
+        for b in 0..<batch {
             let n = SequenceTables.int32(seqlens, b)
             if n < 0 || n > cap - newRows {
                 let room = newRows > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flashmetal as fm
-from flashmetal import reference
+from flashmetal import _native, reference
 from numerics import BF16, F16, randn
 from serving_cases import assert_out_lse, paged, with_sinks
 
@@ -284,3 +284,54 @@ def test_leftpad_with_bad_cache_or_lengths_shape(rng):
         fm.flash_attn_with_kvcache(q, k4, k4, cache_seqlens=np.array([1, 2, 3], np.int32),
                                    cache_leftpad=np.zeros(2, np.int32), registry="cpu")
     assert e.value.argument == "cache_seqlens"
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "codes"])
+@pytest.mark.parametrize("leftpad", [False, True], ids=["lens", "leftpad"])
+def test_batch_idx_row_room_with_appends(registry, rng, quantized, leftpad):
+    """With cache_batch_idx over a cache's rows, each sequence's keys and the
+    rows it appends stay in its own row: the library names cache_seqlens
+    (cache_leftpad beside it or not) and writes no row."""
+    k_cache = randn(rng, (3, 16, HKV, D), BF16)
+    cache = fm.KVCodec(D, 4).encode(k_cache, registry=registry) if quantized else k_cache
+    before = (cache.codes if quantized else cache).copy()
+    q, k_new = randn(rng, (2, 1, H, D), BF16), randn(rng, (2, 2, HKV, D), BF16)
+    with pytest.raises(fm.InvalidValueError) as e:
+        fm.flash_attn_with_kvcache(q, cache, cache, k=k_new, v=k_new, cache_seqlens=np.array([3, 15], np.int32),
+                                   cache_batch_idx=np.array([2, 0], np.int32),
+                                   cache_leftpad=np.array([0, 1], np.int32) if leftpad else None, registry=registry)
+    assert str(e.value) == ("flash_attn_with_kvcache: cache_seqlens[1] = 15 is out of range [0, 14] (k_cache's "
+                            "dim 1, 16, less the 2 appended rows)")
+    assert e.value.argument == "cache_seqlens"
+    assert np.array_equal(cache.codes if quantized else cache, before)
+
+
+def test_c_abi_batch_idx_refusals(rng):
+    """The library's own cache_batch_idx rules where the public API cannot
+    reach them: not beside packed keys (cu_seqlens_k), and no output
+    sharing its memory."""
+    from flashmetal._serving_args import seq_tensors
+    from flashmetal._arrays import tensor
+    ffi = _native.ffi()
+    q = randn(rng, (2, 1, 2, D), BF16)
+    k_cache = randn(rng, (3, 8, 1, D), BF16)
+    opts = fm.serving.attn_options("flash_attn_with_kvcache", head_dim=D, softmax_scale=None, softcap=0.0,
+                                   causal=False, window_size=(-1, -1))
+    idx = np.array([2, 0], np.int32)
+    seq, keep = seq_tensors(ffi, cache_batch_idx=idx, cu_seqlens_k=np.array([0, 4, 8], np.int32),
+                            seqlens_k=np.array([4, 4], np.int32))
+    out = np.zeros_like(q)
+    with pytest.raises(fm.InvalidValueError, match="cu_seqlens_k must be NULL") as e:
+        _native.call(fm.Registry("cpu"), "fm_dispatch_attn", tensor(ffi, q), tensor(ffi, k_cache),
+                     tensor(ffi, k_cache), seq, tensor(ffi, out), opts, op="flash_attn_with_kvcache")
+    assert e.value.argument == "cache_batch_idx"
+    # out [2, 1, 2, D] bf16 over the bytes of cache_batch_idx: refused, nothing written.
+    shared = np.zeros(q.size, np.uint16)
+    alias = shared[:4].view(np.int32)
+    alias[:] = [2, 0]
+    seq, keep = seq_tensors(ffi, cache_batch_idx=alias, seqlens_k=np.array([4, 4], np.int32))
+    with pytest.raises(fm.InvalidValueError, match="overlap|share") as e:
+        _native.call(fm.Registry("cpu"), "fm_dispatch_vec_seq", tensor(ffi, q.reshape(2, 2, D)), tensor(ffi, k_cache),
+                     tensor(ffi, k_cache), seq, ffi.NULL, tensor(ffi, shared.view(BF16).reshape(2, 2, D)), opts,
+                     op="flash_attn_with_kvcache")
+    assert list(alias) == [2, 0]
