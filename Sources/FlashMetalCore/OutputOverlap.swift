@@ -50,8 +50,8 @@ extension Dispatch {
     }
 
     private static func overlapError(_ out: TensorRef, _ other: TensorRef, op: String) -> FlashMetalError {
-        .value(op, "\(out.argumentName) and \(other.argumentName) overlap in memory; \(op) writes "
-            + "\(out.argumentName), so they must not share bytes")
+        .value(op, "\(out.argumentName) and \(other.argumentName) overlap in memory; the call writes "
+            + "\(out.argumentName), so they must not share bytes", arg: out.name)
     }
 }
 

@@ -77,19 +77,21 @@ def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype | tuple
         refuse_grad_write(out, op, "out")
         out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
-        raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}")
+        raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}",
+                               argument="out")
     allowed = dtype if isinstance(dtype, tuple) else (dtype,)
     if out.dtype not in allowed:
-        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in allowed)}")
+        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in allowed)}",
+                               argument="out")
     if tuple(out.shape) != tuple(shape):
-        raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}")
+        raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}", argument="out")
     if not out.flags.c_contiguous:
-        raise InvalidValueError(op, "out must be C-contiguous")
+        raise InvalidValueError(op, "out must be C-contiguous", argument="out")
     if not out.flags.writeable:
-        raise InvalidValueError(op, "out is read-only")
+        raise InvalidValueError(op, "out is read-only", argument="out")
     for a in inputs:
         if a is not None and np.may_share_memory(out, a):
-            raise InvalidValueError(op, "out must not overlap an input array")
+            raise InvalidValueError(op, "out must not overlap an input array", argument="out")
     return out
 
 
