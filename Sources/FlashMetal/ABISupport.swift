@@ -140,13 +140,6 @@ func requireCacheRowsWithoutPackedKeys(_ s: FMSeqTensors?, op: String) throws {
     }
 }
 
-/// The number of sequences of a serving call: cu_seqlens_q's entries less
-/// one when q is packed, else q's dim 0.
-func sequenceCount(q: TensorRef, cuSeqlensQ: TensorRef?) -> Int {
-    if let cu = cuSeqlensQ { return max((cu.shape.first ?? 1) - 1, 0) }
-    return q.shape.first ?? 0
-}
-
 /// The rows each sequence appends into its own cache row (k_new's dim 1 when
 /// it is [B, n_new, Hkv, D]; 0 without new rows); nil for ragged new rows.
 func rowsPerSequence(_ appended: (k: TensorRef, v: TensorRef)?, ragged: Bool) -> Int? {

@@ -48,7 +48,8 @@ public func fm_dispatch_attn(
         try reg.withPrivateCopies(op: op, tables + [ragged, batchIdx]) { c in
             // With cache_batch_idx the kernels read the block table it makes.
             let newRows = c[0] == nil ? rowsPerSequence(appended, ragged: ragged != nil) : nil
-            try withCacheRows(c[6], blockTable: c[3], cacheShape: t.k.shape, batch: sequenceCount(q: t.q, cuSeqlensQ: c[0]),
+            let batch = SequenceTables.sequences(q: t.q, cuSeqlensQ: c[0])
+            try withCacheRows(c[6], blockTable: c[3], cacheShape: t.k.shape, batch: batch,
                               appending: appended != nil, seqlens: c[2], newRows: newRows,
                               written: [t.out, t.lse].compactMap { $0 } + (appended == nil ? [] : [t.k, t.v]),
                               on: reg, op: op) { pages in

@@ -160,7 +160,8 @@ public func fm_dispatch_kv_codes_attn(
             // quantized side's codes, as the attention reads them).
             let rowsShape = (t.k.quantized ?? t.v.quantized)?.codes.shape ?? t.k.tensors[0].shape
             let newRows = c[2] == nil ? rowsPerSequence(appended, ragged: ragged != nil) : nil
-            try withCacheRows(c[6], blockTable: c[1], cacheShape: rowsShape, batch: sequenceCount(q: t.q, cuSeqlensQ: c[2]),
+            let batch = SequenceTables.sequences(q: t.q, cuSeqlensQ: c[2])
+            try withCacheRows(c[6], blockTable: c[1], cacheShape: rowsShape, batch: batch,
                               appending: appended != nil, seqlens: c[0], newRows: newRows,
                               written: [t.out, t.lse].compactMap { $0 } + (appended == nil ? [] : t.k.tensors + t.v.tensors),
                               on: reg, op: op) { pages in

@@ -44,7 +44,8 @@ public func fm_dispatch_vec_seq(
                       try optionalTensor(s?.cache_batch_idx, op: op, name: CacheBatchIndex.name)]
         try reg.withPrivateCopies(op: op, tables) { c in
             // With cache_batch_idx the kernels read the block table it makes.
-            try withCacheRows(c[2], blockTable: c[1], cacheShape: kt.shape, batch: qt.shape.first ?? 0,
+            let batch = SequenceTables.sequences(q: qt, cuSeqlensQ: nil)
+            try withCacheRows(c[2], blockTable: c[1], cacheShape: kt.shape, batch: batch,
                               appending: appended != nil, seqlens: c[0], newRows: rowsPerSequence(appended, ragged: false),
                               written: [outT, lse].compactMap { $0 } + (appended == nil ? [] : [kt, vt]),
                               on: reg, op: op) { pages in

@@ -172,7 +172,7 @@ public enum AttnDispatcher {
         for d in qs + ks where d > Int(Int32.max) {
             throw FlashMetalError.value(op, "dimension \(d) exceeds the int32 range of AttnParams")
         }
-        let batch = varlenQ ? max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1 : qs[0]
+        let batch = SequenceTables.sequences(q: t.q, cuSeqlensQ: t.cuSeqlensQ)
         if let s = t.sinks {
             try s.requireDType([.f32], op: op, name: "sinks")
             if s.shape != [nHeads] { throw FlashMetalError.value(op, "sinks shape \(s.shape) must be [\(nHeads)]", arg: "sinks") }

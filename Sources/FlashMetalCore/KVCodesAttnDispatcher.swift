@@ -67,9 +67,8 @@ public enum KVCodesAttnDispatcher {
             throw FlashMetalError.value(op, "seqused_q needs cu_seqlens_q (packed query rows)", arg: "seqused_q")
         }
         // Varlen: q [total_q, H, D] as one "sequence" of total_q rows for the shapes below.
-        let (batch, qLen, heads, d) = varlen
-            ? (max(t.cuSeqlensQ!.shape.first ?? 0, 1) - 1, q.shape[0], q.shape[1], q.shape[2])
-            : (q.shape[0], q.shape[1], q.shape[2], q.shape[3])
+        let batch = SequenceTables.sequences(q: q, cuSeqlensQ: t.cuSeqlensQ)
+        let (qLen, heads, d) = varlen ? (q.shape[0], q.shape[1], q.shape[2]) : (q.shape[1], q.shape[2], q.shape[3])
         let (lead, codec) = try KVCodesAppendDispatcher.requireSides(t.k, t.v, headDim: d, headDimOf: "q", op: op)
         return (batch, qLen, heads, d, lead, codec)
     }

@@ -11,6 +11,13 @@ public enum SequenceTables {
         Int(t.data.loadUnaligned(fromByteOffset: i * 4, as: Int32.self))
     }
 
+    /// The sequences of a serving call: cu_seqlens_q's entries less one when
+    /// q is packed, else q's dim 0.
+    public static func sequences(q: TensorRef, cuSeqlensQ: TensorRef?) -> Int {
+        if let cu = cuSeqlensQ { return max(cu.shape.first ?? 0, 1) - 1 }
+        return q.shape.first ?? 0
+    }
+
     /// Checks the dtype (int32) and the shape of an index tensor.
     static func requireInt32(_ t: TensorRef, shape want: [Int?], op: String, name: String) throws {
         try t.requireDType([.i32], op: op, name: name)
