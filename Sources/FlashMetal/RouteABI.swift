@@ -52,3 +52,41 @@ public func fm_mask_key_ranges(_ mask: UnsafePointer<FMTensor>?, _ causal: Int32
             window: window > 0 ? Int(window) : nil, out: try TensorRef(out, op: op, name: "out")) ? 1 : 0
     }
 }
+
+/// fm_plan_attention of flashmetal.h: AttentionPlan over the descriptors'
+/// dtypes and shapes (their data is not read).
+@_cdecl("fm_plan_attention")
+public func fm_plan_attention(_ q: UnsafePointer<FMTensor>?, _ k: UnsafePointer<FMTensor>?,
+                              _ v: UnsafePointer<FMTensor>?, _ sinks: UnsafePointer<FMTensor>?,
+                              _ call: UnsafePointer<FMAttentionCall>?, _ out: UnsafeMutablePointer<FMAttentionPlan>?,
+                              _ err: UnsafeMutablePointer<FMError>?) -> Int32 {
+    guarded(err) {
+        let op = AttentionPlan.op
+        guard let c = call?.pointee else { throw FlashMetalError.value(op, "call is null", arg: "call") }
+        guard let out else { throw FlashMetalError.value(op, "out is null", arg: "out") }
+        let (qt, kt, vt) = (try TensorRef(q, op: op, name: "query"), try TensorRef(k, op: op, name: "key"),
+                            try TensorRef(v, op: op, name: "value"))
+        let sinksShape = sinks == nil ? nil : try TensorRef(sinks, op: op, name: "sinks").shape
+        let plan = try AttentionPlan.plan(
+            q: (qt.dtype, qt.shape), k: (kt.dtype, kt.shape), v: (vt.dtype, vt.shape), sinks: sinksShape,
+            AttentionPlan.Options(
+                scale: c.has_scale != 0 ? c.scale : nil, softcap: c.softcap,
+                window: c.has_window != 0 ? Int(c.window) : nil, kvLen: c.has_kv_len != 0 ? Int(c.kv_len) : nil,
+                causalBias: c.has_causal_bias != 0 ? (Int(c.bias_query_rows), Int(c.bias_keys)) : nil,
+                enableGQA: c.enable_gqa != 0, bottomRight: c.bottom_right != 0))
+        out.pointee.kind = plan.kind.rawValue
+        out.pointee.batch = Int64(plan.batch)
+        out.pointee.heads = Int64(plan.heads)
+        out.pointee.kv_heads = Int64(plan.kvHeads)
+        out.pointee.query_rows = Int64(plan.queryRows)
+        out.pointee.head_dim = Int64(plan.headDim)
+        out.pointee.head_dim_v = Int64(plan.headDimV)
+        out.pointee.capacity = Int64(plan.capacity)
+        out.pointee.keys = Int64(plan.keys)
+        out.pointee.query_offset = Int64(plan.queryOffset)
+        withUnsafeMutableBytes(of: &out.pointee.reason) { raw in
+            let buf = raw.bindMemory(to: CChar.self)
+            writeMessage(plan.reason, buf.baseAddress, buf.count)
+        }
+    }
+}

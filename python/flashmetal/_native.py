@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .registry import Registry
 
 INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
 _F32 = struct.Struct("f")
 
 

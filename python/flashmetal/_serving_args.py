@@ -19,17 +19,17 @@ from ._interop import to_numpy
 def flag(op: str, name: str, value: Any) -> bool:
     """A bool argument (numpy's bool too); 1 or "yes" is a TypeError."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidTypeError(op, f"{name} must be a bool, got {type(value).__name__}")
+        raise InvalidTypeError(op, f"{name} must be a bool, got {type(value).__name__}", argument=name)
     return bool(value)
 
 
 def no_dropout(op: str, dropout_p: Any) -> None:
     """flashmetal is inference-only: dropout_p must be 0."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
-        raise InvalidTypeError(op, f"dropout_p must be a float, got {type(dropout_p).__name__}")
+        raise InvalidTypeError(op, f"dropout_p must be a float, got {type(dropout_p).__name__}", argument="dropout_p")
     if dropout_p != 0:
         raise InvalidValueError(op, f"dropout_p must be 0.0 (flashmetal is for inference; no dropout), "
-                                f"got {dropout_p}")
+                                f"got {dropout_p}", argument="dropout_p")
 
 
 def training_arguments(op: str, dropout_p: Any, deterministic: Any, return_attn_probs: Any) -> bool:
@@ -78,7 +78,8 @@ def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:
         return None
     a = to_numpy(sinks, op, "sinks")
     if a.dtype not in (F32, F16, BF16) and a.dtype.kind != "f":
-        raise InvalidTypeError(op, f"sinks must be floating point (float32 [H]), got dtype {a.dtype}")
+        raise InvalidTypeError(op, f"sinks must be floating point (float32 [H]), got dtype {a.dtype}",
+                               argument="sinks")
     return np.ascontiguousarray(a, dtype=F32)
 
 

@@ -21,13 +21,14 @@ import numbers
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 from . import _native
-from ._arrays import BF16, BOOL, F16, F32, as_input, out_shape, tensor
+from ._arrays import BF16, BOOL, as_input, out_shape, tensor
+from ._native import INT64
 from ._errors import InvalidTypeError, InvalidValueError
 from ._hints import layout_hint
 from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
@@ -45,8 +46,6 @@ _ALIGNS = ("top_left", "bottom_right")
 ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
 
 
-_EMPTY = Route("none", "an empty batch, head or query axis: the result is empty")
-_NO_KEYS = Route("none", "no keys (key's sequence length 0): every row attends to nothing, so the result is zeros")
 _last = threading.local()
 
 
@@ -63,27 +62,22 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
-def _check_arguments(dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any, softcap: Any,
-                     window: Any, kv_len: Any, align: Any) -> None:
-    """torch's argument types, strictly: a wrong type is a TypeError naming it."""
+def _check_types(dropout_p: Any, is_causal: Any, scale: Any, enable_gqa: Any, softcap: Any,
+                 window: Any, kv_len: Any, align: Any) -> None:
+    """torch's argument types, strictly: a wrong type is a TypeError naming
+    it (the values are the library's to check: fm_plan_attention)."""
     no_dropout(_OP, dropout_p)
     flag(_OP, "is_causal", is_causal)
     flag(_OP, "enable_gqa", enable_gqa)
     if scale is not None and not _is_real(scale):
-        raise InvalidTypeError(_OP, f"scale must be a float or None, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise InvalidValueError(_OP, f"scale must be finite, got {scale}")
+        raise InvalidTypeError(_OP, f"scale must be a float or None, got {type(scale).__name__}", argument="scale")
     if not _is_real(softcap):
-        raise InvalidTypeError(_OP, f"softcap must be a float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise InvalidValueError(_OP, f"softcap must be 0 (off) or a finite value > 0, got {softcap}")
+        raise InvalidTypeError(_OP, f"softcap must be a float, got {type(softcap).__name__}", argument="softcap")
     for name, val in (("window", window), ("kv_len", kv_len)):
         if val is not None and not _is_int(val):
-            raise InvalidTypeError(_OP, f"{name} must be an int or None, got {type(val).__name__}")
-    if window is not None and not 0 < window < 2**31:
-        raise InvalidValueError(_OP, f"window must be > 0 and fit in int32, got {window}")
+            raise InvalidTypeError(_OP, f"{name} must be an int or None, got {type(val).__name__}", argument=name)
     if align not in _ALIGNS:
-        raise InvalidValueError(_OP, f"align must be 'top_left' or 'bottom_right', got {align!r}")
+        raise InvalidValueError(_OP, f"align must be 'top_left' or 'bottom_right', got {align!r}", argument="align")
 
 
 def _saturating_cast(m: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -164,61 +158,77 @@ def _causal_bias(attn_mask: Any) -> tuple[str, int, int] | None:
     return align, int(attn_mask.seq_len_q), int(attn_mask.seq_len_kv)
 
 
+class _Plan(NamedTuple):
+    """fm_plan_attention's FMAttentionPlan, as Python ints."""
+    kind: int
+    batch: int
+    heads: int
+    query_rows: int
+    head_dim: int
+    head_dim_v: int
+    capacity: int
+    keys: int
+    query_offset: int
+    reason: str
+
+
+#: Plans by everything fm_plan_attention reads (the descriptors' dtypes and
+#: shapes, the options): a pure function, asked the same question by every
+#: layer of a model at every step. Refusals are not kept.
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
+_PLANS_KEPT = 512
+
+
+def _checked(qa: np.ndarray, ka: np.ndarray, va: np.ndarray, sk: np.ndarray | None, scale: Any, softcap: Any,
+             window: Any, kv_len: Any, align: str, enable_gqa: Any, bias: tuple[str, int, int] | None) -> _Plan:
+    """The library's check of the call (fm_plan_attention)."""
+    key = (qa.dtype, qa.shape, ka.dtype, ka.shape, va.dtype, va.shape, None if sk is None else sk.shape, scale,
+           softcap, window, kv_len, align, bool(enable_gqa), bias)
+    kept = _PLANS.get(key)
+    if kept is not None:
+        return kept
+    ffi = _native.ffi()
+    given = {"has_scale": scale is not None, "has_window": window is not None, "has_kv_len": kv_len is not None,
+             "has_causal_bias": bias is not None}
+    call = _native.options(
+        "FMAttentionCall", scale=0.0 if scale is None else float(scale), softcap=float(softcap),
+        window=0 if window is None else _native.index_arg(_OP, "window", window, *INT64),
+        kv_len=0 if kv_len is None else _native.index_arg(_OP, "kv_len", kv_len, *INT64),
+        bias_query_rows=bias[1] if bias else 0, bias_keys=bias[2] if bias else 0, enable_gqa=int(bool(enable_gqa)),
+        bottom_right=int(align == "bottom_right"), **{name: int(v) for name, v in given.items()})
+    out = ffi.new(_native.ctype("FMAttentionPlan *"))
+    _native.call_static("fm_plan_attention", tensor(ffi, qa), tensor(ffi, ka), tensor(ffi, va), tensor(ffi, sk), call,
+                        out, op=_OP)
+    plan = _Plan(int(out.kind), int(out.batch), int(out.heads), int(out.query_rows), int(out.head_dim),
+                 int(out.head_dim_v), int(out.capacity), int(out.keys), int(out.query_offset),
+                 ffi.string(out.reason).decode())
+    if len(_PLANS) >= _PLANS_KEPT:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 @layout_hint(_OP, q="query", k="key", v="value", mask="attn_mask", gqa="enable_gqa")
 def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_causal: Any, scale: Any,
           enable_gqa: Any, softcap: Any, window: Any, kv_len: Any, align: Any, sinks: Any = None) -> _Call:
-    """Checks a call and picks its route."""
-    _check_arguments(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
+    """Checks a call (the library's rules, fm_plan_attention) and picks its
+    route (fm_route_attention)."""
+    _check_types(dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align)
     bias = _causal_bias(attn_mask)
     if bias is not None:  # the causal pattern it means, not its (empty) storage
         attn_mask, is_causal, align = None, True, bias[0]
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    if qa.dtype not in (F32, BF16, F16):
-        raise InvalidTypeError(_OP, f"query must be float32, float16 or bfloat16, got {qa.dtype}")
-    for name, a in (("key", ka), ("value", va)):
-        if a.dtype != qa.dtype:
-            raise InvalidTypeError(_OP, f"{name} dtype {a.dtype} does not match query dtype {qa.dtype}")
+    sk = sinks_arg(_OP, sinks)
+    plan = _checked(qa, ka, va, sk, scale, softcap, window, kv_len, align, enable_gqa, bias)
     squeeze = qa.ndim == 3
-    for name, a in (("query", qa), ("key", ka), ("value", va)):
-        if a.ndim != qa.ndim or a.ndim not in (3, 4):
-            raise InvalidValueError(_OP, f"query, key and value must all have rank 4 [B, H, L, D] (or 3: [H, L, D]); "
-                             f"{name} has shape {a.shape}")
     if squeeze:
         qa, ka, va = qa[None], ka[None], va[None]
-    B, H, qL, D = qa.shape
-    Dv = va.shape[3]  # value's head dim (torch's Ev): the output's
-    if ka.shape[:3] != va.shape[:3] or ka.shape[3] != D:
-        raise InvalidValueError(_OP, f"key {ka.shape} must be [B, Hkv, kL, D] with D = {D} (query's head dim) and "
-                                f"value {va.shape} [B, Hkv, kL, Ev] with key's B, Hkv and kL")
-    if ka.shape[0] != B:
-        raise InvalidValueError(_OP, f"key batch ({ka.shape[0]}) must equal query batch ({B})")
-    hkv, cap = ka.shape[1], ka.shape[2]
-    if bias is not None and (bias[1], bias[2]) != (qL, cap if kv_len is None else kv_len):
-        raise InvalidValueError(_OP, f"attn_mask is a CausalBias for ({bias[1]} queries, {bias[2]} keys), "
-                                f"not this call's ({qL}, {cap if kv_len is None else kv_len})")
-    if hkv != H and not enable_gqa:
-        raise InvalidValueError(_OP, f"query has {H} heads and key {hkv}; pass enable_gqa=True for grouped-query "
-                         "attention")
-    if B == 0 or H == 0 or qL == 0:  # an empty result, as torch's; no kernel runs
-        return _Call(qa, ka, va, None, bool(is_causal), 0, cap, _EMPTY, None, squeeze)
-    if Dv == 0:
-        raise InvalidValueError(_OP, f"value shape {va.shape} has an empty head dim")
-    if hkv == 0 or H % hkv:
-        raise InvalidValueError(_OP, f"query heads ({H}) must be a multiple of key heads ({hkv})")
-    if D == 0:
-        raise InvalidValueError(_OP, f"query shape {qa.shape} has an empty head dim")
-    kl = cap if kv_len is None else int(kv_len)
-    no_keys = cap == 0 and kv_len is None  # torch's result: zeros (every row attends to nothing)
-    if not 0 < kl <= cap and not no_keys:
-        raise InvalidValueError(_OP, f"kv_len must be in 1..{cap} (key's sequence length), got {kv_len}")
-    ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), cap)
-    q_offset = 0 if align == "top_left" else kl - qL
     causal = bool(is_causal)
-    sk = sinks_arg(_OP, sinks)
-    if sk is not None and sk.shape != (H,):
-        raise InvalidValueError(_OP, f"sinks must have shape [{H}] (query's heads), got {list(sk.shape)}")
-    if no_keys:
-        return _Call(qa, ka, va, None, causal, 0, 0, _NO_KEYS, None, squeeze)
+    kl, q_offset = plan.keys, plan.query_offset
+    if plan.kind != _native.constant("FM_PLAN_RUN"):
+        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
+    B, H, qL, D, Dv = plan.batch, plan.heads, plan.query_rows, plan.head_dim, plan.head_dim_v
+    ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), plan.capacity)
     ranges = None
     if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)

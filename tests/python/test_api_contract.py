@@ -13,7 +13,8 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import _loader, _native, reference
-from numerics import BF16, F32, assert_close, randn
+from flashmetal._arrays import tensor
+from numerics import BF16, F16, F32, assert_close, randn
 from cabi import err_text
 
 
@@ -285,6 +286,54 @@ def test_route_attention_is_the_front_doors_rule():
     status, _, _, _, err = route(query_rows=0)
     assert status == lib.FM_ERROR_VALUE and ffi.string(err.argument) == b"call"
     assert lib.fm_route_attention(ffi.NULL, ffi.new("FMRoute *"), ffi.NULL) == lib.FM_ERROR_VALUE
+
+
+def test_plan_attention_is_the_front_doors_contract():
+    """fm_plan_attention (the C ABI's check of a front-door call) reads the
+    descriptors' dtypes and shapes: a rank-3 call is batch 1, align
+    bottom_right puts query row 0 at kv_len - qL, an empty axis and no keys
+    run no kernel; every refusal names the argument."""
+    ffi, lib = _native.ffi(), _native.lib()
+
+    def plan(q=(2, 3, 8), k=(2, 7, 8), v=(2, 7, 4), sinks=None, dtypes=(BF16, BF16, BF16), **kw):
+        arrays = [np.zeros(s, d) for s, d in zip((q, k, v), dtypes)] + [None if sinks is None else
+                                                                          np.zeros(sinks, np.float32)]
+        call = ffi.new("FMAttentionCall *", kw)
+        out, err = ffi.new("FMAttentionPlan *"), ffi.new("FMError *")
+        status = lib.fm_plan_attention(*(tensor(ffi, a) for a in arrays), call, out, err)
+        return status, out, ffi.string(err.argument).decode(), ffi.string(err.message).decode()
+
+    status, out, _, _ = plan(has_kv_len=1, kv_len=5, bottom_right=1)
+    assert status == lib.FM_OK and out.kind == lib.FM_PLAN_RUN
+    got = [int(getattr(out, f)) for f in ("batch", "heads", "kv_heads", "query_rows", "head_dim", "head_dim_v",
+                                          "capacity", "keys", "query_offset")]
+    assert got == [1, 2, 2, 3, 8, 4, 7, 5, 2]
+    status, out, _, _ = plan(q=(1, 4, 3, 8), k=(1, 2, 7, 8), v=(1, 2, 7, 8), enable_gqa=1)
+    assert status == lib.FM_OK and (out.heads, out.kv_heads, out.query_offset) == (4, 2, 0)
+    status, out, _, _ = plan(q=(2, 0, 8))
+    assert status == lib.FM_OK and out.kind == lib.FM_PLAN_EMPTY
+    status, out, _, _ = plan(k=(2, 0, 8), v=(2, 0, 8))
+    assert status == lib.FM_OK and out.kind == lib.FM_PLAN_NO_KEYS and b"no keys" in ffi.string(out.reason)
+    for kw, argument, text in [
+        (dict(has_scale=1, scale=float("nan")), "scale", "scale must be finite, got nan"),
+        (dict(softcap=-2.0), "softcap", "softcap must be 0 (off) or a finite value > 0, got -2.0"),
+        (dict(has_window=1, window=-1), "window", "window must be > 0 and fit in int32, got -1"),
+        (dict(has_window=1, window=2**31), "window", "got 2147483648"),
+        (dict(has_kv_len=1, kv_len=8), "kv_len", "kv_len must be in 1..7 (key's sequence length), got 8"),
+        (dict(has_causal_bias=1, bias_query_rows=3, bias_keys=6), "attn_mask", "not this call's (3, 7)"),
+        (dict(k=(2, 7, 8), v=(1, 7, 8)), "key", "key (1, 2, 7, 8) must be [B, Hkv, kL, D]"),
+        (dict(q=(4, 3, 8)), "enable_gqa", "query has 4 heads and key 2"),
+        (dict(q=(3, 3, 8), enable_gqa=1), "key", "query heads (3) must be a multiple of key heads (2)"),
+        (dict(sinks=(2, 1)), "sinks", "sinks must have shape [2] (query's heads), got [2, 1]"),
+        (dict(dtypes=(np.int32, BF16, BF16)), "query", "query must be float32, float16 or bfloat16, got int32"),
+        (dict(dtypes=(F16, F16, BF16)), "value", "value dtype bfloat16 does not match query dtype float16"),
+        (dict(q=(1, 2, 3, 8)), "key", "query, key and value must all have rank 4"),
+    ]:
+        status, _, arg, message = plan(**kw)
+        assert status != lib.FM_OK and arg == argument and text in message, (kw, arg, message)
+    q = np.zeros((2, 3, 8), BF16)
+    assert lib.fm_plan_attention(tensor(ffi, q), tensor(ffi, q), tensor(ffi, q), ffi.NULL, ffi.NULL,
+                                 ffi.new("FMAttentionPlan *"), ffi.NULL) == lib.FM_ERROR_VALUE
 
 
 def test_route_attention_refuses_values_beyond_int32():

@@ -75,19 +75,82 @@ def test_torch_positional_order(registry, rng):
     (dict(dropout_p=0.1), ValueError, r"dropout_p must be 0.0 .* got 0.1"),
     (dict(dropout_p="0"), TypeError, "dropout_p must be a float, got str"),
     (dict(scale=True), TypeError, "scale must be a float or None, got bool"),
-    (dict(scale=float("inf")), ValueError, "scale must be finite"),
+    (dict(scale=float("inf")), ValueError, "scale must be finite, got inf"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite, got nan"),
     (dict(is_causal=1), TypeError, "is_causal must be a bool, got int"),
     (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a bool, got str"),
     (dict(window=2.5), TypeError, "window must be an int or None, got float"),
-    (dict(window=0), ValueError, "window must be > 0"),
+    (dict(window=0), ValueError, "window must be > 0 and fit in int32, got 0"),
+    (dict(window=2**31), ValueError, "window must be > 0 and fit in int32, got 2147483648"),
+    (dict(window=2**70), ValueError, r"window \(1180591620717411303424\) is out of the int64 range"),
     (dict(kv_len=True), TypeError, "kv_len must be an int or None, got bool"),
+    (dict(kv_len=0), ValueError, r"kv_len must be in 1..9 \(key's sequence length\), got 0"),
+    (dict(kv_len=10), ValueError, r"kv_len must be in 1..9 \(key's sequence length\), got 10"),
     (dict(softcap=None), TypeError, "softcap must be a float, got NoneType"),
+    (dict(softcap=-1.0), ValueError, r"softcap must be 0 \(off\) or a finite value > 0, got -1.0"),
+    (dict(softcap=float("inf")), ValueError, r"softcap must be 0 \(off\) or a finite value > 0, got inf"),
     (dict(align="bottom-right"), ValueError, "align must be 'top_left' or 'bottom_right'"),
+    (dict(sinks=np.zeros(3, np.float32)), ValueError, r"sinks must have shape \[2\] \(query's heads\), got \[3\]"),
 ])
 def test_argument_errors(cpu, rng, kwargs, exc, msg):
-    q, k, v = qkv(rng, BF16)
-    with pytest.raises(exc, match="^scaled_dot_product_attention: " + msg):
+    """Each argument's type (Python's) and value (the library's,
+    fm_plan_attention) errors name the function, the argument and the value."""
+    q, k, v = qkv(rng, BF16, h=2, hkv=2, ql=4, kl=9)
+    with pytest.raises(exc, match="^scaled_dot_product_attention: " + msg) as e:
         SDPA(q, k, v, registry=cpu, **kwargs)
+    assert e.value.argument == next(iter(kwargs)), e.value.argument
+
+
+def _shapes(q, k, v):
+    return (np.zeros(q, BF16), np.zeros(k, BF16), np.zeros(v, BF16))
+
+
+@pytest.mark.parametrize("args,kwargs,exc,argument,msg", [
+    (_shapes((1, 2, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8)) + (None,), dict(), None, None, None),
+    ((np.zeros((1, 2, 3, 8), np.int32),) + _shapes((1,), (1, 2, 5, 8), (1, 2, 5, 8))[1:], dict(), TypeError,
+     "query", "query dtype int32 is not supported"),
+    ((np.zeros((1, 2, 3, 8), BF16), np.zeros((1, 2, 5, 8), F16), np.zeros((1, 2, 5, 8), BF16)), dict(), TypeError,
+     "key", "key dtype float16 does not match query dtype bfloat16"),
+    (_shapes((1, 2, 3, 8), (1, 2, 5, 8), (2, 5, 8)), dict(), ValueError, "value",
+     r"query, key and value must all have rank 4 \[B, H, L, D\] \(or 3: \[H, L, D\]\); value has shape \(2, 5, 8\)"),
+    (_shapes((8,), (8,), (8,)), dict(), ValueError, "query", r"query has shape \(8,\)"),
+    (_shapes((2, 3, 8), (2, 5, 8), (2, 6, 8)), dict(), ValueError, "key",
+     r"key \(1, 2, 5, 8\) must be \[B, Hkv, kL, D\] with D = 8 \(query's head dim\) and value \(1, 2, 6, 8\)"),
+    (_shapes((1, 2, 3, 8), (1, 2, 5, 4), (1, 2, 5, 4)), dict(), ValueError, "key", "with D = 8"),
+    (_shapes((2, 2, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8)), dict(), ValueError, "key",
+     r"key batch \(1\) must equal query batch \(2\)"),
+    (_shapes((1, 4, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8)), dict(), ValueError, "enable_gqa",
+     "query has 4 heads and key 2; pass enable_gqa=True"),
+    (_shapes((1, 4, 3, 8), (1, 3, 5, 8), (1, 3, 5, 8)), dict(enable_gqa=True), ValueError, "key",
+     r"query heads \(4\) must be a multiple of key heads \(3\)"),
+    (_shapes((1, 2, 3, 8), (1, 2, 5, 8), (1, 2, 5, 0)), dict(), ValueError, "value",
+     r"value shape \(1, 2, 5, 0\) has an empty head dim"),
+    (_shapes((1, 2, 3, 0), (1, 2, 5, 0), (1, 2, 5, 4)), dict(), ValueError, "query",
+     r"query shape \(1, 2, 3, 0\) has an empty head dim"),
+])
+def test_shape_errors(cpu, args, kwargs, exc, argument, msg):
+    """The shapes the front door takes (the library's rule, fm_plan_attention),
+    each refusal naming the argument; the first case runs."""
+    if exc is None:
+        assert SDPA(*args, registry=cpu, **kwargs).shape == (1, 2, 3, 8)
+        return
+    with pytest.raises(exc, match=msg) as e:
+        SDPA(*args, registry=cpu, **kwargs)
+    assert e.value.op == "scaled_dot_product_attention" and e.value.argument == argument, (e.value.op,
+                                                                                            e.value.argument)
+
+
+@pytest.mark.parametrize("q,k,route", [
+    ((0, 2, 3, 8), (0, 2, 5, 8), "an empty batch, head or query axis"),
+    ((1, 2, 0, 8), (1, 2, 5, 8), "an empty batch, head or query axis"),
+    ((1, 2, 3, 8), (1, 2, 0, 8), "no keys"),
+])
+def test_empty_calls(cpu, q, k, route):
+    """An empty axis gives an empty result and no keys zeros, as torch's,
+    with no kernel run."""
+    out = SDPA(np.ones(q, F32), np.ones(k, F32), np.ones(k, F32), registry=cpu)
+    assert out.shape == q and not np.any(out)
+    assert fm.last_route().kernel == "none" and fm.last_route().reason.startswith(route)
 
 
 def test_scale_and_gqa_are_keyword_only(cpu, rng):

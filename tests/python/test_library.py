@@ -12,7 +12,7 @@ from cabi import err_text
 EXPORTED = ["fm_create_registry", "fm_destroy_registry", "fm_registry_backend", "fm_registry_defers_work",
             "fm_dispatch_prefill", "fm_version", "fm_begin_batch", "fm_end_batch", "fm_abi_version",
             "fm_status_string", "fm_supported_head_dims", "fm_runs_head_dims", "fm_max_head_dim",
-            "fm_kernel_instantiations", "fm_route_attention"]
+            "fm_kernel_instantiations", "fm_route_attention", "fm_plan_attention"]
 
 
 def test_exports():

@@ -31,8 +31,10 @@ def test_causal_bias_means_its_alignment(registry, dtype, variant, offset):
     as64 = lambda t: t.float().numpy()
     want = reference.attention(as64(q), as64(k), as64(v), causal=True, q_offset=offset)
     assert_close(out.float().numpy(), want, BF16 if dtype == torch.bfloat16 else F32, f"CausalBias {variant}")
-    with pytest.raises(fm.InvalidValueError, match=r"^scaled_dot_product_attention: attn_mask is a CausalBias for"):
+    with pytest.raises(fm.InvalidValueError, match=r"^scaled_dot_product_attention: attn_mask is a CausalBias for "
+                       r"\(3 queries, 9 keys\), not this call's \(4, 9\)") as e:
         fm.scaled_dot_product_attention(q, k, v, getattr(tbias, f"causal_{variant}")(3, 9), registry=registry)
+    assert e.value.argument == "attn_mask"
 
 
 def test_other_tensor_subclasses_are_refused(registry):

@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 11 };
+enum { FM_ABI_VERSION = 12 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
@@ -236,6 +236,47 @@ typedef struct FMKVCodesDecodeOptions {
     int32_t window;  /* 0 = none, else keys p with (kv_len - 1) - p < window */
 } FMKVCodesDecodeOptions;
 
+/* One call of the front door (torch's scaled_dot_product_attention), as
+ * fm_plan_attention checks it: the arguments beside q, k, v and sinks. Each
+ * optional value is given when its has_ flag is 1. */
+typedef struct FMAttentionCall {
+    double scale;            /* has_scale: finite (default 1/sqrt(D)) */
+    double softcap;          /* 0 = off, else finite > 0 */
+    int64_t window;          /* has_window: 1..INT32_MAX */
+    int64_t kv_len;          /* has_kv_len: 1..key's sequence length (default: all of it) */
+    int64_t bias_query_rows; /* has_causal_bias: a causal attn_mask built for */
+    int64_t bias_keys;       /* these query rows and keys (torch's CausalBias) */
+    int32_t has_scale;
+    int32_t has_window;
+    int32_t has_kv_len;
+    int32_t has_causal_bias;
+    int32_t enable_gqa;      /* key heads may divide query heads */
+    int32_t bottom_right;    /* align: 0 top_left (query i at i), 1 bottom_right (at kv_len - qL + i) */
+} FMAttentionCall;
+/* What a checked call is (FMAttentionPlan.kind). */
+typedef enum FMAttentionPlanKind {
+    FM_PLAN_RUN = 0,     /* route it (fm_route_attention) and run the kernel */
+    FM_PLAN_EMPTY = 1,   /* B, H or qL is 0: the result is empty, no kernel runs */
+    FM_PLAN_NO_KEYS = 2  /* key's sequence length 0: the result is zeros, no kernel runs */
+} FMAttentionPlanKind;
+/* A checked call's dims (rank-3 inputs read with batch 1), the keys it
+ * attends and query row 0's position; why, as text, for kinds that run no
+ * kernel. */
+typedef struct FMAttentionPlan {
+    int32_t kind;            /* FMAttentionPlanKind */
+    int32_t _pad;
+    int64_t batch;
+    int64_t heads;
+    int64_t kv_heads;
+    int64_t query_rows;
+    int64_t head_dim;
+    int64_t head_dim_v;
+    int64_t capacity;        /* key's sequence length */
+    int64_t keys;            /* kv_len, or capacity */
+    int64_t query_offset;    /* 0 top_left, keys - query_rows bottom_right */
+    char reason[256];
+} FMAttentionPlan;
+
 /* The kernel families of the front door's routes (FMRoute.kernel). */
 typedef enum FMRouteKernel {
     FM_ROUTE_DECODE = 1,  /* the split-KV decode kernel (fm_dispatch_vec / fm_dispatch_vec_seq) */
@@ -353,6 +394,15 @@ int fm_max_head_dim(const char *op, int32_t *out, FMError *err);
  * the prefill could take with its sinks is FM_ERROR_UNSUPPORTED; a head dim
  * above every kernel's an FM_ERROR_VALUE. */
 int fm_route_attention(const FMRouteCall *call, FMRoute *out, FMError *err);
+/* Checks a call of the front door before any mask is read, as torch's
+ * scaled_dot_product_attention takes it: q [B, H, qL, D], k [B, Hkv, kL, D],
+ * v [B, Hkv, kL, Dv] (all rank 4, or all rank 3 without B) of one float
+ * dtype, H a multiple of Hkv (Hkv < H only with enable_gqa), sinks float32
+ * [H] or NULL, and the options of `call`. Reads only the descriptors' dtypes
+ * and shapes. The plan says whether a kernel runs and over which keys. */
+int fm_plan_attention(const FMTensor *q, const FMTensor *k, const FMTensor *v,
+                      const FMTensor *sinks, const FMAttentionCall *call,
+                      FMAttentionPlan *out, FMError *err);
 /* The keys one query row at position q_pos sees under mask [B or 1, H or 1,
  * 1, kL] (bool, or additive float32/float16/bfloat16: 0 attends, -inf
  * hides), causal (keys after q_pos hidden) and window (0 = none, else keys p
