@@ -67,32 +67,46 @@ def empty_batch(a: np.ndarray, rank: int, axes: tuple[int, ...]) -> bool:
     return a.ndim == rank and any(a.shape[i] == 0 for i in axes)
 
 
-def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype | tuple[np.dtype, ...],
-              inputs: Sequence[np.ndarray | None]) -> np.ndarray:
-    """Validates a caller-provided output (a numpy array or a torch CPU
-    tensor) of `dtype` (or of one of several): it is written in place, so
-    this returns the numpy view of its memory to hand the library; the
-    caller returns its own object."""
+def out_array(out: Any, op: str) -> np.ndarray:
+    """A caller-provided output (a numpy array or a torch CPU tensor) as the
+    numpy view of its memory the library writes in place: what the library
+    cannot see from its descriptor (the object's type, C-contiguity,
+    writeability, a dtype it has a code for). The library checks the rest
+    against the call: the shape, the dtype the op writes, and that no input
+    shares its bytes."""
     if is_torch_tensor(out):
         refuse_grad_write(out, op, "out")
         out = to_numpy(out, op, "out")
     if not isinstance(out, np.ndarray):
         raise InvalidTypeError(op, f"out must be a numpy.ndarray or a torch CPU tensor, got {type(out).__name__}",
                                argument="out")
-    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
-    if out.dtype not in allowed:
-        raise InvalidTypeError(op, f"out dtype {out.dtype} must be {' or '.join(str(d) for d in allowed)}",
-                               argument="out")
-    if tuple(out.shape) != tuple(shape):
-        raise InvalidValueError(op, f"out shape {tuple(out.shape)} must be {tuple(shape)}", argument="out")
+    if out.dtype not in DTYPE_NAMES:
+        raise InvalidTypeError(op, f"out dtype {out.dtype} is not supported: outputs are float32, float16 or "
+                               "bfloat16", argument="out")
     if not out.flags.c_contiguous:
         raise InvalidValueError(op, "out must be C-contiguous", argument="out")
     if not out.flags.writeable:
         raise InvalidValueError(op, "out is read-only", argument="out")
-    for a in inputs:
-        if a is not None and np.may_share_memory(out, a):
-            raise InvalidValueError(op, "out must not overlap an input array", argument="out")
     return out
+
+
+def check_out(out: Any, op: str, shape: tuple[int, ...], dtype: np.dtype | tuple[np.dtype, ...],
+              inputs: Sequence[np.ndarray | None]) -> np.ndarray:
+    """out_array plus the checks the library would make, for an output that
+    Python writes or reshapes itself (a result converted or copied into it)
+    or that no kernel writes (an empty result): its dtype (or one of
+    several), its shape, and no overlap with `inputs`."""
+    arr = out_array(out, op)
+    allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+    if arr.dtype not in allowed:
+        raise InvalidTypeError(op, f"out dtype {arr.dtype} must be {' or '.join(str(d) for d in allowed)}",
+                               argument="out")
+    if tuple(arr.shape) != tuple(shape):
+        raise InvalidValueError(op, f"out shape {tuple(arr.shape)} must be {tuple(shape)}", argument="out")
+    for a in inputs:
+        if a is not None and np.may_share_memory(arr, a):
+            raise InvalidValueError(op, "out must not overlap an input array", argument="out")
+    return arr
 
 
 @functools.cache

@@ -225,10 +225,12 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
         qa, ka, va = qa[None], ka[None], va[None]
     causal = bool(is_causal)
     kl, q_offset = plan.keys, plan.query_offset
-    if plan.kind != _native.constant("FM_PLAN_RUN"):
+    if plan.kind == _native.constant("FM_PLAN_EMPTY"):
         return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
     B, H, qL, D, Dv = plan.batch, plan.heads, plan.query_rows, plan.head_dim, plan.head_dim_v
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), plan.capacity)
+    if plan.kind == _native.constant("FM_PLAN_NO_KEYS"):  # zeros, once the mask is known to broadcast
+        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
     ranges = None
     if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)

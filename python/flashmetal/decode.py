@@ -8,7 +8,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._hints import layout_hint
-from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_shape, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_array, out_shape, tensor
 from .kv_codec import QuantizedKV
 from .kv_codec_decode import decode_over_codes
 from .registry import Registry, RegistryLike, resolve
@@ -82,12 +82,17 @@ def flash_attn_decode(
     # The result in q's dtype (float32, or the caches' 16-bit one); out may
     # be float32 or the caches' dtype either way (the library checks the rest).
     io = (F32, ka.dtype) if ka.dtype in (F16, BF16) else (F32,)
+    if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype in io:
+        # [H, D] or [B, H, D] with no head or no sequence: no kernel sees out
+        if out is None:
+            return np.empty(out_shape(qa, va), dtype=qa.dtype)
+        check_out(out, op, out_shape(qa, va), io, [qa, ka, va, sa])
+        return out
+    # A given out is the library's to check (its shape, dtype and overlaps).
     if out is None:
         out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype if qa.dtype in io else F32)
     else:
-        dst = check_out(out, op, out_shape(qa, va), io, [qa, ka, va, sa])
-    if empty_batch(qa, qa.ndim, tuple(range(qa.ndim - 1))) and qa.ndim in (2, 3) and qa.dtype in io:
-        return out  # [H, D] or [B, H, D] with no head or no sequence
+        dst = out_array(out, op)
     run_decode(reg, op, qa, ka, va, kv_len, dst, scale=scale, causal=causal, window=window, softcap=softcap,
                fwht=fwht or sa is not None, signs=sa)
     return out

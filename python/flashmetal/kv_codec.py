@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import F32, U8, as_input, check_out, tensor
+from ._arrays import F32, U8, as_input, out_array, tensor
 from ._errors import InvalidTypeError, InvalidValueError
 from ._interop import to_numpy
 from .registry import RegistryLike, resolve
@@ -147,7 +147,7 @@ class QuantizedKV:
         if out is None:
             out = dst = np.empty(shape, dtype=F32)
         else:
-            dst = check_out(out, _DEQUANTIZE, shape, F32, [ca, na])
+            dst = out_array(out, _DEQUANTIZE)  # the library checks its shape, dtype and overlaps
         ffi = _native.ffi()
         _native.call(reg, "fm_dispatch_kv_dequantize", self.codec._c, tensor(ffi, ca), tensor(ffi, na),
                      tensor(ffi, dst), op=_DEQUANTIZE, keep=(ca, na, dst))

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._arrays import BF16, F16, F32, as_input, check_out, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, out_array, tensor
 from ._errors import InvalidTypeError, InvalidValueError
 from .kv_codec import QuantizedKV
 from .registry import RegistryLike, resolve
@@ -42,7 +42,7 @@ def decode_over_codes(q: Any, k_cache: Any, v_cache: Any, kv_len: int, *, scale:
     if out is None:
         out = dst = np.empty(qa.shape, dtype=io)
     else:
-        dst = check_out(out, _OP, qa.shape, io, [qa, kc, kn, vc, vn])
+        dst = out_array(out, _OP)  # the library checks its shape, dtype and overlaps
     opts = _native.options(
         "FMKVCodesDecodeOptions",
         scale=_native.scale_arg(_OP, scale, qa.shape[-1] if qa.ndim else 0),

@@ -7,7 +7,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _native
-from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_shape, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_array, out_shape, tensor
 from ._serving_args import sinks_arg
 from .blk import made_for, tile_counts
 from .kv_codec import QuantizedKV
@@ -102,13 +102,17 @@ def flash_attn_prefill(
                                     f"not head_dim {qa.shape[-1]} and a {list(ma.shape)} mask")
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise InvalidValueError(op, f"layout must be 'bhld' or 'blhd', got {layout!r}")
+    kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16, F32):  # no kernel sees out
+        if out is None:
+            return np.empty(out_shape(qa, va), dtype=qa.dtype)
+        check_out(out, op, out_shape(qa, va), qa.dtype, [qa, ka, va, ma, ba, sa])
+        return out
+    # A given out is the library's to check (its shape, dtype and overlaps).
     if out is None:
         out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype)
     else:
-        dst = check_out(out, op, out_shape(qa, va), qa.dtype, [qa, ka, va, ma, ba, sa])
-    kl = None if kv_len is None else _native.index_arg(op, "kv_len", kv_len, 1)
-    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (BF16, F16, F32):
-        return out
+        dst = out_array(out, op)
     if q_offset is None:
         # Bottom-right: the library checks the shapes; this only reads them.
         seq = 1 if layout == "blhd" else 2

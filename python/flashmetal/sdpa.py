@@ -8,7 +8,7 @@ from numpy.typing import ArrayLike
 
 from . import _native
 from ._hints import layout_hint
-from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_shape, tensor
+from ._arrays import BF16, F16, F32, as_input, check_out, empty_batch, out_array, out_shape, tensor
 from .registry import RegistryLike, resolve
 
 _OP = "sdpa"
@@ -61,12 +61,16 @@ def sdpa(
     ka = as_input(k, op, "k")
     va = as_input(v, op, "v")
     ma = None if mask is None else as_input(mask, op, "mask")
+    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (F32, BF16, F16):  # no kernel sees out
+        if out is None:
+            return np.empty(out_shape(qa, va), dtype=qa.dtype)
+        check_out(out, op, out_shape(qa, va), qa.dtype, [qa, ka, va, ma])
+        return out
+    # A given out is the library's to check (its shape, dtype and overlaps).
     if out is None:
         out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype)
     else:
-        dst = check_out(out, op, out_shape(qa, va), qa.dtype, [qa, ka, va, ma])
-    if empty_batch(qa, 4, (0, 1, 2)) and qa.dtype in (F32, BF16, F16):
-        return out
+        dst = out_array(out, op)
     opts = _native.options(
         "FMSdpaOptions",
         scale=_native.scale_arg(op, scale, qa.shape[-1] if qa.ndim else 0),

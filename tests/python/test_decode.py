@@ -185,10 +185,12 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
     (lambda: _qkv(), dict(fwht_signs=np.zeros(4, np.uint8)), ValueError,
      r"flash_attn_decode: fwht_signs must hold head_dim/8 = 8 bytes"),
     (lambda: _qkv(), dict(fwht_signs=np.zeros(8, np.int8)), TypeError, "fwht_signs"),
-    (lambda: _qkv(), dict(out=np.zeros((4, 64), F16)), TypeError, "out dtype"),
+    (lambda: _qkv(), dict(out=np.zeros((4, 64), F16)), TypeError, "out must be float32, got float16"),
     (lambda: (np.zeros((4, 64), F16),) + _qkv(kv=BF16)[1:], {}, TypeError, "q must be float32 or bfloat16"),
-    (lambda: _qkv(kv=BF16), dict(out=np.zeros((4, 64), F16)), TypeError, "out dtype float16 must be float32 or "
-                                                                            "bfloat16"),
+    (lambda: _qkv(kv=BF16), dict(out=np.zeros((4, 64), F16)), TypeError, "out must be float32 or bfloat16, got "
+                                                                            "float16"),
+    (lambda: _qkv(), dict(out=np.zeros((4, 63), F32)), ValueError, "out"),
+    (lambda: _qkv(), dict(out=np.zeros((4, 64), np.float64)), TypeError, "out dtype float64 is not supported"),
 ])
 def test_errors(registry, make, kwargs, exc, msg):
     q, k, v = make()

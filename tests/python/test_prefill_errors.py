@@ -34,7 +34,7 @@ def test_dtypes(cpu, rng, qkv):
            q, k, v, mask=np.zeros((8, 16), F16), registry=cpu)
     raises(TypeError, "dtype int64 is not supported", fm.flash_attn_prefill,
            np.zeros((1, 4, 8, 64), np.int64), k, v, registry=cpu)
-    raises(TypeError, "out dtype float16 must be bfloat16", fm.flash_attn_prefill,
+    raises(TypeError, "out dtype float16 does not match q dtype bfloat16", fm.flash_attn_prefill,
            q, k, v, out=np.zeros(q.shape, F16), registry=cpu)
 
 
@@ -57,7 +57,8 @@ def test_shapes(cpu, rng, qkv):
            registry=cpu)
     # No query row, head or sequence: an empty result (test_reports.py).
     assert fm.flash_attn_prefill(q[:, :, :0], k, v, registry=cpu).shape == q[:, :, :0].shape
-    raises(ValueError, "out shape (1, 4, 8, 32) must be (1, 4, 8, 64)", fm.flash_attn_prefill, q, k, v, out=np.zeros((1, 4, 8, 32), BF16), registry=cpu)
+    raises(ValueError, "out shape [1, 4, 8, 32] must be [1, 4, 8, 64] (q's shape with v's head dim)",
+           fm.flash_attn_prefill, q, k, v, out=np.zeros((1, 4, 8, 32), BF16), registry=cpu)
 
 
 def test_masks(cpu, rng, qkv):
@@ -106,7 +107,7 @@ def test_out_checks(cpu, rng, qkv):
     raises(ValueError, "out is read-only", fm.flash_attn_prefill, q, k, v, out=ro, registry=cpu)
     raises(ValueError, "out must be C-contiguous", fm.flash_attn_prefill,
            q, k, v, out=np.zeros((1, 4, 64, 8), BF16).transpose(0, 1, 3, 2), registry=cpu)
-    raises(ValueError, "out must not overlap an input array", fm.flash_attn_prefill,
+    raises(ValueError, "out and q overlap in memory; the call writes out", fm.flash_attn_prefill,
            q, k, v, out=q, registry=cpu)
     raises(TypeError, "out must be a numpy.ndarray or a torch CPU tensor, got list", fm.flash_attn_prefill,
            q, k, v, out=[0.0], registry=cpu)
