@@ -269,37 +269,85 @@ def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
     return out
 
 
-def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any
-                      ) -> tuple[Any, Any, Any, Any, tuple[int, ...] | None]:
-    """torch's ``(N, ..., H, L, E)`` inputs of rank >= 5 with their batch axes
-    (all but the last three) merged into one, a view when C-contiguous, and
-    the mask broadcast over them; with the batch shape the output takes back.
-    Inputs of rank <= 4 are returned as given, with None."""
-    if max(len(getattr(x, "shape", ())) for x in (query, key, value)) < 5:
-        return query, key, value, attn_mask, None
+class _Batch(NamedTuple):
+    """How a call's batch axes became the kernels' one batch axis: the
+    output's axes before its last (H, L, Ev), and whether it has the head
+    axis (inputs of rank 2, [L, E], have none)."""
+    lead: tuple[int, ...]
+    heads: bool
+
+    def restore(self, out: np.ndarray) -> np.ndarray:
+        """The kernels' [n, H, L, Ev] output in the caller's axes."""
+        return out.reshape(self.lead + (out.shape[1:] if self.heads else out.shape[2:]))
+
+
+def _as_given(shapes: list[tuple[int, ...]], mask: tuple[int, ...] | None, gqa: bool) -> bool:
+    """Whether the kernels take the inputs' axes as they are: q, k and v of
+    one rank, 3 or 4, with the same batch axis and a head axis no one
+    broadcasts, and a mask adding no batch axis."""
+    sq, sk, sv = shapes
+    if not (len(sq) == len(sk) == len(sv) and len(sq) in (3, 4) and sq[:-3] == sk[:-3] == sv[:-3]):
+        return False
+    hq, hk, hv = sq[-3], sk[-3], sv[-3]
+    if not gqa and hq != hk and hk == hv and 1 in (hq, hk):
+        return False  # one head on either side, broadcast over the other's (torch)
+    batch = sq[0] if len(sq) == 4 else 1
+    return mask is None or len(mask) < 4 or len(mask) == 4 and mask[0] in (1, batch)
+
+
+def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any, enable_gqa: Any
+                      ) -> tuple[Any, Any, Any, Any, Any, _Batch | None]:
+    """torch's batch axes (all but each input's last three: ``(N, ..., H, L,
+    E)``, broadcast together as torch broadcasts them, the mask's too) merged
+    into the one batch axis the kernels take, a view when nothing is
+    broadcast. One key/value head serves every query head as grouped-query
+    attention (no copy); one query head is repeated over the key heads.
+    Returns q, k, v, the mask, enable_gqa as the kernels need it, and how to
+    give the output the caller's axes (None: the inputs are taken as given)."""
+    shapes = [tuple(getattr(x, "shape", ())) for x in (query, key, value)]
+    bias = attn_mask is not None and _causal_bias(attn_mask) is not None
+    mask_shape = None if attn_mask is None or bias else tuple(getattr(attn_mask, "shape", ()))
+    gqa = isinstance(enable_gqa, (bool, np.bool_)) and bool(enable_gqa)
+    if _as_given(shapes, mask_shape, gqa) or min(len(x) for x in shapes) < 2:
+        return query, key, value, attn_mask, enable_gqa, None  # the library checks them as they are
     qa, ka, va = (as_input(x, _OP, n) for x, n in ((query, "query"), (key, "key"), (value, "value")))
-    if not qa.ndim == ka.ndim == va.ndim or not qa.shape[:-3] == ka.shape[:-3] == va.shape[:-3]:
-        raise InvalidValueError(_OP, f"query, key and value of rank >= 5 must have the same batch axes (all but "
-                                f"the last three): query {qa.shape}, key {ka.shape}, value {va.shape}")
-    lead = qa.shape[:-3]
+    m = None if attn_mask is None or bias else to_numpy(attn_mask, _OP, "attn_mask")
+
+    def batch(a: np.ndarray | None) -> tuple[int, ...]:
+        return () if a is None or a.ndim <= 3 else tuple(a.shape[:-3])
+
+    try:
+        lead = tuple(np.broadcast_shapes(batch(qa), batch(ka), batch(va)))
+    except ValueError:
+        raise InvalidValueError(_OP, f"the batch axes (all but the last three) of query {qa.shape}, key {ka.shape} "
+                                f"and value {va.shape} do not broadcast together", argument="key") from None
+    heads = [a.shape[-3] if a.ndim >= 3 else 1 for a in (qa, ka, va)]
+    if not gqa and heads[1] == heads[2] and heads[0] != heads[1]:
+        if heads[1] == 1:
+            enable_gqa = True  # one key/value head for every query head: grouped-query attention
+        elif heads[0] == 1:
+            heads[0] = heads[1]  # one query head for every key head: q repeated
     n = math.prod(lead)
-    merged = [a.reshape((n,) + a.shape[-3:]) for a in (qa, ka, va)]
-    mask = attn_mask
-    if mask is not None and _causal_bias(mask) is None:
-        m = to_numpy(mask, _OP, "attn_mask")
-        if 2 < m.ndim <= qa.ndim:
-            m = m.reshape((1,) * (qa.ndim - m.ndim) + m.shape)
-            tail: tuple[int, ...] = m.shape[-3:]
-            if math.prod(m.shape[:-3]) == 1:  # every batch axis of the mask is 1
-                m = m.reshape((1,) + tail)
-            else:
-                try:
-                    m = np.broadcast_to(m, lead + tail).reshape((n,) + tail)
-                except ValueError:
-                    raise InvalidValueError(_OP, f"attn_mask shape {tuple(mask.shape)} does not broadcast to the "
-                                            f"batch axes {lead}", argument="attn_mask") from None
-        mask = m
-    return merged[0], merged[1], merged[2], mask, lead
+
+    def merged(a: np.ndarray, h: int) -> np.ndarray:
+        full = a.reshape((1,) * (len(lead) + 3 - a.ndim) + a.shape)
+        return np.broadcast_to(full, lead + (h,) + a.shape[-2:]).reshape((n, h) + a.shape[-2:])
+
+    q4, k4, v4 = (merged(a, h) for a, h in zip((qa, ka, va), heads))
+    mask: Any = attn_mask
+    if m is not None and m.ndim > 3:  # broadcast to the batch axes (it adds none, as torch's)
+        tail: tuple[int, ...] = m.shape[-3:]
+        if m.ndim > len(lead) + 3:
+            mask = m  # the library's rank error
+        elif math.prod(m.shape[:-3]) == 1:  # every batch axis of the mask is 1
+            mask = m.reshape((1,) + tail)
+        else:
+            try:
+                mask = np.broadcast_to(m, lead + tail).reshape((n,) + tail)
+            except ValueError:
+                raise InvalidValueError(_OP, f"attn_mask shape {m.shape} does not broadcast to the batch axes "
+                                        f"{lead}", argument="attn_mask") from None
+    return q4, k4, v4, mask, enable_gqa, _Batch(lead, max(a.ndim for a in (qa, ka, va)) >= 3)
 
 
 def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
@@ -308,7 +356,7 @@ def explain(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: 
             align: str = "top_left", sinks: Any = None) -> Route:
     """The route ``scaled_dot_product_attention`` would take for these
     arguments, without running it (the same checks and errors)."""
-    query, key, value, attn_mask, _ = _merge_batch_axes(query, key, value, attn_mask)
+    query, key, value, attn_mask, enable_gqa, _ = _merge_batch_axes(query, key, value, attn_mask, enable_gqa)
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len,
                  align, sinks).route
 
@@ -351,9 +399,10 @@ def scaled_dot_product_attention(
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
     Args:
-        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``, or torch's ``[N, ...,
-            H, qL, D]`` with more batch axes); float32, float16 or
-            bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
+        query: ``[B, H, qL, D]`` (or ``[H, qL, D]``, ``[qL, D]``, or
+            torch's ``[N, ..., H, qL, D]`` with more batch axes; the batch
+            axes of query, key and value broadcast together as torch's do,
+            a head axis of 1 too); float32, float16 or bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
             DLPack / buffer-protocol object; read without copying when
             C-contiguous.
         key: ``[B, Hkv, kL, D]``, value: ``[B, Hkv, kL, Ev]`` (Ev may differ
@@ -386,13 +435,13 @@ def scaled_dot_product_attention(
         the result's memory) for a torch query, else a numpy array.
     """
     reg = resolve(registry, _OP)
-    q, k, v, mask, batch = _merge_batch_axes(query, key, value, attn_mask)
-    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, softcap, window, kv_len, align, sinks)
+    q, k, v, mask, gqa, batch = _merge_batch_axes(query, key, value, attn_mask, enable_gqa)
+    call = _plan(q, k, v, mask, dropout_p, is_causal, scale, gqa, softcap, window, kv_len, align, sinks)
     with _native.running(_OP):
         out = _run(call, scale, softcap, window, reg)
     _last.route = call.route
     if batch is not None:
-        out = out.reshape(batch + out.shape[1:])
+        out = batch.restore(out)
     return wrapper_like(query)(out[0] if call.squeeze else out)
 
 

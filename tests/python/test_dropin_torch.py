@@ -157,6 +157,32 @@ def test_numpy_in_numpy_out_and_errors(cpu, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qs,ks,vs,gqa", [
+    ((2, 4, 8, 64), (1, 4, 16, 64), (1, 4, 16, 32), False),   # one key/value batch row for every query's
+    ((2, 4, 8, 64), (2, 1, 16, 64), (2, 1, 16, 64), False),   # one key/value head for every query head
+    ((2, 1, 8, 64), (2, 4, 16, 64), (2, 4, 16, 64), False),   # one query head for every key head
+    ((4, 8, 64), (2, 4, 16, 64), (2, 4, 16, 64), False),      # query of rank 3 beside rank 4
+    ((8, 64), (16, 64), (16, 64), False),                     # rank 2: [L, E], no head axis
+    ((1, 8, 1, 64), (3, 2, 16, 64), (3, 2, 16, 64), True),    # a broadcast batch with grouped-query heads
+    ((3, 1, 4, 1, 64), (1, 2, 2, 16, 64), (3, 2, 2, 16, 64), True),  # rank 5, broadcast both ways
+])
+def test_broadcast_batch_axes_match_torch(cpu, gen, dtype, qs, ks, vs, gqa):
+    """torch broadcasts the batch axes of query, key and value (all but the
+    last two of a rank-2 or the last three otherwise; a head axis of 1 too):
+    the drop-in gives torch's shape and values, with masks broadcast over the
+    result's batch."""
+    q, k, v = rand(qs, dtype, gen), rand(ks, dtype, gen), rand(vs, dtype, gen)
+    atol, rtol = TOLERANCE[NP[dtype]]
+    for mask, causal in ((None, False), (None, True), (torch.rand(qs[-2], ks[-2], generator=gen) > 0.3, False)):
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, is_causal=causal,
+                                              enable_gqa=gqa)
+        out = fm.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, enable_gqa=gqa, registry=cpu)
+        assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == want.shape, (out.shape, want.shape)
+        assert reference.close(out.double().numpy(), want.numpy(), 2 * atol, 2 * rtol)[0], (mask is None, causal)
+    assert fm.explain(q, k, v, enable_gqa=gqa).kernel in fm.attention.ROUTES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_more_batch_axes_match_torch(cpu, gen, dtype):
     """torch takes ``(N, ..., H, L, E)``: rank-5 query/key/value, with masks
     broadcast over the batch axes and GQA, match torch's float64 SDPA and the
@@ -179,8 +205,8 @@ def test_more_batch_axes_match_torch(cpu, gen, dtype):
             got = out.double().numpy()
             assert reference.close(got.reshape(exp.shape), exp, atol, rtol)[0], (mask is None, causal)
             assert reference.close(got, want.numpy(), 2 * atol, 2 * rtol)[0], (mask is None, causal)
-    with pytest.raises(fm.InvalidValueError, match="same batch axes"):
-        fm.scaled_dot_product_attention(q, k[:1], v[:1], enable_gqa=True, registry=cpu)
+    with pytest.raises(fm.InvalidValueError, match="do not broadcast together"):
+        fm.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True, registry=cpu)
     with pytest.raises(fm.InvalidValueError, match="does not broadcast to the batch axes") as e:
         fm.scaled_dot_product_attention(q, k, v, torch.ones(4, 4, 5, 9, dtype=torch.bool), enable_gqa=True,
                                         registry=cpu)

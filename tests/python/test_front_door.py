@@ -135,7 +135,7 @@ def Z(shape, dt=BF16):
     ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64), F16), Z((1, 2, 8, 64))), {}, TypeError,
      "key dtype float16 does not match query dtype bfloat16"),
     ((Z((1, 2, 4, 64), np.int32), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, TypeError, "dtype int32 is not supported"),
-    ((Z((2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, ValueError, r"query, key and value must all have rank 4"),
+    ((Z((64,)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), {}, ValueError, r"query, key and value must all have rank 4"),
     ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(kv_len=9), ValueError, r"kv_len must be in 1..8"),
     ((Z((1, 2, 4, 64)), Z((1, 2, 8, 64)), Z((1, 2, 8, 64))), dict(align="left"), ValueError,
      "align must be 'top_left' or 'bottom_right', got 'left'"),
