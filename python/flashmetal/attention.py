@@ -289,8 +289,8 @@ def _as_given(shapes: list[tuple[int, ...]], mask: tuple[int, ...] | None, gqa: 
     if not (len(sq) == len(sk) == len(sv) and len(sq) in (3, 4) and sq[:-3] == sk[:-3] == sv[:-3]):
         return False
     hq, hk, hv = sq[-3], sk[-3], sv[-3]
-    if not gqa and hq != hk and hk == hv and 1 in (hq, hk):
-        return False  # one head on either side, broadcast over the other's (torch)
+    if not gqa and len({hq, hk, hv}) > 1 and len({hq, hk, hv} - {1}) == 1:
+        return False  # heads of 1 broadcast over the others' (torch)
     batch = sq[0] if len(sq) == 4 else 1
     return mask is None or len(mask) < 4 or len(mask) == 4 and mask[0] in (1, batch)
 
@@ -322,11 +322,12 @@ def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any, enable_g
         raise InvalidValueError(_OP, f"the batch axes (all but the last three) of query {qa.shape}, key {ka.shape} "
                                 f"and value {va.shape} do not broadcast together", argument="key") from None
     heads = [a.shape[-3] if a.ndim >= 3 else 1 for a in (qa, ka, va)]
-    if not gqa and heads[1] == heads[2] and heads[0] != heads[1]:
-        if heads[1] == 1:
-            enable_gqa = True  # one key/value head for every query head: grouped-query attention
-        elif heads[0] == 1:
-            heads[0] = heads[1]  # one query head for every key head: q repeated
+    if not gqa and len(set(heads) - {1}) == 1:  # heads of 1 broadcast over the others' (torch)
+        h = max(heads)
+        if heads[1] == heads[2] == 1:
+            enable_gqa = True  # one key/value head for every query head: grouped-query attention, no copy
+        else:
+            heads = [h, h, h]
     n = math.prod(lead)
 
     def merged(a: np.ndarray, h: int) -> np.ndarray:

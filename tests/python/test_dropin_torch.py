@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import flashmetal as fm
 from flashmetal import _interop, reference
@@ -211,3 +213,55 @@ def test_more_batch_axes_match_torch(cpu, gen, dtype):
         fm.scaled_dot_product_attention(q, k, v, torch.ones(4, 4, 5, 9, dtype=torch.bool), enable_gqa=True,
                                         registry=cpu)
     assert e.value.argument == "attn_mask"
+
+
+def _shape_of(draw, rank: int, lead: tuple[int, ...], heads: int, rows: int, width: int) -> tuple[int, ...]:
+    """A rank-`rank` shape whose batch axes are `lead`'s last ones, each
+    possibly 1 (broadcast), its head axis `heads` or 1."""
+    batch = tuple(draw(st.sampled_from([d, 1])) for d in lead[len(lead) - max(rank - 3, 0):]) if rank > 3 else ()
+    head = (draw(st.sampled_from([heads, 1])),) if rank >= 3 else ()
+    return batch + head + (rows, width)
+
+
+@st.composite
+def _broadcast_calls(draw):
+    lead = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
+    heads, ql, kl = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 6)), draw(st.integers(1, 9))
+    ranks = [draw(st.integers(2, len(lead) + 3)) for _ in range(3)]
+    qs = _shape_of(draw, ranks[0], lead, heads, ql, 32)
+    ks = _shape_of(draw, ranks[1], lead, heads, kl, 32)
+    vs = draw(st.sampled_from([ks[:-1] + (16,), _shape_of(draw, ranks[2], lead, heads, kl, 16)]))
+    mask = draw(st.sampled_from([None, (ql, kl), (1, ql, kl), (heads, ql, kl), lead + (1, ql, kl), (2, 1, ql, kl)]))
+    return qs, ks, vs, mask, draw(st.booleans()) and mask is None, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(call=_broadcast_calls())
+def test_broadcast_shapes_as_torch(cpu, call):
+    """Random ranks and broadcast batch, head and mask axes: where torch's
+    SDPA (float64) computes a result, the drop-in gives its shape and values;
+    where torch refuses, the drop-in raises a ValueError naming itself."""
+    qs, ks, vs, ms, causal, seed = call
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(s, generator=gen) for s in (qs, ks, vs))
+    mask = None if ms is None else torch.rand(ms, generator=gen) > 0.3
+    try:
+        want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, is_causal=causal)
+    except RuntimeError:
+        want = None
+        # torch adds the mask into q k^T in place, so it also refuses a mask that broadcasts with q k^T into a
+        # larger shape (more axes, or an axis v broadcasts), which the drop-in reads as broadcasting
+        if mask is not None:
+            try:
+                scores = np.broadcast_shapes(qs[:-2], ks[:-2]) + (qs[-2], ks[-2])
+                assume(np.broadcast_shapes(tuple(mask.shape), scores) == scores)
+            except ValueError:
+                pass
+    if want is None:
+        with pytest.raises(ValueError, match="^scaled_dot_product_attention: "):
+            fm.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, registry=cpu)
+        return
+    out = fm.scaled_dot_product_attention(q, k, v, mask, is_causal=causal, registry=cpu)
+    assert out.shape == want.shape, (out.shape, want.shape)
+    atol, rtol = TOLERANCE[np.dtype(np.float32)]
+    assert reference.close(out.double().numpy(), want.numpy(), atol, rtol)[0]
