@@ -298,12 +298,13 @@ def _as_given(shapes: list[tuple[int, ...]], mask: tuple[int, ...] | None, gqa: 
 def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any, enable_gqa: Any
                       ) -> tuple[Any, Any, Any, Any, Any, _Batch | None]:
     """torch's batch axes (all but each input's last three: ``(N, ..., H, L,
-    E)``, broadcast together as torch broadcasts them, the mask's too) merged
-    into the one batch axis the kernels take, a view when nothing is
-    broadcast. One key/value head serves every query head as grouped-query
-    attention (no copy); one query head is repeated over the key heads.
-    Returns q, k, v, the mask, enable_gqa as the kernels need it, and how to
-    give the output the caller's axes (None: the inputs are taken as given)."""
+    E)``), broadcast together as torch broadcasts them, merged into the one
+    batch axis the kernels take (a view when nothing is broadcast), the mask
+    broadcast over them. A head axis of 1 broadcasts too: one key/value head
+    serves every query head as grouped-query attention (no copy); otherwise
+    the inputs with one head are repeated. Returns q, k, v, the mask,
+    enable_gqa as the kernels need it, and how to give the output the
+    caller's axes (None: the inputs are taken as given)."""
     shapes = [tuple(getattr(x, "shape", ())) for x in (query, key, value)]
     bias = attn_mask is not None and _causal_bias(attn_mask) is not None
     mask_shape = None if attn_mask is None or bias else tuple(getattr(attn_mask, "shape", ()))
@@ -403,9 +404,9 @@ def scaled_dot_product_attention(
         query: ``[B, H, qL, D]`` (or ``[H, qL, D]``, ``[qL, D]``, or
             torch's ``[N, ..., H, qL, D]`` with more batch axes; the batch
             axes of query, key and value broadcast together as torch's do,
-            a head axis of 1 too); float32, float16 or bfloat16. numpy arrays, torch CPU tensors (bfloat16 too) or any
-            DLPack / buffer-protocol object; read without copying when
-            C-contiguous.
+            a head axis of 1 too); float32, float16 or bfloat16. numpy
+            arrays, torch CPU tensors (bfloat16 too) or any DLPack /
+            buffer-protocol object; read without copying when C-contiguous.
         key: ``[B, Hkv, kL, D]``, value: ``[B, Hkv, kL, Ev]`` (Ev may differ
             from D, as torch allows: the output then has Ev), query's dtype.
         attn_mask: bool (True = attend) or additive (any float dtype: 0
