@@ -84,9 +84,10 @@ public enum AttentionPlan {
             throw FlashMetalError.value(op, "key batch (\(ks[0])) must equal query batch (\(b))", arg: "key")
         }
         let (hkv, cap) = (ks[1], ks[2])
-        if let bias = o.causalBias, bias != (ql, o.kvLen ?? cap) {
+        let keys = o.kvLen ?? cap
+        if let bias = o.causalBias, bias != (ql, keys) {
             throw FlashMetalError.value(op, "attn_mask is a CausalBias for (\(bias.queryRows) queries, \(bias.keys) "
-                + "keys), not this call's (\(ql), \(o.kvLen ?? cap))", arg: "attn_mask")
+                + "keys), not this call's (\(ql), \(keys))", arg: "attn_mask")
         }
         if hkv != h && !o.enableGQA {
             throw FlashMetalError.value(op, "query has \(h) heads and key \(hkv); pass enable_gqa=True for "
@@ -104,7 +105,6 @@ public enum AttentionPlan {
             throw FlashMetalError.value(op, "query heads (\(h)) must be a multiple of key heads (\(hkv))", arg: "key")
         }
         if d == 0 { throw FlashMetalError.value(op, "query shape \(tuple(qs)) has an empty head dim", arg: "query") }
-        let keys = o.kvLen ?? cap
         let noKeys = cap == 0 && o.kvLen == nil  // torch's result: zeros (every row attends to nothing)
         if !(keys > 0 && keys <= cap) && !noKeys {
             throw FlashMetalError.value(op, "kv_len must be in 1..\(cap) (key's sequence length), got \(keys)",

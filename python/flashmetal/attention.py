@@ -281,6 +281,12 @@ class _Batch(NamedTuple):
         return out.reshape(self.lead + (out.shape[1:] if self.heads else out.shape[2:]))
 
 
+def _heads_broadcast(heads: tuple[int, ...] | list[int]) -> bool:
+    """Whether torch broadcasts these head axes (q's, k's, v's) together:
+    they differ, and every one that is not 1 has one value."""
+    return len(set(heads)) > 1 and len(set(heads) - {1}) == 1
+
+
 def _as_given(shapes: list[tuple[int, ...]], mask: tuple[int, ...] | None, gqa: bool) -> bool:
     """Whether the kernels take the inputs' axes as they are: q, k and v of
     one rank, 3 or 4, with the same batch axis and a head axis no one
@@ -288,9 +294,8 @@ def _as_given(shapes: list[tuple[int, ...]], mask: tuple[int, ...] | None, gqa: 
     sq, sk, sv = shapes
     if not (len(sq) == len(sk) == len(sv) and len(sq) in (3, 4) and sq[:-3] == sk[:-3] == sv[:-3]):
         return False
-    hq, hk, hv = sq[-3], sk[-3], sv[-3]
-    if not gqa and len({hq, hk, hv}) > 1 and len({hq, hk, hv} - {1}) == 1:
-        return False  # heads of 1 broadcast over the others' (torch)
+    if not gqa and _heads_broadcast((sq[-3], sk[-3], sv[-3])):
+        return False
     batch = sq[0] if len(sq) == 4 else 1
     return mask is None or len(mask) < 4 or len(mask) == 4 and mask[0] in (1, batch)
 
@@ -323,7 +328,7 @@ def _merge_batch_axes(query: Any, key: Any, value: Any, attn_mask: Any, enable_g
         raise InvalidValueError(_OP, f"the batch axes (all but the last three) of query {qa.shape}, key {ka.shape} "
                                 f"and value {va.shape} do not broadcast together", argument="key") from None
     heads = [a.shape[-3] if a.ndim >= 3 else 1 for a in (qa, ka, va)]
-    if not gqa and len(set(heads) - {1}) == 1:  # heads of 1 broadcast over the others' (torch)
+    if not gqa and _heads_broadcast(heads):
         h = max(heads)
         if heads[1] == heads[2] == 1:
             enable_gqa = True  # one key/value head for every query head: grouped-query attention, no copy
