@@ -68,6 +68,24 @@ def rows(reg, runs: int, lengths: list[int], chunk: int = 1) -> list[str]:
     return lines
 
 
+def other_classes(path: Path, title: str) -> list[str]:
+    """The previous file's sections of machine classes other than `title`,
+    as '## Kept: <class>, the previous run of this class' sections."""
+    if not path.is_file():
+        return []
+    out: list[str] = []
+    keep = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            name = line.split(": ", 1)[1].split(", the previous run of this class")[0] if ": " in line else ""
+            keep = line.startswith(("## Machine class: ", "## Kept: ")) and name != title
+            if keep:
+                line = f"## Kept: {name}, the previous run of this class"
+        if keep:
+            out.append(line)
+    return out + ([""] if out and out[-1] else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -82,17 +100,23 @@ def main() -> None:
     prefill = rows(reg, args.runs, past, chunk=chunk)
     result = HERE / "CODES_RESULTS.md"
     about = fm.info("cpu")
+    title = common.class_title({"isa": about["cpu_isa"]})
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = "\n".join([
         "# Decode and chunked prefill over quantized KV caches (bench/codes_bench.py)", "",
-        f"Machine: {common.cpu_model()} ({platform.machine()}), backend cpu, ISA path {about['cpu_isa']}"
-        f"{' (VBMI)' if about['cpu_vbmi'] else ''}; medians of {args.runs} interleaved "
-        f"rounds{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. flash_attn_with_kvcache, B=1, "
-        f"H={H}, Hkv={HKV}, D={D}; bf16 q. Ratio > 1: the format runs faster than the bf16 cache.", "",
-        f"Load average (1 min) {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
-        f"{os.cpu_count()} cores (above ~1: other jobs shared the cores).", "",
-        "## Decode: one query row (2 back-to-back calls per round)", "", *table, "",
-        f"## Chunked prefill: {chunk} causal query rows at the end of the keys (the tiled prefill over codes "
-        "against the bf16 cache's prefill)", "", *prefill, "", *common.notes(result)])
+        f"flash_attn_with_kvcache, B=1, H={H}, Hkv={HKV}, D={D}; bf16 q. Ratio > 1: the format runs faster than "
+        "the bf16 cache. One section per machine class: a run replaces its class's tables and keeps the "
+        "others' (the cpu paths differ by ISA, and so do the ratios).", "",
+        f"## Machine class: {title}", "",
+        f"Run {when}. Machine: {common.cpu_model()} ({platform.machine()}), backend cpu, ISA path "
+        f"{about['cpu_isa']}{' (VBMI)' if about['cpu_vbmi'] else ''}; medians of {args.runs} interleaved "
+        f"rounds{' (--quick)' if args.quick else ''}, {time.time() - t0:.0f} s. Load average (1 min) "
+        f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores (above ~1: "
+        "other jobs shared the cores).", "",
+        "### Decode: one query row (2 back-to-back calls per round)", "", *table, "",
+        f"### Chunked prefill: {chunk} causal query rows at the end of the keys (the tiled prefill over codes "
+        "against the bf16 cache's prefill)", "", *prefill, "", *other_classes(result, title),
+        *common.notes(result)])
     result.write_text(text)
     print(f"wrote {HERE / 'CODES_RESULTS.md'}")
 
