@@ -670,7 +670,7 @@ def kept_sections(path, measured_titles=()):
     out, keep = [], False
     for line in path.read_text().splitlines():
         if line.startswith("## "):
-            keep = line.startswith("## Kept:") and not line.startswith(stale or ("\0",))
+            keep = line.startswith("## Kept:") and not line.startswith(stale)
         if keep:
             out.append(line)
     return out + ([""] if out else [])

@@ -112,14 +112,32 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int64_t n,
     int32_t D, int NR, float *sc) {
     const int KJ = 8 / NR;
-    const int64_t rowbytes = (int64_t)D * FM_SFX(vec_esz)(dtype);
+    const int64_t esz = FM_SFX(vec_esz)(dtype), rowbytes = (int64_t)D * esz;
     int64_t j = 0;
     for (; j + KJ <= n; j += KJ) {
         fm_v acc[8];
         if (FM_VEC_KEYS_SIDE_BY_SIDE && rowbytes < 512) {
             for (int t = 0; t < KJ; t++) FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
             for (int i = 0; i < 8; i++) acc[i] = fm_v_splat(0.0f);
-            for (int32_t d = 0; d < D; d += FM_VL)
+            /* A cache line of each row at a time (LE elements, at least a
+             * vector), its shadow prefetch issued once per line and key
+             * (vec_load_k's per-vector test of which lines start in the
+             * vector was a third of the loop's instructions: 16-bit rows
+             * at D 128 run 10-20% faster this way on Zen 3); then the
+             * row's tail vector by vector. */
+            const int32_t LE = 64 / esz > FM_VL ? (int32_t)(64 / esz) : FM_VL;
+            int32_t d = 0;
+            for (; d + LE <= D; d += LE) {
+                for (int t = 0; t < KJ; t++)
+                    if (j + t < pf->nn) __builtin_prefetch(pf->nk[j + t] + d * esz, 0, 2);
+                for (int32_t e = 0; e < LE; e += FM_VL)
+                    for (int t = 0; t < KJ; t++) {
+                        const fm_v kv = fm_v_load_any(kp[j + t], d + e, dtype);
+                        for (int r = 0; r < NR; r++)
+                            acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d + e), kv, acc[r * KJ + t]);
+                    }
+            }
+            for (; d < D; d += FM_VL)
                 for (int t = 0; t < KJ; t++) {
                     const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, D, dtype);
                     for (int r = 0; r < NR; r++)
