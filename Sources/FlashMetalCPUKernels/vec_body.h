@@ -96,6 +96,40 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_v_row)(con
         for (int64_t c = 0; c < rowbytes; c += 64) __builtin_prefetch(pf->pv[j] + c);
 }
 
+#ifndef FM_VEC_KEYS_SIDE_BY_SIDE
+#define FM_VEC_KEYS_SIDE_BY_SIDE 0
+#endif
+/* acc[r * KJ + t] += q_r . K_(j0 + t) for rows [0, NR) and T keys from j0
+ * (T = KJ: the keys side by side; T = 1: one key, acc pointing at its
+ * chains), each chain in order over d. On AVX2 a cache line of each row at
+ * a time (LE elements, at least a vector), its shadow prefetch issued once
+ * per line and key, then the row's tail vector by vector: vec_load_k's
+ * per-vector test of which lines start in the vector was a third of the
+ * loop's instructions (10-25% of the decode's time on Zen 3, every row
+ * size). Elsewhere vector by vector through vec_load_k. */
+static inline __attribute__((always_inline)) void FM_SFX(vec_dots)(
+    const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int32_t D,
+    int NR, int KJ, int64_t j0, int T, fm_v *acc) {
+    const int64_t esz = FM_SFX(vec_esz)(dtype);
+    const int32_t LE = 64 / esz > FM_VL ? (int32_t)(64 / esz) : FM_VL;
+    int32_t d = 0;
+    for (; FM_VEC_KEYS_SIDE_BY_SIDE && d + LE <= D; d += LE) {
+        for (int t = 0; t < T; t++)
+            if (j0 + t < pf->nn) __builtin_prefetch(pf->nk[j0 + t] + d * esz, 0, 2);
+        for (int32_t e = 0; e < LE; e += FM_VL)
+            for (int t = 0; t < T; t++) {
+                const fm_v kv = fm_v_load_any(kp[j0 + t], d + e, dtype);
+                for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d + e), kv, acc[r * KJ + t]);
+            }
+    }
+    for (; d < D; d += FM_VL)
+        for (int t = 0; t < T; t++) {
+            const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j0 + t, d, D, dtype);
+            for (int r = 0; r < NR; r++)
+                acc[r * KJ + t] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r * KJ + t]);
+        }
+}
+
 /* Raw dot products of rows [0, NR) with the n keys at kp, into sc (row
  * stride FM_VT). KJ = 8 / NR keys form one group whose 8 chains fold into
  * one vector of sums. Each key row is read from start to end before the
@@ -105,9 +139,6 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_prefetch_v_row)(con
  * cache; on AVX-512 it made no difference, and for longer rows it was
  * 30-50% slower). Either order gives each chain the same sums over d: same
  * bits. */
-#ifndef FM_VEC_KEYS_SIDE_BY_SIDE
-#define FM_VEC_KEYS_SIDE_BY_SIDE 0
-#endif
 static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     const float *const qr[4], const char *const *kp, const FM_SFX(VecPrefetch) *pf, int32_t dtype, int64_t n,
     int32_t D, int NR, float *sc) {
@@ -116,42 +147,14 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_scores)(
     int64_t j = 0;
     for (; j + KJ <= n; j += KJ) {
         fm_v acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = fm_v_splat(0.0f);
         if (FM_VEC_KEYS_SIDE_BY_SIDE && rowbytes < 512) {
             for (int t = 0; t < KJ; t++) FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
-            for (int i = 0; i < 8; i++) acc[i] = fm_v_splat(0.0f);
-            /* A cache line of each row at a time (LE elements, at least a
-             * vector), its shadow prefetch issued once per line and key
-             * (vec_load_k's per-vector test of which lines start in the
-             * vector was a third of the loop's instructions: 16-bit rows
-             * at D 128 run 10-20% faster this way on Zen 3); then the
-             * row's tail vector by vector. */
-            const int32_t LE = 64 / esz > FM_VL ? (int32_t)(64 / esz) : FM_VL;
-            int32_t d = 0;
-            for (; d + LE <= D; d += LE) {
-                for (int t = 0; t < KJ; t++)
-                    if (j + t < pf->nn) __builtin_prefetch(pf->nk[j + t] + d * esz, 0, 2);
-                for (int32_t e = 0; e < LE; e += FM_VL)
-                    for (int t = 0; t < KJ; t++) {
-                        const fm_v kv = fm_v_load_any(kp[j + t], d + e, dtype);
-                        for (int r = 0; r < NR; r++)
-                            acc[r * KJ + t] = fm_v_fma(fm_v_load(qr[r] + d + e), kv, acc[r * KJ + t]);
-                    }
-            }
-            for (; d < D; d += FM_VL)
-                for (int t = 0; t < KJ; t++) {
-                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, D, dtype);
-                    for (int r = 0; r < NR; r++)
-                        acc[r * KJ + t] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r * KJ + t]);
-                }
+            FM_SFX(vec_dots)(qr, kp, pf, dtype, D, NR, KJ, j, KJ, acc);
         } else {
             for (int t = 0; t < KJ; t++) {
                 FM_SFX(vec_prefetch_v_row)(pf, j + t, rowbytes);
-                for (int r = 0; r < NR; r++) acc[r * KJ + t] = fm_v_splat(0.0f);
-                for (int32_t d = 0; d < D; d += FM_VL) {
-                    const fm_v kv = FM_SFX(vec_load_k)(pf, kp, j + t, d, D, dtype);
-                    for (int r = 0; r < NR; r++)
-                        acc[r * KJ + t] = fm_v_fma(FM_SFX(vec_load_q)(qr[r], d, D), kv, acc[r * KJ + t]);
-                }
+                FM_SFX(vec_dots)(qr, kp, pf, dtype, D, NR, KJ, j + t, 1, acc + t);
             }
         }
         float s8[8];
