@@ -68,24 +68,6 @@ def rows(reg, runs: int, lengths: list[int], chunk: int = 1) -> list[str]:
     return lines
 
 
-def other_classes(path: Path, title: str) -> list[str]:
-    """The previous file's sections of machine classes other than `title`,
-    as '## Kept: <class>, the previous run of this class' sections."""
-    if not path.is_file():
-        return []
-    out: list[str] = []
-    keep = False
-    for line in path.read_text().splitlines():
-        if line.startswith("## "):
-            name = line.split(": ", 1)[1].split(", the previous run of this class")[0] if ": " in line else ""
-            keep = line.startswith(("## Machine class: ", "## Kept: ")) and name != title
-            if keep:
-                line = f"## Kept: {name}, the previous run of this class"
-        if keep:
-            out.append(line)
-    return out + ([""] if out and out[-1] else [])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -115,7 +97,8 @@ def main() -> None:
         "other jobs shared the cores).", "",
         "### Decode: one query row (2 back-to-back calls per round)", "", *table, "",
         f"### Chunked prefill: {chunk} causal query rows at the end of the keys (the tiled prefill over codes "
-        "against the bf16 cache's prefill)", "", *prefill, "", *other_classes(result, title),
+        "against the bf16 cache's prefill)", "", *prefill, "",
+        *common.previous_run_sections(result, {title}), *common.kept_sections(result, {title}),
         *common.notes(result)])
     result.write_text(text)
     print(f"wrote {HERE / 'CODES_RESULTS.md'}")
