@@ -13,12 +13,14 @@ from . import _native
 from ._arrays import dtype_code
 
 _OP = "scaled_dot_product_attention"
-_KERNELS = {"FM_ROUTE_DECODE": "flash_attn_vec", "FM_ROUTE_PREFILL": "flash_attn_prefill", "FM_ROUTE_SDPA": "sdpa"}
+_KERNELS = {"FM_ROUTE_DECODE": "flash_attn_decode", "FM_ROUTE_PREFILL": "flash_attn_prefill", "FM_ROUTE_SDPA": "sdpa"}
 
 
 @dataclass(frozen=True)
 class Route:
-    """Which kernel ran (or would run) and why."""
+    """Which kernel ran (or would run) and why: ``kernel`` is one of
+    ``flashmetal.attention.ROUTES`` ("flash_attn_decode", "flash_attn_prefill",
+    "sdpa", "none"), the public function of that kernel."""
     kernel: str
     reason: str
 
@@ -75,4 +77,4 @@ def short_query_runs(dtype: np.dtype, rows: int, d: int, dv: int) -> bool:
     kernel: the router's rule for such a call."""
     if d < 1 or dv < 1:  # a shape the kernel's own checks refuse, naming the call's function
         return False
-    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv)[0].kernel == "flash_attn_vec"
+    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv)[0].kernel == "flash_attn_decode"

@@ -43,7 +43,7 @@ _OP = "scaled_dot_product_attention"
 _ALIGNS = ("top_left", "bottom_right")
 #: The kernel families the front door runs (``Route.kernel``); "none" for an
 #: empty batch (B, H or qL of 0) or no keys (kL 0: zeros), which runs no kernel.
-ROUTES = ("flash_attn_vec", "flash_attn_prefill", "sdpa", "none")
+ROUTES = ("flash_attn_decode", "flash_attn_prefill", "sdpa", "none")
 
 
 _last = threading.local()
@@ -232,11 +232,11 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     if plan.kind == _native.constant("FM_PLAN_NO_KEYS"):  # zeros, once the mask is known to broadcast
         return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
     ranges = None
-    if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_vec", D, Dv):
+    if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_decode", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     route, pad_to = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
                            q_offset=q_offset, window=window, sinks=sk is not None, dv=Dv)
-    if ranges is not None and route.kernel == "flash_attn_vec":
+    if ranges is not None and route.kernel == "flash_attn_decode":
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
 
@@ -389,7 +389,7 @@ def scaled_dot_product_attention(
     the same order (scale and enable_gqa keyword-only, as torch's are), on
     the best flashmetal kernel. Always finds a kernel:
 
-    - ``flash_attn_vec`` (split-KV decode): one query row at the newest
+    - ``flash_attn_decode`` (split-KV decode): one query row at the newest
       position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512}; or
       one query row whose ``attn_mask`` (bool, or 0/-inf) keeps one key
       range per batch row, the same for every head (left padding, a sliding
@@ -457,11 +457,11 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     kernel = c.route.kernel
     if kernel == "none":
         return np.zeros(out_shape(qa, va), qa.dtype)
-    if kernel == "flash_attn_vec" and c.key_ranges is not None:
+    if kernel == "flash_attn_decode" and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
-    if kernel == "flash_attn_vec" and qa.shape[2] > 1:
+    if kernel == "flash_attn_decode" and qa.shape[2] > 1:
         return _decode_short(c, scale, softcap, window, reg)
-    if kernel == "flash_attn_vec":
+    if kernel == "flash_attn_decode":
         qd = qa[:, :, 0, :]  # [B, H, D], C-contiguous (one query row)
         o = np.empty(out_shape(qd, va), dtype=qa.dtype)  # the kernel writes q's dtype itself
         run_decode(reg, _native.public_op(_OP), qd, ka, va, kl, o, scale=scale, causal=c.causal, window=window,

@@ -100,7 +100,7 @@ def test_bench_decode_progress_line_and_no_torch():
     r = run("bench", "--backend", "cpu", "--decode", "--kv-len", "300", "--dtype", "float32", "--heads", "8",
             "-d", "128", "--runs", "3", "--no-torch", "--progress")
     assert r.returncode == 0, r.stderr
-    assert "qL=1 kvL=300" in r.stdout and "flash_attn_vec" in r.stdout and "torch" not in r.stdout
+    assert "qL=1 kvL=300" in r.stdout and "flash_attn_decode" in r.stdout and "torch" not in r.stdout
     assert "GB/s of K/V" in r.stdout
     assert [line.strip() for line in r.stderr.splitlines()][-1].startswith("flashmetal: run 3/3,")
 

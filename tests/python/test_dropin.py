@@ -254,7 +254,7 @@ def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
     assert fm.last_route() == route
     assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=300: no decode kernel
     q64, k64, v64 = qkv(rng, BF16, ql=1)
-    assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_vec"
+    assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_decode"
     # top-left causal puts the one row at position 0: not the decode kernel's newest position
     assert fm.explain(q64, k64, v64, is_causal=True).kernel == "flash_attn_prefill"
 

@@ -50,9 +50,9 @@ def test_masked_decode_takes_the_decode_kernel(registry, rng, mask, dtype):
     m = MASKS[mask](kl)
     if m.dtype != bool:
         m = m.astype(dtype)
-    assert explain(q, k, v, m, enable_gqa=True, kv_len=kl).kernel == "flash_attn_vec"
+    assert explain(q, k, v, m, enable_gqa=True, kv_len=kl).kernel == "flash_attn_decode"
     out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, kv_len=kl, registry=registry)
-    assert last_route().kernel == "flash_attn_vec", last_route()
+    assert last_route().kernel == "flash_attn_decode", last_route()
     expected = reference.attention(q, k[:, :, :kl], v[:, :, :kl], mask=m)
     assert_close(out, expected, dtype, f"{registry.backend} {mask} {dtype}")
 
@@ -66,7 +66,7 @@ def test_mask_with_causal_and_window(registry, rng, align, causal, window):
     m = _padding(kl, [2, 0, 20])
     out = fm.scaled_dot_product_attention(q, k, v, m, is_causal=causal, enable_gqa=True, kv_len=kl, window=window,
                                           align=align, registry=registry)
-    assert last_route().kernel == "flash_attn_vec", last_route()
+    assert last_route().kernel == "flash_attn_decode", last_route()
     q_offset = 0 if align == "top_left" else kl - 1
     expected = reference.attention(q, k[:, :, :kl], v[:, :, :kl], mask=m, causal=causal, q_offset=q_offset,
                                    window=window)
@@ -77,7 +77,7 @@ def test_softcap_scale_and_mqa(registry, rng):
     q, k, v = _qkv(rng, F16, hkv=1)
     m = _padding(CAP, [1, 7, 0])
     out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, scale=0.3, softcap=5.0, registry=registry)
-    assert last_route().kernel == "flash_attn_vec"
+    assert last_route().kernel == "flash_attn_decode"
     expected = reference.attention(q, k, v, mask=m, scale=0.3, softcap=5.0)
     assert_close(out, expected, F16, f"{registry.backend} softcap mqa")
 
@@ -104,7 +104,7 @@ def test_other_masks_take_the_general_route(registry, rng, mask):
     if m.dtype != bool:
         m = m.astype(BF16)
     out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, kv_len=kl, registry=registry)
-    assert last_route().kernel != "flash_attn_vec", last_route()
+    assert last_route().kernel != "flash_attn_decode", last_route()
     expected = reference.attention(q, k[:, :, :kl], v[:, :, :kl], mask=m)
     assert_close(out, expected, BF16, f"{registry.backend} {mask}")
 
@@ -141,10 +141,10 @@ def test_decode_inside_a_batch_scope_on_metal(rng, dtype, masked):
     m = _padding(CAP, [0, 5, 17]) if masked else None
     with reg.batch():
         out = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
-        assert last_route().kernel == "flash_attn_vec", last_route()
+        assert last_route().kernel == "flash_attn_decode", last_route()
     expected = reference.attention(q, k, v, mask=m)
     assert_close(out, expected, dtype, f"batch scope masked={masked} {dtype}")
     outside = fm.scaled_dot_product_attention(q, k, v, m, enable_gqa=True, registry=reg)
-    assert last_route().kernel == "flash_attn_vec"
+    assert last_route().kernel == "flash_attn_decode"
     assert outside.dtype == out.dtype == dtype
     np.testing.assert_array_equal(outside.view(np.uint8), out.view(np.uint8))

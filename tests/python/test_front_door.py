@@ -35,17 +35,17 @@ def expect(q, k, v, kl, *, causal, window=None, mask=None, softcap=0.0, scale=No
 
 
 def tol(dtype, route):
-    return F16 if route == "flash_attn_vec" and dtype == F32 else dtype
+    return F16 if route == "flash_attn_decode" and dtype == F32 else dtype
 
 
 @pytest.mark.parametrize("dtype,ql,route", [
     (BF16, 6, "flash_attn_prefill"), (F16, 6, "flash_attn_prefill"), (F32, 6, "flash_attn_prefill"),
-    (F32, 1, "flash_attn_vec"), (BF16, 1, "flash_attn_vec"), (F16, 1, "flash_attn_vec"),
+    (F32, 1, "flash_attn_decode"), (BF16, 1, "flash_attn_decode"), (F16, 1, "flash_attn_decode"),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_routes(registry, rng, dtype, ql, route, causal):
     if ql <= SHORT_QUERY_ROWS:
-        route = "flash_attn_vec"  # rows at the newest positions (bottom-right): the short-query decode
+        route = "flash_attn_decode"  # rows at the newest positions (bottom-right): the short-query decode
     q, k, v = qkv(rng, dtype, ql=ql)
     out, ran = SDPA(q, k, v, is_causal=causal, return_kernel=True, registry=registry)
     assert ran == route and ran in fm.attention.ROUTES
@@ -59,7 +59,7 @@ def test_routes(registry, rng, dtype, ql, route, causal):
 def test_window(registry, rng, dtype, ql, causal):
     q, k, v = qkv(rng, dtype, ql=ql, kl=70, d=128)
     out, ran = SDPA(q, k, v, is_causal=causal, window=9, kv_len=60, return_kernel=True, registry=registry)
-    assert ran == ("flash_attn_vec" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill")
+    assert ran == ("flash_attn_decode" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill")
     assert_close(out, expect(q, k, v, 60, causal=causal, window=9), tol(dtype, ran), ran)
 
 
@@ -69,7 +69,7 @@ def test_same_semantics_across_routes(registry, rng):
     full = SDPA(q, k, v, is_causal=True, window=7, kv_len=45, softcap=3.0, registry=registry)
     last, ran = SDPA(q[:, :, 2:3], k, v, is_causal=True, window=7, kv_len=45, softcap=3.0,
                      return_kernel=True, registry=registry)
-    assert ran == "flash_attn_vec"
+    assert ran == "flash_attn_decode"
     exp = expect(q, k, v, 45, causal=True, window=7, softcap=3.0)
     assert_close(full, exp, BF16, "prefill")
     assert_close(last, exp[:, :, 2:3], BF16, "vec")

@@ -240,7 +240,7 @@ def test_dropin(registry, rng, d, dv, ql):
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
     route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
     tiled = max(d, dv) <= 256 or (d, dv) == (576, 512)
-    assert route.kernel == ("sdpa" if not tiled else "flash_attn_vec" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill"), route
+    assert route.kernel == ("sdpa" if not tiled else "flash_attn_decode" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill"), route
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
     assert out.shape == (1, 2, ql, dv)
@@ -262,7 +262,7 @@ def test_dropin_masked_decode_key_ranges(registry, rng):
     keep = np.ones((2, 1, 1, 30), bool)
     keep[0, :, :, :7] = False
     out = fm.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True, registry=registry)
-    assert fm.last_route().kernel == "flash_attn_vec"
+    assert fm.last_route().kernel == "flash_attn_decode"
     assert_close(out, reference.attention(q, k, v, mask=keep), F16, f"{registry.backend} masked decode")
 
 

@@ -163,7 +163,7 @@ def test_dropin(registry, rng, d, ql):
     """scaled_dot_product_attention runs a padded head dim on its kernel (no copy to a wider one)."""
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), BF16)
     route = fm.explain(q, k, v, is_causal=ql > 1, align="bottom_right")
-    assert route.kernel == ("flash_attn_vec" if ql == 1 else "flash_attn_prefill")
+    assert route.kernel == ("flash_attn_decode" if ql == 1 else "flash_attn_prefill")
     assert "padded" not in route.reason
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=ql > 1, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=ql > 1, q_offset=45 - ql)

@@ -1,6 +1,6 @@
 """Hugging Face generation with a left-padded batch (and Gemma-2's sliding
 window) stays on the split-KV decode kernel: every single-token step the
-drop-in runs takes flash_attn_vec, and the greedy tokens equal transformers'
+drop-in runs takes flash_attn_decode, and the greedy tokens equal transformers'
 own attention's. Tiny random-weight models built from configs (no download)."""
 from __future__ import annotations
 
@@ -78,4 +78,4 @@ def test_left_padded_generate_decodes_on_the_decode_kernel(routes, make, referen
         _same_until_a_tie(go, gr, ids.shape[1])
     steps = [r for r in routes if r[0] == 1]
     assert steps and all(r[2] for r in steps), routes  # every decode step carried a mask...
-    assert all(r[1] == "flash_attn_vec" for r in steps), steps  # ...and ran the decode kernel
+    assert all(r[1] == "flash_attn_decode" for r in steps), steps  # ...and ran the decode kernel

@@ -162,7 +162,7 @@ def test_dropin_short_query(registry, calls, case):
     rng = np.random.default_rng(ql + kl)
     q, k, v = randn(rng, (2, h, ql, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype), randn(rng, (2, hkv, 48, 64), dtype)
     args = dict(enable_gqa=hkv < h, kv_len=kl, **kw)
-    assert fm.explain(q, k, v, **args).kernel == "flash_attn_vec"
+    assert fm.explain(q, k, v, **args).kernel == "flash_attn_decode"
     out = fm.scaled_dot_product_attention(q, k, v, registry=registry, **args)
     assert calls == ["fm_dispatch_vec_seq"], calls
     causal = kw.get("is_causal", False)
