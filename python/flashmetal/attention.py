@@ -390,18 +390,21 @@ def scaled_dot_product_attention(
     the best flashmetal kernel. Always finds a kernel:
 
     - ``flash_attn_decode`` (split-KV decode): one query row at the newest
-      position, no ``attn_mask``, D in {64, 80, 96, 128, 192, 256, 512}; or
-      one query row whose ``attn_mask`` (bool, or 0/-inf) keeps one key
-      range per batch row, the same for every head (left padding, a sliding
-      window, causal), without sinks (``key_ranges``);
+      position, no ``attn_mask``, any D up to 256 or a tile
+      ``supported_head_dims("flash_attn_decode")`` lists; or one query row
+      whose ``attn_mask`` (bool, or 0/-inf) keeps one key range per batch
+      row, the same for every head (left padding, a sliding window,
+      causal), without sinks (``key_ranges``); or a few query rows at the
+      newest positions (bottom-right), no ``attn_mask``, no sinks;
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
-      D in {64, 80, 96, 128, 192, 256, 512} (other D below the largest
-      zero-padded to the next one when there are >= ``pad_min_query_rows()``
-      query rows), causal or windowed rows inside the keys (without causal
-      and a window, any number of query rows);
+      any D up to 256 or a tile ``supported_head_dims("flash_attn_prefill")``
+      lists (another D below the largest tile zero-padded to the next one
+      with at least ``FM_PAD_MIN_QUERY_ROWS`` (32) query rows), causal or
+      windowed rows inside the keys (without causal and a window, any
+      number of query rows);
     - ``sdpa`` (the general kernel) for everything else: any head dim
-      (48, 160, 640, 1024, ... up to 65536), causal or windowed rows
-      outside the keys.
+      (300 with few query rows, 640, 1024, ... up to 65536), causal or
+      windowed rows outside the keys.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 

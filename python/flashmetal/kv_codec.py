@@ -35,7 +35,7 @@ _QKV = "QuantizedKV"
 
 
 class KVCodec:
-    """A quantized-KV codec: ``head_dim`` (64, 80, 96, 128, 192, 256 or 512),
+    """A quantized-KV codec: ``head_dim`` (one ``supported_head_dims("kv_codec")`` lists),
     ``bits`` per coordinate (2, 3, 4, 5, 6 or 8) and the ``seed`` of its
     rotation signs (an integer in [0, 2**64)).
 
