@@ -22,8 +22,8 @@
 // such tiles (blk class 0: all -inf; tiles past the causal diagonal) is exact.
 //
 // One kernel, two bodies sharing the score cell (PrefillTiles picks by head
-// dim). D <= 256 keeps the O accumulator in registers (TD 8x8 fragments per
-// simdgroup, each simdgroup owning 8 query rows). At D = 512 one simdgroup
+// dim). Tiles up to 256 keep the O accumulator in registers (TD 8x8 fragments
+// per simdgroup, each simdgroup owning 8 query rows). At D = 512 one simdgroup
 // per 8 rows would hold 128 accumulator floats per thread, and 32 rows of Q
 // alone fill 32 KiB; its body ("wide", as llama.cpp's flash-attention kernel
 // and mlx-native's D = 512 port split the work) has NSG simdgroups share a
@@ -874,6 +874,22 @@ template <typename T, int RUN> inline void read_run_frags(thread simdgroup_float
     }
 }
 
+// The first n elements of a run at `at` into fragments f[0 .. RUN / 2), the
+// rest zeros: a run that reaches past the row's head dim (n < RUN, a head
+// dim below the tile width) reads nothing at or past it.
+template <typename T, int RUN> inline void read_run_frags_upto(thread simdgroup_float8x8 *f, const device T *at,
+                                                               int n) {
+    if (n >= RUN) {
+        read_run_frags<T, RUN>(f, at);
+        return;
+    }
+    FA_UNROLL
+    for (int i = 0; i < RUN / 2; i++) {
+        f[i].thread_elements()[0] = 2 * i < n ? float(at[2 * i]) : 0.0f;
+        f[i].thread_elements()[1] = 2 * i + 1 < n ? float(at[2 * i + 1]) : 0.0f;
+    }
+}
+
 // Key k0 + r's row of kv head kvh in K or V (strides st, page stride ps),
 // r < BK; a key at or past `len` (keys of the tile that exist) reads the
 // tile's last existing key instead (len >= 1 in every visited tile). `tile`
@@ -923,7 +939,11 @@ inline float prefill_wide_softmax(threadgroup float *srow, constant AttnParams &
 // D > 256 (the header's "wide" body): NSG = WM * WN simdgroups share BQ
 // rows and BK = 8 * NSG keys per tile. Qs holds Q^T, Os the S tiles and
 // row factors (PrefillWideTiles); KVs is unused. Q and K have BD columns,
-// V and O BDV (576 over 512: MLA's q/k over its latent v).
+// V and O BDV (576 over 512: MLA's q/k over its latent v). A head dim p.D
+// below BD (p.Dv below BDV) runs on the same tile: Q^T's columns past p.D
+// load as zeros, K and V reads stop at p.D and p.Dv, the score loop stops
+// at the last block of runs holding a column below p.D, and O columns at or
+// past p.Dv are not stored.
 template <typename T, typename MaskT, int BQ, int BK, int BD, int WM, int WN, int BQB, int BKB, int BDV>
 inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K, const device T *V, device T *O,
                          constant AttnParams &p, constant AttnMaskParams *mp, const device MaskT *mask,
@@ -953,7 +973,7 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     const PrefillWork<T> w = prefill_work<T, BQ, BK>(Q, O, p, sb, tgid);
     if (w.q_row0 >= w.s.q_len) return;  // past a short sequence: the whole group
     load_tile_t<T, BQ, BD, LDQT, THREADS>(Qs, w.Qb + w.q_row0 * p.Q_strides[2], p.Q_strides[2],
-                                          w.s.q_len - w.q_row0, align_Q, BD, tid);
+                                          w.s.q_len - w.q_row0, align_Q, p.D, tid);
 
     short fr, fc;
     frag_coord(lane, fr, fc);
@@ -969,6 +989,10 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
     const bool split_pages = prefill_split_pages<BK>(sb);
     const long kps = paged_kv ? sb.sp->K_page_stride : 0;
     const long vps = paged_kv ? sb.sp->V_page_stride : 0;
+    const int dk = int(p.D);
+    const int dv = int(p.Dv);
+    const int k_col = (fc / 2) * RUN;                 // this lane's first column of a block of K
+    const int v_col = int(sg) * DS + (fc / 2) * RUN;  // ... of its first block of V and O
     float row_max = FM_RUNNING_MAX_START;
     float row_sum = 0.0f;
 
@@ -997,13 +1021,13 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         // of RB columns at a time (wide_column's order).
         {
             const device T *krow = prefill_wide_row(K, Kt, p.K_strides, kps, sb, w.b, w.kvh, k0, int(sg) * 8 + fr,
-                                                    len, split_pages) + (fc / 2) * RUN;
+                                                    len, split_pages) + k_col;
             simdgroup_float8x8 st[TQ];
             FA_UNROLL
             for (int q = 0; q < TQ; q++) st[q] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-            for (int cb = 0; cb < BD; cb += RB) {
+            for (int cb = 0; cb < dk; cb += RB) {
                 simdgroup_float8x8 kf[RF];
-                read_run_frags<T, RUN>(kf, krow + cb);
+                read_run_frags_upto<T, RUN>(kf, krow + cb, dk - cb - k_col);
                 FA_UNROLL
                 for (int i = 0; i < RF; i++) {
                     const threadgroup uint *qt = Qs + (cb + wide_column(fr, i, RUN)) * LDQT;
@@ -1048,11 +1072,11 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
                 pf[q].thread_elements()[1] = pr[1];
             }
             const device T *vrow = prefill_wide_row(V, Vt, p.V_strides, vps, sb, w.b, w.kvh, k0, j * 8 + fr, len,
-                                                    split_pages) + int(sg) * DS + (fc / 2) * RUN;
+                                                    split_pages) + v_col;
             FA_UNROLL
             for (int m = 0; m < TO; m += RF) {
                 simdgroup_float8x8 vf[RF];
-                read_run_frags<T, RUN>(vf, vrow + m / RF * RB);
+                read_run_frags_upto<T, RUN>(vf, vrow + m / RF * RB, dv - v_col - m / RF * RB);
                 FA_UNROLL
                 for (int i = 0; i < RF; i++) {
                     FA_UNROLL
@@ -1076,12 +1100,12 @@ inline void prefill_body(PrefillBody<true>, const device T *Q, const device T *K
         const long r = w.q_row0 + q * 8 + fr;
         if (!(align_Q || r < w.s.q_len)) continue;
         const float f = F[q * 8 + fr];
-        device T *out = w.Ob + r * p.O_strides[2] + int(sg) * DS + (fc / 2) * RUN;  // this lane's runs
+        device T *out = w.Ob + r * p.O_strides[2] + v_col;  // this lane's runs
         FA_UNROLL
         for (int m = 0; m < TO; m++) {
             const int c = m / RF * RB + (m % RF) * 2;
-            out[c] = T(acc[q * TO + m].thread_elements()[0] * f);
-            out[c + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
+            if (v_col + c < dv) out[c] = T(acc[q * TO + m].thread_elements()[0] * f);
+            if (v_col + c + 1 < dv) out[c + 1] = T(acc[q * TO + m].thread_elements()[1] * f);
         }
     }
 }

@@ -70,7 +70,7 @@
 // vector i only if l + 32 i < D / VW.
 //
 // The kernels are instantiated for tile widths D; a head dim DR < D (any
-// DR <= 256: FlashAttnVecParams.head_dim, FlashAttnVecReduceParams.head_dim)
+// DR <= 512: FlashAttnVecParams.head_dim, FlashAttnVecReduceParams.head_dim)
 // runs the next tile up. Elements at or past DR load as zeros and are never
 // stored; q and the plain K rows are DR elements apart. V has a head dim DV
 // of its own (FlashAttnVecParams.head_dim_v, <= D; the reduce's head_dim is

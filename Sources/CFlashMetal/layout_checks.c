@@ -28,7 +28,7 @@ FM_AT(SdpaExtParams, head_dim_v, 12);
 _Static_assert(sizeof(FMTensor) == 96, "FMTensor is 96 bytes");
 _Static_assert(sizeof(FMRouteCall) == 64, "FMRouteCall is 64 bytes");
 FM_AT(FMRouteCall, query_rows, 24);
-_Static_assert(sizeof(FMRoute) == 520, "FMRoute is 520 bytes");
+_Static_assert(sizeof(FMRoute) == 516, "FMRoute is 516 bytes");
 _Static_assert(sizeof(FMAttentionCall) == 72, "FMAttentionCall is 72 bytes");
 FM_AT(FMAttentionCall, has_scale, 48);
 _Static_assert(sizeof(FMAttentionPlan) == 336, "FMAttentionPlan is 336 bytes");

@@ -30,7 +30,6 @@ public func fm_route_attention(_ call: UnsafePointer<FMRouteCall>?, _ out: Unsaf
             keys: Int(c.keys), mask: c.mask != 0, maskIsKeyRanges: c.mask_is_key_ranges != 0, causal: c.causal != 0,
             queryOffset: Int(c.query_offset), window: c.window > 0 ? Int(c.window) : nil, sinks: c.sinks != 0))
         out.pointee.kernel = route.kernel.rawValue
-        out.pointee.pad_to = Int32(route.padTo ?? 0)
         withUnsafeMutableBytes(of: &out.pointee.reason) { raw in
             let buf = raw.bindMemory(to: CChar.self)
             writeMessage(route.reason, buf.baseAddress, buf.count)

@@ -8,13 +8,6 @@ import CFlashMetal
 /// runs the kernel named; nothing is chosen twice.
 public enum AttentionRouter {
     public static let op = "scaled_dot_product_attention"
-    /// A bfloat16/float16 head dim above maxPaddedHeadDim that the prefill
-    /// kernel lacks (300, ...) is zero-padded to the next one it has (512)
-    /// when there are at least this many query rows: the tiled kernel on the
-    /// padded problem beats the one-thread-per-row sdpa kernel once the
-    /// copies of q/k/v are amortised. Head dims up to maxPaddedHeadDim need
-    /// no copy: the kernels run them on their next tile.
-    public static let padMinQueryRows = Int(FM_PAD_MIN_QUERY_ROWS)
 
     /// The kernel families a call can take (FMRouteKernel of flashmetal.h).
     public enum Kernel: Int32, Sendable {
@@ -59,11 +52,9 @@ public enum AttentionRouter {
         }
     }
 
-    /// The kernel, the head dim q/k/v are zero-padded to for it (nil: none;
-    /// only when the head dims are equal), and why.
+    /// The kernel and why.
     public struct Route: Sendable, Equatable {
         public let kernel: Kernel
-        public let padTo: Int?
         public let reason: String
     }
 
@@ -83,19 +74,19 @@ public enum AttentionRouter {
         let io: DType = c.dtype == .f32 ? .f32 : .bf16
         let decodeRuns = VecCapability.runs(headDim: d, headDimV: dv)
         if rows == 1 && c.maskIsKeyRanges && !c.sinks && decodeRuns {
-            return Route(kernel: .decode, padTo: nil, reason: "one query row whose attn_mask keeps one key range "
+            return Route(kernel: .decode, reason: "one query row whose attn_mask keeps one key range "
                 + "per batch row (padding, window, causal): split-KV decode over per-row key ranges")
         }
         let unbounded = !c.causal && c.window == nil  // positions do not matter
         let lastRow = c.queryOffset == c.keys - 1 || unbounded
         if rows == 1 && !c.mask && decodeRuns && lastRow && !c.sinks {
-            return Route(kernel: .decode, padTo: nil, reason: "one query row at the newest position, no attn_mask: "
+            return Route(kernel: .decode, reason: "one query row at the newest position, no attn_mask: "
                 + "split-KV decode")
         }
         let newest = c.queryOffset == c.keys - rows || unbounded
         if rows > 1 && rows <= min(VecSeqDispatcher.maxQueryRows, c.keys) && !c.mask && newest
             && !c.sinks && shortQueryRuns(dtype: c.dtype, headDim: d, headDimV: dv) {
-            return Route(kernel: .decode, padTo: nil, reason: "\(rows) query rows at the newest positions, no "
+            return Route(kernel: .decode, reason: "\(rows) query rows at the newest positions, no "
                 + "attn_mask: split-KV decode, each row with its own causal/window keys, K/V read once per kv head")
         }
         var whyNot: [String] = []
@@ -103,28 +94,18 @@ public enum AttentionRouter {
             whyNot.append("\(c.causal ? "causal rows" : "rows with a window") at positions "
                 + "\(c.queryOffset)..\(c.queryOffset + rows - 1) outside the \(c.keys) keys")
         }
-        let prefillDims = PrefillCapability.headDims(io: io)
-        var padTo: Int? = nil
         if dv != d {
             if !PrefillCapability.runs(io: io, headDim: d, headDimV: dv) {
                 whyNot.append("head dims \(d) (query, key) and \(dv) (value) (prefill runs unequal ones both in "
                     + "1...\(maxPaddedHeadDim), or 576 over 512 in bfloat16/float16)")
             }
-        } else if !((1...maxPaddedHeadDim).contains(d) || prefillDims.contains(d)) {
-            let bigger = prefillDims.filter { $0 > d }
-            if let up = bigger.first, rows >= padMinQueryRows {
-                padTo = up
-            } else {
-                let has = "1...\(maxPaddedHeadDim)" + prefillDims.filter { $0 > maxPaddedHeadDim }.map { " or \($0)" }
-                    .joined() + (io == .f32 ? " for float32" : "")
-                whyNot.append(bigger.isEmpty ? "head dim \(d) (prefill runs \(has))"
-                    : "head dim \(d) (prefill runs \(has); padded only for >= \(padMinQueryRows) query rows)")
-            }
+        } else if !PrefillCapability.runs(io: io, headDim: d, headDimV: dv) {
+            let above = PrefillCapability.headDims(io: io).filter { $0 > maxPaddedHeadDim }.map { " or \($0)" }
+            whyNot.append("head dim \(d) (prefill runs 1...\(maxPaddedHeadDim)\(above.joined()))")
         }
         if whyNot.isEmpty {
-            let padded = padTo.map { ", head dim \(d) zero-padded to \($0)" } ?? ""
             let extra = c.window != nil ? ", the window in the kernel (no mask; key tiles outside it skipped)" : ""
-            return Route(kernel: .prefill, padTo: padTo, reason: "tiled flash attention\(padded)\(extra)")
+            return Route(kernel: .prefill, reason: "tiled flash attention\(extra)")
         }
         let because = whyNot.joined(separator: "; ")
         if c.sinks {
@@ -136,6 +117,6 @@ public enum AttentionRouter {
                 + "largest any kernel takes (the general sdpa kernel); the prefill kernel is out because of \(because)",
                 arg: "query")
         }
-        return Route(kernel: .sdpa, padTo: nil, reason: "general kernel (one thread per query row), because of \(because)")
+        return Route(kernel: .sdpa, reason: "general kernel (one thread per query row), because of \(because)")
     }
 }

@@ -14,7 +14,7 @@ import CFlashMetal
 /// strides use D); dims above it run only where they have a row of their own.
 
 /// Head dims up to this run on the next tile width up (prefill and decode).
-public let maxPaddedHeadDim = 256
+public let maxPaddedHeadDim = 512
 
 /// The tile width of `d` among `tiles` (ascending): the smallest tile >= d
 /// for 1 <= d <= maxPaddedHeadDim, d itself above that when it is a tile, else nil.
@@ -23,8 +23,8 @@ func tileHeadDim(_ d: Int, tiles: [Int]) -> Int? {
     return tiles.contains(d) ? d : nil
 }
 
-/// The message of a head dim no kernel runs: "head_dim must be in 1...256 or
-/// 512, got 300" ("1...256, 512 or 576" where two tiles lie above).
+/// The message of a head dim no kernel runs: "head_dim must be in 1...512,
+/// got 600" ("1...512 or 576" where a tile lies above).
 func headDimMessage(_ d: Int, tiles: [Int]) -> String {
     let above = tiles.filter { $0 > maxPaddedHeadDim }
     let extra = above.isEmpty ? "" : (above.count == 1 ? " or " : ", ") + oneOf(above)
@@ -140,8 +140,8 @@ public enum PrefillCapability {
     /// The head dim whose tile runs q/k of head dim `headDim` with v (and the
     /// output) of `headDimV`: the larger of the two, or a `valueHeadDim`
     /// tile with its own v dim (576 over 512). Equal dims take any head dim
-    /// `headDims` has; unequal ones need both in 1...maxPaddedHeadDim (the
-    /// D = 512 body streams V at q's width) or a `valueHeadDim` pair, else
+    /// `headDims` has; unequal ones need both in 1...maxPaddedHeadDim (each
+    /// side read up to its own dim) or a `valueHeadDim` pair, else
     /// a ValueError naming `op`, `vName` and both dims.
     static func tileDim(headDim: Int, headDimV: Int, op: String, vName: String) throws -> Int {
         if let dv = valueHeadDim[headDim] {

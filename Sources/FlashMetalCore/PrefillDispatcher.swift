@@ -90,7 +90,7 @@ public enum PrefillDispatcher {
     /// Validates a call and builds its dispatch. Preconditions (each a
     /// ValueError/TypeError naming the op and the value otherwise): rank-4
     /// tensors of one dtype in PrefillCapability.ioTypes, a head dim in
-    /// 1...256 or 512, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
+    /// 1...512, H a multiple of Hkv, 0 < kv_len <= capacity, q_offset >= 0,
     /// q_offset + qL <= kv_len when causal or windowed, a finite scale, softcap 0 or > 0, window >= 0, buffers that
     /// cover their shapes, a blk of shape [NQ, NK] with a rank-2 mask.
     public static func makeDispatch(_ t: PrefillTensors, _ o: PrefillOptions) throws -> Dispatch {
@@ -150,13 +150,17 @@ public enum PrefillDispatcher {
                 throw FlashMetalError.value(op, "blk requires a rank-2 [qL, kL] mask, got mask shape \(t.mask!.shape)", arg: "blk")
             }
             try b.requireDType([.u8], op: op, name: "blk")
+            // Built for q's head dim (as the caller names it) where its tiles are the kernel's, else for the
+            // larger of q's and v's, whose tile the kernel runs (q/k of 64 over v of 300: the 512 tile).
+            let qTiles = try? PrefillCapability.geometry(headDim: headDim, op: op)
+            let blkDim = qTiles == (try? PrefillCapability.geometry(headDim: tileDim, op: op)) ? headDim
+                : max(headDim, headDimV)
             if b.shape != [tiles.nq, tiles.nk] {
                 throw FlashMetalError.value(
-                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(headDim) "
+                    op, "blk shape \(b.shape) must be [NQ, NK] = [\(tiles.nq), \(tiles.nk)] for head_dim \(blkDim) "
                         + "and a [\(qL), \(kL)] mask (build it with that head dim and mask)", arg: "blk")
             }
-            // Built for q's head dim (as the caller names it): every dim up to 256 has the same tiles.
-            try BlkAllocations.requireMadeFor(b, headDim: headDim, qL: qL, kL: kL, op: op, name: "blk")
+            try BlkAllocations.requireMadeFor(b, headDim: blkDim, qL: qL, kL: kL, op: op, name: "blk")
         }
 
         let qs = strides(o.layout, heads: nHeads, len: qL, dim: headDim)

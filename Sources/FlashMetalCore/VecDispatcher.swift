@@ -154,7 +154,7 @@ public enum VecDispatcher {
 
     /// Validates a call and builds its two dispatches (decode, then reduce).
     /// Preconditions: q and out float32 or the caches' dtype, float32 tmp, k and v of one dtype in
-    /// VecCapability.kvTypes, a head dim in 1...256 or 512, 0 < kv_len <= capacity,
+    /// VecCapability.kvTypes, a head dim in 1...512 or 576, 0 < kv_len <= capacity,
     /// a known mask type with a window > 0 for the window mask, a finite
     /// scale, softcap 0 or > 0, tmp of tmpByteCount bytes, D/8 sign bytes.
     public static func makeDispatches(_ t: VecTensors, _ o: VecOptions) throws -> [Dispatch] {

@@ -28,21 +28,12 @@ class Route:
         return f"{self.kernel}: {self.reason}"
 
 
-def pad_min_query_rows() -> int:
-    """The query rows from which a bfloat16/float16 head dim above 256 that
-    the prefill kernel lacks (300, ...) is zero-padded to the next one it has
-    (512) rather than run on the general kernel: the library's
-    FM_PAD_MIN_QUERY_ROWS."""
-    return _native.constant("FM_PAD_MIN_QUERY_ROWS")
-
-
 def choose(dtype: np.dtype, rows: int, d: int, keys: int, *, mask: bool = False, key_ranges: bool = False,
            causal: bool = False, q_offset: int = 0, window: int | None = None, sinks: bool = False,
-           dv: int | None = None) -> tuple[Route, int | None]:
+           dv: int | None = None) -> Route:
     """The fastest kernel that computes exactly a call of `rows` query rows
     at positions `q_offset`... over `keys` keys (q/k of head dim d, v of dv,
-    default d) and the head dim to zero-pad q/k/v to for it (None: no
-    padding). `mask`: an attn_mask applies; `key_ranges`: it keeps one key
+    default d). `mask`: an attn_mask applies; `key_ranges`: it keeps one key
     range per batch row for the one query row. Sinks no kernel applies to the call are an
     UnsupportedFeatureError, a head dim above every kernel's a ValueError."""
     return _choose(np.dtype(dtype), int(rows), int(d), int(keys), bool(mask), bool(key_ranges), bool(causal),
@@ -53,7 +44,7 @@ def choose(dtype: np.dtype, rows: int, d: int, keys: int, *, mask: bool = False,
 @functools.lru_cache(maxsize=512)
 def _choose(dtype: np.dtype, rows: int, d: int, keys: int, mask: bool, key_ranges: bool, causal: bool,
             q_offset: int, window: int | None, sinks: bool, dv: int,
-            op: str) -> tuple[Route, int | None]:
+            op: str) -> Route:
     """choose(), remembered: a pure function of its arguments (the layers
     of a model ask it the same question at every step)."""
     ffi = _native.ffi()
@@ -62,7 +53,7 @@ def _choose(dtype: np.dtype, rows: int, d: int, keys: int, mask: bool, key_range
                            mask=int(mask), mask_is_key_ranges=int(key_ranges), causal=int(causal), sinks=int(sinks))
     out = ffi.new(_native.ctype("FMRoute *"))
     _native.call_static("fm_route_attention", call, out, op=op)
-    return Route(_kernels()[int(out.kernel)], ffi.string(out.reason).decode()), (int(out.pad_to) or None)
+    return Route(_kernels()[int(out.kernel)], ffi.string(out.reason).decode())
 
 
 @functools.cache
@@ -77,4 +68,4 @@ def short_query_runs(dtype: np.dtype, rows: int, d: int, dv: int) -> bool:
     kernel: the router's rule for such a call."""
     if d < 1 or dv < 1:  # a shape the kernel's own checks refuse, naming the call's function
         return False
-    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv)[0].kernel == "flash_attn_decode"
+    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv).kernel == "flash_attn_decode"

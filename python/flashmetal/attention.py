@@ -136,7 +136,6 @@ class _Call:
     q_offset: int
     kv_len: int
     route: Route
-    pad_to: int | None  # prefill on q/k/v zero-padded to this head dim
     squeeze: bool  # rank-3 inputs: the batch axis was added here
     sinks: np.ndarray | None = None  # float32 [H] sink logits (prefill route only)
     key_ranges: np.ndarray | None = None  # int32 [2, B]: each row's visible keys [start, end) (masked decode)
@@ -226,19 +225,19 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     causal = bool(is_causal)
     kl, q_offset = plan.keys, plan.query_offset
     if plan.kind == _native.constant("FM_PLAN_EMPTY"):
-        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
+        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), squeeze)
     B, H, qL, D, Dv = plan.batch, plan.heads, plan.query_rows, plan.head_dim, plan.head_dim_v
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), plan.capacity)
     if plan.kind == _native.constant("FM_PLAN_NO_KEYS"):  # zeros, once the mask is known to broadcast
-        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), None, squeeze)
+        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), squeeze)
     ranges = None
     if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_decode", D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
-    route, pad_to = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
-                           q_offset=q_offset, window=window, sinks=sk is not None, dv=Dv)
+    route = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
+                   q_offset=q_offset, window=window, sinks=sk is not None, dv=Dv)
     if ranges is not None and route.kernel == "flash_attn_decode":
-        return _Call(qa, ka, va, None, causal, q_offset, kl, route, None, squeeze, None, ranges)
-    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, pad_to, squeeze, sk)
+        return _Call(qa, ka, va, None, causal, q_offset, kl, route, squeeze, None, ranges)
+    return _Call(qa, ka, va, ma, causal, q_offset, kl, route, squeeze, sk)
 
 
 def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
@@ -259,14 +258,6 @@ def key_ranges(mask: np.ndarray, *, causal: bool = False, q_pos: int = 0,
     _native.call_static("fm_mask_key_ranges", tensor(ffi, m), int(causal), int(q_pos), int(window or 0),
                         tensor(ffi, out), found, op=_OP)
     return out if found[0] else None
-
-
-def _pad_head_dim(a: np.ndarray, d: int) -> np.ndarray:
-    """`a` with its last axis zero-padded to d: q.k and p.V are unchanged (the
-    extra products are exact zeros) and the extra output columns are zeros."""
-    out = np.zeros(a.shape[:-1] + (d,), a.dtype)
-    out[..., :a.shape[-1]] = a
-    return out
 
 
 class _Batch(NamedTuple):
@@ -390,21 +381,19 @@ def scaled_dot_product_attention(
     the best flashmetal kernel. Always finds a kernel:
 
     - ``flash_attn_decode`` (split-KV decode): one query row at the newest
-      position, no ``attn_mask``, any D up to 256 or a tile
+      position, no ``attn_mask``, any D up to 512 or a tile
       ``supported_head_dims("flash_attn_decode")`` lists; or one query row
       whose ``attn_mask`` (bool, or 0/-inf) keeps one key range per batch
       row, the same for every head (left padding, a sliding window,
       causal), without sinks (``key_ranges``); or a few query rows at the
       newest positions (bottom-right), no ``attn_mask``, no sinks;
     - ``flash_attn_prefill`` (tiled flash attention): bfloat16/float16/float32,
-      any D up to 256 or a tile ``supported_head_dims("flash_attn_prefill")``
-      lists (another D below the largest tile zero-padded to the next one
-      with at least ``FM_PAD_MIN_QUERY_ROWS`` (32) query rows), causal or
-      windowed rows inside the keys (without causal and a window, any
-      number of query rows);
+      any D up to 512 or a tile ``supported_head_dims("flash_attn_prefill")``
+      lists, causal or windowed rows inside the keys (without causal and a
+      window, any number of query rows);
     - ``sdpa`` (the general kernel) for everything else: any head dim
-      (300 with few query rows, 640, 1024, ... up to 65536), causal or
-      windowed rows outside the keys.
+      (640, 1024, ... up to 65536), causal or windowed rows outside the
+      keys.
 
     ``last_route()`` says which ran and why; ``explain(...)`` says it without running.
 
@@ -471,13 +460,6 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
                    softcap=softcap)
         decoded: np.ndarray = o[:, :, None, :]
         return decoded
-    if kernel == "flash_attn_prefill" and c.pad_to:
-        d = qa.shape[-1]
-        padded = _Call(_pad_head_dim(qa, c.pad_to), _pad_head_dim(ka[:, :, :kl], c.pad_to),
-                       _pad_head_dim(va[:, :, :kl], c.pad_to), c.mask, c.causal, c.q_offset, kl, c.route, None,
-                       c.squeeze, c.sinks)
-        out = _run(padded, _native.default_scale(d) if scale is None else scale, softcap, window, reg)
-        return np.ascontiguousarray(out[..., :d])
     if kernel == "flash_attn_prefill":
         # The position matters only to causal and the window, both applied in the kernel.
         q_offset = c.q_offset if c.causal or window is not None else 0

@@ -43,11 +43,11 @@ def flash_attn_prefill(
 
     Args:
         q: ``[B, H, qL, D]`` (layout "bhld") or ``[B, qL, H, D]`` ("blhd"),
-            bfloat16, float16 or float32. Any D from 1 to 256, or 512
+            bfloat16, float16 or float32. Any D from 1 to 512
             (``supported_head_dims("flash_attn_prefill")`` lists the tiled
             ones; float32: ``"flash_attn_prefill_f32"``).
             v may have a head dim Dv of its own (out then has Dv): unequal
-            dims both in 1...256, or D 576 over Dv 512 (MLA) for
+            dims both in 1...512, or D 576 over Dv 512 (MLA) for
             bfloat16/float16.
         k, v: ``[B, Hkv, cap, D]`` or ``[B, cap, Hkv, D]``, q's dtype; H must
             be a multiple of Hkv (GQA). Or a QuantizedKV of leading shape

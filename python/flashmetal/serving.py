@@ -66,15 +66,15 @@ def flash_attn_func(
     """Attention over a batch of equal-length sequences.
 
     Args:
-        q: ``[B, seqlen_q, H, D]`` bfloat16, float16 or float32 (float32
-            D up to 256 when seqlen_q > 1).
+        q: ``[B, seqlen_q, H, D]`` bfloat16, float16 or float32, any D up
+            to 512 (``supported_head_dims`` lists the tiled ones).
         k, v: ``[B, seqlen_k, Hkv, D]``, q's dtype; H a multiple of Hkv (GQA:
             query head h reads kv head ``h // (H // Hkv)``). Or a QuantizedKV
             of leading shape ``[B, seqlen_k, Hkv]`` for either or both (the
             other side a dense cache of float32/float16/bfloat16): attention
             reads the codes (q of any float dtype; no ALiBi). v may have a
             head dim Dv of its own (flash-attn's head_dim_v; out then has
-            Dv): unequal dims both in 1...256, or q/k 576 over v 512 (MLA's
+            Dv): unequal dims both in 1...512, or q/k 576 over v 512 (MLA's
             latent cache) in bfloat16/float16, and for one query row any
             pair the decode runs (576 over 512 in float32 too).
         dropout_p: must be 0.0 (inference only).
@@ -147,7 +147,7 @@ def flash_attn_varlen_func(
     """Attention over packed sequences of different lengths (no padding).
 
     Args:
-        q: ``[total_q, H, D]`` bfloat16, float16 or float32 (D up to 256): the B sequences' queries
+        q: ``[total_q, H, D]`` bfloat16, float16 or float32 (D up to 512): the B sequences' queries
             back to back; sequence b is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
         k, v: ``[total_k, Hkv, D]`` likewise with cu_seqlens_k, or, with
             block_table, paged caches ``[num_pages, page_size, Hkv, D]`` where

@@ -39,8 +39,9 @@ SIZE = {0: 4, 1: 2, 2: 2, 3: 1, 4: 1, 5: 4}
 
 
 def geom(d: int) -> tuple[int, int]:
-    """(BQ, BK) of the prefill (and its blk) for head dim d."""
-    return (8, 8) if d >= 512 else (32, 16)
+    """(BQ, BK) of the prefill (and its blk) for head dim d: the narrow
+    body's tiles up to 256, the 512 tile's above."""
+    return (8, 8) if d > 256 else (32, 16)
 
 
 def prefill_dims() -> tuple[int, ...]:
@@ -58,9 +59,9 @@ def vec_dims() -> tuple[int, ...]:
 def pick_dim(rng, dims: tuple[int, ...]) -> int:
     """A head dim of `dims`: 64 (the cheapest) 40% of the time, 512 (the
     dearest) 10%, the others evenly; or (15%) one without a tile of its own
-    that runs on the next tile up (flash-attn's 32, 40, 59, 111, 160, 224, or any D <= 256)."""
+    that runs on the next tile up (flash-attn's 32, 40, 59, 111, 160, 224, or any D <= 512)."""
     if rng.random() < 0.15:
-        return int(rng.choice([32, 40, 59, 111, 160, 224, int(rng.integers(1, 257))]))
+        return int(rng.choice([32, 40, 59, 111, 160, 224, int(rng.integers(1, 257)), int(rng.integers(257, 513))]))
     w = np.array([0.4 if d == 64 else 0.1 if d == 512 else 0.0 for d in dims])
     rest = [i for i, d in enumerate(dims) if d not in (64, 512)]
     w[rest] = (1.0 - w.sum()) / max(len(rest), 1)
@@ -201,8 +202,8 @@ def gen_prefill(rng, backend):
     qoff = int(rng.integers(0, kl - ql + 1))
     layout = int(rng.integers(0, 2))
     nonfinite = rng.random() < 0.05
-    # v of its own head dim (head_dim_v) 20% of the time: unequal dims both <= 256; 4% MLA's 576 over 512
-    dv = int(rng.choice([24, 40, 64, 128, 200])) if not small and d <= 256 and rng.random() < 0.2 else d
+    # v of its own head dim (head_dim_v) 20% of the time: unequal dims both <= 512; 4% MLA's 576 over 512
+    dv = int(rng.choice([24, 40, 64, 128, 200, 300])) if not small and d <= 512 and rng.random() < 0.2 else d
     if not small and rng.random() < 0.04:
         d, dv = 576, 512
     qs = [b, h, ql, d] if layout == 0 else [b, ql, h, d]
@@ -222,7 +223,7 @@ def gen_prefill(rng, backend):
         if mk.endswith("2") and rng.random() < 0.5:
             m = t["mask"].array()
             add = np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
-            cls = reference.blk_classes(add, *geom(d))
+            cls = reference.blk_classes(add, *geom(max(d, dv)))
             t["blk"] = _tensor(rng, 4, list(cls.shape), values=cls)
     opts = dict(scale=float(rng.choice([1 / math.sqrt(d), 0.05, 4 / math.sqrt(d)])),
                 softcap=float(rng.choice([0.0, 0.0, 0.0, 5.0, 30.0])), causal=int(rng.integers(0, 2)),
@@ -302,7 +303,7 @@ def gen_ints(rng, backend, op):
     ext = [0, 1, -1, 7, 64, 300, 2**31 - 1, 2**31, 2**40, -2**63, INT64_MAX]
     ql = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
     kl = int(rng.choice(ext)) if rng.random() < 0.3 else int(rng.integers(1, 5000))
-    hd = pick_dim(rng, prefill_dims()) if rng.random() < 0.8 else int(rng.choice([0, -1, 257, 300, 511, 2**31 - 1, -2**31]))
+    hd = pick_dim(rng, prefill_dims()) if rng.random() < 0.8 else int(rng.choice([0, -1, 513, 575, 600, 2**31 - 1, -2**31]))
     return Case(op, backend, {}, args=dict(q_len=ql, k_len=kl, head_dim=hd))
 
 
@@ -1467,7 +1468,7 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert len(q.shape) != 4 or 1 <= q.shape[1] <= max_query_rows(), f"q of {q.shape[1]} rows accepted: {ctx}"
     if case.op == "blk_byte_len":
         ql, kl, d = case.args["q_len"], case.args["k_len"], case.args["head_dim"]
-        assert 0 < ql < 2**31 and 0 < kl < 2**31 and (0 < d <= 256 or d in prefill_dims()), ctx
+        assert 0 < ql < 2**31 and 0 < kl < 2**31 and (0 < d <= 512 or d in prefill_dims()), ctx
         assert extra == _blk_expect(ql, kl, d)[1], ctx
         return
     if case.op == "alloc_blk":

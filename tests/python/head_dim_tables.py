@@ -13,5 +13,5 @@ PREFILL_F32 = fm.supported_head_dims("flash_attn_prefill_f32")
 DECODE = fm.supported_head_dims("flash_attn_decode")
 # The head dims a KVCodec encodes.
 CODEC = fm.supported_head_dims("kv_codec")
-# The tiles any D <= 256 pads up to.
-PADDED_TILES = tuple(d for d in PREFILL if d <= 256)
+# The tiles any D <= 512 runs on (the smallest tile >= D, with the true D).
+PADDED_TILES = tuple(d for d in PREFILL if d <= 512)

@@ -20,7 +20,7 @@ from cabi import err_text
 
 def test_error_hierarchy_carries_op_and_status(cpu):
     lib = _native.lib()
-    q = np.zeros((1, 1, 1, 300), BF16)
+    q = np.zeros((1, 1, 1, 600), BF16)
     with pytest.raises(fm.Error) as e:
         fm.flash_attn_prefill(q, q, q, registry=cpu)
     assert isinstance(e.value, ValueError) and isinstance(e.value, fm.InvalidValueError)
@@ -35,7 +35,7 @@ def test_error_hierarchy_carries_op_and_status(cpu):
 def test_errors_carry_the_argument_from_the_library(cpu):
     """The library's error fields reach the exception as they are: the
     argument is the public function's parameter name."""
-    q = np.zeros((1, 1, 1, 300), BF16)
+    q = np.zeros((1, 1, 1, 600), BF16)
     with pytest.raises(fm.InvalidValueError) as e:
         fm.flash_attn_prefill(q, q, q, registry=cpu)
     assert e.value.argument == "q" and "head_dim" in str(e.value)
@@ -53,7 +53,7 @@ def test_errors_carry_the_argument_from_the_library(cpu):
 def test_an_inner_public_function_names_the_outer_one(cpu):
     """A public function run by another (the front door runs prefill,
     decode or sdpa) names the outer one in every error, library or Python."""
-    q = np.zeros((1, 1, 1, 300), BF16)
+    q = np.zeros((1, 1, 1, 600), BF16)
     with _native.running("scaled_dot_product_attention"):
         with pytest.raises(fm.InvalidValueError) as e:
             fm.flash_attn_prefill(q, q, q, registry=cpu)
@@ -180,10 +180,11 @@ def test_supported_head_dims_come_from_the_library():
 @pytest.mark.parametrize("op,d,dv,runs", [
     ("flash_attn_prefill", 192, 128, True), ("flash_attn_prefill", 40, 59, True),
     ("flash_attn_prefill", 576, 512, True), ("flash_attn_prefill", 576, 576, False),
-    ("flash_attn_prefill", 512, 128, False), ("flash_attn_prefill", 576, 500, False),
+    ("flash_attn_prefill", 512, 128, True), ("flash_attn_prefill", 576, 500, False),
+    ("flash_attn_prefill", 600, 128, False), ("flash_attn_prefill", 300, 300, True),
     ("flash_attn_prefill", 512, 512, True), ("flash_attn_prefill", 0, 64, False),
     ("flash_attn_prefill_f32", 576, 512, False), ("flash_attn_prefill_f32", 192, 128, True),
-    ("flash_attn_decode", 576, 512, True), ("flash_attn_vec", 64, 300, False), ("flash_attn_decode", 512, 64, True),
+    ("flash_attn_decode", 576, 512, True), ("flash_attn_vec", 64, 600, False), ("flash_attn_decode", 512, 64, True),
 ])
 def test_runs_head_dims_comes_from_the_library(op, d, dv, runs):
     """fm_runs_head_dims answers by the rules the dispatchers validate (the
@@ -264,26 +265,26 @@ def test_route_attention_is_the_front_doors_rule():
         fields.update(kw)
         out, err = ffi.new("FMRoute *"), ffi.new("FMError *")
         status = lib.fm_route_attention(ffi.new("FMRouteCall *", fields), out, err)
-        return status, int(out.kernel), int(out.pad_to), ffi.string(out.reason).decode(), err
+        return status, int(out.kernel), ffi.string(out.reason).decode(), err
 
-    status, kernel, _, reason, _ = route()
+    status, kernel, reason, _ = route()
     assert (status, kernel) == (lib.FM_OK, lib.FM_ROUTE_DECODE) and "split-KV decode" in reason
     q = np.zeros((1, 2, 1, 64), BF16)
     k = np.zeros((1, 2, 40, 64), BF16)
     assert reason == fm.explain(q, k, k, is_causal=True, align="bottom_right").reason
-    status, kernel, pad, reason, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=40,
-                                           keys=40, query_offset=0)
-    assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_PREFILL, 512) and "zero-padded to 512" in reason
-    status, kernel, pad, _, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=8, keys=40,
+    status, kernel, reason, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=300, head_dim_v=300, query_rows=40,
+                                      keys=40, query_offset=0)
+    assert (status, kernel, reason) == (lib.FM_OK, lib.FM_ROUTE_PREFILL, "tiled flash attention")
+    status, kernel, reason, _ = route(dtype=lib.FM_DTYPE_F16, head_dim=520, head_dim_v=520, query_rows=8, keys=40,
                                       query_offset=32)
-    assert (status, kernel, pad) == (lib.FM_OK, lib.FM_ROUTE_SDPA, 0)
-    status, _, _, _, err = route(query_rows=4, keys=2, query_offset=-2, sinks=1)
+    assert (status, kernel) == (lib.FM_OK, lib.FM_ROUTE_SDPA) and "head dim 520 (prefill runs 1...512)" in reason
+    status, _, _, err = route(query_rows=4, keys=2, query_offset=-2, sinks=1)
     assert status == lib.FM_ERROR_UNSUPPORTED
     assert ffi.string(err.argument) == b"sinks" and b"sinks are applied by the prefill kernel only" in \
         ffi.string(err.message)
-    status, _, _, _, err = route(dtype=lib.FM_DTYPE_I32)
+    status, _, _, err = route(dtype=lib.FM_DTYPE_I32)
     assert status == lib.FM_ERROR_TYPE and ffi.string(err.op) == b"scaled_dot_product_attention"
-    status, _, _, _, err = route(query_rows=0)
+    status, _, _, err = route(query_rows=0)
     assert status == lib.FM_ERROR_VALUE and ffi.string(err.argument) == b"call"
     assert lib.fm_route_attention(ffi.NULL, ffi.new("FMRoute *"), ffi.NULL) == lib.FM_ERROR_VALUE
 

@@ -162,8 +162,8 @@ def _qkv(h=4, hkv=2, cap=16, d=64, kv=F32, b=None):
 
 
 @pytest.mark.parametrize("make,kwargs,exc,msg", [
-    (lambda: _qkv(d=300), {}, ValueError, r"head_dim must be in 1\.\.\.256, 512 or 576, got 300"),
-    (lambda: _qkv(d=0), {}, ValueError, r"head_dim must be in 1\.\.\.256, 512 or 576, got 0"),
+    (lambda: _qkv(d=600), {}, ValueError, r"head_dim must be in 1\.\.\.512 or 576, got 600"),
+    (lambda: _qkv(d=0), {}, ValueError, r"head_dim must be in 1\.\.\.512 or 576, got 0"),
     (lambda: _qkv(h=6, hkv=4), {}, ValueError, r"the q heads \(6\) must be a multiple of the k_cache heads \(4\)"),
     (lambda: _qkv(hkv=0), {}, ValueError, "the k_cache heads must be > 0, got 0"),
     (lambda: _qkv(), dict(kv_len=17), ValueError, r"kv_len \(17\) must be <= the cache capacity \(16\)"),

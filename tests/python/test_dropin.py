@@ -14,7 +14,7 @@ import pytest
 
 import flashmetal as fm
 from conftest import SIMULATED
-from flashmetal import _route, attention, reference
+from flashmetal import attention, reference
 from numerics import BF16, F16, F32, assert_close, qkv
 
 SDPA = fm.scaled_dot_product_attention
@@ -197,32 +197,32 @@ def test_top_left_is_torch_tril(cpu, rng):
     assert_close(out[:, :, :1], first_key_only, F32, "row 0 sees key 0 only")
 
 
-@pytest.mark.parametrize("d", [32, 48, 80, 96, 128, 160, 192, 256, 512])
+@pytest.mark.parametrize("d", [32, 48, 80, 96, 128, 160, 192, 256, 320, 512, 520])
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
 @pytest.mark.parametrize("ql", [9, 40])
 def test_every_head_dim(registry, rng, d, dtype, ql):
+    """Any head dim up to 512 on the tiled prefill (the next tile up, with the
+    true D: no copy), above it the general kernel."""
     q, k, v = qkv(rng, dtype, h=4, hkv=2, ql=ql, kl=small(registry, 53, 41), d=d)
     out = SDPA(q, k, v, is_causal=True, enable_gqa=True, registry=registry)
     route = fm.last_route()
-    dims = fm.supported_head_dims("flash_attn_prefill_f32" if dtype == F32 else "flash_attn_prefill")
-    native = d <= 256 or d in dims
-    padded = not native and ql >= _route.pad_min_query_rows() and d < max(dims)
-    prefill = native or padded
-    assert route.kernel == ("flash_attn_prefill" if prefill else "sdpa"), route
-    assert ("zero-padded" in route.reason) == (prefill and padded), route
+    assert route.kernel == ("flash_attn_prefill" if d <= 512 else "sdpa"), route
     assert out.shape == q.shape and out.flags.c_contiguous
     assert_close(out, reference.attention(q, k, v, causal=True), dtype, str(route))
 
 
-def test_padded_head_dim_with_mask_window_and_cache(registry, rng):
-    """The zero-padded prefill (a head dim above 256 with no tile of its own)
-    keeps every other feature: mask, window, kv_len, scale, softcap."""
+def test_head_dim_on_the_wide_tile_with_mask_window_and_cache(registry, rng):
+    """A head dim between 256 and 512 (the 512 tile with the true D) keeps
+    every other feature: mask, window, kv_len, scale, softcap; the caches'
+    rows past kv_len are never read."""
     q, k, v = qkv(rng, BF16, h=2, hkv=1, ql=36, kl=50, d=320)
+    k[:, :, 44:] = np.nan
+    v[:, :, 44:] = np.nan
     keep = rng.random((1, 1, 36, 44)) < 0.8
     keep[..., 0] = True
     out = SDPA(q, k, v, keep, is_causal=True, enable_gqa=True, kv_len=44, align="bottom_right", window=9,
                scale=0.2, softcap=4.0, registry=registry)
-    assert "zero-padded to 512" in fm.last_route().reason
+    assert fm.last_route().kernel == "flash_attn_prefill"
     exp = reference.attention(q, k[:, :, :44], v[:, :, :44], mask=keep, causal=True, q_offset=8, window=9,
                               scale=0.2, softcap=4.0)
     assert_close(out, exp, BF16)
@@ -244,15 +244,15 @@ def test_more_queries_than_keys_bf16(registry, rng):
 
 
 def test_explain_names_the_route_without_running(cpu, rng, monkeypatch):
-    q, k, v = qkv(rng, BF16, d=300)
+    q, k, v = qkv(rng, BF16, d=600)
     with monkeypatch.context() as m:
         m.setattr(attention, "_run", lambda *a: pytest.fail("explain ran a kernel"))
         route = fm.explain(q, k, v, is_causal=True)
-    assert route.kernel == "sdpa" and "head dim 300" in route.reason
+    assert route.kernel == "sdpa" and "head dim 600" in route.reason
     assert isinstance(route, fm.Route) and str(route).startswith("sdpa: ")
     SDPA(q, k, v, is_causal=True, registry=cpu)
     assert fm.last_route() == route
-    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=300: no decode kernel
+    assert fm.explain(q[:, :, :1], k, v, align="bottom_right").kernel == "sdpa"  # D=600: no decode kernel
     q64, k64, v64 = qkv(rng, BF16, ql=1)
     assert fm.explain(q64, k64, v64, is_causal=True, align="bottom_right").kernel == "flash_attn_decode"
     # top-left causal puts the one row at position 0: not the decode kernel's newest position

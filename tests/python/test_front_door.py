@@ -119,11 +119,13 @@ def test_scale_softcap_prefill(registry, rng):
     assert_close(out, expect(q, k, v, 30, causal=True, scale=s, softcap=2.0), BF16)
 
 
-def test_f32_head_dim_no_decode_kernel_runs_one_row_takes_sdpa(registry, rng):
-    """D = 300: above the padded range (1...256) and not 512, so no decode kernel runs it."""
-    q, k, v = qkv(rng, F32, ql=1, kl=20, d=300)
+@pytest.mark.parametrize("d,kernel", [(300, "flash_attn_decode"), (520, "sdpa")])
+def test_f32_one_row_decodes_up_to_512_and_takes_sdpa_above(registry, rng, d, kernel):
+    """D = 300 runs the decode kernel's 512 tile with the true D; D = 520 is
+    above every decode tile but MLA's 576 (which needs v of 512): sdpa."""
+    q, k, v = qkv(rng, F32, ql=1, kl=20, d=d)
     out, ran = SDPA(q, k, v, is_causal=True, return_kernel=True, registry=registry)
-    assert ran == "sdpa"
+    assert ran == kernel
     assert_close(out, expect(q, k, v, 20, causal=True), F32)
 
 

@@ -24,8 +24,8 @@ from serving_cases import assert_out_lse, cu, paged
 
 SHORT_QUERY_ROWS = constant("FM_SHORT_QUERY_ROWS")  # the most rows of a short query (flashmetal.h)
 
-# (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles, MLA's latent pair.
-PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32), (576, 512)]
+# (D, Dv): MLA's prefill pair, its mirror, odd dims on padded tiles, a pair on the 512 tile, MLA's latent pair.
+PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32), (64, 300), (576, 512)]
 
 
 def qkv(rng, q_shape, k_shape, dv, dtype):
@@ -182,9 +182,9 @@ def test_sim_matches_metal_sim_bits(rng, d, dv, seqlen_q):
     assert_bits_equal(a, b, f"sim vs metal-sim D={d} Dv={dv} seqlen_q={seqlen_q}")
 
 
-@pytest.mark.parametrize("d,dv", [(576, 500), (512, 576), (512, 128), (300, 64)])
+@pytest.mark.parametrize("d,dv", [(576, 500), (512, 576), (600, 128), (520, 64)])
 def test_prefill_pairs_without_a_tile_are_refused_by_name(d, dv):
-    """Unequal dims need both in 1...256 on the prefill kernel, or MLA's
+    """Unequal dims need both in 1...512 on the prefill kernel, or MLA's
     576/512: refused naming the function, v and both dims."""
     rng = np.random.default_rng(0)
     q, k, v = qkv(rng, (1, 2, 1, d), (1, 4, 1, d), dv, BF16)
@@ -232,14 +232,14 @@ def test_mismatched_v_and_out_are_refused_by_name():
 
 
 @pytest.mark.parametrize("d,dv,ql", [(192, 128, 1), (192, 128, 40), (40, 59, 33), (576, 512, 3), (576, 512, 1),
-                                     (64, 300, 2)])
+                                     (64, 300, 2), (64, 300, 40), (64, 520, 2)])
 def test_dropin(registry, rng, d, dv, ql):
     """scaled_dot_product_attention with value's own head dim (torch's Ev != E):
     decode (up to 8 query rows) or prefill on the tile of max(D, Ev) (MLA's 576/512 on the d576
     kernel), the general kernel past it."""
     q, k, v = qkv(rng, (1, 2, ql, d), (1, 2, 45, d), dv, BF16)
     route = fm.explain(q, k, v, is_causal=True, align="bottom_right")
-    tiled = max(d, dv) <= 256 or (d, dv) == (576, 512)
+    tiled = max(d, dv) <= 512 or (d, dv) == (576, 512)
     assert route.kernel == ("sdpa" if not tiled else "flash_attn_decode" if ql <= SHORT_QUERY_ROWS else "flash_attn_prefill"), route
     out = fm.scaled_dot_product_attention(q, k, v, is_causal=True, align="bottom_right", registry=registry)
     want = reference.attention(q, k, v, causal=True, q_offset=45 - ql)
@@ -376,3 +376,19 @@ def test_prefill_with_a_built_blk(registry, rng):
     with_blk = fm.flash_attn_prefill(q, k, v, mask=mask, blk=blk, registry=registry)
     assert_bits_equal(with_blk, fm.flash_attn_prefill(q, k, v, mask=mask, registry=registry), "blk vs none")
     assert_close(with_blk, reference.attention(q, k, v, mask=mask), BF16, f"{registry.backend} blk")
+
+
+def test_blk_of_a_pair_is_built_for_the_larger_dim(registry, rng):
+    """q/k of 64 over v of 300 run the 512 tile: the tile-skip blk is built
+    for the larger head dim (its grid is that tile's); one built for q's 64
+    is refused by name, saying which head dim to build it with."""
+    q, k, v = qkv(rng, (1, 2, 40, 64), (1, 2, 50, 64), 300, BF16)
+    mask = np.zeros((40, 50), BF16)
+    mask[:16, 24:] = -np.inf  # whole tiles of the 8 x 8 grid with no visible key
+    blk = fm.build_blk(mask, 300, registry=registry)
+    out = fm.flash_attn_prefill(q, k, v, mask=mask, blk=blk, registry=registry)
+    want = reference.attention(q, k, v, mask=mask.astype(np.float64))
+    assert_close(out, want, BF16, f"{registry.backend} blk of D=64 over Dv=300")
+    with pytest.raises(fm.InvalidValueError, match=r"^flash_attn_prefill: blk shape .* for head_dim 300 and a "
+                                                   r"\[40, 50\] mask \(build it with that head dim and mask\)"):
+        fm.flash_attn_prefill(q, k, v, mask=mask, blk=fm.build_blk(mask, 64, registry=registry), registry=registry)

@@ -164,11 +164,12 @@ def test_paged_kvcache(registry, rng, d, page):
 
 @pytest.mark.parametrize("d,qlen,kernel", [(128, 24, "flash_attn_prefill"), (48, 40, "flash_attn_prefill"),
                                            (48, 8, "flash_attn_prefill"), (512, 9, "flash_attn_prefill"),
-                                           (300, 40, "flash_attn_prefill"), (300, 8, "sdpa")])
+                                           (300, 40, "flash_attn_prefill"), (300, 8, "flash_attn_prefill"),
+                                           (520, 8, "sdpa")])
 def test_dropin_route(registry, rng, d, qlen, kernel):
-    """The drop-in takes the tiled kernel for float32 at any D up to 256 (48
-    on the 64 tile, whatever the row count) and at 512; D = 300 pads to the
-    512 tile with enough query rows, and stays on sdpa with few."""
+    """The drop-in takes the tiled kernel for float32 at any D up to 512 (48
+    on the 64 tile, 300 on the 512 one, whatever the row count); above it
+    the general kernel."""
     q = randn(rng, (1, 2, qlen, d), F32)
     k, v = randn(rng, (1, 2, 40, d), F32), randn(rng, (1, 2, 40, d), F32)
     keep = rng.random((1, 1, qlen, 40)) < 0.8
@@ -192,8 +193,8 @@ def test_padded_and_value_head_dims(registry, rng, d, dv):
     assert_close(out, exp, F32, f"{registry.backend} f32 prefill D={d} Dv={dv}")
 
 
-def test_d300_refused_by_prefill(rng):
-    q = randn(rng, (1, 1, 8, 300), F32)
-    with pytest.raises(ValueError, match=r"flash_attn_prefill.*head_dim of float32 I/O must be in 1\.\.\.256 or 512, "
-                                         r"got 300"):
+def test_d600_refused_by_prefill(rng):
+    q = randn(rng, (1, 1, 8, 600), F32)
+    with pytest.raises(ValueError, match=r"flash_attn_prefill.*head_dim of float32 I/O must be in 1\.\.\.512, "
+                                         r"got 600"):
         fm.flash_attn_prefill(q, q, q, registry="cpu")

@@ -56,7 +56,7 @@ def test_dropin_errors_name_the_dropin(registry, rng):
     here a scale float32 cannot hold) names scaled_dot_product_attention, the
     function the caller called, not the route's."""
     cases = {"flash_attn_decode": ((1, 2, 1, 64), F32, 8), "flash_attn_prefill": ((1, 2, 12, 64), F16, 16),
-             "sdpa": ((1, 2, 4, 300), F32, 8)}  # (q shape, dtype, keys)
+             "sdpa": ((1, 2, 4, 600), F32, 8)}  # (q shape, dtype, keys)
     for route, (shape, dtype, keys) in cases.items():
         q, k = randn(rng, shape, dtype), randn(rng, shape[:2] + (keys, shape[3]), dtype)
         assert fm.explain(q, k, k).kernel == route

@@ -141,14 +141,14 @@ def test_non_contiguous_or_read_only_caches_when_appending(cache):
 
 
 @pytest.mark.parametrize("what,cls", [("head_dim", ValueError), ("heads", ValueError), ("dtype", TypeError),
-                                      ("sinks", ValueError), ("float32_prefill_d300", ValueError),
+                                      ("sinks", ValueError), ("float32_prefill_d600", ValueError),
                                       ("decode_head_dim", ValueError)])
 @pytest.mark.parametrize("paging", [False, True])
 def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, cls, paging):
     """The library validates the append and the attention before either
     runs: a call the attention refuses appends nothing."""
-    dt = F32 if what == "float32_prefill_d300" else F16
-    d = 300 if what == "float32_prefill_d300" else 64  # no prefill kernel runs D = 300 (256 < D < 512)
+    dt = F32 if what == "float32_prefill_d600" else F16
+    d = 600 if what == "float32_prefill_d600" else 64  # no prefill kernel runs D = 600 (> 512)
     kc = randn(rng, (6, 16, 2, d) if paging else (2, 32, 2, d), dt)
     vc = randn(rng, kc.shape, dt)
     table = np.array([[3, 0], [5, 1]], np.int32) if paging else None
@@ -156,7 +156,7 @@ def test_attention_errors_leave_the_caches_untouched_when_appending(rng, what, c
     seqlens = np.array([5, 16], np.int32)
     q = {"head_dim": randn(rng, (2, 3, 4, 32), F16), "heads": randn(rng, (2, 3, 3, 64), F16),
          "dtype": randn(rng, (2, 3, 4, 64), BF16), "sinks": randn(rng, (2, 3, 4, 64), F16),
-         "float32_prefill_d300": randn(rng, (2, 3, 4, 300), F32), "decode_head_dim": randn(rng, (2, 1, 4, 48), F16)}[what]
+         "float32_prefill_d600": randn(rng, (2, 3, 4, 600), F32), "decode_head_dim": randn(rng, (2, 1, 4, 48), F16)}[what]
     sinks = np.zeros(3, np.float32) if what == "sinks" else None
     raises(cls, KV, "",
            lambda: fm.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,

@@ -25,14 +25,20 @@ final class AttentionRouterTests: XCTestCase {
         XCTAssertEqual(try AttentionRouter.route(call(rows: 4, d: 600)).kernel, .sdpa)
     }
 
-    func testPrefillPaddingAndGeneralKernel() throws {
-        let padded = try AttentionRouter.route(call(.f16, rows: 32, d: 300, keys: 64))
-        XCTAssertEqual(padded.kernel, .prefill)
-        XCTAssertEqual(padded.padTo, 512)
-        XCTAssertEqual(padded.reason, "tiled flash attention, head dim 300 zero-padded to 512")
-        let few = try AttentionRouter.route(call(.f16, rows: 31, d: 300, keys: 64))
-        XCTAssertEqual(few.kernel, .sdpa)
-        XCTAssertTrue(few.reason.contains("padded only for >= \(AttentionRouter.padMinQueryRows) query rows"), few.reason)
+    func testPrefillTakesEveryHeadDimUpTo512AndTheGeneralKernelTheRest() throws {
+        // Any head dim up to 512 runs the next tile up with its true D, for any number of rows.
+        for (dtype, rows, d) in [(DType.f16, 32, 300), (.f16, 9, 300), (.f32, 40, 511), (.bf16, 9, 257)] {
+            let r = try AttentionRouter.route(call(dtype, rows: rows, d: d, keys: 64))
+            XCTAssertEqual(r.kernel, .prefill, "\(dtype) \(rows) \(d)")
+            XCTAssertEqual(r.reason, "tiled flash attention")
+        }
+        XCTAssertEqual(try AttentionRouter.route(call(.bf16, rows: 1, d: 300, keys: 64)).kernel, .decode)
+        XCTAssertEqual(try AttentionRouter.route(call(.bf16, rows: 4, d: 300, dv: 500, keys: 64)).kernel, .decode)
+        // Above 512 (and not MLA's 576 over 512): the general kernel.
+        let wide = try AttentionRouter.route(call(.f16, rows: 40, d: 520, keys: 64))
+        XCTAssertEqual(wide.kernel, .sdpa)
+        XCTAssertTrue(wide.reason.contains("head dim 520 (prefill runs 1...512)"), wide.reason)
+        XCTAssertEqual(try AttentionRouter.route(call(.bf16, rows: 40, d: 576, dv: 512, keys: 64)).kernel, .prefill)
         // Causal rows before the first key: only the general kernel places them.
         let outside = try AttentionRouter.route(call(rows: 12, keys: 10))
         XCTAssertEqual(outside.kernel, .sdpa)

@@ -29,8 +29,8 @@ final class BlkDispatcherTests: XCTestCase {
         expectFMError("blk_byte_len", contains: "kv_len must be > 0") {
             _ = try BlkDispatcher.byteLength(qL: 8, kL: 0, headDim: 128)
         }
-        expectFMError("blk_byte_len", contains: "head_dim must be in 1...256, 512 or 576, got 300") {
-            _ = try BlkDispatcher.byteLength(qL: 8, kL: 8, headDim: 300)
+        expectFMError("blk_byte_len", contains: "head_dim must be in 1...512 or 576, got 600") {
+            _ = try BlkDispatcher.byteLength(qL: 8, kL: 8, headDim: 600)
         }
     }
 
@@ -87,7 +87,7 @@ final class BlkDispatcherTests: XCTestCase {
         expectFMError(op, contains: "q_len must be > 0") {
             _ = try BlkDispatcher.makeDispatch(mask: HostTensor([0, 64], .bf16).ref, blk: blk.ref, headDim: 128)
         }
-        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 0") {
+        expectFMError(op, contains: "head_dim must be in 1...512 or 576, got 0") {
             _ = try BlkDispatcher.makeDispatch(mask: HostTensor([8, 8], .bf16).ref, blk: blk.ref, headDim: 0)
         }
     }

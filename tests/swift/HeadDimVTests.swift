@@ -21,6 +21,12 @@ final class HeadDimVTests: XCTestCase {
         XCTAssertEqual([p.V_strides.0, p.V_strides.1, p.V_strides.2], [2 * 64 * 128, 64 * 128, 128])
         XCTAssertEqual([p.O_strides.0, p.O_strides.1, p.O_strides.2], [4 * 50 * 128, 50 * 128, 128])
         XCTAssertEqual(try prefill(d: 40, dv: 111).kernel, "flash_attn_prefill_bf16_d128")
+        // Pairs up to 512 run the 512 tile, each side at its own dim.
+        let wide = try prefill(d: 64, dv: 300)
+        XCTAssertEqual(wide.kernel, "flash_attn_prefill_bf16_d512")
+        let wp = try wide.params(PrefillBuffer.params, as: AttnParams.self)
+        XCTAssertEqual([wp.D, wp.Dv], [64, 300])
+        XCTAssertEqual(try prefill(d: 512, dv: 128).kernel, "flash_attn_prefill_bf16_d512")
         let same = try prefill(d: 64, dv: 64).params(PrefillBuffer.params, as: AttnParams.self)
         XCTAssertEqual(same.Dv, 64)
     }
@@ -49,7 +55,7 @@ final class HeadDimVTests: XCTestCase {
     }
 
     func testPrefillRefusesPairsWithoutATileAndAWrongOut() {
-        for (d, dv) in [(576, 500), (512, 576), (512, 128), (64, 300)] {
+        for (d, dv) in [(576, 500), (512, 576), (600, 128), (64, 520)] {
             XCTAssertThrowsError(try prefill(d: d, dv: dv)) { e in
                 let m = (e as? FlashMetalError)?.message ?? ""
                 XCTAssertTrue(m.contains("v head dim \(dv) differs from q's \(d)"), m)
@@ -58,7 +64,7 @@ final class HeadDimVTests: XCTestCase {
         }
         XCTAssertThrowsError(try prefill(d: 576, dv: 576)) { e in
             let m = (e as? FlashMetalError)?.message ?? ""
-            XCTAssertTrue(m.contains("head_dim must be in 1...256 or 512, got 576 (q/k of 576 run only with a v head dim of 512)"), m)
+            XCTAssertTrue(m.contains("head_dim must be in 1...512, got 576 (q/k of 576 run only with a v head dim of 512)"), m)
         }
         XCTAssertThrowsError(try prefill(d: 576, dv: 512, dtype: .f32)) { e in
             let m = (e as? FlashMetalError)?.message ?? ""

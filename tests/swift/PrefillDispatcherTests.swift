@@ -58,9 +58,13 @@ final class PrefillDispatcherTests: XCTestCase {
         for d in [1, 32, 48, 59, 160, 255] {
             XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 32, bk: 16, wm: 4, wn: 1))
         }
-        for d in [0, -1, 257, 300, 511, 513, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
-        XCTAssertEqual([1, 64, 65, 80, 81, 111, 129, 160, 193, 224, 256, 512].map { PrefillCapability.tileHeadDim($0) },
-                       [64, 64, 80, 80, 96, 128, 192, 192, 256, 256, 256, 512])
+        // ... and up to 512 on the 512 tile.
+        for d in [257, 300, 511] {
+            XCTAssertEqual(PrefillGeometry.forHeadDim(d), PrefillGeometry(bq: 8, bk: 8, wm: 1, wn: 1))
+        }
+        for d in [0, -1, 513, 1024] { XCTAssertNil(PrefillGeometry.forHeadDim(d)) }
+        XCTAssertEqual([1, 64, 65, 80, 81, 111, 129, 160, 193, 224, 256, 257, 300, 512].map { PrefillCapability.tileHeadDim($0) },
+                       [64, 64, 80, 80, 96, 128, 192, 192, 256, 256, 256, 512, 512, 512])
     }
 
     func testPaddedHeadDimRunsTheNextTileWithTheTrueD() throws {
@@ -270,10 +274,10 @@ final class PrefillDispatcherTests: XCTestCase {
         expectError(Case(qL: 0), contains: "q_len must be > 0")
         expectError(Case(kL: 0), contains: "the cache capacity must be > 0")
         expectError(Case(b: 0), contains: "batch must be > 0")
-        expectError(Case(d: 300), contains: "head_dim must be in 1...256 or 512, got 300")
-        expectError(Case(d: 0), contains: "head_dim must be in 1...256 or 512, got 0")
+        expectError(Case(d: 600), contains: "head_dim must be in 1...512, got 600")
+        expectError(Case(d: 0), contains: "head_dim must be in 1...512, got 0")
         expectError(Case(dtype: .i32), status: FM_ERROR_TYPE, contains: "q must be bfloat16 or float16 or float32, got int32")
-        expectError(Case(d: 300, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...256 or 512, got 300")
+        expectError(Case(d: 600, dtype: .f32), contains: "head_dim of float32 I/O must be in 1...512, got 600")
         var resume = PrefillOptions(scale: 0.1)
         resume.qOffset = 20
         resume.causal = true

@@ -90,7 +90,13 @@ final class VecDispatcherTests: XCTestCase {
         XCTAssertEqual(m40.kernel, "flash_attn_vec_dk64")
         XCTAssertEqual(m40.constants.bool(FunctionConstantIndex.vecUnaligned), false)
         XCTAssertEqual(VecCapability.tileHeadDim(160), 192)
-        XCTAssertNil(VecCapability.tileHeadDim(257))
+        XCTAssertEqual(VecCapability.tileHeadDim(257), 512)
+        XCTAssertEqual(VecCapability.tileHeadDim(511), 512)
+        XCTAssertNil(VecCapability.tileHeadDim(513))
+        // D = 300: the dk512 kernels with head_dim 300.
+        let m300 = try dispatches(Case(d: 300))[0]
+        XCTAssertEqual(m300.kernel, "flash_attn_vec_dk512")
+        XCTAssertEqual(try m300.params(0, as: FlashAttnVecParams.self).head_dim, 300)
     }
 
     func testMainAndReduce() throws {
@@ -171,8 +177,8 @@ final class VecDispatcherTests: XCTestCase {
 
     func testValidation() {
         let op = VecDispatcher.op
-        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 300") { _ = try dispatches(Case(d: 300)) }
-        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 0") { _ = try dispatches(Case(d: 0)) }
+        expectFMError(op, contains: "head_dim must be in 1...512 or 576, got 600") { _ = try dispatches(Case(d: 600)) }
+        expectFMError(op, contains: "head_dim must be in 1...512 or 576, got 0") { _ = try dispatches(Case(d: 0)) }
         expectFMError(op, contains: "the q heads (16) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "the k heads must be > 0") { _ = try dispatches(Case(hkv: 0)) }
         var o = VecOptions(scale: 1)

@@ -187,7 +187,7 @@ final class VecSeqDispatcherTests: XCTestCase {
         expectFMError(op, contains: "k batch (3) must equal q batch (2)") {
             _ = try dispatches(Case(), q: HostTensor([2, 8, 128], .f32))
         }
-        expectFMError(op, contains: "head_dim must be in 1...256, 512 or 576, got 300") { _ = try dispatches(Case(d: 300)) }
+        expectFMError(op, contains: "head_dim must be in 1...512 or 576, got 600") { _ = try dispatches(Case(d: 600)) }
         expectFMError(op, contains: "the q heads (8) must be a multiple of the k heads (3)") { _ = try dispatches(Case(hkv: 3)) }
         expectFMError(op, contains: "sinks must have shape [8]") { _ = try dispatches(Case(), sinks: HostTensor([4], .f32)) }
         expectFMError(op, status: FM_ERROR_TYPE, contains: "sinks must be float32") {

@@ -31,16 +31,11 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 12 };
+enum { FM_ABI_VERSION = 13 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
 enum { FM_SHORT_QUERY_ROWS = 8 };
-
-/* fm_route_attention: a bfloat16/float16 head dim above 256 that the prefill
- * kernel lacks (300, ...) is zero-padded to the next one it has (512) from
- * this many query rows; fewer take the general kernel. */
-enum { FM_PAD_MIN_QUERY_ROWS = 32 };
 
 /* FMVecOptions.mask_type. */
 typedef enum FMVecMaskType {
@@ -298,11 +293,9 @@ typedef struct FMRouteCall {
     int32_t causal;
     int32_t sinks;
 } FMRouteCall;
-/* A route: the kernel, the head dim q/k/v are zero-padded to for it (0 =
- * none), and why, as text. */
+/* A route: the kernel and why, as text. */
 typedef struct FMRoute {
-    int32_t kernel;   /* FMRouteKernel */
-    int32_t pad_to;
+    int32_t kernel; /* FMRouteKernel */
     char reason[512];
 } FMRoute;
 
@@ -383,7 +376,7 @@ int fm_supported_head_dims(const char *op, int32_t *out, size_t cap, size_t *cou
 /* Whether op "flash_attn_prefill", "flash_attn_prefill_f32" (its float32 I/O)
  * or "flash_attn_decode" (alias "flash_attn_vec") runs q/k of head dim d with
  * v and the output of dv: *out 1 or 0 (the prefill: equal dims it runs, both
- * in 1...256, or 576 over 512 on bfloat16/float16; the decode: any pair whose
+ * in 1...512, or 576 over 512 on bfloat16/float16; the decode: any pair whose
  * larger dim it runs). */
 int fm_runs_head_dims(const char *op, int32_t d, int32_t dv, int32_t *out, FMError *err);
 /* The largest head dim of op "flash_attn_prefill", "flash_attn_decode" or "sdpa"
