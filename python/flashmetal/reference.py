@@ -28,6 +28,11 @@ def visible(q_len: int, k_len: int, *, causal: bool, q_offset: int = 0,
     return vis
 
 
+def _scale(scale: float | None, d: int) -> float:
+    """The score scale: `scale`, or attention's default 1/sqrt(D) of q's head dim."""
+    return 1.0 / math.sqrt(d) if scale is None else scale
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None,
               causal: bool = False, q_offset: int = 0, mask: np.ndarray | None = None,
               softcap: float = 0.0, window: int | None = None) -> np.ndarray:
@@ -40,8 +45,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | Non
     q, k, v = _f64(q), _f64(k), _f64(v)
     B, H, qL, D = q.shape
     hkv, kL = k.shape[1], k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
+    scale = _scale(scale, D)
     g = H // hkv
     k = np.repeat(k, g, axis=1)
     v = np.repeat(v, g, axis=1)
@@ -190,7 +194,7 @@ def attend_sequence(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float
     q, k, v = _f64(q), _f64(k), _f64(v)
     q_len, heads, d = q.shape
     k_len, kv_heads = k.shape[0], k.shape[1]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = _scale(scale, d)
     g = heads // kv_heads
     kh = np.repeat(k.transpose(1, 0, 2), g, axis=0)  # [H, kL, D]
     vh = np.repeat(v.transpose(1, 0, 2), g, axis=0)
