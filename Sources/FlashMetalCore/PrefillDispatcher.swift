@@ -152,8 +152,7 @@ public enum PrefillDispatcher {
             try b.requireDType([.u8], op: op, name: "blk")
             // Built for q's head dim (as the caller names it) where its tiles are the kernel's, else for the
             // larger of q's and v's, whose tile the kernel runs (q/k of 64 over v of 300: the 512 tile).
-            let qTiles = try? PrefillCapability.geometry(headDim: headDim, op: op)
-            let blkDim = qTiles == (try? PrefillCapability.geometry(headDim: tileDim, op: op)) ? headDim
+            let blkDim = (try? PrefillCapability.geometry(headDim: headDim, op: op)) == geo ? headDim
                 : max(headDim, headDimV)
             if b.shape != [tiles.nq, tiles.nk] {
                 throw FlashMetalError.value(
