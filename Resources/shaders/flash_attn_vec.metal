@@ -65,6 +65,8 @@
 // The workgroups split that union, so when HG covers all L * H / Hkv rows
 // of a kv head (L * H / Hkv <= vec_group_rows) K/V are read once per kv head
 // and the split is the cpu kernel's (the union of the sequence's rows).
+// q, tmp and out rows are (b * L + i) * H + h, or with head_major (b * H +
+// h) * L + i (torch's [B, H, L, D]); the grid's order is the same either way.
 //
 // Head dims that are not a multiple of 32 * VW (80, 96): lane l owns
 // vector i only if l + 32 i < D / VW.
@@ -410,6 +412,7 @@ kernel void flash_attn_vec(
     // strides of K and V. Without vec_seq the call is one sequence of B * Hkv kv heads.
     long b = 0;
     long g = row / gqa;
+    long h = row % long(p.n_heads);  // this row's query head
     const int DR = int(p.head_dim);     // q's and k's head dim, <= D
     const int DV = int(p.head_dim_v);   // v's and the output's, <= D
     long ks[3] = {0, long(p.kv_capacity) * DR, DR};
@@ -419,7 +422,8 @@ kernel void flash_attn_vec(
         qi = (vrow / gqa) % qrows;
         b = bg / long(p.n_kv_heads);
         g = bg % long(p.n_kv_heads);
-        row = (b * qrows + qi) * long(p.n_heads) + g * gqa + vrow % gqa;
+        h = g * gqa + vrow % gqa;
+        row = sp->head_major != 0u ? (b * long(p.n_heads) + h) * qrows + qi : (b * qrows + qi) * long(p.n_heads) + h;
         for (int i = 0; i < 3; i++) {
             ks[i] = sp->K_strides[i];
             vs[i] = sp->V_strides[i];
@@ -439,7 +443,7 @@ kernel void flash_attn_vec(
     if (vec_q_io) vec_row_device<KV, D>(qv, q_io + row * DR, lane, DR);  // the K/V dtype: exact in float32
     if (vec_q_f32) vec_row_device<float, D>(qv, q + row * DR, lane, DR);
     const float scale = p.scale, softcap = p.softcap;
-    const float slope = vec_alibi ? alibi[b * long(p.n_heads) + row % long(p.n_heads)] : 0.0f;
+    const float slope = vec_alibi ? alibi[b * long(p.n_heads) + h] : 0.0f;
 
     // Visible keys of this row: [lo, hi), from the sequence's first key f
     // (cache_leftpad, after the lengths in seqlens_k). The threadgroup walks
@@ -672,7 +676,7 @@ kernel void flash_attn_vec_reduce(
     const VecOut outs = {vec_out_f32 ? out : nullptr, vec_out_f16 ? out_f16 : nullptr,
                          vec_out_bf16 ? out_bf16 : nullptr};
     const long row = tgid.x;
-    const float sink = vec_sinks ? sinks[row % long(ext->n_heads)] : 0.0f;
+    const float sink = vec_sinks ? sinks[(row / (ext->head_rows > 1u ? long(ext->head_rows) : 1L)) % long(ext->n_heads)] : 0.0f;
     device float *lse_out = nullptr;
     if (vec_lse) lse_out = lse;
     const int DR = int(p.head_dim);  // the true head dim, <= D

@@ -27,6 +27,9 @@ public func fm_dispatch_vec_seq(
             throw FlashMetalError.value(op, "cu_seqlens_k_new must be NULL: decode appends k_new [B, n_new, Hkv, D]",
                                         arg: "cu_seqlens_k_new")
         }
+        if o.headMajor && (s?.k_new != nil || s?.cache_batch_idx != nil) {
+            throw FlashMetalError.value(op, "head_major takes neither k_new nor cache_batch_idx: they need flash-attn's [B, cap, Hkv, D] caches", arg: "head_major")
+        }
         // The flash-attn function the caller runs names k, v and lse its own way.
         let kind = publicOp(err).flatMap { AttnOp(name: $0) }
         let (kName, vName) = (kind?.kName ?? "k", kind?.vName ?? "v")
@@ -65,7 +68,8 @@ public func fm_dispatch_vec_seq(
                         return
                     }
                     // Sized from validated shapes; the full validation runs in makeDispatches.
-                    let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName)
+                    let sh = try VecSeqDispatcher.shapes(q: qt, k: kt, v: vt, blockTable: table, kName: kName, vName: vName,
+                                                         headMajor: o.headMajor)
                     try reg.withScratch(op: op, bytes: VecDispatcher.tmpByteCount(rows: sh.rows, headDim: sh.headDimV)) { scratch in
                         try reg.run(append + VecSeqDispatcher.makeDispatches(tensors(scratch), o), op: op)
                     }

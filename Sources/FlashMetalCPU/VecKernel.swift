@@ -113,6 +113,7 @@ final class VecKernel: CPUKernel {
         a.v_strides = sp.V_strides
         a.attention_chunk = Int32(bitPattern: sp.attention_chunk)
         a.window_right = Int64(sp.window_right)
+        a.head_major = Int64(sp.head_major != 0 ? 1 : 0)
         if alibi {
             let slopes = try d.buffer(VecBuffer.alibi)
             let bh = Int(a.batch) * Int(p.n_heads)
@@ -220,7 +221,7 @@ final class VecReduceKernel: CPUKernel {
         let outCode = outDType.rawValue
         let signs: UnsafePointer<UInt8>? = hasSigns
             ? UnsafePointer(try d.buffer(VecReduceBuffer.signs).data.assumingMemoryBound(to: UInt8.self)) : nil
-        var heads: Int64 = 1
+        var (heads, headRows): (Int64, Int64) = (1, 1)
         var sinkPtr: UnsafePointer<Float>? = nil
         var lsePtr: UnsafeMutablePointer<Float>? = nil
         if sinks || lse {
@@ -229,6 +230,10 @@ final class VecReduceKernel: CPUKernel {
                 throw FlashMetalError.internalError("\(name): n_heads \(ext.n_heads) does not divide rows \(rows)")
             }
             heads = Int64(ext.n_heads)
+            headRows = Int64(max(ext.head_rows, 1))
+            if rows % (Int(heads) * Int(headRows)) != 0 {
+                throw FlashMetalError.internalError("\(name): \(heads) heads of \(headRows) rows do not divide rows \(rows)")
+            }
             if sinks {
                 let s = try d.buffer(VecReduceBuffer.sinks)
                 if s.dtype != .f32 || s.byteCount < Int(heads) * 4 {
@@ -246,7 +251,8 @@ final class VecReduceKernel: CPUKernel {
         }
         let fwht = Int32(self.fwht ? 1 : 0)
         pool.forEach(rows, workers: rows * Int(nwg) * Int(dk) < smallWork ? 1 : Int.max) { _, r in
-            fm_cpu_vec_reduce_row(tmp, out, outCode, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, heads)
+            let head = (Int64(r) / headRows) % heads
+            fm_cpu_vec_reduce_row(tmp, out, outCode, Int64(rows), dk, nwg, Int64(r), fwht, signs, sinkPtr, lsePtr, head)
         }
     }
 }

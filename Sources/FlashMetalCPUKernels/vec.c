@@ -79,14 +79,14 @@ static void fwht(float *x, int32_t n) {
 
 void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht_undo, const uint8_t *signs, const float *sinks,
-                           float *lse, int64_t n_heads) {
+                           float *lse, int64_t head) {
     const float *sm = tmp + fm_vec_sm_offset(nrows, nwg, d, row, 0);
     float M = FM_M_INIT;
     for (int32_t w = 0; w < nwg; w++) if (sm[2 * w + 1] > M) M = sm[2 * w + 1];
     /* The sink joins the max, so e^{sink - M} cannot overflow; a row
      * without keys then gets S = 1 from the sink alone and outputs 0. A +inf
      * sink makes S = +inf: every weight below is 0, the row 0, the LSE +inf. */
-    const float sink = sinks ? sinks[row % n_heads] : -INFINITY;
+    const float sink = sinks ? sinks[head] : -INFINITY;
     if (sink > M) M = sink;
     float S = sinks ? fm_sink_term(sink, M) : 0.0f;
     /* A float32 output is the working row itself; a 16-bit one is rounded

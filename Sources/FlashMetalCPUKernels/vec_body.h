@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_pv)(
     }
 }
 
-/* Rows [row0, row0 + NR) (ALiBi slopes at `slopes`, or NULL) over one tile
+/* Rows row0 + r * fm_vec_head_rows, r < NR (ALiBi slopes at `slopes`, or NULL) over one tile
  * of n keys, the first d0 keys before the query; `lead` marks the block that
  * issues the tile's prefetches. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
@@ -292,9 +292,10 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     const float *qr[4];
     float *o[4];
     float f[4];
+    const int64_t hs = fm_vec_head_rows(a);
     for (int r = 0; r < NR; r++) {
-        qr[r] = a->q + (row0 + r) * D;
-        o[r] = a->tmp + ((row0 + r) * nwg + wg) * Dv;
+        qr[r] = a->q + (row0 + r * hs) * D;
+        o[r] = a->tmp + ((row0 + r * hs) * nwg + wg) * Dv;
     }
     const int long_rows = FM_SFX(vec_esz)(dtype) * D >= 512;
     const FM_SFX(VecPrefetch) pf = {lead && long_rows ? vp : NULL, next->nk, next->nv, lead ? next->nn : 0};
@@ -303,7 +304,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_block)(
     FM_SFX(vec_pv)(o, f, sc, vp, &pf, dtype, n, Dv, NR);
 }
 
-/* Every head of a GQA group (rows [row, row + gqa), ALiBi slopes from
+/* Every head of a GQA group (rows row + i * fm_vec_head_rows, i < gqa; ALiBi slopes from
  * `slopes` or NULL) over one tile (its first key d0 before the query), in
  * blocks of 4, 2, 1. */
 static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
@@ -312,7 +313,7 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
     int64_t d0) {
     const int64_t gqa = (int64_t)a->p.n_heads / a->p.n_kv_heads;
     for (int64_t i = 0; i < gqa;) {
-        const int64_t left = gqa - i, row0 = row + i;
+        const int64_t left = gqa - i, row0 = row + i * fm_vec_head_rows(a);
         const float *sl = slopes ? slopes + i : NULL;
         const int ld = lead && i == 0;
         float *sc = scores + i * FM_VT;
@@ -331,7 +332,8 @@ static inline __attribute__((always_inline)) void FM_SFX(vec_tile)(
 
 /* Row of head h of query row qi of sequence b (q, tmp and out). */
 static inline int64_t FM_SFX(vec_row)(const FMVecArgs *a, int64_t b, int64_t qi, int64_t h) {
-    return (b * fm_vec_qrows(a) + qi) * (int64_t)a->p.n_heads + h;
+    const int64_t L = fm_vec_qrows(a), H = a->p.n_heads;
+    return a->head_major ? (b * H + h) * L + qi : (b * L + qi) * H + h;
 }
 
 /* Opens the partials of kv head g of sequence b (its GQA rows of every

@@ -31,6 +31,10 @@ static inline int64_t fm_vec_sm_offset(int64_t nrows, int64_t nwg, int64_t d, in
 /* Query rows per sequence (1 for the decode). */
 static inline int64_t fm_vec_qrows(const FMVecArgs *a) { return a->q_rows > 1 ? a->q_rows : 1; }
 
+/* Rows between one query head's row and the next head's (q, tmp and out):
+ * 1, or L when the rows are head-major ([B, H, L, D]). */
+static inline int64_t fm_vec_head_rows(const FMVecArgs *a) { return a->head_major ? fm_vec_qrows(a) : 1; }
+
 static inline float *fm_vec_sm(const FMVecArgs *a, int64_t row, int64_t wg) {
     return a->tmp + fm_vec_sm_offset(a->batch * fm_vec_qrows(a) * (int64_t)a->p.n_heads, a->p.nwg,
                                      a->p.head_dim_v, row, wg);

@@ -94,14 +94,12 @@ public enum AttentionRouter {
             whyNot.append("\(c.causal ? "causal rows" : "rows with a window") at positions "
                 + "\(c.queryOffset)..\(c.queryOffset + rows - 1) outside the \(c.keys) keys")
         }
-        if dv != d {
-            if !PrefillCapability.runs(io: io, headDim: d, headDimV: dv) {
-                whyNot.append("head dims \(d) (query, key) and \(dv) (value) (prefill runs unequal ones both in "
-                    + "1...\(maxPaddedHeadDim), or 576 over 512 in bfloat16/float16)")
-            }
-        } else if !PrefillCapability.runs(io: io, headDim: d, headDimV: dv) {
+        if !PrefillCapability.runs(io: io, headDim: d, headDimV: dv) {
             let above = PrefillCapability.headDims(io: io).filter { $0 > maxPaddedHeadDim }.map { " or \($0)" }
-            whyNot.append("head dim \(d) (prefill runs 1...\(maxPaddedHeadDim)\(above.joined()))")
+            whyNot.append(dv != d
+                ? "head dims \(d) (query, key) and \(dv) (value) (prefill runs unequal ones both in "
+                    + "1...\(maxPaddedHeadDim), or 576 over 512 in bfloat16/float16)"
+                : "head dim \(d) (prefill runs 1...\(maxPaddedHeadDim)\(above.joined()))")
         }
         if whyNot.isEmpty {
             let extra = c.window != nil ? ", the window in the kernel (no mask; key tiles outside it skipped)" : ""

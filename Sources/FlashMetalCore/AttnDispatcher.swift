@@ -34,6 +34,14 @@ public struct AttnOptions: Sendable {
             throw FlashMetalError.value(op, "attention_chunk must be >= 0 (0 = off), got \(o.attention_chunk)")
         }
         attentionChunk = Int(o.attention_chunk)
+        try Self.requireFlashAttnLayout(o, op: op)
+    }
+
+    /// Serving prefill reads flash-attn's layouts only (head_major is fm_dispatch_vec_seq's).
+    public static func requireFlashAttnLayout(_ o: FMAttnOptions, op: String) throws {
+        if o.head_major != 0 {
+            throw FlashMetalError.value(op, "head_major must be 0 (flash-attn's [B, L, H, D] layouts), got \(o.head_major)", arg: "head_major")
+        }
     }
 
     /// A window bound is set (either side not -1).

@@ -96,6 +96,7 @@ public enum KVCodesAttnDispatcher {
         let (capacity, maxPages) = (cache?.rows ?? rows, cache?.maxPages ?? 0)
         try out(t, shape: q.shape)
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
+        try AttnOptions.requireFlashAttnLayout(o, op: op)
         guard o.causal == 0 || o.causal == 1 else {
             throw FlashMetalError.value(op, "causal must be 0 or 1, got \(o.causal)", arg: "causal")
         }

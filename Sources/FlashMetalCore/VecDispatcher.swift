@@ -296,8 +296,10 @@ public enum VecDispatcher {
 
     /// The serving extension of the plain reduce (FunctionConstantIndex.vecSinks/vecLSE).
     public struct ReduceExt {
-        /// Heads per sequence: row r has head r % heads.
+        /// Heads per sequence: row r has head (r / headRows) % heads.
         public var heads: Int
+        /// Rows between one head's row and the next's: 1, or the query rows L when head-major.
+        public var headRows = 1
         /// float32 [H] sink logits, or nil.
         public var sinks: TensorRef?
         /// float32 [rows] natural-log LSE output, or nil.
@@ -336,7 +338,7 @@ public enum VecDispatcher {
         } else {
             if let e = ext {
                 bindings[VecReduceBuffer.ext] = .bytes(bytesOf(FlashAttnVecReduceExtParams(
-                    n_heads: UInt32(e.heads), _pad: (0, 0, 0))))
+                    n_heads: UInt32(e.heads), head_rows: UInt32(e.headRows), _pad: (0, 0))))
                 if let s = e.sinks { bindings[VecReduceBuffer.sinks] = .buffer(s) }
                 if let l = e.lse {
                     bindings[VecReduceBuffer.lse] = .buffer(l)

@@ -17,6 +17,9 @@ public struct VecSeqOptions: Sendable {
     public var windowRight: Int = -1
     /// Chunked local attention c > 0: the query at t sees keys from floor(t / c) * c; 0 = off.
     public var attentionChunk: Int = 0
+    /// torch's head-major layouts (q/out [B, H, L, D], lse [B, H, L], caches
+    /// [B, Hkv, cap, D] or pages [num_pages, Hkv, page_size, D]) instead of flash-attn's.
+    public var headMajor = false
 
     /// Options with every default but the scale.
     public init(scale: Float) { self.scale = scale }
@@ -37,6 +40,10 @@ public struct VecSeqOptions: Sendable {
             throw FlashMetalError.value(op, "attention_chunk must be >= 0 (0 = off), got \(o.attention_chunk)")
         }
         self.attentionChunk = Int(o.attention_chunk)
+        guard o.head_major == 0 || o.head_major == 1 else {
+            throw FlashMetalError.value(op, "head_major must be 0 or 1, got \(o.head_major)", arg: "head_major")
+        }
+        self.headMajor = o.head_major == 1
     }
 
     /// The decode mask: flash-attn's window_size left w is the sliding window
@@ -119,17 +126,21 @@ public enum VecSeqDispatcher {
     public static let maxQueryRows = Int(FM_SHORT_QUERY_ROWS)
 
     /// Validates shapes (q [B, H, D] or [B, L, H, D] with 1 <= L <= maxQueryRows; k [B, cap, Hkv, D] or paged
-    /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table).
+    /// [num_pages, page_size, Hkv, D] with an int32 [B, max_pages] block table; head-major: q [B, H, L, D],
+    /// k [B, Hkv, cap, D] or [num_pages, Hkv, page_size, D]).
     public static func shapes(q: TensorRef, k: TensorRef, v: TensorRef? = nil, blockTable: TensorRef?,
-                              kName: String = "k", vName: String = "v") throws -> Shapes {
+                              kName: String = "k", vName: String = "v", headMajor: Bool = false) throws -> Shapes {
         try q.requireRank([3, 4], op: op, name: "q")
         try k.requireRank([4], op: op, name: kName)
-        let (batch, heads, d) = (q.shape[0], q.shape[q.rank - 2], q.shape[q.rank - 1])
-        let queryRows = q.rank == 4 ? q.shape[1] : 1
+        // The axes of the query rows and heads of q, and of the keys and kv heads of k.
+        let (qRowAxis, headAxis) = headMajor ? (2, 1) : (1, q.rank - 2)
+        let (keyAxis, kvHeadAxis) = headMajor ? (2, 1) : (1, 2)
+        let (batch, heads, d) = (q.shape[0], q.shape[headAxis], q.shape[q.rank - 1])
+        let queryRows = q.rank == 4 ? q.shape[qRowAxis] : 1
         if queryRows < 1 || queryRows > maxQueryRows {
-            throw FlashMetalError.value(op, "q's query rows (dim 1) must be in 1...\(maxQueryRows), got \(queryRows)", arg: "q")
+            throw FlashMetalError.value(op, "q's query rows (dim \(qRowAxis)) must be in 1...\(maxQueryRows), got \(queryRows)", arg: "q")
         }
-        let (kvHeads, kd) = (k.shape[2], k.shape[3])
+        let (kvHeads, kd) = (k.shape[kvHeadAxis], k.shape[3])
         try Checks.sameDim("head_dim", kd, of: kName, as: d, of: "q", op: op)
         try VecCapability.requireHeadDim(d, op: op)
         var dv = d
@@ -142,10 +153,10 @@ public enum VecSeqDispatcher {
             try VecCapability.tileDim(d, dv: dv, op: op, vName: vName)
         }
         try VecDispatcher.requireHeads(batch: batch, heads: heads, kvHeads: kvHeads, op: op, kName: kName)
-        var (capacity, numPages, pageSize, maxPages) = (k.shape[1], 0, 0, 0)
+        var (capacity, numPages, pageSize, maxPages) = (k.shape[keyAxis], 0, 0, 0)
         if let bt = blockTable {
             try bt.requireRank([2], op: op, name: "block_table")
-            (numPages, pageSize, maxPages) = (k.shape[0], k.shape[1], bt.shape[1])
+            (numPages, pageSize, maxPages) = (k.shape[0], k.shape[keyAxis], bt.shape[1])
             try SequenceTables.requirePageSize(pageSize, op: op, cacheName: kName)
             if numPages == 0 { throw FlashMetalError.value(op, "a paged \(kName) must hold at least one page", arg: kName) }
             let (c, o) = maxPages.multipliedReportingOverflow(by: pageSize)
@@ -173,7 +184,8 @@ public enum VecSeqDispatcher {
     public static func makeDispatches(_ t: VecSeqTensors, _ o: VecSeqOptions) throws -> [Dispatch] {
         try VecDispatcher.requireTypes(q: t.q, k: t.k, v: t.v, out: t.out, tmp: t.tmp, op: op,
                                        kName: t.kName, vName: t.vName)
-        let s = try shapes(q: t.q, k: t.k, v: t.v, blockTable: t.blockTable, kName: t.kName, vName: t.vName)
+        let s = try shapes(q: t.q, k: t.k, v: t.v, blockTable: t.blockTable, kName: t.kName, vName: t.vName,
+                           headMajor: o.headMajor)
         _ = try Checks.valueShapes(v: t.v, t.vName, k: t.k, t.kName, out: t.out, q: t.q, op: op)
         try Checks.scaleAndSoftcap(o.scale, o.softcap, op: op)
         try AttnOptions.requireWindow(left: o.windowLeft, right: o.windowRight, op: op)
@@ -193,9 +205,10 @@ public enum VecSeqDispatcher {
         }
         if let lse = t.lse {
             try lse.requireDType([.f32], op: op, name: t.lseName)
-            let want = t.q.rank == 4 ? [s.batch, s.queryRows, s.heads] : [s.batch, s.heads]
+            let (want, axes) = t.q.rank == 3 ? ([s.batch, s.heads], "[B, H]")
+                : o.headMajor ? ([s.batch, s.heads, s.queryRows], "[B, H, L]") : ([s.batch, s.queryRows, s.heads], "[B, L, H]")
             if lse.shape != want {
-                throw FlashMetalError.value(op, "\(t.lseName) must have shape \(want) (\(t.q.rank == 4 ? "[B, L, H]" : "[B, H]")), got \(lse.shape)", arg: t.lseName)
+                throw FlashMetalError.value(op, "\(t.lseName) must have shape \(want) (\(axes)), got \(lse.shape)", arg: t.lseName)
             }
         }
         for (x, n) in [(t.sinks, "sinks"), (t.lse, t.lseName)] { try x?.requireBytes(op: op, name: n) }
@@ -221,24 +234,31 @@ public enum VecSeqDispatcher {
             mask_type: UInt32(mask.type.rawValue), sliding_window: UInt32(mask.window),
             softcap: o.softcap, nwg: UInt32(VecDispatcher.nwg), head_dim_v: UInt32(s.headDimV), _pad: 0)
         let seq = VecDispatcher.SeqBindings(
-            params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k), V_strides: rowStrides(t.v),
+            params: FlashAttnVecSeqParams(K_strides: rowStrides(t.k, headMajor: o.headMajor),
+                                          V_strides: rowStrides(t.v, headMajor: o.headMajor),
                                           page_size: UInt32(s.pageSize), max_pages: UInt32(s.maxPages),
                                           attention_chunk: UInt32(o.attentionChunk),
                                           key_starts_at: checked?.starts == true ? UInt32(s.batch) : 0,
-                                          q_rows: UInt32(s.queryRows), window_right: o.rightBound),
+                                          q_rows: UInt32(s.queryRows), window_right: o.rightBound,
+                                          head_major: o.headMajor ? 1 : 0, _pad: 0),
             seqlensK: t.seqlensK, blockTable: t.blockTable, alibi: t.alibiSlopes)
         let main = VecDispatcher.mainDispatch(params, rows: s.rows, q: t.q, k: t.k, v: t.v, tmp: t.tmp, seq: seq)
         let ext = t.sinks == nil && t.lse == nil ? nil
-            : VecDispatcher.ReduceExt(heads: s.heads, sinks: t.sinks, lse: t.lse)
+            : VecDispatcher.ReduceExt(heads: s.heads, headRows: o.headMajor ? s.queryRows : 1, sinks: t.sinks, lse: t.lse)
         let reduce = try VecDispatcher.reduceDispatch(tmp: t.tmp, out: t.out, rows: s.rows, headDim: s.headDimV,
                                                       nwg: VecDispatcher.nwg, fwht: false, signs: nil, ext: ext)
         return [main, reduce]
     }
 
     /// (batch or page, kv head, row) element strides of a C-contiguous
-    /// [*, rows, Hkv, D] cache.
-    static func rowStrides(_ t: TensorRef) -> (Int64, Int64, Int64) {
-        let (rows, kvHeads, d) = (Int64(t.shape[1]), Int64(t.shape[2]), Int64(t.shape[3]))
+    /// [*, rows, Hkv, D] cache, or head-major [*, Hkv, rows, D].
+    static func rowStrides(_ t: TensorRef, headMajor: Bool) -> (Int64, Int64, Int64) {
+        let d = Int64(t.shape[3])
+        if headMajor {
+            let (kvHeads, rows) = (Int64(t.shape[1]), Int64(t.shape[2]))
+            return (kvHeads * rows * d, rows * d, d)
+        }
+        let (rows, kvHeads) = (Int64(t.shape[1]), Int64(t.shape[2]))
         return (rows * kvHeads * d, d, kvHeads * d)
     }
 }

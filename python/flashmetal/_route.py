@@ -13,14 +13,19 @@ from . import _native
 from ._arrays import dtype_code
 
 _OP = "scaled_dot_product_attention"
-_KERNELS = {"FM_ROUTE_DECODE": "flash_attn_decode", "FM_ROUTE_PREFILL": "flash_attn_prefill", "FM_ROUTE_SDPA": "sdpa"}
+#: The values of ``Route.kernel``: the public function of each kernel family
+#: the front door runs, and "none" for a call that runs no kernel (an empty
+#: batch, or no keys: zeros).
+DECODE, PREFILL, GENERAL, NONE = "flash_attn_decode", "flash_attn_prefill", "sdpa", "none"
+ROUTES = (DECODE, PREFILL, GENERAL, NONE)
+_KERNELS = {"FM_ROUTE_DECODE": DECODE, "FM_ROUTE_PREFILL": PREFILL, "FM_ROUTE_SDPA": GENERAL}
 
 
 @dataclass(frozen=True)
 class Route:
     """Which kernel ran (or would run) and why: ``kernel`` is one of
-    ``flashmetal.attention.ROUTES`` ("flash_attn_decode", "flash_attn_prefill",
-    "sdpa", "none"), the public function of that kernel."""
+    ``ROUTES`` ("flash_attn_decode", "flash_attn_prefill", "sdpa", "none"),
+    the public function of that kernel."""
     kernel: str
     reason: str
 
@@ -68,4 +73,4 @@ def short_query_runs(dtype: np.dtype, rows: int, d: int, dv: int) -> bool:
     kernel: the router's rule for such a call."""
     if d < 1 or dv < 1:  # a shape the kernel's own checks refuse, naming the call's function
         return False
-    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv).kernel == "flash_attn_decode"
+    return choose(dtype, rows, d, rows, causal=True, q_offset=0, dv=dv).kernel == DECODE

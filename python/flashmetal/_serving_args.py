@@ -60,8 +60,11 @@ def window(op: str, window_size: Any) -> tuple[int, int]:
 
 
 def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, causal: Any, window_size: Any,
-                 attention_chunk: Any = 0, max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> Any:
-    """The FMAttnOptions of a call (the library checks the ranges)."""
+                 attention_chunk: Any = 0, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                 head_major: bool = False) -> Any:
+    """The FMAttnOptions of a call (the library checks the ranges);
+    `head_major`: torch's [B, H, L, D] q/out and [B, Hkv, cap, D] caches
+    (fm_dispatch_vec_seq only)."""
     left, right = window(op, window_size)
     chunk = _native.index_arg(op, "attention_chunk", attention_chunk, 0)
     scale = _native.scale_arg(op, softmax_scale, head_dim, "softmax_scale")
@@ -69,7 +72,8 @@ def attn_options(op: str, *, head_dim: int, softmax_scale: Any, softcap: Any, ca
         raise InvalidValueError(op, f"softmax_scale must be finite, got {softmax_scale!r}", argument="softmax_scale")
     return _native.options("FMAttnOptions", scale=scale, softcap=_native.float32_arg(op, "softcap", softcap),
                            causal=1 if flag(op, "causal", causal) else 0, window_left=left, window_right=right,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=chunk)
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=chunk,
+                           head_major=1 if head_major else 0)
 
 
 def sinks_arg(op: str, sinks: Any) -> np.ndarray | None:

@@ -33,7 +33,8 @@ from ._errors import InvalidTypeError, InvalidValueError
 from ._hints import layout_hint
 from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_arg
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
-from ._route import Route, choose
+from ._route import DECODE, NONE, PREFILL, Route, choose
+from ._route import ROUTES as ROUTES  # the values of Route.kernel, offered here beside last_route
 from .decode import run_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
@@ -41,9 +42,6 @@ from .sdpa import sdpa
 
 _OP = "scaled_dot_product_attention"
 _ALIGNS = ("top_left", "bottom_right")
-#: The kernel families the front door runs (``Route.kernel``); "none" for an
-#: empty batch (B, H or qL of 0) or no keys (kL 0: zeros), which runs no kernel.
-ROUTES = ("flash_attn_decode", "flash_attn_prefill", "sdpa", "none")
 
 
 _last = threading.local()
@@ -225,17 +223,17 @@ def _plan(query: Any, key: Any, value: Any, attn_mask: Any, dropout_p: Any, is_c
     causal = bool(is_causal)
     kl, q_offset = plan.keys, plan.query_offset
     if plan.kind == _native.constant("FM_PLAN_EMPTY"):
-        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), squeeze)
+        return _Call(qa, ka, va, None, causal, 0, kl, Route(NONE, plan.reason), squeeze)
     B, H, qL, D, Dv = plan.batch, plan.heads, plan.query_rows, plan.head_dim, plan.head_dim_v
     ma = None if attn_mask is None else _mask_operand(attn_mask, qa.dtype, (B, H, qL, kl), plan.capacity)
     if plan.kind == _native.constant("FM_PLAN_NO_KEYS"):  # zeros, once the mask is known to broadcast
-        return _Call(qa, ka, va, None, causal, 0, kl, Route("none", plan.reason), squeeze)
+        return _Call(qa, ka, va, None, causal, 0, kl, Route(NONE, plan.reason), squeeze)
     ranges = None
-    if qL == 1 and ma is not None and sk is None and _native.runs_head_dims("flash_attn_decode", D, Dv):
+    if qL == 1 and ma is not None and sk is None and _native.runs_head_dims(DECODE, D, Dv):
         ranges = key_ranges(ma, causal=causal, q_pos=q_offset, window=window)
     route = choose(qa.dtype, qL, D, kl, mask=ma is not None, key_ranges=ranges is not None, causal=causal,
                    q_offset=q_offset, window=window, sinks=sk is not None, dv=Dv)
-    if ranges is not None and route.kernel == "flash_attn_decode":
+    if ranges is not None and route.kernel == DECODE:
         return _Call(qa, ka, va, None, causal, q_offset, kl, route, squeeze, None, ranges)
     return _Call(qa, ka, va, ma, causal, q_offset, kl, route, squeeze, sk)
 
@@ -447,20 +445,20 @@ def scaled_dot_product_attention(
 def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     qa, ka, va, kl = c.q, c.k, c.v, c.kv_len
     kernel = c.route.kernel
-    if kernel == "none":
+    if kernel == NONE:
         return np.zeros(out_shape(qa, va), qa.dtype)
-    if kernel == "flash_attn_decode" and c.key_ranges is not None:
+    if kernel == DECODE and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
-    if kernel == "flash_attn_decode" and qa.shape[2] > 1:
+    if kernel == DECODE and qa.shape[2] > 1:
         return _decode_short(c, scale, softcap, window, reg)
-    if kernel == "flash_attn_decode":
+    if kernel == DECODE:
         qd = qa[:, :, 0, :]  # [B, H, D], C-contiguous (one query row)
         o = np.empty(out_shape(qd, va), dtype=qa.dtype)  # the kernel writes q's dtype itself
         run_decode(reg, _native.public_op(_OP), qd, ka, va, kl, o, scale=scale, causal=c.causal, window=window,
                    softcap=softcap)
         decoded: np.ndarray = o[:, :, None, :]
         return decoded
-    if kernel == "flash_attn_prefill":
+    if kernel == PREFILL:
         # The position matters only to causal and the window, both applied in the kernel.
         q_offset = c.q_offset if c.causal or window is not None else 0
         prefilled: np.ndarray = flash_attn_prefill(qa, ka, va, mask=c.mask, causal=c.causal, q_offset=q_offset,
@@ -478,70 +476,32 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
 
 def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     """qL > 1 query rows at the newest positions (kv_len - qL + i) on the
-    serving decode kernel, without copying K/V: the caches [B, Hkv, cap, D]
-    are B * Hkv pages of one kv head ([B * Hkv, cap, 1, D]) holding kv_len
-    keys. With G = H / Hkv = 1 each page is a sequence of that head's rows,
-    the output the kernel's viewed as [B, H, qL, Dv]. With G > 1 each kv
-    head is a sequence of its G query heads' rows (K/V read once per kv
-    head), the output reordered from the kernel's [B * Hkv, qL, G, Dv];
-    inside a deferring batch scope, where that reorder would run before the
-    work, each query head is a sequence reading its kv head's page through
-    a block table instead, writing [B, H, qL, Dv] in place."""
-    qa = c.q
-    b, h, ql, d = qa.shape
-    hkv, dv = c.k.shape[1], c.v.shape[3]
-    g = h // hkv
-    opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=c.causal,
-                        window_size=(-1 if window is None else window - 1, -1))
-    if g == 1 or reg._work_deferred:
-        q1 = np.ascontiguousarray(qa).reshape(b * h, ql, 1, d)
-        o = np.empty((b, h, ql, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
-        pages = None if g == 1 else (np.arange(b * h, dtype=np.int32) // g).reshape(b * h, 1)
-        _vec_seq_per_kv_head(reg, q1, c.k, c.v, np.full(b * h, c.kv_len, dtype=np.int32),
-                             o.reshape(b * h, ql, 1, dv), opts, pages)
-        return o
-    qg = np.ascontiguousarray(qa.reshape(b * hkv, g, ql, d).transpose(0, 2, 1, 3))
-    og = np.empty((b * hkv, ql, g, dv), dtype=qa.dtype)
-    _vec_seq_per_kv_head(reg, qg, c.k, c.v, np.full(b * hkv, c.kv_len, dtype=np.int32), og, opts)
-    out: np.ndarray = og.reshape(b, hkv, ql, g, dv).transpose(0, 1, 3, 2, 4).reshape(b, h, ql, dv)
-    return out
-
-
-def _vec_seq_per_kv_head(reg: Registry, q: np.ndarray, k: np.ndarray, v: np.ndarray, seqlens_k: np.ndarray,
-                         o: np.ndarray, opts: Any, pages: np.ndarray | None = None) -> None:
-    """The serving decode kernel (fm_dispatch_vec_seq) over the caches
-    [B, Hkv, cap, D] seen as B * Hkv pages of one kv head ([B * Hkv, cap,
-    1, D]: no copy when contiguous), each a sequence of seqlens_k keys, or,
-    with `pages` (int32 [sequences, 1]), the page each sequence reads; q and
-    o (float32 or the caches' dtype) hold each sequence's rows of its query
-    heads."""
-    b, hkv, cap = k.shape[:3]
-    ka, va = np.ascontiguousarray(k), np.ascontiguousarray(v)
-    k4, v4 = ka.reshape(b * hkv, cap, 1, ka.shape[3]), va.reshape(b * hkv, cap, 1, va.shape[3])
-    ffi = _native.ffi()
-    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k, block_table=pages)
-    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q), tensor(ffi, k4), tensor(ffi, v4), seq, ffi.NULL,
-                 tensor(ffi, o), opts, op=_OP, keep=(q, k4, v4, seqlens_k, pages, o, keep))
+    serving decode kernel: each batch row a sequence of kv_len keys."""
+    opts = attn_options(_OP, head_dim=c.q.shape[3], softmax_scale=scale, softcap=softcap, causal=c.causal,
+                        window_size=(-1 if window is None else window - 1, -1), head_major=True)
+    return _decode_in_place(reg, c, np.full(c.q.shape[0], c.kv_len, dtype=np.int32), opts)
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:
     """One query row per (batch row, head) over each batch row's key range
-    [start, end) on the serving decode kernel, without copying K/V: the
-    caches [B, Hkv, cap, D] are B * Hkv sequences of one kv head
-    ([B * Hkv, cap, 1, D]) whose queries are that kv head's G = H / Hkv query
-    heads (adjacent in q), each with its batch row's range."""
-    qa = c.q
+    [start, end) on the serving decode kernel."""
     assert c.key_ranges is not None
-    b, h, _, d = qa.shape
-    hkv, dv = c.k.shape[1], c.v.shape[3]
-    qg = qa.reshape(b * hkv, h // hkv, d)
-    og = np.empty((b * hkv, h // hkv, dv), dtype=qa.dtype)  # the kernel writes q's dtype itself
-    ranges = c.key_ranges
-    if ranges.shape[1] != b:  # a mask broadcast over the batch
-        ranges = np.broadcast_to(ranges, (2, b))
-    table = np.ascontiguousarray(np.repeat(ranges, hkv, axis=1), dtype=np.int32)
-    opts = attn_options(_OP, head_dim=d, softmax_scale=scale, softcap=softcap, causal=False,
-                        window_size=(-1, -1))
-    _vec_seq_per_kv_head(reg, qg, c.k, c.v, table, og, opts)
-    decoded: np.ndarray = og.reshape(b, h, 1, dv)
-    return decoded
+    ranges = np.ascontiguousarray(np.broadcast_to(c.key_ranges, (2, c.q.shape[0])), dtype=np.int32)
+    opts = attn_options(_OP, head_dim=c.q.shape[3], softmax_scale=scale, softcap=softcap, causal=False,
+                        window_size=(-1, -1), head_major=True)
+    return _decode_in_place(reg, c, ranges, opts)
+
+
+def _decode_in_place(reg: Registry, c: _Call, seqlens_k: np.ndarray, opts: Any) -> np.ndarray:
+    """The serving decode kernel (fm_dispatch_vec_seq) reading q [B, H, qL,
+    D] and the caches [B, Hkv, cap, D] as they are (head-major: no copy when
+    contiguous) and writing the output [B, H, qL, Dv] in q's dtype; batch
+    row b is a sequence with seqlens_k[b] keys (int32 [B], or [2, B]: those,
+    then each sequence's first key)."""
+    q, k, v = (np.ascontiguousarray(x) for x in (c.q, c.k, c.v))
+    out = np.empty(out_shape(q, v), dtype=q.dtype)
+    ffi = _native.ffi()
+    seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k)
+    _native.call(reg, "fm_dispatch_vec_seq", tensor(ffi, q), tensor(ffi, k), tensor(ffi, v), seq, ffi.NULL,
+                 tensor(ffi, out), opts, op=_OP, keep=(q, k, v, seqlens_k, out, keep))
+    return out

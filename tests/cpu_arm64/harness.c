@@ -557,7 +557,7 @@ static void run_decode(const DecodeCase *c) {
             }
             for (int64_t r = 0; r < (int64_t)B * H; r++)
                 fm_cpu_vec_reduce_row(tmp, out[2 * run + order], FM_DTYPE_F32, (int64_t)B * H, D, NWG, r, 0, NULL,
-                                      c->sinks ? sinks : NULL, c->lse ? lse[2 * run + order] : NULL, H);
+                                      c->sinks ? sinks : NULL, c->lse ? lse[2 * run + order] : NULL, r % H);
         }
     }
     double worst = 0, worst_lse = 0, *ref = malloc(sizeof(double) * (size_t)D), *s = malloc(sizeof(double) * CAP);

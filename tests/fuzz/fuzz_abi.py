@@ -492,7 +492,22 @@ def gen_vec_seq(rng, backend):
         new = [g["b"], int(rng.integers(1, g["room"] + 1)), g["hkv"], g["d"]]
         t.update(k_new=_tensor(rng, g["dt"], new), v_new=_tensor(rng, g["dt"], new))
         t["k"].role = t["v"].role = "inout"
+    elif "cache_batch_idx" not in t and rng.random() < 0.25:
+        _head_major(case)
     return case
+
+
+def _head_major(case: Case) -> None:
+    """Makes a vec_seq case read torch's head-major layouts (head_major 1):
+    k/v [B, Hkv, cap, D] or pages [num_pages, Hkv, page, D], and a short
+    query's q/out [B, H, L, D] and lse [B, H, L] (the same random bytes
+    viewed with the two axes swapped)."""
+    t = case.tensors
+    names = ["k", "v"] + (["q", "out"] + (["lse"] if "lse" in t else []) if len(t["q"].shape) == 4 else [])
+    for name in names:
+        shape = t[name].shape
+        shape[1], shape[2] = shape[2], shape[1]
+    case.opts["head_major"] = 1
 
 
 def _short_query(rng, case: Case, g: dict, nonfinite: bool) -> None:
@@ -1176,10 +1191,16 @@ def _attn_reference(case: Case) -> tuple[np.ndarray, np.ndarray]:
     if case.op == "vec_seq":
         # q [B, H, D] is one row per sequence, [B, 1, H, D]; q [B, L, H, D] is
         # L rows, row i at seqlens_k[b] - L + i (bottom-right, as flash-attn's
-        # kvcache). lse in the library's layout: [B, H], or [B, L, H].
-        short = q.ndim == 4
+        # kvcache). lse in the library's layout: [B, H], or [B, L, H]. Head-major:
+        # q/out [B, H, L, D], lse [B, H, L], k/v with their axes 1 and 2 swapped.
+        short, head_major = q.ndim == 4, o.get("head_major", 0) == 1
+        if head_major:
+            k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+            q = q.swapaxes(1, 2) if short else q
         out, lse = reference.flash_attn_kvcache(q if short else q[:, None], k, v, cache_seqlens=lens,
                                                 block_table=table, cache_leftpad=starts, **kw)
+        if short and head_major:
+            return out.swapaxes(1, 2), lse
         return (out, lse.transpose(0, 2, 1)) if short else (out[:, 0], lse[..., 0])
     if _seq_present(case, "cu_seqlens_q") and not _seq_present(case, "cu_seqlens_k"):
         return _varlen_q_over_caches(case, q, k, v, table, kw)
@@ -1542,6 +1563,8 @@ def check(case: Case, status: int, msg: str, extra: Any) -> None:
         assert ok, f"lse off by {ratio:.3g}x tolerance: {ctx}"
     if case.op == "vec_seq" and len(case.tensors["q"].shape) == 4:
         case.notes.append("vec_seq q[B,L,H,D] compared" + (" with lse" if _seq_present(case, "lse") else ""))
+    if case.op == "vec_seq" and case.opts.get("head_major") == 1:
+        case.notes.append("vec_seq head-major compared" + (" (paged)" if _seq_present(case, "block_table") else ""))
     if case.op in ("vec_seq", "attn") and _seq_present(case, "k_new"):
         want = _appended(case)[:2]
         for name, w in zip(("k", "v"), want):

@@ -37,19 +37,23 @@ def vec_seq(reg: fm.Registry, q: np.ndarray, k: np.ndarray, v: np.ndarray, *, se
             block_table: np.ndarray | None = None, sinks: np.ndarray | None = None, lse: bool = False,
             causal: bool = True, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
             scale: float | None = None, cu_seqlens: np.ndarray | None = None,
-            lse_out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-    """Serving decode: q float32 [B, H, D] -> (out [B, H, D], lse [B, H] or None)."""
+            lse_out: np.ndarray | None = None, alibi: np.ndarray | None = None,
+            head_major: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    """Serving decode: q [B, H, D] (or [B, L, H, D]; head-major [B, H, L, D])
+    -> (out float32 shaped as q, lse float32 q.shape[:-1] or None)."""
     ffi = _native.ffi()
     out = np.full(q.shape, np.nan, dtype=np.float32)
     if lse and lse_out is None:
-        lse_out = np.full(q.shape[:2], np.nan, dtype=np.float32)
-    keep = [q, k, v, seqlens, block_table, sinks, lse_out, out, cu_seqlens]
-    ts = [tensor(a) for a in (q, k, v, seqlens, block_table, sinks, lse_out, out, cu_seqlens)]
+        lse_out = np.full(q.shape[:-1], np.nan, dtype=np.float32)
+    keep = [q, k, v, seqlens, block_table, sinks, lse_out, out, cu_seqlens, alibi]
+    ts = [tensor(a) for a in (q, k, v, seqlens, block_table, sinks, lse_out, out, cu_seqlens, alibi)]
     seq = ffi.new("FMSeqTensors *")
     seq.seqlens_k, seq.block_table, seq.sinks, seq.lse, seq.cu_seqlens_k = ts[3], ts[4], ts[5], ts[6], ts[8]
+    seq.alibi_slopes = ts[9]
     opts = _native.options(
         "FMAttnOptions", scale=_native.scale_arg(VEC_SEQ_OP, scale, q.shape[-1]), softcap=softcap,
-        causal=int(causal), window_left=window[0], window_right=window[1], max_seqlen_q=0, max_seqlen_k=0)
+        causal=int(causal), window_left=window[0], window_right=window[1], max_seqlen_q=0, max_seqlen_k=0,
+        head_major=head_major)
     _native.call(reg, "fm_dispatch_vec_seq", ts[0], ts[1], ts[2], seq, ffi.NULL, ts[7], opts,
                  op=VEC_SEQ_OP, keep=tuple(keep))
     return out, lse_out

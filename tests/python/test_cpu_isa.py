@@ -152,7 +152,7 @@ SUITES = ["test_prefill.py", "test_sdpa.py", "test_decode.py", "test_cpu_nonfini
           "test_attention_chunk.py", "test_cache_leftpad_batch_idx.py", "test_alibi.py", "test_kv_codes_prefill.py",
           "test_page_sizes.py", "test_kvcache_ragged.py", "test_head_dims.py", "test_prefill_f32.py",
           "test_head_dim_v.py", "test_seqused.py", "test_kv_codec_decode.py", "test_kv_codes_decode_split.py",
-          "test_kv_codes_alibi.py"]
+          "test_kv_codes_alibi.py", "test_decode_head_major.py"]
 # What a path changes, where it changes less than every suite: VBMI only the
 # decode over 8-bit codes.
 SUITES_OF = {"avx512vbmi": ["test_kv_codec_decode.py", "test_kv_codes_decode_split.py", "test_kv_codec_kvcache.py",

@@ -15,7 +15,7 @@ final class KVCodesAttnDispatcherTests: XCTestCase {
 
     func options(causal: Int32 = 1) -> FMAttnOptions {
         FMAttnOptions(scale: 0.125, softcap: 0, causal: causal, window_left: 3, window_right: -1, max_seqlen_q: 0,
-                      max_seqlen_k: 0, attention_chunk: 0)
+                      max_seqlen_k: 0, attention_chunk: 0, head_major: 0)
     }
 
     func testPagedAttentionWithADenseV() throws {

@@ -31,7 +31,7 @@ extern "C" {
 /* The version of this C ABI: bumped on every incompatible change to a struct
  * or an entry point. The Python package checks fm_abi_version() against the
  * value of the header it ships. */
-enum { FM_ABI_VERSION = 13 };
+enum { FM_ABI_VERSION = 14 };
 
 /* The most query rows per sequence of a short query: fm_dispatch_vec_seq's
  * q [B, L, H, D] takes 1 <= L <= FM_SHORT_QUERY_ROWS. */
@@ -193,6 +193,10 @@ typedef struct FMAttnOptions {
     int32_t max_seqlen_q; /* varlen q: >= every sequence's length; else ignored */
     int32_t max_seqlen_k; /* varlen k: >= every sequence's length; else ignored */
     int32_t attention_chunk; /* 0 = off, else > 0: row t sees keys p with p / c == t / c (floor) */
+    int32_t head_major;   /* 0: flash-attn's layouts (q/out [B, L, H, D], caches [B, cap, Hkv, D]);
+                           * 1 (fm_dispatch_vec_seq only): torch's head-major ones (q/out
+                           * [B, H, L, D], lse [B, H, L], caches [B, Hkv, cap, D], pages
+                           * [num_pages, Hkv, page_size, D]), without k_new or cache_batch_idx */
 } FMAttnOptions;
 
 /* The metal-sim runtime's counters (Linux builds), process-wide and only

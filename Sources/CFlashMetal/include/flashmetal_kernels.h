@@ -334,7 +334,7 @@ typedef struct AttnSeqParams {
     int32_t key_starts_at;   /* 0 = every f_b is 0, else B: seqlens_k[B + b] is f_b (with FM_FC_KV_LENS) */
 } AttnSeqParams;
 
-/* Decode with per-sequence caches: vec buffer(5), with FM_FC_VEC_SEQ. 64
+/* Decode with per-sequence caches: vec buffer(5), with FM_FC_VEC_SEQ. 80
  * bytes. Row r = b * n_heads + h of q [B, H, D] reads kv head
  * g = h / (n_heads / n_kv_heads) of sequence b: key p at
  *   PAGED (FM_FC_VEC_PAGED): k + block_table[b*max_pages + p/page_size]*K_strides[0]
@@ -353,7 +353,8 @@ typedef struct AttnSeqParams {
  * to t in place of kv_len_b - 1 (window: t - p < sliding_window; chunk: keys
  * in [s, s + c) with s = f_b + floor((t - f_b) / c) * c, none when t < f_b), keys p > t +
  * window_right are hidden (causal: window_right 0), and ALiBi scores
- * -slope * |t - p|. q, out and tmp rows are r = (b * L + i) * H + h; the
+ * -slope * |t - p|. q, out and tmp rows are r = (b * L + i) * H + h
+ * (head_major: r = (b * H + h) * L + i, q/out [B, H, L, D]); the
  * grid's y runs over rows ordered (b, kv head, i, head within the group), so
  * one threadgroup's SIMD groups share a kv head's K/V reads across i too.
  * page_size: any positive size (not a multiple of 16: a page entry per key).
@@ -371,15 +372,18 @@ typedef struct FlashAttnVecSeqParams {
     uint32_t key_starts_at;   /* 0 = every f_b is 0, else B: seqlens_k[B + b] is f_b */
     uint32_t q_rows;          /* query rows per sequence L (0 or 1: one, the decode) */
     int32_t window_right;     /* keys p <= t + window_right are visible; -1 = unbounded */
+    uint32_t head_major;      /* 0: rows r = (b * L + i) * H + h; 1: r = (b * H + h) * L + i */
+    uint32_t _pad;
 } FlashAttnVecSeqParams;
 
 /* Plain decode reduce with sinks/LSE: reduce buffer(7). 16 bytes. Row r has
- * head r % n_heads. Sinks join the combined denominator once (as prefill);
+ * head (r / head_rows) % n_heads. Sinks join the combined denominator once (as prefill);
  * lse[r] = M + log(S [+ e^{sink - M}]) in natural units, -inf for a row that
  * sees nothing and has no sink. */
 typedef struct FlashAttnVecReduceExtParams {
     uint32_t n_heads;
-    uint32_t _pad[3];
+    uint32_t head_rows; /* rows between one head's and the next's: 1, or L when head-major (0 reads as 1) */
+    uint32_t _pad[2];
 } FlashAttnVecReduceExtParams;
 
 /* kv_append_{f32,f16,bf16}: kv_append buffer(0). 72 bytes. Writes row i of

@@ -173,6 +173,7 @@ typedef struct FMVecArgs {
     int64_t q_rows;             /* query rows L per sequence (0 or 1: one, at kv_len_b - 1); row i
                                    sits at t = kv_len_b - L + i; q/tmp rows are (b * L + i) * H + h */
     int64_t window_right;       /* keys p > t + window_right are hidden (causal: 0); -1 = unbounded */
+    int64_t head_major;         /* 1: q/tmp rows are (b * H + h) * L + i instead */
 } FMVecArgs;
 
 /* The split of keys over workgroups: FM_VEC_CHUNK in flashmetal_kernels.h. */
@@ -203,13 +204,13 @@ enum { FM_VEC_ROUNDED_ROW_MAX = 576 };
  * out_dtype (FMDType: f32, or f16/bf16 rounded to nearest even from the
  * float32 result, d <= FM_VEC_ROUNDED_ROW_MAX). With fwht,
  * applies y = s * (H_D x) / sqrt(D); signs NULL means all +1. sinks (NULL:
- * none) is float32 [n_heads]: row r's sink logit sinks[r % n_heads] joins
- * the denominator once, without a value. lse (NULL: none) receives
+ * none) is float32 [heads]: the row's sink logit sinks[head] joins the
+ * denominator once, without a value. lse (NULL: none) receives
  * log(sum of e^s [+ e^sink]) in natural units, -inf for a row that sees no
  * key and has no sink. */
 void fm_cpu_vec_reduce_row(const float *tmp, void *out, int32_t out_dtype, int64_t nrows, int32_t d, int32_t nwg,
                            int64_t row, int32_t fwht, const uint8_t *signs, const float *sinks,
-                           float *lse, int64_t n_heads);
+                           float *lse, int64_t head);
 /* n elements of dtype (FMDType: f32, f16 or bf16) as float32 (exact). */
 void fm_cpu_widen_to_f32(const void *src, int32_t dtype, int64_t n, float *dst);
 /* n float32 elements into dtype (FMDType: f32, f16 or bf16), each rounded to
