@@ -1,5 +1,5 @@
-// The counted copy of kv_codes_decode.metal (traced loads and stores; see
-// FlashMetalSim/counters.h).
+// The counted copy of kv_codes_decode.metal (traced loads and stores; see FlashMetalSim/counters.h)
+// (written by tools/gen_sim_sources.py; do not edit).
 #include "counted_prelude.h"
 #include "../../Resources/shaders/kv_codec.h"
 namespace fmsim_counted {

@@ -1,5 +1,5 @@
-// The counted copy of sdpa.metal (traced loads and stores; see
-// FlashMetalSim/counters.h).
+// The counted copy of sdpa.metal (traced loads and stores; see FlashMetalSim/counters.h)
+// (written by tools/gen_sim_sources.py; do not edit).
 #include "counted_prelude.h"
 namespace fmsim_counted {
 #include "../../Resources/shaders/sdpa.metal"

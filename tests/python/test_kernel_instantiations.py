@@ -96,3 +96,24 @@ def test_disagreements_name_missing_extra_and_doubled_kernels():
 def test_render_refuses_malformed_blocks(text, message):
     with pytest.raises(ValueError, match=message):
         gen.render(text, TABLE, where="t.metal")
+
+
+_sim_spec = importlib.util.spec_from_file_location("gen_sim_sources", ROOT / "tools" / "gen_sim_sources.py")
+assert _sim_spec and _sim_spec.loader
+gen_sim = importlib.util.module_from_spec(_sim_spec)
+_sim_spec.loader.exec_module(gen_sim)
+
+
+def test_simulator_sources_are_the_generators_output():
+    """Each shader has its sim source and counted copy, as
+    tools/gen_sim_sources.py writes them, and no other source sits beside them."""
+    assert gen_sim.problems() == [], "run `make kernel-instantiations`"
+    assert len(gen_sim.expected()) == 2 * len(FILES)
+
+
+def test_counted_copy_includes_system_header_users_outside_the_namespace():
+    """kv_codec.h includes <stdint.h>: a namespace cannot hold it, so the
+    counted copies of the shaders that include it include it first."""
+    text = gen_sim.counted_source("kv_codes_decode", (gen.SHADERS / "kv_codes_decode.metal").read_text())
+    assert text.index('shaders/kv_codec.h"') < text.index("namespace fmsim_counted {")
+    assert "kv_codec.h" not in gen_sim.counted_source("sdpa", (gen.SHADERS / "sdpa.metal").read_text())

@@ -210,5 +210,52 @@ final class VecSeqDispatcherTests: XCTestCase {
         c.window_left = 0; c.window_right = -1
         let o = try VecSeqOptions(c)
         XCTAssertEqual(o.windowLeft, 0)
+        XCTAssertFalse(o.headMajor)
+        c.head_major = 2
+        expectFMError(VecSeqDispatcher.op, contains: "head_major must be 0 or 1, got 2") { _ = try VecSeqOptions(c) }
+        c.head_major = 1
+        XCTAssertTrue(try VecSeqOptions(c).headMajor)
+        expectFMError("flash_attn_func", contains: "head_major must be 0 (flash-attn's [B, L, H, D] layouts), got 1") {
+            _ = try AttnOptions(c, op: "flash_attn_func")
+        }
+    }
+
+    /// Head-major: q/out [B, H, L, D] and caches [B, Hkv, cap, D] (pages
+    /// [num_pages, Hkv, page_size, D]) give the kernel the head-major row
+    /// order, those caches' strides, and the reduce the rows between heads.
+    func testHeadMajorLayouts() throws {
+        var o = VecSeqOptions(scale: 0.5)
+        o.headMajor = true
+        let (b, h, l, hkv, cap, d) = (2, 8, 3, 2, 40, 64)
+        let q = HostTensor([b, h, l, d], .f32), out = HostTensor([b, h, l, d], .f32)
+        let k = HostTensor([b, hkv, cap, d], .f16), v = HostTensor([b, hkv, cap, d], .f16)
+        let tmp = HostTensor([1], .f32, bytes: VecDispatcher.tmpByteCount(rows: b * h * l, headDim: d))
+        let sinks = HostTensor([h], .f32), lse = HostTensor([b, h, l], .f32)
+        let t = VecSeqTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref, tmp: tmp.ref, sinks: sinks.ref, lse: lse.ref)
+        let ds = try withExtendedLifetime([q, out, k, v, tmp, sinks, lse]) { try VecSeqDispatcher.makeDispatches(t, o) }
+        let sp = try ds[0].params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual([sp.head_major, sp.q_rows], [1, UInt32(l)])
+        let ks = [sp.K_strides.0, sp.K_strides.1, sp.K_strides.2]
+        XCTAssertEqual(ks, [Int64(hkv * cap * d), Int64(cap * d), Int64(d)])
+        let p = try ds[0].params(VecBuffer.params, as: FlashAttnVecParams.self)
+        XCTAssertEqual([p.n_heads, p.n_kv_heads, p.kv_capacity], [UInt32(h), UInt32(hkv), UInt32(cap)])
+        let ext = try ds[1].params(VecReduceBuffer.ext, as: FlashAttnVecReduceExtParams.self)
+        XCTAssertEqual([ext.n_heads, ext.head_rows], [UInt32(h), UInt32(l)])
+
+        // Pages [num_pages, Hkv, page_size, D]: the page stride, then the head's and the row's.
+        let kp = HostTensor([5, hkv, 16, d], .f16), vp = HostTensor([5, hkv, 16, d], .f16)
+        let table = ints([b, 2], [0, 1, 2, 3])
+        let paged = VecSeqTensors(q: q.ref, k: kp.ref, v: vp.ref, out: out.ref, tmp: tmp.ref, blockTable: table.ref)
+        let pd = try withExtendedLifetime([q, out, kp, vp, tmp, table]) { try VecSeqDispatcher.makeDispatches(paged, o) }
+        let psp = try pd[0].params(VecBuffer.seqParams, as: FlashAttnVecSeqParams.self)
+        XCTAssertEqual([psp.K_strides.0, psp.K_strides.1, psp.K_strides.2], [Int64(hkv * 16 * d), Int64(16 * d), Int64(d)])
+        XCTAssertEqual([psp.page_size, psp.max_pages], [16, 2])
+
+        // An LSE in flash-attn's [B, L, H] is refused naming the head-major shape.
+        let seqMajorLSE = HostTensor([b, l, h], .f32)
+        let wrong = VecSeqTensors(q: q.ref, k: k.ref, v: v.ref, out: out.ref, tmp: tmp.ref, lse: seqMajorLSE.ref)
+        expectFMError(VecSeqDispatcher.op, contains: "lse must have shape [2, 8, 3] ([B, H, L])") {
+            _ = try withExtendedLifetime([q, out, k, v, tmp, seqMajorLSE]) { try VecSeqDispatcher.makeDispatches(wrong, o) }
+        }
     }
 }

@@ -1,2 +1,2 @@
-// The prefill shader compiled for the simulator.
+// The flash_attn_prefill shader compiled for the simulator (written by tools/gen_sim_sources.py; do not edit).
 #include "../../../Resources/shaders/flash_attn_prefill.metal"

@@ -1,2 +1,2 @@
-// The quantized-KV codec shader compiled for the simulator.
+// The kv_codec shader compiled for the simulator (written by tools/gen_sim_sources.py; do not edit).
 #include "../../../Resources/shaders/kv_codec.metal"

@@ -1,2 +1,2 @@
-// The split decode over quantized caches compiled for the simulator.
+// The kv_codes_decode shader compiled for the simulator (written by tools/gen_sim_sources.py; do not edit).
 #include "../../../Resources/shaders/kv_codes_decode.metal"

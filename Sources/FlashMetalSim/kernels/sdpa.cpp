@@ -1,2 +1,2 @@
-// The sdpa shader compiled for the simulator.
+// The sdpa shader compiled for the simulator (written by tools/gen_sim_sources.py; do not edit).
 #include "../../../Resources/shaders/sdpa.metal"

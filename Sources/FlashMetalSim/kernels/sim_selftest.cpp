@@ -1,2 +1,2 @@
-// The sim_selftest shader compiled for the simulator.
+// The sim_selftest shader compiled for the simulator (written by tools/gen_sim_sources.py; do not edit).
 #include "../../../Resources/shaders/sim_selftest.metal"
