@@ -21,9 +21,11 @@ def randn(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> 
 
 
 def qkv_of_shapes(rng: np.random.Generator, q_shape: tuple[int, ...], kv_shape: tuple[int, ...],
-                  dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """q of q_shape, then k and v of kv_shape: standard normal values in dtype."""
-    return randn(rng, q_shape, dtype), randn(rng, kv_shape, dtype), randn(rng, kv_shape, dtype)
+                  dtype: np.dtype, *, dv: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q of q_shape, then k of kv_shape and v of kv_shape (with head dim dv
+    when given): standard normal values in dtype."""
+    v_shape = kv_shape if dv is None else tuple(kv_shape[:-1]) + (dv,)
+    return randn(rng, q_shape, dtype), randn(rng, kv_shape, dtype), randn(rng, v_shape, dtype)
 
 
 def qkv(rng: np.random.Generator, dtype: np.dtype, *, b: int = 1, h: int = 2, hkv: int = 2, ql: int = 6,

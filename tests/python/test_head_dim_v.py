@@ -19,7 +19,7 @@ import flashmetal as fm
 from conftest import BACKENDS
 from flashmetal import reference
 from flashmetal._native import constant
-from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, qkv_of_shapes, randn
 from serving_cases import assert_out_lse, cu, paged
 
 SHORT_QUERY_ROWS = constant("FM_SHORT_QUERY_ROWS")  # the most rows of a short query (flashmetal.h)
@@ -30,7 +30,7 @@ PAIRS = [(192, 128), (128, 192), (40, 59), (111, 32), (64, 300), (576, 512)]
 
 def qkv(rng, q_shape, k_shape, dv, dtype):
     """q [.., D], k [.., D] and v of k's shape with head dim dv."""
-    return randn(rng, q_shape, dtype), randn(rng, k_shape, dtype), randn(rng, k_shape[:-1] + (dv,), dtype)
+    return qkv_of_shapes(rng, q_shape, k_shape, dtype, dv=dv)
 
 
 @pytest.mark.parametrize("d,dv", PAIRS)

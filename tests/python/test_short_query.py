@@ -9,7 +9,7 @@ import pytest
 
 import flashmetal as fm
 from flashmetal import _native, reference
-from numerics import BF16, F16, F32, assert_bits_equal, assert_close, randn
+from numerics import BF16, F16, F32, assert_bits_equal, assert_close, qkv_of_shapes, randn
 from serving_native import make_cache
 
 
@@ -27,10 +27,8 @@ def calls(monkeypatch):
 
 
 def _qkv(rng, b, ql, kl, h, hkv, d, dtype, dv=None):
-    q = randn(rng, (b, ql, h, d), dtype)
-    k = randn(rng, (b, kl, hkv, d), dtype)
-    v = randn(rng, (b, kl, hkv, dv or d), dtype)
-    return q, k, v
+    """flash-attn's q [b, ql, h, d] and k/v [b, kl, hkv, d] (v's head dim dv)."""
+    return qkv_of_shapes(rng, (b, ql, h, d), (b, kl, hkv, d), dtype, dv=dv)
 
 
 # (qL, kL, H, Hkv, D, dtype, keywords): causal bottom-right, windows on both
