@@ -456,7 +456,9 @@ int fm_dispatch_attn(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
  * [num_pages, page_size, Hkv, D] (float32, float16 or bfloat16); q and out each
  * float32 or k's dtype (as fm_dispatch_vec); seq: seqlens_k,
  * block_table, sinks, lse ([B, H], or [B, L, H]); cu_seqlens_* and seqused_q must
- * be NULL. tmp as fm_dispatch_vec. */
+ * be NULL. tmp as fm_dispatch_vec. options->head_major reads torch's layouts instead
+ * (q/out [B, H, L, D], lse [B, H, L], k/v [B, Hkv, cap, D] or pages
+ * [num_pages, Hkv, page_size, D]; same bits as the flash-attn layouts). */
 int fm_dispatch_vec_seq(FMRegistry *registry, const FMTensor *q, const FMTensor *k,
                         const FMTensor *v, const FMSeqTensors *seq, const FMTensor *tmp,
                         const FMTensor *out, const FMAttnOptions *options,
