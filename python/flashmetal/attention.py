@@ -35,7 +35,6 @@ from ._serving_args import attn_options, flag, no_dropout, seq_tensors, sinks_ar
 from ._interop import is_torch_tensor, to_numpy, wrapper_like
 from ._route import DECODE, NONE, PREFILL, Route, choose
 from ._route import ROUTES as ROUTES  # the values of Route.kernel, offered here beside last_route
-from .decode import run_decode
 from .prefill import flash_attn_prefill
 from .registry import Registry, RegistryLike, resolve
 from .sdpa import sdpa
@@ -449,15 +448,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
         return np.zeros(out_shape(qa, va), qa.dtype)
     if kernel == DECODE and c.key_ranges is not None:
         return _decode_ranges(c, scale, softcap, reg)
-    if kernel == DECODE and qa.shape[2] > 1:
-        return _decode_short(c, scale, softcap, window, reg)
     if kernel == DECODE:
-        qd = qa[:, :, 0, :]  # [B, H, D], C-contiguous (one query row)
-        o = np.empty(out_shape(qd, va), dtype=qa.dtype)  # the kernel writes q's dtype itself
-        run_decode(reg, _native.public_op(_OP), qd, ka, va, kl, o, scale=scale, causal=c.causal, window=window,
-                   softcap=softcap)
-        decoded: np.ndarray = o[:, :, None, :]
-        return decoded
+        return _decode_newest(c, scale, softcap, window, reg)
     if kernel == PREFILL:
         # The position matters only to causal and the window, both applied in the kernel.
         q_offset = c.q_offset if c.causal or window is not None else 0
@@ -474,8 +466,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
     return general
 
 
-def _decode_short(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
-    """qL > 1 query rows at the newest positions (kv_len - qL + i) on the
+def _decode_newest(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
+    """The qL query rows at the newest positions (kv_len - qL + i) on the
     serving decode kernel: each batch row a sequence of kv_len keys."""
     opts = attn_options(_OP, head_dim=c.q.shape[3], softmax_scale=scale, softcap=softcap, causal=c.causal,
                         window_size=(-1 if window is None else window - 1, -1), head_major=True)

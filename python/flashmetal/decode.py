@@ -103,8 +103,7 @@ def run_decode(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.nd
                softcap: float = 0.0, fwht: bool = False, signs: np.ndarray | None = None) -> None:
     """The decode kernel over arrays already read (q ``[(B,) H, D]``, the
     caches, ``dst`` shaped like the output; q and dst each float32 or the
-    caches' dtype) into dst; the library checks the rest. For flash_attn_decode and the routes that run the
-    decode kernel for another public function (errors name ``op``)."""
+    caches' dtype) into dst; the library checks the rest (errors name ``op``)."""
     mask_type = "FM_VEC_MASK_WINDOW" if window is not None else (
         "FM_VEC_MASK_CAUSAL" if causal else "FM_VEC_MASK_NONE")
     opts = _native.options(
