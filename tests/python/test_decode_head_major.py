@@ -107,3 +107,22 @@ def test_serving_prefill_refuses_head_major(registry):
     with pytest.raises(fm.InvalidValueError, match=r"head_major must be 0 \(flash-attn's \[B, L, H, D\] layouts\), got 1"):
         _native.call(registry, "fm_dispatch_attn", tensor(q), tensor(k), tensor(v), ffi.NULL, tensor(out), opts,
                      op="flash_attn_prefill", keep=(q, k, v, out))
+
+
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (7, 0.0), (None, 3.0)])
+def test_front_door_decode_matches_flash_attn_decode_bits(registry, window, softcap):
+    """The front door's one-row decode (the head-major serving decode over
+    the caches as given) gives flash_attn_decode's bits, and the float64
+    reference's values, with GQA, a cache longer than kv_len, a window and a softcap."""
+    rng = np.random.default_rng(11 + (window or 0))
+    b, h, hkv, cap, kl, d = 2, 8, 2, 40, 29, 64
+    q = randn(rng, (b, h, 1, d), BF16)
+    k, v = randn(rng, (b, hkv, cap, d), BF16), randn(rng, (b, hkv, cap, d), BF16)
+    got = fm.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, window=window, softcap=softcap,
+                                          kv_len=kl, align="bottom_right", registry=registry)
+    assert fm.last_route().kernel == "flash_attn_decode"
+    want = fm.flash_attn_decode(q[:, :, 0], k, v, kl, causal=True, window=window, softcap=softcap, registry=registry)
+    assert_bits_equal(got[:, :, 0], want, f"{registry.backend} window={window} softcap={softcap}")
+    e = reference.attention(q, np.repeat(k[:, :, :kl], 4, axis=1), np.repeat(v[:, :, :kl], 4, axis=1), causal=True,
+                            q_offset=kl - 1, window=window, softcap=softcap)
+    assert_close(got, e, BF16, f"{registry.backend} window={window} softcap={softcap}")
