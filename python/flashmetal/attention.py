@@ -469,9 +469,8 @@ def _run(c: _Call, scale: float | None, softcap: float, window: int | None, reg:
 def _decode_newest(c: _Call, scale: float | None, softcap: float, window: int | None, reg: Registry) -> np.ndarray:
     """The qL query rows at the newest positions (kv_len - qL + i) on the
     serving decode kernel: each batch row a sequence of kv_len keys."""
-    opts = attn_options(_OP, head_dim=c.q.shape[3], softmax_scale=scale, softcap=softcap, causal=c.causal,
-                        window_size=(-1 if window is None else window - 1, -1), head_major=True)
-    return _decode_in_place(reg, c, np.full(c.q.shape[0], c.kv_len, dtype=np.int32), opts)
+    return _decode_in_place(reg, c, np.full(c.q.shape[0], c.kv_len, dtype=np.int32), scale, softcap, c.causal,
+                            -1 if window is None else window - 1)
 
 
 def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry) -> np.ndarray:
@@ -479,18 +478,20 @@ def _decode_ranges(c: _Call, scale: float | None, softcap: float, reg: Registry)
     [start, end) on the serving decode kernel."""
     assert c.key_ranges is not None
     ranges = np.ascontiguousarray(np.broadcast_to(c.key_ranges, (2, c.q.shape[0])), dtype=np.int32)
-    opts = attn_options(_OP, head_dim=c.q.shape[3], softmax_scale=scale, softcap=softcap, causal=False,
-                        window_size=(-1, -1), head_major=True)
-    return _decode_in_place(reg, c, ranges, opts)
+    return _decode_in_place(reg, c, ranges, scale, softcap, False, -1)
 
 
-def _decode_in_place(reg: Registry, c: _Call, seqlens_k: np.ndarray, opts: Any) -> np.ndarray:
+def _decode_in_place(reg: Registry, c: _Call, seqlens_k: np.ndarray, scale: float | None, softcap: float,
+                     causal: bool, window_left: int) -> np.ndarray:
     """The serving decode kernel (fm_dispatch_vec_seq) reading q [B, H, qL,
     D] and the caches [B, Hkv, cap, D] as they are (head-major: no copy when
     contiguous) and writing the output [B, H, qL, Dv] in q's dtype; batch
     row b is a sequence with seqlens_k[b] keys (int32 [B], or [2, B]: those,
-    then each sequence's first key)."""
+    then each sequence's first key), each row seeing keys back to
+    window_left before it (-1: unbounded)."""
     q, k, v = (np.ascontiguousarray(x) for x in (c.q, c.k, c.v))
+    opts = attn_options(_OP, head_dim=q.shape[3], softmax_scale=scale, softcap=softcap, causal=causal,
+                        window_size=(window_left, -1), head_major=True)
     out = np.empty(out_shape(q, v), dtype=q.dtype)
     ffi = _native.ffi()
     seq, keep = seq_tensors(ffi, seqlens_k=seqlens_k)

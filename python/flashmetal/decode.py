@@ -93,14 +93,14 @@ def flash_attn_decode(
         out = dst = np.empty(out_shape(qa, va), dtype=qa.dtype if qa.dtype in io else F32)
     else:
         dst = out_array(out, op)
-    run_decode(reg, op, qa, ka, va, kv_len, dst, scale=scale, causal=causal, window=window, softcap=softcap,
-               fwht=fwht or sa is not None, signs=sa)
+    _run_decode(reg, op, qa, ka, va, kv_len, dst, scale=scale, causal=causal, window=window, softcap=softcap,
+                fwht=fwht or sa is not None, signs=sa)
     return out
 
 
-def run_decode(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, kv_len: Any,
-               dst: np.ndarray, *, scale: float | None = None, causal: bool = False, window: int | None = None,
-               softcap: float = 0.0, fwht: bool = False, signs: np.ndarray | None = None) -> None:
+def _run_decode(reg: Registry, op: str, qa: np.ndarray, ka: np.ndarray, va: np.ndarray, kv_len: Any,
+                dst: np.ndarray, *, scale: float | None = None, causal: bool = False, window: int | None = None,
+                softcap: float = 0.0, fwht: bool = False, signs: np.ndarray | None = None) -> None:
     """The decode kernel over arrays already read (q ``[(B,) H, D]``, the
     caches, ``dst`` shaped like the output; q and dst each float32 or the
     caches' dtype) into dst; the library checks the rest (errors name ``op``)."""
